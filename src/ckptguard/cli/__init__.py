@@ -1,0 +1,26 @@
+"""Command-line interface: `ckptguard ls|verify|diagnose|explain`.
+
+Each group of commands lives in its own module and registers itself on ``app``;
+commands import the heavy parts (torch) lazily so that `diagnose` starts fast.
+"""
+
+from __future__ import annotations
+
+import typer
+
+app = typer.Typer(
+    name="ckptguard",
+    help="Race-free checkpoints for distributed PyTorch: verify them, and diagnose crashed runs.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+
+def _register() -> None:
+    from ckptguard.cli import checkpoint_cmd, diagnose_cmd  # noqa: F401
+
+
+def main() -> None:
+    _register()
+    app()

@@ -1,0 +1,1 @@
+"""`ckptguard ls` and `ckptguard verify` (filled in by the verify work)."""

@@ -1,0 +1,1 @@
+"""`ckptguard diagnose` and `ckptguard explain` (filled in by the diagnose work)."""
