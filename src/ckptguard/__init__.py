@@ -1,6 +1,13 @@
-"""ckptguard: race-free, crash-safe checkpoints for distributed PyTorch."""
+"""ckptguard: race-free, crash-safe checkpoints for distributed PyTorch.
 
-from ckptguard.errors import CheckpointError
+    from ckptguard import Checkpointer
+    ck = Checkpointer("/shared/ckpts", keep_last=3)
+    ck.save(step, {"model": model, "optim": optim})
+    step = ck.load({"model": model, "optim": optim})
+"""
 
-__all__ = ["CheckpointError"]
+from ckptguard.checkpointer import Checkpointer
+from ckptguard.errors import CheckpointError, CorruptCheckpointError
+
+__all__ = ["CheckpointError", "Checkpointer", "CorruptCheckpointError"]
 __version__ = "0.1.0"

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 
 class CheckpointError(RuntimeError):
     """A save, load or verification that cannot proceed safely.
@@ -14,3 +16,15 @@ class CheckpointError(RuntimeError):
         super().__init__(message)
         self.rank = rank
         self.path = path
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Errors travel between ranks pickled; keep rank and path.
+        return (_rebuild, (type(self), str(self), self.rank, self.path))
+
+
+class CorruptCheckpointError(CheckpointError):
+    """A committed checkpoint whose bytes do not match its manifest (bit rot, truncation, deletion)."""
+
+
+def _rebuild(cls: type[CheckpointError], message: str, rank: int | None, path: str | None) -> CheckpointError:
+    return cls(message, rank=rank, path=path)

@@ -1,0 +1,53 @@
+"""Fault injection for crash-consistency tests.
+
+``CKPTGUARD_FAULT="phase:rank[:action]"`` (several separated by commas) makes the
+named rank act at the named phase of the protocol: ``kill`` (SIGKILL itself, the
+default), ``raise`` (an OSError), or ``sleep`` (hang for 3600 s). ``rank`` may be
+``*`` for every rank. The variable is read once; outside tests it is unset and
+each fault point costs one dict lookup.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+PHASES = (
+    "save_start",          # a save begins, before anything is written
+    "before_write",        # staging directory exists, this rank has written nothing
+    "mid_write",           # this rank has written part of its data
+    "after_write",         # this rank's data is written and fsynced, commit not started
+    "before_publish",      # leader: manifest written, staging not yet renamed
+    "after_publish",       # leader: renamed into place, `latest` not yet moved
+    "after_commit",        # every domain published, retention not yet run
+    "mid_load",            # a load has read part of the data
+)
+
+
+def _parse(spec: str) -> dict[tuple[str, str], str]:
+    faults: dict[tuple[str, str], str] = {}
+    for part in filter(None, (p.strip() for p in spec.split(","))):
+        fields = part.split(":")
+        if len(fields) < 2 or fields[0] not in PHASES:
+            raise ValueError(f"CKPTGUARD_FAULT: cannot parse {part!r}; phases are {', '.join(PHASES)}")
+        faults[(fields[0], fields[1])] = fields[2] if len(fields) > 2 else "kill"
+    return faults
+
+
+_FAULTS = _parse(os.environ.get("CKPTGUARD_FAULT", ""))
+
+
+def fault_point(phase: str, rank: int) -> None:
+    """Act out an injected fault for ``phase`` on ``rank``, if one is configured."""
+    if not _FAULTS:
+        return
+    action = _FAULTS.get((phase, str(rank))) or _FAULTS.get((phase, "*"))
+    if action is None:
+        return
+    if action == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    elif action == "raise":
+        raise OSError(f"injected fault at {phase} on rank {rank}")
+    elif action == "sleep":
+        time.sleep(3600)

@@ -1,0 +1,197 @@
+"""Per-rank artifacts (``files=``): a rank's private files or directory, such as offloaded optimizer state.
+
+Each rank's artifacts are stored under that rank's own namespace in the
+checkpoint and restored to the path the rank names on load. Before any byte is
+written, the paths of all ranks are checked to be disjoint: two ranks naming one
+directory is the DeepSpeed ``offloaded_tensors/`` race, and is refused.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from ckptguard import layout
+from ckptguard.checksum import Hasher
+from ckptguard.errors import CheckpointError, CorruptCheckpointError
+from ckptguard.manifest import Artifact, FileEntry, Manifest
+from ckptguard.storage.posix import fsync_dir, unique_tmp_name, write_all
+
+_KEY_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+_CHUNK = 8 << 20
+
+
+@dataclass(frozen=True)
+class ArtifactTarget:
+    """One ``files=`` entry of one rank, as gathered for the disjointness check."""
+
+    rank: int
+    host: str
+    key: str
+    path: str  # absolute, symlinks resolved
+
+
+def normalize(files: Mapping[str, str | os.PathLike[str]] | None, rank: int, host: str,
+              must_exist: bool) -> list[ArtifactTarget]:
+    if not files:
+        return []
+    out = []
+    for key, p in files.items():
+        if not isinstance(key, str) or not _KEY_RE.match(key):
+            raise CheckpointError(f"rank {rank}: files key {key!r} must be 1-128 letters, digits, '.', '_' or '-'",
+                                  rank=rank)
+        path = os.path.realpath(os.fspath(p))
+        if must_exist and not os.path.exists(path):
+            raise CheckpointError(f"rank {rank}: files[{key!r}] = {path} does not exist", rank=rank, path=path)
+        out.append(ArtifactTarget(rank, host, key, path))
+    return out
+
+
+def _nested(a: str, b: str) -> bool:
+    return a == b or a.startswith(b.rstrip("/") + "/") or b.startswith(a.rstrip("/") + "/")
+
+
+def find_collisions(targets: list[ArtifactTarget]) -> tuple[list[tuple[ArtifactTarget, ArtifactTarget]],
+                                                            list[tuple[ArtifactTarget, ArtifactTarget]]]:
+    """Pairs of different ranks whose paths are the same or nested.
+
+    Returns (certain, uncertain): certain collisions are on one host; uncertain
+    ones are on different hosts and collide only if that path is on shared
+    storage, which the caller settles by a probe.
+    """
+    by_path = sorted(targets, key=lambda t: t.path)
+    certain, uncertain = [], []
+    # Sorted by path, nested paths are adjacent runs: compare each with its followers while they nest.
+    for i, a in enumerate(by_path):
+        for b in by_path[i + 1:]:
+            if not _nested(a.path, b.path):
+                if not b.path.startswith(a.path):
+                    break
+                continue
+            if a.rank == b.rank:
+                if a.key != b.key:
+                    certain.append((a, b))
+                continue
+            (certain if a.host == b.host else uncertain).append((a, b))
+    return certain, uncertain
+
+
+def collision_message(a: ArtifactTarget, b: ArtifactTarget) -> str:
+    how = "the same path" if a.path == b.path else "nested paths"
+    return (f"rank {a.rank} (files[{a.key!r}] = {a.path}) and rank {b.rank} (files[{b.key!r}] = {b.path}) "
+            f"name {how}{'' if a.host != b.host else f' on host {a.host}'}: their files would overwrite each "
+            "other on save and on restore. Give each rank its own directory, e.g. .../rank{RANK}; nothing "
+            "was written.")
+
+
+def probe_anchor(path: str) -> str:
+    """The nearest existing directory at or above ``path`` (where a probe marker can be left)."""
+    p = path
+    while not os.path.isdir(p):
+        parent = os.path.dirname(p)
+        if parent == p:
+            break
+        p = parent
+    return p
+
+
+# -- copy in and out ------------------------------------------------------------------------
+
+
+def _copy_hashing(src: str, dst: str, algorithm: str) -> tuple[int, str]:
+    hasher = Hasher(algorithm)
+    size = 0
+    buf = bytearray(_CHUNK)
+    view = memoryview(buf)
+    fin = os.open(src, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        fout = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        try:
+            while True:
+                n = os.readv(fin, [view])
+                if n == 0:
+                    break
+                hasher.update(view[:n])
+                write_all(fout, view[:n])
+                size += n
+            os.fsync(fout)
+        finally:
+            os.close(fout)
+    finally:
+        os.close(fin)
+    return size, hasher.hexdigest()
+
+
+def _walk_files(root: str) -> list[str]:
+    rels = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames.sort()
+        for name in sorted(filenames):
+            full = os.path.join(dirpath, name)
+            if os.path.isfile(full):
+                rels.append(os.path.relpath(full, root).replace(os.sep, "/"))
+    return rels
+
+
+def store(targets: list[ArtifactTarget], staging_dir: str, algorithm: str) -> tuple[list[Artifact], list[FileEntry]]:
+    """Copy this rank's artifacts into the attempt directory, checksumming as we go."""
+    artifacts, entries = [], []
+    for t in targets:
+        prefix = layout.artifact_prefix(t.rank, t.key)
+        if os.path.isdir(t.path):
+            kind, rels = "dir", _walk_files(t.path)
+            sources = [(rel, os.path.join(t.path, rel)) for rel in rels]
+        else:
+            kind, sources = "file", [(os.path.basename(t.path), t.path)]
+        pairs = []
+        made: set[str] = set()
+        for rel, src in sources:
+            stored = f"{prefix}/{rel}"
+            dst = os.path.join(staging_dir, stored)
+            parent = os.path.dirname(dst)
+            if parent not in made:
+                os.makedirs(parent, exist_ok=True)
+                made.add(parent)
+            size, digest = _copy_hashing(src, dst, algorithm)
+            entries.append(FileEntry(stored, size, t.rank, digest))
+            pairs.append((rel, stored))
+        for d in sorted(made, key=len, reverse=True):
+            fsync_dir(d)
+        os.makedirs(os.path.join(staging_dir, prefix), exist_ok=True)
+        artifacts.append(Artifact(t.rank, t.key, kind, tuple(pairs)))
+    return artifacts, entries
+
+
+def restore(targets: list[ArtifactTarget], manifest: Manifest, checkpoint_dir: str) -> None:
+    """Copy this rank's artifacts back to the paths it names, each file replaced atomically and verified."""
+    sums = {f.path: f for f in manifest.files}
+    for t in targets:
+        art = manifest.artifact(t.rank, t.key)
+        if art is None:
+            keys = sorted({a.key for a in manifest.artifacts if a.rank == t.rank})
+            raise CheckpointError(f"rank {t.rank}: the checkpoint holds no artifact {t.key!r} for this rank "
+                                  f"(it has {keys or 'none'})", rank=t.rank)
+        if art.kind == "dir":
+            os.makedirs(t.path, exist_ok=True)
+            dests = [(os.path.join(t.path, rel), stored) for rel, stored in art.files]
+        else:
+            os.makedirs(os.path.dirname(t.path) or ".", exist_ok=True)
+            dests = [(t.path, stored) for _, stored in art.files]
+        for dst, stored in dests:
+            entry = sums[stored]
+            src = os.path.join(checkpoint_dir, stored)
+            os.makedirs(os.path.dirname(dst), exist_ok=True)
+            tmp = unique_tmp_name(dst)
+            try:
+                size, digest = _copy_hashing(src, tmp, manifest.checksum_algorithm)
+            except FileNotFoundError:
+                raise CorruptCheckpointError(f"{src} is missing: the checkpoint is incomplete", path=src) from None
+            if size != entry.size or digest != entry.checksum:
+                os.unlink(tmp)
+                raise CorruptCheckpointError(
+                    f"{src}: {size} bytes with checksum {digest}, the manifest says {entry.size} bytes with "
+                    f"{entry.checksum}. The checkpoint is corrupt.", path=src)
+            os.replace(tmp, dst)
+        fsync_dir(t.path if art.kind == "dir" else os.path.dirname(t.path) or ".")

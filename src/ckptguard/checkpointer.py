@@ -1,0 +1,605 @@
+"""`Checkpointer`: save, load, list, retention, around the commit protocol.
+
+Every public method is collective when a process group is initialised: all
+ranks call it with the same arguments. Each step of the protocol is a local
+action followed by an agreement, so a failure on any rank makes every rank raise
+the same CheckpointError, which names the rank that failed first.
+
+    plan      leaders read their root (lease, existing versions); rank 0 decides
+              the attempt name, the version and checks that no two ranks' paths
+              collide: nothing is written before this is agreed
+    stage     leaders create a fresh attempt directory in .ckptguard/staging
+    write     every rank writes and fsyncs its part (DCP plans, our writer does I/O)
+    commit    rank 0 builds one manifest per storage domain; each leader waits
+              until every file is visible with its size, writes the manifest,
+              renames the attempt into place and fsyncs the parent
+    finish    once every domain has published: `latest` moves, retention and
+              clean-up of leftovers run, by leaders only
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import time
+import uuid
+import warnings
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.storage import WriteResult
+
+from ckptguard import artifacts, layout
+from ckptguard._faults import fault_point
+from ckptguard.artifacts import ArtifactTarget
+from ckptguard.checksum import ALGORITHMS, DEFAULT_ALGORITHM
+from ckptguard.comm import (
+    Comm,
+    Failure,
+    agree,
+    default_comm,
+    describe_error,
+    failure_message,
+    hostname,
+    local_failure,
+    order_failures,
+    raise_failures,
+    with_suffix,
+)
+from ckptguard.dcp_io import (
+    DomainSavePlanner,
+    GuardedReader,
+    GuardedWriter,
+    SafeLoadPlanner,
+    metadata_from_json,
+    metadata_to_json,
+)
+from ckptguard.errors import CheckpointError, CorruptCheckpointError
+from ckptguard.layout import CheckpointName
+from ckptguard.lease import Lease, job_identity, new_holder_id
+from ckptguard.manifest import Artifact, FileEntry, Manifest, StoredItem
+from ckptguard.root import CheckpointRoot
+from ckptguard.state import prepare_state
+from ckptguard.storage.posix import PosixStorage, explain_os_error
+from ckptguard.topology import Topology, host_domains, probe_storage_domains
+
+log = logging.getLogger("ckptguard")
+
+
+@dataclass
+class _SavePlan:
+    step: int
+    name: CheckpointName
+    attempt: str
+    staging: str
+    targets: list[ArtifactTarget]
+    previous: int | None  # newest agreed step before this save, for error messages
+
+
+@dataclass
+class _RankWrites:
+    """What one rank wrote, sent to rank 0 for the manifests."""
+
+    files: list[FileEntry] = field(default_factory=list)
+    artifacts: list[Artifact] = field(default_factory=list)
+
+
+class Checkpointer:
+    """Race-free, crash-safe checkpoints in one root directory.
+
+    ``Checkpointer("/shared/ckpts", keep_last=3)`` works with or without an
+    initialised process group. Constructing it is collective: the ranks probe
+    which of them share the root, and each storage domain's leader takes the
+    root's lease (pass ``read_only=True`` to only load and list).
+    """
+
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        *,
+        keep_last: int | None = None,
+        keep_every: int | None = None,
+        process_group: Any = None,
+        read_only: bool = False,
+        job_id: str | None = None,
+        lease_ttl_s: float = 30.0,
+        lease_wait_s: float | None = None,
+        io_threads: int = 4,
+        checksum: str = DEFAULT_ALGORITHM,
+        visibility_timeout_s: float = 60.0,
+    ) -> None:
+        if keep_last is not None and keep_last < 1:
+            raise ValueError("keep_last must be >= 1 (the newest checkpoint is always kept)")
+        if keep_every is not None and keep_every < 1:
+            raise ValueError("keep_every must be >= 1")
+        if checksum not in ALGORITHMS:
+            raise ValueError(f"checksum must be one of {ALGORITHMS}")
+        self.keep_last = keep_last
+        self.keep_every = keep_every
+        self.read_only = read_only
+        self.io_threads = io_threads
+        self.checksum = checksum
+        self.visibility_timeout_s = visibility_timeout_s
+        self._comm: Comm = default_comm(process_group)
+        self._storage = PosixStorage(os.fspath(root))
+        self._root = CheckpointRoot(self._storage)
+        self._lease: Lease | None = None
+        self._closed = False
+        if read_only:
+            self._topo: Topology = host_domains(self._comm)
+        else:
+            err: BaseException | None = None
+            try:
+                self._storage.makedirs(self._storage.path(layout.CONTROL))
+            except OSError as e:
+                err = explain_os_error(e, self._storage.root, self._comm.rank)
+            agree(self._comm, err, f"create the checkpoint root {self._storage.root}")
+            self._topo = probe_storage_domains(self._comm, self._storage)
+        self._comm.set_domains([list(d) for d in self._topo.domains])
+        if not read_only:
+            holder = self._comm.broadcast(new_holder_id() if self._comm.rank == 0 else None)
+            err = None
+            if self._topo.is_leader:
+                self._lease = Lease(self._storage, holder, job_identity(job_id), lease_ttl_s)
+                try:
+                    self._lease.acquire(lease_wait_s if lease_wait_s is not None else lease_ttl_s * 1.5)
+                except (CheckpointError, OSError) as e:
+                    err = e
+            agree(self._comm, err, f"take the lease on {self._storage.root}")
+        log.debug("ckptguard %s: %s", self._storage.root, self._topo.describe())
+
+    # -- public API ---------------------------------------------------------------------
+    @property
+    def root(self) -> str:
+        return self._storage.root
+
+    @property
+    def topology(self) -> Topology:
+        return self._topo
+
+    def steps(self) -> list[int]:
+        """Committed steps, oldest first, agreed by all ranks (committed in every storage domain)."""
+        return sorted(self._agreed_current())
+
+    def latest(self) -> int | None:
+        steps = self.steps()
+        return steps[-1] if steps else None
+
+    def save(
+        self,
+        step: int,
+        state: Mapping[str, Any],
+        *,
+        files: Mapping[str, str | os.PathLike[str]] | None = None,
+        overwrite: bool = False,
+        metadata: Mapping[str, Any] | None = None,
+    ) -> None:
+        """Save ``state`` as checkpoint ``step``; returns once it is committed on every storage domain."""
+        self._check_usable(writing=True)
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ValueError(f"step must be a non-negative int, got {step!r}")
+        user_metadata = _json_object(metadata)
+        fault_point("save_start", self._comm.rank)
+        prepared = prepare_state(state)
+        plan = self._plan_save(step, files, overwrite)
+        self._stage(plan)
+        writer = self._write(plan, prepared.state_dict)
+        self._commit(plan, writer, user_metadata)
+
+    def load(
+        self,
+        state: Mapping[str, Any],
+        *,
+        step: int | None = None,
+        files: Mapping[str, str | os.PathLike[str]] | None = None,
+        strict: bool = True,
+    ) -> int | None:
+        """Load a committed checkpoint into ``state`` in place; returns its step, or None if there is none.
+
+        With ``step=None`` the newest committed checkpoint is loaded; if it turns
+        out corrupt, older ones are tried, with a warning. Loading at a different
+        world size reshards.
+        """
+        self._check_usable(writing=False)
+        current = self._agreed_current()
+        if step is not None:
+            if step not in current:
+                raise CheckpointError(
+                    f"step {step} is not a committed checkpoint in {self.root}; committed steps: "
+                    f"{sorted(current) or 'none'}")
+            candidates = [step]
+        else:
+            candidates = sorted(current, reverse=True)
+        errors: list[str] = []
+        for s in candidates:
+            try:
+                self._load_one(CheckpointName(s, current[s]), state, files, strict)
+                return s
+            except CorruptCheckpointError as e:
+                if step is not None:
+                    raise
+                errors.append(f"step {s}: {e}")
+                if self._comm.rank == 0:
+                    warnings.warn(f"ckptguard: checkpoint step {s} in {self.root} is corrupt ({e}); "
+                                  "falling back to the previous committed checkpoint", stacklevel=2)
+        if errors:
+            raise CorruptCheckpointError(f"every committed checkpoint in {self.root} is corrupt: " + "; ".join(errors))
+        return None
+
+    def close(self) -> None:
+        """Release the root's lease. The Checkpointer cannot save afterwards."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._lease is not None:
+            self._lease.release()
+
+    def __enter__(self) -> Checkpointer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- agreement on what is committed -------------------------------------------------
+    def _leader_listing(self) -> dict[int, int] | None:
+        if not self._topo.is_leader:
+            return None
+        return {s: n.version for s, n in self._root.current().items()}
+
+    def _agreed_current(self) -> dict[int, int]:
+        """{step: version} committed identically in every storage domain (collective)."""
+        err: BaseException | None = None
+        listing = None
+        try:
+            listing = self._leader_listing()
+        except (OSError, CheckpointError) as e:
+            err = e
+        gathered = self._comm.gather((local_failure(err), listing))
+        decision = None
+        if self._comm.rank == 0:
+            assert gathered is not None
+            failures = order_failures([g[0] for g in gathered])
+            decision = (failures, _intersect([g[1] for g in gathered if g[1] is not None]))
+        failures, agreed = self._comm.broadcast(decision)
+        raise_failures(failures, f"list the checkpoints in {self.root}")
+        return agreed
+
+    # -- save phases ----------------------------------------------------------------------
+    def _plan_save(self, step: int, files: Mapping[str, Any] | None, overwrite: bool) -> _SavePlan:
+        comm, topo = self._comm, self._topo
+        err: BaseException | None = None
+        targets: list[ArtifactTarget] = []
+        leader_view = None
+        try:
+            targets = artifacts.normalize(files, comm.rank, hostname(), must_exist=True)
+            if topo.is_leader:
+                assert self._lease is not None
+                self._lease.check()
+                leader_view = ([n.version for n in self._root.committed() if n.step == step],
+                               self._leader_listing())
+        except (OSError, CheckpointError) as e:
+            err = e
+        gathered = comm.gather((local_failure(err), targets, leader_view))
+        decision = None
+        if comm.rank == 0:
+            assert gathered is not None
+            decision = self._decide_plan(step, overwrite, gathered)
+        error, attempt, version, uncertain, previous = comm.broadcast(decision)
+        if error is not None:
+            raise CheckpointError(error[0], rank=error[1])
+        if uncertain:
+            self._probe_shared_paths(uncertain, attempt)
+        name = CheckpointName(step, version)
+        return _SavePlan(step, name, attempt, self._root.staging_dir(step, attempt), targets, previous)
+
+    def _decide_plan(self, step: int, overwrite: bool, gathered: list[Any]) -> tuple[Any, ...]:
+        """Rank 0: the verdict on a save before anything is written."""
+        failures = order_failures([g[0] for g in gathered])
+        listings = [g[2][1] for g in gathered if g[2] is not None]
+        agreed = _intersect(listings)
+        previous = max(agreed) if agreed else None
+        if failures:
+            f = failures[0]
+            return ((f"rank {f.rank} on {f.host} cannot save step {step}: {f.message}", f.rank),
+                    None, 0, [], previous)
+        versions = [v for g in gathered if g[2] is not None for v in g[2][0]]
+        if step in agreed and not overwrite:
+            return ((f"step {step} is already committed in {self.root} "
+                     f"({CheckpointName(step, agreed[step]).dirname}); committed checkpoints are never "
+                     "modified. Pass overwrite=True to replace it atomically.", None), None, 0, [], previous)
+        all_targets = [t for g in gathered for t in g[1]]
+        certain, uncertain = artifacts.find_collisions(all_targets)
+        if certain:
+            a, b = certain[0]
+            return ((artifacts.collision_message(a, b), a.rank), None, 0, [], previous)
+        version = max(versions) + 1 if versions else 1
+        return (None, uuid.uuid4().hex, version, uncertain, previous)
+
+    def _probe_shared_paths(self, pairs: list[tuple[ArtifactTarget, ArtifactTarget]], nonce: str) -> None:
+        """Same path on different hosts: a collision only if the path is on shared storage. Look."""
+        comm = self._comm
+        markers: list[str] = []
+        err: BaseException | None = None
+        try:
+            for a, _ in pairs:
+                if a.rank == comm.rank:
+                    anchor = artifacts.probe_anchor(a.path)
+                    marker = os.path.join(anchor, f".ckptguard-probe-{nonce}-{a.rank}")
+                    if not os.path.exists(marker):
+                        with open(marker, "x") as f:
+                            f.write(nonce)
+                    markers.append(marker)
+        except OSError as e:
+            err = e
+        agree(comm, err, "leave a probe marker next to its files= path")
+        seen = []
+        for a, b in pairs:
+            if b.rank == comm.rank:
+                marker = os.path.join(artifacts.probe_anchor(a.path), f".ckptguard-probe-{nonce}-{a.rank}")
+                if os.path.exists(marker):
+                    seen.append((a, b))
+        gathered = comm.gather(seen)
+        collisions = comm.broadcast([p for g in gathered for p in g] if gathered is not None else None)
+        for m in markers:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(m)
+        if collisions:
+            a, b = collisions[0]
+            raise CheckpointError(artifacts.collision_message(a, b) + " (the path is on storage both hosts share)",
+                                  rank=a.rank)
+
+    def _stage(self, plan: _SavePlan) -> None:
+        err: BaseException | None = None
+        if self._topo.is_leader:
+            try:
+                self._root.make_staging(plan.step, plan.attempt)
+            except OSError as e:
+                err = explain_os_error(e, plan.staging, self._comm.rank, root=self.root)
+            except CheckpointError as e:
+                err = e
+        agree(self._comm, err, f"create the attempt directory for step {plan.step}", self._intact(plan))
+
+    def _write(self, plan: _SavePlan, state_dict: dict[str, Any]) -> GuardedWriter:
+        rank = self._comm.rank
+
+        def before_write() -> tuple[list[Artifact], list[FileEntry]]:
+            # The leader created the attempt directory; on NFS another node may not see it yet.
+            self._storage.wait_visible(os.path.join(plan.staging, layout.DATA_DIR),
+                                       timeout=self.visibility_timeout_s)
+            try:
+                return artifacts.store(plan.targets, plan.staging, self.checksum)
+            except OSError as e:
+                raise explain_os_error(e, plan.staging, rank, root=self.root) from None
+
+        writer = GuardedWriter(plan.staging, rank, self.checksum, self.io_threads, before_write,
+                               error_root=self.root)
+        planner = DomainSavePlanner([self._topo.domain_of(r) for r in range(self._comm.world_size)])
+        try:
+            with _quiet_dcp():
+                dcp.save(state_dict, storage_writer=writer, planner=planner,
+                         process_group=self._comm.process_group, no_dist=self._comm.process_group is None)
+        except CheckpointException as e:
+            raise self._from_dcp(e, f"write its part of step {plan.step}", self._intact(plan)) from None
+        return writer
+
+    def _commit(self, plan: _SavePlan, writer: GuardedWriter, user_metadata: dict[str, Any]) -> None:
+        comm, topo = self._comm, self._topo
+        arts, art_files = writer.outcome.extra or ([], [])
+        gathered = comm.gather(_RankWrites(writer.outcome.files + art_files, arts))
+        manifests = None
+        if comm.rank == 0:
+            assert gathered is not None and writer.metadata is not None and writer.results is not None
+            built = build_manifests(topo, plan.name, plan.attempt, self.checksum, writer.results, gathered, user_metadata, metadata_to_json(writer.metadata))
+            manifests = [built.get(r) for r in range(comm.world_size)]
+        mine: Manifest | None = comm.scatter(manifests)
+        err: BaseException | None = None
+        listing = None
+        published = False
+        if topo.is_leader:
+            assert mine is not None and self._lease is not None
+            try:
+                self._lease.check()
+                for f in mine.files:
+                    self._storage.wait_visible(os.path.join(plan.staging, f.path), f.size,
+                                               timeout=self.visibility_timeout_s)
+                self._root.write_manifest(plan.staging, mine)
+                fault_point("before_publish", comm.rank)
+                self._root.publish(plan.staging, plan.name)
+                published = True
+                fault_point("after_publish", comm.rank)
+                listing = self._leader_listing()
+            except OSError as e:
+                err = explain_os_error(e, plan.staging, comm.rank, root=self.root)
+            except CheckpointError as e:
+                err = e
+        gathered2 = comm.gather((local_failure(err), listing))
+        decision = None
+        if comm.rank == 0:
+            assert gathered2 is not None
+            failures = order_failures([g[0] for g in gathered2])
+            agreed = _intersect([g[1] for g in gathered2 if g[1] is not None]) if not failures else {}
+            decision = (failures, self._retention(agreed, plan.step))
+        failures, doomed = comm.broadcast(decision)
+        if failures:
+            if published:  # another domain failed: this step is not committed anywhere, roll back
+                try:
+                    self._root.invalidate(self._root.dir(plan.name))
+                except OSError as e:
+                    log.warning("ckptguard: could not roll back %s: %s", self._root.dir(plan.name), e)
+            raise_failures(failures, f"commit step {plan.step}", self._intact(plan))
+        if topo.is_leader:
+            self._finish(plan, doomed)
+
+    def _finish(self, plan: _SavePlan, doomed: list[int]) -> None:
+        """After a commit: move `latest`, apply retention, remove leftovers (best effort, leaders only)."""
+        try:
+            self._root.move_latest(plan.name)
+            fault_point("after_commit", self._comm.rank)
+            current = self._root.committed()
+            for name in current:
+                if name.step in doomed:
+                    self._root.invalidate(self._root.dir(name))
+            garbage = self._root.garbage()
+            for path in garbage.staging + garbage.trash + garbage.probes + garbage.superseded:
+                self._root.invalidate(path)
+        except (OSError, CheckpointError) as e:
+            log.warning("ckptguard: step %d is committed, but cleaning up %s failed: %s", plan.step, self.root, e)
+
+    def _retention(self, agreed: dict[int, int], new_step: int) -> list[int]:
+        """Rank 0: which committed steps to delete now that ``new_step`` is committed everywhere."""
+        steps = sorted(agreed)
+        if self.keep_last is None or new_step not in agreed:
+            keep = set(steps)
+        else:
+            keep = set(steps[-self.keep_last:])
+            if self.keep_every:
+                keep |= {s for s in steps if s % self.keep_every == 0}
+            keep.add(new_step)
+        return [s for s in steps if s not in keep]
+
+    def _intact(self, plan: _SavePlan) -> str:
+        if plan.previous is None:
+            return " Nothing was committed."
+        return f" Nothing was committed; the previous checkpoint, step {plan.previous}, is intact."
+
+    # -- load -----------------------------------------------------------------------------
+    def _load_one(self, name: CheckpointName, state: Mapping[str, Any],
+                  files: Mapping[str, Any] | None, strict: bool) -> None:
+        comm, topo = self._comm, self._topo
+        err: BaseException | None = None
+        manifest: Manifest | None = None
+        if topo.is_leader:
+            try:
+                manifest = self._root.read_manifest(name)
+                self._root.check_files(name, manifest)
+            except (OSError, CheckpointError) as e:
+                err = e
+        agree(comm, err, f"read checkpoint {name.dirname} in {self.root}")
+        manifest = comm.domain_broadcast(manifest, list(topo.domain))
+        assert manifest is not None
+        err = None
+        targets: list[ArtifactTarget] = []
+        try:
+            targets = artifacts.normalize(files, comm.rank, hostname(), must_exist=False)
+            if targets and manifest.world_size != comm.world_size:
+                raise CheckpointError(
+                    f"step {name.step} was saved by {manifest.world_size} ranks and this job has "
+                    f"{comm.world_size}: per-rank files= artifacts cannot be resharded", rank=comm.rank)
+        except CheckpointError as e:
+            err = e
+        gathered = comm.gather((local_failure(err), targets))
+        verdict = None
+        if comm.rank == 0:
+            assert gathered is not None
+            failures = order_failures([g[0] for g in gathered])
+            certain, _ = artifacts.find_collisions([t for g in gathered for t in g[1]])
+            verdict = (failures, artifacts.collision_message(*certain[0]) if certain else None)
+        failures, collision = comm.broadcast(verdict)
+        raise_failures(failures, f"load step {name.step}")
+        if collision:
+            raise CheckpointError(collision.replace("on save and on restore", "on restore"))
+        metadata = metadata_from_json(manifest.dcp, manifest.items)
+        prepared = prepare_state(state)
+        reader = GuardedReader(self._root.dir(name), metadata, manifest.checksum_algorithm, comm.rank,
+                               self.io_threads)
+        try:
+            with _quiet_dcp():
+                dcp.load(prepared.state_dict, storage_reader=reader,
+                         planner=SafeLoadPlanner(allow_partial_load=not strict),
+                         process_group=comm.process_group, no_dist=comm.process_group is None)
+        except CheckpointException as e:
+            raise self._from_dcp(e, f"load step {name.step}") from None
+        err = None
+        try:
+            artifacts.restore(targets, manifest, self._root.dir(name))
+        except OSError as e:
+            err = explain_os_error(e, self._root.dir(name), comm.rank)
+        except CheckpointError as e:
+            err = e
+        agree(comm, err, f"restore its files= artifacts from step {name.step}")
+        prepared.apply()
+
+    # -- helpers ----------------------------------------------------------------------------
+    def _check_usable(self, writing: bool) -> None:
+        if self._closed:
+            raise CheckpointError("this Checkpointer is closed")
+        if writing and self.read_only:
+            raise CheckpointError(f"this Checkpointer on {self.root} was opened read_only=True")
+
+    def _from_dcp(self, e: CheckpointException, what: str, suffix: str = "") -> CheckpointError:
+        failures = []
+        for rank, (exc, _tb) in sorted(e.failures.items()):
+            host = self._topo.hosts[rank] if rank < len(self._topo.hosts) else "?"
+            failures.append(Failure(rank, host, describe_error(exc), isinstance(exc, CorruptCheckpointError), 0.0))
+        # DCP does not record when each rank failed; prefer a rank whose error is its own
+        # over ranks that merely saw the consequences.
+        failures.sort(key=lambda f: (not isinstance(e.failures[f.rank][0], CheckpointError | OSError), f.rank))
+        cls = CorruptCheckpointError if any(f.corrupt for f in failures) else CheckpointError
+        return cls(with_suffix(failure_message(failures, what), suffix), rank=failures[0].rank if failures else None)
+
+
+@contextlib.contextmanager
+def _quiet_dcp() -> Iterator[None]:
+    """DCP warns on every single-process save that it assumes a single process; so do we, on purpose."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
+def _intersect(listings: list[dict[int, int]]) -> dict[int, int]:
+    """Steps committed with the same version in every domain."""
+    if not listings:
+        return {}
+    common = set(listings[0].items())
+    for other in listings[1:]:
+        common &= set(other.items())
+    return dict(common)
+
+
+def _json_object(metadata: Mapping[str, Any] | None) -> dict[str, Any]:
+    if metadata is None:
+        return {}
+    try:
+        text = json.dumps(dict(metadata), allow_nan=False)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"metadata must be JSON-serializable: {e}") from None
+    return json.loads(text)
+
+
+def build_manifests(
+    topo: Topology,
+    name: CheckpointName,
+    attempt: str,
+    algorithm: str,
+    results: list[list[WriteResult]],
+    writes: list[_RankWrites],
+    user_metadata: dict[str, Any],
+    dcp_json: dict[str, Any],
+) -> dict[int, Manifest]:
+    """Rank 0: one manifest per storage domain, keyed by the domain leader's rank.
+
+    Each domain's manifest lists only the files its ranks wrote (replicated
+    tensors were written once per domain), with DCP's metadata shared by all.
+    """
+    now = time.time()
+    out: dict[int, Manifest] = {}
+    for index, domain in enumerate(topo.domains):
+        items: list[StoredItem] = []
+        files: list[FileEntry] = []
+        arts: list[Artifact] = []
+        for r in domain:
+            items.extend(wr.storage_data for wr in results[r])
+            files.extend(writes[r].files)
+            arts.extend(writes[r].artifacts)
+        out[domain[0]] = Manifest(
+            step=name.step, version=name.version, attempt=attempt, created_at=now,
+            world_size=topo.world_size, domain_index=index, domain_count=len(topo.domains),
+            domain_ranks=list(domain), hosts=list(topo.hosts), checksum_algorithm=algorithm,
+            dcp=dcp_json, files=files, items=items, artifacts=arts, user_metadata=user_metadata,
+        )
+    return out

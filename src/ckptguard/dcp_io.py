@@ -1,0 +1,519 @@
+"""The data path: DCP StorageWriter/StorageReader and planners for ckptguard checkpoints.
+
+DCP plans what each rank writes and reads (deduplication, resharding); these
+classes do the I/O. Tensor bytes go from the tensor's memory straight to the
+file with os.write (no serialized copy), several files per rank written by
+several threads, each item checksummed in the same pass. Reads go straight into
+the destination tensor where the stored chunk matches it, and every byte read is
+checked against its checksum. DCP's metadata travels as JSON in our manifest;
+serialized objects are loaded with ``torch.load(weights_only=True)`` only.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint import (
+    DefaultLoadPlanner,
+    DefaultSavePlanner,
+    LoadPlan,
+    LoadPlanner,
+    Metadata,
+    SavePlan,
+    SavePlanner,
+    StorageReader,
+    StorageWriter,
+)
+
+# DCP's own helper for writing a loaded object back into the nested state dict.
+from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    MetadataIndex,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import LoadItemType, ReadItem, WriteItem, WriteItemType
+from torch.distributed.checkpoint.storage import WriteResult
+
+from ckptguard import layout
+from ckptguard._faults import fault_point
+from ckptguard.checksum import checksum
+from ckptguard.errors import CheckpointError, CorruptCheckpointError
+from ckptguard.manifest import FileEntry, StoredItem
+from ckptguard.storage.posix import explain_os_error, fsync_dir, retry_stale, write_all
+
+_DTYPES: dict[str, torch.dtype] = {
+    str(v).removeprefix("torch."): v for v in vars(torch).values() if isinstance(v, torch.dtype)
+}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    try:
+        return _DTYPES[name]
+    except KeyError:
+        raise CheckpointError(f"unknown dtype {name!r} in checkpoint metadata") from None
+
+
+def narrow(t: torch.Tensor, offsets: Sequence[int], sizes: Sequence[int]) -> torch.Tensor:
+    for dim, (o, n) in enumerate(zip(offsets, sizes, strict=True)):
+        if o != 0 or n != t.size(dim):
+            t = t.narrow(dim, o, n)
+    return t
+
+
+def tensor_bytes(t: torch.Tensor) -> tuple[memoryview, torch.Tensor]:
+    """The raw bytes of a tensor without copying where possible (and the tensor that owns them)."""
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    if t.is_conj():
+        t = t.resolve_conj()
+    if t.is_neg():
+        t = t.resolve_neg()
+    if not t.is_contiguous():
+        t = t.contiguous()
+    if t.numel() == 0:
+        return memoryview(b""), t
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy()), t
+
+
+# -- DCP metadata <-> JSON --------------------------------------------------------------
+
+
+def metadata_to_json(md: Metadata) -> dict[str, Any]:
+    sd: dict[str, Any] = {}
+    for fqn, entry in md.state_dict_metadata.items():
+        if isinstance(entry, BytesStorageMetadata):
+            sd[fqn] = {"type": "bytes"}
+        elif isinstance(entry, TensorStorageMetadata):
+            props = entry.properties
+            if props.layout != torch.strided:
+                raise CheckpointError(f"{fqn}: tensors with layout {props.layout} are not supported")
+            sd[fqn] = {
+                "type": "tensor",
+                "dtype": dtype_name(props.dtype),
+                "requires_grad": bool(props.requires_grad),
+                "size": list(entry.size),
+                "chunks": [[list(c.offsets), list(c.sizes)] for c in entry.chunks],
+            }
+        else:
+            raise CheckpointError(f"{fqn}: unsupported DCP storage metadata {type(entry).__name__}")
+    planner_data = md.planner_data if isinstance(md.planner_data, dict) else {}
+    return {
+        "version": md.version,
+        "state_dict": sd,
+        "planner_data": {k: list(v) for k, v in planner_data.items()},
+    }
+
+
+def metadata_from_json(obj: dict[str, Any], items: Sequence[StoredItem]) -> Metadata:
+    try:
+        sd: dict[str, Any] = {}
+        for fqn, e in obj["state_dict"].items():
+            if e["type"] == "bytes":
+                sd[fqn] = BytesStorageMetadata()
+            elif e["type"] == "tensor":
+                sd[fqn] = TensorStorageMetadata(
+                    properties=TensorProperties(dtype=dtype_from_name(e["dtype"]),
+                                                requires_grad=bool(e["requires_grad"])),
+                    size=torch.Size(int(x) for x in e["size"]),
+                    chunks=[ChunkStorageMetadata(offsets=torch.Size(int(x) for x in o),
+                                                 sizes=torch.Size(int(x) for x in s))
+                            for o, s in e["chunks"]],
+                )
+            else:
+                raise ValueError(f"unknown entry type {e['type']!r}")
+        planner_data = {}
+        for k, path in obj["planner_data"].items():
+            if not isinstance(path, list) or not all(isinstance(p, str | int) for p in path):
+                raise ValueError(f"bad planner path for {k!r}")
+            planner_data[str(k)] = tuple(path)
+    except (KeyError, TypeError, ValueError) as e:
+        raise CheckpointError(f"invalid DCP metadata in manifest: {type(e).__name__}: {e}") from None
+    storage = {item_index(i): i for i in items}
+    return Metadata(state_dict_metadata=sd, planner_data=planner_data, storage_data=storage,
+                    version=obj.get("version"))
+
+
+def item_index(item: StoredItem) -> MetadataIndex:
+    return MetadataIndex(item.fqn, torch.Size(item.offsets) if item.offsets is not None else None)
+
+
+# -- planners ---------------------------------------------------------------------------
+
+
+class DomainSavePlanner(DefaultSavePlanner):
+    """DCP's planner, with replicated tensors written once per storage domain, not once per job.
+
+    DCP deduplicates replicated tensors across all ranks, which assumes one
+    shared filesystem. With node-local disks each domain must hold its own copy,
+    or a node could not load the replicated parameters (DDP) from its own disk.
+    """
+
+    def __init__(self, domain_of_rank: Sequence[int]) -> None:
+        super().__init__(dedup_save_to_lowest_rank=False)
+        self.domain_of_rank = list(domain_of_rank)
+
+    def _create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
+        global_plan, metadata = super()._create_global_plan(all_plans)
+        if len(set(self.domain_of_rank)) <= 1:
+            return global_plan, metadata
+        canonical: dict[MetadataIndex, tuple[int, WriteItem]] = {}
+        for rank, plan in enumerate(global_plan):
+            for item in plan.items:
+                canonical[item.index] = (rank, item)
+        extra: dict[int, list[WriteItem]] = defaultdict(list)
+        covered: set[tuple[MetadataIndex, int]] = {(i, self.domain_of_rank[r]) for i, (r, _) in canonical.items()}
+        for rank, plan in enumerate(all_plans):
+            dom = self.domain_of_rank[rank]
+            for item in plan.items:
+                key = (item.index, dom)
+                if key not in covered:
+                    covered.add(key)
+                    extra[rank].append(canonical[item.index][1])
+        global_plan = [replace(p, items=p.items + extra[r]) if extra.get(r) else p
+                       for r, p in enumerate(global_plan)]
+        return global_plan, metadata
+
+
+class SafeLoadPlanner(DefaultLoadPlanner):
+    """DCP's load planner with objects loaded by torch.load(weights_only=True): no code runs on load."""
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        try:
+            obj = torch.load(value, weights_only=True)
+        except Exception as e:
+            raise CheckpointError(
+                f"refusing to load object {read_item.dest_index.fqn!r}: it is not a tensor or plain "
+                f"Python value ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}). "
+                "ckptguard never unpickles arbitrary objects from a checkpoint; register classes you "
+                "trust with torch.serialization.add_safe_globals([...]) or store their state_dict()."
+            ) from None
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
+        else:
+            self.state_dict[read_item.dest_index.fqn] = obj
+
+
+# -- writer -----------------------------------------------------------------------------
+
+
+@dataclass
+class WriteOutcome:
+    """What this rank wrote, for the commit (filled by write_data)."""
+
+    files: list[FileEntry] = field(default_factory=list)
+    extra: Any = None  # what the pre-write hook returned (artifacts)
+
+
+class GuardedWriter(StorageWriter):
+    def __init__(
+        self,
+        staging_dir: str,
+        rank: int,
+        algorithm: str,
+        io_threads: int = 4,
+        before_write: Callable[[], Any] | None = None,
+        error_root: str | None = None,
+    ) -> None:
+        super().__init__()
+        self.error_root = error_root
+        self.staging_dir = staging_dir
+        self.rank = rank
+        self.algorithm = algorithm
+        self.io_threads = max(1, io_threads)
+        self.before_write = before_write
+        self.outcome = WriteOutcome()
+        self.metadata: Metadata | None = None
+        self.results: list[list[WriteResult]] | None = None
+
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        pass
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        self.is_coordinator = is_coordinator
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        return plans
+
+    def storage_meta(self) -> None:
+        return None
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        return False
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> torch.futures.Future[list[WriteResult]]:
+        fault_point("before_write", self.rank)
+        if self.before_write is not None:
+            self.outcome.extra = self.before_write()
+        buffers: list[tuple[WriteItem, memoryview, Any]] = []
+        for item in plan.items:
+            data = planner.resolve_data(item)
+            if item.type == WriteItemType.BYTE_IO:
+                assert isinstance(data, io.BytesIO)
+                buffers.append((item, data.getbuffer(), data))
+            else:
+                assert isinstance(data, torch.Tensor)
+                mv, owner = tensor_bytes(data)
+                buffers.append((item, mv, owner))
+        buckets = _balance(buffers, self.io_threads)
+        results: list[WriteResult] = []
+        files: list[FileEntry] = []
+        total = sum(len(b[1]) for b in buffers)
+        written = [0]
+
+        def write_bucket(index: int, bucket: list[tuple[WriteItem, memoryview, Any]]) -> None:
+            rel = layout.data_file(self.rank, index)
+            path = os.path.join(self.staging_dir, rel)
+            offset = 0
+            out: list[WriteResult] = []
+            fd = retry_stale(lambda: os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644),
+                             "create", path)
+            try:
+                for item, mv, owner in bucket:
+                    digest = checksum(self.algorithm, mv)
+                    write_all(fd, mv)
+                    written[0] += len(mv)
+                    if written[0] * 2 >= total and index == 0:
+                        fault_point("mid_write", self.rank)
+                    out.append(WriteResult(index=item.index, size_in_bytes=len(mv),
+                                           storage_data=_stored(item, owner, rel, offset, len(mv), digest)))
+                    offset += len(mv)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            results.extend(out)
+            files.append(FileEntry(rel, offset, self.rank))
+
+        try:
+            if len(buckets) == 1:
+                write_bucket(0, buckets[0])
+            else:
+                with ThreadPoolExecutor(len(buckets), thread_name_prefix="ckptguard-write") as pool:
+                    for f in [pool.submit(write_bucket, i, b) for i, b in enumerate(buckets)]:
+                        f.result()
+            if buckets:
+                fsync_dir(os.path.join(self.staging_dir, layout.DATA_DIR))
+        except OSError as e:
+            raise explain_os_error(e, self.staging_dir, self.rank, needed_bytes=total, root=self.error_root) from None
+        fault_point("after_write", self.rank)
+        self.outcome.files = sorted(files, key=lambda f: f.path)
+        fut: torch.futures.Future[list[WriteResult]] = torch.futures.Future()
+        fut.set_result(results)
+        return fut
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        # The commit happens after dcp.save returns, in ckptguard's own protocol.
+        self.metadata = metadata
+        self.results = results
+
+
+def _stored(item: WriteItem, owner: Any, rel: str, offset: int, length: int, digest: str) -> StoredItem:
+    offsets = tuple(int(x) for x in item.index.offset) if item.index.offset is not None else None
+    if item.type == WriteItemType.BYTE_IO:
+        return StoredItem(item.index.fqn, offsets, rel, offset, length, digest)
+    assert isinstance(owner, torch.Tensor)
+    return StoredItem(item.index.fqn, offsets, rel, offset, length, digest,
+                      dtype=dtype_name(owner.dtype), shape=tuple(owner.shape))
+
+
+def _balance(buffers: list[tuple[WriteItem, memoryview, Any]], n: int
+             ) -> list[list[tuple[WriteItem, memoryview, Any]]]:
+    """Split items into at most n files of similar size (largest first into the lightest)."""
+    if not buffers:
+        return []
+    n = min(n, len(buffers))
+    buckets: list[list[tuple[WriteItem, memoryview, Any]]] = [[] for _ in range(n)]
+    sizes = [0] * n
+    for b in sorted(buffers, key=lambda b: -len(b[1])):
+        i = sizes.index(min(sizes))
+        buckets[i].append(b)
+        sizes[i] += len(b[1])
+    return [b for b in buckets if b]
+
+
+# -- reader -----------------------------------------------------------------------------
+
+
+class GuardedReader(StorageReader):
+    def __init__(self, checkpoint_dir: str, metadata: Metadata, algorithm: str, rank: int,
+                 io_threads: int = 4) -> None:
+        super().__init__()
+        self.checkpoint_dir = checkpoint_dir
+        self.metadata = metadata
+        self.algorithm = algorithm
+        self.rank = rank
+        self.io_threads = max(1, io_threads)
+        self.storage_data: dict[MetadataIndex, StoredItem] = metadata.storage_data
+
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        pass
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        return self.metadata
+
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        self.is_coordinator = is_coordinator
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        return plans
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        return False
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> torch.futures.Future[None]:
+        by_item: dict[StoredItem, list[ReadItem]] = defaultdict(list)
+        for req in plan.items:
+            stored = self.storage_data.get(req.storage_index)
+            if stored is None:
+                raise CheckpointError(
+                    f"rank {self.rank}: {req.storage_index.fqn} (offset {list(req.storage_index.offset or [])}) "
+                    f"is not stored in {self.checkpoint_dir}. If this checkpoint lives on node-local disks, "
+                    "a rank can only read what its own node wrote: load at the same world size and layout, "
+                    "or copy the checkpoint to shared storage to reshard it."
+                )
+            by_item[stored].append(req)
+        # Resolve destinations on this thread; the planner is not ours to call concurrently.
+        jobs: list[_ReadJob] = []
+        for stored, reqs in by_item.items():
+            if reqs[0].type == LoadItemType.BYTE_IO:
+                jobs.append(_ReadJob(stored, reqs, []))
+            else:
+                jobs.append(_ReadJob(stored, reqs, [planner.resolve_tensor(r).detach() for r in reqs]))
+        by_file: dict[str, list[_ReadJob]] = defaultdict(list)
+        for job in jobs:
+            by_file[job.stored.file].append(job)
+        first = [True]
+
+        def read_file(rel: str, file_jobs: list[_ReadJob]) -> None:
+            path = os.path.join(self.checkpoint_dir, rel)
+            fd = _open_for_read(path)
+            try:
+                for job in sorted(file_jobs, key=lambda j: j.stored.offset):
+                    job.run(fd, path, self.algorithm)
+                    if first[0]:
+                        first[0] = False
+                        fault_point("mid_load", self.rank)
+            finally:
+                os.close(fd)
+
+        files = sorted(by_file.items())
+        if len(files) <= 1 or self.io_threads == 1:
+            for rel, fj in files:
+                read_file(rel, fj)
+        else:
+            with ThreadPoolExecutor(min(self.io_threads, len(files)), thread_name_prefix="ckptguard-read") as pool:
+                for f in [pool.submit(read_file, rel, fj) for rel, fj in files]:
+                    f.result()
+        for job in jobs:
+            for i, req in enumerate(job.reqs):
+                if req.type == LoadItemType.BYTE_IO:
+                    assert job.raw is not None
+                    planner.load_bytes(req, io.BytesIO(job.raw))
+                else:
+                    planner.commit_tensor(req, job.targets[i])
+        fut: torch.futures.Future[None] = torch.futures.Future()
+        fut.set_result(None)
+        return fut
+
+
+def _open_for_read(path: str) -> int:
+    try:
+        return retry_stale(lambda: os.open(path, os.O_RDONLY | os.O_CLOEXEC), "open", path)
+    except FileNotFoundError:
+        raise CorruptCheckpointError(f"{path} is missing: the checkpoint is incomplete", path=path) from None
+
+
+def _pread_into(fd: int, view: memoryview, offset: int, path: str, expect: int) -> None:
+    got = 0
+    while got < len(view):
+        n = os.preadv(fd, [view[got:]], offset + got)
+        if n == 0:
+            size = os.fstat(fd).st_size
+            raise CorruptCheckpointError(
+                f"{path} is truncated: {expect} bytes expected at offset {offset}, "
+                f"the file ends at {size}. The checkpoint is corrupt.",
+                path=path,
+            )
+        got += n
+
+
+@dataclass
+class _ReadJob:
+    stored: StoredItem
+    reqs: list[ReadItem]
+    targets: list[torch.Tensor]
+    raw: bytes | None = None
+
+    def _direct_target(self) -> torch.Tensor | None:
+        """The destination tensor if the stored bytes can be read straight into it."""
+        if len(self.reqs) != 1 or self.stored.shape is None:
+            return None
+        t, req = self.targets[0], self.reqs[0]
+        if (t.device.type != "cpu" or not t.is_contiguous() or dtype_name(t.dtype) != self.stored.dtype
+                or tuple(t.shape) != self.stored.shape or any(req.storage_offsets)
+                or tuple(req.lengths) != self.stored.shape):
+            return None
+        return t
+
+    def run(self, fd: int, path: str, algorithm: str) -> None:
+        s = self.stored
+        if s.shape is None:  # serialized object
+            buf = bytearray(s.length)
+            _pread_into(fd, memoryview(buf), s.offset, path, s.length)
+            self._verify(memoryview(buf), path, algorithm)
+            self.raw = bytes(buf)
+            return
+        direct = self._direct_target()
+        if direct is not None:
+            view, _ = tensor_bytes(direct) if direct.numel() else (memoryview(b""), direct)
+            if len(view) != s.length:
+                raise CheckpointError(f"{path}: {s.fqn} has {s.length} bytes stored, destination needs {len(view)}",
+                                      path=path)
+            _pread_into(fd, view, s.offset, path, s.length)
+            self._verify(view, path, algorithm)
+            return
+        src = torch.empty(s.shape, dtype=dtype_from_name(s.dtype or ""))
+        view, _ = tensor_bytes(src) if src.numel() else (memoryview(b""), src)
+        if len(view) != s.length:
+            raise CheckpointError(f"{path}: {s.fqn} stored length {s.length} does not match its shape {list(s.shape)}",
+                                  path=path)
+        _pread_into(fd, view, s.offset, path, s.length)
+        self._verify(view, path, algorithm)
+        for req, target in zip(self.reqs, self.targets, strict=True):
+            piece = narrow(src, req.storage_offsets, req.lengths)
+            if target.shape != piece.shape:
+                raise CheckpointError(f"{s.fqn}: stored piece {list(piece.shape)} does not fit destination "
+                                      f"{list(target.shape)}")
+            target.copy_(piece)
+
+    def _verify(self, view: memoryview, path: str, algorithm: str) -> None:
+        got = checksum(algorithm, view)
+        if got != self.stored.checksum:
+            s = self.stored
+            raise CorruptCheckpointError(
+                f"checksum mismatch in {path}, bytes {s.offset}..{s.offset + s.length} ({s.fqn}): "
+                f"expected {s.checksum}, read {got}. The checkpoint is corrupt.",
+                path=path,
+            )

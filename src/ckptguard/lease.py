@@ -1,0 +1,223 @@
+"""A lease on a checkpoint root: one job writes to it at a time (fencing).
+
+Two jobs started by mistake on one root would otherwise interleave saves,
+delete each other's checkpoints through retention and move ``latest`` back and
+forth. The lease file names the holder and carries an epoch; the holder renews
+it in the background and checks it before every publish, so a job that lost its
+lease (it stalled past the TTL and another job took over) fails instead of
+publishing.
+
+Takeover without waiting is allowed only when the holder is provably gone: the
+same job identity (a torchrun restart, a SLURM requeue), or the same host and
+boot with a dead pid. Otherwise the newcomer waits for the lease to expire and
+fails with a clear error if the holder keeps renewing it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import threading
+import time
+import uuid
+from dataclasses import asdict, dataclass
+
+from ckptguard import layout
+from ckptguard.comm import hostname
+from ckptguard.errors import CheckpointError
+from ckptguard.storage.posix import PosixStorage
+
+
+def job_identity(explicit: str | None = None) -> str | None:
+    """A name shared by every incarnation of one job, or None if we cannot tell."""
+    if explicit:
+        return explicit
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID", "")
+    if run_id and run_id.lower() not in ("none", "default", ""):
+        return f"torchelastic:{run_id}"
+    if os.environ.get("SLURM_JOB_ID"):
+        return f"slurm:{os.environ['SLURM_JOB_ID']}"
+    return None
+
+
+def _boot_id() -> str:
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+@dataclass
+class LeaseRecord:
+    holder: str  # unique per job incarnation (broadcast from rank 0)
+    job: str | None
+    host: str
+    pid: int
+    boot_id: str
+    epoch: int
+    acquired_at: float
+    renewed_at: float
+    ttl_s: float
+
+    def to_bytes(self) -> bytes:
+        return (json.dumps(asdict(self), sort_keys=True) + "\n").encode()
+
+    @staticmethod
+    def from_bytes(data: bytes) -> LeaseRecord | None:
+        try:
+            d = json.loads(data)
+            return LeaseRecord(**d)
+        except (ValueError, TypeError):
+            return None  # being written, or garbage: treated as expired after the TTL by mtime
+
+    def describe(self) -> str:
+        age = time.time() - self.renewed_at
+        job = f"job {self.job}" if self.job else "a job"
+        return f"{job} on host {self.host} (pid {self.pid}), lease renewed {age:.0f} s ago, TTL {self.ttl_s:.0f} s"
+
+
+class Lease:
+    """The lease on one root, held by this rank on behalf of its job (domain leaders only)."""
+
+    def __init__(self, storage: PosixStorage, holder: str, job: str | None, ttl_s: float) -> None:
+        self.storage = storage
+        self.path = storage.path(layout.LEASE)
+        self.holder = holder
+        self.job = job
+        self.ttl_s = ttl_s
+        self.epoch = 0
+        self._lost: str | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    def _record(self, epoch: int, acquired_at: float | None = None) -> LeaseRecord:
+        now = time.time()
+        return LeaseRecord(self.holder, self.job, hostname(), os.getpid(), _boot_id(), epoch,
+                           acquired_at or now, now, self.ttl_s)
+
+    def read(self) -> LeaseRecord | None:
+        try:
+            return LeaseRecord.from_bytes(self.storage.read_bytes(self.path))
+        except FileNotFoundError:
+            return None
+
+    def _holder_gone(self, rec: LeaseRecord) -> str | None:
+        """Why the current holder can be replaced right now, or None."""
+        if rec.holder == self.holder:
+            return "it is ours"
+        if time.time() - rec.renewed_at > rec.ttl_s:
+            return "it expired"
+        if self.job is not None and rec.job == self.job:
+            return f"it belongs to an earlier incarnation of this job ({self.job})"
+        if rec.host == hostname() and rec.boot_id == _boot_id() and not _pid_alive(rec.pid):
+            return f"its holder, pid {rec.pid} on this host, is dead"
+        return None
+
+    def acquire(self, wait_s: float) -> None:
+        """Take the lease, waiting up to ``wait_s`` for a live holder to let go."""
+        self.storage.makedirs(os.path.dirname(self.path))
+        deadline = time.monotonic() + wait_s
+        while True:
+            if self.storage.create_exclusive(self.path, self._record(1).to_bytes()):
+                self.epoch = 1
+                break
+            rec = self.read()
+            if rec is None:
+                # Unreadable lease: a writer is mid-rename, or the file is garbage. Judge by age.
+                mtime = _mtime(self.path)
+                if mtime is not None and time.time() - mtime > self.ttl_s:
+                    rec = LeaseRecord("?", None, "?", 0, "", 0, mtime, mtime, self.ttl_s)
+            if rec is not None and self._holder_gone(rec) is not None:
+                epoch = rec.epoch + 1
+                self.storage.write_bytes_atomic(self.path, self._record(epoch).to_bytes())
+                time.sleep(0.05)  # let a concurrent taker's write land, then see who won
+                now = self.read()
+                if now is not None and now.holder == self.holder and now.epoch == epoch:
+                    self.epoch = epoch
+                    break
+                continue
+            if time.monotonic() >= deadline:
+                who = rec.describe() if rec is not None else "an unreadable lease file"
+                raise CheckpointError(
+                    f"checkpoint root {self.storage.root} is in use by {who}. Two jobs must not "
+                    f"write to one root. If that job is dead, this one can take over once its lease "
+                    f"expires (after {self.ttl_s:.0f} s without renewal), or delete {self.path} by hand "
+                    "after making sure it is dead.",
+                    path=self.path,
+                )
+            time.sleep(min(1.0, max(0.05, deadline - time.monotonic())))
+        self._start_renewal()
+
+    def _start_renewal(self) -> None:
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._renew_loop, name="ckptguard-lease", daemon=True)
+        self._thread.start()
+
+    def _renew_loop(self) -> None:
+        interval = max(0.2, self.ttl_s / 4)
+        while not self._stop.wait(interval):
+            try:
+                self.renew()
+            except Exception as e:
+                with self._lock:
+                    self._lost = self._lost or f"renewing the lease failed: {e}"
+
+    def renew(self) -> None:
+        with self._lock:
+            if self._lost:
+                return
+            rec = self.read()
+            if rec is None or rec.holder != self.holder or rec.epoch != self.epoch:
+                self._lost = f"another job took over the root: {rec.describe() if rec else 'lease file gone'}"
+                return
+            fresh = self._record(self.epoch, rec.acquired_at)
+            self.storage.write_bytes_atomic(self.path, fresh.to_bytes())
+
+    def check(self) -> None:
+        """Fencing: raise unless this job still holds the lease (called before every publish)."""
+        rec = self.read()
+        with self._lock:
+            if self._lost is None and (rec is None or rec.holder != self.holder or rec.epoch != self.epoch):
+                self._lost = f"another job took over the root: {rec.describe() if rec else 'lease file gone'}"
+            lost = self._lost
+        if lost:
+            raise CheckpointError(
+                f"this job no longer holds the lease on {self.storage.root} ({lost}); refusing to publish "
+                "so that two jobs never write one root.",
+                path=self.path,
+            )
+
+    def release(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+            self._thread = None
+        with self._lock:
+            rec = self.read()
+            if rec is not None and rec.holder == self.holder and rec.epoch == self.epoch:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(self.path)
+
+
+def _mtime(path: str) -> float | None:
+    try:
+        return os.stat(path).st_mtime
+    except FileNotFoundError:
+        return None
+
+
+def new_holder_id() -> str:
+    return uuid.uuid4().hex

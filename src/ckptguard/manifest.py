@@ -1,0 +1,267 @@
+"""The manifest of a committed checkpoint: JSON, strictly parsed, self-checksummed.
+
+It lists every file with its size, every stored item with its place and
+checksum, the per-rank artifacts, the topology and versions, and DCP's metadata
+in JSON form. Loading never unpickles anything from a checkpoint: DCP's own
+``.metadata`` is a plain pickle, so we do not write or read one.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from ckptguard.checksum import ALGORITHMS, checksum
+from ckptguard.errors import CheckpointError, CorruptCheckpointError
+
+FORMAT = "ckptguard-checkpoint"
+FORMAT_VERSION = 1
+
+
+@dataclass(frozen=True)
+class StoredItem:
+    """One DCP storage item (a tensor chunk or a serialized object) inside a data file."""
+
+    fqn: str
+    offsets: tuple[int, ...] | None  # chunk offsets for tensors, None for objects
+    file: str
+    offset: int
+    length: int
+    checksum: str
+    dtype: str | None = None  # tensors only
+    shape: tuple[int, ...] | None = None  # tensors only: the stored chunk's shape
+
+    @property
+    def is_tensor(self) -> bool:
+        return self.dtype is not None
+
+
+@dataclass(frozen=True)
+class FileEntry:
+    """A file of the checkpoint. Data files are covered item by item; artifacts carry their own checksum."""
+
+    path: str
+    size: int
+    rank: int
+    checksum: str | None = None
+
+
+@dataclass(frozen=True)
+class Artifact:
+    """A rank's private file or directory (``files=`` in save), stored under that rank's namespace."""
+
+    rank: int
+    key: str
+    kind: str  # "file" or "dir"
+    files: tuple[tuple[str, str], ...]  # (path relative to the artifact, path in the checkpoint)
+
+
+@dataclass
+class Manifest:
+    step: int
+    version: int
+    attempt: str
+    created_at: float
+    world_size: int
+    domain_index: int
+    domain_count: int
+    domain_ranks: list[int]
+    hosts: list[str]
+    checksum_algorithm: str
+    dcp: dict[str, Any]
+    files: list[FileEntry]
+    items: list[StoredItem]
+    artifacts: list[Artifact] = field(default_factory=list)
+    user_metadata: dict[str, Any] = field(default_factory=dict)
+    versions: dict[str, str] = field(default_factory=dict)
+
+    # -- serialization -------------------------------------------------------------
+    def to_json(self) -> bytes:
+        file_index = {f.path: i for i, f in enumerate(self.files)}
+        body: dict[str, Any] = {
+            "format": FORMAT,
+            "format_version": FORMAT_VERSION,
+            "step": self.step,
+            "version": self.version,
+            "attempt": self.attempt,
+            "created_at": self.created_at,
+            "world_size": self.world_size,
+            "domain": {"index": self.domain_index, "count": self.domain_count, "ranks": self.domain_ranks},
+            "hosts": self.hosts,
+            "checksum_algorithm": self.checksum_algorithm,
+            "versions": self.versions or _versions(),
+            "user_metadata": self.user_metadata,
+            "files": [[f.path, f.size, f.rank, f.checksum] for f in self.files],
+            # Compact rows: [fqn, offsets|null, file index, offset, length, checksum, dtype|null, shape|null]
+            "items": [
+                [i.fqn, list(i.offsets) if i.offsets is not None else None, file_index[i.file],
+                 i.offset, i.length, i.checksum, i.dtype, list(i.shape) if i.shape is not None else None]
+                for i in self.items
+            ],
+            "artifacts": [
+                {"rank": a.rank, "key": a.key, "kind": a.kind, "files": [list(p) for p in a.files]}
+                for a in self.artifacts
+            ],
+            "dcp": self.dcp,
+        }
+        text = json.dumps(body, separators=(",", ":"), sort_keys=True, allow_nan=False)
+        digest = checksum("xxh3-64", text.encode())
+        return f'{{"manifest_checksum":"{digest}","body":{text}}}\n'.encode()
+
+    @staticmethod
+    def from_json(data: bytes, path: str) -> Manifest:
+        try:
+            return _parse(data)
+        except CheckpointError as e:
+            raise CorruptCheckpointError(f"{path}: {e}", path=path) from None
+        except (ValueError, TypeError, KeyError, IndexError, UnicodeDecodeError) as e:
+            raise CorruptCheckpointError(
+                f"{path}: not a valid ckptguard manifest ({type(e).__name__}: {e}). "
+                "The checkpoint is corrupt or was not written by ckptguard.",
+                path=path,
+            ) from None
+
+    # -- queries ---------------------------------------------------------------------
+    @property
+    def total_bytes(self) -> int:
+        return sum(f.size for f in self.files)
+
+    def artifact(self, rank: int, key: str) -> Artifact | None:
+        for a in self.artifacts:
+            if a.rank == rank and a.key == key:
+                return a
+        return None
+
+
+def _versions() -> dict[str, str]:
+    import torch
+
+    from ckptguard import __version__
+
+    return {"ckptguard": __version__, "torch": torch.__version__, "python": platform.python_version()}
+
+
+def _expect(cond: bool, what: str) -> None:
+    if not cond:
+        raise CheckpointError(f"not a valid ckptguard manifest: {what}")
+
+
+def _int(v: Any, what: str, minimum: int = 0) -> int:
+    _expect(isinstance(v, int) and not isinstance(v, bool) and v >= minimum, f"{what} must be an integer >= {minimum}")
+    return int(v)
+
+
+def _str(v: Any, what: str) -> str:
+    _expect(isinstance(v, str), f"{what} must be a string")
+    return str(v)
+
+
+def _ints(v: Any, what: str) -> tuple[int, ...]:
+    _expect(isinstance(v, list), f"{what} must be a list")
+    return tuple(_int(x, what) for x in v)
+
+
+def _relpath(v: Any, what: str) -> str:
+    p = _str(v, what)
+    parts = p.split("/")
+    _expect(bool(p) and not p.startswith("/") and ".." not in parts and "" not in parts and "\\" not in p,
+            f"{what} {p!r} must be a plain relative path inside the checkpoint")
+    return p
+
+
+def _parse(data: bytes) -> Manifest:
+    text = data.decode("utf-8")
+    head = '{"manifest_checksum":"'
+    _expect(text.startswith(head), "missing manifest_checksum")
+    stored = text[len(head): len(head) + 16]
+    body_start = len(head) + 16 + len('","body":')
+    _expect(text[len(head) + 16: body_start] == '","body":', "malformed header")
+    body_text = text[body_start:].rstrip()
+    _expect(body_text.endswith("}"), "truncated")
+    body_text = body_text[:-1]
+    if checksum("xxh3-64", body_text.encode()) != stored:
+        raise CheckpointError("manifest checksum mismatch: the manifest itself is corrupt")
+    b = json.loads(body_text)
+    _expect(isinstance(b, dict), "body must be an object")
+    _expect(b.get("format") == FORMAT, "wrong format tag")
+    _expect(b.get("format_version") == FORMAT_VERSION,
+            f"format_version {b.get('format_version')!r} is not supported by this ckptguard (expects {FORMAT_VERSION}); upgrade ckptguard")
+    algo = _str(b["checksum_algorithm"], "checksum_algorithm")
+    _expect(algo in ALGORITHMS, f"unknown checksum algorithm {algo!r}")
+    files: list[FileEntry] = []
+    for row in b["files"]:
+        _expect(isinstance(row, list) and len(row) == 4, "file rows have 4 fields")
+        files.append(FileEntry(_relpath(row[0], "file path"), _int(row[1], "file size"), _int(row[2], "file rank"),
+                               None if row[3] is None else _str(row[3], "file checksum")))
+    items: list[StoredItem] = []
+    for row in b["items"]:
+        _expect(isinstance(row, list) and len(row) == 8, "item rows have 8 fields")
+        fqn = _str(row[0], "item fqn")
+        fi = _int(row[2], "item file index")
+        _expect(fi < len(files), "item file index out of range")
+        items.append(StoredItem(
+            fqn=fqn,
+            offsets=None if row[1] is None else _ints(row[1], "item offsets"),
+            file=files[fi].path,
+            offset=_int(row[3], "item offset"),
+            length=_int(row[4], "item length"),
+            checksum=_str(row[5], "item checksum"),
+            dtype=None if row[6] is None else _str(row[6], "item dtype"),
+            shape=None if row[7] is None else _ints(row[7], "item shape"),
+        ))
+    artifacts: list[Artifact] = []
+    for a in b["artifacts"]:
+        _expect(isinstance(a, dict), "artifact entries are objects")
+        kind = _str(a["kind"], "artifact kind")
+        _expect(kind in ("file", "dir"), "artifact kind must be file or dir")
+        pairs = []
+        for p in a["files"]:
+            _expect(isinstance(p, list) and len(p) == 2, "artifact file rows have 2 fields")
+            pairs.append((_relpath(p[0], "artifact relative path"), _relpath(p[1], "artifact stored path")))
+        artifacts.append(Artifact(_int(a["rank"], "artifact rank"), _str(a["key"], "artifact key"), kind, tuple(pairs)))
+    dom = b["domain"]
+    _expect(isinstance(dom, dict), "domain must be an object")
+    hosts = b["hosts"]
+    _expect(isinstance(hosts, list) and all(isinstance(h, str) for h in hosts), "hosts must be a list of strings")
+    _expect(isinstance(b["dcp"], dict), "dcp must be an object")
+    _expect(isinstance(b["user_metadata"], dict), "user_metadata must be an object")
+    versions = b["versions"]
+    _expect(isinstance(versions, dict), "versions must be an object")
+    return Manifest(
+        step=_int(b["step"], "step"),
+        version=_int(b["version"], "version", 1),
+        attempt=_str(b["attempt"], "attempt"),
+        created_at=float(b["created_at"]),
+        world_size=_int(b["world_size"], "world_size", 1),
+        domain_index=_int(dom["index"], "domain index"),
+        domain_count=_int(dom["count"], "domain count", 1),
+        domain_ranks=list(_ints(dom["ranks"], "domain ranks")),
+        hosts=list(hosts),
+        checksum_algorithm=algo,
+        dcp=b["dcp"],
+        files=files,
+        items=items,
+        artifacts=artifacts,
+        user_metadata=b["user_metadata"],
+        versions={str(k): str(v) for k, v in versions.items()},
+    )
+
+
+def manifest_summary(m: Manifest) -> dict[str, Any]:
+    """A small JSON-able view for `ckptguard ls`."""
+    return {
+        "step": m.step,
+        "version": m.version,
+        "world_size": m.world_size,
+        "files": len(m.files),
+        "bytes": m.total_bytes,
+        "created_at": m.created_at,
+        "domain": {"index": m.domain_index, "count": m.domain_count},
+        "versions": m.versions,
+        "user_metadata": m.user_metadata,
+    }
+
+
+__all__ = ["Artifact", "FileEntry", "Manifest", "StoredItem", "asdict", "manifest_summary"]

@@ -1,0 +1,156 @@
+"""One checkpoint root as this rank sees it: listing, manifests, staging, the `latest` pointer.
+
+Only domain leaders call the listing and mutating methods (I4: one rank per
+storage domain evaluates every predicate that steers control flow; the others
+follow what it broadcasts).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass
+
+from ckptguard import layout
+from ckptguard.errors import CheckpointError, CorruptCheckpointError
+from ckptguard.layout import CheckpointName
+from ckptguard.manifest import Manifest
+from ckptguard.storage.posix import PosixStorage, fsync_dir
+
+
+@dataclass(frozen=True)
+class Garbage:
+    """Leftovers a crash can leave: attempts never published, checkpoints half-deleted, old probes."""
+
+    staging: list[str]
+    trash: list[str]
+    probes: list[str]
+    superseded: list[str]  # older versions of a step saved again with overwrite=True
+
+
+class CheckpointRoot:
+    def __init__(self, storage: PosixStorage) -> None:
+        self.storage = storage
+
+    @property
+    def path(self) -> str:
+        return self.storage.root
+
+    def dir(self, name: CheckpointName) -> str:
+        return self.storage.path(name.dirname)
+
+    def staging_dir(self, step: int, attempt: str) -> str:
+        return self.storage.path(layout.STAGING, layout.staging_dirname(step, attempt))
+
+    # -- reading ----------------------------------------------------------------------
+    def committed(self) -> list[CheckpointName]:
+        """Every committed checkpoint directory (all versions), oldest first."""
+        names = []
+        for entry in self.storage.listdir(self.path):
+            name = CheckpointName.parse(entry)
+            if name is not None and self.storage.exists(os.path.join(self.path, entry, layout.MANIFEST)):
+                names.append(name)
+        return sorted(names)
+
+    def current(self) -> dict[int, CheckpointName]:
+        """The current version of each committed step."""
+        return layout.newest_versions(self.committed())
+
+    def read_manifest(self, name: CheckpointName) -> Manifest:
+        path = os.path.join(self.dir(name), layout.MANIFEST)
+        try:
+            data = self.storage.read_bytes(path)
+        except FileNotFoundError:
+            raise CorruptCheckpointError(f"{path} is missing", path=path) from None
+        m = Manifest.from_json(data, path)
+        if m.step != name.step or m.version != name.version:
+            raise CorruptCheckpointError(
+                f"{path} describes step {m.step} v{m.version} but sits in {name.dirname}: "
+                "the directory was renamed or copied by hand", path=path)
+        return m
+
+    def check_files(self, name: CheckpointName, manifest: Manifest) -> None:
+        """Every file present with its recorded size (cheap: stat only; checksums are checked on read)."""
+        base = self.dir(name)
+        for f in manifest.files:
+            size = self.storage.size(os.path.join(base, f.path))
+            if size is None:
+                raise CorruptCheckpointError(f"{os.path.join(base, f.path)} is missing: the checkpoint "
+                                             "is incomplete", path=os.path.join(base, f.path))
+            if size != f.size:
+                raise CorruptCheckpointError(f"{os.path.join(base, f.path)} has {size} bytes, the manifest "
+                                             f"says {f.size}: the checkpoint is corrupt",
+                                             path=os.path.join(base, f.path))
+
+    def read_latest(self) -> dict[str, object] | None:
+        try:
+            data = json.loads(self.storage.read_bytes(self.storage.path(layout.LATEST)))
+        except (FileNotFoundError, ValueError):
+            return None
+        return data if isinstance(data, dict) and isinstance(data.get("step"), int) else None
+
+    def garbage(self, keep_attempts: set[str] = frozenset(), min_probe_age_s: float = 600.0) -> Garbage:
+        staging = []
+        for entry in self.storage.listdir(self.storage.path(layout.STAGING)):
+            parsed = layout.parse_staging(entry)
+            if parsed is None or parsed[1] not in keep_attempts:
+                staging.append(self.storage.path(layout.STAGING, entry))
+        trash = [self.storage.path(layout.TRASH, e) for e in self.storage.listdir(self.storage.path(layout.TRASH))]
+        probes = []
+        now = time.time()
+        for entry in self.storage.listdir(self.storage.path(layout.PROBE)):
+            p = self.storage.path(layout.PROBE, entry)
+            try:
+                if now - os.stat(p).st_mtime > min_probe_age_s:
+                    probes.append(p)
+            except FileNotFoundError:
+                pass
+        current = self.current()
+        superseded = [self.dir(n) for n in self.committed() if current[n.step] != n]
+        return Garbage(staging, trash, probes, superseded)
+
+    # -- writing (leaders only, under the lease) ----------------------------------------
+    def make_staging(self, step: int, attempt: str) -> str:
+        path = self.staging_dir(step, attempt)
+        self.storage.makedirs(os.path.dirname(path))
+        self.storage.mkdir_durable(path)
+        for sub in (layout.DATA_DIR, layout.FILES_DIR):
+            os.mkdir(os.path.join(path, sub))
+        fsync_dir(path)
+        return path
+
+    def write_manifest(self, staging: str, manifest: Manifest) -> None:
+        self.storage.write_bytes_atomic(os.path.join(staging, layout.MANIFEST), manifest.to_json())
+
+    def publish(self, staging: str, name: CheckpointName) -> None:
+        """The commit point: the attempt directory becomes the checkpoint, atomically."""
+        try:
+            self.storage.rename_noreplace(staging, self.dir(name))
+        except FileExistsError:
+            raise CheckpointError(
+                f"{self.dir(name)} appeared while this save was in progress: another writer is active on "
+                f"{self.path}", path=self.dir(name)) from None
+
+    def move_latest(self, name: CheckpointName) -> bool:
+        """Point `latest` at ``name`` unless it already points at a newer step (never backwards)."""
+        cur = self.read_latest()
+        if cur is not None and int(cur["step"]) > name.step and \
+                CheckpointName.parse(str(cur.get("dir", ""))) in self.committed():
+            return False
+        body = {"step": name.step, "dir": name.dirname, "updated_at": time.time()}
+        self.storage.write_bytes_atomic(self.storage.path(layout.LATEST), (json.dumps(body) + "\n").encode())
+        return True
+
+    def invalidate(self, path: str) -> None:
+        """Delete a checkpoint or leftover: first rename it out of sight (atomic), then remove it."""
+        trash_root = self.storage.path(layout.TRASH)
+        if os.path.dirname(path) != trash_root:
+            self.storage.makedirs(trash_root)
+            target = os.path.join(trash_root, f"{os.path.basename(path)}.{os.urandom(6).hex()}")
+            try:
+                self.storage.rename_noreplace(path, target)
+            except FileNotFoundError:
+                return
+            path = target
+        self.storage.remove_tree(path)

@@ -1,0 +1,216 @@
+"""Which ranks share the checkpoint storage: discovered by a probe, never assumed (I3).
+
+Every rank creates a uniquely named file in a fresh probe directory; after a
+barrier, ranks look for each other's files. Ranks that see each other share a
+storage domain; the lowest rank of each domain is its leader. Fresh names matter
+on NFS-like filesystems: a name this node never looked up cannot be in its
+negative lookup cache, so the answer comes from the server.
+
+To keep the probe cheap at scale, hostnames are used only to pick who lists
+what: the first rank of each host lists the probe directory, the other ranks of
+that host look up just that rank's file. A rank that cannot see its host's first
+rank (containers with different mounts, say) lists the directory itself. The
+decision is always made from what ranks actually saw.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from ckptguard import layout
+from ckptguard.comm import Comm, agree, hostname
+from ckptguard.errors import CheckpointError
+from ckptguard.storage.posix import PosixStorage
+
+Ranges = list[tuple[int, int]]  # sorted half-open [start, end) ranges of ranks
+
+
+@dataclass(frozen=True)
+class Topology:
+    rank: int
+    world_size: int
+    domains: tuple[tuple[int, ...], ...]  # each sorted; ordered by leader
+    hosts: tuple[str, ...]  # per rank
+    probed: bool = True  # False when domains were derived from hostnames (read-only roots)
+
+    @property
+    def domain_index(self) -> int:
+        return self.domain_of(self.rank)
+
+    @property
+    def domain(self) -> tuple[int, ...]:
+        return self.domains[self.domain_index]
+
+    @property
+    def leader(self) -> int:
+        return self.domain[0]
+
+    @property
+    def is_leader(self) -> bool:
+        return self.rank == self.leader
+
+    @property
+    def leaders(self) -> list[int]:
+        return [d[0] for d in self.domains]
+
+    def domain_of(self, rank: int) -> int:
+        return self._index()[rank]
+
+    def _index(self) -> dict[int, int]:
+        cache = self.__dict__.get("_idx")
+        if cache is None:
+            cache = {r: i for i, d in enumerate(self.domains) for r in d}
+            object.__setattr__(self, "_idx", cache)
+        return cache
+
+    def describe(self) -> str:
+        if len(self.domains) == 1:
+            return f"all {self.world_size} ranks share one storage domain (leader rank 0)"
+        parts = [f"[{_fmt_ranks(d)}] leader {d[0]}" for d in self.domains]
+        return f"{len(self.domains)} storage domains: " + "; ".join(parts)
+
+
+def _fmt_ranks(ranks: tuple[int, ...] | list[int]) -> str:
+    out: list[str] = []
+    for start, end in to_ranges(sorted(ranks)):
+        out.append(str(start) if end == start + 1 else f"{start}-{end - 1}")
+    return ",".join(out)
+
+
+def to_ranges(ranks: list[int]) -> Ranges:
+    out: Ranges = []
+    for r in ranks:
+        if out and out[-1][1] == r:
+            out[-1] = (out[-1][0], r + 1)
+        else:
+            out.append((r, r + 1))
+    return out
+
+
+def from_ranges(ranges: Ranges) -> set[int]:
+    return {r for a, b in ranges for r in range(a, b)}
+
+
+def host_domains(comm: Comm) -> Topology:
+    """Domains by hostname, for read-only roots where nothing can be written to probe."""
+    hosts = _all_hosts(comm)
+    by_host: dict[str, list[int]] = {}
+    for r, h in enumerate(hosts):
+        by_host.setdefault(h, []).append(r)
+    domains = tuple(sorted((tuple(v) for v in by_host.values()), key=lambda d: d[0]))
+    return Topology(comm.rank, comm.world_size, domains, tuple(hosts), probed=False)
+
+
+def _all_hosts(comm: Comm) -> list[str]:
+    gathered = comm.gather(hostname())
+    return comm.broadcast(gathered)
+
+
+def probe_storage_domains(comm: Comm, storage: PosixStorage, attempts: int = 3) -> Topology:
+    """Run the probe (collective). Raises CheckpointError if a rank cannot write to the root."""
+    hosts = _all_hosts(comm)
+    last_problem = ""
+    for _ in range(attempts):
+        nonce = comm.broadcast(uuid.uuid4().hex if comm.rank == 0 else None)
+        probe_dir = storage.path(layout.PROBE, nonce)
+        # 1. every rank leaves a mark
+        err = _leave_mark(storage, probe_dir, comm.rank, nonce)
+        agree(comm, err, "write a probe file into the checkpoint root")
+        # 2. look (collectively agreed barrier above means every mark is written)
+        host_first = {h: r for r, h in reversed(list(enumerate(hosts)))}
+        my_first = host_first[hosts[comm.rank]]
+        report: dict[str, Any]
+        if comm.rank == my_first or not _sees(storage, probe_dir, my_first, nonce):
+            report = {"lister": True, "seen": to_ranges(_list_marks(storage, probe_dir, nonce))}
+        else:
+            report = {"lister": False, "sees_host_first": True}
+        reports = comm.gather(report)
+        decision: tuple[tuple[tuple[int, ...], ...], str] | None = None
+        if comm.rank == 0:
+            assert reports is not None
+            decision = _decide(reports, hosts, host_first)
+        domains, problem = comm.broadcast(decision)
+        # 3. clean up: each domain leader removes the probe directory it sees
+        if domains and comm.rank in (d[0] for d in domains):
+            storage.remove_tree(probe_dir)
+        if domains:
+            return Topology(comm.rank, comm.world_size, domains, tuple(hosts))
+        last_problem = problem
+    raise CheckpointError(
+        f"ranks disagree about which of them share the checkpoint root {storage.root} "
+        f"after {attempts} probes: {last_problem}. This happens when a shared filesystem's "
+        "caches are inconsistent for longer than the probe; check the mount options."
+    )
+
+
+def _leave_mark(storage: PosixStorage, probe_dir: str, rank: int, nonce: str) -> BaseException | None:
+    try:
+        storage.makedirs(probe_dir)
+        path = os.path.join(probe_dir, f"rank-{rank}")
+        with storage.open_exclusive(path) as fd:
+            os.write(fd, f"{nonce}:{rank}".encode())
+            os.fsync(fd)
+    except (OSError, CheckpointError) as e:
+        return e
+    return None
+
+
+def _sees(storage: PosixStorage, probe_dir: str, rank: int, nonce: str) -> bool:
+    try:
+        data = storage.read_bytes(os.path.join(probe_dir, f"rank-{rank}"))
+    except FileNotFoundError:
+        return False
+    return data == f"{nonce}:{rank}".encode()
+
+
+def _list_marks(storage: PosixStorage, probe_dir: str, nonce: str) -> list[int]:
+    seen = []
+    for name in storage.listdir(probe_dir):
+        if name.startswith("rank-") and name[5:].isdigit():
+            seen.append(int(name[5:]))
+    return sorted(seen)
+
+
+def _decide(reports: list[dict[str, Any]], hosts: list[str], host_first: dict[str, int]
+            ) -> tuple[tuple[tuple[int, ...], ...], str]:
+    """From what every rank saw, the storage domains; or () and the inconsistency found."""
+    n = len(reports)
+    seen: dict[int, set[int]] = {r: from_ranges(rep["seen"]) for r, rep in enumerate(reports) if rep["lister"]}
+    parent = list(range(n))
+
+    def find(x: int) -> int:
+        while parent[x] != x:
+            parent[x] = parent[parent[x]]
+            x = parent[x]
+        return x
+
+    def union(a: int, b: int) -> None:
+        ra, rb = find(a), find(b)
+        if ra != rb:
+            parent[max(ra, rb)] = min(ra, rb)
+
+    for r, rep in enumerate(reports):
+        if rep["lister"]:
+            for s in seen[r]:
+                if s in seen and r in seen[s]:
+                    union(r, s)  # two listers that see each other
+        else:
+            first = host_first[hosts[r]]
+            if r in seen.get(first, set()):
+                union(r, first)
+    groups: dict[int, list[int]] = {}
+    for r in range(n):
+        groups.setdefault(find(r), []).append(r)
+    domains = tuple(sorted((tuple(sorted(g)) for g in groups.values()), key=lambda d: d[0]))
+    # Consistency: every lister must see exactly the members of its own domain.
+    for d in domains:
+        members = set(d)
+        for r in d:
+            if r in seen and seen[r] != members:
+                extra = sorted(seen[r] - members)[:5]
+                missing = sorted(members - seen[r])[:5]
+                return (), f"rank {r} sees ranks {extra} outside its domain and misses {missing}"
+    return domains, ""
