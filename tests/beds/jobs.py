@@ -1,0 +1,331 @@
+"""Launch real torchrun jobs from pytest: one agent per simulated node, all on 127.0.0.1.
+
+Why this exists: the races ckptguard prevents only show up with several real processes
+(and several *agents*, i.e. several "nodes", each with its own LOCAL_RANK 0). A test
+must be able to start such a job, get every rank's output back, and never leave a
+worker behind, whatever happens.
+
+How it works:
+
+* ``--rdzv-backend=static --master-addr=127.0.0.1 --master-port=P --node-rank=i`` so
+  global ranks are fixed: node ``i`` holds ranks ``i*nproc .. i*nproc+nproc-1``.
+  (The c10d backend ignores ``--node-rank``; the join order would decide.)
+* ``--tee 3 --log-dir <tmp>``: every worker's stdout and stderr go to per-rank files
+  *and* to the agent's console. The console copy is prefixed by torchrun's tail thread
+  with ``[rank<global rank>]:`` (``TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE``; torchrun's own
+  default, ``[default<local rank>]:``, is ambiguous across nodes). The per-rank files are
+  read back after exit into :attr:`AgentResult.worker_logs`: they are complete even if
+  the tail thread missed the last lines of a dying worker, so assertions about one
+  rank's traceback should use :meth:`JobResult.rank_output`.
+* torchrun starts every worker in a *new session* (its own process group), so killing
+  the agent's group does not reach them. Every process of a job therefore carries an
+  environment marker (``CKPTGUARD_BED_JOB=<uuid>``); on timeout, on any exception, and
+  after every job, all processes carrying the marker are killed (their groups too).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+#: Environment variable that tags every process of one job (agents and workers).
+JOB_MARKER = "CKPTGUARD_BED_JOB"
+
+#: Console prefix of worker lines: global rank, like c10d's own ``[rankN]:``.
+DEFAULT_PREFIX_TEMPLATE = "[default${rank}]:"
+
+# Variables of an enclosing torchrun/elastic job that must not leak into ours.
+_INHERITED_DIST_VARS = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "ROLE_RANK",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "TORCHELASTIC_ERROR_FILE",
+    "TORCHELASTIC_RUN_ID",
+    "TORCHELASTIC_RESTART_COUNT",
+    "TORCHELASTIC_MAX_RESTARTS",
+    "TORCHELASTIC_USE_AGENT_STORE",
+)
+
+_ADDR_IN_USE = ("EADDRINUSE", "Address already in use", "address already in use")
+
+
+@dataclass
+class AgentResult:
+    """One torchrun agent (one simulated node) and what its workers printed."""
+
+    node_rank: int
+    returncode: int
+    output: str
+    """Combined stdout+stderr of the agent, including the tee'd, prefixed worker lines."""
+    worker_logs: dict[int, str] = field(default_factory=dict)
+    """Global rank -> that worker's stdout followed by its stderr, from torchrun's log files."""
+
+
+@dataclass
+class JobResult:
+    """All agents of one job."""
+
+    agents: list[AgentResult]
+
+    @property
+    def ok(self) -> bool:
+        """True when every agent exited 0 (torchrun exits non-zero if any worker failed)."""
+        return bool(self.agents) and all(a.returncode == 0 for a in self.agents)
+
+    def output(self) -> str:
+        """All agents' console output, one block per node, for assertion messages."""
+        return "\n".join(
+            f"===== node {a.node_rank} (torchrun rc={a.returncode}) =====\n{a.output}"
+            for a in self.agents
+        )
+
+    def rank_output(self, rank: int) -> str:
+        """The complete stdout+stderr of one global rank ('' if it never started)."""
+        for a in self.agents:
+            if rank in a.worker_logs:
+                return a.worker_logs[rank]
+        return ""
+
+    def ranks_with_traceback(self) -> list[int]:
+        """Global ranks whose log contains a Python traceback, in rank order."""
+        return sorted(
+            r for a in self.agents for r, log in a.worker_logs.items() if "Traceback" in log
+        )
+
+
+class JobTimeout(TimeoutError):
+    """The job ran past its timeout; every process of it has been killed."""
+
+    def __init__(self, timeout: float, result: JobResult) -> None:
+        super().__init__(f"torchrun job timed out after {timeout:.0f} s\n{result.output()}")
+        self.result = result
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (run_job retries if it was taken)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _pids_with_marker(marker: str) -> list[int]:
+    """Every live process whose environment carries ``JOB_MARKER=marker`` (Linux /proc)."""
+    needle = f"{JOB_MARKER}={marker}".encode()
+    me = os.getpid()
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == me:
+            continue
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                env = f.read()
+        except OSError:  # gone, or a kernel thread
+            continue
+        if needle in env.split(b"\0"):
+            found.append(int(entry))
+    return found
+
+
+def _kill_group(pid: int) -> None:
+    """SIGKILL the process group led by ``pid`` (and ``pid`` itself), never our own group."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        pgid = os.getpgid(pid)
+        if pgid != os.getpgrp():
+            os.killpg(pgid, signal.SIGKILL)
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.kill(pid, signal.SIGKILL)
+
+
+def kill_job(marker: str, agents: Sequence[subprocess.Popen[bytes]] = ()) -> None:
+    """Kill every process of a job: the agents' groups, then anything carrying the marker."""
+    for p in agents:
+        if p.poll() is None:
+            _kill_group(p.pid)
+    for p in agents:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            p.wait(timeout=10)
+    # Workers live in their own sessions; a few rounds catch anything forked meanwhile.
+    for _ in range(5):
+        pids = _pids_with_marker(marker)
+        if not pids:
+            return
+        for pid in pids:
+            _kill_group(pid)
+        time.sleep(0.1)
+
+
+def _read_worker_logs(log_dir: Path, node_rank: int, nproc_per_node: int) -> dict[int, str]:
+    """Collect ``<log_dir>/<run_id>_*/attempt_*/<local_rank>/std{out,err}.log`` by global rank."""
+    logs: dict[int, str] = {}
+    for rank_dir in sorted(log_dir.glob("*/attempt_*/*")):
+        if not rank_dir.is_dir() or not rank_dir.name.isdigit():
+            continue
+        rank = node_rank * nproc_per_node + int(rank_dir.name)
+        parts = []
+        for name in ("stdout.log", "stderr.log"):
+            f = rank_dir / name
+            if f.exists():
+                parts.append(f.read_text(errors="replace"))
+        logs[rank] = logs.get(rank, "") + "".join(parts)
+    return logs
+
+
+def _build_env(
+    base: Mapping[str, str] | None, extra: Mapping[str, str] | None, marker: str
+) -> dict[str, str]:
+    env = dict(os.environ)
+    for k in _INHERITED_DIST_VARS:
+        env.pop(k, None)
+    env.update(
+        GLOO_SOCKET_IFNAME="lo",
+        OMP_NUM_THREADS="1",
+        PYTHONUNBUFFERED="1",
+        TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE=DEFAULT_PREFIX_TEMPLATE,
+    )
+    env.update(base or {})
+    env.update(extra or {})
+    env.pop("TORCHELASTIC_ERROR_FILE", None)  # else workers' error.json overwrite each other
+    env[JOB_MARKER] = marker
+    return env
+
+
+def _run_once(
+    script: Path,
+    args: Sequence[str],
+    nnodes: int,
+    nproc_per_node: int,
+    env: Mapping[str, str] | None,
+    node_env: Sequence[Mapping[str, str]] | None,
+    timeout: float,
+    cwd: Path | None,
+    port: int,
+) -> JobResult:
+    marker = uuid.uuid4().hex
+    procs: list[subprocess.Popen[bytes]] = []
+    with tempfile.TemporaryDirectory(prefix="ckptguard-job-") as tmp:
+        tmpdir = Path(tmp)
+        outs = []
+        try:
+            for node in range(nnodes):
+                log_dir = tmpdir / f"node{node}"
+                cmd = [
+                    sys.executable,
+                    "-m",
+                    "torch.distributed.run",
+                    f"--nnodes={nnodes}",
+                    f"--nproc-per-node={nproc_per_node}",
+                    "--rdzv-backend=static",
+                    "--master-addr=127.0.0.1",
+                    f"--master-port={port}",
+                    f"--node-rank={node}",
+                    "--max-restarts=0",
+                    "--tee=3",
+                    f"--log-dir={log_dir}",
+                    str(script),
+                    *map(str, args),
+                ]
+                out = open(tmpdir / f"agent{node}.out", "wb")  # noqa: SIM115 - closed below
+                outs.append(out)
+                extra = node_env[node] if node_env is not None else None
+                procs.append(
+                    subprocess.Popen(
+                        cmd,
+                        stdin=subprocess.DEVNULL,
+                        stdout=out,
+                        stderr=subprocess.STDOUT,
+                        env=_build_env(env, extra, marker),
+                        cwd=cwd,
+                        start_new_session=True,
+                    )
+                )
+            deadline = time.monotonic() + timeout
+            timed_out = False
+            for p in procs:
+                try:
+                    p.wait(timeout=max(0.0, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    timed_out = True
+                    break
+        finally:
+            # Kills everything on timeout / KeyboardInterrupt / any error, and reaps
+            # stray workers after a normal exit (a no-op when all have exited).
+            kill_job(marker, procs)
+            for out in outs:
+                out.close()
+        agents = []
+        for node, p in enumerate(procs):
+            agents.append(
+                AgentResult(
+                    node_rank=node,
+                    returncode=p.returncode if p.returncode is not None else -signal.SIGKILL,
+                    output=(tmpdir / f"agent{node}.out").read_text(errors="replace"),
+                    worker_logs=_read_worker_logs(tmpdir / f"node{node}", node, nproc_per_node),
+                )
+            )
+        result = JobResult(agents)
+        if timed_out:
+            raise JobTimeout(timeout, result)
+        return result
+
+
+def run_job(
+    script: str | Path,
+    args: Sequence[str] = (),
+    *,
+    nnodes: int = 1,
+    nproc_per_node: int = 2,
+    env: Mapping[str, str] | None = None,
+    node_env: Sequence[Mapping[str, str]] | None = None,
+    timeout: float = 180,
+    cwd: Path | None = None,
+    port_retries: int = 2,
+) -> JobResult:
+    """Run ``script`` as a torchrun job of ``nnodes`` agents x ``nproc_per_node`` workers.
+
+    ``env`` goes to every node, ``node_env[i]`` only to node ``i`` (e.g. a private
+    checkpoint root per node). Returns when all agents exited; raises :class:`JobTimeout`
+    (after killing everything) if that takes longer than ``timeout`` seconds. If the
+    rendezvous port was taken between :func:`free_port` and bind, retries with a new
+    port up to ``port_retries`` times.
+    """
+    if node_env is not None and len(node_env) != nnodes:
+        raise ValueError(f"node_env has {len(node_env)} entries for {nnodes} nodes")
+    script = Path(script).resolve()
+    for attempt in range(port_retries + 1):
+        result = _run_once(
+            script, args, nnodes, nproc_per_node, env, node_env, timeout, cwd, free_port()
+        )
+        port_clash = not result.ok and any(
+            s in a.output for a in result.agents for s in _ADDR_IN_USE
+        )
+        if not port_clash or attempt == port_retries:
+            return result
+    raise AssertionError("unreachable")
+
+
+def run_local(
+    script: str | Path,
+    args: Sequence[str] = (),
+    *,
+    nproc: int = 2,
+    env: Mapping[str, str] | None = None,
+    timeout: float = 180,
+    cwd: Path | None = None,
+) -> JobResult:
+    """A single-node job: ``run_job(script, args, nnodes=1, nproc_per_node=nproc)``."""
+    return run_job(script, args, nnodes=1, nproc_per_node=nproc, env=env, timeout=timeout, cwd=cwd)

@@ -1,0 +1,39 @@
+"""Worker used by tests/test_beds.py to check the launcher itself.
+
+Modes: ``ranks`` prints one ``PROBE rank=.. local_rank=.. node=.. world=..`` line per rank;
+``raise RANK`` makes that global rank raise after the process group is up; ``hang``
+blocks forever (for the timeout test); ``lines N`` prints N numbered lines per rank
+(to check that no output is lost).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from datetime import timedelta
+
+import torch.distributed as dist
+
+
+def main() -> None:
+    mode = sys.argv[1]
+    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    local = int(os.environ["LOCAL_RANK"])
+    node = int(os.environ["GROUP_RANK"])
+    print(f"PROBE rank={rank} local_rank={local} node={node} world={world} pid={os.getpid()}")
+    if mode == "raise" and rank == int(sys.argv[2]):
+        raise RuntimeError(f"injected failure on rank {rank}")
+    if mode == "hang":
+        while True:
+            time.sleep(1)
+    if mode == "lines":
+        for i in range(int(sys.argv[2])):
+            print(f"LINE rank={rank} i={i}")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
