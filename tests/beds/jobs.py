@@ -81,6 +81,8 @@ class JobResult:
     """All agents of one job."""
 
     agents: list[AgentResult]
+    attempts: int = 1
+    """How many rendezvous ports were tried (>1 after a port clash)."""
 
     @property
     def ok(self) -> bool:
@@ -204,6 +206,36 @@ def _build_env(
     return env
 
 
+def _port_clash(text: str) -> bool:
+    return any(s in text for s in _ADDR_IN_USE)
+
+
+def _wait_all(
+    procs: Sequence[subprocess.Popen[bytes]], tmpdir: Path, timeout: float, grace: float
+) -> bool:
+    """Wait for every agent; True if the job timed out.
+
+    Once one agent has failed, the others get ``grace`` seconds and are then killed
+    (normally they die by themselves when their workers' collectives fail, but an agent
+    still waiting for a rendezvous that its failed peer hosted would wait forever). If
+    the failure was the rendezvous port being taken, the others are killed at once.
+    """
+    deadline = time.monotonic() + timeout
+    stop_at = deadline
+    while True:
+        codes = [p.poll() for p in procs]
+        if all(c is not None for c in codes):
+            return False
+        now = time.monotonic()
+        if now >= stop_at:
+            return now >= deadline
+        for node, c in enumerate(codes):
+            if c not in (None, 0):
+                out = (tmpdir / f"agent{node}.out").read_text(errors="replace")
+                stop_at = min(stop_at, now if _port_clash(out) else now + grace)
+        time.sleep(0.05)
+
+
 def _run_once(
     script: Path,
     args: Sequence[str],
@@ -214,6 +246,7 @@ def _run_once(
     timeout: float,
     cwd: Path | None,
     port: int,
+    straggler_grace: float,
 ) -> JobResult:
     marker = uuid.uuid4().hex
     procs: list[subprocess.Popen[bytes]] = []
@@ -253,14 +286,7 @@ def _run_once(
                         start_new_session=True,
                     )
                 )
-            deadline = time.monotonic() + timeout
-            timed_out = False
-            for p in procs:
-                try:
-                    p.wait(timeout=max(0.0, deadline - time.monotonic()))
-                except subprocess.TimeoutExpired:
-                    timed_out = True
-                    break
+            timed_out = _wait_all(procs, tmpdir, timeout, straggler_grace)
         finally:
             # Kills everything on timeout / KeyboardInterrupt / any error, and reaps
             # stray workers after a normal exit (a no-op when all have exited).
@@ -294,26 +320,36 @@ def run_job(
     timeout: float = 180,
     cwd: Path | None = None,
     port_retries: int = 2,
+    straggler_grace: float = 60,
 ) -> JobResult:
     """Run ``script`` as a torchrun job of ``nnodes`` agents x ``nproc_per_node`` workers.
 
     ``env`` goes to every node, ``node_env[i]`` only to node ``i`` (e.g. a private
     checkpoint root per node). Returns when all agents exited; raises :class:`JobTimeout`
-    (after killing everything) if that takes longer than ``timeout`` seconds. If the
-    rendezvous port was taken between :func:`free_port` and bind, retries with a new
-    port up to ``port_retries`` times.
+    (after killing everything) if that takes longer than ``timeout`` seconds. Once an
+    agent has failed, the others get ``straggler_grace`` seconds before they are killed
+    (their returncode is then -9). If the rendezvous port was taken between
+    :func:`free_port` and bind, retries with a new port up to ``port_retries`` times.
     """
     if node_env is not None and len(node_env) != nnodes:
         raise ValueError(f"node_env has {len(node_env)} entries for {nnodes} nodes")
     script = Path(script).resolve()
     for attempt in range(port_retries + 1):
         result = _run_once(
-            script, args, nnodes, nproc_per_node, env, node_env, timeout, cwd, free_port()
+            script,
+            args,
+            nnodes,
+            nproc_per_node,
+            env,
+            node_env,
+            timeout,
+            cwd,
+            free_port(),
+            straggler_grace,
         )
-        port_clash = not result.ok and any(
-            s in a.output for a in result.agents for s in _ADDR_IN_USE
-        )
+        port_clash = not result.ok and any(_port_clash(a.output) for a in result.agents)
         if not port_clash or attempt == port_retries:
+            result.attempts = attempt + 1
             return result
     raise AssertionError("unreachable")
 

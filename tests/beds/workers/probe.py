@@ -22,7 +22,11 @@ def main() -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     local = int(os.environ["LOCAL_RANK"])
     node = int(os.environ["GROUP_RANK"])
-    print(f"PROBE rank={rank} local_rank={local} node={node} world={world} pid={os.getpid()}")
+    print(
+        f"PROBE rank={rank} local_rank={local} node={node} world={world} pid={os.getpid()} "
+        f"env={os.environ.get('BED_PROBE_ENV', '')} node_env={os.environ.get('BED_PROBE_NODE', '')}",
+        flush=True,
+    )
     if mode == "raise" and rank == int(sys.argv[2]):
         raise RuntimeError(f"injected failure on rank {rank}")
     if mode == "hang":
