@@ -8,6 +8,7 @@
 
 from ckptguard.checkpointer import Checkpointer
 from ckptguard.errors import CheckpointError, CorruptCheckpointError
+from ckptguard.singlefile import load_file, save_file
 
-__all__ = ["CheckpointError", "Checkpointer", "CorruptCheckpointError"]
+__all__ = ["CheckpointError", "Checkpointer", "CorruptCheckpointError", "load_file", "save_file"]
 __version__ = "0.1.0"

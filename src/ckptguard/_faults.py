@@ -38,6 +38,12 @@ def _parse(spec: str) -> dict[tuple[str, str], str]:
 _FAULTS = _parse(os.environ.get("CKPTGUARD_FAULT", ""))
 
 
+def arm(spec: str) -> None:
+    """Replace the configured faults (tests use it to crash at a chosen save, not the first)."""
+    _FAULTS.clear()
+    _FAULTS.update(_parse(spec))
+
+
 def fault_point(phase: str, rank: int) -> None:
     """Act out an injected fault for ``phase`` on ``rank``, if one is configured."""
     if not _FAULTS:

@@ -334,12 +334,20 @@ def _stored(item: WriteItem, owner: Any, rel: str, offset: int, length: int, dig
                       dtype=dtype_name(owner.dtype), shape=tuple(owner.shape))
 
 
+_MIN_BYTES_PER_FILE = 32 << 20
+
+
 def _balance(buffers: list[tuple[WriteItem, memoryview, Any]], n: int
              ) -> list[list[tuple[WriteItem, memoryview, Any]]]:
-    """Split items into at most n files of similar size (largest first into the lightest)."""
+    """Split items into at most n files of similar size (largest first into the lightest).
+
+    Small states go to one file: a thread per file only pays off once each file
+    is large enough to keep the disk busy.
+    """
     if not buffers:
         return []
-    n = min(n, len(buffers))
+    total = sum(len(b[1]) for b in buffers)
+    n = max(1, min(n, len(buffers), -(-total // _MIN_BYTES_PER_FILE)))
     buckets: list[list[tuple[WriteItem, memoryview, Any]]] = [[] for _ in range(n)]
     sizes = [0] * n
     for b in sorted(buffers, key=lambda b: -len(b[1])):

@@ -109,13 +109,17 @@ def _all_hosts(comm: Comm) -> list[str]:
     return comm.broadcast(gathered)
 
 
-def probe_storage_domains(comm: Comm, storage: PosixStorage, attempts: int = 3) -> Topology:
-    """Run the probe (collective). Raises CheckpointError if a rank cannot write to the root."""
+def probe_storage_domains(comm: Comm, storage: PosixStorage, attempts: int = 3,
+                          probe_prefix: str = layout.PROBE + "/") -> Topology:
+    """Run the probe (collective). Raises CheckpointError if a rank cannot write to the root.
+
+    Probe directories are ``ROOT/<probe_prefix><nonce>``.
+    """
     hosts = _all_hosts(comm)
     last_problem = ""
     for _ in range(attempts):
         nonce = comm.broadcast(uuid.uuid4().hex if comm.rank == 0 else None)
-        probe_dir = storage.path(layout.PROBE, nonce)
+        probe_dir = storage.path(probe_prefix + nonce)
         # 1. every rank leaves a mark
         err = _leave_mark(storage, probe_dir, comm.rank, nonce)
         agree(comm, err, "write a probe file into the checkpoint root")

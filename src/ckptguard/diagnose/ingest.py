@@ -1,0 +1,300 @@
+"""Reading logs: sources, a fast prefilter over large blocks, line prefixes and timestamps.
+
+The hot loop never touches a line in Python unless one of the prefilter's literal anchors occurs
+in it: the prefilter runs one `re` search per distinct first character of the anchors, each of
+the form ``c(?:rest|rest2)``, which CPython scans at memory speed. Lines are cut at
+``MAX_LINE`` bytes and decoded with ``errors="replace"``, so binary input and endless lines cost
+bounded memory.
+"""
+
+from __future__ import annotations
+
+import gzip
+import re
+import sys
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import BinaryIO
+
+MAX_LINE = 64 * 1024
+CHUNK = 4 * 1024 * 1024
+SKIP_SUFFIXES = {".pt", ".pth", ".bin", ".safetensors", ".ckpt", ".pkl", ".npy", ".npz", ".distcp",
+                 ".png", ".jpg", ".zip", ".tar", ".so", ".whl", ".pyc"}
+
+
+class UsageError(ValueError):
+    """The command line names something that cannot be read (exit code 2)."""
+
+
+@dataclass(frozen=True)
+class Source:
+    """One input stream: a file, or stdin. ``rank`` comes from the file's name when it has one."""
+
+    name: str
+    path: Path | None
+    rank: int | None = None
+    rank_is_local: bool = False
+
+    def open(self) -> BinaryIO:
+        """Open for binary reading (gzip is decompressed on the fly)."""
+        if self.path is None:
+            return sys.stdin.buffer
+        if self.path.suffix == ".gz":
+            return gzip.open(self.path, "rb")  # type: ignore[return-value]
+        return self.path.open("rb")
+
+
+_RANK_IN_NAME = re.compile(r"(?i)(?:^|[/_.\-])rank[_\-]?(\d{1,6})(?=$|[/_.\-])")
+_TORCHRUN_DIR = re.compile(r"(?:^|/)(\d{1,6})/(?:stdout|stderr|error)\.(?:log|txt|json)$")
+_DIGIT_NAME = re.compile(r"(?:^|/)(\d{1,6})\.(?:log|txt|out|err)(?:\.gz)?$")
+
+
+def rank_from_path(rel: str) -> tuple[int | None, bool]:
+    """Rank (and whether it is only a local rank) encoded in a log file's relative path."""
+    m = _RANK_IN_NAME.search(rel)
+    if m:
+        return int(m.group(1)), False
+    m = _TORCHRUN_DIR.search(rel)
+    if m:
+        return int(m.group(1)), True
+    m = _DIGIT_NAME.search(rel)
+    if m:
+        return int(m.group(1)), False
+    return None, False
+
+
+def discover(paths: Iterable[str]) -> list[Source]:
+    """Turn command-line paths (files, directories, ``-``) into sources, in a stable order."""
+    sources: list[Source] = []
+    for p in paths:
+        if p == "-":
+            sources.append(Source("<stdin>", None))
+            continue
+        path = Path(p)
+        if path.is_dir():
+            for f in sorted(x for x in path.rglob("*") if x.is_file()):
+                if f.suffix.lower() in SKIP_SUFFIXES or f.name.startswith("."):
+                    continue
+                rel = f.relative_to(path).as_posix()
+                rank, local = rank_from_path(rel)
+                sources.append(Source(f"{path.name}/{rel}", f, rank, local))
+        elif path.is_file():
+            rank, local = rank_from_path(path.name)
+            sources.append(Source(str(p), path, rank, local))
+        else:
+            raise UsageError(f"no such file or directory: {p}")
+    if not sources:
+        raise UsageError("no log files found in the given paths")
+    return sources
+
+
+class Prefilter:
+    """Find the lines of a block that contain any anchor, at close to memory speed."""
+
+    def __init__(self, anchors: Iterable[str]) -> None:
+        raw = sorted({a.encode() for a in anchors if a}, key=len)
+        kept: list[bytes] = []
+        for a in raw:  # an anchor that contains a shorter one adds nothing
+            if not any(k in a for k in kept):
+                kept.append(a)
+        groups: dict[int, list[bytes]] = {}
+        for a in kept:
+            groups.setdefault(a[0], []).append(a[1:])
+        self.anchors = kept
+        self._res = []
+        for first, rests in sorted(groups.items()):
+            alts = b"|".join(re.escape(r) for r in sorted(rests, key=len, reverse=True))
+            head = re.escape(bytes([first]))
+            self._res.append(re.compile(head + b"(?:" + alts + b")" if any(rests) else head))
+
+    def line_starts(self, block: bytes) -> list[int]:
+        """Sorted offsets of the starts of lines that contain an anchor."""
+        starts: set[int] = set()
+        rfind = block.rfind
+        for rx in self._res:
+            last_start, last_end = -1, -1
+            for m in rx.finditer(block):
+                pos = m.start()
+                if pos < last_end:  # same line as the previous hit
+                    continue
+                s = rfind(b"\n", 0, pos) + 1
+                if s != last_start:
+                    starts.add(s)
+                    last_start = s
+                e = block.find(b"\n", pos)
+                last_end = len(block) if e < 0 else e
+        return sorted(starts)
+
+
+LineHandler = Callable[[bytes, int], int]
+
+
+def scan(stream: BinaryIO, prefilter: Prefilter, on_line: LineHandler) -> tuple[int, int]:
+    """Feed the lines that matter (1-based line numbers) to ``on_line``; return bytes and lines.
+
+    ``on_line`` returns how many following lines it wants to see whatever they contain (inside
+    a traceback or a launcher summary block).
+    """
+    nbytes = 0
+    lineno = 0  # lines fully consumed before the current block
+    carry = b""
+    skipping = False  # inside an over-long line whose head was already handled
+    force = 0
+    while True:
+        data = stream.read(CHUNK)
+        if not data:
+            break
+        nbytes += len(data)
+        if skipping:
+            nl = data.find(b"\n")
+            if nl < 0:
+                continue
+            data = data[nl + 1:]
+            skipping = False
+            lineno += 1
+        buf = carry + data if carry else data
+        cut = buf.rfind(b"\n")
+        if cut < 0:
+            if len(buf) > MAX_LINE:
+                force = on_line(buf[:MAX_LINE], lineno + 1) if force or _any_hit(prefilter, buf[:MAX_LINE]) else force
+                carry, skipping = b"", True
+            else:
+                carry = buf
+            continue
+        block, carry = buf[: cut + 1], buf[cut + 1:]
+        lineno, force = _scan_block(block, lineno, prefilter, on_line, force)
+        if len(carry) > MAX_LINE:
+            head = carry[:MAX_LINE]
+            if force or _any_hit(prefilter, head):
+                force = on_line(head, lineno + 1)
+            carry, skipping = b"", True
+    if carry and not skipping:
+        if force or _any_hit(prefilter, carry):
+            on_line(carry[:MAX_LINE], lineno + 1)
+        lineno += 1
+    elif skipping:
+        lineno += 1
+    return nbytes, lineno
+
+
+def _any_hit(prefilter: Prefilter, text: bytes) -> bool:
+    return bool(prefilter.line_starts(text))
+
+
+def _scan_block(block: bytes, lineno: int, prefilter: Prefilter, on_line: LineHandler,
+                force: int) -> tuple[int, int]:
+    """Process one block of whole lines; returns the new line count and pending force."""
+    starts = prefilter.line_starts(block)
+    n = len(block)
+    count = block.count
+    find = block.find
+    counted_to, base = 0, lineno
+    i, cur = 0, 0
+    while cur < n:
+        if force > 0:
+            ls = cur
+        else:
+            while i < len(starts) and starts[i] < cur:
+                i += 1
+            if i >= len(starts):
+                break
+            ls = starts[i]
+        le = find(b"\n", ls)
+        if le < 0:
+            le = n
+        base += count(b"\n", counted_to, ls)
+        counted_to = ls
+        line = block[ls: min(le, ls + MAX_LINE)]
+        want = on_line(line, base + 1)
+        force = max(force - 1, want)
+        cur = le + 1
+    base += count(b"\n", counted_to, n)
+    return base, force
+
+
+def iter_lines_for_test(text: bytes) -> Iterator[bytes]:
+    """Split like `scan` does (used by tests to compare)."""
+    yield from (ln[:MAX_LINE] for ln in text.split(b"\n"))
+
+
+# ---- prefixes -------------------------------------------------------------------------------
+
+_PREFIX_RE = re.compile(
+    r"""
+      \[(?P<role>[A-Za-z_][A-Za-z_\-]*?)(?P<num>\d{1,6})\]:[ ]?      # [rank3]: / [default3]:
+    | \[\d+,(?P<mpi>\d{1,6})\]<(?:stdout|stderr)>:[ ]?             # mpirun --tag-output
+    | [ ]{0,5}(?P<srun>\d{1,6}):[ ]                                 # srun --label
+    | (?P<pdsh>[a-z][a-z0-9\-]*\d[a-z0-9.\-]*):[ ](?=\S)             # pdsh / deepspeed: host:
+    """,
+    re.X,
+)
+
+
+@dataclass
+class Prefix:
+    """What the line's prefixes say about who wrote it."""
+
+    rank: int | None = None
+    local_rank: int | None = None
+    host: str | None = None
+
+
+def strip_prefixes(text: str) -> tuple[Prefix, str]:
+    """Remove launcher prefixes (nested ones too) and return what they tell."""
+    info = Prefix()
+    for _ in range(4):
+        m = _PREFIX_RE.match(text)
+        if not m:
+            break
+        if m.group("num") is not None:
+            n = int(m.group("num"))
+            if m.group("role").lower() == "rank":
+                info.rank = n
+            elif info.rank is None:
+                info.local_rank = n
+        elif m.group("mpi") is not None:
+            info.rank = int(m.group("mpi"))
+        elif m.group("srun") is not None:
+            if info.rank is None:
+                info.rank = int(m.group("srun"))
+        elif m.group("pdsh") is not None:
+            info.host = m.group("pdsh")
+        text = text[m.end():]
+    return info, text
+
+
+# ---- timestamps -----------------------------------------------------------------------------
+
+_ISO_RE = re.compile(r"(\d{4})-(\d\d)-(\d\d)[T _](\d\d):(\d\d):(\d\d)(?:[.,](\d{1,9}))?")
+_GLOG_RE = re.compile(r"^\[?[IWEF](\d\d)(\d\d) (\d\d):(\d\d):(\d\d)\.(\d{1,9})")
+
+
+def _days(y: int, m: int, d: int) -> int:
+    """Days since 1970-01-01 of a proleptic Gregorian date (no datetime objects: hot path)."""
+    y -= m <= 2
+    era = y // 400
+    yoe = y - era * 400
+    doy = (153 * (m + (-3 if m > 2 else 9)) + 2) // 5 + d - 1
+    doe = yoe * 365 + yoe // 4 - yoe // 100 + doy
+    return era * 146097 + doe - 719468
+
+
+def parse_timestamp(text: str, year_hint: int) -> tuple[float | None, int]:
+    """Seconds (naive, no zone) of a timestamp near the start of ``text``, and the year seen."""
+    head = text[:80]
+    m = _ISO_RE.search(head)
+    if m:
+        y, mo, d, h, mi, s = (int(g) for g in m.groups()[:6])
+        if 1 <= mo <= 12 and 1 <= d <= 31:
+            frac = m.group(7)
+            f = int(frac) / 10 ** len(frac) if frac else 0.0
+            return _days(y, mo, d) * 86400 + h * 3600 + mi * 60 + s + f, y
+    m = _GLOG_RE.match(head)
+    if m:
+        mo, d, h, mi, s = (int(g) for g in m.groups()[:5])
+        if 1 <= mo <= 12 and 1 <= d <= 31:
+            frac = m.group(6)
+            return (_days(year_hint, mo, d) * 86400 + h * 3600 + mi * 60 + s
+                    + int(frac) / 10 ** len(frac)), year_hint
+    return None, year_hint

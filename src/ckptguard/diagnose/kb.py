@@ -1,0 +1,213 @@
+"""The failure knowledge base: one TOML file per failure class under ``kb/``.
+
+Classes are data so that adding a failure mode never touches the engine: a file names the class,
+its signatures (regexes with a literal ``anchor`` that the fast prefilter looks for) and the
+advice that the report prints.
+"""
+
+from __future__ import annotations
+
+import re
+import tomllib
+from dataclasses import dataclass, field
+from functools import lru_cache
+from importlib import resources
+from pathlib import Path
+
+REQUIRED = (
+    "id", "title", "category", "collateral", "summary", "root_cause", "mechanism", "symptoms",
+    "affected", "confirm", "fix", "prevention", "verify_command", "related",
+)
+ON_VALUES = ("exception", "line", "any")
+
+
+class KBError(ValueError):
+    """A knowledge-base file is malformed: the engine refuses to run on a broken KB."""
+
+
+@dataclass(frozen=True)
+class Signature:
+    """One way a failure class shows in a log line or an exception."""
+
+    class_id: str
+    pattern: re.Pattern[str]
+    on: str
+    weight: float
+    anchor: str | None = None
+    context: re.Pattern[str] | None = None
+
+
+@dataclass(frozen=True)
+class FailureClass:
+    """A failure class as the report explains it."""
+
+    id: str
+    title: str
+    category: str
+    collateral: bool
+    summary: str
+    root_cause: str
+    mechanism: str
+    symptoms: tuple[str, ...]
+    affected: tuple[str, ...]
+    confirm: tuple[str, ...]
+    fix: str
+    prevention: tuple[str, ...]
+    verify_command: str
+    related: tuple[str, ...]
+    weak: bool = False
+    checkpointer_prevents: bool = False
+    references: tuple[str, ...] = ()
+    signatures: tuple[Signature, ...] = field(default=(), repr=False)
+
+    def as_dict(self) -> dict[str, object]:
+        """The entry as plain data (for `explain --json`)."""
+        return {
+            "id": self.id, "title": self.title, "category": self.category,
+            "collateral": self.collateral, "weak": self.weak,
+            "checkpointer_prevents": self.checkpointer_prevents, "summary": self.summary,
+            "mechanism": self.mechanism.strip(), "symptoms": list(self.symptoms),
+            "affected": list(self.affected), "confirm": list(self.confirm),
+            "fix": self.fix.strip(), "prevention": list(self.prevention),
+            "verify_command": self.verify_command, "related": list(self.related),
+            "references": list(self.references),
+            "signatures": [
+                {"on": s.on, "pattern": s.pattern.pattern, "anchor": s.anchor, "weight": s.weight,
+                 "context": s.context.pattern if s.context else None}
+                for s in self.signatures
+            ],
+        }
+
+
+@dataclass(frozen=True)
+class Match:
+    """A signature that matched: which class, how strongly."""
+
+    class_id: str
+    weight: float
+
+
+class KnowledgeBase:
+    """All failure classes, plus fast matching of texts against their signatures."""
+
+    def __init__(self, classes: dict[str, FailureClass]) -> None:
+        self.classes = classes
+        by_anchor: dict[str | None, list[Signature]] = {}
+        for fc in classes.values():
+            for sig in fc.signatures:
+                by_anchor.setdefault(sig.anchor, []).append(sig)
+        # Anchors are checked with `in` before any regex runs: most texts skip most regexes.
+        self._groups = sorted(by_anchor.items(), key=lambda kv: kv[0] or "")
+
+    def __getitem__(self, class_id: str) -> FailureClass:
+        return self.classes[class_id]
+
+    def __contains__(self, class_id: object) -> bool:
+        return class_id in self.classes
+
+    def anchors(self) -> set[str]:
+        """Literal substrings that any signature needs: the ingest prefilter looks for these."""
+        return {a for a, _ in self._groups if a}
+
+    def match(self, text: str, *, exception: bool, context: str = "") -> list[Match]:
+        """Best weight per class for ``text`` (an exception ``Type: message`` or a log line)."""
+        best: dict[str, float] = {}
+        for anchor, sigs in self._groups:
+            if anchor is not None and anchor not in text:
+                continue
+            for sig in sigs:
+                if sig.on == "exception" and not exception:
+                    continue
+                if sig.on == "line" and exception:
+                    continue
+                if best.get(sig.class_id, 0.0) >= sig.weight:
+                    continue
+                if not sig.pattern.search(text):
+                    continue
+                if sig.context is not None and not sig.context.search(f"{text}\n{context}"):
+                    continue
+                best[sig.class_id] = sig.weight
+        return sorted((Match(c, w) for c, w in best.items()), key=lambda m: -m.weight)
+
+
+def _tuple(data: dict[str, object], key: str, where: str) -> tuple[str, ...]:
+    value = data.get(key, [])
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise KBError(f"{where}: '{key}' must be a list of strings")
+    return tuple(value)
+
+
+def _compile(pattern: object, where: str) -> re.Pattern[str]:
+    if not isinstance(pattern, str):
+        raise KBError(f"{where}: pattern must be a string")
+    try:
+        return re.compile(pattern)
+    except re.error as exc:
+        raise KBError(f"{where}: bad regex {pattern!r}: {exc}") from exc
+
+
+def parse_class(data: dict[str, object], where: str) -> FailureClass:
+    """Validate one KB entry and compile its signatures."""
+    missing = [k for k in REQUIRED if k not in data]
+    if missing:
+        raise KBError(f"{where}: missing keys {missing}")
+    cid = str(data["id"])
+    if not re.fullmatch(r"[a-z][a-z0-9_]*", cid):
+        raise KBError(f"{where}: id {cid!r} is not snake_case")
+    sigs = []
+    for i, raw in enumerate(data.get("signatures", [])):  # type: ignore[union-attr]
+        swhere = f"{where} signature {i}"
+        if not isinstance(raw, dict):
+            raise KBError(f"{swhere}: not a table")
+        on = raw.get("on", "any")
+        if on not in ON_VALUES:
+            raise KBError(f"{swhere}: 'on' must be one of {ON_VALUES}")
+        weight = float(raw.get("weight", 0.5))
+        if not 0.0 < weight <= 1.0:
+            raise KBError(f"{swhere}: weight must be in (0, 1]")
+        anchor = raw.get("anchor")
+        pattern = _compile(raw.get("pattern"), swhere)
+        context = _compile(raw["context"], swhere) if "context" in raw else None
+        sigs.append(Signature(cid, pattern, on, weight, anchor or None, context))
+    if not sigs:
+        raise KBError(f"{where}: a class needs at least one signature")
+    return FailureClass(
+        id=cid, title=str(data["title"]), category=str(data["category"]),
+        collateral=bool(data["collateral"]), summary=str(data["summary"]),
+        root_cause=str(data["root_cause"]), mechanism=str(data["mechanism"]),
+        symptoms=_tuple(data, "symptoms", where), affected=_tuple(data, "affected", where),
+        confirm=_tuple(data, "confirm", where), fix=str(data["fix"]),
+        prevention=_tuple(data, "prevention", where), verify_command=str(data["verify_command"]),
+        related=_tuple(data, "related", where), weak=bool(data.get("weak", False)),
+        checkpointer_prevents=bool(data.get("checkpointer_prevents", False)),
+        references=_tuple(data, "references", where), signatures=tuple(sigs),
+    )
+
+
+def load_kb_dir(directory: Path) -> KnowledgeBase:
+    """Load and cross-check every ``*.toml`` in ``directory``."""
+    classes: dict[str, FailureClass] = {}
+    for path in sorted(directory.glob("*.toml")):
+        with path.open("rb") as f:
+            try:
+                data = tomllib.load(f)
+            except tomllib.TOMLDecodeError as exc:
+                raise KBError(f"{path.name}: {exc}") from exc
+        fc = parse_class(data, path.name)
+        if fc.id != path.stem:
+            raise KBError(f"{path.name}: id {fc.id!r} must match the file name")
+        classes[fc.id] = fc
+    for fc in classes.values():
+        unknown = [r for r in fc.related if r not in classes]
+        if unknown:
+            raise KBError(f"{fc.id}.toml: related classes {unknown} do not exist")
+    if "python_exception" not in classes:
+        raise KBError("the KB needs the fallback class python_exception")
+    return KnowledgeBase(classes)
+
+
+@lru_cache(maxsize=1)
+def load_kb() -> KnowledgeBase:
+    """The knowledge base shipped with the package (cached: it is read once per process)."""
+    with resources.as_file(resources.files("ckptguard.diagnose") / "kb") as kb_dir:
+        return load_kb_dir(Path(kb_dir))

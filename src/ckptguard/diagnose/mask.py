@@ -1,0 +1,110 @@
+"""Masking at ingress: secrets and e-mail addresses, optionally hosts, IPs and user names.
+
+Every line that the engine extracts from a log passes through `Masker.mask` before any parser
+sees it, and every string of the report passes through `Masker.finalize` on the way out, so a
+secret never reaches any output. Host masking is consistent: one host always becomes the same
+alias (``host-1``), so correlation across ranks still works.
+"""
+
+from __future__ import annotations
+
+import re
+
+_SECRET_RE = re.compile(
+    r"""
+      (?P<pem>-----BEGIN[A-Z ]*PRIVATE KEY-----)
+    | (?P<aws>\b(?:AKIA|ASIA|AGPA|AIDA|AROA|ANPA)[0-9A-Z]{16}\b)
+    | (?P<gcp>\bAIza[0-9A-Za-z_\-]{35}\b)
+    | (?P<hf>\bhf_[A-Za-z0-9]{30,}\b)
+    | (?P<gh>\b(?:gh[pousr]_[A-Za-z0-9]{30,}|github_pat_[A-Za-z0-9_]{40,})\b)
+    | (?P<slack>\bxox[abposr]-[A-Za-z0-9-]{10,})
+    | (?P<sk>\bsk-(?:proj-|ant-)?[A-Za-z0-9_\-]{20,})
+    | (?P<jwt>\beyJ[A-Za-z0-9_\-]{8,}\.[A-Za-z0-9_\-]{8,}\.[A-Za-z0-9_\-]{8,})
+    | (?P<bearer>\b(?:[Bb]earer|[Bb]asic|[Tt]oken)\s+)(?P<bearer_v>[A-Za-z0-9\-._~+/]{12,}=*)
+    | (?P<urlcred>\b[a-zA-Z][a-zA-Z0-9+.\-]*://[^\s/:@'"]+:)(?P<urlcred_v>[^\s/@'"]+)(?=@)
+    | (?P<kv>(?i:\b[\w.\-]*(?:api[_\-]?key|apikey|access[_\-]?key|secret[_\-]?key|secret|token|passw(?:or)?d|pwd|auth|credential|accountkey|sig)\b["']?\s*[:=]\s*["']?))(?P<kv_v>[^\s"',;&]{6,})
+    | (?P<email>\b[A-Za-z0-9._%+\-]+@[A-Za-z0-9\-]+(?:\.[A-Za-z0-9\-]+)*\.[A-Za-z]{2,}\b)
+    """,
+    re.X,
+)
+_IPV4_RE = re.compile(r"(?<![\w.])(?:(?:25[0-5]|2[0-4]\d|1?\d?\d)\.){3}(?:25[0-5]|2[0-4]\d|1?\d?\d)(?![\w.])")
+_USER_PATH_RE = re.compile(r"(/(?:home|Users|users|homes|scratch|people|u)/)([A-Za-z_][\w.\-]{0,31})(?=/|\b)")
+_TOKEN_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-]*")
+
+
+class Masker:
+    """Replace secrets (always) and hosts/IPs/users (with ``mask_hosts``), consistently."""
+
+    def __init__(self, mask_hosts: bool = False) -> None:
+        self.mask_hosts = mask_hosts
+        self._hosts: dict[str, str] = {}
+        self._ips: dict[str, str] = {}
+        self._users: dict[str, str] = {}
+
+    def _secret(self, m: re.Match[str]) -> str:
+        kind = m.lastgroup or "secret"
+        for prefix_group, value_group in (("bearer", "bearer_v"), ("urlcred", "urlcred_v"),
+                                          ("kv", "kv_v")):
+            if kind == value_group:
+                return f"{m.group(prefix_group)}<secret>"
+        return "<email>" if kind == "email" else "<secret>"
+
+    def mask(self, text: str) -> str:
+        """Mask one line at ingress."""
+        if not text:
+            return text
+        text = _SECRET_RE.sub(self._secret, text)
+        if self.mask_hosts:
+            text = self._mask_hosts(text)
+        return text
+
+    def learn_host(self, host: str) -> str:
+        """Register a hostname seen in a structural field; return what the report shows for it."""
+        if not host or not self.mask_hosts:
+            return host
+        if _IPV4_RE.fullmatch(host):
+            return self._alias(self._ips, host, "ip")
+        short = host.split(".", 1)[0]
+        alias = self._hosts.get(host) or self._hosts.get(short)
+        if alias is None:
+            alias = f"host-{len(set(self._hosts.values())) + 1}"
+        self._hosts[host] = alias
+        self._hosts[short] = alias
+        return alias
+
+    @staticmethod
+    def _alias(table: dict[str, str], key: str, kind: str) -> str:
+        if key not in table:
+            table[key] = f"{kind}-{len(table) + 1}"
+        return table[key]
+
+    def _mask_hosts(self, text: str) -> str:
+        text = _IPV4_RE.sub(lambda m: self._alias(self._ips, m.group(0), "ip"), text)
+        text = _USER_PATH_RE.sub(
+            lambda m: m.group(1) + self._alias(self._users, m.group(2), "user"), text)
+        if self._hosts:
+            hosts = self._hosts
+
+            def repl(m: re.Match[str]) -> str:
+                tok = m.group(0)
+                if tok in hosts:
+                    return hosts[tok]
+                head = tok.split(".", 1)[0]
+                return hosts[head] + "" if head in hosts and "." in tok else tok
+
+            text = _TOKEN_RE.sub(repl, text)
+        return text
+
+    def finalize(self, text: str) -> str:
+        """Mask a string on its way out, with every host learned by the end of the scan."""
+        return self.mask(text)
+
+    def finalize_obj(self, obj: object) -> object:
+        """`finalize` every string inside a JSON-like object."""
+        if isinstance(obj, str):
+            return self.finalize(obj)
+        if isinstance(obj, list):
+            return [self.finalize_obj(v) for v in obj]
+        if isinstance(obj, dict):
+            return {k: self.finalize_obj(v) for k, v in obj.items()}
+        return obj

@@ -1,0 +1,183 @@
+"""A torchrun worker that trains a tiny model deterministically and checkpoints with ckptguard.
+
+Scenarios (argv[1]) exercise one behaviour each; every check is an assert, and a
+worker prints ``RESULT <json>`` lines that the tests parse. Training is a pure
+function of the step, so any rank can recompute the exact state of any step and
+compare a loaded checkpoint bitwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import shutil
+import sys
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import ckptguard
+from ckptguard import _faults
+
+
+def result(**kw: object) -> None:
+    print("RESULT " + json.dumps({"rank": dist.get_rank(), **kw}), flush=True)
+
+
+def make_model() -> nn.Module:
+    torch.manual_seed(1234)
+    return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 8))
+
+
+def train_step(model: nn.Module, optim: torch.optim.Optimizer, step: int) -> None:
+    g = torch.Generator().manual_seed(10_000 + step)
+    x = torch.randn(4, 16, generator=g)
+    loss = model(x).pow(2).mean()
+    optim.zero_grad()
+    loss.backward()
+    for p in model.parameters():  # what DDP's all-reduce would do: identical grads everywhere
+        assert p.grad is not None
+    optim.step()
+
+
+def replay(upto: int) -> tuple[nn.Module, torch.optim.Optimizer]:
+    model = make_model()
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for s in range(upto + 1):
+        train_step(model, optim, s)
+    return model, optim
+
+
+def assert_equal_state(a: nn.Module, b: nn.Module) -> None:
+    for (ka, va), (kb, vb) in zip(a.state_dict().items(), b.state_dict().items(), strict=True):
+        assert ka == kb and torch.equal(va, vb), f"tensor {ka} differs"
+
+
+def scenario_saves(args: argparse.Namespace) -> None:
+    """Save every step into one root; at the end the newest loads bitwise-equal."""
+    ck = ckptguard.Checkpointer(args.root, keep_last=args.keep_last)
+    result(topology=[list(d) for d in ck.topology.domains])
+    model = make_model()
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    start = ck.load({"model": model, "optim": optim})
+    first = 0 if start is None else start + 1
+    if start is not None:
+        assert_equal_state(model, replay(start)[0])
+    for step in range(first, first + args.count):
+        train_step(model, optim, step)
+        if args.fault_step == step:
+            _faults.arm(args.fault)
+        ck.save(step, {"model": model, "optim": optim, "extra": {"step": step}})
+        result(saved=step)
+    fresh = make_model()
+    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
+    extra = {"step": -1}
+    loaded = ck.load({"model": fresh, "optim": fresh_opt, "extra": extra})
+    assert loaded == first + args.count - 1 and extra["step"] == loaded, (loaded, extra)
+    assert_equal_state(fresh, model)
+    result(loaded=loaded, steps=ck.steps(), resumed_from=start)
+    ck.close()
+
+
+def scenario_resume(args: argparse.Namespace) -> None:
+    """After a crash: load the newest committed step, check it bitwise, save once more."""
+    ck = ckptguard.Checkpointer(args.root, keep_last=args.keep_last)
+    model = make_model()
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    extra = {"step": -1}
+    loaded = ck.load({"model": model, "optim": optim, "extra": extra})
+    steps_before = ck.steps()
+    if loaded is not None:
+        assert extra["step"] == loaded
+        ref_model, ref_optim = replay(loaded)
+        assert_equal_state(model, ref_model)
+        for (k, v), (k2, v2) in zip(optim.state_dict()["state"].items(), ref_optim.state_dict()["state"].items(),
+                                     strict=True):
+            assert k == k2 and all(torch.equal(v[n], v2[n]) for n in v), "optimizer state differs"
+    nxt = (loaded if loaded is not None else -1) + 1
+    train_step(model, optim, nxt)
+    ck.save(nxt, {"model": model, "optim": optim, "extra": {"step": nxt}})
+    result(loaded=loaded, steps_before=steps_before, steps_after=ck.steps())
+    ck.close()
+
+
+def scenario_artifacts(args: argparse.Namespace) -> None:
+    """Per-rank files= directories round-trip; with --collide, two ranks name one directory."""
+    rank = dist.get_rank()
+    base = os.path.join(args.scratch, "offload")
+    mine = os.path.join(base, "shared" if args.collide and rank in (1, 2) else f"rank{rank}")
+    os.makedirs(os.path.join(mine, "sub"), exist_ok=True)
+    with open(os.path.join(mine, "state.bin"), "wb") as f:
+        f.write(bytes([rank]) * (1000 + rank))
+    with open(os.path.join(mine, "sub", "meta.txt"), "w") as f:
+        f.write(f"rank {rank}\n")
+    ck = ckptguard.Checkpointer(args.root)
+    model = make_model()
+    try:
+        ck.save(7, {"model": model}, files={"offloaded": mine})
+    except ckptguard.CheckpointError as e:
+        staging = os.listdir(os.path.join(args.root, ".ckptguard", "staging")) \
+            if os.path.isdir(os.path.join(args.root, ".ckptguard", "staging")) else []
+        result(error=str(e), error_rank=e.rank, steps=ck.steps(), staging=staging)
+        ck.close()
+        return
+    dist.barrier()
+    shutil.rmtree(mine)
+    ck.load({"model": model}, files={"offloaded": mine})
+    with open(os.path.join(mine, "state.bin"), "rb") as f:
+        assert f.read() == bytes([rank]) * (1000 + rank)
+    with open(os.path.join(mine, "sub", "meta.txt")) as f:
+        assert f.read() == f"rank {rank}\n"
+    result(restored=True, steps=ck.steps())
+    ck.close()
+
+
+def scenario_save_file(args: argparse.Namespace) -> None:
+    """Every rank calls save_file on one path with its own tensors: one writer, verified load."""
+    rank = dist.get_rank()
+    path = os.path.join(args.root, "model.pt")
+    for i in range(args.count):
+        obj = {"rank": rank, "i": i, "w": torch.full((256, 256), float(rank))}
+        ckptguard.save_file(obj, path)
+        loaded = ckptguard.load_file(path)
+        leader = min(r for r in range(dist.get_world_size()) if r in _domain_of(rank, args))
+        assert loaded["rank"] == leader and loaded["i"] == i, (loaded["rank"], leader)
+        assert torch.equal(loaded["w"], torch.full((256, 256), float(leader)))
+    leftovers = [n for n in os.listdir(args.root) if n != "model.pt"]
+    result(ok=True, leftovers=leftovers)
+
+
+def _domain_of(rank: int, args: argparse.Namespace) -> list[int]:
+    world = dist.get_world_size()
+    if args.private_per_node:
+        per = int(os.environ["LOCAL_WORLD_SIZE"])
+        node = rank // per
+        return list(range(node * per, node * per + per))
+    return list(range(world))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("scenario")
+    p.add_argument("--root", default=os.environ.get("CKPT_ROOT"))
+    p.add_argument("--scratch", default=os.environ.get("CKPT_SCRATCH"))
+    p.add_argument("--count", type=int, default=3)
+    p.add_argument("--keep-last", type=int, default=None)
+    p.add_argument("--fault", default="")
+    p.add_argument("--fault-step", type=int, default=None)
+    p.add_argument("--collide", action="store_true")
+    p.add_argument("--private-per-node", action="store_true")
+    args = p.parse_args()
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
+    globals()[f"scenario_{args.scenario}"](args)
+    # Leave together: if the node hosting the rendezvous store exits first, gloo's
+    # teardown on the other node aborts (noise that would hide real failures).
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
