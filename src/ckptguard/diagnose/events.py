@@ -324,6 +324,7 @@ class Extractor:
                    embedded: bool = False) -> None:
         short = etype.rsplit(".", 1)[-1]
         if short == "ChildFailedError":
+            self._tb.pop(key, None)  # the launcher's own traceback: a summary follows
             self._block = _Block()
             self._block_left = 400
             return
