@@ -6,6 +6,7 @@ import os
 from pathlib import Path
 
 import pytest
+
 from helpers import by_rank, ckpt_job, results
 
 
@@ -89,3 +90,11 @@ def test_sigkill_during_save_leaves_previous_or_new_checkpoint(tmp_path: Path, p
     assert os.listdir(root / ".ckptguard" / "staging") == []  # the crashed attempt was cleaned up
     committed = sorted(p.name for p in root.iterdir() if p.name.startswith("step-"))
     assert committed == sorted({f"step-0000000{s}" for s in range(0, max(loaded) + 2)})
+
+
+def test_fsdp2_save_at_world_4_load_at_world_2(tmp_path: Path) -> None:
+    env = {"CKPT_ROOT": str(tmp_path / "ckpt"), "CKPT_SCRATCH": str(tmp_path)}
+    ckpt_job("fsdp_save", nproc=4, env=env)
+    job = ckpt_job("fsdp_load", nproc=2, env=env)
+    assert by_rank(job, "loaded") == {0: 2, 1: 2}
+    assert all(n == 18 for n in by_rank(job, "optim_tensors").values())  # step, exp_avg, exp_avg_sq x 6 params

@@ -188,8 +188,14 @@ class Checkpointer:
         prepared = prepare_state(state)
         plan = self._plan_save(step, files, overwrite)
         self._stage(plan)
-        writer = self._write(plan, prepared.state_dict)
-        self._commit(plan, writer, user_metadata)
+        try:
+            writer = self._write(plan, prepared.state_dict)
+            self._commit(plan, writer, user_metadata)
+        except CheckpointError:
+            # Every rank got the same error at the same agreement point, so no rank is still
+            # writing into the attempt: remove it now, or a disk-full save keeps the disk full.
+            self._discard_attempt(plan)
+            raise
 
     def load(
         self,
@@ -434,6 +440,13 @@ class Checkpointer:
             raise_failures(failures, f"commit step {plan.step}", self._intact(plan))
         if topo.is_leader:
             self._finish(plan, doomed)
+
+    def _discard_attempt(self, plan: _SavePlan) -> None:
+        if self._topo.is_leader:
+            try:
+                self._root.invalidate(plan.staging)
+            except (OSError, CheckpointError) as e:
+                log.warning("ckptguard: could not remove the failed attempt %s: %s", plan.staging, e)
 
     def _finish(self, plan: _SavePlan, doomed: list[int]) -> None:
         """After a commit: move `latest`, apply retention, remove leftovers (best effort, leaders only)."""

@@ -1,0 +1,357 @@
+"""Checkpointer behaviour in one process: round trips, overwrite, retention, corruption, safe loading, lease."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import ckptguard
+from ckptguard import Checkpointer, CheckpointError, CorruptCheckpointError
+
+from beds.diskfull import small_filesystem
+from beds.sshfs import BedUnavailable
+
+
+def make() -> tuple[nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    return model, optim
+
+
+def train(model: nn.Module, optim: torch.optim.Optimizer, steps: int = 1) -> None:
+    for _ in range(steps):
+        model(torch.randn(4, 8)).pow(2).mean().backward()
+        optim.step()
+        optim.zero_grad()
+
+
+def same(a: nn.Module, b: nn.Module) -> bool:
+    return all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values(), strict=True))
+
+
+def data_files(root: Path, step_dir: str) -> list[Path]:
+    return sorted((root / step_dir / "data").iterdir())
+
+
+@pytest.fixture
+def ck(tmp_path: Path) -> Checkpointer:
+    c = Checkpointer(tmp_path / "ckpt")
+    yield c
+    c.close()
+
+
+def test_round_trip_bitwise_with_optimizer_and_extra_values(ck: Checkpointer) -> None:
+    model, optim = make()
+    train(model, optim, 3)
+    extra = {"step": 3, "name": "run-a", "rng": torch.get_rng_state(), "history": [1.5, 2.5]}
+    ck.save(3, {"model": model, "optim": optim, "extra": extra}, metadata={"loss": 0.25})
+    m2, o2 = make()
+    extra2 = {"step": 0, "name": "", "rng": torch.zeros_like(extra["rng"]), "history": []}
+    assert ck.load({"model": m2, "optim": o2, "extra": extra2}) == 3
+    assert same(model, m2)
+    assert extra2 == {**extra, "rng": extra2["rng"]} and torch.equal(extra2["rng"], extra["rng"])
+    s1, s2 = optim.state_dict()["state"], o2.state_dict()["state"]
+    assert all(torch.equal(s1[k]["exp_avg_sq"], s2[k]["exp_avg_sq"]) for k in s1)
+    manifest = json.loads((Path(ck.root) / "step-00000003" / "MANIFEST.json").read_text())
+    assert manifest["body"]["user_metadata"] == {"loss": 0.25}
+
+
+def test_empty_root(ck: Checkpointer) -> None:
+    model, _ = make()
+    assert ck.steps() == [] and ck.latest() is None
+    assert ck.load({"model": model}) is None
+
+
+def test_top_level_plain_values_are_handed_back(ck: Checkpointer) -> None:
+    ck.save(1, {"epoch": 7, "t": torch.arange(3)})
+    state = {"epoch": 0, "t": torch.zeros(3, dtype=torch.long)}
+    ck.load(state)
+    assert state["epoch"] == 7 and torch.equal(state["t"], torch.arange(3))
+
+
+def test_resave_refused_without_overwrite_and_atomic_with_it(ck: Checkpointer) -> None:
+    model, optim = make()
+    ck.save(5, {"model": model})
+    before = sorted(os.listdir(ck.root))
+    with pytest.raises(CheckpointError, match=r"already committed.*overwrite=True"):
+        ck.save(5, {"model": model})
+    assert sorted(os.listdir(ck.root)) == before  # nothing written
+    train(model, optim)
+    ck.save(5, {"model": model}, overwrite=True)
+    assert ck.steps() == [5]
+    names = sorted(n for n in os.listdir(ck.root) if n.startswith("step-"))
+    assert names == ["step-00000005.v2"]  # the old version was invalidated after the new one committed
+    m2, _ = make()
+    ck.load({"model": m2})
+    assert same(model, m2)
+    assert json.loads((Path(ck.root) / "latest").read_text())["dir"] == "step-00000005.v2"
+
+
+def test_keep_last_and_keep_every(tmp_path: Path) -> None:
+    model, _ = make()
+    with Checkpointer(tmp_path / "a", keep_last=2, keep_every=4) as ck:
+        for s in range(1, 10):
+            ck.save(s, {"model": model})
+        assert ck.steps() == [4, 8, 9]
+    with Checkpointer(tmp_path / "b", keep_last=1) as ck:
+        for s in range(3):
+            ck.save(s, {"model": model})
+        assert ck.steps() == [2]
+
+
+@pytest.mark.parametrize("damage", ["bitflip", "truncate", "zeros", "delete", "manifest_bitflip"])
+def test_corrupt_newest_falls_back_with_warning(ck: Checkpointer, damage: str) -> None:
+    root = Path(ck.root)
+    model, optim = make()
+    ck.save(1, {"model": model, "optim": optim})
+    old = make()[0]
+    old.load_state_dict(model.state_dict())
+    train(model, optim)
+    ck.save(2, {"model": model, "optim": optim})
+    target = data_files(root, "step-00000002")[0]
+    if damage == "bitflip":
+        data = bytearray(target.read_bytes())
+        data[len(data) // 2] ^= 0x10
+        target.write_bytes(bytes(data))
+    elif damage == "truncate":
+        target.write_bytes(target.read_bytes()[:-7])
+    elif damage == "zeros":
+        data = bytearray(target.read_bytes())
+        data[:64] = bytes(64)
+        target.write_bytes(bytes(data))
+    elif damage == "delete":
+        target.unlink()
+    else:
+        target = root / "step-00000002" / "MANIFEST.json"
+        data = bytearray(target.read_bytes())
+        data[len(data) // 2] ^= 0x01
+        target.write_bytes(bytes(data))
+    m2, o2 = make()
+    with pytest.raises(CorruptCheckpointError) as info:
+        ck.load({"model": m2, "optim": o2}, step=2)
+    assert str(target) in str(info.value)
+    with pytest.warns(UserWarning, match="step 2 .* is corrupt"):
+        assert ck.load({"model": m2, "optim": o2}) == 1
+    assert same(m2, old)
+
+
+def test_every_checkpoint_corrupt_raises(ck: Checkpointer) -> None:
+    model, _ = make()
+    ck.save(1, {"model": model})
+    for f in data_files(Path(ck.root), "step-00000001"):
+        f.write_bytes(b"\0" * f.stat().st_size)
+    with pytest.warns(UserWarning), pytest.raises(CorruptCheckpointError, match="every committed checkpoint"):
+        ck.load({"model": make()[0]})
+
+
+class _Payload:
+    def __reduce__(self) -> tuple:
+        return (os.system, (f"touch {os.environ['CKPTGUARD_PWNED']}",))
+
+
+def test_pickle_payload_in_stored_object_never_runs(ck: Checkpointer, tmp_path: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """An attacker rewrites an object item with a malicious pickle and fixes up its checksum."""
+    sentinel = tmp_path / "pwned"
+    monkeypatch.setenv("CKPTGUARD_PWNED", str(sentinel))
+    ck.save(1, {"extra": {"note": "hello"}})
+    root = Path(ck.root) / "step-00000001"
+    mpath = root / "MANIFEST.json"
+    doc = json.loads(mpath.read_text())
+    body = doc["body"]
+    (row,) = [r for r in body["items"] if r[0] == "extra.note"]
+    payload = pickle.dumps(_Payload())
+    fpath = root / body["files"][row[2]][0]
+    data = fpath.read_bytes()
+    new = data[: row[3]] + payload + data[row[3] + row[4]:]
+    fpath.write_bytes(new)
+    from ckptguard.checksum import checksum
+
+    row[4] = len(payload)
+    row[5] = checksum(body["checksum_algorithm"], payload)
+    body["files"][row[2]][1] = len(new)
+    text = json.dumps(body, separators=(",", ":"), sort_keys=True)
+    mpath.write_text(f'{{"manifest_checksum":"{checksum("xxh3-64", text.encode())}","body":{text}}}\n')
+    with pytest.raises(CheckpointError, match=r"refusing to load object 'extra\.note'"):
+        ck.load({"extra": {"note": ""}}, step=1)
+    assert not sentinel.exists()
+
+
+def test_dcp_pickle_metadata_is_never_read(ck: Checkpointer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A DCP-style `.metadata` pickle dropped into checkpoints (committed or not) is never unpickled."""
+    sentinel = tmp_path / "pwned"
+    monkeypatch.setenv("CKPTGUARD_PWNED", str(sentinel))
+    model, _ = make()
+    ck.save(1, {"model": model})
+    (Path(ck.root) / "step-00000001" / ".metadata").write_bytes(pickle.dumps(_Payload()))
+    fake = Path(ck.root) / "step-00000002"
+    fake.mkdir()
+    (fake / ".metadata").write_bytes(pickle.dumps(_Payload()))  # looks like a DCP checkpoint, has no manifest
+    assert ck.steps() == [1]
+    assert ck.load({"model": make()[0]}) == 1
+    assert not sentinel.exists()
+
+
+def test_staging_garbage_is_removed_by_the_next_save(ck: Checkpointer) -> None:
+    stale = Path(ck.root) / ".ckptguard" / "staging" / ("step-00000009." + "ab" * 16)
+    (stale / "data").mkdir(parents=True)
+    (stale / "data" / "rank00000_0.bin").write_bytes(b"partial")
+    assert ck.steps() == []  # an attempt never counts as a checkpoint
+    ck.save(1, {"x": torch.ones(2)})
+    assert not stale.exists()
+    assert os.listdir(Path(ck.root) / ".ckptguard" / "staging") == []
+
+
+def test_second_job_on_same_root_gets_a_clear_error(tmp_path: Path) -> None:
+    first = Checkpointer(tmp_path / "ckpt", lease_ttl_s=30)
+    with pytest.raises(CheckpointError, match=r"in use by .*host .*pid"):
+        Checkpointer(tmp_path / "ckpt", lease_wait_s=0.3)
+    reader = Checkpointer(tmp_path / "ckpt", read_only=True)  # loading and listing need no lease
+    assert reader.steps() == []
+    with pytest.raises(CheckpointError, match="read_only"):
+        reader.save(1, {"x": torch.ones(1)})
+    first.close()
+    second = Checkpointer(tmp_path / "ckpt", lease_wait_s=0.3)
+    second.close()
+
+
+def test_lost_lease_fences_the_publish(tmp_path: Path) -> None:
+    ck = Checkpointer(tmp_path / "ckpt", lease_ttl_s=30)
+    ck.save(1, {"x": torch.ones(2)})
+    lease = Path(ck.root) / ".ckptguard" / "lease.json"
+    rec = json.loads(lease.read_text())
+    rec.update(holder="someone-else", epoch=rec["epoch"] + 1)
+    lease.write_text(json.dumps(rec))
+    with pytest.raises(CheckpointError, match="no longer holds the lease"):
+        ck.save(2, {"x": torch.ones(2)})
+    assert ck.steps() == [1]
+    ck.close()
+    assert lease.exists()  # not ours any more: close() leaves the other holder's lease alone
+
+
+def test_takeover_from_dead_holder_on_same_host(tmp_path: Path) -> None:
+    root = tmp_path / "ckpt"
+    code = (f"import ckptguard, torch, os; ck = ckptguard.Checkpointer({str(root)!r}); "
+            "ck.save(1, {'x': torch.ones(2)}); os._exit(0)")  # dies holding the lease
+    subprocess.run([os.sys.executable, "-c", code], check=True)
+    assert (root / ".ckptguard" / "lease.json").exists()
+    with Checkpointer(root, lease_wait_s=0.5) as ck:  # pid is dead: no need to wait for the TTL
+        assert ck.steps() == [1]
+
+
+def test_bad_arguments(ck: Checkpointer) -> None:
+    model, optim = make()
+    with pytest.raises(ValueError):
+        ck.save(-1, {"model": model})
+    with pytest.raises(ValueError):
+        ck.save(True, {"model": model})  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="JSON"):
+        ck.save(1, {"model": model}, metadata={"bad": object()})
+    with pytest.raises(CheckpointError, match="no module in the same state owns"):
+        ck.save(1, {"optim": optim})
+    with pytest.raises(CheckpointError, match="step 4 is not a committed checkpoint"):
+        ck.load({"model": model}, step=4)
+    with pytest.raises(ValueError):
+        Checkpointer(ck.root, keep_last=0)
+
+
+def test_files_collision_within_one_rank(ck: Checkpointer, tmp_path: Path) -> None:
+    d = tmp_path / "off"
+    (d / "inner").mkdir(parents=True)
+    with pytest.raises(CheckpointError, match="nested paths"):
+        ck.save(1, {"x": torch.ones(1)}, files={"a": d, "b": d / "inner"})
+    assert ck.steps() == []
+
+
+def test_disk_full_names_root_and_bytes_and_keeps_previous(tmp_path: Path) -> None:
+    try:
+        with small_filesystem("6m") as mnt:
+            ck = Checkpointer(mnt / "ckpt")
+            ck.save(1, {"w": torch.ones(1000)})
+            with pytest.raises(CheckpointError) as info:
+                ck.save(2, {"w": torch.ones(4 << 20)})  # 16 MiB into a 6 MiB filesystem
+            msg = str(info.value)
+            assert "disk full on" in msg and str(mnt / "ckpt") in msg and "16,777,216 bytes" in msg
+            assert "step 1, is intact" in msg
+            assert ck.steps() == [1]
+            w = {"w": torch.zeros(1000)}
+            assert ck.load(w) == 1 and torch.equal(w["w"], torch.ones(1000))
+            ck.save(3, {"w": torch.full((1000,), 3.0)})  # space is back: garbage of step 2 is gone
+            assert os.listdir(mnt / "ckpt" / ".ckptguard" / "staging") == []
+            ck.close()
+    except BedUnavailable as e:
+        pytest.skip(str(e))
+
+
+def test_read_only_filesystem_error_names_path(tmp_path: Path) -> None:
+    try:
+        with small_filesystem("4m") as mnt:
+            (mnt / "ckpt").mkdir()
+            if subprocess.run(["mount", "-o", "remount,ro", str(mnt)], capture_output=True).returncode:
+                pytest.skip("cannot remount read-only")
+            with pytest.raises(CheckpointError, match=r"read-only: rank 0 .*cannot write .*ckpt"):
+                Checkpointer(mnt / "ckpt")
+            subprocess.run(["mount", "-o", "remount,rw", str(mnt)], check=True)
+    except BedUnavailable as e:
+        pytest.skip(str(e))
+
+
+# -- save_file / load_file ----------------------------------------------------------------
+
+
+def test_save_file_round_trip_and_plain_torch_load(tmp_path: Path) -> None:
+    path = tmp_path / "sub" / "model.pt"
+    obj = {"w": torch.randn(10, 10), "step": 3}
+    ckptguard.save_file(obj, path)
+    loaded = ckptguard.load_file(path)
+    assert torch.equal(loaded["w"], obj["w"]) and loaded["step"] == 3
+    assert torch.equal(torch.load(path, weights_only=True)["w"], obj["w"])  # still a normal torch file
+    assert os.listdir(path.parent) == ["model.pt"]
+
+
+@pytest.mark.parametrize("damage", ["truncate", "bitflip", "append", "plain_torch_save"])
+def test_load_file_refuses_damaged_files(tmp_path: Path, damage: str) -> None:
+    path = tmp_path / "model.pt"
+    ckptguard.save_file({"w": torch.randn(100)}, path)
+    data = bytearray(path.read_bytes())
+    if damage == "truncate":
+        path.write_bytes(bytes(data[: len(data) // 2]))
+    elif damage == "bitflip":
+        data[200] ^= 0x04
+        path.write_bytes(bytes(data))
+    elif damage == "append":
+        path.write_bytes(bytes(data) + b"junk")
+    else:
+        torch.save({"w": torch.randn(100)}, path)
+    with pytest.raises(CorruptCheckpointError, match=str(path)):
+        ckptguard.load_file(path)
+
+
+def test_retry_stale_handles() -> None:
+    import errno
+
+    from ckptguard.storage.posix import retry_stale
+
+    calls = []
+
+    def flaky() -> str:
+        calls.append(1)
+        if len(calls) < 3:
+            raise OSError(errno.ESTALE, "Stale file handle")
+        return "ok"
+
+    assert retry_stale(flaky, "read", "/x") == "ok" and len(calls) == 3
+
+    def always() -> None:
+        raise OSError(errno.ESTALE, "Stale file handle")
+
+    with pytest.raises(CheckpointError, match=r"stale file handle \(ESTALE\) on /x"):
+        retry_stale(always, "read", "/x", attempts=3)
