@@ -24,7 +24,7 @@ from ckptguard.diagnose.events import (
     Extractor,
     LauncherFailure,
 )
-from ckptguard.diagnose.ingest import Prefilter, Source, discover, scan
+from ckptguard.diagnose.ingest import Prefilter, discover, scan
 from ckptguard.diagnose.kb import KnowledgeBase, Match, load_kb
 from ckptguard.diagnose.mask import Masker
 
@@ -262,7 +262,9 @@ def attribute(ex: Extractor, kb: KnowledgeBase) -> Diagnosis:
     if firsts:
         order, basis = _order(firsts, root_causes)
         init_rank = order[0]
-        init = firsts[init_rank]
+        # The rank's most specific primary event names the failure (a generic wrapper
+        # exception is often followed by the specific one on the same rank).
+        init = max(views[init_rank].primary, key=lambda e: (e.weight, -e.seq))
         diag.initiating_rank = init_rank
         diag.ordering_basis = basis
         diag.rank_attribution = _via_text(init)
@@ -623,5 +625,4 @@ def _finalize(diag: Diagnosis, masker: Masker) -> None:
     diag.notes = [f(n) for n in diag.notes]
     diag.sources = [f(s) for s in diag.sources]
     if diag.initiating_host:
-        diag.initiating_host = masker.learn_host(diag.initiating_host) if masker.mask_hosts else f(
-            diag.initiating_host)
+        diag.initiating_host = f(diag.initiating_host)

@@ -206,9 +206,8 @@ class Extractor:
             self._last_ts[key] = ts
         ev = Evidence(self._src, lineno, _clip(text), rank)
 
-        if self._block is not None:
-            if self._block_line(rest, ev):
-                return self._pending_force()
+        if self._block is not None and self._block_line(rest, ev):
+            return self._pending_force()
 
         m = _NCCL_RE.match(rest)
         if m:
@@ -342,7 +341,7 @@ class Extractor:
             self._close_traceback(key, tb, ev, ts=ts, rank=rank, via=via)
             return
         chain = self._chain_next.pop(key, [])
-        self._emit_exception(etype, msg, chain + [(etype, msg)], [], ev, rank, via, ts, key)
+        self._emit_exception(etype, msg, [*chain, (etype, msg)], [], ev, rank, via, ts, key)
 
     def _close_traceback(self, key: tuple[int | None, int | None], tb: _Traceback,
                          ev: Evidence | None, *, ts: float | None = None,

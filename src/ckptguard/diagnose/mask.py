@@ -29,6 +29,7 @@ _SECRET_RE = re.compile(
 )
 _IPV4_RE = re.compile(r"(?<![\w.])(?:(?:25[0-5]|2[0-4]\d|1?\d?\d)\.){3}(?:25[0-5]|2[0-4]\d|1?\d?\d)(?![\w.])")
 _USER_PATH_RE = re.compile(r"(/(?:home|Users|users|homes|scratch|people|u)/)([A-Za-z_][\w.\-]{0,31})(?=/|\b)")
+_ALIAS_RE = re.compile(r"(?:host|ip|user)-\d+")
 _TOKEN_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-]*")
 
 
@@ -60,7 +61,7 @@ class Masker:
 
     def learn_host(self, host: str) -> str:
         """Register a hostname seen in a structural field; return what the report shows for it."""
-        if not host or not self.mask_hosts:
+        if not host or not self.mask_hosts or _ALIAS_RE.fullmatch(host):
             return host
         if _IPV4_RE.fullmatch(host):
             return self._alias(self._ips, host, "ip")

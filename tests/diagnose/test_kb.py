@@ -1,0 +1,48 @@
+"""The knowledge base is data: complete entries, the required ids, valid cross-references."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from ckptguard.cli import app
+from ckptguard.diagnose.kb import KBError, load_kb, load_kb_dir
+
+REQUIRED_IDS = {
+    "checkpoint_write_race", "checkpoint_corrupt_load", "disk_full_enospc", "stale_nfs_handle",
+    "permission_denied_checkpoint_dir", "cuda_oom", "host_oom_sigkill", "nccl_watchdog_timeout",
+    "nccl_network_error", "rendezvous_failure", "cuda_illegal_memory_access",
+    "cuda_device_side_assert", "segfault", "dataloader_worker_killed", "loss_nan_divergence",
+    "import_error", "config_error", "python_exception",
+}
+
+
+def test_kb_complete() -> None:
+    kb = load_kb()
+    assert len(kb.classes) >= 25
+    assert set(kb.classes) >= REQUIRED_IDS
+    for fc in kb.classes.values():
+        assert fc.title and fc.category and fc.mechanism.strip() and fc.fix.strip()
+        assert fc.symptoms and fc.affected and fc.confirm and fc.prevention and fc.verify_command
+        assert fc.signatures
+    assert kb["nccl_watchdog_timeout"].collateral and kb["launcher_sigterm"].collateral
+    assert not kb["checkpoint_write_race"].collateral
+
+
+def test_explain_every_class(runner) -> None:
+    listing = runner.invoke(app, ["explain", "--json"])
+    ids = json.loads(listing.stdout)
+    assert set(ids) == set(load_kb().classes)
+    result = runner.invoke(app, ["explain", "checkpoint_write_race", "--json"])
+    entry = json.loads(result.stdout)
+    assert entry["related"] and entry["verify_command"] and entry["collateral"] is False
+    text = runner.invoke(app, ["explain", "stale_nfs_handle"])
+    assert text.exit_code == 0 and "Stale" in text.stdout
+
+
+def test_bad_kb_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "python_exception.toml").write_text('id = "python_exception"\ntitle = "x"\n')
+    with pytest.raises(KBError):
+        load_kb_dir(tmp_path)

@@ -1,0 +1,147 @@
+"""Bad input: empty, binary, non-UTF-8, a 50 MB line, a log cut mid-traceback; and secrets."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tracemalloc
+from pathlib import Path
+
+from ckptguard.cli import app
+from ckptguard.diagnose.engine import diagnose
+
+from .conftest import FIXTURES, SEED, cli_json
+
+
+def test_empty_input(runner, tmp_path: Path) -> None:
+    (tmp_path / "empty.log").write_bytes(b"")
+    code, out = cli_json(runner, str(tmp_path / "empty.log"))
+    assert code == 1 and out["found"] is False and out["failure_class"] is None
+
+
+def test_stdin(runner) -> None:
+    result = runner.invoke(app, ["diagnose", "-", "--json"], input=SEED.read_text())
+    assert result.exit_code == 0
+    assert json.loads(result.stdout)["initiating_rank"] == 8
+
+
+def test_usage_errors(runner, tmp_path: Path) -> None:
+    assert runner.invoke(app, ["diagnose", str(tmp_path / "missing.log")]).exit_code == 2
+    assert runner.invoke(app, ["diagnose"]).exit_code == 2
+    assert runner.invoke(app, ["explain", "no_such_class"]).exit_code == 2
+
+
+def test_binary_garbage_and_non_utf8(tmp_path: Path) -> None:
+    rnd = os.urandom(3 * 1024 * 1024)
+    (tmp_path / "garbage.bin.log").write_bytes(rnd)
+    diagnose([str(tmp_path / "garbage.bin.log")])  # no crash, whatever it finds in noise
+    bad = (b"\xff\xfe[rank1]: caf\xe9 \x80\x81\n[rank1]: Traceback (most recent call last):\n"
+           b"[rank1]: OSError: [Errno 28] No space left on device: '/ck\xffpt/x.pt'\n")
+    (tmp_path / "latin.log").write_bytes(bad)
+    d = diagnose([str(tmp_path / "latin.log")])
+    assert (d.failure_class, d.initiating_rank) == ("disk_full_enospc", 1)
+
+
+def test_50mb_single_line_bounded_memory(tmp_path: Path) -> None:
+    p = tmp_path / "long.log"
+    with p.open("wb") as f:
+        f.write(b"[rank0]: RuntimeError: Connection reset by peer " + b"x" * (50 * 1024 * 1024) + b"\n")
+        f.write(b"[rank1]: torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2 GiB\n")
+    tracemalloc.start()
+    d = diagnose([str(p)])
+    _, peak = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    assert peak < 32 * 1024 * 1024, peak
+    assert (d.failure_class, d.initiating_rank, d.collateral_ranks) == ("cuda_oom", 1, [0])
+    assert d.stats["lines"] == 2
+    assert all(len(e.text) <= 400 for e in d.evidence)
+
+
+def test_log_cut_mid_traceback(tmp_path: Path) -> None:
+    lines = (FIXTURES / "exception_keyerror.log").read_text().splitlines(keepends=True)
+    cut = next(i for i, ln in enumerate(lines) if "fail_now(step)" in ln)
+    (tmp_path / "cut.log").write_text("".join(lines[:cut]))
+    d = diagnose([str(tmp_path / "cut.log")])
+    assert d.failure_class in (None, "python_exception", "peer_connection_lost", "launcher_sigterm")
+    whole = "".join(lines[: cut + 3])
+    (tmp_path / "cut2.log").write_text(whole.rsplit("\n", 1)[0][:-5])  # cut inside a line
+    diagnose([str(tmp_path / "cut2.log")])
+
+
+SECRETS = {
+    "aws": "AKIAIOSFODNN7EXAMPLQ",
+    "aws_secret": "wJalrXUtnFEMIK7MDENGbPxRfiCYEXAMPLEKEYzz",
+    "hf": "hf_abcdefghijklmnopqrstuvwxyzABCDEFGH12",
+    "github": "ghp_0123456789abcdefghijklmnopqrstuvwxyz",
+    "bearer": "eyJhbGciOiJIUzI1NiJ9.eyJzdWIiOiIxMjM0NTY3ODkwIn0.dozjgNryP4J3jVmNHl0w5N_XgL0n3I9PlFUP0THsR8U",
+    "urlpass": "S3cr3tPassw0rd",
+    "email": "jane.doe@example-corp.com",
+    "gcp": "AIzaSyA1234567890abcdefghijklmnopqrstuv",
+    "openai": "sk-proj-ABCDEFGHIJKLMNOPQRSTUVWX1234",
+    "wandb": "0123456789abcdef0123456789abcdef01234567",
+}
+
+
+def _planted(tmp_path: Path) -> Path:
+    s = SECRETS
+    text = (FIXTURES / "exception_keyerror.log").read_text()
+    text = text.replace(
+        "[default2]:[rank2]: KeyError: 'labels'",
+        f"[default2]:[rank2]: KeyError: 'labels' token={s['hf']} aws {s['aws']} "
+        f"aws_secret_access_key={s['aws_secret']} mail {s['email']} "
+        f"url https://bob:{s['urlpass']}@hub.example.com/x Authorization: Bearer {s['bearer']} "
+        f"gh {s['github']} key {s['gcp']} {s['openai']} WANDB_API_KEY={s['wandb']}")
+    p = tmp_path / "secrets.log"
+    p.write_text(text)
+    return p
+
+
+def test_secrets_never_leave(runner, tmp_path: Path) -> None:
+    log = _planted(tmp_path)
+    html = tmp_path / "r.html"
+    text = runner.invoke(app, ["diagnose", str(log), "--html", str(html)])
+    js = runner.invoke(app, ["diagnose", str(log), "--json"])
+    assert text.exit_code == 0 and js.exit_code == 0
+    out = json.loads(js.stdout)
+    assert out["initiating_rank"] == 2
+    assert any("<secret>" in e["text"] for e in out["evidence"])
+    for name, value in SECRETS.items():
+        for kind, blob in (("text", text.stdout), ("json", js.stdout), ("html", html.read_text())):
+            assert value not in blob, f"{name} leaked into {kind} output"
+
+
+def test_mask_hosts_consistently(runner) -> None:
+    code, out = cli_json(runner, str(SEED), "--mask-hosts")
+    blob = json.dumps(out)
+    assert code == 0 and out["initiating_rank"] == 8
+    assert "NH-DC-NM129" not in blob
+    assert out["initiating_host"] == "host-1"
+    assert "host-1" in " ".join(e["text"] for e in out["evidence"])
+
+
+def test_html_report(runner, tmp_path: Path) -> None:
+    html = tmp_path / "r.html"
+    result = runner.invoke(app, ["diagnose", str(FIXTURES / "dir_race_2nodes.log"), "--html", str(html)])
+    assert result.exit_code == 0
+    page = html.read_text()
+    assert page.startswith("<!doctype html>") and "<svg" in page and "rank 2" in page
+    assert "http://" not in page.replace('xmlns="http://www.w3.org/2000/svg"', "")  # self-contained
+
+
+def test_diagnose_does_not_import_torch() -> None:
+    """The diagnose modules and their CLI import no torch (checked with the package's own
+    __init__, which belongs to the checkpoint library, bypassed)."""
+    code = (
+        "import importlib.util, sys, types\n"
+        "spec = importlib.util.find_spec('ckptguard')\n"
+        "pkg = types.ModuleType('ckptguard'); pkg.__path__ = list(spec.submodule_search_locations)\n"
+        "sys.modules['ckptguard'] = pkg\n"
+        "from ckptguard.cli import diagnose_cmd\n"
+        "from ckptguard.diagnose import engine, report\n"
+        "d = engine.diagnose([sys.argv[1]]); report.render_html(d)\n"
+        "assert d.initiating_rank == 8\n"
+        "assert 'torch' not in sys.modules, 'torch imported'\n"
+    )
+    subprocess.run([sys.executable, "-c", code, str(SEED)], check=True)
