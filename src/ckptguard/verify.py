@@ -1,0 +1,245 @@
+"""Offline inspection of a checkpoint root: what is committed, what is left over, what is intact.
+
+`list_root` only reads names, manifests and sizes (fast). `verify_checkpoint`
+re-reads every byte and checks it against the manifest: files are read by
+several threads in bounded chunks, so memory stays at threads x chunk whatever
+the size of the checkpoint, and no tensor is ever materialised.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from ckptguard import layout
+from ckptguard.checksum import Hasher
+from ckptguard.errors import CheckpointError
+from ckptguard.layout import CheckpointName
+from ckptguard.lease import LeaseRecord
+from ckptguard.manifest import Manifest, StoredItem
+from ckptguard.root import CheckpointRoot
+from ckptguard.storage.posix import PosixStorage
+
+SCHEMA_VERSION = 1
+CHUNK_BYTES = 8 << 20
+
+
+@dataclass
+class CheckpointInfo:
+    step: int
+    version: int
+    dir: str
+    current: bool  # the newest version of its step (older versions are superseded leftovers)
+    latest: bool  # what the `latest` pointer names
+    created_at: float | None = None
+    world_size: int | None = None
+    files: int | None = None
+    bytes: int | None = None
+    user_metadata: dict[str, Any] = field(default_factory=dict)
+    manifest_error: str | None = None
+
+
+@dataclass
+class AttemptInfo:
+    step: int | None
+    attempt: str
+    dir: str
+    state: str  # "in progress" (a live job holds the lease and touched it recently) or "abandoned"
+    age_s: float
+    bytes: int
+
+
+@dataclass
+class RootListing:
+    root: str
+    checkpoints: list[CheckpointInfo]
+    attempts: list[AttemptInfo]
+    trash: list[str]
+    lease: dict[str, Any] | None
+
+    def to_json(self) -> dict[str, Any]:
+        return {"schema_version": SCHEMA_VERSION, "root": self.root,
+                "checkpoints": [asdict(c) for c in self.checkpoints],
+                "attempts": [asdict(a) for a in self.attempts], "trash": self.trash, "lease": self.lease}
+
+
+@dataclass
+class Problem:
+    path: str
+    kind: str  # missing | size | checksum | layout | extra | manifest
+    detail: str
+
+
+@dataclass
+class VerifyResult:
+    step: int
+    version: int
+    dir: str
+    intact: bool
+    files_checked: int = 0
+    bytes_checked: int = 0
+    seconds: float = 0.0
+    problems: list[Problem] = field(default_factory=list)
+
+
+def _dir_bytes(path: str) -> int:
+    total = 0
+    for dirpath, _, files in os.walk(path):
+        for f in files:
+            with contextlib.suppress(OSError):
+                total += os.lstat(os.path.join(dirpath, f)).st_size
+    return total
+
+
+def list_root(path: str) -> RootListing:
+    """What is in a root. Raises CheckpointError if ``path`` is not a directory."""
+    if not os.path.isdir(path):
+        raise CheckpointError(f"{path} is not a directory", path=path)
+    storage = PosixStorage(path)
+    root = CheckpointRoot(storage)
+    current = root.current()
+    pointer = root.read_latest()
+    lease_rec = None
+    with contextlib.suppress(FileNotFoundError):
+        lease_rec = LeaseRecord.from_bytes(storage.read_bytes(storage.path(layout.LEASE)))
+    now = time.time()
+    lease_live = lease_rec is not None and now - lease_rec.renewed_at <= lease_rec.ttl_s
+    checkpoints = []
+    for name in root.committed():
+        info = CheckpointInfo(name.step, name.version, name.dirname, current[name.step] == name,
+                              pointer is not None and pointer.get("dir") == name.dirname)
+        try:
+            m = root.read_manifest(name)
+            info.created_at, info.world_size = m.created_at, m.world_size
+            info.files, info.bytes, info.user_metadata = len(m.files), m.total_bytes, m.user_metadata
+        except CheckpointError as e:
+            info.manifest_error = str(e)
+        checkpoints.append(info)
+    attempts = []
+    staging_root = storage.path(layout.STAGING)
+    for entry in sorted(storage.listdir(staging_root)):
+        full = os.path.join(staging_root, entry)
+        parsed = layout.parse_staging(entry)
+        try:
+            age = now - os.stat(full).st_mtime
+        except FileNotFoundError:
+            continue
+        state = "in progress" if lease_live and lease_rec is not None and age <= lease_rec.ttl_s else "abandoned"
+        attempts.append(AttemptInfo(parsed[0] if parsed else None, parsed[1] if parsed else entry, full, state,
+                                    round(age, 1), _dir_bytes(full)))
+    trash = [os.path.join(storage.path(layout.TRASH), e) for e in sorted(storage.listdir(storage.path(layout.TRASH)))]
+    lease = None
+    if lease_rec is not None:
+        lease = {**asdict(lease_rec), "live": lease_live}
+    return RootListing(storage.root, checkpoints, attempts, trash, lease)
+
+
+def _tiling_problems(manifest: Manifest, base: str) -> list[Problem]:
+    """Items of each data file must cover it exactly: no gap, no overlap, nothing past the end."""
+    problems = []
+    by_file: dict[str, list[StoredItem]] = {}
+    for item in manifest.items:
+        by_file.setdefault(item.file, []).append(item)
+    sizes = {f.path: f.size for f in manifest.files}
+    for rel, items in by_file.items():
+        if rel not in sizes:
+            problems.append(Problem(os.path.join(base, rel), "manifest", "items point into a file the manifest does not list"))
+            continue
+        pos = 0
+        for item in sorted(items, key=lambda i: i.offset):
+            if item.offset != pos:
+                problems.append(Problem(os.path.join(base, rel), "manifest",
+                                        f"items do not tile the file: gap or overlap at byte {pos}"))
+                break
+            pos += item.length
+        else:
+            if pos != sizes[rel]:
+                problems.append(Problem(os.path.join(base, rel), "manifest",
+                                        f"items cover {pos} bytes of a {sizes[rel]}-byte file"))
+    return problems
+
+
+def verify_checkpoint(root_path: str, name: CheckpointName, *, threads: int = 4,
+                      on_bytes: Callable[[int], None] | None = None) -> VerifyResult:
+    """Re-read every byte of one checkpoint and compare with its manifest."""
+    started = time.monotonic()
+    root = CheckpointRoot(PosixStorage(root_path))
+    base = root.dir(name)
+    result = VerifyResult(name.step, name.version, name.dirname, intact=False)
+    try:
+        manifest = root.read_manifest(name)
+    except CheckpointError as e:
+        result.problems.append(Problem(os.path.join(base, layout.MANIFEST), "manifest", str(e)))
+        result.seconds = time.monotonic() - started
+        return result
+    result.problems.extend(_tiling_problems(manifest, base))
+    listed = {f.path for f in manifest.files} | {layout.MANIFEST}
+    for dirpath, _, files in os.walk(base):
+        for fname in files:
+            rel = os.path.relpath(os.path.join(dirpath, fname), base).replace(os.sep, "/")
+            if rel not in listed:
+                result.problems.append(Problem(os.path.join(base, rel), "extra",
+                                               "file not in the manifest: added after the commit"))
+    items_by_file: dict[str, list[StoredItem]] = {}
+    for item in manifest.items:
+        items_by_file.setdefault(item.file, []).append(item)
+    algorithm = manifest.checksum_algorithm
+
+    def check_file(entry_path: str, size: int, file_checksum: str | None) -> list[Problem]:
+        path = os.path.join(base, entry_path)
+        try:
+            actual = os.stat(path).st_size
+        except FileNotFoundError:
+            return [Problem(path, "missing", "file is missing")]
+        if actual != size:
+            return [Problem(path, "size", f"{actual} bytes, the manifest says {size}")]
+        found: list[Problem] = []
+        buf = bytearray(CHUNK_BYTES)
+        view = memoryview(buf)
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            spans: list[tuple[int, int, str, str]]
+            if file_checksum is not None:
+                spans = [(0, size, file_checksum, "whole file")]
+            else:
+                spans = [(i.offset, i.length, i.checksum, i.fqn) for i in items_by_file.get(entry_path, [])]
+            for offset, length, expected, what in sorted(spans):
+                hasher = Hasher(algorithm)
+                pos = 0
+                while pos < length:
+                    n = os.preadv(fd, [view[: min(CHUNK_BYTES, length - pos)]], offset + pos)
+                    if n == 0:
+                        break
+                    hasher.update(view[:n])
+                    pos += n
+                    if on_bytes is not None:
+                        on_bytes(n)
+                got = hasher.hexdigest()
+                if pos != length or got != expected:
+                    found.append(Problem(path, "checksum", f"{what} (bytes {offset}..{offset + length}): "
+                                                           f"checksum {got}, expected {expected}"))
+        finally:
+            os.close(fd)
+        return found
+
+    with ThreadPoolExecutor(max(1, threads), thread_name_prefix="ckptguard-verify") as pool:
+        futures = [pool.submit(check_file, f.path, f.size, f.checksum) for f in manifest.files]
+        for fut in futures:
+            result.problems.extend(fut.result())
+    result.files_checked = len(manifest.files)
+    result.bytes_checked = manifest.total_bytes
+    result.intact = not result.problems
+    result.seconds = round(time.monotonic() - started, 3)
+    return result
+
+
+def checkpoint_bytes(root_path: str, name: CheckpointName) -> int:
+    try:
+        return CheckpointRoot(PosixStorage(root_path)).read_manifest(name).total_bytes
+    except CheckpointError:
+        return 0
