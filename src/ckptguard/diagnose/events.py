@@ -18,9 +18,8 @@ from ckptguard.diagnose.mask import Masker
 # Literal anchors for the structural parts of a log (tracebacks, launcher lines, NCCL rank
 # maps); the KB adds the anchors of its own signatures.
 STRUCTURAL_ANCHORS = (
-    "rror", "xception", "Traceback", "SIG", "ignal", "xitcode", "imeout", "atchdog", "NCCL WARN",
-    "Killed", "nranks", "[send]", "[receive]", "Root Cause", "Saving", "saving", "nan", "NaN",
-    "oss is", "Segmentation", "terminate called", "CANCELLED", "core dumped", "Fatal",
+    "rror", "xception", "xit", "Traceback", "SIG", "Segmentation", "atchdog", "aving", "NCCL WARN",
+    "NaN", "Killed", "nan", "nranks", "oss is", "[send]", "[receive]",
 )
 EVIDENCE_CHARS = 400
 KEEP_PER_RANK_CLASS = 3

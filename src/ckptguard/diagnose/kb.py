@@ -35,6 +35,7 @@ class Signature:
     weight: float
     anchor: str | None = None
     context: re.Pattern[str] | None = None
+    prefilter: bool = False
 
 
 @dataclass(frozen=True)
@@ -106,8 +107,9 @@ class KnowledgeBase:
         return class_id in self.classes
 
     def anchors(self) -> set[str]:
-        """Literal substrings that any signature needs: the ingest prefilter looks for these."""
-        return {a for a, _ in self._groups if a}
+        """Anchors of signatures marked ``prefilter = true``: lines that carry none of the
+        structural anchors (no error, exception, signal...) and must still be read."""
+        return {s.anchor for _, sigs in self._groups for s in sigs if s.prefilter and s.anchor}
 
     def match(self, text: str, *, exception: bool, context: str = "") -> list[Match]:
         """Best weight per class for ``text`` (an exception ``Type: message`` or a log line)."""
@@ -168,7 +170,8 @@ def parse_class(data: dict[str, object], where: str) -> FailureClass:
         anchor = raw.get("anchor")
         pattern = _compile(raw.get("pattern"), swhere)
         context = _compile(raw["context"], swhere) if "context" in raw else None
-        sigs.append(Signature(cid, pattern, on, weight, anchor or None, context))
+        sigs.append(Signature(cid, pattern, on, weight, anchor or None, context,
+                              bool(raw.get("prefilter", False))))
     if not sigs:
         raise KBError(f"{where}: a class needs at least one signature")
     return FailureClass(

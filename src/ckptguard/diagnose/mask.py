@@ -33,6 +33,20 @@ _ALIAS_RE = re.compile(r"(?:host|ip|user)-\d+")
 _TOKEN_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-]*")
 
 
+_HINTS = ("PRIVATE KEY", "AKIA", "ASIA", "AGPA", "AIDA", "AROA", "ANPA", "AIza", "hf_", "gh",
+          "xox", "sk-", "eyJ", "://", "@")
+_KV_HINTS = ("key", "secret", "token", "passw", "pwd", "auth", "credential", "sig", "bearer",
+             "basic ")
+
+
+def _may_hold_secret(text: str) -> bool:
+    """Cheap substring test before the (slower) secret regex: most log lines hold none."""
+    if any(h in text for h in _HINTS):
+        return True
+    low = text.lower()
+    return any(h in low for h in _KV_HINTS)
+
+
 class Masker:
     """Replace secrets (always) and hosts/IPs/users (with ``mask_hosts``), consistently."""
 
@@ -54,7 +68,8 @@ class Masker:
         """Mask one line at ingress."""
         if not text:
             return text
-        text = _SECRET_RE.sub(self._secret, text)
+        if _may_hold_secret(text):
+            text = _SECRET_RE.sub(self._secret, text)
         if self.mask_hosts:
             text = self._mask_hosts(text)
         return text

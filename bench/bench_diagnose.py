@@ -1,0 +1,153 @@
+"""Benchmark `ckptguard diagnose` on a generated log of a 1,024-rank job with one buried failure.
+
+    python bench/bench_diagnose.py [--size-mb 1024] [--ranks 1024] [--keep]
+
+Writes the log into a temporary directory (never into the repository), then in one run measures
+`grep -c` of a simple pattern over the same file (the read-speed limit), and the diagnosis on one
+core (taskset) for the full log and for a log one eighth of the size, with the peak RSS of each,
+so that the table shows both the throughput and that memory does not grow with the log.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+FAIL_RANK = 517
+
+
+def _noise_block(rng: random.Random, ranks: int, step0: int, nlines: int) -> bytes:
+    """Ordinary lines of a healthy run: step logs, NCCL INFO, warnings, dataloader chatter."""
+    out = []
+    for i in range(nlines):
+        r = rng.randrange(ranks)
+        step = step0 + i // ranks
+        k = rng.random()
+        ts = f"2024-05-01 10:{(step // 60) % 60:02d}:{step % 60:02d},{rng.randrange(1000):03d}"
+        if k < 0.86:
+            out.append(f"[rank{r}]:{ts} INFO trainer: step {step} loss {2 + rng.random():.4f} "
+                       f"lr 3.0e-04 grad_norm {rng.random():.3f} tok/s {rng.randrange(90000, 120000)} mfu 41.{r % 10}%\n")
+        elif k < 0.93:
+            out.append(f"gpu-{r // 8:03d}:{100000 + r}:{200000 + r} [{r % 8}] NCCL INFO Channel {i % 32:02d}/32 : "
+                       f"{r}[{r % 8}] -> {(r + 1) % ranks}[{(r + 1) % 8}] via P2P/CUMEM/read\n")
+        elif k < 0.97:
+            out.append(f"[rank{r}]:{ts} INFO data: shard {rng.randrange(4096)} opened, {rng.randrange(10**6)} samples, prefetch 4\n")
+        else:
+            out.append(f"[rank{r}]:/opt/conda/lib/python3.11/site-packages/torch/utils/data/dataloader.py:558: "
+                       f"UserWarning: This DataLoader will create 8 worker processes in total.\n")
+    return "".join(out).encode()
+
+
+def _init_lines(ranks: int) -> bytes:
+    out = []
+    for r in range(ranks):
+        h, pid = f"gpu-{r // 8:03d}", 100000 + r
+        out.append(f"{h}:{pid}:{pid + 50} [{r % 8}] NCCL INFO comm 0x7f{r:04x} rank {r} nranks {ranks} "
+                   f"cudaDev {r % 8} nvmlDev {r % 8} busId {r % 8}0000 commId 0xabc - Init COMPLETE\n")
+        out.append(f"{h}:{pid}:{pid + 50} [{r % 8}] NCCL INFO Trees [0] {(r + 1) % ranks}/-1/-1->{r}->{(r - 1) % ranks}\n")
+    return "".join(out).encode()
+
+
+def _failure(ranks: int) -> bytes:
+    r = FAIL_RANK
+    lines = [
+        f"[rank{r}]:2024-05-01 11:59:58,101 ERROR trainer: step 99990 failed\n",
+        f"[rank{r}]: Traceback (most recent call last):\n",
+        f"[rank{r}]:   File \"/workspace/train.py\", line 412, in <module>\n",
+        f"[rank{r}]:     loss.backward()\n",
+        f"[rank{r}]: torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 3.50 GiB. GPU {r % 8} has a total "
+        f"capacity of 79.15 GiB of which 2.1 GiB is free.\n",
+    ]
+    for q in range(ranks):
+        if q != r:
+            lines.append(f"[rank{q}]:[E0501 12:09:58.{q:06d} ProcessGroupNCCL.cpp:616] [Rank {q}] Watchdog caught "
+                         f"collective operation timeout: WorkNCCL(SeqNum=880213, OpType=ALLREDUCE, NumelIn=1, "
+                         f"NumelOut=1, Timeout(ms)=600000) ran for 600031 milliseconds before timing out.\n")
+    return "".join(lines).encode()
+
+
+def generate(path: Path, size: int, ranks: int, seed: int = 0) -> None:
+    """Write ``size`` bytes: init lines, noise, the failure at ~85%, its cascade, then noise."""
+    rng = random.Random(seed)
+    blocks = [_noise_block(rng, ranks, i * 40, 40_000) for i in range(16)]
+    written = 0
+    failed = False
+    with path.open("wb") as f:
+        written += f.write(_init_lines(ranks))
+        i = 0
+        while written < size:
+            if not failed and written >= size * 0.85:
+                written += f.write(_failure(ranks))
+                failed = True
+            written += f.write(blocks[i % len(blocks)])
+            i += 1
+
+
+def _run_measured(cmd: list[str]) -> tuple[float, int, str]:
+    """Wall time, peak RSS (bytes) and stdout of one child, measured by a fresh wrapper process
+    so that each figure is that child's own maximum."""
+    wrapper = ("import resource, subprocess, sys, time; t = time.perf_counter(); "
+               "p = subprocess.run(sys.argv[1:]); dt = time.perf_counter() - t; "
+               "sys.stderr.write(f'@@{dt} {resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss} {p.returncode}')")
+    proc = subprocess.run([sys.executable, "-c", wrapper, *cmd], capture_output=True, text=True, check=False)
+    tail = proc.stderr.rsplit("@@", 1)[-1].split()
+    dt, rss_kib, rc = float(tail[0]), int(tail[1]), int(tail[2])
+    if rc not in (0, 1):
+        raise SystemExit(f"{cmd} failed: {proc.stderr[-2000:]}")
+    return dt, rss_kib * 1024, proc.stdout
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--size-mb", type=int, default=1024)
+    ap.add_argument("--ranks", type=int, default=1024)
+    ap.add_argument("--keep", action="store_true", help="keep the generated logs")
+    args = ap.parse_args()
+    tmp = Path(tempfile.mkdtemp(prefix="ckptguard-bench-"))
+    one_core = ["taskset", "-c", "0"] if shutil.which("taskset") else []
+    try:
+        big, small = tmp / "job.log", tmp / "job_small.log"
+        t0 = time.perf_counter()
+        generate(big, args.size_mb * 1_000_000, args.ranks)
+        generate(small, args.size_mb * 1_000_000 // 8, args.ranks, seed=1)
+        print(f"generated {big.stat().st_size / 1e6:.0f} MB + {small.stat().st_size / 1e6:.0f} MB "
+              f"in {time.perf_counter() - t0:.1f} s ({args.ranks} ranks, failure on rank {FAIL_RANK})")
+        subprocess.run(["cat", str(big), str(small)], stdout=subprocess.DEVNULL, check=True)  # warm cache
+        # The diagnose engine without the package __init__ (which loads the checkpoint library,
+        # and with it torch): the figures are the engine's own, not torch's import time.
+        code = ("import importlib.util, json, sys, types; spec = importlib.util.find_spec('ckptguard'); "
+                "pkg = types.ModuleType('ckptguard'); pkg.__path__ = list(spec.submodule_search_locations); "
+                "sys.modules['ckptguard'] = pkg; from ckptguard.diagnose.engine import diagnose; "
+                "d = diagnose([sys.argv[1]]); assert 'torch' not in sys.modules; "
+                "print(json.dumps({'c': d.failure_class, 'r': d.initiating_rank, 'n': len(d.collateral_ranks)}))")
+        rows = []
+        for label, path in (("grep -c 'loss'", big), ("ckptguard diagnose", big),
+                            ("ckptguard diagnose (1/8 size)", small)):
+            if label.startswith("grep"):
+                dt, rss, out = _run_measured([*one_core, "grep", "-c", "loss", str(path)])
+                result = f"{out.strip()} matching lines"
+            else:
+                dt, rss, out = _run_measured([*one_core, sys.executable, "-c", code, str(path)])
+                result = out.strip()
+            mb = path.stat().st_size / 1e6
+            rows.append((label, mb, dt, mb / dt, rss / 2**20, result))
+        print(f"\n{'tool':32s} {'MB':>7s} {'seconds':>8s} {'MB/s':>8s} {'peak RSS MiB':>13s}  result")
+        for label, mb, dt, rate, rss, result in rows:
+            print(f"{label:32s} {mb:7.0f} {dt:8.2f} {rate:8.0f} {rss:13.0f}  {result}")
+        print(f"\n(one core via {'taskset -c 0' if one_core else 'no taskset: unpinned'}; python {sys.version.split()[0]}; "
+              f"page cache warm; peak RSS is each process's own ru_maxrss, Python interpreter included)")
+    finally:
+        if args.keep:
+            print(f"logs kept in {tmp}")
+        else:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
