@@ -98,3 +98,12 @@ def test_fsdp2_save_at_world_4_load_at_world_2(tmp_path: Path) -> None:
     job = ckpt_job("fsdp_load", nproc=2, env=env)
     assert by_rank(job, "loaded") == {0: 2, 1: 2}
     assert all(n == 18 for n in by_rank(job, "optim_tensors").values())  # step, exp_avg, exp_avg_sq x 6 params
+
+
+def test_per_rank_values_refused_as_plain_and_round_trip_with_per_rank(tmp_path: Path) -> None:
+    job = ckpt_job("per_rank", nproc=2, env={"CKPT_ROOT": str(tmp_path / "ckpt")})
+    errors = by_rank(job, "plain_error")
+    assert errors[0] == errors[1] and "'rng' differs between rank 0 and rank 1" in errors[0]
+    assert "PerRank" in errors[0]
+    assert by_rank(job, "per_rank_ok") == {0: True, 1: True}
+    assert by_rank(job, "steps") == {0: [2], 1: [2]}

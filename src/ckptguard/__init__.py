@@ -4,11 +4,34 @@
     ck = Checkpointer("/shared/ckpts", keep_last=3)
     ck.save(step, {"model": model, "optim": optim})
     step = ck.load({"model": model, "optim": optim})
+
+The checkpoint API is imported on first use, so that `ckptguard diagnose`
+starts without importing torch.
 """
 
-from ckptguard.checkpointer import Checkpointer
-from ckptguard.errors import CheckpointError, CorruptCheckpointError
-from ckptguard.singlefile import load_file, save_file
+from __future__ import annotations
 
-__all__ = ["CheckpointError", "Checkpointer", "CorruptCheckpointError", "load_file", "save_file"]
+from typing import TYPE_CHECKING, Any
+
+from ckptguard.errors import CheckpointError, CorruptCheckpointError
+
+if TYPE_CHECKING:
+    from ckptguard.checkpointer import Checkpointer
+    from ckptguard.singlefile import load_file, save_file
+    from ckptguard.state import PerRank
+
+__all__ = ["CheckpointError", "Checkpointer", "CorruptCheckpointError", "PerRank", "load_file", "save_file"]
 __version__ = "0.1.0"
+
+_LAZY = {"Checkpointer": "ckptguard.checkpointer", "PerRank": "ckptguard.state", "save_file": "ckptguard.singlefile",
+         "load_file": "ckptguard.singlefile"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'ckptguard' has no attribute {name!r}")

@@ -151,6 +151,7 @@ class Checkpointer:
                 except (CheckpointError, OSError) as e:
                     err = e
             agree(self._comm, err, f"take the lease on {self._storage.root}")
+        self._committed: dict[int, int] = self._agreed_current()
         log.debug("ckptguard %s: %s", self._storage.root, self._topo.describe())
 
     # -- public API ---------------------------------------------------------------------
@@ -162,12 +163,21 @@ class Checkpointer:
     def topology(self) -> Topology:
         return self._topo
 
-    def steps(self) -> list[int]:
-        """Committed steps, oldest first, agreed by all ranks (committed in every storage domain)."""
-        return sorted(self._agreed_current())
+    def steps(self, *, refresh: bool = False) -> list[int]:
+        """Committed steps, oldest first, agreed by all ranks (committed in every storage domain).
 
-    def latest(self) -> int | None:
-        steps = self.steps()
+        Not collective: the answer is the one agreed at construction and updated by
+        every save and load, so rank 0 alone may call it for logging. While this
+        job holds the root's lease nobody else writes to it. ``refresh=True``
+        lists the root again and is collective (all ranks must call it).
+        """
+        if refresh:
+            self._committed = self._agreed_current()
+        return sorted(self._committed)
+
+    def latest(self, *, refresh: bool = False) -> int | None:
+        """The newest committed step, or None (see steps() for when this is collective)."""
+        steps = self.steps(refresh=refresh)
         return steps[-1] if steps else None
 
     def save(
@@ -185,7 +195,7 @@ class Checkpointer:
             raise ValueError(f"step must be a non-negative int, got {step!r}")
         user_metadata = _json_object(metadata)
         fault_point("save_start", self._comm.rank)
-        prepared = prepare_state(state)
+        prepared = prepare_state(state, self._comm.rank)
         plan = self._plan_save(step, files, overwrite)
         self._stage(plan)
         try:
@@ -212,7 +222,7 @@ class Checkpointer:
         world size reshards.
         """
         self._check_usable(writing=False)
-        current = self._agreed_current()
+        current = self._committed = self._agreed_current()
         if step is not None:
             if step not in current:
                 raise CheckpointError(
@@ -429,8 +439,8 @@ class Checkpointer:
             assert gathered2 is not None
             failures = order_failures([g[0] for g in gathered2])
             agreed = _intersect([g[1] for g in gathered2 if g[1] is not None]) if not failures else {}
-            decision = (failures, self._retention(agreed, plan.step))
-        failures, doomed = comm.broadcast(decision)
+            decision = (failures, self._retention(agreed, plan.step), agreed)
+        failures, doomed, agreed = comm.broadcast(decision)
         if failures:
             if published:  # another domain failed: this step is not committed anywhere, roll back
                 try:
@@ -438,6 +448,7 @@ class Checkpointer:
                 except OSError as e:
                     log.warning("ckptguard: could not roll back %s: %s", self._root.dir(plan.name), e)
             raise_failures(failures, f"commit step {plan.step}", self._intact(plan))
+        self._committed = {s: v for s, v in agreed.items() if s not in doomed}
         if topo.is_leader:
             self._finish(plan, doomed)
 
@@ -517,7 +528,7 @@ class Checkpointer:
         if collision:
             raise CheckpointError(collision.replace("on save and on restore", "on restore"))
         metadata = metadata_from_json(manifest.dcp, manifest.items)
-        prepared = prepare_state(state)
+        prepared = prepare_state(state, comm.rank)
         reader = GuardedReader(self._root.dir(name), metadata, manifest.checksum_algorithm, comm.rank,
                                self.io_threads)
         try:

@@ -167,7 +167,12 @@ class DomainSavePlanner(DefaultSavePlanner):
         super().__init__(dedup_save_to_lowest_rank=False)
         self.domain_of_rank = list(domain_of_rank)
 
+    def create_local_plan(self) -> SavePlan:
+        plan = super().create_local_plan()
+        return replace(plan, storage_data=_replicated_digests(plan, self.state_dict))
+
     def _create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
+        _check_replicated(all_plans)
         global_plan, metadata = super()._create_global_plan(all_plans)
         if len(set(self.domain_of_rank)) <= 1:
             return global_plan, metadata
@@ -187,6 +192,47 @@ class DomainSavePlanner(DefaultSavePlanner):
         global_plan = [replace(p, items=p.items + extra[r]) if extra.get(r) else p
                        for r, p in enumerate(global_plan)]
         return global_plan, metadata
+
+
+_DIGEST_LIMIT = 1 << 20
+
+
+def _replicated_digests(plan: SavePlan, state_dict: dict[str, Any]) -> dict[str, str]:
+    """Checksums of this rank's small non-sharded values, to catch values that differ across ranks.
+
+    DCP treats every plain tensor and object as replicated and keeps one rank's
+    copy: a per-rank value (an RNG state, a data-loader position) saved that way
+    silently comes back as another rank's. Small values are where that happens;
+    large ones are model weights, identical by construction under DDP.
+    """
+    out: dict[str, str] = {}
+    for item in plan.items:
+        if item.type == WriteItemType.SHARD:
+            continue
+        obj = state_dict.get(item.index.fqn)
+        if isinstance(obj, torch.Tensor):
+            if obj.numel() * obj.element_size() <= _DIGEST_LIMIT and type(obj) is torch.Tensor:
+                mv, _ = tensor_bytes(obj)
+                out[item.index.fqn] = checksum("xxh3-64", mv)
+        elif item.type == WriteItemType.BYTE_IO:
+            buf = io.BytesIO()
+            torch.save(obj, buf)
+            if buf.tell() <= _DIGEST_LIMIT:
+                out[item.index.fqn] = checksum("xxh3-64", buf.getbuffer())
+    return out
+
+
+def _check_replicated(plans: list[SavePlan]) -> None:
+    first: dict[str, tuple[int, str]] = {}
+    for rank, plan in enumerate(plans):
+        for fqn, digest in (plan.storage_data or {}).items():
+            seen = first.setdefault(fqn, (rank, digest))
+            if seen[1] != digest:
+                raise CheckpointError(
+                    f"{fqn!r} differs between rank {seen[0]} and rank {rank}, but it is a plain value, which "
+                    "DCP stores once for all ranks: every rank would load rank "
+                    f"{seen[0]}'s copy. Wrap per-rank state in ckptguard.PerRank(...) (e.g. RNG states, data "
+                    "loader positions), or make it identical on every rank.", rank=rank)
 
 
 class SafeLoadPlanner(DefaultLoadPlanner):

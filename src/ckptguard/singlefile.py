@@ -78,12 +78,18 @@ def save_file(obj: Any, path: str | os.PathLike[str], *, process_group: Any = No
     Collective when a process group is initialised: every rank calls it with
     the same path, and the lowest rank of each set of ranks sharing the
     directory writes its ``obj`` (with DDP every rank holds the same state).
+    It starts with a barrier, so the file is never replaced while another rank
+    is still reading the previous version, and returns once it is durable.
     """
     path = os.path.abspath(os.fspath(path))
     directory = os.path.dirname(path)
     comm = default_comm(process_group) if process_group is not None else _world_comm()
     os.makedirs(directory, exist_ok=True)
-    topo = _topology(comm, directory) if comm.world_size > 1 else None
+    topo = None
+    if comm.world_size > 1:
+        topo = _topology(comm, directory)
+        # Nobody may still be reading the previous version (load_file right after the last save_file).
+        comm.barrier()
     err: BaseException | None = None
     if topo is None or topo.is_leader:
         try:

@@ -23,6 +23,26 @@ from torch.distributed.checkpoint.stateful import Stateful
 from ckptguard.errors import CheckpointError
 
 
+class PerRank:
+    """Marks a value as this rank's own (RNG state, data-loader position): stored once per rank.
+
+    Plain values are otherwise treated as replicated, and DCP keeps one copy for
+    all ranks. ``ck.save(step, {"model": m, "loader": PerRank(loader_state)})``;
+    load with the same wrapper; the value is filled in place where it can be
+    (tensors, dicts), and ``.value`` holds what was loaded.
+    """
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+    def __repr__(self) -> str:
+        return f"PerRank({self.value!r})"
+
+
+def per_rank_key(key: str, rank: int) -> str:
+    return f"{key}@rank{rank:05d}"
+
+
 @dataclass
 class PreparedState:
     state_dict: dict[str, Any]
@@ -40,7 +60,7 @@ def _owner(optim: torch.optim.Optimizer, key: str, modules: Mapping[str, nn.Modu
     )
 
 
-def prepare_state(state: Mapping[str, Any]) -> PreparedState:
+def prepare_state(state: Mapping[str, Any], rank: int = 0) -> PreparedState:
     if not isinstance(state, Mapping):
         raise TypeError(f"state must be a mapping of names to modules, optimizers or values, not {type(state).__name__}")
     modules = {k: v for k, v in state.items() if isinstance(v, nn.Module)}
@@ -56,6 +76,14 @@ def prepare_state(state: Mapping[str, Any]) -> PreparedState:
             model = _owner(value, key, modules)
             sd[key] = get_optimizer_state_dict(model, value)
             appliers.append(lambda m=model, o=value, k=key: set_optimizer_state_dict(m, o, sd[k]))  # type: ignore[misc]
+        elif isinstance(value, PerRank):
+            pkey = per_rank_key(key, rank)
+            inner = value.value
+            sd[pkey] = inner.state_dict() if isinstance(inner, Stateful) else inner
+            if isinstance(inner, Stateful):
+                appliers.append(lambda o=inner, k=pkey: o.load_state_dict(sd[k]))  # type: ignore[misc]
+            else:
+                appliers.append(lambda w=value, k=pkey: setattr(w, "value", sd[k]))  # type: ignore[misc]
         elif isinstance(value, Stateful):
             sd[key] = value.state_dict()
             appliers.append(lambda o=value, k=key: o.load_state_dict(sd[k]))  # type: ignore[misc]

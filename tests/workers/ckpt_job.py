@@ -150,6 +150,24 @@ def scenario_save_file(args: argparse.Namespace) -> None:
     result(ok=True, leftovers=leftovers)
 
 
+def scenario_per_rank(args: argparse.Namespace) -> None:
+    """Per-rank values: refused when saved as plain values, round-trip when wrapped in PerRank."""
+    rank = dist.get_rank()
+    gen = torch.Generator().manual_seed(rank)
+    ck = ckptguard.Checkpointer(args.root)
+    try:
+        ck.save(1, {"rng": gen.get_state(), "step": 5})
+        result(plain_error=None)
+    except ckptguard.CheckpointError as e:
+        result(plain_error=str(e))
+    ck.save(2, {"rng": ckptguard.PerRank(gen.get_state()), "loader": ckptguard.PerRank({"pos": 10 * rank})})
+    state = {"rng": ckptguard.PerRank(torch.zeros_like(gen.get_state())), "loader": ckptguard.PerRank({"pos": -1})}
+    ck.load(state)
+    assert torch.equal(state["rng"].value, gen.get_state()) and state["loader"].value == {"pos": 10 * rank}
+    result(per_rank_ok=True, steps=ck.steps())
+    ck.close()
+
+
 def _fsdp_model() -> tuple[nn.Module, torch.optim.Optimizer]:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard

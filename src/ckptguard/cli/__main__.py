@@ -1,0 +1,5 @@
+"""`python -m ckptguard.cli`."""
+
+from ckptguard.cli import main
+
+main()
