@@ -5,8 +5,10 @@ Run from the repo root, e.g.::
     python tests/baselines/measure.py olmo_style --bed local --jobs 10 --saves 20
     python tests/baselines/measure.py global_rank0 --bed sshfs --cache-timeout 15 --jobs 10
     python tests/baselines/measure.py staleness --cache-timeout 5 --samples 5
+    python tests/baselines/measure.py same_path --jobs 3 --saves 20 [--ragged]
 
-Each job is a separate 2-node x 2-process torchrun job on a fresh directory.
+Each job is a separate 2-node x 2-process torchrun job on a fresh directory (same_path:
+one node x 4 processes, ``--saves`` rounds of 4 x 32 MiB per job).
 """
 
 from __future__ import annotations
@@ -120,9 +122,29 @@ def measure_staleness(a: argparse.Namespace) -> None:
             )
 
 
+def measure_same_path(a: argparse.Namespace) -> None:
+    totals = {"clean": 0, "mixed": 0, "torn": 0}
+    for j in range(a.jobs):
+        with tempfile.TemporaryDirectory() as d:
+            args = ["--root", d, "--rounds", str(a.saves), "--all-rounds", "--mib", "4"]
+            args += ["--tensors", "8", *(["--ragged"] if a.ragged else [])]
+            r = run_job(HERE / "same_path_torch_save.py", args, nproc_per_node=4, timeout=a.timeout)
+        m = re.search(
+            r"SAMEPATH SUMMARY rounds=\d+ clean=(\d+) mixed=(\d+) torn=(\d+)", r.rank_output(0)
+        )
+        if not m:
+            print(r.output()[-3000:])
+            continue
+        for k, v in zip(("clean", "mixed", "torn"), m.groups(), strict=True):
+            totals[k] += int(v)
+        print(f"job {j}: {m.group(0)}", flush=True)
+    n = sum(totals.values())
+    print(f"SUMMARY same_path ragged={a.ragged}: {n} files, {totals}", flush=True)
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("what", choices=("olmo_style", "global_rank0", "staleness"))
+    p.add_argument("what", choices=("olmo_style", "global_rank0", "staleness", "same_path"))
     p.add_argument("--bed", choices=("local", "sshfs"), default="local")
     p.add_argument("--cache-timeout", type=float, default=5)
     p.add_argument("--jobs", type=int, default=10)
@@ -130,11 +152,14 @@ def main() -> None:
     p.add_argument("--same-step", action="store_true")
     p.add_argument("--mitigations", choices=("olmo", "none"), default="olmo")
     p.add_argument("--samples", type=int, default=5)
+    p.add_argument("--ragged", action="store_true", help="same_path: ranks' sizes differ")
     p.add_argument("--timeout", type=float, default=300)
     a = p.parse_args()
     a.baseline = a.what
     if a.what == "staleness":
         measure_staleness(a)
+    elif a.what == "same_path":
+        measure_same_path(a)
     else:
         measure_baseline(a)
 
