@@ -56,6 +56,10 @@ _DTYPES: dict[str, torch.dtype] = {
 }
 
 
+_NUMPY_DTYPES = {torch.float64, torch.float32, torch.float16, torch.int64, torch.int32, torch.int16,
+                 torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128}
+
+
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
@@ -87,6 +91,8 @@ def tensor_bytes(t: torch.Tensor) -> tuple[memoryview, torch.Tensor]:
         t = t.contiguous()
     if t.numel() == 0:
         return memoryview(b""), t
+    if t.dtype in _NUMPY_DTYPES:
+        return memoryview(t.numpy()).cast("B"), t
     return memoryview(t.reshape(-1).view(torch.uint8).numpy()), t
 
 
@@ -163,16 +169,25 @@ class DomainSavePlanner(DefaultSavePlanner):
     or a node could not load the replicated parameters (DDP) from its own disk.
     """
 
-    def __init__(self, domain_of_rank: Sequence[int]) -> None:
-        super().__init__(dedup_save_to_lowest_rank=False)
+    def __init__(self, domain_of_rank: Sequence[int], cache_key: str) -> None:
+        # DCP's plan caching: when no rank's plan changed since the last save (the usual case:
+        # same model, same shapes), ranks send empty plans and the coordinator reuses the global
+        # plan. The cache is class-level in DCP; the key keeps Checkpointers (and their storage
+        # domains, which shape the global plan) apart.
+        super().__init__(dedup_save_to_lowest_rank=False, enable_plan_caching=True)
         self.domain_of_rank = list(domain_of_rank)
+        self._cached_plans_key = f"{type(self).__name__}:{cache_key}:{hash(tuple(self.domain_of_rank))}"
 
     def create_local_plan(self) -> SavePlan:
-        plan = super().create_local_plan()
-        return replace(plan, storage_data=_replicated_digests(plan, self.state_dict))
+        sent = super().create_local_plan()
+        self.local_plan = self.plan  # the full plan, even when caching sends an empty one
+        return sent
+
+    def replicated_digests(self) -> dict[str, str]:
+        """See replicated_digests(); computed from this rank's plan before deduplication."""
+        return replicated_digests(self.local_plan, self.state_dict)
 
     def _create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
-        _check_replicated(all_plans)
         global_plan, metadata = super()._create_global_plan(all_plans)
         if len(set(self.domain_of_rank)) <= 1:
             return global_plan, metadata
@@ -194,10 +209,10 @@ class DomainSavePlanner(DefaultSavePlanner):
         return global_plan, metadata
 
 
-_DIGEST_LIMIT = 1 << 20
+_DIGEST_LIMIT = 64 << 10
 
 
-def _replicated_digests(plan: SavePlan, state_dict: dict[str, Any]) -> dict[str, str]:
+def replicated_digests(plan: SavePlan, state_dict: dict[str, Any]) -> dict[str, str]:
     """Checksums of this rank's small non-sharded values, to catch values that differ across ranks.
 
     DCP treats every plain tensor and object as replicated and keeps one rank's
@@ -222,17 +237,18 @@ def _replicated_digests(plan: SavePlan, state_dict: dict[str, Any]) -> dict[str,
     return out
 
 
-def _check_replicated(plans: list[SavePlan]) -> None:
+def check_replicated(digests: list[dict[str, str]]) -> str | None:
+    """Rank 0: the first plain value that differs across ranks, as an error message, or None."""
     first: dict[str, tuple[int, str]] = {}
-    for rank, plan in enumerate(plans):
-        for fqn, digest in (plan.storage_data or {}).items():
+    for rank, mine in enumerate(digests):
+        for fqn, digest in mine.items():
             seen = first.setdefault(fqn, (rank, digest))
             if seen[1] != digest:
-                raise CheckpointError(
-                    f"{fqn!r} differs between rank {seen[0]} and rank {rank}, but it is a plain value, which "
-                    "DCP stores once for all ranks: every rank would load rank "
-                    f"{seen[0]}'s copy. Wrap per-rank state in ckptguard.PerRank(...) (e.g. RNG states, data "
-                    "loader positions), or make it identical on every rank.", rank=rank)
+                return (f"{fqn!r} differs between rank {seen[0]} and rank {rank}, but it is a plain value, which "
+                        f"DCP stores once for all ranks: every rank would load rank {seen[0]}'s copy. Wrap "
+                        "per-rank state in ckptguard.PerRank(...) (e.g. RNG states, data loader positions), or "
+                        "make it identical on every rank.")
+    return None
 
 
 class SafeLoadPlanner(DefaultLoadPlanner):
@@ -274,9 +290,11 @@ class GuardedWriter(StorageWriter):
         io_threads: int = 4,
         before_write: Callable[[], Any] | None = None,
         error_root: str | None = None,
+        on_bytes: Callable[[int], None] | None = None,
     ) -> None:
         super().__init__()
         self.error_root = error_root
+        self.on_bytes = on_bytes
         self.staging_dir = staging_dir
         self.rank = rank
         self.algorithm = algorithm
@@ -285,6 +303,7 @@ class GuardedWriter(StorageWriter):
         self.outcome = WriteOutcome()
         self.metadata: Metadata | None = None
         self.results: list[list[WriteResult]] | None = None
+        self.digests: dict[str, str] = {}
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         pass
@@ -333,15 +352,20 @@ class GuardedWriter(StorageWriter):
             fd = retry_stale(lambda: os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644),
                              "create", path)
             try:
+                batch = _Batch(fd)
                 for item, mv, owner in bucket:
-                    digest = checksum(self.algorithm, mv)
-                    write_all(fd, mv)
-                    written[0] += len(mv)
-                    if written[0] * 2 >= total and index == 0:
-                        fault_point("mid_write", self.rank)
+                    digest = checksum(self.algorithm, mv)  # same pass: the bytes are hot in cache
+                    batch.add(mv)
                     out.append(WriteResult(index=item.index, size_in_bytes=len(mv),
                                            storage_data=_stored(item, owner, rel, offset, len(mv), digest)))
                     offset += len(mv)
+                    if index == 0 and not written[0] and offset * 2 * len(buckets) >= total:
+                        batch.flush()
+                        written[0] = 1
+                        fault_point("mid_write", self.rank)
+                    if self.on_bytes is not None:
+                        self.on_bytes(len(mv))
+                batch.flush()
                 os.fsync(fd)
             finally:
                 os.close(fd)
@@ -369,6 +393,42 @@ class GuardedWriter(StorageWriter):
         # The commit happens after dcp.save returns, in ckptguard's own protocol.
         self.metadata = metadata
         self.results = results
+
+
+class _Batch:
+    """Small items go to the file in one writev() per batch; large ones straight through."""
+
+    MAX_IOV = 512
+    MAX_BYTES = 8 << 20
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        self.views: list[memoryview] = []
+        self.bytes = 0
+
+    def add(self, mv: memoryview) -> None:
+        if len(mv) >= self.MAX_BYTES:
+            self.flush()
+            write_all(self.fd, mv)
+            return
+        if not len(mv):
+            return
+        self.views.append(mv)
+        self.bytes += len(mv)
+        if len(self.views) >= self.MAX_IOV or self.bytes >= self.MAX_BYTES:
+            self.flush()
+
+    def flush(self) -> None:
+        views = self.views
+        while views:
+            n = os.writev(self.fd, views)
+            while views and n >= len(views[0]):
+                n -= len(views[0])
+                views = views[1:]
+            if views and n:
+                views = [views[0][n:], *views[1:]]
+        self.views = []
+        self.bytes = 0
 
 
 def _stored(item: WriteItem, owner: Any, rel: str, offset: int, length: int, digest: str) -> StoredItem:

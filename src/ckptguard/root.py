@@ -142,15 +142,21 @@ class CheckpointRoot:
         self.storage.write_bytes_atomic(self.storage.path(layout.LATEST), (json.dumps(body) + "\n").encode())
         return True
 
+    def retire(self, path: str) -> str | None:
+        """Take a checkpoint or leftover out of sight atomically (rename into trash); the trash path."""
+        trash_root = self.storage.path(layout.TRASH)
+        if os.path.dirname(path) == trash_root:
+            return path
+        self.storage.makedirs(trash_root)
+        target = os.path.join(trash_root, f"{os.path.basename(path)}.{os.urandom(6).hex()}")
+        try:
+            self.storage.rename_noreplace(path, target)
+        except FileNotFoundError:
+            return None
+        return target
+
     def invalidate(self, path: str) -> None:
         """Delete a checkpoint or leftover: first rename it out of sight (atomic), then remove it."""
-        trash_root = self.storage.path(layout.TRASH)
-        if os.path.dirname(path) != trash_root:
-            self.storage.makedirs(trash_root)
-            target = os.path.join(trash_root, f"{os.path.basename(path)}.{os.urandom(6).hex()}")
-            try:
-                self.storage.rename_noreplace(path, target)
-            except FileNotFoundError:
-                return
-            path = target
-        self.storage.remove_tree(path)
+        retired = self.retire(path)
+        if retired is not None:
+            self.storage.remove_tree(retired)
