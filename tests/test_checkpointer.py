@@ -355,3 +355,72 @@ def test_retry_stale_handles() -> None:
 
     with pytest.raises(CheckpointError, match=r"stale file handle \(ESTALE\) on /x"):
         retry_stale(always, "read", "/x", attempts=3)
+
+
+# -- saves that return before they are written (blocking=False) ------------------------------
+
+
+def test_background_save_snapshots_state_at_call_time(ck: Checkpointer) -> None:
+    state = {"w": torch.arange(1000, dtype=torch.float32), "meta": {"lr": 0.5}}
+    ck.save(1, state, blocking=False)
+    state["w"].add_(1000)  # training goes on while the save is written
+    state["meta"]["lr"] = 0.1
+    ck.wait()
+    assert ck.steps() == [1]
+    out = {"w": torch.zeros(1000), "meta": {"lr": 0.0}}
+    ck.load(out)
+    assert torch.equal(out["w"], torch.arange(1000, dtype=torch.float32)) and out["meta"]["lr"] == 0.5
+    stats = ck.last_save_stats
+    assert stats is not None and stats.blocked < stats.total
+
+
+def test_background_save_reuses_one_set_of_host_buffers(ck: Checkpointer) -> None:
+    state = {"w": torch.randn(256, 256)}
+    for step in range(5):
+        ck.save(step, state, blocking=False)
+    ck.wait()
+    assert ck._stager.allocations == 1
+    assert ck._stager.buffer_bytes == 256 * 256 * 4
+
+
+def test_background_failure_surfaces_at_wait_and_next_save(ck: Checkpointer) -> None:
+    from ckptguard import _faults
+
+    ck.save(1, {"w": torch.ones(10)})
+    _faults.arm("before_publish:0:raise")
+    try:
+        ck.save(2, {"w": torch.full((10,), 2.0)}, blocking=False)
+        with pytest.raises(CheckpointError, match="injected fault at before_publish"):
+            ck.wait()
+        _faults.arm("")
+        ck.wait()  # reported once
+        ck.save(3, {"w": torch.full((10,), 3.0)}, blocking=False)
+        ck.wait()
+        _faults.arm("after_write:0:raise")
+        ck.save(4, {"w": torch.full((10,), 4.0)}, blocking=False)
+        with pytest.raises(CheckpointError, match="injected fault at after_write"):
+            ck.save(5, {"w": torch.full((10,), 5.0)}, blocking=False)  # the next save reports it
+    finally:
+        _faults.arm("")
+    assert ck.steps(refresh=True) == [1, 3]
+    assert os.listdir(Path(ck.root) / ".ckptguard" / "staging") == []
+
+
+def test_background_save_over_budget_falls_back_to_blocking(tmp_path: Path) -> None:
+    with Checkpointer(tmp_path / "ckpt", async_budget_bytes=1000) as ck:
+        with pytest.warns(UserWarning, match="exceeds async_budget_bytes=1,000; saving synchronously"):
+            ck.save(1, {"w": torch.ones(1000)}, blocking=False)
+        assert ck._inflight is None and ck.steps() == [1]
+        assert ck._stager.allocations == 0
+
+
+def test_background_save_with_files(ck: Checkpointer, tmp_path: Path) -> None:
+    d = tmp_path / "offload"
+    d.mkdir()
+    (d / "a.bin").write_bytes(b"v1" * 100)
+    ck.save(1, {"w": torch.ones(3)}, files={"off": d}, blocking=False)
+    (d / "a.bin").write_bytes(b"v2" * 100)  # changed right after save() returned
+    ck.wait()
+    (d / "a.bin").unlink()
+    ck.load({"w": torch.zeros(3)}, files={"off": d})
+    assert (d / "a.bin").read_bytes() == b"v1" * 100

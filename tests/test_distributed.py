@@ -107,3 +107,23 @@ def test_per_rank_values_refused_as_plain_and_round_trip_with_per_rank(tmp_path:
     assert "PerRank" in errors[0]
     assert by_rank(job, "per_rank_ok") == {0: True, 1: True}
     assert by_rank(job, "steps") == {0: [2], 1: [2]}
+
+
+@pytest.mark.parametrize("phase,rank", [("mid_write", 1), ("before_publish", 0)])
+def test_sigkill_during_background_save_keeps_previous_checkpoint(tmp_path: Path, phase: str, rank: int) -> None:
+    """Async saves (blocking=False): a rank killed while the background write runs loses only that save."""
+    root = tmp_path / "ckpt"
+    env = {"CKPT_ROOT": str(root)}
+    crashed = ckpt_job("saves", "--count", "4", "--background", "--fault", f"{phase}:{rank}", "--fault-step", "3",
+                       nnodes=2, nproc=2, env=env, check=False)
+    assert not crashed.ok
+    resumed = ckpt_job("resume", nnodes=2, nproc=2, env=env)
+    assert set(by_rank(resumed, "loaded").values()) == {2}, resumed.output()
+    assert os.listdir(root / ".ckptguard" / "staging") == []
+
+
+def test_background_saves_round_trip_on_two_nodes(tmp_path: Path) -> None:
+    job = ckpt_job("saves", "--count", "5", "--background", "--keep-last", "2", nnodes=2, nproc=2,
+                   env={"CKPT_ROOT": str(tmp_path / "ckpt")})
+    assert all(v == 4 for v in by_rank(job, "loaded").values())
+    assert all(s == [3, 4] for s in by_rank(job, "steps").values())

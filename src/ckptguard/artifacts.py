@@ -135,16 +135,62 @@ def _walk_files(root: str) -> list[str]:
     return rels
 
 
-def store(targets: list[ArtifactTarget], staging_dir: str, algorithm: str) -> tuple[list[Artifact], list[FileEntry]]:
-    """Copy this rank's artifacts into the attempt directory, checksumming as we go."""
-    artifacts, entries = [], []
+@dataclass(frozen=True)
+class FileSnapshot:
+    """A rank's artifact read into memory (for saves that return before they are written)."""
+
+    target: ArtifactTarget
+    kind: str
+    files: tuple[tuple[str, bytes], ...]  # (path relative to the artifact, contents)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(len(b) for _, b in self.files)
+
+
+def _sources(t: ArtifactTarget) -> tuple[str, list[tuple[str, str]]]:
+    if os.path.isdir(t.path):
+        return "dir", [(rel, os.path.join(t.path, rel)) for rel in _walk_files(t.path)]
+    return "file", [(os.path.basename(t.path), t.path)]
+
+
+def snapshot_files(targets: list[ArtifactTarget]) -> list[FileSnapshot]:
+    out = []
     for t in targets:
+        kind, sources = _sources(t)
+        contents = []
+        for rel, src in sources:
+            with open(src, "rb") as f:
+                contents.append((rel, f.read()))
+        out.append(FileSnapshot(t, kind, tuple(contents)))
+    return out
+
+
+def _write_bytes_hashing(data: bytes, dst: str, algorithm: str) -> tuple[int, str]:
+    hasher = Hasher(algorithm)
+    hasher.update(data)
+    fd = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+    try:
+        write_all(fd, memoryview(data))
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return len(data), hasher.hexdigest()
+
+
+def store(items: list[ArtifactTarget] | list[FileSnapshot], staging_dir: str, algorithm: str
+          ) -> tuple[list[Artifact], list[FileEntry]]:
+    """Copy this rank's artifacts (from their paths, or from a snapshot) into the attempt directory."""
+    artifacts, entries = [], []
+    for it in items:
+        t = it.target if isinstance(it, FileSnapshot) else it
         prefix = layout.artifact_prefix(t.rank, t.key)
-        if os.path.isdir(t.path):
-            kind, rels = "dir", _walk_files(t.path)
-            sources = [(rel, os.path.join(t.path, rel)) for rel in rels]
+        if isinstance(it, FileSnapshot):
+            kind = it.kind
+            sources: list[tuple[str, str | bytes]] = list(it.files)
         else:
-            kind, sources = "file", [(os.path.basename(t.path), t.path)]
+            kind, paths = _sources(t)
+            sources = list(paths)
         pairs = []
         made: set[str] = set()
         for rel, src in sources:
@@ -154,7 +200,10 @@ def store(targets: list[ArtifactTarget], staging_dir: str, algorithm: str) -> tu
             if parent not in made:
                 os.makedirs(parent, exist_ok=True)
                 made.add(parent)
-            size, digest = _copy_hashing(src, dst, algorithm)
+            if isinstance(src, bytes):
+                size, digest = _write_bytes_hashing(src, dst, algorithm)
+            else:
+                size, digest = _copy_hashing(src, dst, algorithm)
             entries.append(FileEntry(stored, size, t.rank, digest))
             pairs.append((rel, stored))
         for d in sorted(made, key=len, reverse=True):

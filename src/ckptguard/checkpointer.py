@@ -67,6 +67,7 @@ from ckptguard.layout import CheckpointName
 from ckptguard.lease import Lease, job_identity, new_holder_id
 from ckptguard.manifest import Artifact, FileEntry, Manifest, StoredItem
 from ckptguard.root import CheckpointRoot
+from ckptguard.staging import HostStager, stage_files, state_nbytes
 from ckptguard.state import prepare_state
 from ckptguard.storage.posix import PosixStorage, explain_os_error
 from ckptguard.topology import Topology, host_domains, probe_storage_domains
@@ -116,6 +117,7 @@ class Checkpointer:
         io_threads: int = 4,
         checksum: str = DEFAULT_ALGORITHM,
         visibility_timeout_s: float = 60.0,
+        async_budget_bytes: int | None = None,
     ) -> None:
         if keep_last is not None and keep_last < 1:
             raise ValueError("keep_last must be >= 1 (the newest checkpoint is always kept)")
@@ -136,6 +138,11 @@ class Checkpointer:
         self._closed = False
         self._cleaner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckptguard-cleanup")
         self._cleanup: Future[None] | None = None
+        # Saves with blocking=False: one at a time, from host buffers reused across saves.
+        self._background = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckptguard-save")
+        self._inflight: Future[None] | None = None
+        self._stager = HostStager(async_budget_bytes)
+        self._warned_budget = False
         self.last_save_stats: PhaseTimer | None = None
         if read_only:
             self._topo: Topology = host_domains(self._comm)
@@ -179,6 +186,7 @@ class Checkpointer:
         lists the root again and is collective (all ranks must call it).
         """
         if refresh:
+            self.wait()
             self._committed = self._agreed_current()
         return sorted(self._committed)
 
@@ -195,32 +203,90 @@ class Checkpointer:
         files: Mapping[str, str | os.PathLike[str]] | None = None,
         overwrite: bool = False,
         metadata: Mapping[str, Any] | None = None,
+        blocking: bool = True,
     ) -> None:
-        """Save ``state`` as checkpoint ``step``; returns once it is committed on every storage domain."""
+        """Save ``state`` as checkpoint ``step``.
+
+        With ``blocking=True`` it returns once the checkpoint is committed on
+        every storage domain. With ``blocking=False`` it returns once the state
+        (and the ``files=`` contents) are copied into host memory; writing and
+        committing run in the background. ``wait()`` and the next call surface
+        a background failure as CheckpointError.
+        """
+        self.wait()
         self._check_usable(writing=True)
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"step must be a non-negative int, got {step!r}")
         user_metadata = _json_object(metadata)
+        started = time.perf_counter()
         fault_point("save_start", self._comm.rank)
         stats = self.last_save_stats = PhaseTimer()
+        with stats.phase("state_dict"):
+            prepared = prepare_state(state, self._comm.rank)
+        # A local problem (a files= path missing on this rank) must not skip the collectives
+        # the other ranks are about to run: it is reported in the plan's agreement instead.
+        local_error: BaseException | None = None
+        targets: list[ArtifactTarget] = []
+        try:
+            targets = artifacts.normalize(files, self._comm.rank, hostname(), must_exist=True)
+        except CheckpointError as e:
+            local_error = e
+        if not blocking:
+            with stats.phase("snapshot"):
+                staged = self._snapshot(prepared.state_dict, targets, local_error)
+            if staged is not None:
+                state_dict, file_items = staged
+                self._inflight = self._background.submit(
+                    self._save_now, step, state_dict, targets, file_items, overwrite, user_metadata, stats,
+                    local_error)
+                stats.blocked = time.perf_counter() - started
+                return
         with _gc_paused():
-            with stats.phase("state_dict"):
-                prepared = prepare_state(state, self._comm.rank)
-            with stats.phase("plan"):
-                plan = self._plan_save(step, files, overwrite)
-            with stats.phase("stage"):
-                self._stage(plan)
-            try:
-                with stats.phase("write"):
-                    writer = self._write(plan, prepared.state_dict)
-                stats.bytes = sum(f.size for f in writer.outcome.files)
-                with stats.phase("commit"):
-                    self._commit(plan, writer, user_metadata)
-            except CheckpointError:
-                # Every rank got the same error at the same agreement point, so no rank is still
-                # writing into the attempt: remove it now, or a disk-full save keeps the disk full.
-                self._discard_attempt(plan)
-                raise
+            self._save_now(step, prepared.state_dict, targets, targets, overwrite, user_metadata, stats,
+                           local_error)
+        stats.blocked = time.perf_counter() - started
+
+    def wait(self) -> None:
+        """Wait until the save started with ``blocking=False`` is committed; raise its error if it failed."""
+        inflight, self._inflight = self._inflight, None
+        if inflight is not None:
+            inflight.result()
+
+    def _snapshot(self, state_dict: dict[str, Any], targets: list[ArtifactTarget],
+                  local_error: BaseException | None) -> tuple[dict[str, Any], list[Any]] | None:
+        """Host copies of the state and files= contents, or None if they exceed the staging budget."""
+        file_bytes = sum(os.path.getsize(p) for t in targets for p in _artifact_paths(t.path)) \
+            if local_error is None else 0
+        if not self._stager.fits(state_dict, file_bytes):
+            if not self._warned_budget:
+                self._warned_budget = True
+                warnings.warn(f"ckptguard: the state ({state_nbytes(state_dict) + file_bytes:,} bytes) exceeds "
+                              f"async_budget_bytes={self._stager.budget_bytes:,}; saving synchronously instead",
+                              stacklevel=3)
+            return None
+        snapshot = self._stager.stage(state_dict)
+        files = stage_files(targets) if local_error is None else []
+        return snapshot, files
+
+    def _save_now(self, step: int, state_dict: dict[str, Any], targets: list[ArtifactTarget],
+                  file_items: list[Any], overwrite: bool, user_metadata: dict[str, Any], stats: PhaseTimer,
+                  local_error: BaseException | None) -> None:
+        """The collective part of a save (in the caller's thread, or in the background)."""
+        with stats.phase("plan"):
+            plan = self._plan_save(step, targets, overwrite, local_error)
+        with stats.phase("stage"):
+            self._stage(plan)
+        try:
+            with stats.phase("write"):
+                writer = self._write(plan, state_dict, file_items)
+            stats.bytes = sum(f.size for f in writer.outcome.files)
+            with stats.phase("commit"):
+                self._commit(plan, writer, user_metadata)
+        except CheckpointError:
+            # Every rank got the same error at the same agreement point, so no rank is still
+            # writing into the attempt: remove it now, or a disk-full save keeps the disk full.
+            self._discard_attempt(plan)
+            raise
         log.debug("ckptguard: saved step %d: %s", step, stats)
 
     def load(
@@ -237,6 +303,7 @@ class Checkpointer:
         out corrupt, older ones are tried, with a warning. Loading at a different
         world size reshards.
         """
+        self.wait()
         self._check_usable(writing=False)
         current = self._committed = self._agreed_current()
         if step is not None:
@@ -272,11 +339,16 @@ class Checkpointer:
         """Release the root's lease. The Checkpointer cannot save afterwards."""
         if self._closed:
             return
-        self._closed = True
-        self._wait_cleanup()
-        self._cleaner.shutdown()
-        if self._lease is not None:
-            self._lease.release()
+        try:
+            self.wait()
+        finally:
+            self._closed = True
+            self._wait_cleanup()
+            self._cleaner.shutdown()
+            self._background.shutdown()
+            self._stager.release()
+            if self._lease is not None:
+                self._lease.release()
 
     def __enter__(self) -> Checkpointer:
         return self
@@ -309,20 +381,19 @@ class Checkpointer:
         return agreed
 
     # -- save phases ----------------------------------------------------------------------
-    def _plan_save(self, step: int, files: Mapping[str, Any] | None, overwrite: bool) -> _SavePlan:
+    def _plan_save(self, step: int, targets: list[ArtifactTarget], overwrite: bool,
+                   local_error: BaseException | None) -> _SavePlan:
         comm, topo = self._comm, self._topo
-        err: BaseException | None = None
-        targets: list[ArtifactTarget] = []
+        err: BaseException | None = local_error
         leader_view = None
         try:
-            targets = artifacts.normalize(files, comm.rank, hostname(), must_exist=True)
             if topo.is_leader:
                 assert self._lease is not None
                 self._lease.check()
                 leader_view = ([n.version for n in self._root.committed() if n.step == step],
                                self._leader_listing())
         except (OSError, CheckpointError) as e:
-            err = e
+            err = err or e
         gathered = comm.gather((local_failure(err), targets, leader_view))
         decision = None
         if comm.rank == 0:
@@ -403,7 +474,7 @@ class Checkpointer:
                 err = e
         agree(self._comm, err, f"create the attempt directory for step {plan.step}", self._intact(plan))
 
-    def _write(self, plan: _SavePlan, state_dict: dict[str, Any]) -> GuardedWriter:
+    def _write(self, plan: _SavePlan, state_dict: dict[str, Any], file_items: list[Any]) -> GuardedWriter:
         rank = self._comm.rank
 
         def before_write() -> tuple[list[Artifact], list[FileEntry]]:
@@ -411,7 +482,7 @@ class Checkpointer:
             self._storage.wait_visible(os.path.join(plan.staging, layout.DATA_DIR),
                                        timeout=self.visibility_timeout_s)
             try:
-                return artifacts.store(plan.targets, plan.staging, self.checksum)
+                return artifacts.store(file_items, plan.staging, self.checksum)
             except OSError as e:
                 raise explain_os_error(e, plan.staging, rank, root=self.root) from None
 
@@ -653,6 +724,7 @@ class PhaseTimer:
     def __init__(self) -> None:
         self.seconds: dict[str, float] = {}
         self.bytes = 0
+        self.blocked = 0.0  # how long save() kept the caller waiting
 
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:
@@ -668,7 +740,14 @@ class PhaseTimer:
 
     def __repr__(self) -> str:
         parts = ", ".join(f"{k} {v:.3f}s" for k, v in self.seconds.items())
-        return f"{self.total:.3f}s ({parts}), {self.bytes} bytes written by this rank"
+        return (f"{self.total:.3f}s ({parts}), caller blocked {self.blocked:.3f}s, "
+                f"{self.bytes} bytes written by this rank")
+
+
+def _artifact_paths(path: str) -> list[str]:
+    if os.path.isdir(path):
+        return [os.path.join(d, f) for d, _, fs in os.walk(path) for f in fs if os.path.isfile(os.path.join(d, f))]
+    return [path] if os.path.isfile(path) else []
 
 
 def _intersect(listings: list[dict[int, int]]) -> dict[int, int]:

@@ -69,9 +69,11 @@ def scenario_saves(args: argparse.Namespace) -> None:
     for step in range(first, first + args.count):
         train_step(model, optim, step)
         if args.fault_step == step:
+            ck.wait()  # the fault is for this save, not for the previous one still in the background
             _faults.arm(args.fault)
-        ck.save(step, {"model": model, "optim": optim, "extra": {"step": step}})
+        ck.save(step, {"model": model, "optim": optim, "extra": {"step": step}}, blocking=not args.background)
         result(saved=step)
+    ck.wait()
     fresh = make_model()
     fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
     extra = {"step": -1}
@@ -243,6 +245,7 @@ def main() -> None:
     p.add_argument("--fault-step", type=int, default=None)
     p.add_argument("--collide", action="store_true")
     p.add_argument("--private-per-node", action="store_true")
+    p.add_argument("--background", action="store_true", help="save with blocking=False")
     args = p.parse_args()
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
     globals()[f"scenario_{args.scenario}"](args)

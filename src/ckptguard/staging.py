@@ -1,0 +1,87 @@
+"""Snapshots of a state dict in reused host memory, for saves that return before they are written.
+
+The first async save allocates one host copy of the rank's state (pinned when
+CUDA is present, so device-to-host copies run at full speed); later saves copy
+into the same buffers. Memory therefore stays at one copy however many saves
+run, and the time save() blocks is one memory copy. A state that does not fit
+the budget is not staged (the caller saves synchronously instead).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.distributed._state_dict_utils import (  # DCP's own staging helpers
+    _copy_state_dict,
+    _create_cpu_state_dict,
+)
+from torch.distributed.tensor import DTensor
+
+from ckptguard.artifacts import ArtifactTarget, FileSnapshot, snapshot_files
+
+
+def state_nbytes(obj: Any) -> int:
+    """Bytes of tensor data this rank holds in a (nested) state dict."""
+    if isinstance(obj, DTensor):
+        local = obj.to_local()
+        return local.numel() * local.element_size()
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(state_nbytes(v) for v in obj.values())
+    if isinstance(obj, list | tuple):
+        return sum(state_nbytes(v) for v in obj)
+    return 0
+
+
+def _signature(obj: Any) -> Any:
+    """What must match for buffers to be reused: structure, shapes, dtypes."""
+    if isinstance(obj, DTensor):
+        return ("D", tuple(obj.to_local().shape), obj.dtype)
+    if isinstance(obj, torch.Tensor):
+        return ("T", tuple(obj.shape), obj.dtype)
+    if isinstance(obj, dict):
+        return tuple((k, _signature(v)) for k, v in obj.items())
+    if isinstance(obj, list | tuple):
+        return tuple(_signature(v) for v in obj)
+    return None
+
+
+class HostStager:
+    def __init__(self, budget_bytes: int | None = None) -> None:
+        self.budget_bytes = budget_bytes
+        self._buffers: dict[str, Any] | None = None
+        self._signature: Any = None
+        self.allocations = 0  # how many times buffers had to be (re)allocated
+
+    @property
+    def buffer_bytes(self) -> int:
+        return state_nbytes(self._buffers) if self._buffers is not None else 0
+
+    def fits(self, state_dict: dict[str, Any], extra_bytes: int = 0) -> bool:
+        if self.budget_bytes is None:
+            return True
+        return state_nbytes(state_dict) + extra_bytes <= self.budget_bytes
+
+    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        """A snapshot of ``state_dict`` in host buffers; training may change the original right after."""
+        sig = _signature(state_dict)
+        if self._buffers is None or sig != self._signature:
+            self._buffers = None  # free the old set before allocating the new one
+            self._buffers = _create_cpu_state_dict(state_dict, pin_memory=torch.cuda.is_available())
+            self._signature = sig
+            self.allocations += 1
+        snapshot = _copy_state_dict(state_dict, self._buffers, non_blocking=True, type_check=False)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        return snapshot
+
+    def release(self) -> None:
+        self._buffers = None
+        self._signature = None
+
+
+def stage_files(targets: list[ArtifactTarget]) -> list[FileSnapshot]:
+    """The contents of this rank's files= artifacts, read now (they may change once save() returns)."""
+    return snapshot_files(targets)
