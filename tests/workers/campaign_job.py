@@ -1,0 +1,652 @@
+"""The torchrun worker of the crash-consistency campaign (driven by tools/campaign.py).
+
+Why it looks like this: a job launch costs seconds, so trials are *chained*. Every
+``chain`` job first acts as the restart of the previous trial (load and check every
+committed step bitwise, save once cleanly and check that no staging garbage survived),
+then runs the fault it was given and, for a kill, dies by it. Faults that do not kill
+(corruption after commit, disk full) run many trials inside one job.
+
+What a checkpoint holds at step ``s`` is a pure function of ``s``, of the ``gen``
+(which job saved it: the driver passes a fresh one to each job) and, for ``PerRank``
+values and ``files=`` artifacts, of the rank. ``gen`` is itself stored in the
+checkpoint, so any job can recompute what a loaded checkpoint must contain and compare
+bitwise, and a checkpoint mixing two attempts of one step (same ``s``, different
+``gen``) cannot pass the comparison.
+
+Every observation is printed as ``RESULT {json}`` (one line, flushed): the driver
+reads each rank's complete log after the job and decides. Checks that need the
+loaded tensors are made here; checks that need the history of the chain (what was
+committed before the crash) are made by the driver.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import hashlib
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+import warnings
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ckptguard import Checkpointer, CheckpointError, CorruptCheckpointError, PerRank, _faults
+from ckptguard.layout import CheckpointName
+from ckptguard.verify import verify_checkpoint
+
+RANK = 0
+
+
+def result(**kw: Any) -> None:
+    """One observation for the driver; flushed at once so that a SIGKILL right after keeps it."""
+    print("RESULT " + json.dumps({"rank": RANK, "t": round(time.time(), 3), **kw}), flush=True)
+
+
+# -- deterministic content ---------------------------------------------------------------------
+
+
+def _gen(*key: int) -> torch.Generator:
+    seed = int.from_bytes(hashlib.sha256(repr(key).encode()).digest()[:7], "little")
+    return torch.Generator().manual_seed(seed)
+
+
+def expected(step: int, gen: int, rank: int, big: int) -> dict[str, Any]:
+    """Everything checkpoint ``step`` saved by job ``gen`` holds, as seen from ``rank``."""
+    g = _gen(step, gen)
+    shared = {
+        "big": torch.randn(big, generator=g),
+        "bf16": torch.randn(1000, generator=g).to(torch.bfloat16),
+        "ids": torch.randint(-(2**40), 2**40, (3000,), generator=g, dtype=torch.int64),
+        "mask": torch.rand(777, generator=g) > 0.5,
+        "half": torch.randn(33, 17, generator=g).half(),
+    }
+    weight = torch.randn(32, 64, generator=g)
+    bias = torch.randn(32, generator=g)
+    meta = {"step": step, "gen": gen, "note": f"step {step} saved by job {gen}",
+            "hist": [round(float(x), 6) for x in torch.rand(3, generator=g)]}
+    gr = _gen(step, gen, rank)
+    per_rank = {"rng": torch.randint(0, 256, (1000 + 37 * rank,), generator=gr, dtype=torch.uint8),
+                "pos": step * 1000 + rank}
+    aux = {
+        # The step-dependent name sorts first: a restore that fails on a.bin after writing it
+        # would leave a file of the rejected checkpoint behind, which the comparison catches.
+        f"0-p{step % 2}.bin": f"{step} {gen} {rank}".encode(),
+        "a.bin": bytes(torch.randint(0, 256, (3000 + rank,), generator=gr, dtype=torch.uint8).tolist()),
+        "sub/b.txt": f"rank {rank} step {step}\n".encode(),
+    }
+    return {"tensors": shared, "weight": weight, "bias": bias, "meta": meta, "per_rank": per_rank, "aux": aux}
+
+
+def write_aux(dest: str, files: dict[str, bytes]) -> None:
+    shutil.rmtree(dest, ignore_errors=True)
+    for rel, data in files.items():
+        path = os.path.join(dest, rel)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "wb") as f:
+            f.write(data)
+
+
+def read_aux(dest: str) -> dict[str, bytes]:
+    out = {}
+    for dirpath, _, names in os.walk(dest):
+        for n in names:
+            full = os.path.join(dirpath, n)
+            with open(full, "rb") as f:
+                out[os.path.relpath(full, dest)] = f.read()
+    return out
+
+
+class State:
+    """What one rank saves and loads: a module, tensors of several dtypes, a plain object,
+    a PerRank value and a files= artifact directory."""
+
+    def __init__(self, rank: int, big: int, scratch: str) -> None:
+        self.rank, self.big, self.scratch = rank, big, scratch
+        self.counter = 0
+        self.extra: list[str] = []
+
+    def for_save(self, step: int, gen: int) -> tuple[dict[str, Any], dict[str, str]]:
+        e = expected(step, gen, self.rank, self.big)
+        model = nn.Linear(64, 32)
+        with torch.no_grad():
+            model.weight.copy_(e["weight"])
+            model.bias.copy_(e["bias"])
+        src = os.path.join(self.scratch, f"save-{self.rank}")
+        write_aux(src, e["aux"])
+        state = {"model": model, "tensors": e["tensors"], "meta": e["meta"], "per_rank": PerRank(e["per_rank"])}
+        return state, {"aux": src}
+
+    def template(self) -> tuple[dict[str, Any], dict[str, str]]:
+        """A state to load into: right shapes and dtypes, wrong values everywhere."""
+        e = expected(0, 0, self.rank, self.big)
+        model = nn.Linear(64, 32)
+        with torch.no_grad():
+            model.weight.fill_(-7.0)
+            model.bias.fill_(-7.0)
+        tensors = {k: torch.zeros_like(v) for k, v in e["tensors"].items()}
+        meta = {"step": -1, "gen": -1, "note": "", "hist": [0.0, 0.0, 0.0]}
+        per_rank = PerRank({"rng": torch.zeros_like(e["per_rank"]["rng"]), "pos": -1})
+        self.counter += 1
+        dest = os.path.join(self.scratch, f"restore-{self.rank}-{self.counter}")
+        return {"model": model, "tensors": tensors, "meta": meta, "per_rank": per_rank}, {"aux": dest}
+
+    def compare(self, state: dict[str, Any], files: dict[str, str], step: int) -> tuple[int, list[str]]:
+        """(gen found in the loaded state, differences from what that gen saved at ``step``)."""
+        meta = state["meta"]
+        gen = int(meta["gen"])
+        e = expected(step, gen, self.rank, self.big)
+        bad = []
+        if meta != e["meta"]:
+            bad.append(f"meta {meta} != {e['meta']}")
+        for k, v in e["tensors"].items():
+            if not bitwise_equal(state["tensors"][k], v):
+                bad.append(f"tensors.{k}")
+        model = state["model"]
+        if not bitwise_equal(model.weight.detach(), e["weight"]) or not bitwise_equal(model.bias.detach(), e["bias"]):
+            bad.append("model")
+        pr = state["per_rank"].value
+        if pr["pos"] != e["per_rank"]["pos"] or not bitwise_equal(pr["rng"], e["per_rank"]["rng"]):
+            bad.append("per_rank")
+        got_aux = read_aux(files["aux"]) if os.path.isdir(files["aux"]) else {}
+        extra = sorted(set(got_aux) - set(e["aux"]))
+        if {k: got_aux.get(k) for k in e["aux"]} != e["aux"]:
+            bad.append(f"files= artifact: got {sorted(got_aux)}, expected {sorted(e['aux'])}"
+                       + (" (contents differ)" if sorted(got_aux) == sorted(e["aux"]) else ""))
+        self.extra = extra  # files the loaded checkpoint does not hold (reported apart: see tests)
+        return gen, bad
+
+
+def bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    return torch.equal(a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8))
+
+
+# -- helpers -------------------------------------------------------------------------------------
+
+
+def make_ck(args: argparse.Namespace, **kw: Any) -> Checkpointer:
+    opts: dict[str, Any] = {"keep_last": args.keep_last}
+    if args.job_id:
+        opts["job_id"] = args.job_id
+    opts.update(kw)
+    return Checkpointer(args.root, **opts)
+
+
+def load_and_check(ck: Checkpointer, st: State, step: int | None, what: str, **tags: Any) -> int | None:
+    """Load (newest or ``step``), compare bitwise, report; returns the step loaded."""
+    state, files = st.template()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = ck.load(state, step=step, files=files)
+    warned = [str(w.message)[:300] for w in caught if "ckptguard" in str(w.message)]
+    if got is None:
+        result(event="loaded", what=what, step=None, gen=None, ok=True, bad=[], warned=warned, extra_files=[],
+               **tags)
+        return None
+    gen, bad = st.compare(state, files, got)
+    result(event="loaded", what=what, step=got, gen=gen, ok=not bad, bad=bad[:5], warned=warned,
+           extra_files=st.extra, **tags)
+    shutil.rmtree(files["aux"], ignore_errors=True)
+    return got
+
+
+def save(ck: Checkpointer, st: State, step: int, gen: int, **kw: Any) -> float:
+    state, files = st.for_save(step, gen)
+    result(event="saving", step=step, gen=gen)
+    t0 = time.monotonic()
+    ck.save(step, state, files=files, metadata={"gen": gen}, **kw)
+    dur = time.monotonic() - t0
+    result(event="saved", step=step, gen=gen, committed=ck.steps(), dur=round(dur, 4))
+    return dur
+
+
+def leftovers(ck: Checkpointer, wait_s: float = 15.0) -> None:
+    """Leaders: staging and trash after a successful save must become empty (the library may remove
+    leftovers in the background after save() returns, so give it ``wait_s``; report how long it took)."""
+    if not ck.topology.is_leader:
+        return
+    t0 = time.monotonic()
+    while True:
+        names = {}
+        for sub in ("staging", "trash"):
+            p = os.path.join(ck.root, ".ckptguard", sub)
+            names[sub] = sorted(os.listdir(p)) if os.path.isdir(p) else []
+        if not any(names.values()) or time.monotonic() - t0 > wait_s:
+            break
+        time.sleep(0.02)
+    result(event="garbage", root=ck.root, waited_s=round(time.monotonic() - t0, 3), **names)
+
+
+def _driver() -> Any:
+    """tools/campaign.py, for the one function both sides must compute identically (tree_digest)."""
+    import importlib.util
+
+    path = os.path.join(os.path.dirname(__file__), "..", "..", "tools", "campaign.py")
+    spec = importlib.util.spec_from_file_location("ckptguard_campaign", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while the class is built
+    spec.loader.exec_module(module)
+    return module
+
+
+def restart(ck: Checkpointer, st: State, gen: int) -> tuple[int, float]:
+    """The restart half of a trial: every committed step loads bitwise; one clean save; no garbage."""
+    steps = ck.steps()
+    result(event="start", steps=steps, domains=[list(d) for d in ck.topology.domains])
+    newest = load_and_check(ck, st, None, "newest")
+    for s in steps:
+        if s != newest:
+            load_and_check(ck, st, s, "older")
+    nxt = (newest if newest is not None else -1) + 1
+    if steps and max(steps) >= nxt:
+        nxt = max(steps) + 1
+    dur = save(ck, st, nxt, gen)
+    leftovers(ck)
+    return nxt + 1, dur
+
+
+def barrier_file(path: str, timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not os.path.exists(path):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{path} did not appear within {timeout:.0f} s")
+        time.sleep(0.05)
+
+
+def touch(path: str) -> None:
+    with open(path, "w") as f:
+        f.write(str(time.time()))
+
+
+# -- scenarios -----------------------------------------------------------------------------------
+
+
+def scenario_chain(args: argparse.Namespace) -> None:
+    """Restart of the previous trial, then one injected fault (it normally kills the job).
+
+    ``--fault``: ``phase:<phase>:<rank>`` (SIGKILL through the library's fault hook at save
+    number ``--at`` of this job), ``random:<rank>:<fraction>`` (a thread SIGKILLs the rank
+    ``fraction`` x the duration of a clean save after save number ``--at`` starts: the
+    kill lands anywhere, inside DCP, the commit or retention), ``load:<rank>`` (SIGKILL
+    in the middle of a load), or ``none``.
+    """
+    st = State(RANK, args.big, args.scratch)
+    ck = make_ck(args)
+    step, dur = restart(ck, st, args.gen)
+    kind, *rest = args.fault.split(":")
+    if kind == "load":
+        if ck.topology.is_leader:
+            result(event="digest", root=ck.root, digest=_driver().tree_digest(ck.root))
+        dist.barrier()
+        _faults.arm(f"mid_load:{rest[0]}")
+        result(event="armed", fault=args.fault)
+        load_and_check(ck, st, None, "faulted")
+        _faults.arm("")
+        result(event="survived")
+        ck.close()
+        return
+    for i in range(args.at + 3):
+        if i == args.at:
+            if kind == "phase":
+                _faults.arm(f"{rest[0]}:{rest[1]}")
+                result(event="armed", fault=args.fault)
+            elif kind == "random":
+                result(event="armed", fault=args.fault)
+                if int(rest[0]) == RANK:
+                    delay = float(rest[1]) * dur
+
+                    def die(delay: float = delay) -> None:
+                        result(event="killing", after_s=round(delay, 4))
+                        os.kill(os.getpid(), signal.SIGKILL)
+
+                    threading.Timer(delay, die).start()
+        save(ck, st, step, args.gen)
+        step += 1
+    _faults.arm("")
+    result(event="survived")
+    ck.close()
+
+
+def _damage(step_dir: str, kind: str, rng: random.Random) -> str:
+    """Damage one committed checkpoint the way storage does; returns what was done."""
+    files = sorted(os.path.relpath(os.path.join(d, n), step_dir) for d, _, ns in os.walk(step_dir) for n in ns)
+    nonempty = [f for f in files if os.path.getsize(os.path.join(step_dir, f)) > 0]
+    if kind == "extra":
+        where = rng.choice(["NOTES.txt", "data/rank00099_0.bin", "files/rank00000/aux/extra.bin", "data/.hidden"])
+        path = os.path.join(step_dir, where)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "wb") as f:
+            f.write(os.urandom(rng.randint(1, 5000)))
+        return f"extra {where}"
+    rel = rng.choice(files if kind == "delete" else nonempty)
+    path = os.path.join(step_dir, rel)
+    if kind == "delete":
+        os.unlink(path)
+        return f"delete {rel}"
+    with open(path, "rb") as f:
+        data = bytearray(f.read())
+    if kind == "bitflip":
+        pos, bit = rng.randrange(len(data)), rng.randrange(8)
+        data[pos] ^= 1 << bit
+        what = f"bitflip {rel} byte {pos} bit {bit}"
+    elif kind == "truncate":
+        n = rng.randrange(len(data))
+        data = data[:n]
+        what = f"truncate {rel} to {n} of {len(data)} bytes"
+    elif kind == "zeros":
+        for _ in range(100):  # a block that is not already zero, or the damage would be no damage
+            length = rng.randint(1, min(4096, len(data)))
+            pos = rng.randrange(len(data) - length + 1)
+            if any(data[pos:pos + length]):
+                break
+        data[pos:pos + length] = bytes(length)
+        what = f"zeros {rel} bytes {pos}..{pos + length}"
+    else:
+        raise ValueError(kind)
+    # Rewrite in place (same inode), like bit rot or a torn sector; the manifest is not touched.
+    with open(path, "r+b") as f:
+        f.write(data)
+        f.truncate(len(data))
+        f.flush()
+        os.fsync(f.fileno())
+    return what
+
+
+def scenario_corrupt(args: argparse.Namespace) -> None:
+    """Corruption after commit: per trial, save a good step and a newer one, damage the newer one,
+    then load(step=None) must give a committed step bitwise (the newer only if the damage is
+    harmless), load(step=newer) must refuse or be bitwise right, and verify must flag the damage."""
+    st = State(RANK, args.big, args.scratch)
+    ck = make_ck(args)
+    step, _ = restart(ck, st, args.gen)
+    kinds = args.damage.split(",")
+    rng = random.Random(args.seed)
+    for i in range(args.trials):
+        kind = kinds[i % len(kinds)]
+        save(ck, st, step, args.gen)
+        save(ck, st, step + 1, args.gen)
+        target = step + 1
+        dist.barrier()
+        if RANK == 0:
+            # Node-local roots: damage one domain's copy (the other stays intact).
+            step_dir = os.path.join(ck.root, CheckpointName(target).dirname)
+            what = _damage(step_dir, kind, rng)
+            vr = verify_checkpoint(ck.root, CheckpointName(target))
+            problems = sorted({p.kind for p in vr.problems})
+            cli = None
+            if i % args.cli_every == 0:
+                proc = subprocess.run([sys.executable, "-m", "ckptguard.cli", "verify", ck.root, "--json"],
+                                      capture_output=True, text=True, timeout=120)
+                doc = json.loads(proc.stdout) if proc.stdout.strip().startswith("{") else {}
+                flagged = [c["step"] for c in doc.get("checked", []) if not c["intact"]]
+                gone = target not in [c["step"] for c in doc.get("checked", [])]
+                cli = {"rc": proc.returncode, "flagged": flagged, "target_listed": not gone}
+            result(event="damage", trial=i, kind=kind, step=target, what=what, verify_intact=vr.intact,
+                   problems=problems, cli=cli)
+        dist.barrier()
+        got = load_and_check(ck, st, None, "after-damage", trial=i)
+        result(event="fallback", trial=i, kind=kind, target=target, loaded=got)
+        try:
+            load_and_check(ck, st, target, "damaged-explicit", trial=i)
+            result(event="explicit", trial=i, outcome="loaded")
+        except CorruptCheckpointError as e:
+            result(event="explicit", trial=i, outcome="corrupt", msg=str(e)[:300])
+        except CheckpointError as e:
+            result(event="explicit", trial=i, outcome="error", msg=str(e)[:300])
+        step += 2
+    ck.close()
+
+
+def scenario_diskfull(args: argparse.Namespace) -> None:
+    """Disk full mid-save: rank 0 fills the filesystem up to a random few bytes short of what
+    the next save needs; the save must fail with one CheckpointError on every rank (or fit),
+    the previous checkpoint must load bitwise, and once space is back the next save works and
+    leaves no garbage. Every ``--hold-every``-th trial keeps the disk full for ``--hold-s``
+    seconds (longer than a lease renewal interval) before freeing it."""
+    st = State(RANK, args.big, args.scratch)
+    ck = make_ck(args)
+    step, _ = restart(ck, st, args.gen)
+    rng = random.Random(args.seed)
+    fill_dir = os.path.dirname(os.path.abspath(args.root))
+    for i in range(args.trials):
+        hold = args.hold_every > 0 and i % args.hold_every == args.hold_every - 1
+        filler = os.path.join(fill_dir, f"filler-{args.gen}-{i}")
+        if hold:
+            # A short lease TTL, so that the renewal thread runs while the disk is full.
+            ck.close()
+            ck = make_ck(args, lease_ttl_s=args.lease_ttl)
+        if RANK == 0:
+            size = sum(os.path.getsize(os.path.join(d, n))
+                       for d, _, ns in os.walk(os.path.join(ck.root, CheckpointName(ck.latest()).dirname))
+                       for n in ns)
+            vfs = os.statvfs(fill_dir)
+            free = vfs.f_bavail * vfs.f_frsize
+            leave = rng.randrange(0, int(size * 1.15))
+            with open(filler, "wb", buffering=0) as f:
+                chunk = b"\xa5" * (1 << 20)
+                remaining = max(0, free - leave)
+                with contextlib.suppress(OSError):
+                    while remaining > 0:
+                        remaining -= f.write(chunk[: min(len(chunk), remaining)])
+            vfs = os.statvfs(fill_dir)
+            result(event="filled", trial=i, checkpoint_bytes=size, free=vfs.f_bavail * vfs.f_frsize, leave=leave,
+                   hold=hold)
+        dist.barrier()
+        before = ck.steps()
+        try:
+            save(ck, st, step, args.gen)
+            outcome, msg = "fit", ""
+        except CheckpointError as e:
+            outcome, msg = "raised", str(e)
+        result(event="diskfull", trial=i, step=step, outcome=outcome, msg=msg[:600], before=before,
+               after=ck.steps(refresh=True), hold=hold)
+        load_and_check(ck, st, None, "after-diskfull", trial=i)
+        if hold and RANK == 0:
+            # Completely full, for longer than a lease renewal interval (as when nobody cleans up for a while).
+            with open(filler + "-rest", "wb", buffering=0) as f, contextlib.suppress(OSError):
+                while True:
+                    f.write(b"\x5a" * 4096)
+            time.sleep(args.hold_s)
+            os.unlink(filler + "-rest")
+        dist.barrier()
+        if RANK == 0:
+            os.unlink(filler)
+        dist.barrier()
+        if outcome == "fit":
+            step += 1
+        try:
+            save(ck, st, step, args.gen)
+        except CheckpointError as e:
+            # Report, then carry on with a fresh Checkpointer so the remaining trials still run.
+            result(event="postfree-failed", trial=i, step=step, msg=str(e)[:600])
+            with contextlib.suppress(CheckpointError):
+                ck.close()
+            ck = make_ck(args)
+            save(ck, st, step, args.gen)
+        leftovers(ck)
+        step += 1
+        if hold:
+            ck.close()
+            ck = make_ck(args)
+    ck.close()
+
+
+def scenario_contend(args: argparse.Namespace) -> None:
+    """Two jobs started on one root at once: exactly one gets the lease; the other must get a
+    CheckpointError naming the holder. The winner keeps saving until the loser has reported."""
+    st = State(RANK, args.big, args.scratch)
+    mine, other = os.path.join(args.sync, f"done-{args.gen}"), os.path.join(args.sync, f"done-{args.other}")
+    try:
+        ck = make_ck(args, lease_wait_s=args.lease_wait)
+    except CheckpointError as e:
+        result(event="refused", msg=str(e)[:600])
+        dist.barrier()
+        if RANK == 0:
+            touch(mine)
+        return
+    result(event="won")
+    step, _ = restart(ck, st, args.gen)
+    deadline = time.monotonic() + 120
+    n = 0
+    while True:
+        save(ck, st, step, args.gen)
+        step += 1
+        n += 1
+        flag = torch.tensor([int(os.path.exists(other) or time.monotonic() > deadline)])
+        dist.all_reduce(flag)  # every rank leaves the loop at the same save
+        if flag.item() and n >= 2:
+            break
+    for s in ck.steps():
+        load_and_check(ck, st, s, "winner-final")
+    ck.close()
+    dist.barrier()
+    if RANK == 0:
+        touch(mine)
+
+
+def scenario_victim(args: argparse.Namespace) -> None:
+    """A job whose leader stalls (SIGSTOP) past the lease TTL while another job takes the root
+    over: once it wakes up, its next save must fail with the fencing error, not publish."""
+    st = State(RANK, args.big, args.scratch)
+    ck = make_ck(args, lease_ttl_s=args.lease_ttl)
+    step, _ = restart(ck, st, args.gen)
+    save(ck, st, step, args.gen)
+    step += 1
+    pids = [None] * dist.get_world_size()
+    dist.all_gather_object(pids, os.getpid())
+    dist.barrier()
+    if RANK == 1:
+        # Stop the leader (its lease renewal thread with it), as a frozen node or a long GC pause would.
+        os.kill(pids[0], signal.SIGSTOP)
+        touch(os.path.join(args.sync, "stalled"))
+        result(event="stalled", pid=pids[0])
+        barrier_file(os.path.join(args.sync, "thief-saved"), timeout=args.lease_ttl * 10 + 120)
+        os.kill(pids[0], signal.SIGCONT)
+        result(event="resumed")
+    dist.barrier()
+    try:
+        save(ck, st, step, args.gen)
+        result(event="not-fenced", step=step)
+    except CheckpointError as e:
+        result(event="fenced", step=step, msg=str(e)[:600], steps=ck.steps())
+    with contextlib.suppress(CheckpointError):
+        ck.close()
+    dist.barrier()
+    if RANK == 0:
+        touch(os.path.join(args.sync, "victim-done"))
+
+
+def scenario_thief(args: argparse.Namespace) -> None:
+    """Starts while the victim is stalled, waits its lease out, takes over and saves."""
+    st = State(RANK, args.big, args.scratch)
+    t0 = time.monotonic()
+    ck = make_ck(args, lease_ttl_s=args.lease_ttl, lease_wait_s=args.lease_ttl * 3)
+    result(event="took-over", waited_s=round(time.monotonic() - t0, 2))
+    step, _ = restart(ck, st, args.gen)
+    dist.barrier()
+    if RANK == 0:
+        touch(os.path.join(args.sync, "thief-saved"))
+    barrier_file(os.path.join(args.sync, "victim-done"), timeout=args.lease_ttl * 10 + 120)
+    steps = ck.steps(refresh=True)
+    result(event="after-victim", steps=steps)
+    for s in steps:
+        load_and_check(ck, st, s, "thief-final")
+    save(ck, st, step, args.gen)
+    leftovers(ck)
+    ck.close()
+
+
+def scenario_consecutive(args: argparse.Namespace) -> None:
+    """``--trials`` saves in a row (every ``--overwrite-every``-th one re-saves the previous step
+    with overwrite=True, as a restarted run does); each must succeed, and after each the
+    committed steps must be exactly the newest keep_last. At the end every step loads bitwise."""
+    st = State(RANK, args.big, args.scratch)
+    ck = make_ck(args)
+    result(event="start", steps=ck.steps(), domains=[list(d) for d in ck.topology.domains])
+    step = 0
+    for i in range(args.trials):
+        again = args.overwrite_every > 0 and i > 0 and i % args.overwrite_every == 0
+        s = step - 1 if again else step
+        try:
+            save(ck, st, s, args.gen + i, overwrite=again)
+        except CheckpointError as e:
+            result(event="save-failed", i=i, step=s, msg=str(e)[:800])
+            raise
+        if not again:
+            step += 1
+    for s in ck.steps():
+        load_and_check(ck, st, s, "final")
+    leftovers(ck)
+    ck.close()
+
+
+@contextlib.contextmanager
+def _process_group() -> Iterator[None]:
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
+    try:
+        yield
+        # Leave together: if the node hosting the store exits first, the other's teardown aborts.
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+SCENARIOS: dict[str, Callable[[argparse.Namespace], None]] = {
+    "chain": scenario_chain, "corrupt": scenario_corrupt, "diskfull": scenario_diskfull,
+    "contend": scenario_contend, "victim": scenario_victim, "thief": scenario_thief,
+    "consecutive": scenario_consecutive,
+}
+
+
+def main() -> None:
+    global RANK
+    p = argparse.ArgumentParser()
+    p.add_argument("scenario", choices=sorted(SCENARIOS))
+    p.add_argument("--root", default=os.environ.get("CKPT_ROOT"))
+    p.add_argument("--scratch", default=os.environ.get("CKPT_SCRATCH"))
+    p.add_argument("--sync", default=os.environ.get("CKPT_SYNC"))
+    p.add_argument("--gen", type=int, required=True)
+    p.add_argument("--other", type=int, default=-1)
+    p.add_argument("--job-id", default=None)
+    p.add_argument("--keep-last", type=int, default=3)
+    p.add_argument("--big", type=int, default=64 * 1024)
+    p.add_argument("--fault", default="none")
+    p.add_argument("--at", type=int, default=0)
+    p.add_argument("--trials", type=int, default=1)
+    p.add_argument("--damage", default="bitflip,truncate,zeros,delete,extra")
+    p.add_argument("--cli-every", type=int, default=10)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--lease-wait", type=float, default=2.0)
+    p.add_argument("--lease-ttl", type=float, default=2.0)
+    p.add_argument("--overwrite-every", type=int, default=0)
+    p.add_argument("--hold-every", type=int, default=0)
+    p.add_argument("--hold-s", type=float, default=1.5)
+    args = p.parse_args()
+    with _process_group():
+        RANK = dist.get_rank()
+        args.scratch = os.path.join(args.scratch or "/tmp", f"gen{args.gen}-{uuid.uuid4().hex[:8]}")
+        os.makedirs(args.scratch, exist_ok=True)
+        try:
+            SCENARIOS[args.scenario](args)
+        finally:
+            shutil.rmtree(args.scratch, ignore_errors=True)
+    result(event="exit")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
