@@ -27,7 +27,7 @@ import os
 import time
 import uuid
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -66,6 +66,7 @@ from ckptguard.errors import CheckpointError, CorruptCheckpointError
 from ckptguard.layout import CheckpointName
 from ckptguard.lease import Lease, job_identity, new_holder_id
 from ckptguard.manifest import Artifact, FileEntry, Manifest, StoredItem
+from ckptguard.progress import ByteProgress
 from ckptguard.root import CheckpointRoot
 from ckptguard.staging import HostStager, stage_files, state_nbytes
 from ckptguard.state import prepare_state
@@ -118,6 +119,7 @@ class Checkpointer:
         checksum: str = DEFAULT_ALGORITHM,
         visibility_timeout_s: float = 60.0,
         async_budget_bytes: int | None = None,
+        progress: bool = False,
     ) -> None:
         if keep_last is not None and keep_last < 1:
             raise ValueError("keep_last must be >= 1 (the newest checkpoint is always kept)")
@@ -126,6 +128,7 @@ class Checkpointer:
         if checksum not in ALGORITHMS:
             raise ValueError(f"checksum must be one of {ALGORITHMS}")
         self.keep_last = keep_last
+        self.progress = progress
         self.keep_every = keep_every
         self.read_only = read_only
         self.io_threads = io_threads
@@ -204,6 +207,7 @@ class Checkpointer:
         overwrite: bool = False,
         metadata: Mapping[str, Any] | None = None,
         blocking: bool = True,
+        progress: bool | None = None,
     ) -> None:
         """Save ``state`` as checkpoint ``step``.
 
@@ -211,7 +215,8 @@ class Checkpointer:
         every storage domain. With ``blocking=False`` it returns once the state
         (and the ``files=`` contents) are copied into host memory; writing and
         committing run in the background. ``wait()`` and the next call surface
-        a background failure as CheckpointError.
+        a background failure as CheckpointError. ``progress=True`` shows a
+        progress bar on rank 0 (default: the Checkpointer's ``progress``).
         """
         self.wait()
         self._check_usable(writing=True)
@@ -221,6 +226,7 @@ class Checkpointer:
         started = time.perf_counter()
         fault_point("save_start", self._comm.rank)
         stats = self.last_save_stats = PhaseTimer()
+        stats.show_progress = (self.progress if progress is None else progress) and self._comm.rank == 0
         with stats.phase("state_dict"):
             prepared = prepare_state(state, self._comm.rank)
         # A local problem (a files= path missing on this rank) must not skip the collectives
@@ -277,8 +283,9 @@ class Checkpointer:
         with stats.phase("stage"):
             self._stage(plan)
         try:
-            with stats.phase("write"):
-                writer = self._write(plan, state_dict, file_items)
+            with stats.phase("write"), ByteProgress(stats.show_progress, f"saving step {step}",
+                                                    state_nbytes(state_dict)) as bar:
+                writer = self._write(plan, state_dict, file_items, bar.callback)
             stats.bytes = sum(f.size for f in writer.outcome.files)
             with stats.phase("commit"):
                 self._commit(plan, writer, user_metadata)
@@ -296,6 +303,7 @@ class Checkpointer:
         step: int | None = None,
         files: Mapping[str, str | os.PathLike[str]] | None = None,
         strict: bool = True,
+        progress: bool | None = None,
     ) -> int | None:
         """Load a committed checkpoint into ``state`` in place; returns its step, or None if there is none.
 
@@ -314,15 +322,17 @@ class Checkpointer:
             candidates = [step]
         else:
             candidates = sorted(current, reverse=True)
+        show = (self.progress if progress is None else progress) and self._comm.rank == 0
         with _gc_paused():
-            return self._load_first_intact(candidates, current, state, files, strict, fallback=step is None)
+            return self._load_first_intact(candidates, current, state, files, strict, fallback=step is None,
+                                           show_progress=show)
 
     def _load_first_intact(self, candidates: list[int], current: dict[int, int], state: Mapping[str, Any],
-                           files: Any, strict: bool, fallback: bool) -> int | None:
+                           files: Any, strict: bool, fallback: bool, show_progress: bool) -> int | None:
         errors: list[str] = []
         for s in candidates:
             try:
-                self._load_one(CheckpointName(s, current[s]), state, files, strict)
+                self._load_one(CheckpointName(s, current[s]), state, files, strict, show_progress)
                 return s
             except CorruptCheckpointError as e:
                 if not fallback:
@@ -474,7 +484,8 @@ class Checkpointer:
                 err = e
         agree(self._comm, err, f"create the attempt directory for step {plan.step}", self._intact(plan))
 
-    def _write(self, plan: _SavePlan, state_dict: dict[str, Any], file_items: list[Any]) -> GuardedWriter:
+    def _write(self, plan: _SavePlan, state_dict: dict[str, Any], file_items: list[Any],
+               on_bytes: Callable[[int], None] | None = None) -> GuardedWriter:
         rank = self._comm.rank
 
         def before_write() -> tuple[list[Artifact], list[FileEntry]]:
@@ -487,7 +498,7 @@ class Checkpointer:
                 raise explain_os_error(e, plan.staging, rank, root=self.root) from None
 
         writer = GuardedWriter(plan.staging, rank, self.checksum, self.io_threads, before_write,
-                               error_root=self.root)
+                               error_root=self.root, on_bytes=on_bytes)
         planner = DomainSavePlanner([self._topo.domain_of(r) for r in range(self._comm.world_size)],
                                     cache_key=str(id(self)))
         try:
@@ -523,9 +534,7 @@ class Checkpointer:
             assert mine is not None and self._lease is not None
             try:
                 self._lease.check()
-                for f in mine.files:
-                    self._storage.wait_visible(os.path.join(plan.staging, f.path), f.size,
-                                               timeout=self.visibility_timeout_s)
+                self._root.wait_files_visible(plan.staging, mine.files, self.visibility_timeout_s)
                 self._root.write_manifest(plan.staging, mine)
                 fault_point("before_publish", comm.rank)
                 self._root.publish(plan.staging, plan.name)
@@ -618,7 +627,7 @@ class Checkpointer:
 
     # -- load -----------------------------------------------------------------------------
     def _load_one(self, name: CheckpointName, state: Mapping[str, Any],
-                  files: Mapping[str, Any] | None, strict: bool) -> None:
+                  files: Mapping[str, Any] | None, strict: bool, show_progress: bool = False) -> None:
         comm, topo = self._comm, self._topo
         err: BaseException | None = None
         manifest: Manifest | None = None
@@ -654,15 +663,16 @@ class Checkpointer:
             raise CheckpointError(collision.replace("on save and on restore", "on restore"))
         metadata = metadata_from_json(manifest.dcp, manifest.items)
         prepared = prepare_state(state, comm.rank)
-        reader = GuardedReader(self._root.dir(name), metadata, manifest.checksum_algorithm, comm.rank,
-                               self.io_threads)
-        try:
-            with _quiet_dcp():
-                dcp.load(prepared.state_dict, storage_reader=reader,
-                         planner=SafeLoadPlanner(allow_partial_load=not strict),
-                         process_group=comm.process_group, no_dist=comm.process_group is None)
-        except CheckpointException as e:
-            raise self._from_dcp(e, f"load step {name.step}") from None
+        with ByteProgress(show_progress, f"loading step {name.step}", None) as bar:
+            reader = GuardedReader(self._root.dir(name), metadata, manifest.checksum_algorithm, comm.rank,
+                                   self.io_threads, on_bytes=bar.callback)
+            try:
+                with _quiet_dcp():
+                    dcp.load(prepared.state_dict, storage_reader=reader,
+                             planner=SafeLoadPlanner(allow_partial_load=not strict),
+                             process_group=comm.process_group, no_dist=comm.process_group is None)
+            except CheckpointException as e:
+                raise self._from_dcp(e, f"load step {name.step}") from None
         err = None
         try:
             artifacts.restore(targets, manifest, self._root.dir(name))
@@ -725,6 +735,7 @@ class PhaseTimer:
         self.seconds: dict[str, float] = {}
         self.bytes = 0
         self.blocked = 0.0  # how long save() kept the caller waiting
+        self.show_progress = False
 
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:

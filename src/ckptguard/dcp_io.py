@@ -126,19 +126,20 @@ def metadata_to_json(md: Metadata) -> dict[str, Any]:
 
 
 def metadata_from_json(obj: dict[str, Any], items: Sequence[StoredItem]) -> Metadata:
+    props: dict[tuple[str, bool], TensorProperties] = {}
     try:
         sd: dict[str, Any] = {}
         for fqn, e in obj["state_dict"].items():
             if e["type"] == "bytes":
                 sd[fqn] = BytesStorageMetadata()
             elif e["type"] == "tensor":
+                key = (e["dtype"], bool(e["requires_grad"]))
+                if key not in props:
+                    props[key] = TensorProperties(dtype=dtype_from_name(key[0]), requires_grad=key[1])
                 sd[fqn] = TensorStorageMetadata(
-                    properties=TensorProperties(dtype=dtype_from_name(e["dtype"]),
-                                                requires_grad=bool(e["requires_grad"])),
-                    size=torch.Size(int(x) for x in e["size"]),
-                    chunks=[ChunkStorageMetadata(offsets=torch.Size(int(x) for x in o),
-                                                 sizes=torch.Size(int(x) for x in s))
-                            for o, s in e["chunks"]],
+                    properties=props[key],
+                    size=torch.Size(e["size"]),
+                    chunks=[ChunkStorageMetadata(offsets=torch.Size(o), sizes=torch.Size(z)) for o, z in e["chunks"]],
                 )
             else:
                 raise ValueError(f"unknown entry type {e['type']!r}")
@@ -468,8 +469,9 @@ def _balance(buffers: list[tuple[WriteItem, memoryview, Any]], n: int
 
 class GuardedReader(StorageReader):
     def __init__(self, checkpoint_dir: str, metadata: Metadata, algorithm: str, rank: int,
-                 io_threads: int = 4) -> None:
+                 io_threads: int = 4, on_bytes: Callable[[int], None] | None = None) -> None:
         super().__init__()
+        self.on_bytes = on_bytes
         self.checkpoint_dir = checkpoint_dir
         self.metadata = metadata
         self.algorithm = algorithm
@@ -526,6 +528,8 @@ class GuardedReader(StorageReader):
             try:
                 for job in sorted(file_jobs, key=lambda j: j.stored.offset):
                     job.run(fd, path, self.algorithm)
+                    if self.on_bytes is not None:
+                        self.on_bytes(job.stored.length)
                     if first[0]:
                         first[0] = False
                         fault_point("mid_load", self.rank)

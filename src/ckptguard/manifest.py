@@ -196,21 +196,24 @@ def _parse(data: bytes) -> Manifest:
         files.append(FileEntry(_relpath(row[0], "file path"), _int(row[1], "file size"), _int(row[2], "file rank"),
                                None if row[3] is None else _str(row[3], "file checksum")))
     items: list[StoredItem] = []
+    paths = [f.path for f in files]
+    # Hot loop (one row per tensor chunk): inline type checks instead of helper calls.
     for row in b["items"]:
-        _expect(isinstance(row, list) and len(row) == 8, "item rows have 8 fields")
-        fqn = _str(row[0], "item fqn")
-        fi = _int(row[2], "item file index")
-        _expect(fi < len(files), "item file index out of range")
-        items.append(StoredItem(
-            fqn=fqn,
-            offsets=None if row[1] is None else _ints(row[1], "item offsets"),
-            file=files[fi].path,
-            offset=_int(row[3], "item offset"),
-            length=_int(row[4], "item length"),
-            checksum=_str(row[5], "item checksum"),
-            dtype=None if row[6] is None else _str(row[6], "item dtype"),
-            shape=None if row[7] is None else _ints(row[7], "item shape"),
-        ))
+        _expect(type(row) is list and len(row) == 8, "item rows have 8 fields")
+        fqn, offsets, fi, offset, length, digest, dtype, shape = row
+        _expect(type(fqn) is str and type(fi) is int and type(offset) is int and type(length) is int
+                and type(digest) is str and 0 <= fi < len(paths) and offset >= 0 and length >= 0,
+                f"malformed item row for {str(fqn)[:100]!r}")
+        if offsets is not None:
+            _expect(type(offsets) is list and all(type(x) is int and x >= 0 for x in offsets), "item offsets")
+            offsets = tuple(offsets)
+        if shape is not None:
+            _expect(type(shape) is list and all(type(x) is int and x >= 0 for x in shape) and type(dtype) is str,
+                    "item shape")
+            shape = tuple(shape)
+        elif dtype is not None:
+            _expect(False, "item dtype without shape")
+        items.append(StoredItem(fqn, offsets, paths[fi], offset, length, digest, dtype, shape))
     artifacts: list[Artifact] = []
     for a in b["artifacts"]:
         _expect(isinstance(a, dict), "artifact entries are objects")

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from ckptguard import layout
 from ckptguard.errors import CheckpointError, CorruptCheckpointError
 from ckptguard.layout import CheckpointName
-from ckptguard.manifest import Manifest
+from ckptguard.manifest import FileEntry, Manifest
 from ckptguard.storage.posix import PosixStorage, fsync_dir
 
 
@@ -119,6 +119,44 @@ class CheckpointRoot:
             os.mkdir(os.path.join(path, sub))
         fsync_dir(path)
         return path
+
+    def wait_files_visible(self, base: str, files: list[FileEntry], timeout: float) -> None:
+        """Wait until every file is visible under ``base`` with its size (I6: all parts visible).
+
+        One directory listing per directory and round, not one lookup per file:
+        at thousands of ranks, per-file lookups on NFS cost a round trip each,
+        while a listing returns many entries (and, with READDIRPLUS, their
+        attributes) at once.
+        """
+        pending: dict[str, dict[str, int]] = {}
+        for f in files:
+            d, name = os.path.split(f.path)
+            pending.setdefault(d, {})[name] = f.size
+        deadline = time.monotonic() + timeout
+        delay = 0.02
+        while True:
+            for d in list(pending):
+                want = pending[d]
+                try:
+                    with os.scandir(os.path.join(base, d)) as it:
+                        for entry in it:
+                            size = want.get(entry.name)
+                            if size is not None and entry.stat(follow_symlinks=False).st_size == size:
+                                del want[entry.name]
+                except FileNotFoundError:
+                    pass
+                if not want:
+                    del pending[d]
+            if not pending:
+                return
+            if time.monotonic() >= deadline:
+                missing = [os.path.join(base, d, n) for d, names in pending.items() for n in names]
+                raise CheckpointError(
+                    f"{len(missing)} file(s) of this checkpoint are not visible with the right size after "
+                    f"{timeout:.0f} s, e.g. {missing[0]}: a writer failed, or this node's view of the shared "
+                    "filesystem is stale for longer than visibility_timeout_s.", path=missing[0])
+            time.sleep(delay)
+            delay = min(delay * 2, 1.0)
 
     def write_manifest(self, staging: str, manifest: Manifest) -> None:
         self.storage.write_bytes_atomic(os.path.join(staging, layout.MANIFEST), manifest.to_json())
