@@ -573,8 +573,9 @@ def scenario_thief(args: argparse.Namespace) -> None:
 
 def scenario_consecutive(args: argparse.Namespace) -> None:
     """``--trials`` saves in a row (every ``--overwrite-every``-th one re-saves the previous step
-    with overwrite=True, as a restarted run does); each must succeed, and after each the
-    committed steps must be exactly the newest keep_last. At the end every step loads bitwise."""
+    with overwrite=True, as a restarted run does); each must succeed. Every ``--load-every``-th
+    save is followed by a load of the newest step (on a 2-node job, node 1 reads what node 0
+    just published). At the end every retained step loads bitwise."""
     st = State(RANK, args.big, args.scratch)
     ck = make_ck(args)
     result(event="start", steps=ck.steps(), domains=[list(d) for d in ck.topology.domains])
@@ -587,6 +588,8 @@ def scenario_consecutive(args: argparse.Namespace) -> None:
         except CheckpointError as e:
             result(event="save-failed", i=i, step=s, msg=str(e)[:800])
             raise
+        if args.load_every and i % args.load_every == 0:
+            load_and_check(ck, st, None, "after-save", i=i)
         if not again:
             step += 1
     for s in ck.steps():
@@ -635,6 +638,7 @@ def main() -> None:
     p.add_argument("--lease-ttl", type=float, default=2.0)
     p.add_argument("--overwrite-every", type=int, default=0)
     p.add_argument("--hold-every", type=int, default=0)
+    p.add_argument("--load-every", type=int, default=0)
     p.add_argument("--hold-s", type=float, default=1.5)
     args = p.parse_args()
     with _process_group():
