@@ -428,8 +428,7 @@ def scenario_diskfull(args: argparse.Namespace) -> None:
         filler = os.path.join(fill_dir, f"filler-{args.gen}-{i}")
         if hold:
             # A short lease TTL, so that the renewal thread runs while the disk is full.
-            ck.close()
-            ck = make_ck(args, lease_ttl_s=args.lease_ttl)
+            ck = reopen(ck, args, lease_ttl_s=args.lease_ttl)
         if RANK == 0:
             size = sum(os.path.getsize(os.path.join(d, n))
                        for d, _, ns in os.walk(os.path.join(ck.root, CheckpointName(ck.latest()).dirname))
@@ -474,15 +473,12 @@ def scenario_diskfull(args: argparse.Namespace) -> None:
         except CheckpointError as e:
             # Report, then carry on with a fresh Checkpointer so the remaining trials still run.
             result(event="postfree-failed", trial=i, step=step, msg=str(e)[:600])
-            with contextlib.suppress(CheckpointError):
-                ck.close()
-            ck = make_ck(args)
+            ck = reopen(ck, args)
             save(ck, st, step, args.gen)
         leftovers(ck)
         step += 1
         if hold:
-            ck.close()
-            ck = make_ck(args)
+            ck = reopen(ck, args)
     ck.close()
 
 
@@ -598,6 +594,32 @@ def scenario_consecutive(args: argparse.Namespace) -> None:
     ck.close()
 
 
+def scenario_recreate(args: argparse.Namespace) -> None:
+    """``--trials`` saves, each by a new Checkpointer on the same root (the previous one closed and
+    dropped): a job may open a Checkpointer per phase, or re-open one after an error."""
+    st = State(RANK, args.big, args.scratch)
+    ck = make_ck(args)
+    for i in range(args.trials):
+        save(ck, st, i, args.gen)
+        ck.close()
+        ck = make_ck(args)
+    ck.close()
+
+
+#: Checkpointers this process replaced. Kept alive so that a new one never gets the id() of a
+#: dropped one: the library keys DCP's plan cache by id(Checkpointer), and a reused id on some
+#: ranks but not others breaks the next save (tests/test_campaign.py::
+#: test_a_new_checkpointer_per_save_keeps_saving). The disk-full trials re-open Checkpointers.
+_REPLACED: list[Checkpointer] = []
+
+
+def reopen(ck: Checkpointer, args: argparse.Namespace, **kw: Any) -> Checkpointer:
+    with contextlib.suppress(CheckpointError):
+        ck.close()
+    _REPLACED.append(ck)
+    return make_ck(args, **kw)
+
+
 @contextlib.contextmanager
 def _process_group() -> Iterator[None]:
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
@@ -612,7 +634,7 @@ def _process_group() -> Iterator[None]:
 SCENARIOS: dict[str, Callable[[argparse.Namespace], None]] = {
     "chain": scenario_chain, "corrupt": scenario_corrupt, "diskfull": scenario_diskfull,
     "contend": scenario_contend, "victim": scenario_victim, "thief": scenario_thief,
-    "consecutive": scenario_consecutive,
+    "consecutive": scenario_consecutive, "recreate": scenario_recreate,
 }
 
 
