@@ -65,7 +65,8 @@ def find_collisions(targets: list[ArtifactTarget]) -> tuple[list[tuple[ArtifactT
     certain, uncertain = [], []
     # Sorted by path, nested paths are adjacent runs: compare each with its followers while they nest.
     for i, a in enumerate(by_path):
-        for b in by_path[i + 1:]:
+        for j in range(i + 1, len(by_path)):
+            b = by_path[j]
             if not _nested(a.path, b.path):
                 if not b.path.startswith(a.path):
                     break

@@ -278,7 +278,8 @@ class Checkpointer:
                   file_items: list[Any], overwrite: bool, user_metadata: dict[str, Any], stats: PhaseTimer,
                   local_error: BaseException | None) -> None:
         """The collective part of a save (in the caller's thread, or in the background)."""
-        with stats.phase("plan"):
+        # GC stays paused in the short collective phases even for background saves (see _gc_paused).
+        with stats.phase("plan"), _gc_paused():
             plan = self._plan_save(step, targets, overwrite, local_error)
         with stats.phase("stage"):
             self._stage(plan)
@@ -287,7 +288,7 @@ class Checkpointer:
                                                     state_nbytes(state_dict)) as bar:
                 writer = self._write(plan, state_dict, file_items, bar.callback)
             stats.bytes = sum(f.size for f in writer.outcome.files)
-            with stats.phase("commit"):
+            with stats.phase("commit"), _gc_paused():
                 self._commit(plan, writer, user_metadata)
         except CheckpointError:
             # Every rank got the same error at the same agreement point, so no rank is still
@@ -408,7 +409,7 @@ class Checkpointer:
         decision = None
         if comm.rank == 0:
             assert gathered is not None
-            decision = self._decide_plan(step, overwrite, gathered)
+            decision = decide_plan(self.root, step, overwrite, gathered)
         error, attempt, version, uncertain, previous = comm.broadcast(decision)
         if error is not None:
             raise CheckpointError(error[0], rank=error[1])
@@ -416,29 +417,6 @@ class Checkpointer:
             self._probe_shared_paths(uncertain, attempt)
         name = CheckpointName(step, version)
         return _SavePlan(step, name, attempt, self._root.staging_dir(step, attempt), targets, previous)
-
-    def _decide_plan(self, step: int, overwrite: bool, gathered: list[Any]) -> tuple[Any, ...]:
-        """Rank 0: the verdict on a save before anything is written."""
-        failures = order_failures([g[0] for g in gathered])
-        listings = [g[2][1] for g in gathered if g[2] is not None]
-        agreed = _intersect(listings)
-        previous = max(agreed) if agreed else None
-        if failures:
-            f = failures[0]
-            return ((f"rank {f.rank} on {f.host} cannot save step {step}: {f.message}", f.rank),
-                    None, 0, [], previous)
-        versions = [v for g in gathered if g[2] is not None for v in g[2][0]]
-        if step in agreed and not overwrite:
-            return ((f"step {step} is already committed in {self.root} "
-                     f"({CheckpointName(step, agreed[step]).dirname}); committed checkpoints are never "
-                     "modified. Pass overwrite=True to replace it atomically.", None), None, 0, [], previous)
-        all_targets = [t for g in gathered for t in g[1]]
-        certain, uncertain = artifacts.find_collisions(all_targets)
-        if certain:
-            a, b = certain[0]
-            return ((artifacts.collision_message(a, b), a.rank), None, 0, [], previous)
-        version = max(versions) + 1 if versions else 1
-        return (None, uuid.uuid4().hex, version, uncertain, previous)
 
     def _probe_shared_paths(self, pairs: list[tuple[ArtifactTarget, ArtifactTarget]], nonce: str) -> None:
         """Same path on different hosts: a collision only if the path is on shared storage. Look."""
@@ -551,7 +529,7 @@ class Checkpointer:
             assert gathered2 is not None
             failures = order_failures([g[0] for g in gathered2])
             agreed = _intersect([g[1] for g in gathered2 if g[1] is not None]) if not failures else {}
-            decision = (failures, self._retention(agreed, plan.step), agreed)
+            decision = (failures, retention(agreed, plan.step, self.keep_last, self.keep_every), agreed)
         failures, doomed, agreed = comm.broadcast(decision)
         if failures:
             if published:  # another domain failed: this step is not committed anywhere, roll back
@@ -607,18 +585,6 @@ class Checkpointer:
         if self._cleanup is not None:
             self._cleanup.result()
             self._cleanup = None
-
-    def _retention(self, agreed: dict[int, int], new_step: int) -> list[int]:
-        """Rank 0: which committed steps to delete now that ``new_step`` is committed everywhere."""
-        steps = sorted(agreed)
-        if self.keep_last is None or new_step not in agreed:
-            keep = set(steps)
-        else:
-            keep = set(steps[-self.keep_last:])
-            if self.keep_every:
-                keep |= {s for s in steps if s % self.keep_every == 0}
-            keep.add(new_step)
-        return [s for s in steps if s not in keep]
 
     def _intact(self, plan: _SavePlan) -> str:
         if plan.previous is None:
@@ -753,6 +719,47 @@ class PhaseTimer:
         parts = ", ".join(f"{k} {v:.3f}s" for k, v in self.seconds.items())
         return (f"{self.total:.3f}s ({parts}), caller blocked {self.blocked:.3f}s, "
                 f"{self.bytes} bytes written by this rank")
+
+
+def decide_plan(root: str, step: int, overwrite: bool, gathered: list[Any]) -> tuple[Any, ...]:
+    """Rank 0: the verdict on a save before anything is written.
+
+    ``gathered[r]`` is rank r's (failure, files= targets, leader view); the
+    verdict is (error, attempt id, version, uncertain collisions, previous step).
+    """
+    failures = order_failures([g[0] for g in gathered])
+    listings = [g[2][1] for g in gathered if g[2] is not None]
+    agreed = _intersect(listings)
+    previous = max(agreed) if agreed else None
+    if failures:
+        f = failures[0]
+        return ((f"rank {f.rank} on {f.host} cannot save step {step}: {f.message}", f.rank),
+                None, 0, [], previous)
+    versions = [v for g in gathered if g[2] is not None for v in g[2][0]]
+    if step in agreed and not overwrite:
+        return ((f"step {step} is already committed in {root} "
+                 f"({CheckpointName(step, agreed[step]).dirname}); committed checkpoints are never "
+                 "modified. Pass overwrite=True to replace it atomically.", None), None, 0, [], previous)
+    all_targets = [t for g in gathered for t in g[1]]
+    certain, uncertain = artifacts.find_collisions(all_targets)
+    if certain:
+        a, b = certain[0]
+        return ((artifacts.collision_message(a, b), a.rank), None, 0, [], previous)
+    version = max(versions) + 1 if versions else 1
+    return (None, uuid.uuid4().hex, version, uncertain, previous)
+
+
+def retention(agreed: dict[int, int], new_step: int, keep_last: int | None, keep_every: int | None) -> list[int]:
+    """Rank 0: which committed steps to delete now that ``new_step`` is committed everywhere."""
+    steps = sorted(agreed)
+    if keep_last is None or new_step not in agreed:
+        keep = set(steps)
+    else:
+        keep = set(steps[-keep_last:])
+        if keep_every:
+            keep |= {s for s in steps if s % keep_every == 0}
+        keep.add(new_step)
+    return [s for s in steps if s not in keep]
 
 
 def _artifact_paths(path: str) -> list[str]:

@@ -113,7 +113,9 @@ def metadata_to_json(md: Metadata) -> dict[str, Any]:
                 "dtype": dtype_name(props.dtype),
                 "requires_grad": bool(props.requires_grad),
                 "size": list(entry.size),
-                "chunks": [[list(c.offsets), list(c.sizes)] for c in entry.chunks],
+                # Flat [offsets..., sizes..., offsets..., sizes...]: one list per tensor, not three
+                # per chunk (a tensor sharded over 16,384 ranks has 16,384 chunks).
+                "chunks": [x for c in entry.chunks for x in (*c.offsets, *c.sizes)],
             }
         else:
             raise CheckpointError(f"{fqn}: unsupported DCP storage metadata {type(entry).__name__}")
@@ -136,11 +138,18 @@ def metadata_from_json(obj: dict[str, Any], items: Sequence[StoredItem]) -> Meta
                 key = (e["dtype"], bool(e["requires_grad"]))
                 if key not in props:
                     props[key] = TensorProperties(dtype=dtype_from_name(key[0]), requires_grad=key[1])
-                sd[fqn] = TensorStorageMetadata(
-                    properties=props[key],
-                    size=torch.Size(e["size"]),
-                    chunks=[ChunkStorageMetadata(offsets=torch.Size(o), sizes=torch.Size(z)) for o, z in e["chunks"]],
-                )
+                ndim = len(e["size"])
+                flat = e["chunks"]
+                step = 2 * ndim
+                if ndim == 0:
+                    chunks = [ChunkStorageMetadata(offsets=torch.Size(), sizes=torch.Size())] * (len(flat) or 1)
+                else:
+                    if len(flat) % step:
+                        raise ValueError(f"{fqn}: chunk list length {len(flat)} is not a multiple of {step}")
+                    chunks = [ChunkStorageMetadata(offsets=torch.Size(flat[i:i + ndim]),
+                                                   sizes=torch.Size(flat[i + ndim:i + step]))
+                              for i in range(0, len(flat), step)]
+                sd[fqn] = TensorStorageMetadata(properties=props[key], size=torch.Size(e["size"]), chunks=chunks)
             else:
                 raise ValueError(f"unknown entry type {e['type']!r}")
         planner_data = {}

@@ -130,7 +130,7 @@ class CheckpointRoot:
         """
         pending: dict[str, dict[str, int]] = {}
         for f in files:
-            d, name = os.path.split(f.path)
+            d, _, name = f.path.rpartition("/")
             pending.setdefault(d, {})[name] = f.size
         deadline = time.monotonic() + timeout
         delay = 0.02

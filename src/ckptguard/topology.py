@@ -180,41 +180,36 @@ def _list_marks(storage: PosixStorage, probe_dir: str, nonce: str) -> list[int]:
 
 def _decide(reports: list[dict[str, Any]], hosts: list[str], host_first: dict[str, int]
             ) -> tuple[tuple[tuple[int, ...], ...], str]:
-    """From what every rank saw, the storage domains; or () and the inconsistency found."""
-    n = len(reports)
-    seen: dict[int, set[int]] = {r: from_ranges(rep["seen"]) for r, rep in enumerate(reports) if rep["lister"]}
-    parent = list(range(n))
+    """From what every rank saw, the storage domains; or () and the inconsistency found.
 
-    def find(x: int) -> int:
-        while parent[x] != x:
-            parent[x] = parent[parent[x]]
-            x = parent[x]
-        return x
-
-    def union(a: int, b: int) -> None:
-        ra, rb = find(a), find(b)
-        if ra != rb:
-            parent[max(ra, rb)] = min(ra, rb)
-
+    Ranks sharing storage must all see the same set of marks, so listers are
+    grouped by what they saw (kept as rank ranges: O(ranks), not O(ranks^2), at
+    scale). Every other rank joins the group of its host's first rank, which it
+    saw. A group is a domain if its members are exactly the ranks its listers saw.
+    """
+    groups: dict[tuple[tuple[int, int], ...], list[int]] = {}
+    group_of: dict[int, tuple[tuple[int, int], ...]] = {}
     for r, rep in enumerate(reports):
         if rep["lister"]:
-            for s in seen[r]:
-                if s in seen and r in seen[s]:
-                    union(r, s)  # two listers that see each other
-        else:
-            first = host_first[hosts[r]]
-            if r in seen.get(first, set()):
-                union(r, first)
-    groups: dict[int, list[int]] = {}
-    for r in range(n):
-        groups.setdefault(find(r), []).append(r)
-    domains = tuple(sorted((tuple(sorted(g)) for g in groups.values()), key=lambda d: d[0]))
-    # Consistency: every lister must see exactly the members of its own domain.
-    for d in domains:
-        members = set(d)
-        for r in d:
-            if r in seen and seen[r] != members:
-                extra = sorted(seen[r] - members)[:5]
-                missing = sorted(members - seen[r])[:5]
-                return (), f"rank {r} sees ranks {extra} outside its domain and misses {missing}"
-    return domains, ""
+            key = tuple((int(a), int(b)) for a, b in rep["seen"])
+            if not any(a <= r < b for a, b in key):
+                return (), f"rank {r} cannot see its own probe file"
+            groups.setdefault(key, []).append(r)
+            group_of[r] = key
+    for r, rep in enumerate(reports):
+        if not rep["lister"]:
+            key = group_of[host_first[hosts[r]]]
+            if not any(a <= r < b for a, b in key):
+                return (), f"rank {r} sees rank {host_first[hosts[r]]}'s probe file but not the reverse"
+            groups[key].append(r)
+    domains = []
+    for key, members in groups.items():
+        members.sort()
+        if tuple(to_ranges(members)) != key:
+            seen = from_ranges(list(key))
+            extra = sorted(seen - set(members))[:5]
+            missing = sorted(set(members) - seen)[:5]
+            return (), (f"ranks {_fmt_ranks(members[:5])}... see ranks {extra} whose own view differs, "
+                        f"and are seen by none of {missing}")
+        domains.append(tuple(members))
+    return tuple(sorted(domains, key=lambda d: d[0])), ""

@@ -1,0 +1,199 @@
+"""The protocol's own cost at 1,024 and 16,384 ranks, by simulation (no processes).
+
+The leader of a storage domain (rank 0 on a shared filesystem) does the work
+that grows with the number of ranks: it receives every rank's report, decides
+the save (files= disjointness, versions), builds the manifest, checks every
+file is visible with its size, writes the manifest and publishes; at start-up it
+decides the storage domains from the probe reports. This script feeds those
+functions exactly what N ranks would send, runs them in one process, and
+reports time, peak Python memory (tracemalloc) and the bytes rank 0 receives
+(pickled, as the collectives send them) and writes (the manifest).
+
+The state modelled is sharded FSDP-style: K tensors, each split into N chunks,
+one per rank (K items per rank), plus one files= directory per rank and a few
+small replicated values per rank. The file-visibility check lists a real
+directory holding one data file per rank.
+
+    python bench/bench_protocol_scale.py                   # N = 1,024 and 16,384, K = 4 and 64
+    python bench/bench_protocol_scale.py --ranks 16384 --items 4
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pickle
+import shutil
+import sys
+import tempfile
+import time
+import tracemalloc
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.storage import WriteResult
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+from ckptguard import layout
+from ckptguard.artifacts import ArtifactTarget
+from ckptguard.checkpointer import _gc_paused, _RankWrites, build_manifests, decide_plan, retention
+from ckptguard.comm import order_failures
+from ckptguard.dcp_io import check_replicated, metadata_to_json
+from ckptguard.layout import CheckpointName
+from ckptguard.manifest import FileEntry, StoredItem
+from ckptguard.root import CheckpointRoot
+from ckptguard.storage.posix import PosixStorage
+from ckptguard.topology import Topology, _decide, to_ranges
+
+RANKS_PER_HOST = 8
+
+
+def inputs(n: int, k: int) -> dict[str, Any]:
+    """What rank 0 receives from N ranks (built outside the measurement)."""
+    hosts = [f"node{r // RANKS_PER_HOST:05d}" for r in range(n)]
+    host_first = {h: r for r, h in reversed(list(enumerate(hosts)))}
+    probe = [{"lister": True, "seen": to_ranges(list(range(n)))} if host_first[hosts[r]] == r
+             else {"lister": False, "sees_host_first": True} for r in range(n)]
+    plan_reports = [(None, [ArtifactTarget(r, hosts[r], "offloaded", f"/local/offload/rank{r:05d}")],
+                     ([], {s: 1 for s in range(3)}) if r == 0 else None) for r in range(n)]
+    shard = 1 << 20  # elements per chunk (4 MiB of float32)
+    md = Metadata(state_dict_metadata={
+        f"model.layer{t}.flat_param": TensorStorageMetadata(
+            properties=TensorProperties(dtype=torch.float32), size=torch.Size([shard * n]),
+            chunks=[ChunkStorageMetadata(offsets=torch.Size([r * shard]), sizes=torch.Size([shard]))
+                    for r in range(n)])
+        for t in range(k)}, planner_data={f"model.layer{t}.flat_param": ("model", f"layer{t}.flat_param")
+                                          for t in range(k)})
+    results = []
+    writes = []
+    for r in range(n):
+        rel = layout.data_file(r, 0)
+        items = [WriteResult(index=MetadataIndex(f"model.layer{t}.flat_param", torch.Size([r * shard])),
+                             size_in_bytes=shard * 4,
+                             storage_data=StoredItem(f"model.layer{t}.flat_param", (r * shard,), rel,
+                                                     t * shard * 4, shard * 4, f"{r * 1000 + t:016x}",
+                                                     "float32", (shard,)))
+                 for t in range(k)]
+        results.append(items)
+        writes.append(_RankWrites([FileEntry(rel, k * shard * 4, r)], [],
+                                  {f"optim.param_groups.0.{p}": "00000000deadbeef" for p in ("lr", "betas", "eps")}))
+    return {"hosts": hosts, "host_first": host_first, "probe": probe, "plan": plan_reports, "md": md,
+            "results": results, "writes": writes, "statuses": [None] * n}
+
+
+def leader_work(data: dict[str, Any], n: int, root: Path, staging: Path) -> tuple[dict[str, float], int]:
+    """Everything rank 0 does that grows with the number of ranks; returns timings and manifest bytes."""
+    croot = CheckpointRoot(PosixStorage(str(root)))
+    timings: dict[str, float] = {}
+    t = time.perf_counter()
+    domains, problem = _decide(data["probe"], data["hosts"], data["host_first"])
+    assert domains and not problem and len(domains) == 1
+    timings["probe decision (start-up)"] = time.perf_counter() - t
+
+    t = time.perf_counter()
+    verdict = decide_plan(str(root), 3, False, data["plan"])
+    assert verdict[0] is None, verdict[0]
+    timings["save plan: failures, versions, files= disjointness"] = time.perf_counter() - t
+
+    topo = Topology(0, n, tuple(tuple(d) for d in domains), tuple(data["hosts"]))
+    t = time.perf_counter()
+    assert check_replicated([w.digests for w in data["writes"]]) is None
+    dcp_json = metadata_to_json(data["md"])
+    manifest = build_manifests(topo, CheckpointName(3), verdict[1], "xxh3-64", data["results"], data["writes"],
+                               {}, dcp_json)[0]
+    timings["commit: build manifest"] = time.perf_counter() - t
+
+    t = time.perf_counter()
+    croot.wait_files_visible(str(staging), manifest.files, timeout=60)
+    timings["commit: every file visible with its size"] = time.perf_counter() - t
+
+    t = time.perf_counter()
+    encoded = manifest.to_json()
+    croot.storage.write_bytes_atomic(str(staging / layout.MANIFEST), encoded)
+    croot.publish(str(staging), CheckpointName(3))
+    timings["commit: write manifest, fsync, publish"] = time.perf_counter() - t
+
+    t = time.perf_counter()
+    assert not order_failures(data["statuses"])
+    retention({0: 1, 1: 1, 2: 1, 3: 1}, 3, 3, None)
+    timings["commit agreement and retention"] = time.perf_counter() - t
+    return timings, len(encoded)
+
+
+def make_root(data: dict[str, Any], root: Path) -> Path:
+    staging = root / ".ckptguard" / "staging" / ("step-00000003." + "ab" * 16)
+    (staging / "data").mkdir(parents=True)
+    for w in data["writes"]:  # the files the ranks wrote (sparse: sizes without the bytes)
+        for f in w.files:
+            with open(staging / f.path, "wb") as fh:
+                fh.truncate(f.size)
+    return staging
+
+
+def run(n: int, k: int, workdir: Path) -> dict[str, Any]:
+    data = inputs(n, k)
+    received = {
+        "probe": len(pickle.dumps(data["probe"])),
+        "plan": len(pickle.dumps(data["plan"])),
+        "commit": len(pickle.dumps(data["writes"])) + len(pickle.dumps(data["results"])),
+    }
+    # Timed without tracing (tracemalloc slows allocation-heavy code several times) ...
+    root = workdir / f"root-{n}-{k}-a"
+    staging = make_root(data, root)
+    with _gc_paused():  # as in Checkpointer: no cyclic GC during the protocol's phases
+        timings, manifest_bytes = leader_work(data, n, root, staging)
+    shutil.rmtree(root)
+    # ... then once more under tracemalloc for the peak of Python memory.
+    root = workdir / f"root-{n}-{k}-b"
+    staging = make_root(data, root)
+    tracemalloc.start()
+    with _gc_paused():
+        leader_work(data, n, root, staging)
+    _, peak = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    shutil.rmtree(root)
+    return {"ranks": n, "items_per_rank": k, "seconds": timings, "total_s": sum(timings.values()),
+            "peak_python_mb": peak / 1e6, "received_mb": {k_: v / 1e6 for k_, v in received.items()},
+            "manifest_mb": manifest_bytes / 1e6}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--ranks", type=int, nargs="+", default=[1024, 16384])
+    p.add_argument("--items", type=int, nargs="+", default=[4, 64])
+    p.add_argument("--json", default=None)
+    args = p.parse_args()
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="ckptguard-scale-") as tmp:
+        for k in args.items:
+            for n in args.ranks:
+                rows.append(run(n, k, Path(tmp)))
+    print(f"{'ranks':>7} {'items/rank':>10} {'leader s':>9} {'peak MB':>8} {'manifest MB':>12} "
+          f"{'rank 0 receives MB (probe/plan/commit)':>40}")
+    for r in rows:
+        rec = r["received_mb"]
+        print(f"{r['ranks']:>7} {r['items_per_rank']:>10} {r['total_s']:9.3f} {r['peak_python_mb']:8.1f} "
+              f"{r['manifest_mb']:12.2f} {rec['probe']:>12.2f} / {rec['plan']:.2f} / {rec['commit']:.2f}")
+    for r in rows:
+        print(f"\n{r['ranks']} ranks x {r['items_per_rank']} items per rank:")
+        for name, s in r["seconds"].items():
+            print(f"  {name:<50} {s:8.4f} s")
+    out = Path(args.json) if args.json else Path(__file__).parent / "results" / (
+        f"protocol-scale-{time.strftime('%Y%m%d-%H%M%S')}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(rows, indent=1))
+    print(f"\nJSON result: {out}")
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    main()
