@@ -1,21 +1,26 @@
-"""Save and load throughput: ckptguard against dcp.save/dcp.load, gather + torch.save, and the disk's limit.
+"""Save and load throughput of ckptguard against DCP, torch.save and the disk's limits; async saves; memory.
 
 One command, one table, one JSON file. Two ranks (gloo, CPU) each hold half of
-the state. Two states: "large" (few big float32 tensors, ~2 GiB in all) and
-"small" (20,000 tensors of 4 KiB-256 KiB). Every repetition runs the writers in
-rotated order, with `sync` before each; figures are medians. Cold loads drop the
-page cache first (needs root; otherwise they are reported as warm).
+the state, nested as {"model": {name: tensor}} like a real state dict. Two states:
+"large" (16 float32 tensors, 2 GiB in all) and "small" (20,000 tensors of 4 KiB-256
+KiB). Every repetition runs the writers in rotated order with `sync` before
+each; figures are medians. Loads go into preallocated tensors, after dropping
+the page cache (needs root; otherwise they are reported as warm).
 
-Reference writers:
-- raw writer: each rank os.write()s its tensors' bytes to one file and fsyncs it (the physical limit
-  for these bytes through the page cache);
-- raw reader: each rank reads those files into preallocated tensors;
-- dd: `dd if=/dev/zero bs=64M conv=fdatasync` of the same total size, from one process;
-- dcp: `dcp.save`/`dcp.load` with the default FileSystemWriter/FileSystemReader;
-- torch.save: gather every rank's state on rank 0, torch.save, fsync.
+Writers and readers, all on the same bytes:
+- ckptguard               Checkpointer.save (sync) / Checkpointer.load
+- ckptguard no checksum   the same save with the checksum function replaced by a no-op
+- ckptguard async         save(blocking=False) + wait(): total time to committed; the time save()
+                          blocked is reported separately
+- host copy               one copy of the state into preallocated host memory (what async must cost)
+- dcp.save / dcp.load     default FileSystemWriter / FileSystemReader
+- raw writer / reader     each rank os.write()s its tensors to one file and fsyncs / preadv()s them back
+- gather+torch.save       gather every rank's state on rank 0, torch.save, fsync
+- dd                      `dd if=/dev/zero bs=64M conv=fdatasync` of the same total size, one process
+Finally, resident memory of each rank over --rss-saves async saves of a 256 MiB state.
 
-    python bench/bench_checkpoint.py                      # full run (takes several minutes)
-    python bench/bench_checkpoint.py --quick              # small sizes, 2 repetitions, smoke test
+    python bench/bench_checkpoint.py                      # everything (about 15 minutes here)
+    python bench/bench_checkpoint.py --quick              # small sizes, 2 repetitions: a smoke test
 """
 
 from __future__ import annotations
@@ -32,7 +37,8 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -42,26 +48,33 @@ import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+import ckptguard.dcp_io as ckpt_dcp_io
 from ckptguard import Checkpointer
 from ckptguard.storage.posix import write_all
 
 WORLD = 2
 
 
-def make_state(kind: str, rank: int, total_bytes: int, small_count: int) -> dict[str, torch.Tensor]:
+def make_state(kind: str, rank: int, total_bytes: int, small_count: int) -> dict[str, Any]:
     """This rank's half of the state, under per-rank names (each rank writes its own tensors)."""
     g = torch.Generator().manual_seed(rank)
     if kind == "large":
-        per_rank = total_bytes // WORLD
         n = 8
-        numel = per_rank // 4 // n
-        return {f"r{rank}.t{i}": torch.rand(numel, generator=g) for i in range(n)}
-    sizes = torch.randint(1024, 65536 + 1, (small_count // WORLD,), generator=g)  # float32: 4 KiB-256 KiB
-    return {f"r{rank}.p{i}": torch.rand(int(s), generator=g) for i, s in enumerate(sizes)}
+        numel = total_bytes // WORLD // 4 // n
+        tensors = {f"r{rank}.t{i}": torch.rand(numel, generator=g) for i in range(n)}
+    else:
+        sizes = torch.randint(1024, 65536 + 1, (small_count // WORLD,), generator=g)  # float32: 4 KiB-256 KiB
+        tensors = {f"r{rank}.p{i}": torch.rand(int(s), generator=g) for i, s in enumerate(sizes)}
+    return {"model": tensors}
 
 
-def nbytes(state: dict[str, torch.Tensor]) -> int:
-    return sum(t.numel() * t.element_size() for t in state.values())
+def nbytes(state: dict[str, Any]) -> int:
+    return sum(t.numel() * t.element_size() for t in state["model"].values())
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
 def drop_caches() -> bool:
@@ -74,24 +87,24 @@ def drop_caches() -> bool:
         return False
 
 
-# -- writers and readers: each returns after its bytes are durable ------------------------------
+# -- reference writers and readers: each returns after its bytes are durable ---------------------
 
 
-def raw_write(state: dict[str, torch.Tensor], path: Path) -> None:
+def raw_write(state: dict[str, Any], path: Path) -> None:
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
-        for t in state.values():
+        for t in state["model"].values():
             write_all(fd, memoryview(t.numpy()).cast("B"))
         os.fsync(fd)
     finally:
         os.close(fd)
 
 
-def raw_read(state: dict[str, torch.Tensor], path: Path) -> None:
+def raw_read(state: dict[str, Any], path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
         offset = 0
-        for t in state.values():
+        for t in state["model"].values():
             view = memoryview(t.numpy()).cast("B")
             got = 0
             while got < len(view):
@@ -103,11 +116,17 @@ def raw_read(state: dict[str, torch.Tensor], path: Path) -> None:
         os.close(fd)
 
 
-def gather_torch_save(state: dict[str, torch.Tensor], path: Path, rank: int) -> None:
-    out: list[Any] = [None] * WORLD if rank == 0 else None  # type: ignore[assignment]
+def host_copy(state: dict[str, Any], dest: dict[str, Any]) -> None:
+    for k, t in state["model"].items():
+        dest["model"][k].copy_(t)
+
+
+def gather_torch_save(state: dict[str, Any], path: Path, rank: int) -> None:
+    out: list[Any] | None = [None] * WORLD if rank == 0 else None
     dist.gather_object(state, out, dst=0)
     if rank == 0:
-        merged = {k: v for part in out for k, v in part.items()}
+        assert out is not None
+        merged = {k: v for part in out for k, v in part["model"].items()}
         with open(path, "wb") as f:
             torch.save(merged, f)
             f.flush()
@@ -120,14 +139,21 @@ def dd(path: Path, total: int) -> None:
                    check=True, capture_output=True)
 
 
-def ck_load(ck: Checkpointer, dest: dict[str, torch.Tensor], step: int) -> None:
-    ck.load(dest, step=step)
+@contextmanager
+def checksums_off() -> Iterator[None]:
+    """The same save with the checksum replaced by a constant: what checksumming costs."""
+    real = ckpt_dcp_io.checksum
+    ckpt_dcp_io.checksum = lambda algorithm, data: "0" * 16  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        ckpt_dcp_io.checksum = real
 
 
-# -- the benchmark, run on every rank --------------------------------------------------------------
+# -- the benchmark, run on every rank ------------------------------------------------------------
 
 
-def timed(fn: Callable[[], None], rank: int) -> float:
+def timed(fn: Callable[[], None]) -> float:
     dist.barrier()
     start = time.perf_counter()
     fn()
@@ -150,10 +176,28 @@ def bench_state(kind: str, rank: int, args: argparse.Namespace) -> dict[str, Any
     work = Path(args.dir) / kind
     clean(work, rank)
     ck = Checkpointer(work / "ckptguard")
+    ck_plain = Checkpointer(work / "ckptguard-nosum")
+    ck_async = Checkpointer(work / "ckptguard-async")
+    copy_dest = {"model": {k: torch.empty_like(v) for k, v in state["model"].items()}}
+    blocked: list[float] = []
+
+    def save_nosum(i: int) -> None:
+        with checksums_off():
+            ck_plain.save(i, state)
+
+    def save_async(i: int) -> None:
+        start = time.perf_counter()
+        ck_async.save(i, state, blocking=False)
+        blocked.append(time.perf_counter() - start)
+        ck_async.wait()
+
     writers: dict[str, Callable[[int], None]] = {
         "ckptguard": lambda i: ck.save(i, state),
+        "ckptguard no checksum": save_nosum,
+        "ckptguard async": save_async,
         "dcp.save": lambda i: dcp.save(state, checkpoint_id=str(work / f"dcp{i}")),
         "raw writer": lambda i: raw_write(state, work / f"raw{i}.r{rank}"),
+        "host copy": lambda i: host_copy(state, copy_dest),
     }
     if not args.no_torch_save:
         writers["gather+torch.save"] = lambda i: gather_torch_save(state, work / f"torch{i}.pt", rank)
@@ -164,20 +208,22 @@ def bench_state(kind: str, rank: int, args: argparse.Namespace) -> dict[str, Any
         for name in order[rep % len(order):] + order[: rep % len(order)]:
             if rank == 0:
                 subprocess.run(["sync"], check=False)
-            times[name].append(timed(lambda n=name, r=rep: writers[n](r), rank))
+            times[name].append(timed(lambda n=name, r=rep: writers[n](r)))
             gc.collect()
         if rep < args.reps - 1:  # keep only the last repetition's files, for the loads
             dist.barrier()
             if rank == 0:
                 for name in (f"dcp{rep}", f"raw{rep}.r0", f"raw{rep}.r1", f"torch{rep}.pt", f"dd{rep}",
-                             f"ckptguard/step-{rep:08d}"):
+                             f"ckptguard/step-{rep:08d}", f"ckptguard-nosum/step-{rep:08d}",
+                             f"ckptguard-async/step-{rep:08d}"):
                     path = work / name
                     shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
             dist.barrier()
-    dest = {k: torch.empty_like(v) for k, v in state.items()}  # loads go into preallocated tensors
+    copy_dest.clear()  # free it before the loads
+    dest = {"model": {k: torch.empty_like(v) for k, v in state["model"].items()}}
     last = args.reps - 1
     readers: dict[str, Callable[[], None]] = {
-        "ckptguard": lambda: ck_load(ck, dest, last),
+        "ckptguard": lambda: ck.load(dest, step=last) and None,
         "dcp.load": lambda: dcp.load(dest, checkpoint_id=str(work / f"dcp{last}")),
         "raw reader": lambda: raw_read(dest, work / f"raw{last}.r{rank}"),
     }
@@ -189,12 +235,36 @@ def bench_state(kind: str, rank: int, args: argparse.Namespace) -> dict[str, Any
             dist.barrier()
             if rank == 0:
                 cold = drop_caches() and cold
-            load_times[name].append(timed(readers[name], rank))
-    for k in state:
-        assert torch.equal(dest[k], state[k]), f"{kind}: {k} differs after load"
+            load_times[name].append(timed(readers[name]))
+    for k in state["model"]:
+        assert torch.equal(dest["model"][k], state["model"][k]), f"{kind}: {k} differs after load"
+    all_blocked: list[Any] = [None] * WORLD
+    dist.all_gather_object(all_blocked, blocked)
+    for c in (ck, ck_plain, ck_async):
+        c.close()
+    clean(work, rank)
+    return {"bytes": total, "tensors": len(state["model"]) * WORLD, "save": times, "load": load_times,
+            "cold": cold, "async_blocked": [max(b) for b in zip(*all_blocked, strict=True)]}
+
+
+def bench_rss(rank: int, args: argparse.Namespace) -> dict[str, Any]:
+    """Resident memory over many async saves of one state (a leak per save would show)."""
+    state = make_state("small", rank, 0, 2000)  # 2,000 tensors, about 256 MiB in all
+    work = Path(args.dir) / "rss"
+    clean(work, rank)
+    ck = Checkpointer(work / "ckptguard", keep_last=1)
+    samples = []
+    for i in range(args.rss_saves):
+        ck.save(i, state, blocking=False)
+        ck.wait()
+        if i in (0, 9) or i == args.rss_saves - 1:
+            gc.collect()
+            samples.append((i + 1, rss_bytes()))
     ck.close()
     clean(work, rank)
-    return {"bytes": total, "tensors": len(state) * WORLD, "save": times, "load": load_times, "cold": cold}
+    gathered: list[Any] = [None] * WORLD
+    dist.all_gather_object(gathered, samples)
+    return {"bytes": nbytes(state) * WORLD, "samples": gathered}
 
 
 def worker(rank: int, port: int, args: argparse.Namespace, out_path: str) -> None:
@@ -205,6 +275,8 @@ def worker(rank: int, port: int, args: argparse.Namespace, out_path: str) -> Non
     for kind in args.states:
         results[kind] = bench_state(kind, rank, args)
         gc.collect()
+    if args.rss_saves:
+        results["rss"] = bench_rss(rank, args)
     if rank == 0:
         results["cold_loads"] = all(results[k]["cold"] for k in args.states)
         Path(out_path).write_text(json.dumps(results))
@@ -220,20 +292,46 @@ def render(results: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
         gb = r["bytes"] / 1e9
         med = {w: statistics.median(v) for w, v in r["save"].items()}
         lmed = {w: statistics.median(v) for w, v in r["load"].items()}
+        blocked = statistics.median(r["async_blocked"])
         lines.append(f"\nstate {kind!r}: {r['tensors']} tensors, {gb:.2f} GB over {WORLD} ranks "
                      f"(saves: median of {args.reps}; loads: median of {args.load_reps}, "
                      f"{'cold' if results['cold_loads'] else 'WARM: page cache not dropped'})")
-        lines.append(f"  {'save':<20} {'seconds':>8} {'GB/s':>7} {'vs raw':>7} {'vs dcp':>7}")
+        lines.append(f"  {'save':<24} {'seconds':>8} {'GB/s':>7} {'vs raw':>7} {'vs dcp':>7}")
         for w, t in med.items():
-            lines.append(f"  {w:<20} {t:8.3f} {gb / t:7.2f} {med['raw writer'] / t:7.2f} {med['dcp.save'] / t:7.2f}")
-        lines.append(f"  {'load':<20} {'seconds':>8} {'GB/s':>7} {'vs raw':>7} {'vs dcp':>7}")
+            lines.append(f"  {w:<24} {t:8.3f} {gb / t:7.2f} {med['raw writer'] / t:7.2f} {med['dcp.save'] / t:7.2f}")
+        lines.append(f"  {'async save() blocked':<24} {blocked:8.3f} {gb / blocked:7.2f}")
+        lines.append(f"  {'load':<24} {'seconds':>8} {'GB/s':>7} {'vs raw':>7} {'vs dcp':>7}")
         for w, t in lmed.items():
-            lines.append(f"  {w:<20} {t:8.3f} {gb / t:7.2f} {lmed['raw reader'] / t:7.2f} {lmed['dcp.load'] / t:7.2f}")
-        summary[kind] = {"bytes": r["bytes"], "save_s": med, "load_s": lmed,
-                         "save_vs_raw": med["raw writer"] / med["ckptguard"],
-                         "save_vs_dcp": med["dcp.save"] / med["ckptguard"],
-                         "load_vs_raw": lmed["raw reader"] / lmed["ckptguard"],
-                         "load_vs_dcp": lmed["dcp.load"] / lmed["ckptguard"], "raw": r}
+            lines.append(f"  {w:<24} {t:8.3f} {gb / t:7.2f} {lmed['raw reader'] / t:7.2f} {lmed['dcp.load'] / t:7.2f}")
+        figures = {
+            "sync save vs raw writer": med["raw writer"] / med["ckptguard"],
+            "sync save vs dcp.save": med["dcp.save"] / med["ckptguard"],
+            "cold load vs raw reader": lmed["raw reader"] / lmed["ckptguard"],
+            "cold load vs dcp.load": lmed["dcp.load"] / lmed["ckptguard"],
+            "checksum cost": med["ckptguard"] / med["ckptguard no checksum"] - 1,
+            "async blocked vs host copy": blocked / med["host copy"],
+            "async total vs sync save": med["ckptguard async"] / med["ckptguard"],
+        }
+        if "gather+torch.save" in med:
+            figures["sync save vs gather+torch.save"] = med["gather+torch.save"] / med["ckptguard"]
+        figures["sync save vs dd"] = med["dd"] / med["ckptguard"]
+        lines.append("  figures: " + "; ".join(f"{k} {v:.2f}x" if "cost" not in k else f"{k} {v:+.1%}"
+                                              for k, v in figures.items()))
+        summary[kind] = {"bytes": r["bytes"], "tensors": r["tensors"], "save_s": med, "load_s": lmed,
+                         "async_blocked_s": blocked, "figures": figures, "raw": r}
+    if "rss" in results:
+        rss = results["rss"]
+        lines.append(f"\nresident memory over {args.rss_saves} async saves of {rss['bytes'] / 1e6:.0f} MB "
+                     f"({rss['bytes'] / WORLD / 1e6:.0f} MB per rank):")
+        growth = []
+        for rank, samples in enumerate(rss["samples"]):
+            first = dict(samples)[1]
+            tenth = dict(samples).get(10, first)
+            lastn, last = samples[-1]
+            growth.append((last - tenth) / tenth)
+            lines.append(f"  rank {rank}: after save 1 {first / 1e6:.0f} MB, after save 10 {tenth / 1e6:.0f} MB, "
+                         f"after save {lastn} {last / 1e6:.0f} MB: growth from save 10 {growth[-1]:+.2%}")
+        summary["rss"] = {"samples": rss["samples"], "growth_after_warmup": max(growth)}
     print("\n".join(lines))
     return summary
 
@@ -244,28 +342,31 @@ def main() -> None:
     p.add_argument("--size-gib", type=float, default=2.0)
     p.add_argument("--small-count", type=int, default=20_000)
     p.add_argument("--reps", type=int, default=5)
-    p.add_argument("--load-reps", type=int, default=3)
+    p.add_argument("--load-reps", type=int, default=5)
+    p.add_argument("--rss-saves", type=int, default=100)
     p.add_argument("--states", nargs="+", default=["large", "small"], choices=["large", "small"])
     p.add_argument("--no-torch-save", action="store_true", help="skip gather + torch.save (slow)")
-    p.add_argument("--quick", action="store_true", help="0.25 GiB, 2,000 small tensors, 2 repetitions")
+    p.add_argument("--quick", action="store_true", help="0.25 GiB, 2,000 small tensors, 2 repetitions, 10 saves")
     p.add_argument("--json", default=None, help="where to write the JSON result (default bench/results/)")
     args = p.parse_args()
     if args.quick:
-        args.size_gib, args.small_count, args.reps, args.load_reps = 0.25, 2000, 2, 1
+        args.size_gib, args.small_count, args.reps, args.load_reps, args.rss_saves = 0.25, 2000, 2, 1, 10
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     out = Path(args.dir) / "result.json"
     Path(args.dir).mkdir(parents=True, exist_ok=True)
-    print(f"machine: {platform.node()} {platform.machine()}, {os.cpu_count()} cpus, torch {torch.__version__}, "
-          f"dir {args.dir}")
+    machine = (f"{platform.node()} {platform.machine()}, {os.cpu_count()} cpus, "
+               f"{os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / 2**30:.0f} GiB, "
+               f"python {platform.python_version()}, torch {torch.__version__}, dir {args.dir}")
+    print(f"machine: {machine}")
     mp.spawn(worker, args=(port, args, str(out)), nprocs=WORLD, join=True)
     results = json.loads(out.read_text())
     summary = render(results, args)
     dest = Path(args.json) if args.json else Path(__file__).parent / "results" / (
         f"checkpoint-{datetime.datetime.now():%Y%m%d-%H%M%S}.json")
     dest.parent.mkdir(parents=True, exist_ok=True)
-    dest.write_text(json.dumps({"args": vars(args), "summary": summary}, indent=1, default=str))
+    dest.write_text(json.dumps({"machine": machine, "args": vars(args), "summary": summary}, indent=1, default=str))
     print(f"\nJSON result: {dest}")
 
 
