@@ -17,7 +17,10 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import signal
+import subprocess
 import sys
+import textwrap
 import time
 from pathlib import Path
 from types import ModuleType
@@ -76,7 +79,7 @@ def test_sigkill_at_every_phase_at_random_moments_and_during_load(tmp_path: Path
     report = _run(tmp_path, plan, seed=11)
     for kind, n in plan.items():
         assert report.total("faults", kind) == n, report.table()  # every kill really happened
-    phases = {sub for (kind, sub), t in report.tallies.items() if kind == "kill_phase" and t.faults}
+    phases = {sub.split()[0] for (kind, sub), t in report.tallies.items() if kind == "kill_phase" and t.faults}
     assert phases == set(campaign.SAVE_PHASES), phases
 
 
@@ -193,3 +196,70 @@ def test_a_new_checkpointer_per_save_keeps_saving(tmp_path: Path) -> None:
     job = run_local(REPO / "tests" / "workers" / "campaign_job.py", ["recreate", "--gen", "1", "--trials", "60"],
                     nproc=2, env={"CKPT_ROOT": str(tmp_path / "ckpt"), "CKPT_SCRATCH": str(tmp_path)}, timeout=170)
     assert job.ok, job.output()[-3000:]
+
+
+_STALLED_CHILD = textwrap.dedent("""
+    import sys, torch
+    from ckptguard import Checkpointer, CheckpointError
+    ck = Checkpointer(sys.argv[1], lease_ttl_s=1.0)
+    ck.save(1, {"x": torch.ones(4)})
+    many = {f"t{i}": torch.full((64,), float(i)) for i in range(3000)}  # a long manifest: a wider window
+    print("READY", flush=True)
+    sys.stdin.readline()
+    try:
+        ck.save(2, many)
+        print("PUBLISHED", flush=True)
+    except CheckpointError as e:
+        print("FENCED", e, flush=True)
+""")
+
+
+def _attempt_manifest_exists(root: Path) -> bool:
+    staging = root / ".ckptguard" / "staging"
+    try:
+        entries = os.listdir(staging)
+    except FileNotFoundError:
+        return False
+    for e in entries:
+        try:
+            if any("MANIFEST" in n for n in os.listdir(staging / e)):
+                return True
+        except OSError:
+            pass
+    return False
+
+
+@pytest.mark.xfail(strict=True, reason="library bug: the lease is checked before the manifest is written, not at "
+                                       "the publishing rename; a job stalled in between publishes after a takeover")
+def test_a_job_stalled_before_publish_does_not_publish_after_a_takeover(tmp_path: Path) -> None:
+    """A process saves; it is stopped (SIGSTOP, as a frozen VM or an NFS write hanging in fsync
+    would stop it) once its attempt's manifest is being written, i.e. after _commit's lease check
+    and before the rename that publishes. Its lease expires; another Checkpointer takes the root
+    over. When the first process continues it renames its attempt into place: step 2 of a job
+    that no longer holds the lease is committed in the new owner's root (and the new owner's own
+    save of step 2 is then refused as "already committed")."""
+    root = tmp_path / "ckpt"
+    child = subprocess.Popen([sys.executable, "-c", _STALLED_CHILD, str(root)], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout is not None and child.stdin is not None
+        assert child.stdout.readline().startswith("READY")
+        child.stdin.write("go\n")
+        child.stdin.flush()
+        deadline = time.monotonic() + 60
+        while not _attempt_manifest_exists(root):
+            assert time.monotonic() < deadline and child.poll() is None, "the save never reached its manifest"
+            time.sleep(0.0002)
+        child.send_signal(signal.SIGSTOP)
+        if (root / "step-00000002").exists():
+            pytest.skip("stopped too late: the save had already published")
+        time.sleep(1.5)  # the stopped process renews nothing: its lease (TTL 1 s) expires
+        with Checkpointer(root, lease_wait_s=5) as owner:  # another job takes the root over
+            child.send_signal(signal.SIGCONT)
+            out = child.communicate(timeout=60)[0]
+            assert "FENCED" in out, out  # fails: PUBLISHED
+            assert owner.steps(refresh=True) == [1]
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()

@@ -114,6 +114,9 @@ KNOWN_BUGS = {
     "stale-artifacts": "after load(step=None) falls back from a corrupt checkpoint, the files= destination "
                        "still holds files restored from the rejected checkpoint "
                        "(tests/test_campaign.py::test_fallback_leaves_no_files_of_the_rejected_checkpoint)",
+    "zombie-publish": "a job stalled inside a save (after its lease check, before the publishing rename) "
+                      "publishes after another job took the root over, and the new owner cannot save that "
+                      "step (tests/test_campaign.py::test_a_job_stalled_before_publish_does_not_publish_after_a_takeover)",
     "lease-lost-on-renewal-error": "one failed lease renewal (ENOSPC while the disk is full) makes the job give "
                                    "up its lease for good: every later save fails until the Checkpointer is "
                                    "re-created (tests/test_campaign.py::"
@@ -510,21 +513,23 @@ class Campaign:
                 self.record(trial, time.monotonic() - t0)
 
     def takeover(self, n: int, ttl: float = 4.0) -> None:
-        """A job stalls (SIGSTOP of its leader) past its lease TTL; a second job takes the root over and
-        saves; the first one wakes up and must be fenced off."""
+        """A job stalls (SIGSTOP of its leader) past its lease TTL; a second job takes the root over;
+        the first one wakes up and must be fenced off. Alternately the stall hits between two saves
+        ("idle") and inside a save, right before the publishing rename ("publish")."""
         root = self.workdir / "takeover"
         topo = Topo("shared", 1, 2, [root], [root], (0,))
         with LatestWatch([root]) as watch:
             for i in range(n):
                 t0 = time.monotonic()
-                trial = Trial("takeover", "stalled holder")
+                at = ("idle", "publish")[i % 2]
+                trial = Trial("takeover", f"stalled {'between saves' if at == 'idle' else 'before publish'}")
                 sync = Path(tempfile.mkdtemp(prefix=f"takeover-{i}-", dir=self.workdir))
                 gv, gt = self.next_gen(), self.next_gen()
                 victim: list[Any] = [None]
 
-                def run_victim(sync: Path = sync, gv: int = gv, victim: list[Any] = victim) -> None:
+                def run_victim(sync: Path = sync, gv: int = gv, victim: list[Any] = victim, at: str = at) -> None:
                     victim[0] = self.job(topo, ["victim", "--gen", str(gv), "--sync", str(sync),
-                                                "--lease-ttl", str(ttl)])
+                                                "--lease-ttl", str(ttl), "--stall-at", at])
 
                 th = threading.Thread(target=run_victim)
                 th.start()
@@ -533,9 +538,10 @@ class Campaign:
                     time.sleep(0.05)
                 thief = None
                 if (sync / "stalled").exists():
-                    thief = self.job(topo, ["thief", "--gen", str(gt), "--sync", str(sync), "--lease-ttl", str(ttl)])
+                    thief = self.job(topo, ["thief", "--gen", str(gt), "--sync", str(sync), "--lease-ttl", str(ttl),
+                                            "--stall-at", at])
                 else:
-                    (sync / "thief-saved").touch()  # let a victim that never stalled finish
+                    (sync / "thief-ready").touch()  # let a victim that never stalled finish
                 th.join()
                 trial.jobs = [r[0] for r in (victim[0], thief) if r is not None and r[0] is not None]
                 check_takeover(trial, victim[0], thief, topo, gv, gt)
@@ -575,9 +581,13 @@ class Chain:
                 t0 = time.monotonic()
                 gen = self.c.next_gen()
                 at = self.c.rng.randrange(3)
+                # Half of the saving faults hit background saves (blocking=False).
+                async_saves = not spec.startswith(("load", "none")) and self.c.rng.random() < 0.5
+                if async_saves:
+                    sub += " +async"
                 job, evs, timeout = self.c.job(self.topo, [
                     "chain", "--gen", str(gen), "--job-id", f"campaign-{self.name}", "--fault", spec,
-                    "--at", str(at), "--keep-last", str(KEEP_LAST)])
+                    "--at", str(at), "--keep-last", str(KEEP_LAST), *(["--async-saves"] if async_saves else [])])
                 judge = pending or Trial("chain", "first job")
                 if job is not None:
                     judge.jobs.append(job)
@@ -814,35 +824,53 @@ def check_takeover(trial: Trial, victim: Any, thief: Any, topo: Topo, gv: int, g
     if vtimeout:
         trial.fail(f"victim: {vtimeout}")
     if thief is None:
+        if events_of(vevs, "missed-window") and vjob is not None and vjob.ok:
+            trial.sub += " (window missed)"  # the save published before the watcher could stop it
+            return
         trial.fail(f"the victim never stalled: {tail(vjob)}")
         return
     tjob, tevs, ttimeout = thief
     if ttimeout:
         trial.fail(f"thief: {ttimeout}")
     fenced = events_of(vevs, "fenced")
-    if events_of(vevs, "not-fenced"):
-        trial.fail("the stalled job published after its lease was taken over", torn=True)
+    inflight = {e["step"] for e in events_of(vevs, "saving", 0)}
+    zombie = bool(events_of(vevs, "not-fenced"))
+    if zombie:
+        step = events_of(vevs, "not-fenced", 0)[0]["step"] if events_of(vevs, "not-fenced", 0) else "?"
+        trial.injected = True
+        trial.known.append(("zombie-publish", f"the stalled job published step {step} after its lease had been "
+                                              f"taken over by job {gt}; job {gt} then cannot save that step"))
     elif len(fenced) != topo.world:
         trial.fail(f"the victim was not fenced on every rank ({len(fenced)}): {tail(vjob)}")
     else:
         trial.injected = True
-        if "no longer holds the lease" not in fenced[0]["msg"]:
+        if "lease" not in fenced[0]["msg"]:
             trial.fail(f"the fencing error does not say why: {fenced[0]['msg']}")
     if not events_of(tevs, "took-over"):
         trial.fail(f"the second job did not take over: {tail(tjob)}")
         return
-    check_restart(trial, tevs, topo, history=None)
+    if zombie:
+        # What follows from the zombie's publish (job gt's save of that step is refused) is that bug.
+        tevs = {r: [e for e in evs if e.get("event") != "thief-save-failed" or "already committed" not in e["msg"]]
+                for r, evs in tevs.items()}
+    else:
+        check_restart(trial, tevs, topo, history=None)
     for e in events_of(tevs, "loaded"):
         if e["what"] == "newest" and e["gen"] != gv:
             trial.fail(f"the second job's first load got job {e['gen']}'s step {e['step']}, expected the stalled "
                        f"job's ({gv})", torn=True)
         if not e["ok"]:
             trial.fail(f"rank {e['rank']} loaded step {e['step']} with wrong content: {e['bad']}", torn=True)
+        if e["what"] == "thief-final" and e["gen"] == gv and e["step"] in inflight and \
+                not any(x["step"] == e["step"] for x in events_of(vevs, "saved", 0)):
+            trial.fail(f"step {e['step']} of the stalled job {gv} is committed in the root job {gt} took over")
+    for e in events_of(tevs, "thief-save-failed", 0):
+        trial.fail(f"the job that took over could not save step {e['step']}: {e['msg'][:300]}")
     thief_saved = {e["step"] for e in events_of(tevs, "saved", 0)}
     for e in events_of(tevs, "loaded"):
         if e["what"] == "thief-final" and e["step"] in thief_saved and e["gen"] != gt:
             trial.fail(f"step {e['step']} holds job {e['gen']}'s data after the takeover by {gt}", torn=True)
-    if tjob is not None and not tjob.ok:
+    if tjob is not None and not tjob.ok and not zombie and not events_of(tevs, "thief-save-failed"):
         trial.fail(f"the second job failed: {tail(tjob)}")
 
 

@@ -204,14 +204,33 @@ def load_and_check(ck: Checkpointer, st: State, step: int | None, what: str, **t
     return got
 
 
-def save(ck: Checkpointer, st: State, step: int, gen: int, **kw: Any) -> float:
+def save(ck: Checkpointer, st: State, step: int, gen: int, *, blocking: bool = True, **kw: Any) -> float:
+    """One save; with ``blocking=False`` it returns after the snapshot, and this then scribbles over
+    every tensor and files= source it saved: the checkpoint must still hold the values of the call."""
     state, files = st.for_save(step, gen)
-    result(event="saving", step=step, gen=gen)
+    result(event="saving", step=step, gen=gen, blocking=blocking)
     t0 = time.monotonic()
-    ck.save(step, state, files=files, metadata={"gen": gen}, **kw)
+    ck.save(step, state, files=files, metadata={"gen": gen}, blocking=blocking, **kw)
     dur = time.monotonic() - t0
-    result(event="saved", step=step, gen=gen, committed=ck.steps(), dur=round(dur, 4))
+    if not blocking:
+        scribble(state, files)
+    result(event="saved", step=step, gen=gen, committed=ck.steps(), dur=round(dur, 4), blocking=blocking)
     return dur
+
+
+def scribble(state: dict[str, Any], files: dict[str, str]) -> None:
+    """What training does right after an async save returns: change the saved tensors and files in place."""
+    with torch.no_grad():
+        for t in state["tensors"].values():
+            t.copy_(torch.ones_like(t) if t.dtype == torch.bool else torch.full_like(t, 3))
+        state["model"].weight.fill_(-3.0)
+        state["model"].bias.fill_(-3.0)
+        state["per_rank"].value["rng"].fill_(7)
+    state["meta"]["note"] = "scribbled"
+    for dirpath, _, names in os.walk(files["aux"]):
+        for n in names:
+            with open(os.path.join(dirpath, n), "wb") as f:
+                f.write(b"scribbled after an async save")
 
 
 def leftovers(ck: Checkpointer, wait_s: float = 15.0) -> None:
@@ -283,7 +302,8 @@ def scenario_chain(args: argparse.Namespace) -> None:
     number ``--at`` of this job), ``random:<rank>:<fraction>`` (a thread SIGKILLs the rank
     ``fraction`` x the duration of a clean save after save number ``--at`` starts: the
     kill lands anywhere, inside DCP, the commit or retention), ``load:<rank>`` (SIGKILL
-    in the middle of a load), or ``none``.
+    in the middle of a load), or ``none``. With ``--async-saves`` the faulted saves are
+    ``blocking=False`` and the saved tensors and files are overwritten as soon as save() returns.
     """
     st = State(RANK, args.big, args.scratch)
     ck = make_ck(args)
@@ -315,8 +335,9 @@ def scenario_chain(args: argparse.Namespace) -> None:
                         os.kill(os.getpid(), signal.SIGKILL)
 
                     threading.Timer(delay, die).start()
-        save(ck, st, step, args.gen)
+        save(ck, st, step, args.gen, blocking=not args.async_saves)
         step += 1
+    ck.wait()
     _faults.arm("")
     result(event="survived")
     ck.close()
@@ -515,9 +536,28 @@ def scenario_contend(args: argparse.Namespace) -> None:
         touch(mine)
 
 
+def _staging_has_manifest(root: str) -> bool:
+    """Is an attempt in staging about to be published (its manifest, or the manifest's temp file, exists)?"""
+    staging = os.path.join(root, ".ckptguard", "staging")
+    try:
+        entries = os.listdir(staging)
+    except FileNotFoundError:
+        return False
+    for e in entries:
+        with contextlib.suppress(OSError):
+            if any("MANIFEST" in n for n in os.listdir(os.path.join(staging, e))):
+                return True
+    return False
+
+
 def scenario_victim(args: argparse.Namespace) -> None:
-    """A job whose leader stalls (SIGSTOP) past the lease TTL while another job takes the root
-    over: once it wakes up, its next save must fail with the fencing error, not publish."""
+    """A job whose leader stalls (SIGSTOP: its lease renewal thread stops too, as on a frozen node)
+    past the lease TTL while another job takes the root over; when it wakes up it must not publish.
+
+    ``--stall-at idle``: stopped between saves; its next save must fail with the fencing error.
+    ``--stall-at publish``: stopped inside a save, once the attempt's manifest is being written
+    (after the lease check, before the rename that publishes); the save must fail, not publish.
+    """
     st = State(RANK, args.big, args.scratch)
     ck = make_ck(args, lease_ttl_s=args.lease_ttl)
     step, _ = restart(ck, st, args.gen)
@@ -526,20 +566,42 @@ def scenario_victim(args: argparse.Namespace) -> None:
     pids = [None] * dist.get_world_size()
     dist.all_gather_object(pids, os.getpid())
     dist.barrier()
-    if RANK == 1:
-        # Stop the leader (its lease renewal thread with it), as a frozen node or a long GC pause would.
+    ready = os.path.join(args.sync, "thief-ready")
+    wait_s = args.lease_ttl * 10 + 100
+
+    def stall(at: str) -> None:
         os.kill(pids[0], signal.SIGSTOP)
         touch(os.path.join(args.sync, "stalled"))
-        result(event="stalled", pid=pids[0])
-        barrier_file(os.path.join(args.sync, "thief-saved"), timeout=args.lease_ttl * 10 + 120)
+        result(event="stalled", at=at, pid=pids[0])
+        barrier_file(ready, timeout=wait_s)
         os.kill(pids[0], signal.SIGCONT)
         result(event="resumed")
-    dist.barrier()
+
+    done = threading.Event()
+    watcher = None
+    if RANK == 1 and args.stall_at == "idle":
+        stall("idle")
+    elif RANK == 1 and args.stall_at == "publish":
+        def watch() -> None:
+            while not done.is_set():
+                if _staging_has_manifest(ck.root):
+                    stall("publish")
+                    return
+                time.sleep(0.0002)
+            result(event="missed-window")
+
+        watcher = threading.Thread(target=watch, daemon=True)
+        watcher.start()
+    if args.stall_at == "idle":
+        dist.barrier()
     try:
         save(ck, st, step, args.gen)
         result(event="not-fenced", step=step)
     except CheckpointError as e:
         result(event="fenced", step=step, msg=str(e)[:600], steps=ck.steps())
+    done.set()
+    if watcher is not None:
+        watcher.join()
     with contextlib.suppress(CheckpointError):
         ck.close()
     dist.barrier()
@@ -548,21 +610,33 @@ def scenario_victim(args: argparse.Namespace) -> None:
 
 
 def scenario_thief(args: argparse.Namespace) -> None:
-    """Starts while the victim is stalled, waits its lease out, takes over and saves."""
+    """Starts while the victim is stalled, waits its lease out and takes over. With ``--stall-at idle``
+    it saves before letting the victim wake up; with ``publish`` only after (the victim's in-flight
+    step is then free for the victim to publish, if fencing fails)."""
     st = State(RANK, args.big, args.scratch)
     t0 = time.monotonic()
     ck = make_ck(args, lease_ttl_s=args.lease_ttl, lease_wait_s=args.lease_ttl * 3)
     result(event="took-over", waited_s=round(time.monotonic() - t0, 2))
-    step, _ = restart(ck, st, args.gen)
+    if args.stall_at == "idle":
+        step, _ = restart(ck, st, args.gen)
+    else:
+        steps = ck.steps()
+        result(event="start", steps=steps, domains=[list(d) for d in ck.topology.domains])
+        newest = load_and_check(ck, st, None, "newest")
+        step = (newest if newest is not None else -1) + 1
     dist.barrier()
     if RANK == 0:
-        touch(os.path.join(args.sync, "thief-saved"))
+        touch(os.path.join(args.sync, "thief-ready"))
     barrier_file(os.path.join(args.sync, "victim-done"), timeout=args.lease_ttl * 10 + 120)
     steps = ck.steps(refresh=True)
     result(event="after-victim", steps=steps)
     for s in steps:
         load_and_check(ck, st, s, "thief-final")
-    save(ck, st, step, args.gen)
+    try:
+        save(ck, st, step, args.gen)
+    except CheckpointError as e:
+        result(event="thief-save-failed", step=step, msg=str(e)[:600])
+        raise
     leftovers(ck)
     ck.close()
 
@@ -661,6 +735,8 @@ def main() -> None:
     p.add_argument("--overwrite-every", type=int, default=0)
     p.add_argument("--hold-every", type=int, default=0)
     p.add_argument("--load-every", type=int, default=0)
+    p.add_argument("--async-saves", action="store_true")
+    p.add_argument("--stall-at", choices=("idle", "publish"), default="idle")
     p.add_argument("--hold-s", type=float, default=1.5)
     args = p.parse_args()
     with _process_group():
