@@ -75,7 +75,7 @@ def test_sigkill_at_every_phase_at_random_moments_and_during_load(tmp_path: Path
     """SIGKILL one rank (kill_phase: every named phase at least once; kill_random: a timer thread at a
     random moment of a save; kill_load: in the middle of a load), on 1x2, 2x2-shared and 2x2
     node-local layouts; each job is the restart of the previous trial."""
-    plan = {"kill_phase": 12, "kill_random": 5, "kill_load": 3}
+    plan = {"kill_phase": 10, "kill_random": 4, "kill_load": 2}
     report = _run(tmp_path, plan, seed=11)
     for kind, n in plan.items():
         assert report.total("faults", kind) == n, report.table()  # every kill really happened
@@ -86,27 +86,27 @@ def test_sigkill_at_every_phase_at_random_moments_and_during_load(tmp_path: Path
 @pytest.mark.sshfs
 def test_sigkill_on_stale_cache_shared_storage(tmp_path: Path) -> None:
     """Kills on a 2-node job whose nodes see one directory through two stale-caching sshfs mounts."""
-    report = _run(tmp_path, {"stale_cache": 5}, seed=12)
+    report = _run(tmp_path, {"stale_cache": 4}, seed=12)
     if any("bed unavailable" in p for p in report.problems):
         pytest.skip("; ".join(report.problems))
-    assert report.total("faults", "stale_cache") == 5, report.table()
+    assert report.total("faults", "stale_cache") == 4, report.table()
 
 
 def test_corruption_after_commit(tmp_path: Path) -> None:
     """Bit flips, truncation, zero-filled blocks, deleted and extra files in the newest checkpoint:
     load(step=None) falls back (or loads, if harmless) bitwise, verify flags every damage."""
-    report = _run(tmp_path, {"corruption": 50}, seed=13)
+    report = _run(tmp_path, {"corruption": 55}, seed=13)
     for damage in campaign.DAMAGES:
-        assert report.tallies[("corruption", damage)].faults == 10, report.table()
+        assert report.tallies[("corruption", damage)].faults == 11, report.table()
 
 
 def test_disk_full_mid_save(tmp_path: Path) -> None:
     """The root on a small tmpfs, filled to a random few bytes short of the next save."""
-    report = _run(tmp_path, {"disk_full": 28}, seed=14)
+    report = _run(tmp_path, {"disk_full": 30}, seed=14)
     if any("bed unavailable" in p for p in report.problems):
         pytest.skip("; ".join(report.problems))
     # A fill can leave just enough room for the save: that trial checks, but injects nothing.
-    assert report.total("faults", "disk_full") >= 22, report.table()
+    assert report.total("faults", "disk_full") >= 24, report.table()
 
 
 def test_two_jobs_on_one_root_and_a_stolen_lease(tmp_path: Path) -> None:

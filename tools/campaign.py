@@ -183,6 +183,22 @@ class Trial:
         self.lost |= lost
 
 
+def _running(script: str) -> bool:
+    """Is a process running ``script`` (an argument whose file name starts with it) other than us?"""
+    me = {os.getpid(), os.getppid()}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) in me:
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                args = f.read().split(b"\0")
+        except OSError:
+            continue
+        if any(os.path.basename(a.decode(errors="replace")).startswith(script) for a in args[:4]):
+            return True
+    return False
+
+
 def parse_events(job: JobResult, world: int) -> dict[int, list[dict[str, Any]]]:
     """Every RESULT line of every rank, from the ranks' complete logs (a line cut by SIGKILL is skipped)."""
     out: dict[int, list[dict[str, Any]]] = {}
@@ -271,8 +287,10 @@ class Topo:
 
 class Campaign:
     def __init__(self, workdir: Path, seed: int = 0, log: Callable[[str], None] = print,
-                 job_timeout: float = 240, strict: bool = False) -> None:
+                 job_timeout: float = 240, strict: bool = False, yield_to: str | None = None) -> None:
         self.strict = strict
+        self.yield_to = yield_to  # pause before each job while a process running this script exists
+        self.paused_s = 0.0
         self.workdir = workdir
         self.rng = random.Random(seed)
         self.seed = seed
@@ -292,6 +310,7 @@ class Campaign:
     def job(self, topo: Topo, args: list[str], *, env: dict[str, str] | None = None,
             timeout: float | None = None) -> tuple[JobResult | None, dict[int, list[dict[str, Any]]], str | None]:
         """Run one worker job; returns (result, events by rank, error text if it timed out)."""
+        self._yield()
         full_env = {"CKPT_SCRATCH": str(self.scratch), **(env or {})}
         try:
             job = run_job(WORKER, args, nnodes=topo.nnodes, nproc_per_node=topo.nproc, env=full_env,
@@ -299,6 +318,21 @@ class Campaign:
         except JobTimeout as e:
             return e.result, parse_events(e.result, topo.world), f"job timed out: {tail(e.result)}"
         return job, parse_events(job, topo.world), None
+
+    def _yield(self) -> None:
+        """Wait while someone else's benchmark runs (a long campaign must not skew their figures)."""
+        if not self.yield_to:
+            return
+        t0 = time.monotonic()
+        announced = False
+        while _running(self.yield_to):
+            if not announced:
+                self.log(f"paused: {self.yield_to} is running")
+                announced = True
+            time.sleep(10)
+        if announced:
+            self.paused_s += time.monotonic() - t0
+            self.log(f"resumed after {time.monotonic() - t0:.0f} s")
 
     def record(self, trial: Trial, seconds: float) -> None:
         for bug, msg in trial.known:
@@ -351,7 +385,7 @@ class Campaign:
             self.two_jobs(plan["two_jobs"])
         if plan.get("takeover"):
             self.takeover(plan["takeover"])
-        self.report.seconds = time.monotonic() - t0
+        self.report.seconds = time.monotonic() - t0 - self.paused_s
         return self.report
 
     def _fault(self, kind: str, i: int, topo: Topo) -> tuple[str, str]:
@@ -914,6 +948,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", dest="json_out", default=None, help="write the report as JSON here")
     p.add_argument("--workdir", default=None, help="keep roots and logs here (default: a temp dir, removed)")
     p.add_argument("--strict", action="store_true", help="count trials that hit a known library bug as failures")
+    p.add_argument("--yield-to", default=None, metavar="SCRIPT",
+                   help="pause before each job while a process runs SCRIPT (e.g. bench_checkpoint)")
     args = p.parse_args(argv)
     kinds = [k for k in args.kinds.split(",") if k]
     for k in kinds:
@@ -923,7 +959,7 @@ def main(argv: list[str] | None = None) -> int:
     seed = args.seed if args.seed is not None else int(time.time())
     print(f"campaign: seed {seed}, plan {plan}", flush=True)
     with _workdir(args.workdir) as wd:
-        c = Campaign(wd, seed, log=lambda s: print(s, flush=True), strict=args.strict)
+        c = Campaign(wd, seed, log=lambda s: print(s, flush=True), strict=args.strict, yield_to=args.yield_to)
         report = c.run(plan)
     print()
     print(report.table())
