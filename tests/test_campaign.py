@@ -125,6 +125,73 @@ def test_campaign_total() -> None:
     assert sum(FAULTS.values()) >= 100, FAULTS
 
 
+# -- the checks are not vacuous -------------------------------------------------------------------
+
+
+def _ev(event: str, rank: int = 0, **kw: object) -> dict:
+    return {"event": event, "rank": rank, **kw}
+
+
+def _restart_events(steps: list[int], loaded: list[dict], garbage: dict | None = None) -> dict[int, list[dict]]:
+    evs = [_ev("start", steps=steps, domains=[[0, 1]]), *loaded, _ev("saving", step=99, gen=9),
+           _ev("saved", step=99, gen=9, committed=[*steps, 99]),
+           _ev("garbage", root="/r", **{"staging": [], "trash": [], **(garbage or {})})]
+    return {0: evs, 1: []}
+
+
+def _loaded(step: int, gen: int, what: str = "newest", ok: bool = True) -> dict:
+    return _ev("loaded", what=what, step=step, gen=gen, ok=ok, bad=[] if ok else ["tensors.big"], warned=[],
+               extra_files=[])
+
+
+def _judge(steps: list[int], loaded: list[dict], history: object, garbage: dict | None = None) -> object:
+    trial = campaign.Trial("kill_phase", "test")
+    topo = campaign.Topo("single", 1, 2, [Path("/r")], [Path("/r")], (0,))
+    campaign.check_restart(trial, _restart_events(steps, loaded, garbage), topo, history)
+    return trial
+
+
+def test_restart_checks_flag_torn_lost_invented_and_garbage() -> None:
+    """The driver's verdicts on synthetic events: a campaign that can only pass proves nothing."""
+    hist = campaign.History(committed=[3, 4, 5], attempted={3: 1, 4: 1, 5: 2, 6: 2})
+    ok = _judge([3, 4, 5], [_loaded(5, 2), _loaded(4, 1, "older"), _loaded(3, 1, "older")], hist)
+    assert not ok.problems
+    committed_after_kill = _judge([4, 5, 6], [_loaded(6, 2), _loaded(5, 2, "older"), _loaded(4, 1, "older")], hist)
+    assert not committed_after_kill.problems  # step 6 was in flight; retention may then drop step 3
+    lost = _judge([4, 5], [_loaded(5, 2), _loaded(4, 1, "older")], hist)
+    assert lost.lost and not lost.torn  # 3 is among the 3 newest of old and new: it must still be there
+    newest_lost = _judge([3, 4], [_loaded(4, 1), _loaded(3, 1, "older")], hist)
+    assert newest_lost.lost
+    invented = _judge([3, 4, 5, 7], [_loaded(7, 2)], hist)
+    assert invented.torn  # nobody ever saved step 7
+    torn = _judge([3, 4, 5], [_loaded(5, 2, ok=False)], hist)
+    assert torn.torn
+    stale = _judge([3, 4, 5], [_loaded(5, 1)], hist)
+    assert stale.torn  # step 5 holds job 1's data, but job 2 saved it last
+    fallback = _judge([3, 4, 5], [_loaded(4, 1)], hist)
+    assert fallback.problems and not fallback.torn  # load(step=None) must return the newest
+    garbage = _judge([3, 4, 5], [_loaded(5, 2)], hist, {"staging": ["step-00000006.ab"]})
+    assert garbage.problems
+
+
+def test_corruption_checks_flag_a_missed_damage_and_wrong_bytes() -> None:
+    topo = campaign.Topo("shared", 1, 2, [Path("/r")], [Path("/r")], (0,))
+    damage = {"trial": 0, "step": 8, "what": "bitflip data/rank00000_0.bin byte 3 bit 1", "verify_intact": False,
+              "cli": {"rc": 1, "flagged": [8], "target_listed": True}}
+    evs = {r: [_ev("fallback", r, trial=0, target=8, loaded=7), {**_loaded(7, 5, "after-damage"), "rank": r,
+                                                                  "trial": 0}] for r in range(2)}
+    good = campaign.Trial("corruption", "bitflip")
+    campaign.check_damage(good, damage, evs, topo, gen=5)
+    assert not good.problems
+    missed = campaign.Trial("corruption", "bitflip")
+    campaign.check_damage(missed, {**damage, "verify_intact": True}, evs, topo, gen=5)
+    assert missed.problems
+    evs[1][1] = {**evs[1][1], "ok": False, "bad": ["model"]}
+    torn = campaign.Trial("corruption", "bitflip")
+    campaign.check_damage(torn, damage, evs, topo, gen=5)
+    assert torn.torn
+
+
 # -- library bugs found by the campaign ----------------------------------------------------------
 
 
