@@ -71,6 +71,7 @@ def _run(tmp_path: Path, plan: dict[str, int], seed: int) -> object:
     return report
 
 
+@pytest.mark.slow
 def test_sigkill_at_every_phase_at_random_moments_and_during_load(tmp_path: Path) -> None:
     """SIGKILL one rank (kill_phase: every named phase at least once; kill_random: a timer thread at a
     random moment of a save; kill_load: in the middle of a load), on 1x2, 2x2-shared and 2x2
@@ -83,6 +84,7 @@ def test_sigkill_at_every_phase_at_random_moments_and_during_load(tmp_path: Path
     assert phases == set(campaign.SAVE_PHASES), phases
 
 
+@pytest.mark.slow
 @pytest.mark.sshfs
 def test_sigkill_on_stale_cache_shared_storage(tmp_path: Path) -> None:
     """Kills on a 2-node job whose nodes see one directory through two stale-caching sshfs mounts."""
@@ -92,6 +94,7 @@ def test_sigkill_on_stale_cache_shared_storage(tmp_path: Path) -> None:
     assert report.total("faults", "stale_cache") == 4, report.table()
 
 
+@pytest.mark.slow
 def test_corruption_after_commit(tmp_path: Path) -> None:
     """Bit flips, truncation, zero-filled blocks, deleted and extra files in the newest checkpoint:
     load(step=None) falls back (or loads, if harmless) bitwise, verify flags every damage."""
@@ -100,6 +103,7 @@ def test_corruption_after_commit(tmp_path: Path) -> None:
         assert report.tallies[("corruption", damage)].faults == 11, report.table()
 
 
+@pytest.mark.slow
 def test_disk_full_mid_save(tmp_path: Path) -> None:
     """The root on a small tmpfs, filled to a random few bytes short of the next save."""
     report = _run(tmp_path, {"disk_full": 30}, seed=14)
@@ -109,6 +113,7 @@ def test_disk_full_mid_save(tmp_path: Path) -> None:
     assert report.total("faults", "disk_full") >= 24, report.table()
 
 
+@pytest.mark.slow
 def test_two_jobs_on_one_root_and_a_stolen_lease(tmp_path: Path) -> None:
     """Two jobs started at once: one is refused, naming the holder. A stalled holder whose lease was
     taken over is fenced off when it wakes up. `latest` never moves backwards."""

@@ -28,6 +28,7 @@ SAVES = 50
 KEEP = 3
 
 
+@pytest.mark.slow
 @pytest.mark.sshfs
 @pytest.mark.parametrize("cache_timeout", [5, 15])
 def test_fifty_saves_in_a_row_two_nodes_on_two_stale_mounts(tmp_path: Path, cache_timeout: int) -> None:
