@@ -127,3 +127,10 @@ def test_background_saves_round_trip_on_two_nodes(tmp_path: Path) -> None:
                    env={"CKPT_ROOT": str(tmp_path / "ckpt")})
     assert all(v == 4 for v in by_rank(job, "loaded").values())
     assert all(s == [3, 4] for s in by_rank(job, "steps").values())
+
+
+def test_checkpointer_on_a_subgroup(tmp_path: Path) -> None:
+    job = ckpt_job("subgroups", nproc=4, env={"CKPT_ROOT": str(tmp_path)})
+    assert by_rank(job, "stage") == {0: 0, 1: 0, 2: 1, 3: 1}
+    assert set(map(tuple, (tuple(map(tuple, t)) for t in by_rank(job, "topology").values()))) == {((0, 1),)}
+    assert (tmp_path / "stage0" / "step-00000001").is_dir() and (tmp_path / "stage1" / "step-00000001").is_dir()

@@ -19,6 +19,7 @@ the same CheckpointError, which names the rank that failed first.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import gc
 import json
@@ -102,6 +103,8 @@ class Checkpointer:
     initialised process group. Constructing it is collective: the ranks probe
     which of them share the root, and each storage domain's leader takes the
     root's lease (pass ``read_only=True`` to only load and list).
+    ``process_group`` (default: all ranks, through a gloo group ckptguard
+    creates) must be a gloo group if given; every member calls every method.
     """
 
     def __init__(
@@ -165,6 +168,8 @@ class Checkpointer:
                 self._lease = Lease(self._storage, holder, job_identity(job_id), lease_ttl_s)
                 try:
                     self._lease.acquire(lease_wait_s if lease_wait_s is not None else lease_ttl_s * 1.5)
+                    # A job that ends without close() still hands the root over at once.
+                    atexit.register(self._lease.release)
                 except (CheckpointError, OSError) as e:
                     err = e
             agree(self._comm, err, f"take the lease on {self._storage.root}")
@@ -360,6 +365,7 @@ class Checkpointer:
             self._stager.release()
             if self._lease is not None:
                 self._lease.release()
+                atexit.unregister(self._lease.release)
 
     def __enter__(self) -> Checkpointer:
         return self

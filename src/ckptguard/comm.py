@@ -70,10 +70,14 @@ class TorchComm:
     """
 
     def __init__(self, group: dist.ProcessGroup | None = None) -> None:
-        # Always a group of our own: a background save must never interleave its
-        # collectives with the training loop's on the same group.
-        ranks = None if group is None else dist.get_process_group_ranks(group)
-        group = dist.new_group(ranks=ranks, backend="gloo")
+        if group is None:
+            # A group of our own over all ranks (collective): a background save must never
+            # interleave its collectives with the training loop's on the same group.
+            group = dist.new_group(backend="gloo")
+        elif dist.get_backend(group) != "gloo":
+            raise ValueError(
+                "process_group must be a gloo group (ckptguard's control messages are small CPU objects): "
+                "create one with dist.new_group(ranks, backend='gloo') and keep it for ckptguard alone")
         self._group = group
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)

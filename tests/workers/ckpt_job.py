@@ -170,6 +170,21 @@ def scenario_per_rank(args: argparse.Namespace) -> None:
     ck.close()
 
 
+def scenario_subgroups(args: argparse.Namespace) -> None:
+    """Two gloo subgroups (e.g. two pipeline stages), each with its own Checkpointer and root."""
+    rank = dist.get_rank()
+    groups = [dist.new_group([0, 1], backend="gloo"), dist.new_group([2, 3], backend="gloo")]
+    stage = rank // 2
+    ck = ckptguard.Checkpointer(os.path.join(args.root, f"stage{stage}"), process_group=groups[stage])
+    state = {"w": torch.full((8,), float(stage))}
+    ck.save(1, state)
+    out = {"w": torch.zeros(8)}
+    ck.load(out)
+    assert torch.equal(out["w"], torch.full((8,), float(stage)))
+    result(stage=stage, topology=[list(d) for d in ck.topology.domains], world=ck.topology.world_size)
+    ck.close()
+
+
 def _fsdp_model() -> tuple[nn.Module, torch.optim.Optimizer]:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
