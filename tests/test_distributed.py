@@ -134,3 +134,10 @@ def test_checkpointer_on_a_subgroup(tmp_path: Path) -> None:
     assert by_rank(job, "stage") == {0: 0, 1: 0, 2: 1, 3: 1}
     assert set(map(tuple, (tuple(map(tuple, t)) for t in by_rank(job, "topology").values()))) == {((0, 1),)}
     assert (tmp_path / "stage0" / "step-00000001").is_dir() and (tmp_path / "stage1" / "step-00000001").is_dir()
+
+
+def test_rank_with_nothing_to_write(tmp_path: Path) -> None:
+    """One replicated value: DCP gives it to one rank; the other writes no file and still commits."""
+    job = ckpt_job("subgroups", nproc=4, env={"CKPT_ROOT": str(tmp_path)})
+    files = sorted(os.listdir(tmp_path / "stage1" / "step-00000001" / "data"))
+    assert len(files) == 1 and by_rank(job, "stage")[3] == 1

@@ -408,8 +408,9 @@ class GuardedWriter(StorageWriter):
             files.append(FileEntry(rel, offset, self.rank))
 
         try:
-            if len(buckets) == 1:
-                write_bucket(0, buckets[0])
+            if len(buckets) <= 1:  # nothing to write on this rank (all deduplicated elsewhere), or one file
+                for b in buckets:
+                    write_bucket(0, b)
             else:
                 with ThreadPoolExecutor(len(buckets), thread_name_prefix="ckptguard-write") as pool:
                     for f in [pool.submit(write_bucket, i, b) for i, b in enumerate(buckets)]:
