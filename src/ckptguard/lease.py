@@ -22,9 +22,9 @@ import threading
 import time
 import uuid
 from dataclasses import asdict, dataclass
+from socket import gethostname as hostname
 
 from ckptguard import layout
-from ckptguard.comm import hostname
 from ckptguard.errors import CheckpointError
 from ckptguard.storage.posix import PosixStorage
 

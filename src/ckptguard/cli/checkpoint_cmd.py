@@ -47,8 +47,14 @@ def _when(ts: float | None) -> str:
     return datetime.datetime.fromtimestamp(ts).strftime("%m-%d %H:%M:%S")
 
 
+def _console(stderr: bool = False) -> Console:
+    """Rich wraps at 80 columns when output is not a terminal; logs and pipes want whole lines."""
+    probe = Console(stderr=stderr)
+    return probe if probe.is_terminal else Console(stderr=stderr, width=200)
+
+
 def _usage_error(message: str) -> typer.Exit:
-    Console(stderr=True).print(f"[red]error:[/red] {message}")
+    _console(stderr=True).print(f"[red]error:[/red] {message}", highlight=False)
     return typer.Exit(2)
 
 
@@ -69,7 +75,7 @@ def ls_command(path: PathArg, json_out: JsonOpt = False) -> None:
     if json_out:
         typer.echo(json.dumps(listing.to_json(), indent=2))
         return
-    console = Console()
+    console = _console()
     table = Table(title=f"checkpoints in {listing.root}", title_justify="left")
     for col in ("step", "dir", "state", "created", "size", "metadata"):
         table.add_column(col, no_wrap=col != "metadata")
@@ -133,7 +139,7 @@ def verify_command(
             "attempts": [asdict(a) for a in listing.attempts],
         }, indent=2))
         raise typer.Exit(0 if ok else 1)
-    console = Console()
+    console = _console()
     table = Table(title=f"verify {listing.root}", title_justify="left")
     for col in ("step", "dir", "result", "files", "size", "seconds"):
         table.add_column(col, no_wrap=True)
