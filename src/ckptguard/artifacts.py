@@ -8,6 +8,7 @@ directory is the DeepSpeed ``offloaded_tensors/`` race, and is refused.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 from collections.abc import Mapping
@@ -214,34 +215,55 @@ def store(items: list[ArtifactTarget] | list[FileSnapshot], staging_dir: str, al
     return artifacts, entries
 
 
-def restore(targets: list[ArtifactTarget], manifest: Manifest, checkpoint_dir: str) -> None:
-    """Copy this rank's artifacts back to the paths it names, each file replaced atomically and verified."""
-    sums = {f.path: f for f in manifest.files}
-    for t in targets:
-        art = manifest.artifact(t.rank, t.key)
-        if art is None:
-            keys = sorted({a.key for a in manifest.artifacts if a.rank == t.rank})
-            raise CheckpointError(f"rank {t.rank}: the checkpoint holds no artifact {t.key!r} for this rank "
-                                  f"(it has {keys or 'none'})", rank=t.rank)
-        if art.kind == "dir":
-            os.makedirs(t.path, exist_ok=True)
-            dests = [(os.path.join(t.path, rel), stored) for rel, stored in art.files]
-        else:
-            os.makedirs(os.path.dirname(t.path) or ".", exist_ok=True)
-            dests = [(t.path, stored) for _, stored in art.files]
-        for dst, stored in dests:
-            entry = sums[stored]
-            src = os.path.join(checkpoint_dir, stored)
-            os.makedirs(os.path.dirname(dst), exist_ok=True)
-            tmp = unique_tmp_name(dst)
-            try:
-                size, digest = _copy_hashing(src, tmp, manifest.checksum_algorithm)
-            except FileNotFoundError:
-                raise CorruptCheckpointError(f"{src} is missing: the checkpoint is incomplete", path=src) from None
-            if size != entry.size or digest != entry.checksum:
-                os.unlink(tmp)
-                raise CorruptCheckpointError(
-                    f"{src}: {size} bytes with checksum {digest}, the manifest says {entry.size} bytes with "
-                    f"{entry.checksum}. The checkpoint is corrupt.", path=src)
-            os.replace(tmp, dst)
-        fsync_dir(t.path if art.kind == "dir" else os.path.dirname(t.path) or ".")
+def stage_restore(targets: list[ArtifactTarget], manifest: Manifest, checkpoint_dir: str) -> list[tuple[str, str]]:
+    """Copy this rank's artifacts next to their destinations as verified temp files: [(temp, destination)].
+
+    Nothing a user sees changes yet: a corrupt artifact, on this rank or any
+    other, must not leave some files of this checkpoint restored when load falls
+    back to an older one. commit_restore() renames them into place once every
+    rank staged its own; abort_restore() removes them.
+    """
+    staged: list[tuple[str, str]] = []
+    try:
+        sums = {f.path: f for f in manifest.files}
+        for t in targets:
+            art = manifest.artifact(t.rank, t.key)
+            if art is None:
+                keys = sorted({a.key for a in manifest.artifacts if a.rank == t.rank})
+                raise CheckpointError(f"rank {t.rank}: the checkpoint holds no artifact {t.key!r} for this rank "
+                                      f"(it has {keys or 'none'})", rank=t.rank)
+            if art.kind == "dir":
+                dests = [(os.path.join(t.path, rel), stored) for rel, stored in art.files]
+            else:
+                dests = [(t.path, stored) for _, stored in art.files]
+            for dst, stored in dests:
+                entry = sums[stored]
+                src = os.path.join(checkpoint_dir, stored)
+                os.makedirs(os.path.dirname(dst) or ".", exist_ok=True)
+                tmp = unique_tmp_name(dst)
+                staged.append((tmp, dst))
+                try:
+                    size, digest = _copy_hashing(src, tmp, manifest.checksum_algorithm)
+                except FileNotFoundError:
+                    raise CorruptCheckpointError(f"{src} is missing: the checkpoint is incomplete", path=src) from None
+                if size != entry.size or digest != entry.checksum:
+                    raise CorruptCheckpointError(
+                        f"{src}: {size} bytes with checksum {digest}, the manifest says {entry.size} bytes with "
+                        f"{entry.checksum}. The checkpoint is corrupt.", path=src)
+    except BaseException:
+        abort_restore(staged)
+        raise
+    return staged
+
+
+def commit_restore(staged: list[tuple[str, str]]) -> None:
+    for tmp, dst in staged:
+        os.replace(tmp, dst)
+    for d in sorted({os.path.dirname(dst) or "." for _, dst in staged}):
+        fsync_dir(d)
+
+
+def abort_restore(staged: list[tuple[str, str]]) -> None:
+    for tmp, _ in staged:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)

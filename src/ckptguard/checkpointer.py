@@ -48,6 +48,7 @@ from ckptguard.comm import (
     default_comm,
     describe_error,
     failure_message,
+    gather_failures,
     hostname,
     local_failure,
     order_failures,
@@ -60,6 +61,7 @@ from ckptguard.dcp_io import (
     GuardedWriter,
     SafeLoadPlanner,
     check_replicated,
+    forget_cached_plans,
     metadata_from_json,
     metadata_to_json,
 )
@@ -161,13 +163,16 @@ class Checkpointer:
             agree(self._comm, err, f"create the checkpoint root {self._storage.root}")
             self._topo = probe_storage_domains(self._comm, self._storage)
         self._comm.set_domains([list(d) for d in self._topo.domains])
+        # Identical on every rank (DCP's plan cache must be hit or missed by all ranks alike).
+        self._instance = self._comm.broadcast(uuid.uuid4().hex if self._comm.rank == 0 else None)
         if not read_only:
             holder = self._comm.broadcast(new_holder_id() if self._comm.rank == 0 else None)
             err = None
             if self._topo.is_leader:
                 self._lease = Lease(self._storage, holder, job_identity(job_id), lease_ttl_s)
                 try:
-                    self._lease.acquire(lease_wait_s if lease_wait_s is not None else lease_ttl_s * 1.5)
+                    self._lease.acquire(lease_wait_s if lease_wait_s is not None else lease_ttl_s * 1.5,
+                                        fence=self._root.fence_staging)
                     # A job that ends without close() still hands the root over at once.
                     atexit.register(self._lease.release)
                 except (CheckpointError, OSError) as e:
@@ -298,7 +303,9 @@ class Checkpointer:
         except CheckpointError:
             # Every rank got the same error at the same agreement point, so no rank is still
             # writing into the attempt: remove it now, or a disk-full save keeps the disk full.
+            # DCP's plan cache may now differ between ranks (some cached, some not): drop it.
             self._discard_attempt(plan)
+            forget_cached_plans(self._instance)
             raise
         log.debug("ckptguard: saved step %d: %s", step, stats)
 
@@ -363,6 +370,7 @@ class Checkpointer:
             self._cleaner.shutdown()
             self._background.shutdown()
             self._stager.release()
+            forget_cached_plans(self._instance)
             if self._lease is not None:
                 self._lease.release()
                 atexit.unregister(self._lease.release)
@@ -484,7 +492,7 @@ class Checkpointer:
         writer = GuardedWriter(plan.staging, rank, self.checksum, self.io_threads, before_write,
                                error_root=self.root, on_bytes=on_bytes)
         planner = DomainSavePlanner([self._topo.domain_of(r) for r in range(self._comm.world_size)],
-                                    cache_key=str(id(self)))
+                                    cache_key=self._instance)
         try:
             with _quiet_dcp():
                 dcp.save(state_dict, storage_writer=writer, planner=planner,
@@ -645,14 +653,26 @@ class Checkpointer:
                              process_group=comm.process_group, no_dist=comm.process_group is None)
             except CheckpointException as e:
                 raise self._from_dcp(e, f"load step {name.step}") from None
+        # files= artifacts in two phases: every rank stages verified copies, then all rename them
+        # into place, so a corrupt artifact anywhere changes nothing before load falls back.
         err = None
+        staged: list[tuple[str, str]] = []
         try:
-            artifacts.restore(targets, manifest, self._root.dir(name))
+            staged = artifacts.stage_restore(targets, manifest, self._root.dir(name))
         except OSError as e:
             err = explain_os_error(e, self._root.dir(name), comm.rank)
         except CheckpointError as e:
             err = e
-        agree(comm, err, f"restore its files= artifacts from step {name.step}")
+        failures = gather_failures(comm, err)
+        if failures:
+            artifacts.abort_restore(staged)
+            raise_failures(failures, f"restore its files= artifacts from step {name.step}")
+        err = None
+        try:
+            artifacts.commit_restore(staged)
+        except OSError as e:
+            err = explain_os_error(e, self._root.dir(name), comm.rank)
+        agree(comm, err, f"move its restored files= artifacts of step {name.step} into place")
         prepared.apply()
 
     # -- helpers ----------------------------------------------------------------------------

@@ -187,7 +187,7 @@ class DomainSavePlanner(DefaultSavePlanner):
         # domains, which shape the global plan) apart.
         super().__init__(dedup_save_to_lowest_rank=False, enable_plan_caching=True)
         self.domain_of_rank = list(domain_of_rank)
-        self._cached_plans_key = f"{type(self).__name__}:{cache_key}:{hash(tuple(self.domain_of_rank))}"
+        self._cached_plans_key = plan_cache_key(cache_key)
 
     def create_local_plan(self) -> SavePlan:
         sent = super().create_local_plan()
@@ -221,6 +221,20 @@ class DomainSavePlanner(DefaultSavePlanner):
 
 
 _DIGEST_LIMIT = 64 << 10
+
+
+def plan_cache_key(instance: str) -> str:
+    return f"ckptguard:{instance}"
+
+
+def forget_cached_plans(instance: str) -> None:
+    """Drop DCP's class-level cached plans of one Checkpointer (after a failed save, and at close)."""
+    key = plan_cache_key(instance)
+    for name in ("_cached_save_plan", "_cached_all_plans", "_cached_global_plan", "_cached_metadata",
+                 "_cached_final_save_plan"):
+        cache = getattr(SavePlanner, name, None)
+        if isinstance(cache, dict):
+            cache.pop(key, None)
 
 
 def replicated_digests(plan: SavePlan, state_dict: dict[str, Any]) -> dict[str, str]:

@@ -17,16 +17,20 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from socket import gethostname as hostname
 
 from ckptguard import layout
 from ckptguard.errors import CheckpointError
 from ckptguard.storage.posix import PosixStorage
+
+log = logging.getLogger("ckptguard")
 
 
 def job_identity(explicit: str | None = None) -> str | None:
@@ -126,14 +130,22 @@ class Lease:
             return f"its holder, pid {rec.pid} on this host, is dead"
         return None
 
-    def acquire(self, wait_s: float) -> None:
-        """Take the lease, waiting up to ``wait_s`` for a live holder to let go."""
+    def acquire(self, wait_s: float, fence: Callable[[], None] | None = None) -> None:
+        """Take the lease, waiting up to ``wait_s`` for a live holder to let go.
+
+        ``fence`` runs before the lease is written: it must make any write a
+        previous holder still has in flight fail (Checkpointer moves the staging
+        directory away, so a stalled job's publishing rename finds no source).
+        """
         self.storage.makedirs(os.path.dirname(self.path))
         deadline = time.monotonic() + wait_s
         while True:
-            if self.storage.create_exclusive(self.path, self._record(1).to_bytes()):
-                self.epoch = 1
-                break
+            if not self.storage.exists(self.path):
+                if fence is not None:
+                    fence()
+                if self.storage.create_exclusive(self.path, self._record(1).to_bytes()):
+                    self.epoch = 1
+                    break
             rec = self.read()
             if rec is None:
                 # Unreadable lease: a writer is mid-rename, or the file is garbage. Judge by age.
@@ -142,6 +154,8 @@ class Lease:
                     rec = LeaseRecord("?", None, "?", 0, "", 0, mtime, mtime, self.ttl_s)
             if rec is not None and self._holder_gone(rec) is not None:
                 epoch = rec.epoch + 1
+                if fence is not None:
+                    fence()
                 self.storage.write_bytes_atomic(self.path, self._record(epoch).to_bytes())
                 time.sleep(0.05)  # let a concurrent taker's write land, then see who won
                 now = self.read()
@@ -171,9 +185,10 @@ class Lease:
         while not self._stop.wait(interval):
             try:
                 self.renew()
-            except Exception as e:
-                with self._lock:
-                    self._lost = self._lost or f"renewing the lease failed: {e}"
+            except OSError as e:
+                # Transient (a full disk, an NFS hiccup): try again next time. Whether the lease
+                # is still ours is decided by what the lease file says, in check().
+                log.warning("ckptguard: renewing the lease on %s failed (will retry): %s", self.storage.root, e)
 
     def renew(self) -> None:
         with self._lock:
@@ -187,12 +202,17 @@ class Lease:
             self.storage.write_bytes_atomic(self.path, fresh.to_bytes())
 
     def check(self) -> None:
-        """Fencing: raise unless this job still holds the lease (called before every publish)."""
+        """Raise unless this job still holds the lease (called before every save and publish)."""
         rec = self.read()
         with self._lock:
             if self._lost is None and (rec is None or rec.holder != self.holder or rec.epoch != self.epoch):
                 self._lost = f"another job took over the root: {rec.describe() if rec else 'lease file gone'}"
             lost = self._lost
+        if lost is None:
+            try:  # renewals may have failed for a while (disk full): the lease is ours, refresh it now
+                self.renew()
+            except OSError as e:
+                log.warning("ckptguard: renewing the lease on %s failed: %s", self.storage.root, e)
         if lost:
             raise CheckpointError(
                 f"this job no longer holds the lease on {self.storage.root} ({lost}); refusing to publish "

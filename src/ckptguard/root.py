@@ -180,6 +180,19 @@ class CheckpointRoot:
         self.storage.write_bytes_atomic(self.storage.path(layout.LATEST), (json.dumps(body) + "\n").encode())
         return True
 
+    def fence_staging(self) -> None:
+        """Move the whole staging directory away (before taking the root's lease).
+
+        Whatever attempt a previous holder still has in flight (a stalled job, a
+        frozen VM) now has no source for its publishing rename: it fails instead
+        of committing into a root another job owns. Rename is atomic, so a stalled
+        publish either landed before this (while no one else held the root) or
+        fails after it.
+        """
+        staging = self.storage.path(layout.STAGING)
+        if self.storage.exists(staging):
+            self.retire(staging)
+
     def retire(self, path: str) -> str | None:
         """Take a checkpoint or leftover out of sight atomically (rename into trash); the trash path."""
         trash_root = self.storage.path(layout.TRASH)
