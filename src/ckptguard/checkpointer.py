@@ -64,6 +64,7 @@ from ckptguard.dcp_io import (
     forget_cached_plans,
     metadata_from_json,
     metadata_to_json,
+    read_locally,
 )
 from ckptguard.errors import CheckpointError, CorruptCheckpointError
 from ckptguard.layout import CheckpointName
@@ -160,6 +161,8 @@ class Checkpointer:
                 self._storage.makedirs(self._storage.path(layout.CONTROL))
             except OSError as e:
                 err = explain_os_error(e, self._storage.root, self._comm.rank)
+            except Exception as e:  # every failure must reach the agreement, or the others wait forever
+                err = e
             agree(self._comm, err, f"create the checkpoint root {self._storage.root}")
             self._topo = probe_storage_domains(self._comm, self._storage)
         self._comm.set_domains([list(d) for d in self._topo.domains])
@@ -175,7 +178,7 @@ class Checkpointer:
                                         fence=self._root.fence_staging)
                     # A job that ends without close() still hands the root over at once.
                     atexit.register(self._lease.release)
-                except (CheckpointError, OSError) as e:
+                except Exception as e:  # every failure must reach the agreement
                     err = e
             agree(self._comm, err, f"take the lease on {self._storage.root}")
         self._committed: dict[int, int] = self._agreed_current()
@@ -245,7 +248,7 @@ class Checkpointer:
         targets: list[ArtifactTarget] = []
         try:
             targets = artifacts.normalize(files, self._comm.rank, hostname(), must_exist=True)
-        except CheckpointError as e:
+        except Exception as e:  # reported in the plan's agreement
             local_error = e
         if not blocking:
             with stats.phase("snapshot"):
@@ -393,7 +396,7 @@ class Checkpointer:
         listing = None
         try:
             listing = self._leader_listing()
-        except (OSError, CheckpointError) as e:
+        except Exception as e:  # every failure must reach the agreement
             err = e
         gathered = self._comm.gather((local_failure(err), listing))
         decision = None
@@ -417,7 +420,7 @@ class Checkpointer:
                 self._lease.check()
                 leader_view = ([n.version for n in self._root.committed() if n.step == step],
                                self._leader_listing())
-        except (OSError, CheckpointError) as e:
+        except Exception as e:  # every failure must reach the agreement
             err = err or e
         gathered = comm.gather((local_failure(err), targets, leader_view))
         decision = None
@@ -446,7 +449,7 @@ class Checkpointer:
                         with open(marker, "x") as f:
                             f.write(nonce)
                     markers.append(marker)
-        except OSError as e:
+        except Exception as e:  # every failure must reach the agreement
             err = e
         agree(comm, err, "leave a probe marker next to its files= path")
         seen = []
@@ -472,7 +475,7 @@ class Checkpointer:
                 self._root.make_staging(plan.step, plan.attempt)
             except OSError as e:
                 err = explain_os_error(e, plan.staging, self._comm.rank, root=self.root)
-            except CheckpointError as e:
+            except Exception as e:  # every failure must reach the agreement
                 err = e
         agree(self._comm, err, f"create the attempt directory for step {plan.step}", self._intact(plan))
 
@@ -535,7 +538,7 @@ class Checkpointer:
                 listing = self._leader_listing()
             except OSError as e:
                 err = explain_os_error(e, plan.staging, comm.rank, root=self.root)
-            except CheckpointError as e:
+            except Exception as e:  # every failure must reach the agreement
                 err = e
         gathered2 = comm.gather((local_failure(err), listing))
         decision = None
@@ -615,7 +618,7 @@ class Checkpointer:
             try:
                 manifest = self._root.read_manifest(name)
                 self._root.check_files(name, manifest)
-            except (OSError, CheckpointError) as e:
+            except Exception as e:  # every failure must reach the agreement
                 err = e
         agree(comm, err, f"read checkpoint {name.dirname} in {self.root}")
         manifest = comm.domain_broadcast(manifest, list(topo.domain))
@@ -628,7 +631,7 @@ class Checkpointer:
                 raise CheckpointError(
                     f"step {name.step} was saved by {manifest.world_size} ranks and this job has "
                     f"{comm.world_size}: per-rank files= artifacts cannot be resharded", rank=comm.rank)
-        except CheckpointError as e:
+        except Exception as e:  # every failure must reach the agreement
             err = e
         gathered = comm.gather((local_failure(err), targets))
         verdict = None
@@ -643,16 +646,16 @@ class Checkpointer:
             raise CheckpointError(collision.replace("on save and on restore", "on restore"))
         metadata = metadata_from_json(manifest.dcp, manifest.items)
         prepared = prepare_state(state, comm.rank)
+        err = None
         with ByteProgress(show_progress, f"loading step {name.step}", None) as bar:
             reader = GuardedReader(self._root.dir(name), metadata, manifest.checksum_algorithm, comm.rank,
                                    self.io_threads, on_bytes=bar.callback)
             try:
-                with _quiet_dcp():
-                    dcp.load(prepared.state_dict, storage_reader=reader,
-                             planner=SafeLoadPlanner(allow_partial_load=not strict),
-                             process_group=comm.process_group, no_dist=comm.process_group is None)
-            except CheckpointException as e:
-                raise self._from_dcp(e, f"load step {name.step}") from None
+                read_locally(prepared.state_dict, reader, SafeLoadPlanner(allow_partial_load=not strict),
+                             is_coordinator=comm.rank == 0)
+            except Exception as e:  # every failure must reach the agreement
+                err = e
+        agree(comm, err, f"load step {name.step}")
         # files= artifacts in two phases: every rank stages verified copies, then all rename them
         # into place, so a corrupt artifact anywhere changes nothing before load falls back.
         err = None
@@ -661,7 +664,7 @@ class Checkpointer:
             staged = artifacts.stage_restore(targets, manifest, self._root.dir(name))
         except OSError as e:
             err = explain_os_error(e, self._root.dir(name), comm.rank)
-        except CheckpointError as e:
+        except Exception as e:  # every failure must reach the agreement
             err = e
         failures = gather_failures(comm, err)
         if failures:
@@ -672,6 +675,8 @@ class Checkpointer:
             artifacts.commit_restore(staged)
         except OSError as e:
             err = explain_os_error(e, self._root.dir(name), comm.rank)
+        except Exception as e:  # every failure must reach the agreement
+            err = e
         agree(comm, err, f"move its restored files= artifacts of step {name.step} into place")
         prepared.apply()
 

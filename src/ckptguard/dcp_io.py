@@ -738,3 +738,20 @@ class _ReadJob:
                 f"expected {s.checksum}, read {got}. The checkpoint is corrupt.",
                 path=path,
             )
+
+
+def read_locally(state_dict: dict[str, Any], reader: GuardedReader, planner: LoadPlanner,
+                 is_coordinator: bool) -> None:
+    """dcp.load's planning and reading, without its two collectives.
+
+    dcp.load gathers every rank's load plan on the coordinator and scatters them
+    back, but its default global load plan changes nothing: for 10,000 tensors
+    per rank that round trip of pickled plans cost more than the reads. Every
+    rank here plans (DCP's planner: resharding included) and reads on its own;
+    the caller agrees on the outcome.
+    """
+    planner.set_up_planner(state_dict, reader.metadata, is_coordinator)
+    reader.set_up_storage_reader(reader.metadata, is_coordinator)
+    plan = reader.prepare_local_plan(planner.create_local_plan())
+    plan = planner.finish_plan(plan)
+    reader.read_data(plan, planner).wait()

@@ -107,7 +107,7 @@ def save_file(obj: Any, path: str | os.PathLike[str], *, process_group: Any = No
             fsync_dir(directory)
         except OSError as e:
             err = explain_os_error(e, path, comm.rank, needed_bytes=None, root=directory)
-        except CheckpointError as e:
+        except Exception as e:  # every failure must reach the agreement
             err = e
     if comm.world_size > 1:
         agree(comm, err, f"save {path}")
