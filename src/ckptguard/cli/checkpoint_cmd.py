@@ -25,6 +25,7 @@ from rich.progress import (
 from rich.table import Table
 
 from ckptguard.cli import app
+from ckptguard.cli.output import console
 
 PathArg = Annotated[str, typer.Argument(help="The checkpoint root directory.")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object instead of tables.")]
@@ -47,14 +48,8 @@ def _when(ts: float | None) -> str:
     return datetime.datetime.fromtimestamp(ts).strftime("%m-%d %H:%M:%S")
 
 
-def _console(stderr: bool = False) -> Console:
-    """Rich wraps at 80 columns when output is not a terminal; logs and pipes want whole lines."""
-    probe = Console(stderr=stderr)
-    return probe if probe.is_terminal else Console(stderr=stderr, width=200)
-
-
 def _usage_error(message: str) -> typer.Exit:
-    _console(stderr=True).print(f"[red]error:[/red] {message}", highlight=False)
+    console(stderr=True).print(f"[red]error:[/red] {message}", highlight=False)
     return typer.Exit(2)
 
 
@@ -75,7 +70,7 @@ def ls_command(path: PathArg, json_out: JsonOpt = False) -> None:
     if json_out:
         typer.echo(json.dumps(listing.to_json(), indent=2))
         return
-    console = _console()
+    con = console()
     table = Table(title=f"checkpoints in {listing.root}", title_justify="left")
     for col in ("step", "dir", "state", "created", "size", "metadata"):
         table.add_column(col, no_wrap=col != "metadata")
@@ -84,16 +79,16 @@ def ls_command(path: PathArg, json_out: JsonOpt = False) -> None:
                                                           "committed" if c.current else "superseded")
         table.add_row(str(c.step), c.dir, state, _when(c.created_at), _human_bytes(c.bytes),
                       json.dumps(c.user_metadata) if c.user_metadata else "")
-    console.print(table)
+    con.print(table)
     if not listing.checkpoints:
-        console.print("no committed checkpoint")
+        con.print("no committed checkpoint")
     for a in listing.attempts:
-        console.print(f"attempt {a.state}: step {a.step} ({_human_bytes(a.bytes)}, {a.age_s:.0f} s old) {a.dir}")
+        con.print(f"attempt {a.state}: step {a.step} ({_human_bytes(a.bytes)}, {a.age_s:.0f} s old) {a.dir}")
     for t in listing.trash:
-        console.print(f"being deleted: {t}")
+        con.print(f"being deleted: {t}")
     if listing.lease:
         lease = listing.lease
-        console.print(f"lease: {'held' if lease['live'] else 'expired'} by host {lease['host']} pid {lease['pid']}"
+        con.print(f"lease: {'held' if lease['live'] else 'expired'} by host {lease['host']} pid {lease['pid']}"
                       + (f" ({lease['job']})" if lease.get("job") else ""))
 
 
@@ -139,24 +134,24 @@ def verify_command(
             "attempts": [asdict(a) for a in listing.attempts],
         }, indent=2))
         raise typer.Exit(0 if ok else 1)
-    console = _console()
+    con = console()
     table = Table(title=f"verify {listing.root}", title_justify="left")
     for col in ("step", "dir", "result", "files", "size", "seconds"):
         table.add_column(col, no_wrap=True)
     for r in results:
         table.add_row(str(r.step), r.dir, "[green]intact[/green]" if r.intact else "[red]NOT INTACT[/red]",
                       str(r.files_checked), _human_bytes(r.bytes_checked), f"{r.seconds:.2f}")
-    console.print(table)
+    con.print(table)
     for r in results:
         for p in r.problems[:20]:
-            console.print(f"step {r.step}: {p.kind}: {os.path.relpath(p.path, listing.root)}: {p.detail}",
+            con.print(f"step {r.step}: {p.kind}: {os.path.relpath(p.path, listing.root)}: {p.detail}",
                           highlight=False, soft_wrap=True)
         if len(r.problems) > 20:
-            console.print(f"step {r.step}: ... and {len(r.problems) - 20} more problems")
+            con.print(f"step {r.step}: ... and {len(r.problems) - 20} more problems")
     if not results:
-        console.print("no committed checkpoint to verify")
+        con.print("no committed checkpoint to verify")
     for a in listing.attempts:
-        console.print(f"note: attempt {a.state} for step {a.step} in {a.dir} (never counts as a checkpoint)")
+        con.print(f"note: attempt {a.state} for step {a.step} in {a.dir} (never counts as a checkpoint)")
     if step is None:
-        console.print(f"safe to resume from: step {safe}" if safe is not None else "no intact checkpoint to resume from")
+        con.print(f"safe to resume from: step {safe}" if safe is not None else "no intact checkpoint to resume from")
     raise typer.Exit(0 if ok else 1)

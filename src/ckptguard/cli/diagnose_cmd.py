@@ -12,9 +12,9 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.console import Console
 
 from ckptguard.cli import app
+from ckptguard.cli.output import console
 
 
 @app.command()
@@ -44,7 +44,7 @@ def diagnose(
     if json_out:
         sys.stdout.write(to_json(diag) + "\n")
     else:
-        render_text(diag, Console(highlight=False, soft_wrap=False))
+        render_text(diag, console(highlight=False))
     raise typer.Exit(0 if diag.found else 1)
 
 
@@ -58,13 +58,13 @@ def explain(
     from ckptguard.diagnose.report import render_explain
 
     kb = load_kb()
-    console = Console(highlight=False)
+    out = console(highlight=False)
     if failure_class is None:
         if json_out:
             sys.stdout.write(json.dumps({c: kb[c].title for c in sorted(kb.classes)}, indent=2) + "\n")
         else:
             for cid in sorted(kb.classes):
-                console.print(f"{cid:34s} {kb[cid].title}", markup=False)
+                out.print(f"{cid:34s} {kb[cid].title}", markup=False)
         return
     if failure_class not in kb:
         typer.echo(f"error: unknown class {failure_class!r}; `ckptguard explain` lists them", err=True)
@@ -72,4 +72,4 @@ def explain(
     if json_out:
         sys.stdout.write(json.dumps(kb[failure_class].as_dict(), indent=2) + "\n")
     else:
-        render_explain(kb[failure_class], console)
+        render_explain(kb[failure_class], out)
