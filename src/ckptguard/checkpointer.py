@@ -33,21 +33,14 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.storage import WriteResult
-
 from ckptguard import artifacts, layout
 from ckptguard._faults import fault_point
 from ckptguard.artifacts import ArtifactTarget
 from ckptguard.checksum import ALGORITHMS, DEFAULT_ALGORITHM
 from ckptguard.comm import (
     Comm,
-    Failure,
     agree,
     default_comm,
-    describe_error,
-    failure_message,
     gather_failures,
     hostname,
     local_failure,
@@ -64,6 +57,7 @@ from ckptguard.dcp_io import (
     forget_cached_plans,
     metadata_from_json,
     metadata_to_json,
+    plan_collectively,
     read_locally,
 )
 from ckptguard.errors import CheckpointError, CorruptCheckpointError
@@ -97,6 +91,7 @@ class _RankWrites:
     files: list[FileEntry] = field(default_factory=list)
     artifacts: list[Artifact] = field(default_factory=list)
     digests: dict[str, str] = field(default_factory=dict)  # small plain values, to catch per-rank ones
+    items: list[StoredItem] = field(default_factory=list)  # where each of its items is stored
 
 
 class Checkpointer:
@@ -496,32 +491,42 @@ class Checkpointer:
                                error_root=self.root, on_bytes=on_bytes)
         planner = DomainSavePlanner([self._topo.domain_of(r) for r in range(self._comm.world_size)],
                                     cache_key=self._instance)
+        plan_collectively(state_dict, writer, planner, self._comm,
+                          suffix=self._intact(plan), what=f"plan step {plan.step}")
+        # A failure while writing is not raised here: it travels in the commit's first gather,
+        # which is the agreement on the write phase.
         try:
-            with _quiet_dcp():
-                dcp.save(state_dict, storage_writer=writer, planner=planner,
-                         process_group=self._comm.process_group, no_dist=self._comm.process_group is None)
-        except CheckpointException as e:
-            raise self._from_dcp(e, f"write its part of step {plan.step}", self._intact(plan)) from None
-        writer.digests = planner.replicated_digests()
+            writer.write_planned(planner)
+            writer.digests = planner.replicated_digests()
+        except Exception as e:  # every failure must reach the agreement
+            writer.error = e
         return writer
 
     def _commit(self, plan: _SavePlan, writer: GuardedWriter, user_metadata: dict[str, Any]) -> None:
         comm, topo = self._comm, self._topo
         arts, art_files = writer.outcome.extra or ([], [])
-        gathered = comm.gather(_RankWrites(writer.outcome.files + art_files, arts, writer.digests))
-        manifests = None
+        mine_writes = _RankWrites(writer.outcome.files + art_files, arts, writer.digests, writer.stored)
+        gathered = comm.gather((local_failure(writer.error), mine_writes))
+        manifests: list[Any] | None = None
         if comm.rank == 0:
-            assert gathered is not None and writer.metadata is not None and writer.results is not None
-            diverged = check_replicated([g.digests for g in gathered])
-            if diverged is None:
-                built = build_manifests(topo, plan.name, plan.attempt, self.checksum, writer.results, gathered,
-                                        user_metadata, metadata_to_json(writer.metadata))
-                manifests = [built.get(r) for r in range(comm.world_size)]
+            assert gathered is not None
+            failures = order_failures([g[0] for g in gathered])
+            diverged = None if failures else check_replicated([g[1].digests for g in gathered])
+            if failures:
+                manifests = [("failed", failures)] * comm.world_size
+            elif diverged is not None:
+                manifests = [("diverged", diverged)] * comm.world_size
             else:
-                manifests = [diverged] * comm.world_size
-        mine: Manifest | str | None = comm.scatter(manifests)
-        if isinstance(mine, str):
-            raise CheckpointError(with_suffix(mine, self._intact(plan)))
+                assert writer.metadata is not None
+                built = build_manifests(topo, plan.name, plan.attempt, self.checksum,
+                                        [g[1] for g in gathered], user_metadata, metadata_to_json(writer.metadata))
+                manifests = [built.get(r) for r in range(comm.world_size)]
+        mine: Any = comm.scatter(manifests)
+        if isinstance(mine, tuple):
+            kind, detail = mine
+            if kind == "failed":
+                raise_failures(detail, f"write its part of step {plan.step}", self._intact(plan))
+            raise CheckpointError(with_suffix(detail, self._intact(plan)))
         err: BaseException | None = None
         listing = None
         published = False
@@ -688,24 +693,6 @@ class Checkpointer:
         if writing and self.read_only:
             raise CheckpointError(f"this Checkpointer on {self.root} was opened read_only=True")
 
-    def _from_dcp(self, e: CheckpointException, what: str, suffix: str = "") -> CheckpointError:
-        failures = []
-        for rank, (exc, _tb) in sorted(e.failures.items()):
-            host = self._topo.hosts[rank] if rank < len(self._topo.hosts) else "?"
-            failures.append(Failure(rank, host, describe_error(exc), isinstance(exc, CorruptCheckpointError), 0.0))
-        # DCP does not record when each rank failed; prefer a rank whose error is its own
-        # over ranks that merely saw the consequences.
-        failures.sort(key=lambda f: (not isinstance(e.failures[f.rank][0], CheckpointError | OSError), f.rank))
-        cls = CorruptCheckpointError if any(f.corrupt for f in failures) else CheckpointError
-        return cls(with_suffix(failure_message(failures, what), suffix), rank=failures[0].rank if failures else None)
-
-
-@contextlib.contextmanager
-def _quiet_dcp() -> Iterator[None]:
-    """DCP warns on every single-process save that it assumes a single process; so do we, on purpose."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        yield
 
 
 @contextlib.contextmanager
@@ -824,7 +811,6 @@ def build_manifests(
     name: CheckpointName,
     attempt: str,
     algorithm: str,
-    results: list[list[WriteResult]],
     writes: list[_RankWrites],
     user_metadata: dict[str, Any],
     dcp_json: dict[str, Any],
@@ -841,7 +827,7 @@ def build_manifests(
         files: list[FileEntry] = []
         arts: list[Artifact] = []
         for r in domain:
-            items.extend(wr.storage_data for wr in results[r])
+            items.extend(writes[r].items)
             files.extend(writes[r].files)
             arts.extend(writes[r].artifacts)
         out[domain[0]] = Manifest(
