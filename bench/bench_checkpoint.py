@@ -7,6 +7,9 @@ KiB). Every repetition runs the writers in rotated order with `sync` before
 each; figures are medians. Loads go into preallocated tensors, after dropping
 the page cache (needs root; otherwise they are reported as warm).
 
+Each writer's files are deleted (and synced) right after it ran, outside the timing; a first
+repetition warms up (page faults, first files) and is not counted.
+
 Writers and readers, all on the same bytes:
 - ckptguard               Checkpointer.save (sync) / Checkpointer.load
 - ckptguard no checksum   the same save with the checksum function replaced by a no-op
@@ -202,26 +205,33 @@ def bench_state(kind: str, rank: int, args: argparse.Namespace) -> dict[str, Any
     if not args.no_torch_save:
         writers["gather+torch.save"] = lambda i: gather_torch_save(state, work / f"torch{i}.pt", rank)
     writers["dd"] = lambda i: dd(work / f"dd{i}", total) if rank == 0 else None
+    outputs = {  # what each writer leaves on disk at repetition i
+        "ckptguard": lambda i: [f"ckptguard/step-{i:08d}"], "ckptguard no checksum": lambda i: [
+            f"ckptguard-nosum/step-{i:08d}"], "ckptguard async": lambda i: [f"ckptguard-async/step-{i:08d}"],
+        "dcp.save": lambda i: [f"dcp{i}"], "raw writer": lambda i: [f"raw{i}.r0", f"raw{i}.r1"],
+        "host copy": lambda i: [], "gather+torch.save": lambda i: [f"torch{i}.pt"], "dd": lambda i: [f"dd{i}"],
+    }
     times: dict[str, list[float]] = {w: [] for w in writers}
     order = list(writers)
-    for rep in range(args.reps):
+    last = args.reps  # repetition 0 is a warm-up (first touch of memory, first files): not counted
+    for rep in range(args.reps + 1):
         for name in order[rep % len(order):] + order[: rep % len(order)]:
             if rank == 0:
                 subprocess.run(["sync"], check=False)
-            times[name].append(timed(lambda n=name, r=rep: writers[n](r)))
+            seconds = timed(lambda n=name, r=rep: writers[n](r))
+            if rep:
+                times[name].append(seconds)
             gc.collect()
-        if rep < args.reps - 1:  # keep only the last repetition's files, for the loads
-            dist.barrier()
-            if rank == 0:
-                for name in (f"dcp{rep}", f"raw{rep}.r0", f"raw{rep}.r1", f"torch{rep}.pt", f"dd{rep}",
-                             f"ckptguard/step-{rep:08d}", f"ckptguard-nosum/step-{rep:08d}",
-                             f"ckptguard-async/step-{rep:08d}"):
-                    path = work / name
-                    shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
-            dist.barrier()
+            if rep < last:  # free the disk now (only the last repetition's files are kept for the loads)
+                dist.barrier()
+                if rank == 0:
+                    for out in outputs[name](rep):
+                        path = work / out
+                        shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
+                    subprocess.run(["sync"], check=False)
+                dist.barrier()
     copy_dest.clear()  # free it before the loads
     dest = {"model": {k: torch.empty_like(v) for k, v in state["model"].items()}}
-    last = args.reps - 1
     readers: dict[str, Callable[[], None]] = {
         "ckptguard": lambda: ck.load(dest, step=last) and None,
         "dcp.load": lambda: dcp.load(dest, checkpoint_id=str(work / f"dcp{last}")),
