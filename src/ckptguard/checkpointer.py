@@ -618,16 +618,22 @@ class Checkpointer:
                   files: Mapping[str, Any] | None, strict: bool, show_progress: bool = False) -> None:
         comm, topo = self._comm, self._topo
         err: BaseException | None = None
+        raw: bytes | None = None
         manifest: Manifest | None = None
         if topo.is_leader:
             try:
-                manifest = self._root.read_manifest(name)
+                raw = self._root.read_manifest_bytes(name)
+                manifest = self._root.parse_manifest(name, raw)
                 self._root.check_files(name, manifest)
             except Exception as e:  # every failure must reach the agreement
                 err = e
         agree(comm, err, f"read checkpoint {name.dirname} in {self.root}")
-        manifest = comm.domain_broadcast(manifest, list(topo.domain))
-        assert manifest is not None
+        # The leader read and checked it; the others parse the same bytes (a copy of bytes
+        # travels far faster than a pickled object graph of one entry per tensor chunk).
+        raw = comm.domain_broadcast(raw, list(topo.domain))
+        if manifest is None:
+            assert raw is not None
+            manifest = self._root.parse_manifest(name, raw)
         err = None
         targets: list[ArtifactTarget] = []
         try:

@@ -58,11 +58,17 @@ class CheckpointRoot:
         return layout.newest_versions(self.committed())
 
     def read_manifest(self, name: CheckpointName) -> Manifest:
+        return self.parse_manifest(name, self.read_manifest_bytes(name))
+
+    def read_manifest_bytes(self, name: CheckpointName) -> bytes:
         path = os.path.join(self.dir(name), layout.MANIFEST)
         try:
-            data = self.storage.read_bytes(path)
+            return self.storage.read_bytes(path)
         except FileNotFoundError:
             raise CorruptCheckpointError(f"{path} is missing", path=path) from None
+
+    def parse_manifest(self, name: CheckpointName, data: bytes) -> Manifest:
+        path = os.path.join(self.dir(name), layout.MANIFEST)
         m = Manifest.from_json(data, path)
         if m.step != name.step or m.version != name.version:
             raise CorruptCheckpointError(
