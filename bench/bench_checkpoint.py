@@ -18,7 +18,8 @@ Writers and readers, all on the same bytes:
 - host copy               one copy of the state into preallocated host memory (what async must cost)
 - dcp.save / dcp.load     default FileSystemWriter / FileSystemReader
 - raw writer / reader     each rank os.write()s its tensors to one file and fsyncs / preadv()s them back
-- gather+torch.save       gather every rank's state on rank 0, torch.save, fsync
+- gather+torch.save       gather every rank's state on rank 0, torch.save, fsync (run after the
+                          others, --torch-save-reps times: it fills rank 0's memory)
 - dd                      `dd if=/dev/zero bs=64M conv=fdatasync` of the same total size, one process
 Finally, resident memory of each rank over --rss-saves async saves of a 256 MiB state.
 
@@ -202,8 +203,6 @@ def bench_state(kind: str, rank: int, args: argparse.Namespace) -> dict[str, Any
         "raw writer": lambda i: raw_write(state, work / f"raw{i}.r{rank}"),
         "host copy": lambda i: host_copy(state, copy_dest),
     }
-    if not args.no_torch_save:
-        writers["gather+torch.save"] = lambda i: gather_torch_save(state, work / f"torch{i}.pt", rank)
     writers["dd"] = lambda i: dd(work / f"dd{i}", total) if rank == 0 else None
     outputs = {  # what each writer leaves on disk at repetition i
         "ckptguard": lambda i: [f"ckptguard/step-{i:08d}"], "ckptguard no checksum": lambda i: [
@@ -248,6 +247,20 @@ def bench_state(kind: str, rank: int, args: argparse.Namespace) -> dict[str, Any
             load_times[name].append(timed(readers[name]))
     for k in state["model"]:
         assert torch.equal(dest["model"][k], state["model"][k]), f"{kind}: {k} differs after load"
+    # gather + torch.save last: it pickles every rank's state into rank 0's memory, which would
+    # squeeze the page cache under the writers measured after it.
+    dest.clear()
+    if not args.no_torch_save:
+        times["gather+torch.save"] = []
+        for rep in range(args.torch_save_reps):
+            if rank == 0:
+                subprocess.run(["sync"], check=False)
+            times["gather+torch.save"].append(timed(lambda r=rep: gather_torch_save(state, work / f"torch{r}.pt", rank)))
+            gc.collect()
+            dist.barrier()
+            if rank == 0:
+                (work / f"torch{rep}.pt").unlink(missing_ok=True)
+            dist.barrier()
     all_blocked: list[Any] = [None] * WORLD
     dist.all_gather_object(all_blocked, blocked)
     for c in (ck, ck_plain, ck_async):
@@ -356,11 +369,13 @@ def main() -> None:
     p.add_argument("--rss-saves", type=int, default=100)
     p.add_argument("--states", nargs="+", default=["large", "small"], choices=["large", "small"])
     p.add_argument("--no-torch-save", action="store_true", help="skip gather + torch.save (slow)")
+    p.add_argument("--torch-save-reps", type=int, default=3)
     p.add_argument("--quick", action="store_true", help="0.25 GiB, 2,000 small tensors, 2 repetitions, 10 saves")
     p.add_argument("--json", default=None, help="where to write the JSON result (default bench/results/)")
     args = p.parse_args()
     if args.quick:
         args.size_gib, args.small_count, args.reps, args.load_reps, args.rss_saves = 0.25, 2000, 2, 1, 10
+        args.torch_save_reps = 1
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

@@ -25,6 +25,7 @@ import gc
 import json
 import logging
 import os
+import threading
 import time
 import uuid
 import warnings
@@ -68,7 +69,7 @@ from ckptguard.progress import ByteProgress
 from ckptguard.root import CheckpointRoot
 from ckptguard.staging import HostStager, stage_files, state_nbytes
 from ckptguard.state import prepare_state
-from ckptguard.storage.posix import PosixStorage, explain_os_error
+from ckptguard.storage.posix import PosixStorage, explain_os_error, read_ahead
 from ckptguard.topology import Topology, host_domains, probe_storage_domains
 
 log = logging.getLogger("ckptguard")
@@ -148,6 +149,7 @@ class Checkpointer:
         self._stager = HostStager(async_budget_bytes)
         self._warned_budget = False
         self.last_save_stats: PhaseTimer | None = None
+        self.last_load_stats: PhaseTimer | None = None
         if read_only:
             self._topo: Topology = host_domains(self._comm)
         else:
@@ -251,8 +253,8 @@ class Checkpointer:
             if staged is not None:
                 state_dict, file_items = staged
                 self._inflight = self._background.submit(
-                    self._save_now, step, state_dict, targets, file_items, overwrite, user_metadata, stats,
-                    local_error)
+                    self._save_in_background, step, state_dict, targets, file_items, overwrite, user_metadata,
+                    stats, local_error)
                 stats.blocked = time.perf_counter() - started
                 return
         with _gc_paused():
@@ -282,12 +284,15 @@ class Checkpointer:
         files = stage_files(targets) if local_error is None else []
         return snapshot, files
 
+    def _save_in_background(self, *args: Any) -> None:
+        with _gc_paused():
+            self._save_now(*args)
+
     def _save_now(self, step: int, state_dict: dict[str, Any], targets: list[ArtifactTarget],
                   file_items: list[Any], overwrite: bool, user_metadata: dict[str, Any], stats: PhaseTimer,
                   local_error: BaseException | None) -> None:
         """The collective part of a save (in the caller's thread, or in the background)."""
-        # GC stays paused in the short collective phases even for background saves (see _gc_paused).
-        with stats.phase("plan"), _gc_paused():
+        with stats.phase("plan"):
             plan = self._plan_save(step, targets, overwrite, local_error)
         with stats.phase("stage"):
             self._stage(plan)
@@ -296,7 +301,7 @@ class Checkpointer:
                                                     state_nbytes(state_dict)) as bar:
                 writer = self._write(plan, state_dict, file_items, bar.callback)
             stats.bytes = sum(f.size for f in writer.outcome.files)
-            with stats.phase("commit"), _gc_paused():
+            with stats.phase("commit"):
                 self._commit(plan, writer, user_metadata)
         except CheckpointError:
             # Every rank got the same error at the same agreement point, so no rank is still
@@ -617,23 +622,33 @@ class Checkpointer:
     def _load_one(self, name: CheckpointName, state: Mapping[str, Any],
                   files: Mapping[str, Any] | None, strict: bool, show_progress: bool = False) -> None:
         comm, topo = self._comm, self._topo
+        stats = self.last_load_stats = PhaseTimer()
+        started = time.perf_counter()
         err: BaseException | None = None
         raw: bytes | None = None
         manifest: Manifest | None = None
         if topo.is_leader:
             try:
                 raw = self._root.read_manifest_bytes(name)
+            except Exception as e:  # every failure must reach the agreement
+                err = e
+        # The leader reads; every rank of the domain parses and checks the same bytes at once
+        # (bytes travel far faster than a pickled object graph of one entry per tensor chunk).
+        raw = comm.domain_broadcast(raw, list(topo.domain))
+        if raw is not None:
+            try:
                 manifest = self._root.parse_manifest(name, raw)
-                self._root.check_files(name, manifest)
+                if topo.is_leader:
+                    self._root.check_files(name, manifest)
             except Exception as e:  # every failure must reach the agreement
                 err = e
         agree(comm, err, f"read checkpoint {name.dirname} in {self.root}")
-        # The leader read and checked it; the others parse the same bytes (a copy of bytes
-        # travels far faster than a pickled object graph of one entry per tensor chunk).
-        raw = comm.domain_broadcast(raw, list(topo.domain))
-        if manifest is None:
-            assert raw is not None
-            manifest = self._root.parse_manifest(name, raw)
+        assert manifest is not None
+        if manifest.world_size == comm.world_size:
+            # Resuming at the same world size, a rank mostly reads what it wrote: have the kernel
+            # start reading those files while DCP plans the load.
+            read_ahead([os.path.join(self._root.dir(name), f.path) for f in manifest.files
+                        if f.rank == comm.rank and f.checksum is None])
         err = None
         targets: list[ArtifactTarget] = []
         try:
@@ -655,15 +670,17 @@ class Checkpointer:
         raise_failures(failures, f"load step {name.step}")
         if collision:
             raise CheckpointError(collision.replace("on save and on restore", "on restore"))
-        metadata = metadata_from_json(manifest.dcp, manifest.items)
-        prepared = prepare_state(state, comm.rank)
+        stats.seconds["manifest"] = time.perf_counter() - started
+        with stats.phase("metadata"):
+            metadata = metadata_from_json(manifest.dcp, manifest.items)
+            prepared = prepare_state(state, comm.rank)
         err = None
         with ByteProgress(show_progress, f"loading step {name.step}", None) as bar:
             reader = GuardedReader(self._root.dir(name), metadata, manifest.checksum_algorithm, comm.rank,
                                    self.io_threads, on_bytes=bar.callback)
             try:
                 read_locally(prepared.state_dict, reader, SafeLoadPlanner(allow_partial_load=not strict),
-                             is_coordinator=comm.rank == 0)
+                             is_coordinator=comm.rank == 0, stats=stats)
             except Exception as e:  # every failure must reach the agreement
                 err = e
         agree(comm, err, f"load step {name.step}")
@@ -689,7 +706,10 @@ class Checkpointer:
         except Exception as e:  # every failure must reach the agreement
             err = e
         agree(comm, err, f"move its restored files= artifacts of step {name.step} into place")
-        prepared.apply()
+        with stats.phase("apply"):
+            prepared.apply()
+        stats.bytes = sum(i.length for i in manifest.items)
+        log.debug("ckptguard: loaded step %d: %s", name.step, stats)
 
     # -- helpers ----------------------------------------------------------------------------
     def _check_usable(self, writing: bool) -> None:
@@ -701,21 +721,33 @@ class Checkpointer:
 
 
 
+_gc_lock = threading.Lock()
+_gc_depth = 0
+_gc_was_enabled = True
+
+
 @contextlib.contextmanager
 def _gc_paused() -> Iterator[None]:
-    """No cyclic GC during a save or load.
+    """No cyclic GC during a save or load (reference-counted: background saves nest with the caller's).
 
     A save allocates many small objects (plans, write items, manifest rows); with
     a large heap (a model, its optimizer), each generation-2 collection they
-    trigger walks everything, which cost ~10% of a save of 20,000 tensors.
+    trigger walks everything, which cost ~10% of a save of 20,000 tensors. The
+    pause lasts one save; reference counting frees everything acyclic meanwhile.
     """
-    was = gc.isenabled()
-    gc.disable()
+    global _gc_depth, _gc_was_enabled
+    with _gc_lock:
+        if _gc_depth == 0:
+            _gc_was_enabled = gc.isenabled()
+            gc.disable()
+        _gc_depth += 1
     try:
         yield
     finally:
-        if was:
-            gc.enable()
+        with _gc_lock:
+            _gc_depth -= 1
+            if _gc_depth == 0 and _gc_was_enabled:
+                gc.enable()
 
 
 class PhaseTimer:
@@ -742,7 +774,7 @@ class PhaseTimer:
     def __repr__(self) -> str:
         parts = ", ".join(f"{k} {v:.3f}s" for k, v in self.seconds.items())
         return (f"{self.total:.3f}s ({parts}), caller blocked {self.blocked:.3f}s, "
-                f"{self.bytes} bytes written by this rank")
+                f"{self.bytes} bytes on this rank")
 
 
 def decide_plan(root: str, step: int, overwrite: bool, gathered: list[Any]) -> tuple[Any, ...]:

@@ -11,6 +11,7 @@ serialized objects are loaded with ``torch.load(weights_only=True)`` only.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import threading
@@ -771,7 +772,7 @@ class _ReadJob:
 
 
 def read_locally(state_dict: dict[str, Any], reader: GuardedReader, planner: LoadPlanner,
-                 is_coordinator: bool) -> None:
+                 is_coordinator: bool, stats: Any = None) -> None:
     """dcp.load's planning and reading, without its two collectives.
 
     dcp.load gathers every rank's load plan on the coordinator and scatters them
@@ -780,11 +781,13 @@ def read_locally(state_dict: dict[str, Any], reader: GuardedReader, planner: Loa
     rank here plans (DCP's planner: resharding included) and reads on its own;
     the caller agrees on the outcome.
     """
-    planner.set_up_planner(state_dict, reader.metadata, is_coordinator)
-    reader.set_up_storage_reader(reader.metadata, is_coordinator)
-    plan = reader.prepare_local_plan(planner.create_local_plan())
-    plan = planner.finish_plan(plan)
-    reader.read_data(plan, planner).wait()
+    with stats.phase("plan") if stats is not None else contextlib.nullcontext():
+        planner.set_up_planner(state_dict, reader.metadata, is_coordinator)
+        reader.set_up_storage_reader(reader.metadata, is_coordinator)
+        plan = reader.prepare_local_plan(planner.create_local_plan())
+        plan = planner.finish_plan(plan)
+    with stats.phase("read") if stats is not None else contextlib.nullcontext():
+        reader.read_data(plan, planner).wait()
 
 
 def plan_collectively(state_dict: dict[str, Any], writer: GuardedWriter, planner: DomainSavePlanner,

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import platform
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from ckptguard.checksum import ALGORITHMS, checksum
 from ckptguard.errors import CheckpointError, CorruptCheckpointError
@@ -20,9 +20,12 @@ FORMAT = "ckptguard-checkpoint"
 FORMAT_VERSION = 1
 
 
-@dataclass(frozen=True)
-class StoredItem:
-    """One DCP storage item (a tensor chunk or a serialized object) inside a data file."""
+class StoredItem(NamedTuple):
+    """One DCP storage item (a tensor chunk or a serialized object) inside a data file.
+
+    A NamedTuple, not a dataclass: manifests hold one per tensor chunk (millions
+    at scale), and tuples are created, pickled and hashed several times faster.
+    """
 
     fqn: str
     offsets: tuple[int, ...] | None  # chunk offsets for tensors, None for objects
@@ -38,8 +41,7 @@ class StoredItem:
         return self.dtype is not None
 
 
-@dataclass(frozen=True)
-class FileEntry:
+class FileEntry(NamedTuple):
     """A file of the checkpoint. Data files are covered item by item; artifacts carry their own checksum."""
 
     path: str

@@ -12,6 +12,7 @@ import ctypes
 import errno
 import os
 import shutil
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -309,3 +310,24 @@ def explain_os_error(err: OSError, path: str, rank: int | None, needed_bytes: in
             f"{why}: {who} (uid {os.getuid()}) cannot write {where}. Make the checkpoint root writable "
             "by the user the training job runs as, on every node.", rank=rank, path=where)
     return CheckpointError(f"{who} failed on {where}: {type(err).__name__}: {err}", rank=rank, path=where)
+
+
+def read_ahead(paths: list[str]) -> None:
+    """Ask the kernel to start reading these files into the page cache, from a background thread."""
+    if not paths or not hasattr(os, "posix_fadvise"):
+        return
+
+    def advise() -> None:
+        for p in paths:
+            try:
+                fd = os.open(p, os.O_RDONLY | os.O_CLOEXEC)
+            except OSError:
+                continue  # the load itself will report it
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
+            except OSError:
+                pass
+            finally:
+                os.close(fd)
+
+    threading.Thread(target=advise, name="ckptguard-readahead", daemon=True).start()
