@@ -310,9 +310,14 @@ class Campaign:
         return self._gen
 
     def job(self, topo: Topo, args: list[str], *, env: dict[str, str] | None = None,
-            timeout: float | None = None) -> tuple[JobResult | None, dict[int, list[dict[str, Any]]], str | None]:
-        """Run one worker job; returns (result, events by rank, error text if it timed out)."""
-        self._yield()
+            timeout: float | None = None, pause: bool = True
+            ) -> tuple[JobResult | None, dict[int, list[dict[str, Any]]], str | None]:
+        """Run one worker job; returns (result, events by rank, error text if it timed out).
+
+        ``pause=False`` for jobs that must start now (the second job of a two-job trial, the job
+        that takes over a stalled one): the trial pauses once, before its first job."""
+        if pause:
+            self._yield()
         full_env = {"CKPT_SCRATCH": str(self.scratch), **(env or {})}
         try:
             job = run_job(WORKER, args, nnodes=topo.nnodes, nproc_per_node=topo.nproc, env=full_env,
@@ -526,6 +531,7 @@ class Campaign:
         topo = Topo("shared", 1, 2, [root], [root], (0,))
         with LatestWatch([root]) as watch:
             for i in range(n):
+                self._yield()
                 t0 = time.monotonic()
                 trial = Trial("two_jobs", "simultaneous start")
                 sync = Path(tempfile.mkdtemp(prefix=f"two-{i}-", dir=self.workdir))
@@ -534,7 +540,7 @@ class Campaign:
 
                 def launch(j: int, sync: Path = sync, gens: list[int] = gens, results: list[Any] = results) -> None:
                     results[j] = self.job(topo, ["contend", "--gen", str(gens[j]), "--other", str(gens[1 - j]),
-                                                 "--sync", str(sync), "--lease-wait", "2"])
+                                                 "--sync", str(sync), "--lease-wait", "2"], pause=False)
 
                 threads = [threading.Thread(target=launch, args=(j,)) for j in range(2)]
                 for t in threads:
@@ -556,6 +562,7 @@ class Campaign:
         topo = Topo("shared", 1, 2, [root], [root], (0,))
         with LatestWatch([root]) as watch:
             for i in range(n):
+                self._yield()
                 t0 = time.monotonic()
                 at = ("idle", "publish")[i % 2]
                 trial = Trial("takeover", f"stalled {'between saves' if at == 'idle' else 'before publish'}")
@@ -565,7 +572,7 @@ class Campaign:
 
                 def run_victim(sync: Path = sync, gv: int = gv, victim: list[Any] = victim, at: str = at) -> None:
                     victim[0] = self.job(topo, ["victim", "--gen", str(gv), "--sync", str(sync),
-                                                "--lease-ttl", str(ttl), "--stall-at", at])
+                                                "--lease-ttl", str(ttl), "--stall-at", at], pause=False)
 
                 th = threading.Thread(target=run_victim)
                 th.start()
@@ -575,7 +582,7 @@ class Campaign:
                 thief = None
                 if (sync / "stalled").exists():
                     thief = self.job(topo, ["thief", "--gen", str(gt), "--sync", str(sync), "--lease-ttl", str(ttl),
-                                            "--stall-at", at])
+                                            "--stall-at", at], pause=False)
                 else:
                     (sync / "thief-ready").touch()  # let a victim that never stalled finish
                 th.join()
