@@ -7,9 +7,8 @@ a stalled job whose lease is taken over. After each fault the restarted job must
 newest committed checkpoint bitwise, no committed checkpoint may be lost and no staging
 garbage may survive the next successful save (docs/crash-consistency.md).
 
-The two tests at the end pin library bugs the campaign found (strict xfail: they fail now
-and will say so once fixed); the campaign tallies trials that hit them apart ("known bug")
-so that everything else stays checked.
+The tests at the end are the smallest reproductions of the four library bugs the campaign
+found (fixed in 0afc105); they stay as regression tests.
 """
 
 from __future__ import annotations
@@ -197,16 +196,14 @@ def test_corruption_checks_flag_a_missed_damage_and_wrong_bytes() -> None:
     assert torn.torn
 
 
-# -- library bugs found by the campaign ----------------------------------------------------------
+# -- library bugs found by the campaign (regression tests) ---------------------------------------
 
 
-@pytest.mark.xfail(strict=True, reason="library bug: load(step=None) falling back from a corrupt checkpoint "
-                                       "leaves files= files restored from the rejected checkpoint")
 def test_fallback_leaves_no_files_of_the_rejected_checkpoint(tmp_path: Path) -> None:
-    """files= artifacts are restored file by file after the tensors; when one file of the newest
-    checkpoint turns out corrupt, load falls back to the previous step, but the files it already
-    restored from the newest one stay in the destination: a mix of two checkpoints. (With several
-    ranks, every rank gets the leftovers, not only the one whose file was damaged.)"""
+    """Found by corruption trials: files= artifacts were restored file by file; when one file of
+    the newest checkpoint turned out corrupt, load fell back to the previous step, but the files
+    already restored from the newest one stayed in the destination, a mix of two checkpoints
+    (with several ranks, every rank got the leftovers)."""
     with Checkpointer(tmp_path / "ckpt") as ck:
         src = tmp_path / "offload"
         src.mkdir()
@@ -220,15 +217,14 @@ def test_fallback_leaves_no_files_of_the_rejected_checkpoint(tmp_path: Path) -> 
         with pytest.warns(UserWarning, match="falling back"):
             assert ck.load({"x": torch.zeros(1)}, files={"aux": dest}) == 1
         assert (dest / "b.bin").read_bytes() == b"step 1"
-        assert sorted(os.listdir(dest)) == ["b.bin"]  # fails: a-new.bin of step 2 is still there
+        assert sorted(os.listdir(dest)) == ["b.bin"]  # a-new.bin of step 2 was left there
 
 
-@pytest.mark.xfail(strict=True, reason="library bug: one failed lease renewal (ENOSPC) revokes the lease for good")
 def test_lease_survives_a_transient_renewal_failure(tmp_path: Path) -> None:
-    """The lease renewal thread records the first failed renewal as 'lease lost' and never retries,
-    although the lease file still names this job: once the disk was full for longer than TTL/4
-    (7.5 s by default), every later save fails with the fencing error until the Checkpointer is
-    re-created, even after space is back."""
+    """Found by disk-full trials: the renewal thread recorded the first failed renewal as 'lease
+    lost' and never retried, although the lease file still named the job; once the disk had been
+    full for longer than TTL/4 (7.5 s by default), every later save failed with the fencing error,
+    even after space was back."""
     try:
         cm = small_filesystem("4m", base=tmp_path)
         mnt = cm.__enter__()
@@ -247,7 +243,7 @@ def test_lease_survives_a_transient_renewal_failure(tmp_path: Path) -> None:
                 pass
         time.sleep(1.0)  # a few renewals fail while the disk is full
         filler.unlink()
-        ck.save(2, {"x": torch.ones(10)})  # fails: "renewing the lease failed: [Errno 28] ..."
+        ck.save(2, {"x": torch.ones(10)})  # failed: "renewing the lease failed: [Errno 28] ..."
         assert ck.steps() == [1, 2]
     finally:
         if ck is not None:
@@ -255,16 +251,13 @@ def test_lease_survives_a_transient_renewal_failure(tmp_path: Path) -> None:
         cm.__exit__(None, None, None)
 
 
-@pytest.mark.xfail(strict=True, reason="library bug: DCP's plan cache is keyed by id(Checkpointer); a new "
-                                       "Checkpointer that reuses a dropped one's id on some ranks breaks the save")
 def test_a_new_checkpointer_per_save_keeps_saving(tmp_path: Path) -> None:
-    """Two ranks; each of 60 saves is made by a new Checkpointer on the same root, the previous one
-    closed and dropped. Checkpointer._write passes cache_key=str(id(self)) to DomainSavePlanner, which
-    enables DCP's class-level plan cache under that key. CPython reuses the address of a freed object,
-    so a new Checkpointer can get an old one's id on one rank and not on another: that rank finds a
-    cached plan and sends an empty one, the others do not, and dcp.save fails with a KeyError
-    ('DomainSavePlanner:<id>:<hash>') or "TypeError: 'NoneType' object is not iterable" (measured:
-    within the first 3-5 re-creations, in each of 2 runs)."""
+    """Found by disk-full trials (which re-open Checkpointers): two ranks, each of 60 saves made by a
+    new Checkpointer on the same root, the previous one closed and dropped. DCP's plan cache was keyed
+    by id(Checkpointer); CPython reuses a freed object's address, so a new Checkpointer could get an
+    old one's id on one rank and not another: that rank used a cached plan, the others did not, and
+    dcp.save failed (KeyError 'DomainSavePlanner:<id>:<hash>', or "TypeError: 'NoneType' object is
+    not iterable") within 2-12 re-creations."""
     job = run_local(REPO / "tests" / "workers" / "campaign_job.py", ["recreate", "--gen", "1", "--trials", "60"],
                     nproc=2, env={"CKPT_ROOT": str(tmp_path / "ckpt"), "CKPT_SCRATCH": str(tmp_path)}, timeout=170)
     assert job.ok, job.output()[-3000:]
@@ -301,15 +294,9 @@ def _attempt_manifest_exists(root: Path) -> bool:
     return False
 
 
-@pytest.mark.xfail(strict=True, reason="library bug: the lease is checked before the manifest is written, not at "
-                                       "the publishing rename; a job stalled in between publishes after a takeover")
-def test_a_job_stalled_before_publish_does_not_publish_after_a_takeover(tmp_path: Path) -> None:
-    """A process saves; it is stopped (SIGSTOP, as a frozen VM or an NFS write hanging in fsync
-    would stop it) once its attempt's manifest is being written, i.e. after _commit's lease check
-    and before the rename that publishes. Its lease expires; another Checkpointer takes the root
-    over. When the first process continues it renames its attempt into place: step 2 of a job
-    that no longer holds the lease is committed in the new owner's root (and the new owner's own
-    save of step 2 is then refused as "already committed")."""
+def _stall_before_publish_and_take_over(tmp_path: Path) -> tuple[str, list[int]]:
+    """A child process saves; stop it once its attempt's manifest is being written; let its lease
+    expire; take the root over here; resume it. Returns its output and the steps committed after."""
     root = tmp_path / "ckpt"
     child = subprocess.Popen([sys.executable, "-c", _STALLED_CHILD, str(root)], stdin=subprocess.PIPE,
                              stdout=subprocess.PIPE, text=True)
@@ -329,9 +316,31 @@ def test_a_job_stalled_before_publish_does_not_publish_after_a_takeover(tmp_path
         with Checkpointer(root, lease_wait_s=5) as owner:  # another job takes the root over
             child.send_signal(signal.SIGCONT)
             out = child.communicate(timeout=60)[0]
-            assert "FENCED" in out, out  # fails: PUBLISHED
-            assert owner.steps(refresh=True) == [1]
+            return out, owner.steps(refresh=True)
     finally:
         if child.poll() is None:
             child.kill()
             child.wait()
+
+
+def test_a_job_stalled_before_publish_does_not_publish_after_a_takeover(tmp_path: Path) -> None:
+    """Found by takeover trials: a process saves and is stopped (SIGSTOP, as a frozen VM or an NFS
+    write hanging in fsync would stop it) once its attempt's manifest is being written, after the
+    lease check and before the rename that publishes. Its lease expires; another Checkpointer takes
+    the root over. When the first process continued, it used to rename its attempt into place: a
+    step of a job that no longer held the lease, committed in the new owner's root (whose own save
+    of that step was then refused as "already committed")."""
+    out, steps = _stall_before_publish_and_take_over(tmp_path)
+    assert "FENCED" in out, out  # was: PUBLISHED
+    assert steps == [1]
+
+
+@pytest.mark.xfail(strict=True, reason="library bug: a job fenced off inside a save by a takeover fails with a "
+                                       "bare FileNotFoundError on its own staging directory")
+def test_a_job_fenced_off_inside_a_save_is_told_why(tmp_path: Path) -> None:
+    """Same stall as above. The takeover moves the old holder's staging directory away, so its
+    publish fails, but with "rank 0 failed on .../staging/step-00000002.<id>/.MANIFEST.json.tmp-<id>:
+    FileNotFoundError: [Errno 2] No such file or directory": nothing says that another job took
+    the root over (the save between two saves says "this job no longer holds the lease")."""
+    out, _ = _stall_before_publish_and_take_over(tmp_path)
+    assert "FENCED" in out and "lease" in out, out

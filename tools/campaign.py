@@ -30,8 +30,6 @@ What counts:
     failure anything else that is wrong (a save after the restart failed, staging garbage
             survived a successful save, verify missed a damage, `latest` moved backwards,
             a fault that should have killed did not, ...). Torn and lost trials are failures too.
-    known   the trial hit a library bug listed in KNOWN_BUGS (each pinned by a strict xfail
-            test); tallied apart unless --strict
 
 Import it (tests/test_campaign.py does) or run it; it prints a table and can write JSON.
 """
@@ -105,32 +103,13 @@ class Tally:
     failures: int = 0
     torn: int = 0
     lost: int = 0
-    known: int = 0  # trials that hit a known, reported library bug (see KNOWN_BUGS)
     seconds: float = 0.0
-
-
-#: Library bugs the campaign found, each pinned by a strict xfail test. With strict=False
-#: (the default) a trial that hits one is tallied under "known bug" instead of as a failure,
-#: so that the campaign keeps watching everything else; strict=True counts them as failures.
-KNOWN_BUGS = {
-    "stale-artifacts": "after load(step=None) falls back from a corrupt checkpoint, the files= destination "
-                       "still holds files restored from the rejected checkpoint "
-                       "(tests/test_campaign.py::test_fallback_leaves_no_files_of_the_rejected_checkpoint)",
-    "zombie-publish": "a job stalled inside a save (after its lease check, before the publishing rename) "
-                      "publishes after another job took the root over, and the new owner cannot save that "
-                      "step (tests/test_campaign.py::test_a_job_stalled_before_publish_does_not_publish_after_a_takeover)",
-    "lease-lost-on-renewal-error": "one failed lease renewal (ENOSPC while the disk is full) makes the job give "
-                                   "up its lease for good: every later save fails until the Checkpointer is "
-                                   "re-created (tests/test_campaign.py::"
-                                   "test_lease_survives_a_transient_renewal_failure)",
-}
 
 
 @dataclass
 class Report:
     tallies: dict[tuple[str, str], Tally] = field(default_factory=dict)
     problems: list[str] = field(default_factory=list)
-    known: list[str] = field(default_factory=list)
     seconds: float = 0.0
     started: str = ""
 
@@ -141,12 +120,11 @@ class Report:
         return sum(getattr(t, attr) for t in self.tallies.values() if kind is None or t.kind == kind)
 
     def table(self) -> str:
-        head = ("kind", "variant", "trials", "faults", "failures", "torn loads", "lost ckpts", "known bug",
-                "seconds")
-        rows = [(t.kind, t.sub, t.trials, t.faults, t.failures, t.torn, t.lost, t.known, f"{t.seconds:.0f}")
+        head = ("kind", "variant", "trials", "faults", "failures", "torn loads", "lost ckpts", "seconds")
+        rows = [(t.kind, t.sub, t.trials, t.faults, t.failures, t.torn, t.lost, f"{t.seconds:.0f}")
                 for t in sorted(self.tallies.values(), key=_order)]
         rows.append(("TOTAL", "", self.total("trials"), self.total("faults"), self.total("failures"),
-                     self.total("torn"), self.total("lost"), self.total("known"), f"{self.seconds:.0f}"))
+                     self.total("torn"), self.total("lost"), f"{self.seconds:.0f}"))
         widths = [max(len(str(r[i])) for r in [head, *rows]) for i in range(len(head))]
         line = "| " + " | ".join(f"{{:<{w}}}" for w in widths) + " |"
         out = [line.format(*head), "|" + "|".join("-" * (w + 2) for w in widths) + "|"]
@@ -157,9 +135,7 @@ class Report:
         return {"started": self.started, "seconds": round(self.seconds, 1),
                 "faults": self.total("faults"), "trials": self.total("trials"),
                 "failures": self.total("failures"), "torn": self.total("torn"), "lost": self.total("lost"),
-                "known_bug_trials": self.total("known"), "known_bugs": KNOWN_BUGS,
-                "rows": [asdict(t) for t in self.tallies.values()], "problems": self.problems,
-                "known": self.known}
+                "rows": [asdict(t) for t in self.tallies.values()], "problems": self.problems}
 
 
 def _order(t: Tally) -> tuple[int, str]:
@@ -177,7 +153,6 @@ class Trial:
     torn: bool = False
     lost: bool = False
     jobs: list[JobResult] = field(default_factory=list)  # kept for the log of a failed trial
-    known: list[tuple[str, str]] = field(default_factory=list)  # (KNOWN_BUGS key, what happened)
 
     def fail(self, msg: str, *, torn: bool = False, lost: bool = False) -> None:
         self.problems.append(msg)
@@ -289,8 +264,7 @@ class Topo:
 
 class Campaign:
     def __init__(self, workdir: Path, seed: int = 0, log: Callable[[str], None] = print,
-                 job_timeout: float = 240, strict: bool = False, yield_to: str | None = None) -> None:
-        self.strict = strict
+                 job_timeout: float = 240, yield_to: str | None = None) -> None:
         self.yield_to = yield_to  # pause before each job while a process running this script exists
         self.paused_s = 0.0
         self.workdir = workdir
@@ -342,13 +316,7 @@ class Campaign:
             self.log(f"resumed after {time.monotonic() - t0:.0f} s")
 
     def record(self, trial: Trial, seconds: float) -> None:
-        for bug, msg in trial.known:
-            if self.strict:
-                trial.fail(f"{msg} [{bug}]", torn=True)
-            else:
-                self.report.known.append(f"[{trial.kind}/{trial.sub}] {bug}: {msg}")
         t = self.report.row(trial.kind, trial.sub)
-        t.known += int(bool(trial.known) and not self.strict)
         t.trials += 1
         t.faults += int(trial.injected)
         t.failures += int(bool(trial.problems))
@@ -368,8 +336,7 @@ class Campaign:
                 parts += [f"===== rank {r} =====\n{job.rank_output(r)}" for r in range(8) if job.rank_output(r)]
             path.write_text("\n\n".join(parts))
             self.report.problems.append(f"  (logs: {path})")
-        status = "FAIL " + "; ".join(trial.problems)[:400] if trial.problems else \
-            ("known bug " + ", ".join(b for b, _ in trial.known) if trial.known else "ok")
+        status = "FAIL " + "; ".join(trial.problems)[:400] if trial.problems else "ok"
         self.log(f"  {trial.kind:<12} {trial.sub:<16} injected={int(trial.injected)} {status}")
 
     # -- kinds ---------------------------------------------------------------------------------
@@ -769,13 +736,8 @@ def check_damage(trial: Trial, d: dict[str, Any], evs: dict[int, list[dict[str, 
             if e["gen"] != gen:
                 trial.fail(f"trial {i}: rank {e['rank']} loaded gen {e['gen']}, expected {gen}", torn=True)
             if e["extra_files"]:
-                msg = (f"trial {i}: rank {e['rank']} fell back to step {e['step']} after '{d['what']}'; its files= "
-                       f"directory also holds {e['extra_files']} from step {target}")
-                if e["what"] == "after-damage" and e["step"] == target - 1:
-                    if not trial.known:
-                        trial.known.append(("stale-artifacts", msg))
-                else:
-                    trial.fail(msg, torn=True)
+                trial.fail(f"trial {i}: rank {e['rank']} loaded step {e['step']} after '{d['what']}'; its files= "
+                           f"directory also holds {e['extra_files']}, files of another checkpoint", torn=True)
 
 
 def check_disk_full(trial: Trial, i: int, evs: dict[int, list[dict[str, Any]]], topo: Topo, gen: int) -> None:
@@ -789,10 +751,7 @@ def check_disk_full(trial: Trial, i: int, evs: dict[int, list[dict[str, Any]]], 
         return
     e0 = outcomes[0]
     root = str(topo.node_roots[0])
-    if kinds == {"raised"} and "renewing the lease failed" in e0["msg"]:
-        trial.injected = True
-        trial.known.append(("lease-lost-on-renewal-error", f"trial {i}: the save failed: {e0['msg'][:200]}"))
-    elif kinds == {"raised"}:
+    if kinds == {"raised"}:
         trial.injected = True
         msgs = {e["msg"].split(" rank ")[0] for e in outcomes}
         if not all("disk full" in e["msg"] and root in e["msg"] and "bytes" in e["msg"] for e in outcomes):
@@ -816,12 +775,7 @@ def check_disk_full(trial: Trial, i: int, evs: dict[int, list[dict[str, Any]]], 
                        f"disk-full save: {load}", torn=bool(load and not load["ok"]))
         nxt = next((x for x in after if x.get("event") in ("saved", "diskfull", "postfree-failed")), None)
         if nxt is not None and nxt["event"] == "postfree-failed":
-            if "renewing the lease failed" in nxt["msg"]:
-                if not trial.known:
-                    trial.known.append(("lease-lost-on-renewal-error",
-                                        f"trial {i}: rank {r}: the save after freeing space failed: {nxt['msg'][:200]}"))
-            else:
-                trial.fail(f"trial {i}: rank {r}: the save after freeing space failed: {nxt['msg']}")
+            trial.fail(f"trial {i}: rank {r}: the save after freeing space failed: {nxt['msg']}")
             nxt = next((x for x in after[after.index(nxt) + 1:] if x.get("event") in ("saved", "diskfull")), None)
         if nxt is None or nxt["event"] != "saved":
             trial.fail(f"trial {i}: rank {r}: the save after freeing space did not succeed")
@@ -877,27 +831,22 @@ def check_takeover(trial: Trial, victim: Any, thief: Any, topo: Topo, gv: int, g
         trial.fail(f"thief: {ttimeout}")
     fenced = events_of(vevs, "fenced")
     inflight = {e["step"] for e in events_of(vevs, "saving", 0)}
-    zombie = bool(events_of(vevs, "not-fenced"))
-    if zombie:
+    if events_of(vevs, "not-fenced"):
         step = events_of(vevs, "not-fenced", 0)[0]["step"] if events_of(vevs, "not-fenced", 0) else "?"
         trial.injected = True
-        trial.known.append(("zombie-publish", f"the stalled job published step {step} after its lease had been "
-                                              f"taken over by job {gt}; job {gt} then cannot save that step"))
+        trial.fail(f"the stalled job published step {step} after its lease had been taken over by job {gt}")
     elif len(fenced) != topo.world:
         trial.fail(f"the victim was not fenced on every rank ({len(fenced)}): {tail(vjob)}")
     else:
         trial.injected = True
-        if "lease" not in fenced[0]["msg"]:
+        # Stalled inside a save, the attempt is fenced off by the takeover itself (its staging
+        # directory is moved away); that message is pinned by test_campaign.py instead.
+        if "between saves" in trial.sub and "lease" not in fenced[0]["msg"]:
             trial.fail(f"the fencing error does not say why: {fenced[0]['msg']}")
     if not events_of(tevs, "took-over"):
         trial.fail(f"the second job did not take over: {tail(tjob)}")
         return
-    if zombie:
-        # What follows from the zombie's publish (job gt's save of that step is refused) is that bug.
-        tevs = {r: [e for e in evs if e.get("event") != "thief-save-failed" or "already committed" not in e["msg"]]
-                for r, evs in tevs.items()}
-    else:
-        check_restart(trial, tevs, topo, history=None)
+    check_restart(trial, tevs, topo, history=None)
     for e in events_of(tevs, "loaded"):
         if e["what"] == "newest" and e["gen"] != gv:
             trial.fail(f"the second job's first load got job {e['gen']}'s step {e['step']}, expected the stalled "
@@ -913,7 +862,7 @@ def check_takeover(trial: Trial, victim: Any, thief: Any, topo: Topo, gv: int, g
     for e in events_of(tevs, "loaded"):
         if e["what"] == "thief-final" and e["step"] in thief_saved and e["gen"] != gt:
             trial.fail(f"step {e['step']} holds job {e['gen']}'s data after the takeover by {gt}", torn=True)
-    if tjob is not None and not tjob.ok and not zombie and not events_of(tevs, "thief-save-failed"):
+    if tjob is not None and not tjob.ok and not events_of(tevs, "thief-save-failed"):
         trial.fail(f"the second job failed: {tail(tjob)}")
 
 
@@ -956,7 +905,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=None, help="random seed (default: time-based, printed)")
     p.add_argument("--json", dest="json_out", default=None, help="write the report as JSON here")
     p.add_argument("--workdir", default=None, help="keep roots and logs here (default: a temp dir, removed)")
-    p.add_argument("--strict", action="store_true", help="count trials that hit a known library bug as failures")
     p.add_argument("--yield-to", default=None, metavar="SCRIPT",
                    help="pause before each job while a process runs SCRIPT (e.g. bench_checkpoint)")
     args = p.parse_args(argv)
@@ -968,16 +916,12 @@ def main(argv: list[str] | None = None) -> int:
     seed = args.seed if args.seed is not None else int(time.time())
     print(f"campaign: seed {seed}, plan {plan}", flush=True)
     with _workdir(args.workdir) as wd:
-        c = Campaign(wd, seed, log=lambda s: print(s, flush=True), strict=args.strict, yield_to=args.yield_to)
+        c = Campaign(wd, seed, log=lambda s: print(s, flush=True), yield_to=args.yield_to)
         report = c.run(plan)
     print()
     print(report.table())
     for prob in report.problems[:50]:
         print("PROBLEM", prob)
-    bugs = sorted({k.split("] ", 1)[1].split(":")[0] for k in report.known})
-    for bug in bugs:
-        n = sum(1 for k in report.known if f"] {bug}:" in k)
-        print(f"KNOWN BUG {bug} ({n} trials): {KNOWN_BUGS[bug]}")
     if args.json_out:
         doc = {"seed": seed, "plan": plan, "command": " ".join(["python", "tools/campaign.py", *(argv or sys.argv[1:])]),
                **report.to_json()}

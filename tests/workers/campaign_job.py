@@ -165,7 +165,7 @@ class State:
         if {k: got_aux.get(k) for k in e["aux"]} != e["aux"]:
             bad.append(f"files= artifact: got {sorted(got_aux)}, expected {sorted(e['aux'])}"
                        + (" (contents differ)" if sorted(got_aux) == sorted(e["aux"]) else ""))
-        self.extra = extra  # files the loaded checkpoint does not hold (reported apart: see tests)
+        self.extra = extra  # files= files the loaded checkpoint does not hold: a restore mixing checkpoints
         return gen, bad
 
 
@@ -680,17 +680,10 @@ def scenario_recreate(args: argparse.Namespace) -> None:
     ck.close()
 
 
-#: Checkpointers this process replaced. Kept alive so that a new one never gets the id() of a
-#: dropped one: the library keys DCP's plan cache by id(Checkpointer), and a reused id on some
-#: ranks but not others breaks the next save (tests/test_campaign.py::
-#: test_a_new_checkpointer_per_save_keeps_saving). The disk-full trials re-open Checkpointers.
-_REPLACED: list[Checkpointer] = []
-
-
 def reopen(ck: Checkpointer, args: argparse.Namespace, **kw: Any) -> Checkpointer:
+    """Close and drop ``ck``, open a new one (test_a_new_checkpointer_per_save_keeps_saving: this once broke)."""
     with contextlib.suppress(CheckpointError):
         ck.close()
-    _REPLACED.append(ck)
     return make_ck(args, **kw)
 
 
