@@ -335,8 +335,6 @@ def test_a_job_stalled_before_publish_does_not_publish_after_a_takeover(tmp_path
     assert steps == [1]
 
 
-@pytest.mark.xfail(strict=True, reason="library bug: a job fenced off inside a save by a takeover fails with a "
-                                       "bare FileNotFoundError on its own staging directory")
 def test_a_job_fenced_off_inside_a_save_is_told_why(tmp_path: Path) -> None:
     """Same stall as above. The takeover moves the old holder's staging directory away, so its
     publish fails, but with "rank 0 failed on .../staging/step-00000002.<id>/.MANIFEST.json.tmp-<id>:

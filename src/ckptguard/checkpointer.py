@@ -42,6 +42,7 @@ from ckptguard.comm import (
     Comm,
     agree,
     default_comm,
+    describe_error,
     gather_failures,
     hostname,
     local_failure,
@@ -63,7 +64,7 @@ from ckptguard.dcp_io import (
 )
 from ckptguard.errors import CheckpointError, CorruptCheckpointError
 from ckptguard.layout import CheckpointName
-from ckptguard.lease import Lease, job_identity, new_holder_id
+from ckptguard.lease import Lease, LeaseRecord, job_identity, new_holder_id
 from ckptguard.manifest import Artifact, FileEntry, Manifest, StoredItem
 from ckptguard.progress import ByteProgress
 from ckptguard.root import CheckpointRoot
@@ -167,6 +168,7 @@ class Checkpointer:
         self._instance = self._comm.broadcast(uuid.uuid4().hex if self._comm.rank == 0 else None)
         if not read_only:
             holder = self._comm.broadcast(new_holder_id() if self._comm.rank == 0 else None)
+            self._holder = holder
             err = None
             if self._topo.is_leader:
                 self._lease = Lease(self._storage, holder, job_identity(job_id), lease_ttl_s)
@@ -504,7 +506,7 @@ class Checkpointer:
             writer.write_planned(planner)
             writer.digests = planner.replicated_digests()
         except Exception as e:  # every failure must reach the agreement
-            writer.error = e
+            writer.error = self._fenced_or(e)
         return writer
 
     def _commit(self, plan: _SavePlan, writer: GuardedWriter, user_metadata: dict[str, Any]) -> None:
@@ -547,9 +549,9 @@ class Checkpointer:
                 fault_point("after_publish", comm.rank)
                 listing = self._leader_listing()
             except OSError as e:
-                err = explain_os_error(e, plan.staging, comm.rank, root=self.root)
+                err = self._fenced_or(explain_os_error(e, plan.staging, comm.rank, root=self.root))
             except Exception as e:  # every failure must reach the agreement
-                err = e
+                err = self._fenced_or(e)
         gathered2 = comm.gather((local_failure(err), listing))
         decision = None
         if comm.rank == 0:
@@ -568,6 +570,28 @@ class Checkpointer:
         self._committed = {s: v for s, v in agreed.items() if s not in doomed}
         if topo.is_leader:
             self._finish(plan, doomed)
+
+    def _fenced_or(self, err: BaseException) -> BaseException:
+        """A failure inside a save may be the fence of another job's takeover (it moved our
+        staging directory away): say so, rather than show the file that vanished."""
+        if isinstance(err, CheckpointError) and "no longer holds the lease" in str(err):
+            return err
+        holder = getattr(self, "_holder", None)
+        if holder is None:
+            return err
+        try:
+            rec = LeaseRecord.from_bytes(self._storage.read_bytes(self._storage.path(layout.LEASE)))
+        except OSError:
+            return err
+        if rec is not None and rec.holder != holder:
+            fenced = CheckpointError(
+                f"this job no longer holds the lease on {self.root}: {rec.describe()} took it over (this "
+                f"job's lease expired: it stalled, or its renewals failed), and moved this save's attempt "
+                f"away; nothing of this save was committed. The failure it caused: {describe_error(err)}",
+                path=self._storage.path(layout.LEASE))
+            fenced.__cause__ = err
+            return fenced
+        return err
 
     def _discard_attempt(self, plan: _SavePlan) -> None:
         if self._topo.is_leader:
