@@ -772,20 +772,22 @@ class _ReadJob:
 
 
 def read_locally(state_dict: dict[str, Any], reader: GuardedReader, planner: LoadPlanner,
-                 is_coordinator: bool, stats: Any = None) -> None:
+                 is_coordinator: bool, stats: Any = None, before_read: Callable[[], None] | None = None) -> None:
     """dcp.load's planning and reading, without its two collectives.
 
     dcp.load gathers every rank's load plan on the coordinator and scatters them
     back, but its default global load plan changes nothing: for 10,000 tensors
     per rank that round trip of pickled plans cost more than the reads. Every
     rank here plans (DCP's planner: resharding included) and reads on its own;
-    the caller agrees on the outcome.
+    the caller agrees on the outcome. ``before_read`` runs once the plan is made.
     """
     with stats.phase("plan") if stats is not None else contextlib.nullcontext():
         planner.set_up_planner(state_dict, reader.metadata, is_coordinator)
         reader.set_up_storage_reader(reader.metadata, is_coordinator)
         plan = reader.prepare_local_plan(planner.create_local_plan())
         plan = planner.finish_plan(plan)
+    if before_read is not None:
+        before_read()
     with stats.phase("read") if stats is not None else contextlib.nullcontext():
         reader.read_data(plan, planner).wait()
 

@@ -66,7 +66,12 @@ def parse_staging(name: str) -> tuple[int, str] | None:
 
 
 def data_file(rank: int, index: int) -> str:
-    return f"{DATA_DIR}/rank{rank:05d}_{index}.bin"
+    return f"{data_file_prefix(rank)}{index}.bin"
+
+
+def data_file_prefix(rank: int) -> str:
+    """The start of the names of every data file written by ``rank``."""
+    return f"{DATA_DIR}/rank{rank:05d}_"
 
 
 def artifact_prefix(rank: int, key: str) -> str:

@@ -312,22 +312,42 @@ def explain_os_error(err: OSError, path: str, rank: int | None, needed_bytes: in
     return CheckpointError(f"{who} failed on {where}: {type(err).__name__}: {err}", rank=rank, path=where)
 
 
-def read_ahead(paths: list[str]) -> None:
-    """Ask the kernel to start reading these files into the page cache, from a background thread."""
-    if not paths or not hasattr(os, "posix_fadvise"):
-        return
+_READ_AHEAD_CHUNK = 8 << 20
+
+
+def read_ahead(directory: str, prefix: str) -> Callable[[], None]:
+    """Have the kernel read the files of ``directory`` whose names start with ``prefix`` into the
+    page cache, from a background thread, while the caller does other work (a hint: errors are
+    left to the real reads). Returns a function that stops it.
+
+    Plain reads into one small scratch buffer: measured here, they overlap a cold load's planning
+    with the disk, where ``posix_fadvise(WILLNEED)`` gained nothing and a populated mapping
+    held the GIL for the whole read.
+    """
+
+    stopped = threading.Event()
 
     def advise() -> None:
+        try:
+            with os.scandir(directory) as entries:
+                paths = sorted(e.path for e in entries if e.name.startswith(prefix))
+        except OSError:
+            return
+        scratch = bytearray(_READ_AHEAD_CHUNK)
         for p in paths:
+            if stopped.is_set():
+                return
             try:
                 fd = os.open(p, os.O_RDONLY | os.O_CLOEXEC)
             except OSError:
-                continue  # the load itself will report it
+                continue
             try:
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
+                while not stopped.is_set() and os.readv(fd, [scratch]) == len(scratch):
+                    pass
             except OSError:
                 pass
             finally:
                 os.close(fd)
 
     threading.Thread(target=advise, name="ckptguard-readahead", daemon=True).start()
+    return stopped.set
