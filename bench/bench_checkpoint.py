@@ -211,6 +211,7 @@ def bench_state(kind: str, rank: int, args: argparse.Namespace) -> dict[str, Any
         "host copy": lambda i: [], "gather+torch.save": lambda i: [f"torch{i}.pt"], "dd": lambda i: [f"dd{i}"],
     }
     times: dict[str, list[float]] = {w: [] for w in writers}
+    save_phases: list[dict[str, float]] = []  # this rank's Checkpointer.last_save_stats, per repetition
     order = list(writers)
     last = args.reps  # repetition 0 is a warm-up (first touch of memory, first files): not counted
     for rep in range(args.reps + 1):
@@ -220,6 +221,8 @@ def bench_state(kind: str, rank: int, args: argparse.Namespace) -> dict[str, Any
             seconds = timed(lambda n=name, r=rep: writers[n](r))
             if rep:
                 times[name].append(seconds)
+                if name == "ckptguard":
+                    save_phases.append(dict(ck.last_save_stats.seconds))
             gc.collect()
             if rep < last:  # free the disk now (only the last repetition's files are kept for the loads)
                 dist.barrier()
@@ -237,6 +240,7 @@ def bench_state(kind: str, rank: int, args: argparse.Namespace) -> dict[str, Any
         "raw reader": lambda: raw_read(dest, work / f"raw{last}.r{rank}"),
     }
     load_times: dict[str, list[float]] = {r: [] for r in readers}
+    load_phases: list[dict[str, float]] = []
     cold = True
     names = list(readers)
     for rep in range(args.load_reps):
@@ -245,6 +249,8 @@ def bench_state(kind: str, rank: int, args: argparse.Namespace) -> dict[str, Any
             if rank == 0:
                 cold = drop_caches() and cold
             load_times[name].append(timed(readers[name]))
+            if name == "ckptguard":
+                load_phases.append(dict(ck.last_load_stats.seconds))
     for k in state["model"]:
         assert torch.equal(dest["model"][k], state["model"][k]), f"{kind}: {k} differs after load"
     # gather + torch.save last: it pickles every rank's state into rank 0's memory, which would
@@ -267,7 +273,8 @@ def bench_state(kind: str, rank: int, args: argparse.Namespace) -> dict[str, Any
         c.close()
     clean(work, rank)
     return {"bytes": total, "tensors": len(state["model"]) * WORLD, "save": times, "load": load_times,
-            "cold": cold, "async_blocked": [max(b) for b in zip(*all_blocked, strict=True)]}
+            "cold": cold, "async_blocked": [max(b) for b in zip(*all_blocked, strict=True)],
+            "phases_rank0": {"save": save_phases, "load": load_phases}}
 
 
 def bench_rss(rank: int, args: argparse.Namespace) -> dict[str, Any]:
@@ -333,6 +340,11 @@ def render(results: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
              f"save vs dcp {best['dcp.save'] / best['ckptguard']:.2f}x",
              f"load vs raw {lbest['raw reader'] / lbest['ckptguard']:.2f}x",
              f"load vs dcp {lbest['dcp.load'] / lbest['ckptguard']:.2f}x"]))
+        for op, runs in r.get("phases_rank0", {}).items():
+            if runs:
+                phases = {k: statistics.median(x.get(k, 0.0) for x in runs) for k in runs[0]}
+                lines.append(f"  ckptguard {op} phases on rank 0 (median s): "
+                             + ", ".join(f"{k} {v:.3f}" for k, v in phases.items()))
         figures = {
             "sync save vs raw writer": med["raw writer"] / med["ckptguard"],
             "sync save vs dcp.save": med["dcp.save"] / med["ckptguard"],

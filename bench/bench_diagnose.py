@@ -11,6 +11,7 @@ so that the table shows both the throughput and that memory does not grow with t
 from __future__ import annotations
 
 import argparse
+import json
 import random
 import shutil
 import subprocess
@@ -119,13 +120,8 @@ def main() -> None:
         print(f"generated {big.stat().st_size / 1e6:.0f} MB + {small.stat().st_size / 1e6:.0f} MB "
               f"in {time.perf_counter() - t0:.1f} s ({args.ranks} ranks, failure on rank {FAIL_RANK})")
         subprocess.run(["cat", str(big), str(small)], stdout=subprocess.DEVNULL, check=True)  # warm cache
-        # The diagnose engine without the package __init__ (which loads the checkpoint library,
-        # and with it torch): the figures are the engine's own, not torch's import time.
-        code = ("import importlib.util, json, sys, types; spec = importlib.util.find_spec('ckptguard'); "
-                "pkg = types.ModuleType('ckptguard'); pkg.__path__ = list(spec.submodule_search_locations); "
-                "sys.modules['ckptguard'] = pkg; from ckptguard.diagnose.engine import diagnose; "
-                "d = diagnose([sys.argv[1]]); assert 'torch' not in sys.modules; "
-                "print(json.dumps({'c': d.failure_class, 'r': d.initiating_rank, 'n': len(d.collateral_ranks)}))")
+        # The command users run, end to end: start-up, ingest, diagnosis and the JSON report.
+        cli = [sys.executable, "-m", "ckptguard.cli", "diagnose", "--json"]
         rows = []
         for label, path in (("grep -c 'loss'", big), ("ckptguard diagnose", big),
                             ("ckptguard diagnose (1/8 size)", small)):
@@ -133,8 +129,10 @@ def main() -> None:
                 dt, rss, out = _run_measured([*one_core, "grep", "-c", "loss", str(path)])
                 result = f"{out.strip()} matching lines"
             else:
-                dt, rss, out = _run_measured([*one_core, sys.executable, "-c", code, str(path)])
-                result = out.strip()
+                dt, rss, out = _run_measured([*one_core, *cli, str(path)])
+                d = json.loads(out)
+                result = (f"{d['failure_class']}, rank {d['initiating_rank']}, "
+                          f"{len(d['collateral_ranks'])} collateral")
             mb = path.stat().st_size / 1e6
             rows.append((label, mb, dt, mb / dt, rss / 2**20, result))
         print(f"\n{'tool':32s} {'MB':>7s} {'seconds':>8s} {'MB/s':>8s} {'peak RSS MiB':>13s}  result")
