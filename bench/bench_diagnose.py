@@ -20,7 +20,10 @@ import tempfile
 import time
 from pathlib import Path
 
-FAIL_RANK = 517
+
+def fail_rank(ranks: int) -> int:
+    """The rank that fails: 517 of 1,024, somewhere in the middle for other sizes."""
+    return ranks // 2 + 5 if ranks > 10 else 0
 
 
 def _noise_block(rng: random.Random, ranks: int, step0: int, nlines: int) -> bytes:
@@ -56,7 +59,7 @@ def _init_lines(ranks: int) -> bytes:
 
 
 def _failure(ranks: int) -> bytes:
-    r = FAIL_RANK
+    r = fail_rank(ranks)
     lines = [
         f"[rank{r}]:2024-05-01 11:59:58,101 ERROR trainer: step 99990 failed\n",
         f"[rank{r}]: Traceback (most recent call last):\n",
@@ -88,6 +91,8 @@ def generate(path: Path, size: int, ranks: int, seed: int = 0) -> None:
                 failed = True
             written += f.write(blocks[i % len(blocks)])
             i += 1
+        if not failed:  # a log smaller than a few noise blocks
+            f.write(_failure(ranks))
 
 
 def _run_measured(cmd: list[str]) -> tuple[float, int, str]:
@@ -118,7 +123,7 @@ def main() -> None:
         generate(big, args.size_mb * 1_000_000, args.ranks)
         generate(small, args.size_mb * 1_000_000 // 8, args.ranks, seed=1)
         print(f"generated {big.stat().st_size / 1e6:.0f} MB + {small.stat().st_size / 1e6:.0f} MB "
-              f"in {time.perf_counter() - t0:.1f} s ({args.ranks} ranks, failure on rank {FAIL_RANK})")
+              f"in {time.perf_counter() - t0:.1f} s ({args.ranks} ranks, failure on rank {fail_rank(args.ranks)})")
         subprocess.run(["cat", str(big), str(small)], stdout=subprocess.DEVNULL, check=True)  # warm cache
         # The command users run, end to end: start-up, ingest, diagnosis and the JSON report.
         cli = [sys.executable, "-m", "ckptguard.cli", "diagnose", "--json"]

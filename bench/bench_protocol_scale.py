@@ -36,11 +36,9 @@ import torch
 from torch.distributed.checkpoint.metadata import (
     ChunkStorageMetadata,
     Metadata,
-    MetadataIndex,
     TensorProperties,
     TensorStorageMetadata,
 )
-from torch.distributed.checkpoint.storage import WriteResult
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 from ckptguard import layout
@@ -73,21 +71,16 @@ def inputs(n: int, k: int) -> dict[str, Any]:
                     for r in range(n)])
         for t in range(k)}, planner_data={f"model.layer{t}.flat_param": ("model", f"layer{t}.flat_param")
                                           for t in range(k)})
-    results = []
     writes = []
     for r in range(n):
         rel = layout.data_file(r, 0)
-        items = [WriteResult(index=MetadataIndex(f"model.layer{t}.flat_param", torch.Size([r * shard])),
-                             size_in_bytes=shard * 4,
-                             storage_data=StoredItem(f"model.layer{t}.flat_param", (r * shard,), rel,
-                                                     t * shard * 4, shard * 4, f"{r * 1000 + t:016x}",
-                                                     "float32", (shard,)))
-                 for t in range(k)]
-        results.append(items)
+        items = [StoredItem(f"model.layer{t}.flat_param", (r * shard,), rel, t * shard * 4, shard * 4,
+                            f"{r * 1000 + t:016x}", "float32", (shard,)) for t in range(k)]
         writes.append(_RankWrites([FileEntry(rel, k * shard * 4, r)], [],
-                                  {f"optim.param_groups.0.{p}": "00000000deadbeef" for p in ("lr", "betas", "eps")}))
+                                  {f"optim.param_groups.0.{p}": "00000000deadbeef" for p in ("lr", "betas", "eps")},
+                                  items))
     return {"hosts": hosts, "host_first": host_first, "probe": probe, "plan": plan_reports, "md": md,
-            "results": results, "writes": writes, "statuses": [None] * n}
+            "writes": writes, "statuses": [None] * n}
 
 
 def leader_work(data: dict[str, Any], n: int, root: Path, staging: Path) -> tuple[dict[str, float], int]:
@@ -108,8 +101,7 @@ def leader_work(data: dict[str, Any], n: int, root: Path, staging: Path) -> tupl
     t = time.perf_counter()
     assert check_replicated([w.digests for w in data["writes"]]) is None
     dcp_json = metadata_to_json(data["md"])
-    manifest = build_manifests(topo, CheckpointName(3), verdict[1], "xxh3-64", data["results"], data["writes"],
-                               {}, dcp_json)[0]
+    manifest = build_manifests(topo, CheckpointName(3), verdict[1], "xxh3-64", data["writes"], {}, dcp_json)[0]
     timings["commit: build manifest"] = time.perf_counter() - t
 
     t = time.perf_counter()
@@ -144,7 +136,7 @@ def run(n: int, k: int, workdir: Path) -> dict[str, Any]:
     received = {
         "probe": len(pickle.dumps(data["probe"])),
         "plan": len(pickle.dumps(data["plan"])),
-        "commit": len(pickle.dumps(data["writes"])) + len(pickle.dumps(data["results"])),
+        "commit": len(pickle.dumps(data["writes"])),
     }
     # Timed without tracing (tracemalloc slows allocation-heavy code several times) ...
     root = workdir / f"root-{n}-{k}-a"
