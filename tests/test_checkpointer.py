@@ -335,6 +335,19 @@ def test_load_file_refuses_damaged_files(tmp_path: Path, damage: str) -> None:
         ckptguard.load_file(path)
 
 
+def test_save_file_on_a_full_disk_keeps_the_old_file_and_leaves_no_temporary_file() -> None:
+    try:
+        with small_filesystem("2m") as mnt:
+            path = mnt / "model.pt"
+            ckptguard.save_file({"w": torch.ones(10)}, path)
+            with pytest.raises(CheckpointError, match=r"disk full on .*model\.pt"):
+                ckptguard.save_file({"w": torch.ones(1 << 20)}, path)  # 4 MiB into a 2 MiB filesystem
+            assert os.listdir(mnt) == ["model.pt"]
+            assert torch.equal(ckptguard.load_file(path)["w"], torch.ones(10))
+    except BedUnavailable as e:
+        pytest.skip(str(e))
+
+
 def test_retry_stale_handles() -> None:
     import errno
 

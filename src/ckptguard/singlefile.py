@@ -19,13 +19,7 @@ import torch
 from ckptguard.checksum import DEFAULT_ALGORITHM, checksum
 from ckptguard.comm import Comm, LocalComm, agree, default_comm
 from ckptguard.errors import CheckpointError, CorruptCheckpointError
-from ckptguard.storage.posix import (
-    PosixStorage,
-    explain_os_error,
-    fsync_dir,
-    unique_tmp_name,
-    write_all,
-)
+from ckptguard.storage.posix import PosixStorage, explain_os_error, replace_file
 from ckptguard.topology import Topology, probe_storage_domains
 
 _EOCD = b"PK\x05\x06"
@@ -96,15 +90,7 @@ def save_file(obj: Any, path: str | os.PathLike[str], *, process_group: Any = No
             buf = io.BytesIO()
             torch.save(obj, buf)
             data = _seal(buf.getvalue(), checksum_algorithm)
-            tmp = unique_tmp_name(path)
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
-            try:
-                write_all(fd, memoryview(data))
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-            os.replace(tmp, path)
-            fsync_dir(directory)
+            replace_file(path, data)
         except OSError as e:
             err = explain_os_error(e, path, comm.rank, needed_bytes=None, root=directory)
         except Exception as e:  # every failure must reach the agreement

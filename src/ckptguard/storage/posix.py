@@ -111,6 +111,34 @@ def unique_tmp_name(path: str) -> str:
     return os.path.join(head, f".{tail}.tmp-{uuid.uuid4().hex[:12]}")
 
 
+def write_new_file(path: str, data: bytes | bytearray | memoryview) -> None:
+    """Create ``path`` (O_EXCL: never over someone else's file), write ``data``, fsync. A file
+    this call created is removed again if writing it fails (a full disk keeps no half file)."""
+    fd = retry_stale(lambda: os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644),
+                     "create", path)
+    try:
+        write_all(fd, memoryview(data))
+        os.fsync(fd)
+    except BaseException:
+        os.close(fd)
+        _unlink_quietly(path)
+        raise
+    os.close(fd)
+
+
+def replace_file(path: str, data: bytes | bytearray | memoryview) -> None:
+    """Replace ``path`` with ``data`` atomically: temp file, fsync, rename, fsync of the directory.
+    Readers see the old or the new content; a failure leaves the old file and no temp file."""
+    tmp = unique_tmp_name(path)
+    write_new_file(tmp, data)
+    try:
+        retry_stale(lambda: os.replace(tmp, path), "replace", path)
+    except BaseException:
+        _unlink_quietly(tmp)
+        raise
+    fsync_dir(os.path.dirname(path) or ".")
+
+
 class PosixStorage:
     """Primitives on one POSIX directory tree (a checkpoint root as this node sees it)."""
 
