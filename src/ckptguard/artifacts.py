@@ -15,10 +15,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from ckptguard import layout
-from ckptguard.checksum import Hasher
+from ckptguard.checksum import Hasher, checksum
 from ckptguard.errors import CheckpointError, CorruptCheckpointError
 from ckptguard.manifest import Artifact, FileEntry, Manifest
-from ckptguard.storage.posix import fsync_dir, unique_tmp_name, write_all
+from ckptguard.storage.posix import fsync_dir, unique_tmp_name, write_all, write_new_file
 
 _KEY_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 _CHUNK = 8 << 20
@@ -169,15 +169,8 @@ def snapshot_files(targets: list[ArtifactTarget]) -> list[FileSnapshot]:
 
 
 def _write_bytes_hashing(data: bytes, dst: str, algorithm: str) -> tuple[int, str]:
-    hasher = Hasher(algorithm)
-    hasher.update(data)
-    fd = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
-    try:
-        write_all(fd, memoryview(data))
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    return len(data), hasher.hexdigest()
+    write_new_file(dst, data)
+    return len(data), checksum(algorithm, data)
 
 
 def store(items: list[ArtifactTarget] | list[FileSnapshot], staging_dir: str, algorithm: str

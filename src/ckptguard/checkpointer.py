@@ -665,15 +665,15 @@ class Checkpointer:
         # (bytes travel far faster than a pickled object graph of one entry per tensor chunk).
         raw = comm.domain_broadcast(raw, list(topo.domain))
         if raw is not None:
-            # A rank mostly reads what the rank of its number wrote: have the kernel read those
-            # files while the manifest is checked and the load planned (not before the manifest
-            # was read: it would wait behind them).
+            # A rank mostly reads what the rank of its number wrote: read those files into the
+            # page cache while the manifest is checked and the load planned, and stop once the
+            # real reads start (not before the manifest was read: it would wait behind them).
             data_prefix = layout.data_file_prefix(comm.rank)
             stop_read_ahead = read_ahead(os.path.join(self._root.dir(name), os.path.dirname(data_prefix)),
                                          os.path.basename(data_prefix))
         try:
             self._load_from_manifest(name, raw, err, state, files, strict, show_progress, started,
-                                     stop_read_ahead)
+                                     on_planned=stop_read_ahead)
         finally:
             if stop_read_ahead is not None:
                 stop_read_ahead()
@@ -681,7 +681,7 @@ class Checkpointer:
     def _load_from_manifest(self, name: CheckpointName, raw: bytes | None, err: BaseException | None,
                             state: Mapping[str, Any], files: Mapping[str, Any] | None, strict: bool,
                             show_progress: bool, started: float,
-                            planned: Callable[[], None] | None) -> None:
+                            on_planned: Callable[[], None] | None) -> None:
         """The rest of `_load_one`, once the leader's manifest bytes (or its error) reached every rank."""
         comm, topo, stats = self._comm, self._topo, self.last_load_stats
         manifest: Manifest | None = None
@@ -725,7 +725,7 @@ class Checkpointer:
                                    self.io_threads, on_bytes=bar.callback)
             try:
                 read_locally(prepared.state_dict, reader, SafeLoadPlanner(allow_partial_load=not strict),
-                             is_coordinator=comm.rank == 0, stats=stats, before_read=planned)
+                             is_coordinator=comm.rank == 0, stats=stats, before_read=on_planned)
             except Exception as e:  # every failure must reach the agreement
                 err = e
         agree(comm, err, f"load step {name.step}")

@@ -14,18 +14,11 @@ from typing import Annotated, Any
 
 import typer
 from rich.console import Console
-from rich.progress import (
-    BarColumn,
-    DownloadColumn,
-    Progress,
-    TextColumn,
-    TimeRemainingColumn,
-    TransferSpeedColumn,
-)
 from rich.table import Table
 
 from ckptguard.cli import app
 from ckptguard.cli.output import console
+from ckptguard.progress import ByteProgress
 
 PathArg = Annotated[str, typer.Argument(help="The checkpoint root directory.")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object instead of tables.")]
@@ -111,17 +104,11 @@ def verify_command(
             raise _usage_error(f"step {step} is not a committed checkpoint in {listing.root}; committed: "
                                f"{sorted(c.step for c in listing.checkpoints if c.current) or 'none'}")
     names = [CheckpointName(c.step, c.version) for c in current]
-    err = Console(stderr=True)
     total = sum(checkpoint_bytes(listing.root, n) for n in names)
-    progress = Progress(TextColumn("verifying"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
-                        TimeRemainingColumn(), console=err, transient=True,
-                        disable=json_out or not err.is_terminal)
     results = []
-    with progress:
-        task = progress.add_task("verify", total=total)
+    with ByteProgress(not json_out and Console(stderr=True).is_terminal, "verifying", total) as bar:
         for n in names:
-            results.append(verify_checkpoint(listing.root, n, threads=threads,
-                                             on_bytes=lambda k: progress.advance(task, k)))
+            results.append(verify_checkpoint(listing.root, n, threads=threads, on_bytes=bar.callback))
     intact = [r for r in results if r.intact]
     safe = max((r.step for r in intact), default=None)
     ok = all(r.intact for r in results)

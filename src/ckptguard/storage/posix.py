@@ -197,22 +197,7 @@ class PosixStorage:
 
     def write_bytes_atomic(self, path: str, data: bytes) -> None:
         """Replace ``path`` with ``data``: temp file, fsync, rename, fsync of the directory."""
-        tmp = unique_tmp_name(path)
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        try:
-            write_all(fd, memoryview(data))
-            os.fsync(fd)
-        except BaseException:
-            os.close(fd)
-            _unlink_quietly(tmp)
-            raise
-        os.close(fd)
-        try:
-            retry_stale(lambda: os.replace(tmp, path), "replace", path)
-        except BaseException:
-            _unlink_quietly(tmp)
-            raise
-        fsync_dir(os.path.dirname(path))
+        replace_file(path, data)
 
     def create_exclusive(self, path: str, content: bytes) -> bool:
         """Create ``path`` holding ``content`` only if it does not exist; True if we created it.
@@ -222,12 +207,7 @@ class PosixStorage:
         and sshfs). Where hard links are unsupported we fall back to O_EXCL.
         """
         tmp = unique_tmp_name(path)
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        try:
-            write_all(fd, memoryview(content))
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        write_new_file(tmp, content)
         try:
             os.link(tmp, path)
             created = True
@@ -246,14 +226,9 @@ class PosixStorage:
     @staticmethod
     def _create_excl_fallback(path: str, content: bytes) -> bool:
         try:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            write_new_file(path, content)
         except FileExistsError:
             return False
-        try:
-            write_all(fd, memoryview(content))
-            os.fsync(fd)
-        finally:
-            os.close(fd)
         return True
 
     @contextmanager
@@ -355,7 +330,7 @@ def read_ahead(directory: str, prefix: str) -> Callable[[], None]:
 
     stopped = threading.Event()
 
-    def advise() -> None:
+    def read_into_page_cache() -> None:
         try:
             with os.scandir(directory) as entries:
                 paths = sorted(e.path for e in entries if e.name.startswith(prefix))
@@ -377,5 +352,5 @@ def read_ahead(directory: str, prefix: str) -> Callable[[], None]:
             finally:
                 os.close(fd)
 
-    threading.Thread(target=advise, name="ckptguard-readahead", daemon=True).start()
+    threading.Thread(target=read_into_page_cache, name="ckptguard-readahead", daemon=True).start()
     return stopped.set
