@@ -765,7 +765,6 @@ class Checkpointer:
             raise CheckpointError(f"this Checkpointer on {self.root} was opened read_only=True")
 
 
-
 _gc_lock = threading.Lock()
 _gc_depth = 0
 _gc_was_enabled = True

@@ -502,14 +502,21 @@ class _Batch:
     def flush(self) -> None:
         views = self.views
         while views:
-            n = os.writev(self.fd, views)
-            while views and n >= len(views[0]):
-                n -= len(views[0])
-                views = views[1:]
-            if views and n:
-                views = [views[0][n:], *views[1:]]
+            views = _after(views, os.writev(self.fd, views))
         self.views = []
         self.bytes = 0
+
+
+def _after(views: list[memoryview], n: int) -> list[memoryview]:
+    """What is left of ``views`` once a vectored read or write moved ``n`` bytes (it may stop anywhere)."""
+    i = 0
+    while i < len(views) and n >= len(views[i]):
+        n -= len(views[i])
+        i += 1
+    rest = views[i:]
+    if rest and n:
+        rest[0] = rest[0][n:]
+    return rest
 
 
 def _stored(item: WriteItem, owner: Any, rel: str, offset: int, length: int, digest: str) -> StoredItem:
@@ -694,11 +701,7 @@ def _read_batch(fd: int, path: str, batch: list[tuple[_ReadJob, memoryview]], al
                 f"{path} is truncated: {total} bytes expected at offset {start}, the file ends at {size}. "
                 "The checkpoint is corrupt.", path=path)
         done += n
-        while views and n >= len(views[0]):
-            n -= len(views[0])
-            views = views[1:]
-        if views and n:
-            views = [views[0][n:], *views[1:]]
+        views = _after(views, n)
     for job, view in batch:
         job.verify(view, path, algorithm)
 
