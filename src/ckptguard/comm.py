@@ -1,75 +1,86 @@
-"""The control plane: small object collectives between ranks.
+"""The control plane: the one place where ranks talk to each other.
 
-The protocol only ever needs gather-to-one, broadcast, scatter and broadcast
-within a storage domain. Keeping it behind this interface lets the protocol run
-without a process group (one rank), and lets benchmarks drive the leader's work
-for 16,384 simulated ranks without processes.
+The protocol is a sequence of *steps*: every rank runs a local action, rank 0
+gathers the outcomes and decides, every rank learns the decision, and if any
+rank failed, every rank raises. :meth:`Comm.step` is that shape, written once;
+no other module calls a collective (a test checks it).
+
+The raw collectives sit behind a small :class:`Transport`: torch.distributed
+over a gloo group for real jobs, one rank without a process group, or threads
+in one process (:class:`ThreadTransport`) so the protocol's pieces get fast
+unit tests without torchrun.
 """
 
 from __future__ import annotations
 
+import pickle
 import socket
+import threading
 import time
-from dataclasses import dataclass, replace
-from typing import Any, Protocol
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+from typing import Any, Protocol, TypeVar
 
-import torch.distributed as dist
+from ckptguard.errors import CheckpointError, FailureRecord, from_os_error
 
-from ckptguard.errors import CheckpointError, CorruptCheckpointError
+T = TypeVar("T")
+
+_FAILURES_ATTR = "_ckptguard_failures"
 
 
-class Comm(Protocol):
+class Transport(Protocol):
+    """Raw object collectives among the ranks of one group (rank 0 is the coordinator)."""
+
     rank: int
     world_size: int
 
-    def gather(self, obj: Any, dst: int = 0) -> list[Any] | None: ...
-    def broadcast(self, obj: Any, src: int = 0) -> Any: ...
-    def scatter(self, objs: list[Any] | None, src: int = 0) -> Any: ...
-    def barrier(self) -> None: ...
-    def domain_broadcast(self, obj: Any, domain: list[int]) -> Any: ...
-    def set_domains(self, domains: list[list[int]]) -> None: ...
+    def gather(self, obj: Any) -> list[Any] | None: ...
+    def broadcast(self, obj: Any) -> Any: ...
+    def scatter(self, objs: list[Any] | None) -> Any: ...
+    def domain_broadcast(self, obj: Any, domain: Sequence[int]) -> Any: ...
+    def set_domains(self, domains: Sequence[Sequence[int]]) -> None: ...
     @property
-    def process_group(self) -> dist.ProcessGroup | None: ...
+    def process_group(self) -> Any: ...
 
 
-class LocalComm:
+class LocalTransport:
     """One rank, no process group."""
 
     rank = 0
     world_size = 1
 
-    def gather(self, obj: Any, dst: int = 0) -> list[Any] | None:
+    def gather(self, obj: Any) -> list[Any] | None:
         return [obj]
 
-    def broadcast(self, obj: Any, src: int = 0) -> Any:
+    def broadcast(self, obj: Any) -> Any:
         return obj
 
-    def scatter(self, objs: list[Any] | None, src: int = 0) -> Any:
+    def scatter(self, objs: list[Any] | None) -> Any:
         assert objs is not None
         return objs[0]
 
-    def barrier(self) -> None:
-        pass
-
-    def domain_broadcast(self, obj: Any, domain: list[int]) -> Any:
+    def domain_broadcast(self, obj: Any, domain: Sequence[int]) -> Any:
         return obj
 
-    def set_domains(self, domains: list[list[int]]) -> None:
+    def set_domains(self, domains: Sequence[Sequence[int]]) -> None:
         pass
 
     @property
-    def process_group(self) -> dist.ProcessGroup | None:
+    def process_group(self) -> Any:
         return None
 
 
-class TorchComm:
+class TorchTransport:
     """Object collectives over a dedicated gloo group.
 
     Object collectives over NCCL would stage through GPU memory and need the
     right current device; a CPU group keeps the control plane out of the way.
     """
 
-    def __init__(self, group: dist.ProcessGroup | None = None) -> None:
+    def __init__(self, group: Any = None) -> None:
+        import torch.distributed as dist
+
+        self._dist = dist
         if group is None:
             # A group of our own over all ranks (collective): a background save must never
             # interleave its collectives with the training loop's on the same group.
@@ -79,107 +90,247 @@ class TorchComm:
                 "process_group must be a gloo group (ckptguard's control messages are small CPU objects): "
                 "create one with dist.new_group(ranks, backend='gloo') and keep it for ckptguard alone")
         self._group = group
-        self.rank = dist.get_rank(group)
-        self.world_size = dist.get_world_size(group)
-        self._global_ranks = dist.get_process_group_ranks(group)
-        self._domain_groups: dict[tuple[int, ...], dist.ProcessGroup | None] = {}
+        self.rank: int = dist.get_rank(group)
+        self.world_size: int = dist.get_world_size(group)
+        self._global_ranks: list[int] = dist.get_process_group_ranks(group)
+        self._domain_groups: dict[tuple[int, ...], Any] = {}
 
     @property
-    def process_group(self) -> dist.ProcessGroup | None:
+    def process_group(self) -> Any:
         return self._group
 
-    def _global(self, group_rank: int) -> int:
-        return self._global_ranks[group_rank]
-
-    def gather(self, obj: Any, dst: int = 0) -> list[Any] | None:
-        out: list[Any] | None = [None] * self.world_size if self.rank == dst else None
-        dist.gather_object(obj, out, dst=self._global(dst), group=self._group)
+    def gather(self, obj: Any) -> list[Any] | None:
+        out: list[Any] | None = [None] * self.world_size if self.rank == 0 else None
+        self._dist.gather_object(obj, out, dst=self._global_ranks[0], group=self._group)
         return out
 
-    def broadcast(self, obj: Any, src: int = 0) -> Any:
+    def broadcast(self, obj: Any) -> Any:
         box = [obj]
-        dist.broadcast_object_list(box, src=self._global(src), group=self._group)
+        self._dist.broadcast_object_list(box, src=self._global_ranks[0], group=self._group)
         return box[0]
 
-    def scatter(self, objs: list[Any] | None, src: int = 0) -> Any:
+    def scatter(self, objs: list[Any] | None) -> Any:
         out: list[Any] = [None]
-        dist.scatter_object_list(out, objs if self.rank == src else None, src=self._global(src), group=self._group)
+        self._dist.scatter_object_list(out, objs if self.rank == 0 else None, src=self._global_ranks[0],
+                                       group=self._group)
         return out[0]
 
-    def barrier(self) -> None:
-        dist.barrier(group=self._group)
-
-    def set_domains(self, domains: list[list[int]]) -> None:
-        """Create one subgroup per storage domain (collective: every rank calls it with the same list)."""
+    def set_domains(self, domains: Sequence[Sequence[int]]) -> None:
+        """One subgroup per storage domain (collective: every rank calls it with the same list)."""
         if len(domains) == 1:
             self._domain_groups = {tuple(domains[0]): self._group}
             return
         for d in domains:
             key = tuple(d)
             if key not in self._domain_groups:
-                g = dist.new_group(ranks=[self._global(r) for r in d], backend="gloo")
-                self._domain_groups[key] = g
+                ranks = [self._global_ranks[r] for r in d]
+                self._domain_groups[key] = self._dist.new_group(ranks=ranks, backend="gloo")
 
-    def domain_broadcast(self, obj: Any, domain: list[int]) -> Any:
-        """Broadcast from the domain's leader (its lowest rank) to the ranks of that domain."""
+    def domain_broadcast(self, obj: Any, domain: Sequence[int]) -> Any:
         if len(domain) == 1:
             return obj
-        group = self._domain_groups[tuple(domain)]
         box = [obj]
-        dist.broadcast_object_list(box, src=self._global(domain[0]), group=group)
+        self._dist.broadcast_object_list(box, src=self._global_ranks[domain[0]],
+                                         group=self._domain_groups[tuple(domain)])
         return box[0]
 
 
-def default_comm(group: dist.ProcessGroup | None = None) -> Comm:
-    if dist.is_available() and dist.is_initialized():
-        return TorchComm(group)
-    return LocalComm()
+class _ThreadRendezvous:
+    """Where the threads of one simulated group exchange objects (pickled, as between processes)."""
+
+    def __init__(self, size: int, timeout_s: float) -> None:
+        self.size = size
+        self.barrier = threading.Barrier(size, timeout=timeout_s)
+        self.slots: list[bytes | None] = [None] * size
+        self.lock = threading.Lock()
+        self.subgroups: dict[tuple[int, ...], _ThreadRendezvous] = {}
+        self.timeout_s = timeout_s
+
+    def subgroup(self, members: tuple[int, ...]) -> _ThreadRendezvous:
+        with self.lock:
+            if members not in self.subgroups:
+                self.subgroups[members] = _ThreadRendezvous(len(members), self.timeout_s)
+            return self.subgroups[members]
+
+    def exchange(self, index: int, payload: bytes | None) -> list[bytes | None]:
+        self.slots[index] = payload
+        self.barrier.wait()
+        seen = list(self.slots)
+        self.barrier.wait()  # nobody overwrites a slot before everyone has read them
+        return seen
+
+
+class ThreadTransport:
+    """One rank of a group simulated by threads in one process (unit tests of the protocol)."""
+
+    def __init__(self, rendezvous: _ThreadRendezvous, rank: int) -> None:
+        self._rv = rendezvous
+        self.rank = rank
+        self.world_size = rendezvous.size
+
+    @staticmethod
+    def group(world_size: int, timeout_s: float = 60.0) -> list[ThreadTransport]:
+        rv = _ThreadRendezvous(world_size, timeout_s)
+        return [ThreadTransport(rv, r) for r in range(world_size)]
+
+    @property
+    def process_group(self) -> Any:
+        return None
+
+    def gather(self, obj: Any) -> list[Any] | None:
+        seen = self._rv.exchange(self.rank, pickle.dumps(obj))
+        return [pickle.loads(s) for s in seen if s is not None] if self.rank == 0 else None
+
+    def broadcast(self, obj: Any) -> Any:
+        seen = self._rv.exchange(self.rank, pickle.dumps(obj) if self.rank == 0 else None)
+        assert seen[0] is not None
+        return pickle.loads(seen[0])
+
+    def scatter(self, objs: list[Any] | None) -> Any:
+        seen = self._rv.exchange(self.rank, pickle.dumps(objs) if self.rank == 0 else None)
+        assert seen[0] is not None
+        return pickle.loads(seen[0])[self.rank]
+
+    def set_domains(self, domains: Sequence[Sequence[int]]) -> None:
+        pass
+
+    def domain_broadcast(self, obj: Any, domain: Sequence[int]) -> Any:
+        if len(domain) == 1:
+            return obj
+        sub = self._rv.subgroup(tuple(domain))
+        index = list(domain).index(self.rank)
+        seen = sub.exchange(index, pickle.dumps(obj) if index == 0 else None)
+        assert seen[0] is not None
+        return pickle.loads(seen[0])
 
 
 def hostname() -> str:
     return socket.gethostname()
 
 
-# -- agreement: one failure anywhere makes every rank raise the same error -------------
+class Comm:
+    """The agreement API the protocol is written in (see the module docstring)."""
+
+    def __init__(self, transport: Transport) -> None:
+        self._t = transport
+        self.rank = transport.rank
+        self.world_size = transport.world_size
+
+    @property
+    def process_group(self) -> Any:
+        return self._t.process_group
+
+    def set_domains(self, domains: Sequence[Sequence[int]]) -> None:
+        """Prepare one channel per storage domain (collective: every rank, the same list)."""
+        self._t.set_domains(domains)
+
+    def step(
+        self,
+        what: str,
+        local_fn: Callable[[], T] | None = None,
+        decide_fn: Callable[[list[Any]], Any] | None = None,
+        *,
+        scatter: bool = False,
+        suffix: str = "",
+        where: str | None = None,
+        on_error: Callable[[BaseException], BaseException] | None = None,
+    ) -> Any:
+        """Run ``local_fn`` on every rank, let rank 0 decide, and agree; collective.
+
+        ``decide_fn`` (rank 0 only) gets every rank's local result, in rank
+        order, and returns the decision every rank gets back (with
+        ``scatter=True``: a list with one part per rank). Without ``decide_fn``
+        each rank gets its own local result back.
+
+        If any rank failed (in ``local_fn``, or rank 0 in ``decide_fn``), every
+        rank raises: a rank that failed re-raises its own error (a
+        KeyboardInterrupt stays one), the others raise the first failure's
+        class rebuilt from what crossed ranks. ``what`` completes "rank N could
+        not ...". An OSError becomes a typed error here (:func:`from_os_error`,
+        ``where`` names the root for disk-full messages); ``on_error`` may
+        replace a local error before it is shared (a save that was fenced off
+        reports the takeover rather than the file that vanished under it).
+        """
+        own: BaseException | None = None
+        value: Any = None
+        if local_fn is not None:
+            try:
+                value = local_fn()
+            except BaseException as e:  # every failure must reach the agreement, or the others wait
+                own = self._typed(e, where, on_error)
+        gathered = self._t.gather((self._record(own), value if decide_fn is not None else None))
+        verdict: Any = None
+        if self.rank == 0:
+            assert gathered is not None
+            failures = ordered_failures([g[0] for g in gathered])
+            decision: Any = None
+            if not failures and decide_fn is not None:
+                try:
+                    decision = decide_fn([g[1] for g in gathered])
+                except BaseException as e:  # a refusal decided by rank 0 (the step exists, paths collide)
+                    own = e
+                    failures = [self._decision_record(e)]
+            if failures:
+                verdict = [("failed", failures)] * self.world_size if scatter else ("failed", failures)
+            elif scatter:
+                verdict = [("ok", part) for part in decision]
+            else:
+                verdict = ("ok", decision)
+        if scatter:
+            # Rank 0 keeps its own part: pickling a large part to send it to itself costs real time.
+            own_part = verdict[0] if self.rank == 0 else None
+            received = self._t.scatter([None, *verdict[1:]] if self.rank == 0 else None)
+            kind, payload = own_part if self.rank == 0 else received
+        else:
+            kind, payload = self._t.broadcast(verdict)
+        if kind == "failed":
+            raise_agreed(payload, own, what, suffix)
+        if decide_fn is None:
+            return value
+        return payload
+
+    def share_in_domain(self, value: Any, domain: Sequence[int]) -> Any:
+        """The domain leader's ``value`` on every rank of its storage domain (collective in the domain)."""
+        return self._t.domain_broadcast(value, domain)
+
+    def _typed(self, err: BaseException, where: str | None,
+               on_error: Callable[[BaseException], BaseException] | None) -> BaseException:
+        if isinstance(err, OSError):
+            translated = from_os_error(err, getattr(err, "filename", None) or where or "?", self.rank, root=where)
+            translated.__cause__ = err
+            err = translated
+        if on_error is not None and isinstance(err, Exception):
+            err = on_error(err)
+        return err
+
+    def _decision_record(self, err: BaseException) -> FailureRecord:
+        record = self._record(err)
+        assert record is not None
+        rank = err.rank if isinstance(err, CheckpointError) else None
+        return replace(record, rank=rank, decision=True)
+
+    def _record(self, err: BaseException | None) -> FailureRecord | None:
+        if err is None:
+            return None
+        if isinstance(err, CheckpointError):
+            message, path = str(err), err.path
+        else:
+            message, path = str(err) or type(err).__name__, None
+        return FailureRecord(self.rank, hostname(), type(err).__name__, message, path, time.time(),
+                             interrupted=not isinstance(err, Exception))
 
 
-def describe_error(err: BaseException) -> str:
-    if isinstance(err, CheckpointError):
-        return str(err)
-    return f"{type(err).__name__}: {err}"
-
-
-@dataclass(frozen=True)
-class Failure:
-    rank: int
-    host: str
-    message: str
-    corrupt: bool  # the failure is a corrupt checkpoint (load may fall back to an older one)
-    at: float
-
-
-def local_failure(err: BaseException | None) -> Failure | None:
-    if err is None:
-        return None
-    return Failure(-1, hostname(), describe_error(err), isinstance(err, CorruptCheckpointError), time.time())
-
-
-def order_failures(statuses: list[Failure | None]) -> list[Failure]:
+def ordered_failures(records: Sequence[FailureRecord | None]) -> list[FailureRecord]:
     """Failures with their ranks filled in, earliest first (the first is most likely the cause)."""
-    found = [replace(s, rank=r) for r, s in enumerate(statuses) if s is not None]
+    found = [replace(f, rank=r) for r, f in enumerate(records) if f is not None]
     return sorted(found, key=lambda f: (f.at, f.rank))
 
 
-def gather_failures(comm: Comm, err: BaseException | None) -> list[Failure]:
-    """Every rank's outcome of a local step, agreed by all ranks, earliest first."""
-    statuses = comm.gather(local_failure(err))
-    failures = order_failures(statuses) if comm.rank == 0 and statuses is not None else None
-    return comm.broadcast(failures)
-
-
-def failure_message(failures: list[Failure], what: str) -> str:
+def failure_message(failures: Sequence[FailureRecord], what: str) -> str:
     first = failures[0]
-    text = f"rank {first.rank} on {first.host} could not {what}: {first.message}"
+    if first.decision:
+        return first.describe()
+    text = f"rank {first.rank} on {first.host} could not {what}: {first.describe()}"
     if len(failures) > 1:
         others = ", ".join(str(f.rank) for f in failures[1:6])
         more = "..." if len(failures) > 6 else ""
@@ -193,12 +344,60 @@ def with_suffix(message: str, suffix: str) -> str:
     return message + ("" if message.rstrip().endswith((".", "!", "?")) else ".") + suffix
 
 
-def raise_failures(failures: list[Failure], what: str, suffix: str = "") -> None:
-    if failures:
-        cls = CorruptCheckpointError if any(f.corrupt for f in failures) else CheckpointError
-        raise cls(with_suffix(failure_message(failures, what), suffix), rank=failures[0].rank)
+def raise_agreed(failures: list[FailureRecord], own: BaseException | None, what: str, suffix: str = "") -> None:
+    """Raise the agreed failure: this rank's own error if it failed, else the first one, rebuilt."""
+    if own is not None:
+        if suffix and isinstance(own, CheckpointError):
+            own.args = (with_suffix(str(own), suffix), *own.args[1:])
+        elif suffix and isinstance(own, Exception):
+            own.add_note(suffix.strip())
+        setattr(own, _FAILURES_ATTR, failures)
+        raise own
+    first = failures[0]
+    cls = first.error_class
+    if first.interrupted:
+        message = f"rank {first.rank} on {first.host} was interrupted ({first.kind}) while it tried to {what}"
+    else:
+        message = failure_message(failures, what)
+    err = cls(with_suffix(message, suffix), rank=first.rank, path=first.path)
+    setattr(err, _FAILURES_ATTR, failures)
+    raise err
 
 
-def agree(comm: Comm, err: BaseException | None, what: str, suffix: str = "") -> None:
-    """Collective: raise one CheckpointError on every rank if any rank failed ``what``."""
-    raise_failures(gather_failures(comm, err), what, suffix)
+def agreed_failures(err: BaseException) -> list[FailureRecord]:
+    """The failures every rank agreed on, for an error raised by :meth:`Comm.step` (else [])."""
+    found: list[FailureRecord] = getattr(err, _FAILURES_ATTR, [])
+    return found
+
+
+def default_comm(group: Any = None) -> Comm:
+    """All ranks of ``group`` (default: the world) through gloo, or one rank without a process group."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return Comm(TorchTransport(group))
+    return Comm(LocalTransport())
+
+
+def thread_comms(world_size: int, timeout_s: float = 60.0) -> list[Comm]:
+    """``world_size`` Comms for threads of one process, one per simulated rank (tests)."""
+    return [Comm(t) for t in ThreadTransport.group(world_size, timeout_s)]
+
+
+def run_ranks(world_size: int, fn: Callable[[Comm], T], timeout_s: float = 60.0) -> list[T | BaseException]:
+    """Run ``fn(comm)`` on ``world_size`` threads, one per simulated rank; each rank's result or error."""
+    comms = thread_comms(world_size, timeout_s)
+    out: list[Any] = [None] * world_size
+
+    def run(r: int) -> None:
+        try:
+            out[r] = fn(comms[r])
+        except BaseException as e:
+            out[r] = e
+
+    threads = [threading.Thread(target=run, args=(r,), name=f"rank{r}") for r in range(world_size)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return out

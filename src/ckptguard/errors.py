@@ -1,7 +1,35 @@
-"""The one exception hierarchy of ckptguard."""
+"""The one exception hierarchy of ckptguard.
+
+Every failure a caller can act on is a ``CheckpointError``; its subclass says
+what went wrong, so code matches types, never message text::
+
+    CheckpointError(RuntimeError)          rank, path: who failed, on what
+     ├── LeaseError                        fencing between jobs on one root
+     │    ├── LeaseHeldError               another live job holds the root
+     │    └── LeaseLostError               this job's lease was taken over
+     ├── StepExistsError                   the step is committed; overwrite=False
+     ├── StepNotFoundError                 load(step=N) of a step not committed
+     ├── PathCollisionError                two ranks' files= paths overlap
+     ├── StorageError                      the storage refused an operation
+     │    ├── DiskFullError                ENOSPC, EDQUOT
+     │    ├── StoragePermissionError       EACCES, EPERM, EROFS
+     │    ├── StaleHandleError             ESTALE that outlived its retries
+     │    ├── NotVisibleError              a file another rank wrote never showed
+     │    └── UnsupportedStorageError      a URL scheme without a backend
+     ├── UnsafeObjectError                 an object that would need unpickling code
+     ├── CorruptCheckpointError            bytes that do not match the manifest
+     └── PeerError                         another rank failed with a non-ckptguard error
+
+Errors cross ranks as a :class:`FailureRecord` (class name, message, rank,
+host, path) and are rebuilt there as the same class; :func:`from_os_error` is
+the one place an ``OSError`` becomes a typed error.
+"""
 
 from __future__ import annotations
 
+import errno
+import os
+from dataclasses import dataclass
 from typing import Any
 
 
@@ -18,13 +46,135 @@ class CheckpointError(RuntimeError):
         self.path = path
 
     def __reduce__(self) -> tuple[Any, ...]:
-        # Errors travel between ranks pickled; keep rank and path.
+        # Errors travel between processes pickled (multiprocessing, tests); keep rank and path.
         return (_rebuild, (type(self), str(self), self.rank, self.path))
+
+
+class LeaseError(CheckpointError):
+    """The root's lease (one writing job per root) stands in the way."""
+
+
+class LeaseHeldError(LeaseError):
+    """Another job holds the root's lease and keeps renewing it."""
+
+
+class LeaseLostError(LeaseError):
+    """This job's lease was taken over (it stalled past the TTL): it must not write any more."""
+
+
+class StepExistsError(CheckpointError):
+    """The step is already committed; committed checkpoints are never modified without overwrite=True."""
+
+
+class StepNotFoundError(CheckpointError):
+    """The step asked for is not a committed checkpoint of this root."""
+
+
+class PathCollisionError(CheckpointError):
+    """Two ranks name the same or nested ``files=`` paths: they would overwrite each other."""
+
+
+class StorageError(CheckpointError):
+    """The storage refused or failed an operation."""
+
+
+class DiskFullError(StorageError):
+    """No space left (or quota exceeded) on the storage."""
+
+
+class StoragePermissionError(StorageError):
+    """The job's user may not write there, or the filesystem is read-only."""
+
+
+class StaleHandleError(StorageError):
+    """ESTALE persisted through retries: another node renamed or removed what this one holds."""
+
+
+class NotVisibleError(StorageError):
+    """A file another rank wrote did not become visible here in time (failed writer or stale cache)."""
+
+
+class UnsupportedStorageError(StorageError, ValueError):
+    """A root or path URL whose scheme has no storage backend."""
+
+
+class UnsafeObjectError(CheckpointError):
+    """Loading this object would run code from the checkpoint (unrestricted unpickling): refused."""
 
 
 class CorruptCheckpointError(CheckpointError):
     """A committed checkpoint whose bytes do not match its manifest (bit rot, truncation, deletion)."""
 
 
+class PeerError(CheckpointError):
+    """Another rank failed with an error that is not a CheckpointError (its type is named in the message)."""
+
+
 def _rebuild(cls: type[CheckpointError], message: str, rank: int | None, path: str | None) -> CheckpointError:
     return cls(message, rank=rank, path=path)
+
+
+def _subclasses(cls: type[CheckpointError]) -> dict[str, type[CheckpointError]]:
+    out = {cls.__name__: cls}
+    for sub in cls.__subclasses__():
+        out.update(_subclasses(sub))
+    return out
+
+
+@dataclass(frozen=True)
+class FailureRecord:
+    """What crosses ranks when a rank fails a collective step: enough to rebuild the error there."""
+
+    rank: int | None
+    host: str
+    kind: str  # the exception's class name
+    message: str
+    path: str | None
+    at: float  # wall-clock time of the failure (the earliest is the likeliest cause)
+    interrupted: bool = False  # a KeyboardInterrupt / SystemExit (BaseException, not Exception)
+    decision: bool = False  # a refusal decided by rank 0 from everyone's reports, not one rank's failure
+
+    @property
+    def error_class(self) -> type[CheckpointError]:
+        """The CheckpointError subclass to raise on ranks that did not fail themselves."""
+        return _subclasses(CheckpointError).get(self.kind, PeerError)
+
+    def describe(self) -> str:
+        known = self.kind in _subclasses(CheckpointError)
+        return self.message if known else f"{self.kind}: {self.message}"
+
+
+def from_os_error(err: OSError, path: str, rank: int | None = None, *, needed_bytes: int | None = None,
+                  root: str | None = None) -> CheckpointError:
+    """The one translation of an OSError into a typed error with a message that says what to do."""
+    who = f"rank {rank}" if rank is not None else "this process"
+    where = getattr(err, "filename", None) or path
+    where = os.fsdecode(where) if isinstance(where, bytes) else str(where)
+    if err.errno in (errno.ENOSPC, errno.EDQUOT):
+        target = root or path
+        free = _free_bytes(target)
+        need = f"{who} needed {needed_bytes:,} bytes for its part" if needed_bytes is not None else f"{who} ran out"
+        have = f", {free:,} bytes are free" if free is not None else ""
+        kind = "quota exceeded" if err.errno == errno.EDQUOT else "disk full"
+        return DiskFullError(
+            f"{kind} on {target} while writing {where}: {need}{have}. Free space (or lower keep_last) "
+            "and save again; nothing of this save was committed.", rank=rank, path=where)
+    if err.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        why = "the filesystem is read-only" if err.errno == errno.EROFS else "permission denied"
+        return StoragePermissionError(
+            f"{why}: {who} (uid {os.getuid()}) cannot write {where}. Make the checkpoint root writable "
+            "by the user the training job runs as, on every node.", rank=rank, path=where)
+    if err.errno == errno.ESTALE:
+        return StaleHandleError(
+            f"stale file handle (ESTALE) on {where}: another node renamed or removed it and this node's "
+            "NFS client still holds the old handle. Check that only one job writes to this checkpoint "
+            "root, and the NFS mount options (lookupcache, actimeo).", rank=rank, path=where)
+    return StorageError(f"{who} failed on {where}: {type(err).__name__}: {err}", rank=rank, path=where)
+
+
+def _free_bytes(path: str) -> int | None:
+    try:
+        st = os.statvfs(path)
+    except OSError:
+        return None
+    return st.f_bavail * st.f_frsize
