@@ -1,25 +1,34 @@
-"""POSIX storage primitives for local disks and shared filesystems (NFS, Lustre, FUSE).
+"""POSIX storage for local disks and shared filesystems (NFS, Lustre, FUSE).
 
 Everything the protocol needs to be durable and race-free lives here: exclusive
 create, fsync of files *and* directories, rename that never replaces, atomic
-replace of small files, and retries of ``ESTALE`` (a stale NFS handle is often
-transient right after another node renamed a directory).
+replace and compare-and-swap of small files, and retries of ``ESTALE`` (a stale
+NFS handle is often transient right after another node renamed a directory).
 """
 
 from __future__ import annotations
 
 import ctypes
 import errno
+import fcntl
 import os
 import shutil
+import stat
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager, suppress
+from collections.abc import Callable, Sequence
+from contextlib import suppress
 from typing import TypeVar
 
-from ckptguard.errors import CheckpointError
+from ckptguard.checksum import checksum
+from ckptguard.errors import (
+    CheckpointError,
+    CorruptCheckpointError,
+    NotVisibleError,
+    StaleHandleError,
+)
+from ckptguard.storage.base import MAX_SMALL_OBJECT_BYTES
 
 T = TypeVar("T")
 
@@ -30,6 +39,9 @@ _renameat2 = getattr(_libc, "renameat2", None)
 
 # Errors that mean "this filesystem does not support that", where we fall back.
 _UNSUPPORTED = {errno.EINVAL, errno.ENOSYS, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EPERM}
+#: Lock files that guard compare-and-swap, under the root's control directory.
+LOCKS_DIR = ".ckptguard/locks"
+_READ_FLAGS = os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK
 
 
 def retry_stale(fn: Callable[[], T], what: str, path: str, attempts: int = 8) -> T:
@@ -42,7 +54,7 @@ def retry_stale(fn: Callable[[], T], what: str, path: str, attempts: int = 8) ->
             if e.errno != errno.ESTALE:
                 raise
             if attempt == attempts - 1:
-                raise CheckpointError(
+                raise StaleHandleError(
                     f"stale file handle (ESTALE) on {path} while trying to {what}, still failing "
                     f"after {attempts} retries over {delay * 2:.1f} s: another node renamed or removed "
                     "it and this node's NFS client still holds the old handle. Check that only one job "
@@ -98,12 +110,23 @@ def rename_noreplace(src: str, dst: str) -> None:
         raise
 
 
-def write_all(fd: int, data: memoryview) -> None:
-    """os.write until every byte is written (writes may be partial on network filesystems)."""
-    view = data.cast("B") if data.format != "B" or data.ndim != 1 else data
-    while view:
-        n = os.write(fd, view)
-        view = view[n:]
+def write_all(fd: int, views: Sequence[memoryview]) -> None:
+    """writev until every byte is written (writes may be partial on network filesystems)."""
+    pending = [v.cast("B") if v.format != "B" or v.ndim != 1 else v for v in views if len(v)]
+    while pending:
+        pending = after(pending, os.writev(fd, pending[:1024]))
+
+
+def after(views: list[memoryview], n: int) -> list[memoryview]:
+    """What is left of ``views`` once a vectored read or write moved ``n`` bytes (it may stop anywhere)."""
+    i = 0
+    while i < len(views) and n >= len(views[i]):
+        n -= len(views[i])
+        i += 1
+    rest = views[i:]
+    if rest and n:
+        rest[0] = rest[0][n:]
+    return rest
 
 
 def unique_tmp_name(path: str) -> str:
@@ -117,11 +140,11 @@ def write_new_file(path: str, data: bytes | bytearray | memoryview) -> None:
     fd = retry_stale(lambda: os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644),
                      "create", path)
     try:
-        write_all(fd, memoryview(data))
+        write_all(fd, [memoryview(data)])
         os.fsync(fd)
     except BaseException:
         os.close(fd)
-        _unlink_quietly(path)
+        unlink_quietly(path)
         raise
     os.close(fd)
 
@@ -134,13 +157,87 @@ def replace_file(path: str, data: bytes | bytearray | memoryview) -> None:
     try:
         retry_stale(lambda: os.replace(tmp, path), "replace", path)
     except BaseException:
-        _unlink_quietly(tmp)
+        unlink_quietly(tmp)
         raise
     fsync_dir(os.path.dirname(path) or ".")
 
 
+def open_regular(path: str) -> int:
+    """An fd on a regular file: symlinks and FIFOs, devices or directories are refused (a hostile
+    checkpoint must not make a reader block on a FIFO or follow a link out of the checkpoint)."""
+    fd = retry_stale(lambda: os.open(path, _READ_FLAGS), "open", path)
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise CorruptCheckpointError(f"{path} is not a regular file: refusing to read it", path=path)
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def unlink_quietly(path: str) -> None:
+    with suppress(FileNotFoundError):
+        os.unlink(path)
+
+
+class PosixWriteStream:
+    """A new file written with writev, made durable with fsync."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.fd = retry_stale(lambda: os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644),
+                              "create", path)
+
+    def write(self, views: Sequence[memoryview]) -> None:
+        write_all(self.fd, views)
+
+    def sync(self) -> None:
+        os.fsync(self.fd)
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+class PosixReadHandle:
+    """A regular file read by ranges with preadv straight into the caller's buffers."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        try:
+            self.fd = open_regular(path)
+        except FileNotFoundError:
+            raise CorruptCheckpointError(f"{path} is missing: the checkpoint is incomplete", path=path) from None
+
+    def size(self) -> int:
+        return os.fstat(self.fd).st_size
+
+    def read_into(self, views: Sequence[memoryview], offset: int) -> None:
+        pending = [v for v in views if len(v)]
+        total = sum(len(v) for v in pending)
+        done = 0
+        while pending:
+            n = os.preadv(self.fd, pending[:1024], offset + done)
+            if n == 0:
+                raise CorruptCheckpointError(
+                    f"{self.path} is truncated: {total} bytes expected at offset {offset}, the file ends at "
+                    f"{self.size()}. The checkpoint is corrupt.", path=self.path)
+            done += n
+            pending = after(pending, n)
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
 class PosixStorage:
-    """Primitives on one POSIX directory tree (a checkpoint root as this node sees it)."""
+    """A checkpoint root on a POSIX filesystem (see :class:`~ckptguard.storage.base.StorageBackend`)."""
+
+    has_directories = True
 
     def __init__(self, root: str) -> None:
         self.root = os.path.abspath(os.fspath(root))
@@ -148,20 +245,35 @@ class PosixStorage:
     def path(self, *parts: str) -> str:
         return os.path.join(self.root, *parts)
 
-    # -- directories --------------------------------------------------------------
+    # -- namespace ----------------------------------------------------------------
     def makedirs(self, path: str) -> None:
         retry_stale(lambda: os.makedirs(path, exist_ok=True), "create a directory", path)
 
-    def mkdir_durable(self, path: str) -> None:
-        """Create ``path`` (which must not exist) and make its entry durable in the parent."""
+    def make_dir_durable(self, path: str) -> None:
         retry_stale(lambda: os.mkdir(path), "create a directory", path)
         fsync_dir(os.path.dirname(path))
 
     def listdir(self, path: str) -> list[str]:
         try:
             return retry_stale(lambda: os.listdir(path), "list a directory", path)
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):
             return []
+
+    def exists(self, path: str) -> bool:
+        return retry_stale(lambda: os.path.lexists(path), "look up", path)
+
+    def size(self, path: str) -> int | None:
+        try:
+            st = retry_stale(lambda: os.lstat(path), "stat", path)
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+        return st.st_size if stat.S_ISREG(st.st_mode) else None
+
+    def mtime(self, path: str) -> float | None:
+        try:
+            return retry_stale(lambda: os.lstat(path), "stat", path).st_mtime
+        except (FileNotFoundError, NotADirectoryError):
+            return None
 
     def remove_tree(self, path: str) -> None:
         def rm() -> None:
@@ -172,42 +284,53 @@ class PosixStorage:
 
         retry_stale(rm, "remove", path)
 
+    def sync_dir(self, path: str) -> None:
+        fsync_dir(path)
+
     def rename_noreplace(self, src: str, dst: str) -> None:
+        """Rename, never over an existing ``dst``; both directories' entries made durable."""
         retry_stale(lambda: rename_noreplace(src, dst), "rename", src)
         fsync_dir(os.path.dirname(dst))
         if os.path.dirname(src) != os.path.dirname(dst):
             fsync_dir(os.path.dirname(src))
 
-    # -- files --------------------------------------------------------------------
-    def exists(self, path: str) -> bool:
-        return retry_stale(lambda: os.path.lexists(path), "look up", path)
-
-    def size(self, path: str) -> int | None:
-        try:
-            return retry_stale(lambda: os.stat(path).st_size, "stat", path)
-        except FileNotFoundError:
-            return None
-
-    def read_bytes(self, path: str) -> bytes:
+    # -- small objects --------------------------------------------------------------
+    def read_bytes(self, path: str, limit: int = MAX_SMALL_OBJECT_BYTES) -> bytes:
         def read() -> bytes:
-            with open(path, "rb") as f:
-                return f.read()
+            fd = open_regular(path)
+            try:
+                size = os.fstat(fd).st_size
+                if size > limit:
+                    raise CorruptCheckpointError(
+                        f"{path} is {size:,} bytes, more than the {limit:,} a control file may have: "
+                        "refusing to read it", path=path)
+                chunks = []
+                while True:
+                    chunk = os.read(fd, max(size, 1 << 16))
+                    if not chunk:
+                        break
+                    chunks.append(chunk)
+                    if sum(len(c) for c in chunks) > limit:
+                        raise CorruptCheckpointError(f"{path} grew past {limit:,} bytes while read", path=path)
+                return b"".join(chunks)
+            finally:
+                os.close(fd)
 
         return retry_stale(read, "read", path)
 
-    def write_bytes_atomic(self, path: str, data: bytes) -> None:
-        """Replace ``path`` with ``data``: temp file, fsync, rename, fsync of the directory."""
-        replace_file(path, data)
+    def read_versioned(self, path: str) -> tuple[bytes, str] | None:
+        try:
+            data = self.read_bytes(path)
+        except FileNotFoundError:
+            return None
+        return data, checksum("xxh3-64", data)
 
-    def create_exclusive(self, path: str, content: bytes) -> bool:
-        """Create ``path`` holding ``content`` only if it does not exist; True if we created it.
-
-        The file appears complete or not at all: we write a private temp file and
-        hard-link it into place (link(2) fails with EEXIST atomically, also over NFS
-        and sshfs). Where hard links are unsupported we fall back to O_EXCL.
-        """
+    def create_exclusive(self, path: str, data: bytes) -> bool:
+        """The file appears complete or not at all: we write a private temp file and hard-link
+        it into place (link(2) fails with EEXIST atomically, also over NFS and sshfs). Where
+        hard links are unsupported we fall back to O_EXCL."""
         tmp = unique_tmp_name(path)
-        write_new_file(tmp, content)
+        write_new_file(tmp, data)
         try:
             os.link(tmp, path)
             created = True
@@ -216,41 +339,60 @@ class PosixStorage:
         except OSError as e:
             if e.errno not in _UNSUPPORTED:
                 raise
-            created = self._create_excl_fallback(path, content)
+            created = _create_excl_fallback(path, data)
         finally:
-            _unlink_quietly(tmp)
+            unlink_quietly(tmp)
         if created:
             fsync_dir(os.path.dirname(path))
         return created
 
-    @staticmethod
-    def _create_excl_fallback(path: str, content: bytes) -> bool:
-        try:
-            write_new_file(path, content)
-        except FileExistsError:
-            return False
-        return True
+    def replace(self, path: str, data: bytes) -> None:
+        replace_file(path, data)
 
-    @contextmanager
-    def open_exclusive(self, path: str) -> Iterator[int]:
-        """A raw fd on a new file (O_EXCL: two writers on one path is an error, never a mix)."""
-        fd = retry_stale(
-            lambda: os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644),
-            "create",
-            path,
-        )
+    def compare_and_swap(self, path: str, data: bytes, token: str | None) -> bool:
+        """Under an exclusive lock on a sibling lock file (flock; POSIX locks over NFSv4), so that
+        two writers never both see the same version and both replace it."""
+        if token is None:
+            return self.create_exclusive(path, data)
+        fd = self._lock_file(path)
         try:
-            yield fd
+            with suppress(OSError):  # a filesystem without locks: the version check still narrows the race
+                fcntl.flock(fd, fcntl.LOCK_EX)
+            current = self.read_versioned(path)
+            if current is None or current[1] != token:
+                return False
+            replace_file(path, data)
+            return True
         finally:
-            os.close(fd)
+            os.close(fd)  # releases the lock
+
+    def _lock_file(self, path: str) -> int:
+        """An fd on the lock file that guards compare-and-swap of ``path`` (kept out of the listing)."""
+        rel = os.path.relpath(path, self.root)
+        name = rel.replace("%", "%25").replace("/", "%2F") if not rel.startswith("..") else None
+        lock_dir = os.path.join(self.root, LOCKS_DIR)
+        if name is None:
+            lock_dir, name = os.path.dirname(path), f".{os.path.basename(path)}"
+        else:
+            os.makedirs(lock_dir, exist_ok=True)
+        return os.open(os.path.join(lock_dir, name + ".lock"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+
+    def delete(self, path: str) -> None:
+        unlink_quietly(path)
+
+    def publish(self, src: str, dst: str) -> None:
+        self.rename_noreplace(src, dst)
+
+    # -- data -----------------------------------------------------------------------
+    def open_new(self, path: str) -> PosixWriteStream:
+        return PosixWriteStream(path)
+
+    def open_read(self, path: str) -> PosixReadHandle:
+        return PosixReadHandle(path)
 
     def wait_visible(self, path: str, size: int | None = None, timeout: float = 30.0) -> None:
-        """Wait until ``path`` is visible here (and has ``size`` bytes, if given).
-
-        Another node's create or rename can take seconds to show through an NFS
-        client's attribute and lookup caches; we poll with back-off instead of
-        trusting the first answer.
-        """
+        """Another node's create or rename can take seconds to show through an NFS client's
+        attribute and lookup caches: poll with back-off instead of trusting the first answer."""
         deadline = time.monotonic() + timeout
         delay = 0.02
         while True:
@@ -259,14 +401,26 @@ class PosixStorage:
                 return
             if time.monotonic() >= deadline:
                 state = "missing" if seen is None else f"{seen} bytes, expected {size}"
-                raise CheckpointError(
+                raise NotVisibleError(
                     f"{path} is not visible with the right size after {timeout:.0f} s ({state}). "
                     "Either a writer failed, or this node's view of the shared filesystem is stale "
-                    "for longer than the timeout.",
-                    path=path,
-                )
+                    "for longer than the timeout.", path=path)
             time.sleep(delay)
             delay = min(delay * 2, 1.0)
+
+    def sizes_in(self, directory: str) -> dict[str, int]:
+        """Name -> size of the regular files in ``directory`` (one listing: a round trip on NFS)."""
+        out: dict[str, int] = {}
+        try:
+            with os.scandir(directory) as it:
+                for entry in it:
+                    with suppress(FileNotFoundError):
+                        st = entry.stat(follow_symlinks=False)
+                        if stat.S_ISREG(st.st_mode):
+                            out[entry.name] = st.st_size
+        except (FileNotFoundError, NotADirectoryError):
+            pass
+        return out
 
     def free_bytes(self, path: str) -> int | None:
         try:
@@ -275,44 +429,23 @@ class PosixStorage:
             return None
         return st.f_bavail * st.f_frsize
 
+    def prefetch(self, directory: str, prefix: str) -> Callable[[], None]:
+        return read_ahead(directory, prefix)
+
+
+def _create_excl_fallback(path: str, content: bytes) -> bool:
+    try:
+        write_new_file(path, content)
+    except FileExistsError:
+        return False
+    return True
+
 
 def _ignore_missing(func: Callable[..., object], path: str, exc_info: tuple[type, BaseException, object]) -> None:
     # Another node may be removing the same tree (NFS silly-renames, concurrent clean-up).
     if isinstance(exc_info[1], FileNotFoundError):
         return
     raise exc_info[1]
-
-
-def _unlink_quietly(path: str) -> None:
-    with suppress(FileNotFoundError):
-        os.unlink(path)
-
-
-def explain_os_error(err: OSError, path: str, rank: int | None, needed_bytes: int | None = None,
-                     root: str | None = None) -> CheckpointError:
-    """Turn the OS errors users hit most into messages that say what to do."""
-    who = f"rank {rank}" if rank is not None else "this process"
-    where = getattr(err, "filename", None) or path
-    if err.errno in (errno.ENOSPC, errno.EDQUOT):
-        target = root or path
-        free = None
-        try:
-            st = os.statvfs(target)
-            free = st.f_bavail * st.f_frsize
-        except OSError:
-            pass
-        need = f"{who} needed {needed_bytes:,} bytes for its part" if needed_bytes is not None else f"{who} ran out"
-        have = f", {free:,} bytes are free" if free is not None else ""
-        kind = "quota exceeded" if err.errno == errno.EDQUOT else "disk full"
-        return CheckpointError(
-            f"{kind} on {target} while writing {where}: {need}{have}. Free space (or lower keep_last) "
-            "and save again; nothing of this save was committed.", rank=rank, path=where)
-    if err.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
-        why = "the filesystem is read-only" if err.errno == errno.EROFS else "permission denied"
-        return CheckpointError(
-            f"{why}: {who} (uid {os.getuid()}) cannot write {where}. Make the checkpoint root writable "
-            "by the user the training job runs as, on every node.", rank=rank, path=where)
-    return CheckpointError(f"{who} failed on {where}: {type(err).__name__}: {err}", rank=rank, path=where)
 
 
 _READ_AHEAD_CHUNK = 8 << 20
@@ -341,8 +474,8 @@ def read_ahead(directory: str, prefix: str) -> Callable[[], None]:
             if stopped.is_set():
                 return
             try:
-                fd = os.open(p, os.O_RDONLY | os.O_CLOEXEC)
-            except OSError:
+                fd = open_regular(p)
+            except (OSError, CheckpointError):
                 continue
             try:
                 while not stopped.is_set() and os.readv(fd, [scratch]) == len(scratch):

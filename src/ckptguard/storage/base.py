@@ -1,0 +1,128 @@
+"""What the commit protocol needs from a storage backend, on POSIX and object stores alike.
+
+A backend is a namespace of opaque path strings under one root (built with
+:meth:`StorageBackend.path` and ``posixpath.join``). The protocol asks for few
+operations, each with a guarantee it relies on:
+
+- **exclusive create** of a small object: exactly one of several writers wins;
+- **publish without replace**: an attempt becomes a checkpoint atomically, and
+  never over an existing one;
+- **compare-and-swap** of a small object on a version token read earlier (the
+  lease, the `latest` pointer): a stale writer cannot overwrite a newer state;
+- **streamed data writes** into new files, made durable by ``sync()``;
+- **ranged reads** into caller buffers, of regular files only;
+- listing, deletion and directory sync where they mean something.
+
+Everything a backend raises is an ``OSError`` (``FileExistsError``,
+``FileNotFoundError``...) or a :class:`~ckptguard.errors.CheckpointError`; the
+protocol turns OSErrors into typed errors in one place.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Protocol
+
+#: Small control objects (manifests, the lease, `latest`) are read whole; larger is refused.
+MAX_SMALL_OBJECT_BYTES = 1 << 30
+
+
+class WriteStream(Protocol):
+    """A new data file being written, in order."""
+
+    path: str
+
+    def write(self, views: Sequence[memoryview]) -> None:
+        """Append every byte of ``views`` (a partial write is retried, never dropped)."""
+
+    def sync(self) -> None:
+        """Make everything written so far durable."""
+
+    def close(self) -> None:
+        """Release the file (after ``sync``: it stays; a backend may drop an unsynced one)."""
+
+
+class ReadHandle(Protocol):
+    """An open regular file, read by ranges."""
+
+    path: str
+
+    def size(self) -> int: ...
+
+    def read_into(self, views: Sequence[memoryview], offset: int) -> None:
+        """Fill ``views`` from ``offset`` on; a file that ends early is a CorruptCheckpointError."""
+
+    def close(self) -> None: ...
+
+
+class StorageBackend(Protocol):
+    """One checkpoint root as this rank sees it."""
+
+    #: the root as the user gave it: a directory or a URL
+    root: str
+    #: whether directory entries need an explicit sync to be durable (POSIX), or not (object stores)
+    has_directories: bool
+
+    def path(self, *parts: str) -> str:
+        """The path of ``parts`` under the root."""
+
+    # -- namespace ---------------------------------------------------------------
+    def makedirs(self, path: str) -> None: ...
+
+    def make_dir_durable(self, path: str) -> None:
+        """Create ``path`` (which must not exist) and make its entry durable in its parent."""
+
+    def listdir(self, path: str) -> list[str]:
+        """Names directly under ``path`` ([] where there is nothing)."""
+
+    def exists(self, path: str) -> bool: ...
+
+    def size(self, path: str) -> int | None:
+        """The size of a regular file, or None where there is none."""
+
+    def mtime(self, path: str) -> float | None: ...
+
+    def remove_tree(self, path: str) -> None: ...
+
+    def sync_dir(self, path: str) -> None:
+        """Make the entries of directory ``path`` (creates, renames, unlinks) durable."""
+
+    # -- small objects -------------------------------------------------------------
+    def read_bytes(self, path: str, limit: int = MAX_SMALL_OBJECT_BYTES) -> bytes:
+        """A regular file's content (no symlinks, no FIFOs; over ``limit`` bytes is refused)."""
+
+    def read_versioned(self, path: str) -> tuple[bytes, str] | None:
+        """Content and a version token for :meth:`compare_and_swap`, or None if absent."""
+
+    def create_exclusive(self, path: str, data: bytes) -> bool:
+        """Create ``path`` holding ``data`` only if it does not exist; True if this call created it."""
+
+    def replace(self, path: str, data: bytes) -> None:
+        """Replace ``path`` with ``data`` atomically and durably (readers see old or new)."""
+
+    def compare_and_swap(self, path: str, data: bytes, token: str | None) -> bool:
+        """Replace ``path`` with ``data`` only if its version is still ``token`` (None: only if absent)."""
+
+    def delete(self, path: str) -> None:
+        """Remove one object; absent is fine."""
+
+    def publish(self, src: str, dst: str) -> None:
+        """Make directory ``src`` appear as ``dst`` atomically; FileExistsError if ``dst`` exists."""
+
+    # -- data ---------------------------------------------------------------------
+    def open_new(self, path: str) -> WriteStream:
+        """A new file (FileExistsError if it exists: one writer per path)."""
+
+    def open_read(self, path: str) -> ReadHandle: ...
+
+    def wait_visible(self, path: str, size: int | None = None, timeout: float = 30.0) -> None:
+        """Wait until ``path`` is visible here (with ``size`` bytes if given); NotVisibleError if not."""
+
+    def sizes_in(self, directory: str) -> dict[str, int]:
+        """Name -> size of the files directly in ``directory``, as this rank sees them now."""
+
+    def prefetch(self, directory: str, prefix: str) -> Callable[[], None]:
+        """Start warming a cache with the files under ``directory`` named ``prefix...`` (a hint);
+        returns a function that stops it."""
+
+    def free_bytes(self, path: str) -> int | None: ...
