@@ -41,16 +41,16 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-from ckptguard import layout
-from ckptguard.artifacts import ArtifactTarget
+from ckptguard.protocol import layout
+from ckptguard.protocol.artifacts import ArtifactTarget
 from ckptguard.checkpointer import _gc_paused, _RankWrites, build_manifests, decide_plan, retention
 from ckptguard.comm import order_failures
 from ckptguard.dcp_io import check_replicated, metadata_to_json
-from ckptguard.layout import CheckpointName
-from ckptguard.manifest import FileEntry, StoredItem
-from ckptguard.root import CheckpointRoot
+from ckptguard.protocol.layout import CheckpointName
+from ckptguard.protocol.manifest import FileEntry, StoredItem
+from ckptguard.protocol.root import CheckpointRoot
 from ckptguard.storage.posix import PosixStorage
-from ckptguard.topology import Topology, _decide, to_ranges
+from ckptguard.protocol.topology import Topology, _decide, to_ranges
 
 RANKS_PER_HOST = 8
 

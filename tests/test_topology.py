@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ckptguard.topology import _decide, to_ranges
+from ckptguard.protocol.topology import _decide, to_ranges
 
 HOSTS = ["a", "a", "b", "b"]
 FIRST = {"a": 0, "b": 2}

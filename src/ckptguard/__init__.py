@@ -13,14 +13,52 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from ckptguard.errors import CheckpointError, CorruptCheckpointError
+from ckptguard.errors import (
+    CheckpointError,
+    CorruptCheckpointError,
+    DiskFullError,
+    LeaseError,
+    LeaseHeldError,
+    LeaseLostError,
+    NotVisibleError,
+    PathCollisionError,
+    PeerError,
+    StaleHandleError,
+    StepExistsError,
+    StepNotFoundError,
+    StorageError,
+    StoragePermissionError,
+    UnsafeObjectError,
+    UnsupportedStorageError,
+)
 
 if TYPE_CHECKING:
     from ckptguard.checkpointer import Checkpointer
     from ckptguard.singlefile import load_file, save_file
     from ckptguard.state import PerRank
 
-__all__ = ["CheckpointError", "Checkpointer", "CorruptCheckpointError", "PerRank", "load_file", "save_file"]
+__all__ = [
+    "CheckpointError",
+    "Checkpointer",
+    "CorruptCheckpointError",
+    "DiskFullError",
+    "LeaseError",
+    "LeaseHeldError",
+    "LeaseLostError",
+    "NotVisibleError",
+    "PathCollisionError",
+    "PeerError",
+    "PerRank",
+    "StaleHandleError",
+    "StepExistsError",
+    "StepNotFoundError",
+    "StorageError",
+    "StoragePermissionError",
+    "UnsafeObjectError",
+    "UnsupportedStorageError",
+    "load_file",
+    "save_file",
+]
 __version__ = "0.1.0"
 
 _LAZY = {"Checkpointer": "ckptguard.checkpointer", "PerRank": "ckptguard.state", "save_file": "ckptguard.singlefile",

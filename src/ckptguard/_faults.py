@@ -12,17 +12,23 @@ from __future__ import annotations
 import os
 import signal
 import time
+from enum import StrEnum
 
-PHASES = (
-    "save_start",          # a save begins, before anything is written
-    "before_write",        # staging directory exists, this rank has written nothing
-    "mid_write",           # this rank has written part of its data
-    "after_write",         # this rank's data is written and fsynced, commit not started
-    "before_publish",      # leader: manifest written, staging not yet renamed
-    "after_publish",       # leader: renamed into place, `latest` not yet moved
-    "after_commit",        # every domain published, retention not yet run
-    "mid_load",            # a load has read part of the data
-)
+
+class FaultPhase(StrEnum):
+    """Points of the protocol where a test can crash a rank (the library and the campaign share them)."""
+
+    SAVE_START = "save_start"          # a save begins, before anything is written
+    BEFORE_WRITE = "before_write"      # staging directory exists, this rank has written nothing
+    MID_WRITE = "mid_write"            # this rank has written part of its data
+    AFTER_WRITE = "after_write"        # this rank's data is written and fsynced, commit not started
+    BEFORE_PUBLISH = "before_publish"  # leader: manifest written, staging not yet renamed
+    AFTER_PUBLISH = "after_publish"    # leader: renamed into place, `latest` not yet moved
+    AFTER_COMMIT = "after_commit"      # every domain published, retention not yet run
+    MID_LOAD = "mid_load"              # a load has read part of the data
+
+
+PHASES = tuple(p.value for p in FaultPhase)
 
 
 def _parse(spec: str) -> dict[tuple[str, str], str]:
@@ -44,11 +50,11 @@ def arm(spec: str) -> None:
     _FAULTS.update(_parse(spec))
 
 
-def fault_point(phase: str, rank: int) -> None:
+def fault_point(phase: FaultPhase, rank: int) -> None:
     """Act out an injected fault for ``phase`` on ``rank``, if one is configured."""
     if not _FAULTS:
         return
-    action = _FAULTS.get((phase, str(rank))) or _FAULTS.get((phase, "*"))
+    action = _FAULTS.get((phase.value, str(rank))) or _FAULTS.get((phase.value, "*"))
     if action is None:
         return
     if action == "kill":

@@ -17,10 +17,16 @@ from typing import Any
 import torch
 
 from ckptguard.checksum import DEFAULT_ALGORITHM, checksum
-from ckptguard.comm import Comm, LocalComm, agree, default_comm
-from ckptguard.errors import CheckpointError, CorruptCheckpointError
-from ckptguard.storage.posix import PosixStorage, explain_os_error, replace_file
-from ckptguard.topology import Topology, probe_storage_domains
+from ckptguard.comm import Comm, LocalTransport, default_comm
+from ckptguard.errors import (
+    CheckpointError,
+    CorruptCheckpointError,
+    UnsafeObjectError,
+    from_os_error,
+)
+from ckptguard.protocol.topology import Topology, probe_storage_domains
+from ckptguard.storage import PosixStorage, local_path
+from ckptguard.storage.posix import open_regular, replace_file
 
 _EOCD = b"PK\x05\x06"
 _TAG = re.compile(rb"ckptguard:1:(xxh3-64|crc32c):([0-9a-f]{8,16}):(\d+)$")
@@ -75,46 +81,48 @@ def save_file(obj: Any, path: str | os.PathLike[str], *, process_group: Any = No
     It starts with a barrier, so the file is never replaced while another rank
     is still reading the previous version, and returns once it is durable.
     """
-    path = os.path.abspath(os.fspath(path))
+    path = os.path.abspath(local_path(path))
     directory = os.path.dirname(path)
     comm = default_comm(process_group) if process_group is not None else _world_comm()
-    os.makedirs(directory, exist_ok=True)
+    try:
+        os.makedirs(directory, exist_ok=True)
+    except OSError as e:
+        raise from_os_error(e, directory, comm.rank) from e
     topo = None
     if comm.world_size > 1:
         topo = _topology(comm, directory)
         # Nobody may still be reading the previous version (load_file right after the last save_file).
-        comm.barrier()
-    err: BaseException | None = None
-    if topo is None or topo.is_leader:
-        try:
+        comm.step(f"finish reading the previous version of {path}")
+
+    def write() -> None:
+        if topo is None or topo.is_leader:
             buf = io.BytesIO()
             torch.save(obj, buf)
-            data = _seal(buf.getvalue(), checksum_algorithm)
-            replace_file(path, data)
-        except OSError as e:
-            err = explain_os_error(e, path, comm.rank, needed_bytes=None, root=directory)
-        except Exception as e:  # every failure must reach the agreement
-            err = e
-    if comm.world_size > 1:
-        agree(comm, err, f"save {path}")
-    elif err is not None:
-        raise err
+            try:
+                replace_file(path, _seal(buf.getvalue(), checksum_algorithm))
+            except OSError as e:  # the temporary file's own name would only confuse
+                raise from_os_error(e, path, comm.rank, root=directory) from e
+
+    comm.step(f"save {path}", write, where=directory)
 
 
 def load_file(path: str | os.PathLike[str], *, map_location: Any = "cpu") -> Any:
     """Load a file written by ``save_file``, after checking its checksum; objects via weights_only."""
-    path = os.fspath(path)
+    path = local_path(path)
     try:
-        with open(path, "rb") as f:
+        fd = open_regular(path)
+        with os.fdopen(fd, "rb") as f:
             data = f.read()
     except FileNotFoundError:
         raise CheckpointError(f"{path} does not exist", path=path) from None
+    except OSError as e:
+        raise from_os_error(e, path) from e
     body = _unseal(data, path)
     try:
         return torch.load(io.BytesIO(body), map_location=map_location, weights_only=True)
     except Exception as e:
-        raise CheckpointError(f"{path}: verified, but torch.load(weights_only=True) refused it: {e}",
-                              path=path) from None
+        raise UnsafeObjectError(f"{path}: verified, but torch.load(weights_only=True) refused it: {e}",
+                                path=path) from None
 
 
 _world: tuple[object, Comm] | None = None
@@ -126,7 +134,7 @@ def _world_comm() -> Comm:
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()):
-        return LocalComm()
+        return Comm(LocalTransport())
     if _world is None or _world[0] is not dist.group.WORLD:
         _world = (dist.group.WORLD, default_comm())
     return _world[1]

@@ -12,13 +12,10 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch.distributed._state_dict_utils import (  # DCP's own staging helpers
-    _copy_state_dict,
-    _create_cpu_state_dict,
-)
 from torch.distributed.tensor import DTensor
 
-from ckptguard.artifacts import ArtifactTarget, FileSnapshot, snapshot_files
+from ckptguard.dcp._torch_private import copy_state_dict, create_cpu_state_dict
+from ckptguard.protocol.artifacts import ArtifactTarget, FileSnapshot, snapshot_files
 
 
 def state_nbytes(obj: Any) -> int:
@@ -69,10 +66,10 @@ class HostStager:
         sig = _signature(state_dict)
         if self._buffers is None or sig != self._signature:
             self._buffers = None  # free the old set before allocating the new one
-            self._buffers = _create_cpu_state_dict(state_dict, pin_memory=torch.cuda.is_available())
+            self._buffers = create_cpu_state_dict(state_dict, pin_memory=torch.cuda.is_available())
             self._signature = sig
             self.allocations += 1
-        snapshot = _copy_state_dict(state_dict, self._buffers, non_blocking=True, type_check=False)
+        snapshot = copy_state_dict(state_dict, self._buffers)
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         return snapshot

@@ -16,14 +16,14 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from ckptguard import layout
 from ckptguard.checksum import Hasher
 from ckptguard.errors import CheckpointError
-from ckptguard.layout import CheckpointName
-from ckptguard.lease import LeaseRecord
-from ckptguard.manifest import Manifest, StoredItem
-from ckptguard.root import CheckpointRoot
-from ckptguard.storage.posix import PosixStorage
+from ckptguard.protocol import layout
+from ckptguard.protocol.layout import CheckpointName
+from ckptguard.protocol.lease import LeaseRecord
+from ckptguard.protocol.manifest import Manifest, StoredItem
+from ckptguard.protocol.root import CheckpointRoot
+from ckptguard.storage import StorageBackend, open_storage
 
 SCHEMA_VERSION = 1
 CHUNK_BYTES = 8 << 20
@@ -87,25 +87,32 @@ class VerifyResult:
     problems: list[Problem] = field(default_factory=list)
 
 
-def _dir_bytes(path: str) -> int:
-    total = 0
-    for dirpath, _, files in os.walk(path):
-        for f in files:
-            with contextlib.suppress(OSError):
-                total += os.lstat(os.path.join(dirpath, f)).st_size
-    return total
+def _walk(storage: StorageBackend, path: str, rel: str = "") -> list[tuple[str, int]]:
+    """(path relative to ``path``, size) of every file under ``path``."""
+    out: list[tuple[str, int]] = []
+    for name, size in storage.sizes_in(path).items():
+        out.append((f"{rel}{name}", size))
+    files = {n for n, _ in out}
+    for name in storage.listdir(path):
+        if f"{rel}{name}" not in files:
+            out.extend(_walk(storage, os.path.join(path, name), f"{rel}{name}/"))
+    return out
+
+
+def _dir_bytes(storage: StorageBackend, path: str) -> int:
+    return sum(size for _, size in _walk(storage, path))
 
 
 def list_root(path: str) -> RootListing:
-    """What is in a root. Raises CheckpointError if ``path`` is not a directory."""
-    if not os.path.isdir(path):
+    """What is in a root. Raises CheckpointError if ``path`` is not a checkpoint root one can read."""
+    storage = open_storage(path)
+    if storage.has_directories and not os.path.isdir(storage.root):
         raise CheckpointError(f"{path} is not a directory", path=path)
-    storage = PosixStorage(path)
     root = CheckpointRoot(storage)
     current = root.current()
     pointer = root.read_latest()
     lease_rec = None
-    with contextlib.suppress(FileNotFoundError):
+    with contextlib.suppress(FileNotFoundError, CheckpointError):
         lease_rec = LeaseRecord.from_bytes(storage.read_bytes(storage.path(layout.LEASE)))
     now = time.time()
     lease_live = lease_rec is not None and now - lease_rec.renewed_at <= lease_rec.ttl_s
@@ -125,13 +132,13 @@ def list_root(path: str) -> RootListing:
     for entry in sorted(storage.listdir(staging_root)):
         full = os.path.join(staging_root, entry)
         parsed = layout.parse_staging(entry)
-        try:
-            age = now - os.stat(full).st_mtime
-        except FileNotFoundError:
+        mtime = storage.mtime(full)
+        if mtime is None:
             continue
+        age = now - mtime
         state = "in progress" if lease_live and lease_rec is not None and age <= lease_rec.ttl_s else "abandoned"
         attempts.append(AttemptInfo(parsed[0] if parsed else None, parsed[1] if parsed else entry, full, state,
-                                    round(age, 1), _dir_bytes(full)))
+                                    round(age, 1), _dir_bytes(storage, full)))
     trash = [os.path.join(storage.path(layout.TRASH), e) for e in sorted(storage.listdir(storage.path(layout.TRASH)))]
     lease = None
     if lease_rec is not None:
@@ -168,7 +175,8 @@ def verify_checkpoint(root_path: str, name: CheckpointName, *, threads: int = 4,
                       on_bytes: Callable[[int], None] | None = None) -> VerifyResult:
     """Re-read every byte of one checkpoint and compare with its manifest."""
     started = time.monotonic()
-    root = CheckpointRoot(PosixStorage(root_path))
+    storage = open_storage(root_path)
+    root = CheckpointRoot(storage)
     base = root.dir(name)
     result = VerifyResult(name.step, name.version, name.dirname, intact=False)
     try:
@@ -179,12 +187,10 @@ def verify_checkpoint(root_path: str, name: CheckpointName, *, threads: int = 4,
         return result
     result.problems.extend(_tiling_problems(manifest, base))
     listed = {f.path for f in manifest.files} | {layout.MANIFEST}
-    for dirpath, _, files in os.walk(base):
-        for fname in files:
-            rel = os.path.relpath(os.path.join(dirpath, fname), base).replace(os.sep, "/")
-            if rel not in listed:
-                result.problems.append(Problem(os.path.join(base, rel), "extra",
-                                               "file not in the manifest: added after the commit"))
+    for rel, _ in _walk(storage, base):
+        if rel not in listed:
+            result.problems.append(Problem(os.path.join(base, rel), "extra",
+                                           "file not in the manifest: added after the commit"))
     items_by_file: dict[str, list[StoredItem]] = {}
     for item in manifest.items:
         items_by_file.setdefault(item.file, []).append(item)
@@ -192,16 +198,18 @@ def verify_checkpoint(root_path: str, name: CheckpointName, *, threads: int = 4,
 
     def check_file(entry_path: str, size: int, file_checksum: str | None) -> list[Problem]:
         path = os.path.join(base, entry_path)
-        try:
-            actual = os.stat(path).st_size
-        except FileNotFoundError:
-            return [Problem(path, "missing", "file is missing")]
+        actual = storage.size(path)
+        if actual is None:
+            return [Problem(path, "missing", "file is missing (or not a regular file)")]
         if actual != size:
             return [Problem(path, "size", f"{actual} bytes, the manifest says {size}")]
         found: list[Problem] = []
         buf = bytearray(CHUNK_BYTES)
         view = memoryview(buf)
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            handle = storage.open_read(path)
+        except (OSError, CheckpointError) as e:
+            return [Problem(path, "missing", f"cannot be read: {e}")]
         try:
             spans: list[tuple[int, int, str, str]]
             if file_checksum is not None:
@@ -212,8 +220,10 @@ def verify_checkpoint(root_path: str, name: CheckpointName, *, threads: int = 4,
                 hasher = Hasher(algorithm)
                 pos = 0
                 while pos < length:
-                    n = os.preadv(fd, [view[: min(CHUNK_BYTES, length - pos)]], offset + pos)
-                    if n == 0:
+                    n = min(CHUNK_BYTES, length - pos)
+                    try:
+                        handle.read_into([view[:n]], offset + pos)
+                    except CheckpointError:
                         break
                     hasher.update(view[:n])
                     pos += n
@@ -224,7 +234,7 @@ def verify_checkpoint(root_path: str, name: CheckpointName, *, threads: int = 4,
                     found.append(Problem(path, "checksum", f"{what} (bytes {offset}..{offset + length}): "
                                                            f"checksum {got}, expected {expected}"))
         finally:
-            os.close(fd)
+            handle.close()
         return found
 
     with ThreadPoolExecutor(max(1, threads), thread_name_prefix="ckptguard-verify") as pool:
@@ -240,6 +250,6 @@ def verify_checkpoint(root_path: str, name: CheckpointName, *, threads: int = 4,
 
 def checkpoint_bytes(root_path: str, name: CheckpointName) -> int:
     try:
-        return CheckpointRoot(PosixStorage(root_path)).read_manifest(name).total_bytes
+        return CheckpointRoot(open_storage(root_path)).read_manifest(name).total_bytes
     except CheckpointError:
         return 0

@@ -44,7 +44,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ckptguard import Checkpointer, CheckpointError, CorruptCheckpointError, PerRank, _faults
-from ckptguard.layout import CheckpointName
+from ckptguard.protocol.layout import CheckpointName
 from ckptguard.verify import verify_checkpoint
 
 RANK = 0

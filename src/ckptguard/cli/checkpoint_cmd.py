@@ -93,7 +93,7 @@ def verify_command(
     threads: Annotated[int, typer.Option("--threads", min=1, max=64, help="Files read in parallel.")] = 4,
 ) -> None:
     """Re-read every byte of the checkpoints and check sizes and checksums against their manifests."""
-    from ckptguard.layout import CheckpointName
+    from ckptguard.protocol.layout import CheckpointName
     from ckptguard.verify import SCHEMA_VERSION, checkpoint_bytes, verify_checkpoint
 
     listing = _listing(path)

@@ -14,11 +14,12 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from ckptguard import layout
-from ckptguard.checksum import Hasher, checksum
-from ckptguard.errors import CheckpointError, CorruptCheckpointError
-from ckptguard.manifest import Artifact, FileEntry, Manifest
-from ckptguard.storage.posix import fsync_dir, unique_tmp_name, write_all, write_new_file
+from ckptguard.checksum import Hasher
+from ckptguard.errors import CheckpointError, CorruptCheckpointError, PathCollisionError
+from ckptguard.protocol import layout
+from ckptguard.protocol.manifest import Artifact, FileEntry, Manifest
+from ckptguard.storage import StorageBackend
+from ckptguard.storage.posix import fsync_dir, unique_tmp_name, write_all
 
 _KEY_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 _CHUNK = 8 << 20
@@ -80,11 +81,16 @@ def find_collisions(targets: list[ArtifactTarget]) -> tuple[list[tuple[ArtifactT
     return certain, uncertain
 
 
-def collision_message(a: ArtifactTarget, b: ArtifactTarget) -> str:
+def collision_error(a: ArtifactTarget, b: ArtifactTarget, where: str = "on save and on restore",
+                    note: str = "") -> PathCollisionError:
+    return PathCollisionError(collision_message(a, b, where) + note, rank=a.rank, path=a.path)
+
+
+def collision_message(a: ArtifactTarget, b: ArtifactTarget, where: str = "on save and on restore") -> str:
     how = "the same path" if a.path == b.path else "nested paths"
     return (f"rank {a.rank} (files[{a.key!r}] = {a.path}) and rank {b.rank} (files[{b.key!r}] = {b.path}) "
             f"name {how}{'' if a.host != b.host else f' on host {a.host}'}: their files would overwrite each "
-            "other on save and on restore. Give each rank its own directory, e.g. .../rank{RANK}; nothing "
+            f"other {where}. Give each rank its own directory, e.g. .../rank{{RANK}}; nothing "
             "was written.")
 
 
@@ -102,28 +108,60 @@ def probe_anchor(path: str) -> str:
 # -- copy in and out ------------------------------------------------------------------------
 
 
-def _copy_hashing(src: str, dst: str, algorithm: str) -> tuple[int, str]:
+def _store_file(storage: StorageBackend, src: str | bytes, dst: str, algorithm: str) -> tuple[int, str]:
+    """Copy a local file (or bytes already read) into the checkpoint, hashing on the way."""
     hasher = Hasher(algorithm)
-    size = 0
-    buf = bytearray(_CHUNK)
-    view = memoryview(buf)
-    fin = os.open(src, os.O_RDONLY | os.O_CLOEXEC)
+    stream = storage.open_new(dst)
     try:
+        if isinstance(src, bytes):
+            hasher.update(src)
+            stream.write([memoryview(src)])
+            size = len(src)
+        else:
+            size = 0
+            view = memoryview(bytearray(_CHUNK))
+            fin = os.open(src, os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                while n := os.readv(fin, [view]):
+                    hasher.update(view[:n])
+                    stream.write([view[:n]])
+                    size += n
+            finally:
+                os.close(fin)
+        stream.sync()
+    finally:
+        stream.close()
+    return size, hasher.hexdigest()
+
+
+def _restore_file(storage: StorageBackend, src: str, dst: str, expect: FileEntry, algorithm: str) -> None:
+    """Copy a stored file out of the checkpoint to a new local file, checking size and checksum."""
+    handle = storage.open_read(src)
+    try:
+        size = handle.size()
+        if size != expect.size:
+            raise CorruptCheckpointError(f"{src}: {size} bytes, the manifest says {expect.size}. The checkpoint "
+                                         "is corrupt.", path=src)
+        hasher = Hasher(algorithm)
+        view = memoryview(bytearray(min(_CHUNK, max(size, 1))))
         fout = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
         try:
-            while True:
-                n = os.readv(fin, [view])
-                if n == 0:
-                    break
-                hasher.update(view[:n])
-                write_all(fout, view[:n])
-                size += n
+            pos = 0
+            while pos < size:
+                part = view[: min(len(view), size - pos)]
+                handle.read_into([part], pos)
+                hasher.update(part)
+                write_all(fout, [part])
+                pos += len(part)
             os.fsync(fout)
         finally:
             os.close(fout)
     finally:
-        os.close(fin)
-    return size, hasher.hexdigest()
+        handle.close()
+    digest = hasher.hexdigest()
+    if digest != expect.checksum:
+        raise CorruptCheckpointError(
+            f"{src}: checksum {digest}, the manifest says {expect.checksum}. The checkpoint is corrupt.", path=src)
 
 
 def _walk_files(root: str) -> list[str]:
@@ -168,13 +206,8 @@ def snapshot_files(targets: list[ArtifactTarget]) -> list[FileSnapshot]:
     return out
 
 
-def _write_bytes_hashing(data: bytes, dst: str, algorithm: str) -> tuple[int, str]:
-    write_new_file(dst, data)
-    return len(data), checksum(algorithm, data)
-
-
-def store(items: list[ArtifactTarget] | list[FileSnapshot], staging_dir: str, algorithm: str
-          ) -> tuple[list[Artifact], list[FileEntry]]:
+def store(storage: StorageBackend, items: list[ArtifactTarget] | list[FileSnapshot], staging_dir: str,
+          algorithm: str) -> tuple[list[Artifact], list[FileEntry]]:
     """Copy this rank's artifacts (from their paths, or from a snapshot) into the attempt directory."""
     artifacts, entries = [], []
     for it in items:
@@ -193,22 +226,20 @@ def store(items: list[ArtifactTarget] | list[FileSnapshot], staging_dir: str, al
             dst = os.path.join(staging_dir, stored)
             parent = os.path.dirname(dst)
             if parent not in made:
-                os.makedirs(parent, exist_ok=True)
+                storage.makedirs(parent)
                 made.add(parent)
-            if isinstance(src, bytes):
-                size, digest = _write_bytes_hashing(src, dst, algorithm)
-            else:
-                size, digest = _copy_hashing(src, dst, algorithm)
+            size, digest = _store_file(storage, src, dst, algorithm)
             entries.append(FileEntry(stored, size, t.rank, digest))
             pairs.append((rel, stored))
         for d in sorted(made, key=len, reverse=True):
-            fsync_dir(d)
-        os.makedirs(os.path.join(staging_dir, prefix), exist_ok=True)
+            storage.sync_dir(d)
+        storage.makedirs(os.path.join(staging_dir, prefix))
         artifacts.append(Artifact(t.rank, t.key, kind, tuple(pairs)))
     return artifacts, entries
 
 
-def stage_restore(targets: list[ArtifactTarget], manifest: Manifest, checkpoint_dir: str) -> list[tuple[str, str]]:
+def stage_restore(storage: StorageBackend, targets: list[ArtifactTarget], manifest: Manifest,
+                  checkpoint_dir: str) -> list[tuple[str, str]]:
     """Copy this rank's artifacts next to their destinations as verified temp files: [(temp, destination)].
 
     Nothing a user sees changes yet: a corrupt artifact, on this rank or any
@@ -235,14 +266,7 @@ def stage_restore(targets: list[ArtifactTarget], manifest: Manifest, checkpoint_
                 os.makedirs(os.path.dirname(dst) or ".", exist_ok=True)
                 tmp = unique_tmp_name(dst)
                 staged.append((tmp, dst))
-                try:
-                    size, digest = _copy_hashing(src, tmp, manifest.checksum_algorithm)
-                except FileNotFoundError:
-                    raise CorruptCheckpointError(f"{src} is missing: the checkpoint is incomplete", path=src) from None
-                if size != entry.size or digest != entry.checksum:
-                    raise CorruptCheckpointError(
-                        f"{src}: {size} bytes with checksum {digest}, the manifest says {entry.size} bytes with "
-                        f"{entry.checksum}. The checkpoint is corrupt.", path=src)
+                _restore_file(storage, src, tmp, entry, manifest.checksum_algorithm)
     except BaseException:
         abort_restore(staged)
         raise
@@ -258,5 +282,9 @@ def commit_restore(staged: list[tuple[str, str]]) -> None:
 
 def abort_restore(staged: list[tuple[str, str]]) -> None:
     for tmp, _ in staged:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
+        remove_quietly(tmp)
+
+
+def remove_quietly(path: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)

@@ -26,9 +26,9 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from socket import gethostname as hostname
 
-from ckptguard import layout
-from ckptguard.errors import CheckpointError
-from ckptguard.storage.posix import PosixStorage
+from ckptguard.errors import CorruptCheckpointError, LeaseHeldError, LeaseLostError
+from ckptguard.protocol import layout
+from ckptguard.storage import StorageBackend
 
 log = logging.getLogger("ckptguard")
 
@@ -95,7 +95,7 @@ class LeaseRecord:
 class Lease:
     """The lease on one root, held by this rank on behalf of its job (domain leaders only)."""
 
-    def __init__(self, storage: PosixStorage, holder: str, job: str | None, ttl_s: float) -> None:
+    def __init__(self, storage: StorageBackend, holder: str, job: str | None, ttl_s: float) -> None:
         self.storage = storage
         self.path = storage.path(layout.LEASE)
         self.holder = holder
@@ -113,10 +113,14 @@ class Lease:
                            acquired_at or now, now, self.ttl_s)
 
     def read(self) -> LeaseRecord | None:
+        versioned = self._read_versioned()
+        return LeaseRecord.from_bytes(versioned[0]) if versioned is not None else None
+
+    def _read_versioned(self) -> tuple[bytes, str] | None:
         try:
-            return LeaseRecord.from_bytes(self.storage.read_bytes(self.path))
-        except FileNotFoundError:
-            return None
+            return self.storage.read_versioned(self.path)
+        except CorruptCheckpointError:  # not a regular file, or absurdly large: garbage, judged by age
+            return b"", "garbage"
 
     def _holder_gone(self, rec: LeaseRecord) -> str | None:
         """Why the current holder can be replaced right now, or None."""
@@ -146,26 +150,27 @@ class Lease:
                 if self.storage.create_exclusive(self.path, self._record(1).to_bytes()):
                     self.epoch = 1
                     break
-            rec = self.read()
+            versioned = self._read_versioned()
+            if versioned is None:
+                continue
+            rec = LeaseRecord.from_bytes(versioned[0])
             if rec is None:
-                # Unreadable lease: a writer is mid-rename, or the file is garbage. Judge by age.
-                mtime = _mtime(self.path)
+                # Unreadable lease: garbage (records are replaced atomically). Judge by age.
+                mtime = self.storage.mtime(self.path)
                 if mtime is not None and time.time() - mtime > self.ttl_s:
                     rec = LeaseRecord("?", None, "?", 0, "", 0, mtime, mtime, self.ttl_s)
             if rec is not None and self._holder_gone(rec) is not None:
                 epoch = rec.epoch + 1
                 if fence is not None:
                     fence()
-                self.storage.write_bytes_atomic(self.path, self._record(epoch).to_bytes())
-                time.sleep(0.05)  # let a concurrent taker's write land, then see who won
-                now = self.read()
-                if now is not None and now.holder == self.holder and now.epoch == epoch:
+                # Compare-and-swap on the version read: of two jobs taking over at once, one wins.
+                if self.storage.compare_and_swap(self.path, self._record(epoch).to_bytes(), versioned[1]):
                     self.epoch = epoch
                     break
                 continue
             if time.monotonic() >= deadline:
                 who = rec.describe() if rec is not None else "an unreadable lease file"
-                raise CheckpointError(
+                raise LeaseHeldError(
                     f"checkpoint root {self.storage.root} is in use by {who}. Two jobs must not "
                     f"write to one root. If that job is dead, this one can take over once its lease "
                     f"expires (after {self.ttl_s:.0f} s without renewal), or delete {self.path} by hand "
@@ -194,12 +199,16 @@ class Lease:
         with self._lock:
             if self._lost:
                 return
-            rec = self.read()
-            if rec is None or rec.holder != self.holder or rec.epoch != self.epoch:
+            versioned = self._read_versioned()
+            rec = LeaseRecord.from_bytes(versioned[0]) if versioned is not None else None
+            if versioned is None or rec is None or rec.holder != self.holder or rec.epoch != self.epoch:
                 self._lost = f"another job took over the root: {rec.describe() if rec else 'lease file gone'}"
                 return
             fresh = self._record(self.epoch, rec.acquired_at)
-            self.storage.write_bytes_atomic(self.path, fresh.to_bytes())
+            # Only over the very record read: a takeover between the read and the write wins.
+            if not self.storage.compare_and_swap(self.path, fresh.to_bytes(), versioned[1]):
+                now = self.read()
+                self._lost = f"another job took over the root: {now.describe() if now else 'lease file gone'}"
 
     def check(self) -> None:
         """Raise unless this job still holds the lease (called before every save and publish)."""
@@ -214,7 +223,7 @@ class Lease:
             except OSError as e:
                 log.warning("ckptguard: renewing the lease on %s failed: %s", self.storage.root, e)
         if lost:
-            raise CheckpointError(
+            raise LeaseLostError(
                 f"this job no longer holds the lease on {self.storage.root} ({lost}); refusing to publish "
                 "so that two jobs never write one root.",
                 path=self.path,
@@ -228,15 +237,8 @@ class Lease:
         with self._lock:
             rec = self.read()
             if rec is not None and rec.holder == self.holder and rec.epoch == self.epoch:
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(self.path)
-
-
-def _mtime(path: str) -> float | None:
-    try:
-        return os.stat(path).st_mtime
-    except FileNotFoundError:
-        return None
+                with contextlib.suppress(OSError):
+                    self.storage.delete(self.path)
 
 
 def new_holder_id() -> str:

@@ -12,11 +12,11 @@ import os
 import time
 from dataclasses import dataclass
 
-from ckptguard import layout
-from ckptguard.errors import CheckpointError, CorruptCheckpointError
-from ckptguard.layout import CheckpointName
-from ckptguard.manifest import FileEntry, Manifest
-from ckptguard.storage.posix import PosixStorage, fsync_dir
+from ckptguard.errors import CheckpointError, CorruptCheckpointError, NotVisibleError
+from ckptguard.protocol import layout
+from ckptguard.protocol.layout import CheckpointName
+from ckptguard.protocol.manifest import FileEntry, Manifest
+from ckptguard.storage import StorageBackend
 
 
 @dataclass(frozen=True)
@@ -30,7 +30,7 @@ class Garbage:
 
 
 class CheckpointRoot:
-    def __init__(self, storage: PosixStorage) -> None:
+    def __init__(self, storage: StorageBackend) -> None:
         self.storage = storage
 
     @property
@@ -91,10 +91,9 @@ class CheckpointRoot:
 
     def read_latest(self) -> dict[str, object] | None:
         try:
-            data = json.loads(self.storage.read_bytes(self.storage.path(layout.LATEST)))
-        except (FileNotFoundError, ValueError):
+            return _latest_body(self.storage.read_bytes(self.storage.path(layout.LATEST)))
+        except (FileNotFoundError, CorruptCheckpointError):
             return None
-        return data if isinstance(data, dict) and isinstance(data.get("step"), int) else None
 
     def garbage(self, keep_attempts: set[str] = frozenset(), min_probe_age_s: float = 600.0) -> Garbage:
         staging = []
@@ -107,11 +106,9 @@ class CheckpointRoot:
         now = time.time()
         for entry in self.storage.listdir(self.storage.path(layout.PROBE)):
             p = self.storage.path(layout.PROBE, entry)
-            try:
-                if now - os.stat(p).st_mtime > min_probe_age_s:
-                    probes.append(p)
-            except FileNotFoundError:
-                pass
+            mtime = self.storage.mtime(p)
+            if mtime is not None and now - mtime > min_probe_age_s:
+                probes.append(p)
         current = self.current()
         superseded = [self.dir(n) for n in self.committed() if current[n.step] != n]
         return Garbage(staging, trash, probes, superseded)
@@ -120,10 +117,10 @@ class CheckpointRoot:
     def make_staging(self, step: int, attempt: str) -> str:
         path = self.staging_dir(step, attempt)
         self.storage.makedirs(os.path.dirname(path))
-        self.storage.mkdir_durable(path)
+        self.storage.make_dir_durable(path)
         for sub in (layout.DATA_DIR, layout.FILES_DIR):
-            os.mkdir(os.path.join(path, sub))
-        fsync_dir(path)
+            self.storage.makedirs(os.path.join(path, sub))
+        self.storage.sync_dir(path)
         return path
 
     def wait_files_visible(self, base: str, files: list[FileEntry], timeout: float) -> None:
@@ -143,21 +140,16 @@ class CheckpointRoot:
         while True:
             for d in list(pending):
                 want = pending[d]
-                try:
-                    with os.scandir(os.path.join(base, d)) as it:
-                        for entry in it:
-                            size = want.get(entry.name)
-                            if size is not None and entry.stat(follow_symlinks=False).st_size == size:
-                                del want[entry.name]
-                except FileNotFoundError:
-                    pass
+                for entry, seen in self.storage.sizes_in(os.path.join(base, d)).items():
+                    if want.get(entry) == seen:
+                        del want[entry]
                 if not want:
                     del pending[d]
             if not pending:
                 return
             if time.monotonic() >= deadline:
                 missing = [os.path.join(base, d, n) for d, names in pending.items() for n in names]
-                raise CheckpointError(
+                raise NotVisibleError(
                     f"{len(missing)} file(s) of this checkpoint are not visible with the right size after "
                     f"{timeout:.0f} s, e.g. {missing[0]}: a writer failed, or this node's view of the shared "
                     "filesystem is stale for longer than visibility_timeout_s.", path=missing[0])
@@ -165,26 +157,35 @@ class CheckpointRoot:
             delay = min(delay * 2, 1.0)
 
     def write_manifest(self, staging: str, manifest: Manifest) -> None:
-        self.storage.write_bytes_atomic(os.path.join(staging, layout.MANIFEST), manifest.to_json())
+        self.storage.replace(os.path.join(staging, layout.MANIFEST), manifest.to_json())
 
     def publish(self, staging: str, name: CheckpointName) -> None:
         """The commit point: the attempt directory becomes the checkpoint, atomically."""
         try:
-            self.storage.rename_noreplace(staging, self.dir(name))
+            self.storage.publish(staging, self.dir(name))
         except FileExistsError:
             raise CheckpointError(
                 f"{self.dir(name)} appeared while this save was in progress: another writer is active on "
                 f"{self.path}", path=self.dir(name)) from None
 
     def move_latest(self, name: CheckpointName) -> bool:
-        """Point `latest` at ``name`` unless it already points at a newer step (never backwards)."""
-        cur = self.read_latest()
-        if cur is not None and int(cur["step"]) > name.step and \
-                CheckpointName.parse(str(cur.get("dir", ""))) in self.committed():
-            return False
-        body = {"step": name.step, "dir": name.dirname, "updated_at": time.time()}
-        self.storage.write_bytes_atomic(self.storage.path(layout.LATEST), (json.dumps(body) + "\n").encode())
-        return True
+        """Point `latest` at ``name`` unless it already points at a newer step (never backwards).
+
+        Compare-and-swap on the pointer's version: a writer that read an older
+        pointer cannot overwrite a newer one written meanwhile.
+        """
+        path = self.storage.path(layout.LATEST)
+        for _ in range(16):
+            current = self.storage.read_versioned(path)
+            cur = _latest_body(current[0]) if current is not None else None
+            if cur is not None and int(cur["step"]) > name.step and \
+                    CheckpointName.parse(str(cur.get("dir", ""))) in self.committed():
+                return False
+            body = {"step": name.step, "dir": name.dirname, "updated_at": time.time()}
+            if self.storage.compare_and_swap(path, (json.dumps(body) + "\n").encode(),
+                                             current[1] if current is not None else None):
+                return True
+        raise CheckpointError(f"could not move {path}: it kept changing under this job", path=path)
 
     def fence_staging(self) -> None:
         """Move the whole staging directory away (before taking the root's lease).
@@ -207,7 +208,7 @@ class CheckpointRoot:
         self.storage.makedirs(trash_root)
         target = os.path.join(trash_root, f"{os.path.basename(path)}.{os.urandom(6).hex()}")
         try:
-            self.storage.rename_noreplace(path, target)
+            self.storage.publish(path, target)
         except FileNotFoundError:
             return None
         return target
@@ -217,3 +218,11 @@ class CheckpointRoot:
         retired = self.retire(path)
         if retired is not None:
             self.storage.remove_tree(retired)
+
+
+def _latest_body(data: bytes) -> dict[str, object] | None:
+    try:
+        body = json.loads(data)
+    except ValueError:
+        return None
+    return body if isinstance(body, dict) and isinstance(body.get("step"), int) else None

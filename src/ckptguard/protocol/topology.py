@@ -15,15 +15,16 @@ decision is always made from what ranks actually saw.
 
 from __future__ import annotations
 
+import functools
 import os
 import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from ckptguard import layout
-from ckptguard.comm import Comm, agree, hostname
-from ckptguard.errors import CheckpointError
-from ckptguard.storage.posix import PosixStorage
+from ckptguard.comm import Comm, hostname
+from ckptguard.errors import StorageError
+from ckptguard.protocol import layout
+from ckptguard.storage import StorageBackend
 
 Ranges = list[tuple[int, int]]  # sorted half-open [start, end) ranges of ranks
 
@@ -105,64 +106,61 @@ def host_domains(comm: Comm) -> Topology:
 
 
 def _all_hosts(comm: Comm) -> list[str]:
-    gathered = comm.gather(hostname())
-    return comm.broadcast(gathered)
+    hosts: list[str] = comm.step("report its host name", hostname, lambda names: names)
+    return hosts
 
 
-def probe_storage_domains(comm: Comm, storage: PosixStorage, attempts: int = 3,
+def probe_storage_domains(comm: Comm, storage: StorageBackend, attempts: int = 3,
                           probe_prefix: str = layout.PROBE + "/") -> Topology:
     """Run the probe (collective). Raises CheckpointError if a rank cannot write to the root.
 
     Probe directories are ``ROOT/<probe_prefix><nonce>``.
     """
     hosts = _all_hosts(comm)
+    host_first = {h: r for r, h in reversed(list(enumerate(hosts)))}
+    my_first = host_first[hosts[comm.rank]]
     last_problem = ""
     for _ in range(attempts):
-        nonce = comm.broadcast(uuid.uuid4().hex if comm.rank == 0 else None)
+        nonce: str = comm.step("start a storage probe", decide_fn=lambda _: uuid.uuid4().hex)
         probe_dir = storage.path(probe_prefix + nonce)
-        # 1. every rank leaves a mark
-        err = _leave_mark(storage, probe_dir, comm.rank, nonce)
-        agree(comm, err, "write a probe file into the checkpoint root")
-        # 2. look (collectively agreed barrier above means every mark is written)
-        host_first = {h: r for r, h in reversed(list(enumerate(hosts)))}
-        my_first = host_first[hosts[comm.rank]]
-        report: dict[str, Any]
-        if comm.rank == my_first or not _sees(storage, probe_dir, my_first, nonce):
-            report = {"lister": True, "seen": to_ranges(_list_marks(storage, probe_dir, nonce))}
-        else:
-            report = {"lister": False, "sees_host_first": True}
-        reports = comm.gather(report)
-        decision: tuple[tuple[tuple[int, ...], ...], str] | None = None
-        if comm.rank == 0:
-            assert reports is not None
-            decision = _decide(reports, hosts, host_first)
-        domains, problem = comm.broadcast(decision)
+        # 1. every rank leaves a mark; the agreement means every mark is written
+        comm.step("write a probe file into the checkpoint root",
+                  functools.partial(_leave_mark, storage, probe_dir, comm.rank, nonce), where=storage.root)
+        # 2. look
+        domains, problem = comm.step("look for the other ranks' probe files",
+                                     functools.partial(_look, storage, probe_dir, comm.rank, my_first, nonce),
+                                     lambda reports: _decide(reports, hosts, host_first), where=storage.root)
         # 3. clean up: each domain leader removes the probe directory it sees
         if domains and comm.rank in (d[0] for d in domains):
             storage.remove_tree(probe_dir)
         if domains:
-            return Topology(comm.rank, comm.world_size, domains, tuple(hosts))
+            return Topology(comm.rank, comm.world_size, tuple(tuple(d) for d in domains), tuple(hosts))
         last_problem = problem
-    raise CheckpointError(
+    raise StorageError(
         f"ranks disagree about which of them share the checkpoint root {storage.root} "
         f"after {attempts} probes: {last_problem}. This happens when a shared filesystem's "
         "caches are inconsistent for longer than the probe; check the mount options."
     )
 
 
-def _leave_mark(storage: PosixStorage, probe_dir: str, rank: int, nonce: str) -> BaseException | None:
+def _leave_mark(storage: StorageBackend, probe_dir: str, rank: int, nonce: str) -> None:
+    storage.makedirs(probe_dir)
+    stream = storage.open_new(os.path.join(probe_dir, f"rank-{rank}"))
     try:
-        storage.makedirs(probe_dir)
-        path = os.path.join(probe_dir, f"rank-{rank}")
-        with storage.open_exclusive(path) as fd:
-            os.write(fd, f"{nonce}:{rank}".encode())
-            os.fsync(fd)
-    except Exception as e:  # every failure must reach the agreement
-        return e
-    return None
+        stream.write([memoryview(f"{nonce}:{rank}".encode())])
+        stream.sync()
+    finally:
+        stream.close()
 
 
-def _sees(storage: PosixStorage, probe_dir: str, rank: int, nonce: str) -> bool:
+def _look(storage: StorageBackend, probe_dir: str, rank: int, host_first: int, nonce: str) -> dict[str, Any]:
+    """Its host's first rank (or a rank that cannot see that one's mark) lists; the others just look it up."""
+    if rank == host_first or not _sees(storage, probe_dir, host_first, nonce):
+        return {"lister": True, "seen": to_ranges(_list_marks(storage, probe_dir))}
+    return {"lister": False, "sees_host_first": True}
+
+
+def _sees(storage: StorageBackend, probe_dir: str, rank: int, nonce: str) -> bool:
     try:
         data = storage.read_bytes(os.path.join(probe_dir, f"rank-{rank}"))
     except FileNotFoundError:
@@ -170,7 +168,7 @@ def _sees(storage: PosixStorage, probe_dir: str, rank: int, nonce: str) -> bool:
     return data == f"{nonce}:{rank}".encode()
 
 
-def _list_marks(storage: PosixStorage, probe_dir: str, nonce: str) -> list[int]:
+def _list_marks(storage: StorageBackend, probe_dir: str) -> list[int]:
     seen = []
     for name in storage.listdir(probe_dir):
         if name.startswith("rank-") and name[5:].isdigit():

@@ -1,0 +1,80 @@
+"""Every private torch API ckptguard uses, in one place, checked against the torch versions tested.
+
+DCP's public surface lacks a few things ckptguard needs (writing a loaded
+object back into a nested state dict, DCP's own host-staging helpers, its
+class-level plan caches, the global save plan without the coordinator's
+collectives). Private APIs change without notice between releases, so they are
+imported only here; ``check_torch_version`` names the versions they were
+tested with when one has moved, instead of failing deep inside a save.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint import SavePlanner
+
+#: torch releases the private APIs below were tested with (tests/test_torch_private.py).
+TESTED_TORCH = ("2.13", "2.14")
+
+_CACHE_ATTRS = ("_cached_save_plan", "_cached_all_plans", "_cached_global_plan", "_cached_metadata",
+                "_cached_final_save_plan")
+
+
+class TorchVersionError(ImportError):
+    """A private torch API ckptguard depends on is missing from the installed torch."""
+
+
+def _missing(what: str, err: BaseException) -> TorchVersionError:
+    return TorchVersionError(
+        f"ckptguard needs {what}, which torch {torch.__version__} does not provide ({err}). ckptguard was "
+        f"tested with torch {', '.join(TESTED_TORCH)}: install one of those, or a ckptguard release that "
+        "supports this torch.")
+
+
+try:
+    # DCP's own helper for writing a loaded object back into the nested state dict.
+    from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
+    from torch.distributed.checkpoint._traverse import set_element
+except ImportError as e:  # pragma: no cover - depends on the installed torch
+    raise _missing("torch.distributed's private state-dict helpers", e) from e
+
+
+def check_torch_version() -> None:
+    """Raise TorchVersionError if a private API this module wraps is gone from the installed torch."""
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+    if not hasattr(DefaultSavePlanner, "_create_global_plan"):
+        raise _missing("DefaultSavePlanner._create_global_plan", AttributeError("missing"))
+    for name in _CACHE_ATTRS:
+        if not isinstance(getattr(SavePlanner, name, None), dict):
+            raise _missing(f"SavePlanner.{name} (DCP's plan cache)", AttributeError("missing"))
+
+
+def forget_cached_plans(key: str) -> None:
+    """Drop DCP's class-level cached save plans stored under ``key``."""
+    for name in _CACHE_ATTRS:
+        cache = getattr(SavePlanner, name, None)
+        if isinstance(cache, dict):
+            cache.pop(key, None)
+
+
+def set_nested_element(root: Any, path: Any, value: Any) -> None:
+    """Write ``value`` at DCP's flattened ``path`` inside the nested state dict ``root``."""
+    set_element(root, path, value)
+
+
+def create_cpu_state_dict(state_dict: dict[str, Any], pin_memory: bool) -> dict[str, Any]:
+    """Host buffers shaped like ``state_dict`` (DCP's async staging helper)."""
+    out: dict[str, Any] = _create_cpu_state_dict(state_dict, pin_memory=pin_memory)
+    return out
+
+
+def copy_state_dict(state_dict: dict[str, Any], into: dict[str, Any]) -> dict[str, Any]:
+    """Copy ``state_dict``'s tensors into the buffers ``into`` (DCP's async staging helper)."""
+    out: dict[str, Any] = _copy_state_dict(state_dict, into, non_blocking=True, type_check=False)
+    return out
+
+
+check_torch_version()

@@ -1,0 +1,170 @@
+"""DCP planners for ckptguard: replicated tensors once per storage domain, per-rank values caught,
+objects loaded without running code.
+"""
+
+from __future__ import annotations
+
+import io
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import replace
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint import (
+    DefaultLoadPlanner,
+    DefaultSavePlanner,
+    LoadPlan,
+    Metadata,
+    SavePlan,
+)
+from torch.distributed.checkpoint.default_planner import create_default_local_load_plan
+from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
+from torch.distributed.checkpoint.planner import LoadItemType, ReadItem, WriteItem, WriteItemType
+
+from ckptguard.checksum import checksum
+from ckptguard.dcp import _torch_private
+from ckptguard.dcp.codec import tensor_bytes
+from ckptguard.errors import UnsafeObjectError
+
+
+class DomainSavePlanner(DefaultSavePlanner):
+    """DCP's planner, with replicated tensors written once per storage domain, not once per job.
+
+    DCP deduplicates replicated tensors across all ranks, which assumes one
+    shared filesystem. With node-local disks each domain must hold its own copy,
+    or a node could not load the replicated parameters (DDP) from its own disk.
+    """
+
+    def __init__(self, domain_of_rank: Sequence[int], cache_key: str) -> None:
+        # DCP's plan caching: when no rank's plan changed since the last save (the usual case:
+        # same model, same shapes), ranks send empty plans and the coordinator reuses the global
+        # plan. The cache is class-level in DCP; the key keeps Checkpointers (and their storage
+        # domains, which shape the global plan) apart.
+        super().__init__(dedup_save_to_lowest_rank=False, enable_plan_caching=True)
+        self.domain_of_rank = list(domain_of_rank)
+        self._cached_plans_key = plan_cache_key(cache_key)
+
+    def create_local_plan(self) -> SavePlan:
+        sent = super().create_local_plan()
+        self.local_plan = self.plan  # the full plan, even when caching sends an empty one
+        return sent
+
+    def replicated_digests(self) -> dict[str, str]:
+        """See replicated_digests(); computed from this rank's plan before deduplication."""
+        return replicated_digests(self.local_plan, self.state_dict)
+
+    def _create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
+        global_plan, metadata = super()._create_global_plan(all_plans)
+        if len(set(self.domain_of_rank)) <= 1:
+            return global_plan, metadata
+        canonical: dict[MetadataIndex, tuple[int, WriteItem]] = {}
+        for rank, plan in enumerate(global_plan):
+            for item in plan.items:
+                canonical[item.index] = (rank, item)
+        extra: dict[int, list[WriteItem]] = defaultdict(list)
+        covered: set[tuple[MetadataIndex, int]] = {(i, self.domain_of_rank[r]) for i, (r, _) in canonical.items()}
+        for rank, plan in enumerate(all_plans):
+            dom = self.domain_of_rank[rank]
+            for item in plan.items:
+                key = (item.index, dom)
+                if key not in covered:
+                    covered.add(key)
+                    extra[rank].append(canonical[item.index][1])
+        global_plan = [replace(p, items=p.items + extra[r]) if extra.get(r) else p
+                       for r, p in enumerate(global_plan)]
+        return global_plan, metadata
+
+
+_DIGEST_LIMIT = 64 << 10
+
+
+def plan_cache_key(instance: str) -> str:
+    return f"ckptguard:{instance}"
+
+
+def forget_cached_plans(instance: str) -> None:
+    """Drop DCP's class-level cached plans of one Checkpointer (after a failed save, and at close)."""
+    _torch_private.forget_cached_plans(plan_cache_key(instance))
+
+
+def replicated_digests(plan: SavePlan, state_dict: dict[str, Any]) -> dict[str, str]:
+    """Checksums of this rank's small non-sharded values, to catch values that differ across ranks.
+
+    DCP treats every plain tensor and object as replicated and keeps one rank's
+    copy: a per-rank value (an RNG state, a data-loader position) saved that way
+    silently comes back as another rank's. Small values are where that happens;
+    large ones are model weights, identical by construction under DDP.
+    """
+    out: dict[str, str] = {}
+    for item in plan.items:
+        if item.type == WriteItemType.SHARD:
+            continue
+        obj = state_dict.get(item.index.fqn)
+        if isinstance(obj, torch.Tensor):
+            if obj.numel() * obj.element_size() <= _DIGEST_LIMIT and type(obj) is torch.Tensor:
+                mv, _ = tensor_bytes(obj)
+                out[item.index.fqn] = checksum("xxh3-64", mv)
+        elif item.type == WriteItemType.BYTE_IO:
+            buf = io.BytesIO()
+            torch.save(obj, buf)
+            if buf.tell() <= _DIGEST_LIMIT:
+                out[item.index.fqn] = checksum("xxh3-64", buf.getbuffer())
+    return out
+
+
+def check_replicated(digests: list[dict[str, str]]) -> str | None:
+    """Rank 0: the first plain value that differs across ranks, as an error message, or None."""
+    first: dict[str, tuple[int, str]] = {}
+    for rank, mine in enumerate(digests):
+        for fqn, digest in mine.items():
+            seen = first.setdefault(fqn, (rank, digest))
+            if seen[1] != digest:
+                return (f"{fqn!r} differs between rank {seen[0]} and rank {rank}, but it is a plain value, which "
+                        f"DCP stores once for all ranks: every rank would load rank {seen[0]}'s copy. Wrap "
+                        "per-rank state in ckptguard.PerRank(...) (e.g. RNG states, data loader positions), or "
+                        "make it identical on every rank.")
+    return None
+
+
+class SafeLoadPlanner(DefaultLoadPlanner):
+    """DCP's load planner with objects loaded by torch.load(weights_only=True): no code runs on load.
+
+    Planning is also faster in the common case: a plain tensor stored whole, as
+    one chunk of the same shape, gets its read item directly; everything else
+    (DTensor shards, resharding, size mismatches, missing keys) goes through
+    DCP's general planner.
+    """
+
+    def create_local_plan(self) -> LoadPlan:
+        assert self.metadata is not None
+        stored = self.metadata.state_dict_metadata
+        direct: list[ReadItem] = []
+        rest: dict[str, Any] = {}
+        for fqn, obj in self.state_dict.items():
+            md = stored.get(fqn)
+            if (type(obj) is torch.Tensor and isinstance(md, TensorStorageMetadata) and len(md.chunks) == 1
+                    and md.chunks[0].sizes == md.size == obj.size() and not any(md.chunks[0].offsets)):
+                zero = md.chunks[0].offsets
+                index = MetadataIndex(fqn, zero)
+                direct.append(ReadItem(type=LoadItemType.TENSOR, dest_index=index, dest_offsets=zero,
+                                       storage_index=index, storage_offsets=zero, lengths=md.size))
+            else:
+                rest[fqn] = obj
+        general = create_default_local_load_plan(rest, self.metadata, not self.allow_partial_load)
+        return LoadPlan(direct + general.items)
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        try:
+            obj = torch.load(value, weights_only=True)
+        except Exception as e:
+            raise UnsafeObjectError(
+                f"refusing to load object {read_item.dest_index.fqn!r}: it is not a tensor or plain "
+                f"Python value ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}). "
+                "ckptguard never unpickles arbitrary objects from a checkpoint; register classes you "
+                "trust with torch.serialization.add_safe_globals([...]) or store their state_dict()."
+            ) from None
+        if self.flatten_state_dict:
+            _torch_private.set_nested_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
+        else:
+            self.state_dict[read_item.dest_index.fqn] = obj

@@ -1,0 +1,243 @@
+"""DCP StorageWriter for ckptguard: tensor bytes from their memory straight to new files.
+
+Several files per rank, written by several threads, each item checksummed while
+the file is flushed to disk; files are created exclusively through the storage
+backend (one writer per path). The commit is ckptguard's own protocol.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint import Metadata, SavePlan, SavePlanner, StorageWriter
+from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
+from torch.distributed.checkpoint.storage import WriteResult
+
+from ckptguard._faults import FaultPhase, fault_point
+from ckptguard.checksum import checksum
+from ckptguard.dcp.codec import dtype_name, tensor_bytes
+from ckptguard.errors import from_os_error
+from ckptguard.protocol import layout
+from ckptguard.protocol.manifest import FileEntry, StoredItem
+from ckptguard.storage import StorageBackend, WriteStream
+
+
+@dataclass
+class WriteOutcome:
+    """What this rank wrote, for the commit (filled by write_data)."""
+
+    files: list[FileEntry] = field(default_factory=list)
+    extra: Any = None  # what the pre-write hook returned (artifacts)
+
+
+class GuardedWriter(StorageWriter):
+    def __init__(
+        self,
+        storage: StorageBackend,
+        staging_dir: str,
+        rank: int,
+        algorithm: str,
+        io_threads: int = 4,
+        before_write: Callable[[], Any] | None = None,
+        error_root: str | None = None,
+        on_bytes: Callable[[int], None] | None = None,
+    ) -> None:
+        super().__init__()
+        self.storage = storage
+        self.error_root = error_root
+        self.on_bytes = on_bytes
+        self.staging_dir = staging_dir
+        self.rank = rank
+        self.algorithm = algorithm
+        self.io_threads = max(1, io_threads)
+        self.before_write = before_write
+        self.outcome = WriteOutcome()
+        self.metadata: Metadata | None = None  # rank 0, after planning
+        self.digests: dict[str, str] = {}
+        self.plan: SavePlan | None = None  # this rank's part of the global plan
+        self.stored: list[StoredItem] = []  # where this rank put each of its items
+        self.error: BaseException | None = None  # a write failure, reported at the commit
+
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        pass
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        self.is_coordinator = is_coordinator
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        return plans
+
+    def storage_meta(self) -> None:
+        return None
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        return False
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> torch.futures.Future[list[WriteResult]]:
+        fault_point(FaultPhase.BEFORE_WRITE, self.rank)
+        if self.before_write is not None:
+            self.outcome.extra = self.before_write()
+        buffers: list[tuple[WriteItem, memoryview, Any]] = []
+        for item in plan.items:
+            data = planner.resolve_data(item)
+            if item.type == WriteItemType.BYTE_IO:
+                assert isinstance(data, io.BytesIO)
+                buffers.append((item, data.getbuffer(), data))
+            else:
+                assert isinstance(data, torch.Tensor)
+                mv, owner = tensor_bytes(data)
+                buffers.append((item, mv, owner))
+        buckets = _balance(buffers, self.io_threads)
+        results: list[WriteResult] = []
+        files: list[FileEntry] = []
+        total = sum(len(b[1]) for b in buffers)
+        written = [0]
+
+        def write_bucket(index: int, bucket: list[tuple[WriteItem, memoryview, Any]]) -> None:
+            rel = layout.data_file(self.rank, index)
+            path = os.path.join(self.staging_dir, rel)
+            offset = 0
+            out: list[WriteResult] = []
+            stream = self.storage.open_new(path)
+            try:
+                batch = _Batch(stream)
+                placed: list[tuple[WriteItem, memoryview, Any, int]] = []
+                for item, mv, owner in bucket:
+                    batch.add(mv)
+                    placed.append((item, mv, owner, offset))
+                    offset += len(mv)
+                    if index == 0 and not written[0] and offset * 2 * len(buckets) >= total:
+                        batch.flush()
+                        written[0] = 1
+                        fault_point(FaultPhase.MID_WRITE, self.rank)
+                    if self.on_bytes is not None:
+                        self.on_bytes(len(mv))
+                batch.flush()
+                # The bytes are in the page cache now. The disk takes longer to absorb them than the
+                # CPU takes to checksum them (from the same memory, which nothing changes during a
+                # save): flush and checksum at the same time, and checksumming costs ~nothing.
+                flushed: list[BaseException] = []
+                flusher = threading.Thread(target=_sync_noting_errors, args=(stream, flushed),
+                                           name="ckptguard-fsync")
+                flusher.start()
+                try:
+                    for item, mv, owner, at in placed:
+                        digest = checksum(self.algorithm, mv)
+                        out.append(WriteResult(index=item.index, size_in_bytes=len(mv),
+                                               storage_data=_stored(item, owner, rel, at, len(mv), digest)))
+                finally:
+                    flusher.join()
+                if flushed:
+                    raise flushed[0]
+            finally:
+                stream.close()
+            results.extend(out)
+            files.append(FileEntry(rel, offset, self.rank))
+
+        try:
+            if len(buckets) <= 1:  # nothing to write on this rank (all deduplicated elsewhere), or one file
+                for b in buckets:
+                    write_bucket(0, b)
+            else:
+                with ThreadPoolExecutor(len(buckets), thread_name_prefix="ckptguard-write") as pool:
+                    for f in [pool.submit(write_bucket, i, b) for i, b in enumerate(buckets)]:
+                        f.result()
+            if buckets:
+                self.storage.sync_dir(os.path.join(self.staging_dir, layout.DATA_DIR))
+        except OSError as e:  # with what this rank needed, which the disk-full message reports
+            raise from_os_error(e, self.staging_dir, self.rank, needed_bytes=total, root=self.error_root) from e
+        fault_point(FaultPhase.AFTER_WRITE, self.rank)
+        self.outcome.files = sorted(files, key=lambda f: f.path)
+        fut: torch.futures.Future[list[WriteResult]] = torch.futures.Future()
+        fut.set_result(results)
+        return fut
+
+    def write_planned(self, planner: SavePlanner) -> None:
+        """Write this rank's part of the plan made by plan_collectively()."""
+        assert self.plan is not None
+        results = self.write_data(planner.finish_plan(self.plan), planner).wait()
+        self.stored = [r.storage_data for r in results]
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        # Part of DCP's interface; the commit is ckptguard's own protocol (Checkpointer._commit).
+        self.metadata = metadata
+
+
+def _sync_noting_errors(stream: WriteStream, errors: list[BaseException]) -> None:
+    try:
+        stream.sync()
+    except OSError as e:
+        errors.append(e)
+
+
+class _Batch:
+    """Small items go to the file in one writev() per batch; large ones straight through."""
+
+    MAX_IOV = 512
+    MAX_BYTES = 8 << 20
+
+    def __init__(self, stream: WriteStream) -> None:
+        self.stream = stream
+        self.views: list[memoryview] = []
+        self.bytes = 0
+
+    def add(self, mv: memoryview) -> None:
+        if len(mv) >= self.MAX_BYTES:
+            self.flush()
+            self.stream.write([mv])
+            return
+        if not len(mv):
+            return
+        self.views.append(mv)
+        self.bytes += len(mv)
+        if len(self.views) >= self.MAX_IOV or self.bytes >= self.MAX_BYTES:
+            self.flush()
+
+    def flush(self) -> None:
+        if self.views:
+            self.stream.write(self.views)
+        self.views = []
+        self.bytes = 0
+
+
+def _stored(item: WriteItem, owner: Any, rel: str, offset: int, length: int, digest: str) -> StoredItem:
+    offsets = tuple(int(x) for x in item.index.offset) if item.index.offset is not None else None
+    if item.type == WriteItemType.BYTE_IO:
+        return StoredItem(item.index.fqn, offsets, rel, offset, length, digest)
+    assert isinstance(owner, torch.Tensor)
+    return StoredItem(item.index.fqn, offsets, rel, offset, length, digest,
+                      dtype=dtype_name(owner.dtype), shape=tuple(owner.shape))
+
+
+_MIN_BYTES_PER_FILE = 32 << 20
+
+
+def _balance(buffers: list[tuple[WriteItem, memoryview, Any]], n: int
+             ) -> list[list[tuple[WriteItem, memoryview, Any]]]:
+    """Split items into at most n files of similar size (largest first into the lightest).
+
+    Small states go to one file: a thread per file only pays off once each file
+    is large enough to keep the disk busy.
+    """
+    if not buffers:
+        return []
+    total = sum(len(b[1]) for b in buffers)
+    n = max(1, min(n, len(buffers), -(-total // _MIN_BYTES_PER_FILE)))
+    buckets: list[list[tuple[WriteItem, memoryview, Any]]] = [[] for _ in range(n)]
+    sizes = [0] * n
+    for b in sorted(buffers, key=lambda b: -len(b[1])):
+        i = sizes.index(min(sizes))
+        buckets[i].append(b)
+        sizes[i] += len(b[1])
+    return [b for b in buckets if b]

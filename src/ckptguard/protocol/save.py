@@ -1,0 +1,303 @@
+"""One save, phase by phase; every phase a local action followed by an agreement (``Comm.step``).
+
+    plan      leaders read their root (lease, existing versions); rank 0 decides
+              the attempt name, the version and checks that no two ranks' paths
+              collide: nothing is written before this is agreed
+    stage     leaders create a fresh attempt directory in .ckptguard/staging
+    write     every rank writes and syncs its part (DCP plans, our writer does I/O)
+    commit    rank 0 builds one manifest per storage domain; each leader waits
+              until every file is visible with its size, writes the manifest,
+              publishes the attempt and syncs the parent
+    finish    once every domain has published: `latest` moves, retention and
+              clean-up of leftovers run, by leaders only
+
+A failure on any rank makes every rank raise at the same step; the previous
+checkpoint is untouched and the attempt is removed.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from ckptguard._faults import FaultPhase, fault_point
+from ckptguard.comm import agreed_failures
+from ckptguard.dcp.codec import metadata_to_json
+from ckptguard.dcp.drive import plan_collectively
+from ckptguard.dcp.planners import DomainSavePlanner, check_replicated, forget_cached_plans
+from ckptguard.dcp.writer import GuardedWriter
+from ckptguard.errors import CheckpointError
+from ckptguard.progress import ByteProgress
+from ckptguard.protocol import artifacts, layout
+from ckptguard.protocol.artifacts import ArtifactTarget
+from ckptguard.protocol.decisions import (
+    LeaderView,
+    Listing,
+    PlanDecision,
+    PlanReport,
+    RankWrites,
+    agreed_listing,
+    build_manifests,
+    decide_plan,
+    retention,
+)
+from ckptguard.protocol.layout import CheckpointName
+from ckptguard.protocol.manifest import Manifest
+from ckptguard.protocol.session import Session
+from ckptguard.protocol.timing import PhaseTimer
+from ckptguard.staging import state_nbytes
+
+log = logging.getLogger("ckptguard")
+
+
+@dataclass(frozen=True)
+class SavePlan:
+    step: int
+    name: CheckpointName
+    attempt: str
+    staging: str
+    targets: list[ArtifactTarget]
+    previous: int | None  # newest agreed step before this save, for error messages
+
+    @property
+    def intact(self) -> str:
+        if self.previous is None:
+            return " Nothing was committed."
+        return f" Nothing was committed; the previous checkpoint, step {self.previous}, is intact."
+
+
+@dataclass(frozen=True)
+class SaveRequest:
+    step: int
+    state_dict: dict[str, Any]
+    targets: list[ArtifactTarget]
+    file_items: list[Any]  # the targets themselves, or their contents snapshotted for an async save
+    overwrite: bool
+    user_metadata: dict[str, Any]
+    local_error: BaseException | None  # a local problem found before the save (reported at the plan)
+
+
+@dataclass(frozen=True)
+class SaveOutcome:
+    committed: Listing  # what is committed now, agreed by every rank
+    retired: list[str]  # what this leader took out of sight, to be removed in the background
+
+
+def leader_listing(session: Session) -> Listing | None:
+    if not session.topo.is_leader:
+        return None
+    return {s: n.version for s, n in session.root.current().items()}
+
+
+def agreed_current(session: Session) -> Listing:
+    """{step: version} committed identically in every storage domain (collective)."""
+    listing: Listing = session.comm.step(f"list the checkpoints in {session.url}", lambda: leader_listing(session),
+                                         agreed_listing)
+    return listing
+
+
+def save(session: Session, request: SaveRequest, stats: PhaseTimer) -> SaveOutcome:
+    """The collective part of a save (in the caller's thread, or in the background)."""
+    with stats.phase("plan"):
+        plan = _plan(session, request)
+    with stats.phase("stage"):
+        _stage(session, plan)
+    try:
+        with stats.phase("write"), ByteProgress(stats.show_progress, f"saving step {plan.step}",
+                                                state_nbytes(request.state_dict)) as bar:
+            writer = _write(session, plan, request, bar.callback)
+        stats.bytes = sum(f.size for f in writer.outcome.files)
+        with stats.phase("commit"):
+            return _commit(session, plan, writer, request.user_metadata)
+    except BaseException as e:
+        if agreed_failures(e):
+            # Every rank got the error at the same agreement, so no rank is still writing into the
+            # attempt: remove it now, or a disk-full save keeps the disk full. DCP's plan cache may
+            # now differ between ranks (some cached, some not): drop it.
+            _discard_attempt(session, plan)
+            forget_cached_plans(session.instance)
+        raise
+
+
+def _plan(session: Session, request: SaveRequest) -> SavePlan:
+    comm, topo = session.comm, session.topo
+
+    def report() -> PlanReport:
+        if request.local_error is not None:
+            raise request.local_error
+        view = None
+        if topo.is_leader:
+            assert session.lease is not None
+            session.lease.check()
+            versions = [n.version for n in session.root.committed() if n.step == request.step]
+            listing = leader_listing(session)
+            assert listing is not None
+            view = LeaderView(versions, listing)
+        return PlanReport(request.targets, view)
+
+    decision: PlanDecision = comm.step(
+        f"save step {request.step}", report,
+        lambda reports: decide_plan(session.url, request.step, request.overwrite, reports), where=session.url)
+    if decision.uncertain:
+        _probe_shared_paths(session, decision.uncertain, decision.attempt)
+    name = CheckpointName(request.step, decision.version)
+    return SavePlan(request.step, name, decision.attempt, session.root.staging_dir(request.step, decision.attempt),
+                    request.targets, decision.previous)
+
+
+def _probe_shared_paths(session: Session, pairs: list[tuple[ArtifactTarget, ArtifactTarget]], nonce: str) -> None:
+    """Same path on different hosts: a collision only if the path is on shared storage. Look."""
+    comm = session.comm
+    markers: list[str] = []
+
+    def marker_of(a: ArtifactTarget) -> str:
+        return os.path.join(artifacts.probe_anchor(a.path), f".ckptguard-probe-{nonce}-{a.rank}")
+
+    def leave_markers() -> None:
+        for a, _ in pairs:
+            if a.rank == comm.rank:
+                marker = marker_of(a)
+                if not os.path.exists(marker):
+                    with open(marker, "x") as f:
+                        f.write(nonce)
+                markers.append(marker)
+
+    def seen_markers() -> list[tuple[ArtifactTarget, ArtifactTarget]]:
+        return [(a, b) for a, b in pairs if b.rank == comm.rank and os.path.exists(marker_of(a))]
+
+    def decide(seen: list[list[tuple[ArtifactTarget, ArtifactTarget]]]) -> None:
+        collisions = [p for s in seen for p in s]
+        if collisions:
+            raise artifacts.collision_error(*collisions[0], note=" (the path is on storage both hosts share)")
+
+    try:
+        comm.step("leave a probe marker next to its files= path", leave_markers)
+        comm.step("look for the other hosts' probe markers", seen_markers, decide)
+    finally:
+        for m in markers:
+            artifacts.remove_quietly(m)
+
+
+def _stage(session: Session, plan: SavePlan) -> None:
+    def make() -> None:
+        if session.topo.is_leader:
+            session.root.make_staging(plan.step, plan.attempt)
+
+    session.comm.step(f"create the attempt directory for step {plan.step}", make, suffix=plan.intact,
+                      where=session.url)
+
+
+def _write(session: Session, plan: SavePlan, request: SaveRequest,
+           on_bytes: Callable[[int], None] | None) -> GuardedWriter:
+    """Plan (agreed) and write this rank's part; a write failure is reported at the commit's agreement."""
+    comm, options, storage = session.comm, session.options, session.storage
+
+    def before_write() -> Any:
+        # The leader created the attempt directory; on NFS another node may not see it yet.
+        storage.wait_visible(os.path.join(plan.staging, layout.DATA_DIR), timeout=options.visibility_timeout_s)
+        return artifacts.store(storage, request.file_items, plan.staging, options.checksum)
+
+    writer = GuardedWriter(storage, plan.staging, comm.rank, options.checksum, options.io_threads, before_write,
+                           error_root=session.url, on_bytes=on_bytes)
+    planner = DomainSavePlanner([session.topo.domain_of(r) for r in range(comm.world_size)],
+                                cache_key=session.instance)
+    plan_collectively(request.state_dict, writer, planner, comm, suffix=plan.intact, what=f"plan step {plan.step}")
+    try:
+        writer.write_planned(planner)
+        writer.digests = planner.replicated_digests()
+    except BaseException as e:  # reported in the commit's first agreement
+        writer.error = e
+    return writer
+
+
+def _commit(session: Session, plan: SavePlan, writer: GuardedWriter, user_metadata: dict[str, Any]
+            ) -> SaveOutcome:
+    comm, topo, options = session.comm, session.topo, session.options
+
+    def report_writes() -> RankWrites:
+        if writer.error is not None:
+            raise writer.error
+        arts, art_files = writer.outcome.extra or ([], [])
+        return RankWrites(writer.outcome.files + art_files, arts, writer.digests, writer.stored)
+
+    def manifests(writes: list[RankWrites]) -> list[Manifest | None]:
+        diverged = check_replicated([w.digests for w in writes])
+        if diverged is not None:
+            raise CheckpointError(diverged)
+        assert writer.metadata is not None
+        built = build_manifests(topo, plan.name, plan.attempt, options.checksum, writes, user_metadata,
+                                metadata_to_json(writer.metadata))
+        return [built.get(r) for r in range(comm.world_size)]
+
+    mine: Manifest | None = comm.step(f"write its part of step {plan.step}", report_writes, manifests,
+                                      scatter=True, suffix=plan.intact, where=session.url, on_error=session.fenced)
+    published = False
+
+    def publish() -> Listing | None:
+        nonlocal published
+        if not topo.is_leader:
+            return None
+        assert mine is not None and session.lease is not None
+        session.lease.check()
+        session.root.wait_files_visible(plan.staging, mine.files, options.visibility_timeout_s)
+        session.root.write_manifest(plan.staging, mine)
+        fault_point(FaultPhase.BEFORE_PUBLISH, comm.rank)
+        session.root.publish(plan.staging, plan.name)
+        published = True
+        fault_point(FaultPhase.AFTER_PUBLISH, comm.rank)
+        return leader_listing(session)
+
+    def after_publish(listings: list[Listing | None]) -> tuple[list[int], Listing]:
+        agreed = agreed_listing(listings)
+        return retention(agreed, plan.step, options.keep_last, options.keep_every), agreed
+
+    try:
+        doomed, agreed = comm.step(f"commit step {plan.step}", publish, after_publish, suffix=plan.intact,
+                                   where=session.url, on_error=session.fenced)
+    except BaseException as e:
+        if published and agreed_failures(e):  # another domain failed: not committed anywhere, roll back
+            try:
+                session.root.invalidate(session.root.dir(plan.name))
+            except (OSError, CheckpointError) as rollback:
+                log.warning("ckptguard: could not roll back %s: %s", session.root.dir(plan.name), rollback)
+        raise
+    retired = finish(session, plan, doomed) if topo.is_leader else []
+    return SaveOutcome({s: v for s, v in agreed.items() if s not in doomed}, retired)
+
+
+def _discard_attempt(session: Session, plan: SavePlan) -> None:
+    if session.topo.is_leader:
+        try:
+            session.root.invalidate(plan.staging)
+        except (OSError, CheckpointError) as e:
+            log.warning("ckptguard: could not remove the failed attempt %s: %s", plan.staging, e)
+
+
+def finish(session: Session, plan: SavePlan, doomed: list[int]) -> list[str]:
+    """After a commit (leaders): move `latest`, retire what is no longer needed; what to remove.
+
+    Retiring (an atomic rename into trash) of old checkpoints, superseded
+    versions and leftovers of crashed attempts happens now, so that when
+    save() returns the retention policy holds and no attempt is left in
+    staging. Removing the bytes takes as long as the storage needs: the caller
+    does that in the background (``session.root.remove_retired``).
+    """
+    root = session.root
+    retired: list[str] = []
+    try:
+        root.move_latest(plan.name)
+        fault_point(FaultPhase.AFTER_COMMIT, session.comm.rank)
+        doomed_dirs = [root.dir(n) for n in root.committed()
+                       if n.step in doomed or (n.step == plan.step and n.version < plan.name.version)]
+        garbage = root.garbage()
+        for path in doomed_dirs + garbage.staging + garbage.superseded + garbage.probes:
+            retired_path = root.retire(path)
+            if retired_path is not None:
+                retired.append(retired_path)
+        retired.extend(garbage.trash)
+    except (OSError, CheckpointError) as e:
+        log.warning("ckptguard: step %d is committed, but retention in %s failed: %s", plan.step, session.url, e)
+    return retired

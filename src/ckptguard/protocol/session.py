@@ -1,0 +1,96 @@
+"""What every save and load of one root shares: the ranks, the storage, the topology, the lease.
+
+Built once by :class:`ckptguard.Checkpointer` (collectively) and handed to the
+save and load transactions, which keep no state of their own between calls.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+
+from ckptguard.comm import Comm
+from ckptguard.errors import CheckpointError, LeaseLostError
+from ckptguard.protocol import layout
+from ckptguard.protocol.lease import Lease, LeaseRecord, job_identity, new_holder_id
+from ckptguard.protocol.root import CheckpointRoot
+from ckptguard.protocol.topology import Topology, host_domains, probe_storage_domains
+from ckptguard.storage import StorageBackend
+
+
+@dataclass(frozen=True)
+class Options:
+    keep_last: int | None
+    keep_every: int | None
+    io_threads: int
+    checksum: str
+    visibility_timeout_s: float
+
+
+@dataclass
+class Session:
+    comm: Comm
+    storage: StorageBackend
+    root: CheckpointRoot
+    topo: Topology
+    options: Options
+    instance: str  # identical on every rank: keys DCP's plan cache
+    lease: Lease | None = None  # domain leaders of a writing Checkpointer
+    holder: str | None = None  # this job incarnation's lease holder id (writing Checkpointers)
+
+    @property
+    def url(self) -> str:
+        return self.storage.root
+
+    def fenced(self, err: BaseException) -> BaseException:
+        """A failure inside a save may be the fence of another job's takeover (it moved our staging
+        directory away): say so, rather than show the file that vanished."""
+        if isinstance(err, LeaseLostError) or self.holder is None:
+            return err
+        try:
+            rec = LeaseRecord.from_bytes(self.storage.read_bytes(self.storage.path(layout.LEASE)))
+        except (OSError, CheckpointError):
+            return err
+        if rec is None or rec.holder == self.holder:
+            return err
+        what = f"{type(err).__name__}: {err}" if not isinstance(err, CheckpointError) else str(err)
+        fenced = LeaseLostError(
+            f"this job no longer holds the lease on {self.url}: {rec.describe()} took it over (this job's "
+            f"lease expired: it stalled, or its renewals failed), and moved this save's attempt away; nothing "
+            f"of this save was committed. The failure it caused: {what}", path=self.storage.path(layout.LEASE))
+        fenced.__cause__ = err
+        return fenced
+
+
+def open_session(comm: Comm, storage: StorageBackend, options: Options, *, read_only: bool,
+                 job_id: str | None, lease_ttl_s: float, lease_wait_s: float | None) -> Session:
+    """Probe which ranks share the root, agree on ids, and take the lease (collective)."""
+    root = CheckpointRoot(storage)
+    if read_only:
+        topo = host_domains(comm)
+    else:
+        comm.step(f"create the checkpoint root {storage.root}", lambda: storage.makedirs(
+            storage.path(layout.CONTROL)), where=storage.root)
+        topo = probe_storage_domains(comm, storage)
+    comm.set_domains([list(d) for d in topo.domains])
+    # Identical on every rank (DCP's plan cache must be hit or missed by all ranks alike).
+    instance, holder = comm.step("agree on this Checkpointer's ids",
+                                 decide_fn=lambda _: (uuid.uuid4().hex, new_holder_id()))
+    session = Session(comm, storage, root, topo, options, instance)
+    if not read_only:
+        session.holder = holder
+
+        def take_lease() -> None:
+            if topo.is_leader:
+                lease = Lease(storage, holder, job_identity(job_id), lease_ttl_s)
+                lease.acquire(lease_wait_s if lease_wait_s is not None else lease_ttl_s * 1.5,
+                              fence=root.fence_staging)
+                session.lease = lease
+
+        try:
+            comm.step(f"take the lease on {storage.root}", take_lease, where=storage.root)
+        except BaseException:
+            if session.lease is not None:  # another domain's leader failed: hand ours back
+                session.lease.release()
+            raise
+    return session
