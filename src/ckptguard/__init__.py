@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from ckptguard._version import __version__ as __version__
 from ckptguard.errors import (
     CheckpointError,
     CorruptCheckpointError,
@@ -59,7 +60,6 @@ __all__ = [
     "load_file",
     "save_file",
 ]
-__version__ = "0.1.0"
 
 _LAZY = {"Checkpointer": "ckptguard.checkpointer", "PerRank": "ckptguard.state", "save_file": "ckptguard.singlefile",
          "load_file": "ckptguard.singlefile"}

@@ -33,8 +33,8 @@ from ckptguard.protocol.decisions import Listing
 from ckptguard.protocol.session import Options, Session, open_session
 from ckptguard.protocol.timing import PhaseTimer, gc_paused
 from ckptguard.protocol.topology import Topology
-from ckptguard.staging import HostStager, stage_files, state_nbytes
-from ckptguard.state import prepare_state
+from ckptguard.staging import HostStager, stage_files
+from ckptguard.state import prepare_state, state_nbytes
 from ckptguard.storage import open_storage
 
 log = logging.getLogger("ckptguard")

@@ -278,9 +278,11 @@ class Comm:
                 verdict = ("ok", decision)
         if scatter:
             # Rank 0 keeps its own part: pickling a large part to send it to itself costs real time.
-            own_part = verdict[0] if self.rank == 0 else None
-            received = self._t.scatter([None, *verdict[1:]] if self.rank == 0 else None)
-            kind, payload = own_part if self.rank == 0 else received
+            if self.rank == 0:
+                self._t.scatter([None, *verdict[1:]])
+                kind, payload = verdict[0]
+            else:
+                kind, payload = self._t.scatter(None)
         else:
             kind, payload = self._t.broadcast(verdict)
         if kind == "failed":

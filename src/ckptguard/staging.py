@@ -16,20 +16,7 @@ from torch.distributed.tensor import DTensor
 
 from ckptguard.dcp._torch_private import copy_state_dict, create_cpu_state_dict
 from ckptguard.protocol.artifacts import ArtifactTarget, FileSnapshot, snapshot_files
-
-
-def state_nbytes(obj: Any) -> int:
-    """Bytes of tensor data this rank holds in a (nested) state dict."""
-    if isinstance(obj, DTensor):
-        local = obj.to_local()
-        return local.numel() * local.element_size()
-    if isinstance(obj, torch.Tensor):
-        return obj.numel() * obj.element_size()
-    if isinstance(obj, dict):
-        return sum(state_nbytes(v) for v in obj.values())
-    if isinstance(obj, list | tuple):
-        return sum(state_nbytes(v) for v in obj)
-    return 0
+from ckptguard.state import state_nbytes
 
 
 def _signature(obj: Any) -> Any:

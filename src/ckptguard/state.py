@@ -6,6 +6,7 @@ DDP, FSDP2 (DTensor) and plain modules all work and loading reshards.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping, MutableMapping
 from dataclasses import dataclass
 from typing import Any
@@ -19,6 +20,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 from torch.distributed.checkpoint.stateful import Stateful
+from torch.distributed.tensor import DTensor
 
 from ckptguard.errors import CheckpointError
 
@@ -60,38 +62,57 @@ def _owner(optim: torch.optim.Optimizer, key: str, modules: Mapping[str, nn.Modu
     )
 
 
+def state_nbytes(obj: Any) -> int:
+    """Bytes of tensor data this rank holds in a (nested) state dict."""
+    if isinstance(obj, DTensor):
+        local = obj.to_local()
+        return local.numel() * local.element_size()
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(state_nbytes(v) for v in obj.values())
+    if isinstance(obj, list | tuple):
+        return sum(state_nbytes(v) for v in obj)
+    return 0
+
+
+def _later(fn: Callable[[Any], object], sd: dict[str, Any], key: str) -> Callable[[], object]:
+    """``fn(sd[key])``, called after a load has replaced ``sd[key]`` with what was loaded."""
+    return lambda: fn(sd[key])
+
+
 def prepare_state(state: Mapping[str, Any], rank: int = 0) -> PreparedState:
     if not isinstance(state, Mapping):
         raise TypeError(f"state must be a mapping of names to modules, optimizers or values, not {type(state).__name__}")
     modules = {k: v for k, v in state.items() if isinstance(v, nn.Module)}
     sd: dict[str, Any] = {}
-    appliers: list[Callable[[], None]] = []
+    appliers: list[Callable[[], object]] = []
     for key, value in state.items():
         if not isinstance(key, str) or not key:
             raise TypeError(f"state keys must be non-empty strings, got {key!r}")
         if isinstance(value, nn.Module):
             sd[key] = get_model_state_dict(value)
-            appliers.append(lambda m=value, k=key: set_model_state_dict(m, sd[k]))  # type: ignore[misc]
+            appliers.append(_later(functools.partial(set_model_state_dict, value), sd, key))
         elif isinstance(value, torch.optim.Optimizer):
             model = _owner(value, key, modules)
             sd[key] = get_optimizer_state_dict(model, value)
-            appliers.append(lambda m=model, o=value, k=key: set_optimizer_state_dict(m, o, sd[k]))  # type: ignore[misc]
+            appliers.append(_later(functools.partial(set_optimizer_state_dict, model, value), sd, key))
         elif isinstance(value, PerRank):
             pkey = per_rank_key(key, rank)
             inner = value.value
             sd[pkey] = inner.state_dict() if isinstance(inner, Stateful) else inner
             if isinstance(inner, Stateful):
-                appliers.append(lambda o=inner, k=pkey: o.load_state_dict(sd[k]))  # type: ignore[misc]
+                appliers.append(_later(inner.load_state_dict, sd, pkey))
             else:
-                appliers.append(lambda w=value, k=pkey: setattr(w, "value", sd[k]))  # type: ignore[misc]
+                appliers.append(_later(functools.partial(setattr, value, "value"), sd, pkey))
         elif isinstance(value, Stateful):
             sd[key] = value.state_dict()
-            appliers.append(lambda o=value, k=key: o.load_state_dict(sd[k]))  # type: ignore[misc]
+            appliers.append(_later(value.load_state_dict, sd, key))
         else:
             sd[key] = value
             if isinstance(state, MutableMapping) and not isinstance(value, torch.Tensor | dict):
                 # DCP replaces top-level plain values in *its* dict; hand them back to the caller's.
-                appliers.append(lambda k=key: state.__setitem__(k, sd[k]))  # type: ignore[misc]
+                appliers.append(_later(functools.partial(state.__setitem__, key), sd, key))
 
     def apply() -> None:
         for fn in appliers:

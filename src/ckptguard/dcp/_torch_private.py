@@ -13,7 +13,9 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint import SavePlanner
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 
 #: torch releases the private APIs below were tested with (tests/test_torch_private.py).
 TESTED_TORCH = ("2.13", "2.14")
@@ -43,13 +45,33 @@ except ImportError as e:  # pragma: no cover - depends on the installed torch
 
 def check_torch_version() -> None:
     """Raise TorchVersionError if a private API this module wraps is gone from the installed torch."""
-    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
-
     if not hasattr(DefaultSavePlanner, "_create_global_plan"):
         raise _missing("DefaultSavePlanner._create_global_plan", AttributeError("missing"))
     for name in _CACHE_ATTRS:
         if not isinstance(getattr(SavePlanner, name, None), dict):
             raise _missing(f"SavePlanner.{name} (DCP's plan cache)", AttributeError("missing"))
+
+
+class CachingSavePlanner(DefaultSavePlanner):
+    """DCP's save planner with plan caching under a key of ours, and a hook on the global plan.
+
+    DCP caches plans in class-level dicts keyed by ``_cached_plans_key``, and
+    builds the global plan in ``_create_global_plan`` (called between its cache
+    lookup and its cache store): both private, hence here.
+    """
+
+    def __init__(self, cache_key: str) -> None:
+        super().__init__(dedup_save_to_lowest_rank=False, enable_plan_caching=True)
+        self._cached_plans_key = cache_key
+
+    def adjust_global_plan(self, all_plans: list[SavePlan], global_plan: list[SavePlan], metadata: Metadata
+                           ) -> tuple[list[SavePlan], Metadata]:
+        """Subclasses change DCP's global plan here (every rank's local plan at hand)."""
+        return global_plan, metadata
+
+    def _create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
+        global_plan, metadata = super()._create_global_plan(all_plans)
+        return self.adjust_global_plan(all_plans, global_plan, metadata)
 
 
 def forget_cached_plans(key: str) -> None:

@@ -11,17 +11,17 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint import Metadata
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
     ChunkStorageMetadata,
+    Metadata,
     MetadataIndex,
     TensorProperties,
     TensorStorageMetadata,
 )
 
+from ckptguard.dcp.records import StoredItem
 from ckptguard.errors import CheckpointError
-from ckptguard.protocol.manifest import StoredItem
 
 _DTYPES: dict[str, torch.dtype] = {
     str(v).removeprefix("torch."): v for v in vars(torch).values() if isinstance(v, torch.dtype)
@@ -65,8 +65,8 @@ def tensor_bytes(t: torch.Tensor) -> tuple[memoryview, torch.Tensor]:
     if t.numel() == 0:
         return memoryview(b""), t
     if t.dtype in _NUMPY_DTYPES:
-        return memoryview(t.numpy()).cast("B"), t
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy()), t
+        return memoryview(t.numpy()).cast("B"), t  # type: ignore[arg-type]  # ndarray is a buffer
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy()), t  # type: ignore[arg-type]
 
 
 # -- DCP metadata <-> JSON -------------------------------------------------------------

@@ -13,7 +13,7 @@ import contextlib
 from collections.abc import Callable
 from typing import Any
 
-from torch.distributed.checkpoint import LoadPlanner, SavePlan
+from torch.distributed.checkpoint.planner import LoadPlanner, SavePlan
 
 from ckptguard.comm import Comm
 from ckptguard.dcp.planners import DomainSavePlanner

@@ -11,16 +11,19 @@ from dataclasses import replace
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint import (
+from torch.distributed.checkpoint.default_planner import (
     DefaultLoadPlanner,
-    DefaultSavePlanner,
-    LoadPlan,
-    Metadata,
-    SavePlan,
+    create_default_local_load_plan,
 )
-from torch.distributed.checkpoint.default_planner import create_default_local_load_plan
-from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
-from torch.distributed.checkpoint.planner import LoadItemType, ReadItem, WriteItem, WriteItemType
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
+from torch.distributed.checkpoint.planner import (
+    LoadItemType,
+    LoadPlan,
+    ReadItem,
+    SavePlan,
+    WriteItem,
+    WriteItemType,
+)
 
 from ckptguard.checksum import checksum
 from ckptguard.dcp import _torch_private
@@ -28,7 +31,7 @@ from ckptguard.dcp.codec import tensor_bytes
 from ckptguard.errors import UnsafeObjectError
 
 
-class DomainSavePlanner(DefaultSavePlanner):
+class DomainSavePlanner(_torch_private.CachingSavePlanner):
     """DCP's planner, with replicated tensors written once per storage domain, not once per job.
 
     DCP deduplicates replicated tensors across all ranks, which assumes one
@@ -41,9 +44,8 @@ class DomainSavePlanner(DefaultSavePlanner):
         # same model, same shapes), ranks send empty plans and the coordinator reuses the global
         # plan. The cache is class-level in DCP; the key keeps Checkpointers (and their storage
         # domains, which shape the global plan) apart.
-        super().__init__(dedup_save_to_lowest_rank=False, enable_plan_caching=True)
+        super().__init__(plan_cache_key(cache_key))
         self.domain_of_rank = list(domain_of_rank)
-        self._cached_plans_key = plan_cache_key(cache_key)
 
     def create_local_plan(self) -> SavePlan:
         sent = super().create_local_plan()
@@ -54,8 +56,8 @@ class DomainSavePlanner(DefaultSavePlanner):
         """See replicated_digests(); computed from this rank's plan before deduplication."""
         return replicated_digests(self.local_plan, self.state_dict)
 
-    def _create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
-        global_plan, metadata = super()._create_global_plan(all_plans)
+    def adjust_global_plan(self, all_plans: list[SavePlan], global_plan: list[SavePlan], metadata: Metadata
+                           ) -> tuple[list[SavePlan], Metadata]:
         if len(set(self.domain_of_rank)) <= 1:
             return global_plan, metadata
         canonical: dict[MetadataIndex, tuple[int, WriteItem]] = {}

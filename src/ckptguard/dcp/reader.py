@@ -16,15 +16,15 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint import LoadPlan, LoadPlanner, Metadata, StorageReader
-from torch.distributed.checkpoint.metadata import MetadataIndex
-from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
+from torch.distributed.checkpoint.storage import StorageReader
 
 from ckptguard._faults import FaultPhase, fault_point
 from ckptguard.checksum import checksum
 from ckptguard.dcp.codec import dtype_from_name, dtype_name, narrow, tensor_bytes
+from ckptguard.dcp.records import StoredItem
 from ckptguard.errors import CheckpointError, CorruptCheckpointError
-from ckptguard.protocol.manifest import StoredItem
 from ckptguard.storage import ReadHandle, StorageBackend
 
 _MAX_IOV = 512  # items per vectored read

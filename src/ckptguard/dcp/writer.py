@@ -16,16 +16,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint import Metadata, SavePlan, SavePlanner, StorageWriter
-from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
-from torch.distributed.checkpoint.storage import WriteResult
+from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
+from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 
 from ckptguard._faults import FaultPhase, fault_point
 from ckptguard.checksum import checksum
 from ckptguard.dcp.codec import dtype_name, tensor_bytes
+from ckptguard.dcp.records import FileEntry, StoredItem
 from ckptguard.errors import from_os_error
-from ckptguard.protocol import layout
-from ckptguard.protocol.manifest import FileEntry, StoredItem
 from ckptguard.storage import StorageBackend, WriteStream
 
 
@@ -38,10 +37,14 @@ class WriteOutcome:
 
 
 class GuardedWriter(StorageWriter):
+    """Writes this rank's part into ``staging_dir``: file ``index`` of this rank is at
+    ``data_file(index)`` (a path relative to ``staging_dir``; every file of one rank in one directory)."""
+
     def __init__(
         self,
         storage: StorageBackend,
         staging_dir: str,
+        data_file: Callable[[int], str],
         rank: int,
         algorithm: str,
         io_threads: int = 4,
@@ -54,6 +57,7 @@ class GuardedWriter(StorageWriter):
         self.error_root = error_root
         self.on_bytes = on_bytes
         self.staging_dir = staging_dir
+        self.data_file = data_file
         self.rank = rank
         self.algorithm = algorithm
         self.io_threads = max(1, io_threads)
@@ -105,7 +109,7 @@ class GuardedWriter(StorageWriter):
         written = [0]
 
         def write_bucket(index: int, bucket: list[tuple[WriteItem, memoryview, Any]]) -> None:
-            rel = layout.data_file(self.rank, index)
+            rel = self.data_file(index)
             path = os.path.join(self.staging_dir, rel)
             offset = 0
             out: list[WriteResult] = []
@@ -154,7 +158,7 @@ class GuardedWriter(StorageWriter):
                     for f in [pool.submit(write_bucket, i, b) for i, b in enumerate(buckets)]:
                         f.result()
             if buckets:
-                self.storage.sync_dir(os.path.join(self.staging_dir, layout.DATA_DIR))
+                self.storage.sync_dir(os.path.dirname(os.path.join(self.staging_dir, self.data_file(0))))
         except OSError as e:  # with what this rank needed, which the disk-full message reports
             raise from_os_error(e, self.staging_dir, self.rank, needed_bytes=total, root=self.error_root) from e
         fault_point(FaultPhase.AFTER_WRITE, self.rank)

@@ -64,7 +64,8 @@ def find_collisions(targets: list[ArtifactTarget]) -> tuple[list[tuple[ArtifactT
     storage, which the caller settles by a probe.
     """
     by_path = sorted(targets, key=lambda t: t.path)
-    certain, uncertain = [], []
+    certain: list[tuple[ArtifactTarget, ArtifactTarget]] = []
+    uncertain: list[tuple[ArtifactTarget, ArtifactTarget]] = []
     # Sorted by path, nested paths are adjacent runs: compare each with its followers while they nest.
     for i, a in enumerate(by_path):
         for j in range(i + 1, len(by_path)):

@@ -11,43 +11,15 @@ from __future__ import annotations
 import json
 import platform
 from dataclasses import asdict, dataclass, field
-from typing import Any, NamedTuple
+from typing import Any
 
+from ckptguard._version import __version__
 from ckptguard.checksum import ALGORITHMS, checksum
+from ckptguard.dcp.records import FileEntry, StoredItem
 from ckptguard.errors import CheckpointError, CorruptCheckpointError
 
 FORMAT = "ckptguard-checkpoint"
 FORMAT_VERSION = 1
-
-
-class StoredItem(NamedTuple):
-    """One DCP storage item (a tensor chunk or a serialized object) inside a data file.
-
-    A NamedTuple, not a dataclass: manifests hold one per tensor chunk (millions
-    at scale), and tuples are created, pickled and hashed several times faster.
-    """
-
-    fqn: str
-    offsets: tuple[int, ...] | None  # chunk offsets for tensors, None for objects
-    file: str
-    offset: int
-    length: int
-    checksum: str
-    dtype: str | None = None  # tensors only
-    shape: tuple[int, ...] | None = None  # tensors only: the stored chunk's shape
-
-    @property
-    def is_tensor(self) -> bool:
-        return self.dtype is not None
-
-
-class FileEntry(NamedTuple):
-    """A file of the checkpoint. Data files are covered item by item; artifacts carry their own checksum."""
-
-    path: str
-    size: int
-    rank: int
-    checksum: str | None = None
 
 
 @dataclass(frozen=True)
@@ -141,8 +113,6 @@ class Manifest:
 
 def _versions() -> dict[str, str]:
     import torch
-
-    from ckptguard import __version__
 
     return {"ckptguard": __version__, "torch": torch.__version__, "python": platform.python_version()}
 

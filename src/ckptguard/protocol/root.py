@@ -95,7 +95,7 @@ class CheckpointRoot:
         except (FileNotFoundError, CorruptCheckpointError):
             return None
 
-    def garbage(self, keep_attempts: set[str] = frozenset(), min_probe_age_s: float = 600.0) -> Garbage:
+    def garbage(self, keep_attempts: frozenset[str] = frozenset(), min_probe_age_s: float = 600.0) -> Garbage:
         staging = []
         for entry in self.storage.listdir(self.storage.path(layout.STAGING)):
             parsed = layout.parse_staging(entry)
@@ -178,7 +178,7 @@ class CheckpointRoot:
         for _ in range(16):
             current = self.storage.read_versioned(path)
             cur = _latest_body(current[0]) if current is not None else None
-            if cur is not None and int(cur["step"]) > name.step and \
+            if cur is not None and int(str(cur["step"])) > name.step and \
                     CheckpointName.parse(str(cur.get("dir", ""))) in self.committed():
                 return False
             body = {"step": name.step, "dir": name.dirname, "updated_at": time.time()}

@@ -17,6 +17,7 @@ checkpoint is untouched and the attempt is removed.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from collections.abc import Callable
@@ -48,7 +49,7 @@ from ckptguard.protocol.layout import CheckpointName
 from ckptguard.protocol.manifest import Manifest
 from ckptguard.protocol.session import Session
 from ckptguard.protocol.timing import PhaseTimer
-from ckptguard.staging import state_nbytes
+from ckptguard.state import state_nbytes
 
 log = logging.getLogger("ckptguard")
 
@@ -200,7 +201,8 @@ def _write(session: Session, plan: SavePlan, request: SaveRequest,
         storage.wait_visible(os.path.join(plan.staging, layout.DATA_DIR), timeout=options.visibility_timeout_s)
         return artifacts.store(storage, request.file_items, plan.staging, options.checksum)
 
-    writer = GuardedWriter(storage, plan.staging, comm.rank, options.checksum, options.io_threads, before_write,
+    writer = GuardedWriter(storage, plan.staging, functools.partial(layout.data_file, comm.rank), comm.rank,
+                           options.checksum, options.io_threads, before_write,
                            error_root=session.url, on_bytes=on_bytes)
     planner = DomainSavePlanner([session.topo.domain_of(r) for r in range(comm.world_size)],
                                 cache_key=session.instance)

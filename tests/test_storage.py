@@ -1,0 +1,130 @@
+"""The storage seam: URL schemes without a backend are refused; POSIX primitives keep their promises."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+import ckptguard
+from ckptguard import Checkpointer, CorruptCheckpointError, UnsupportedStorageError
+from ckptguard.comm import Comm, run_ranks
+from ckptguard.protocol.lease import Lease
+from ckptguard.protocol.topology import probe_storage_domains
+from ckptguard.storage import PosixStorage, open_storage
+
+
+@pytest.mark.parametrize("url", ["s3://bucket/run", "gs://bucket/run", "hf://org/model", "S3://B/x"])
+def test_a_url_without_a_backend_is_refused_and_nothing_is_written(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                   url: str) -> None:
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(UnsupportedStorageError, match="no storage backend") as info:
+        Checkpointer(url)
+    assert "file://" in str(info.value)  # names what is supported
+    with pytest.raises(UnsupportedStorageError):
+        ckptguard.save_file({"w": torch.ones(2)}, f"{url}/model.pt")
+    with pytest.raises(UnsupportedStorageError):
+        ckptguard.load_file(f"{url}/model.pt")
+    assert list(tmp_path.iterdir()) == []  # no local directory named 's3:' or 'gs:'
+
+
+def test_file_urls_are_local_paths(tmp_path: Path) -> None:
+    with Checkpointer(f"file://{tmp_path}/ck") as ck:
+        ck.save(1, {"w": torch.arange(4.0)})
+    assert (tmp_path / "ck" / "step-00000001" / "MANIFEST.json").is_file()
+
+
+def test_cli_refuses_unknown_scheme() -> None:
+    proc = subprocess.run([sys.executable, "-m", "ckptguard.cli", "ls", "gs://bucket/run"], capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 2 and "no storage backend" in proc.stderr
+
+
+def test_small_reads_refuse_fifos_symlinks_and_oversized_files(tmp_path: Path) -> None:
+    storage = PosixStorage(str(tmp_path))
+    os.mkfifo(tmp_path / "fifo")
+    (tmp_path / "real").write_bytes(b"x" * 100)
+    os.symlink(tmp_path / "real", tmp_path / "link")
+    with pytest.raises(CorruptCheckpointError, match="not a regular file"):
+        storage.read_bytes(str(tmp_path / "fifo"))  # must not block
+    with pytest.raises(OSError):
+        storage.read_bytes(str(tmp_path / "link"))  # O_NOFOLLOW
+    with pytest.raises(CorruptCheckpointError, match="more than"):
+        storage.read_bytes(str(tmp_path / "real"), limit=10)
+    assert storage.size(str(tmp_path / "fifo")) is None
+
+
+def test_compare_and_swap_lets_exactly_one_of_many_writers_win(tmp_path: Path) -> None:
+    storage = open_storage(tmp_path)
+    path = storage.path("pointer")
+    assert storage.compare_and_swap(path, b"v0", None)
+    assert not storage.compare_and_swap(path, b"again", None)  # None: only if absent
+    _, token = storage.read_versioned(path) or (b"", "")
+    wins: list[int] = []
+    barrier = threading.Barrier(8)
+
+    def writer(i: int) -> None:
+        barrier.wait()
+        if storage.compare_and_swap(path, f"v{i}".encode(), token):
+            wins.append(i)
+
+    threads = [threading.Thread(target=writer, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(wins) == 1 and storage.read_bytes(path) == f"v{wins[0]}".encode()
+    assert sorted(os.listdir(tmp_path)) == [".ckptguard", "pointer"]  # the lock file stays out of the listing
+
+
+def test_probe_finds_shared_and_separate_storage_with_thread_ranks(tmp_path: Path) -> None:
+    def shared(comm: Comm) -> object:
+        return probe_storage_domains(comm, PosixStorage(str(tmp_path / "shared"))).domains
+
+    assert run_ranks(4, shared) == [((0, 1, 2, 3),)] * 4
+
+    def separate(comm: Comm) -> object:
+        node = comm.rank // 2  # ranks 0,1 on one "disk", 2,3 on another (same host name: probed, not assumed)
+        return probe_storage_domains(comm, PosixStorage(str(tmp_path / f"node{node}"))).domains
+
+    assert run_ranks(4, separate) == [((0, 1), (2, 3))] * 4
+
+
+def test_of_two_jobs_taking_over_an_expired_lease_one_wins(tmp_path: Path) -> None:
+    storage = PosixStorage(str(tmp_path))
+    storage.makedirs(storage.path(".ckptguard"))
+    old = Lease(storage, "old", None, ttl_s=0.2)
+    old.acquire(wait_s=1)
+    old._stop.set()  # the old holder stalls: no more renewals
+    threading.Event().wait(0.5)
+    takers = [Lease(storage, f"new{i}", None, ttl_s=30) for i in range(2)]
+    results: list[str] = []
+    barrier = threading.Barrier(2)
+
+    def take(lease: Lease) -> None:
+        barrier.wait()
+        try:
+            lease.acquire(wait_s=0.5)
+            results.append(lease.holder)
+        except ckptguard.LeaseHeldError:
+            results.append("refused")
+
+    threads = [threading.Thread(target=take, args=(t,)) for t in takers]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    try:
+        assert sorted(results)[1] == "refused" and results.count("refused") == 1, results
+        with pytest.raises(ckptguard.LeaseLostError):
+            old.check()
+        old.renew()  # a stalled holder that wakes up must not overwrite the new record
+        assert Lease(storage, "probe", None, 30).read().holder in ("new0", "new1")
+    finally:
+        for t in takers:
+            t.release()

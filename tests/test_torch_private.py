@@ -1,0 +1,48 @@
+"""Private torch APIs live in one module, which is checked against the torch versions tested."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import torch
+
+from ckptguard.dcp import _torch_private
+
+SRC = Path(__file__).resolve().parent.parent / "src" / "ckptguard"
+
+
+def test_the_installed_torch_is_one_the_private_apis_were_tested_with() -> None:
+    version = ".".join(torch.__version__.split("+")[0].split(".")[:2])
+    assert version in _torch_private.TESTED_TORCH, (
+        f"torch {torch.__version__} is not in TESTED_TORCH {_torch_private.TESTED_TORCH}: run this suite on it, "
+        "then add it")
+    _torch_private.check_torch_version()
+
+
+def _private_torch_uses(tree: ast.AST) -> list[str]:
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("torch"):
+            parts = (node.module or "").split(".")
+            names = [a.name for a in node.names]
+            if any(p.startswith("_") for p in parts) or any(n.startswith("_") for n in names):
+                found.append(f"from {node.module} import {', '.join(names)}")
+        elif isinstance(node, ast.Attribute) and node.attr.startswith("_cached"):
+            found.append(f".{node.attr}")
+    return found
+
+
+def test_no_other_module_uses_a_private_torch_api() -> None:
+    offenders = []
+    for path in sorted(SRC.rglob("*.py")):
+        if path.name == "_torch_private.py":
+            continue
+        uses = _private_torch_uses(ast.parse(path.read_text(), str(path)))
+        offenders.extend(f"{path.relative_to(SRC)}: {u}" for u in uses)
+    assert not offenders, offenders
+
+
+def test_the_scan_sees_private_imports() -> None:
+    code = "from torch.distributed.checkpoint._traverse import set_element\nfrom torch.x import _y\n"
+    assert len(_private_torch_uses(ast.parse(code))) == 2
