@@ -7,6 +7,7 @@ metadata travels as JSON inside the manifest, never as DCP's pickled
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -21,7 +22,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from ckptguard.dcp.records import StoredItem
-from ckptguard.errors import CheckpointError
+from ckptguard.errors import CheckpointError, CorruptCheckpointError
 
 _DTYPES: dict[str, torch.dtype] = {
     str(v).removeprefix("torch."): v for v in vars(torch).values() if isinstance(v, torch.dtype)
@@ -41,7 +42,7 @@ def dtype_from_name(name: str) -> torch.dtype:
     try:
         return _DTYPES[name]
     except KeyError:
-        raise CheckpointError(f"unknown dtype {name!r} in checkpoint metadata") from None
+        raise CorruptCheckpointError(f"unknown dtype {name!r} in checkpoint metadata") from None
 
 
 def narrow(t: torch.Tensor, offsets: Sequence[int], sizes: Sequence[int]) -> torch.Tensor:
@@ -131,7 +132,13 @@ def metadata_from_json(obj: dict[str, Any], items: Sequence[StoredItem]) -> Meta
                 raise ValueError(f"bad planner path for {k!r}")
             planner_data[str(k)] = tuple(path)
     except (KeyError, TypeError, ValueError) as e:
-        raise CheckpointError(f"invalid DCP metadata in manifest: {type(e).__name__}: {e}") from None
+        raise CorruptCheckpointError(f"invalid DCP metadata in manifest: {type(e).__name__}: {e}") from None
+    for i in items:
+        if i.shape is not None:
+            expected = math.prod(i.shape) * dtype_from_name(i.dtype or "").itemsize
+            if expected != i.length:
+                raise CorruptCheckpointError(f"invalid manifest: {i.fqn} is stored as {i.length} bytes, but its shape "
+                                      f"{list(i.shape)} of {i.dtype} needs {expected}")
     storage = {item_index(i): i for i in items}
     return Metadata(state_dict_metadata=sd, planner_data=planner_data, storage_data=storage,
                     version=obj.get("version"))

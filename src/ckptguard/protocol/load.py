@@ -18,6 +18,8 @@ import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from torch.distributed.checkpoint.metadata import Metadata
+
 from ckptguard.comm import agreed_failures, hostname
 from ckptguard.dcp.codec import metadata_from_json
 from ckptguard.dcp.drive import read_locally
@@ -101,16 +103,16 @@ def _load_from_manifest(session: Session, name: CheckpointName, raw: bytes | Non
                         started: float, on_planned: Callable[[], None] | None) -> None:
     comm, topo, root = session.comm, session.topo, session.root
 
-    def parse() -> Manifest:
+    def parse() -> tuple[Manifest, Metadata]:
         if read_error is not None:
             raise read_error
         assert raw is not None
         manifest = root.parse_manifest(name, raw)
         if topo.is_leader:
             root.check_files(name, manifest)
-        return manifest
+        return manifest, metadata_from_json(manifest.dcp, manifest.items)
 
-    manifest: Manifest = comm.step(f"read checkpoint {name.dirname} in {session.url}", parse, where=session.url)
+    manifest, metadata = comm.step(f"read checkpoint {name.dirname} in {session.url}", parse, where=session.url)
 
     targets: list[ArtifactTarget] = []
 
@@ -130,7 +132,6 @@ def _load_from_manifest(session: Session, name: CheckpointName, raw: bytes | Non
     comm.step(f"load step {name.step}", destinations, refuse_collisions)
     stats.seconds["manifest"] = time.perf_counter() - started
     with stats.phase("metadata"):
-        metadata = metadata_from_json(manifest.dcp, manifest.items)
         prepared = prepare_state(state, comm.rank)
     with ByteProgress(stats.show_progress, f"loading step {name.step}", None) as bar:
         reader = GuardedReader(session.storage, root.dir(name), metadata, manifest.checksum_algorithm, comm.rank,

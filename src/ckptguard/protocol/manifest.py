@@ -92,7 +92,7 @@ class Manifest:
             return _parse(data)
         except CheckpointError as e:
             raise CorruptCheckpointError(f"{path}: {e}", path=path) from None
-        except (ValueError, TypeError, KeyError, IndexError, UnicodeDecodeError) as e:
+        except (ValueError, TypeError, KeyError, IndexError, UnicodeDecodeError, RecursionError) as e:
             raise CorruptCheckpointError(
                 f"{path}: not a valid ckptguard manifest ({type(e).__name__}: {e}). "
                 "The checkpoint is corrupt or was not written by ckptguard.",
@@ -171,6 +171,7 @@ def _parse(data: bytes) -> Manifest:
                                None if row[3] is None else _str(row[3], "file checksum")))
     items: list[StoredItem] = []
     paths = [f.path for f in files]
+    sizes = [f.size for f in files]
     # Hot loop (one row per tensor chunk): inline type checks instead of helper calls.
     for row in b["items"]:
         _expect(type(row) is list and len(row) == 8, "item rows have 8 fields")
@@ -178,6 +179,9 @@ def _parse(data: bytes) -> Manifest:
         _expect(type(fqn) is str and type(fi) is int and type(offset) is int and type(length) is int
                 and type(digest) is str and 0 <= fi < len(paths) and offset >= 0 and length >= 0,
                 f"malformed item row for {str(fqn)[:100]!r}")
+        # A reader allocates what an item claims: never more than its file holds.
+        _expect(offset + length <= sizes[fi], f"item {str(fqn)[:100]!r} claims bytes {offset}..{offset + length} "
+                                              f"of {paths[fi]}, which has {sizes[fi]}")
         if offsets is not None:
             _expect(type(offsets) is list and all(type(x) is int and x >= 0 for x in offsets), "item offsets")
             offsets = tuple(offsets)

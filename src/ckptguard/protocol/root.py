@@ -80,10 +80,13 @@ class CheckpointRoot:
         """Every file present with its recorded size (cheap: stat only; checksums are checked on read)."""
         base = self.dir(name)
         for f in manifest.files:
-            size = self.storage.size(os.path.join(base, f.path))
+            path = os.path.join(base, f.path)
+            size = self.storage.size(path)
             if size is None:
-                raise CorruptCheckpointError(f"{os.path.join(base, f.path)} is missing: the checkpoint "
-                                             "is incomplete", path=os.path.join(base, f.path))
+                if self.storage.exists(path):
+                    raise CorruptCheckpointError(f"{path} is not a regular file (a symbolic link, a FIFO, a "
+                                                 "directory?): refusing to read it", path=path)
+                raise CorruptCheckpointError(f"{path} is missing: the checkpoint is incomplete", path=path)
             if size != f.size:
                 raise CorruptCheckpointError(f"{os.path.join(base, f.path)} has {size} bytes, the manifest "
                                              f"says {f.size}: the checkpoint is corrupt",

@@ -211,6 +211,11 @@ class PosixReadHandle:
             self.fd = open_regular(path)
         except FileNotFoundError:
             raise CorruptCheckpointError(f"{path} is missing: the checkpoint is incomplete", path=path) from None
+        except OSError as e:
+            if e.errno != errno.ELOOP:
+                raise
+            raise CorruptCheckpointError(f"{path} is a symbolic link: refusing to follow it out of the "
+                                         "checkpoint", path=path) from None
 
     def size(self) -> int:
         return os.fstat(self.fd).st_size
@@ -297,7 +302,12 @@ class PosixStorage:
     # -- small objects --------------------------------------------------------------
     def read_bytes(self, path: str, limit: int = MAX_SMALL_OBJECT_BYTES) -> bytes:
         def read() -> bytes:
-            fd = open_regular(path)
+            try:
+                fd = open_regular(path)
+            except OSError as e:
+                if e.errno != errno.ELOOP:
+                    raise
+                raise CorruptCheckpointError(f"{path} is a symbolic link: refusing to follow it", path=path) from None
             try:
                 size = os.fstat(fd).st_size
                 if size > limit:
