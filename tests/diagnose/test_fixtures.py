@@ -28,7 +28,8 @@ CASES: dict[str, tuple[str, int | None, list[int], list[int]]] = {
     "gloo_timeout.log": ("nccl_watchdog_timeout", 3, [0, 1, 2], []),
     "gloo_bad_ifname.log": ("nccl_network_error", 2, [], [0, 1, 3]),
     "dataloader_killed.log": ("dataloader_worker_killed", 2, [0, 1, 3], []),
-    "dataloader_shm_full.log": ("dataloader_worker_killed", 1, [0, 2, 3], []),
+    # /dev/shm exhaustion is its own class (issue 11), whoever uses the segment
+    "dataloader_shm_full.log": ("shm_exhausted", 1, [0, 2, 3], []),
     "loss_nan.log": ("loss_nan_divergence", 1, [0, 2, 3], []),
     "import_error.log": ("import_error", 3, [], [0, 1, 2]),
     "cuda_unavailable.log": ("cuda_unavailable", 0, [], [1, 2, 3]),

@@ -45,7 +45,11 @@ class Source:
         return self.path.open("rb")
 
 
-_RANK_IN_NAME = re.compile(r"(?i)(?:^|[/_.\-])rank[_\-]?(\d{1,6})(?=$|[/_.\-])")
+# A path component that is a per-rank log's name ("rank3", "rank_3.log", "train-rank3.out",
+# "stdout_rank_3"): at most one word before and after the rank, so that a descriptive name
+# ("oom-on-gpu1-then-rank3-watchdog.log") is not read as rank 3's own log.
+_RANK_IN_NAME = re.compile(
+    r"(?i)(?:^|/)(?:[a-z0-9]{1,16}[_.\-])?rank[_\-]?(\d{1,6})(?:[_.\-][a-z0-9]{1,16})?(?:\.(?:log|txt|out|err|gz))*(?=$|/)")
 _TORCHRUN_DIR = re.compile(r"(?:^|/)(\d{1,6})/(?:stdout|stderr|error)\.(?:log|txt|json)$")
 _DIGIT_NAME = re.compile(r"(?:^|/)(\d{1,6})\.(?:log|txt|out|err)(?:\.gz)?$")
 
@@ -238,11 +242,31 @@ class Prefix:
     rank: int | None = None
     local_rank: int | None = None
     host: str | None = None
+    lead: str = ""
+
+
+# What may stand before a rank tag: timestamps, CI step names, a host or container tag.
+_LEAD_RE = re.compile(r"[\w\s.:,/+\-()=|]{1,64}?(?=\[(?:rank|default|local_rank|[A-Za-z_]+)\d{1,6}\]:)")
+_RANK_TAG = re.compile(r"\[[A-Za-z_][A-Za-z_\-]*?\d{1,6}\]:")
+_WORD_COLON = re.compile(r"[A-Za-z]{2,}: ")
 
 
 def strip_prefixes(text: str) -> tuple[Prefix, str]:
-    """Remove launcher prefixes (nested ones too) and return what they tell."""
+    """Remove launcher prefixes (nested ones too) and return what they tell.
+
+    Leading blanks and a short lead of timestamps or tags before a ``[rankN]:`` /
+    ``[defaultN]:`` tag (``2024-01-02 10:00:01 [rank2]: ...``, CI runners' time stamps) are
+    dropped with it; the lead is returned in ``Prefix.lead`` so that its timestamp still counts.
+    """
     info = Prefix()
+    lead = ""
+    body = text.lstrip()
+    if body[:1] == "[" and _RANK_TAG.match(body):
+        text = body
+    elif "]:" in body[:140]:
+        m = _LEAD_RE.match(body)
+        if m and _RANK_TAG.match(body, m.end()) and not _WORD_COLON.search(m.group(0)):
+            lead, text = body[: m.end()], body[m.end():]
     for _ in range(4):
         m = _PREFIX_RE.match(text)
         if not m:
@@ -261,6 +285,7 @@ def strip_prefixes(text: str) -> tuple[Prefix, str]:
         elif m.group("pdsh") is not None:
             info.host = m.group("pdsh")
         text = text[m.end():]
+    info.lead = lead
     return info, text
 
 
