@@ -40,7 +40,7 @@ def diagnose(paths: Iterable[str], *, mask_hosts: bool = False, kb: KnowledgeBas
     kb = kb or load_kb()
     masker = Masker(mask_hosts=mask_hosts)
     sources = discover(paths)
-    prefilter = Prefilter([*STRUCTURAL_ANCHORS, *kb.anchors()])
+    prefilter = Prefilter(STRUCTURAL_ANCHORS, kb.anchors())
     ex = Extractor(kb, masker)
     t0 = time.perf_counter()
     nbytes = nlines = 0

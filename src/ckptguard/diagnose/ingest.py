@@ -94,10 +94,28 @@ def discover(paths: Iterable[str]) -> list[Source]:
 
 
 class Prefilter:
-    """Find the lines of a block that contain any anchor, at close to memory speed."""
+    """Find the lines of a block that contain any anchor, at close to memory speed.
 
-    def __init__(self, anchors: Iterable[str]) -> None:
-        raw = sorted({a.encode() for a in anchors if a}, key=len)
+    The cost is one pass over the block per distinct first character of the anchors (measured:
+    about 1 ms per 4 MiB, whatever the character), plus the handling of every line that holds an
+    anchor. So the ``extra`` anchors (the knowledge base's) are re-keyed first: each is replaced
+    by its longest suffix (at least ``min_len`` bytes) that starts with a character that the
+    ``core`` anchors already need a pass for. Any line that holds an anchor holds its suffix
+    too, so no line is lost. Only an anchor with no such suffix adds a pass.
+    """
+
+    def __init__(self, core: Iterable[str], extra: Iterable[str] = (), min_len: int = 4) -> None:
+        core_b = {a.encode() for a in core if a}
+        keys = {a[0] for a in core_b}
+        rekeyed = set(core_b)
+        for a in sorted({a.encode() for a in extra if a}, key=lambda x: (-len(x), x)):
+            if any(c in a for c in core_b):
+                continue
+            need = min(min_len, len(a))
+            pos = next((i for i in range(len(a) - need + 1) if a[i] in keys), 0)
+            keys.add(a[pos])
+            rekeyed.add(a[pos:])
+        raw = sorted(rekeyed, key=len)
         kept: list[bytes] = []
         for a in raw:  # an anchor that contains a shorter one adds nothing
             if not any(k in a for k in kept):

@@ -119,9 +119,10 @@ class KnowledgeBase:
         return self._rules
 
     def anchors(self) -> set[str]:
-        """Every signature's anchor and the rules' anchors: a line that carries none of them
-        (and none of the structural anchors) can match nothing, so the prefilter skips it."""
-        out = {s.anchor for _, sigs in self._groups for s in sigs if s.anchor}
+        """Anchors of signatures marked ``prefilter = true`` and of the rules: lines that carry
+        none of the structural anchors (no error, exception, signal...) and must still be read.
+        Every line the prefilter lets through costs parsing: generic words are never anchors."""
+        out = {s.anchor for _, sigs in self._groups for s in sigs if s.prefilter and s.anchor}
         return out | (self._rules.anchors() if self._rules is not None else set())
 
     def match(self, text: str, *, exception: bool, context: str = "") -> list[Match]:

@@ -118,8 +118,8 @@ class Rules:
 
     def anchors(self) -> set[str]:
         """Literals that the prefilter must let through for these rules to see their lines."""
-        out = {lf.anchor for lf in self.launchers} | {h.anchor for h in self.rank_hints}
-        out |= {r.anchor for r in self.rank_reports} | set(self.race.anchors)
+        out = {lf.anchor for lf in self.launchers} | {r.anchor for r in self.rank_reports}
+        out |= set(self.race.anchors)  # rank hints only read lines that are events already
         return out
 
     def explained(self, cls: str, present: set[str]) -> bool:
