@@ -33,6 +33,12 @@ CASES: dict[str, tuple[str, int | None, list[int], list[int]]] = {
     "loss_nan.log": ("loss_nan_divergence", 1, [0, 2, 3], []),
     "import_error.log": ("import_error", 3, [], [0, 1, 2]),
     "cuda_unavailable.log": ("cuda_unavailable", 0, [], [1, 2, 3]),
+    # issue 11 (tests/diagnose/make_fixtures_issue11.py)
+    "empty_ckpt_load.log": ("checkpoint_corrupt_load", 0, [], [1]),
+    "state_dict_size_mismatch.log": ("state_dict_mismatch", 0, [], [1]),
+    "rename_not_empty.log": ("checkpoint_write_race", 1, [0], []),
+    "dcp_size_mismatch.log": ("state_dict_mismatch", 0, [], [1]),
+    "spawn_sigkill.log": ("host_oom_sigkill", 1, [], []),
 }
 
 

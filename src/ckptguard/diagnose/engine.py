@@ -9,13 +9,14 @@ hypotheses, notes). Every string that leaves passes the masker.
 from __future__ import annotations
 
 import time
+import zlib
 from collections.abc import Iterable
 from typing import BinaryIO
 
 from ckptguard.diagnose import advice, scoring
 from ckptguard.diagnose.attribution import Attribution, choose, collateral_rank, collect
 from ckptguard.diagnose.events import STRUCTURAL_ANCHORS, Extractor
-from ckptguard.diagnose.ingest import Prefilter, discover, scan
+from ckptguard.diagnose.ingest import Prefilter, UsageError, discover, scan
 from ckptguard.diagnose.kb import KnowledgeBase, load_kb
 from ckptguard.diagnose.mask import Masker
 from ckptguard.diagnose.model import (
@@ -44,18 +45,26 @@ def diagnose(paths: Iterable[str], *, mask_hosts: bool = False, kb: KnowledgeBas
     ex = Extractor(kb, masker)
     t0 = time.perf_counter()
     nbytes = nlines = 0
+    unreadable: list[str] = []
     for src in sources:
         ex.begin_source(src)
-        stream = stdin if (src.path is None and stdin is not None) else src.open()
         try:
-            b, n = scan(stream, prefilter, ex.feed)
-        finally:
-            if stream is not stdin and src.path is not None:
-                stream.close()
+            stream = stdin if (src.path is None and stdin is not None) else src.open()
+            try:
+                b, n = scan(stream, prefilter, ex.feed)
+            finally:
+                if stream is not stdin and src.path is not None:
+                    stream.close()
+        except (OSError, EOFError, zlib.error) as exc:  # unreadable, or a damaged .gz
+            unreadable.append(f"{src.name}: {exc}")
+            b = n = 0
         ex.end_source()
         nbytes += b
         nlines += n
+    if unreadable and len(unreadable) == len(sources):
+        raise UsageError("cannot read " + "; ".join(unreadable))
     diag = attribute(ex, kb)
+    diag.notes += [f"Could not read all of {u}" for u in unreadable]
     elapsed = time.perf_counter() - t0
     diag.sources = [s.name for s in sources]
     diag.stats = {"bytes": nbytes, "lines": nlines, "lines_examined": ex.lines_processed,

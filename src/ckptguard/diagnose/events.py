@@ -33,7 +33,7 @@ MAX_FRAMES = 12
 MAX_FINGERPRINTS = 4096
 TRACEBACK_FORCE = 60  # lines read unconditionally after a traceback line
 
-_NCCL_RE = re.compile(r"^(?P<host>[\w.\-]+):(?P<pid>\d+):(?P<tid>\d+) \[(?P<dev>\d+)\] NCCL (?P<lvl>[A-Z]+) ?(?P<msg>.*)$")
+_NCCL_RE = re.compile(r"^(?P<host>[\w.\-]+):(?P<pid>\d+):(?P<tid>\d+) \[(?P<dev>\d+)\] (?:[\w/.\-]+:\d+ )?NCCL (?P<lvl>[A-Z]+) ?(?P<msg>.*)$")
 _COMM_RE = re.compile(r"\brank (\d+) nranks (\d+)\b")
 _CHANNEL_RE = re.compile(r"Channel \d+/\d+ : (\d+)\[(\d+)\] -> (\d+)\[(\d+)\](?: \[(send|receive)\])?")
 _TREES_RE = re.compile(r"Trees \[\d+\] [-\d/]+->(\d+)->")
@@ -207,13 +207,13 @@ class Extractor(LauncherLines):
 
         if self.launcher_line(rest, ev, ts):
             return self._pending_force()
+        self._facts(rest, rank, ev)
         hint = any(h.search(rest) for h in self.rules.hints)
         em = _EXC_RE.match(rest)
         if em and not hint and not stripped.endswith("Warning"):
             self._exception(key, em.group("type"), em.group("msg") or "", rank, via, ev, ts)
             return self._pending_force() or 1
 
-        self._facts(rest, rank, ev)
         em2 = None if hint else _EMBEDDED_EXC_RE.search(rest)
         if em2:
             self._exception(key, em2.group("type"), em2.group("msg"), rank, via, ev, ts,

@@ -9,6 +9,7 @@ bounded memory.
 
 from __future__ import annotations
 
+import codecs
 import gzip
 import re
 import sys
@@ -163,11 +164,8 @@ def scan(stream: BinaryIO, prefilter: Prefilter, on_line: LineHandler) -> tuple[
     carry = b""
     skipping = False  # inside an over-long line whose head was already handled
     force = 0
-    while True:
-        data = stream.read(CHUNK)
-        if not data:
-            break
-        nbytes += len(data)
+    for raw_len, data in _chunks(stream):
+        nbytes += raw_len
         if skipping:
             nl = data.find(b"\n")
             if nl < 0:
@@ -198,6 +196,43 @@ def scan(stream: BinaryIO, prefilter: Prefilter, on_line: LineHandler) -> tuple[
     elif skipping:
         lineno += 1
     return nbytes, lineno
+
+
+def _chunks(stream: BinaryIO) -> Iterator[tuple[int, bytes]]:
+    """Blocks of the stream as UTF-8-compatible bytes, with the raw size of each.
+
+    A log saved as UTF-16 (PowerShell's ``>`` redirect, some Windows editors) is recognised by
+    its byte-order mark and transcoded block by block; anything else passes through untouched
+    (undecodable bytes are replaced later, per line)."""
+    first = stream.read(CHUNK)
+    if not first:
+        return
+    if _looks_utf16(first):
+        dec = codecs.getincrementaldecoder("utf-16")(errors="replace")
+        data = first
+        while data:
+            yield len(data), dec.decode(data).encode("utf-8", "replace")
+            data = stream.read(CHUNK)
+        tail = dec.decode(b"", final=True)
+        if tail:
+            yield 0, tail.encode("utf-8", "replace")
+        return
+    data = first
+    while data:
+        yield len(data), data
+        data = stream.read(CHUNK)
+
+
+def _looks_utf16(head: bytes) -> bool:
+    """A UTF-16 byte-order mark, and the high bytes of mostly-ASCII text (NULs) after it: a
+    latin-1 log can start with the same two bytes."""
+    if head[:2] == codecs.BOM_UTF16_LE:
+        high = head[3:4003:2]
+    elif head[:2] == codecs.BOM_UTF16_BE:
+        high = head[2:4002:2]
+    else:
+        return False
+    return bool(high) and high.count(0) >= len(high) * 0.3
 
 
 def _any_hit(prefilter: Prefilter, text: bytes) -> bool:
@@ -245,6 +280,7 @@ def iter_lines_for_test(text: bytes) -> Iterator[bytes]:
 _PREFIX_RE = re.compile(
     r"""
       \[(?P<role>[A-Za-z_][A-Za-z_\-]*?)(?P<num>\d{1,6})\]:[ ]?      # [rank3]: / [default3]:
+    | \[rank:[ ]?(?P<lit>\d{1,6})\][ ]                              # Lightning: [rank: 3]
     | \[\d+,(?P<mpi>\d{1,6})\]<(?:stdout|stderr)>:[ ]?             # mpirun --tag-output
     | [ ]{0,5}(?P<srun>\d{1,6}):[ ]                                 # srun --label
     | (?P<pdsh>[a-z][a-z0-9\-]*\d[a-z0-9.\-]*):[ ](?=\S)             # pdsh / deepspeed: host:
@@ -297,6 +333,8 @@ def strip_prefixes(text: str) -> tuple[Prefix, str]:
                 info.local_rank = n
         elif m.group("mpi") is not None:
             info.rank = int(m.group("mpi"))
+        elif m.group("lit") is not None:
+            info.rank = int(m.group("lit"))
         elif m.group("srun") is not None:
             if info.rank is None:
                 info.rank = int(m.group("srun"))
