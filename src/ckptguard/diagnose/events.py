@@ -23,8 +23,8 @@ from ckptguard.diagnose.model import Event, EventKind, Evidence, LauncherFailure
 # maps, generic failure words); the KB adds the anchors of its signatures and rules.
 STRUCTURAL_ANCHORS = (
     "rror", "xception", "xit", "Traceback", "SIG", "Segmentation", "atchdog", "aving", "NCCL WARN",
-    "NaN", "Killed", "nan", "nranks", "oss is", "[send]", "[receive]", "rrno", "[...]",
-    "runcated", 'File "',
+    "NaN", "Killed", "nan", "nranks", "oss is", "[send]", "[receive]", "Errno", "[...]",
+    'File "',
 )
 EVIDENCE_CHARS = 400
 KEEP_PER_RANK_CLASS = 3
