@@ -145,3 +145,57 @@ def test_diagnose_does_not_import_torch() -> None:
         "assert 'torch' not in sys.modules, 'torch imported'\n"
     )
     subprocess.run([sys.executable, "-c", code, str(SEED)], check=True)
+
+
+# ---- issue 11: bad input always gets an answer or a clear message --------------------------
+
+def _bad_inputs(tmp_path: Path) -> dict[str, Path]:
+    """Empty, binary, a 50 MB line, mixed encodings, UTF-16, a damaged .gz, NULs and CRs."""
+    oom = "[rank1]: torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB\n"
+    files = {
+        "empty.log": b"",
+        "binary.log": bytes(range(256)) * 4096,
+        "mixed.log": ("[rank0]: step 1 loss 2.0 \u2713\n".encode()
+                      + "[rank0]: caf\xe9 na\xefve\r\n".encode("latin-1")
+                      + "[rank2]: 训练 step 2\n".encode("gb18030")
+                      + b"\x00\x00\x00[rank3]: \xff\xfe\x00\n" + oom.encode()),
+        "utf16.log": ("\ufeff" + "step 1\r\n" + oom.replace("\n", "\r\n")).encode("utf-16-le"),
+        "damaged.log.gz": b"\x1f\x8b\x08\x00" + os.urandom(4096),
+        "only_cr.log": oom.replace("\n", "\r").encode() * 3,
+    }
+    out = {}
+    for name, data in files.items():
+        out[name] = tmp_path / name
+        out[name].write_bytes(data)
+    with (tmp_path / "long_line.log").open("wb") as f:  # 50 MB, no newline at all
+        f.write(b"x" * (50 * 1024 * 1024) + b" RuntimeError: CUDA error: an illegal memory access was encountered")
+    out["long_line.log"] = tmp_path / "long_line.log"
+    return out
+
+
+def test_bad_input_never_a_traceback(runner, tmp_path: Path) -> None:
+    for name, path in _bad_inputs(tmp_path).items():
+        result = runner.invoke(app, ["diagnose", str(path), "--json"])
+        assert result.exit_code in (0, 1, 2), (name, result.output[-2000:])
+        assert result.exception is None or isinstance(result.exception, SystemExit), (name, result.exception)
+        if result.exit_code == 2:
+            assert "error:" in result.output, name
+        else:
+            json.loads(result.stdout)
+
+
+def test_bad_input_answers(tmp_path: Path) -> None:
+    paths = _bad_inputs(tmp_path)
+    assert not diagnose([str(paths["empty.log"])]).found
+    d = diagnose([str(paths["mixed.log"])])
+    assert (d.failure_class, d.initiating_rank) == ("cuda_oom", 1)
+    d = diagnose([str(paths["utf16.log"])])
+    assert (d.failure_class, d.initiating_rank) == ("cuda_oom", 1)  # PowerShell's UTF-16 logs
+    d = diagnose([str(paths["damaged.log.gz"]), str(paths["utf16.log"])])
+    assert d.failure_class == "cuda_oom" and any("damaged.log.gz" in n for n in d.notes)
+
+
+def test_unreadable_only_input_is_a_usage_error(runner, tmp_path: Path) -> None:
+    (tmp_path / "bad.log.gz").write_bytes(b"\x1f\x8b\x08\x00garbage")
+    result = runner.invoke(app, ["diagnose", str(tmp_path / "bad.log.gz")])
+    assert result.exit_code == 2 and "cannot read" in result.output

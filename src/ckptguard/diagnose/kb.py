@@ -13,6 +13,10 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from importlib import resources
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ckptguard.diagnose.rules import Rules
 
 REQUIRED = (
     "id", "title", "category", "collateral", "summary", "root_cause", "mechanism", "symptoms",
@@ -93,6 +97,7 @@ class KnowledgeBase:
 
     def __init__(self, classes: dict[str, FailureClass]) -> None:
         self.classes = classes
+        self._rules: Rules | None = None
         by_anchor: dict[str | None, list[Signature]] = {}
         for fc in classes.values():
             for sig in fc.signatures:
@@ -106,10 +111,19 @@ class KnowledgeBase:
     def __contains__(self, class_id: object) -> bool:
         return class_id in self.classes
 
+    @property
+    def rules(self) -> Rules:
+        """The engine rules (``_rules.toml``) that go with these classes."""
+        if self._rules is None:
+            raise KBError("this knowledge base has no _rules.toml")
+        return self._rules
+
     def anchors(self) -> set[str]:
-        """Anchors of signatures marked ``prefilter = true``: lines that carry none of the
-        structural anchors (no error, exception, signal...) and must still be read."""
-        return {s.anchor for _, sigs in self._groups for s in sigs if s.prefilter and s.anchor}
+        """Anchors of signatures marked ``prefilter = true`` and of the rules: lines that carry
+        none of the structural anchors (no error, exception, signal...) and must still be read.
+        Every line the prefilter lets through costs parsing: generic words are never anchors."""
+        out = {s.anchor for _, sigs in self._groups for s in sigs if s.prefilter and s.anchor}
+        return out | (self._rules.anchors() if self._rules is not None else set())
 
     def match(self, text: str, *, exception: bool, context: str = "") -> list[Match]:
         """Best weight per class for ``text`` (an exception ``Type: message`` or a log line)."""
@@ -191,6 +205,8 @@ def load_kb_dir(directory: Path) -> KnowledgeBase:
     """Load and cross-check every ``*.toml`` in ``directory``."""
     classes: dict[str, FailureClass] = {}
     for path in sorted(directory.glob("*.toml")):
+        if path.name.startswith("_"):
+            continue  # engine rules, not a class
         with path.open("rb") as f:
             try:
                 data = tomllib.load(f)
@@ -206,7 +222,13 @@ def load_kb_dir(directory: Path) -> KnowledgeBase:
             raise KBError(f"{fc.id}.toml: related classes {unknown} do not exist")
     if "python_exception" not in classes:
         raise KBError("the KB needs the fallback class python_exception")
-    return KnowledgeBase(classes)
+    kb = KnowledgeBase(classes)
+    rules_path = directory / "_rules.toml"
+    if rules_path.exists():
+        from ckptguard.diagnose.rules import load_rules
+
+        kb._rules = load_rules(rules_path, kb)
+    return kb
 
 
 @lru_cache(maxsize=1)

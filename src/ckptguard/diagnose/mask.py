@@ -33,10 +33,12 @@ _ALIAS_RE = re.compile(r"(?:host|ip|user)-\d+")
 _TOKEN_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-]*")
 
 
-_HINTS = ("PRIVATE KEY", "AKIA", "ASIA", "AGPA", "AIDA", "AROA", "ANPA", "AIza", "hf_", "gh",
-          "xox", "sk-", "eyJ", "://", "@")
-_KV_HINTS = ("key", "secret", "token", "passw", "pwd", "auth", "credential", "sig", "bearer",
-             "basic ")
+_HINTS = ("PRIVATE KEY", "AKIA", "ASIA", "AGPA", "AIDA", "AROA", "ANPA", "AIza", "hf_", "ghp_",
+          "gho_", "ghu_", "ghs_", "ghr_", "github_pat_", "xox", "sk-", "eyJ", "://", "@")
+# "sig" only as a key (Azure SAS `sig=`): the bare word is in every "signal" and "SIGTERM" line,
+# and "gh" above only as a GitHub token prefix ("caught" is in every watchdog line).
+_KV_HINTS = ("key", "secret", "token", "passw", "pwd", "auth", "credential", "sig=", "sig:",
+             'sig"', "sig'", "sig ", "bearer", "basic ")
 
 
 def _may_hold_secret(text: str) -> bool:

@@ -1,0 +1,210 @@
+"""The engine's knowledge that is not one failure class, read from ``kb/_rules.toml``.
+
+Launcher exit formats, the signal table, causality between classes, the cross-rank rules and
+the confidence factors are data: a new launcher or a new cause-and-consequence pair is a TOML
+edit, checked here against the classes of the knowledge base.
+"""
+
+from __future__ import annotations
+
+import re
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ckptguard.diagnose.kb import KBError, KnowledgeBase
+
+
+@dataclass(frozen=True)
+class Alternative:
+    """A competing explanation that an exit by this signal always leaves open."""
+
+    class_id: str
+    label: str
+    title: str
+    score: float
+    why_not: str
+
+
+@dataclass(frozen=True)
+class SignalRule:
+    """What an exit by one signal, with no message of its own, most likely means."""
+
+    number: int
+    name: str
+    class_id: str
+    weight: float
+    alternatives: tuple[Alternative, ...] = ()
+
+
+@dataclass(frozen=True)
+class ExitWord:
+    """A word srun / mpirun / shells print for how a task ended."""
+
+    word: str
+    signal: int
+    class_id: str | None = None
+    weight: float | None = None
+
+
+@dataclass(frozen=True)
+class LauncherFormat:
+    """A line in which a launcher reports a worker's exit."""
+
+    name: str
+    anchor: str
+    pattern: re.Pattern[str]
+    rank_reliable: bool = True
+
+
+@dataclass(frozen=True)
+class RankHint:
+    """A message that names its writer's rank (``source`` is a RankSource value)."""
+
+    source: str
+    anchor: str
+    pattern: re.Pattern[str]
+
+
+@dataclass(frozen=True)
+class RankReport:
+    """torch's own statement of which ranks held the others up."""
+
+    anchor: str
+    pattern: re.Pattern[str]
+
+
+@dataclass(frozen=True)
+class RaceRule:
+    """Several ranks working on, or failing on, one checkpoint path."""
+
+    class_id: str
+    upgrade_from: frozenset[str]
+    min_ranks: int
+    weight: float
+    anchors: tuple[str, ...]
+    announce: re.Pattern[str]
+    same_error: re.Pattern[str]
+
+
+@dataclass(frozen=True)
+class Rules:
+    """Everything in ``_rules.toml``, validated."""
+
+    signals: dict[int, SignalRule]
+    unknown_signal: tuple[str, float]
+    nonzero_exit: tuple[str, float]
+    exit_words: tuple[ExitWord, ...]
+    launchers: tuple[LauncherFormat, ...]
+    launcher_frames: re.Pattern[str]
+    rank_hints: tuple[RankHint, ...]
+    rank_reports: tuple[RankReport, ...]
+    causes: dict[str, frozenset[str]]
+    race: RaceRule
+    desync_class: str
+    desync_pattern: re.Pattern[str]
+    desync_weight: float
+    collateral_priority: tuple[str, ...]
+    alone_means: dict[str, str]
+    single_reporter: frozenset[str]
+    hints: tuple[re.Pattern[str], ...]
+    confidence: dict[str, float] = field(default_factory=dict)
+    rank_factor: dict[str, float] = field(default_factory=dict)
+    ordering_factor: dict[str, float] = field(default_factory=dict)
+
+    def signal_by_name(self, name: str) -> int | None:
+        """SIGKILL -> 9 (None for a name the table does not know)."""
+        return next((n for n, s in self.signals.items() if s.name == name), None)
+
+    def anchors(self) -> set[str]:
+        """Literals that the prefilter must let through for these rules to see their lines."""
+        out = {lf.anchor for lf in self.launchers} | {r.anchor for r in self.rank_reports}
+        out |= set(self.race.anchors)  # rank hints only read lines that are events already
+        return out
+
+    def explained(self, cls: str, present: set[str]) -> bool:
+        """Is ``cls`` a known consequence of another class in ``present``?"""
+        return any(cls in self.causes.get(c, ()) for c in present if c != cls)
+
+
+def _re(value: object, where: str) -> re.Pattern[str]:
+    if not isinstance(value, str):
+        raise KBError(f"_rules.toml {where}: a regex string is required")
+    try:
+        return re.compile(value)
+    except re.error as exc:
+        raise KBError(f"_rules.toml {where}: bad regex {value!r}: {exc}") from exc
+
+
+def _need(kb: KnowledgeBase, cls: str, where: str) -> str:
+    if cls not in kb:
+        raise KBError(f"_rules.toml {where}: unknown class {cls!r}")
+    return cls
+
+
+def parse_rules(data: dict[str, object], kb: KnowledgeBase) -> Rules:
+    """Validate the rules against the KB's classes and compile their regexes."""
+    d: dict = data  # type: ignore[type-arg]
+    try:
+        signals = {}
+        for s in d["signal"]:
+            alts = tuple(Alternative(_need(kb, a["class"], "signal alternative"), a["label"],
+                                     a["title"], float(a["score"]), a["why_not"])
+                         for a in s.get("alternatives", []))
+            signals[int(s["number"])] = SignalRule(int(s["number"]), s["name"],
+                                                   _need(kb, s["class"], "signal"),
+                                                   float(s["weight"]), alts)
+        ex = d["exits"]
+        words = tuple(ExitWord(w["word"], int(w["signal"]),
+                               _need(kb, w["class"], "exit_word") if "class" in w else None,
+                               float(w["weight"]) if "weight" in w else None)
+                      for w in d["exit_word"])
+        launchers = tuple(LauncherFormat(x["name"], x["anchor"], _re(x["pattern"], x["name"]),
+                                         x.get("rank", "reported") != "none")
+                          for x in d["launcher"])
+        hints = tuple(RankHint(h["source"], h["anchor"], _re(h["pattern"], "rank_hint"))
+                      for h in d["rank_hint"])
+        reports = tuple(RankReport(r["anchor"], _re(r["pattern"], "rank_report"))
+                        for r in d["rank_report"])
+        causes = {_need(kb, c["class"], "cause"): frozenset(_need(kb, x, "cause") for x in c["explains"])
+                  for c in d["cause"]}
+        r = d["race"]
+        race = RaceRule(_need(kb, r["class"], "race"),
+                        frozenset(_need(kb, x, "race") for x in r["upgrade_from"]),
+                        int(r["min_ranks"]), float(r["weight"]), tuple(r["anchors"]),
+                        _re(r["announce"], "race.announce"), _re(r["same_error"], "race.same_error"))
+        co = d["collateral_only"]
+        conf = d["confidence"]
+        return Rules(
+            signals=signals,
+            unknown_signal=(_need(kb, ex["unknown_signal"]["class"], "exits"), float(ex["unknown_signal"]["weight"])),
+            nonzero_exit=(_need(kb, ex["nonzero_exit"]["class"], "exits"), float(ex["nonzero_exit"]["weight"])),
+            exit_words=words, launchers=launchers,
+            launcher_frames=_re(d["launcher_traceback"]["frames"], "launcher_traceback"),
+            rank_hints=hints, rank_reports=reports, causes=causes, race=race,
+            desync_class=_need(kb, d["desync"]["class"], "desync"),
+            desync_pattern=_re(d["desync"]["pattern"], "desync"),
+            desync_weight=float(d["desync"]["weight"]),
+            collateral_priority=tuple(_need(kb, c, "collateral_only") for c in co["priority"]),
+            alone_means={_need(kb, k, "alone_means"): _need(kb, v, "alone_means")
+                         for k, v in co["alone_means"].items()},
+            single_reporter=frozenset(_need(kb, c, "single_reporter") for c in co["single_reporter"]),
+            hints=tuple(_re(p, "hints") for p in d["hints"]["patterns"]),
+            confidence={k: float(v) for k, v in conf.items() if not isinstance(v, dict)},
+            rank_factor={k: float(v) for k, v in conf["rank_source"].items()},
+            ordering_factor={k: float(v) for k, v in conf["ordering"].items()},
+        )
+    except (KeyError, TypeError, ValueError) as exc:
+        if isinstance(exc, KBError):
+            raise
+        raise KBError(f"_rules.toml: missing or malformed entry: {exc!r}") from exc
+
+
+def load_rules(path: Path, kb: KnowledgeBase) -> Rules:
+    """Read and validate ``_rules.toml``."""
+    with path.open("rb") as f:
+        try:
+            data = tomllib.load(f)
+        except tomllib.TOMLDecodeError as exc:
+            raise KBError(f"{path.name}: {exc}") from exc
+    return parse_rules(data, kb)
