@@ -126,9 +126,9 @@ def alternatives(diag: Diagnosis, att: Attribution, kb: KnowledgeBase, ex: Extra
         if e is not init and tier(kb, e) == 3:
             add(e.class_id, e.weight * 0.7, [], [evline(e.evidence[0], names, "context", None)],
                 "also in the log, on a rank that the log does not name; the answer's evidence came first or is more specific")
-    for h in att.hints:
-        add(h.class_id, h.weight * 0.5, [h.rank] if h.rank is not None else [],
-            [evline(h.evidence[0], names, "context", h.rank)],
+    for hint in att.hints:
+        add(hint.class_id, hint.weight * 0.5, [hint.rank] if hint.rank is not None else [],
+            [evline(hint.evidence[0], names, "context", hint.rank)],
             "named only by a warning or a retried error, which did not stop the run by itself")
     if cls != kb.rules.race.class_id:
         for path, rks in ex.saves.items():

@@ -92,9 +92,9 @@ def collect(ex: Extractor, kb: KnowledgeBase) -> Attribution:
                                               [Match("launcher_sigterm", 0.9)], [ev], r, RankSource.PID))
     _bind(events, launcher, kb)
     for lf in launcher:
-        e = exit_event(lf, kb)
-        if e is not None:
-            events.append(e)
+        exit_ev = exit_event(lf, kb)
+        if exit_ev is not None:
+            events.append(exit_ev)
     events.extend(sigterm_ranks.values())
 
     hints = [e for e in events if e.kind == EventKind.HINT]
@@ -203,7 +203,8 @@ def _bind(events: list[Event], launcher: list[LauncherFailure], kb: KnowledgeBas
                 e.rank, e.rank_via = lf.rank, RankSource.LAUNCHER_ROOT_CAUSE
                 e.host = e.host or lf.host
                 unbound.remove(e)
-                attributed.add(lf.rank)
+                if lf.rank is not None:
+                    attributed.add(lf.rank)
     failed = {lf.rank for lf in launcher if lf.rank is not None and lf.exitcode not in (None, 0)
               and lf.exitcode != -15} | attributed
     loose = [e for e in events if e.rank is None and e.kind != EventKind.HINT

@@ -171,7 +171,10 @@ def parse_class(data: dict[str, object], where: str) -> FailureClass:
     if not re.fullmatch(r"[a-z][a-z0-9_]*", cid):
         raise KBError(f"{where}: id {cid!r} is not snake_case")
     sigs = []
-    for i, raw in enumerate(data.get("signatures", [])):  # type: ignore[union-attr]
+    raw_sigs = data.get("signatures", [])
+    if not isinstance(raw_sigs, list):
+        raise KBError(f"{where}: signatures must be an array of tables")
+    for i, raw in enumerate(raw_sigs):
         swhere = f"{where} signature {i}"
         if not isinstance(raw, dict):
             raise KBError(f"{swhere}: not a table")
