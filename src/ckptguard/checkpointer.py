@@ -11,18 +11,21 @@ rank agreed is committed.
 from __future__ import annotations
 
 import atexit
+import functools
 import json
 import logging
 import os
+import sys
 import time
 import warnings
+import weakref
 from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from ckptguard._faults import FaultPhase, fault_point
 from ckptguard.checksum import ALGORITHMS, DEFAULT_ALGORITHM
-from ckptguard.comm import default_comm, hostname
+from ckptguard.comm import DEFAULT_TIMEOUT_S, default_comm, hostname
 from ckptguard.dcp.planners import forget_cached_plans
 from ckptguard.errors import CheckpointError, StepNotFoundError
 from ckptguard.protocol import artifacts
@@ -49,6 +52,8 @@ class Checkpointer:
     root's lease (pass ``read_only=True`` to only load and list).
     ``process_group`` (default: all ranks, through a gloo group ckptguard
     creates) must be a gloo group if given; every member calls every method.
+    ``collective_timeout_s`` bounds how long ranks wait for a rank that died or
+    stalled, on the group ckptguard creates (a group passed in keeps its own).
     """
 
     def __init__(
@@ -67,6 +72,7 @@ class Checkpointer:
         visibility_timeout_s: float = 60.0,
         async_budget_bytes: int | None = None,
         progress: bool = False,
+        collective_timeout_s: float = DEFAULT_TIMEOUT_S,
     ) -> None:
         if keep_last is not None and keep_last < 1:
             raise ValueError("keep_last must be >= 1 (the newest checkpoint is always kept)")
@@ -83,8 +89,9 @@ class Checkpointer:
         self.visibility_timeout_s = visibility_timeout_s
         storage = open_storage(root)  # refuses unknown URL schemes before any collective
         options = Options(keep_last, keep_every, io_threads, checksum, visibility_timeout_s)
-        self._session: Session = open_session(default_comm(process_group), storage, options, read_only=read_only,
-                                              job_id=job_id, lease_ttl_s=lease_ttl_s, lease_wait_s=lease_wait_s)
+        comm = default_comm(process_group, collective_timeout_s)
+        self._session: Session = open_session(comm, storage, options, read_only=read_only, job_id=job_id,
+                                              lease_ttl_s=lease_ttl_s, lease_wait_s=lease_wait_s)
         self._comm = self._session.comm
         if self._session.lease is not None:
             # A job that ends without close() still hands the root over at once.
@@ -100,6 +107,8 @@ class Checkpointer:
         self.last_save_stats: PhaseTimer | None = None
         self.last_load_stats: PhaseTimer | None = None
         self._committed: Listing = save_protocol.agreed_current(self._session)
+        _live.add(self)
+        _install_destroy_hook()
         log.debug("ckptguard %s: %s", self.root, self.topology.describe())
 
     # -- public API ---------------------------------------------------------------------
@@ -183,10 +192,20 @@ class Checkpointer:
         stats.blocked = time.perf_counter() - started
 
     def wait(self) -> None:
-        """Wait until the save started with ``blocking=False`` is committed; raise its error if it failed."""
+        """Wait until the save started with ``blocking=False`` is committed; raise its error if it failed.
+
+        Every failure is a CheckpointError (a rank that died is a PeerError); a
+        KeyboardInterrupt in the background save stays one.
+        """
         inflight, self._inflight = self._inflight, None
-        if inflight is not None:
+        if inflight is None:
+            return
+        try:
             inflight.result()
+        except (CheckpointError, KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as e:
+            raise CheckpointError(f"the background save to {self.root} failed: {type(e).__name__}: {e}") from e
 
     def load(
         self,
@@ -267,7 +286,10 @@ class Checkpointer:
         with gc_paused():
             outcome = save_protocol.save(self._session, request, stats)
         self._committed = outcome.committed
-        self._cleanup = self._cleaner.submit(self._remove_retired, outcome.retired, request.step)
+        try:
+            self._cleanup = self._cleaner.submit(self._remove_retired, outcome.retired, request.step)
+        except RuntimeError:  # the interpreter is shutting down (a save finishing at exit): remove now
+            self._remove_retired(outcome.retired, request.step)
         log.debug("ckptguard: saved step %d: %s", request.step, stats)
 
     def _remove_retired(self, retired: list[str], step: int) -> None:
@@ -305,3 +327,63 @@ def _json_object(metadata: Mapping[str, Any] | None) -> dict[str, Any]:
         raise ValueError(f"metadata must be JSON-serializable: {e}") from None
     result: dict[str, Any] = json.loads(text)
     return result
+
+
+# -- saves still in flight when the process group or the process goes away ---------------------
+
+_live: weakref.WeakSet[Checkpointer] = weakref.WeakSet()
+_hook_installed = False
+
+
+def _install_destroy_hook() -> None:
+    """Make ``torch.distributed.destroy_process_group()`` finish in-flight saves first.
+
+    A script that ends with ``save(blocking=False)`` then ``destroy_process_group()``
+    would otherwise tear down the group the background save is agreeing on, and
+    lose the save without a word. (Code that imported the function by name before
+    ckptguard was imported keeps the original: call ``ck.wait()`` there.)
+    """
+    global _hook_installed
+    import torch.distributed as dist
+
+    if _hook_installed or not dist.is_available():
+        return
+    _hook_installed = True
+    original = dist.destroy_process_group
+
+    @functools.wraps(original)
+    def destroy_process_group(*args: Any, **kwargs: Any) -> Any:
+        first: BaseException | None = None
+        for ck in list(_live):
+            try:
+                ck.wait()
+            except BaseException as e:
+                first = first or e
+        result = original(*args, **kwargs)
+        if first is not None:
+            raise first
+        return result
+
+    dist.destroy_process_group = destroy_process_group
+
+
+def _report_unwaited_saves() -> None:
+    """At exit (background save threads have been joined by then): a failed save nobody waited for
+    is printed, and the process exits with status 1 instead of 0."""
+    failed = False
+    for ck in list(_live):
+        inflight = ck._inflight
+        if inflight is None:
+            continue
+        try:
+            inflight.result()
+        except BaseException as e:
+            failed = True
+            print(f"ckptguard: a background save to {ck.root} failed and was never waited for: "
+                  f"{type(e).__name__}: {e}", file=sys.stderr, flush=True)
+    if failed:
+        sys.stdout.flush()
+        os._exit(1)
+
+
+atexit.register(_report_unwaited_saves)

@@ -13,17 +13,22 @@ unit tests without torchrun.
 
 from __future__ import annotations
 
+import contextlib
+import datetime
 import pickle
 import socket
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
 from typing import Any, Protocol, TypeVar
 
-from ckptguard.errors import CheckpointError, FailureRecord, from_os_error
+from ckptguard.errors import CheckpointError, FailureRecord, PeerError, from_os_error
 
 T = TypeVar("T")
+
+#: How long a collective of ckptguard's own group waits for a rank that died or stalled.
+DEFAULT_TIMEOUT_S = 300.0
 
 _FAILURES_ATTR = "_ckptguard_failures"
 
@@ -77,14 +82,16 @@ class TorchTransport:
     right current device; a CPU group keeps the control plane out of the way.
     """
 
-    def __init__(self, group: Any = None) -> None:
+    def __init__(self, group: Any = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
         import torch.distributed as dist
 
         self._dist = dist
+        self.timeout_s = timeout_s
         if group is None:
             # A group of our own over all ranks (collective): a background save must never
-            # interleave its collectives with the training loop's on the same group.
-            group = dist.new_group(backend="gloo")
+            # interleave its collectives with the training loop's on the same group. Its timeout
+            # bounds how long survivors wait for a rank that died or stalled (gloo's own: 30 min).
+            group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
         elif dist.get_backend(group) != "gloo":
             raise ValueError(
                 "process_group must be a gloo group (ckptguard's control messages are small CPU objects): "
@@ -124,7 +131,8 @@ class TorchTransport:
             key = tuple(d)
             if key not in self._domain_groups:
                 ranks = [self._global_ranks[r] for r in d]
-                self._domain_groups[key] = self._dist.new_group(ranks=ranks, backend="gloo")
+                self._domain_groups[key] = self._dist.new_group(
+                    ranks=ranks, backend="gloo", timeout=datetime.timedelta(seconds=self.timeout_s))
 
     def domain_broadcast(self, obj: Any, domain: Sequence[int]) -> Any:
         if len(domain) == 1:
@@ -258,7 +266,8 @@ class Comm:
                 value = local_fn()
             except BaseException as e:  # every failure must reach the agreement, or the others wait
                 own = self._typed(e, where, on_error)
-        gathered = self._t.gather((self._record(own), value if decide_fn is not None else None))
+        with self._transport_failures(what):
+            gathered = self._t.gather((self._record(own), value if decide_fn is not None else None))
         verdict: Any = None
         if self.rank == 0:
             assert gathered is not None
@@ -276,15 +285,16 @@ class Comm:
                 verdict = [("ok", part) for part in decision]
             else:
                 verdict = ("ok", decision)
-        if scatter:
-            # Rank 0 keeps its own part: pickling a large part to send it to itself costs real time.
-            if self.rank == 0:
-                self._t.scatter([None, *verdict[1:]])
-                kind, payload = verdict[0]
+        with self._transport_failures(what):
+            if scatter:
+                # Rank 0 keeps its own part: pickling a large part to send it to itself costs real time.
+                if self.rank == 0:
+                    self._t.scatter([None, *verdict[1:]])
+                    kind, payload = verdict[0]
+                else:
+                    kind, payload = self._t.scatter(None)
             else:
-                kind, payload = self._t.scatter(None)
-        else:
-            kind, payload = self._t.broadcast(verdict)
+                kind, payload = self._t.broadcast(verdict)
         if kind == "failed":
             raise_agreed(payload, own, what, suffix)
         if decide_fn is None:
@@ -293,7 +303,23 @@ class Comm:
 
     def share_in_domain(self, value: Any, domain: Sequence[int]) -> Any:
         """The domain leader's ``value`` on every rank of its storage domain (collective in the domain)."""
-        return self._t.domain_broadcast(value, domain)
+        with self._transport_failures("share the checkpoint's manifest within its storage domain"):
+            return self._t.domain_broadcast(value, domain)
+
+    @contextlib.contextmanager
+    def _transport_failures(self, what: str) -> Iterator[None]:
+        """A collective that fails (a rank died, or stalled past the group's timeout) is a PeerError."""
+        try:
+            yield
+        except CheckpointError:
+            raise
+        except (RuntimeError, OSError, ConnectionError) as e:
+            timeout = getattr(self._t, "timeout_s", None)
+            bound = f" (ckptguard's control group gives up after {timeout:.0f} s)" if timeout else ""
+            raise PeerError(
+                f"rank {self.rank} lost contact with the other ranks while trying to {what}: {e}. Another rank "
+                f"died or stalled{bound}; its own log says why. Nothing of this step was agreed.",
+                rank=self.rank) from e
 
     def _typed(self, err: BaseException, where: str | None,
                on_error: Callable[[BaseException], BaseException] | None) -> BaseException:
@@ -372,12 +398,12 @@ def agreed_failures(err: BaseException) -> list[FailureRecord]:
     return found
 
 
-def default_comm(group: Any = None) -> Comm:
+def default_comm(group: Any = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> Comm:
     """All ranks of ``group`` (default: the world) through gloo, or one rank without a process group."""
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
-        return Comm(TorchTransport(group))
+        return Comm(TorchTransport(group, timeout_s))
     return Comm(LocalTransport())
 
 

@@ -1,0 +1,78 @@
+"""Saves in flight are never lost without a word (issue 10, hole 7).
+
+- a process that exits without wait() while its background save fails exits non-zero;
+- destroy_process_group() right after save(blocking=False) finishes the save first;
+- when a rank dies, the survivors get a CheckpointError, not a raw gloo RuntimeError;
+- when a rank stalls, the survivors fail within the control group's timeout.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import torch
+
+from ckptguard import Checkpointer
+
+from beds.jobs import JobTimeout, run_job
+from helpers import by_rank, results
+
+WORKER = Path(__file__).parent / "workers" / "exit_job.py"
+
+
+def test_exit_without_wait_after_a_failed_background_save_is_non_zero(tmp_path: Path) -> None:
+    script = textwrap.dedent(f"""
+        import torch, ckptguard
+        ck = ckptguard.Checkpointer({str(tmp_path / 'ck')!r})
+        ck.save(1, {{"w": torch.ones(8)}}, blocking=False)
+        print("returned", flush=True)
+    """)
+    env = {**os.environ, "CKPTGUARD_FAULT": "after_write:0:raise"}
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=env)
+    assert "returned" in proc.stdout
+    assert proc.returncode == 1, (proc.returncode, proc.stderr[-2000:])
+    assert "never waited for" in proc.stderr and "injected fault" in proc.stderr
+
+
+def test_exit_without_wait_after_a_good_background_save_commits_it(tmp_path: Path) -> None:
+    script = textwrap.dedent(f"""
+        import torch, ckptguard
+        ck = ckptguard.Checkpointer({str(tmp_path / 'ck')!r})
+        ck.save(1, {{"w": torch.ones(1 << 20)}}, blocking=False)
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    with Checkpointer(tmp_path / "ck", read_only=True) as ck:
+        assert ck.steps() == [1]
+
+
+def test_destroy_process_group_finishes_the_save_in_flight(tmp_path: Path) -> None:
+    job = run_job(WORKER, ["destroy", str(tmp_path / "ck")], nproc_per_node=2, timeout=180)
+    assert job.ok, job.output()
+    assert all(by_rank(job, "done").values())
+    with Checkpointer(tmp_path / "ck", read_only=True) as ck:
+        assert ck.steps() == [1, 2]
+        loaded = {"w": torch.zeros(1 << 16)}
+        assert ck.load(loaded) == 2 and bool((loaded["w"] == 2).all())
+
+
+def test_a_dead_rank_is_a_checkpoint_error_for_the_survivors(tmp_path: Path) -> None:
+    job = run_job(WORKER, ["dead_rank", str(tmp_path / "ck")], nproc_per_node=2, timeout=240)
+    survivors = [r for r in results(job) if r["rank"] == 0]
+    assert survivors, job.output()
+    assert survivors[0]["error"] == "PeerError" and survivors[0]["checkpoint_error"], survivors
+
+
+def test_a_stalled_rank_makes_the_others_fail_within_the_timeout(tmp_path: Path) -> None:
+    try:  # the stopped rank never exits: the job ends by the runner's timeout, which kills it
+        job = run_job(WORKER, ["stalled_rank", str(tmp_path / "ck"), "--timeout", "8"], nproc_per_node=2,
+                      timeout=30, straggler_grace=5)
+    except JobTimeout as e:
+        job = e.result
+    survivors = [r for r in results(job) if r["rank"] == 0]
+    assert survivors, job.output()
+    assert survivors[0]["checkpoint_error"] and survivors[0]["seconds"] < 60, survivors

@@ -1,0 +1,81 @@
+"""A torchrun worker for saves in flight when a rank dies or the process group or process goes away.
+
+Scenarios (argv[1]): ``destroy`` (a background save, then destroy_process_group and exit at
+once), ``dead_rank`` (rank 1 is SIGKILLed inside a background save; rank 0 waits),
+``stalled_rank`` (rank 1 stops itself inside a save; rank 0 must fail within the
+control group's timeout). Each rank prints ``RESULT <json>``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import time
+
+import torch
+import torch.distributed as dist
+
+import ckptguard
+from ckptguard import _faults
+
+
+def result(**kw: object) -> None:
+    print("RESULT " + json.dumps({"rank": int(os.environ["RANK"]), **kw}), flush=True)
+
+
+def state(step: int) -> dict[str, torch.Tensor]:
+    return {"w": torch.full((1 << 16,), float(step))}
+
+
+def scenario_destroy(args: argparse.Namespace) -> None:
+    ck = ckptguard.Checkpointer(args.root)
+    ck.save(1, state(1))
+    ck.save(2, state(2), blocking=False)
+    dist.destroy_process_group()  # the save must be finished first, not torn down with the group
+    result(done=True)
+
+
+def scenario_dead_rank(args: argparse.Namespace) -> None:
+    ck = ckptguard.Checkpointer(args.root)
+    ck.save(1, state(1))
+    if dist.get_rank() == 1:
+        _faults.arm("before_write:1:kill")
+    ck.save(2, state(2), blocking=False)
+    started = time.monotonic()
+    try:
+        ck.wait()
+        result(error=None)
+    except BaseException as e:
+        result(error=type(e).__name__, checkpoint_error=isinstance(e, ckptguard.CheckpointError),
+               seconds=time.monotonic() - started, message=str(e)[:300])
+
+
+def scenario_stalled_rank(args: argparse.Namespace) -> None:
+    ck = ckptguard.Checkpointer(args.root, collective_timeout_s=args.timeout)
+    ck.save(1, state(1))
+    started = time.monotonic()
+    if dist.get_rank() == 1:
+        os.kill(os.getpid(), signal.SIGSTOP)  # the test's job runner kills it at the end
+    try:
+        ck.save(2, state(2))
+        result(error=None)
+    except BaseException as e:
+        result(error=type(e).__name__, checkpoint_error=isinstance(e, ckptguard.CheckpointError),
+               seconds=time.monotonic() - started)
+    os._exit(0)  # the stalled peer never answers again: do not wait for it at shutdown
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("scenario")
+    parser.add_argument("root")
+    parser.add_argument("--timeout", type=float, default=300.0)
+    args = parser.parse_args()
+    dist.init_process_group("gloo")
+    globals()[f"scenario_{args.scenario}"](args)
+
+
+if __name__ == "__main__":
+    main()
