@@ -10,6 +10,7 @@ what went wrong, so code matches types, never message text::
      ├── StepExistsError                   the step is committed; overwrite=False
      ├── StepNotFoundError                 load(step=N) of a step not committed
      ├── PathCollisionError                two ranks' files= paths overlap
+ ├── ReplicatedValueError              a plain value (stored once) differs across ranks
      ├── StorageError                      the storage refused an operation
      │    ├── DiskFullError                ENOSPC, EDQUOT
      │    ├── StoragePermissionError       EACCES, EPERM, EROFS
@@ -72,6 +73,10 @@ class StepNotFoundError(CheckpointError):
 
 class PathCollisionError(CheckpointError):
     """Two ranks name the same or nested ``files=`` paths: they would overwrite each other."""
+
+
+class ReplicatedValueError(CheckpointError):
+    """A plain value, which is stored once for all ranks, differs between ranks: wrap it in PerRank."""
 
 
 class StorageError(CheckpointError):

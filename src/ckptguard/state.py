@@ -7,6 +7,7 @@ DDP, FSDP2 (DTensor) and plain modules all work and loading reshards.
 from __future__ import annotations
 
 import functools
+import re
 from collections.abc import Callable, Mapping, MutableMapping
 from dataclasses import dataclass
 from typing import Any
@@ -43,6 +44,14 @@ class PerRank:
 
 def per_rank_key(key: str, rank: int) -> str:
     return f"{key}@rank{rank:05d}"
+
+
+_PER_RANK = re.compile(r"^[^.]*@rank\d{5}(\.|$)")
+
+
+def is_per_rank_key(fqn: str) -> bool:
+    """Whether a flattened key lies under a PerRank value (its top-level key carries the rank)."""
+    return _PER_RANK.match(fqn) is not None
 
 
 @dataclass

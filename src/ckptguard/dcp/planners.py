@@ -29,6 +29,7 @@ from ckptguard.checksum import checksum
 from ckptguard.dcp import _torch_private
 from ckptguard.dcp.codec import tensor_bytes
 from ckptguard.errors import UnsafeObjectError
+from ckptguard.state import is_per_rank_key
 
 
 class DomainSavePlanner(_torch_private.CachingSavePlanner):
@@ -78,9 +79,6 @@ class DomainSavePlanner(_torch_private.CachingSavePlanner):
         return global_plan, metadata
 
 
-_DIGEST_LIMIT = 64 << 10
-
-
 def plan_cache_key(instance: str) -> str:
     return f"ckptguard:{instance}"
 
@@ -91,34 +89,46 @@ def forget_cached_plans(instance: str) -> None:
 
 
 def replicated_digests(plan: SavePlan, state_dict: dict[str, Any]) -> dict[str, str]:
-    """Checksums of this rank's small non-sharded values, to catch values that differ across ranks.
+    """Checksums of this rank's non-sharded values (every size), to catch values that differ across ranks.
 
     DCP treats every plain tensor and object as replicated and keeps one rank's
-    copy: a per-rank value (an RNG state, a data-loader position) saved that way
-    silently comes back as another rank's. Small values are where that happens;
-    large ones are model weights, identical by construction under DDP.
+    copy: a per-rank value (an RNG state, a data-loader position, a buffer of
+    any size) saved that way silently comes back as another rank's.
     """
     out: dict[str, str] = {}
     for item in plan.items:
-        if item.type == WriteItemType.SHARD:
+        if item.type == WriteItemType.SHARD or is_per_rank_key(item.index.fqn):
             continue
         obj = state_dict.get(item.index.fqn)
         if isinstance(obj, torch.Tensor):
-            if obj.numel() * obj.element_size() <= _DIGEST_LIMIT and type(obj) is torch.Tensor:
+            if type(obj) is torch.Tensor:
                 mv, _ = tensor_bytes(obj)
                 out[item.index.fqn] = checksum("xxh3-64", mv)
         elif item.type == WriteItemType.BYTE_IO:
             buf = io.BytesIO()
             torch.save(obj, buf)
-            if buf.tell() <= _DIGEST_LIMIT:
-                out[item.index.fqn] = checksum("xxh3-64", buf.getbuffer())
+            out[item.index.fqn] = checksum("xxh3-64", buf.getbuffer())
     return out
 
 
-def check_replicated(digests: list[dict[str, str]]) -> str | None:
-    """Rank 0: the first plain value that differs across ranks, as an error message, or None."""
+def combined_digest(digests: dict[str, str]) -> str:
+    """One digest over all of a rank's plain values: what travels to rank 0 (16 bytes per rank)."""
+    text = "\n".join(f"{fqn}\0{d}" for fqn, d in sorted(digests.items()))
+    return checksum("xxh3-64", text.encode())
+
+
+def ranks_differing(combined: list[str]) -> list[int]:
+    """Rank 0: the ranks whose plain values (or their names) differ from rank 0's (linear in the ranks)."""
+    return [rank for rank, digest in enumerate(combined) if digest != combined[0]]
+
+
+def divergence_message(reports: list[tuple[int, dict[str, str]]]) -> str | None:
+    """The first plain value, present on several ranks, whose bytes differ between them; None if none.
+
+    Values present on one rank only are not compared (DCP stores them from that rank).
+    """
     first: dict[str, tuple[int, str]] = {}
-    for rank, mine in enumerate(digests):
+    for rank, mine in sorted(reports):
         for fqn, digest in mine.items():
             seen = first.setdefault(fqn, (rank, digest))
             if seen[1] != digest:

@@ -51,7 +51,6 @@ class RankWrites:
 
     files: list[FileEntry] = field(default_factory=list)
     artifacts: list[Artifact] = field(default_factory=list)
-    digests: dict[str, str] = field(default_factory=dict)  # small plain values, to catch per-rank ones
     items: list[StoredItem] = field(default_factory=list)  # where each of its items is stored
 
 

@@ -28,9 +28,15 @@ from ckptguard._faults import FaultPhase, fault_point
 from ckptguard.comm import agreed_failures
 from ckptguard.dcp.codec import metadata_to_json
 from ckptguard.dcp.drive import plan_collectively
-from ckptguard.dcp.planners import DomainSavePlanner, check_replicated, forget_cached_plans
+from ckptguard.dcp.planners import (
+    DomainSavePlanner,
+    combined_digest,
+    divergence_message,
+    forget_cached_plans,
+    ranks_differing,
+)
 from ckptguard.dcp.writer import GuardedWriter
-from ckptguard.errors import CheckpointError
+from ckptguard.errors import CheckpointError, ReplicatedValueError
 from ckptguard.progress import ByteProgress
 from ckptguard.protocol import artifacts, layout
 from ckptguard.protocol.artifacts import ArtifactTarget
@@ -219,23 +225,30 @@ def _commit(session: Session, plan: SavePlan, writer: GuardedWriter, user_metada
             ) -> SaveOutcome:
     comm, topo, options = session.comm, session.topo, session.options
 
-    def report_writes() -> RankWrites:
+    def report_written() -> str:
         if writer.error is not None:
             raise writer.error
+        return combined_digest(writer.digests)
+
+    # The write phase's agreement; and a plain value that differs across ranks (DCP would keep one
+    # rank's copy for all) found from one digest per rank, whatever the values' sizes.
+    differing: list[int] = comm.step(f"write its part of step {plan.step}", report_written, ranks_differing,
+                                     suffix=plan.intact, where=session.url, on_error=session.fenced)
+    if differing:
+        _refuse_divergence(session, plan, writer.digests, differing)
+
+    def report_writes() -> RankWrites:
         arts, art_files = writer.outcome.extra or ([], [])
-        return RankWrites(writer.outcome.files + art_files, arts, writer.digests, writer.stored)
+        return RankWrites(writer.outcome.files + art_files, arts, writer.stored)
 
     def manifests(writes: list[RankWrites]) -> list[Manifest | None]:
-        diverged = check_replicated([w.digests for w in writes])
-        if diverged is not None:
-            raise CheckpointError(diverged)
         assert writer.metadata is not None
         built = build_manifests(topo, plan.name, plan.attempt, options.checksum, writes, user_metadata,
                                 metadata_to_json(writer.metadata))
         return [built.get(r) for r in range(comm.world_size)]
 
-    mine: Manifest | None = comm.step(f"write its part of step {plan.step}", report_writes, manifests,
-                                      scatter=True, suffix=plan.intact, where=session.url, on_error=session.fenced)
+    mine: Manifest | None = comm.step(f"report its part of step {plan.step}", report_writes, manifests,
+                                      scatter=True, suffix=plan.intact, where=session.url)
     published = False
 
     def publish() -> Listing | None:
@@ -268,6 +281,23 @@ def _commit(session: Session, plan: SavePlan, writer: GuardedWriter, user_metada
         raise
     retired = finish(session, plan, doomed) if topo.is_leader else []
     return SaveOutcome({s: v for s, v in agreed.items() if s not in doomed}, retired)
+
+
+def _refuse_divergence(session: Session, plan: SavePlan, digests: dict[str, str], differing: list[int]) -> None:
+    """Rank 0 and the ranks whose digest differed send their per-value digests; rank 0 names the value
+    that differs, or lets the save go on if only the sets of names differ (a value on one rank only)."""
+    comm = session.comm
+    involved = {0, *differing}
+
+    def mine() -> tuple[int, dict[str, str]] | None:
+        return (comm.rank, digests) if comm.rank in involved else None
+
+    def refuse(reports: list[tuple[int, dict[str, str]] | None]) -> None:
+        message = divergence_message([r for r in reports if r is not None])
+        if message is not None:
+            raise ReplicatedValueError(message + plan.intact)
+
+    comm.step(f"compare its plain values of step {plan.step}", mine, refuse)
 
 
 def _discard_attempt(session: Session, plan: SavePlan) -> None:

@@ -1,0 +1,57 @@
+"""A plain value that differs across ranks is refused whatever its size (issue 10, hole 4)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from ckptguard import PerRank, ReplicatedValueError
+from ckptguard.comm import Comm, run_ranks
+from ckptguard.protocol import save as save_protocol
+from ckptguard.protocol.session import Options, open_session
+from ckptguard.protocol.timing import PhaseTimer
+from ckptguard.state import prepare_state
+from ckptguard.storage import PosixStorage
+
+
+def save_on_thread_ranks(root: Path, world: int, state_of_rank: object) -> list[object]:
+    """A real save, by ``world`` ranks simulated by threads sharing one root."""
+
+    def body(comm: Comm) -> object:
+        session = open_session(comm, PosixStorage(str(root)), Options(None, None, 1, "xxh3-64", 10.0),
+                               read_only=False, job_id="test", lease_ttl_s=30, lease_wait_s=1)
+        try:
+            state = prepare_state(state_of_rank(comm.rank), comm.rank).state_dict  # type: ignore[operator]
+            request = save_protocol.SaveRequest(1, state, [], [], False, {}, None)
+            return save_protocol.save(session, request, PhaseTimer())
+        finally:
+            if session.lease is not None:
+                session.lease.release()
+
+    return run_ranks(world, body, timeout_s=60)
+
+
+@pytest.mark.parametrize("nbytes", [64, 160_000, 4 << 20])
+def test_a_per_rank_tensor_of_any_size_is_refused_and_named(tmp_path: Path, nbytes: int) -> None:
+    out = save_on_thread_ranks(tmp_path / "ck", 2, lambda r: {"w": torch.ones(16),
+                                                               "buf": torch.full((nbytes // 4,), float(r))})
+    assert all(isinstance(e, ReplicatedValueError) for e in out), out
+    assert "'buf'" in str(out[0]) and "PerRank" in str(out[0])
+
+
+def test_a_large_per_rank_object_is_refused(tmp_path: Path) -> None:
+    out = save_on_thread_ranks(tmp_path / "ck", 3, lambda r: {"log": {"lines": ["x" * 200_000, str(r)]}})
+    assert all(isinstance(e, ReplicatedValueError) for e in out), out
+
+
+def test_identical_values_and_per_rank_wrapped_ones_save(tmp_path: Path) -> None:
+    out = save_on_thread_ranks(tmp_path / "ck", 2, lambda r: {"w": torch.ones(100_000),
+                                                               "rng": PerRank(torch.full((60_000,), float(r)))})
+    assert all(isinstance(o, save_protocol.SaveOutcome) for o in out), out
+
+
+def test_a_value_on_one_rank_only_is_not_a_divergence(tmp_path: Path) -> None:
+    out = save_on_thread_ranks(tmp_path / "ck", 2, lambda r: {"w": torch.ones(8), **({"only0": 1} if r == 0 else {})})
+    assert all(isinstance(o, save_protocol.SaveOutcome) for o in out), out
