@@ -11,10 +11,12 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import shutil
 from collections.abc import Mapping
 from dataclasses import dataclass
 
 from ckptguard.checksum import Hasher
+from ckptguard.comm import Comm
 from ckptguard.errors import CheckpointError, CorruptCheckpointError, PathCollisionError
 from ckptguard.protocol import layout
 from ckptguard.protocol.manifest import Artifact, FileEntry, Manifest
@@ -239,16 +241,27 @@ def store(storage: StorageBackend, items: list[ArtifactTarget] | list[FileSnapsh
     return artifacts, entries
 
 
-def stage_restore(storage: StorageBackend, targets: list[ArtifactTarget], manifest: Manifest,
-                  checkpoint_dir: str) -> list[tuple[str, str]]:
-    """Copy this rank's artifacts next to their destinations as verified temp files: [(temp, destination)].
+@dataclass
+class RestoreSwap:
+    """One artifact being restored: its verified copy next to its destination, and what it displaced."""
 
-    Nothing a user sees changes yet: a corrupt artifact, on this rank or any
-    other, must not leave some files of this checkpoint restored when load falls
-    back to an older one. commit_restore() renames them into place once every
-    rank staged its own; abort_restore() removes them.
+    staged: str
+    dest: str
+    is_dir: bool
+    displaced: str | None = None  # what stood at ``dest`` before: kept until the load has committed
+    swapped: bool = False
+
+
+def stage_restore(storage: StorageBackend, targets: list[ArtifactTarget], manifest: Manifest,
+                  checkpoint_dir: str) -> list[RestoreSwap]:
+    """Copy this rank's artifacts next to their destinations, verified; nothing a user sees changes yet.
+
+    A directory artifact is restored whole into a sibling directory, which later
+    replaces the destination, so the restored directory holds exactly what was
+    saved (no file of another checkpoint left beside it); a corrupt artifact,
+    on this rank or any other, changes nothing before load falls back.
     """
-    staged: list[tuple[str, str]] = []
+    swaps: list[RestoreSwap] = []
     try:
         sums = {f.path: f for f in manifest.files}
         for t in targets:
@@ -257,35 +270,114 @@ def stage_restore(storage: StorageBackend, targets: list[ArtifactTarget], manife
                 keys = sorted({a.key for a in manifest.artifacts if a.rank == t.rank})
                 raise CheckpointError(f"rank {t.rank}: the checkpoint holds no artifact {t.key!r} for this rank "
                                       f"(it has {keys or 'none'})", rank=t.rank)
-            if art.kind == "dir":
-                dests = [(os.path.join(t.path, rel), stored) for rel, stored in art.files]
+            os.makedirs(os.path.dirname(t.path) or ".", exist_ok=True)
+            swap = RestoreSwap(unique_tmp_name(t.path), t.path, art.kind == "dir")
+            swaps.append(swap)
+            if swap.is_dir:
+                os.mkdir(swap.staged)
+                made = {swap.staged}
+                for rel, stored in art.files:
+                    dst = os.path.join(swap.staged, rel)
+                    parent = os.path.dirname(dst)
+                    if parent not in made:
+                        os.makedirs(parent, exist_ok=True)
+                        made.add(parent)
+                    _restore_file(storage, os.path.join(checkpoint_dir, stored), dst, sums[stored],
+                                  manifest.checksum_algorithm)
+                for d in sorted(made, key=len, reverse=True):
+                    fsync_dir(d)
             else:
-                dests = [(t.path, stored) for _, stored in art.files]
-            for dst, stored in dests:
-                entry = sums[stored]
-                src = os.path.join(checkpoint_dir, stored)
-                os.makedirs(os.path.dirname(dst) or ".", exist_ok=True)
-                tmp = unique_tmp_name(dst)
-                staged.append((tmp, dst))
-                _restore_file(storage, src, tmp, entry, manifest.checksum_algorithm)
+                for _, stored in art.files:
+                    _restore_file(storage, os.path.join(checkpoint_dir, stored), swap.staged, sums[stored],
+                                  manifest.checksum_algorithm)
     except BaseException:
-        abort_restore(staged)
+        abort_restore(swaps)
         raise
-    return staged
+    return swaps
 
 
-def commit_restore(staged: list[tuple[str, str]]) -> None:
-    for tmp, dst in staged:
-        os.replace(tmp, dst)
-    for d in sorted({os.path.dirname(dst) or "." for _, dst in staged}):
+def swap_in(swaps: list[RestoreSwap]) -> None:
+    """Move every restored copy into place; what stood there is moved aside, not deleted."""
+    for s in swaps:
+        if os.path.lexists(s.dest):
+            s.displaced = unique_tmp_name(s.dest) + ".displaced"
+            os.rename(s.dest, s.displaced)
+        os.rename(s.staged, s.dest)
+        s.swapped = True
+    for d in sorted({os.path.dirname(s.dest) or "." for s in swaps}):
         fsync_dir(d)
 
 
-def abort_restore(staged: list[tuple[str, str]]) -> None:
-    for tmp, _ in staged:
-        remove_quietly(tmp)
+def swap_back(swaps: list[RestoreSwap]) -> None:
+    """Undo swap_in (another rank failed to swap): the user's files are back as they were."""
+    for s in reversed(swaps):
+        if s.swapped:
+            os.rename(s.dest, s.staged)
+            s.swapped = False
+        if s.displaced is not None:
+            os.rename(s.displaced, s.dest)
+            s.displaced = None
+    abort_restore(swaps)
+
+
+def finish_restore(swaps: list[RestoreSwap]) -> None:
+    """The load committed: remove what the restored artifacts displaced."""
+    for s in swaps:
+        if s.displaced is not None:
+            _remove_any(s.displaced)
+            s.displaced = None
+
+
+def abort_restore(swaps: list[RestoreSwap]) -> None:
+    for s in swaps:
+        if not s.swapped:
+            _remove_any(s.staged)
+
+
+def _remove_any(path: str) -> None:
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        remove_quietly(path)
 
 
 def remove_quietly(path: str) -> None:
     with contextlib.suppress(FileNotFoundError):
         os.unlink(path)
+
+
+def probe_shared_paths(comm: Comm, pairs: list[tuple[ArtifactTarget, ArtifactTarget]], nonce: str,
+                       where: str = "on save and on restore") -> None:
+    """Same path on different hosts: a collision only if the path is on shared storage. Look.
+
+    The first rank of each pair leaves a marker next to the path; the second
+    looks for it; a marker seen is a collision (PathCollisionError on every rank).
+    """
+    markers: list[str] = []
+
+    def marker_of(a: ArtifactTarget) -> str:
+        return os.path.join(probe_anchor(a.path), f".ckptguard-probe-{nonce}-{a.rank}")
+
+    def leave_markers() -> None:
+        for a, _ in pairs:
+            if a.rank == comm.rank:
+                marker = marker_of(a)
+                if not os.path.exists(marker):
+                    with open(marker, "x") as f:
+                        f.write(nonce)
+                markers.append(marker)
+
+    def seen_markers() -> list[tuple[ArtifactTarget, ArtifactTarget]]:
+        return [(a, b) for a, b in pairs if b.rank == comm.rank and os.path.exists(marker_of(a))]
+
+    def decide(seen: list[list[tuple[ArtifactTarget, ArtifactTarget]]]) -> None:
+        collisions = [p for s in seen for p in s]
+        if collisions:
+            raise collision_error(*collisions[0], where=where, note=" (the path is on storage both hosts share)")
+
+    try:
+        comm.step("leave a probe marker next to its files= path", leave_markers)
+        comm.step("look for the other hosts' probe markers", seen_markers, decide)
+    finally:
+        for m in markers:
+            remove_quietly(m)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+import uuid
 import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -124,12 +125,15 @@ def _load_from_manifest(session: Session, name: CheckpointName, raw: bytes | Non
                 f"{comm.world_size}: per-rank files= artifacts cannot be resharded", rank=comm.rank)
         return targets
 
-    def refuse_collisions(gathered: list[list[ArtifactTarget]]) -> None:
-        certain, _ = artifacts.find_collisions([t for g in gathered for t in g])
+    def refuse_collisions(gathered: list[list[ArtifactTarget]]) -> tuple[list[Any], str]:
+        certain, uncertain = artifacts.find_collisions([t for g in gathered for t in g])
         if certain:
             raise artifacts.collision_error(*certain[0], where="on restore")
+        return uncertain, uuid.uuid4().hex
 
-    comm.step(f"load step {name.step}", destinations, refuse_collisions)
+    uncertain, nonce = comm.step(f"load step {name.step}", destinations, refuse_collisions)
+    if uncertain:  # the same path on two hosts: refused if it is on storage they share
+        artifacts.probe_shared_paths(comm, uncertain, nonce, where="on restore")
     stats.seconds["manifest"] = time.perf_counter() - started
     with stats.phase("metadata"):
         prepared = prepare_state(state, comm.rank)
@@ -141,19 +145,24 @@ def _load_from_manifest(session: Session, name: CheckpointName, raw: bytes | Non
             is_coordinator=comm.rank == 0, stats=stats, before_read=on_planned), where=session.url)
     # files= artifacts in two phases: every rank stages verified copies, then all rename them
     # into place, so a corrupt artifact anywhere changes nothing before load falls back.
-    staged: list[tuple[str, str]] = []
+    swaps: list[artifacts.RestoreSwap] = []
 
     def stage() -> None:
-        staged.extend(artifacts.stage_restore(session.storage, targets, manifest, root.dir(name)))
+        swaps.extend(artifacts.stage_restore(session.storage, targets, manifest, root.dir(name)))
 
     try:
         comm.step(f"restore its files= artifacts from step {name.step}", stage, where=root.dir(name))
     except BaseException:
-        artifacts.abort_restore(staged)
+        artifacts.abort_restore(swaps)
         raise
-    comm.step(f"move its restored files= artifacts of step {name.step} into place",
-              lambda: artifacts.commit_restore(staged), where=root.dir(name))
+    try:
+        comm.step(f"move its restored files= artifacts of step {name.step} into place",
+                  lambda: artifacts.swap_in(swaps), where=root.dir(name))
+    except BaseException:
+        artifacts.swap_back(swaps)  # some rank could not: every rank's files are as they were
+        raise
     with stats.phase("apply"):
         prepared.apply()
+    artifacts.finish_restore(swaps)
     stats.bytes = sum(i.length for i in manifest.items)
     log.debug("ckptguard: loaded step %d: %s", name.step, stats)

@@ -149,43 +149,10 @@ def _plan(session: Session, request: SaveRequest) -> SavePlan:
         f"save step {request.step}", report,
         lambda reports: decide_plan(session.url, request.step, request.overwrite, reports), where=session.url)
     if decision.uncertain:
-        _probe_shared_paths(session, decision.uncertain, decision.attempt)
+        artifacts.probe_shared_paths(comm, decision.uncertain, decision.attempt)
     name = CheckpointName(request.step, decision.version)
     return SavePlan(request.step, name, decision.attempt, session.root.staging_dir(request.step, decision.attempt),
                     request.targets, decision.previous)
-
-
-def _probe_shared_paths(session: Session, pairs: list[tuple[ArtifactTarget, ArtifactTarget]], nonce: str) -> None:
-    """Same path on different hosts: a collision only if the path is on shared storage. Look."""
-    comm = session.comm
-    markers: list[str] = []
-
-    def marker_of(a: ArtifactTarget) -> str:
-        return os.path.join(artifacts.probe_anchor(a.path), f".ckptguard-probe-{nonce}-{a.rank}")
-
-    def leave_markers() -> None:
-        for a, _ in pairs:
-            if a.rank == comm.rank:
-                marker = marker_of(a)
-                if not os.path.exists(marker):
-                    with open(marker, "x") as f:
-                        f.write(nonce)
-                markers.append(marker)
-
-    def seen_markers() -> list[tuple[ArtifactTarget, ArtifactTarget]]:
-        return [(a, b) for a, b in pairs if b.rank == comm.rank and os.path.exists(marker_of(a))]
-
-    def decide(seen: list[list[tuple[ArtifactTarget, ArtifactTarget]]]) -> None:
-        collisions = [p for s in seen for p in s]
-        if collisions:
-            raise artifacts.collision_error(*collisions[0], note=" (the path is on storage both hosts share)")
-
-    try:
-        comm.step("leave a probe marker next to its files= path", leave_markers)
-        comm.step("look for the other hosts' probe markers", seen_markers, decide)
-    finally:
-        for m in markers:
-            artifacts.remove_quietly(m)
 
 
 def _stage(session: Session, plan: SavePlan) -> None:

@@ -1,0 +1,83 @@
+"""files= restores give back exactly what was saved, never touch user files before the load succeeded,
+and refuse two hosts restoring into one shared path (issue 10, hole 6)."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+from ckptguard import Checkpointer, CorruptCheckpointError, PathCollisionError
+from ckptguard.comm import Comm, run_ranks
+from ckptguard.protocol import artifacts
+from ckptguard.protocol import load as load_protocol
+from ckptguard.protocol import save as save_protocol
+from ckptguard.protocol.layout import CheckpointName
+from ckptguard.protocol.session import Options, open_session
+from ckptguard.protocol.timing import PhaseTimer
+from ckptguard.storage import PosixStorage
+
+
+def listing(d: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(d)): p.read_bytes() for p in sorted(d.rglob("*")) if p.is_file()}
+
+
+def test_a_restored_directory_equals_the_saved_one(tmp_path: Path) -> None:
+    off = tmp_path / "offload"
+    off.mkdir()
+    (off / "shard-a").write_bytes(b"a at 100")
+    with Checkpointer(tmp_path / "ck") as ck:
+        ck.save(100, {"w": torch.ones(4)}, files={"off": off})
+        (off / "shard-a").write_bytes(b"a at 150")
+        (off / "shard-b").write_bytes(b"b at 150")
+        ck.save(150, {"w": torch.ones(4)}, files={"off": off})
+        ck.load({"w": torch.zeros(4)}, step=100, files={"off": off})
+    assert listing(off) == {"shard-a": b"a at 100"}
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # no staged or displaced copy
+
+
+def test_a_failed_restore_leaves_the_users_files_as_they_were(tmp_path: Path) -> None:
+    off = tmp_path / "offload"
+    off.mkdir()
+    (off / "shard-a").write_bytes(b"saved")
+    with Checkpointer(tmp_path / "ck") as ck:
+        ck.save(1, {"w": torch.ones(4)}, files={"off": off})
+        stored = next((tmp_path / "ck" / "step-00000001" / "files").rglob("shard-a"))
+        stored.write_bytes(b"SAVED")  # same size, flipped bytes
+        (off / "shard-a").write_bytes(b"user's own")
+        (off / "mine").write_bytes(b"keep me")
+        before = listing(off)
+        with pytest.raises(CorruptCheckpointError):
+            ck.load({"w": torch.zeros(4)}, step=1, files={"off": off})
+    assert listing(off) == before
+
+
+def test_two_hosts_restoring_into_one_shared_path_are_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+                                                              ) -> None:
+    # Two "hosts" (thread ranks with host names of their own) each saved their own directory, and
+    # then both name one path, on storage both see, to restore into.
+    monkeypatch.setattr(load_protocol, "hostname", lambda: f"host-{threading.current_thread().name}")
+    shared = tmp_path / "shared-offload"
+
+    def body(comm: Comm) -> object:
+        session = open_session(comm, PosixStorage(str(tmp_path / "ck")), Options(None, None, 1, "xxh3-64", 10.0),
+                               read_only=False, job_id="t", lease_ttl_s=30, lease_wait_s=1)
+        try:
+            own = tmp_path / f"src{comm.rank}"
+            own.mkdir()
+            (own / "shard").write_bytes(b"x")
+            targets = artifacts.normalize({"off": own}, comm.rank, f"host-rank{comm.rank}", must_exist=True)
+            save_protocol.save(session, save_protocol.SaveRequest(1, {"w": torch.ones(4)}, targets, targets, False,
+                                                                  {}, None), PhaseTimer())
+            return load_protocol.load_one(session, CheckpointName(1), {"w": torch.zeros(4)}, {"off": shared}, True,
+                                          PhaseTimer())
+        finally:
+            if session.lease is not None:
+                session.lease.release()
+
+    out = run_ranks(2, body)
+    assert all(isinstance(e, PathCollisionError) for e in out), out
+    assert "storage both hosts share" in str(out[0])
+    assert not shared.exists()
