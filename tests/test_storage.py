@@ -52,7 +52,7 @@ def test_small_reads_refuse_fifos_symlinks_and_oversized_files(tmp_path: Path) -
     os.symlink(tmp_path / "real", tmp_path / "link")
     with pytest.raises(CorruptCheckpointError, match="not a regular file"):
         storage.read_bytes(str(tmp_path / "fifo"))  # must not block
-    with pytest.raises(OSError):
+    with pytest.raises(CorruptCheckpointError, match="symbolic link"):
         storage.read_bytes(str(tmp_path / "link"))  # O_NOFOLLOW
     with pytest.raises(CorruptCheckpointError, match="more than"):
         storage.read_bytes(str(tmp_path / "real"), limit=10)
@@ -128,3 +128,20 @@ def test_of_two_jobs_taking_over_an_expired_lease_one_wins(tmp_path: Path) -> No
     finally:
         for t in takers:
             t.release()
+
+
+def test_a_lease_taken_by_another_leader_of_the_same_job_says_so(tmp_path: Path) -> None:
+    """A probe that wrongly split one shared root into two domains makes two leaders of one job take
+    the lease: the loser is told it is its own job, not 'another job' (issue 10, hole 11)."""
+    storage = PosixStorage(str(tmp_path))
+    storage.makedirs(storage.path(".ckptguard"))
+    first, second = Lease(storage, "job-a", None, ttl_s=30), Lease(storage, "job-a", None, ttl_s=30)
+    first.acquire(wait_s=1)
+    second.acquire(wait_s=1)  # "it is ours": takes over with the next epoch
+    try:
+        with pytest.raises(ckptguard.LeaseLostError, match="same job") as info:
+            first.check()
+        assert "another job" not in str(info.value)
+    finally:
+        first.release()
+        second.release()

@@ -202,20 +202,31 @@ class Lease:
             versioned = self._read_versioned()
             rec = LeaseRecord.from_bytes(versioned[0]) if versioned is not None else None
             if versioned is None or rec is None or rec.holder != self.holder or rec.epoch != self.epoch:
-                self._lost = f"another job took over the root: {rec.describe() if rec else 'lease file gone'}"
+                self._lost = self._who_took_it(rec)
                 return
             fresh = self._record(self.epoch, rec.acquired_at)
             # Only over the very record read: a takeover between the read and the write wins.
             if not self.storage.compare_and_swap(self.path, fresh.to_bytes(), versioned[1]):
-                now = self.read()
-                self._lost = f"another job took over the root: {now.describe() if now else 'lease file gone'}"
+                self._lost = self._who_took_it(self.read())
+
+    def _who_took_it(self, rec: LeaseRecord | None) -> str:
+        if rec is None:
+            return "the lease file is gone (removed by hand, or by another job)"
+        if rec.holder == self.holder:
+            # Not another job: another storage-domain leader of this one took it, so two leaders
+            # write to one root. The probe split ranks that in fact share the storage.
+            return (f"another storage-domain leader of this same job took it (epoch {rec.epoch}, host {rec.host}, "
+                    f"pid {rec.pid}): the storage probe put ranks that share this root into different storage "
+                    "domains, which happens when a shared filesystem's caches hide files for longer than the "
+                    "probe; check the mount options (actimeo, lookupcache)")
+        return f"another job took over the root: {rec.describe()}"
 
     def check(self) -> None:
         """Raise unless this job still holds the lease (called before every save and publish)."""
         rec = self.read()
         with self._lock:
             if self._lost is None and (rec is None or rec.holder != self.holder or rec.epoch != self.epoch):
-                self._lost = f"another job took over the root: {rec.describe() if rec else 'lease file gone'}"
+                self._lost = self._who_took_it(rec)
             lost = self._lost
         if lost is None:
             try:  # renewals may have failed for a while (disk full): the lease is ours, refresh it now
