@@ -31,6 +31,7 @@ from ckptguard.errors import (
     StoragePermissionError,
     UnsafeObjectError,
     UnsupportedStorageError,
+    UnsupportedValueError,
 )
 
 if TYPE_CHECKING:
@@ -57,6 +58,7 @@ __all__ = [
     "StoragePermissionError",
     "UnsafeObjectError",
     "UnsupportedStorageError",
+    "UnsupportedValueError",
     "load_file",
     "save_file",
 ]

@@ -27,6 +27,7 @@ from ckptguard.dcp.planners import forget_cached_plans
 from ckptguard.errors import CheckpointError, StepNotFoundError
 from ckptguard.protocol import artifacts
 from ckptguard.protocol import load as load_protocol
+from ckptguard.protocol import read as read_protocol
 from ckptguard.protocol import save as save_protocol
 from ckptguard.protocol.artifacts import ArtifactTarget
 from ckptguard.protocol.decisions import Listing
@@ -221,6 +222,32 @@ class Checkpointer:
         if stats is not None:
             self.last_load_stats = stats
         return loaded
+
+    def read(self, step: int | None = None) -> dict[str, Any] | None:
+        """The stored state dict of a committed checkpoint, without a template; None if there is none.
+
+        Nested as it was saved, every value as it was given to ``save`` (int and
+        tuple keys, tuples, numpy arrays, RNG states); modules and optimizers as
+        their state dicts, tensors whole on the CPU; ``PerRank`` values under
+        their key, this rank's own. Bytes are verified as in ``load``, and with
+        ``step=None`` a corrupt newest checkpoint falls back to an older one.
+        """
+        self.wait()
+        self._check_usable(writing=False)
+        current = self._committed = save_protocol.agreed_current(self._session)
+        candidates = self._candidates(step, current)
+        with gc_paused():
+            _, state = read_protocol.read_first_intact(self._session, candidates, current, fallback=step is None)
+        return state
+
+    def _candidates(self, step: int | None, current: Listing) -> list[int]:
+        if step is None:
+            return sorted(current, reverse=True)
+        if step not in current:
+            raise StepNotFoundError(
+                f"step {step} is not a committed checkpoint in {self.root}; committed steps: "
+                f"{sorted(current) or 'none'}")
+        return [step]
 
     def close(self) -> None:
         """Release the root's lease. The Checkpointer cannot save afterwards."""
