@@ -36,6 +36,7 @@ from ckptguard.errors import (
 
 if TYPE_CHECKING:
     from ckptguard.checkpointer import Checkpointer
+    from ckptguard.rng import RNGState, rng_state, set_rng_state
     from ckptguard.singlefile import load_file, save_file
     from ckptguard.state import PerRank
 
@@ -51,6 +52,7 @@ __all__ = [
     "PathCollisionError",
     "PeerError",
     "PerRank",
+    "RNGState",
     "StaleHandleError",
     "StepExistsError",
     "StepNotFoundError",
@@ -60,11 +62,14 @@ __all__ = [
     "UnsupportedStorageError",
     "UnsupportedValueError",
     "load_file",
+    "rng_state",
     "save_file",
+    "set_rng_state",
 ]
 
 _LAZY = {"Checkpointer": "ckptguard.checkpointer", "PerRank": "ckptguard.state", "save_file": "ckptguard.singlefile",
-         "load_file": "ckptguard.singlefile"}
+         "load_file": "ckptguard.singlefile", "rng_state": "ckptguard.rng", "set_rng_state": "ckptguard.rng",
+         "RNGState": "ckptguard.rng"}
 
 
 def __getattr__(name: str) -> Any:

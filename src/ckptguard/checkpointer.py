@@ -22,15 +22,16 @@ from typing import Any
 
 from ckptguard._faults import FaultPhase, fault_point
 from ckptguard.checksum import ALGORITHMS, DEFAULT_ALGORITHM
-from ckptguard.comm import default_comm, hostname
+from ckptguard.comm import Comm, LocalTransport, default_comm, hostname
 from ckptguard.dcp.planners import forget_cached_plans
 from ckptguard.errors import CheckpointError, StepNotFoundError
-from ckptguard.protocol import artifacts
+from ckptguard.protocol import artifacts, manage
 from ckptguard.protocol import load as load_protocol
 from ckptguard.protocol import read as read_protocol
 from ckptguard.protocol import save as save_protocol
 from ckptguard.protocol.artifacts import ArtifactTarget
 from ckptguard.protocol.decisions import Listing
+from ckptguard.protocol.layout import CheckpointName
 from ckptguard.protocol.session import Options, Session, open_session
 from ckptguard.protocol.timing import PhaseTimer, gc_paused
 from ckptguard.protocol.topology import Topology
@@ -50,6 +51,9 @@ class Checkpointer:
     root's lease (pass ``read_only=True`` to only load and list).
     ``process_group`` (default: all ranks, through a gloo group ckptguard
     creates) must be a gloo group if given; every member calls every method.
+    ``process_group="local"`` makes it rank-local: no collective at all, for code
+    that checkpoints from one rank (``if rank == 0: ...``, Lightning's
+    ``CheckpointIO``); the lease still keeps a second writer out of the root.
     """
 
     def __init__(
@@ -84,7 +88,9 @@ class Checkpointer:
         self.visibility_timeout_s = visibility_timeout_s
         storage = open_storage(root)  # refuses unknown URL schemes before any collective
         options = Options(keep_last, keep_every, io_threads, checksum, visibility_timeout_s)
-        self._session: Session = open_session(default_comm(process_group), storage, options, read_only=read_only,
+        comm = Comm(LocalTransport()) if isinstance(process_group, str) and process_group == "local" \
+            else default_comm(process_group)
+        self._session: Session = open_session(comm, storage, options, read_only=read_only,
                                               job_id=job_id, lease_ttl_s=lease_ttl_s, lease_wait_s=lease_wait_s)
         self._comm = self._session.comm
         if self._session.lease is not None:
@@ -101,6 +107,7 @@ class Checkpointer:
         self.last_save_stats: PhaseTimer | None = None
         self.last_load_stats: PhaseTimer | None = None
         self._committed: Listing = save_protocol.agreed_current(self._session)
+        self._tags: manage.Tags = manage.read_tags(self._session)
         log.debug("ckptguard %s: %s", self.root, self.topology.describe())
 
     # -- public API ---------------------------------------------------------------------
@@ -174,12 +181,12 @@ class Checkpointer:
                 staged = self._snapshot(prepared.state_dict, targets, local_error)
             if staged is not None:
                 request = save_protocol.SaveRequest(step, staged[0], targets, staged[1], overwrite, user_metadata,
-                                                    local_error)
+                                                    local_error, frozenset(self._tags.values()))
                 self._inflight = self._background.submit(self._save_now, request, stats)
                 stats.blocked = time.perf_counter() - started
                 return
         request = save_protocol.SaveRequest(step, prepared.state_dict, targets, targets, overwrite, user_metadata,
-                                            local_error)
+                                            local_error, frozenset(self._tags.values()))
         self._save_now(request, stats)
         stats.blocked = time.perf_counter() - started
 
@@ -197,24 +204,19 @@ class Checkpointer:
         files: Mapping[str, str | os.PathLike[str]] | None = None,
         strict: bool = True,
         progress: bool | None = None,
+        tag: str | None = None,
     ) -> int | None:
         """Load a committed checkpoint into ``state`` in place; returns its step, or None if there is none.
 
         With ``step=None`` the newest committed checkpoint is loaded; if it turns
-        out corrupt, older ones are tried, with a warning. Loading at a different
-        world size reshards.
+        out corrupt, older ones are tried, with a warning. ``tag="best"`` loads the
+        step the tag names. Loading at a different world size reshards.
         """
         self.wait()
         self._check_usable(writing=False)
+        step = self._tagged_step(tag, step)
         current = self._committed = save_protocol.agreed_current(self._session)
-        if step is not None:
-            if step not in current:
-                raise StepNotFoundError(
-                    f"step {step} is not a committed checkpoint in {self.root}; committed steps: "
-                    f"{sorted(current) or 'none'}")
-            candidates = [step]
-        else:
-            candidates = sorted(current, reverse=True)
+        candidates = self._candidates(step, current)
         show = (self.progress if progress is None else progress) and self._comm.rank == 0
         with gc_paused():
             loaded, stats = load_protocol.load_first_intact(self._session, candidates, current, state, files,
@@ -223,7 +225,7 @@ class Checkpointer:
             self.last_load_stats = stats
         return loaded
 
-    def read(self, step: int | None = None) -> dict[str, Any] | None:
+    def read(self, step: int | None = None, *, tag: str | None = None) -> dict[str, Any] | None:
         """The stored state dict of a committed checkpoint, without a template; None if there is none.
 
         Nested as it was saved, every value as it was given to ``save`` (int and
@@ -234,11 +236,72 @@ class Checkpointer:
         """
         self.wait()
         self._check_usable(writing=False)
+        step = self._tagged_step(tag, step)
         current = self._committed = save_protocol.agreed_current(self._session)
         candidates = self._candidates(step, current)
         with gc_paused():
             _, state = read_protocol.read_first_intact(self._session, candidates, current, fallback=step is None)
         return state
+
+    def path(self, step: int) -> str:
+        """The directory of committed ``step`` (its current version). Not collective."""
+        if step not in self._committed:
+            raise StepNotFoundError(f"step {step} is not a committed checkpoint in {self.root}; committed steps: "
+                                    f"{sorted(self._committed) or 'none'}")
+        return self._session.root.dir(CheckpointName(step, self._committed[step]))
+
+    def delete(self, step: int) -> None:
+        """Delete committed ``step`` (every version) on every storage domain; collective.
+
+        The step disappears for every reader at once (renamed into the trash, then
+        removed); ``latest`` moves back to the newest step left if it named this one.
+        A tagged step is refused: move or remove its tag first.
+        """
+        self.wait()
+        self._check_usable(writing=True)
+        current = self._committed = save_protocol.agreed_current(self._session)
+        self._tags = manage.read_tags(self._session)
+        self._committed, retired = manage.delete_step(self._session, step, current, self._tags)
+        self._remove_retired(retired, step)
+
+    def tag(self, name: str, step: int, *, expect: Any = ...) -> int | None:
+        """Point tag ``name`` (e.g. ``"best"``) at committed ``step``; the step it named before (or None).
+
+        Stored durably in every storage domain and moved by compare-and-swap;
+        ``expect=N`` moves it only if it names step N now (``expect=None``: only if
+        it does not exist yet). A tagged step is kept by retention. Collective.
+        """
+        self.wait()
+        self._check_usable(writing=True)
+        current = self._committed = save_protocol.agreed_current(self._session)
+        before = manage.set_tag(self._session, name, step, current, expect)
+        self._tags = manage.read_tags(self._session)
+        return before
+
+    def untag(self, name: str) -> int | None:
+        """Remove tag ``name``; the step it named (or None). Collective."""
+        self.wait()
+        self._check_usable(writing=True)
+        before = manage.set_tag(self._session, name, None, self._committed)
+        self._tags = manage.read_tags(self._session)
+        return before
+
+    def tags(self, *, refresh: bool = False) -> dict[str, int]:
+        """{tag: step}, agreed by all ranks; like steps(), collective only with ``refresh=True``."""
+        if refresh:
+            self.wait()
+            self._tags = manage.read_tags(self._session)
+        return dict(sorted(self._tags.items()))
+
+    def _tagged_step(self, tag: str | None, step: int | None) -> int | None:
+        if tag is None:
+            return step
+        if step is not None:
+            raise ValueError("pass step= or tag=, not both")
+        self._tags = manage.read_tags(self._session)
+        if tag not in self._tags:
+            raise StepNotFoundError(f"no tag {tag!r} in {self.root}; tags: {sorted(self._tags) or 'none'}")
+        return self._tags[tag]
 
     def _candidates(self, step: int | None, current: Listing) -> list[int]:
         if step is None:
