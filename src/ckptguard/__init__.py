@@ -36,6 +36,7 @@ from ckptguard.errors import (
 
 if TYPE_CHECKING:
     from ckptguard.checkpointer import Checkpointer
+    from ckptguard.interop import DCPReader, export_checkpoint, import_checkpoint
     from ckptguard.rng import RNGState, rng_state, set_rng_state
     from ckptguard.singlefile import load_file, save_file
     from ckptguard.state import PerRank
@@ -44,6 +45,7 @@ __all__ = [
     "CheckpointError",
     "Checkpointer",
     "CorruptCheckpointError",
+    "DCPReader",
     "DiskFullError",
     "LeaseError",
     "LeaseHeldError",
@@ -61,6 +63,8 @@ __all__ = [
     "UnsafeObjectError",
     "UnsupportedStorageError",
     "UnsupportedValueError",
+    "export_checkpoint",
+    "import_checkpoint",
     "load_file",
     "rng_state",
     "save_file",
@@ -69,7 +73,8 @@ __all__ = [
 
 _LAZY = {"Checkpointer": "ckptguard.checkpointer", "PerRank": "ckptguard.state", "save_file": "ckptguard.singlefile",
          "load_file": "ckptguard.singlefile", "rng_state": "ckptguard.rng", "set_rng_state": "ckptguard.rng",
-         "RNGState": "ckptguard.rng"}
+         "RNGState": "ckptguard.rng", "DCPReader": "ckptguard.interop", "export_checkpoint": "ckptguard.interop",
+         "import_checkpoint": "ckptguard.interop"}
 
 
 def __getattr__(name: str) -> Any:
