@@ -17,7 +17,7 @@ if [ ${#need[@]} -eq 0 ]; then
 fi
 
 SUDO=""
-if [ "$(id -u)" -ne 0 ]; then SUDO="sudo"; fi
+if [ "$(id -u)" -ne 0 ]; then SUDO="sudo -n"; fi  # never prompt for a password
 export DEBIAN_FRONTEND=noninteractive
 echo "install_system_deps: installing ${need[*]}"
 # --no-install-recommends keeps it small (no xauth, ncurses-term, ...).

@@ -32,10 +32,13 @@ from ckptguard.errors import (
     StoragePermissionError,
     UnsafeObjectError,
     UnsupportedStorageError,
+    UnsupportedValueError,
 )
 
 if TYPE_CHECKING:
     from ckptguard.checkpointer import Checkpointer
+    from ckptguard.interop import DCPReader, export_checkpoint, import_checkpoint
+    from ckptguard.rng import RNGState, rng_state, set_rng_state
     from ckptguard.singlefile import load_file, save_file
     from ckptguard.state import PerRank
 
@@ -43,6 +46,7 @@ __all__ = [
     "CheckpointError",
     "Checkpointer",
     "CorruptCheckpointError",
+    "DCPReader",
     "DiskFullError",
     "LeaseError",
     "LeaseHeldError",
@@ -51,6 +55,7 @@ __all__ = [
     "PathCollisionError",
     "PeerError",
     "PerRank",
+    "RNGState",
     "ReplicatedValueError",
     "StaleHandleError",
     "StepExistsError",
@@ -59,12 +64,19 @@ __all__ = [
     "StoragePermissionError",
     "UnsafeObjectError",
     "UnsupportedStorageError",
+    "UnsupportedValueError",
+    "export_checkpoint",
+    "import_checkpoint",
     "load_file",
+    "rng_state",
     "save_file",
+    "set_rng_state",
 ]
 
 _LAZY = {"Checkpointer": "ckptguard.checkpointer", "PerRank": "ckptguard.state", "save_file": "ckptguard.singlefile",
-         "load_file": "ckptguard.singlefile"}
+         "load_file": "ckptguard.singlefile", "rng_state": "ckptguard.rng", "set_rng_state": "ckptguard.rng",
+         "RNGState": "ckptguard.rng", "DCPReader": "ckptguard.interop", "export_checkpoint": "ckptguard.interop",
+         "import_checkpoint": "ckptguard.interop"}
 
 
 def __getattr__(name: str) -> Any:

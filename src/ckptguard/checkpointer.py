@@ -11,33 +11,32 @@ rank agreed is committed.
 from __future__ import annotations
 
 import atexit
-import functools
 import json
 import logging
 import os
-import sys
 import time
-import warnings
-import weakref
 from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
+from ckptguard import inflight
 from ckptguard._faults import FaultPhase, fault_point
 from ckptguard.checksum import ALGORITHMS, DEFAULT_ALGORITHM
-from ckptguard.comm import DEFAULT_TIMEOUT_S, default_comm, hostname
+from ckptguard.comm import DEFAULT_TIMEOUT_S, Comm, LocalTransport, default_comm, hostname
 from ckptguard.dcp.planners import forget_cached_plans
 from ckptguard.errors import CheckpointError, StepNotFoundError
-from ckptguard.protocol import artifacts
+from ckptguard.protocol import artifacts, manage
 from ckptguard.protocol import load as load_protocol
+from ckptguard.protocol import read as read_protocol
 from ckptguard.protocol import save as save_protocol
 from ckptguard.protocol.artifacts import ArtifactTarget
 from ckptguard.protocol.decisions import Listing
+from ckptguard.protocol.layout import CheckpointName
 from ckptguard.protocol.session import Options, Session, open_session
 from ckptguard.protocol.timing import PhaseTimer, gc_paused
 from ckptguard.protocol.topology import Topology
-from ckptguard.staging import HostStager, stage_files
-from ckptguard.state import prepare_state, state_nbytes
+from ckptguard.staging import HostStager
+from ckptguard.state import prepare_state
 from ckptguard.storage import open_storage
 
 log = logging.getLogger("ckptguard")
@@ -52,6 +51,9 @@ class Checkpointer:
     root's lease (pass ``read_only=True`` to only load and list).
     ``process_group`` (default: all ranks, through a gloo group ckptguard
     creates) must be a gloo group if given; every member calls every method.
+    ``process_group="local"`` makes it rank-local: no collective at all, for code
+    that checkpoints from one rank (``if rank == 0: ...``, Lightning's
+    ``CheckpointIO``); the lease still keeps a second writer out of the root.
     ``collective_timeout_s`` bounds how long ranks wait for a rank that died or
     stalled, on the group ckptguard creates (a group passed in keeps its own).
     """
@@ -89,7 +91,8 @@ class Checkpointer:
         self.visibility_timeout_s = visibility_timeout_s
         storage = open_storage(root)  # refuses unknown URL schemes before any collective
         options = Options(keep_last, keep_every, io_threads, checksum, visibility_timeout_s)
-        comm = default_comm(process_group, collective_timeout_s)
+        comm = Comm(LocalTransport()) if isinstance(process_group, str) and process_group == "local" \
+            else default_comm(process_group, collective_timeout_s)
         self._session: Session = open_session(comm, storage, options, read_only=read_only, job_id=job_id,
                                               lease_ttl_s=lease_ttl_s, lease_wait_s=lease_wait_s)
         self._comm = self._session.comm
@@ -103,12 +106,11 @@ class Checkpointer:
         self._background = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckptguard-save")
         self._inflight: Future[None] | None = None
         self._stager = HostStager(async_budget_bytes)
-        self._warned_budget = False
         self.last_save_stats: PhaseTimer | None = None
         self.last_load_stats: PhaseTimer | None = None
         self._committed: Listing = save_protocol.agreed_current(self._session)
-        _live.add(self)
-        _install_destroy_hook()
+        self._tags: manage.Tags = manage.read_tags(self._session)
+        inflight.track(self)
         log.debug("ckptguard %s: %s", self.root, self.topology.describe())
 
     # -- public API ---------------------------------------------------------------------
@@ -179,17 +181,21 @@ class Checkpointer:
             local_error = e
         if not blocking:
             with stats.phase("snapshot"):
-                staged = self._snapshot(prepared.state_dict, targets, local_error)
+                staged = self._stager.snapshot(prepared.state_dict, targets if local_error is None else None)
             if staged is not None:
                 request = save_protocol.SaveRequest(step, staged[0], targets, staged[1], overwrite, user_metadata,
-                                                    local_error)
+                                                    local_error, frozenset(self._tags.values()))
                 self._inflight = self._background.submit(self._save_now, request, stats)
                 stats.blocked = time.perf_counter() - started
                 return
         request = save_protocol.SaveRequest(step, prepared.state_dict, targets, targets, overwrite, user_metadata,
-                                            local_error)
+                                            local_error, frozenset(self._tags.values()))
         self._save_now(request, stats)
         stats.blocked = time.perf_counter() - started
+
+    def pending_save(self) -> Future[None] | None:
+        """The background save not yet waited for, if any (what the at-exit check inspects)."""
+        return self._inflight
 
     def wait(self) -> None:
         """Wait until the save started with ``blocking=False`` is committed; raise its error if it failed.
@@ -215,24 +221,19 @@ class Checkpointer:
         files: Mapping[str, str | os.PathLike[str]] | None = None,
         strict: bool = True,
         progress: bool | None = None,
+        tag: str | None = None,
     ) -> int | None:
         """Load a committed checkpoint into ``state`` in place; returns its step, or None if there is none.
 
         With ``step=None`` the newest committed checkpoint is loaded; if it turns
-        out corrupt, older ones are tried, with a warning. Loading at a different
-        world size reshards.
+        out corrupt, older ones are tried, with a warning. ``tag="best"`` loads the
+        step the tag names. Loading at a different world size reshards.
         """
         self.wait()
         self._check_usable(writing=False)
+        step = self._tagged_step(tag, step)
         current = self._committed = save_protocol.agreed_current(self._session)
-        if step is not None:
-            if step not in current:
-                raise StepNotFoundError(
-                    f"step {step} is not a committed checkpoint in {self.root}; committed steps: "
-                    f"{sorted(current) or 'none'}")
-            candidates = [step]
-        else:
-            candidates = sorted(current, reverse=True)
+        candidates = self._candidates(step, current)
         show = (self.progress if progress is None else progress) and self._comm.rank == 0
         with gc_paused():
             loaded, stats = load_protocol.load_first_intact(self._session, candidates, current, state, files,
@@ -240,6 +241,93 @@ class Checkpointer:
         if stats is not None:
             self.last_load_stats = stats
         return loaded
+
+    def read(self, step: int | None = None, *, tag: str | None = None) -> dict[str, Any] | None:
+        """The stored state dict of a committed checkpoint, without a template; None if there is none.
+
+        Nested as it was saved, every value as it was given to ``save`` (int and
+        tuple keys, tuples, numpy arrays, RNG states); modules and optimizers as
+        their state dicts, tensors whole on the CPU; ``PerRank`` values under
+        their key, this rank's own. Bytes are verified as in ``load``, and with
+        ``step=None`` a corrupt newest checkpoint falls back to an older one.
+        """
+        self.wait()
+        self._check_usable(writing=False)
+        step = self._tagged_step(tag, step)
+        current = self._committed = save_protocol.agreed_current(self._session)
+        candidates = self._candidates(step, current)
+        with gc_paused():
+            _, state = read_protocol.read_first_intact(self._session, candidates, current, fallback=step is None)
+        return state
+
+    def path(self, step: int) -> str:
+        """The directory of committed ``step`` (its current version). Not collective."""
+        if step not in self._committed:
+            raise StepNotFoundError(f"step {step} is not a committed checkpoint in {self.root}; committed steps: "
+                                    f"{sorted(self._committed) or 'none'}")
+        return self._session.root.dir(CheckpointName(step, self._committed[step]))
+
+    def delete(self, step: int) -> None:
+        """Delete committed ``step`` (every version) on every storage domain; collective.
+
+        The step disappears for every reader at once (renamed into the trash, then
+        removed); ``latest`` moves back to the newest step left if it named this one.
+        A tagged step is refused: move or remove its tag first.
+        """
+        self.wait()
+        self._check_usable(writing=True)
+        current = self._committed = save_protocol.agreed_current(self._session)
+        self._tags = manage.read_tags(self._session)
+        self._committed, retired = manage.delete_step(self._session, step, current, self._tags)
+        self._remove_retired(retired, step)
+
+    def tag(self, name: str, step: int, *, expect: Any = ...) -> int | None:
+        """Point tag ``name`` (e.g. ``"best"``) at committed ``step``; the step it named before (or None).
+
+        Stored durably in every storage domain and moved by compare-and-swap;
+        ``expect=N`` moves it only if it names step N now (``expect=None``: only if
+        it does not exist yet). A tagged step is kept by retention. Collective.
+        """
+        self.wait()
+        self._check_usable(writing=True)
+        current = self._committed = save_protocol.agreed_current(self._session)
+        before = manage.set_tag(self._session, name, step, current, expect)
+        self._tags = manage.read_tags(self._session)
+        return before
+
+    def untag(self, name: str) -> int | None:
+        """Remove tag ``name``; the step it named (or None). Collective."""
+        self.wait()
+        self._check_usable(writing=True)
+        before = manage.set_tag(self._session, name, None, self._committed)
+        self._tags = manage.read_tags(self._session)
+        return before
+
+    def tags(self, *, refresh: bool = False) -> dict[str, int]:
+        """{tag: step}, agreed by all ranks; like steps(), collective only with ``refresh=True``."""
+        if refresh:
+            self.wait()
+            self._tags = manage.read_tags(self._session)
+        return dict(sorted(self._tags.items()))
+
+    def _tagged_step(self, tag: str | None, step: int | None) -> int | None:
+        if tag is None:
+            return step
+        if step is not None:
+            raise ValueError("pass step= or tag=, not both")
+        self._tags = manage.read_tags(self._session)
+        if tag not in self._tags:
+            raise StepNotFoundError(f"no tag {tag!r} in {self.root}; tags: {sorted(self._tags) or 'none'}")
+        return self._tags[tag]
+
+    def _candidates(self, step: int | None, current: Listing) -> list[int]:
+        if step is None:
+            return sorted(current, reverse=True)
+        if step not in current:
+            raise StepNotFoundError(
+                f"step {step} is not a committed checkpoint in {self.root}; committed steps: "
+                f"{sorted(current) or 'none'}")
+        return [step]
 
     def close(self) -> None:
         """Release the root's lease. The Checkpointer cannot save afterwards."""
@@ -266,22 +354,6 @@ class Checkpointer:
         self.close()
 
     # -- saving -------------------------------------------------------------------------
-    def _snapshot(self, state_dict: dict[str, Any], targets: list[ArtifactTarget],
-                  local_error: BaseException | None) -> tuple[dict[str, Any], list[Any]] | None:
-        """Host copies of the state and files= contents, or None if they exceed the staging budget."""
-        file_bytes = sum(os.path.getsize(p) for t in targets for p in _artifact_paths(t.path)) \
-            if local_error is None else 0
-        if not self._stager.fits(state_dict, file_bytes):
-            if not self._warned_budget:
-                self._warned_budget = True
-                warnings.warn(f"ckptguard: the state ({state_nbytes(state_dict) + file_bytes:,} bytes) exceeds "
-                              f"async_budget_bytes={self._stager.budget_bytes:,}; saving synchronously instead",
-                              stacklevel=3)
-            return None
-        snapshot = self._stager.stage(state_dict)
-        files = stage_files(targets) if local_error is None else []
-        return snapshot, files
-
     def _save_now(self, request: save_protocol.SaveRequest, stats: PhaseTimer) -> None:
         with gc_paused():
             outcome = save_protocol.save(self._session, request, stats)
@@ -312,12 +384,6 @@ class Checkpointer:
             raise CheckpointError(f"this Checkpointer on {self.root} was opened read_only=True")
 
 
-def _artifact_paths(path: str) -> list[str]:
-    if os.path.isdir(path):
-        return [os.path.join(d, f) for d, _, fs in os.walk(path) for f in fs if os.path.isfile(os.path.join(d, f))]
-    return [path] if os.path.isfile(path) else []
-
-
 def _json_object(metadata: Mapping[str, Any] | None) -> dict[str, Any]:
     if metadata is None:
         return {}
@@ -327,63 +393,3 @@ def _json_object(metadata: Mapping[str, Any] | None) -> dict[str, Any]:
         raise ValueError(f"metadata must be JSON-serializable: {e}") from None
     result: dict[str, Any] = json.loads(text)
     return result
-
-
-# -- saves still in flight when the process group or the process goes away ---------------------
-
-_live: weakref.WeakSet[Checkpointer] = weakref.WeakSet()
-_hook_installed = False
-
-
-def _install_destroy_hook() -> None:
-    """Make ``torch.distributed.destroy_process_group()`` finish in-flight saves first.
-
-    A script that ends with ``save(blocking=False)`` then ``destroy_process_group()``
-    would otherwise tear down the group the background save is agreeing on, and
-    lose the save without a word. (Code that imported the function by name before
-    ckptguard was imported keeps the original: call ``ck.wait()`` there.)
-    """
-    global _hook_installed
-    import torch.distributed as dist
-
-    if _hook_installed or not dist.is_available():
-        return
-    _hook_installed = True
-    original = dist.destroy_process_group
-
-    @functools.wraps(original)
-    def destroy_process_group(*args: Any, **kwargs: Any) -> Any:
-        first: BaseException | None = None
-        for ck in list(_live):
-            try:
-                ck.wait()
-            except BaseException as e:
-                first = first or e
-        result = original(*args, **kwargs)
-        if first is not None:
-            raise first
-        return result
-
-    dist.destroy_process_group = destroy_process_group
-
-
-def _report_unwaited_saves() -> None:
-    """At exit (background save threads have been joined by then): a failed save nobody waited for
-    is printed, and the process exits with status 1 instead of 0."""
-    failed = False
-    for ck in list(_live):
-        inflight = ck._inflight
-        if inflight is None:
-            continue
-        try:
-            inflight.result()
-        except BaseException as e:
-            failed = True
-            print(f"ckptguard: a background save to {ck.root} failed and was never waited for: "
-                  f"{type(e).__name__}: {e}", file=sys.stderr, flush=True)
-    if failed:
-        sys.stdout.flush()
-        os._exit(1)
-
-
-atexit.register(_report_unwaited_saves)

@@ -18,6 +18,7 @@ what went wrong, so code matches types, never message text::
      │    ├── NotVisibleError              a file another rank wrote never showed
      │    └── UnsupportedStorageError      a URL scheme without a backend
      ├── UnsafeObjectError                 an object that would need unpickling code
+     ├── UnsupportedValueError             save of a value load could not give back (also TypeError)
      ├── CorruptCheckpointError            bytes that do not match the manifest
      └── PeerError                         another rank failed with a non-ckptguard error
 
@@ -105,6 +106,11 @@ class UnsupportedStorageError(StorageError, ValueError):
 
 class UnsafeObjectError(CheckpointError):
     """Loading this object would run code from the checkpoint (unrestricted unpickling): refused."""
+
+
+class UnsupportedValueError(CheckpointError, TypeError):
+    """A value ``save`` was given that no load could give back equal (it would need unpickling code,
+    or would come back as another type): refused before anything is written."""
 
 
 class CorruptCheckpointError(CheckpointError):

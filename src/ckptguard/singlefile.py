@@ -9,9 +9,13 @@ zip CRCs, so a torn or bit-flipped file can load silently; ``load_file`` refuses
 from __future__ import annotations
 
 import io
+import json
 import os
 import re
+import socket
 import struct
+import time
+from contextlib import suppress
 from typing import Any
 
 import torch
@@ -26,7 +30,7 @@ from ckptguard.errors import (
 )
 from ckptguard.protocol.topology import Topology, probe_storage_domains
 from ckptguard.storage import PosixStorage, local_path
-from ckptguard.storage.posix import open_regular, replace_file
+from ckptguard.storage.posix import open_regular, replace_file, unlink_quietly
 
 _EOCD = b"PK\x05\x06"
 _TAG = re.compile(rb"ckptguard:1:(xxh3-64|crc32c):([0-9a-f]{8,16}):(\d+)$")
@@ -71,19 +75,41 @@ def _topology(comm: Comm, directory: str) -> Topology:
     return _topologies[key]
 
 
-def save_file(obj: Any, path: str | os.PathLike[str], *, process_group: Any = None,
-              checksum_algorithm: str = DEFAULT_ALGORITHM) -> None:
-    """Save ``obj`` to ``path``: one writer per storage domain, atomic replace, checksummed.
+def save_file(obj: Any, path: str | os.PathLike[str], *, group: Any = None, process_group: Any = None,
+              format: str | None = None, checksum_algorithm: str = DEFAULT_ALGORITHM,
+              lock_timeout_s: float = 60.0) -> None:
+    """Save ``obj`` to ``path``: atomic replace, checksummed, one writer at a time.
 
-    Collective when a process group is initialised: every rank calls it with
-    the same path, and the lowest rank of each set of ranks sharing the
-    directory writes its ``obj`` (with DDP every rank holds the same state).
-    It starts with a barrier, so the file is never replaced while another rank
-    is still reading the previous version, and returns once it is durable.
+    Takes part in no collective: ``if rank == 0: save_file(...)`` just works. Two
+    processes writing one path take turns through an exclusive lock file next to it
+    (``path + ".lock"``, created with O_EXCL; a lock left by a dead process on this
+    host is broken, another one waited for up to ``lock_timeout_s``).
+
+    ``format`` is ``"torch"`` (a ``torch.save`` zip; ``torch.load`` still reads it) or
+    ``"safetensors"`` (a flat dict of tensors; the default for a ``.safetensors`` path).
+
+    With ``group=`` (a process group, or ``True`` for all ranks) it is collective, as in
+    earlier releases: every rank of the group calls it with the same path and the lowest
+    rank of each set of ranks sharing the directory writes, after a barrier (so the file
+    is never replaced while another rank still reads the previous version).
     """
     path = os.path.abspath(local_path(path))
     directory = os.path.dirname(path)
-    comm = default_comm(process_group) if process_group is not None else _world_comm()
+    fmt = _format(path, format)
+    group = group if group is not None else process_group
+    if group is None:
+        try:
+            os.makedirs(directory, exist_ok=True)
+        except OSError as e:
+            raise from_os_error(e, directory) from e
+        data = _serialize(obj, fmt, checksum_algorithm, path)
+        with _WriterLock(path, lock_timeout_s):
+            try:
+                replace_file(path, data)
+            except OSError as e:  # the temporary file's own name would only confuse
+                raise from_os_error(e, path, root=directory) from e
+        return
+    comm = _world_comm() if group is True else default_comm(group)
     try:
         os.makedirs(directory, exist_ok=True)
     except OSError as e:
@@ -96,19 +122,23 @@ def save_file(obj: Any, path: str | os.PathLike[str], *, process_group: Any = No
 
     def write() -> None:
         if topo is None or topo.is_leader:
-            buf = io.BytesIO()
-            torch.save(obj, buf)
-            try:
-                replace_file(path, _seal(buf.getvalue(), checksum_algorithm))
-            except OSError as e:  # the temporary file's own name would only confuse
-                raise from_os_error(e, path, comm.rank, root=directory) from e
+            data = _serialize(obj, fmt, checksum_algorithm, path)
+            with _WriterLock(path, lock_timeout_s):
+                try:
+                    replace_file(path, data)
+                except OSError as e:  # the temporary file's own name would only confuse
+                    raise from_os_error(e, path, comm.rank, root=directory) from e
 
     comm.step(f"save {path}", write, where=directory)
 
 
-def load_file(path: str | os.PathLike[str], *, map_location: Any = "cpu") -> Any:
-    """Load a file written by ``save_file``, after checking its checksum; objects via weights_only."""
+def load_file(path: str | os.PathLike[str], *, map_location: Any = "cpu", format: str | None = None) -> Any:
+    """Load a file written by ``save_file``, after checking its checksum; objects via weights_only.
+
+    A ``.safetensors`` file (or ``format="safetensors"``) comes back as a dict of tensors.
+    """
     path = local_path(path)
+    fmt = _format(path, format)
     try:
         fd = open_regular(path)
         with os.fdopen(fd, "rb") as f:
@@ -117,12 +147,187 @@ def load_file(path: str | os.PathLike[str], *, map_location: Any = "cpu") -> Any
         raise CheckpointError(f"{path} does not exist", path=path) from None
     except OSError as e:
         raise from_os_error(e, path) from e
+    if fmt == "safetensors":
+        return _load_safetensors(data, path, map_location)
     body = _unseal(data, path)
     try:
         return torch.load(io.BytesIO(body), map_location=map_location, weights_only=True)
     except Exception as e:
         raise UnsafeObjectError(f"{path}: verified, but torch.load(weights_only=True) refused it: {e}",
                                 path=path) from None
+
+
+FORMATS = ("torch", "safetensors")
+
+
+def _format(path: str, format: str | None) -> str:
+    if format is None:
+        return "safetensors" if path.endswith(".safetensors") else "torch"
+    if format not in FORMATS:
+        raise ValueError(f"format must be one of {FORMATS}, not {format!r}")
+    return format
+
+
+def _serialize(obj: Any, fmt: str, algorithm: str, path: str) -> bytes:
+    if fmt == "safetensors":
+        return _seal_safetensors(obj, algorithm, path)
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return _seal(buf.getvalue(), algorithm)
+
+
+# -- safetensors: the checksum lives in the header's __metadata__ -------------------------
+#
+# It covers the header (less the checksum entry itself: dtypes, shapes, offsets) and every
+# data byte, so a bit flip anywhere is caught; any safetensors reader still reads the file.
+
+_ST_KEY = "ckptguard"
+
+
+def _st_digest(algorithm: str, header: dict[str, Any], data: memoryview) -> str:
+    meta = dict(header.get("__metadata__") or {})
+    meta.pop(_ST_KEY, None)
+    canonical = json.dumps({**header, "__metadata__": meta}, sort_keys=True, separators=(",", ":")).encode()
+    return f"{checksum(algorithm, canonical)}:{checksum(algorithm, data)}"
+
+
+def _seal_safetensors(obj: Any, algorithm: str, path: str) -> bytes:
+    try:
+        from safetensors.torch import save as st_save
+    except ImportError:
+        raise CheckpointError("saving .safetensors needs the safetensors package: pip install "
+                              "'ckptguard[safetensors]'", path=path) from None
+    from ckptguard.errors import UnsupportedValueError
+
+    if not isinstance(obj, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in obj.items()):
+        raise UnsupportedValueError(
+            f"{path}: safetensors stores a flat dict of str names to tensors (e.g. model.state_dict()); "
+            "save other values with format='torch' (a .pt path)", path=path)
+    tensors = {k: v.detach().cpu().contiguous() for k, v in obj.items()}
+    raw = st_save(tensors)
+    header, data = _st_split(raw, path)
+    digest = _st_digest(algorithm, header, data)
+    header.setdefault("__metadata__", {})[_ST_KEY] = f"1:{algorithm}:{digest}:{len(data)}"
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)  # keep the data 8-byte aligned, as safetensors does
+    return struct.pack("<Q", len(text)) + text + bytes(data)
+
+
+def _st_split(raw: bytes, path: str) -> tuple[dict[str, Any], memoryview]:
+    if len(raw) < 8:
+        raise CorruptCheckpointError(f"{path}: {len(raw)} bytes is too short for a safetensors file", path=path)
+    (n,) = struct.unpack("<Q", raw[:8])
+    if n > len(raw) - 8 or n > 100 << 20:
+        raise CorruptCheckpointError(f"{path}: safetensors header length {n} does not fit the file", path=path)
+    try:
+        header = json.loads(raw[8:8 + n])
+    except ValueError as e:
+        raise CorruptCheckpointError(f"{path}: safetensors header is not JSON ({e})", path=path) from None
+    if not isinstance(header, dict):
+        raise CorruptCheckpointError(f"{path}: safetensors header is not an object", path=path)
+    return header, memoryview(raw)[8 + n:]
+
+
+def _load_safetensors(data: bytes, path: str, map_location: Any) -> dict[str, torch.Tensor]:
+    header, body = _st_split(data, path)
+    tag = (header.get("__metadata__") or {}).get(_ST_KEY)
+    m = re.fullmatch(r"1:(xxh3-64|crc32c):([0-9a-f]+:[0-9a-f]+):(\d+)", tag or "")
+    if m is None:
+        raise CorruptCheckpointError(
+            f"{path} carries no ckptguard checksum: it was not written by ckptguard.save_file. Refusing to "
+            "load it unverified.", path=path)
+    if int(m.group(3)) != len(body):
+        raise CorruptCheckpointError(f"{path}: {len(body)} data bytes, the checksum covers {m.group(3)}: "
+                                     "truncated or appended to", path=path)
+    got = _st_digest(m.group(1), header, body)
+    if got != m.group(2):
+        raise CorruptCheckpointError(f"{path}: checksum mismatch ({m.group(1)} {got}, expected {m.group(2)}): "
+                                     "the file is corrupt. Refusing to load it.", path=path)
+    from safetensors.torch import load as st_load
+
+    tensors: dict[str, torch.Tensor] = st_load(data)
+    if map_location not in (None, "cpu"):
+        tensors = {k: v.to(map_location) for k, v in tensors.items()}
+    return tensors
+
+
+class _WriterLock:
+    """``path + ".lock"``, created exclusively: one writer of ``path`` at a time, across processes and hosts.
+
+    The lock records host and pid; one left by a process that died on this host is broken at once,
+    one held elsewhere is waited for (``timeout_s``), then refused naming its holder.
+    """
+
+    def __init__(self, path: str, timeout_s: float) -> None:
+        self.path = path + ".lock"
+        self.timeout_s = timeout_s
+        self.token = f"{socket.gethostname()} {os.getpid()} {os.urandom(8).hex()}"
+
+    def __enter__(self) -> _WriterLock:
+        deadline = time.monotonic() + self.timeout_s
+        delay = 0.005
+        while True:
+            try:
+                fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+            except FileExistsError:
+                holder = self._holder()
+                if holder is not None and self._dead(holder):
+                    self._break(holder)
+                    continue
+                if time.monotonic() >= deadline:
+                    from ckptguard.errors import PathCollisionError
+
+                    raise PathCollisionError(
+                        f"{self.path[:-5]} is being written by another process ({holder or 'unknown holder'}) "
+                        f"for more than {self.timeout_s:.0f} s. If no process writes it any more, remove "
+                        f"{self.path}.", path=self.path[:-5]) from None
+                time.sleep(delay)
+                delay = min(delay * 2, 0.25)
+                continue
+            except OSError as e:
+                raise from_os_error(e, self.path) from e
+            with os.fdopen(fd, "w") as f:
+                f.write(self.token)
+            return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._holder() == self.token:
+            unlink_quietly(self.path)
+
+    def _holder(self) -> str | None:
+        try:
+            with open(self.path) as f:
+                return f.read().strip() or None
+        except OSError:
+            return None
+
+    @staticmethod
+    def _dead(holder: str) -> bool:
+        parts = holder.split()
+        if len(parts) != 3 or parts[0] != socket.gethostname() or not parts[1].isdigit():
+            return False
+        try:
+            os.kill(int(parts[1]), 0)
+        except ProcessLookupError:
+            return True
+        except PermissionError:
+            return False
+        return False
+
+    def _break(self, holder: str) -> None:
+        # Rename first, so that two processes breaking the same stale lock cannot remove a new one.
+        aside = f"{self.path}.stale.{os.urandom(4).hex()}"
+        try:
+            os.rename(self.path, aside)
+        except FileNotFoundError:
+            return
+        try:
+            with open(aside) as f:
+                if f.read().strip() != holder:  # someone else's fresh lock: put it back if we can
+                    with suppress(OSError):
+                        os.link(aside, self.path)
+        finally:
+            unlink_quietly(aside)
 
 
 _world: tuple[object, Comm] | None = None

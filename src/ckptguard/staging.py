@@ -9,6 +9,8 @@ the budget is not staged (the caller saves synchronously instead).
 
 from __future__ import annotations
 
+import os
+import warnings
 from typing import Any
 
 import torch
@@ -35,6 +37,7 @@ def _signature(obj: Any) -> Any:
 class HostStager:
     def __init__(self, budget_bytes: int | None = None) -> None:
         self.budget_bytes = budget_bytes
+        self._warned_budget = False
         self._buffers: dict[str, Any] | None = None
         self._signature: Any = None
         self.allocations = 0  # how many times buffers had to be (re)allocated
@@ -61,6 +64,21 @@ class HostStager:
             torch.cuda.synchronize()
         return snapshot
 
+    def snapshot(self, state_dict: dict[str, Any], targets: list[ArtifactTarget] | None
+                 ) -> tuple[dict[str, Any], list[Any]] | None:
+        """Host copies of the state and of the files= contents (``targets``; None where they could not be
+        resolved: that failure is reported by the save), or None if they exceed the budget (with a
+        warning, once): the caller then saves synchronously."""
+        file_bytes = sum(os.path.getsize(p) for t in targets or [] for p in _artifact_paths(t.path))
+        if not self.fits(state_dict, file_bytes):
+            if not self._warned_budget:
+                self._warned_budget = True
+                warnings.warn(f"ckptguard: the state ({state_nbytes(state_dict) + file_bytes:,} bytes) exceeds "
+                              f"async_budget_bytes={self.budget_bytes:,}; saving synchronously instead",
+                              stacklevel=4)
+            return None
+        return self.stage(state_dict), stage_files(targets or [])
+
     def release(self) -> None:
         self._buffers = None
         self._signature = None
@@ -69,3 +87,9 @@ class HostStager:
 def stage_files(targets: list[ArtifactTarget]) -> list[FileSnapshot]:
     """The contents of this rank's files= artifacts, read now (they may change once save() returns)."""
     return snapshot_files(targets)
+
+
+def _artifact_paths(path: str) -> list[str]:
+    if os.path.isdir(path):
+        return [os.path.join(d, f) for d, _, fs in os.walk(path) for f in fs if os.path.isfile(os.path.join(d, f))]
+    return [path] if os.path.isfile(path) else []

@@ -12,6 +12,7 @@ from collections.abc import Callable, Mapping, MutableMapping
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
@@ -23,6 +24,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor
 
+from ckptguard.dcp.codec import decode_value, encode_value
 from ckptguard.errors import CheckpointError
 
 
@@ -86,8 +88,49 @@ def state_nbytes(obj: Any) -> int:
 
 
 def _later(fn: Callable[[Any], object], sd: dict[str, Any], key: str) -> Callable[[], object]:
-    """``fn(sd[key])``, called after a load has replaced ``sd[key]`` with what was loaded."""
-    return lambda: fn(sd[key])
+    """``fn(what was loaded into sd[key])``, decoded (see ``codec.encode_value``), after a load."""
+    return lambda: fn(decode_value(sd[key]))
+
+
+def merge_into(dst: Any, src: Any) -> Any:
+    """Put a loaded value into the caller's object in place where it can (dicts, lists, arrays,
+    tensors); the object that now holds the value (``dst``, or ``src`` where it could not)."""
+    if dst is src:
+        return dst
+    if isinstance(dst, MutableMapping) and isinstance(src, Mapping):
+        for k, v in src.items():
+            dst[k] = merge_into(dst[k], v) if k in dst else v
+        return dst
+    if isinstance(dst, list) and isinstance(src, list):
+        if len(dst) == len(src):
+            dst[:] = [merge_into(a, b) for a, b in zip(dst, src, strict=True)]
+        else:
+            dst[:] = src
+        return dst
+    if isinstance(dst, np.ndarray) and isinstance(src, np.ndarray) and dst.shape == src.shape \
+            and dst.dtype == src.dtype and dst.flags.writeable:
+        np.copyto(dst, src)
+        return dst
+    if type(dst) is torch.Tensor and isinstance(src, torch.Tensor) and dst.shape == src.shape \
+            and dst.dtype == src.dtype:
+        if dst.data_ptr() != src.data_ptr():
+            dst.copy_(src)
+        return dst
+    return src
+
+
+def _merge_later(state: Mapping[str, Any], key: str, sd: dict[str, Any]) -> Callable[[], object]:
+    def apply() -> None:
+        merged = merge_into(state[key], decode_value(sd[key]))
+        if isinstance(state, MutableMapping) and merged is not state[key]:
+            state[key] = merged
+    return apply
+
+
+def _per_rank_later(holder: PerRank, sd: dict[str, Any], key: str) -> Callable[[], object]:
+    def apply() -> None:
+        holder.value = merge_into(holder.value, decode_value(sd[key]))
+    return apply
 
 
 def prepare_state(state: Mapping[str, Any], rank: int = 0) -> PreparedState:
@@ -100,28 +143,29 @@ def prepare_state(state: Mapping[str, Any], rank: int = 0) -> PreparedState:
         if not isinstance(key, str) or not key:
             raise TypeError(f"state keys must be non-empty strings, got {key!r}")
         if isinstance(value, nn.Module):
-            sd[key] = get_model_state_dict(value)
+            sd[key] = encode_value(get_model_state_dict(value), (key,))
             appliers.append(_later(functools.partial(set_model_state_dict, value), sd, key))
         elif isinstance(value, torch.optim.Optimizer):
             model = _owner(value, key, modules)
-            sd[key] = get_optimizer_state_dict(model, value)
+            sd[key] = encode_value(get_optimizer_state_dict(model, value), (key,))
             appliers.append(_later(functools.partial(set_optimizer_state_dict, model, value), sd, key))
         elif isinstance(value, PerRank):
             pkey = per_rank_key(key, rank)
             inner = value.value
-            sd[pkey] = inner.state_dict() if isinstance(inner, Stateful) else inner
+            sd[pkey] = encode_value(inner.state_dict() if isinstance(inner, Stateful) else inner, (key,))
             if isinstance(inner, Stateful):
                 appliers.append(_later(inner.load_state_dict, sd, pkey))
             else:
-                appliers.append(_later(functools.partial(setattr, value, "value"), sd, pkey))
+                appliers.append(_per_rank_later(value, sd, pkey))
         elif isinstance(value, Stateful):
-            sd[key] = value.state_dict()
+            sd[key] = encode_value(value.state_dict(), (key,))
             appliers.append(_later(value.load_state_dict, sd, key))
         else:
-            sd[key] = value
-            if isinstance(state, MutableMapping) and not isinstance(value, torch.Tensor | dict):
-                # DCP replaces top-level plain values in *its* dict; hand them back to the caller's.
-                appliers.append(_later(functools.partial(state.__setitem__, key), sd, key))
+            sd[key] = encode_value(value, (key,))
+            if sd[key] is not value or not isinstance(value, torch.Tensor | dict):
+                # DCP fills tensors in place, and replaces everything else in *its* dict (or in the
+                # encoded copy): hand what was loaded back to the caller's objects.
+                appliers.append(_merge_later(state, key, sd))
 
     def apply() -> None:
         for fn in appliers:

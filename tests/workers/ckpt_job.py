@@ -138,12 +138,12 @@ def scenario_artifacts(args: argparse.Namespace) -> None:
 
 
 def scenario_save_file(args: argparse.Namespace) -> None:
-    """Every rank calls save_file on one path with its own tensors: one writer, verified load."""
+    """Every rank calls save_file(group=True) on one path with its own tensors: one writer, verified load."""
     rank = dist.get_rank()
     path = os.path.join(args.root, "model.pt")
     for i in range(args.count):
         obj = {"rank": rank, "i": i, "w": torch.full((256, 256), float(rank))}
-        ckptguard.save_file(obj, path)
+        ckptguard.save_file(obj, path, group=True)  # collective: the leader of each domain writes
         loaded = ckptguard.load_file(path)
         leader = min(r for r in range(dist.get_world_size()) if r in _domain_of(rank, args))
         assert loaded["rank"] == leader and loaded["i"] == i, (loaded["rank"], leader)

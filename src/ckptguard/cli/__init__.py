@@ -17,8 +17,22 @@ app = typer.Typer(
 )
 
 
+def _version(value: bool) -> None:
+    if value:
+        from ckptguard._version import __version__
+
+        typer.echo(f"ckptguard {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(version: bool = typer.Option(False, "--version", "-V", help="Print the version and exit.",
+                                       callback=_version, is_eager=True)) -> None:
+    """Race-free checkpoints for distributed PyTorch: verify them, and diagnose crashed runs."""
+
+
 def _register() -> None:
-    from ckptguard.cli import checkpoint_cmd, diagnose_cmd  # noqa: F401
+    from ckptguard.cli import checkpoint_cmd, diagnose_cmd, interop_cmd  # noqa: F401
 
 
 def main() -> None:

@@ -43,8 +43,21 @@ except ImportError as e:  # pragma: no cover - depends on the installed torch
     raise _missing("torch.distributed's private state-dict helpers", e) from e
 
 
+def torch_minor(version: str | None = None) -> str:
+    """"2.13" of "2.13.0+cpu"."""
+    return ".".join((version or torch.__version__).split("+")[0].split(".")[:2])
+
+
 def check_torch_version() -> None:
-    """Raise TorchVersionError if a private API this module wraps is gone from the installed torch."""
+    """Raise TorchVersionError if a private API this module wraps is gone from the installed torch;
+    warn once if the installed torch is not one of the versions tested (the APIs were found)."""
+    if torch_minor() not in TESTED_TORCH:
+        import warnings
+
+        warnings.warn(f"ckptguard was tested with torch {', '.join(TESTED_TORCH)}; torch {torch.__version__} is "
+                      "not among them. The private torch APIs ckptguard needs were found, but their behaviour "
+                      "is unchecked on this release: run `pytest tests/test_torch_private.py` to check.",
+                      stacklevel=2)
     if not hasattr(DefaultSavePlanner, "_create_global_plan"):
         raise _missing("DefaultSavePlanner._create_global_plan", AttributeError("missing"))
     for name in _CACHE_ATTRS:

@@ -85,6 +85,7 @@ class SaveRequest:
     overwrite: bool
     user_metadata: dict[str, Any]
     local_error: BaseException | None  # a local problem found before the save (reported at the plan)
+    keep: frozenset[int] = frozenset()  # steps retention must keep whatever the policy (tagged ones)
 
 
 @dataclass(frozen=True)
@@ -118,7 +119,7 @@ def save(session: Session, request: SaveRequest, stats: PhaseTimer) -> SaveOutco
             writer = _write(session, plan, request, bar.callback)
         stats.bytes = sum(f.size for f in writer.outcome.files)
         with stats.phase("commit"):
-            return _commit(session, plan, writer, request.user_metadata)
+            return _commit(session, plan, writer, request.user_metadata, request.keep)
     except BaseException as e:
         if agreed_failures(e):
             # Every rank got the error at the same agreement, so no rank is still writing into the
@@ -188,8 +189,8 @@ def _write(session: Session, plan: SavePlan, request: SaveRequest,
     return writer
 
 
-def _commit(session: Session, plan: SavePlan, writer: GuardedWriter, user_metadata: dict[str, Any]
-            ) -> SaveOutcome:
+def _commit(session: Session, plan: SavePlan, writer: GuardedWriter, user_metadata: dict[str, Any],
+            keep: frozenset[int] = frozenset()) -> SaveOutcome:
     comm, topo, options = session.comm, session.topo, session.options
 
     def report_written() -> str:
@@ -234,7 +235,8 @@ def _commit(session: Session, plan: SavePlan, writer: GuardedWriter, user_metada
 
     def after_publish(listings: list[Listing | None]) -> tuple[list[int], Listing]:
         agreed = agreed_listing(listings)
-        return retention(agreed, plan.step, options.keep_last, options.keep_every), agreed
+        doomed = retention(agreed, plan.step, options.keep_last, options.keep_every)
+        return [s for s in doomed if s not in keep], agreed
 
     try:
         doomed, agreed = comm.step(f"commit step {plan.step}", publish, after_publish, suffix=plan.intact,

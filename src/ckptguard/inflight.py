@@ -1,0 +1,83 @@
+"""Saves still in flight when the process group or the process goes away: finished, or reported.
+
+A script that ends with ``save(blocking=False)`` then ``destroy_process_group()``
+would tear down the group the background save agrees on; one that just exits
+would lose a failed save without a word. This module makes
+``torch.distributed.destroy_process_group()`` wait for in-flight saves first, and
+at exit (background threads have been joined by then) prints a failed save nobody
+waited for and makes the process exit with status 1.
+"""
+
+from __future__ import annotations
+
+import atexit
+import functools
+import os
+import sys
+import weakref
+from concurrent.futures import Future
+from typing import Any, Protocol
+
+
+class _Saver(Protocol):
+    @property
+    def root(self) -> str: ...
+    def wait(self) -> None: ...
+    def pending_save(self) -> Future[None] | None: ...
+
+
+_live: weakref.WeakSet[Any] = weakref.WeakSet()
+_hook_installed = False
+
+
+def track(saver: _Saver) -> None:
+    """Watch ``saver``'s background saves until it is garbage."""
+    _live.add(saver)
+    _install_destroy_hook()
+
+
+def _install_destroy_hook() -> None:
+    """Wrap ``torch.distributed.destroy_process_group`` (code that imported the function by name
+    before ckptguard was imported keeps the original: call ``ck.wait()`` there)."""
+    global _hook_installed
+    import torch.distributed as dist
+
+    if _hook_installed or not dist.is_available():
+        return
+    _hook_installed = True
+    original = dist.destroy_process_group
+
+    @functools.wraps(original)
+    def destroy_process_group(*args: Any, **kwargs: Any) -> Any:
+        first: BaseException | None = None
+        for saver in list(_live):
+            try:
+                saver.wait()
+            except BaseException as e:
+                first = first or e
+        result = original(*args, **kwargs)
+        if first is not None:
+            raise first
+        return result
+
+    dist.destroy_process_group = destroy_process_group
+
+
+def _report_unwaited_saves() -> None:
+    failed = False
+    for saver in list(_live):
+        pending = saver.pending_save()
+        if pending is None:
+            continue
+        try:
+            pending.result()
+        except BaseException as e:
+            failed = True
+            print(f"ckptguard: a background save to {saver.root} failed and was never waited for: "
+                  f"{type(e).__name__}: {e}", file=sys.stderr, flush=True)
+    if failed:
+        sys.stdout.flush()
+        os._exit(1)
+
+
+atexit.register(_report_unwaited_saves)

@@ -1,0 +1,6 @@
+"""Integrations with training frameworks, each behind an optional extra pinned to the version tested.
+
+- ``ckptguard.integrations.lightning``: ``CkptguardCheckpointIO`` (lightning 2.6.6)
+
+Importing a module here imports its framework; ``ckptguard`` itself never does.
+"""

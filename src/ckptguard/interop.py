@@ -1,0 +1,244 @@
+"""ckptguard checkpoints for the rest of the ecosystem, and other checkpoints into ckptguard.
+
+- :class:`DCPReader`: a DCP ``StorageReader`` over a committed ckptguard checkpoint, so that
+  ``dcp.load(state, storage_reader=ckptguard.DCPReader(path))`` works (every byte verified).
+- :func:`export_checkpoint`: one committed step to a ``torch.save`` file, a ``.safetensors``
+  file or a plain DCP directory (``ckptguard export``).
+- :func:`import_checkpoint`: a DCP directory or a ``torch.save`` file into a ckptguard root
+  (``ckptguard import``). DCP's ``.metadata`` is a pickle: it is read with an unpickler that
+  admits DCP's metadata classes and nothing else, so no code from the file runs; objects are
+  loaded with ``torch.load(weights_only=True)``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import io
+import os
+import pickle
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
+
+from ckptguard.dcp.codec import decode_value, metadata_from_json, unflatten
+from ckptguard.dcp.drive import read_locally
+from ckptguard.dcp.planners import SafeLoadPlanner
+from ckptguard.dcp.reader import GuardedReader
+from ckptguard.errors import (
+    CheckpointError,
+    CorruptCheckpointError,
+    StepNotFoundError,
+    UnsafeObjectError,
+)
+from ckptguard.protocol import layout
+from ckptguard.protocol.layout import CheckpointName
+from ckptguard.protocol.manifest import Manifest
+from ckptguard.protocol.root import CheckpointRoot
+from ckptguard.storage import PosixStorage, local_path
+
+EXPORT_FORMATS = ("torch", "safetensors", "dcp")
+
+
+def resolve_checkpoint(path: str | os.PathLike[str], step: int | None = None) -> tuple[CheckpointRoot, CheckpointName]:
+    """A committed checkpoint from its own directory, or from a root (``step``, else the newest)."""
+    path = os.path.abspath(local_path(path))
+    name = CheckpointName.parse(os.path.basename(path))
+    if name is not None and os.path.isfile(os.path.join(path, layout.MANIFEST)):
+        if step is not None and step != name.step:
+            raise ValueError(f"{path} is step {name.step}, not step {step}")
+        return CheckpointRoot(PosixStorage(os.path.dirname(path))), name
+    root = CheckpointRoot(PosixStorage(path))
+    current = root.current()
+    if not current:
+        raise StepNotFoundError(f"{path} holds no committed ckptguard checkpoint", path=path)
+    if step is None:
+        step = max(current)
+    if step not in current:
+        raise StepNotFoundError(f"step {step} is not a committed checkpoint in {path}; committed steps: "
+                                f"{sorted(current)}", path=path)
+    return root, current[step]
+
+
+class DCPReader(GuardedReader):
+    """DCP ``StorageReader`` for a committed ckptguard checkpoint (its directory, or a root and ``step``).
+
+    The names are DCP's (``model.fc.weight``); values ckptguard had to encode for an
+    exact round trip (int keys, numpy arrays, see ``codec.encode_value``) keep their
+    encoded names here: use ``Checkpointer.read`` for those.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], step: int | None = None, *, io_threads: int = 4) -> None:
+        root, name = resolve_checkpoint(path, step)
+        self.manifest: Manifest = root.read_manifest(name)
+        root.check_files(name, self.manifest)
+        metadata = metadata_from_json(self.manifest.dcp, self.manifest.items)
+        metadata.storage_meta = StorageMeta()
+        super().__init__(root.storage, root.dir(name), metadata, self.manifest.checksum_algorithm, rank=0,
+                         io_threads=io_threads)
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        return os.path.isfile(os.path.join(checkpoint_id, layout.MANIFEST))
+
+
+def read_checkpoint(path: str | os.PathLike[str], step: int | None = None, *, decode: bool = True
+                    ) -> dict[str, Any]:
+    """The whole stored state dict of a committed checkpoint, in this process (every rank's
+    ``PerRank`` values under their ``key@rankNNNNN`` names). ``decode=False``: as DCP stores it."""
+    reader = DCPReader(path, step)
+    return _read_all(reader, reader.metadata, decode)
+
+
+def _read_all(reader: Any, metadata: Metadata, decode: bool) -> dict[str, Any]:
+    flat: dict[str, Any] = {}
+    for fqn, entry in metadata.state_dict_metadata.items():
+        flat[fqn] = torch.empty(entry.size, dtype=entry.properties.dtype) \
+            if isinstance(entry, TensorStorageMetadata) else None
+    planner = SafeLoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False)
+    reader.metadata = metadata
+    read_locally(flat, reader, planner, is_coordinator=True)
+    paths = metadata.planner_data if isinstance(metadata.planner_data, dict) else {}
+    nested = unflatten(planner.state_dict, paths)
+    return {k: decode_value(v) for k, v in nested.items()} if decode else nested
+
+
+def flatten_tensors(state: Any, prefix: str = "") -> tuple[dict[str, torch.Tensor], list[str]]:
+    """Every tensor of a nested state as ``a.b.c`` names; and the names of what is not a tensor."""
+    tensors: dict[str, torch.Tensor] = {}
+    skipped: list[str] = []
+    if isinstance(state, torch.Tensor):
+        tensors[prefix] = state
+    elif isinstance(state, dict):
+        for k, v in state.items():
+            t, s = flatten_tensors(v, f"{prefix}.{k}" if prefix else str(k))
+            tensors.update(t)
+            skipped.extend(s)
+    elif isinstance(state, list | tuple):
+        for i, v in enumerate(state):
+            t, s = flatten_tensors(v, f"{prefix}.{i}" if prefix else str(i))
+            tensors.update(t)
+            skipped.extend(s)
+    else:
+        skipped.append(prefix)
+    return tensors, skipped
+
+
+def export_checkpoint(path: str | os.PathLike[str], out: str | os.PathLike[str], to: str, *,
+                      step: int | None = None, key: str | None = None) -> list[str]:
+    """Write one committed step as ``to`` ("torch", "safetensors" or "dcp") to ``out``; what was left out.
+
+    ``key`` exports one entry of the state (e.g. ``"model"``). ``torch`` is a ``save_file``
+    (a ``torch.save`` zip, checksummed); ``safetensors`` holds the tensors, named ``a.b.c``
+    (non-tensor values are left out and returned); ``dcp`` is a plain DCP directory
+    (``.metadata`` + ``.distcp``) that ``dcp.load`` and ``dcp_to_torch_save`` read.
+    """
+    from ckptguard.singlefile import save_file
+
+    if to not in EXPORT_FORMATS:
+        raise ValueError(f"to must be one of {EXPORT_FORMATS}, not {to!r}")
+    state = read_checkpoint(path, step, decode=to != "dcp")
+    if key is not None:
+        if key not in state:
+            raise KeyError(f"no {key!r} in the checkpoint; its keys: {sorted(state)}")
+        state = state[key] if isinstance(state[key], dict) else {key: state[key]}
+    out = os.path.abspath(local_path(out))
+    if to == "torch":
+        save_file(state, out, format="torch")
+        return []
+    if to == "safetensors":
+        tensors, skipped = flatten_tensors(state)
+        save_file(tensors, out, format="safetensors")
+        return skipped
+    from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
+
+    if os.path.exists(out) and os.listdir(out):
+        raise CheckpointError(f"{out} exists and is not empty: choose a new directory for the DCP export", path=out)
+    dcp_save(state, storage_writer=FileSystemWriter(out), no_dist=True)
+    return []
+
+
+# -- import -------------------------------------------------------------------------------
+
+_DCP_METADATA_CLASSES = {
+    "torch.distributed.checkpoint.metadata": {"Metadata", "TensorStorageMetadata", "BytesStorageMetadata",
+                                              "ChunkStorageMetadata", "TensorProperties", "MetadataIndex",
+                                              "StorageMeta", "_MEM_FORMAT_ENCODING"},
+    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+    "torch.distributed.checkpoint.planner": {"WriteItemType", "LoadItemType"},
+    "torch.serialization": {"_get_layout"},
+    "torch": {"Size"},
+    "pathlib": {"PosixPath", "PurePosixPath", "Path"},
+    "collections": {"OrderedDict"},
+    "builtins": {"set", "frozenset", "tuple", "list", "dict"},
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Admits DCP's metadata classes (and torch dtypes, Size, layouts), nothing else: no code runs."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        if name in _DCP_METADATA_CLASSES.get(module, ()):
+            return getattr(importlib.import_module(module), name)
+        raise UnsafeObjectError(f"DCP .metadata refers to {module}.{name}, which is not one of DCP's metadata "
+                                "classes: refusing to unpickle it (it could run code)")
+
+
+def read_dcp_metadata(directory: str | os.PathLike[str]) -> Metadata:
+    """DCP's ``.metadata`` of ``directory``, unpickled with only DCP's metadata classes admitted."""
+    path = os.path.join(local_path(directory), ".metadata")
+    try:
+        with open(path, "rb") as f:
+            md = _MetadataUnpickler(io.BytesIO(f.read())).load()
+    except FileNotFoundError:
+        raise CheckpointError(f"{directory} is not a DCP checkpoint: it has no .metadata", path=path) from None
+    except (pickle.UnpicklingError, EOFError, AttributeError, TypeError, ValueError) as e:
+        raise CorruptCheckpointError(f"{path} is not a readable DCP metadata file: {e}", path=path) from None
+    if not isinstance(md, Metadata):
+        raise CorruptCheckpointError(f"{path} holds a {type(md).__name__}, not DCP Metadata", path=path)
+    return md
+
+
+class _SafeFileSystemReader(FileSystemReader):
+    """DCP's FileSystemReader, with its ``.metadata`` read by the restricted unpickler."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        md = read_dcp_metadata(str(self.path))
+        if getattr(md, "storage_meta", None) is None:
+            md.storage_meta = StorageMeta()
+        return md
+
+
+def read_dcp(directory: str | os.PathLike[str]) -> dict[str, Any]:
+    """A DCP checkpoint directory's whole state dict, nested, without running code from it."""
+    reader = _SafeFileSystemReader(local_path(directory))
+    md = reader.read_metadata()
+    reader.set_up_storage_reader(md, True)
+    return _read_all(reader, md, decode=False)
+
+
+def import_checkpoint(source: str | os.PathLike[str], root: str | os.PathLike[str], step: int, *,
+                      overwrite: bool = False) -> list[str]:
+    """Commit a DCP directory or a ``torch.save`` file as ``step`` of the ckptguard root; its top-level keys."""
+    from ckptguard.checkpointer import Checkpointer
+
+    source = os.path.abspath(local_path(source))
+    state: Any
+    if os.path.isdir(source):
+        state = read_dcp(source)
+    else:
+        try:
+            state = torch.load(source, map_location="cpu", weights_only=True)
+        except pickle.UnpicklingError as e:
+            raise UnsafeObjectError(f"{source}: torch.load(weights_only=True) refused it ({str(e).splitlines()[0]}); "
+                                    "ckptguard imports only files that load without running code", path=source) from None
+        except (OSError, RuntimeError) as e:
+            raise CheckpointError(f"{source} is not a DCP directory or a torch.save file: {e}", path=source) from None
+    if not isinstance(state, dict) or not all(isinstance(k, str) and k for k in state):
+        state = {"state": state}
+    with Checkpointer(root, process_group="local") as ck:
+        ck.save(step, state, overwrite=overwrite)
+    return sorted(state)

@@ -1,0 +1,181 @@
+"""Deleting a committed step, and named tags beside step numbers (``best``, ``release``).
+
+A tag is a small JSON file ``ROOT/tags/<name>`` in every storage domain, moved by
+compare-and-swap on its version token (two jobs or threads moving one tag cannot
+lose an update or tear the file), written by each domain's leader under the lease.
+A tagged step is kept by retention; deleting it is refused until the tag moves.
+
+Deleting renames every version of the step into the trash (atomic: it is gone
+for every reader at once), moves `latest` back to the newest step left if it
+pointed at the deleted one, and then removes the bytes.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from typing import Any
+
+from ckptguard.errors import CheckpointError, StepNotFoundError
+from ckptguard.protocol import layout
+from ckptguard.protocol.decisions import Listing, agreed_listing
+from ckptguard.protocol.layout import CheckpointName
+from ckptguard.protocol.session import Session
+
+TAGS_DIR = "tags"
+_TAG_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.=-]{0,127}$")
+
+Tags = dict[str, int]
+
+
+def check_tag_name(name: str) -> str:
+    if not isinstance(name, str) or not _TAG_NAME.match(name):
+        raise ValueError(f"a tag name is 1-128 letters, digits, '_', '-', '.', '=' (not starting with '.' or '-'), "
+                         f"got {name!r}")
+    return name
+
+
+def _tag_path(session: Session, name: str) -> str:
+    return session.storage.path(TAGS_DIR, name)
+
+
+def leader_tags(session: Session) -> Tags | None:
+    """The tags this domain's leader sees (None on other ranks)."""
+    if not session.topo.is_leader:
+        return None
+    storage = session.storage
+    out: Tags = {}
+    for entry in storage.listdir(storage.path(TAGS_DIR)):
+        if not _TAG_NAME.match(entry):
+            continue
+        try:
+            body = json.loads(storage.read_bytes(_tag_path(session, entry)))
+        except (OSError, ValueError, CheckpointError):
+            continue
+        if isinstance(body, dict) and isinstance(body.get("step"), int):
+            out[entry] = body["step"]
+    return out
+
+
+def agreed_tags(reports: list[Tags | None]) -> Tags:
+    """Tags every domain's leader sees pointing at the same step."""
+    views = [r for r in reports if r is not None]
+    if not views:
+        return {}
+    common = set(views[0].items())
+    for v in views[1:]:
+        common &= set(v.items())
+    return dict(common)
+
+
+def read_tags(session: Session) -> Tags:
+    """The tags of the root, agreed across storage domains (collective)."""
+    tags: Tags = session.comm.step(f"read the tags of {session.url}", lambda: leader_tags(session), agreed_tags)
+    return tags
+
+
+def set_tag(session: Session, name: str, step: int | None, committed: Listing,
+            expect: Any = ...) -> int | None:
+    """Point tag ``name`` at ``step`` (None removes it) in every domain; the step it pointed at before.
+
+    ``expect``: only if the tag points at this step now (None: only if it does not exist),
+    else CheckpointError, in every domain alike (collective).
+    """
+    check_tag_name(name)
+    if step is not None and step not in committed:
+        raise StepNotFoundError(f"cannot tag step {step} as {name!r}: it is not a committed checkpoint in "
+                                f"{session.url}; committed steps: {sorted(committed) or 'none'}")
+    storage = session.storage
+    path = _tag_path(session, name)
+
+    def move() -> int | None:
+        if not session.topo.is_leader:
+            return None
+        assert session.lease is not None
+        session.lease.check()
+        storage.makedirs(storage.path(TAGS_DIR))
+        for _ in range(16):
+            current = storage.read_versioned(path)
+            before: int | None = None
+            if current is not None:
+                try:
+                    body = json.loads(current[0])
+                    before = body["step"] if isinstance(body, dict) and isinstance(body.get("step"), int) else None
+                except ValueError:
+                    before = None
+            if expect is not ... and before != expect:
+                raise CheckpointError(f"tag {name!r} in {session.url} points at step {before}, not {expect}: "
+                                      "another writer moved it", path=path)
+            if step is None:
+                if current is not None:
+                    storage.delete(path)
+                return before
+            body = {"tag": name, "step": step, "dir": CheckpointName(step, committed[step]).dirname,
+                    "updated_at": time.time()}
+            data = (json.dumps(body) + "\n").encode()
+            if storage.compare_and_swap(path, data, current[1] if current is not None else None):
+                return before
+        raise CheckpointError(f"could not move tag {path}: it kept changing under this job", path=path)
+
+    def first(reports: list[int | None]) -> int | None:
+        return next((r for i, r in enumerate(reports) if i in session.topo.leaders), None)
+
+    what = f"tag step {step} as {name!r}" if step is not None else f"remove tag {name!r}"
+    before: int | None = session.comm.step(what, move, first, where=session.url)
+    return before
+
+
+def delete_step(session: Session, step: int, committed: Listing, tags: Tags) -> tuple[Listing, list[str]]:
+    """Retire every version of ``step`` in every domain (collective); what is committed now, and the
+    retired paths (this leader's) whose bytes the caller removes."""
+    if step not in committed:
+        raise StepNotFoundError(f"cannot delete step {step}: it is not a committed checkpoint in {session.url}; "
+                                f"committed steps: {sorted(committed) or 'none'}")
+    holding = sorted(n for n, s in tags.items() if s == step)
+    if holding:
+        raise CheckpointError(f"step {step} is tagged {', '.join(map(repr, holding))}: move or remove the tag "
+                              f"first (ck.tag(name, other_step) or ck.untag(name))")
+    root = session.root
+    retired: list[str] = []
+
+    def retire() -> Listing | None:
+        if not session.topo.is_leader:
+            return None
+        assert session.lease is not None
+        session.lease.check()
+        for name in root.committed():
+            if name.step == step:
+                path = root.retire(root.dir(name))
+                if path is not None:
+                    retired.append(path)
+        left = root.current()
+        _point_latest_at_newest(session, step, left)
+        return {s: n.version for s, n in left.items()}
+
+    listing: Listing = session.comm.step(f"delete step {step}", retire, agreed_listing, where=session.url)
+    return listing, retired
+
+
+def _point_latest_at_newest(session: Session, deleted: int, left: dict[int, CheckpointName]) -> None:
+    """If `latest` names the deleted step, point it at the newest step left (or remove it)."""
+    storage = session.storage
+    path = storage.path(layout.LATEST)
+    for _ in range(16):
+        current = storage.read_versioned(path)
+        if current is None:
+            return
+        try:
+            body = json.loads(current[0])
+        except ValueError:
+            body = None
+        if isinstance(body, dict) and body.get("step") != deleted:
+            return
+        if not left:
+            storage.delete(path)
+            return
+        newest = left[max(left)]
+        new = {"step": newest.step, "dir": newest.dirname, "updated_at": time.time()}
+        if storage.compare_and_swap(path, (json.dumps(new) + "\n").encode(), current[1]):
+            return
+    raise CheckpointError(f"could not move {path}: it kept changing under this job", path=path)
