@@ -145,3 +145,25 @@ def test_a_lease_taken_by_another_leader_of_the_same_job_says_so(tmp_path: Path)
     finally:
         first.release()
         second.release()
+
+
+def test_a_holder_frozen_inside_compare_and_swap_does_not_block_others_for_ever(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A process stopped (SIGSTOP) while it holds the lock of a compare-and-swap: after the timeout
+    the lock is broken and others proceed (found by the campaign: a lease takeover waited for ever)."""
+    import fcntl
+
+    from ckptguard.storage import posix
+
+    monkeypatch.setattr(posix, "CAS_LOCK_TIMEOUT_S", 0.5)
+    storage = PosixStorage(str(tmp_path))
+    path = storage.path("lease")
+    assert storage.compare_and_swap(path, b"v1", None)
+    frozen = os.open(storage._lock_path(path), os.O_RDWR | os.O_CREAT)
+    fcntl.flock(frozen, fcntl.LOCK_EX)  # the frozen holder
+    try:
+        _, token = storage.read_versioned(path) or (b"", "")
+        assert storage.compare_and_swap(path, b"v2", token)
+        assert storage.read_bytes(path) == b"v2"
+    finally:
+        os.close(frozen)

@@ -296,7 +296,7 @@ class Comm:
             else:
                 kind, payload = self._t.broadcast(verdict)
         if kind == "failed":
-            raise_agreed(payload, own, what, suffix)
+            raise_agreed(payload, own, what, suffix, self.rank)
         if decide_fn is None:
             return value
         return payload
@@ -372,13 +372,21 @@ def with_suffix(message: str, suffix: str) -> str:
     return message + ("" if message.rstrip().endswith((".", "!", "?")) else ".") + suffix
 
 
-def raise_agreed(failures: list[FailureRecord], own: BaseException | None, what: str, suffix: str = "") -> None:
-    """Raise the agreed failure: this rank's own error if it failed, else the first one, rebuilt."""
+def raise_agreed(failures: list[FailureRecord], own: BaseException | None, what: str, suffix: str = "",
+                 rank: int | None = None) -> None:
+    """Raise the agreed failure: this rank's own error if it failed, else the first one, rebuilt.
+
+    A rank whose own failure was not the first says which was (its error may only be a
+    consequence, e.g. a disk another rank filled first)."""
     if own is not None:
-        if suffix and isinstance(own, CheckpointError):
-            own.args = (with_suffix(str(own), suffix), *own.args[1:])
-        elif suffix and isinstance(own, Exception):
-            own.add_note(suffix.strip())
+        first = failures[0]
+        extra = ""
+        if rank is not None and first.rank != rank and not first.decision:
+            extra = f" (rank {first.rank} on {first.host} failed first: {first.describe()})"
+        if isinstance(own, CheckpointError):
+            own.args = (with_suffix(str(own) + extra, suffix), *own.args[1:])
+        elif isinstance(own, Exception) and (suffix or extra):
+            own.add_note((extra.strip() + " " + suffix.strip()).strip())
         setattr(own, _FAILURES_ATTR, failures)
         raise own
     first = failures[0]

@@ -41,6 +41,8 @@ _renameat2 = getattr(_libc, "renameat2", None)
 _UNSUPPORTED = {errno.EINVAL, errno.ENOSYS, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EPERM}
 #: Lock files that guard compare-and-swap, under the root's control directory.
 LOCKS_DIR = ".ckptguard/locks"
+#: How long a compare-and-swap waits for a lock whose holder may be frozen before breaking it.
+CAS_LOCK_TIMEOUT_S = 10.0
 _READ_FLAGS = os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK
 
 
@@ -360,14 +362,20 @@ class PosixStorage:
         replace_file(path, data)
 
     def compare_and_swap(self, path: str, data: bytes, token: str | None) -> bool:
-        """Under an exclusive lock on a sibling lock file (flock; POSIX locks over NFSv4), so that
-        two writers never both see the same version and both replace it."""
+        """Under an exclusive lock on a lock file of its own (flock; POSIX locks over NFSv4), so that
+        two writers never both see the same version and both replace it.
+
+        The lock is held for a read and a rename. A holder frozen inside that
+        window (SIGSTOP, a suspended VM) must not block everyone for ever: after
+        ``CAS_LOCK_TIMEOUT_S`` the lock file is moved aside and a fresh one taken.
+        The frozen holder, if it ever wakes, completes its one replace; the
+        version check of every later compare-and-swap (the lease's included)
+        then sees it, so at most one writer carries on.
+        """
         if token is None:
             return self.create_exclusive(path, data)
-        fd = self._lock_file(path)
+        fd = self._locked(path)
         try:
-            with suppress(OSError):  # a filesystem without locks: the version check still narrows the race
-                fcntl.flock(fd, fcntl.LOCK_EX)
             current = self.read_versioned(path)
             if current is None or current[1] != token:
                 return False
@@ -376,16 +384,41 @@ class PosixStorage:
         finally:
             os.close(fd)  # releases the lock
 
-    def _lock_file(self, path: str) -> int:
-        """An fd on the lock file that guards compare-and-swap of ``path`` (kept out of the listing)."""
+    def _locked(self, path: str) -> int:
+        deadline = time.monotonic() + CAS_LOCK_TIMEOUT_S
+        delay = 0.001
+        while True:
+            lock_path = self._lock_path(path)
+            fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                if time.monotonic() < deadline:
+                    time.sleep(delay)
+                    delay = min(delay * 2, 0.1)
+                    continue
+                with suppress(FileNotFoundError):  # a holder frozen inside its swap: break the lock
+                    os.rename(lock_path, unique_tmp_name(lock_path) + ".broken")
+                deadline = time.monotonic() + CAS_LOCK_TIMEOUT_S
+                continue
+            except OSError:
+                return fd  # a filesystem without locks: the version check still narrows the race
+            try:
+                if os.fstat(fd).st_ino == os.stat(lock_path).st_ino:
+                    return fd
+            except FileNotFoundError:
+                pass
+            os.close(fd)  # the file was broken and replaced while we waited for it: lock the new one
+
+    def _lock_path(self, path: str) -> str:
+        """The lock file that guards compare-and-swap of ``path`` (kept out of the root's listing)."""
         rel = os.path.relpath(path, self.root)
-        name = rel.replace("%", "%25").replace("/", "%2F") if not rel.startswith("..") else None
+        if rel.startswith(".."):
+            return os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.lock")
         lock_dir = os.path.join(self.root, LOCKS_DIR)
-        if name is None:
-            lock_dir, name = os.path.dirname(path), f".{os.path.basename(path)}"
-        else:
-            os.makedirs(lock_dir, exist_ok=True)
-        return os.open(os.path.join(lock_dir, name + ".lock"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        os.makedirs(lock_dir, exist_ok=True)
+        return os.path.join(lock_dir, rel.replace("%", "%25").replace("/", "%2F") + ".lock")
 
     def delete(self, path: str) -> None:
         unlink_quietly(path)
