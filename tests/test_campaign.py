@@ -29,9 +29,10 @@ import torch
 
 from ckptguard import Checkpointer
 
-from beds.diskfull import small_filesystem
-from beds.jobs import run_local
-from beds.sshfs import BedUnavailable
+from tests.support.beds.diskfull import small_filesystem
+from tests.support.beds.sshfs import BedUnavailable
+from tests.support.jobs import run_local
+from tests.support.workers import CAMPAIGN_JOB
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -258,7 +259,7 @@ def test_a_new_checkpointer_per_save_keeps_saving(tmp_path: Path) -> None:
     old one's id on one rank and not another: that rank used a cached plan, the others did not, and
     dcp.save failed (KeyError 'DomainSavePlanner:<id>:<hash>', or "TypeError: 'NoneType' object is
     not iterable") within 2-12 re-creations."""
-    job = run_local(REPO / "tests" / "workers" / "campaign_job.py", ["recreate", "--gen", "1", "--trials", "60"],
+    job = run_local(CAMPAIGN_JOB, ["recreate", "--gen", "1", "--trials", "60"],
                     nproc=2, env={"CKPT_ROOT": str(tmp_path / "ckpt"), "CKPT_SCRATCH": str(tmp_path)}, timeout=170)
     assert job.ok, job.output()[-3000:]
 

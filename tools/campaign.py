@@ -54,14 +54,14 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
-TESTS = REPO / "tests"
-WORKER = TESTS / "workers" / "campaign_job.py"
-if str(TESTS) not in sys.path:
-    sys.path.insert(0, str(TESTS))
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
 
-from beds.diskfull import small_filesystem  # noqa: E402
-from beds.jobs import JobResult, JobTimeout, run_job  # noqa: E402
-from beds.sshfs import BedUnavailable, stale_shared_storage  # noqa: E402
+from tests.support.beds.diskfull import small_filesystem  # noqa: E402
+from tests.support.beds.sshfs import BedUnavailable, stale_shared_storage  # noqa: E402
+from tests.support.jobs import JobResult, JobTimeout, run_job  # noqa: E402
+from tests.support.results import results_by_rank  # noqa: E402
+from tests.support.workers import CAMPAIGN_JOB as WORKER  # noqa: E402
 
 SAVE_PHASES = ("save_start", "before_write", "mid_write", "after_write",
                "before_publish", "after_publish", "after_commit")
@@ -71,7 +71,6 @@ KINDS = ("kill_phase", "kill_random", "kill_load", "stale_cache", "corruption", 
          "two_jobs", "takeover")
 KEEP_LAST = 3
 
-_RESULT = re.compile(r"^RESULT (\{.*\})$", re.M)
 _SIGKILLED = re.compile(r"exitcode\s*:\s*-9|Signal 9 \(SIGKILL\)")
 
 
@@ -178,14 +177,7 @@ def _running(script: str) -> bool:
 
 def parse_events(job: JobResult, world: int) -> dict[int, list[dict[str, Any]]]:
     """Every RESULT line of every rank, from the ranks' complete logs (a line cut by SIGKILL is skipped)."""
-    out: dict[int, list[dict[str, Any]]] = {}
-    for r in range(world):
-        evs = []
-        for m in _RESULT.finditer(job.rank_output(r)):
-            with contextlib.suppress(ValueError):
-                evs.append(json.loads(m.group(1)))
-        out[r] = evs
-    return out
+    return results_by_rank(job, world)
 
 
 def events_of(evs: dict[int, list[dict[str, Any]]], name: str, rank: int | None = None) -> list[dict[str, Any]]:

@@ -13,7 +13,7 @@ checkpoint, so any job can recompute what a loaded checkpoint must contain and c
 bitwise, and a checkpoint mixing two attempts of one step (same ``s``, different
 ``gen``) cannot pass the comparison.
 
-Every observation is printed as ``RESULT {json}`` (one line, flushed): the driver
+Every observation is printed as a RESULT line (tests/support/results.py): the driver
 reads each rank's complete log after the job and decides. Checks that need the
 loaded tensors are made here; checks that need the history of the chain (what was
 committed before the crash) are made by the driver.
@@ -47,12 +47,14 @@ from ckptguard import Checkpointer, CheckpointError, CorruptCheckpointError, Per
 from ckptguard.protocol.layout import CheckpointName
 from ckptguard.verify import verify_checkpoint
 
+from tests.support.results import emit_result  # the repo root is on PYTHONPATH (run_job)
+
 RANK = 0
 
 
 def result(**kw: Any) -> None:
-    """One observation for the driver; flushed at once so that a SIGKILL right after keeps it."""
-    print("RESULT " + json.dumps({"rank": RANK, "t": round(time.time(), 3), **kw}), flush=True)
+    """One observation for the driver (with the time it was made); flushed, so a SIGKILL right after keeps it."""
+    emit_result(rank=RANK, t=round(time.time(), 3), **kw)
 
 
 # -- deterministic content ---------------------------------------------------------------------
