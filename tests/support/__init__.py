@@ -7,6 +7,8 @@
     beds/           storage beds: stale-caching sshfs mounts (sshfs.py), a small tmpfs
                     (diskfull.py); beds/workers/probe.py checks the launcher
     fixtures.py     pytest fixtures for the beds (registered by the root conftest.py)
+    campaign.py     the crash-consistency campaign's engine: fault kinds, the checks that
+                    call an outcome torn, lost, invented, stale or garbage, the report
 
 Dependencies point one way: ``tests/`` and ``tools/`` import from here, this package imports
 neither (nor anything under ``tools/``, ``bench/`` or ``examples/``). Everything imports it as
