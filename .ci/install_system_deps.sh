@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Install the system packages the test beds need (tests/beds/): FUSE + sshfs for the
+# Install the system packages the test beds need (tests/support/beds/): FUSE + sshfs for the
 # NFS-like stale-cache bed, an OpenSSH server for sshfs to talk to.
 # Idempotent and fast when everything is already there: apt is only touched when a
 # needed command is missing. Non-interactive; needs root (CI and dev machines run as root).

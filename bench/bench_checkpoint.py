@@ -52,7 +52,8 @@ import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-import ckptguard.dcp_io as ckpt_dcp_io
+import ckptguard.dcp.planners as ckpt_planners
+import ckptguard.dcp.writer as ckpt_writer
 from ckptguard import Checkpointer
 from ckptguard.storage.posix import write_all
 
@@ -98,7 +99,7 @@ def raw_write(state: dict[str, Any], path: Path) -> None:
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
         for t in state["model"].values():
-            write_all(fd, memoryview(t.numpy()).cast("B"))
+            write_all(fd, [memoryview(t.numpy()).cast("B")])
         os.fsync(fd)
     finally:
         os.close(fd)
@@ -145,13 +146,19 @@ def dd(path: Path, total: int) -> None:
 
 @contextmanager
 def checksums_off() -> Iterator[None]:
-    """The same save with the checksum replaced by a constant: what checksumming costs."""
-    real = ckpt_dcp_io.checksum
-    ckpt_dcp_io.checksum = lambda algorithm, data: "0" * 16  # type: ignore[assignment]
+    """The same save with the checksum replaced by a constant: what checksumming costs.
+
+    Both places a save checksums: the writer (every item) and the planner (replicated values).
+    """
+    modules = (ckpt_writer, ckpt_planners)
+    real = [m.checksum for m in modules]
+    for m in modules:
+        m.checksum = lambda algorithm, data: "0" * 16  # type: ignore[assignment]
     try:
         yield
     finally:
-        ckpt_dcp_io.checksum = real
+        for m, fn in zip(modules, real, strict=True):
+            m.checksum = fn  # type: ignore[assignment]
 
 
 # -- the benchmark, run on every rank ------------------------------------------------------------

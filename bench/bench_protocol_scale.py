@@ -41,16 +41,25 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+from ckptguard.comm import ordered_failures
+from ckptguard.dcp.codec import metadata_to_json
+from ckptguard.dcp.planners import combined_digest, ranks_differing
 from ckptguard.protocol import layout
 from ckptguard.protocol.artifacts import ArtifactTarget
-from ckptguard.checkpointer import _gc_paused, _RankWrites, build_manifests, decide_plan, retention
-from ckptguard.comm import order_failures
-from ckptguard.dcp_io import check_replicated, metadata_to_json
+from ckptguard.protocol.decisions import (
+    LeaderView,
+    PlanReport,
+    RankWrites,
+    build_manifests,
+    decide_plan,
+    retention,
+)
 from ckptguard.protocol.layout import CheckpointName
 from ckptguard.protocol.manifest import FileEntry, StoredItem
 from ckptguard.protocol.root import CheckpointRoot
-from ckptguard.storage.posix import PosixStorage
+from ckptguard.protocol.timing import gc_paused
 from ckptguard.protocol.topology import Topology, _decide, to_ranges
+from ckptguard.storage.posix import PosixStorage
 
 RANKS_PER_HOST = 8
 
@@ -61,8 +70,8 @@ def inputs(n: int, k: int) -> dict[str, Any]:
     host_first = {h: r for r, h in reversed(list(enumerate(hosts)))}
     probe = [{"lister": True, "seen": to_ranges(list(range(n)))} if host_first[hosts[r]] == r
              else {"lister": False, "sees_host_first": True} for r in range(n)]
-    plan_reports = [(None, [ArtifactTarget(r, hosts[r], "offloaded", f"/local/offload/rank{r:05d}")],
-                     ([], {s: 1 for s in range(3)}) if r == 0 else None) for r in range(n)]
+    plan_reports = [PlanReport([ArtifactTarget(r, hosts[r], "offloaded", f"/local/offload/rank{r:05d}")],
+                               LeaderView([], {s: 1 for s in range(3)}) if r == 0 else None) for r in range(n)]
     shard = 1 << 20  # elements per chunk (4 MiB of float32)
     md = Metadata(state_dict_metadata={
         f"model.layer{t}.flat_param": TensorStorageMetadata(
@@ -76,11 +85,12 @@ def inputs(n: int, k: int) -> dict[str, Any]:
         rel = layout.data_file(r, 0)
         items = [StoredItem(f"model.layer{t}.flat_param", (r * shard,), rel, t * shard * 4, shard * 4,
                             f"{r * 1000 + t:016x}", "float32", (shard,)) for t in range(k)]
-        writes.append(_RankWrites([FileEntry(rel, k * shard * 4, r)], [],
-                                  {f"optim.param_groups.0.{p}": "00000000deadbeef" for p in ("lr", "betas", "eps")},
-                                  items))
+        writes.append(RankWrites([FileEntry(rel, k * shard * 4, r)], [], items))
+    # What each rank sends for the check of plain values: one digest over all of them.
+    plain = [combined_digest({f"optim.param_groups.0.{p}": "00000000deadbeef" for p in ("lr", "betas", "eps")})
+             for _ in range(n)]
     return {"hosts": hosts, "host_first": host_first, "probe": probe, "plan": plan_reports, "md": md,
-            "writes": writes, "statuses": [None] * n}
+            "writes": writes, "plain": plain, "statuses": [None] * n}
 
 
 def leader_work(data: dict[str, Any], n: int, root: Path, staging: Path) -> tuple[dict[str, float], int]:
@@ -93,15 +103,15 @@ def leader_work(data: dict[str, Any], n: int, root: Path, staging: Path) -> tupl
     timings["probe decision (start-up)"] = time.perf_counter() - t
 
     t = time.perf_counter()
-    verdict = decide_plan(str(root), 3, False, data["plan"])
-    assert verdict[0] is None, verdict[0]
+    plan = decide_plan(str(root), 3, False, data["plan"])  # raises if the save is refused
+    assert not plan.uncertain and plan.version == 1, plan
     timings["save plan: failures, versions, files= disjointness"] = time.perf_counter() - t
 
     topo = Topology(0, n, tuple(tuple(d) for d in domains), tuple(data["hosts"]))
     t = time.perf_counter()
-    assert check_replicated([w.digests for w in data["writes"]]) is None
+    assert ranks_differing(data["plain"]) == []
     dcp_json = metadata_to_json(data["md"])
-    manifest = build_manifests(topo, CheckpointName(3), verdict[1], "xxh3-64", data["writes"], {}, dcp_json)[0]
+    manifest = build_manifests(topo, CheckpointName(3), plan.attempt, "xxh3-64", data["writes"], {}, dcp_json)[0]
     timings["commit: build manifest"] = time.perf_counter() - t
 
     t = time.perf_counter()
@@ -109,16 +119,16 @@ def leader_work(data: dict[str, Any], n: int, root: Path, staging: Path) -> tupl
     timings["commit: every file visible with its size"] = time.perf_counter() - t
 
     t = time.perf_counter()
-    encoded = manifest.to_json()
-    croot.storage.write_bytes_atomic(str(staging / layout.MANIFEST), encoded)
+    croot.write_manifest(str(staging), manifest)  # encodes, writes, fsyncs
     croot.publish(str(staging), CheckpointName(3))
     timings["commit: write manifest, fsync, publish"] = time.perf_counter() - t
+    manifest_bytes = os.path.getsize(os.path.join(croot.dir(CheckpointName(3)), layout.MANIFEST))
 
     t = time.perf_counter()
-    assert not order_failures(data["statuses"])
+    assert not ordered_failures(data["statuses"])
     retention({0: 1, 1: 1, 2: 1, 3: 1}, 3, 3, None)
     timings["commit agreement and retention"] = time.perf_counter() - t
-    return timings, len(encoded)
+    return timings, manifest_bytes
 
 
 def make_root(data: dict[str, Any], root: Path) -> Path:
@@ -136,19 +146,19 @@ def run(n: int, k: int, workdir: Path) -> dict[str, Any]:
     received = {
         "probe": len(pickle.dumps(data["probe"])),
         "plan": len(pickle.dumps(data["plan"])),
-        "commit": len(pickle.dumps(data["writes"])),
+        "commit": len(pickle.dumps(data["writes"])) + len(pickle.dumps(data["plain"])),
     }
     # Timed without tracing (tracemalloc slows allocation-heavy code several times) ...
     root = workdir / f"root-{n}-{k}-a"
     staging = make_root(data, root)
-    with _gc_paused():  # as in Checkpointer: no cyclic GC during the protocol's phases
+    with gc_paused():  # as in Checkpointer: no cyclic GC during the protocol's phases
         timings, manifest_bytes = leader_work(data, n, root, staging)
     shutil.rmtree(root)
     # ... then once more under tracemalloc for the peak of Python memory.
     root = workdir / f"root-{n}-{k}-b"
     staging = make_root(data, root)
     tracemalloc.start()
-    with _gc_paused():
+    with gc_paused():
         leader_work(data, n, root, staging)
     _, peak = tracemalloc.get_traced_memory()
     tracemalloc.stop()

@@ -18,8 +18,8 @@ import torch
 
 from ckptguard import Checkpointer
 
-from beds.jobs import JobTimeout, run_job
-from helpers import by_rank, results
+from tests.support.jobs import JobTimeout, run_job
+from tests.support.results import by_rank, job_results
 
 WORKER = Path(__file__).parent / "workers" / "exit_job.py"
 
@@ -62,7 +62,7 @@ def test_destroy_process_group_finishes_the_save_in_flight(tmp_path: Path) -> No
 
 def test_a_dead_rank_is_a_checkpoint_error_for_the_survivors(tmp_path: Path) -> None:
     job = run_job(WORKER, ["dead_rank", str(tmp_path / "ck")], nproc_per_node=2, timeout=240)
-    survivors = [r for r in results(job) if r["rank"] == 0]
+    survivors = [r for r in job_results(job) if r["rank"] == 0]
     assert survivors, job.output()
     assert survivors[0]["error"] == "PeerError" and survivors[0]["checkpoint_error"], survivors
 
@@ -73,6 +73,6 @@ def test_a_stalled_rank_makes_the_others_fail_within_the_timeout(tmp_path: Path)
                       timeout=30, straggler_grace=5)
     except JobTimeout as e:
         job = e.result
-    survivors = [r for r in results(job) if r["rank"] == 0]
+    survivors = [r for r in job_results(job) if r["rank"] == 0]
     assert survivors, job.output()
     assert survivors[0]["checkpoint_error"] and survivors[0]["seconds"] < 60, survivors

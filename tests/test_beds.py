@@ -14,14 +14,11 @@ from pathlib import Path
 
 import pytest
 
-from beds import jobs
-from beds.fixtures import small_fs, sshfs_bed  # noqa: F401  (pytest fixtures)
-from beds.jobs import JobTimeout, run_job, run_local
-from beds.sshfs import BedUnavailable, SshfsBed, stale_shared_storage
+from tests.support import jobs
+from tests.support.beds.sshfs import BedUnavailable, SshfsBed, stale_shared_storage
+from tests.support.jobs import JobTimeout, run_job, run_local
+from tests.support.workers import BASELINES, PROBE
 
-HERE = Path(__file__).resolve().parent
-PROBE = HERE / "beds" / "workers" / "probe.py"
-BASELINES = HERE / "baselines"
 OLMO_STYLE = BASELINES / "olmo_style.py"
 GLOBAL_RANK0 = BASELINES / "global_rank0.py"
 SAME_PATH = BASELINES / "same_path_torch_save.py"
@@ -125,7 +122,7 @@ def test_port_taken_after_free_port_is_retried(monkeypatch: pytest.MonkeyPatch) 
 
 
 @pytest.mark.sshfs
-def test_sshfs_mounts_have_stale_views(sshfs_bed: SshfsBed) -> None:  # noqa: F811
+def test_sshfs_mounts_have_stale_views(sshfs_bed: SshfsBed) -> None:
     a, b = sshfs_bed.mounts
     os.mkdir(a / "old")
     assert os.path.exists(b / "old")  # B caches a positive entry
@@ -175,7 +172,7 @@ def test_olmo_mitigations_survive_a_coherent_local_dir(tmp_path: Path) -> None:
 
 
 @pytest.mark.sshfs
-def test_olmo_style_fails_on_stale_shared_storage(sshfs_bed: SshfsBed) -> None:  # noqa: F811
+def test_olmo_style_fails_on_stale_shared_storage(sshfs_bed: SshfsBed) -> None:
     """OLMo #894 itself: each node's leader renames stepN-tmp; the loser's exists() check
     of stepN hits its stale negative cache and re-raises FileNotFoundError."""
     job = run_job(
@@ -237,7 +234,7 @@ def test_same_path_torch_save_tears_or_mixes(tmp_path: Path, ragged: bool) -> No
 # ----------------------------------------------------------------------- disk full
 
 
-def test_small_fs_fills_up(small_fs: Path) -> None:  # noqa: F811
+def test_small_fs_fills_up(small_fs: Path) -> None:
     with pytest.raises(OSError) as info, open(small_fs / "big", "wb") as f:
         for _ in range(64):
             f.write(b"\0" * 2**20)

@@ -13,7 +13,6 @@ found (fixed in 0afc105); they stay as regression tests.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import signal
@@ -22,30 +21,17 @@ import sys
 import textwrap
 import time
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 import torch
 
 from ckptguard import Checkpointer
 
-from beds.diskfull import small_filesystem
-from beds.jobs import run_local
-from beds.sshfs import BedUnavailable
-
-REPO = Path(__file__).resolve().parent.parent
-
-
-def _load_driver() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("ckptguard_campaign", REPO / "tools" / "campaign.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-campaign = _load_driver()
+from tests.support import campaign
+from tests.support.beds.diskfull import small_filesystem
+from tests.support.beds.sshfs import BedUnavailable
+from tests.support.jobs import run_local
+from tests.support.workers import CAMPAIGN_JOB
 
 #: Injected faults per test, summed by test_campaign_total (the issue asks for >= 100 in CI).
 FAULTS: dict[str, int] = {}
@@ -122,9 +108,7 @@ def test_two_jobs_on_one_root_and_a_stolen_lease(tmp_path: Path) -> None:
 
 def test_campaign_total() -> None:
     """The issue's bar for CI: at least 100 injected faults across all kinds (when every part ran)."""
-    kinds = {"kill_phase", "kill_random", "kill_load", "stale_cache", "corruption", "disk_full", "two_jobs",
-             "takeover"}
-    if set(FAULTS) != kinds:
+    if set(FAULTS) != set(campaign.KINDS):
         pytest.skip(f"only {sorted(FAULTS)} ran in this session")
     assert sum(FAULTS.values()) >= 100, FAULTS
 
@@ -258,7 +242,7 @@ def test_a_new_checkpointer_per_save_keeps_saving(tmp_path: Path) -> None:
     old one's id on one rank and not another: that rank used a cached plan, the others did not, and
     dcp.save failed (KeyError 'DomainSavePlanner:<id>:<hash>', or "TypeError: 'NoneType' object is
     not iterable") within 2-12 re-creations."""
-    job = run_local(REPO / "tests" / "workers" / "campaign_job.py", ["recreate", "--gen", "1", "--trials", "60"],
+    job = run_local(CAMPAIGN_JOB, ["recreate", "--gen", "1", "--trials", "60"],
                     nproc=2, env={"CKPT_ROOT": str(tmp_path / "ckpt"), "CKPT_SCRATCH": str(tmp_path)}, timeout=170)
     assert job.ok, job.output()[-3000:]
 

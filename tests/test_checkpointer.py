@@ -15,8 +15,8 @@ from torch import nn
 import ckptguard
 from ckptguard import Checkpointer, CheckpointError, CorruptCheckpointError
 
-from beds.diskfull import small_filesystem
-from beds.sshfs import BedUnavailable
+from tests.support.beds.diskfull import small_filesystem
+from tests.support.beds.sshfs import BedUnavailable
 
 
 def make() -> tuple[nn.Module, torch.optim.Optimizer]:

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from helpers import by_rank, ckpt_job, results
+from tests.support.results import by_rank, job_results
+from tests.support.workers import ckpt_job
 
 
 def test_two_nodes_one_shared_directory_twenty_saves(tmp_path: Path) -> None:
@@ -16,7 +17,7 @@ def test_two_nodes_one_shared_directory_twenty_saves(tmp_path: Path) -> None:
     job = ckpt_job("saves", "--count", "20", "--keep-last", "3", nnodes=2, nproc=2, env={"CKPT_ROOT": str(root)})
     topo = by_rank(job, "topology")
     assert all(t == [[0, 1, 2, 3]] for t in topo.values()), topo  # one storage domain, found by the probe
-    saved = [r["saved"] for r in results(job) if "saved" in r]
+    saved = [r["saved"] for r in job_results(job) if "saved" in r]
     assert sorted(set(saved)) == list(range(20)) and len(saved) == 80
     assert all(v == 19 for v in by_rank(job, "loaded").values())
     assert sorted(p.name for p in root.iterdir()) == [".ckptguard", "latest", "step-00000017", "step-00000018",
@@ -82,7 +83,7 @@ def test_sigkill_during_save_leaves_previous_or_new_checkpoint(tmp_path: Path, p
     crashed = ckpt_job("saves", "--count", "4", "--fault", f"{phase}:{rank}", "--fault-step", "3",
                        nnodes=2, nproc=2, env=env, check=False)
     assert not crashed.ok
-    assert sorted(r["saved"] for r in results(crashed) if "saved" in r and r["rank"] == 0) == [0, 1, 2]
+    assert sorted(r["saved"] for r in job_results(crashed) if "saved" in r and r["rank"] == 0) == [0, 1, 2]
     resumed = ckpt_job("resume", nnodes=2, nproc=2, env=env)
     loaded = set(by_rank(resumed, "loaded").values())
     # Before the rename nothing of step 3 is committed; after it, step 3 is.

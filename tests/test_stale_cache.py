@@ -1,7 +1,7 @@
 """Checkpointer on NFS-like storage with stale client caches: 50 saves in a row on a 2-node job.
 
 Node 0 uses sshfs mount A and node 1 mount B of one directory, each with its own stale
-name/attribute caches (tests/beds/sshfs.py). In the same bed the OLMo-style protocol and
+name/attribute caches (tests/support/beds/sshfs.py). In the same bed the OLMo-style protocol and
 the "global rank 0 does the directory work" patch from OLMo #894 fail
 (tests/test_beds.py::test_olmo_style_fails_on_stale_shared_storage with 5 s caches,
 ::test_global_rank0_patch_fails_on_stale_shared_storage with 15 s caches); here
@@ -19,11 +19,11 @@ from pathlib import Path
 
 import pytest
 
-from beds.jobs import run_job
-from beds.sshfs import BedUnavailable, stale_shared_storage
-from helpers import results
+from tests.support.beds.sshfs import BedUnavailable, stale_shared_storage
+from tests.support.jobs import run_job
+from tests.support.results import job_results
+from tests.support.workers import CAMPAIGN_JOB
 
-WORKER = Path(__file__).resolve().parent / "workers" / "campaign_job.py"
 SAVES = 50
 KEEP = 3
 
@@ -39,7 +39,7 @@ def test_fifty_saves_in_a_row_two_nodes_on_two_stale_mounts(tmp_path: Path, cach
         pytest.skip(f"sshfs bed unavailable: {e}")
     try:
         t0 = time.monotonic()
-        job = run_job(WORKER, ["consecutive", "--gen", "1000", "--trials", str(SAVES), "--overwrite-every", "5",
+        job = run_job(CAMPAIGN_JOB, ["consecutive", "--gen", "1000", "--trials", str(SAVES), "--overwrite-every", "5",
                                "--load-every", "1", "--keep-last", str(KEEP)],
                       nnodes=2, nproc_per_node=2, node_env=bed.node_env("CKPT_ROOT", "ckpt"),
                       env={"CKPT_SCRATCH": str(tmp_path)}, timeout=170)
@@ -51,7 +51,7 @@ def test_fifty_saves_in_a_row_two_nodes_on_two_stale_mounts(tmp_path: Path, cach
     finally:
         cm.__exit__(None, None, None)
     assert job.ok, job.output()
-    evs = results(job)
+    evs = job_results(job)
     saved = [e for e in evs if e.get("event") == "saved"]
     print(f"\n{SAVES} saves on 2 nodes x 2 ranks, sshfs caches {cache_timeout} s: job {seconds:.1f} s, "
           f"save {min(e['dur'] for e in saved):.2f}-{max(e['dur'] for e in saved):.2f} s")

@@ -22,10 +22,11 @@ from contextlib import ExitStack
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))
+# Run as a script: put the repository root on sys.path once, for tests.support.
+sys.path.insert(0, str(HERE.parents[1]))
 
-from beds.jobs import run_job  # noqa: E402
-from beds.sshfs import stale_shared_storage  # noqa: E402
+from tests.support.beds.sshfs import stale_shared_storage  # noqa: E402
+from tests.support.jobs import run_job  # noqa: E402
 
 _FAILED = re.compile(r"BASELINE FAILED \S+ save=(\d+) step=\d+ rank=(\d+): (\w+): (.*)")
 

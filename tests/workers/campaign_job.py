@@ -1,4 +1,4 @@
-"""The torchrun worker of the crash-consistency campaign (driven by tools/campaign.py).
+"""The torchrun worker of the crash-consistency campaign (driven by tests/support/campaign.py).
 
 Why it looks like this: a job launch costs seconds, so trials are *chained*. Every
 ``chain`` job first acts as the restart of the previous trial (load and check every
@@ -13,7 +13,7 @@ checkpoint, so any job can recompute what a loaded checkpoint must contain and c
 bitwise, and a checkpoint mixing two attempts of one step (same ``s``, different
 ``gen``) cannot pass the comparison.
 
-Every observation is printed as ``RESULT {json}`` (one line, flushed): the driver
+Every observation is printed as a RESULT line (tests/support/results.py): the driver
 reads each rank's complete log after the job and decides. Checks that need the
 loaded tensors are made here; checks that need the history of the chain (what was
 committed before the crash) are made by the driver.
@@ -44,15 +44,20 @@ import torch.distributed as dist
 from torch import nn
 
 from ckptguard import Checkpointer, CheckpointError, CorruptCheckpointError, PerRank, _faults
+from ckptguard._faults import FaultPhase
 from ckptguard.protocol.layout import CheckpointName
 from ckptguard.verify import verify_checkpoint
+
+# The repo root is on PYTHONPATH (run_job): the driver's own digest, and the RESULT line format.
+from tests.support.campaign import tree_digest
+from tests.support.results import emit_result
 
 RANK = 0
 
 
 def result(**kw: Any) -> None:
-    """One observation for the driver; flushed at once so that a SIGKILL right after keeps it."""
-    print("RESULT " + json.dumps({"rank": RANK, "t": round(time.time(), 3), **kw}), flush=True)
+    """One observation for the driver (with the time it was made); flushed, so a SIGKILL right after keeps it."""
+    emit_result(rank=RANK, t=round(time.time(), 3), **kw)
 
 
 # -- deterministic content ---------------------------------------------------------------------
@@ -250,19 +255,6 @@ def leftovers(ck: Checkpointer, wait_s: float = 15.0) -> None:
     result(event="garbage", root=ck.root, waited_s=round(time.monotonic() - t0, 3), **names)
 
 
-def _driver() -> Any:
-    """tools/campaign.py, for the one function both sides must compute identically (tree_digest)."""
-    import importlib.util
-
-    path = os.path.join(os.path.dirname(__file__), "..", "..", "tools", "campaign.py")
-    spec = importlib.util.spec_from_file_location("ckptguard_campaign", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while the class is built
-    spec.loader.exec_module(module)
-    return module
-
-
 def restart(ck: Checkpointer, st: State, gen: int) -> tuple[int, float]:
     """The restart half of a trial: every committed step loads bitwise; one clean save; no garbage."""
     steps = ck.steps()
@@ -311,9 +303,9 @@ def scenario_chain(args: argparse.Namespace) -> None:
     kind, *rest = args.fault.split(":")
     if kind == "load":
         if ck.topology.is_leader:
-            result(event="digest", root=ck.root, digest=_driver().tree_digest(ck.root))
+            result(event="digest", root=ck.root, digest=tree_digest(ck.root))
         dist.barrier()
-        _faults.arm(f"mid_load:{rest[0]}")
+        _faults.arm(f"{FaultPhase.MID_LOAD}:{rest[0]}")
         result(event="armed", fault=args.fault)
         load_and_check(ck, st, None, "faulted")
         _faults.arm("")

@@ -1,7 +1,7 @@
 """A torchrun worker that trains a tiny model deterministically and checkpoints with ckptguard.
 
 Scenarios (argv[1]) exercise one behaviour each; every check is an assert, and a
-worker prints ``RESULT <json>`` lines that the tests parse. Training is a pure
+worker reports with ``emit_result`` (tests/support/results.py), which the tests parse. Training is a pure
 function of the step, so any rank can recompute the exact state of any step and
 compare a loaded checkpoint bitwise.
 """
@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import shutil
 import sys
@@ -22,9 +21,7 @@ from torch import nn
 import ckptguard
 from ckptguard import _faults
 
-
-def result(**kw: object) -> None:
-    print("RESULT " + json.dumps({"rank": dist.get_rank(), **kw}), flush=True)
+from tests.support.results import emit_result  # the repo root is on PYTHONPATH (run_job)
 
 
 def make_model() -> nn.Module:
@@ -59,7 +56,7 @@ def assert_equal_state(a: nn.Module, b: nn.Module) -> None:
 def scenario_saves(args: argparse.Namespace) -> None:
     """Save every step into one root; at the end the newest loads bitwise-equal."""
     ck = ckptguard.Checkpointer(args.root, keep_last=args.keep_last)
-    result(topology=[list(d) for d in ck.topology.domains])
+    emit_result(topology=[list(d) for d in ck.topology.domains])
     model = make_model()
     optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
     start = ck.load({"model": model, "optim": optim})
@@ -72,7 +69,7 @@ def scenario_saves(args: argparse.Namespace) -> None:
             ck.wait()  # the fault is for this save, not for the previous one still in the background
             _faults.arm(args.fault)
         ck.save(step, {"model": model, "optim": optim, "extra": {"step": step}}, blocking=not args.background)
-        result(saved=step)
+        emit_result(saved=step)
     ck.wait()
     fresh = make_model()
     fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
@@ -80,7 +77,7 @@ def scenario_saves(args: argparse.Namespace) -> None:
     loaded = ck.load({"model": fresh, "optim": fresh_opt, "extra": extra})
     assert loaded == first + args.count - 1 and extra["step"] == loaded, (loaded, extra)
     assert_equal_state(fresh, model)
-    result(loaded=loaded, steps=ck.steps(), resumed_from=start)
+    emit_result(loaded=loaded, steps=ck.steps(), resumed_from=start)
     ck.close()
 
 
@@ -102,7 +99,7 @@ def scenario_resume(args: argparse.Namespace) -> None:
     nxt = (loaded if loaded is not None else -1) + 1
     train_step(model, optim, nxt)
     ck.save(nxt, {"model": model, "optim": optim, "extra": {"step": nxt}})
-    result(loaded=loaded, steps_before=steps_before, steps_after=ck.steps())
+    emit_result(loaded=loaded, steps_before=steps_before, steps_after=ck.steps())
     ck.close()
 
 
@@ -123,7 +120,7 @@ def scenario_artifacts(args: argparse.Namespace) -> None:
     except ckptguard.CheckpointError as e:
         staging = os.listdir(os.path.join(args.root, ".ckptguard", "staging")) \
             if os.path.isdir(os.path.join(args.root, ".ckptguard", "staging")) else []
-        result(error=str(e), error_rank=e.rank, steps=ck.steps(), staging=staging)
+        emit_result(error=str(e), error_rank=e.rank, steps=ck.steps(), staging=staging)
         ck.close()
         return
     dist.barrier()
@@ -133,7 +130,7 @@ def scenario_artifacts(args: argparse.Namespace) -> None:
         assert f.read() == bytes([rank]) * (1000 + rank)
     with open(os.path.join(mine, "sub", "meta.txt")) as f:
         assert f.read() == f"rank {rank}\n"
-    result(restored=True, steps=ck.steps())
+    emit_result(restored=True, steps=ck.steps())
     ck.close()
 
 
@@ -149,7 +146,7 @@ def scenario_save_file(args: argparse.Namespace) -> None:
         assert loaded["rank"] == leader and loaded["i"] == i, (loaded["rank"], leader)
         assert torch.equal(loaded["w"], torch.full((256, 256), float(leader)))
     leftovers = [n for n in os.listdir(args.root) if n != "model.pt"]
-    result(ok=True, leftovers=leftovers)
+    emit_result(ok=True, leftovers=leftovers)
 
 
 def scenario_per_rank(args: argparse.Namespace) -> None:
@@ -159,14 +156,14 @@ def scenario_per_rank(args: argparse.Namespace) -> None:
     ck = ckptguard.Checkpointer(args.root)
     try:
         ck.save(1, {"rng": gen.get_state(), "step": 5})
-        result(plain_error=None)
+        emit_result(plain_error=None)
     except ckptguard.CheckpointError as e:
-        result(plain_error=str(e))
+        emit_result(plain_error=str(e))
     ck.save(2, {"rng": ckptguard.PerRank(gen.get_state()), "loader": ckptguard.PerRank({"pos": 10 * rank})})
     state = {"rng": ckptguard.PerRank(torch.zeros_like(gen.get_state())), "loader": ckptguard.PerRank({"pos": -1})}
     ck.load(state)
     assert torch.equal(state["rng"].value, gen.get_state()) and state["loader"].value == {"pos": 10 * rank}
-    result(per_rank_ok=True, steps=ck.steps())
+    emit_result(per_rank_ok=True, steps=ck.steps())
     ck.close()
 
 
@@ -181,7 +178,7 @@ def scenario_subgroups(args: argparse.Namespace) -> None:
     out = {"w": torch.zeros(8)}
     ck.load(out)
     assert torch.equal(out["w"], torch.full((8,), float(stage)))
-    result(stage=stage, topology=[list(d) for d in ck.topology.domains], world=ck.topology.world_size)
+    emit_result(stage=stage, topology=[list(d) for d in ck.topology.domains], world=ck.topology.world_size)
     ck.close()
 
 
@@ -219,7 +216,7 @@ def scenario_fsdp_save(args: argparse.Namespace) -> None:
     full = _full_state(model, optim)
     if dist.get_rank() == 0:
         torch.save(full, os.path.join(args.scratch, "reference.pt"))
-    result(saved=2)
+    emit_result(saved=2)
     ck.close()
 
 
@@ -237,7 +234,7 @@ def scenario_fsdp_load(args: argparse.Namespace) -> None:
         for name, v in st.items():
             assert torch.equal(full["optim"]["state"][pk][name], v), f"optim {pk}.{name} differs"
             n += 1
-    result(loaded=step, world=dist.get_world_size(), optim_tensors=n)
+    emit_result(loaded=step, world=dist.get_world_size(), optim_tensors=n)
 
 
 def _domain_of(rank: int, args: argparse.Namespace) -> list[int]:

@@ -9,7 +9,6 @@ control group's timeout). Each rank prints ``RESULT <json>``.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import signal
 import time
@@ -20,9 +19,11 @@ import torch.distributed as dist
 import ckptguard
 from ckptguard import _faults
 
+from tests.support.results import emit_result
+
 
 def result(**kw: object) -> None:
-    print("RESULT " + json.dumps({"rank": int(os.environ["RANK"]), **kw}), flush=True)
+    emit_result(**kw)
 
 
 def state(step: int) -> dict[str, torch.Tensor]:

@@ -21,6 +21,8 @@ How it works:
   the agent's group does not reach them. Every process of a job therefore carries an
   environment marker (``CKPTGUARD_BED_JOB=<uuid>``); on timeout, on any exception, and
   after every job, all processes carrying the marker are killed (their groups too).
+* The repository root is prepended to the workers' ``PYTHONPATH``, so a worker script can
+  ``from tests.support.results import emit_result`` wherever it lives.
 """
 
 from __future__ import annotations
@@ -40,6 +42,9 @@ from pathlib import Path
 
 #: Environment variable that tags every process of one job (agents and workers).
 JOB_MARKER = "CKPTGUARD_BED_JOB"
+
+#: The repository root (``tests/support/jobs.py`` -> ``.``): workers import ``tests.support`` from it.
+REPO = Path(__file__).resolve().parents[2]
 
 #: Console prefix of worker lines: global rank, like c10d's own ``[rankN]:``.
 DEFAULT_PREFIX_TEMPLATE = "[default${rank}]:"
@@ -202,6 +207,7 @@ def _build_env(
     env.update(base or {})
     env.update(extra or {})
     env.pop("TORCHELASTIC_ERROR_FILE", None)  # else workers' error.json overwrite each other
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
     env[JOB_MARKER] = marker
     return env
 

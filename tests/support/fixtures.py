@@ -1,10 +1,7 @@
 """pytest fixtures for the beds (skip only when the machine cannot run a bed).
 
-Use from a test module::
-
-    from beds.fixtures import sshfs_bed, small_fs  # noqa: F401  (fixtures)
-
-or from a conftest.py: ``pytest_plugins = ["beds.fixtures"]`` (root conftest only).
+Registered for every test by the root ``conftest.py`` (``pytest_plugins``): a test asks for
+``sshfs_bed`` or ``small_fs`` by naming it as a parameter, nothing to import.
 """
 
 from __future__ import annotations
@@ -14,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from .diskfull import small_filesystem
-from .sshfs import BedUnavailable, SshfsBed, stale_shared_storage
+from .beds.diskfull import small_filesystem
+from .beds.sshfs import BedUnavailable, SshfsBed, stale_shared_storage
 
 
 @pytest.fixture

@@ -29,7 +29,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .jobs import free_port
+from ..jobs import free_port
 
 SSHD = "/usr/sbin/sshd"
 
