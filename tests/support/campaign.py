@@ -740,11 +740,13 @@ def check_disk_full(trial: Trial, i: int, evs: dict[int, list[dict[str, Any]]], 
     root = str(topo.node_roots[0])
     if kinds == {"raised"}:
         trial.injected = True
-        msgs = {e["msg"].split(" rank ")[0] for e in outcomes}
         if not all("disk full" in e["msg"] and root in e["msg"] and "bytes" in e["msg"] for e in outcomes):
             trial.fail(f"trial {i}: the error does not say disk full, the root and the bytes: {e0['msg'][:300]}")
-        if len({e["msg"] for e in outcomes}) != 1:
-            trial.fail(f"trial {i}: ranks raised different errors: {sorted(msgs)[:2]}")
+        # Every rank raises at the same agreement, on the same agreed failures (a rank that failed
+        # itself raises its own error, in its own words, and names the first failure if it was another's).
+        agreed = {json.dumps(e.get("agreed")) for e in outcomes}
+        if len(agreed) != 1 or not e0.get("agreed"):
+            trial.fail(f"trial {i}: ranks did not agree on the failure: {sorted(agreed)[:2]}")
         if e0["after"] != e0["before"]:
             trial.fail(f"trial {i}: committed steps changed by a failed save: {e0['before']} -> {e0['after']}",
                        lost=not set(e0["before"]) <= set(e0["after"]))

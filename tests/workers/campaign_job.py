@@ -45,6 +45,7 @@ from torch import nn
 
 from ckptguard import Checkpointer, CheckpointError, CorruptCheckpointError, PerRank, _faults
 from ckptguard._faults import FaultPhase
+from ckptguard.comm import agreed_failures
 from ckptguard.protocol.layout import CheckpointName
 from ckptguard.verify import verify_checkpoint
 
@@ -460,12 +461,15 @@ def scenario_diskfull(args: argparse.Namespace) -> None:
                    hold=hold)
         dist.barrier()
         before = ck.steps()
+        agreed: list[object] = []
         try:
             save(ck, st, step, args.gen)
             outcome, msg = "fit", ""
         except CheckpointError as e:
             outcome, msg = "raised", str(e)
-        result(event="diskfull", trial=i, step=step, outcome=outcome, msg=msg[:600], before=before,
+            # What every rank agreed on (a rank that failed itself raises its own error, with its own words).
+            agreed = [[f.rank, f.kind] for f in agreed_failures(e)]
+        result(event="diskfull", trial=i, step=step, outcome=outcome, msg=msg[:600], agreed=agreed, before=before,
                after=ck.steps(refresh=True), hold=hold)
         load_and_check(ck, st, None, "after-diskfull", trial=i)
         if hold and RANK == 0:
