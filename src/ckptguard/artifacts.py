@@ -201,9 +201,18 @@ def store(items: list[ArtifactTarget] | list[FileSnapshot], staging_dir: str, al
                 size, digest = _copy_hashing(src, dst, algorithm)
             entries.append(FileEntry(stored, size, t.rank, digest))
             pairs.append((rel, stored))
-        for d in sorted(made, key=len, reverse=True):
-            fsync_dir(d)
         os.makedirs(os.path.join(staging_dir, prefix), exist_ok=True)
+        # os.makedirs may have created every directory from files/ down (rankNNNNN, the key, its
+        # subdirectories): fsync each of them and files/ itself, so that every new entry, file or
+        # directory, is durable in its parent before the commit (fsync of a child does not do it).
+        files_dir = os.path.join(staging_dir, layout.FILES_DIR)
+        dirs: set[str] = set()
+        for d in made | {os.path.join(staging_dir, prefix)}:
+            while d.startswith(files_dir) and d not in dirs:
+                dirs.add(d)
+                d = os.path.dirname(d)
+        for d in sorted(dirs, key=len, reverse=True):
+            fsync_dir(d)
         artifacts.append(Artifact(t.rank, t.key, kind, tuple(pairs)))
     return artifacts, entries
 
