@@ -15,6 +15,7 @@ import errno
 import os
 import subprocess
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -29,6 +30,7 @@ pytestmark = pytest.mark.skipif(_REASON is not None, reason=f"power-loss bed una
 
 STATES = int(os.environ.get("CKPTGUARD_POWERLOSS_STATES", "25"))
 _recordings: dict[tuple[str, str | None], Recording] = {}
+_explored: dict[tuple[str, str], int] = {}  # (scenario, model) -> distinct crash states checked
 
 
 def recording(name: str, broken: str | None = None) -> Recording:
@@ -62,8 +64,18 @@ def test_every_crash_state_loads_old_or_new(scenario: str, checker: Checker) -> 
     rec = recording(scenario)
     for model in ("A", "B"):
         res = explore(SCENARIOS[scenario], rec, model, STATES, checker, seed=12)
+        _explored[(scenario, model)] = res.states
+        print(f"{scenario} model {model}: {len(rec.ops)} operations, {res.states} crash states, "
+              f"{res.verified} verify runs, {len(res.violations)} violations, {res.seconds:.1f} s")
         assert res.states >= min(STATES, 15), f"only {res.states} distinct states explored"
         assert not res.violations, "\n".join(v.describe() for v in res.violations[:10])
+
+
+def test_ci_slice_explores_a_few_hundred_states() -> None:
+    if len(_explored) < 2 * len(SCENARIOS):
+        pytest.skip("runs after the whole slice only")
+    total = sum(_explored.values())
+    assert total >= min(300, 12 * STATES), f"the slice explored only {total} crash states: {_explored}"
 
 
 # -- regressions: crash states that showed library bugs ---------------------------------------------
@@ -124,12 +136,12 @@ def test_mount_passes_rename_noreplace_and_unmounts_on_error() -> None:
                 f.write(name)
         rc = libc.renameat2(-100, f"{mp}/a".encode(), -100, f"{mp}/b".encode(), 1)
         assert rc == -1 and ctypes.get_errno() == errno.EEXIST
-        assert open(os.path.join(mp, "b")).read() == "b"
+        assert Path(mp, "b").read_text() == "b"
         proc = m.proc
         raise RuntimeError("boom")
     assert not os.path.ismount(mp)
     assert proc.poll() is not None
-    assert m.mountpoint.name not in subprocess.run(["mount"], capture_output=True, text=True).stdout
+    assert f" {m.mountpoint} " not in subprocess.run(["mount"], capture_output=True, text=True).stdout
 
 
 def _synthetic(ops: list[dict[str, object]], data: bytes) -> Recording:

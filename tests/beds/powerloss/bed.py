@@ -36,6 +36,7 @@ def unavailable_reason() -> str | None:
         return "/dev/fuse is missing (no FUSE in this kernel/container)"
     if not (shutil.which("fusermount3") or shutil.which("fusermount")):
         return "fusermount3 not installed (run .ci/install_system_deps.sh)"
+    os.environ.setdefault("FUSE_LIBRARY_NAME", "fuse3")
     try:
         import mfusepy  # noqa: F401
     except (ImportError, OSError) as e:  # OSError: libfuse3.so.3 missing

@@ -35,6 +35,8 @@ import stat
 import sys
 from typing import Any
 
+# mfusepy prefers libfuse 2 where both are installed; RENAME_NOREPLACE needs libfuse 3's rename.
+os.environ.setdefault("FUSE_LIBRARY_NAME", "fuse3")
 import mfusepy
 
 CONTROL_PREFIX = ".plctl-"
@@ -321,6 +323,8 @@ class Recorder(mfusepy.Operations):
 
 def main(argv: list[str]) -> None:
     backing, mountpoint, logdir = argv
+    if mfusepy.fuse_version_major != 3:
+        raise SystemExit(f"recordfs needs libfuse 3 (mfusepy loaded libfuse {mfusepy.fuse_version_major})")
     ops = Recorder(backing, logdir)
     # hard_remove: an unlinked open file is really unlinked (libfuse would otherwise rename it
     # to .fuse_hidden*, an operation the library never issued); use_ino: the backing inode
