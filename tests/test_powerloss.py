@@ -5,7 +5,7 @@ operations are replayed into the disk states a power cut may leave, under crash 
 (ext4 data=ordered-like) and B (only what an fsync covers survives), and each state is
 loaded with a read_only Checkpointer (docs/crash-consistency.md, docs/testbeds.md).
 
-CI explores ``CKPTGUARD_POWERLOSS_STATES`` (default 25) distinct states per scenario and
+CI explores ``CKPTGUARD_POWERLOSS_STATES`` (default 40) distinct states per scenario and
 model; the long run raises it (or runs tests/beds/powerloss/explorer.py).
 """
 
@@ -28,7 +28,7 @@ from beds.powerloss.scenarios import SCENARIOS
 _REASON = unavailable_reason()
 pytestmark = pytest.mark.skipif(_REASON is not None, reason=f"power-loss bed unavailable: {_REASON}")
 
-STATES = int(os.environ.get("CKPTGUARD_POWERLOSS_STATES", "25"))
+STATES = int(os.environ.get("CKPTGUARD_POWERLOSS_STATES", "40"))
 _recordings: dict[tuple[str, str | None], Recording] = {}
 _explored: dict[tuple[str, str], int] = {}  # (scenario, model) -> distinct crash states checked
 
@@ -111,7 +111,7 @@ def test_no_dir_fsync_loses_a_returned_save(checker: Checker) -> None:
     cm, choice = _after_commit_minimal(rec)
     problems = check_built(SCENARIOS["first_save"], cm, cm.build(choice), checker, _tmpfs_base(),
                            do_verify=False)
-    assert any("missing although save() returned" in p for p in problems), problems
+    assert any("step 1 (gen 1) is lost, though committed" in p for p in problems), problems
 
 
 # -- the recorder and the models themselves -----------------------------------------------------------

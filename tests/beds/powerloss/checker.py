@@ -82,7 +82,10 @@ def _serve(rank: int, world: int, init: str, conn: Any, src_paths: list[str]) ->
     group = dist.new_group(backend="gloo")
     conn.send("ready")
     while True:
-        req = conn.recv()
+        try:
+            req = conn.recv()
+        except (EOFError, OSError):  # the driver is gone
+            break
         if req is None:
             break
         try:

@@ -44,7 +44,7 @@ if __package__ in (None, ""):  # run as a script: make `beds` importable
 from beds.powerloss.bed import Mount, Recording, recording_mount
 from beds.powerloss.checker import Checker
 from beds.powerloss.model import MODELS, Choice, CrashModel, State
-from beds.powerloss.scenarios import SCENARIOS, Scenario
+from beds.powerloss.scenarios import SCENARIOS, Scenario, kept
 
 TESTS_DIR = Path(__file__).resolve().parents[2]
 ROOT_NAME = "ckpt"  # the checkpoint root inside the mount
@@ -146,9 +146,23 @@ def _tmpfs_base() -> str:
     return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
 
 
-def judge_checkpoint(sc: Scenario, after_commit: bool, facts: list[dict[str, Any]], state: State,
+def commits_before(sc: Scenario, cm: CrashModel, point: int) -> int:
+    """How many of the scenario's saves had returned (on some rank) before the crash point."""
+    done = 0
+    for i in range(len(sc.saves)):
+        marks = cm.marks(f"committed{i}-")
+        if not marks or point <= min(marks):
+            break
+        done += 1
+    return done
+
+
+def judge_checkpoint(sc: Scenario, done: int, facts: list[dict[str, Any]], state: State,
                      verify: dict[str, Any] | None) -> list[str]:
-    """The problems of one crash state of a Checkpointer scenario (empty: it is fine)."""
+    """The problems of one crash state of a Checkpointer scenario (empty: it is fine).
+
+    ``done`` saves had returned before the crash: what they promised (``kept``) must be there;
+    the save in flight may be there too, and then what it replaces may be gone."""
     problems: list[str] = []
     for r, f in enumerate(facts):
         problems += [f"rank {r}: {e}" for e in f["errors"]]
@@ -159,23 +173,24 @@ def judge_checkpoint(sc: Scenario, after_commit: bool, facts: list[dict[str, Any
                 problems.append(f"rank {r}: step {s} (gen {ld['gen']}) differs: {', '.join(ld['bad'])}")
     f0 = facts[0]
     present = {int(s): ld["gen"] for s, ld in f0["loads"].items()}
-    known = dict(sc.pre)
-    new_step, new_gen = sc.new
+    history = list(sc.pre) + [(s, g) for s, g, _ in sc.saves[:done]]
+    promised = kept(history, sc.keep_last)
+    inflight = (sc.saves[done][0], sc.saves[done][1]) if done < len(sc.saves) else None
     newest = f0["newest"]
     loaded = (newest, present.get(newest)) if newest is not None else None
-    pre_newest = max(sc.pre) if sc.pre else None
-    allowed = {sc.new} if after_commit else {sc.new, pre_newest}
+    allowed = {(max(promised), promised[max(promised)]) if promised else None}
+    if inflight is not None:
+        allowed.add(inflight)
     if loaded not in allowed:
         problems.append(f"load gave {loaded} (step, gen); allowed: {sorted(allowed, key=str)}")
-    new_there = present.get(new_step) == new_gen
-    for s, g in sc.pre:
-        if present.get(s) == g or ((s, g) in sc.replaced and new_there):
+    inflight_there = inflight is not None and present.get(inflight[0]) == inflight[1]
+    after_inflight = kept([*history, inflight], sc.keep_last) if inflight is not None else promised
+    for s, g in promised.items():
+        if present.get(s) == g or (inflight_there and after_inflight.get(s) != g):
             continue
-        problems.append(f"step {s} (gen {g}), committed before the save, is lost")
-    if after_commit and not new_there:
-        problems.append(f"the new step {new_step} (gen {new_gen}) is missing although save() returned")
+        problems.append(f"step {s} (gen {g}) is lost, though committed and kept when the crash came")
     for s, g in present.items():
-        if known.get(s) != g and (s, g) != sc.new:
+        if (s, g) not in sc.known:
             problems.append(f"step {s} holds gen {g}, which no save wrote at that step")
     latest = state.files.get(f"{ROOT_NAME}/latest")
     if latest is not None:
@@ -198,7 +213,7 @@ def judge_checkpoint(sc: Scenario, after_commit: bool, facts: list[dict[str, Any
     return problems
 
 
-def judge_file(sc: Scenario, after_commit: bool, root: str) -> list[str]:
+def judge_file(sc: Scenario, done: int, root: str) -> list[str]:
     from ckptguard import load_file
 
     from beds.powerloss.content import file_object_differences
@@ -209,7 +224,7 @@ def judge_file(sc: Scenario, after_commit: bool, root: str) -> list[str]:
     except Exception as e:
         return [f"load_file raised {type(e).__name__}: {e} (the old file must survive until the new one is in)"]
     gen = int(obj["gen"][0]) if isinstance(obj, dict) and "gen" in obj else None
-    allowed = {sc.new[1]} if after_commit else {sc.new[1], sc.pre[0][1]}
+    allowed = {sc.saves[0][1]} if done else {sc.saves[0][1], sc.pre[0][1]}
     if gen not in allowed:
         return [f"load_file gave gen {gen}, allowed {sorted(allowed)}"]
     bad = file_object_differences(obj, gen)
@@ -233,8 +248,7 @@ def check_state(sc: Scenario, cm: CrashModel, choice: Choice, checker: Checker |
 
 def check_built(sc: Scenario, cm: CrashModel, state: State, checker: Checker | None, base: str,
                 do_verify: bool) -> list[str]:
-    committed = cm.marks("committed")
-    after = bool(committed) and state.choice.point > min(committed)
+    done = commits_before(sc, cm, state.choice.point)
     dest = tempfile.mkdtemp(prefix="state-", dir=base)
     try:
         state.write(dest)
@@ -242,13 +256,13 @@ def check_built(sc: Scenario, cm: CrashModel, state: State, checker: Checker | N
         if not os.path.isdir(root):
             return [f"the checkpoint root {ROOT_NAME}/ itself is gone"]
         if sc.kind == "file":
-            return judge_file(sc, after, root)
+            return judge_file(sc, done, root)
         assert checker is not None
         facts = checker.check(root, files=sc.files)
         verify = run_verify(root) if do_verify else None
         if verify is not None and "error" in verify:
             return [f"ckptguard verify failed: {verify['error']}"]
-        return judge_checkpoint(sc, after, facts, state, verify)
+        return judge_checkpoint(sc, done, facts, state, verify)
     finally:
         shutil.rmtree(dest, ignore_errors=True)
 
@@ -338,6 +352,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--broken", choices=["no_dir_fsync", "no_file_fsync"], default=None)
     ap.add_argument("--json", dest="json_out", default=None)
     a = ap.parse_args(argv)
+    # SIGTERM unwinds like Ctrl-C, so that mounts are unmounted and checker ranks stopped.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     t = time.monotonic()
     results = run(a.scenarios.split(","), a.models.split(","), a.states, a.world, a.seed, a.verify_every,
                   a.broken)

@@ -1,37 +1,61 @@
-"""The scenarios: what is committed before the recorded part, what it commits, what it may replace."""
+"""The scenarios: what is committed before the recorded part, and the saves the recorded part makes.
+
+Checkpointer scenarios record one or more saves (``saves``: step, gen, mode) after a setup
+that committed ``pre``. What may be lost follows from the library's own promises: once a
+save returned, it is committed and what retention (``keep_last``) or ``overwrite`` removes
+is gone; while a save runs, the previous state stays, and the in-flight one may appear.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+
+Save = tuple[int, int, str]  # (step, gen, mode): mode "" (blocking), "async" or "overwrite"
 
 
 @dataclass(frozen=True)
 class Scenario:
     name: str
     what: str
-    new: tuple[int, int]  # (step, gen) the recorded part commits
-    pre: tuple[tuple[int, int], ...] = ()  # committed before it began (durable)
-    replaced: tuple[tuple[int, int], ...] = ()  # what the new one may remove once it is committed
+    saves: tuple[Save, ...]  # made by the recorded part, in order
+    pre: tuple[tuple[int, int], ...] = ()  # (step, gen) committed before it began (durable)
     keep_last: int | None = None
-    overwrite: bool = False
     files: bool = False
     phases: tuple[str, ...] = ("main",)
     kind: str = "checkpoint"  # or "file" (save_file / load_file)
-    extra: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def known(self) -> set[tuple[int, int]]:
+        return set(self.pre) | {(s, g) for s, g, _ in self.saves}
+
+
+def kept(history: list[tuple[int, int]], keep_last: int | None) -> dict[int, int]:
+    """{step: gen} the library keeps after committing ``history`` in order (overwrite replaces a
+    step's gen; retention keeps the ``keep_last`` newest steps)."""
+    out: dict[int, int] = {}
+    for s, g in history:
+        out[s] = g
+        if keep_last is not None:
+            for old in sorted(out)[:-keep_last]:
+                del out[old]
+    return out
 
 
 SCENARIOS = {s.name: s for s in (
-    Scenario("first_save", "Checkpointer created on an empty root, first save, close", new=(1, 1)),
-    Scenario("retention", "save step 3 with keep_last=2: step 1 is retired and deleted", new=(3, 1),
-             pre=((1, 1), (2, 1)), replaced=((1, 1),), keep_last=2),
-    Scenario("overwrite", "save step 1 again with overwrite=True (v2 replaces v1)", new=(1, 2),
-             pre=((1, 1),), replaced=((1, 1),), overwrite=True),
-    Scenario("save_file", "save_file replaces an existing file (checked with load_file)", new=(1, 2),
-             pre=((1, 1),), replaced=((1, 1),), kind="file"),
-    Scenario("files", "save with files= (a nested directory per rank) after one with files=", new=(2, 2),
-             pre=((1, 1),), files=True),
+    Scenario("first_save", "Checkpointer created on an empty root, first save, close", saves=((1, 1, ""),)),
+    Scenario("retention", "save step 3 with keep_last=2: step 1 is retired and deleted",
+             saves=((3, 1, ""),), pre=((1, 1), (2, 1)), keep_last=2),
+    Scenario("overwrite", "save step 1 again with overwrite=True (v2 replaces v1)",
+             saves=((1, 2, "overwrite"),), pre=((1, 1),)),
+    Scenario("save_file", "save_file replaces an existing file (checked with load_file)",
+             saves=((1, 2, ""),), pre=((1, 1),), kind="file"),
+    Scenario("files", "save with files= (a nested directory per rank) after one with files=",
+             saves=((2, 2, ""),), pre=((1, 1),), files=True),
     Scenario("takeover", "a new job takes over a dead job's lease (fences its staging), saves, closes",
-             new=(2, 1), pre=((1, 1),), phases=("A", "main")),
-    Scenario("async", "save(blocking=False), tensors changed in place, then wait()", new=(2, 2),
-             pre=((1, 1),)),
+             saves=((2, 1, ""),), pre=((1, 1),), phases=("A", "main")),
+    Scenario("async", "save(blocking=False), tensors changed in place, then wait()",
+             saves=((2, 2, "async"),), pre=((1, 1),)),
+    Scenario("train", "a run: blocking, async, overwrite and blocking saves with keep_last=2 and files=",
+             saves=((2, 2, ""), (3, 3, "async"), (3, 4, "overwrite"), (4, 5, "")), pre=((1, 1),), keep_last=2,
+             files=True),
 )}

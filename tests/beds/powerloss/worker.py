@@ -2,22 +2,22 @@
 
 ``python -m beds.powerloss.worker SCENARIO PHASE ROOT WORKDIR`` with ``RANK``, ``WORLD_SIZE``
 and ``POWERLOSS_INIT`` (a FileStore path) in the environment. Rank 0 starts and stops the
-recording; every rank sets a ``committed-r<rank>`` mark as soon as the library told it the
-new state is durable (save()/wait()/save_file() returned): a crash after the first such mark
-must load the new state. ``POWERLOSS_BREAK`` breaks the recorded part on purpose, to show
+recording; after the i-th save every rank sets a ``committed<i>-r<rank>`` mark as soon as
+the library told it the save is durable (save()/wait()/save_file() returned): a crash after
+the first such mark must find that save committed. ``POWERLOSS_BREAK`` breaks the recorded part on purpose, to show
 the bed catches it: ``no_dir_fsync`` (fsync of a directory does nothing) or
 ``no_file_fsync`` (fsync of a regular file does nothing).
 
-Only the public API is used: Checkpointer, save_file, load_file.
+Only the public API is used: Checkpointer, save_file.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import stat
 import sys
 from datetime import timedelta
-from typing import Any
 
 import torch.distributed as dist
 
@@ -51,18 +51,9 @@ def main(scenario: str, phase: str, root: str, workdir: str) -> None:
     def files_for(step: int, gen: int) -> dict[str, str] | None:
         if not spec.files:
             return None
-        if os.path.isdir(files_dir):
-            import shutil
-
-            shutil.rmtree(files_dir)
+        shutil.rmtree(files_dir, ignore_errors=True)
         write_tree(files_dir, artifact_files(step, gen, rank))
         return {"offload": files_dir}
-
-    def save(ck: Checkpointer, step: int, gen: int, **kw: Any) -> None:
-        ck.save(step, make_state(step, gen, rank), files=files_for(step, gen), **kw)
-
-    def committed() -> None:
-        control(mount, "mark", f"committed-r{rank}")
 
     def start() -> None:
         dist.barrier()
@@ -77,50 +68,47 @@ def main(scenario: str, phase: str, root: str, workdir: str) -> None:
         if rank == 0:
             control(mount, "stop")
 
+    def save_all(ck: Checkpointer) -> None:
+        for i, (step, gen, mode) in enumerate(spec.saves):
+            state = make_state(step, gen, rank)
+            ck.save(step, state, files=files_for(step, gen), overwrite=mode == "overwrite",
+                    blocking=mode != "async")
+            if mode == "async":
+                control(mount, "mark", f"returned{i}-r{rank}")
+                for v in (state["big"], state["ints"]):  # training goes on and changes the tensors
+                    v.add_(1)
+                ck.wait()
+            # The library says the save is durable: a crash from here on must load it (or newer).
+            control(mount, "mark", f"committed{i}-r{rank}")
+
     if rank == 0:
         os.makedirs(root, exist_ok=True)
     dist.barrier()
-    (step, gen), pre = spec.new, spec.pre
-    if scenario == "save_file":
+    keep = {"keep_last": spec.keep_last} if spec.keep_last else {}
+    if spec.kind == "file":
         path = os.path.join(root, "model.pt")
         save_file(file_object(1), path)
         start()
         save_file(file_object(2), path)
-        committed()
+        control(mount, "mark", f"committed0-r{rank}")
         stop()
     elif scenario == "takeover" and phase == "A":
         # Job A saves and dies without releasing its lease (os._exit skips atexit), as a crash would.
-        ck = Checkpointer(root, lease_ttl_s=30)
-        for s, g in pre:
-            save(ck, s, g)
+        ck = Checkpointer(root, lease_ttl_s=30, **keep)
+        for s, g in spec.pre:
+            ck.save(s, make_state(s, g, rank), files=files_for(s, g))
         ck.wait()
         dist.barrier()
         os._exit(0)
-    elif scenario == "takeover":
-        start()
-        ck = Checkpointer(root, lease_ttl_s=30, lease_wait_s=60)  # A's holder pid is dead: taken at once
-        save(ck, step, gen)
-        committed()
-        ck.close()
-        stop()
     else:
-        keep = {"keep_last": spec.keep_last} if spec.keep_last else {}
-        if pre:
+        if spec.pre and phase == "main" and "A" not in spec.phases:
             with Checkpointer(root, **keep) as ck:
-                for s, g in pre:
-                    save(ck, s, g)
+                for s, g in spec.pre:
+                    ck.save(s, make_state(s, g, rank), files=files_for(s, g))
         start()
-        ck = Checkpointer(root, **keep)
-        if scenario == "async":
-            state = make_state(step, gen, rank)
-            ck.save(step, state, blocking=False)
-            control(mount, "mark", f"returned-r{rank}")
-            for v in (state["big"], state["ints"]):  # training goes on and changes the tensors
-                v.add_(1)
-            ck.wait()
-        else:
-            save(ck, step, gen, overwrite=spec.overwrite)
-        committed()
+        # In the takeover scenario job A's lease holder is dead (same host and boot): taken at once.
+        ck = Checkpointer(root, lease_ttl_s=30, lease_wait_s=60, **keep)
+        save_all(ck)
         ck.close()
         stop()
     dist.barrier()
