@@ -19,7 +19,7 @@ import torch
 from ckptguard.checksum import DEFAULT_ALGORITHM, checksum
 from ckptguard.comm import Comm, LocalComm, agree, default_comm
 from ckptguard.errors import CheckpointError, CorruptCheckpointError
-from ckptguard.storage.posix import PosixStorage, explain_os_error, replace_file
+from ckptguard.storage.posix import PosixStorage, explain_os_error, makedirs_durable, replace_file
 from ckptguard.topology import Topology, probe_storage_domains
 
 _EOCD = b"PK\x05\x06"
@@ -78,7 +78,7 @@ def save_file(obj: Any, path: str | os.PathLike[str], *, process_group: Any = No
     path = os.path.abspath(os.fspath(path))
     directory = os.path.dirname(path)
     comm = default_comm(process_group) if process_group is not None else _world_comm()
-    os.makedirs(directory, exist_ok=True)
+    makedirs_durable(directory)
     topo = None
     if comm.world_size > 1:
         topo = _topology(comm, directory)
