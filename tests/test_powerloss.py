@@ -95,6 +95,28 @@ def test_files_artifact_directories_survive_a_power_cut_after_save(checker: Chec
     assert not problems, problems
 
 
+def test_a_root_the_checkpointer_created_survives_a_power_cut_after_the_first_save(checker: Checker) -> None:
+    """Found by this bed (model B): Checkpointer() created a missing root (and .ckptguard/) with
+    os.makedirs and never fsynced the root's parent, so after the first save() returned a power
+    cut could drop the root's directory entry: every checkpoint in it gone."""
+    rec = recording("first_save")
+    cm, choice = _after_commit_minimal(rec)
+    state = cm.build(choice)
+    assert "ckpt/step-00000001/MANIFEST.json" in state.files
+    assert not check_built(SCENARIOS["first_save"], cm, state, checker, _tmpfs_base(), do_verify=True)
+
+
+def test_save_file_into_a_new_directory_survives_a_power_cut() -> None:
+    """Found by this bed (model B): save_file() created a missing directory with os.makedirs and
+    never fsynced its parent, so after save_file() returned a power cut could drop the directory
+    and the file with it."""
+    rec = recording("save_file_new")
+    cm, choice = _after_commit_minimal(rec)
+    state = cm.build(choice)
+    assert "ckpt/new/dir/model.pt" in state.files
+    assert not check_built(SCENARIOS["save_file_new"], cm, state, None, _tmpfs_base(), do_verify=False)
+
+
 # -- the bed is sharp: broken variants of the library are caught ---------------------------------------
 
 

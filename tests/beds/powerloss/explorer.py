@@ -6,7 +6,9 @@
 For each scenario: run it (N ranks, real library, on the recording mount), take the
 recording, and for each crash model walk the candidate crash states (model.py: extremes
 at every crash point, then single losses, then seeded random combinations), skip those
-whose content hash was already seen, write each new one to a tmpfs directory and check it:
+already seen (same content hash and same number of saves returned before the crash point:
+one content can be fine before a save returned and a violation after), write each new one
+to a tmpfs directory and check it:
 
 * ``load`` by a ``read_only`` Checkpointer (all ranks) gives, bit for bit, the newest
   checkpoint committed before the crash point or the new one (only the new one once a
@@ -44,7 +46,7 @@ if __package__ in (None, ""):  # run as a script: make `beds` importable
 from beds.powerloss.bed import Mount, Recording, recording_mount
 from beds.powerloss.checker import Checker
 from beds.powerloss.model import MODELS, Choice, CrashModel, State
-from beds.powerloss.scenarios import SCENARIOS, Scenario, kept
+from beds.powerloss.scenarios import FRESH_SUBDIRS, SCENARIOS, Scenario, kept
 
 TESTS_DIR = Path(__file__).resolve().parents[2]
 ROOT_NAME = "ckpt"  # the checkpoint root inside the mount
@@ -218,13 +220,16 @@ def judge_file(sc: Scenario, done: int, root: str) -> list[str]:
 
     from beds.powerloss.content import file_object_differences
 
-    path = os.path.join(root, "model.pt")
+    path = os.path.join(root, *FRESH_SUBDIRS, "model.pt") if sc.fresh_dir else os.path.join(root, "model.pt")
+    if not done and not sc.pre and not os.path.lexists(path):
+        return []  # before save_file returned, no file at all is fine when there was none
     try:
         obj = load_file(path)
     except Exception as e:
-        return [f"load_file raised {type(e).__name__}: {e} (the old file must survive until the new one is in)"]
+        why = "save_file returned" if done else "the old file must survive until the new one is in"
+        return [f"load_file raised {type(e).__name__}: {e} ({why})"]
     gen = int(obj["gen"][0]) if isinstance(obj, dict) and "gen" in obj else None
-    allowed = {sc.saves[0][1]} if done else {sc.saves[0][1], sc.pre[0][1]}
+    allowed = {sc.saves[0][1]} if done or not sc.pre else {sc.saves[0][1], sc.pre[0][1]}
     if gen not in allowed:
         return [f"load_file gave gen {gen}, allowed {sorted(allowed)}"]
     bad = file_object_differences(obj, gen)
@@ -254,7 +259,9 @@ def check_built(sc: Scenario, cm: CrashModel, state: State, checker: Checker | N
         state.write(dest)
         root = os.path.join(dest, ROOT_NAME)
         if not os.path.isdir(root):
-            return [f"the checkpoint root {ROOT_NAME}/ itself is gone"]
+            if done or sc.pre:
+                return [f"the checkpoint root {ROOT_NAME}/ itself is gone"]
+            return []  # nothing was promised yet, and nothing is there
         if sc.kind == "file":
             return judge_file(sc, done, root)
         assert checker is not None
@@ -272,7 +279,7 @@ def explore(sc: Scenario, rec: Recording, model: str, budget: int, checker: Chec
     cm = CrashModel(rec)
     res = Result(sc.name, model, len(rec.ops), rec.counts())
     started = time.monotonic()
-    seen: set[str] = set()
+    seen: set[str] = set()  # content hash : saves returned before the crash point
     dupes = 0
     base = tempfile.mkdtemp(prefix="ckptguard-plstates-", dir=_tmpfs_base())
     try:
@@ -281,11 +288,14 @@ def explore(sc: Scenario, rec: Recording, model: str, budget: int, checker: Chec
                 break
             res.candidates += 1
             state = cm.build(choice)
-            if state.digest in seen:
+            # The same disk content is fine before a save returned and a violation after it:
+            # distinct means distinct content *and* a different number of saves returned.
+            key = f"{state.digest}:{commits_before(sc, cm, choice.point)}"
+            if key in seen:
                 dupes += 1
                 continue
             dupes = 0
-            seen.add(state.digest)
+            seen.add(key)
             res.states += 1
             do_verify = sc.kind == "checkpoint" and verify_every > 0 and res.states % verify_every == 1
             res.verified += do_verify

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+FRESH_SUBDIRS = ("new", "dir")  # where save_file_new saves: ROOT/new/dir/model.pt
 Save = tuple[int, int, str]  # (step, gen, mode): mode "" (blocking), "async" or "overwrite"
 
 
@@ -23,6 +24,7 @@ class Scenario:
     files: bool = False
     phases: tuple[str, ...] = ("main",)
     kind: str = "checkpoint"  # or "file" (save_file / load_file)
+    fresh_dir: bool = False  # the root (or save_file's directory) does not exist: the library creates it
 
     @property
     def known(self) -> set[tuple[int, int]]:
@@ -42,13 +44,16 @@ def kept(history: list[tuple[int, int]], keep_last: int | None) -> dict[int, int
 
 
 SCENARIOS = {s.name: s for s in (
-    Scenario("first_save", "Checkpointer created on an empty root, first save, close", saves=((1, 1, ""),)),
+    Scenario("first_save", "Checkpointer creates a root that did not exist, first save, close",
+             saves=((1, 1, ""),), fresh_dir=True),
     Scenario("retention", "save step 3 with keep_last=2: step 1 is retired and deleted",
              saves=((3, 1, ""),), pre=((1, 1), (2, 1)), keep_last=2),
     Scenario("overwrite", "save step 1 again with overwrite=True (v2 replaces v1)",
              saves=((1, 2, "overwrite"),), pre=((1, 1),)),
     Scenario("save_file", "save_file replaces an existing file (checked with load_file)",
              saves=((1, 2, ""),), pre=((1, 1),), kind="file"),
+    Scenario("save_file_new", "save_file into a directory that does not exist yet (it creates two levels)",
+             saves=((1, 2, ""),), kind="file", fresh_dir=True),
     Scenario("files", "save with files= (a nested directory per rank) after one with files=",
              saves=((2, 2, ""),), pre=((1, 1),), files=True),
     Scenario("takeover", "a new job takes over a dead job's lease (fences its staging), saves, closes",

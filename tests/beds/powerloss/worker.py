@@ -25,7 +25,7 @@ from ckptguard import Checkpointer, save_file
 
 from .bed import control
 from .content import artifact_files, file_object, make_state, write_tree
-from .scenarios import SCENARIOS
+from .scenarios import FRESH_SUBDIRS, SCENARIOS
 
 
 def _break(kind: str) -> None:
@@ -81,13 +81,14 @@ def main(scenario: str, phase: str, root: str, workdir: str) -> None:
             # The library says the save is durable: a crash from here on must load it (or newer).
             control(mount, "mark", f"committed{i}-r{rank}")
 
-    if rank == 0:
+    if rank == 0 and not (spec.fresh_dir and spec.kind == "checkpoint"):
         os.makedirs(root, exist_ok=True)
     dist.barrier()
     keep = {"keep_last": spec.keep_last} if spec.keep_last else {}
     if spec.kind == "file":
-        path = os.path.join(root, "model.pt")
-        save_file(file_object(1), path)
+        path = os.path.join(root, *FRESH_SUBDIRS, "model.pt") if spec.fresh_dir else os.path.join(root, "model.pt")
+        for _ in spec.pre:
+            save_file(file_object(1), path)
         start()
         save_file(file_object(2), path)
         control(mount, "mark", f"committed0-r{rank}")
