@@ -21,12 +21,13 @@ import pytest
 
 from beds.powerloss.bed import Recording, recording_mount, unavailable_reason
 from beds.powerloss.checker import Checker
-from beds.powerloss.explorer import _tmpfs_base, check_built, explore, record
+from beds.powerloss.explorer import check_built, explore, record, tmpfs_base
 from beds.powerloss.model import Choice, CrashModel
 from beds.powerloss.scenarios import SCENARIOS
 
 _REASON = unavailable_reason()
-pytestmark = pytest.mark.skipif(_REASON is not None, reason=f"power-loss bed unavailable: {_REASON}")
+pytestmark = [pytest.mark.powerloss,
+              pytest.mark.skipif(_REASON is not None, reason=f"power-loss bed unavailable: {_REASON}")]
 
 STATES = int(os.environ.get("CKPTGUARD_POWERLOSS_STATES", "40"))
 _recordings: dict[tuple[str, str | None], Recording] = {}
@@ -91,7 +92,7 @@ def test_files_artifact_directories_survive_a_power_cut_after_save(checker: Chec
     state = cm.build(choice)
     for rank in (0, 1):
         assert f"ckpt/step-00000002/files/rank0000{rank}/offload/sub/deep/c.txt" in state.files
-    problems = check_built(SCENARIOS["files"], cm, state, checker, _tmpfs_base(), do_verify=True)
+    problems = check_built(SCENARIOS["files"], cm, state, checker, tmpfs_base(), do_verify=True)
     assert not problems, problems
 
 
@@ -103,7 +104,7 @@ def test_a_root_the_checkpointer_created_survives_a_power_cut_after_the_first_sa
     cm, choice = _after_commit_minimal(rec)
     state = cm.build(choice)
     assert "ckpt/step-00000001/MANIFEST.json" in state.files
-    assert not check_built(SCENARIOS["first_save"], cm, state, checker, _tmpfs_base(), do_verify=True)
+    assert not check_built(SCENARIOS["first_save"], cm, state, checker, tmpfs_base(), do_verify=True)
 
 
 def test_save_file_into_a_new_directory_survives_a_power_cut() -> None:
@@ -114,7 +115,7 @@ def test_save_file_into_a_new_directory_survives_a_power_cut() -> None:
     cm, choice = _after_commit_minimal(rec)
     state = cm.build(choice)
     assert "ckpt/new/dir/model.pt" in state.files
-    assert not check_built(SCENARIOS["save_file_new"], cm, state, None, _tmpfs_base(), do_verify=False)
+    assert not check_built(SCENARIOS["save_file_new"], cm, state, None, tmpfs_base(), do_verify=False)
 
 
 # -- the bed is sharp: broken variants of the library are caught ---------------------------------------
@@ -131,7 +132,7 @@ def test_no_dir_fsync_loses_a_returned_save(checker: Checker) -> None:
     """Without directory fsyncs the publishing rename is not durable when save() returns."""
     rec = recording("first_save", "no_dir_fsync")
     cm, choice = _after_commit_minimal(rec)
-    problems = check_built(SCENARIOS["first_save"], cm, cm.build(choice), checker, _tmpfs_base(),
+    problems = check_built(SCENARIOS["first_save"], cm, cm.build(choice), checker, tmpfs_base(),
                            do_verify=False)
     assert any("is lost, though committed" in p or "itself is gone" in p for p in problems), problems
 

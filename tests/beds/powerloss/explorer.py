@@ -144,7 +144,7 @@ def record(sc: Scenario, world: int = 2, broken: str | None = None) -> Recording
 # -- judging ---------------------------------------------------------------------------------------
 
 
-def _tmpfs_base() -> str:
+def tmpfs_base() -> str:
     return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
 
 
@@ -281,7 +281,7 @@ def explore(sc: Scenario, rec: Recording, model: str, budget: int, checker: Chec
     started = time.monotonic()
     seen: set[str] = set()  # content hash : saves returned before the crash point
     dupes = 0
-    base = tempfile.mkdtemp(prefix="ckptguard-plstates-", dir=_tmpfs_base())
+    base = tempfile.mkdtemp(prefix="ckptguard-plstates-", dir=tmpfs_base())
     try:
         for choice in cm.candidates(model, seed):
             if res.states >= budget or dupes >= patience:
