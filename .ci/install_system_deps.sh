@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Install the system packages the test beds need (tests/support/beds/): FUSE + sshfs for the
-# NFS-like stale-cache bed, an OpenSSH server for sshfs to talk to.
+# NFS-like stale-cache bed, an OpenSSH server for sshfs to talk to, libfuse 3 for the
+# power-loss bed (mfusepy loads libfuse3.so.3 with ctypes).
 # Idempotent and fast when everything is already there: apt is only touched when a
 # needed command is missing. Non-interactive; needs root (CI and dev machines run as root).
 set -euo pipefail
@@ -10,9 +11,11 @@ command -v sshfs >/dev/null 2>&1 || need+=(sshfs)
 { command -v fusermount3 >/dev/null 2>&1 || command -v fusermount >/dev/null 2>&1; } || need+=(fuse3)
 [ -x /usr/sbin/sshd ] || need+=(openssh-server)
 command -v ssh-keygen >/dev/null 2>&1 || need+=(openssh-client)
+{ ldconfig -p 2>/dev/null | grep -q 'libfuse3\.so\.3 ' || [ -e /lib/x86_64-linux-gnu/libfuse3.so.3 ] \
+    || [ -e /usr/lib/x86_64-linux-gnu/libfuse3.so.3 ]; } || need+=(libfuse3-3)
 
 if [ ${#need[@]} -eq 0 ]; then
-    echo "install_system_deps: sshfs, fuse3, openssh-server already installed"
+    echo "install_system_deps: sshfs, fuse3, libfuse3-3, openssh-server already installed"
     exit 0
 fi
 

@@ -30,7 +30,7 @@ from ckptguard.errors import (
 )
 from ckptguard.protocol.topology import Topology, probe_storage_domains
 from ckptguard.storage import PosixStorage, local_path
-from ckptguard.storage.posix import open_regular, replace_file, unlink_quietly
+from ckptguard.storage.posix import makedirs_durable, open_regular, replace_file, unlink_quietly
 
 _EOCD = b"PK\x05\x06"
 _TAG = re.compile(rb"ckptguard:1:(xxh3-64|crc32c):([0-9a-f]{8,16}):(\d+)$")
@@ -99,7 +99,7 @@ def save_file(obj: Any, path: str | os.PathLike[str], *, group: Any = None, proc
     group = group if group is not None else process_group
     if group is None:
         try:
-            os.makedirs(directory, exist_ok=True)
+            makedirs_durable(directory)
         except OSError as e:
             raise from_os_error(e, directory) from e
         data = _serialize(obj, fmt, checksum_algorithm, path)
@@ -111,7 +111,7 @@ def save_file(obj: Any, path: str | os.PathLike[str], *, group: Any = None, proc
         return
     comm = _world_comm() if group is True else default_comm(group)
     try:
-        os.makedirs(directory, exist_ok=True)
+        makedirs_durable(directory)
     except OSError as e:
         raise from_os_error(e, directory, comm.rank) from e
     topo = None

@@ -21,7 +21,7 @@ from ckptguard.errors import CheckpointError, CorruptCheckpointError, PathCollis
 from ckptguard.protocol import layout
 from ckptguard.protocol.manifest import Artifact, FileEntry, Manifest
 from ckptguard.storage import StorageBackend
-from ckptguard.storage.posix import fsync_dir, unique_tmp_name, write_all
+from ckptguard.storage.posix import fsync_dir, makedirs_durable, unique_tmp_name, write_all
 
 _KEY_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 _CHUNK = 8 << 20
@@ -270,7 +270,7 @@ def stage_restore(storage: StorageBackend, targets: list[ArtifactTarget], manife
                 keys = sorted({a.key for a in manifest.artifacts if a.rank == t.rank})
                 raise CheckpointError(f"rank {t.rank}: the checkpoint holds no artifact {t.key!r} for this rank "
                                       f"(it has {keys or 'none'})", rank=t.rank)
-            os.makedirs(os.path.dirname(t.path) or ".", exist_ok=True)
+            makedirs_durable(os.path.dirname(t.path) or ".")
             swap = RestoreSwap(unique_tmp_name(t.path), t.path, art.kind == "dir")
             swaps.append(swap)
             if swap.is_dir:
@@ -280,7 +280,7 @@ def stage_restore(storage: StorageBackend, targets: list[ArtifactTarget], manife
                     dst = os.path.join(swap.staged, rel)
                     parent = os.path.dirname(dst)
                     if parent not in made:
-                        os.makedirs(parent, exist_ok=True)
+                        makedirs_durable(parent)
                         made.add(parent)
                     _restore_file(storage, os.path.join(checkpoint_dir, stored), dst, sums[stored],
                                   manifest.checksum_algorithm)

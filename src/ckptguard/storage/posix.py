@@ -85,6 +85,19 @@ def fsync_dir(path: str) -> None:
         os.close(fd)
 
 
+def makedirs_durable(path: str) -> None:
+    """os.makedirs(path, exist_ok=True), then fsync the parent of every directory it created:
+    fsync of a directory's contents does not make its own entry in its parent durable."""
+    missing = []
+    p = path
+    while not os.path.isdir(p) and os.path.dirname(p) != p:
+        missing.append(p)
+        p = os.path.dirname(p)
+    os.makedirs(path, exist_ok=True)
+    for d in reversed(missing):
+        fsync_dir(os.path.dirname(d))
+
+
 def rename_noreplace(src: str, dst: str) -> None:
     """Rename ``src`` to ``dst``; fail with FileExistsError if ``dst`` exists.
 
@@ -254,7 +267,7 @@ class PosixStorage:
 
     # -- namespace ----------------------------------------------------------------
     def makedirs(self, path: str) -> None:
-        retry_stale(lambda: os.makedirs(path, exist_ok=True), "create a directory", path)
+        retry_stale(lambda: makedirs_durable(path), "create a directory", path)
 
     def make_dir_durable(self, path: str) -> None:
         retry_stale(lambda: os.mkdir(path), "create a directory", path)
