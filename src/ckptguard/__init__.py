@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from ckptguard._version import __version__ as __version__
 from ckptguard.errors import (
+    BucketNotFoundError,
     CheckpointError,
     CorruptCheckpointError,
     DiskFullError,
@@ -31,6 +32,7 @@ from ckptguard.errors import (
     StoragePermissionError,
     UnsafeObjectError,
     UnsupportedStorageError,
+    WrongRegionError,
 )
 
 if TYPE_CHECKING:
@@ -39,6 +41,7 @@ if TYPE_CHECKING:
     from ckptguard.state import PerRank
 
 __all__ = [
+    "BucketNotFoundError",
     "CheckpointError",
     "Checkpointer",
     "CorruptCheckpointError",
@@ -57,6 +60,7 @@ __all__ = [
     "StoragePermissionError",
     "UnsafeObjectError",
     "UnsupportedStorageError",
+    "WrongRegionError",
     "load_file",
     "save_file",
 ]

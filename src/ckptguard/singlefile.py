@@ -25,7 +25,7 @@ from ckptguard.errors import (
     from_os_error,
 )
 from ckptguard.protocol.topology import Topology, probe_storage_domains
-from ckptguard.storage import PosixStorage, local_path
+from ckptguard.storage import PosixStorage, StorageBackend, is_s3_url, local_path, open_storage
 from ckptguard.storage.posix import open_regular, replace_file
 
 _EOCD = b"PK\x05\x06"
@@ -80,10 +80,15 @@ def save_file(obj: Any, path: str | os.PathLike[str], *, process_group: Any = No
     directory writes its ``obj`` (with DDP every rank holds the same state).
     It starts with a barrier, so the file is never replaced while another rank
     is still reading the previous version, and returns once it is durable.
+    ``s3://bucket/key`` paths work too: rank 0 writes (every rank reaches the
+    same bucket), and an object PUT replaces atomically.
     """
+    comm = default_comm(process_group) if process_group is not None else _world_comm()
+    if is_s3_url(path):
+        _save_object(obj, os.fspath(path), comm, checksum_algorithm)
+        return
     path = os.path.abspath(local_path(path))
     directory = os.path.dirname(path)
-    comm = default_comm(process_group) if process_group is not None else _world_comm()
     try:
         os.makedirs(directory, exist_ok=True)
     except OSError as e:
@@ -108,21 +113,67 @@ def save_file(obj: Any, path: str | os.PathLike[str], *, process_group: Any = No
 
 def load_file(path: str | os.PathLike[str], *, map_location: Any = "cpu") -> Any:
     """Load a file written by ``save_file``, after checking its checksum; objects via weights_only."""
-    path = local_path(path)
-    try:
-        fd = open_regular(path)
-        with os.fdopen(fd, "rb") as f:
-            data = f.read()
-    except FileNotFoundError:
-        raise CheckpointError(f"{path} does not exist", path=path) from None
-    except OSError as e:
-        raise from_os_error(e, path) from e
+    if is_s3_url(path):
+        path = os.fspath(path)
+        data = _read_object(path)
+    else:
+        path = local_path(path)
+        try:
+            fd = open_regular(path)
+            with os.fdopen(fd, "rb") as f:
+                data = f.read()
+        except FileNotFoundError:
+            raise CheckpointError(f"{path} does not exist", path=path) from None
+        except OSError as e:
+            raise from_os_error(e, path) from e
     body = _unseal(data, path)
     try:
         return torch.load(io.BytesIO(body), map_location=map_location, weights_only=True)
     except Exception as e:
         raise UnsafeObjectError(f"{path}: verified, but torch.load(weights_only=True) refused it: {e}",
                                 path=path) from None
+
+
+def _object_storage(path: str) -> tuple[StorageBackend, str]:
+    """The store holding ``s3://bucket/key`` and the path of the object in it."""
+    directory, _, name = path.rstrip("/").rpartition("/")
+    if not name or directory.endswith(":/"):
+        raise CheckpointError(f"{path}: expected s3://BUCKET/KEY", path=path)
+    storage = open_storage(directory)
+    return storage, storage.path(name)
+
+
+def _save_object(obj: Any, path: str, comm: Comm, algorithm: str) -> None:
+    storage, target = _object_storage(path)
+    if comm.world_size > 1:
+        comm.step(f"finish reading the previous version of {path}")
+
+    def write() -> None:
+        if comm.rank == 0:  # one namespace for every rank: one writer
+            buf = io.BytesIO()
+            torch.save(obj, buf)
+            storage.replace(target, _seal(buf.getvalue(), algorithm))
+
+    comm.step(f"save {path}", write, where=path)
+
+
+def _read_object(path: str) -> bytes:
+    storage, target = _object_storage(path)
+    try:
+        size = storage.size(target)
+        if size is None:
+            raise FileNotFoundError(target)
+        handle = storage.open_read(target)
+        buf = bytearray(size)
+        try:
+            handle.read_into([memoryview(buf)], 0)
+        finally:
+            handle.close()
+    except FileNotFoundError:
+        raise CheckpointError(f"{path} does not exist", path=path) from None
+    except OSError as e:
+        raise from_os_error(e, path) from e
+    return bytes(buf)
 
 
 _world: tuple[object, Comm] | None = None

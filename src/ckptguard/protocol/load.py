@@ -133,7 +133,8 @@ def _load_from_manifest(session: Session, name: CheckpointName, raw: bytes | Non
         metadata = metadata_from_json(manifest.dcp, manifest.items)
         prepared = prepare_state(state, comm.rank)
     with ByteProgress(stats.show_progress, f"loading step {name.step}", None) as bar:
-        reader = GuardedReader(session.storage, root.dir(name), metadata, manifest.checksum_algorithm, comm.rank,
+        reader = GuardedReader(session.storage, root.data_dir(name, manifest), metadata, manifest.checksum_algorithm,
+                               comm.rank,
                                session.options.io_threads, on_bytes=bar.callback)
         comm.step(f"load step {name.step}", lambda: read_locally(
             prepared.state_dict, reader, SafeLoadPlanner(allow_partial_load=not strict),
@@ -143,7 +144,7 @@ def _load_from_manifest(session: Session, name: CheckpointName, raw: bytes | Non
     staged: list[tuple[str, str]] = []
 
     def stage() -> None:
-        staged.extend(artifacts.stage_restore(session.storage, targets, manifest, root.dir(name)))
+        staged.extend(artifacts.stage_restore(session.storage, targets, manifest, root.data_dir(name, manifest)))
 
     try:
         comm.step(f"restore its files= artifacts from step {name.step}", stage, where=root.dir(name))
