@@ -335,13 +335,15 @@ class S3Storage:
                 raise self._translate(e, "probe conditional writes", self.url(key)) from e
             return False
 
+        def put(body: bytes, **condition: str) -> Any:
+            return c.put_object(Bucket=self.bucket, Key=key, Body=body, ChecksumCRC32C=_crc32c_b64(body),
+                                **condition)  # type: ignore[arg-type]
+
         try:
-            self._call("probe conditional writes", self.url(key),
-                       lambda: c.put_object(Bucket=self.bucket, Key=key, Body=b"1", ChecksumCRC32C=_crc32c_b64(b"1"), IfNoneMatch="*"))
-            if not refused(lambda: c.put_object(Bucket=self.bucket, Key=key, Body=b"2", ChecksumCRC32C=_crc32c_b64(b"2"), IfNoneMatch="*")):
+            self._call("probe conditional writes", self.url(key), lambda: put(b"1", IfNoneMatch="*"))
+            if not refused(lambda: put(b"2", IfNoneMatch="*")):
                 failures.append("PutObject with If-None-Match: * replaced an existing object")
-            if not refused(lambda: c.put_object(Bucket=self.bucket, Key=key, Body=b"3",
-                                                IfMatch='"00000000000000000000000000000000"')):
+            if not refused(lambda: put(b"3", IfMatch='"00000000000000000000000000000000"')):
                 failures.append("PutObject with a stale If-Match replaced the object")
             upload = c.create_multipart_upload(Bucket=self.bucket, Key=key, ChecksumAlgorithm="CRC32C")["UploadId"]
             try:
