@@ -113,6 +113,7 @@ class FaultProxy:
     def __init__(self, upstream_port: int, seed: int = 0) -> None:
         self.upstream_port = upstream_port
         self.fail_rate = 0.0
+        self.kinds = ["500", "503", "500-after", "slow"]  # what an injected fault is, drawn uniformly
         self.slow_s = 0.3
         self.hide_listing_s = 0.0
         self.strip_conditions = False
@@ -163,7 +164,7 @@ class FaultProxy:
         with self.lock:
             self.stats.requests += 1
             roll = self.rng.random()
-            kind = self.rng.choice(["500", "503", "500-after", "slow"])
+            kind = self.rng.choice(self.kinds)
         if bucket in self.canned:
             status, xml, headers = self.canned[bucket]
             self._reply(h, status, xml.encode(), headers, path, parsed.query)
@@ -306,6 +307,7 @@ class S3Bed:
 
     def reset_faults(self) -> None:
         self.proxy.fail_rate = 0.0
+        self.proxy.kinds = ["500", "503", "500-after", "slow"]
         self.proxy.hide_listing_s = 0.0
         self.proxy.strip_conditions = False
         self.proxy.canned.clear()
