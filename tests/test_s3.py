@@ -346,7 +346,7 @@ def _run(bed: S3Bed, *args: str, nproc: int = 4, timeout: float = 240, extra: di
 def test_four_ranks_save_and_load_on_s3(bed: S3Bed, bucket: str) -> None:
     bad = bed.proxy.stats.bad_digest
     job = _run(bed, "roundtrip", "--root", f"s3://{bucket}/four", "--count", "2", "--keep-last", "1",
-               "--elems", str(3 << 20))  # 12 MiB per rank: multipart uploads, parallel ranged reads
+               "--elems", str(3 << 19))  # 6 MiB per rank: multipart uploads (5 MiB parts), parallel ranged reads
     assert job.ok, job.output()
     done = [r for r in _results(job) if "loaded" in r]
     assert len(done) == 4 and all(r["loaded"] == 1 and r["steps"] == [1] for r in done)
@@ -359,18 +359,19 @@ def test_faults_5xx_slow_and_a_rank_killed_mid_upload(bed: S3Bed, bucket: str) -
     middle of its upload: nothing corrupt is committed, nothing committed is lost, and the next save aborts
     the orphaned multipart uploads."""
     root = f"s3://{bucket}/faults"
+    elems = str(3 << 19)  # 6 MiB per rank: two parts
     bed.proxy.fail_rate = 0.05
-    job = _run(bed, "roundtrip", "--root", root, "--count", "2", "--elems", str(3 << 20))
+    job = _run(bed, "roundtrip", "--root", root, "--count", "2", "--elems", elems, nproc=2)
     assert job.ok, job.output()
     assert bed.proxy.stats.injected > 0
     bed.proxy.fail_rate = 0.0
-    killed = _run(bed, "roundtrip", "--root", root, "--count", "1", "--elems", str(3 << 20), "--fault-step", "2",
-                  "--fault", "mid_write:1:kill", timeout=180)
+    killed = _run(bed, "roundtrip", "--root", root, "--count", "1", "--elems", elems, "--fault-step", "2",
+                  "--fault", "mid_write:1:kill", nproc=2, timeout=180)
     assert not killed.ok
     assert bed.open_uploads(bucket), "the killed rank should have left a multipart upload open"
     with Checkpointer(root, read_only=True) as ck:
         assert ck.steps() == [0, 1]
-    resumed = _run(bed, "roundtrip", "--root", root, "--count", "1", "--elems", str(3 << 20))
+    resumed = _run(bed, "roundtrip", "--root", root, "--count", "1", "--elems", elems, nproc=2)
     assert resumed.ok, resumed.output()
     assert {r["resumed_from"] for r in _results(resumed) if "loaded" in r} == {1}
     assert bed.open_uploads(bucket) == []
@@ -420,8 +421,8 @@ def test_a_job_stalled_mid_commit_loses_to_the_job_that_took_over(bed: S3Bed, bu
         a.join(timeout=300)
     job_a = holder["a"]
     errors = [r for r in _results(job_a) if "error" in r]
-    assert len(errors) == 2 and {r["error_class"] for r in errors} <= {"LeaseLostError", "CheckpointError"}, \
-        job_a.output()
+    assert len(errors) == 2 and {r["error_class"] for r in errors} == {"LeaseLostError"}, job_a.output()
+    assert any("aborted this attempt" in str(r["error"]) for r in errors), errors
     assert not [r for r in _results(job_a) if r.get("saved") == 2]
     with Checkpointer(root, read_only=True) as ck:
         assert ck.steps() == [1, 2, 3]
