@@ -38,9 +38,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "tests"))
 
-from beds.s3 import CREDENTIALS, MotoServer  # noqa: E402
-
 from ckptguard import Checkpointer  # noqa: E402
+
+from beds.s3 import CREDENTIALS, MotoServer  # noqa: E402
 
 
 def main() -> None:

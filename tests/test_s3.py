@@ -116,9 +116,11 @@ def test_moto_honours_conditional_writes_including_multipart_completion(bed: S3B
 def test_primitives_exclusive_create_cas_streams_and_ranged_reads(bed: S3Bed, bucket: str) -> None:
     s = S3Storage(f"s3://{bucket}/root", SMALL)
     p = s.path("ctl", "pointer")
-    assert s.create_exclusive(p, b"v0") and not s.create_exclusive(p, b"other")
+    assert s.create_exclusive(p, b"initial") and not s.create_exclusive(p, b"other")
     data, token = s.read_versioned(p) or (b"", "")
-    assert data == b"v0"
+    assert data == b"initial"
+    # An ETag is the MD5 of the bytes: a write of identical bytes keeps it, so compare-and-swap on it is
+    # sound only where every write changes the bytes (the index, lease and `latest` always do).
     wins: list[int] = []
     barrier = threading.Barrier(6)
 
@@ -217,6 +219,25 @@ def test_save_load_retention_ls_and_verify_on_s3(bed: S3Bed, bucket: str) -> Non
     assert ver.returncode == 1 and json.loads(ver.stdout)["safe_to_resume"] == 2
     with Checkpointer(root, read_only=True) as ck, pytest.warns(UserWarning, match="corrupt"):
         assert ck.load(out) == 2 and out["step"] == 2
+
+
+def test_background_saves_and_files_artifacts_on_s3(bed: S3Bed, bucket: str, tmp_path: Path) -> None:
+    offload = tmp_path / "offload"
+    (offload / "sub").mkdir(parents=True)
+    (offload / "state.bin").write_bytes(os.urandom(70_000))
+    (offload / "sub" / "meta.txt").write_text("rank 0\n")
+    want = {p.relative_to(offload): p.read_bytes() for p in offload.rglob("*") if p.is_file()}
+    with Checkpointer(f"s3://{bucket}/bg", keep_last=2, storage_options=SMALL) as ck:
+        for step in range(3):
+            ck.save(step, _state(step, 200_000), files={"offload": offload}, blocking=False)
+        ck.wait()
+        assert ck.steps() == [1, 2]
+        for p in offload.rglob("*"):
+            if p.is_file():
+                p.unlink()
+        out = _empty(200_000)
+        assert ck.load(out, files={"offload": offload}) == 2 and out["step"] == 2
+    assert {p.relative_to(offload): p.read_bytes() for p in offload.rglob("*") if p.is_file()} == want
 
 
 def test_retention_deletes_the_commit_object_before_the_data(bed: S3Bed, bucket: str) -> None:
