@@ -134,8 +134,7 @@ def _load_from_manifest(session: Session, name: CheckpointName, raw: bytes | Non
         prepared = prepare_state(state, comm.rank)
     with ByteProgress(stats.show_progress, f"loading step {name.step}", None) as bar:
         reader = GuardedReader(session.storage, root.data_dir(name, manifest), metadata, manifest.checksum_algorithm,
-                               comm.rank,
-                               session.options.io_threads, on_bytes=bar.callback)
+                               comm.rank, session.options.io_threads, on_bytes=bar.callback)
         comm.step(f"load step {name.step}", lambda: read_locally(
             prepared.state_dict, reader, SafeLoadPlanner(allow_partial_load=not strict),
             is_coordinator=comm.rank == 0, stats=stats, before_read=on_planned), where=session.url)
