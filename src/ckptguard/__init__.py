@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from ckptguard._version import __version__ as __version__
 from ckptguard.errors import (
+    BucketNotFoundError,
     CheckpointError,
     CorruptCheckpointError,
     DiskFullError,
@@ -33,6 +34,7 @@ from ckptguard.errors import (
     UnsafeObjectError,
     UnsupportedStorageError,
     UnsupportedValueError,
+    WrongRegionError,
 )
 
 if TYPE_CHECKING:
@@ -43,6 +45,7 @@ if TYPE_CHECKING:
     from ckptguard.state import PerRank
 
 __all__ = [
+    "BucketNotFoundError",
     "CheckpointError",
     "Checkpointer",
     "CorruptCheckpointError",
@@ -65,6 +68,7 @@ __all__ = [
     "UnsafeObjectError",
     "UnsupportedStorageError",
     "UnsupportedValueError",
+    "WrongRegionError",
     "export_checkpoint",
     "import_checkpoint",
     "load_file",

@@ -49,6 +49,9 @@ class Checkpointer:
     initialised process group. Constructing it is collective: the ranks probe
     which of them share the root, and each storage domain's leader takes the
     root's lease (pass ``read_only=True`` to only load and list).
+    ``root`` may be ``s3://bucket/prefix`` (S3 or an S3-compatible store;
+    ``storage_options={"endpoint_url": ...}`` or the usual AWS settings).
+    ``checksum`` defaults to xxh3-64 on filesystems and crc32c on object stores.
     ``process_group`` (default: all ranks, through a gloo group ckptguard
     creates) must be a gloo group if given; every member calls every method.
     ``process_group="local"`` makes it rank-local: no collective at all, for code
@@ -70,16 +73,20 @@ class Checkpointer:
         lease_ttl_s: float = 30.0,
         lease_wait_s: float | None = None,
         io_threads: int = 4,
-        checksum: str = DEFAULT_ALGORITHM,
+        checksum: str | None = None,
         visibility_timeout_s: float = 60.0,
         async_budget_bytes: int | None = None,
         progress: bool = False,
         collective_timeout_s: float = DEFAULT_TIMEOUT_S,
+        storage_options: Mapping[str, Any] | None = None,
     ) -> None:
         if keep_last is not None and keep_last < 1:
             raise ValueError("keep_last must be >= 1 (the newest checkpoint is always kept)")
         if keep_every is not None and keep_every < 1:
             raise ValueError("keep_every must be >= 1")
+        storage = open_storage(root, storage_options)  # refuses unknown URL schemes before any collective
+        if checksum is None:  # object stores check CRC32C on arrival: the manifest records the same
+            checksum = DEFAULT_ALGORITHM if storage.has_directories else "crc32c"
         if checksum not in ALGORITHMS:
             raise ValueError(f"checksum must be one of {ALGORITHMS}")
         self.keep_last = keep_last
@@ -89,7 +96,6 @@ class Checkpointer:
         self.io_threads = io_threads
         self.checksum = checksum
         self.visibility_timeout_s = visibility_timeout_s
-        storage = open_storage(root)  # refuses unknown URL schemes before any collective
         options = Options(keep_last, keep_every, io_threads, checksum, visibility_timeout_s)
         comm = Comm(LocalTransport()) if isinstance(process_group, str) and process_group == "local" \
             else default_comm(process_group, collective_timeout_s)

@@ -16,7 +16,10 @@ what went wrong, so code matches types, never message text::
      │    ├── StoragePermissionError       EACCES, EPERM, EROFS
      │    ├── StaleHandleError             ESTALE that outlived its retries
      │    ├── NotVisibleError              a file another rank wrote never showed
-     │    └── UnsupportedStorageError      a URL scheme without a backend
+     │    ├── BucketNotFoundError          an object store's bucket does not exist
+     │    ├── WrongRegionError             the bucket is in another region than the client's
+     │    └── UnsupportedStorageError      a URL scheme without a backend, or a store that ignores
+     │                                     conditional writes
      ├── UnsafeObjectError                 an object that would need unpickling code
      ├── UnsupportedValueError             save of a value load could not give back (also TypeError)
      ├── CorruptCheckpointError            bytes that do not match the manifest
@@ -100,8 +103,17 @@ class NotVisibleError(StorageError):
     """A file another rank wrote did not become visible here in time (failed writer or stale cache)."""
 
 
+class BucketNotFoundError(StorageError):
+    """The object store has no bucket of that name (at that endpoint)."""
+
+
+class WrongRegionError(StorageError):
+    """The bucket lives in another region than the one the client was configured for."""
+
+
 class UnsupportedStorageError(StorageError, ValueError):
-    """A root or path URL whose scheme has no storage backend."""
+    """A root or path URL whose scheme has no storage backend, or a store ckptguard cannot use safely
+    (an S3-compatible store that ignores conditional writes)."""
 
 
 class UnsafeObjectError(CheckpointError):

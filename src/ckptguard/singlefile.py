@@ -29,7 +29,7 @@ from ckptguard.errors import (
     from_os_error,
 )
 from ckptguard.protocol.topology import Topology, probe_storage_domains
-from ckptguard.storage import PosixStorage, local_path
+from ckptguard.storage import PosixStorage, StorageBackend, is_s3_url, local_path, open_storage
 from ckptguard.storage.posix import makedirs_durable, open_regular, replace_file, unlink_quietly
 
 _EOCD = b"PK\x05\x06"
@@ -92,11 +92,18 @@ def save_file(obj: Any, path: str | os.PathLike[str], *, group: Any = None, proc
     earlier releases: every rank of the group calls it with the same path and the lowest
     rank of each set of ranks sharing the directory writes, after a barrier (so the file
     is never replaced while another rank still reads the previous version).
+
+    ``s3://bucket/key`` paths work too (an object PUT replaces atomically; with ``group=``,
+    rank 0 writes: every rank reaches the same bucket).
     """
+    group = group if group is not None else process_group
+    if is_s3_url(path):
+        comm = Comm(LocalTransport()) if group is None else _world_comm() if group is True else default_comm(group)
+        _save_object(obj, os.fspath(path), comm, _format(os.fspath(path), format), checksum_algorithm)
+        return
     path = os.path.abspath(local_path(path))
     directory = os.path.dirname(path)
     fmt = _format(path, format)
-    group = group if group is not None else process_group
     if group is None:
         try:
             makedirs_durable(directory)
@@ -137,16 +144,20 @@ def load_file(path: str | os.PathLike[str], *, map_location: Any = "cpu", format
 
     A ``.safetensors`` file (or ``format="safetensors"``) comes back as a dict of tensors.
     """
-    path = local_path(path)
+    if is_s3_url(path):
+        path = os.fspath(path)
+        data = _read_object(path)
+    else:
+        path = local_path(path)
+        try:
+            fd = open_regular(path)
+            with os.fdopen(fd, "rb") as f:
+                data = f.read()
+        except FileNotFoundError:
+            raise CheckpointError(f"{path} does not exist", path=path) from None
+        except OSError as e:
+            raise from_os_error(e, path) from e
     fmt = _format(path, format)
-    try:
-        fd = open_regular(path)
-        with os.fdopen(fd, "rb") as f:
-            data = f.read()
-    except FileNotFoundError:
-        raise CheckpointError(f"{path} does not exist", path=path) from None
-    except OSError as e:
-        raise from_os_error(e, path) from e
     if fmt == "safetensors":
         return _load_safetensors(data, path, map_location)
     body = _unseal(data, path)
@@ -328,6 +339,44 @@ class _WriterLock:
                         os.link(aside, self.path)
         finally:
             unlink_quietly(aside)
+def _object_storage(path: str) -> tuple[StorageBackend, str]:
+    """The store holding ``s3://bucket/key`` and the path of the object in it."""
+    directory, _, name = path.rstrip("/").rpartition("/")
+    if not name or directory.endswith(":/"):
+        raise CheckpointError(f"{path}: expected s3://BUCKET/KEY", path=path)
+    storage = open_storage(directory)
+    return storage, storage.path(name)
+
+
+def _save_object(obj: Any, path: str, comm: Comm, fmt: str, algorithm: str) -> None:
+    storage, target = _object_storage(path)
+    if comm.world_size > 1:
+        comm.step(f"finish reading the previous version of {path}")
+
+    def write() -> None:
+        if comm.rank == 0:  # one namespace for every rank: one writer
+            storage.replace(target, _serialize(obj, fmt, algorithm, path))
+
+    comm.step(f"save {path}", write, where=path)
+
+
+def _read_object(path: str) -> bytes:
+    storage, target = _object_storage(path)
+    try:
+        size = storage.size(target)
+        if size is None:
+            raise FileNotFoundError(target)
+        handle = storage.open_read(target)
+        buf = bytearray(size)
+        try:
+            handle.read_into([memoryview(buf)], 0)
+        finally:
+            handle.close()
+    except FileNotFoundError:
+        raise CheckpointError(f"{path} does not exist", path=path) from None
+    except OSError as e:
+        raise from_os_error(e, path) from e
+    return bytes(buf)
 
 
 _world: tuple[object, Comm] | None = None

@@ -22,7 +22,7 @@ from ckptguard.protocol import layout
 from ckptguard.protocol.layout import CheckpointName
 from ckptguard.protocol.lease import LeaseRecord
 from ckptguard.protocol.manifest import Manifest, StoredItem
-from ckptguard.protocol.root import CheckpointRoot
+from ckptguard.protocol.objstore import open_root
 from ckptguard.storage import StorageBackend, open_storage
 
 SCHEMA_VERSION = 1
@@ -108,7 +108,7 @@ def list_root(path: str) -> RootListing:
     storage = open_storage(path)
     if storage.has_directories and not os.path.isdir(storage.root):
         raise CheckpointError(f"{path} is not a directory", path=path)
-    root = CheckpointRoot(storage)
+    root = open_root(storage)
     current = root.current()
     pointer = root.read_latest()
     lease_rec = None
@@ -117,11 +117,13 @@ def list_root(path: str) -> RootListing:
     now = time.time()
     lease_live = lease_rec is not None and now - lease_rec.renewed_at <= lease_rec.ttl_s
     checkpoints = []
+    committed_attempts: set[str] = set()  # on object stores a committed checkpoint's data stays in its attempt
     for name in root.committed():
         info = CheckpointInfo(name.step, name.version, name.dirname, current[name.step] == name,
                               pointer is not None and pointer.get("dir") == name.dirname)
         try:
             m = root.read_manifest(name)
+            committed_attempts.add(m.attempt)
             info.created_at, info.world_size = m.created_at, m.world_size
             info.files, info.bytes, info.user_metadata = len(m.files), m.total_bytes, m.user_metadata
         except CheckpointError as e:
@@ -132,6 +134,8 @@ def list_root(path: str) -> RootListing:
     for entry in sorted(storage.listdir(staging_root)):
         full = os.path.join(staging_root, entry)
         parsed = layout.parse_staging(entry)
+        if parsed is not None and parsed[1] in committed_attempts:
+            continue
         mtime = storage.mtime(full)
         if mtime is None:
             continue
@@ -176,15 +180,15 @@ def verify_checkpoint(root_path: str, name: CheckpointName, *, threads: int = 4,
     """Re-read every byte of one checkpoint and compare with its manifest."""
     started = time.monotonic()
     storage = open_storage(root_path)
-    root = CheckpointRoot(storage)
-    base = root.dir(name)
+    root = open_root(storage)
     result = VerifyResult(name.step, name.version, name.dirname, intact=False)
     try:
         manifest = root.read_manifest(name)
     except CheckpointError as e:
-        result.problems.append(Problem(os.path.join(base, layout.MANIFEST), "manifest", str(e)))
+        result.problems.append(Problem(os.path.join(root.dir(name), layout.MANIFEST), "manifest", str(e)))
         result.seconds = time.monotonic() - started
         return result
+    base = root.data_dir(name, manifest)
     result.problems.extend(_tiling_problems(manifest, base))
     listed = {f.path for f in manifest.files} | {layout.MANIFEST}
     for rel, _ in _walk(storage, base):
@@ -250,6 +254,6 @@ def verify_checkpoint(root_path: str, name: CheckpointName, *, threads: int = 4,
 
 def checkpoint_bytes(root_path: str, name: CheckpointName) -> int:
     try:
-        return CheckpointRoot(open_storage(root_path)).read_manifest(name).total_bytes
+        return open_root(open_storage(root_path)).read_manifest(name).total_bytes
     except CheckpointError:
         return 0

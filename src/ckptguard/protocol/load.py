@@ -138,8 +138,8 @@ def _load_from_manifest(session: Session, name: CheckpointName, raw: bytes | Non
     with stats.phase("metadata"):
         prepared = prepare_state(state, comm.rank)
     with ByteProgress(stats.show_progress, f"loading step {name.step}", None) as bar:
-        reader = GuardedReader(session.storage, root.dir(name), metadata, manifest.checksum_algorithm, comm.rank,
-                               session.options.io_threads, on_bytes=bar.callback)
+        reader = GuardedReader(session.storage, root.data_dir(name, manifest), metadata, manifest.checksum_algorithm,
+                               comm.rank, session.options.io_threads, on_bytes=bar.callback)
         comm.step(f"load step {name.step}", lambda: read_locally(
             prepared.state_dict, reader, SafeLoadPlanner(allow_partial_load=not strict),
             is_coordinator=comm.rank == 0, stats=stats, before_read=on_planned), where=session.url)
@@ -148,7 +148,7 @@ def _load_from_manifest(session: Session, name: CheckpointName, raw: bytes | Non
     swaps: list[artifacts.RestoreSwap] = []
 
     def stage() -> None:
-        swaps.extend(artifacts.stage_restore(session.storage, targets, manifest, root.dir(name)))
+        swaps.extend(artifacts.stage_restore(session.storage, targets, manifest, root.data_dir(name, manifest)))
 
     try:
         comm.step(f"restore its files= artifacts from step {name.step}", stage, where=root.dir(name))

@@ -222,6 +222,18 @@ class CheckpointRoot:
         if retired is not None:
             self.storage.remove_tree(retired)
 
+    # -- where object stores differ (protocol/objstore.py overrides these) ------------------
+    def versions(self, step: int) -> list[int]:
+        """Versions of ``step`` that a new save must not reuse."""
+        return [n.version for n in self.committed() if n.step == step]
+
+    def data_dir(self, name: CheckpointName, manifest: Manifest) -> str:
+        """Where the files of a committed checkpoint are (its directory on POSIX)."""
+        return self.dir(name)
+
+    def after_lease(self) -> None:
+        """Runs once this job holds the root's lease (POSIX fences before, in fence_staging)."""
+
 
 def _latest_body(data: bytes) -> dict[str, object] | None:
     try:

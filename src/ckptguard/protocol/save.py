@@ -140,7 +140,7 @@ def _plan(session: Session, request: SaveRequest) -> SavePlan:
         if topo.is_leader:
             assert session.lease is not None
             session.lease.check()
-            versions = [n.version for n in session.root.committed() if n.step == request.step]
+            versions = session.root.versions(request.step)
             listing = leader_listing(session)
             assert listing is not None
             view = LeaderView(versions, listing)

@@ -13,8 +13,14 @@ from ckptguard.comm import Comm
 from ckptguard.errors import CheckpointError, LeaseLostError
 from ckptguard.protocol import layout
 from ckptguard.protocol.lease import Lease, LeaseRecord, job_identity, new_holder_id
+from ckptguard.protocol.objstore import open_root
 from ckptguard.protocol.root import CheckpointRoot
-from ckptguard.protocol.topology import Topology, host_domains, probe_storage_domains
+from ckptguard.protocol.topology import (
+    Topology,
+    host_domains,
+    probe_object_store,
+    probe_storage_domains,
+)
 from ckptguard.storage import StorageBackend
 
 
@@ -65,13 +71,13 @@ class Session:
 def open_session(comm: Comm, storage: StorageBackend, options: Options, *, read_only: bool,
                  job_id: str | None, lease_ttl_s: float, lease_wait_s: float | None) -> Session:
     """Probe which ranks share the root, agree on ids, and take the lease (collective)."""
-    root = CheckpointRoot(storage)
+    root: CheckpointRoot = open_root(storage)
     if read_only:
-        topo = host_domains(comm)
+        topo = host_domains(comm) if storage.has_directories else probe_object_store(comm, storage, write=False)
     else:
         comm.step(f"create the checkpoint root {storage.root}", lambda: storage.makedirs(
             storage.path(layout.CONTROL)), where=storage.root)
-        topo = probe_storage_domains(comm, storage)
+        topo = probe_storage_domains(comm, storage) if storage.has_directories else probe_object_store(comm, storage)
     comm.set_domains([list(d) for d in topo.domains])
     # Identical on every rank (DCP's plan cache must be hit or missed by all ranks alike).
     instance, holder = comm.step("agree on this Checkpointer's ids",
@@ -86,6 +92,7 @@ def open_session(comm: Comm, storage: StorageBackend, options: Options, *, read_
                 lease.acquire(lease_wait_s if lease_wait_s is not None else lease_ttl_s * 1.5,
                               fence=root.fence_staging)
                 session.lease = lease
+                root.after_lease()
 
         try:
             comm.step(f"take the lease on {storage.root}", take_lease, where=storage.root)

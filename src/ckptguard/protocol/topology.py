@@ -211,3 +211,37 @@ def _decide(reports: list[dict[str, Any]], hosts: list[str], host_first: dict[st
                         f"and are seen by none of {missing}")
         domains.append(tuple(members))
     return tuple(sorted(domains, key=lambda d: d[0])), ""
+
+
+def probe_object_store(comm: Comm, storage: StorageBackend, write: bool = True) -> Topology:
+    """All ranks form one storage domain on an object store: checked, without listing (collective).
+
+    A bucket is one namespace for every client that reaches the same endpoint, so
+    there is no per-node storage to discover; what can differ is the endpoint or
+    credentials a rank was given. Every rank writes a mark (so a rank that may not
+    write fails now, by name), then every rank reads rank 0's mark back (a GET, which
+    is consistent, where a listing may be stale). A rank that cannot see it reaches
+    another store, and is refused. Read-only roots skip the marks.
+    """
+    hosts = _all_hosts(comm)
+    topo = Topology(comm.rank, comm.world_size, (tuple(range(comm.world_size)),), tuple(hosts))
+    if not write or comm.world_size == 1:
+        return topo
+    nonce: str = comm.step("start a storage probe", decide_fn=lambda _: uuid.uuid4().hex)
+    probe_dir = storage.path(layout.PROBE + "/" + nonce)
+    mark = os.path.join(probe_dir, f"rank-{comm.rank}")
+    comm.step("write a probe object into the checkpoint root",
+              functools.partial(_leave_mark, storage, probe_dir, comm.rank, nonce), where=storage.root)
+
+    def look() -> None:
+        if not _sees(storage, probe_dir, 0, nonce):
+            raise StorageError(
+                f"rank {comm.rank} cannot see the probe object rank 0 wrote to {storage.root}: the ranks reach "
+                "different object stores (check AWS_ENDPOINT_URL, storage_options and credentials on every node)",
+                rank=comm.rank, path=probe_dir)
+
+    try:
+        comm.step("read rank 0's probe object", look, where=storage.root)
+    finally:
+        storage.delete(mark)
+    return topo

@@ -126,3 +126,12 @@ class StorageBackend(Protocol):
         returns a function that stops it."""
 
     def free_bytes(self, path: str) -> int | None: ...
+
+
+class ObjectStore(StorageBackend, Protocol):
+    """A backend without directories or rename (``has_directories`` is False): what else it offers."""
+
+    def uploads_in_progress(self, path: str) -> list[tuple[str, str]]:
+        """(path, upload id) of the multipart uploads neither completed nor aborted under ``path``."""
+
+    def abort_upload(self, path: str, upload_id: str) -> None: ...

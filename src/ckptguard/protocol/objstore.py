@@ -1,0 +1,396 @@
+"""A checkpoint root on an object store: commit by conditional create, found through a CAS'd index.
+
+Object stores have no rename and (historically) no consistent listing, so the
+POSIX commit (rename the attempt directory into place) becomes::
+
+    .ckptguard/staging/step-N.<attempt>/data/...   every rank's objects; they stay here once committed
+    step-0000000N/MANIFEST.json                    the commit object: the manifest, created with
+                                                   If-None-Match: * (exactly one attempt wins a step
+                                                   version; it names its attempt, so its data)
+    .ckptguard/index.json                          the catalog: every commit in order, updated by
+                                                   compare-and-swap on its ETag
+    latest                                         moved by compare-and-swap, never backwards
+
+The index is what ``steps()``, ``latest`` and retention read; a listing is used
+only to find garbage (abandoned attempts, orphaned multipart uploads), so a
+stale listing cannot change a load or commit decision.
+
+Fencing. The index carries an epoch. A job that takes the root's lease bumps it
+(:meth:`ObjectStoreRoot.after_lease`) and from then on every index update of an
+older job fails (the update is a CAS and checks the epoch). Before its commit
+object is created, an attempt is recorded in the index as *pending* (an
+intent). Taking over resolves every pending intent of an older job: it creates
+a tombstone at that attempt's commit key with If-None-Match: *; if that
+succeeds, the stalled attempt can never commit (its own conditional create gets
+412 and it raises); if it fails, the attempt did commit, and is adopted. So a
+commit object always ends up in the index, and a stalled job resumed after a
+takeover commits nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, cast
+
+from ckptguard.errors import (
+    CheckpointError,
+    CorruptCheckpointError,
+    LeaseLostError,
+    NotVisibleError,
+)
+from ckptguard.protocol import layout
+from ckptguard.protocol.layout import CheckpointName
+from ckptguard.protocol.manifest import FileEntry, Manifest
+from ckptguard.protocol.root import CheckpointRoot, Garbage
+from ckptguard.storage import StorageBackend
+from ckptguard.storage.base import ObjectStore
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+log = logging.getLogger("ckptguard")
+
+INDEX = f"{layout.CONTROL}/index.json"
+INDEX_FORMAT = "ckptguard-index"
+TOMBSTONE_FORMAT = "ckptguard-tombstone"
+_HEAD_THREADS = 16
+
+
+@dataclass
+class IndexEntry:
+    step: int
+    version: int
+    attempt: str
+    state: str  # "pending" (intent recorded, commit object maybe created), "committed", "aborted"
+    epoch: int  # the index epoch of the job that recorded it
+    seq: int | None = None  # commit sequence number, in commit order (committed entries)
+
+    @property
+    def name(self) -> CheckpointName:
+        return CheckpointName(self.step, self.version)
+
+
+@dataclass
+class Index:
+    epoch: int = 0
+    next_seq: int = 1
+    entries: list[IndexEntry] = field(default_factory=list)
+
+    def to_bytes(self) -> bytes:
+        body = {"format": INDEX_FORMAT, "epoch": self.epoch, "next_seq": self.next_seq,
+                "entries": [asdict(e) for e in self.entries]}
+        return (json.dumps(body, separators=(",", ":")) + "\n").encode()
+
+    @staticmethod
+    def from_bytes(data: bytes, path: str) -> Index:
+        try:
+            body = json.loads(data)
+            if not isinstance(body, dict) or body.get("format") != INDEX_FORMAT:
+                raise ValueError("wrong format tag")
+            entries = [IndexEntry(int(e["step"]), int(e["version"]), str(e["attempt"]), str(e["state"]),
+                                  int(e["epoch"]), None if e.get("seq") is None else int(e["seq"]))
+                       for e in body["entries"]]
+            if any(e.state not in ("pending", "committed", "aborted") for e in entries):
+                raise ValueError("unknown entry state")
+            return Index(int(body["epoch"]), int(body["next_seq"]), entries)
+        except (ValueError, TypeError, KeyError) as e:
+            raise CorruptCheckpointError(
+                f"{path} is not a valid ckptguard index ({type(e).__name__}: {e}); it was modified by hand or "
+                "by another tool. Committed checkpoints cannot be found without it.", path=path) from None
+
+    def find(self, name: CheckpointName) -> IndexEntry | None:
+        for e in self.entries:
+            if e.step == name.step and e.version == name.version:
+                return e
+        return None
+
+
+class ObjectStoreRoot(CheckpointRoot):
+    """One checkpoint root on an object store (see the module docstring)."""
+
+    def __init__(self, storage: StorageBackend) -> None:
+        super().__init__(storage)
+        self.index_path = storage.path(INDEX)
+        self.epoch: int | None = None  # the index epoch this job took with the lease (writers only)
+        self._to_publish: dict[CheckpointName, bytes] = {}
+
+    # -- the index ---------------------------------------------------------------------
+    def read_index(self) -> tuple[Index, str | None]:
+        got = self.storage.read_versioned(self.index_path)
+        if got is None:
+            return Index(), None
+        return Index.from_bytes(got[0], self.index_path), got[1]
+
+    def update_index(self, change: Callable[[Index], bool], what: str, fencing: bool = False) -> Index:
+        """Apply ``change`` to the index by compare-and-swap (re-read and re-applied on a race).
+
+        ``change`` edits the index in place and says whether anything changed; it
+        must be idempotent (a CAS retried after a 5xx may already have landed).
+        Unless ``fencing``, the update is refused once a newer job took the root.
+        """
+        for _ in range(64):
+            index, token = self.read_index()
+            if not fencing:
+                self._check_epoch(index, what)
+            if not change(index):
+                return index
+            if self.storage.compare_and_swap(self.index_path, index.to_bytes(), token):
+                return index
+            time.sleep(0.01)
+        raise CheckpointError(f"could not update {self.index_path} to {what}: it kept changing under this job",
+                              path=self.index_path)
+
+    def _check_epoch(self, index: Index, what: str) -> None:
+        if self.epoch is None:
+            raise CheckpointError(f"cannot {what}: this job did not take the lease on {self.path}",
+                                  path=self.index_path)
+        if index.epoch != self.epoch:
+            raise LeaseLostError(
+                f"refusing to {what}: another job took over {self.path} (index epoch {index.epoch}, this job's "
+                f"{self.epoch}) after this job's lease expired; nothing was committed by this call.",
+                path=self.index_path)
+
+    def after_lease(self) -> None:
+        """Fence every older job out of the index and settle what they left pending (lease holder)."""
+        settled: list[str] = []
+
+        def take(index: Index) -> bool:
+            settled.clear()
+            index.epoch += 1
+            for e in index.entries:
+                if e.state == "pending":
+                    settled.append(self._settle(e, index))
+            return True
+
+        index = self.update_index(take, "take over the root", fencing=True)
+        self.epoch = index.epoch
+        if settled:
+            log.info("ckptguard: %s: settled attempts left pending by an earlier job: %s", self.path,
+                     ", ".join(settled))
+
+    def _settle(self, entry: IndexEntry, index: Index) -> str:
+        """A pending attempt (not in flight: it belongs to a job fenced off, or to an earlier failed save of
+        this one): adopt it if its commit object exists, else make sure it never will (tombstone)."""
+        commit = self.commit_path(entry.name)
+        tombstone = (json.dumps({"format": TOMBSTONE_FORMAT, "attempt": entry.attempt, "epoch": index.epoch,
+                                 "at": time.time()}) + "\n").encode()
+        if self.storage.create_exclusive(commit, tombstone) or self._is_tombstone(commit):
+            entry.state = "aborted"
+            return f"{entry.name.dirname} ({entry.attempt}) aborted"
+        if self._commit_attempt(entry.name) == entry.attempt:
+            entry.state, entry.seq = "committed", index.next_seq
+            index.next_seq += 1
+            return f"{entry.name.dirname} ({entry.attempt}) committed"
+        entry.state = "aborted"  # another attempt holds that key: this one lost
+        return f"{entry.name.dirname} ({entry.attempt}) lost to another attempt"
+
+    def _is_tombstone(self, commit: str) -> bool:
+        try:
+            body = json.loads(self.storage.read_bytes(commit))
+        except (FileNotFoundError, ValueError):
+            return False
+        return isinstance(body, dict) and body.get("format") == TOMBSTONE_FORMAT
+
+    def _commit_attempt(self, name: CheckpointName) -> str | None:
+        """The attempt a commit object names (None: absent, a tombstone or not a manifest)."""
+        try:
+            return self.parse_manifest(name, self.read_manifest_bytes(name)).attempt
+        except CheckpointError:
+            return None
+
+    # -- reading -------------------------------------------------------------------------
+    def commit_path(self, name: CheckpointName) -> str:
+        return os.path.join(self.dir(name), layout.MANIFEST)
+
+    def data_dir(self, name: CheckpointName, manifest: Manifest) -> str:
+        return self.staging_dir(manifest.step, manifest.attempt)
+
+    def committed(self) -> list[CheckpointName]:
+        """From the index: committed entries, and pending ones whose commit object names their attempt
+        (a commit whose index update has not happened yet: a crash there loses nothing)."""
+        index, _ = self.read_index()
+        names = [e.name for e in index.entries if e.state == "committed"]
+        for e in index.entries:
+            if e.state == "pending" and self._commit_attempt(e.name) == e.attempt:
+                names.append(e.name)
+        return sorted(set(names))
+
+    def versions(self, step: int) -> list[int]:
+        """Versions of ``step`` already used: committed, pending or aborted (their keys are taken)."""
+        index, _ = self.read_index()
+        return [e.version for e in index.entries if e.step == step]
+
+    def _head_all(self, base: str, files: list[FileEntry]) -> list[tuple[FileEntry, int | None]]:
+        """Each file's size by a HEAD (consistent; a listing may be stale), in parallel."""
+        if not files:
+            return []
+        with ThreadPoolExecutor(min(_HEAD_THREADS, len(files)), thread_name_prefix="ckptguard-head") as pool:
+            sizes = list(pool.map(lambda f: self.storage.size(os.path.join(base, f.path)), files))
+        return list(zip(files, sizes, strict=True))
+
+    def check_files(self, name: CheckpointName, manifest: Manifest) -> None:
+        base = self.data_dir(name, manifest)
+        for f, size in self._head_all(base, manifest.files):
+            path = os.path.join(base, f.path)
+            if size is None:
+                raise CorruptCheckpointError(f"{path} is missing: the checkpoint is incomplete", path=path)
+            if size != f.size:
+                raise CorruptCheckpointError(f"{path} has {size} bytes, the manifest says {f.size}: the "
+                                             "checkpoint is corrupt", path=path)
+
+    # -- writing (the lease holder only) -------------------------------------------------------
+    def make_staging(self, step: int, attempt: str) -> str:
+        return self.staging_dir(step, attempt)  # a prefix: nothing to create
+
+    def wait_files_visible(self, base: str, files: list[FileEntry], timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        pending = list(files)
+        delay = 0.05
+        while True:
+            pending = [f for f, size in self._head_all(base, pending) if size != f.size]
+            if not pending:
+                return
+            if time.monotonic() >= deadline:
+                missing = os.path.join(base, pending[0].path)
+                raise NotVisibleError(f"{len(pending)} object(s) of this checkpoint are missing or have the wrong "
+                                      f"size after {timeout:.0f} s, e.g. {missing}: a writer failed.", path=missing)
+            time.sleep(delay)
+            delay = min(delay * 2, 1.0)
+
+    def write_manifest(self, staging: str, manifest: Manifest) -> None:
+        """Record the intent to commit (in the index, under this job's epoch); the manifest itself is the
+        commit object, created by publish()."""
+        name = CheckpointName(manifest.step, manifest.version)
+        entry = IndexEntry(manifest.step, manifest.version, manifest.attempt, "pending", self.epoch or 0)
+
+        def intend(index: Index) -> bool:
+            for e in index.entries:
+                if e.state == "pending" and e.attempt != manifest.attempt:
+                    self._settle(e, index)  # an earlier failed save of this job
+            found = index.find(name)
+            if found is not None:
+                if found.attempt == manifest.attempt:
+                    return False  # our own intent, recorded by a try whose answer was lost
+                raise CheckpointError(f"{name.dirname} in {self.path} is already taken by attempt "
+                                      f"{found.attempt} ({found.state})", path=self.commit_path(name))
+            index.entries.append(entry)
+            return True
+
+        self.update_index(intend, f"record the commit of {name.dirname}")
+        self._to_publish[name] = manifest.to_json()
+
+    def publish(self, staging: str, name: CheckpointName) -> None:
+        """The commit point: the manifest created at its step's key only if nothing is there yet."""
+        data = self._to_publish.pop(name)
+        commit = self.commit_path(name)
+        if not self.storage.create_exclusive(commit, data):
+            if self._is_tombstone(commit):
+                raise LeaseLostError(
+                    f"{name.dirname} was not committed: another job took over {self.path} while this one "
+                    "stalled, and aborted this attempt (a tombstone holds its commit key).", path=commit)
+            raise CheckpointError(f"{commit} appeared while this save was in progress: another writer committed "
+                                  f"{name.dirname} first on {self.path}", path=commit)
+
+        def mark(index: Index) -> bool:
+            e = index.find(name)
+            if e is None or e.attempt != self._attempt_of(data):
+                raise CheckpointError(f"{name.dirname} is committed but its index entry vanished", path=commit)
+            if e.state == "committed":
+                return False  # adopted meanwhile, or our own retried update
+            e.state, e.seq = "committed", index.next_seq
+            index.next_seq += 1
+            return True
+
+        # If a newer job fenced this one off between the create and here, this raises LeaseLostError;
+        # the commit object is ours and the new holder adopts it when it settles pending intents.
+        self.update_index(mark, f"index the commit of {name.dirname}")
+
+    @staticmethod
+    def _attempt_of(manifest_bytes: bytes) -> str:
+        return Manifest.from_json(manifest_bytes, "MANIFEST.json").attempt
+
+    def fence_staging(self) -> None:
+        pass  # object stores fence through the index epoch, after the lease is taken (after_lease)
+
+    def retire(self, path: str) -> str | None:
+        """A committed checkpoint: out of the index first, then its commit object; its data prefix is
+        returned for removal. Anything else (an attempt's prefix) is returned as is."""
+        rel = _rel(path, self.path)
+        name = CheckpointName.parse(rel) if rel is not None and "/" not in rel else None
+        if name is None:
+            return path
+        removed: list[IndexEntry] = []
+
+        def unindex(index: Index) -> bool:
+            removed.clear()
+            e = index.find(name)
+            if e is None:
+                return False
+            removed.append(e)
+            index.entries.remove(e)
+            return True
+
+        self.update_index(unindex, f"retire {name.dirname}")
+        if not removed:
+            return None
+        self.storage.delete(self.commit_path(name))
+        return self.staging_dir(name.step, removed[0].attempt)
+
+    def invalidate(self, path: str) -> None:
+        retired = self.retire(path)
+        if retired is not None:
+            self.storage.remove_tree(retired)
+
+    def garbage(self, keep_attempts: frozenset[str] = frozenset(), min_probe_age_s: float = 600.0) -> Garbage:
+        """Attempts no index entry names (a listing finds candidates; the index, read after the listing,
+        decides: a stale listing can only hide garbage, never offer a committed checkpoint's data),
+        attempts with multipart uploads left open, old probes, superseded versions."""
+        staging_root = self.storage.path(layout.STAGING)
+        candidates = set(self.storage.listdir(staging_root))
+        store = _as_object_store(self.storage)
+        uploads = store.uploads_in_progress(staging_root) if store is not None else []
+        for upload_path, _ in uploads:
+            candidates.add(_attempt_dir(upload_path, staging_root))
+        index, _ = self.read_index()
+        live = {e.attempt for e in index.entries if e.state != "aborted"} | set(keep_attempts)
+        staging = []
+        for entry in sorted(candidates):
+            parsed = layout.parse_staging(entry)
+            if parsed is None or parsed[1] not in live:
+                staging.append(self.storage.path(layout.STAGING, entry))
+        # Uploads left open inside live attempts (a retried completion, a killed writer): abort them too.
+        # A committed attempt's objects are complete; the current attempt has completed before this runs.
+        if store is not None:
+            for upload_path, upload_id in uploads:
+                parsed = layout.parse_staging(_attempt_dir(upload_path, staging_root))
+                if parsed is not None and parsed[1] in live and parsed[1] not in keep_attempts:
+                    store.abort_upload(upload_path, upload_id)
+        base = super().garbage(keep_attempts=frozenset(), min_probe_age_s=min_probe_age_s)
+        return Garbage(staging, [], base.probes, base.superseded)
+
+
+def _rel(path: str, base: str) -> str | None:
+    """``path`` relative to ``base`` (URLs are not normalised the way os.path would)."""
+    return path[len(base) + 1:] if path.startswith(base.rstrip("/") + "/") else None
+
+
+def _attempt_dir(path: str, staging_root: str) -> str:
+    return (_rel(path, staging_root) or "").split("/", 1)[0]
+
+
+def _is_object_store(storage: StorageBackend) -> bool:
+    return callable(getattr(storage, "uploads_in_progress", None))
+
+
+def _as_object_store(storage: StorageBackend) -> ObjectStore | None:
+    return cast("ObjectStore", storage) if _is_object_store(storage) else None
+
+
+def open_root(storage: StorageBackend) -> CheckpointRoot:
+    """The root for a backend: commit by rename where there are directories, by conditional create elsewhere."""
+    return CheckpointRoot(storage) if storage.has_directories else ObjectStoreRoot(storage)

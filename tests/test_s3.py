@@ -1,0 +1,452 @@
+"""s3:// roots against a real S3 HTTP endpoint on loopback: moto's server behind a fault-injecting proxy.
+
+Nothing here leaves 127.0.0.1: the bed sets AWS_ENDPOINT_URL to the proxy and
+dummy credentials, and turns off the instance-metadata lookup.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("boto3")
+pytest.importorskip("moto")
+
+import ckptguard
+from ckptguard import (
+    BucketNotFoundError,
+    Checkpointer,
+    CheckpointError,
+    LeaseLostError,
+    StoragePermissionError,
+    UnsupportedStorageError,
+    WrongRegionError,
+)
+from ckptguard.protocol.layout import CheckpointName
+from ckptguard.protocol.manifest import Manifest
+from ckptguard.protocol.objstore import INDEX, ObjectStoreRoot
+from ckptguard.storage import open_storage
+from ckptguard.storage.s3 import S3Storage, _Clients
+
+from tests.support.beds.s3 import S3Bed, canned_denied, canned_wrong_region, s3_bed
+from tests.support.jobs import JobResult, run_job
+from tests.support.results import job_results
+
+REPO = Path(__file__).resolve().parent.parent
+WORKER = REPO / "tests" / "workers" / "s3_job.py"
+SMALL = {"part_size": 5 << 20}
+
+
+@pytest.fixture(scope="module")
+def bed() -> Iterator[S3Bed]:
+    saved = {k: os.environ.get(k) for k in ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY",
+                                            "AWS_DEFAULT_REGION", "AWS_EC2_METADATA_DISABLED", "AWS_CONFIG_FILE",
+                                            "AWS_SHARED_CREDENTIALS_FILE")}
+    with s3_bed(seed=13) as b:
+        os.environ.update(b.env())
+        try:
+            yield b
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+
+
+@pytest.fixture
+def bucket(bed: S3Bed) -> Iterator[str]:
+    bed.reset_faults()
+    name = bed.make_bucket(f"ckpt-{uuid.uuid4().hex[:12]}")
+    yield name
+    bed.reset_faults()
+
+
+def _state(step: int, n: int = 1_500_000) -> dict[str, object]:
+    return {"w": torch.arange(n, dtype=torch.float32) + step, "b": torch.full((10,), float(step)), "step": step}
+
+
+def _empty(n: int = 1_500_000) -> dict[str, object]:
+    return {"w": torch.zeros(n), "b": torch.zeros(10), "step": -1}
+
+
+def _cli(bed: S3Bed, *args: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, **bed.env(), "PYTHONPATH": str(REPO / "src")}
+    return subprocess.run([sys.executable, "-m", "ckptguard.cli", *args], capture_output=True, text=True,
+                          timeout=120, env=env)
+
+
+# -- the bed itself ---------------------------------------------------------------------------
+
+
+def test_moto_honours_conditional_writes_including_multipart_completion(bed: S3Bed, bucket: str) -> None:
+    """What the tests rely on: moto refuses If-None-Match over an existing key (PUT and completion)
+    and a stale If-Match; the proxy refuses a body whose CRC32C header does not match."""
+    from botocore.exceptions import ClientError
+
+    c = bed.client(direct=False)
+    etag = c.put_object(Bucket=bucket, Key="k", Body=b"a", IfNoneMatch="*")["ETag"]
+    for kwargs in ({"IfNoneMatch": "*"}, {"IfMatch": '"0123"'}):
+        with pytest.raises(ClientError, match="PreconditionFailed"):
+            c.put_object(Bucket=bucket, Key="k", Body=b"b", **kwargs)
+    c.put_object(Bucket=bucket, Key="k", Body=b"c", IfMatch=etag)
+    up = c.create_multipart_upload(Bucket=bucket, Key="k")["UploadId"]
+    part = c.upload_part(Bucket=bucket, Key="k", UploadId=up, PartNumber=1, Body=b"d")
+    with pytest.raises(ClientError, match="PreconditionFailed"):
+        c.complete_multipart_upload(Bucket=bucket, Key="k", UploadId=up, IfNoneMatch="*",
+                                    MultipartUpload={"Parts": [{"PartNumber": 1, "ETag": part["ETag"]}]})
+    c.abort_multipart_upload(Bucket=bucket, Key="k", UploadId=up)
+    with pytest.raises(ClientError, match="BadDigest"):
+        c.put_object(Bucket=bucket, Key="k2", Body=b"hello", ChecksumCRC32C="AAAAAA==")
+
+
+# -- storage primitives ---------------------------------------------------------------------
+
+
+def test_primitives_exclusive_create_cas_streams_and_ranged_reads(bed: S3Bed, bucket: str) -> None:
+    s = S3Storage(f"s3://{bucket}/root", SMALL)
+    p = s.path("ctl", "pointer")
+    assert s.create_exclusive(p, b"initial") and not s.create_exclusive(p, b"other")
+    data, token = s.read_versioned(p) or (b"", "")
+    assert data == b"initial"
+    # An ETag is the MD5 of the bytes: a write of identical bytes keeps it, so compare-and-swap on it is
+    # sound only where every write changes the bytes (the index, lease and `latest` always do).
+    wins: list[int] = []
+    barrier = threading.Barrier(6)
+
+    def cas(i: int) -> None:
+        barrier.wait()
+        if s.compare_and_swap(p, f"v{i}".encode(), token):
+            wins.append(i)
+
+    threads = [threading.Thread(target=cas, args=(i,)) for i in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(wins) == 1 and s.read_bytes(p) == f"v{wins[0]}".encode()
+    # a 13 MiB stream: three parts, each with its CRC32C checked by the proxy on arrival
+    blob = os.urandom(13 << 20)
+    before, bad = bed.proxy.stats.checksummed_puts, bed.proxy.stats.bad_digest
+    stream = s.open_new(s.path("data", "blob"))
+    view = memoryview(blob)
+    for i in range(0, len(blob), 3 << 20):
+        stream.write([view[i:i + (3 << 20)]])
+    stream.sync()
+    stream.close()
+    assert bed.proxy.stats.checksummed_puts - before >= 3 and bed.proxy.stats.bad_digest == bad
+    with pytest.raises(FileExistsError):  # one writer per path
+        again = s.open_new(s.path("data", "blob"))
+        again.write([memoryview(b"x")])
+        again.sync()
+    handle = s.open_read(s.path("data", "blob"))
+    out = [bytearray(7 << 20), bytearray(4 << 20)]  # a read across part boundaries, into two buffers
+    handle.read_into([memoryview(b) for b in out], 1 << 20)
+    assert bytes(out[0]) + bytes(out[1]) == blob[1 << 20:12 << 20]
+    with pytest.raises(ckptguard.CorruptCheckpointError, match="truncated"):
+        handle.read_into([memoryview(bytearray(10))], len(blob) - 5)
+    assert s.sizes_in(s.path("data")) == {"blob": len(blob)}
+    assert bed.open_uploads(bucket) == []
+
+
+def test_a_conditional_write_retried_after_a_5xx_that_landed_counts_as_ours(bed: S3Bed, bucket: str) -> None:
+    """The proxy applies requests but answers 500: botocore retries, the retry gets 412 from its own first
+    try, and the backend reads back and finds its own bytes (small objects) or its token (streams)."""
+    s = S3Storage(f"s3://{bucket}/r", SMALL)
+    s.ensure_ready()
+    bed.proxy.fail_rate = 0.3
+    bed.proxy.kinds = ["500-after"]
+    injected = bed.proxy.stats.injected
+    for i in range(6):
+        assert s.create_exclusive(s.path(f"small-{i}"), f"body {i}".encode())
+        stream = s.open_new(s.path(f"big-{i}"))
+        stream.write([memoryview(os.urandom(6 << 20))])
+        stream.sync()
+        stream.close()
+    bed.proxy.fail_rate = 0.0
+    assert bed.proxy.stats.injected - injected >= 3
+    assert not s.create_exclusive(s.path("small-0"), b"someone else")
+
+
+# -- Checkpointer on s3:// -------------------------------------------------------------------
+
+
+def test_save_load_retention_ls_and_verify_on_s3(bed: S3Bed, bucket: str) -> None:
+    root = f"s3://{bucket}/run"
+    with Checkpointer(root, keep_last=2, storage_options=SMALL) as ck:
+        for step in range(4):
+            ck.save(step, _state(step))
+        assert ck.steps() == [2, 3] and ck.latest() == 3
+        out = _empty()
+        assert ck.load(out) == 3 and torch.equal(out["w"], _state(3)["w"]) and out["step"] == 3  # type: ignore[arg-type]
+        with pytest.raises(ckptguard.StepExistsError):
+            ck.save(3, _state(3))
+        ck.save(3, _state(30), overwrite=True)  # a new version of the step, committed atomically
+        assert ck.load(out) == 3 and out["step"] == 30
+    keys = bed.keys(bucket, "run/")
+    assert "run/step-00000003.v2/MANIFEST.json" in keys and "run/step-00000000/MANIFEST.json" not in keys
+    assert not [k for k in keys if "step-00000000." in k]  # retired data removed too
+    index = json.loads(bed.client().get_object(Bucket=bucket, Key=f"run/{INDEX}")["Body"].read())
+    committed = [(e["step"], e["version"], e["seq"]) for e in index["entries"] if e["state"] == "committed"]
+    assert [c[:2] for c in committed] == [(2, 1), (3, 2)] and committed[0][2] < committed[1][2]
+    assert bed.open_uploads(bucket) == []
+    ls = _cli(bed, "ls", root, "--json")
+    assert ls.returncode == 0, ls.stderr
+    listing = json.loads(ls.stdout)
+    assert [(c["step"], c["version"], c["latest"]) for c in listing["checkpoints"]] == [(2, 1, False), (3, 2, True)]
+    assert listing["attempts"] == []
+    ver = _cli(bed, "verify", root, "--json")
+    assert ver.returncode == 0, ver.stdout + ver.stderr
+    assert json.loads(ver.stdout)["safe_to_resume"] == 3
+    # bit rot in the newest checkpoint: verify says so, load falls back to step 2
+    m = Manifest.from_json(bed.client().get_object(Bucket=bucket, Key="run/step-00000003.v2/MANIFEST.json")
+                           ["Body"].read(), "m")
+    victim = f"run/.ckptguard/staging/step-00000003.{m.attempt}/{m.files[0].path}"
+    blob = bytearray(bed.client().get_object(Bucket=bucket, Key=victim)["Body"].read())
+    blob[100] ^= 0xFF
+    bed.client().put_object(Bucket=bucket, Key=victim, Body=bytes(blob))
+    ver = _cli(bed, "verify", root, "--json")
+    assert ver.returncode == 1 and json.loads(ver.stdout)["safe_to_resume"] == 2
+    with Checkpointer(root, read_only=True) as ck, pytest.warns(UserWarning, match="corrupt"):
+        assert ck.load(out) == 2 and out["step"] == 2
+
+
+def test_background_saves_and_files_artifacts_on_s3(bed: S3Bed, bucket: str, tmp_path: Path) -> None:
+    offload = tmp_path / "offload"
+    (offload / "sub").mkdir(parents=True)
+    (offload / "state.bin").write_bytes(os.urandom(70_000))
+    (offload / "sub" / "meta.txt").write_text("rank 0\n")
+    want = {p.relative_to(offload): p.read_bytes() for p in offload.rglob("*") if p.is_file()}
+    with Checkpointer(f"s3://{bucket}/bg", keep_last=2, storage_options=SMALL) as ck:
+        for step in range(3):
+            ck.save(step, _state(step, 200_000), files={"offload": offload}, blocking=False)
+        ck.wait()
+        assert ck.steps() == [1, 2]
+        for p in offload.rglob("*"):
+            if p.is_file():
+                p.unlink()
+        out = _empty(200_000)
+        assert ck.load(out, files={"offload": offload}) == 2 and out["step"] == 2
+    assert {p.relative_to(offload): p.read_bytes() for p in offload.rglob("*") if p.is_file()} == want
+
+
+def test_retention_deletes_the_commit_object_before_the_data(bed: S3Bed, bucket: str) -> None:
+    root = f"s3://{bucket}/ret"
+    with Checkpointer(root, keep_last=1, storage_options=SMALL) as ck:
+        ck.save(1, _state(1, 1000))
+        start = len(bed.proxy.stats.log)
+        ck.save(2, _state(2, 1000))
+    log = bed.proxy.stats.log[start:]
+    commit_delete = next(i for i, (m, p, q, _) in enumerate(log) if m == "DELETE" and p.endswith(
+        "ret/step-00000001/MANIFEST.json"))
+    data_delete = next(i for i, (m, p, q, _) in enumerate(log) if m == "POST" and q.startswith("delete"))
+    index_puts = [i for i, (m, p, q, _) in enumerate(log) if m == "PUT" and p.endswith(INDEX)]
+    assert max(i for i in index_puts if i < commit_delete) < commit_delete < data_delete
+
+
+def test_a_stale_listing_changes_no_load_or_commit_decision(bed: S3Bed, bucket: str) -> None:
+    """Listings hide every key written in the last hour: saves, loads, steps, latest and retention are
+    unchanged (they go through the index and GETs); only garbage collection finds less."""
+    root = f"s3://{bucket}/stale"
+    bed.proxy.hide_listing_s = 3600
+    with Checkpointer(root, keep_last=2, storage_options=SMALL) as ck:
+        for step in range(4):
+            ck.save(step, _state(step, 100_000))
+        assert ck.steps() == [2, 3] and ck.steps(refresh=True) == [2, 3]
+        out = _empty(100_000)
+        assert ck.load(out) == 3 and out["step"] == 3
+    with Checkpointer(root, read_only=True) as ck:
+        assert ck.steps() == [2, 3]
+        assert ck.load(out) == 3
+    bed.proxy.hide_listing_s = 0
+    for step in (2, 3):  # committed data intact
+        assert [k for k in bed.keys(bucket, "stale/.ckptguard/staging/") if f"step-0000000{step}." in k]
+
+
+def test_a_store_that_ignores_conditional_writes_is_refused(bed: S3Bed, bucket: str) -> None:
+    bed.proxy.strip_conditions = True
+    _Clients.ready.clear()
+    try:
+        with pytest.raises(UnsupportedStorageError, match="ignores conditional writes"):
+            Checkpointer(f"s3://{bucket}/unsafe")
+        assert not [k for k in bed.keys(bucket) if "step-" in k]
+    finally:
+        _Clients.ready.clear()
+
+
+def test_missing_bucket_access_denied_and_wrong_region_are_typed(bed: S3Bed, bucket: str) -> None:
+    with pytest.raises(BucketNotFoundError, match="does not exist"):
+        Checkpointer(f"s3://no-such-bucket-{uuid.uuid4().hex[:8]}/x")
+    bed.proxy.canned["denied-bucket"] = canned_denied()
+    bed.proxy.canned["far-bucket"] = canned_wrong_region("eu-west-3")
+    with pytest.raises(StoragePermissionError, match="access denied"):
+        Checkpointer("s3://denied-bucket/x")
+    with pytest.raises(WrongRegionError, match="eu-west-3"):
+        Checkpointer("s3://far-bucket/x")
+    for bad in ("gs://bucket/run", "hf://org/model"):
+        with pytest.raises(UnsupportedStorageError, match="s3://"):
+            Checkpointer(bad)
+    ls = _cli(bed, "ls", f"s3://no-such-bucket-{uuid.uuid4().hex[:8]}/x")
+    assert ls.returncode == 2 and "does not exist" in ls.stderr
+
+
+def test_save_file_and_load_file_accept_s3_paths(bed: S3Bed, bucket: str) -> None:
+    obj = {"w": torch.randn(300, 300), "n": 3}
+    ckptguard.save_file(obj, f"s3://{bucket}/files/model.pt")
+    got = ckptguard.load_file(f"s3://{bucket}/files/model.pt")
+    assert torch.equal(got["w"], obj["w"]) and got["n"] == 3
+    raw = bytearray(bed.client().get_object(Bucket=bucket, Key="files/model.pt")["Body"].read())
+    raw[200] ^= 1
+    bed.client().put_object(Bucket=bucket, Key="files/model.pt", Body=bytes(raw))
+    with pytest.raises(ckptguard.CorruptCheckpointError):
+        ckptguard.load_file(f"s3://{bucket}/files/model.pt")
+    with pytest.raises(CheckpointError, match="does not exist"):
+        ckptguard.load_file(f"s3://{bucket}/files/nothing.pt")
+
+
+# -- fencing between jobs, at the level of the index ---------------------------------------------
+
+
+def _manifest(step: int, version: int, attempt: str) -> Manifest:
+    return Manifest(step=step, version=version, attempt=attempt, created_at=time.time(), world_size=1,
+                    domain_index=0, domain_count=1, domain_ranks=[0], hosts=["h"], checksum_algorithm="crc32c",
+                    dcp={}, files=[], items=[])
+
+
+def test_a_takeover_aborts_a_stalled_attempt_or_adopts_its_commit(bed: S3Bed, bucket: str) -> None:
+    url = f"s3://{bucket}/fence"
+    first, second, third = (ObjectStoreRoot(open_storage(url)) for _ in range(3))
+    first.after_lease()
+    # job 1 recorded its intent for step 6 and created the commit object, then stalled before indexing it
+    first.write_manifest("", _manifest(6, 1, "a" * 32))
+    assert first.storage.create_exclusive(first.commit_path(CheckpointName(6)), first._to_publish[CheckpointName(6)])
+    second.after_lease()  # takes over: adopts step 6 (committed: nothing is lost)
+    assert second.committed() == [CheckpointName(6)]
+    # job 2 recorded its intent for step 7 and stalled before creating the commit object
+    second.write_manifest("", _manifest(7, 1, "b" * 32))
+    third.after_lease()  # takes over: a tombstone takes step 7's commit key
+    assert third.committed() == [CheckpointName(6)]
+    assert third.versions(7) == [1]  # taken: a new save of step 7 uses version 2
+    with pytest.raises(LeaseLostError, match="aborted this attempt"):
+        second.publish("", CheckpointName(7))  # resumed: its conditional create finds the tombstone
+    with pytest.raises(LeaseLostError, match="another job took over"):
+        first.write_manifest("", _manifest(8, 1, "c" * 32))
+    with pytest.raises(LeaseLostError):
+        second.retire(second.dir(CheckpointName(6)))
+    assert third.committed() == [CheckpointName(6)]
+
+
+# -- several processes ---------------------------------------------------------------------------
+
+
+def _results(job: JobResult) -> list[dict[str, object]]:
+    return job_results(job)
+
+
+def _run(bed: S3Bed, *args: str, nproc: int = 4, timeout: float = 240, extra: dict[str, str] | None = None
+         ) -> JobResult:
+    env = {**bed.env(), "PYTHONPATH": f"{REPO / 'src'}:{REPO}", **(extra or {})}
+    return run_job(WORKER, args, nnodes=1, nproc_per_node=nproc, env=env, timeout=timeout)
+
+
+def test_four_ranks_save_and_load_on_s3(bed: S3Bed, bucket: str) -> None:
+    bad = bed.proxy.stats.bad_digest
+    job = _run(bed, "roundtrip", "--root", f"s3://{bucket}/four", "--count", "2", "--keep-last", "1",
+               "--elems", str(3 << 19))  # 6 MiB per rank: multipart uploads (5 MiB parts), parallel ranged reads
+    assert job.ok, job.output()
+    done = [r for r in _results(job) if "loaded" in r]
+    assert len(done) == 4 and all(r["loaded"] == 1 and r["steps"] == [1] for r in done)
+    assert bed.proxy.stats.bad_digest == bad and bed.open_uploads(bucket) == []
+
+
+@pytest.mark.slow
+def test_faults_5xx_slow_and_a_rank_killed_mid_upload(bed: S3Bed, bucket: str) -> None:
+    """5 % of requests answered 500/503 (before or after applying them) or slow; then rank 1 is killed in the
+    middle of its upload: nothing corrupt is committed, nothing committed is lost, and the next save aborts
+    the orphaned multipart uploads."""
+    root = f"s3://{bucket}/faults"
+    elems = str(3 << 19)  # 6 MiB per rank: two parts
+    bed.proxy.fail_rate = 0.05
+    job = _run(bed, "roundtrip", "--root", root, "--count", "2", "--elems", elems, nproc=2)
+    assert job.ok, job.output()
+    assert bed.proxy.stats.injected > 0
+    bed.proxy.fail_rate = 0.0
+    killed = _run(bed, "roundtrip", "--root", root, "--count", "1", "--elems", elems, "--fault-step", "2",
+                  "--fault", "mid_write:1:kill", nproc=2, timeout=180)
+    assert not killed.ok
+    assert bed.open_uploads(bucket), "the killed rank should have left a multipart upload open"
+    with Checkpointer(root, read_only=True) as ck:
+        assert ck.steps() == [0, 1]
+    resumed = _run(bed, "roundtrip", "--root", root, "--count", "1", "--elems", elems, nproc=2)
+    assert resumed.ok, resumed.output()
+    assert {r["resumed_from"] for r in _results(resumed) if "loaded" in r} == {1}
+    assert bed.open_uploads(bucket) == []
+    ver = _cli(bed, "verify", root, "--json")
+    assert ver.returncode == 0, ver.stdout
+    assert [c["step"] for c in json.loads(ver.stdout)["checked"]] == [0, 1, 2]
+
+
+def _wait_stopped(pid: int, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] == "T":
+                    return
+        except OSError:
+            pass
+        time.sleep(0.2)
+    raise AssertionError(f"rank 0 (pid {pid}) did not stop itself")
+
+
+def test_a_job_stalled_mid_commit_loses_to_the_job_that_took_over(bed: S3Bed, bucket: str, tmp_path: Path) -> None:
+    """Job A stops (SIGSTOP) just before committing step 2; its lease expires; job B takes over, saves steps 2
+    and 3; A is resumed. Exactly one commit of step 2 wins (B's), A raises, latest stays at 3."""
+    root = f"s3://{bucket}/stall"
+    holder: dict[str, JobResult] = {}
+
+    def run_a() -> None:
+        holder["a"] = _run(bed, "stall", "--root", root, "--scratch", str(tmp_path), "--lease-ttl", "2",
+                           "--tag", "1", nproc=2, timeout=300)
+
+    a = threading.Thread(target=run_a)
+    a.start()
+    try:
+        deadline = time.monotonic() + 120
+        while not (tmp_path / "pid-0").exists() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        pid = int((tmp_path / "pid-0").read_text())
+        _wait_stopped(pid, 120)
+        b = _run(bed, "takeover", "--root", root, "--tag", "2", nproc=2)
+        assert b.ok, b.output()
+        assert {tuple(r["steps"]) for r in _results(b) if "steps" in r} == {(1, 2, 3)}  # type: ignore[arg-type]
+    finally:
+        with_pid = tmp_path / "pid-0"
+        if with_pid.exists():
+            os.kill(int(with_pid.read_text()), signal.SIGCONT)
+        a.join(timeout=300)
+    job_a = holder["a"]
+    errors = [r for r in _results(job_a) if "error" in r]
+    assert len(errors) == 2 and {r["error_class"] for r in errors} == {"LeaseLostError"}, job_a.output()
+    assert any("aborted this attempt" in str(r["error"]) for r in errors), errors
+    assert not [r for r in _results(job_a) if r.get("saved") == 2]
+    with Checkpointer(root, read_only=True) as ck:
+        assert ck.steps() == [1, 2, 3]
+        out = {"model": {"w": torch.zeros(256, 256), "b": torch.zeros(256)}, "step": -1, "tag": -1}
+        assert ck.load(out, step=2, strict=False) == 2 and out["tag"] == 2  # B's step 2, not A's
+    latest = json.loads(bed.client().get_object(Bucket=bucket, Key="stall/latest")["Body"].read())
+    assert latest["step"] == 3
+    index = json.loads(bed.client().get_object(Bucket=bucket, Key=f"stall/{INDEX}")["Body"].read())
+    step2 = [(e["version"], e["state"]) for e in index["entries"] if e["step"] == 2]
+    assert sorted(step2) == [(1, "aborted"), (2, "committed")]
