@@ -29,7 +29,7 @@ from ckptguard.protocol import artifacts
 from ckptguard.protocol import load as load_protocol
 from ckptguard.protocol import save as save_protocol
 from ckptguard.protocol.artifacts import ArtifactTarget
-from ckptguard.protocol.decisions import Listing
+from ckptguard.protocol.decisions import Listing, commit_order
 from ckptguard.protocol.session import Options, Session, open_session
 from ckptguard.protocol.timing import PhaseTimer, gc_paused
 from ckptguard.protocol.topology import Topology
@@ -112,7 +112,11 @@ class Checkpointer:
         return self._session.topo
 
     def steps(self, *, refresh: bool = False) -> list[int]:
-        """Committed steps, oldest first, agreed by all ranks (committed in every storage domain).
+        """Committed steps in commit order (the last one was committed last: the one load() resumes),
+        agreed by all ranks (committed in every storage domain).
+
+        Commit order is not step order after a rollback: ``load(step=100)`` and a
+        save of step 110 while 200 and 300 exist give ``[100, 200, 300, 110]``.
 
         Not collective: the answer is the one agreed at construction and updated by
         every save and load, so rank 0 alone may call it for logging. While this
@@ -122,10 +126,10 @@ class Checkpointer:
         if refresh:
             self.wait()
             self._committed = save_protocol.agreed_current(self._session)
-        return sorted(self._committed)
+        return commit_order(self._committed)
 
     def latest(self, *, refresh: bool = False) -> int | None:
-        """The newest committed step, or None (see steps() for when this is collective)."""
+        """The step committed last, or None (see steps() for when this is collective)."""
         steps = self.steps(refresh=refresh)
         return steps[-1] if steps else None
 
@@ -199,7 +203,7 @@ class Checkpointer:
     ) -> int | None:
         """Load a committed checkpoint into ``state`` in place; returns its step, or None if there is none.
 
-        With ``step=None`` the newest committed checkpoint is loaded; if it turns
+        With ``step=None`` the checkpoint committed last is loaded; if it turns
         out corrupt, older ones are tried, with a warning. Loading at a different
         world size reshards.
         """
@@ -210,10 +214,10 @@ class Checkpointer:
             if step not in current:
                 raise StepNotFoundError(
                     f"step {step} is not a committed checkpoint in {self.root}; committed steps: "
-                    f"{sorted(current) or 'none'}")
+                    f"{commit_order(current) or 'none'}")
             candidates = [step]
         else:
-            candidates = sorted(current, reverse=True)
+            candidates = list(reversed(commit_order(current)))
         show = (self.progress if progress is None else progress) and self._comm.rank == 0
         with gc_paused():
             loaded, stats = load_protocol.load_first_intact(self._session, candidates, current, state, files,

@@ -54,7 +54,7 @@ def load_first_intact(session: Session, candidates: list[int], current: Listing,
     for s in candidates:
         stats = PhaseTimer(show_progress)
         try:
-            load_one(session, CheckpointName(s, current[s]), state, files, strict, stats)
+            load_one(session, CheckpointName(s, current[s].version), current[s].seq, state, files, strict, stats)
             return s, stats
         except BaseException as e:
             if not fallback or not falls_back(e):
@@ -68,8 +68,8 @@ def load_first_intact(session: Session, candidates: list[int], current: Listing,
     return None, None
 
 
-def load_one(session: Session, name: CheckpointName, state: Mapping[str, Any], files: Mapping[str, Any] | None,
-             strict: bool, stats: PhaseTimer) -> None:
+def load_one(session: Session, name: CheckpointName, seq: int | None, state: Mapping[str, Any],
+             files: Mapping[str, Any] | None, strict: bool, stats: PhaseTimer) -> None:
     comm, topo, root = session.comm, session.topo, session.root
     started = time.perf_counter()
     raw: bytes | None = None
@@ -90,13 +90,15 @@ def load_one(session: Session, name: CheckpointName, state: Mapping[str, Any], f
         stop_prefetch = session.storage.prefetch(os.path.join(root.dir(name), os.path.dirname(prefix)),
                                                  os.path.basename(prefix))
     try:
-        _load_from_manifest(session, name, raw, read_error, state, files, strict, stats, started, stop_prefetch)
+        _load_from_manifest(session, name, seq, raw, read_error, state, files, strict, stats, started,
+                            stop_prefetch)
     finally:
         if stop_prefetch is not None:
             stop_prefetch()
 
 
-def _load_from_manifest(session: Session, name: CheckpointName, raw: bytes | None, read_error: BaseException | None,
+def _load_from_manifest(session: Session, name: CheckpointName, seq: int | None, raw: bytes | None,
+                        read_error: BaseException | None,
                         state: Mapping[str, Any], files: Mapping[str, Any] | None, strict: bool, stats: PhaseTimer,
                         started: float, on_planned: Callable[[], None] | None) -> None:
     comm, topo, root = session.comm, session.topo, session.root
@@ -105,7 +107,7 @@ def _load_from_manifest(session: Session, name: CheckpointName, raw: bytes | Non
         if read_error is not None:
             raise read_error
         assert raw is not None
-        manifest = root.parse_manifest(name, raw)
+        manifest = root.parse_manifest(name, raw, seq)
         if topo.is_leader:
             root.check_files(name, manifest)
         return manifest
