@@ -1,5 +1,6 @@
-"""Issue 10, holes 1, 2 and 8: committed checkpoints are never lost, commit order is not step order, a
-stalled job cannot touch a root another job took over. Each test failed before its fix."""
+"""Issue 10, holes 1, 2, 3, 8 and 10: committed checkpoints are never lost, loads never tear the caller's
+state, a stalled job cannot touch a root another job took over, and a reader is never told that a
+retired checkpoint is corrupt. Each test failed before its fix."""
 
 from __future__ import annotations
 
@@ -13,8 +14,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch import nn
 
-from ckptguard import Checkpointer
+import ckptguard
+from ckptguard import Checkpointer, CorruptCheckpointError
 from ckptguard.checksum import checksum
 from ckptguard.verify import list_root
 
@@ -147,6 +150,126 @@ def test_latest_never_moves_backwards_in_commit_order(tmp_path: Path) -> None:
         ck.save(100, _w(100))  # committed after 300: the pointer follows commit order
         assert json.loads((root / "latest").read_text())["dir"] == "step-00000100"
         assert ck.latest() == 100
+
+
+# -- hole 3: a failed load leaves the caller's state as it was --------------------------------------
+
+
+def _flip_item(root: Path, step: int, fqn: str) -> None:
+    step_dir = root / f"step-{step:08d}"
+    body = json.loads((step_dir / "MANIFEST.json").read_text())["body"]
+    (row,) = [r for r in body["items"] if r[0] == fqn]
+    path = step_dir / body["files"][row[2]][0]
+    data = bytearray(path.read_bytes())
+    data[row[3] + row[4] - 1] ^= 0x01  # the last byte of the item
+    path.write_bytes(bytes(data))
+
+
+def _snapshot(state: dict) -> dict:
+    out = {}
+    for k, v in state.items():
+        if isinstance(v, nn.Module):
+            out[k] = {n: t.detach().clone() for n, t in v.state_dict().items()}
+        elif isinstance(v, torch.Tensor):
+            out[k] = v.clone()
+        else:
+            out[k] = json.loads(json.dumps(v))
+    return out
+
+
+def _same_bits(a: object, b: object) -> bool:
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_same_bits(a[k], b[k]) for k in a)
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape and \
+            bytes(a.contiguous().view(torch.uint8).numpy()) == bytes(b.contiguous().view(torch.uint8).numpy())
+    return a == b
+
+
+def _model(seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 8))
+
+
+def test_a_corrupt_load_leaves_the_callers_state_untouched(tmp_path: Path) -> None:
+    root = tmp_path / "ckpt"
+    with Checkpointer(root) as ck:
+        ck.save(1, {"model": _model(1), "a": torch.arange(1000.0), "b": torch.ones(3000), "meta": {"n": 1}})
+        _flip_item(root, 1, "b")  # every other item of the checkpoint is intact and read first or alongside
+        state = {"model": _model(7), "a": torch.full((1000,), -1.0), "b": torch.full((3000,), -2.0),
+                 "meta": {"n": -1}}
+        before = _snapshot(state)
+        with pytest.raises(CorruptCheckpointError):
+            ck.load(state, step=1)
+        assert _same_bits(_snapshot(state), before)
+
+
+def test_a_fallback_load_leaves_no_byte_of_the_rejected_checkpoint(tmp_path: Path) -> None:
+    """strict=False and the fallback to an older step: a key that only the rejected (newer) checkpoint
+    holds keeps the caller's own value, not the rejected checkpoint's bytes."""
+    root = tmp_path / "ckpt"
+    with Checkpointer(root) as ck:
+        ck.save(1, {"a": torch.full((4000,), 1.0)})
+        ck.save(2, {"a": torch.full((4000,), 2.0), "b": torch.full((5000,), 2.0), "c": torch.full((100,), 2.0)})
+        _flip_item(root, 2, "a")
+        state = {"a": torch.zeros(4000), "b": torch.full((5000,), -7.0), "c": torch.full((100,), -7.0)}
+        with pytest.warns(UserWarning, match=r"step 2 .* is corrupt"):
+            assert ck.load(state, strict=False) == 1
+        assert torch.equal(state["a"], torch.full((4000,), 1.0))
+        assert torch.equal(state["b"], torch.full((5000,), -7.0)) and torch.equal(state["c"], torch.full((100,), -7.0))
+
+
+def test_a_load_larger_than_the_memory_cap_still_verifies_before_it_writes(tmp_path: Path) -> None:
+    """Beyond load_memory_bytes the checkpoint is verified in a first pass and read into place in a
+    second: a corrupt item still leaves the state untouched."""
+    root = tmp_path / "ckpt"
+    with Checkpointer(root, load_memory_bytes=4096) as ck:
+        ck.save(1, {"a": torch.arange(20_000.0), "b": torch.ones(20_000)})
+        state = {"a": torch.zeros(20_000), "b": torch.zeros(20_000)}
+        assert ck.load(state) == 1 and torch.equal(state["a"], torch.arange(20_000.0))
+        _flip_item(root, 1, "b")
+        state = {"a": torch.zeros(20_000), "b": torch.zeros(20_000)}
+        with pytest.raises(CorruptCheckpointError):
+            ck.load(state, step=1)
+        assert not state["a"].any() and not state["b"].any()
+
+
+# -- hole 10: retention under a concurrent reader ----------------------------------------------------
+
+
+def _retire_while_reading(monkeypatch: pytest.MonkeyPatch, reader: Checkpointer, writer: Checkpointer,
+                          step: int) -> None:
+    """The first data file the reader opens triggers the writer's next save (keep_last=1 retires
+    what the reader is reading)."""
+    storage = reader._session.storage
+    original = storage.open_read
+    fired = []
+
+    def open_read(path: str):  # type: ignore[no-untyped-def]
+        if not fired and "/data/" in path:
+            fired.append(path)
+            writer.save(step, _w(step))
+        return original(path)
+
+    monkeypatch.setattr(storage, "open_read", open_read)
+
+
+def test_a_reader_whose_checkpoint_is_retired_loads_the_newest(tmp_path: Path, monkeypatch) -> None:
+    root = tmp_path / "ckpt"
+    writer = Checkpointer(root, keep_last=1)
+    writer.save(1, _w(1))
+    reader = Checkpointer(root, read_only=True)
+    _retire_while_reading(monkeypatch, reader, writer, 2)
+    out = {"w": torch.zeros(16)}
+    assert reader.load(out) == 2 and torch.equal(out["w"], _w(2)["w"])
+    monkeypatch.undo()
+    _retire_while_reading(monkeypatch, reader, writer, 3)
+    out = {"w": torch.zeros(16)}
+    with pytest.raises(ckptguard.StepRetiredError, match=r"step 2 .*retired"):
+        reader.load(out, step=2)
+    assert not out["w"].any()  # nothing of the retired checkpoint reached the caller
+    writer.close()
+    reader.close()
 
 
 # -- hole 8: a stalled job cannot touch a root another job took over --------------------------------

@@ -24,13 +24,13 @@ from ckptguard._faults import FaultPhase, fault_point
 from ckptguard.checksum import ALGORITHMS, DEFAULT_ALGORITHM
 from ckptguard.comm import default_comm, hostname
 from ckptguard.dcp.planners import forget_cached_plans
-from ckptguard.errors import CheckpointError, StepNotFoundError
+from ckptguard.errors import CheckpointError
 from ckptguard.protocol import artifacts
 from ckptguard.protocol import load as load_protocol
 from ckptguard.protocol import save as save_protocol
 from ckptguard.protocol.artifacts import ArtifactTarget
 from ckptguard.protocol.decisions import Listing, commit_order
-from ckptguard.protocol.session import Options, Session, open_session
+from ckptguard.protocol.session import DEFAULT_LOAD_MEMORY_BYTES, Options, Session, open_session
 from ckptguard.protocol.timing import PhaseTimer, gc_paused
 from ckptguard.protocol.topology import Topology
 from ckptguard.staging import HostStager, stage_files
@@ -66,6 +66,7 @@ class Checkpointer:
         checksum: str = DEFAULT_ALGORITHM,
         visibility_timeout_s: float = 60.0,
         async_budget_bytes: int | None = None,
+        load_memory_bytes: int | None = None,
         progress: bool = False,
     ) -> None:
         if keep_last is not None and keep_last < 1:
@@ -74,6 +75,8 @@ class Checkpointer:
             raise ValueError("keep_every must be >= 1")
         if checksum not in ALGORITHMS:
             raise ValueError(f"checksum must be one of {ALGORITHMS}")
+        if load_memory_bytes is not None and load_memory_bytes < 0:
+            raise ValueError("load_memory_bytes must be >= 0")
         self.keep_last = keep_last
         self.keep_every = keep_every
         self.progress = progress
@@ -82,7 +85,8 @@ class Checkpointer:
         self.checksum = checksum
         self.visibility_timeout_s = visibility_timeout_s
         storage = open_storage(root)  # refuses unknown URL schemes before any collective
-        options = Options(keep_last, keep_every, io_threads, checksum, visibility_timeout_s)
+        options = Options(keep_last, keep_every, io_threads, checksum, visibility_timeout_s,
+                          DEFAULT_LOAD_MEMORY_BYTES if load_memory_bytes is None else load_memory_bytes)
         self._session: Session = open_session(default_comm(process_group), storage, options, read_only=read_only,
                                               job_id=job_id, lease_ttl_s=lease_ttl_s, lease_wait_s=lease_wait_s)
         self._comm = self._session.comm
@@ -204,24 +208,21 @@ class Checkpointer:
         """Load a committed checkpoint into ``state`` in place; returns its step, or None if there is none.
 
         With ``step=None`` the checkpoint committed last is loaded; if it turns
-        out corrupt, older ones are tried, with a warning. Loading at a different
-        world size reshards.
+        out corrupt, older ones are tried, with a warning; if it is retired while
+        being read (a read-only job next to a writer's retention), the root is
+        listed again and the newest loaded. ``load(step=N)`` raises
+        StepRetiredError then. Loading at a different world size reshards.
+
+        A failed load leaves ``state`` (and ``files=`` destinations) exactly as
+        they were: every byte is read and verified on every rank before any of it
+        is copied into place (see ``load_memory_bytes`` in docs/performance.md).
         """
         self.wait()
         self._check_usable(writing=False)
-        current = self._committed = save_protocol.agreed_current(self._session)
-        if step is not None:
-            if step not in current:
-                raise StepNotFoundError(
-                    f"step {step} is not a committed checkpoint in {self.root}; committed steps: "
-                    f"{commit_order(current) or 'none'}")
-            candidates = [step]
-        else:
-            candidates = list(reversed(commit_order(current)))
         show = (self.progress if progress is None else progress) and self._comm.rank == 0
         with gc_paused():
-            loaded, stats = load_protocol.load_first_intact(self._session, candidates, current, state, files,
-                                                            strict, fallback=step is None, show_progress=show)
+            loaded, stats, current = load_protocol.load(self._session, step, state, files, strict, show)
+        self._committed = current
         if stats is not None:
             self.last_load_stats = stats
         return loaded

@@ -17,6 +17,11 @@ from ckptguard.protocol.root import CheckpointRoot
 from ckptguard.protocol.topology import Topology, host_domains, probe_storage_domains
 from ckptguard.storage import StorageBackend
 
+#: Per rank: what a load may hold in host memory to verify a checkpoint before it touches the
+#: caller's state in one pass; beyond it, the rest is verified first and read into place in a
+#: second pass (docs/performance.md).
+DEFAULT_LOAD_MEMORY_BYTES = 2 << 30
+
 
 @dataclass(frozen=True)
 class Options:
@@ -25,6 +30,7 @@ class Options:
     io_threads: int
     checksum: str
     visibility_timeout_s: float
+    load_memory_bytes: int = DEFAULT_LOAD_MEMORY_BYTES
 
 
 @dataclass
