@@ -49,6 +49,9 @@ class Checkpointer:
     root's lease (pass ``read_only=True`` to only load and list).
     ``process_group`` (default: all ranks, through a gloo group ckptguard
     creates) must be a gloo group if given; every member calls every method.
+    ``load_memory_bytes`` (per rank, default 256 MiB) is how much of a load is
+    verified in host memory and then copied into place; the rest is verified
+    in a first pass and read into place in a second (docs/performance.md).
     """
 
     def __init__(

@@ -51,7 +51,7 @@ _MAX_KEPT_OPEN = 256  # files of verified-only items kept open between the two p
 class GuardedReader(StorageReader):
     def __init__(self, storage: StorageBackend, checkpoint_dir: str, metadata: Metadata, algorithm: str,
                  rank: int, io_threads: int = 4, on_bytes: Callable[[int], None] | None = None,
-                 memory_bytes: int = 2 << 30) -> None:
+                 memory_bytes: int = 256 << 20) -> None:
         super().__init__()
         self.storage = storage
         self.on_bytes = on_bytes
@@ -130,10 +130,12 @@ class GuardedReader(StorageReader):
             try:
                 batch: list[tuple[_ReadJob, memoryview]] = []
                 batch_bytes = 0
+                checks: list[_ReadJob] = []  # consecutive verified-only items, read together into `chunk`
+                checks_bytes = 0
                 chunk: memoryview | None = None
 
                 def flush() -> None:
-                    nonlocal batch, batch_bytes
+                    nonlocal batch, batch_bytes, checks, checks_bytes
                     if batch:
                         fd.read_into([v for _, v in batch], batch[0][0].stored.offset)
                         for job, view in batch:
@@ -141,24 +143,40 @@ class GuardedReader(StorageReader):
                         if self.on_bytes is not None:
                             self.on_bytes(batch_bytes)
                         batch, batch_bytes = [], 0
+                    if checks:
+                        assert chunk is not None
+                        fd.read_into([chunk[:checks_bytes]], checks[0].stored.offset)
+                        pos = 0
+                        for job in checks:
+                            job.verify(chunk[pos:pos + job.stored.length], path, self.algorithm)
+                            pos += job.stored.length
+                        if self.on_bytes is not None:
+                            self.on_bytes(checks_bytes)
+                        checks, checks_bytes = [], 0
 
                 for job in file_jobs:  # in offset order
                     if job.staged:
                         view = job.allocate()
                         # Consecutive staged items: one preadv() for many of them.
-                        if batch and (len(batch) >= _MAX_IOV or batch_bytes >= 64 << 20 or
-                                      batch[-1][0].stored.offset + batch[-1][0].stored.length != job.stored.offset):
+                        if checks or (batch and (len(batch) >= _MAX_IOV or batch_bytes >= 64 << 20 or
+                                                 not _follows(batch[-1][0], job))):
                             flush()
                         batch.append((job, view))
                         batch_bytes += len(view)
                     else:
-                        flush()
-                        if chunk is None:
-                            chunk = memoryview(bytearray(min(_CHUNK, max(job.stored.length, 1))))
-                        job.verify_streaming(fd, path, self.algorithm, chunk)
                         keep = True
-                        if self.on_bytes is not None:
-                            self.on_bytes(job.stored.length)
+                        if chunk is None:
+                            chunk = memoryview(bytearray(_CHUNK))
+                        if batch or (checks and (checks_bytes + job.stored.length > _CHUNK
+                                                 or not _follows(checks[-1], job))):
+                            flush()
+                        if job.stored.length > _CHUNK:
+                            job.verify_streaming(fd, path, self.algorithm, chunk)
+                            if self.on_bytes is not None:
+                                self.on_bytes(job.stored.length)
+                        else:
+                            checks.append(job)
+                            checks_bytes += job.stored.length
                     if first[0]:
                         first[0] = False
                         flush()
@@ -202,6 +220,7 @@ class GuardedReader(StorageReader):
         """Copy what was verified into the caller's state (collectively agreed to be safe)."""
         place_object = getattr(planner, "place_object", None)
         try:
+            self._read_direct_into_place()
             for job in self._jobs:
                 if job.reqs[0].type == LoadItemType.BYTE_IO:
                     for req in job.reqs:
@@ -213,7 +232,9 @@ class GuardedReader(StorageReader):
                             buf.seek(0)
                             planner.load_bytes(req, buf)
                     continue
-                if not job.staged:
+                if job.placed:
+                    pass
+                elif not job.staged:
                     self._read_into_place(job)
                 else:
                     job.copy_into_place()
@@ -222,6 +243,42 @@ class GuardedReader(StorageReader):
                 job.release()
         finally:
             self.close()
+
+    def _read_direct_into_place(self) -> None:
+        """Verified-only items that go straight into their destinations: one preadv() for many."""
+        by_file: dict[str, list[tuple[_ReadJob, memoryview]]] = defaultdict(list)
+        for job in self._jobs:
+            if not job.staged and job.reqs[0].type != LoadItemType.BYTE_IO:
+                view = job.direct_view()
+                if view is not None:
+                    by_file[job.stored.file].append((job, view))
+        for rel, items in by_file.items():
+            batches: list[list[tuple[_ReadJob, memoryview]]] = []
+            batch_bytes = 0
+            for job, view in items:
+                if not batches or len(batches[-1]) >= _MAX_IOV or batch_bytes >= 64 << 20 \
+                        or not _follows(batches[-1][-1][0], job):
+                    batches.append([])
+                    batch_bytes = 0
+                batches[-1].append((job, view))
+                batch_bytes += len(view)
+            path = os.path.join(self.checkpoint_dir, rel)
+            fd = self._open.get(rel)
+            own = fd is None
+            if fd is None:
+                fd = self.storage.open_read(path)
+            try:
+                for batch in batches:
+                    fd.read_into([v for _, v in batch], batch[0][0].stored.offset)
+                    for job, view in batch:
+                        try:
+                            job.verify(view, path, self.algorithm)
+                        except CorruptCheckpointError as e:
+                            raise _torn(e, self.rank, path) from None
+                        job.placed = True
+            finally:
+                if own:
+                    fd.close()
 
     def _read_into_place(self, job: _ReadJob) -> None:
         path = os.path.join(self.checkpoint_dir, job.stored.file)
@@ -232,10 +289,7 @@ class GuardedReader(StorageReader):
         try:
             job.read_into_place(fd, path, self.algorithm)
         except CorruptCheckpointError as e:
-            raise TornLoadError(
-                f"{e} The same bytes were verified moments before, so the file was modified in place during "
-                "this load (ckptguard never does that). Part of this checkpoint may already be in the state "
-                "being loaded: load again.", rank=self.rank, path=path) from None
+            raise _torn(e, self.rank, path) from None
         finally:
             if own:
                 fd.close()
@@ -247,6 +301,17 @@ class GuardedReader(StorageReader):
             fd.close()
 
 
+def _follows(prev: _ReadJob, job: _ReadJob) -> bool:
+    return prev.stored.offset + prev.stored.length == job.stored.offset
+
+
+def _torn(err: CorruptCheckpointError, rank: int, path: str) -> TornLoadError:
+    return TornLoadError(
+        f"{err} The same bytes were verified moments before, so the file was modified in place during "
+        "this load (ckptguard never does that). Part of this checkpoint may already be in the state "
+        "being loaded: load again.", rank=rank, path=path)
+
+
 @dataclass
 class _ReadJob:
     stored: StoredItem
@@ -256,6 +321,8 @@ class _ReadJob:
     raw: bytearray | None = None  # an object's bytes, until decoded
     obj: Any = None  # an object, decoded
     scratch: torch.Tensor | None = field(default=None, repr=False)
+    scratch_view: memoryview | None = field(default=None, repr=False)
+    placed: bool = False  # read straight into its destination in the apply phase
 
     def check_fits(self) -> None:
         """Every destination can take its piece (checked before anything is copied)."""
@@ -279,15 +346,21 @@ class _ReadJob:
         if len(view) != s.length:
             raise CorruptCheckpointError(f"{s.fqn}: stored length {s.length} does not match its shape "
                                          f"{list(s.shape)}")
+        self.scratch_view = view
         return view
 
     def copy_into_place(self) -> None:
         assert self.scratch is not None
+        direct = self.direct_view()
+        if direct is not None and self.scratch_view is not None and len(self.scratch_view) == len(direct):
+            direct[:] = self.scratch_view  # a plain memcpy: far cheaper than a torch op per small tensor
+            return
         for req, target in zip(self.reqs, self.targets, strict=True):
             target.copy_(narrow(self.scratch, req.storage_offsets, req.lengths))
 
     def release(self) -> None:
         self.scratch = None
+        self.scratch_view = None
         self.obj = None
 
     def _direct_target(self) -> torch.Tensor | None:
@@ -301,15 +374,16 @@ class _ReadJob:
             return None
         return t
 
-    def read_into_place(self, fd: ReadHandle, path: str, algorithm: str) -> None:
-        """The second read of a verified-only item: straight into its destination where it can."""
+    def direct_view(self) -> memoryview | None:
+        """The destination's own bytes, if the stored bytes can go straight into them."""
         direct = self._direct_target()
-        if direct is not None and direct.numel():
-            view, _ = tensor_bytes(direct)
-            if len(view) == self.stored.length:
-                fd.read_into([view], self.stored.offset)
-                self.verify(view, path, algorithm)
-                return
+        if direct is None or not direct.numel():
+            return None
+        view, _ = tensor_bytes(direct)
+        return view if len(view) == self.stored.length else None
+
+    def read_into_place(self, fd: ReadHandle, path: str, algorithm: str) -> None:
+        """The second read of a verified-only item that cannot go straight into its destination."""
         view = self.allocate()
         fd.read_into([view], self.stored.offset)
         self.verify(view, path, algorithm)
