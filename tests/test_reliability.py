@@ -349,3 +349,43 @@ def test_a_job_stalled_after_its_commit_cannot_touch_the_new_holders_root(tmp_pa
                 os.kill(p.pid, signal.SIGCONT)
                 p.kill()
                 p.wait()
+
+
+def test_takeover_shortcuts_only_where_the_holder_is_certainly_gone(tmp_path: Path, monkeypatch) -> None:
+    """Concurrent srun steps share SLURM_JOB_ID: different jobs. A dead pid proves nothing in another pid
+    namespace (containers sharing hostname and boot id), nor in a record that names none."""
+    from ckptguard.protocol import lease as lease_mod
+    from ckptguard.storage import open_storage
+
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    monkeypatch.setenv("SLURM_JOB_ID", "77")
+    monkeypatch.setenv("SLURM_STEP_ID", "0")
+    first = lease_mod.job_identity()
+    monkeypatch.setenv("SLURM_STEP_ID", "1")
+    assert first != lease_mod.job_identity() and first == "slurm:77.0"
+    monkeypatch.delenv("SLURM_JOB_ID")
+    lease = lease_mod.Lease(open_storage(tmp_path), "me", None, ttl_s=30)
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    rec = lease._record(1)
+    rec.holder, rec.pid = "other", dead.pid
+    assert lease._holder_gone(rec) is not None  # same host, boot and pid namespace: the pid is certainly dead
+    rec.pid_ns = "other-namespace"
+    assert lease._holder_gone(rec) is None
+    rec.pid_ns = ""  # a record of an older ckptguard
+    assert lease._holder_gone(rec) is None
+
+
+def test_release_never_deletes_a_lease_taken_over_meanwhile(tmp_path: Path) -> None:
+    ck = Checkpointer(tmp_path / "ckpt", lease_ttl_s=30)
+    lease = ck._session.lease
+    path = Path(lease.path)
+    storage = lease.storage
+    versioned = storage.read_versioned(str(path))
+    newer = json.loads(path.read_text())
+    newer.update(holder="someone-else", epoch=newer["epoch"] + 1)
+    assert storage.compare_and_swap(str(path), json.dumps(newer).encode(), versioned[1])  # a takeover
+    # The release's compare-and-delete on the version it read: a takeover between its read and its delete wins.
+    assert not storage.delete_if_version(str(path), versioned[1])
+    ck.close()
+    assert json.loads(path.read_text())["holder"] == "someone-else"
