@@ -25,6 +25,10 @@ Finally, resident memory of each rank over --rss-saves async saves of a 256 MiB 
 
     python bench/bench_checkpoint.py                      # everything (about 15 minutes here)
     python bench/bench_checkpoint.py --quick              # small sizes, 2 repetitions: a smoke test
+    python bench/bench_checkpoint.py --load-modes         # only what a load costs, per load mode:
+        raw reader, ckptguard (the default load_memory_bytes), ckptguard staged (everything verified
+        in host memory, then copied into place), ckptguard two-pass (load_memory_bytes=0: verified
+        in a first pass, read into place in a second), cold and warm
 """
 
 from __future__ import annotations
@@ -284,6 +288,47 @@ def bench_state(kind: str, rank: int, args: argparse.Namespace) -> dict[str, Any
             "phases_rank0": {"save": save_phases, "load": load_phases}}
 
 
+def bench_load_modes(kind: str, rank: int, args: argparse.Namespace) -> dict[str, Any]:
+    """What a load costs in each mode, against the raw reader, on one saved state (cold and warm)."""
+    state = make_state(kind, rank, int(args.size_gib * (1 << 30)), args.small_count)
+    work = Path(args.dir) / f"loads-{kind}"
+    clean(work, rank)
+    ck = Checkpointer(work / "ckptguard")
+    ck.save(1, state)
+    raw_write(state, work / f"raw.r{rank}")
+    dist.barrier()
+    readers: dict[str, Callable[[], None]] = {
+        "raw reader": lambda: raw_read(dest, work / f"raw.r{rank}"),
+        "ckptguard": lambda: ck.load(dest, step=1) and None,
+    }
+    others: list[Checkpointer] = []
+    try:
+        for name, cap in (("ckptguard staged", 1 << 40), ("ckptguard two-pass", 0)):
+            other = Checkpointer(work / "ckptguard", read_only=True, load_memory_bytes=cap)
+            others.append(other)
+            readers[name] = lambda c=other: c.load(dest, step=1) and None
+    except TypeError:  # a ckptguard without load_memory_bytes (before the load became all-or-nothing)
+        pass
+    dest = {"model": {k: torch.empty_like(v) for k, v in state["model"].items()}}
+    out: dict[str, dict[str, list[float]]] = {"cold": {r: [] for r in readers}, "warm": {r: [] for r in readers}}
+    cold = True
+    names = list(readers)
+    for rep in range(args.load_reps):
+        for name in names[rep % len(names):] + names[: rep % len(names)]:
+            dist.barrier()
+            if rank == 0:
+                cold = drop_caches() and cold
+            out["cold"][name].append(timed(readers[name]))
+            out["warm"][name].append(timed(readers[name]))
+            for k in state["model"]:
+                assert torch.equal(dest["model"][k], state["model"][k]), f"{name}: {k} differs after load"
+                dest["model"][k].zero_()
+    for c in (ck, *others):
+        c.close()
+    clean(work, rank)
+    return {"bytes": nbytes(state) * WORLD, "tensors": len(state["model"]) * WORLD, "loads": out, "cold": cold}
+
+
 def bench_rss(rank: int, args: argparse.Namespace) -> dict[str, Any]:
     """Resident memory over many async saves of one state (a leak per save would show)."""
     state = make_state("small", rank, 0, 2000)  # 2,000 tensors, about 256 MiB in all
@@ -309,6 +354,15 @@ def worker(rank: int, port: int, args: argparse.Namespace, out_path: str) -> Non
     dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=datetime.timedelta(minutes=30))
     torch.set_num_threads(1)
     results: dict[str, Any] = {}
+    if args.load_modes:
+        for kind in args.states:
+            results[kind] = bench_load_modes(kind, rank, args)
+            gc.collect()
+        if rank == 0:
+            Path(out_path).write_text(json.dumps(results))
+        dist.barrier()
+        dist.destroy_process_group()
+        return
     for kind in args.states:
         results[kind] = bench_state(kind, rank, args)
         gc.collect()
@@ -398,6 +452,7 @@ def main() -> None:
     p.add_argument("--torch-save-reps", type=int, default=3)
     p.add_argument("--quick", action="store_true", help="0.25 GiB, 2,000 small tensors, 2 repetitions, 10 saves")
     p.add_argument("--json", default=None, help="where to write the JSON result (default bench/results/)")
+    p.add_argument("--load-modes", action="store_true", help="only loads: raw reader vs each ckptguard load mode")
     args = p.parse_args()
     if args.quick:
         args.size_gib, args.small_count, args.reps, args.load_reps, args.rss_saves = 0.25, 2000, 2, 1, 10
@@ -413,6 +468,22 @@ def main() -> None:
     print(f"machine: {machine}")
     mp.spawn(worker, args=(port, args, str(out)), nprocs=WORLD, join=True)
     results = json.loads(out.read_text())
+    if args.load_modes:
+        print(f"\nloads, median seconds over {args.load_reps} (cold: page cache dropped; ratio: vs raw reader)")
+        for kind in args.states:
+            r = results[kind]
+            print(f"{kind}: {r['bytes'] / 1e9:.2f} GB in {r['tensors']} tensors; cold loads really cold: {r['cold']}")
+            for temp in ("cold", "warm"):
+                raw = statistics.median(r["loads"][temp]["raw reader"])
+                for name, times in r["loads"][temp].items():
+                    med = statistics.median(times)
+                    print(f"  {temp:4} {name:20} {med:7.3f} s  {r['bytes'] / med / 1e9:5.2f} GB/s  x{med / raw:.2f}")
+        dest = Path(args.json) if args.json else Path(__file__).parent / "results" / (
+            f"loads-{datetime.datetime.now():%Y%m%d-%H%M%S}.json")
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        dest.write_text(json.dumps({"machine": machine, "args": vars(args), "results": results}, indent=1))
+        print(f"\nJSON result: {dest}")
+        return
     summary = render(results, args)
     dest = Path(args.json) if args.json else Path(__file__).parent / "results" / (
         f"checkpoint-{datetime.datetime.now():%Y%m%d-%H%M%S}.json")

@@ -62,7 +62,7 @@ def test_small_reads_refuse_fifos_symlinks_and_oversized_files(tmp_path: Path) -
 def test_compare_and_swap_lets_exactly_one_of_many_writers_win(tmp_path: Path) -> None:
     storage = open_storage(tmp_path)
     path = storage.path("pointer")
-    assert storage.compare_and_swap(path, b"v0", None)
+    assert storage.compare_and_swap(path, b"initial", None)  # not any writer's "v{i}" (a content token would not see that ABA)
     assert not storage.compare_and_swap(path, b"again", None)  # None: only if absent
     _, token = storage.read_versioned(path) or (b"", "")
     wins: list[int] = []

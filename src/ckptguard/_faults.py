@@ -2,8 +2,8 @@
 
 ``CKPTGUARD_FAULT="phase:rank[:action]"`` (several separated by commas) makes the
 named rank act at the named phase of the protocol: ``kill`` (SIGKILL itself, the
-default), ``raise`` (an OSError), ``sleep`` (hang for 3600 s) or ``stop`` (SIGSTOP itself: a
-stalled process another can SIGCONT). ``rank`` may be
+default), ``raise`` (an OSError), ``sleep`` (hang for 3600 s), or ``stop`` (SIGSTOP
+itself, every thread with it, as a frozen node: a test resumes it with SIGCONT). ``rank`` may be
 ``*`` for every rank. The variable is read once; outside tests it is unset and
 each fault point costs one dict lookup.
 """

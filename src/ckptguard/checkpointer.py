@@ -30,9 +30,9 @@ from ckptguard.protocol import load as load_protocol
 from ckptguard.protocol import read as read_protocol
 from ckptguard.protocol import save as save_protocol
 from ckptguard.protocol.artifacts import ArtifactTarget
-from ckptguard.protocol.decisions import Listing
+from ckptguard.protocol.decisions import Listing, commit_order
 from ckptguard.protocol.layout import CheckpointName
-from ckptguard.protocol.session import Options, Session, open_session
+from ckptguard.protocol.session import DEFAULT_LOAD_MEMORY_BYTES, Options, Session, open_session
 from ckptguard.protocol.timing import PhaseTimer, gc_paused
 from ckptguard.protocol.topology import Topology
 from ckptguard.staging import HostStager
@@ -59,6 +59,9 @@ class Checkpointer:
     ``CheckpointIO``); the lease still keeps a second writer out of the root.
     ``collective_timeout_s`` bounds how long ranks wait for a rank that died or
     stalled, on the group ckptguard creates (a group passed in keeps its own).
+    ``load_memory_bytes`` (per rank, default 256 MiB) is how much of a load is
+    verified in host memory and then copied into place; the rest is verified
+    in a first pass and read into place in a second (docs/performance.md).
     """
 
     def __init__(
@@ -76,6 +79,7 @@ class Checkpointer:
         checksum: str | None = None,
         visibility_timeout_s: float = 60.0,
         async_budget_bytes: int | None = None,
+        load_memory_bytes: int | None = None,
         progress: bool = False,
         collective_timeout_s: float = DEFAULT_TIMEOUT_S,
         storage_options: Mapping[str, Any] | None = None,
@@ -89,6 +93,8 @@ class Checkpointer:
             checksum = DEFAULT_ALGORITHM if storage.has_directories else "crc32c"
         if checksum not in ALGORITHMS:
             raise ValueError(f"checksum must be one of {ALGORITHMS}")
+        if load_memory_bytes is not None and load_memory_bytes < 0:
+            raise ValueError("load_memory_bytes must be >= 0")
         self.keep_last = keep_last
         self.keep_every = keep_every
         self.progress = progress
@@ -96,7 +102,8 @@ class Checkpointer:
         self.io_threads = io_threads
         self.checksum = checksum
         self.visibility_timeout_s = visibility_timeout_s
-        options = Options(keep_last, keep_every, io_threads, checksum, visibility_timeout_s)
+        options = Options(keep_last, keep_every, io_threads, checksum, visibility_timeout_s,
+                          DEFAULT_LOAD_MEMORY_BYTES if load_memory_bytes is None else load_memory_bytes)
         comm = Comm(LocalTransport()) if isinstance(process_group, str) and process_group == "local" \
             else default_comm(process_group, collective_timeout_s)
         self._session: Session = open_session(comm, storage, options, read_only=read_only, job_id=job_id,
@@ -129,7 +136,11 @@ class Checkpointer:
         return self._session.topo
 
     def steps(self, *, refresh: bool = False) -> list[int]:
-        """Committed steps, oldest first, agreed by all ranks (committed in every storage domain).
+        """Committed steps in commit order (the last one was committed last: the one load() resumes),
+        agreed by all ranks (committed in every storage domain).
+
+        Commit order is not step order after a rollback: ``load(step=100)`` and a
+        save of step 110 while 200 and 300 exist give ``[100, 200, 300, 110]``.
 
         Not collective: the answer is the one agreed at construction and updated by
         every save and load, so rank 0 alone may call it for logging. While this
@@ -139,10 +150,10 @@ class Checkpointer:
         if refresh:
             self.wait()
             self._committed = save_protocol.agreed_current(self._session)
-        return sorted(self._committed)
+        return commit_order(self._committed)
 
     def latest(self, *, refresh: bool = False) -> int | None:
-        """The newest committed step, or None (see steps() for when this is collective)."""
+        """The step committed last, or None (see steps() for when this is collective)."""
         steps = self.steps(refresh=refresh)
         return steps[-1] if steps else None
 
@@ -231,19 +242,24 @@ class Checkpointer:
     ) -> int | None:
         """Load a committed checkpoint into ``state`` in place; returns its step, or None if there is none.
 
-        With ``step=None`` the newest committed checkpoint is loaded; if it turns
-        out corrupt, older ones are tried, with a warning. ``tag="best"`` loads the
-        step the tag names. Loading at a different world size reshards.
+        With ``step=None`` the checkpoint committed last is loaded; if it turns
+        out corrupt, older ones are tried, with a warning; if it is retired while
+        being read (a read-only job next to a writer's retention), the root is
+        listed again and the newest loaded. ``load(step=N)`` raises
+        StepRetiredError then. ``tag="best"`` loads the step the tag names.
+        Loading at a different world size reshards.
+
+        A failed load leaves ``state`` (and ``files=`` destinations) exactly as
+        they were: every byte is read and verified on every rank before any of it
+        is copied into place (see ``load_memory_bytes`` in docs/performance.md).
         """
         self.wait()
         self._check_usable(writing=False)
         step = self._tagged_step(tag, step)
-        current = self._committed = save_protocol.agreed_current(self._session)
-        candidates = self._candidates(step, current)
         show = (self.progress if progress is None else progress) and self._comm.rank == 0
         with gc_paused():
-            loaded, stats = load_protocol.load_first_intact(self._session, candidates, current, state, files,
-                                                            strict, fallback=step is None, show_progress=show)
+            loaded, stats, current = load_protocol.load(self._session, step, state, files, strict, show)
+        self._committed = current
         if stats is not None:
             self.last_load_stats = stats
         return loaded
@@ -271,7 +287,7 @@ class Checkpointer:
         if step not in self._committed:
             raise StepNotFoundError(f"step {step} is not a committed checkpoint in {self.root}; committed steps: "
                                     f"{sorted(self._committed) or 'none'}")
-        return self._session.root.dir(CheckpointName(step, self._committed[step]))
+        return self._session.root.dir(CheckpointName(step, self._committed[step].version))
 
     def delete(self, step: int) -> None:
         """Delete committed ``step`` (every version) on every storage domain; collective.

@@ -9,6 +9,7 @@ what went wrong, so code matches types, never message text::
      │    └── LeaseLostError               this job's lease was taken over
      ├── StepExistsError                   the step is committed; overwrite=False
      ├── StepNotFoundError                 load(step=N) of a step not committed
+     │    └── StepRetiredError             ... retired (retention) while it was being read
      ├── PathCollisionError                two ranks' files= paths overlap
  ├── ReplicatedValueError              a plain value (stored once) differs across ranks
      ├── StorageError                      the storage refused an operation
@@ -23,6 +24,7 @@ what went wrong, so code matches types, never message text::
      ├── UnsafeObjectError                 an object that would need unpickling code
      ├── UnsupportedValueError             save of a value load could not give back (also TypeError)
      ├── CorruptCheckpointError            bytes that do not match the manifest
+     ├── TornLoadError                     a file changed between verifying and copying into place
      └── PeerError                         another rank failed with a non-ckptguard error
 
 Errors cross ranks as a :class:`FailureRecord` (class name, message, rank,
@@ -73,6 +75,14 @@ class StepExistsError(CheckpointError):
 
 class StepNotFoundError(CheckpointError):
     """The step asked for is not a committed checkpoint of this root."""
+
+
+class StepRetiredError(StepNotFoundError):
+    """The step asked for was retired (retention of a writing job) while this job was reading it.
+
+    Not a corruption: the checkpoint was intact and is gone. ``load(step=None)``
+    never raises it (it lists the root again and loads the newest).
+    """
 
 
 class PathCollisionError(CheckpointError):
@@ -127,6 +137,12 @@ class UnsupportedValueError(CheckpointError, TypeError):
 
 class CorruptCheckpointError(CheckpointError):
     """A committed checkpoint whose bytes do not match its manifest (bit rot, truncation, deletion)."""
+
+
+class TornLoadError(CheckpointError):
+    """A load of a state larger than ``load_memory_bytes`` verified every byte, then read different
+    bytes when copying them into place: a file of the committed checkpoint was modified in place
+    during the load (never by ckptguard). The state being loaded may hold part of it: load again."""
 
 
 class PeerError(CheckpointError):

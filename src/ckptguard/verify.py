@@ -19,6 +19,7 @@ from typing import Any
 from ckptguard.checksum import Hasher
 from ckptguard.errors import CheckpointError
 from ckptguard.protocol import layout
+from ckptguard.protocol.decisions import Committed, abandoned, order_key
 from ckptguard.protocol.layout import CheckpointName
 from ckptguard.protocol.lease import LeaseRecord
 from ckptguard.protocol.manifest import Manifest, StoredItem
@@ -36,6 +37,8 @@ class CheckpointInfo:
     dir: str
     current: bool  # the newest version of its step (older versions are superseded leftovers)
     latest: bool  # what the `latest` pointer names
+    seq: int | None = None  # commit sequence number (None: an older ckptguard recorded none)
+    abandoned: bool = False  # rolled back past: a checkpoint of a lower step was committed after it
     created_at: float | None = None
     world_size: int | None = None
     files: int | None = None
@@ -124,11 +127,17 @@ def list_root(path: str) -> RootListing:
         try:
             m = root.read_manifest(name)
             committed_attempts.add(m.attempt)
-            info.created_at, info.world_size = m.created_at, m.world_size
+            info.created_at, info.world_size, info.seq = m.created_at, m.world_size, m.commit_seq
             info.files, info.bytes, info.user_metadata = len(m.files), m.total_bytes, m.user_metadata
         except CheckpointError as e:
             info.manifest_error = str(e)
         checkpoints.append(info)
+    # Commit order, as Checkpointer.steps(): unsequenced (older ckptguard) first by step, then by sequence.
+    listing = {c.step: Committed(c.version, c.seq) for c in checkpoints if c.current}
+    rolled_back = abandoned(listing)
+    for c in checkpoints:
+        c.abandoned = c.current and c.step in rolled_back
+    checkpoints.sort(key=lambda c: (*order_key(c.step, Committed(c.version, c.seq)), c.version))
     attempts = []
     staging_root = storage.path(layout.STAGING)
     for entry in sorted(storage.listdir(staging_root)):

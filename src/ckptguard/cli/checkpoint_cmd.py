@@ -65,13 +65,14 @@ def ls_command(path: PathArg, json_out: JsonOpt = False) -> None:
         return
     con = console()
     table = Table(title=f"checkpoints in {listing.root}", title_justify="left")
-    for col in ("step", "dir", "state", "created", "size", "metadata"):
+    for col in ("#", "step", "dir", "state", "created", "size", "metadata"):
         table.add_column(col, no_wrap=col != "metadata")
-    for c in listing.checkpoints:
+    for c in listing.checkpoints:  # in commit order: the last committed is at the bottom
         state = "bad manifest" if c.manifest_error else ("latest" if c.latest else
-                                                          "committed" if c.current else "superseded")
-        table.add_row(str(c.step), c.dir, state, _when(c.created_at), _human_bytes(c.bytes),
-                      json.dumps(c.user_metadata) if c.user_metadata else "")
+                                                          "superseded" if not c.current else
+                                                          "abandoned (rolled back)" if c.abandoned else "committed")
+        table.add_row("" if c.seq is None else str(c.seq), str(c.step), c.dir, state, _when(c.created_at),
+                      _human_bytes(c.bytes), json.dumps(c.user_metadata) if c.user_metadata else "")
     con.print(table)
     if not listing.checkpoints:
         con.print("no committed checkpoint")
@@ -110,7 +111,7 @@ def verify_command(
         for n in names:
             results.append(verify_checkpoint(listing.root, n, threads=threads, on_bytes=bar.callback))
     intact = [r for r in results if r.intact]
-    safe = max((r.step for r in intact), default=None)
+    safe = intact[-1].step if intact else None  # listed in commit order: the last intact one is committed last
     ok = all(r.intact for r in results)
     if json_out:
         from dataclasses import asdict

@@ -167,16 +167,24 @@ class SafeLoadPlanner(DefaultLoadPlanner):
         return LoadPlan(direct + general.items)
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
-        try:
-            obj = torch.load(value, weights_only=True)
-        except Exception as e:
-            raise UnsafeObjectError(
-                f"refusing to load object {read_item.dest_index.fqn!r}: it is not a tensor or plain "
-                f"Python value ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}). "
-                "ckptguard never unpickles arbitrary objects from a checkpoint; register classes you "
-                "trust with torch.serialization.add_safe_globals([...]) or store their state_dict()."
-            ) from None
+        self.place_object(read_item, decode_object(read_item.dest_index.fqn, value))
+
+    def place_object(self, read_item: ReadItem, obj: Any) -> None:
+        """Put an object already decoded (and verified) where the caller's state expects it."""
         if self.flatten_state_dict:
             _torch_private.set_nested_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
         else:
             self.state_dict[read_item.dest_index.fqn] = obj
+
+
+def decode_object(fqn: str, value: io.BytesIO) -> Any:
+    """A stored object, by torch.load(weights_only=True): nothing from the checkpoint runs."""
+    try:
+        return torch.load(value, weights_only=True)
+    except Exception as e:
+        raise UnsafeObjectError(
+            f"refusing to load object {fqn!r}: it is not a tensor or plain "
+            f"Python value ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}). "
+            "ckptguard never unpickles arbitrary objects from a checkpoint; register classes you "
+            "trust with torch.serialization.add_safe_globals([...]) or store their state_dict()."
+        ) from None

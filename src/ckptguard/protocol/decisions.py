@@ -18,7 +18,18 @@ from ckptguard.protocol.layout import CheckpointName
 from ckptguard.protocol.manifest import Artifact, FileEntry, Manifest, StoredItem
 from ckptguard.protocol.topology import Topology
 
-Listing = dict[int, int]  # committed step -> its current version, as one storage domain sees it
+
+@dataclass(frozen=True)
+class Committed:
+    """A committed checkpoint as every storage domain agrees on it: the step's current version, and
+    its commit sequence number (None: written by an older ckptguard, which recorded none)."""
+
+    version: int
+    seq: int | None
+
+
+Listing = dict[int, Committed]  # step -> its current version, agreed by every storage domain
+DomainListing = dict[int, dict[int, int | None]]  # what one domain's leader sees: step -> {version: seq}
 
 
 @dataclass(frozen=True)
@@ -26,7 +37,8 @@ class LeaderView:
     """What a domain leader sees of the root before a save."""
 
     versions: list[int]  # every committed version of the step being saved
-    listing: Listing
+    listing: DomainListing
+    max_seq: int = 0  # the highest commit sequence number this domain has seen (checkpoints and `latest`)
 
 
 @dataclass(frozen=True)
@@ -41,6 +53,7 @@ class PlanReport:
 class PlanDecision:
     attempt: str
     version: int
+    seq: int  # the commit sequence number this save's manifests record
     uncertain: list[tuple[ArtifactTarget, ArtifactTarget]]  # same path on two hosts: probe
     previous: int | None  # newest agreed step before this save, for error messages
 
@@ -54,49 +67,113 @@ class RankWrites:
     items: list[StoredItem] = field(default_factory=list)  # where each of its items is stored
 
 
-def intersect(listings: list[Listing]) -> Listing:
-    """Steps committed with the same version in every domain."""
-    if not listings:
+def agreed_listing(listings: list[DomainListing | None]) -> Listing:
+    """What every domain leader reported committed (non-leaders report None).
+
+    For each step, the newest version present in *every* domain: an overwrite that
+    published in some domains and crashed before publishing in the others leaves the
+    old version agreed (hole 1 of issue 10), never the step dropped.
+    """
+    views = [x for x in listings if x is not None]
+    if not views:
         return {}
-    common = set(listings[0].items())
-    for other in listings[1:]:
-        common &= set(other.items())
-    return dict(common)
+    out: Listing = {}
+    for step, versions in views[0].items():
+        common = set(versions)
+        for other in views[1:]:
+            common &= set(other.get(step, {}))
+        if common:
+            version = max(common)
+            seqs = [v[step][version] for v in views]
+            known = [q for q in seqs if q is not None]
+            out[step] = Committed(version, max(known) if known else None)
+    return out
 
 
-def agreed_listing(listings: list[Listing | None]) -> Listing:
-    """The steps every domain leader reported committed (non-leaders report None)."""
-    return intersect([x for x in listings if x is not None])
+def order_key(step: int, committed: Committed) -> tuple[int, int, int]:
+    """Commit order: checkpoints without a sequence number (older ckptguard) first, by step; then
+    every sequenced one by its sequence number."""
+    if committed.seq is None:
+        return (0, step, 0)
+    return (1, committed.seq, step)
+
+
+def commit_order(listing: Listing) -> list[int]:
+    """The committed steps, committed first to committed last (the last is the one to resume)."""
+    return sorted(listing, key=lambda s: order_key(s, listing[s]))
+
+
+def abandoned(listing: Listing) -> set[int]:
+    """Steps on an abandoned branch: a checkpoint of a lower step was committed after them (the run
+    was rolled back past them, e.g. load(step=100) then saves of 110, 120... while 200, 300 exist)."""
+    out: set[int] = set()
+    lowest_later: int | None = None
+    for step in reversed(commit_order(listing)):
+        if lowest_later is not None and step > lowest_later:
+            out.add(step)
+        lowest_later = step if lowest_later is None else min(lowest_later, step)
+    return out
+
+
+def newest(listing: Listing) -> int | None:
+    order = commit_order(listing)
+    return order[-1] if order else None
 
 
 def decide_plan(root: str, step: int, overwrite: bool, reports: list[PlanReport]) -> PlanDecision:
     """The verdict on a save before anything is written: refused (raises), or its attempt and version."""
     views = [r.leader_view for r in reports if r.leader_view is not None]
-    agreed = intersect([v.listing for v in views])
-    previous = max(agreed) if agreed else None
+    agreed = agreed_listing([v.listing for v in views])
+    previous = newest(agreed)
     if step in agreed and not overwrite:
         raise StepExistsError(
-            f"step {step} is already committed in {root} ({CheckpointName(step, agreed[step]).dirname}); "
+            f"step {step} is already committed in {root} ({CheckpointName(step, agreed[step].version).dirname}); "
             "committed checkpoints are never modified. Pass overwrite=True to replace it atomically.")
     certain, uncertain = artifacts.find_collisions([t for r in reports for t in r.targets])
     if certain:
         raise artifacts.collision_error(*certain[0])
     versions = [v for view in views for v in view.versions]
     version = max(versions) + 1 if versions else 1
-    return PlanDecision(uuid.uuid4().hex, version, uncertain, previous)
+    # One more than anything any domain has seen: the sequence only grows, also across domains
+    # whose listings differ (a leftover of a failed save counts too: it is retired, never reordered).
+    seq = max((v.max_seq for v in views), default=0) + 1
+    return PlanDecision(uuid.uuid4().hex, version, seq, uncertain, previous)
 
 
 def retention(agreed: Listing, new_step: int, keep_last: int | None, keep_every: int | None) -> list[int]:
-    """Which committed steps to delete now that ``new_step`` is committed everywhere."""
-    steps = sorted(agreed)
+    """Which committed steps to delete now that ``new_step`` is committed everywhere.
+
+    Counted in commit order, not by step number. Checkpoints on an abandoned branch
+    (rolled back past) rank below every checkpoint of the current line: ``keep_last``
+    keeps the newest of the current line first, and the newest abandoned ones only if
+    room is left, so the checkpoint a run was rolled back to outlives the branch it
+    abandoned. ``keep_every`` keeps every step that is a multiple of it, on any branch.
+    """
     if keep_last is None or new_step not in agreed:
-        keep = set(steps)
-    else:
-        keep = set(steps[-keep_last:])
-        if keep_every:
-            keep |= {s for s in steps if s % keep_every == 0}
-        keep.add(new_step)
-    return [s for s in steps if s not in keep]
+        return []
+    order = commit_order(agreed)
+    dropped = abandoned(agreed)
+    ranked = [s for s in order if s in dropped] + [s for s in order if s not in dropped]
+    keep = set(ranked[-keep_last:])
+    if keep_every:
+        keep |= {s for s in order if s % keep_every == 0}
+    keep.add(new_step)
+    return [s for s in order if s not in keep]
+
+
+def stray_versions(domain: DomainListing, agreed: Listing) -> list[CheckpointName]:
+    """Checkpoint directories of one domain that are not the agreed version of their step.
+
+    Older versions are superseded (every domain has a newer one); newer versions, and
+    steps some domains lack, are leftovers of a save that crashed between the domains'
+    publishing renames. Only called after a save committed everywhere, under the lease.
+    """
+    out = []
+    for step, versions in domain.items():
+        for version in versions:
+            if step not in agreed or agreed[step].version != version:
+                out.append(CheckpointName(step, version))
+    return sorted(out)
 
 
 def build_manifests(
@@ -107,6 +184,7 @@ def build_manifests(
     writes: list[RankWrites],
     user_metadata: dict[str, Any],
     dcp_json: dict[str, Any],
+    seq: int | None = None,
 ) -> dict[int, Manifest]:
     """One manifest per storage domain, keyed by the domain leader's rank.
 
@@ -128,5 +206,6 @@ def build_manifests(
             world_size=topo.world_size, domain_index=index, domain_count=len(topo.domains),
             domain_ranks=list(domain), hosts=list(topo.hosts), checksum_algorithm=algorithm,
             dcp=dcp_json, files=files, items=items, artifacts=arts, user_metadata=user_metadata,
+            commit_seq=seq,
         )
     return out

@@ -7,10 +7,17 @@ it in the background and checks it before every publish, so a job that lost its
 lease (it stalled past the TTL and another job took over) fails instead of
 publishing.
 
+Every other mutating action of a leader (moving ``latest``, retention, clean-up
+of staging, releasing the lease) checks the lease first as well, and the release
+deletes the record only if it is still the very record this job wrote
+(compare-and-delete on its version): a job that stalled and lost the root can
+neither hide nor overwrite anything of the new holder's.
+
 Takeover without waiting is allowed only when the holder is provably gone: the
-same job identity (a torchrun restart, a SLURM requeue), or the same host and
-boot with a dead pid. Otherwise the newcomer waits for the lease to expire and
-fails with a clear error if the holder keeps renewing it.
+same job identity (a torchrun restart, a SLURM requeue of the same job step), or
+the same host, boot and pid namespace with a dead pid. Otherwise the newcomer
+waits for the lease to expire and fails with a clear error if the holder keeps
+renewing it.
 """
 
 from __future__ import annotations
@@ -23,7 +30,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from socket import gethostname as hostname
 
 from ckptguard.errors import CorruptCheckpointError, LeaseHeldError, LeaseLostError
@@ -41,7 +48,9 @@ def job_identity(explicit: str | None = None) -> str | None:
     if run_id and run_id.lower() not in ("none", "default", ""):
         return f"torchelastic:{run_id}"
     if os.environ.get("SLURM_JOB_ID"):
-        return f"slurm:{os.environ['SLURM_JOB_ID']}"
+        # Concurrent `srun` steps of one allocation share SLURM_JOB_ID: they are different jobs.
+        step = os.environ.get("SLURM_STEP_ID", "")
+        return f"slurm:{os.environ['SLURM_JOB_ID']}" + (f".{step}" if step else "")
     return None
 
 
@@ -51,6 +60,16 @@ def _boot_id() -> str:
             return f.read().strip()
     except OSError:
         return ""
+
+
+def _pid_namespace() -> str:
+    """This process's pid namespace (containers on one host and boot can share hostname and boot
+    id, but a pid means something only inside its own namespace)."""
+    try:
+        st = os.stat("/proc/self/ns/pid")
+    except OSError:
+        return ""
+    return f"{st.st_dev}:{st.st_ino}"
 
 
 def _pid_alive(pid: int) -> bool:
@@ -74,6 +93,7 @@ class LeaseRecord:
     acquired_at: float
     renewed_at: float
     ttl_s: float
+    pid_ns: str = ""  # "" when unknown (a record of an older ckptguard): no dead-pid shortcut then
 
     def to_bytes(self) -> bytes:
         return (json.dumps(asdict(self), sort_keys=True) + "\n").encode()
@@ -82,8 +102,9 @@ class LeaseRecord:
     def from_bytes(data: bytes) -> LeaseRecord | None:
         try:
             d = json.loads(data)
-            return LeaseRecord(**d)
-        except (ValueError, TypeError):
+            known = {f.name for f in fields(LeaseRecord)}
+            return LeaseRecord(**{k: v for k, v in d.items() if k in known})  # newer fields: ignored
+        except (ValueError, TypeError, AttributeError):
             return None  # being written, or garbage: treated as expired after the TTL by mtime
 
     def describe(self) -> str:
@@ -110,7 +131,7 @@ class Lease:
     def _record(self, epoch: int, acquired_at: float | None = None) -> LeaseRecord:
         now = time.time()
         return LeaseRecord(self.holder, self.job, hostname(), os.getpid(), _boot_id(), epoch,
-                           acquired_at or now, now, self.ttl_s)
+                           acquired_at or now, now, self.ttl_s, _pid_namespace())
 
     def read(self) -> LeaseRecord | None:
         versioned = self._read_versioned()
@@ -130,7 +151,8 @@ class Lease:
             return "it expired"
         if self.job is not None and rec.job == self.job:
             return f"it belongs to an earlier incarnation of this job ({self.job})"
-        if rec.host == hostname() and rec.boot_id == _boot_id() and not _pid_alive(rec.pid):
+        if rec.host == hostname() and rec.boot_id == _boot_id() and rec.pid_ns and \
+                rec.pid_ns == _pid_namespace() and not _pid_alive(rec.pid):
             return f"its holder, pid {rec.pid} on this host, is dead"
         return None
 
@@ -204,9 +226,9 @@ class Lease:
             if versioned is None or rec is None or rec.holder != self.holder or rec.epoch != self.epoch:
                 self._lost = self._who_took_it(rec)
                 return
-            fresh = self._record(self.epoch, rec.acquired_at)
+            fresh = self._record(self.epoch, rec.acquired_at).to_bytes()
             # Only over the very record read: a takeover between the read and the write wins.
-            if not self.storage.compare_and_swap(self.path, fresh.to_bytes(), versioned[1]):
+            if not self.storage.compare_and_swap(self.path, fresh, versioned[1]):
                 self._lost = self._who_took_it(self.read())
 
     def _who_took_it(self, rec: LeaseRecord | None) -> str:
@@ -221,21 +243,26 @@ class Lease:
                     "probe; check the mount options (actimeo, lookupcache)")
         return f"another job took over the root: {rec.describe()}"
 
-    def check(self) -> None:
-        """Raise unless this job still holds the lease (called before every save and publish)."""
+    def check(self, acting: str = "publish", renew: bool = True) -> None:
+        """Raise LeaseLostError unless this job still holds the lease (and renew it, unless ``renew``
+        is False: a read only, for checks that follow each other closely).
+
+        Called before every save, publish, `latest` move, retirement and clean-up:
+        ``acting`` says which, for the message.
+        """
         rec = self.read()
         with self._lock:
             if self._lost is None and (rec is None or rec.holder != self.holder or rec.epoch != self.epoch):
                 self._lost = self._who_took_it(rec)
             lost = self._lost
-        if lost is None:
+        if lost is None and renew:
             try:  # renewals may have failed for a while (disk full): the lease is ours, refresh it now
                 self.renew()
             except OSError as e:
                 log.warning("ckptguard: renewing the lease on %s failed: %s", self.storage.root, e)
         if lost:
             raise LeaseLostError(
-                f"this job no longer holds the lease on {self.storage.root} ({lost}); refusing to publish "
+                f"this job no longer holds the lease on {self.storage.root} ({lost}); refusing to {acting} "
                 "so that two jobs never write one root.",
                 path=self.path,
             )
@@ -246,10 +273,14 @@ class Lease:
             self._thread.join(timeout=5)
             self._thread = None
         with self._lock:
-            rec = self.read()
-            if rec is not None and rec.holder == self.holder and rec.epoch == self.epoch:
-                with contextlib.suppress(OSError):
-                    self.storage.delete(self.path)
+            versioned = self._read_versioned()
+            rec = LeaseRecord.from_bytes(versioned[0]) if versioned is not None else None
+            if versioned is None or rec is None or rec.holder != self.holder or rec.epoch != self.epoch:
+                return
+            # Delete only the very record read (compare-and-delete on its version): a job that took
+            # the root over between the read and the delete keeps its lease.
+            with contextlib.suppress(OSError):
+                self.storage.delete_if_version(self.path, versioned[1])
 
 
 def new_holder_id() -> str:

@@ -1,12 +1,19 @@
-"""One load, phase by phase, and the fallback to an older checkpoint when the newest is corrupt.
+"""One load, phase by phase, and what happens when it fails: the fallback to an older checkpoint
+when the newest is corrupt, a new listing when it was retired while being read.
 
     manifest  each domain's leader reads its manifest; every rank of the domain
               parses and checks the same bytes; the leader checks file sizes
     targets   files= destinations gathered, collisions refused
     read      DCP plans (resharding included), our reader reads and verifies
-    restore   files= artifacts staged next to their destinations, verified,
-              then all renamed into place once every rank staged its own
+              every byte, writing nothing into the caller's state yet
+    restore   files= artifacts staged next to their destinations, verified
+    place     once every rank verified everything: tensors and objects copied
+              into place, files= artifacts renamed into place
     apply     loaded values pushed into modules, optimizers and objects
+
+Nothing the caller can see changes before every rank has verified its whole part
+(agreed), so a load that fails leaves the caller's state as it was, and a
+fallback leaves no byte of the rejected checkpoint anywhere.
 """
 
 from __future__ import annotations
@@ -26,13 +33,19 @@ from ckptguard.dcp.codec import metadata_from_json
 from ckptguard.dcp.drive import read_locally
 from ckptguard.dcp.planners import SafeLoadPlanner
 from ckptguard.dcp.reader import GuardedReader
-from ckptguard.errors import CheckpointError, CorruptCheckpointError
+from ckptguard.errors import (
+    CheckpointError,
+    CorruptCheckpointError,
+    StepNotFoundError,
+    StepRetiredError,
+)
 from ckptguard.progress import ByteProgress
 from ckptguard.protocol import artifacts, layout
 from ckptguard.protocol.artifacts import ArtifactTarget
-from ckptguard.protocol.decisions import Listing
+from ckptguard.protocol.decisions import Listing, commit_order
 from ckptguard.protocol.layout import CheckpointName
 from ckptguard.protocol.manifest import Manifest
+from ckptguard.protocol.save import agreed_current
 from ckptguard.protocol.session import Session
 from ckptguard.protocol.timing import PhaseTimer
 from ckptguard.state import prepare_state
@@ -49,30 +62,82 @@ def falls_back(err: BaseException) -> bool:
     return any(issubclass(f.error_class, CorruptCheckpointError) for f in failures)
 
 
-def load_first_intact(session: Session, candidates: list[int], current: Listing, state: Mapping[str, Any],
-                      files: Mapping[str, Any] | None, strict: bool, fallback: bool,
-                      show_progress: bool) -> tuple[int | None, PhaseTimer | None]:
-    """Load the first candidate that is intact; its step (None if there was none) and its timings."""
+#: How many times load(step=None) lists the root again when what it reads is retired under it.
+_RELISTS = 8
+
+
+def load(session: Session, step: int | None, state: Mapping[str, Any], files: Mapping[str, Any] | None,
+         strict: bool, show_progress: bool) -> tuple[int | None, PhaseTimer | None, Listing]:
+    """Load ``step``, or the checkpoint committed last (collective).
+
+    Returns the step loaded (None if nothing is committed), its timings, and the
+    agreed listing it was chosen from.
+    """
     errors: list[str] = []
-    for s in candidates:
-        stats = PhaseTimer(show_progress)
-        try:
-            load_one(session, CheckpointName(s, current[s]), state, files, strict, stats)
-            return s, stats
-        except BaseException as e:
-            if not fallback or not falls_back(e):
-                raise
-            errors.append(f"step {s}: {e}")
-            if session.comm.rank == 0:
-                warnings.warn(f"ckptguard: checkpoint step {s} in {session.url} is corrupt ({e}); "
-                              "falling back to the previous committed checkpoint", stacklevel=4)
-    if errors:
-        raise CorruptCheckpointError(f"every committed checkpoint in {session.url} is corrupt: " + "; ".join(errors))
-    return None, None
+    corrupt: set[tuple[int, int]] = set()
+    for _ in range(_RELISTS):
+        current = agreed_current(session)
+        if step is not None:
+            if step not in current:
+                raise StepNotFoundError(
+                    f"step {step} is not a committed checkpoint in {session.url}; committed steps: "
+                    f"{commit_order(current) or 'none'}")
+            candidates = [step]
+        else:
+            candidates = [s for s in reversed(commit_order(current)) if (s, current[s].version) not in corrupt]
+        retired = False
+        for s in candidates:
+            name = CheckpointName(s, current[s].version)
+            stats = PhaseTimer(show_progress)
+            try:
+                load_one(session, name, current[s].seq, state, files, strict, stats)
+                return s, stats, current
+            except BaseException as e:
+                failures = agreed_failures(e)
+                if not failures or any(f.interrupted for f in failures):
+                    raise
+                # Every rank failed at the same agreement: ask whether the checkpoint is still there.
+                if _was_retired(session, name):
+                    if step is not None:
+                        raise StepRetiredError(
+                            f"step {step} was retired while this job was reading it (the job writing to "
+                            f"{session.url} deleted it under its retention policy); nothing of it was "
+                            "loaded. Load a step that is kept, or load(step=None) for the newest.",
+                            path=session.root.dir(name)) from e
+                    retired = True
+                    break
+                if step is not None or not falls_back(e):
+                    raise
+                corrupt.add((s, name.version))
+                errors.append(f"step {s}: {e}")
+                if session.comm.rank == 0:
+                    warnings.warn(f"ckptguard: checkpoint step {s} in {session.url} is corrupt ({e}); "
+                                  "falling back to the previous committed checkpoint", stacklevel=4)
+        if not retired:
+            if errors:
+                raise CorruptCheckpointError(
+                    f"every committed checkpoint in {session.url} is corrupt: " + "; ".join(errors))
+            return None, None, current
+        log.info("ckptguard: a checkpoint in %s was retired while being read; listing again", session.url)
+    raise StepRetiredError(f"the checkpoints of {session.url} were retired faster than this job could read "
+                           f"them ({_RELISTS} tries): is a writer saving with keep_last=1 in a tight loop?")
 
 
-def load_one(session: Session, name: CheckpointName, state: Mapping[str, Any], files: Mapping[str, Any] | None,
-             strict: bool, stats: PhaseTimer) -> None:
+def _was_retired(session: Session, name: CheckpointName) -> bool:
+    """Whether ``name`` is gone from some storage domain (collective; the leaders look)."""
+
+    def look() -> bool | None:
+        if not session.topo.is_leader:
+            return None
+        return session.storage.exists(os.path.join(session.root.dir(name), layout.MANIFEST))
+
+    gone: bool = session.comm.step(f"look for {name.dirname} in {session.url}", look,
+                                   lambda seen: any(x is False for x in seen), where=session.url)
+    return gone
+
+
+def load_one(session: Session, name: CheckpointName, seq: int | None, state: Mapping[str, Any],
+             files: Mapping[str, Any] | None, strict: bool, stats: PhaseTimer) -> None:
     comm, topo, root = session.comm, session.topo, session.root
     started = time.perf_counter()
     raw: bytes | None = None
@@ -93,13 +158,15 @@ def load_one(session: Session, name: CheckpointName, state: Mapping[str, Any], f
         stop_prefetch = session.storage.prefetch(os.path.join(root.dir(name), os.path.dirname(prefix)),
                                                  os.path.basename(prefix))
     try:
-        _load_from_manifest(session, name, raw, read_error, state, files, strict, stats, started, stop_prefetch)
+        _load_from_manifest(session, name, seq, raw, read_error, state, files, strict, stats, started,
+                            stop_prefetch)
     finally:
         if stop_prefetch is not None:
             stop_prefetch()
 
 
-def _load_from_manifest(session: Session, name: CheckpointName, raw: bytes | None, read_error: BaseException | None,
+def _load_from_manifest(session: Session, name: CheckpointName, seq: int | None, raw: bytes | None,
+                        read_error: BaseException | None,
                         state: Mapping[str, Any], files: Mapping[str, Any] | None, strict: bool, stats: PhaseTimer,
                         started: float, on_planned: Callable[[], None] | None) -> None:
     comm, topo, root = session.comm, session.topo, session.root
@@ -108,7 +175,7 @@ def _load_from_manifest(session: Session, name: CheckpointName, raw: bytes | Non
         if read_error is not None:
             raise read_error
         assert raw is not None
-        manifest = root.parse_manifest(name, raw)
+        manifest = root.parse_manifest(name, raw, seq)
         if topo.is_leader:
             root.check_files(name, manifest)
         return manifest, metadata_from_json(manifest.dcp, manifest.items)
@@ -137,32 +204,44 @@ def _load_from_manifest(session: Session, name: CheckpointName, raw: bytes | Non
     stats.seconds["manifest"] = time.perf_counter() - started
     with stats.phase("metadata"):
         prepared = prepare_state(state, comm.rank)
-    with ByteProgress(stats.show_progress, f"loading step {name.step}", None) as bar:
-        reader = GuardedReader(session.storage, root.data_dir(name, manifest), metadata, manifest.checksum_algorithm,
-                               comm.rank, session.options.io_threads, on_bytes=bar.callback)
-        comm.step(f"load step {name.step}", lambda: read_locally(
-            prepared.state_dict, reader, SafeLoadPlanner(allow_partial_load=not strict),
-            is_coordinator=comm.rank == 0, stats=stats, before_read=on_planned), where=session.url)
-    # files= artifacts in two phases: every rank stages verified copies, then all rename them
-    # into place, so a corrupt artifact anywhere changes nothing before load falls back.
+    planner = SafeLoadPlanner(allow_partial_load=not strict)
+    data_dir = root.data_dir(name, manifest)
+    reader = GuardedReader(session.storage, data_dir, metadata, manifest.checksum_algorithm, comm.rank,
+                           session.options.io_threads, memory_bytes=session.options.load_memory_bytes)
     swaps: list[artifacts.RestoreSwap] = []
-
-    def stage() -> None:
-        swaps.extend(artifacts.stage_restore(session.storage, targets, manifest, root.data_dir(name, manifest)))
-
     try:
-        comm.step(f"restore its files= artifacts from step {name.step}", stage, where=root.dir(name))
-    except BaseException:
-        artifacts.abort_restore(swaps)
-        raise
-    try:
-        comm.step(f"move its restored files= artifacts of step {name.step} into place",
-                  lambda: artifacts.swap_in(swaps), where=root.dir(name))
-    except BaseException:
-        artifacts.swap_back(swaps)  # some rank could not: every rank's files are as they were
-        raise
+        with ByteProgress(stats.show_progress, f"loading step {name.step}", None) as bar:
+            reader.on_bytes = bar.callback
+            # Read and verify; nothing of the caller's state changes in this step.
+            comm.step(f"load step {name.step}", lambda: read_locally(
+                prepared.state_dict, reader, planner, is_coordinator=comm.rank == 0, stats=stats,
+                before_read=on_planned), where=session.url)
+
+        # files= artifacts too: every rank stages verified copies next to their destinations; they
+        # replace them only once everything verified.
+        def stage() -> None:
+            swaps.extend(artifacts.stage_restore(session.storage, targets, manifest, data_dir))
+
+        try:
+            comm.step(f"restore its files= artifacts from step {name.step}", stage, where=root.dir(name))
+            # Every rank verified every byte it needs: now, and only now, the caller's state changes.
+            with stats.phase("place"):
+                comm.step(f"copy step {name.step} into place", lambda: reader.apply(planner), where=session.url)
+        except BaseException:
+            artifacts.abort_restore(swaps)
+            raise
+        try:
+            comm.step(f"move its restored files= artifacts of step {name.step} into place",
+                      lambda: artifacts.swap_in(swaps), where=root.dir(name))
+        except BaseException:
+            artifacts.swap_back(swaps)  # some rank could not: every rank's files are as they were
+            raise
+    finally:
+        reader.close()
     with stats.phase("apply"):
         prepared.apply()
     artifacts.finish_restore(swaps)
     stats.bytes = sum(i.length for i in manifest.items)
+    stats.staged_bytes = reader.staged_bytes
+    stats.verified_only_bytes = reader.verified_only_bytes
     log.debug("ckptguard: loaded step %d: %s", name.step, stats)

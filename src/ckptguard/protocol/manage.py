@@ -19,7 +19,13 @@ from typing import Any
 
 from ckptguard.errors import CheckpointError, StepNotFoundError
 from ckptguard.protocol import layout
-from ckptguard.protocol.decisions import Listing, agreed_listing
+from ckptguard.protocol.decisions import (
+    Committed,
+    DomainListing,
+    Listing,
+    agreed_listing,
+    commit_order,
+)
 from ckptguard.protocol.layout import CheckpointName
 from ckptguard.protocol.session import Session
 
@@ -111,7 +117,7 @@ def set_tag(session: Session, name: str, step: int | None, committed: Listing,
                 if current is not None:
                     storage.delete(path)
                 return before
-            body = {"tag": name, "step": step, "dir": CheckpointName(step, committed[step]).dirname,
+            body = {"tag": name, "step": step, "dir": CheckpointName(step, committed[step].version).dirname,
                     "updated_at": time.time()}
             data = (json.dumps(body) + "\n").encode()
             if storage.compare_and_swap(path, data, current[1] if current is not None else None):
@@ -139,7 +145,7 @@ def delete_step(session: Session, step: int, committed: Listing, tags: Tags) -> 
     root = session.root
     retired: list[str] = []
 
-    def retire() -> Listing | None:
+    def retire() -> DomainListing | None:
         if not session.topo.is_leader:
             return None
         assert session.lease is not None
@@ -149,16 +155,17 @@ def delete_step(session: Session, step: int, committed: Listing, tags: Tags) -> 
                 path = root.retire(root.dir(name))
                 if path is not None:
                     retired.append(path)
-        left = root.current()
+        left = root.listing()
         _point_latest_at_newest(session, step, left)
-        return {s: n.version for s, n in left.items()}
+        return left
 
     listing: Listing = session.comm.step(f"delete step {step}", retire, agreed_listing, where=session.url)
     return listing, retired
 
 
-def _point_latest_at_newest(session: Session, deleted: int, left: dict[int, CheckpointName]) -> None:
-    """If `latest` names the deleted step, point it at the newest step left (or remove it)."""
+def _point_latest_at_newest(session: Session, deleted: int, left: DomainListing) -> None:
+    """If `latest` names the deleted step, point it at the checkpoint committed last of those left
+    (or remove it)."""
     storage = session.storage
     path = storage.path(layout.LATEST)
     for _ in range(16):
@@ -174,8 +181,15 @@ def _point_latest_at_newest(session: Session, deleted: int, left: dict[int, Chec
         if not left:
             storage.delete(path)
             return
-        newest = left[max(left)]
-        new = {"step": newest.step, "dir": newest.dirname, "updated_at": time.time()}
+        agreed = {st: Committed(max(vs), vs[max(vs)]) for st, vs in left.items() if vs}
+        if not agreed:
+            storage.delete(path)
+            return
+        last = commit_order(agreed)[-1]
+        new: dict[str, object] = {"step": last, "dir": CheckpointName(last, agreed[last].version).dirname,
+                                  "updated_at": time.time()}
+        if agreed[last].seq is not None:
+            new["seq"] = agreed[last].seq
         if storage.compare_and_swap(path, (json.dumps(new) + "\n").encode(), current[1]):
             return
     raise CheckpointError(f"could not move {path}: it kept changing under this job", path=path)

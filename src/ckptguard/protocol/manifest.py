@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import platform
+import re
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -50,11 +51,18 @@ class Manifest:
     artifacts: list[Artifact] = field(default_factory=list)
     user_metadata: dict[str, Any] = field(default_factory=dict)
     versions: dict[str, str] = field(default_factory=dict)
+    #: Commit sequence number: grows by one with every save of the root (agreed across storage
+    #: domains), so "committed last" does not depend on step numbers. None: an older ckptguard.
+    commit_seq: int | None = None
 
     # -- serialization -------------------------------------------------------------
     def to_json(self) -> bytes:
         file_index = {f.path: i for i, f in enumerate(self.files)}
-        body: dict[str, Any] = {
+        body: dict[str, Any] = {}
+        if self.commit_seq is not None:
+            # First, so that listing a root reads only the head of each manifest (commit_seq_from_head).
+            body["commit_seq"] = self.commit_seq
+        body |= {
             "format": FORMAT,
             "format_version": FORMAT_VERSION,
             "step": self.step,
@@ -210,6 +218,8 @@ def _parse(data: bytes) -> Manifest:
     _expect(isinstance(b["user_metadata"], dict), "user_metadata must be an object")
     versions = b["versions"]
     _expect(isinstance(versions, dict), "versions must be an object")
+    seq = b.get("commit_seq")
+    commit_seq = None if seq is None else _int(seq, "commit_seq", 1)
     return Manifest(
         step=_int(b["step"], "step"),
         version=_int(b["version"], "version", 1),
@@ -227,7 +237,26 @@ def _parse(data: bytes) -> Manifest:
         artifacts=artifacts,
         user_metadata=b["user_metadata"],
         versions={str(k): str(v) for k, v in versions.items()},
+        commit_seq=commit_seq,
     )
+
+
+#: How a manifest with a commit sequence number starts (to_json writes it first in the body).
+_HEAD_RE = re.compile(rb'^\{"manifest_checksum":"[0-9a-f]{16}","body":\{"commit_seq":([1-9][0-9]{0,18}),"format":')
+HEAD_BYTES = 128
+
+
+def commit_seq_from_head(head: bytes) -> int | None:
+    """The commit sequence number from the first HEAD_BYTES of a manifest, or None if it has none
+    there (an older manifest, or a damaged head: then the whole manifest must be read).
+
+    Listing a root needs every checkpoint's place in commit order, and manifests can be
+    hundreds of MB: the head is enough. It is not checksummed by itself, but a load of
+    the checkpoint parses the whole manifest and refuses one whose sequence number
+    differs from the one it was listed with.
+    """
+    m = _HEAD_RE.match(head)
+    return int(m.group(1)) if m else None
 
 
 def manifest_summary(m: Manifest) -> dict[str, Any]:

@@ -44,6 +44,7 @@ from ckptguard.errors import (
     NotVisibleError,
 )
 from ckptguard.protocol import layout
+from ckptguard.protocol.decisions import DomainListing
 from ckptguard.protocol.layout import CheckpointName
 from ckptguard.protocol.manifest import FileEntry, Manifest
 from ckptguard.protocol.root import CheckpointRoot, Garbage
@@ -210,17 +211,29 @@ class ObjectStoreRoot(CheckpointRoot):
     def data_dir(self, name: CheckpointName, manifest: Manifest) -> str:
         return self.staging_dir(manifest.step, manifest.attempt)
 
-    def committed(self) -> list[CheckpointName]:
+    def committed(self, index: Index | None = None) -> list[CheckpointName]:
         """From the index: committed entries, and pending ones whose commit object names their attempt
         (a commit whose index update has not happened yet: a crash there loses nothing)."""
-        index, _ = self.read_index()
+        if index is None:
+            index, _ = self.read_index()
         names = [e.name for e in index.entries if e.state == "committed"]
         for e in index.entries:
             if e.state == "pending" and self._commit_attempt(e.name) == e.attempt:
                 names.append(e.name)
         return sorted(set(names))
 
-    def versions(self, step: int) -> list[int]:
+    def listing(self) -> DomainListing:
+        """From the index (never a LIST): step -> {version: commit sequence number} of every committed
+        checkpoint, the sequence number being the one its manifest records."""
+        index, _ = self.read_index()
+        committed = set(self.committed(index))
+        out: DomainListing = {}
+        for e in index.entries:
+            if e.name in committed:
+                out.setdefault(e.step, {})[e.version] = e.seq
+        return out
+
+    def taken_versions(self, step: int) -> list[int]:
         """Versions of ``step`` already used: committed, pending or aborted (their keys are taken)."""
         index, _ = self.read_index()
         return [e.version for e in index.entries if e.step == step]
@@ -266,7 +279,8 @@ class ObjectStoreRoot(CheckpointRoot):
         """Record the intent to commit (in the index, under this job's epoch); the manifest itself is the
         commit object, created by publish()."""
         name = CheckpointName(manifest.step, manifest.version)
-        entry = IndexEntry(manifest.step, manifest.version, manifest.attempt, "pending", self.epoch or 0)
+        entry = IndexEntry(manifest.step, manifest.version, manifest.attempt, "pending", self.epoch or 0,
+                           manifest.commit_seq)
 
         def intend(index: Index) -> bool:
             for e in index.entries:
@@ -302,8 +316,10 @@ class ObjectStoreRoot(CheckpointRoot):
                 raise CheckpointError(f"{name.dirname} is committed but its index entry vanished", path=commit)
             if e.state == "committed":
                 return False  # adopted meanwhile, or our own retried update
-            e.state, e.seq = "committed", index.next_seq
-            index.next_seq += 1
+            # The commit sequence number is the manifest's (decided by rank 0 at plan time, above any
+            # seen), so listing, `latest` and the manifest agree; next_seq stays for older indexes.
+            e.state, e.seq = "committed", _commit_seq_of(data)
+            index.next_seq = max(index.next_seq, (e.seq or 0) + 1)
             return True
 
         # If a newer job fenced this one off between the create and here, this raises LeaseLostError;
@@ -313,6 +329,7 @@ class ObjectStoreRoot(CheckpointRoot):
     @staticmethod
     def _attempt_of(manifest_bytes: bytes) -> str:
         return Manifest.from_json(manifest_bytes, "MANIFEST.json").attempt
+
 
     def fence_staging(self) -> None:
         pass  # object stores fence through the index epoch, after the lease is taken (after_lease)
@@ -371,7 +388,7 @@ class ObjectStoreRoot(CheckpointRoot):
                 if parsed is not None and parsed[1] in live and parsed[1] not in keep_attempts:
                     store.abort_upload(upload_path, upload_id)
         base = super().garbage(keep_attempts=frozenset(), min_probe_age_s=min_probe_age_s)
-        return Garbage(staging, [], base.probes, base.superseded)
+        return Garbage(staging, [], base.probes)
 
 
 def _rel(path: str, base: str) -> str | None:
@@ -394,3 +411,7 @@ def _as_object_store(storage: StorageBackend) -> ObjectStore | None:
 def open_root(storage: StorageBackend) -> CheckpointRoot:
     """The root for a backend: commit by rename where there are directories, by conditional create elsewhere."""
     return CheckpointRoot(storage) if storage.has_directories else ObjectStoreRoot(storage)
+
+
+def _commit_seq_of(manifest_bytes: bytes) -> int | None:
+    return Manifest.from_json(manifest_bytes, "MANIFEST.json").commit_seq

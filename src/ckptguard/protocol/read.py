@@ -40,7 +40,7 @@ def read_first_intact(session: Session, candidates: list[int], current: Listing,
     errors: list[str] = []
     for s in candidates:
         try:
-            return s, read_one(session, CheckpointName(s, current[s]))
+            return s, read_one(session, CheckpointName(s, current[s].version))
         except BaseException as e:
             if not fallback or not falls_back(e):
                 raise

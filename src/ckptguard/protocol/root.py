@@ -14,19 +14,23 @@ from dataclasses import dataclass
 
 from ckptguard.errors import CheckpointError, CorruptCheckpointError, NotVisibleError
 from ckptguard.protocol import layout
+from ckptguard.protocol.decisions import DomainListing
 from ckptguard.protocol.layout import CheckpointName
-from ckptguard.protocol.manifest import FileEntry, Manifest
+from ckptguard.protocol.manifest import HEAD_BYTES, FileEntry, Manifest, commit_seq_from_head
 from ckptguard.storage import StorageBackend
 
 
 @dataclass(frozen=True)
 class Garbage:
-    """Leftovers a crash can leave: attempts never published, checkpoints half-deleted, old probes."""
+    """Leftovers a crash can leave: attempts never published, checkpoints half-deleted, old probes.
+
+    (Versions of a step that are not the one every domain agrees on are found from the
+    agreed listing: :func:`ckptguard.protocol.decisions.stray_versions`.)
+    """
 
     staging: list[str]
     trash: list[str]
     probes: list[str]
-    superseded: list[str]  # older versions of a step saved again with overwrite=True
 
 
 class CheckpointRoot:
@@ -54,8 +58,52 @@ class CheckpointRoot:
         return sorted(names)
 
     def current(self) -> dict[int, CheckpointName]:
-        """The current version of each committed step."""
+        """The newest version of each committed step in this domain (tools; the protocol agrees on
+        versions across domains with :meth:`listing`)."""
         return layout.newest_versions(self.committed())
+
+    def listing(self) -> DomainListing:
+        """Every committed checkpoint of this domain: step -> {version: commit sequence number}."""
+        out: DomainListing = {}
+        for entry in self.storage.listdir(self.path):
+            name = CheckpointName.parse(entry)
+            if name is None:
+                continue
+            found, seq = self.commit_seq(name)
+            if found:
+                out.setdefault(name.step, {})[name.version] = seq
+        return out
+
+    def commit_seq(self, name: CheckpointName) -> tuple[bool, int | None]:
+        """(committed?, its commit sequence number) from the head of its manifest.
+
+        A manifest without a sequence number in its head (an older ckptguard, or a
+        damaged head) is read whole; one that does not parse still counts as committed
+        (a load will report it corrupt), without a sequence number.
+        """
+        path = os.path.join(self.dir(name), layout.MANIFEST)
+        try:
+            handle = self.storage.open_read(path)
+        except CorruptCheckpointError:  # missing (not committed), or not a regular file
+            return self.storage.exists(path), None
+        try:
+            head = bytearray(min(HEAD_BYTES, handle.size()))
+            handle.read_into([memoryview(head)], 0)
+        finally:
+            handle.close()
+        seq = commit_seq_from_head(bytes(head))
+        if seq is None:
+            try:
+                seq = self.read_manifest(name).commit_seq
+            except CorruptCheckpointError:
+                seq = None
+        return True, seq
+
+    def latest_seq(self) -> int:
+        """The commit sequence number `latest` names (0 if none)."""
+        body = self.read_latest()
+        seq = body.get("seq") if body is not None else None
+        return seq if isinstance(seq, int) and not isinstance(seq, bool) and seq > 0 else 0
 
     def read_manifest(self, name: CheckpointName) -> Manifest:
         return self.parse_manifest(name, self.read_manifest_bytes(name))
@@ -67,13 +115,18 @@ class CheckpointRoot:
         except FileNotFoundError:
             raise CorruptCheckpointError(f"{path} is missing", path=path) from None
 
-    def parse_manifest(self, name: CheckpointName, data: bytes) -> Manifest:
+    def parse_manifest(self, name: CheckpointName, data: bytes, seq: int | None = None) -> Manifest:
+        """Parse and check a manifest; ``seq``: the commit sequence number it was listed with."""
         path = os.path.join(self.dir(name), layout.MANIFEST)
         m = Manifest.from_json(data, path)
         if m.step != name.step or m.version != name.version:
             raise CorruptCheckpointError(
                 f"{path} describes step {m.step} v{m.version} but sits in {name.dirname}: "
                 "the directory was renamed or copied by hand", path=path)
+        if seq is not None and m.commit_seq != seq:
+            raise CorruptCheckpointError(
+                f"{path} records commit sequence number {m.commit_seq}, its head said {seq}: the manifest is "
+                "corrupt", path=path)
         return m
 
     def check_files(self, name: CheckpointName, manifest: Manifest) -> None:
@@ -112,9 +165,7 @@ class CheckpointRoot:
             mtime = self.storage.mtime(p)
             if mtime is not None and now - mtime > min_probe_age_s:
                 probes.append(p)
-        current = self.current()
-        superseded = [self.dir(n) for n in self.committed() if current[n.step] != n]
-        return Garbage(staging, trash, probes, superseded)
+        return Garbage(staging, trash, probes)
 
     # -- writing (leaders only, under the lease) ----------------------------------------
     def make_staging(self, step: int, attempt: str) -> str:
@@ -171,20 +222,28 @@ class CheckpointRoot:
                 f"{self.dir(name)} appeared while this save was in progress: another writer is active on "
                 f"{self.path}", path=self.dir(name)) from None
 
-    def move_latest(self, name: CheckpointName) -> bool:
-        """Point `latest` at ``name`` unless it already points at a newer step (never backwards).
+    def move_latest(self, name: CheckpointName, seq: int | None) -> bool:
+        """Point `latest` at ``name`` unless it already names a checkpoint committed later.
 
-        Compare-and-swap on the pointer's version: a writer that read an older
-        pointer cannot overwrite a newer one written meanwhile.
+        "Later" is commit order (the sequence number), not the step number: after a
+        rollback, step 110 committed after step 300 is the newer one. Compare-and-swap
+        on the pointer's version: a writer that read an older pointer cannot overwrite a
+        newer one written meanwhile, and a stalled job (whose commit is older than any
+        commit of the job that took the root over) never moves it backwards.
         """
         path = self.storage.path(layout.LATEST)
         for _ in range(16):
             current = self.storage.read_versioned(path)
             cur = _latest_body(current[0]) if current is not None else None
-            if cur is not None and int(str(cur["step"])) > name.step and \
-                    CheckpointName.parse(str(cur.get("dir", ""))) in self.committed():
-                return False
-            body = {"step": name.step, "dir": name.dirname, "updated_at": time.time()}
+            if cur is not None:
+                cur_seq = cur.get("seq")
+                cur_name = CheckpointName.parse(str(cur.get("dir", "")))
+                if isinstance(cur_seq, int) and (seq is None or cur_seq >= seq) and cur_name is not None \
+                        and cur_name != name and self.storage.exists(os.path.join(self.dir(cur_name), layout.MANIFEST)):
+                    return False
+            body: dict[str, object] = {"step": name.step, "dir": name.dirname, "updated_at": time.time()}
+            if seq is not None:
+                body["seq"] = seq
             if self.storage.compare_and_swap(path, (json.dumps(body) + "\n").encode(),
                                              current[1] if current is not None else None):
                 return True
@@ -223,9 +282,10 @@ class CheckpointRoot:
             self.storage.remove_tree(retired)
 
     # -- where object stores differ (protocol/objstore.py overrides these) ------------------
-    def versions(self, step: int) -> list[int]:
-        """Versions of ``step`` that a new save must not reuse."""
-        return [n.version for n in self.committed() if n.step == step]
+    def taken_versions(self, step: int) -> list[int]:
+        """Versions of ``step`` a new save must not reuse beyond those :meth:`listing` shows (none on
+        POSIX; on object stores, versions whose commit key a pending or aborted attempt holds)."""
+        return []
 
     def data_dir(self, name: CheckpointName, manifest: Manifest) -> str:
         """Where the files of a committed checkpoint are (its directory on POSIX)."""

@@ -9,7 +9,8 @@
               until every file is visible with its size, writes the manifest,
               publishes the attempt and syncs the parent
     finish    once every domain has published: `latest` moves, retention and
-              clean-up of leftovers run, by leaders only
+              clean-up of leftovers run, by leaders only, each action after a
+              check that this job still holds the root's lease
 
 A failure on any rank makes every rank raise at the same step; the previous
 checkpoint is untouched and the attempt is removed.
@@ -36,11 +37,12 @@ from ckptguard.dcp.planners import (
     ranks_differing,
 )
 from ckptguard.dcp.writer import GuardedWriter
-from ckptguard.errors import CheckpointError, ReplicatedValueError
+from ckptguard.errors import CheckpointError, LeaseLostError, ReplicatedValueError
 from ckptguard.progress import ByteProgress
 from ckptguard.protocol import artifacts, layout
 from ckptguard.protocol.artifacts import ArtifactTarget
 from ckptguard.protocol.decisions import (
+    DomainListing,
     LeaderView,
     Listing,
     PlanDecision,
@@ -50,6 +52,7 @@ from ckptguard.protocol.decisions import (
     build_manifests,
     decide_plan,
     retention,
+    stray_versions,
 )
 from ckptguard.protocol.layout import CheckpointName
 from ckptguard.protocol.manifest import Manifest
@@ -68,6 +71,7 @@ class SavePlan:
     staging: str
     targets: list[ArtifactTarget]
     previous: int | None  # newest agreed step before this save, for error messages
+    seq: int  # commit sequence number of this save
 
     @property
     def intact(self) -> str:
@@ -94,14 +98,15 @@ class SaveOutcome:
     retired: list[str]  # what this leader took out of sight, to be removed in the background
 
 
-def leader_listing(session: Session) -> Listing | None:
+def leader_listing(session: Session) -> DomainListing | None:
     if not session.topo.is_leader:
         return None
-    return {s: n.version for s, n in session.root.current().items()}
+    return session.root.listing()
 
 
 def agreed_current(session: Session) -> Listing:
-    """{step: version} committed identically in every storage domain (collective)."""
+    """{step: (version, seq)} committed in every storage domain, the newest version every domain has
+    (collective)."""
     listing: Listing = session.comm.step(f"list the checkpoints in {session.url}", lambda: leader_listing(session),
                                          agreed_listing)
     return listing
@@ -140,10 +145,11 @@ def _plan(session: Session, request: SaveRequest) -> SavePlan:
         if topo.is_leader:
             assert session.lease is not None
             session.lease.check()
-            versions = session.root.versions(request.step)
-            listing = leader_listing(session)
-            assert listing is not None
-            view = LeaderView(versions, listing)
+            listing = session.root.listing()
+            seen = [q for versions in listing.values() for q in versions.values() if q is not None]
+            taken = set(listing.get(request.step, {})) | set(session.root.taken_versions(request.step))
+            view = LeaderView(sorted(taken), listing,
+                              max([*seen, session.root.latest_seq()]))
         return PlanReport(request.targets, view)
 
     decision: PlanDecision = comm.step(
@@ -153,7 +159,7 @@ def _plan(session: Session, request: SaveRequest) -> SavePlan:
         artifacts.probe_shared_paths(comm, decision.uncertain, decision.attempt)
     name = CheckpointName(request.step, decision.version)
     return SavePlan(request.step, name, decision.attempt, session.root.staging_dir(request.step, decision.attempt),
-                    request.targets, decision.previous)
+                    request.targets, decision.previous, decision.seq)
 
 
 def _stage(session: Session, plan: SavePlan) -> None:
@@ -212,14 +218,14 @@ def _commit(session: Session, plan: SavePlan, writer: GuardedWriter, user_metada
     def manifests(writes: list[RankWrites]) -> list[Manifest | None]:
         assert writer.metadata is not None
         built = build_manifests(topo, plan.name, plan.attempt, options.checksum, writes, user_metadata,
-                                metadata_to_json(writer.metadata))
+                                metadata_to_json(writer.metadata), plan.seq)
         return [built.get(r) for r in range(comm.world_size)]
 
     mine: Manifest | None = comm.step(f"report its part of step {plan.step}", report_writes, manifests,
                                       scatter=True, suffix=plan.intact, where=session.url)
     published = False
 
-    def publish() -> Listing | None:
+    def publish() -> DomainListing | None:
         nonlocal published
         if not topo.is_leader:
             return None
@@ -228,12 +234,17 @@ def _commit(session: Session, plan: SavePlan, writer: GuardedWriter, user_metada
         session.root.wait_files_visible(plan.staging, mine.files, options.visibility_timeout_s)
         session.root.write_manifest(plan.staging, mine)
         fault_point(FaultPhase.BEFORE_PUBLISH, comm.rank)
+        session.lease.check(renew=False)  # as close to the rename as it gets (the manifest write may have stalled)
         session.root.publish(plan.staging, plan.name)
         published = True
+        # A stall between that check and the rename (a frozen VM; on NFS, a handle to the staging
+        # directory the new holder moved away still works) published into a root another job owns
+        # by now: look again, and take it back (rolled back below, as when another domain fails).
+        session.lease.check(acting="keep what it published", renew=False)
         fault_point(FaultPhase.AFTER_PUBLISH, comm.rank)
         return leader_listing(session)
 
-    def after_publish(listings: list[Listing | None]) -> tuple[list[int], Listing]:
+    def after_publish(listings: list[DomainListing | None]) -> tuple[list[int], Listing]:
         agreed = agreed_listing(listings)
         doomed = retention(agreed, plan.step, options.keep_last, options.keep_every)
         return [s for s in doomed if s not in keep], agreed
@@ -248,7 +259,15 @@ def _commit(session: Session, plan: SavePlan, writer: GuardedWriter, user_metada
             except (OSError, CheckpointError) as rollback:
                 log.warning("ckptguard: could not roll back %s: %s", session.root.dir(plan.name), rollback)
         raise
-    retired = finish(session, plan, doomed) if topo.is_leader else []
+    lost: LeaseLostError | None = None
+    retired: list[str] = []
+    if topo.is_leader:
+        try:
+            retired = finish(session, plan, doomed, agreed)
+        except LeaseLostError as e:
+            lost = e
+    # Agreed, so that every rank of a job that lost the root raises (and no later save is tried).
+    comm.step(f"finish step {plan.step}", lambda: _raise(lost), where=session.url)
     return SaveOutcome({s: v for s, v in agreed.items() if s not in doomed}, retired)
 
 
@@ -269,6 +288,11 @@ def _refuse_divergence(session: Session, plan: SavePlan, digests: dict[str, str]
     comm.step(f"compare its plain values of step {plan.step}", mine, refuse)
 
 
+def _raise(err: BaseException | None) -> None:
+    if err is not None:
+        raise err
+
+
 def _discard_attempt(session: Session, plan: SavePlan) -> None:
     if session.topo.is_leader:
         try:
@@ -277,7 +301,7 @@ def _discard_attempt(session: Session, plan: SavePlan) -> None:
             log.warning("ckptguard: could not remove the failed attempt %s: %s", plan.staging, e)
 
 
-def finish(session: Session, plan: SavePlan, doomed: list[int]) -> list[str]:
+def finish(session: Session, plan: SavePlan, doomed: list[int], agreed: Listing) -> list[str]:
     """After a commit (leaders): move `latest`, retire what is no longer needed; what to remove.
 
     Retiring (an atomic rename into trash) of old checkpoints, superseded
@@ -285,20 +309,38 @@ def finish(session: Session, plan: SavePlan, doomed: list[int]) -> list[str]:
     save() returns the retention policy holds and no attempt is left in
     staging. Removing the bytes takes as long as the storage needs: the caller
     does that in the background (``session.root.remove_retired``).
+
+    Every action is taken only after checking that this job still holds the
+    root's lease (compare-and-swap on the lease record's version): a job that
+    stalled after its commit while another job took the root over stops here
+    with LeaseLostError, before it moves `latest` or retires anything of the
+    new holder's. The checkpoint itself is committed either way.
     """
-    root = session.root
+    root, lease = session.root, session.lease
+    assert lease is not None
     retired: list[str] = []
+
+    def retire(path: str) -> None:
+        lease.check(acting="retire " + path, renew=False)
+        retired_path = root.retire(path)
+        if retired_path is not None:
+            retired.append(retired_path)
+
     try:
-        root.move_latest(plan.name)
+        lease.check(acting="move `latest`")
+        root.move_latest(plan.name, plan.seq)
         fault_point(FaultPhase.AFTER_COMMIT, session.comm.rank)
-        doomed_dirs = [root.dir(n) for n in root.committed()
-                       if n.step in doomed or (n.step == plan.step and n.version < plan.name.version)]
+        lease.check(acting="apply retention", renew=False)
+        mine = root.listing()
+        doomed_dirs = [root.dir(CheckpointName(s, v)) for s in doomed for v in mine.get(s, {})]
+        stray = [root.dir(n) for n in stray_versions(mine, agreed) if n.step not in doomed]
         garbage = root.garbage()
-        for path in doomed_dirs + garbage.staging + garbage.superseded + garbage.probes:
-            retired_path = root.retire(path)
-            if retired_path is not None:
-                retired.append(retired_path)
+        for path in doomed_dirs + stray + garbage.staging + garbage.probes:
+            retire(path)
         retired.extend(garbage.trash)
+    except LeaseLostError as e:
+        e.args = (f"step {plan.step} is committed, but {e}",)
+        raise
     except (OSError, CheckpointError) as e:
         log.warning("ckptguard: step %d is committed, but retention in %s failed: %s", plan.step, session.url, e)
     return retired

@@ -44,6 +44,8 @@ class PhaseTimer:
         self.seconds: dict[str, float] = {}
         self.bytes = 0
         self.blocked = 0.0  # how long save() kept the caller waiting
+        self.staged_bytes = 0  # load: verified in host memory, then copied into place
+        self.verified_only_bytes = 0  # load: beyond load_memory_bytes, verified, then read again into place
         self.show_progress = show_progress
 
     @contextlib.contextmanager

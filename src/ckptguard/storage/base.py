@@ -9,6 +9,7 @@ operations, each with a guarantee it relies on:
   never over an existing one;
 - **compare-and-swap** of a small object on a version token read earlier (the
   lease, the `latest` pointer): a stale writer cannot overwrite a newer state;
+  **compare-and-delete** likewise (releasing the lease);
 - **streamed data writes** into new files, made durable by ``sync()``;
 - **ranged reads** into caller buffers, of regular files only;
 - listing, deletion and directory sync where they mean something.
@@ -105,6 +106,9 @@ class StorageBackend(Protocol):
 
     def delete(self, path: str) -> None:
         """Remove one object; absent is fine."""
+
+    def delete_if_version(self, path: str, token: str) -> bool:
+        """Remove ``path`` only if its version is still ``token``; True if this call removed it."""
 
     def publish(self, src: str, dst: str) -> None:
         """Make directory ``src`` appear as ``dst`` atomically; FileExistsError if ``dst`` exists."""

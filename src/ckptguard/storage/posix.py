@@ -436,6 +436,20 @@ class PosixStorage:
     def delete(self, path: str) -> None:
         unlink_quietly(path)
 
+    def delete_if_version(self, path: str, token: str) -> bool:
+        """Under the lock that compare_and_swap takes: a writer that replaced the file since the
+        caller read it keeps its version."""
+        fd = self._locked(path)
+        try:
+            current = self.read_versioned(path)
+            if current is None or current[1] != token:
+                return False
+            unlink_quietly(path)
+            fsync_dir(os.path.dirname(path))
+            return True
+        finally:
+            os.close(fd)
+
     def publish(self, src: str, dst: str) -> None:
         self.rename_noreplace(src, dst)
 

@@ -588,6 +588,25 @@ class S3Storage:
         with contextlib.suppress(FileNotFoundError):
             self.call("delete", path, lambda: self.client.delete_object(Bucket=self.bucket, Key=key))
 
+    def delete_if_version(self, path: str, token: str) -> bool:
+        """DELETE with If-Match on the ETag read: a writer that replaced the object since keeps it.
+        (The version is checked first too, so a store that ignores If-Match on DELETE narrows the
+        race to the one request.)"""
+        current = self.read_versioned(path)
+        if current is None or current[1] != token:
+            return False
+        key = self.key(path)
+        try:
+            self.call("delete", path, lambda: self.client.delete_object(Bucket=self.bucket, Key=key, IfMatch=token))
+        except FileNotFoundError:
+            return False
+        except OSError as e:
+            cause = e.__cause__
+            if isinstance(cause, Exception) and _code(cause) in _PRECONDITION_CODES:
+                return False
+            raise
+        return True
+
     def publish(self, src: str, dst: str) -> None:
         raise UnsupportedStorageError(
             f"object stores have no rename: {src} cannot be published as {dst}. Checkpoints on object stores "

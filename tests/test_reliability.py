@@ -1,0 +1,393 @@
+"""Issue 10, holes 1, 2, 3, 8 and 10: committed checkpoints are never lost, loads never tear the caller's
+state, a stalled job cannot touch a root another job took over, and a reader is never told that a
+retired checkpoint is corrupt. Each test failed before its fix."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import ckptguard
+from ckptguard import Checkpointer, CorruptCheckpointError
+from ckptguard.checksum import checksum
+from ckptguard.verify import list_root
+
+from tests.support.jobs import run_job
+from tests.support.results import job_results
+
+WORKER = Path(__file__).parent / "workers" / "reliability_job.py"
+
+
+def job(scenario: str, *args: str, nnodes: int, nproc: int, node_env: list[dict], check: bool = True):
+    out = run_job(WORKER, [scenario, *args], nnodes=nnodes, nproc_per_node=nproc, node_env=node_env, timeout=240)
+    if check:
+        assert out.ok, out.output()
+    return out
+
+
+def dirs(root: Path) -> list[str]:
+    return sorted(p.name for p in root.iterdir() if p.name.startswith("step-"))
+
+
+# -- hole 1: an overwrite that crashed in one storage domain ---------------------------------------
+
+
+def test_overwrite_killed_in_one_domain_keeps_the_committed_step(tmp_path: Path) -> None:
+    """Node-local roots (two storage domains), committed {90, 100}; save(100, overwrite=True) and the
+    second domain's leader is SIGKILLed before its publishing rename. The restart must load step 100
+    (its old version: the new one is not in every domain), and the next save must clean the leftover
+    v2 of the first domain without losing anything committed."""
+    roots = [tmp_path / "node0", tmp_path / "node1"]
+    node_env = [{"CKPT_ROOT": str(r)} for r in roots]
+    crashed = job("overwrite_crash", "--fault", "before_publish:1:kill", nnodes=2, nproc=1, node_env=node_env,
+                  check=False)
+    assert not crashed.ok
+    # The situation of the issue: the first domain published v2, the second did not.
+    assert dirs(roots[0]) == ["step-00000090", "step-00000100", "step-00000100.v2"], crashed.output()
+    assert dirs(roots[1]) == ["step-00000090", "step-00000100"]
+    resumed = job("overwrite_resume", nnodes=2, nproc=1, node_env=node_env)
+    for r in job_results(resumed):
+        assert r["steps_at_start"] == [90, 100], resumed.output()
+        assert r["loaded"] == 100 and r["version"] == 1, r
+        assert r["steps_after"] == [90, 100, 110], r
+        assert r["dirs"] == ["step-00000090", "step-00000100", "step-00000110"], r  # the v2 leftover is gone
+    for root in roots:
+        assert os.listdir(root / ".ckptguard" / "staging") == []
+
+
+# -- hole 2: commit order, not step order ----------------------------------------------------------
+
+
+def _w(step: int) -> dict[str, torch.Tensor]:
+    return {"w": torch.full((16,), float(step))}
+
+
+def test_rollback_then_save_resumes_the_checkpoint_committed_last(tmp_path: Path) -> None:
+    """{100, 200, 300} with keep_last=3; load(step=100), then save 110, 120, 130. A restart resumes
+    130 (committed last), retention counted in commit order, `latest` names 130."""
+    root = tmp_path / "ckpt"
+    with Checkpointer(root, keep_last=3) as ck:
+        for s in (100, 200, 300):
+            ck.save(s, _w(s))
+        out = {"w": torch.zeros(16)}
+        assert ck.load(out, step=100) == 100
+        ck.save(110, _w(110))
+        # The abandoned branch (200, 300: rolled back past) is retired before the checkpoint the run
+        # resumed from: 100 stays, the older of the abandoned ones goes.
+        assert ck.steps() == [100, 300, 110] or ck.steps() == [300, 100, 110], ck.steps()
+        assert set(ck.steps()) == {100, 300, 110}
+        ck.save(120, _w(120))
+        assert set(ck.steps()) == {100, 110, 120}
+        ck.save(130, _w(130))
+        assert ck.steps() == [110, 120, 130] and ck.latest() == 130
+    with Checkpointer(root, keep_last=3) as ck:
+        out = {"w": torch.zeros(16)}
+        assert ck.load(out) == 130 and torch.equal(out["w"], _w(130)["w"])
+        assert ck.latest() == 130
+    assert json.loads((root / "latest").read_text())["dir"] == "step-00000130"
+
+
+def test_commit_order_survives_a_restart_and_ls_shows_the_abandoned_branch(tmp_path: Path) -> None:
+    root = tmp_path / "ckpt"
+    with Checkpointer(root) as ck:
+        for s in (100, 200, 300):
+            ck.save(s, _w(s))
+        ck.load({"w": torch.zeros(16)}, step=100)
+        ck.save(110, _w(110))
+        assert ck.steps() == [100, 200, 300, 110] and ck.latest() == 110
+    with Checkpointer(root) as ck:
+        assert ck.steps() == [100, 200, 300, 110] and ck.latest() == 110
+        out = {"w": torch.zeros(16)}
+        assert ck.load(out) == 110 and torch.equal(out["w"], _w(110)["w"])
+    listing = list_root(str(root))
+    assert [(c.step, c.abandoned) for c in listing.checkpoints] == [(100, False), (200, True), (300, True),
+                                                                    (110, False)]
+    assert [c.seq for c in listing.checkpoints] == [1, 2, 3, 4]
+    out = subprocess.run([sys.executable, "-m", "ckptguard.cli", "ls", str(root)], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0 and "abandoned" in out.stdout, out.stdout + out.stderr
+
+
+def _strip_commit_seq(step_dir: Path) -> None:
+    """Rewrite a manifest as an older ckptguard wrote it: no commit sequence number."""
+    path = step_dir / "MANIFEST.json"
+    body = json.loads(path.read_text())["body"]
+    body.pop("commit_seq", None)
+    text = json.dumps(body, separators=(",", ":"))
+    path.write_text(f'{{"manifest_checksum":"{checksum("xxh3-64", text.encode())}","body":{text}}}\n')
+
+
+def test_manifests_without_a_commit_sequence_still_load_before_sequenced_ones(tmp_path: Path) -> None:
+    root = tmp_path / "ckpt"
+    with Checkpointer(root) as ck:
+        for s in (5, 7):
+            ck.save(s, _w(s))
+    for s in (5, 7):
+        _strip_commit_seq(root / f"step-{s:08d}")
+    with Checkpointer(root) as ck:
+        assert ck.steps() == [5, 7]
+        out = {"w": torch.zeros(16)}
+        assert ck.load(out) == 7 and torch.equal(out["w"], _w(7)["w"])
+        ck.save(6, _w(6))  # sequenced: after every unsequenced checkpoint, whatever its step
+        assert ck.steps() == [5, 7, 6] and ck.latest() == 6
+    with Checkpointer(root) as ck:
+        assert ck.load({"w": torch.zeros(16)}) == 6
+
+
+def test_latest_never_moves_backwards_in_commit_order(tmp_path: Path) -> None:
+    root = tmp_path / "ckpt"
+    with Checkpointer(root) as ck:
+        ck.save(300, _w(300))
+        ck.save(100, _w(100))  # committed after 300: the pointer follows commit order
+        assert json.loads((root / "latest").read_text())["dir"] == "step-00000100"
+        assert ck.latest() == 100
+
+
+# -- hole 3: a failed load leaves the caller's state as it was --------------------------------------
+
+
+def _flip_item(root: Path, step: int, fqn: str) -> None:
+    step_dir = root / f"step-{step:08d}"
+    body = json.loads((step_dir / "MANIFEST.json").read_text())["body"]
+    (row,) = [r for r in body["items"] if r[0] == fqn]
+    path = step_dir / body["files"][row[2]][0]
+    data = bytearray(path.read_bytes())
+    data[row[3] + row[4] - 1] ^= 0x01  # the last byte of the item
+    path.write_bytes(bytes(data))
+
+
+def _snapshot(state: dict) -> dict:
+    out = {}
+    for k, v in state.items():
+        if isinstance(v, nn.Module):
+            out[k] = {n: t.detach().clone() for n, t in v.state_dict().items()}
+        elif isinstance(v, torch.Tensor):
+            out[k] = v.clone()
+        else:
+            out[k] = json.loads(json.dumps(v))
+    return out
+
+
+def _same_bits(a: object, b: object) -> bool:
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_same_bits(a[k], b[k]) for k in a)
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape and \
+            bytes(a.contiguous().view(torch.uint8).numpy()) == bytes(b.contiguous().view(torch.uint8).numpy())
+    return a == b
+
+
+def _model(seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 8))
+
+
+def test_a_corrupt_load_leaves_the_callers_state_untouched(tmp_path: Path) -> None:
+    root = tmp_path / "ckpt"
+    with Checkpointer(root) as ck:
+        ck.save(1, {"model": _model(1), "a": torch.arange(1000.0), "b": torch.ones(3000), "meta": {"n": 1}})
+        _flip_item(root, 1, "b")  # every other item of the checkpoint is intact and read first or alongside
+        state = {"model": _model(7), "a": torch.full((1000,), -1.0), "b": torch.full((3000,), -2.0),
+                 "meta": {"n": -1}}
+        before = _snapshot(state)
+        with pytest.raises(CorruptCheckpointError):
+            ck.load(state, step=1)
+        assert _same_bits(_snapshot(state), before)
+
+
+def test_a_fallback_load_leaves_no_byte_of_the_rejected_checkpoint(tmp_path: Path) -> None:
+    """strict=False and the fallback to an older step: a key that only the rejected (newer) checkpoint
+    holds keeps the caller's own value, not the rejected checkpoint's bytes."""
+    root = tmp_path / "ckpt"
+    with Checkpointer(root) as ck:
+        ck.save(1, {"a": torch.full((4000,), 1.0)})
+        ck.save(2, {"a": torch.full((4000,), 2.0), "b": torch.full((5000,), 2.0), "c": torch.full((100,), 2.0)})
+        _flip_item(root, 2, "a")
+        state = {"a": torch.zeros(4000), "b": torch.full((5000,), -7.0), "c": torch.full((100,), -7.0)}
+        with pytest.warns(UserWarning, match=r"step 2 .* is corrupt"):
+            assert ck.load(state, strict=False) == 1
+        assert torch.equal(state["a"], torch.full((4000,), 1.0))
+        assert torch.equal(state["b"], torch.full((5000,), -7.0)) and torch.equal(state["c"], torch.full((100,), -7.0))
+
+
+def test_a_load_larger_than_the_memory_cap_still_verifies_before_it_writes(tmp_path: Path) -> None:
+    """Beyond load_memory_bytes the checkpoint is verified in a first pass and read into place in a
+    second: a corrupt item still leaves the state untouched."""
+    root = tmp_path / "ckpt"
+    with Checkpointer(root, load_memory_bytes=4096) as ck:
+        ck.save(1, {"a": torch.arange(20_000.0), "b": torch.ones(20_000)})
+        state = {"a": torch.zeros(20_000), "b": torch.zeros(20_000)}
+        assert ck.load(state) == 1 and torch.equal(state["a"], torch.arange(20_000.0))
+        _flip_item(root, 1, "b")
+        state = {"a": torch.zeros(20_000), "b": torch.zeros(20_000)}
+        with pytest.raises(CorruptCheckpointError):
+            ck.load(state, step=1)
+        assert not state["a"].any() and not state["b"].any()
+
+
+# -- hole 10: retention under a concurrent reader ----------------------------------------------------
+
+
+def _retire_while_reading(monkeypatch: pytest.MonkeyPatch, reader: Checkpointer, writer: Checkpointer,
+                          step: int) -> None:
+    """The first data file the reader opens triggers the writer's next save (keep_last=1 retires
+    what the reader is reading)."""
+    storage = reader._session.storage
+    original = storage.open_read
+    fired = []
+
+    def open_read(path: str):  # type: ignore[no-untyped-def]
+        if not fired and "/data/" in path:
+            fired.append(path)
+            writer.save(step, _w(step))
+        return original(path)
+
+    monkeypatch.setattr(storage, "open_read", open_read)
+
+
+def test_a_reader_whose_checkpoint_is_retired_loads_the_newest(tmp_path: Path, monkeypatch) -> None:
+    root = tmp_path / "ckpt"
+    writer = Checkpointer(root, keep_last=1)
+    writer.save(1, _w(1))
+    reader = Checkpointer(root, read_only=True)
+    _retire_while_reading(monkeypatch, reader, writer, 2)
+    out = {"w": torch.zeros(16)}
+    assert reader.load(out) == 2 and torch.equal(out["w"], _w(2)["w"])
+    monkeypatch.undo()
+    _retire_while_reading(monkeypatch, reader, writer, 3)
+    out = {"w": torch.zeros(16)}
+    with pytest.raises(ckptguard.StepRetiredError, match=r"step 2 .*retired"):
+        reader.load(out, step=2)
+    assert not out["w"].any()  # nothing of the retired checkpoint reached the caller
+    writer.close()
+    reader.close()
+
+
+# -- hole 8: a stalled job cannot touch a root another job took over --------------------------------
+
+
+def _start(scenario: str, root: Path, *args: str) -> subprocess.Popen[str]:
+    repo = str(Path(__file__).resolve().parent.parent)  # the worker imports tests.support
+    env = {**os.environ, "PYTHONUNBUFFERED": "1",
+           "PYTHONPATH": os.pathsep.join(filter(None, [repo, os.environ.get("PYTHONPATH", "")]))}
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID",
+              "SLURM_JOB_ID"):
+        env.pop(k, None)
+    return subprocess.Popen([sys.executable, str(WORKER), scenario, "--root", str(root), *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+
+
+def _wait_stopped(p: subprocess.Popen[str], timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert p.poll() is None, p.communicate()[0]
+        with open(f"/proc/{p.pid}/stat") as f:
+            if f.read().rsplit(")", 1)[1].split()[0] == "T":
+                return
+        time.sleep(0.05)
+    p.kill()
+    raise AssertionError("the job never reached its stop point:\n" + p.communicate()[0])
+
+
+def _results(text: str) -> dict:
+    out: dict = {}
+    for line in text.splitlines():
+        if line.startswith("RESULT "):
+            out.update(json.loads(line[len("RESULT "):]))
+    return out
+
+
+def _tree(root: Path) -> dict[str, str]:
+    """Every name under the root (but trash, which only holds what is being deleted) and the small files."""
+    out = {}
+    for dirpath, dirnames, filenames in os.walk(root):
+        rel = os.path.relpath(dirpath, root)
+        dirnames[:] = [d for d in dirnames if not (rel == ".ckptguard" and d in ("trash", "locks"))]
+        for d in dirnames:
+            out[os.path.join(rel, d)] = "dir"
+        for f in filenames:
+            p = Path(dirpath) / f
+            out[os.path.join(rel, f)] = p.read_text() if f in ("latest", "lease.json") else str(p.stat().st_size)
+    return out
+
+
+@pytest.mark.parametrize("phase", ["after_publish", "after_commit"])
+def test_a_job_stalled_after_its_commit_cannot_touch_the_new_holders_root(tmp_path: Path, phase: str) -> None:
+    """Job A commits step 3 and stalls (SIGSTOP) before `latest`/retention/clean-up; job B takes the root
+    over, commits step 10 and stalls inside its save of step 11 (an attempt in staging). A resumes: it
+    must stop with LeaseLostError and change nothing of B's; B then finishes its save."""
+    root = tmp_path / "ckpt"
+    a = _start("stall_holder", root, "--fault", f"{phase}:0:stop")
+    b = None
+    try:
+        _wait_stopped(a)
+        b = _start("taker", root, "--fault", "before_publish:0:stop")
+        _wait_stopped(b)
+        before = _tree(root)
+        assert any(k.startswith(".ckptguard/staging/step-00000011.") for k in before), before
+        os.kill(a.pid, signal.SIGCONT)
+        out_a = a.communicate(timeout=120)[0]
+        res_a = _results(out_a)
+        assert res_a.get("save3") == "LeaseLostError" or res_a.get("save4") == "LeaseLostError", out_a
+        assert res_a.get("save4") == "LeaseLostError", out_a
+        assert _tree(root) == before, out_a  # nothing of B's deleted, hidden or overwritten; latest unmoved
+        os.kill(b.pid, signal.SIGCONT)
+        out_b = b.communicate(timeout=120)[0]
+        assert b.returncode == 0, out_b
+        res_b = _results(out_b)
+        assert res_b["loaded"] == 3 and res_b["saved"] == 11 and res_b["steps"] == [10, 11], out_b
+    finally:
+        for p in (a, b):
+            if p is not None and p.poll() is None:
+                os.kill(p.pid, signal.SIGCONT)
+                p.kill()
+                p.wait()
+
+
+def test_takeover_shortcuts_only_where_the_holder_is_certainly_gone(tmp_path: Path, monkeypatch) -> None:
+    """Concurrent srun steps share SLURM_JOB_ID: different jobs. A dead pid proves nothing in another pid
+    namespace (containers sharing hostname and boot id), nor in a record that names none."""
+    from ckptguard.protocol import lease as lease_mod
+    from ckptguard.storage import open_storage
+
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    monkeypatch.setenv("SLURM_JOB_ID", "77")
+    monkeypatch.setenv("SLURM_STEP_ID", "0")
+    first = lease_mod.job_identity()
+    monkeypatch.setenv("SLURM_STEP_ID", "1")
+    assert first != lease_mod.job_identity() and first == "slurm:77.0"
+    monkeypatch.delenv("SLURM_JOB_ID")
+    lease = lease_mod.Lease(open_storage(tmp_path), "me", None, ttl_s=30)
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    rec = lease._record(1)
+    rec.holder, rec.pid = "other", dead.pid
+    assert lease._holder_gone(rec) is not None  # same host, boot and pid namespace: the pid is certainly dead
+    rec.pid_ns = "other-namespace"
+    assert lease._holder_gone(rec) is None
+    rec.pid_ns = ""  # a record of an older ckptguard
+    assert lease._holder_gone(rec) is None
+
+
+def test_release_never_deletes_a_lease_taken_over_meanwhile(tmp_path: Path) -> None:
+    ck = Checkpointer(tmp_path / "ckpt", lease_ttl_s=30)
+    lease = ck._session.lease
+    path = Path(lease.path)
+    storage = lease.storage
+    versioned = storage.read_versioned(str(path))
+    newer = json.loads(path.read_text())
+    newer.update(holder="someone-else", epoch=newer["epoch"] + 1)
+    assert storage.compare_and_swap(str(path), json.dumps(newer).encode(), versioned[1])  # a takeover
+    # The release's compare-and-delete on the version it read: a takeover between its read and its delete wins.
+    assert not storage.delete_if_version(str(path), versioned[1])
+    ck.close()
+    assert json.loads(path.read_text())["holder"] == "someone-else"
