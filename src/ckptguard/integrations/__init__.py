@@ -1,6 +1,7 @@
 """Integrations with training frameworks, each behind an optional extra pinned to the version tested.
 
 - ``ckptguard.integrations.lightning``: ``CkptguardCheckpointIO`` (lightning 2.6.6)
+- ``ckptguard.integrations.hf``: ``CkptguardTrainer`` (transformers 5.18.0)
 
 Importing a module here imports its framework; ``ckptguard`` itself never does.
 """
