@@ -51,8 +51,8 @@ from transformers import Trainer
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, TrainOutput
 
 from ckptguard.checkpointer import Checkpointer
-from ckptguard.errors import CheckpointError, StepNotFoundError
-from ckptguard.storage.posix import fsync_dir, makedirs_durable
+from ckptguard.errors import CheckpointError
+from ckptguard.integrations import _dirs
 
 log = logging.getLogger(__name__)
 
@@ -136,59 +136,22 @@ class CkptguardTrainer(Trainer):
         if self._is_main():
             ck = self._writer(run_dir)
             ck.save(step, {"hf": {"folder": folder, "world_size": int(self.args.world_size)}},
-                    files={"checkpoint": staging}, overwrite=step in ck.steps(),
+                    files={_dirs.FILES_KEY: staging}, overwrite=step in ck.steps(),
                     metadata={"folder": folder, "global_step": step})
-            # Committed: now Trainer and the user may see it.
+            # Committed: now Trainer and the user may see it, and only now may old ones go.
             if self.ckptguard_publish:
-                self._publish(run_dir, staging, folder)
-            self._rotate_checkpoints_committed(run_dir)
-            # This attempt's leftovers and any a crashed save left: this job holds the root's lease,
-            # so no other save is in flight.
-            shutil.rmtree(staging_run_dir, ignore_errors=True)
-            staging_root = os.path.join(run_dir, STAGING_NAME)
-            for name in os.listdir(staging_root) if os.path.isdir(staging_root) else ():
-                shutil.rmtree(os.path.join(staging_root, name), ignore_errors=True)
+                _dirs.publish(run_dir, staging, folder, os.path.join(run_dir, STAGING_NAME))
+            self._rotate_committed(run_dir)
+            _dirs.clear_staging(os.path.join(run_dir, STAGING_NAME))
         self.accelerator.wait_for_everyone()
 
-    def _publish(self, run_dir: str, staging: str, folder: str) -> None:
-        final = os.path.join(run_dir, folder)
-        if os.path.lexists(final):  # left by a save that never committed, or an older version of this step
-            self._remove_visible(run_dir, final)
-        os.rename(staging, final)
-        fsync_dir(run_dir)
-
-    def _remove_visible(self, run_dir: str, path: str) -> None:
-        trash = os.path.join(run_dir, STAGING_NAME, f".trash-{os.path.basename(path)}.{uuid.uuid4().hex[:8]}")
-        makedirs_durable(os.path.dirname(trash))
-        os.rename(path, trash)  # gone for every reader at once, then removed
-        fsync_dir(run_dir)
-        shutil.rmtree(trash, ignore_errors=True)
-
-    def _rotate_checkpoints_committed(self, run_dir: str) -> None:
-        limit = self.args.save_total_limit
-        if limit is None or limit <= 0:
-            return
+    def _rotate_committed(self, run_dir: str) -> None:
         ck = self._writer(run_dir)
-        steps = ck.steps()
-        if len(steps) <= limit:
-            return
-        protected = {steps[-1]}  # the newest, to resume from
         best = self.state.best_model_checkpoint
         m = _FOLDER_RE.match(os.path.basename(os.path.normpath(best))) if best else None
-        if m is not None and int(m.group(1)) in steps:
-            protected.add(int(m.group(1)))
-        keep = max(limit, len(protected))
-        excess = len(steps) - keep
-        for s in steps:
-            if excess <= 0:
-                break
-            if s in protected:
-                continue
-            visible = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{s}")
-            if os.path.lexists(visible):
-                self._remove_visible(run_dir, visible)
-            ck.delete(s)
-            excess -= 1
+        _dirs.rotate(ck, self.args.save_total_limit, {int(m.group(1))} if m else set(), run_dir,
+                     {s: f"{PREFIX_CHECKPOINT_DIR}-{s}" for s in ck.steps()},
+                     os.path.join(run_dir, STAGING_NAME))
 
     # -- resume -------------------------------------------------------------------------
     def train(self, resume_from_checkpoint: str | bool | None = None, trial: Any = None,
@@ -224,7 +187,7 @@ class CkptguardTrainer(Trainer):
             step: int | None = None
             if self._is_main():
                 try:
-                    step = self._restore_step(root, wanted, os.path.join(tmp, "main"))
+                    step = _dirs.restore_step(root, wanted, os.path.join(tmp, "main"))
                 except Exception as e:  # reported to every rank, raised by all
                     error = f"{type(e).__name__}: {e}"
             step, error = self._broadcast((step, error))
@@ -237,18 +200,9 @@ class CkptguardTrainer(Trainer):
                 os.rename(os.path.join(tmp, "main"), target)
             else:
                 with Checkpointer(root, process_group="local", read_only=True) as ck:
-                    ck.load({}, step=step, files={"checkpoint": target})
+                    ck.load({}, step=step, files={_dirs.FILES_KEY: target})
             log.info("ckptguard: resuming from committed step %d of %s", step, root)
             return tmp, target
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
-
-    @staticmethod
-    def _restore_step(root: str, wanted: int | None, target: str) -> int | None:
-        if not os.path.isdir(root):
-            if wanted is not None:
-                raise StepNotFoundError(f"{PREFIX_CHECKPOINT_DIR}-{wanted} was never committed: {root} does not exist")
-            return None
-        with Checkpointer(root, process_group="local", read_only=True) as ck:
-            return ck.load({}, step=wanted, files={"checkpoint": target})
