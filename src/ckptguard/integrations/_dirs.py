@@ -1,0 +1,89 @@
+"""The directory-commit pattern the HF Trainer and Accelerate integrations share.
+
+A framework writes a checkpoint *directory* with its own code; ckptguard commits it:
+
+1. the framework writes into a staging directory (``<staging root>/<name>.<attempt>/<name>``);
+2. the main process commits it as a step of a ckptguard root, through ``files=`` of a rank-local
+   ``Checkpointer`` (every file checksummed and fsynced, one atomic commit);
+3. only then ``<base>/<name>`` appears, by one rename (for the framework's and the user's tools),
+   and only then are old checkpoints rotated out: the visible directory first, then the step.
+
+Resume restores a committed step's files, verified, into a private directory per rank.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import uuid
+
+from ckptguard.checkpointer import Checkpointer
+from ckptguard.errors import StepNotFoundError
+from ckptguard.storage.posix import fsync_dir, makedirs_durable
+
+FILES_KEY = "checkpoint"
+
+
+def remove_visible(base: str, path: str, staging_root: str) -> None:
+    """Remove a visible checkpoint directory: gone for every reader at once (a rename into
+    ``staging_root``, on the same filesystem), then deleted."""
+    trash = os.path.join(staging_root, f".trash-{os.path.basename(path)}.{uuid.uuid4().hex[:8]}")
+    makedirs_durable(os.path.dirname(trash))
+    os.rename(path, trash)
+    fsync_dir(base)
+    shutil.rmtree(trash, ignore_errors=True)
+
+
+def publish(base: str, staging: str, name: str, staging_root: str) -> str:
+    """Rename committed ``staging`` to ``base/name`` (replacing a directory of that name: one left by a
+    save that never committed, or an older version of the step)."""
+    final = os.path.join(base, name)
+    makedirs_durable(base)
+    if os.path.lexists(final):
+        remove_visible(base, final, staging_root)
+    os.rename(staging, final)
+    fsync_dir(base)
+    return final
+
+
+def clear_staging(staging_root: str) -> None:
+    """Remove every staging leftover (the caller holds the root's lease: no other save is in flight)."""
+    for entry in os.listdir(staging_root) if os.path.isdir(staging_root) else ():
+        shutil.rmtree(os.path.join(staging_root, entry), ignore_errors=True)
+
+
+def rotate(ck: Checkpointer, limit: int | None, protected: set[int], base: str, name_of: dict[int, str],
+           staging_root: str) -> list[int]:
+    """Keep the ``limit`` newest committed steps (and ``protected`` ones, and always the newest): delete the
+    others, each visible directory first, then its committed step. Returns the steps deleted."""
+    if limit is None or limit <= 0:
+        return []
+    steps = ck.steps()
+    if len(steps) <= limit:
+        return []
+    keep_always = {steps[-1]} | (protected & set(steps))
+    excess = len(steps) - max(limit, len(keep_always))
+    deleted = []
+    for s in steps:
+        if excess <= 0:
+            break
+        if s in keep_always:
+            continue
+        visible = os.path.join(base, name_of.get(s, ""))
+        if s in name_of and os.path.lexists(visible):
+            remove_visible(base, visible, staging_root)
+        ck.delete(s)
+        deleted.append(s)
+        excess -= 1
+    return deleted
+
+
+def restore_step(root: str, wanted: int | None, target: str) -> int | None:
+    """Restore committed step ``wanted`` (None: the newest intact one, falling back past a corrupt one
+    with a warning) into ``target``; its step, or None if ``root`` holds none."""
+    if not os.path.isdir(root):
+        if wanted is not None:
+            raise StepNotFoundError(f"step {wanted} is not a committed checkpoint in {root}: it does not exist")
+        return None
+    with Checkpointer(root, process_group="local", read_only=True) as ck:
+        return ck.load({}, step=wanted, files={FILES_KEY: target})

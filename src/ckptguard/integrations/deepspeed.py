@@ -1,0 +1,295 @@
+"""DeepSpeed: a checkpoint engine that commits each tag through ckptguard, and an atomic ``latest``.
+
+    engine, optimizer, _, _ = deepspeed.initialize(...)
+    from ckptguard.integrations.deepspeed import install
+    install(engine)                                    # one line, after deepspeed.initialize
+    engine.save_checkpoint(save_dir, tag=...)          # unchanged calls
+    engine.load_checkpoint(save_dir)                   # the newest committed, verified tag
+
+DeepSpeed's own ``save_checkpoint`` writes every rank's files straight into ``save_dir/<tag>``
+with ``torch.save`` (no fsync), then global rank 0 writes ``latest`` with ``open('w')`` without
+waiting for the other ranks' files, so ``latest`` can name a tag whose shards are not all written
+(and a crash during that write leaves it empty); ``load_checkpoint()`` trusts ``latest``. Its
+NVMe-offload copy (``offloaded_tensors/``) bypasses the checkpoint engine and, with
+``use_node_local_storage``, is keyed by the local rank.
+
+``install(engine)`` replaces ``engine.checkpoint_engine`` (DeepSpeed's ``CheckpointEngine``
+interface; DeepSpeed has no configuration key for a custom engine) and wraps the engine's
+``save_checkpoint`` / ``load_checkpoint``:
+
+- ``create``: all ranks agree on a fresh staging directory,
+  ``save_dir/.ckptguard-deepspeed-staging/<tag>.<attempt>/<tag>``;
+- ``save``/``makedirs``: every file DeepSpeed writes under ``save_dir/<tag>`` goes there instead,
+  created exclusively (``O_EXCL``): two ranks writing one path (e.g. ``use_node_local_storage`` on
+  storage that is in fact shared) is refused with ``PathCollisionError`` instead of one rank's
+  file silently replacing another's; an ``offloaded_tensors/`` copy DeepSpeed made into the
+  visible directory is moved into staging by its own rank before the commit;
+- ``commit``: all ranks meet; global rank 0 commits the staging directory as a step of the
+  ckptguard root ``save_dir/.ckptguard-deepspeed`` (every file checksummed and fsynced, one
+  atomic commit), then ``save_dir/<tag>`` appears (one rename) and ``latest`` is replaced
+  atomically (temp file, fsync, rename, directory fsync); DeepSpeed's own ``open('w')`` of
+  ``latest`` is switched off (``save_latest=False`` is passed to it);
+- ``load_checkpoint(save_dir, tag=None)``: global rank 0 picks the newest committed tag (an older
+  one, with a warning, if its bytes do not verify) and broadcasts it; every rank restores that
+  tag's files, verified, into a private temporary directory (``restore_dir``) and DeepSpeed's own
+  loader reads them from there. ``latest`` is not consulted. A ``tag=`` that was never committed
+  raises ``CheckpointError``.
+
+The ckptguard step of a tag is the number at its end (``global_step120`` is step 120), else the next
+free step; the tag itself is stored with the checkpoint. Costs: each rank restores the whole tag on
+load (DeepSpeed's ZeRO-1/2 loader reads every rank's shard anyway); data is stored twice (the
+committed copy and ``save_dir/<tag>``; ``publish=False`` keeps only the committed copy) and written
+twice per save. ``save_dir`` must be shared by all ranks.
+
+Tested with deepspeed 0.19.8 built with ``DS_BUILD_OPS=0``, ``DS_ACCELERATOR=cpu``, gloo, ZeRO-2
+(``pip install 'ckptguard[deepspeed]'``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import shutil
+import tempfile
+import uuid
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from deepspeed.runtime.checkpoint_engine.checkpoint_engine import (  # type: ignore[import-untyped]
+    CheckpointCommitInfo,
+    CheckpointEngine,
+)
+
+from ckptguard.checkpointer import Checkpointer
+from ckptguard.errors import CheckpointError, PathCollisionError
+from ckptguard.integrations import _dirs
+from ckptguard.storage.posix import replace_file
+
+log = logging.getLogger(__name__)
+
+ROOT_NAME = ".ckptguard-deepspeed"
+STAGING_NAME = ".ckptguard-deepspeed-staging"
+_NUMBER_AT_END = re.compile(r"(\d+)$")
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _broadcast(value: Any) -> Any:
+    if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() <= 1:
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _barrier() -> None:
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
+class CkptguardCheckpointEngine(CheckpointEngine):  # type: ignore[misc]
+    """DeepSpeed ``CheckpointEngine`` through ckptguard (module docstring). Use ``install(engine)``."""
+
+    def __init__(self, config_params: Any = None, *, publish: bool = True,
+                 checkpointer_options: dict[str, Any] | None = None) -> None:
+        super().__init__(config_params)
+        self.name = "CkptguardCheckpointEngine"
+        self.publish = publish
+        self.checkpointer_options = dict(checkpointer_options or {})
+        self.want_latest = True  # what the caller of save_checkpoint asked for (set by install's wrapper)
+        self._writers: dict[str, Checkpointer] = {}
+        self._save_dir: str | None = None
+        self._tag: str | None = None
+        self._staging: str | None = None
+
+    # -- where things go ----------------------------------------------------------------
+    def _redirect(self, path: str) -> str:
+        """``save_dir/<tag>/x`` -> ``staging/x`` during a save; anything else unchanged."""
+        if self._save_dir is None or self._tag is None or self._staging is None:
+            return path
+        visible = os.path.join(self._save_dir, self._tag)
+        p = os.path.abspath(path)
+        if p == visible:
+            return self._staging
+        if p.startswith(visible + os.sep):
+            return os.path.join(self._staging, os.path.relpath(p, visible))
+        return path
+
+    def _writer(self, save_dir: str) -> Checkpointer:
+        root = os.path.join(save_dir, ROOT_NAME)
+        ck = self._writers.get(root)
+        if ck is None:
+            ck = self._writers[root] = Checkpointer(root, process_group="local", **self.checkpointer_options)
+        return ck
+
+    # -- CheckpointEngine -----------------------------------------------------------------
+    def create(self, info: CheckpointCommitInfo) -> None:
+        save_dir = os.path.abspath(info.save_dir)
+        attempt = _broadcast(uuid.uuid4().hex[:12])
+        self._save_dir, self._tag = save_dir, str(info.tag)
+        self._staging = os.path.join(save_dir, STAGING_NAME, f"{self._tag}.{attempt}", self._tag)
+        os.makedirs(self._staging, exist_ok=True)
+
+    def makedirs(self, path: str, exist_ok: bool = False) -> None:
+        os.makedirs(self._redirect(path), exist_ok=True if self._staging else exist_ok)
+
+    def save(self, state_dict: Any, path: str) -> None:
+        target = self._redirect(path)
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        try:
+            fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        except FileExistsError:
+            raise PathCollisionError(
+                f"rank {_rank()}: {os.path.basename(path)} of tag {self._tag} was already written by another rank "
+                f"(e.g. use_node_local_storage on storage that all nodes share); refusing to overwrite it",
+                path=path) from None
+        with os.fdopen(fd, "wb") as f:
+            torch.save(state_dict, f)
+
+    def load(self, path: str, map_location: Any = None) -> Any:
+        # What DeepSpeed's own TorchCheckpointEngine does (its checkpoints hold pickled objects); the
+        # bytes were verified against the commit when they were restored for this load.
+        return torch.load(path, map_location=map_location, weights_only=False)
+
+    def commit(self, info: CheckpointCommitInfo) -> bool:
+        save_dir, tag, staging = self._save_dir, self._tag, self._staging
+        if save_dir is None or tag is None or staging is None:
+            raise CheckpointError("commit without create: the checkpoint engine was installed mid-save")
+        try:
+            # DeepSpeed copies NVMe-offloaded optimizer files into save_dir/<tag>/offloaded_tensors/rankNN
+            # itself, bypassing the engine: each rank moves its own into staging.
+            offloaded = os.path.join(save_dir, tag, "offloaded_tensors")
+            mine = [d for d in (os.listdir(offloaded) if os.path.isdir(offloaded) else ())
+                    if os.path.isdir(os.path.join(offloaded, d)) and d.startswith("rank")
+                    and int(d[4:] or -1) == _rank()]
+            for d in mine:
+                dest = os.path.join(staging, "offloaded_tensors", d)
+                os.makedirs(os.path.dirname(dest), exist_ok=True)
+                os.rename(os.path.join(offloaded, d), dest)
+            _barrier()  # every rank's files are in staging
+            error: str | None = None
+            if _rank() == 0:
+                try:
+                    self._commit_on_rank0(save_dir, tag, staging)
+                except Exception as e:  # every rank raises it
+                    error = f"{type(e).__name__}: {e}"
+                    log.exception("ckptguard: committing tag %s failed", tag)
+            error = _broadcast(error)
+            if error is not None:
+                raise CheckpointError(f"committing DeepSpeed tag {tag} to {os.path.join(save_dir, ROOT_NAME)} "
+                                      f"failed on rank 0: {error}", path=save_dir)
+            return True
+        finally:
+            self._save_dir = self._tag = self._staging = None
+
+    def _commit_on_rank0(self, save_dir: str, tag: str, staging: str) -> None:
+        ck = self._writer(save_dir)
+        m = _NUMBER_AT_END.search(tag)
+        existing = _step_of_tag(ck, tag)
+        if existing is not None:
+            step = existing
+        elif m is not None and int(m.group(1)) not in ck.steps():
+            step = int(m.group(1))
+        else:
+            step = max(ck.steps(), default=-1) + 1
+        ck.save(step, {"deepspeed": {"tag": tag}}, files={_dirs.FILES_KEY: staging},
+                overwrite=step in ck.steps(), metadata={"tag": tag})
+        staging_root = os.path.join(save_dir, STAGING_NAME)
+        if self.publish:
+            _dirs.publish(save_dir, staging, tag, staging_root)
+        if self.want_latest:
+            replace_file(os.path.join(save_dir, "latest"), tag.encode())
+        _dirs.clear_staging(staging_root)
+
+    def cleanup(self) -> None:
+        writers, self._writers = self._writers, {}
+        for ck in writers.values():
+            ck.close()
+
+
+def _step_of_tag(ck: Checkpointer, tag: str) -> int | None:
+    """The committed step holding ``tag`` (the number at its end first, then a search, newest first)."""
+    m = _NUMBER_AT_END.search(tag)
+    candidates = sorted(ck.steps(), reverse=True)
+    if m is not None and int(m.group(1)) in candidates:
+        candidates.remove(int(m.group(1)))
+        candidates.insert(0, int(m.group(1)))
+    for s in candidates:
+        meta = ck.read(step=s) or {}
+        if meta.get("deepspeed", {}).get("tag") == tag:
+            return s
+    return None
+
+
+def _restore_on_rank0(root: str, tag: str | None, target: str) -> tuple[int, str] | None:
+    if not os.path.isdir(root):
+        if tag is not None:
+            raise CheckpointError(f"tag {tag!r} was never committed: {root} does not exist", path=root)
+        return None
+    with Checkpointer(root, process_group="local", read_only=True) as ck:
+        step = None if tag is None else _step_of_tag(ck, tag)
+        if tag is not None and step is None:
+            raise CheckpointError(f"tag {tag!r} is not a committed checkpoint in {root}", path=root)
+        got = ck.load({}, step=step, files={_dirs.FILES_KEY: target})
+        if got is None:
+            return None
+        meta = ck.read(step=got) or {}
+        return got, str(meta["deepspeed"]["tag"])
+
+
+def install(engine: Any, *, publish: bool = True, restore_dir: str | None = None,
+            checkpointer_options: dict[str, Any] | None = None) -> CkptguardCheckpointEngine:
+    """Make ``engine`` (a ``DeepSpeedEngine``) save and load through ckptguard (module docstring)."""
+    ce = CkptguardCheckpointEngine(getattr(engine, "_config", None), publish=publish,
+                                   checkpointer_options=checkpointer_options)
+    engine.checkpoint_engine = ce
+    save_checkpoint = engine.save_checkpoint
+    load_checkpoint = engine.load_checkpoint
+
+    def save(save_dir: str, tag: Any = None, client_state: Any = None, save_latest: bool = True,
+             **kwargs: Any) -> Any:
+        ce.want_latest = save_latest
+        # DeepSpeed's own `latest` (open('w'), not waiting for the others) stays off: commit writes it
+        return save_checkpoint(save_dir, tag=tag, client_state={} if client_state is None else client_state,
+                               save_latest=False, **kwargs)
+
+    def load(load_dir: str, tag: Any = None, **kwargs: Any) -> Any:
+        load_dir = os.path.abspath(load_dir)
+        root = os.path.join(load_dir, ROOT_NAME)
+        tmp = tempfile.mkdtemp(prefix="ckptguard-deepspeed-", dir=restore_dir)
+        try:
+            found: tuple[int, str] | None = None
+            error: str | None = None
+            if _rank() == 0:
+                try:
+                    found = _restore_on_rank0(root, None if tag is None else str(tag), os.path.join(tmp, "main"))
+                except Exception as e:  # every rank raises it
+                    error = f"{type(e).__name__}: {e}"
+            found, error = _broadcast((found, error))
+            if error is not None:
+                raise CheckpointError(f"cannot load from {root}: {error}", path=root)
+            if found is None:
+                log.warning("ckptguard: no committed checkpoint in %s", root)
+                return None, None
+            step, found_tag = found
+            target = os.path.join(tmp, found_tag)
+            if _rank() == 0:
+                os.rename(os.path.join(tmp, "main"), target)
+            else:
+                with Checkpointer(root, process_group="local", read_only=True) as ck:
+                    ck.load({}, step=step, files={_dirs.FILES_KEY: target})
+            path, client_state = load_checkpoint(tmp, tag=found_tag, **kwargs)
+            _barrier()
+            if path is not None:  # where DeepSpeed read it -> where the user sees it
+                path = os.path.join(load_dir, os.path.relpath(path, tmp))
+            return path, client_state
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+    engine.save_checkpoint = save
+    engine.load_checkpoint = load
+    return ce

@@ -1,0 +1,208 @@
+"""Hugging Face Trainer: every ``checkpoint-N`` committed through ckptguard before it is visible.
+
+    from ckptguard.integrations.hf import CkptguardTrainer
+    trainer = CkptguardTrainer(model=model, args=TrainingArguments(..., save_total_limit=2), ...)
+    trainer.train(resume_from_checkpoint=True)     # only ever a committed, verified checkpoint
+
+A drop-in ``Trainer`` subclass (a callback cannot do it: ``on_save`` runs after Trainer has
+already written into ``checkpoint-N`` and rotated). What changes, per save:
+
+1. Trainer's own code writes the checkpoint (model, optimizer, scheduler, scaler, every rank's
+   RNG file, ``trainer_state.json``; whatever strategy it uses) into a staging directory,
+   ``output_dir/.ckptguard-hf-staging/checkpoint-N.<attempt>/checkpoint-N``, never into
+   ``checkpoint-N`` itself.
+2. All ranks meet; the main process commits the staging directory as step N of the ckptguard
+   root ``output_dir/.ckptguard-hf`` (every file checksummed and fsynced, one atomic commit;
+   a crash before it leaves the previous checkpoints as they were).
+3. Only then does ``output_dir/checkpoint-N`` appear, by one rename of the staging directory
+   (for ``from_pretrained``, ``load_best_model_at_end`` and other tools), and only then are
+   old checkpoints rotated out (``save_total_limit``; the newest and the best are kept):
+   the visible directory first, then the committed step.
+
+Resume (``train(resume_from_checkpoint=True)``) picks the newest *committed* step (an older one,
+with a warning, if its bytes do not verify), never a directory by its name: the main process
+decides, every rank restores that step's files, verified, into a private temporary directory
+(``restore_dir``, default the system's), and Trainer's own loaders read them from there.
+``resume_from_checkpoint="output_dir/checkpoint-N"`` loads committed step N (or raises); a
+path outside ``output_dir`` is an ordinary Trainer checkpoint and is passed through unchanged.
+
+Costs: the data is stored twice (the committed copy and the visible ``checkpoint-N``);
+``publish=False`` keeps only the committed copy (then ``checkpoint-N`` never appears and
+``load_best_model_at_end`` cannot be used). Each save writes its bytes twice (Trainer into
+staging, ckptguard into its root). Requires ``output_dir`` to be shared by all ranks (Trainer's
+default assumption; ``save_on_each_node=True`` is refused). ``push_to_hub`` pushes from the
+staging directory, before the commit.
+
+Tested with transformers 5.18.0 (``pip install 'ckptguard[transformers]'``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import shutil
+import tempfile
+import uuid
+from typing import Any
+
+import torch.distributed as dist
+from transformers import Trainer
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, TrainOutput
+
+from ckptguard.checkpointer import Checkpointer
+from ckptguard.errors import CheckpointError
+from ckptguard.integrations import _dirs
+
+log = logging.getLogger(__name__)
+
+ROOT_NAME = ".ckptguard-hf"
+STAGING_NAME = ".ckptguard-hf-staging"
+_FOLDER_RE = re.compile(rf"^{PREFIX_CHECKPOINT_DIR}-(\d+)$")
+
+
+class CkptguardTrainer(Trainer):
+    """``transformers.Trainer`` whose checkpoints are committed through ckptguard (module docstring).
+
+    Extra keyword arguments: ``publish`` (default True: the visible ``checkpoint-N`` directory),
+    ``restore_dir`` (where each rank restores the checkpoint it resumes from; default: the
+    system's temporary directory), ``checkpointer_options`` (passed to ``Checkpointer``).
+    """
+
+    def __init__(self, *args: Any, publish: bool = True, restore_dir: str | None = None,
+                 checkpointer_options: dict[str, Any] | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if self.args.save_on_each_node:
+            raise ValueError("CkptguardTrainer needs an output_dir shared by all ranks: save_on_each_node=True "
+                             "is not supported")
+        self.ckptguard_publish = publish
+        self.ckptguard_restore_dir = restore_dir
+        self.ckptguard_options = dict(checkpointer_options or {})
+        self._ckptguard_writer: Checkpointer | None = None
+        self._ckptguard_staging_run_dir: str | None = None
+
+    # -- where things are ---------------------------------------------------------------
+    @staticmethod
+    def ckptguard_root(run_dir: str) -> str:
+        """The ckptguard root holding the committed checkpoints of ``run_dir``."""
+        return os.path.join(run_dir, ROOT_NAME)
+
+    def _get_output_dir(self, trial: Any) -> str:
+        if self._ckptguard_staging_run_dir is not None:  # inside _save_checkpoint: Trainer writes to staging
+            return self._ckptguard_staging_run_dir
+        out: str = super()._get_output_dir(trial)
+        return out
+
+    def _is_main(self) -> bool:
+        return bool(self.args.process_index == 0)
+
+    def _broadcast(self, value: Any) -> Any:
+        if self.args.world_size <= 1 or not dist.is_available() or not dist.is_initialized():
+            return value
+        box = [value]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def _writer(self, run_dir: str) -> Checkpointer:
+        root = self.ckptguard_root(run_dir)
+        ck = self._ckptguard_writer
+        if ck is None or os.path.normpath(ck.root) != os.path.normpath(root):
+            if ck is not None:
+                ck.close()
+            ck = self._ckptguard_writer = Checkpointer(root, process_group="local", **self.ckptguard_options)
+        return ck
+
+    # -- save ---------------------------------------------------------------------------
+    def _save_checkpoint(self, model: Any, trial: Any) -> None:
+        run_dir = self._get_output_dir(trial)
+        step = int(self.state.global_step)
+        folder = f"{PREFIX_CHECKPOINT_DIR}-{step}"
+        attempt = self._broadcast(uuid.uuid4().hex[:12])  # one staging name for all ranks
+        staging_run_dir = os.path.join(run_dir, STAGING_NAME, f"{folder}.{attempt}")
+        staging = os.path.join(staging_run_dir, folder)
+        # Trainer's own save, into staging. Its rotation runs there too, over that one directory: a no-op.
+        self._ckptguard_staging_run_dir = staging_run_dir
+        try:
+            super()._save_checkpoint(model, trial)
+        finally:
+            self._ckptguard_staging_run_dir = None
+        if self.args.should_save and self.state.best_global_step:
+            # Trainer looked for the best checkpoint in staging: point it at the visible directory.
+            best = int(self.state.best_global_step)
+            if best == step or os.path.isdir(os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{best}")):
+                self.state.best_model_checkpoint = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{best}")
+                self.state.save_to_json(os.path.join(staging, "trainer_state.json"))
+        self.accelerator.wait_for_everyone()  # every rank's files are in staging
+        if self._is_main():
+            ck = self._writer(run_dir)
+            ck.save(step, {"hf": {"folder": folder, "world_size": int(self.args.world_size)}},
+                    files={_dirs.FILES_KEY: staging}, overwrite=step in ck.steps(),
+                    metadata={"folder": folder, "global_step": step})
+            # Committed: now Trainer and the user may see it, and only now may old ones go.
+            if self.ckptguard_publish:
+                _dirs.publish(run_dir, staging, folder, os.path.join(run_dir, STAGING_NAME))
+            self._rotate_committed(run_dir)
+            _dirs.clear_staging(os.path.join(run_dir, STAGING_NAME))
+        self.accelerator.wait_for_everyone()
+
+    def _rotate_committed(self, run_dir: str) -> None:
+        ck = self._writer(run_dir)
+        best = self.state.best_model_checkpoint
+        m = _FOLDER_RE.match(os.path.basename(os.path.normpath(best))) if best else None
+        _dirs.rotate(ck, self.args.save_total_limit, {int(m.group(1))} if m else set(), run_dir,
+                     {s: f"{PREFIX_CHECKPOINT_DIR}-{s}" for s in ck.steps()},
+                     os.path.join(run_dir, STAGING_NAME))
+
+    # -- resume -------------------------------------------------------------------------
+    def train(self, resume_from_checkpoint: str | bool | None = None, trial: Any = None,
+              ignore_keys_for_eval: list[str] | None = None) -> TrainOutput:
+        restored: str | None = None
+        if resume_from_checkpoint is not None and resume_from_checkpoint is not False:
+            restored, resume_from_checkpoint = self._restore(resume_from_checkpoint)
+        try:
+            return super().train(resume_from_checkpoint=resume_from_checkpoint, trial=trial,
+                                 ignore_keys_for_eval=ignore_keys_for_eval)
+        finally:
+            if restored is not None:
+                shutil.rmtree(restored, ignore_errors=True)
+            if self._ckptguard_writer is not None:
+                self._ckptguard_writer.close()
+                self._ckptguard_writer = None
+
+    def _restore(self, resume: str | bool) -> tuple[str | None, str | bool]:
+        """Restore the committed checkpoint to resume from; (temporary directory, path for Trainer)."""
+        run_dir = os.path.abspath(str(self.args.output_dir))
+        root = self.ckptguard_root(run_dir)
+        wanted: int | None = None
+        if not isinstance(resume, bool):
+            path = os.path.abspath(os.fspath(resume))
+            m = _FOLDER_RE.match(os.path.basename(os.path.normpath(path)))
+            if m is None or os.path.dirname(os.path.normpath(path)) != os.path.normpath(run_dir):
+                return None, resume  # an ordinary Trainer checkpoint from elsewhere
+            wanted = int(m.group(1))
+        tmp = tempfile.mkdtemp(prefix="ckptguard-hf-", dir=self.ckptguard_restore_dir)
+        try:
+            # The main process decides which step (falling back past a corrupt newest one); all follow.
+            error: str | None = None
+            step: int | None = None
+            if self._is_main():
+                try:
+                    step = _dirs.restore_step(root, wanted, os.path.join(tmp, "main"))
+                except Exception as e:  # reported to every rank, raised by all
+                    error = f"{type(e).__name__}: {e}"
+            step, error = self._broadcast((step, error))
+            if error is not None:
+                raise CheckpointError(f"cannot resume from {root}: {error}", path=root)
+            if step is None:
+                raise ValueError(f"No committed checkpoint found in {root} (output directory {run_dir})")
+            target = os.path.join(tmp, f"{PREFIX_CHECKPOINT_DIR}-{step}")
+            if self._is_main():
+                os.rename(os.path.join(tmp, "main"), target)
+            else:
+                with Checkpointer(root, process_group="local", read_only=True) as ck:
+                    ck.load({}, step=step, files={_dirs.FILES_KEY: target})
+            log.info("ckptguard: resuming from committed step %d of %s", step, root)
+            return tmp, target
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
