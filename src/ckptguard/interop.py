@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
+from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
 
 from ckptguard.dcp.codec import decode_value, metadata_from_json, unflatten
 from ckptguard.dcp.drive import read_locally
@@ -75,12 +76,24 @@ class DCPReader(GuardedReader):
         root.check_files(name, self.manifest)
         metadata = metadata_from_json(self.manifest.dcp, self.manifest.items)
         metadata.storage_meta = StorageMeta()
-        super().__init__(root.storage, root.dir(name), metadata, self.manifest.checksum_algorithm, rank=0,
+        super().__init__(root.storage, root.data_dir(name, self.manifest), metadata, self.manifest.checksum_algorithm, rank=0,
                          io_threads=io_threads)
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
         return os.path.isfile(os.path.join(checkpoint_id, layout.MANIFEST))
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> torch.futures.Future[None]:
+        """DCP's contract: the values are in place when the future completes. Everything is verified
+        first, then placed (one process: nothing to agree on in between)."""
+        try:
+            super().read_data(plan, planner).wait()
+            self.apply(planner)
+        finally:
+            self.close()
+        fut: torch.futures.Future[None] = torch.futures.Future()
+        fut.set_result(None)
+        return fut
 
 
 def read_checkpoint(path: str | os.PathLike[str], step: int | None = None, *, decode: bool = True
@@ -98,7 +111,7 @@ def _read_all(reader: Any, metadata: Metadata, decode: bool) -> dict[str, Any]:
             if isinstance(entry, TensorStorageMetadata) else None
     planner = SafeLoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False)
     reader.metadata = metadata
-    read_locally(flat, reader, planner, is_coordinator=True)
+    read_locally(flat, reader, planner, is_coordinator=True)  # DCPReader.read_data verifies, then places
     paths = metadata.planner_data if isinstance(metadata.planner_data, dict) else {}
     nested = unflatten(planner.state_dict, paths)
     return {k: decode_value(v) for k, v in nested.items()} if decode else nested

@@ -107,10 +107,15 @@ def read_stored(session: Session, name: CheckpointName, manifest: Manifest, rank
             flat[fqn] = torch.empty(entry.size, dtype=entry.properties.dtype)
         else:
             flat[fqn] = None
-    reader = GuardedReader(session.storage, session.root.dir(name), metadata, manifest.checksum_algorithm, rank,
-                           session.options.io_threads)
+    reader = GuardedReader(session.storage, session.root.data_dir(name, manifest), metadata,
+                           manifest.checksum_algorithm, rank, session.options.io_threads,
+                           memory_bytes=session.options.load_memory_bytes)
     planner = SafeLoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False)
-    read_locally(flat, reader, planner, is_coordinator=is_coordinator)
+    try:
+        read_locally(flat, reader, planner, is_coordinator=is_coordinator)  # read and verify
+        reader.apply(planner)  # into the fresh buffers above: nothing of the caller's can tear
+    finally:
+        reader.close()
     nested = unflatten(planner.state_dict, paths)
     result: dict[str, Any] = {}
     for key, value in nested.items():
