@@ -47,6 +47,7 @@ from ckptguard.dcp.planners import combined_digest, ranks_differing
 from ckptguard.protocol import layout
 from ckptguard.protocol.artifacts import ArtifactTarget
 from ckptguard.protocol.decisions import (
+    Committed,
     LeaderView,
     PlanReport,
     RankWrites,
@@ -71,7 +72,7 @@ def inputs(n: int, k: int) -> dict[str, Any]:
     probe = [{"lister": True, "seen": to_ranges(list(range(n)))} if host_first[hosts[r]] == r
              else {"lister": False, "sees_host_first": True} for r in range(n)]
     plan_reports = [PlanReport([ArtifactTarget(r, hosts[r], "offloaded", f"/local/offload/rank{r:05d}")],
-                               LeaderView([], {s: 1 for s in range(3)}) if r == 0 else None) for r in range(n)]
+                               LeaderView([], {s: {1: s + 1} for s in range(3)}, 3) if r == 0 else None) for r in range(n)]
     shard = 1 << 20  # elements per chunk (4 MiB of float32)
     md = Metadata(state_dict_metadata={
         f"model.layer{t}.flat_param": TensorStorageMetadata(
@@ -126,7 +127,7 @@ def leader_work(data: dict[str, Any], n: int, root: Path, staging: Path) -> tupl
 
     t = time.perf_counter()
     assert not ordered_failures(data["statuses"])
-    retention({0: 1, 1: 1, 2: 1, 3: 1}, 3, 3, None)
+    retention({s: Committed(1, s + 1) for s in range(4)}, 3, 3, None)
     timings["commit agreement and retention"] = time.perf_counter() - t
     return timings, manifest_bytes
 

@@ -437,3 +437,29 @@ def run_ranks(world_size: int, fn: Callable[[Comm], T], timeout_s: float = 60.0)
     for t in threads:
         t.join()
     return out
+
+
+# -- the frameworks' own group ---------------------------------------------------------------
+# Integrations run inside a framework's collective schedule (Trainer, Accelerate, DeepSpeed) and
+# share a decision of rank 0 with the others in the framework's default group; they call these,
+# so that collectives stay in this module.
+
+
+def world_broadcast(value: Any) -> Any:
+    """Rank 0's ``value`` on every rank of the default process group (``value`` without one)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() <= 1:
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def world_barrier() -> None:
+    """A barrier of the default process group (nothing without one)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+

@@ -47,10 +47,10 @@ import tempfile
 import uuid
 from typing import Any
 
-import torch.distributed as dist
 from accelerate import Accelerator  # type: ignore[import-untyped]
 
 from ckptguard.checkpointer import Checkpointer
+from ckptguard.comm import world_broadcast
 from ckptguard.errors import CheckpointError
 from ckptguard.integrations import _dirs
 
@@ -65,11 +65,9 @@ _WRITERS: dict[tuple[int, str], Checkpointer] = {}
 
 
 def _broadcast(accelerator: Accelerator, value: Any) -> Any:
-    if accelerator.num_processes <= 1 or not dist.is_available() or not dist.is_initialized():
+    if accelerator.num_processes <= 1:
         return value
-    box = [value]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
+    return world_broadcast(value)
 
 
 def _where(accelerator: Accelerator, output_dir: str | os.PathLike[str] | None,

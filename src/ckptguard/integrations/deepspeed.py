@@ -63,6 +63,7 @@ from deepspeed.runtime.checkpoint_engine.checkpoint_engine import (  # type: ign
 )
 
 from ckptguard.checkpointer import Checkpointer
+from ckptguard.comm import world_barrier, world_broadcast
 from ckptguard.errors import CheckpointError, PathCollisionError
 from ckptguard.integrations import _dirs
 from ckptguard.storage.posix import replace_file
@@ -79,16 +80,11 @@ def _rank() -> int:
 
 
 def _broadcast(value: Any) -> Any:
-    if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() <= 1:
-        return value
-    box = [value]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
+    return world_broadcast(value)
 
 
 def _barrier() -> None:
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        dist.barrier()
+    world_barrier()
 
 
 class CkptguardCheckpointEngine(CheckpointEngine):  # type: ignore[misc]

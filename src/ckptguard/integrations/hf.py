@@ -46,11 +46,11 @@ import tempfile
 import uuid
 from typing import Any
 
-import torch.distributed as dist
 from transformers import Trainer
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, TrainOutput
 
 from ckptguard.checkpointer import Checkpointer
+from ckptguard.comm import world_broadcast
 from ckptguard.errors import CheckpointError
 from ckptguard.integrations import _dirs
 
@@ -97,11 +97,9 @@ class CkptguardTrainer(Trainer):
         return bool(self.args.process_index == 0)
 
     def _broadcast(self, value: Any) -> Any:
-        if self.args.world_size <= 1 or not dist.is_available() or not dist.is_initialized():
+        if self.args.world_size <= 1:
             return value
-        box = [value]
-        dist.broadcast_object_list(box, src=0)
-        return box[0]
+        return world_broadcast(value)
 
     def _writer(self, run_dir: str) -> Checkpointer:
         root = self.ckptguard_root(run_dir)
