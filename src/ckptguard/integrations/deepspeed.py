@@ -65,7 +65,7 @@ from deepspeed.runtime.checkpoint_engine.checkpoint_engine import (  # type: ign
 from ckptguard.checkpointer import Checkpointer
 from ckptguard.errors import CheckpointError, PathCollisionError
 from ckptguard.integrations import _dirs
-from ckptguard.storage.posix import replace_file
+from ckptguard.storage.fileio import replace_file
 
 log = logging.getLogger(__name__)
 
