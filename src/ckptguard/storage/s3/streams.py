@@ -15,7 +15,6 @@ from typing import TYPE_CHECKING, Any
 from ckptguard.errors import (
     CheckpointError,
     CorruptCheckpointError,
-    StorageError,
 )
 
 if TYPE_CHECKING:
@@ -28,12 +27,10 @@ from ckptguard.storage.s3.client import (
     _MAX_PARTS,
     _PRECONDITION_CODES,
     _WRITER_META,
-    S3Options,
     _body,
     _code,
     _crc32c_b64,
     _is_client_error,
-    parse_url,
 )
 
 log = logging.getLogger("ckptguard")
@@ -301,6 +298,3 @@ def _read_body_into(body: Any, dest: list[memoryview]) -> int:
             at += n
             got += n
     return got
-
-
-__all__ = ["S3Options", "S3ReadHandle", "S3Storage", "S3WriteStream", "StorageError", "parse_url"]
