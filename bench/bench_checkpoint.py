@@ -59,7 +59,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 import ckptguard.dcp.planners as ckpt_planners
 import ckptguard.dcp.writer as ckpt_writer
 from ckptguard import Checkpointer
-from ckptguard.storage.posix import write_all
+from ckptguard.storage.fileio import write_all
 
 WORLD = 2
 

@@ -351,7 +351,7 @@ def test_save_file_on_a_full_disk_keeps_the_old_file_and_leaves_no_temporary_fil
 def test_retry_stale_handles() -> None:
     import errno
 
-    from ckptguard.storage.posix import retry_stale
+    from ckptguard.storage.fileio import retry_stale
 
     calls = []
 

@@ -24,7 +24,7 @@ from ckptguard._faults import FaultPhase, fault_point
 from ckptguard.checksum import ALGORITHMS, DEFAULT_ALGORITHM
 from ckptguard.comm import DEFAULT_TIMEOUT_S, Comm, LocalTransport, default_comm, hostname
 from ckptguard.dcp.planners import forget_cached_plans
-from ckptguard.errors import CheckpointError, StepNotFoundError
+from ckptguard.errors import CheckpointError
 from ckptguard.protocol import artifacts, manage
 from ckptguard.protocol import load as load_protocol
 from ckptguard.protocol import read as read_protocol
@@ -255,7 +255,7 @@ class Checkpointer:
         """
         self.wait()
         self._check_usable(writing=False)
-        step = self._tagged_step(tag, step)
+        step, self._tags = manage.tagged_step(self._session, tag, step, self._tags)
         show = (self.progress if progress is None else progress) and self._comm.rank == 0
         with gc_paused():
             loaded, stats, current = load_protocol.load(self._session, step, state, files, strict, show)
@@ -275,18 +275,16 @@ class Checkpointer:
         """
         self.wait()
         self._check_usable(writing=False)
-        step = self._tagged_step(tag, step)
+        step, self._tags = manage.tagged_step(self._session, tag, step, self._tags)
         current = self._committed = save_protocol.agreed_current(self._session)
-        candidates = self._candidates(step, current)
+        candidates = read_protocol.candidates(self._session, step, current)
         with gc_paused():
             _, state = read_protocol.read_first_intact(self._session, candidates, current, fallback=step is None)
         return state
 
     def path(self, step: int) -> str:
         """The directory of committed ``step`` (its current version). Not collective."""
-        if step not in self._committed:
-            raise StepNotFoundError(f"step {step} is not a committed checkpoint in {self.root}; committed steps: "
-                                    f"{sorted(self._committed) or 'none'}")
+        read_protocol.candidates(self._session, step, self._committed)  # raises if not committed
         return self._session.root.dir(CheckpointName(step, self._committed[step].version))
 
     def delete(self, step: int) -> None:
@@ -331,25 +329,6 @@ class Checkpointer:
             self.wait()
             self._tags = manage.read_tags(self._session)
         return dict(sorted(self._tags.items()))
-
-    def _tagged_step(self, tag: str | None, step: int | None) -> int | None:
-        if tag is None:
-            return step
-        if step is not None:
-            raise ValueError("pass step= or tag=, not both")
-        self._tags = manage.read_tags(self._session)
-        if tag not in self._tags:
-            raise StepNotFoundError(f"no tag {tag!r} in {self.root}; tags: {sorted(self._tags) or 'none'}")
-        return self._tags[tag]
-
-    def _candidates(self, step: int | None, current: Listing) -> list[int]:
-        if step is None:
-            return sorted(current, reverse=True)
-        if step not in current:
-            raise StepNotFoundError(
-                f"step {step} is not a committed checkpoint in {self.root}; committed steps: "
-                f"{sorted(current) or 'none'}")
-        return [step]
 
     def close(self) -> None:
         """Release the root's lease. The Checkpointer cannot save afterwards."""

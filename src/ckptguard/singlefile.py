@@ -30,7 +30,7 @@ from ckptguard.errors import (
 )
 from ckptguard.protocol.topology import Topology, probe_storage_domains
 from ckptguard.storage import PosixStorage, StorageBackend, is_s3_url, local_path, open_storage
-from ckptguard.storage.posix import makedirs_durable, open_regular, replace_file, unlink_quietly
+from ckptguard.storage.fileio import makedirs_durable, open_regular, replace_file, unlink_quietly
 
 _EOCD = b"PK\x05\x06"
 _TAG = re.compile(rb"ckptguard:1:(xxh3-64|crc32c):([0-9a-f]{8,16}):(\d+)$")

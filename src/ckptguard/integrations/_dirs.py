@@ -19,7 +19,7 @@ import uuid
 
 from ckptguard.checkpointer import Checkpointer
 from ckptguard.errors import StepNotFoundError
-from ckptguard.storage.posix import fsync_dir, makedirs_durable
+from ckptguard.storage.fileio import fsync_dir, makedirs_durable
 
 FILES_KEY = "checkpoint"
 

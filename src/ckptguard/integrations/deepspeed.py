@@ -66,7 +66,7 @@ from ckptguard.checkpointer import Checkpointer
 from ckptguard.comm import world_barrier, world_broadcast
 from ckptguard.errors import CheckpointError, PathCollisionError
 from ckptguard.integrations import _dirs
-from ckptguard.storage.posix import replace_file
+from ckptguard.storage.fileio import replace_file
 
 log = logging.getLogger(__name__)
 

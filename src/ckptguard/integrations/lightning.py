@@ -33,7 +33,7 @@ from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 
 from ckptguard.checkpointer import Checkpointer
 from ckptguard.errors import CheckpointError, CorruptCheckpointError
-from ckptguard.storage.posix import replace_file
+from ckptguard.storage.fileio import replace_file
 
 ROOT_NAME = ".ckptguard-lightning"
 POINTER_FORMAT = "ckptguard-lightning-pointer"

@@ -21,7 +21,7 @@ from ckptguard.errors import CheckpointError, CorruptCheckpointError, PathCollis
 from ckptguard.protocol import layout
 from ckptguard.protocol.manifest import Artifact, FileEntry, Manifest
 from ckptguard.storage import StorageBackend
-from ckptguard.storage.posix import fsync_dir, makedirs_durable, unique_tmp_name, write_all
+from ckptguard.storage.fileio import fsync_dir, makedirs_durable, unique_tmp_name, write_all
 
 _KEY_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 _CHUNK = 8 << 20

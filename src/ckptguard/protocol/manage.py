@@ -193,3 +193,15 @@ def _point_latest_at_newest(session: Session, deleted: int, left: DomainListing)
         if storage.compare_and_swap(path, (json.dumps(new) + "\n").encode(), current[1]):
             return
     raise CheckpointError(f"could not move {path}: it kept changing under this job", path=path)
+
+
+def tagged_step(session: Session, tag: str | None, step: int | None, tags: Tags) -> tuple[int | None, Tags]:
+    """The step ``tag`` names (read afresh, collective), or ``step`` when no tag is given; and the tags."""
+    if tag is None:
+        return step, tags
+    if step is not None:
+        raise ValueError("pass step= or tag=, not both")
+    tags = read_tags(session)
+    if tag not in tags:
+        raise StepNotFoundError(f"no tag {tag!r} in {session.url}; tags: {sorted(tags) or 'none'}")
+    return tags[tag], tags

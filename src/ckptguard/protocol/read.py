@@ -24,8 +24,8 @@ from ckptguard.dcp.codec import decode_value, metadata_from_json, unflatten
 from ckptguard.dcp.drive import read_locally
 from ckptguard.dcp.planners import SafeLoadPlanner
 from ckptguard.dcp.reader import GuardedReader
-from ckptguard.errors import CorruptCheckpointError
-from ckptguard.protocol.decisions import Listing
+from ckptguard.errors import CorruptCheckpointError, StepNotFoundError
+from ckptguard.protocol.decisions import Listing, commit_order
 from ckptguard.protocol.layout import CheckpointName
 from ckptguard.protocol.load import falls_back
 from ckptguard.protocol.manifest import Manifest
@@ -122,3 +122,14 @@ def read_stored(session: Session, name: CheckpointName, manifest: Manifest, rank
         m = _PER_RANK.match(key)
         result[m.group(1) if m is not None else key] = decode_value(value)
     return result
+
+
+def candidates(session: Session, step: int | None, current: Listing) -> list[int]:
+    """What a read (or ``path``) may pick: ``step`` if it is committed, else every step, the one
+    committed last first."""
+    if step is None:
+        return list(reversed(commit_order(current)))
+    if step not in current:
+        raise StepNotFoundError(f"step {step} is not a committed checkpoint in {session.url}; committed steps: "
+                                f"{commit_order(current) or 'none'}")
+    return [step]

@@ -1,257 +1,40 @@
-"""POSIX storage for local disks and shared filesystems (NFS, Lustre, FUSE).
-
-Everything the protocol needs to be durable and race-free lives here: exclusive
-create, fsync of files *and* directories, rename that never replaces, atomic
-replace and compare-and-swap of small files, and retries of ``ESTALE`` (a stale
-NFS handle is often transient right after another node renamed a directory).
-"""
+"""PosixStorage: the StorageBackend of a checkpoint root on a POSIX filesystem (local disks, NFS,
+Lustre, FUSE). The durable file operations it is made of are in fileio.py."""
 
 from __future__ import annotations
 
-import ctypes
 import errno
 import fcntl
 import os
 import shutil
 import stat
-import threading
 import time
-import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from contextlib import suppress
-from typing import TypeVar
 
 from ckptguard.checksum import checksum
 from ckptguard.errors import (
-    CheckpointError,
     CorruptCheckpointError,
     NotVisibleError,
-    StaleHandleError,
 )
 from ckptguard.storage.base import MAX_SMALL_OBJECT_BYTES
-
-T = TypeVar("T")
-
-_AT_FDCWD = -100
-_RENAME_NOREPLACE = 1
-_libc = ctypes.CDLL(None, use_errno=True)
-_renameat2 = getattr(_libc, "renameat2", None)
-
-# Errors that mean "this filesystem does not support that", where we fall back.
-_UNSUPPORTED = {errno.EINVAL, errno.ENOSYS, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EPERM}
-#: Lock files that guard compare-and-swap, under the root's control directory.
-LOCKS_DIR = ".ckptguard/locks"
-#: How long a compare-and-swap waits for a lock whose holder may be frozen before breaking it.
-CAS_LOCK_TIMEOUT_S = 10.0
-_READ_FLAGS = os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK
-
-
-def retry_stale(fn: Callable[[], T], what: str, path: str, attempts: int = 8) -> T:
-    """Run ``fn``, retrying ``ESTALE`` with exponential back-off (about 6 s in all)."""
-    delay = 0.05
-    for attempt in range(attempts):
-        try:
-            return fn()
-        except OSError as e:
-            if e.errno != errno.ESTALE:
-                raise
-            if attempt == attempts - 1:
-                raise StaleHandleError(
-                    f"stale file handle (ESTALE) on {path} while trying to {what}, still failing "
-                    f"after {attempts} retries over {delay * 2:.1f} s: another node renamed or removed "
-                    "it and this node's NFS client still holds the old handle. Check that only one job "
-                    "writes to this checkpoint root, and the NFS mount options (lookupcache, actimeo).",
-                    path=path,
-                ) from e
-            time.sleep(delay)
-            delay *= 2
-    raise AssertionError("unreachable")
-
-
-def fsync_dir(path: str) -> None:
-    """Make a directory's entries (creates, renames, unlinks) durable."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    except OSError as e:
-        if e.errno in _UNSUPPORTED:
-            return
-        raise
-    try:
-        os.fsync(fd)
-    except OSError as e:
-        if e.errno not in _UNSUPPORTED:
-            raise
-    finally:
-        os.close(fd)
-
-
-def makedirs_durable(path: str) -> None:
-    """os.makedirs(path, exist_ok=True), then fsync the parent of every directory it created:
-    fsync of a directory's contents does not make its own entry in its parent durable."""
-    missing = []
-    p = path
-    while not os.path.isdir(p) and os.path.dirname(p) != p:
-        missing.append(p)
-        p = os.path.dirname(p)
-    os.makedirs(path, exist_ok=True)
-    for d in reversed(missing):
-        fsync_dir(os.path.dirname(d))
-
-
-def rename_noreplace(src: str, dst: str) -> None:
-    """Rename ``src`` to ``dst``; fail with FileExistsError if ``dst`` exists.
-
-    Uses renameat2(RENAME_NOREPLACE) where the kernel and filesystem support it.
-    Elsewhere it falls back to a plain rename, which for our directories is still
-    safe: rename(2) refuses to replace a non-empty directory, and a committed
-    checkpoint directory is never empty.
-    """
-    if _renameat2 is not None:
-        rc = _renameat2(_AT_FDCWD, os.fsencode(src), _AT_FDCWD, os.fsencode(dst), _RENAME_NOREPLACE)
-        if rc == 0:
-            return
-        err = ctypes.get_errno()
-        if err not in _UNSUPPORTED:
-            if err in (errno.EEXIST, errno.ENOTEMPTY):
-                raise FileExistsError(err, os.strerror(err), dst)
-            raise OSError(err, os.strerror(err), src)
-    if os.path.lexists(dst):
-        raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), dst)
-    try:
-        os.rename(src, dst)
-    except OSError as e:
-        if e.errno in (errno.EEXIST, errno.ENOTEMPTY):
-            raise FileExistsError(e.errno, os.strerror(e.errno), dst) from e
-        raise
-
-
-def write_all(fd: int, views: Sequence[memoryview]) -> None:
-    """writev until every byte is written (writes may be partial on network filesystems)."""
-    pending = [v.cast("B") if v.format != "B" or v.ndim != 1 else v for v in views if len(v)]
-    while pending:
-        pending = after(pending, os.writev(fd, pending[:1024]))
-
-
-def after(views: list[memoryview], n: int) -> list[memoryview]:
-    """What is left of ``views`` once a vectored read or write moved ``n`` bytes (it may stop anywhere)."""
-    i = 0
-    while i < len(views) and n >= len(views[i]):
-        n -= len(views[i])
-        i += 1
-    rest = views[i:]
-    if rest and n:
-        rest[0] = rest[0][n:]
-    return rest
-
-
-def unique_tmp_name(path: str) -> str:
-    head, tail = os.path.split(path)
-    return os.path.join(head, f".{tail}.tmp-{uuid.uuid4().hex[:12]}")
-
-
-def write_new_file(path: str, data: bytes | bytearray | memoryview) -> None:
-    """Create ``path`` (O_EXCL: never over someone else's file), write ``data``, fsync. A file
-    this call created is removed again if writing it fails (a full disk keeps no half file)."""
-    fd = retry_stale(lambda: os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644),
-                     "create", path)
-    try:
-        write_all(fd, [memoryview(data)])
-        os.fsync(fd)
-    except BaseException:
-        os.close(fd)
-        unlink_quietly(path)
-        raise
-    os.close(fd)
-
-
-def replace_file(path: str, data: bytes | bytearray | memoryview) -> None:
-    """Replace ``path`` with ``data`` atomically: temp file, fsync, rename, fsync of the directory.
-    Readers see the old or the new content; a failure leaves the old file and no temp file."""
-    tmp = unique_tmp_name(path)
-    write_new_file(tmp, data)
-    try:
-        retry_stale(lambda: os.replace(tmp, path), "replace", path)
-    except BaseException:
-        unlink_quietly(tmp)
-        raise
-    fsync_dir(os.path.dirname(path) or ".")
-
-
-def open_regular(path: str) -> int:
-    """An fd on a regular file: symlinks and FIFOs, devices or directories are refused (a hostile
-    checkpoint must not make a reader block on a FIFO or follow a link out of the checkpoint)."""
-    fd = retry_stale(lambda: os.open(path, _READ_FLAGS), "open", path)
-    try:
-        mode = os.fstat(fd).st_mode
-        if not stat.S_ISREG(mode):
-            raise CorruptCheckpointError(f"{path} is not a regular file: refusing to read it", path=path)
-        os.set_blocking(fd, True)
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
-
-
-def unlink_quietly(path: str) -> None:
-    with suppress(FileNotFoundError):
-        os.unlink(path)
-
-
-class PosixWriteStream:
-    """A new file written with writev, made durable with fsync."""
-
-    def __init__(self, path: str) -> None:
-        self.path = path
-        self.fd = retry_stale(lambda: os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644),
-                              "create", path)
-
-    def write(self, views: Sequence[memoryview]) -> None:
-        write_all(self.fd, views)
-
-    def sync(self) -> None:
-        os.fsync(self.fd)
-
-    def close(self) -> None:
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
-
-
-class PosixReadHandle:
-    """A regular file read by ranges with preadv straight into the caller's buffers."""
-
-    def __init__(self, path: str) -> None:
-        self.path = path
-        try:
-            self.fd = open_regular(path)
-        except FileNotFoundError:
-            raise CorruptCheckpointError(f"{path} is missing: the checkpoint is incomplete", path=path) from None
-        except OSError as e:
-            if e.errno != errno.ELOOP:
-                raise
-            raise CorruptCheckpointError(f"{path} is a symbolic link: refusing to follow it out of the "
-                                         "checkpoint", path=path) from None
-
-    def size(self) -> int:
-        return os.fstat(self.fd).st_size
-
-    def read_into(self, views: Sequence[memoryview], offset: int) -> None:
-        pending = [v for v in views if len(v)]
-        total = sum(len(v) for v in pending)
-        done = 0
-        while pending:
-            n = os.preadv(self.fd, pending[:1024], offset + done)
-            if n == 0:
-                raise CorruptCheckpointError(
-                    f"{self.path} is truncated: {total} bytes expected at offset {offset}, the file ends at "
-                    f"{self.size()}. The checkpoint is corrupt.", path=self.path)
-            done += n
-            pending = after(pending, n)
-
-    def close(self) -> None:
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
+from ckptguard.storage.fileio import (
+    _UNSUPPORTED,
+    CAS_LOCK_TIMEOUT_S,
+    LOCKS_DIR,
+    PosixReadHandle,
+    PosixWriteStream,
+    fsync_dir,
+    makedirs_durable,
+    open_regular,
+    read_ahead,
+    rename_noreplace,
+    replace_file,
+    retry_stale,
+    unique_tmp_name,
+    unlink_quietly,
+    write_new_file,
+)
 
 
 class PosixStorage:
@@ -516,44 +299,3 @@ def _ignore_missing(func: Callable[..., object], path: str, exc_info: tuple[type
     if isinstance(exc_info[1], FileNotFoundError):
         return
     raise exc_info[1]
-
-
-_READ_AHEAD_CHUNK = 8 << 20
-
-
-def read_ahead(directory: str, prefix: str) -> Callable[[], None]:
-    """Have the kernel read the files of ``directory`` whose names start with ``prefix`` into the
-    page cache, from a background thread, while the caller does other work (a hint: errors are
-    left to the real reads). Returns a function that stops it.
-
-    Plain reads into one small scratch buffer: measured here, they overlap a cold load's planning
-    with the disk, where ``posix_fadvise(WILLNEED)`` gained nothing and a populated mapping
-    held the GIL for the whole read.
-    """
-
-    stopped = threading.Event()
-
-    def read_into_page_cache() -> None:
-        try:
-            with os.scandir(directory) as entries:
-                paths = sorted(e.path for e in entries if e.name.startswith(prefix))
-        except OSError:
-            return
-        scratch = bytearray(_READ_AHEAD_CHUNK)
-        for p in paths:
-            if stopped.is_set():
-                return
-            try:
-                fd = open_regular(p)
-            except (OSError, CheckpointError):
-                continue
-            try:
-                while not stopped.is_set() and os.readv(fd, [scratch]) == len(scratch):
-                    pass
-            except OSError:
-                pass
-            finally:
-                os.close(fd)
-
-    threading.Thread(target=read_into_page_cache, name="ckptguard-readahead", daemon=True).start()
-    return stopped.set

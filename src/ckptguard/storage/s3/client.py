@@ -1,0 +1,142 @@
+"""Talking to S3: options, URLs, the boto3 clients (one per process and configuration), error codes."""
+
+from __future__ import annotations
+
+import base64
+import logging
+import threading
+from dataclasses import dataclass, fields, replace
+from typing import TYPE_CHECKING, Any, ClassVar, cast
+
+import crc32c
+
+from ckptguard.errors import (
+    UnsupportedStorageError,
+)
+
+if TYPE_CHECKING:
+    from mypy_boto3_s3.client import S3Client
+    from mypy_boto3_s3.type_defs import CompletedPartTypeDef, ObjectIdentifierTypeDef
+else:
+    S3Client = CompletedPartTypeDef = ObjectIdentifierTypeDef = Any
+
+log = logging.getLogger("ckptguard")
+
+_WRITER_META = "ckptguard-writer"  # x-amz-meta-ckptguard-writer: which stream created a data object
+_MIN_PART = 5 << 20  # S3's smallest part (all but the last)
+_MAX_PARTS = 10_000
+_PERMISSION_CODES = {"AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "AllAccessDisabled",
+                     "AccountProblem", "InvalidToken", "ExpiredToken", "403"}
+_REGION_CODES = {"PermanentRedirect", "AuthorizationHeaderMalformed", "IllegalLocationConstraintException",
+                 "301", "IncorrectEndpoint"}
+_MISSING_CODES = {"NoSuchKey", "404", "NotFound"}
+_PRECONDITION_CODES = {"PreconditionFailed", "412"}
+_CONFLICT_CODES = {"ConditionalRequestConflict", "409", "OperationAborted"}
+
+
+@dataclass(frozen=True)
+class S3Options:
+    """How to reach the store: ``Checkpointer("s3://bucket/prefix", storage_options={...})``.
+
+    Unset values come from the usual AWS settings: ``AWS_ENDPOINT_URL`` (or
+    ``AWS_ENDPOINT_URL_S3``), ``AWS_REGION``/``AWS_DEFAULT_REGION``,
+    ``AWS_PROFILE``, the credential chain (env, shared files, instance role).
+    """
+
+    endpoint_url: str | None = None  # an S3-compatible store (MinIO, Ceph, R2, a local server)
+    region_name: str | None = None
+    profile_name: str | None = None
+    part_size: int = 16 << 20  # bytes per multipart part (objects below it take one PutObject)
+    max_concurrency: int = 16  # parts and ranges in flight per process
+    max_attempts: int = 10  # per request, by botocore's standard retry mode (throttling, 5xx, resets)
+    connect_timeout_s: float = 10.0
+    read_timeout_s: float = 60.0
+    check_conditional_writes: bool | None = None  # None: probe stores reached through a custom endpoint
+
+    @staticmethod
+    def from_mapping(options: dict[str, Any] | None) -> S3Options:
+        if not options:
+            return S3Options()
+        known = {f.name for f in fields(S3Options)}
+        unknown = sorted(set(options) - known)
+        if unknown:
+            raise ValueError(f"unknown storage_options for s3:// {unknown}; known: {sorted(known)}")
+        opts = replace(S3Options(), **options)
+        if opts.part_size < _MIN_PART:
+            raise ValueError(f"storage_options part_size must be >= {_MIN_PART} (S3's smallest part)")
+        if opts.max_concurrency < 1 or opts.max_attempts < 1:
+            raise ValueError("storage_options max_concurrency and max_attempts must be >= 1")
+        return opts
+
+
+def parse_url(url: str) -> tuple[str, str]:
+    """(bucket, key prefix without slashes at either end) of ``s3://bucket/prefix``."""
+    if not url.lower().startswith("s3://"):
+        raise ValueError(f"not an s3:// URL: {url}")
+    rest = url[5:]
+    bucket, _, prefix = rest.partition("/")
+    if not bucket:
+        raise UnsupportedStorageError(f"{url}: no bucket name (expected s3://BUCKET/PREFIX)", path=url)
+    return bucket, prefix.strip("/")
+
+
+def _body(data: bytearray) -> bytes:
+    """botocore sends a bytearray as it is (its stubs only say bytes): no copy into a bytes object."""
+    return cast(bytes, data)
+
+
+def _crc32c_b64(data: bytes | bytearray | memoryview) -> str:
+    return base64.b64encode(crc32c.crc32c(data).to_bytes(4, "big")).decode()
+
+
+def _code(err: Exception) -> str:
+    response = getattr(err, "response", None) or {}
+    code = str(response.get("Error", {}).get("Code", ""))
+    status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+    return code or (str(status) if status else "")
+
+
+def _status(err: Exception) -> int | None:
+    response = getattr(err, "response", None) or {}
+    status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+    return int(status) if status else None
+
+
+def _is_client_error(err: BaseException) -> bool:
+    from botocore.exceptions import ClientError
+
+    return isinstance(err, ClientError)
+
+
+class _Clients:
+    """One boto3 client per process and configuration (clients are thread-safe; sessions are not)."""
+
+    lock = threading.Lock()
+    cache: ClassVar[dict[tuple[Any, ...], S3Client]] = {}
+    ready: ClassVar[dict[tuple[str, str], BaseException | None]] = {}  # (endpoint, bucket) -> probe outcome
+
+    @classmethod
+    def get(cls, opts: S3Options) -> S3Client:
+        key = (opts.endpoint_url, opts.region_name, opts.profile_name, opts.max_concurrency, opts.max_attempts,
+               opts.connect_timeout_s, opts.read_timeout_s)
+        with cls.lock:
+            client = cls.cache.get(key)
+            if client is None:
+                import boto3
+                from botocore.config import Config
+
+                session = boto3.session.Session(profile_name=opts.profile_name)
+                config = Config(
+                    retries={"mode": "standard", "max_attempts": opts.max_attempts},
+                    max_pool_connections=max(10, 2 * opts.max_concurrency + 8),
+                    connect_timeout=opts.connect_timeout_s,
+                    read_timeout=opts.read_timeout_s,
+                    # We send CRC32C ourselves (computed once per part) and check every byte we read
+                    # against the manifest: no second checksum by botocore on either side.
+                    request_checksum_calculation="when_required",
+                    response_checksum_validation="when_required",
+                )
+                client = session.client("s3", endpoint_url=opts.endpoint_url, region_name=opts.region_name,
+                                        config=config)
+                cls.cache[key] = client
+            return client
