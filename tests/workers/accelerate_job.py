@@ -126,3 +126,9 @@ def main() -> None:
 if __name__ == "__main__":
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     main()
+    # Tear the process group down before exit: left to interpreter shutdown, gloo's teardown
+    # can abort a rank ("terminate called without an active exception") after the work is done.
+    import torch.distributed as _dist
+
+    if _dist.is_initialized():
+        _dist.destroy_process_group()

@@ -137,6 +137,10 @@ def main() -> None:
         with open(a.out, "a") as f:
             f.write(json.dumps({"kind": "done", "files": sorted(os.listdir(a.root)),
                                 "best_k": sorted(os.path.basename(k) for k in ckpt.best_k_models)}) + "\n")
+    # Tear the process group down before exit: left to interpreter shutdown, gloo's teardown
+    # aborted a rank now and then ("terminate called without an active exception") after the work was done.
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
