@@ -214,7 +214,7 @@ def save(ck: Checkpointer, st: State, step: int, gen: int, *, blocking: bool = T
     """One save; with ``blocking=False`` it returns after the snapshot, and this then scribbles over
     every tensor and files= source it saved: the checkpoint must still hold the values of the call."""
     state, files = st.for_save(step, gen)
-    result(event="saving", step=step, gen=gen, blocking=blocking)
+    result(event="saving", step=step, gen=gen, blocking=blocking, overwrite=bool(kw.get("overwrite")))
     t0 = time.monotonic()
     ck.save(step, state, files=files, metadata={"gen": gen}, blocking=blocking, **kw)
     dur = time.monotonic() - t0
@@ -676,6 +676,208 @@ def scenario_recreate(args: argparse.Namespace) -> None:
     ck.close()
 
 
+# -- issue 10's fault kinds ------------------------------------------------------------------------
+
+
+def restart_ordered(ck: Checkpointer, st: State, gen: int) -> int:
+    """The restart of an overwrite/rollback chain: every committed step loads bitwise, the newest in
+    commit order first; one clean save at the next multiple of 10 above every step (rollback saves
+    land in between); no garbage. Returns the step saved."""
+    steps = ck.steps()
+    result(event="start", steps=steps, domains=[list(d) for d in ck.topology.domains])
+    newest = load_and_check(ck, st, None, "newest")
+    for s in steps:
+        if s != newest:
+            load_and_check(ck, st, s, "older")
+    nxt = (max(steps) // 10 + 1) * 10 if steps else 10
+    save(ck, st, nxt, gen)
+    leftovers(ck)
+    return nxt
+
+
+def scenario_chain2(args: argparse.Namespace) -> None:
+    """Restart of the previous trial, then saves that overwrite or roll back, one of them faulted.
+
+    ``--mode overwrite``: each save re-saves a committed step (the newest in commit order, or an
+    older one) with ``overwrite=True``. ``--mode rollback``: ``load(step=r)`` of an older committed
+    step, then saves r+1, r+2, ... (``overwrite=True`` where such a step is committed, on the
+    abandoned branch). The fault (``phase:<phase>:<rank>`` or ``random:<rank>:<fraction>``, as in
+    ``chain``) is armed at save number ``--at``; run on node-local roots (two storage domains).
+    """
+    st = State(RANK, args.big, args.scratch)
+    ck = make_ck(args)
+    t0 = time.monotonic()
+    restart_ordered(ck, st, args.gen)
+    dur = time.monotonic() - t0
+    rng = random.Random(args.seed)
+    kind, *rest = args.fault.split(":")
+    plan: list[tuple[int, bool]] = []
+    if args.mode == "rollback":
+        steps = ck.steps()
+        older = steps[:-1] or steps
+        r = rng.choice(older)
+        load_and_check(ck, st, r, "rollback")
+        for k in range(1, args.at + 4):
+            plan.append((r + k, (r + k) in steps))
+    for i in range(args.at + 3):
+        if args.mode == "overwrite":
+            steps = ck.steps()
+            target = steps[-1] if rng.random() < 0.6 else rng.choice(steps)
+            step, again = target, True
+        else:
+            step, again = plan[i]
+            again = again or step in ck.steps()
+        if i == args.at:
+            if kind == "phase":
+                _faults.arm(f"{rest[0]}:{rest[1]}")
+                result(event="armed", fault=args.fault)
+            elif kind == "random":
+                result(event="armed", fault=args.fault)
+                if int(rest[0]) == RANK:
+                    delay = float(rest[1]) * dur / 2
+
+                    def die(delay: float = delay) -> None:
+                        result(event="killing", after_s=round(delay, 4))
+                        os.kill(os.getpid(), signal.SIGKILL)
+
+                    threading.Timer(delay, die).start()
+        save(ck, st, step, args.gen, overwrite=again)
+    ck.wait()
+    _faults.arm("")
+    result(event="survived")
+    ck.close()
+
+
+# Stop points the library has no fault hook for; the worker wraps library calls (test-side only).
+_STOP_AT: dict[str, int] = {}
+
+
+def _stop_self(where: str) -> None:
+    result(event="stopping", where=where)
+    os.kill(os.getpid(), signal.SIGSTOP)
+    result(event="continued", where=where)
+
+
+def _install_stop_points() -> None:
+    """``latest`` (inside the compare-and-swap of the pointer, after reading it), ``retention`` (at
+    the n-th lease check of the retention phase, before it), ``renewal`` (in the lease renewal
+    thread, after reading the record, before replacing it), ``release`` (in close(), after reading
+    the lease record, before the compare-and-delete)."""
+    from ckptguard.protocol.lease import Lease
+    from ckptguard.storage.posix import PosixStorage
+
+    read_versioned = PosixStorage.read_versioned
+    check = Lease.check
+
+    def read_versioned_hook(self: Any, path: str) -> Any:
+        out = read_versioned(self, path)
+        name = os.path.basename(path)
+        thread = threading.current_thread().name
+        if name == "latest" and _STOP_AT.get("latest") == 0:
+            _STOP_AT.pop("latest")
+            _stop_self("latest")
+        elif name == "lease.json" and thread == "ckptguard-lease" and _STOP_AT.get("renewal") == 0:
+            _STOP_AT.pop("renewal")
+            _stop_self("renewal")
+        elif name == "lease.json" and _STOP_AT.get("release") == 0 and _IN_RELEASE:
+            _STOP_AT.pop("release")
+            _stop_self("release")
+        return out
+
+    def check_hook(self: Any, acting: str = "publish", renew: bool = True) -> None:
+        if "retention" in _STOP_AT and (acting.startswith("retire") or acting == "apply retention"):
+            if _STOP_AT["retention"] == 0:
+                _STOP_AT.pop("retention")
+                _stop_self(f"retention ({acting[:60]})")
+            else:
+                _STOP_AT["retention"] -= 1
+        check(self, acting, renew)
+
+    release = Lease.release
+
+    def release_hook(self: Any) -> None:
+        global _IN_RELEASE
+        _IN_RELEASE = True
+        try:
+            release(self)
+        finally:
+            _IN_RELEASE = False
+
+    PosixStorage.read_versioned = read_versioned_hook  # type: ignore[method-assign]
+    Lease.check = check_hook  # type: ignore[method-assign]
+    Lease.release = release_hook  # type: ignore[method-assign]
+
+
+_IN_RELEASE = False
+
+
+def _try_save(ck: Checkpointer, st: State, step: int, gen: int, label: str) -> bool:
+    try:
+        save(ck, st, step, gen)
+        result(event="outcome", save=label, step=step, error=None)
+        return True
+    except CheckpointError as e:
+        result(event="outcome", save=label, step=step, error=type(e).__name__, msg=str(e)[:400])
+        return False
+
+
+def scenario_holder(args: argparse.Namespace) -> None:
+    """Job A of a stop trial (one process): commits steps, then stops itself (SIGSTOP, every thread
+    with it) at ``--stop-at`` and is resumed (SIGCONT) after job B took the root over. Everything it
+    tries afterwards must fail, and it must change nothing of B's (the driver compares the tree)."""
+    st = State(0, args.big, args.scratch)
+    _install_stop_points()
+    # A fenced attempt (B moved staging away) makes a writer wait for its attempt directory up to
+    # visibility_timeout_s before it fails: shortened from 60 s so that a trial takes seconds.
+    ck = make_ck(args, lease_ttl_s=args.lease_ttl, keep_last=1, visibility_timeout_s=10)
+    result(event="pid", pid=os.getpid())
+    for s in range(1, args.at + 2):
+        save(ck, st, s, args.gen)
+    at = args.stop_at
+    nxt = args.at + 2
+    if at in {p.value for p in FaultPhase}:
+        _faults.arm(f"{at}:0:stop")
+    elif at == "retention":
+        _STOP_AT["retention"] = args.nth
+    elif at in ("latest", "renewal", "release"):
+        _STOP_AT[at] = 0
+    result(event="armed", at=at)
+    if at == "renewal":
+        time.sleep(args.lease_ttl * 4)  # idle: the renewal thread stops the process
+        result(event="woke")
+    elif at == "release":
+        ck.close()
+        result(event="closed")
+        return
+    _try_save(ck, st, nxt, args.gen, "stopped")
+    _faults.arm("")
+    _try_save(ck, st, nxt + 1, args.gen, "after")
+    with contextlib.suppress(CheckpointError):
+        ck.close()
+    result(event="closed")
+
+
+def scenario_taker(args: argparse.Namespace) -> None:
+    """Job B of a stop trial: takes the root over from the stopped job A, checks what it loads,
+    commits a step of its own, then stops inside its next save (``--taker-stop``: an attempt of its
+    own in staging) while A runs; resumed, it finishes that save and loads both its steps bitwise."""
+    st = State(0, args.big, args.scratch)
+    t0 = time.monotonic()
+    ck = make_ck(args, lease_ttl_s=args.lease_ttl, lease_wait_s=args.lease_ttl * 20, keep_last=2)
+    result(event="took-over", waited_s=round(time.monotonic() - t0, 2), steps=ck.steps())
+    load_and_check(ck, st, None, "newest")
+    save(ck, st, 100, args.gen)
+    _faults.arm(f"{args.taker_stop}:0:stop")
+    result(event="armed", at=args.taker_stop)
+    save(ck, st, 101, args.gen)
+    _faults.arm("")
+    result(event="final", steps=ck.steps(refresh=True), latest=ck.latest(refresh=True))
+    for s in ck.steps():
+        load_and_check(ck, st, s, "taker-final")
+    leftovers(ck)
+    ck.close()
+
+
 def reopen(ck: Checkpointer, args: argparse.Namespace, **kw: Any) -> Checkpointer:
     """Close and drop ``ck``, open a new one (test_a_new_checkpointer_per_save_keeps_saving: this once broke)."""
     with contextlib.suppress(CheckpointError):
@@ -697,8 +899,11 @@ def _process_group() -> Iterator[None]:
 SCENARIOS: dict[str, Callable[[argparse.Namespace], None]] = {
     "chain": scenario_chain, "corrupt": scenario_corrupt, "diskfull": scenario_diskfull,
     "contend": scenario_contend, "victim": scenario_victim, "thief": scenario_thief,
-    "consecutive": scenario_consecutive, "recreate": scenario_recreate,
+    "consecutive": scenario_consecutive, "recreate": scenario_recreate, "chain2": scenario_chain2,
+    "holder": scenario_holder, "taker": scenario_taker,
 }
+#: Plain single-process scenarios (no torchrun, no process group): a "job" is one process.
+SINGLE = frozenset({"holder", "taker"})
 
 
 def main() -> None:
@@ -727,7 +932,20 @@ def main() -> None:
     p.add_argument("--async-saves", action="store_true")
     p.add_argument("--stall-at", choices=("idle", "publish"), default="idle")
     p.add_argument("--hold-s", type=float, default=1.5)
+    p.add_argument("--mode", choices=("overwrite", "rollback"), default="overwrite")
+    p.add_argument("--stop-at", default="")
+    p.add_argument("--nth", type=int, default=0)
+    p.add_argument("--taker-stop", default="before_publish")
     args = p.parse_args()
+    if args.scenario in SINGLE:
+        args.scratch = os.path.join(args.scratch or "/tmp", f"gen{args.gen}-{uuid.uuid4().hex[:8]}")
+        os.makedirs(args.scratch, exist_ok=True)
+        try:
+            SCENARIOS[args.scenario](args)
+        finally:
+            shutil.rmtree(args.scratch, ignore_errors=True)
+        result(event="exit")
+        return
     with _process_group():
         RANK = dist.get_rank()
         args.scratch = os.path.join(args.scratch or "/tmp", f"gen{args.gen}-{uuid.uuid4().hex[:8]}")

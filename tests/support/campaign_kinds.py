@@ -1,0 +1,441 @@
+"""The campaign's fault kinds of issue 10 (the engine's other half; ``campaign.py`` dispatches here).
+
+    kill_overwrite  SIGKILL during ``save(..., overwrite=True)`` on node-local roots (two storage
+                    domains): at a named phase (the leader phases aimed at either domain's leader)
+                    or at a random moment
+    kill_rollback   SIGKILL during the saves that follow a rollback (``load(step=r)`` of an older
+                    step, then r+1, r+2, ...), same layout and fault points
+    stop            SIGSTOP of a job (one process, every thread) in a phase of a save, inside the
+                    move of ``latest``, in retention, in a lease renewal or in the lease release;
+                    another job takes the root over and is stopped inside a save of its own; the
+                    first is resumed (SIGCONT) and must change nothing of the second's
+
+Chains work as in ``campaign.py`` (each job is the restart of the previous trial), but judge in
+commit order: ``latest`` carries a sequence number, ``steps()`` lists in commit order, and a
+rollback makes a lower step the newest.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from ckptguard._faults import FaultPhase
+
+from .campaign import (
+    KEEP_LAST,
+    LEADER_PHASES,
+    SAVE_PHASES,
+    LatestWatch,
+    Topo,
+    Trial,
+    classify_kill,
+    events_of,
+    tail,
+)
+from .jobs import REPO
+from .results import parse_results
+from .workers import CAMPAIGN_JOB
+
+if TYPE_CHECKING:
+    from .campaign import Campaign
+
+#: SIGSTOP points of a ``stop`` trial: the library's own fault points, then those the worker adds.
+STOP_POINTS = (*(p.value for p in SAVE_PHASES), "latest", "retention", "renewal", "release")
+
+
+# -- commit-order chains (kill_overwrite, kill_rollback) --------------------------------------------
+
+
+@dataclass
+class OrderedHistory:
+    """What the driver knows about a chain's roots, in commit order."""
+
+    committed: list[int]  # the last agreed listing rank 0 reported, in commit order
+    allowed: dict[int, set[int]]  # step -> the gens its committed content may hold
+    inflight: tuple[int, int, bool] | None = None  # (step, gen, overwrite) of the save a fault cut short
+    order_log: list[str] = field(default_factory=list)
+
+
+def retained(order: list[int], new: int, keep_last: int) -> set[int]:
+    """The documented retention rule (README guarantee 9), modelled independently of the library:
+    ``order`` in commit order with ``new`` committed last; a checkpoint is abandoned when one of a
+    lower step was committed after it; abandoned ones rank below the current line; keep the last
+    ``keep_last`` of that ranking and the new one."""
+    seq = [s for s in order if s != new] + [new]
+    abandoned = [s for i, s in enumerate(seq) if any(t < s for t in seq[i + 1:])]
+    current = [s for s in seq if s not in abandoned]
+    ranking = abandoned + current
+    return set(ranking[-keep_last:]) | {new}
+
+
+def check_restart_ordered(trial: Trial, evs: dict[int, list[dict[str, Any]]], hist: OrderedHistory | None) -> None:
+    """Restart checks in commit order: nothing invented, nothing lost beyond what retention of the cut
+    save may retire, commit order preserved, newest = committed last, every load bitwise and of an
+    allowed gen, a clean save, no garbage after it."""
+    start = events_of(evs, "start", 0)
+    if not start:
+        trial.fail("the restarted job did not get as far as listing its checkpoints")
+        return
+    steps: list[int] = start[0]["steps"]
+    if hist is not None:
+        invented = sorted(set(steps) - set(hist.allowed))
+        if invented:
+            trial.fail(f"steps {invented} are committed but no job ever saved them", torn=True)
+        prev = hist.committed
+        cut = hist.inflight[0] if hist.inflight else None
+        gone = [s for s in prev if s not in steps]
+        if gone:
+            if cut is None or cut not in steps:
+                trial.fail(f"committed steps {gone} lost without a newer commit (before: {prev}, after: {steps})",
+                           lost=True)
+            else:
+                may_go = set(prev) - retained(prev, cut, KEEP_LAST)
+                if not set(gone) <= may_go:
+                    trial.fail(f"committed steps {sorted(set(gone) - may_go)} lost: retention after committing "
+                               f"{cut} keeps them (before: {prev}, after: {steps})", lost=True)
+        if prev:
+            ok_newest = {prev[-1]} | ({cut} if cut is not None else set())
+            if steps and steps[-1] not in ok_newest:
+                trial.fail(f"the newest checkpoint in commit order went from {prev[-1]} to {steps[-1]} "
+                           f"(before: {prev}, after: {steps}, cut save: {cut})", lost=steps[-1] in prev)
+        both = [s for s in steps if s in prev and s != cut]
+        if both != [s for s in prev if s in both]:
+            trial.fail(f"commit order changed: before {prev}, after {steps}")
+        if cut is not None and cut in steps and cut not in prev and steps[-1] != cut:
+            trial.fail(f"the cut save's step {cut} is committed but not last in commit order: {steps}")
+    for e in events_of(evs, "loaded"):
+        if e["what"] not in ("newest", "older", "rollback"):
+            continue
+        if not e["ok"]:
+            trial.fail(f"rank {e['rank']} loaded step {e['step']} with wrong content: {e['bad']}", torn=True)
+        if e["extra_files"]:
+            trial.fail(f"rank {e['rank']}: step {e['step']}'s files= restore holds files it does not: "
+                       f"{e['extra_files']}", torn=True)
+        if hist is not None and e["step"] is not None and e["gen"] not in hist.allowed.get(e["step"], {e["gen"]}):
+            trial.fail(f"rank {e['rank']} loaded step {e['step']} as saved by job {e['gen']}, but it holds one "
+                       f"of jobs {sorted(hist.allowed[e['step']])}", torn=True)
+        if e["what"] == "newest":
+            if e["step"] != (steps[-1] if steps else None):
+                trial.fail(f"rank {e['rank']}: load() returned step {e['step']}, committed last is "
+                           f"{steps[-1] if steps else None}")
+            if e["warned"]:
+                trial.fail(f"rank {e['rank']}: load() warned: {e['warned']}")
+    # Every rank must load the same gen of a step (one agreed version across domains).
+    seen: dict[tuple[str, int], set[int]] = {}
+    for e in events_of(evs, "loaded"):
+        if e["what"] in ("newest", "older") and e["step"] is not None:
+            seen.setdefault((e["what"], e["step"]), set()).add(e["gen"])
+    for (what, s), gens in seen.items():
+        if len(gens) > 1:
+            trial.fail(f"ranks loaded different versions of step {s} ({what}): jobs {sorted(gens)}", torn=True)
+    if not events_of(evs, "saved", 0):
+        trial.fail("the save after the restart did not complete")
+    for e in events_of(evs, "garbage"):
+        if e["staging"] or e["trash"]:
+            trial.fail(f"garbage survived a successful save in {e['root']}: staging={e['staging']} trash={e['trash']}")
+            break
+
+
+def update_ordered(hist: OrderedHistory | None, evs: dict[int, list[dict[str, Any]]]) -> OrderedHistory:
+    """After a job: resolve what its restart loaded, then apply its saves (the last one maybe cut)."""
+    allowed = {k: set(v) for k, v in (hist.allowed if hist else {}).items()}
+    committed = list(hist.committed) if hist else []
+    start = events_of(evs, "start", 0)
+    if start:
+        committed = start[0]["steps"]
+        resolved = {e["step"]: e["gen"] for e in events_of(evs, "loaded", 0)
+                    if e["what"] in ("newest", "older") and e["step"] is not None and e["ok"]}
+        allowed = {s: ({resolved[s]} if s in resolved else allowed.get(s, set())) for s in committed}
+    inflight = None
+    for e in evs.get(0, []):
+        if e.get("event") == "saving":
+            inflight = (e["step"], e["gen"], bool(e.get("overwrite")))
+            allowed.setdefault(e["step"], set()).add(e["gen"])
+        elif e.get("event") == "saved":
+            allowed[e["step"]] = {e["gen"]}
+            committed = e["committed"]
+            inflight = None
+    return OrderedHistory(committed, allowed, inflight)
+
+
+def ordered_fault(c: Campaign, kind: str, i: int, topo: Topo) -> tuple[str, str]:
+    """(variant, --fault spec) of the i-th trial of kill_overwrite/kill_rollback."""
+    n = len(SAVE_PHASES) + 1
+    if i % n == n - 1:
+        return "random moment", f"random:{c.rng.randrange(topo.world)}:{c.rng.uniform(0.0, 1.5):.3f}"
+    phase = SAVE_PHASES[i % n]
+    ranks = topo.leaders if phase in LEADER_PHASES else tuple(range(topo.world))
+    return phase.value, f"phase:{phase.value}:{c.rng.choice(ranks)}"
+
+
+def ordered_chains(c: Campaign, plan: dict[str, int]) -> None:
+    """kill_overwrite and kill_rollback on two simulated nodes with private roots (one rank each, so
+    each is its domain's leader), one chain per kind."""
+    for kind in ("kill_overwrite", "kill_rollback"):
+        n = plan.get(kind, 0)
+        if not n:
+            continue
+        roots = [c.workdir / f"{kind}-{c.seed}-n{k}" for k in range(2)]
+        topo = Topo("local", 2, 1, roots, roots, (0, 1))
+        faults = [(kind, *ordered_fault(c, kind, i, topo)) for i in range(n)]
+        c.rng.shuffle(faults)
+        c.log(f"{kind} chain on node-local roots: {n} trials")
+        _run_ordered_chain(c, topo, kind, faults)
+
+
+def _run_ordered_chain(c: Campaign, topo: Topo, name: str, faults: list[tuple[str, str, str]]) -> None:
+    mode = "overwrite" if name == "kill_overwrite" else "rollback"
+    hist: OrderedHistory | None = None
+    pending: Trial | None = None
+    pending_s = 0.0
+    with LatestWatch(topo.truth) as watch:
+        for kind, sub, spec in [*faults, ("check", "final", "none")]:
+            t0 = time.monotonic()
+            gen = c.next_gen()
+            at = c.rng.randrange(3)
+            job, evs, timeout = c.job(topo, [
+                "chain2", "--gen", str(gen), "--job-id", f"campaign-{name}", "--fault", spec, "--at", str(at),
+                "--mode", mode, "--keep-last", str(KEEP_LAST), "--seed", str(c.rng.randrange(2**31))])
+            judge = pending or Trial("chain", "first job")
+            if job is not None:
+                judge.jobs.append(job)
+            check_restart_ordered(judge, evs, hist)
+            for v in watch.take():
+                judge.fail(v)
+            if judge.problems and not events_of(evs, "saved", 0):
+                judge.fail(f"the restart did not complete: {timeout or tail(job)}")
+            if pending is not None or judge.problems:
+                c.record(judge, pending_s)
+            if kind == "check":
+                if timeout or job is None or not job.ok:
+                    final = Trial("chain", "final check", jobs=[job] if job else [])
+                    final.fail(f"the final check job failed: {timeout or tail(job)}")
+                    c.record(final, 0.0)
+                break
+            pending = Trial(kind, sub, fault=spec, signal="kill", jobs=[job] if job else [])
+            for e in events_of(evs, "loaded"):
+                if e["what"] == "rollback" and not e["ok"]:
+                    pending.fail(f"rank {e['rank']}: load(step={e['step']}) for the rollback returned wrong "
+                                 f"content: {e['bad']}", torn=True)
+            classify_kill(pending, job, evs, spec, timeout)
+            hist = update_ordered(hist, evs)
+            pending_s = time.monotonic() - t0
+
+
+# -- stop trials ---------------------------------------------------------------------------------------
+
+
+def _single(c: Campaign, args: list[str], log: Path) -> subprocess.Popen[bytes]:
+    """Start a one-process job of the campaign worker (no torchrun), output to ``log``."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "CKPT_SCRATCH": str(c.scratch), "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH", "")]))}
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID",
+              "SLURM_JOB_ID", "CKPTGUARD_FAULT"):
+        env.pop(k, None)
+    with open(log, "wb") as out:
+        return subprocess.Popen([sys.executable, str(CAMPAIGN_JOB), *args], stdout=out, stderr=subprocess.STDOUT,
+                                env=env, start_new_session=True)
+
+
+def _state(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return "gone"
+
+
+def _wait_stopped(p: subprocess.Popen[bytes], timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if p.poll() is not None:
+            return False
+        if _state(p.pid) == "T":
+            return True
+        time.sleep(0.02)
+    return False
+
+
+def _finish(p: subprocess.Popen[bytes], timeout: float) -> int | None:
+    try:
+        return p.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return None
+
+
+def _kill(p: subprocess.Popen[bytes] | None) -> None:
+    if p is not None and p.poll() is None:
+        with contextlib.suppress(OSError):
+            os.killpg(p.pid, signal.SIGKILL)
+        p.wait()
+
+
+def root_tree(root: Path) -> dict[str, str]:
+    """Every name under the root but the trash (what is on its way out) and the contents of the small
+    files that say who holds what (`latest`, the lease)."""
+    out = {}
+    for dirpath, dirnames, filenames in os.walk(root):
+        rel = os.path.relpath(dirpath, root)
+        dirnames[:] = sorted(d for d in dirnames if not (rel == ".ckptguard" and d in ("trash", "locks")))
+        for d in dirnames:
+            out[os.path.join(rel, d)] = "dir"
+        for f in filenames:
+            p = Path(dirpath) / f
+            try:
+                out[os.path.join(rel, f)] = p.read_text() if f in ("latest", "lease.json") else str(p.stat().st_size)
+            except OSError as e:
+                out[os.path.join(rel, f)] = f"unreadable: {e}"
+    return out
+
+
+class _Log:
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def output(self) -> str:
+        try:
+            return self.path.read_text(errors="replace")
+        except OSError:
+            return ""
+
+    def rank_output(self, rank: int) -> str:
+        return self.output() if rank == 0 else ""
+
+
+def stops(c: Campaign, n: int, ttl: float = 1.5) -> None:
+    """SIGSTOP trials: job A (one process) commits, stops itself at a point of ``STOP_POINTS``; job B
+    waits A's lease out, takes the root over, loads A's newest bitwise, commits step 100 and stops
+    inside its save of 101; A is resumed and runs to its end: every save it tries fails, and the root
+    (names, sizes, `latest`, the lease record) is exactly as B left it; then B is resumed, finishes
+    101, and both of B's steps load bitwise."""
+    points = [STOP_POINTS[i % len(STOP_POINTS)] for i in range(n)]
+    c.rng.shuffle(points)
+    base = c.workdir / f"stop-{c.seed}"
+    base.mkdir(parents=True, exist_ok=True)
+    for i, at in enumerate(points):
+        c._yield()
+        t0 = time.monotonic()
+        root = base / f"root-{i}"
+        ga, gb = c.next_gen(), c.next_gen()
+        pre = c.rng.randrange(3)  # A commits 1..3 steps before the stop
+        nth = c.rng.randrange(2) if at == "retention" else 0
+        taker_stop = c.rng.choice(("before_write", "after_write", "before_publish"))
+        sub = at if at != "retention" else f"retention #{nth + 1}"
+        trial = Trial("stop", sub, fault=f"{at}:A:stop; taker {taker_stop}:B:stop", signal="stop")
+        la, lb = base / f"a-{i}.log", base / f"b-{i}.log"
+        a = b = None
+        with LatestWatch([root]) as watch:
+            try:
+                a = _single(c, ["holder", "--root", str(root), "--gen", str(ga), "--lease-ttl", str(ttl),
+                                "--stop-at", at, "--at", str(pre), "--nth", str(nth)], la)
+                if not _wait_stopped(a, c.job_timeout):
+                    trial.jobs = [_Log(la)]  # type: ignore[list-item]
+                    # A retention stop needs something to retire: with nothing to retire it may not stop.
+                    trial.fail(f"job A never reached its stop point {at}: {_Log(la).output()[-2000:]}")
+                    c.record(trial, time.monotonic() - t0)
+                    continue
+                trial.injected = True
+                b = _single(c, ["taker", "--root", str(root), "--gen", str(gb), "--lease-ttl", str(ttl),
+                                "--taker-stop", taker_stop], lb)
+                if not _wait_stopped(b, c.job_timeout):
+                    trial.fail(f"job B never took over and stopped in its save: {_Log(lb).output()[-2000:]}")
+                else:
+                    before = root_tree(root)
+                    os.kill(a.pid, signal.SIGCONT)
+                    rc_a = _finish(a, c.job_timeout)
+                    after = root_tree(root)
+                    _judge_holder(trial, parse_results(_Log(la).output()), rc_a, at, before, after)
+                    os.kill(b.pid, signal.SIGCONT)
+                    rc_b = _finish(b, c.job_timeout)
+                    _judge_taker(trial, parse_results(_Log(lb).output()), rc_b, ga, gb, pre)
+            finally:
+                for p in (a, b):
+                    if p is not None and p.poll() is None:
+                        os.kill(p.pid, signal.SIGCONT)
+                        _kill(p)
+            for v in watch.take():
+                trial.fail(v)
+        trial.jobs = [_Log(la), _Log(lb)]  # type: ignore[list-item]
+        c.record(trial, time.monotonic() - t0)
+        if not trial.problems:
+            import shutil
+
+            shutil.rmtree(root, ignore_errors=True)
+            la.unlink(missing_ok=True)
+            lb.unlink(missing_ok=True)
+
+
+def _diff(before: dict[str, str], after: dict[str, str]) -> str:
+    gone = sorted(set(before) - set(after))
+    new = sorted(set(after) - set(before))
+    changed = sorted(k for k in set(before) & set(after) if before[k] != after[k])
+    return f"gone {gone[:5]}, new {new[:5]}, changed {[(k, before[k][:80], after[k][:80]) for k in changed[:3]]}"
+
+
+def _judge_holder(trial: Trial, evs: list[dict[str, Any]], rc: int | None, at: str, before: dict[str, str],
+                  after: dict[str, str]) -> None:
+    if rc is None:
+        trial.fail("job A did not finish after SIGCONT")
+        return
+    if before != after:
+        trial.fail(f"the stalled job A changed the root job B took over: {_diff(before, after)}", lost=any(
+            k.startswith("step-") or ".ckptguard/staging" in k for k in set(before) - set(after)))
+    for e in evs:
+        if e.get("event") == "outcome" and e["error"] is None:
+            trial.fail(f"job A saved step {e['step']} after job B took the root over")
+        elif e.get("event") == "outcome" and e["error"] != "LeaseLostError" and "lease" not in e.get("msg", ""):
+            # Fenced inside a save (the attempt was moved away): the error must still say why.
+            trial.fail(f"job A's save failed without saying it lost the lease: {e['error']}: {e.get('msg')}")
+    if at != "release" and not any(e.get("event") == "outcome" for e in evs):
+        trial.fail(f"job A reported no save outcome after it was resumed (rc {rc})")
+    if at == "release" and not any(e.get("event") == "closed" for e in evs):
+        trial.fail(f"job A's close() did not return (rc {rc})")
+
+
+def _judge_taker(trial: Trial, evs: list[dict[str, Any]], rc: int | None, ga: int, gb: int, pre: int) -> None:
+    if rc != 0:
+        trial.fail(f"job B failed after job A ran (rc {rc}): "
+                   f"{[e for e in evs if e.get('event') not in ('loaded',)][-3:]}")
+    for e in evs:
+        if e.get("event") != "loaded":
+            continue
+        if not e["ok"]:
+            trial.fail(f"job B loaded step {e['step']} with wrong content: {e['bad']}", torn=True)
+        if e["what"] == "newest" and e["gen"] != ga:
+            trial.fail(f"job B's first load got job {e['gen']}'s step {e['step']}, expected job A's", torn=True)
+        if e["what"] == "taker-final" and e["gen"] != gb:
+            trial.fail(f"after job A ran, step {e['step']} holds job {e['gen']}'s data, not job B's", torn=True)
+    final = [e for e in evs if e.get("event") == "final"]
+    if final and (final[0]["steps"] != [100, 101] or final[0]["latest"] != 101):
+        trial.fail(f"job B ended with steps {final[0]['steps']}, latest {final[0]['latest']}, expected [100, 101], "
+                   "101", lost=not {100, 101} <= set(final[0]["steps"]))
+    for e in evs:
+        if e.get("event") == "garbage" and (e["staging"] or e["trash"]):
+            trial.fail(f"garbage after job B's save: staging={e['staging']} trash={e['trash']}")
+
+
+def _tmp(c: Campaign, prefix: str) -> Path:
+    return Path(tempfile.mkdtemp(prefix=prefix, dir=c.workdir))
+
+
+_ = FaultPhase  # the stop points above are its values
+
+
+def run_new_kinds(c: Campaign, plan: dict[str, int]) -> None:
+    """Run the issue-10 kinds of ``plan`` (``Campaign.run`` calls this after the older kinds)."""
+    if plan.get("kill_overwrite") or plan.get("kill_rollback"):
+        ordered_chains(c, plan)
+    if plan.get("stop"):
+        stops(c, plan["stop"])
+    for kind in ("reader", "load_state", "restore", "per_rank", "async_exit", "hostile"):
+        if plan.get(kind):
+            globals()[f"run_{kind}"](c, plan[kind])
