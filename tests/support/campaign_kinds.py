@@ -49,7 +49,8 @@ if TYPE_CHECKING:
     from .campaign import Campaign
 
 #: SIGSTOP points of a ``stop`` trial: the library's own fault points, then those the worker adds.
-STOP_POINTS = (*(p.value for p in SAVE_PHASES), "latest", "retention", "renewal", "release")
+STOP_POINTS = (*(p.value for p in SAVE_PHASES), "latest", "latest-cas", "retention", "renewal", "renewal-cas",
+               "release")
 
 
 # -- commit-order chains (kill_overwrite, kill_rollback) --------------------------------------------
@@ -439,3 +440,345 @@ def run_new_kinds(c: Campaign, plan: dict[str, int]) -> None:
     for kind in ("reader", "load_state", "restore", "per_rank", "async_exit", "hostile"):
         if plan.get(kind):
             globals()[f"run_{kind}"](c, plan[kind])
+
+
+# -- a reader during retention and overwrite ------------------------------------------------------------
+
+
+def run_reader(c: Campaign, n: int, per_pair: int = 20) -> None:
+    """Reader trials: a writer process and a ``read_only`` reader process on one root (see
+    ``scenario_rwriter``/``scenario_rreader``), ``per_pair`` trials per pair of processes."""
+    done = 0
+    while done < n:
+        k = min(per_pair, n - done)
+        c._yield()
+        t0 = time.monotonic()
+        sync = _tmp(c, "reader-")
+        root = sync / "root"
+        gen = c.next_gen()
+        seed = c.rng.randrange(2**31)
+        common = ["--root", str(root), "--gen", str(gen), "--sync", str(sync), "--trials", str(k), "--seed", str(seed)]
+        lw, lr = sync / "writer.log", sync / "reader.log"
+        w = _single(c, ["rwriter", *common], lw)
+        r = _single(c, ["rreader", *common], lr)
+        rc_w, rc_r = _finish(w, c.job_timeout + 30 * k), _finish(r, 60)
+        _kill(w)
+        _kill(r)
+        wevs, revs = parse_results(_Log(lw).output()), parse_results(_Log(lr).output())
+        seconds = (time.monotonic() - t0) / k
+        committed: dict[int, set[int]] = {}
+        for e in wevs:
+            if e.get("event") == "saved":
+                committed.setdefault(e["step"], set()).add(e["gen"])
+        actions = {e["trial"]: e["action"] for e in wevs if e.get("event") == "rtrial"}
+        reads = {e["trial"]: e for e in revs if e.get("event") == "read"}
+        for i in range(k):
+            action = actions.get(i, "?")
+            e = reads.get(i)
+            mode = "load(step=N)" if e and e["explicit"] else "load()"
+            trial = Trial("reader", f"{action} under {mode}", jobs=[_Log(lw), _Log(lr)])  # type: ignore[list-item]
+            if e is None:
+                trial.fail(f"trial {i}: the reader reported nothing (writer rc {rc_w}, reader rc {rc_r}): "
+                           f"{_Log(lr).output()[-1500:]}")
+                c.record(trial, seconds)
+                continue
+            trial.injected = e["fired"] and action in ("retire", "overwrite")
+            if e["outcome"] == "loaded":
+                if e["bad"]:
+                    trial.fail(f"trial {i}: the reader loaded step {e['step']} with wrong content: {e['bad']}",
+                               torn=True)
+                if e["gen"] not in committed.get(e["step"], set()):
+                    trial.fail(f"trial {i}: the reader loaded step {e['step']} of job {e['gen']}, never committed",
+                               torn=True)
+                if e["extra_files"]:
+                    trial.fail(f"trial {i}: the restored files= directory holds {e['extra_files']} as well", torn=True)
+                if e["warned"]:
+                    trial.fail(f"trial {i}: the load warned: {e['warned']}")
+            elif e["outcome"] == "StepRetiredError" and e["explicit"] and action in ("retire", "overwrite"):
+                if not e["untouched"]:
+                    trial.fail(f"trial {i}: a load that raised StepRetiredError changed the caller's state", torn=True)
+            else:
+                trial.fail(f"trial {i}: {mode} of step {e['target']} while the writer did '{action}': "
+                           f"{e['outcome']}: {e.get('msg')}" + ("" if e.get("untouched", True) else
+                                                                "; and it changed the caller's state"),
+                           torn=not e.get("untouched", True))
+            c.record(trial, seconds)
+        if rc_w != 0 or rc_r != 0:
+            t = Trial("reader", "processes", jobs=[_Log(lw), _Log(lr)])  # type: ignore[list-item]
+            t.fail(f"writer rc {rc_w}, reader rc {rc_r}: {_Log(lw).output()[-800:]} {_Log(lr).output()[-800:]}")
+            c.record(t, 0.0)
+        else:
+            import shutil
+
+            shutil.rmtree(sync, ignore_errors=True)
+        done += k
+
+
+# -- the caller's state after failed loads; restores into non-empty and shared directories ----------
+
+
+def _many(c: Campaign, scenario: str, kind: str, n: int, per_job: int, nproc: int = 2) -> list[tuple[Any, Any, Any,
+                                                                                                      float, int]]:
+    """Run ``n`` trials of a many-trials-per-job scenario on 1 x ``nproc`` ranks (one root per job)."""
+    out = []
+    done = 0
+    while done < n:
+        k = min(per_job, n - done)
+        root = _tmp(c, f"{kind}-") / "root"
+        topo = Topo("single", 1, nproc, [root], [root], (0,))
+        t0 = time.monotonic()
+        gen = c.next_gen()
+        res = c.job(topo, [scenario, "--gen", str(gen), "--trials", str(k), "--seed", str(c.rng.randrange(2**31))])
+        out.append((*res, (time.monotonic() - t0) / k, k))
+        done += k
+    return out
+
+
+def run_load_state(c: Campaign, n: int) -> None:
+    for job, evs, timeout, seconds, k in _many(c, "loadstate", "load_state", n, 24):
+        setup = Trial("load_state", "setup", jobs=[job] if job else [])
+        if timeout or job is None or not job.ok:
+            setup.fail(f"the load_state job did not finish: {timeout or tail(job)}")
+            c.record(setup, 0.0)
+        damages = {e["trial"]: e for e in events_of(evs, "damage", 0)}
+        world = len(evs)
+        for i in range(k):
+            d = damages.get(i)
+            trial = Trial("load_state", d["kind"] if d else "?", jobs=[job] if job else [])
+            if d is None:
+                trial.fail(f"trial {i}: no damage applied (the job died earlier)")
+                c.record(trial, seconds)
+                continue
+            trial.injected = True
+            trial.fault = d["what"]
+            got = [e for e in events_of(evs, "loadstate") if e["trial"] == i]
+            if len(got) != 3 * world:
+                trial.fail(f"trial {i}: {len(got)} of {3 * world} load outcomes reported")
+            for e in got:
+                where = f"trial {i} ({d['what']}), rank {e['rank']}, {e['label']}"
+                if e["outcome"] == "raised":
+                    if e["label"] == "fallback-nonstrict":
+                        trial.fail(f"{where}: load() raised instead of falling back: {e['error']}: {e['msg']}")
+                    if not e["untouched"]:
+                        trial.fail(f"{where}: a failed load changed the caller's state ({e['error']})", torn=True)
+                    if e["error"] not in ("CorruptCheckpointError", "CheckpointError", "TornLoadError"):
+                        trial.fail(f"{where}: unexpected error {e['error']}: {e['msg']}")
+                    if e["siblings"]:
+                        trial.fail(f"{where}: a failed load left {e['siblings']} next to the files= destination")
+                    continue
+                if e["bad"]:
+                    trial.fail(f"{where}: loaded step {e['step']} with wrong content: {e['bad']}", torn=True)
+                if not e["only_new_ok"]:
+                    trial.fail(f"{where}: `only_new` after loading step {e['step']} holds bytes it should not "
+                               "(the rejected checkpoint's?)", torn=True)
+                if e["extra_files"]:
+                    trial.fail(f"{where}: the files= destination also holds {e['extra_files']}", torn=True)
+                if e["siblings"]:
+                    trial.fail(f"{where}: {e['siblings']} left next to the files= destination")
+                if e["label"] == "fallback-nonstrict" and e["step"] == e["target"] - 1 and not e["warned"] \
+                        and e["rank"] == 0:  # the library warns on rank 0
+                    trial.fail(f"{where}: fell back to step {e['step']} without a warning")
+                if e["step"] not in (e["target"], e["target"] - 1):
+                    trial.fail(f"{where}: loaded step {e['step']}")
+            steps_loaded = {e["step"] for e in got if e["outcome"] == "loaded" and e["label"] == "fallback-nonstrict"}
+            if len(steps_loaded) > 1:
+                trial.fail(f"trial {i}: ranks fell back to different steps {steps_loaded}", torn=True)
+            c.record(trial, seconds)
+
+
+def run_restore(c: Campaign, n: int) -> None:
+    for job, evs, timeout, seconds, k in _many(c, "restore", "restore", n, 24):
+        if timeout or job is None or not job.ok:
+            setup = Trial("restore", "setup", jobs=[job] if job else [])
+            setup.fail(f"the restore job did not finish: {timeout or tail(job)}")
+            c.record(setup, 0.0)
+        world = len(evs)
+        for i in range(k):
+            got = [e for e in events_of(evs, "restore") if e["trial"] == i]
+            variant = got[0]["variant"] if got else "?"
+            trial = Trial("restore", variant, jobs=[job] if job else [])
+            if len(got) != world:
+                trial.fail(f"trial {i}: {len(got)} of {world} ranks reported")
+                c.record(trial, seconds)
+                continue
+            trial.injected = True
+            for e in got:
+                where = f"trial {i} ({variant}), rank {e['rank']}"
+                if e["siblings"]:
+                    trial.fail(f"{where}: {e['siblings']} left next to the destination")
+                if variant == "non-empty":
+                    if e["outcome"] != "loaded":
+                        trial.fail(f"{where}: the load failed: {e.get('error')}: {e.get('msg')}")
+                    elif e["bad"] or e["extra_files"]:
+                        trial.fail(f"{where}: the destination is not the saved directory: {e['bad']} "
+                                   f"extra {e['extra_files']}", torn=True)
+                    continue
+                want = "PathCollisionError" if variant in ("shared", "nested") else "CorruptCheckpointError"
+                if e["outcome"] != "raised":
+                    trial.fail(f"{where}: the load succeeded; expected {want}", torn=variant == "failed")
+                    continue
+                if e["error"] != want:
+                    trial.fail(f"{where}: {e['error']} ({e['msg']}), expected {want}")
+                if not e["untouched"] or not e["state_untouched"]:
+                    trial.fail(f"{where}: a refused load changed the user's files or state", torn=True)
+            c.record(trial, seconds)
+
+
+# -- per-rank values of every size ------------------------------------------------------------------------
+
+
+def run_per_rank(c: Campaign, n: int) -> None:
+    for job, evs, timeout, seconds, k in _many(c, "perrank", "per_rank", n, 30):
+        if timeout or job is None or not job.ok:
+            setup = Trial("per_rank", "setup", jobs=[job] if job else [])
+            setup.fail(f"the per_rank job did not finish: {timeout or tail(job)}")
+            c.record(setup, 0.0)
+        world = len(evs)
+        for i in range(k):
+            got = [e for e in events_of(evs, "perrank") if e["trial"] == i]
+            sub = f"{got[0]['kind']}, differs {got[0]['differ']}" if got else "?"
+            trial = Trial("per_rank", sub, jobs=[job] if job else [])
+            if len(got) != world:
+                trial.fail(f"trial {i}: {len(got)} of {world} ranks reported")
+                c.record(trial, seconds)
+                continue
+            trial.injected = True
+            trial.fault = f"{got[0]['size']} bytes"
+            for e in got:
+                where = f"trial {i} ({sub}, {e['size']} bytes), rank {e['rank']}"
+                if e["outcome"] != "ReplicatedValueError":
+                    trial.fail(f"{where}: the save was not refused: {e['outcome']} {e['msg'][:200]}",
+                               torn=e["outcome"] == "saved")
+                elif "'v" not in e["msg"] or "PerRank" not in e["msg"]:
+                    trial.fail(f"{where}: the refusal does not name the value and PerRank: {e['msg'][:200]}")
+                if e["outcome"] != "saved" and e["after"] != e["before"]:
+                    trial.fail(f"{where}: a refused save changed the committed steps {e['before']} -> {e['after']}")
+                if not e["perrank_ok"]:
+                    trial.fail(f"{where}: the same value in PerRank did not load back as saved: {e['msg'][-300:]}",
+                               torn=True)
+            c.record(trial, seconds)
+
+
+# -- exit and destroy_process_group with a background save in flight --------------------------------------
+
+ASYNC_VARIANTS = ("destroy", "exit", "destroy, save fails", "exit, save fails", "exit, a rank killed")
+
+
+def run_async_exit(c: Campaign, n: int) -> None:
+    """One 1 x 2 job per trial: a background save, then the script ends (``exit``) or calls
+    destroy_process_group() (``destroy``). A save that can succeed must be committed and load bitwise,
+    with exit status 0; one that fails (an injected error, or a rank SIGKILLed in it) must make the
+    job exit non-zero with the error said, and commit nothing."""
+    root = _tmp(c, "async-exit-") / "root"
+    topo = Topo("single", 1, 2, [root], [root], (0,))
+    phases = (FaultPhase.BEFORE_WRITE, FaultPhase.MID_WRITE, FaultPhase.AFTER_WRITE, FaultPhase.BEFORE_PUBLISH)
+    for i in range(n):
+        variant = ASYNC_VARIANTS[i % len(ASYNC_VARIANTS)]
+        t0 = time.monotonic()
+        gen = c.next_gen()
+        phase = c.rng.choice(phases)
+        rank = 0 if phase == FaultPhase.BEFORE_PUBLISH else c.rng.randrange(2)
+        fault = "none"
+        if "fails" in variant:
+            fault = f"{phase.value}:{rank}:raise"
+        elif "killed" in variant:
+            fault = f"{phase.value}:{rank}:kill"
+        trial = Trial("async_exit", variant, fault=fault, signal="kill" if "killed" in variant else "")
+        job, evs, timeout = c.job(topo, ["asyncexit", "--gen", str(gen), "--variant", variant.split(",")[0],
+                                         "--fault", fault], timeout=180)
+        trial.jobs = [job] if job else []
+        step = next((e["step"] for e in events_of(evs, "returned", 0)), None)
+        log = root.parent / f"inspect-{i}.log"
+        p = _single(c, ["inspect", "--root", str(root), "--gen", str(gen)], log)
+        rc_i = _finish(p, 120)
+        _kill(p)
+        ins = parse_results(_Log(log).output())
+        steps = next((e["steps"] for e in ins if e.get("event") == "inspect"), None)
+        if timeout:
+            trial.fail(f"the job did not end: {timeout}")
+        elif step is None:
+            trial.fail(f"save() never returned: {tail(job)}")
+        elif fault == "none":
+            trial.injected = True
+            if not job.ok:
+                trial.fail(f"the job failed although its save could succeed: {tail(job)}")
+            if steps is None or step not in steps:
+                trial.fail(f"the save in flight at {variant} is not committed: steps {steps}", lost=True)
+        else:
+            trial.injected = True
+            if job.ok:
+                trial.fail(f"the job exited 0 although its background save failed ({fault})")
+            out = job.output() + "".join(job.rank_output(r) for r in range(2))
+            if "raise" in fault and "injected fault" not in out:
+                trial.fail(f"the failed save was not reported: {tail(job)}")
+            if steps is not None and step in steps and "raise" in fault:
+                trial.fail(f"step {step} is committed although its save failed ({fault})")
+        if rc_i != 0 or steps is None:
+            trial.fail(f"inspecting the root failed (rc {rc_i}): {_Log(log).output()[-1000:]}")
+        for e in ins:
+            if e.get("event") == "loaded" and not e["ok"]:
+                trial.fail(f"the newest step {e['step']} loads with wrong content: {e['bad']}", torn=True)
+        c.record(trial, time.monotonic() - t0)
+
+
+# -- hostile checkpoints ----------------------------------------------------------------------------------
+
+
+def run_hostile(c: Campaign, n: int, per_job: int = 22) -> None:
+    done = 0
+    while done < n:
+        k = min(per_job, n - done)
+        c._yield()
+        t0 = time.monotonic()
+        base = _tmp(c, "hostile-")
+        log = base / "hostile.log"
+        p = _single(c, ["hostile", "--root", str(base / "roots"), "--gen", str(c.next_gen()), "--trials", str(k),
+                        "--seed", str(c.rng.randrange(2**31)), "--hold-s", "60", "--cli-every", "3"], log)
+        rc = _finish(p, 90 * k)
+        _kill(p)
+        evs = {e["trial"]: e for e in parse_results(_Log(log).output()) if e.get("event") == "hostile"}
+        loads = [e for e in parse_results(_Log(log).output()) if e.get("event") == "loaded"]
+        seconds = (time.monotonic() - t0) / k
+        for i in range(k):
+            e = evs.get(i)
+            trial = Trial("hostile", e["what"] if e else "?", jobs=[_Log(log)])  # type: ignore[list-item]
+            if e is None:
+                trial.fail(f"trial {i}: nothing reported (rc {rc}): {_Log(log).output()[-1500:]}")
+                c.record(trial, seconds)
+                continue
+            trial.injected = True
+            what = e["what"]
+            if e["outcome"] != "done":
+                trial.fail(f"trial {i} ({what}): {e['outcome']} {e.get('msg', '')} after {e['seconds']} s")
+                c.record(trial, seconds)
+                continue
+            harmless = what == "fifo-latest"
+            ex = e["explicit"]
+            if harmless and ex["outcome"] != "loaded":
+                trial.fail(f"trial {i} ({what}): load(step=2) failed: {ex}")
+            if not harmless:
+                if ex["outcome"] == "loaded":
+                    trial.fail(f"trial {i} ({what}): load(step=2) of a hostile checkpoint succeeded")
+                elif not ex.get("corrupt"):
+                    trial.fail(f"trial {i} ({what}): load(step=2) raised {ex['outcome']}, not CorruptCheckpointError: "
+                               f"{ex.get('msg')}")
+            want = 2 if harmless else 1
+            if e["newest"] != want:
+                trial.fail(f"trial {i} ({what}): load() returned step {e['newest']}, expected {want}")
+            for x in loads:
+                if x.get("trial") == i and not x["ok"]:
+                    trial.fail(f"trial {i} ({what}): step {x['step']} loaded with wrong content: {x['bad']}",
+                               torn=True)
+            for cmd, r in (e.get("cli") or {}).items():
+                if r["traceback"]:
+                    trial.fail(f"trial {i} ({what}): `ckptguard {cmd}` crashed: {r['err']}")
+                if cmd == "verify" and r["rc"] != (0 if harmless else 1):
+                    trial.fail(f"trial {i} ({what}): `ckptguard verify` exit status {r['rc']}")
+                if cmd == "ls" and r["rc"] != 0:
+                    trial.fail(f"trial {i} ({what}): `ckptguard ls` exit status {r['rc']}: {r['err']}")
+            c.record(trial, seconds)
+        if rc == 0:
+            import shutil
+
+            shutil.rmtree(base, ignore_errors=True)
+        done += k
