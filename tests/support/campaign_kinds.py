@@ -290,6 +290,8 @@ def root_tree(root: Path) -> dict[str, str]:
         for d in dirnames:
             out[os.path.join(rel, d)] = "dir"
         for f in filenames:
+            if f.startswith(".") and ".tmp-" in f:
+                continue  # a compare-and-swap's temp file in flight: the stopped job's own, not B's
             p = Path(dirpath) / f
             try:
                 out[os.path.join(rel, f)] = p.read_text() if f in ("latest", "lease.json") else str(p.stat().st_size)
@@ -312,17 +314,17 @@ class _Log:
         return self.output() if rank == 0 else ""
 
 
-def stops(c: Campaign, n: int, ttl: float = 1.5) -> None:
+def stops(c: Campaign, n: int, ttl: float = 1.5, points: tuple[str, ...] = STOP_POINTS) -> None:
     """SIGSTOP trials: job A (one process) commits, stops itself at a point of ``STOP_POINTS``; job B
     waits A's lease out, takes the root over, loads A's newest bitwise, commits step 100 and stops
     inside its save of 101; A is resumed and runs to its end: every save it tries fails, and the root
     (names, sizes, `latest`, the lease record) is exactly as B left it; then B is resumed, finishes
     101, and both of B's steps load bitwise."""
-    points = [STOP_POINTS[i % len(STOP_POINTS)] for i in range(n)]
-    c.rng.shuffle(points)
+    chosen = [points[i % len(points)] for i in range(n)]
+    c.rng.shuffle(chosen)
     base = c.workdir / f"stop-{c.seed}"
     base.mkdir(parents=True, exist_ok=True)
-    for i, at in enumerate(points):
+    for i, at in enumerate(chosen):
         c._yield()
         t0 = time.monotonic()
         root = base / f"root-{i}"
@@ -661,6 +663,7 @@ def run_per_rank(c: Campaign, n: int) -> None:
 
 # -- exit and destroy_process_group with a background save in flight --------------------------------------
 
+GLOO_EXIT_ABORT = "terminate called without an active exception"
 ASYNC_VARIANTS = ("destroy", "exit", "destroy, save fails", "exit, save fails", "exit, a rank killed")
 
 
@@ -700,10 +703,19 @@ def run_async_exit(c: Campaign, n: int) -> None:
             trial.fail(f"save() never returned: {tail(job)}")
         elif fault == "none":
             trial.injected = True
-            if not job.ok:
+            ranks = "".join(job.rank_output(r) for r in range(2))
+            if not job.ok and variant == "exit" and GLOO_EXIT_ABORT in job.output() + ranks \
+                    and "Traceback" not in ranks:
+                # PyTorch, not ckptguard: a process that exits without destroy_process_group() while it has
+                # a second gloo group (ckptguard's own) aborts now and then at interpreter exit (3 of 16
+                # runs of a bare torch script, docs/crash-consistency.md). The job then exits non-zero,
+                # so the save is reported if it was cut; if it is committed it must load bitwise (below).
+                trial.sub += " [torch abort at exit]"
+            elif not job.ok:
                 trial.fail(f"the job failed although its save could succeed: {tail(job)}")
-            if steps is None or step not in steps:
-                trial.fail(f"the save in flight at {variant} is not committed: steps {steps}", lost=True)
+            if (steps is None or step not in steps) and job.ok:
+                trial.fail(f"the save in flight at {variant} is not committed and the job exited 0: steps {steps}",
+                           lost=True)
         else:
             trial.injected = True
             if job.ok:

@@ -755,6 +755,9 @@ _STOP_AT: dict[str, int] = {}
 def _stop_self(where: str) -> None:
     result(event="stopping", where=where)
     os.kill(os.getpid(), signal.SIGSTOP)
+    # The stop is process-wide: another thread may take it, and this one runs on for a few ms before
+    # it stops too. A sleep holds it here until then (the library's `stop` fault action does not).
+    time.sleep(0.05)
     result(event="continued", where=where)
 
 
