@@ -71,8 +71,8 @@ def test_two_hosts_restoring_into_one_shared_path_are_refused(tmp_path: Path, mo
             targets = artifacts.normalize({"off": own}, comm.rank, f"host-rank{comm.rank}", must_exist=True)
             save_protocol.save(session, save_protocol.SaveRequest(1, {"w": torch.ones(4)}, targets, targets, False,
                                                                   {}, None), PhaseTimer())
-            return load_protocol.load_one(session, CheckpointName(1), {"w": torch.zeros(4)}, {"off": shared}, True,
-                                          PhaseTimer())
+            return load_protocol.load_one(session, CheckpointName(1), None, {"w": torch.zeros(4)}, {"off": shared},
+                                          True, PhaseTimer())
         finally:
             if session.lease is not None:
                 session.lease.release()
