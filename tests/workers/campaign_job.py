@@ -711,6 +711,7 @@ def scenario_chain2(args: argparse.Namespace) -> None:
     dur = time.monotonic() - t0
     rng = random.Random(args.seed)
     kind, *rest = args.fault.split(":")
+    fire_at = 0.0
     plan: list[tuple[int, bool]] = []
     if args.mode == "rollback":
         steps = ck.steps()
@@ -741,8 +742,12 @@ def scenario_chain2(args: argparse.Namespace) -> None:
                         os.kill(os.getpid(), signal.SIGKILL)
 
                     threading.Timer(delay, die).start()
+                    fire_at = time.monotonic() + delay
         save(ck, st, step, args.gen, overwrite=again)
     ck.wait()
+    if kind == "random":  # a kill timed after the last save still lands in this job (between saves, idle)
+        time.sleep(max(0.0, fire_at - time.monotonic()) + 1.0 if int(rest[0]) == RANK else 0.0)
+        dist.barrier()
     _faults.arm("")
     result(event="survived")
     ck.close()
