@@ -710,6 +710,10 @@ def check_restart(trial: Trial, evs: dict[int, list[dict[str, Any]]], topo: Topo
         invented = sorted(set(steps) - set(history.attempted))
         if invented:
             trial.fail(f"steps {invented} are committed but no job ever saved them", torn=True)
+    for e in events_of(evs, "failed-load"):
+        if not e["untouched"]:
+            trial.fail(f"rank {e['rank']}: a failed load ({e['what']}, {e['error']}) changed the caller's state",
+                       torn=True)
     for e in events_of(evs, "loaded"):
         if e["what"] not in ("newest", "older"):
             continue
@@ -743,6 +747,10 @@ def check_damage(trial: Trial, d: dict[str, Any], evs: dict[int, list[dict[str, 
     cli = d.get("cli")
     if cli is not None and (cli["rc"] != 1 or (cli["target_listed"] and target not in cli["flagged"])):
         trial.fail(f"trial {i}: `ckptguard verify --json` rc={cli['rc']} flagged {cli['flagged']} after '{d['what']}'")
+    for e in events_of(evs, "failed-load"):
+        if e.get("trial") == i and not e["untouched"]:
+            trial.fail(f"trial {i}: rank {e['rank']}: load(step={e['step']}) raised {e['error']} after "
+                       f"'{d['what']}' and changed the caller's state", torn=True)
     fallbacks = [e for e in events_of(evs, "fallback") if e["trial"] == i]
     if len(fallbacks) != topo.world:
         trial.fail(f"trial {i}: load(step=None) did not return on every rank after '{d['what']}'")

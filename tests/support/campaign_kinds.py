@@ -113,6 +113,10 @@ def check_restart_ordered(trial: Trial, evs: dict[int, list[dict[str, Any]]], hi
             trial.fail(f"commit order changed: before {prev}, after {steps}")
         if cut is not None and cut in steps and cut not in prev and steps[-1] != cut:
             trial.fail(f"the cut save's step {cut} is committed but not last in commit order: {steps}")
+    for e in events_of(evs, "failed-load"):
+        if not e["untouched"]:
+            trial.fail(f"rank {e['rank']}: a failed load ({e['what']}, {e['error']}) changed the caller's state",
+                       torn=True)
     for e in events_of(evs, "loaded"):
         if e["what"] not in ("newest", "older", "rollback"):
             continue
@@ -750,6 +754,7 @@ def run_hostile(c: Campaign, n: int, per_job: int = 22) -> None:
         _kill(p)
         evs = {e["trial"]: e for e in parse_results(_Log(log).output()) if e.get("event") == "hostile"}
         loads = [e for e in parse_results(_Log(log).output()) if e.get("event") == "loaded"]
+        failed = [e for e in parse_results(_Log(log).output()) if e.get("event") == "failed-load"]
         seconds = (time.monotonic() - t0) / k
         for i in range(k):
             e = evs.get(i)
@@ -777,6 +782,10 @@ def run_hostile(c: Campaign, n: int, per_job: int = 22) -> None:
             want = 2 if harmless else 1
             if e["newest"] != want:
                 trial.fail(f"trial {i} ({what}): load() returned step {e['newest']}, expected {want}")
+            for x in failed:
+                if x.get("trial") == i and not x["untouched"]:
+                    trial.fail(f"trial {i} ({what}): load(step={x['step']}) raised {x['error']} and changed the "
+                               "caller's state", torn=True)
             for x in loads:
                 if x.get("trial") == i and not x["ok"]:
                     trial.fail(f"trial {i} ({what}): step {x['step']} loaded with wrong content: {x['bad']}",

@@ -195,9 +195,16 @@ def make_ck(args: argparse.Namespace, **kw: Any) -> Checkpointer:
 def load_and_check(ck: Checkpointer, st: State, step: int | None, what: str, **tags: Any) -> int | None:
     """Load (newest or ``step``), compare bitwise, report; returns the step loaded."""
     state, files = st.template()
+    before = _digest_state(state, files)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        got = ck.load(state, step=step, files=files)
+        try:
+            got = ck.load(state, step=step, files=files)
+        except CheckpointError as e:
+            # Every failed load, in every scenario: the caller's state must be as it was (issue 10).
+            result(event="failed-load", what=what, step=step, error=type(e).__name__,
+                   untouched=_digest_state(state, files) == before, **tags)
+            raise
     warned = [str(w.message)[:300] for w in caught if "ckptguard" in str(w.message)]
     if got is None:
         result(event="loaded", what=what, step=None, gen=None, ok=True, bad=[], warned=warned, extra_files=[],
