@@ -117,6 +117,17 @@ def cumulative_table(records: list[dict[str, Any]]) -> str:
     runs = sorted({r["run"] for r in records})
     commits = sorted({r["commit"] for r in records if r.get("commit")})
     lines.append("")
+    lines.append("| commit | first trial | trials | SIGKILL + SIGSTOP | failures | torn | lost |")
+    lines.append("| --- | --- | --- | --- | --- | --- | --- |")
+    by_commit: dict[str, list[dict[str, Any]]] = {}
+    for r in records:
+        by_commit.setdefault(r.get("commit") or "?", []).append(r)
+    for commit, rs in sorted(by_commit.items(), key=lambda kv: min(r["time"] for r in kv[1])):
+        first = time.strftime("%Y-%m-%d %H:%M", time.gmtime(min(r["time"] for r in rs)))
+        lines.append(f"| {commit} | {first} UTC | {len(rs)} | {sum(r.get('signal') in ('kill', 'stop') for r in rs)} | "
+                     f"{sum(r['outcome'] != 'ok' for r in rs)} | {sum(r['torn'] for r in rs)} | "
+                     f"{sum(r['lost'] for r in rs)} |")
+    lines.append("")
     lines.append(f"{len(records)} trials in {len(runs)} run(s), commits {', '.join(commits) or '?'}; "
                  f"{everything['faults']:.0f} injected faults, of which {new['kills'] + new['stops']:.0f} "
                  f"SIGKILLs/SIGSTOPs in the new kinds; {everything['failures']:.0f} failures, "
