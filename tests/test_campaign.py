@@ -3,7 +3,11 @@
 Real torchrun jobs get real faults: SIGKILL of a rank at every phase of a save, at random
 moments and in the middle of a load; a 2-node job on two stale-caching sshfs mounts; a
 checkpoint damaged after commit; a filesystem that fills mid-save; two jobs on one root;
-a stalled job whose lease is taken over. After each fault the restarted job must load the
+a stalled job whose lease is taken over; and the kinds of issue 10: kills during overwrite and
+rollback saves on two storage domains, SIGSTOP in latest/retention/lease renewal/release with a
+takeover meanwhile, readers during retention, the caller's state after failed loads, restores
+into non-empty and shared directories, per-rank values, exits with a background save in flight,
+hostile checkpoints (tests/support/campaign_kinds.py). After each fault the restarted job must load the
 newest committed checkpoint bitwise, no committed checkpoint may be lost and no staging
 garbage may survive the next successful save (docs/crash-consistency.md).
 
@@ -106,6 +110,48 @@ def test_two_jobs_on_one_root_and_a_stolen_lease(tmp_path: Path) -> None:
     assert report.total("faults", "two_jobs") == 2 and report.total("faults", "takeover") == 2, report.table()
 
 
+@pytest.mark.slow
+def test_kills_during_overwrite_and_rollback_saves_on_two_storage_domains(tmp_path: Path) -> None:
+    """SIGKILL during save(overwrite=True) and during the saves after a rollback, on two simulated nodes
+    with private roots; judged in commit order (newest = committed last, `latest` by its seq)."""
+    report = _run(tmp_path, {"kill_overwrite": 2, "kill_rollback": 2}, seed=16)
+    assert report.total("faults", "kill_overwrite") == 2 and report.total("faults", "kill_rollback") == 2, \
+        report.table()
+
+
+#: The stop points test_reliability does not cover (it stops after publish and after commit).
+CI_STOP_POINTS = ("latest-cas", "retention", "renewal-cas", "release", "mid_write")
+
+
+@pytest.mark.slow
+def test_sigstop_in_latest_retention_lease_renewal_and_release_with_a_takeover(tmp_path: Path) -> None:
+    """A job stopped (SIGSTOP) inside the compare-and-swap of `latest`, in retention, inside a lease
+    renewal's compare-and-swap, in close() and mid-write; another job takes the root over; the first,
+    resumed, changes nothing of the second's (`tools/campaign.py --kinds stop` runs every point)."""
+    from tests.support import campaign_kinds
+
+    c = campaign.Campaign(tmp_path, seed=17, log=print)
+    campaign_kinds.stops(c, len(CI_STOP_POINTS), points=CI_STOP_POINTS)
+    report = c.report
+    print(report.table())
+    detail = "\n".join([report.table(), *report.problems[:20]])
+    assert report.total("failures") == 0 and report.total("torn") == 0 and report.total("lost") == 0, detail
+    FAULTS["stop"] = report.total("faults", "stop")
+    assert FAULTS["stop"] == len(CI_STOP_POINTS), detail
+
+
+@pytest.mark.slow
+def test_readers_failed_loads_restores_per_rank_values_async_exits_and_hostile_checkpoints(tmp_path: Path) -> None:
+    """A read_only reader while the writer retires or overwrites what it reads; the caller's state after
+    failed loads (strict=False too); files= restores into non-empty and shared directories; per-rank
+    values of every size; exit and destroy_process_group with a background save in flight; hostile
+    checkpoints (FIFOs, symlinks, oversized lengths, deep nesting) under a timeout."""
+    plan = {"reader": 4, "load_state": 4, "restore": 4, "per_rank": 6, "async_exit": 5, "hostile": 11}
+    report = _run(tmp_path, plan, seed=18)
+    for kind in ("load_state", "restore", "per_rank", "async_exit", "hostile"):
+        assert report.total("faults", kind) == plan[kind], report.table()
+
+
 def test_campaign_total() -> None:
     """The issue's bar for CI: at least 100 injected faults across all kinds (when every part ran)."""
     if set(FAULTS) != set(campaign.KINDS):
@@ -160,6 +206,32 @@ def test_restart_checks_flag_torn_lost_invented_and_garbage() -> None:
     assert fallback.problems and not fallback.torn  # load(step=None) must return the newest
     garbage = _judge([3, 4, 5], [_loaded(5, 2)], hist, {"staging": ["step-00000006.ab"]})
     assert garbage.problems
+
+
+def test_ordered_restart_checks_flag_lost_reordered_and_wrong_versions() -> None:
+    """The commit-order checks of kill_overwrite/kill_rollback on synthetic events."""
+    from tests.support import campaign_kinds as kinds
+
+    def judge(steps: list[int], loaded: list[dict], hist: object) -> campaign.Trial:
+        trial = campaign.Trial("kill_rollback", "test")
+        kinds.check_restart_ordered(trial, _restart_events(steps, loaded), hist)  # type: ignore[arg-type]
+        return trial
+
+    # Rolled back to 10 from [10, 20, 30]; the save of 11 was cut by the kill.
+    hist = kinds.OrderedHistory([10, 20, 30], {10: {1}, 20: {1}, 30: {1}, 11: {2}}, inflight=(11, 2, False))
+    assert not judge([10, 20, 30], [_loaded(30, 1)], hist).problems  # not committed: nothing changed
+    # Committed: retention (keep_last=3) retires the abandoned 20 first.
+    assert not judge([10, 30, 11], [_loaded(11, 2)], hist).problems
+    assert judge([20, 30, 11], [_loaded(11, 2)], hist).lost  # 10 is on the current line: kept before 20
+    assert judge([10, 20], [_loaded(20, 1)], hist).lost  # 30 gone and nothing newer committed
+    assert judge([10, 20, 30], [_loaded(20, 1)], hist).problems  # load() must return 30, committed last
+    assert judge([20, 10, 30], [_loaded(30, 1)], hist).problems  # commit order changed
+    ow = kinds.OrderedHistory([10, 20], {10: {1}, 20: {1, 3}}, inflight=(20, 3, True))
+    assert not judge([10, 20], [_loaded(20, 1)], ow).problems  # the overwrite did not land: the old version
+    assert not judge([10, 20], [_loaded(20, 3)], ow).problems  # it landed: the new one
+    assert judge([10, 20], [_loaded(20, 2)], ow).torn  # a version nobody saved at that step
+    assert kinds.retained([10, 20, 30], 11, 3) == {10, 30, 11}
+    assert kinds.retained([10, 30, 11], 12, 3) == {10, 11, 12}
 
 
 def test_corruption_checks_flag_a_missed_damage_and_wrong_bytes() -> None:

@@ -167,3 +167,59 @@ def test_a_holder_frozen_inside_compare_and_swap_does_not_block_others_for_ever(
         assert storage.read_bytes(path) == b"v2"
     finally:
         os.close(frozen)
+
+
+@pytest.mark.parametrize("frozen_at", ["after its read", "in the fsync of its new content"])
+def test_a_holder_frozen_inside_compare_and_swap_cannot_overwrite_the_swap_that_broke_its_lock(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, frozen_at: str) -> None:
+    """Found by the campaign's stop trials (a job SIGSTOPped in its lease renewal, inside the
+    compare-and-swap: it had read its own record and held the lock). Another job broke the lock after
+    the timeout and took the lease over; when the first woke up it finished its swap, writing its
+    own record over the new holder's, carried on as the holder and retired the new holder's
+    committed checkpoint. A swap whose lock was broken while it waited must not write. The second
+    case (a freeze while the new content's temp file is fsynced, as an NFS fsync hanging in a server
+    failover) was found by the same trials after the first fix: the lock was looked at before the
+    temp file was written."""
+    import threading
+
+    from ckptguard.storage import posix
+
+    monkeypatch.setattr(posix, "CAS_LOCK_TIMEOUT_S", 0.5)
+    path = PosixStorage(str(tmp_path)).path("lease")
+    frozen, thawed = PosixStorage(str(tmp_path)), PosixStorage(str(tmp_path))
+    assert frozen.compare_and_swap(path, b"holder A", None)
+    _, token_a = frozen.read_versioned(path) or (b"", "")
+    inside, wake = threading.Event(), threading.Event()
+    original = PosixStorage.read_versioned
+
+    def freeze() -> None:
+        if threading.current_thread() is not threading.main_thread() and not inside.is_set():
+            inside.set()  # under the lock, the token matched
+            wake.wait(30)
+
+    def read_then_freeze(self: PosixStorage, p: str) -> tuple[bytes, str] | None:
+        out = original(self, p)
+        if self is frozen:
+            freeze()
+        return out
+
+    if frozen_at == "after its read":
+        monkeypatch.setattr(PosixStorage, "read_versioned", read_then_freeze)
+    else:
+        write_new_file = posix.write_new_file
+
+        def write_then_freeze(p: str, data: bytes) -> None:
+            write_new_file(p, data)
+            freeze()
+
+        monkeypatch.setattr(posix, "write_new_file", write_then_freeze)
+        monkeypatch.setattr(posix, "replace_file", lambda p, d: (write_then_freeze(p + ".t", d), os.replace(p + ".t", p)))
+    outcome: list[bool] = []
+    a = threading.Thread(target=lambda: outcome.append(frozen.compare_and_swap(path, b"holder A renewed", token_a)))
+    a.start()
+    assert inside.wait(30)
+    assert thawed.compare_and_swap(path, b"holder B", token_a)  # breaks the frozen lock after the timeout
+    wake.set()
+    a.join(30)
+    assert outcome == [False]  # was: True, and the file said "holder A renewed"
+    assert frozen.read_bytes(path) == b"holder B"

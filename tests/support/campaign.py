@@ -63,7 +63,12 @@ SAVE_PHASES = tuple(p for p in FaultPhase if p not in LOAD_PHASES)
 LEADER_PHASES = frozenset({FaultPhase.BEFORE_PUBLISH, FaultPhase.AFTER_PUBLISH, FaultPhase.AFTER_COMMIT})
 DAMAGES = ("bitflip", "truncate", "zeros", "delete", "extra")
 KINDS = ("kill_phase", "kill_random", "kill_load", "stale_cache", "corruption", "disk_full",
-         "two_jobs", "takeover")
+         "two_jobs", "takeover",
+         # issue 10 (tests/support/campaign_kinds.py)
+         "kill_overwrite", "kill_rollback", "stop", "reader", "load_state", "restore", "per_rank",
+         "async_exit", "hostile")
+#: The kinds issue 10 added; kills and SIGSTOPs among them are counted apart (tools/campaign.py --report).
+NEW_KINDS = KINDS[8:]
 KEEP_LAST = 3
 
 _SIGKILLED = re.compile(r"exitcode\s*:\s*-9|Signal 9 \(SIGKILL\)")
@@ -143,6 +148,8 @@ class Trial:
     kind: str
     sub: str
     injected: bool = False
+    fault: str = ""  # what was injected (a fault spec), for the results file
+    signal: str = ""  # "kill" or "stop" when the fault is a SIGKILL or a SIGSTOP
     problems: list[str] = field(default_factory=list)
     torn: bool = False
     lost: bool = False
@@ -152,6 +159,18 @@ class Trial:
         self.problems.append(msg)
         self.torn |= torn
         self.lost |= lost
+
+
+def _git_commit() -> str:
+    import subprocess
+
+    if os.environ.get("CKPTGUARD_CAMPAIGN_COMMIT"):  # a run from an exported copy of a commit
+        return os.environ["CKPTGUARD_CAMPAIGN_COMMIT"]
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10,
+                              cwd=Path(__file__).resolve().parent).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return ""
 
 
 def _running(script: str) -> bool:
@@ -206,13 +225,16 @@ class LatestWatch:
         while not self._stop.wait(0.01):
             for root in self.roots:
                 try:
-                    step = int(json.loads((root / "latest").read_text())["step"])
+                    body = json.loads((root / "latest").read_text())
+                    # Commit order: the sequence number (a rollback makes a lower step the newest).
+                    pos = int(body["seq"]) if "seq" in body else int(body["step"])
                 except (OSError, ValueError, KeyError, TypeError):
                     continue
                 prev = self.seen.get(root)
-                if prev is not None and step < prev:
-                    self.violations.append(f"{root}/latest moved backwards: {prev} -> {step}")
-                self.seen[root] = max(step, prev if prev is not None else step)
+                if prev is not None and pos < prev:
+                    self.violations.append(f"{root}/latest moved backwards in commit order: seq {prev} -> {pos} "
+                                           f"({body.get('dir')})")
+                self.seen[root] = max(pos, prev if prev is not None else pos)
 
     def __enter__(self) -> LatestWatch:
         self._thread.start()
@@ -251,7 +273,11 @@ class Topo:
 
 class Campaign:
     def __init__(self, workdir: Path, seed: int = 0, log: Callable[[str], None] = print,
-                 job_timeout: float = 240, yield_to: str | None = None) -> None:
+                 job_timeout: float = 240, yield_to: str | None = None, results: Path | None = None,
+                 run_id: str = "") -> None:
+        self.results = results  # a JSONL file: one record per trial is appended (resumable campaigns)
+        self.run_id = run_id or f"{time.strftime('%Y%m%dT%H%M%S')}-{seed}"
+        self.commit = _git_commit()
         self.yield_to = yield_to  # pause before each job while a process running this script exists
         self.paused_s = 0.0
         self.workdir = workdir
@@ -323,6 +349,15 @@ class Campaign:
                 parts += [f"===== rank {r} =====\n{job.rank_output(r)}" for r in range(8) if job.rank_output(r)]
             path.write_text("\n\n".join(parts))
             self.report.problems.append(f"  (logs: {path})")
+        if self.results is not None:
+            rec = {"run": self.run_id, "seed": self.seed, "commit": self.commit, "time": round(time.time(), 1),
+                   "kind": trial.kind, "variant": trial.sub, "fault": trial.fault,
+                   "signal": trial.signal if trial.injected else "", "injected": int(trial.injected),
+                   "outcome": "fail" if trial.problems else "ok", "torn": int(trial.torn), "lost": int(trial.lost),
+                   "seconds": round(seconds, 2), "problems": [p[:500] for p in trial.problems[:3]]}
+            self.results.parent.mkdir(parents=True, exist_ok=True)
+            with open(self.results, "a") as f:
+                f.write(json.dumps(rec) + "\n")
         status = "FAIL " + "; ".join(trial.problems)[:400] if trial.problems else "ok"
         self.log(f"  {trial.kind:<12} {trial.sub:<16} injected={int(trial.injected)} {status}")
 
@@ -346,6 +381,9 @@ class Campaign:
             self.two_jobs(plan["two_jobs"])
         if plan.get("takeover"):
             self.takeover(plan["takeover"])
+        from . import campaign_kinds as more  # issue 10's kinds (they import this module)
+
+        more.run_new_kinds(self, plan)
         self.report.seconds = time.monotonic() - t0 - self.paused_s
         return self.report
 
@@ -660,8 +698,8 @@ def check_restart(trial: Trial, evs: dict[int, list[dict[str, Any]]], topo: Topo
         trial.fail(f"storage domains {start[0]['domains']}, expected {expect_domains}")
     if history is not None:
         prev = history.committed
-        if prev and max(prev) not in steps:
-            trial.fail(f"newest committed step {max(prev)} lost (committed before: {prev}, after restart: {steps})",
+        if prev and prev[-1] not in steps:
+            trial.fail(f"newest committed step {prev[-1]} lost (committed before: {prev}, after restart: {steps})",
                        lost=True)
         keep = set(sorted(set(prev) | set(steps))[-KEEP_LAST:])
         gone = [s for s in prev if s in keep and s not in steps]
@@ -672,6 +710,10 @@ def check_restart(trial: Trial, evs: dict[int, list[dict[str, Any]]], topo: Topo
         invented = sorted(set(steps) - set(history.attempted))
         if invented:
             trial.fail(f"steps {invented} are committed but no job ever saved them", torn=True)
+    for e in events_of(evs, "failed-load"):
+        if not e["untouched"]:
+            trial.fail(f"rank {e['rank']}: a failed load ({e['what']}, {e['error']}) changed the caller's state",
+                       torn=True)
     for e in events_of(evs, "loaded"):
         if e["what"] not in ("newest", "older"):
             continue
@@ -684,9 +726,9 @@ def check_restart(trial: Trial, evs: dict[int, list[dict[str, Any]]], topo: Topo
             trial.fail(f"rank {e['rank']} loaded step {e['step']} as saved by job {e['gen']}, but job "
                        f"{history.attempted[e['step']]} saved it last", torn=True)
         if e["what"] == "newest":
-            if e["step"] != (max(steps) if steps else None):
-                trial.fail(f"rank {e['rank']}: load() returned step {e['step']}, newest committed is "
-                           f"{max(steps) if steps else None}")
+            if e["step"] != (steps[-1] if steps else None):  # steps() lists in commit order
+                trial.fail(f"rank {e['rank']}: load() returned step {e['step']}, committed last is "
+                           f"{steps[-1] if steps else None}")
             if e["warned"]:
                 trial.fail(f"rank {e['rank']}: load() warned: {e['warned']}")
     if not events_of(evs, "saved", 0):
@@ -705,6 +747,10 @@ def check_damage(trial: Trial, d: dict[str, Any], evs: dict[int, list[dict[str, 
     cli = d.get("cli")
     if cli is not None and (cli["rc"] != 1 or (cli["target_listed"] and target not in cli["flagged"])):
         trial.fail(f"trial {i}: `ckptguard verify --json` rc={cli['rc']} flagged {cli['flagged']} after '{d['what']}'")
+    for e in events_of(evs, "failed-load"):
+        if e.get("trial") == i and not e["untouched"]:
+            trial.fail(f"trial {i}: rank {e['rank']}: load(step={e['step']}) raised {e['error']} after "
+                       f"'{d['what']}' and changed the caller's state", torn=True)
     fallbacks = [e for e in events_of(evs, "fallback") if e["trial"] == i]
     if len(fallbacks) != topo.world:
         trial.fail(f"trial {i}: load(step=None) did not return on every rank after '{d['what']}'")

@@ -195,9 +195,16 @@ def make_ck(args: argparse.Namespace, **kw: Any) -> Checkpointer:
 def load_and_check(ck: Checkpointer, st: State, step: int | None, what: str, **tags: Any) -> int | None:
     """Load (newest or ``step``), compare bitwise, report; returns the step loaded."""
     state, files = st.template()
+    before = _digest_state(state, files)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        got = ck.load(state, step=step, files=files)
+        try:
+            got = ck.load(state, step=step, files=files)
+        except CheckpointError as e:
+            # Every failed load, in every scenario: the caller's state must be as it was (issue 10).
+            result(event="failed-load", what=what, step=step, error=type(e).__name__,
+                   untouched=_digest_state(state, files) == before, **tags)
+            raise
     warned = [str(w.message)[:300] for w in caught if "ckptguard" in str(w.message)]
     if got is None:
         result(event="loaded", what=what, step=None, gen=None, ok=True, bad=[], warned=warned, extra_files=[],
@@ -214,7 +221,7 @@ def save(ck: Checkpointer, st: State, step: int, gen: int, *, blocking: bool = T
     """One save; with ``blocking=False`` it returns after the snapshot, and this then scribbles over
     every tensor and files= source it saved: the checkpoint must still hold the values of the call."""
     state, files = st.for_save(step, gen)
-    result(event="saving", step=step, gen=gen, blocking=blocking)
+    result(event="saving", step=step, gen=gen, blocking=blocking, overwrite=bool(kw.get("overwrite")))
     t0 = time.monotonic()
     ck.save(step, state, files=files, metadata={"gen": gen}, blocking=blocking, **kw)
     dur = time.monotonic() - t0
@@ -676,6 +683,716 @@ def scenario_recreate(args: argparse.Namespace) -> None:
     ck.close()
 
 
+# -- issue 10's fault kinds ------------------------------------------------------------------------
+
+
+def restart_ordered(ck: Checkpointer, st: State, gen: int) -> int:
+    """The restart of an overwrite/rollback chain: every committed step loads bitwise, the newest in
+    commit order first; one clean save at the next multiple of 10 above every step (rollback saves
+    land in between); no garbage. Returns the step saved."""
+    steps = ck.steps()
+    result(event="start", steps=steps, domains=[list(d) for d in ck.topology.domains])
+    newest = load_and_check(ck, st, None, "newest")
+    for s in steps:
+        if s != newest:
+            load_and_check(ck, st, s, "older")
+    nxt = (max(steps) // 10 + 1) * 10 if steps else 10
+    save(ck, st, nxt, gen)
+    leftovers(ck)
+    return nxt
+
+
+def scenario_chain2(args: argparse.Namespace) -> None:
+    """Restart of the previous trial, then saves that overwrite or roll back, one of them faulted.
+
+    ``--mode overwrite``: each save re-saves a committed step (the newest in commit order, or an
+    older one) with ``overwrite=True``. ``--mode rollback``: ``load(step=r)`` of an older committed
+    step, then saves r+1, r+2, ... (``overwrite=True`` where such a step is committed, on the
+    abandoned branch). The fault (``phase:<phase>:<rank>`` or ``random:<rank>:<fraction>``, as in
+    ``chain``) is armed at save number ``--at``; run on node-local roots (two storage domains).
+    """
+    st = State(RANK, args.big, args.scratch)
+    ck = make_ck(args)
+    t0 = time.monotonic()
+    restart_ordered(ck, st, args.gen)
+    dur = time.monotonic() - t0
+    rng = random.Random(args.seed)
+    kind, *rest = args.fault.split(":")
+    fire_at = 0.0
+    plan: list[tuple[int, bool]] = []
+    if args.mode == "rollback":
+        steps = ck.steps()
+        older = steps[:-1] or steps
+        r = rng.choice(older)
+        load_and_check(ck, st, r, "rollback")
+        for k in range(1, args.at + 4):
+            plan.append((r + k, (r + k) in steps))
+    for i in range(args.at + 3):
+        if args.mode == "overwrite":
+            steps = ck.steps()
+            target = steps[-1] if rng.random() < 0.6 else rng.choice(steps)
+            step, again = target, True
+        else:
+            step, again = plan[i]
+            again = again or step in ck.steps()
+        if i == args.at:
+            if kind == "phase":
+                _faults.arm(f"{rest[0]}:{rest[1]}")
+                result(event="armed", fault=args.fault)
+            elif kind == "random":
+                result(event="armed", fault=args.fault)
+                if int(rest[0]) == RANK:
+                    delay = float(rest[1]) * dur / 2
+
+                    def die(delay: float = delay) -> None:
+                        result(event="killing", after_s=round(delay, 4))
+                        os.kill(os.getpid(), signal.SIGKILL)
+
+                    threading.Timer(delay, die).start()
+                    fire_at = time.monotonic() + delay
+        save(ck, st, step, args.gen, overwrite=again)
+    ck.wait()
+    if kind == "random":  # a kill timed after the last save still lands in this job (between saves, idle)
+        time.sleep(max(0.0, fire_at - time.monotonic()) + 1.0 if int(rest[0]) == RANK else 0.0)
+        dist.barrier()
+    _faults.arm("")
+    result(event="survived")
+    ck.close()
+
+
+# Stop points the library has no fault hook for; the worker wraps library calls (test-side only).
+_STOP_AT: dict[str, int] = {}
+
+
+def _stop_self(where: str) -> None:
+    result(event="stopping", where=where)
+    os.kill(os.getpid(), signal.SIGSTOP)
+    # The stop is process-wide: another thread may take it, and this one runs on for a few ms before
+    # it stops too. A sleep holds it here until then (the library's `stop` fault action does not).
+    time.sleep(0.05)
+    result(event="continued", where=where)
+
+
+def _install_stop_points() -> None:
+    """``latest`` (inside the compare-and-swap of the pointer, after reading it), ``retention`` (at
+    the n-th lease check of the retention phase, before it), ``renewal`` (in the lease renewal
+    thread, after reading the record, before replacing it), ``release`` (in close(), after reading
+    the lease record, before the compare-and-delete). ``latest-cas`` and ``renewal-cas``: the read
+    inside the compare-and-swap, holding its lock, the version already matching (so another job has
+    to break the lock to get on)."""
+    from ckptguard.protocol.lease import Lease
+    from ckptguard.storage.posix import PosixStorage
+
+    read_versioned = PosixStorage.read_versioned
+    check = Lease.check
+
+    def read_versioned_hook(self: Any, path: str) -> Any:
+        out = read_versioned(self, path)
+        name = os.path.basename(path)
+        thread = threading.current_thread().name
+        # "-cas": the read inside the compare-and-swap, under its lock (token checked next, then the rename)
+        suffix = "-cas" if getattr(_CAS, "inside", False) else ""
+        if name == "latest" and _STOP_AT.get("latest" + suffix) == 0:
+            _STOP_AT.pop("latest" + suffix)
+            _stop_self("latest" + suffix)
+        elif name == "lease.json" and thread == "ckptguard-lease" and _STOP_AT.get("renewal" + suffix) == 0:
+            _STOP_AT.pop("renewal" + suffix)
+            _stop_self("renewal" + suffix)
+        elif name == "lease.json" and _STOP_AT.get("release") == 0 and _IN_RELEASE:
+            _STOP_AT.pop("release")
+            _stop_self("release")
+        return out
+
+    def check_hook(self: Any, acting: str = "publish", renew: bool = True) -> None:
+        if "retention" in _STOP_AT and (acting.startswith("retire") or acting == "apply retention"):
+            if _STOP_AT["retention"] == 0:
+                _STOP_AT.pop("retention")
+                _stop_self(f"retention ({acting[:60]})")
+            else:
+                _STOP_AT["retention"] -= 1
+        check(self, acting, renew)
+
+    release = Lease.release
+
+    def release_hook(self: Any) -> None:
+        global _IN_RELEASE
+        _IN_RELEASE = True
+        try:
+            release(self)
+        finally:
+            _IN_RELEASE = False
+
+    compare_and_swap = PosixStorage.compare_and_swap
+
+    def cas_hook(self: Any, path: str, data: bytes, token: str | None) -> bool:
+        _CAS.inside = True
+        try:
+            return compare_and_swap(self, path, data, token)
+        finally:
+            _CAS.inside = False
+
+    PosixStorage.compare_and_swap = cas_hook  # type: ignore[method-assign]
+    PosixStorage.read_versioned = read_versioned_hook  # type: ignore[method-assign]
+    Lease.check = check_hook  # type: ignore[method-assign]
+    Lease.release = release_hook  # type: ignore[method-assign]
+
+
+_IN_RELEASE = False
+_CAS = threading.local()
+
+
+def _try_save(ck: Checkpointer, st: State, step: int, gen: int, label: str) -> bool:
+    try:
+        save(ck, st, step, gen)
+        result(event="outcome", save=label, step=step, error=None)
+        return True
+    except CheckpointError as e:
+        result(event="outcome", save=label, step=step, error=type(e).__name__, msg=str(e)[:400])
+        return False
+
+
+def scenario_holder(args: argparse.Namespace) -> None:
+    """Job A of a stop trial (one process): commits steps, then stops itself (SIGSTOP, every thread
+    with it) at ``--stop-at`` and is resumed (SIGCONT) after job B took the root over. Everything it
+    tries afterwards must fail, and it must change nothing of B's (the driver compares the tree)."""
+    st = State(0, args.big, args.scratch)
+    _install_stop_points()
+    # A fenced attempt (B moved staging away) makes a writer wait for its attempt directory up to
+    # visibility_timeout_s before it fails: shortened from 60 s so that a trial takes seconds.
+    ck = make_ck(args, lease_ttl_s=args.lease_ttl, keep_last=1, visibility_timeout_s=10)
+    result(event="pid", pid=os.getpid())
+    for s in range(1, args.at + 2):
+        save(ck, st, s, args.gen)
+    at = args.stop_at
+    nxt = args.at + 2
+    if at in {p.value for p in FaultPhase}:
+        _faults.arm(f"{at}:0:stop")
+    elif at == "retention":
+        _STOP_AT["retention"] = args.nth
+    elif at in ("latest", "latest-cas", "renewal", "renewal-cas", "release"):
+        _STOP_AT[at] = 0
+    result(event="armed", at=at)
+    if at.startswith("renewal"):
+        time.sleep(args.lease_ttl * 4)  # idle: the renewal thread stops the process
+        result(event="woke")
+    elif at == "release":
+        ck.close()
+        result(event="closed")
+        return
+    _try_save(ck, st, nxt, args.gen, "stopped")
+    _faults.arm("")
+    _try_save(ck, st, nxt + 1, args.gen, "after")
+    with contextlib.suppress(CheckpointError):
+        ck.close()
+    result(event="closed")
+
+
+def scenario_taker(args: argparse.Namespace) -> None:
+    """Job B of a stop trial: takes the root over from the stopped job A, checks what it loads,
+    commits a step of its own, then stops inside its next save (``--taker-stop``: an attempt of its
+    own in staging) while A runs; resumed, it finishes that save and loads both its steps bitwise."""
+    st = State(0, args.big, args.scratch)
+    t0 = time.monotonic()
+    ck = make_ck(args, lease_ttl_s=args.lease_ttl, lease_wait_s=args.lease_ttl * 20, keep_last=2)
+    result(event="took-over", waited_s=round(time.monotonic() - t0, 2), steps=ck.steps())
+    load_and_check(ck, st, None, "newest")
+    save(ck, st, 100, args.gen)
+    _faults.arm(f"{args.taker_stop}:0:stop")
+    result(event="armed", at=args.taker_stop)
+    save(ck, st, 101, args.gen)
+    _faults.arm("")
+    result(event="final", steps=ck.steps(refresh=True), latest=ck.latest(refresh=True))
+    for s in ck.steps():
+        load_and_check(ck, st, s, "taker-final")
+    leftovers(ck)
+    ck.close()
+
+
+def _digest_state(state: dict[str, Any], files: dict[str, str] | None = None) -> str:
+    """Every byte of a load target (tensors, module, objects, PerRank, files= destinations): a load
+    that failed must leave this unchanged."""
+    h = hashlib.sha256()
+
+    def walk(prefix: str, v: Any) -> None:
+        if isinstance(v, nn.Module):
+            for k, t in sorted(v.state_dict().items()):
+                walk(f"{prefix}.{k}", t)
+        elif isinstance(v, PerRank):
+            walk(prefix + "#", v.value)
+        elif isinstance(v, torch.Tensor):
+            t = v.detach().contiguous().reshape(-1)
+            h.update(f"{prefix}:{t.dtype}:{tuple(v.shape)}".encode())
+            h.update(bytes(t.view(torch.uint8).numpy()) if t.numel() else b"")
+        elif isinstance(v, dict):
+            for k in sorted(v, key=str):
+                walk(f"{prefix}.{k}", v[k])
+        else:
+            h.update(f"{prefix}={v!r}".encode())
+
+    walk("", state)
+    for key, dest in sorted((files or {}).items()):
+        h.update(f"files {key}".encode())
+        if os.path.isdir(dest):
+            for dirpath, dirnames, names in sorted(os.walk(dest)):
+                dirnames.sort()
+                h.update(f"dir {os.path.relpath(dirpath, dest)}".encode())
+                for n in sorted(names):
+                    with open(os.path.join(dirpath, n), "rb") as f:
+                        h.update(f"{n}".encode() + hashlib.sha256(f.read()).digest())
+    return h.hexdigest()
+
+
+def _user_files(dest: str, rng: random.Random) -> None:
+    """A destination that already holds the user's files: some named as the checkpoint's, others not."""
+    os.makedirs(os.path.join(dest, "sub"), exist_ok=True)
+    os.makedirs(os.path.join(dest, "empty-dir"), exist_ok=True)
+    for rel in ("a.bin", "sub/b.txt", "mine.txt", "sub/deeper/mine.bin", "0-p1.bin"):
+        if rng.random() < 0.7:
+            os.makedirs(os.path.dirname(os.path.join(dest, rel)), exist_ok=True)
+            with open(os.path.join(dest, rel), "wb") as f:
+                f.write(os.urandom(rng.randint(0, 3000)))
+
+
+def _siblings(dest: str) -> list[str]:
+    """Entries next to a files= destination that are not the user's: a staged or displaced copy left behind."""
+    parent, base = os.path.split(dest.rstrip("/"))
+    return sorted(n for n in os.listdir(parent) if n != base and base in n)
+
+
+def scenario_loadstate(args: argparse.Namespace) -> None:
+    """The caller's state after failed loads. Per trial: save step s, then s+1 holding one more key
+    (``only_new``); rank 0 damages s+1 (bit flip, truncation, zeroed block, deleted file). Then
+    ``load(step=s+1)`` and ``load(step=s+1, strict=False)`` must fail and leave every byte of the
+    target as it was (tensors, module, objects, PerRank, a files= destination holding the user's
+    files), or load it bitwise if the damage was harmless; ``load(step=None, strict=False)`` falls
+    back to s bitwise, and ``only_new`` keeps the caller's value, no byte of the rejected checkpoint."""
+    st = State(RANK, args.big, args.scratch)
+    ck = make_ck(args)
+    step, _ = restart(ck, st, args.gen)
+    rng = random.Random(args.seed)
+    kinds = ("bitflip", "truncate", "zeros", "delete")
+    files_rng = random.Random(args.seed + RANK)
+    for i in range(args.trials):
+        kind = kinds[i % len(kinds)]
+        save(ck, st, step, args.gen)
+        state, files = st.for_save(step + 1, args.gen)
+        g = _gen(step + 1, args.gen, 7)
+        only_new = torch.randn(1 + (step * 7919) % 50_000, generator=g)  # the same on every rank
+        state["only_new"] = only_new.clone()
+        result(event="saving", step=step + 1, gen=args.gen, blocking=True, overwrite=False)
+        ck.save(step + 1, state, files=files, metadata={"gen": args.gen})
+        target = step + 1
+        dist.barrier()
+        if RANK == 0:
+            what = _damage(os.path.join(ck.root, CheckpointName(target).dirname), kind, rng)
+            result(event="damage", trial=i, kind=kind, step=target, what=what)
+        dist.barrier()
+        for label, step_arg, strict in (("explicit", target, True), ("explicit-nonstrict", target, False),
+                                        ("fallback-nonstrict", None, False)):
+            tmpl, tfiles = st.template()
+            sentinel = torch.full((only_new.numel(),), -9.5)
+            tmpl["only_new"] = sentinel
+            _user_files(tfiles["aux"], files_rng)
+            before = _digest_state(tmpl, tfiles)
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                try:
+                    got = ck.load(tmpl, step=step_arg, files=tfiles, strict=strict)
+                    err = None
+                except CheckpointError as e:
+                    got, err = None, e
+            warned = [str(w.message)[:200] for w in caught if "ckptguard" in str(w.message)]
+            ev: dict[str, Any] = {"event": "loadstate", "trial": i, "label": label, "target": target, "kind": kind}
+            if err is not None:
+                ev.update(outcome="raised", error=type(err).__name__, msg=str(err)[:300],
+                          untouched=_digest_state(tmpl, tfiles) == before, siblings=_siblings(tfiles["aux"]))
+            else:
+                gen, bad = st.compare(tmpl, tfiles, got) if got is not None else (None, ["nothing loaded"])
+                if got == target:
+                    new_ok = bitwise_equal(tmpl["only_new"], only_new)
+                else:  # the older step lacks the key: the caller's value must stay, bit for bit
+                    new_ok = bitwise_equal(tmpl["only_new"], sentinel)
+                ev.update(outcome="loaded", step=got, gen=gen, bad=bad[:5], extra_files=st.extra, only_new_ok=new_ok,
+                          warned=warned, siblings=_siblings(tfiles["aux"]))
+            result(**ev)
+            shutil.rmtree(tfiles["aux"], ignore_errors=True)
+        step += 2
+    ck.close()
+
+
+def scenario_restore(args: argparse.Namespace) -> None:
+    """files= restores into non-empty and shared directories. Variants per trial: ``non-empty``
+    (the destination holds user files: after the load it equals the saved directory, nothing left
+    next to it), ``failed`` (a files= file of the checkpoint is damaged: the load fails and the
+    destination is as it was), ``shared`` (every rank names one destination: refused on every rank,
+    untouched), ``nested`` (rank 1's inside rank 0's: refused, untouched)."""
+    st = State(RANK, args.big, args.scratch)
+    ck = make_ck(args)
+    step, _ = restart(ck, st, args.gen)
+    rng = random.Random(args.seed)
+    variants = ("non-empty", "failed", "shared", "nested")
+    base = os.path.join(args.scratch, "..", f"restore-{args.gen}")
+    for i in range(args.trials):
+        variant = variants[i % len(variants)]
+        save(ck, st, step, args.gen)
+        if variant == "failed":
+            dist.barrier()
+            if RANK == 0:
+                victim = rng.randrange(dist.get_world_size())
+                path = os.path.join(ck.root, CheckpointName(step).dirname, "files", f"rank{victim:05d}", "aux", "a.bin")
+                with open(path, "r+b") as f:
+                    data = bytearray(f.read())
+                    data[rng.randrange(len(data))] ^= 1 << rng.randrange(8)
+                    f.seek(0)
+                    f.write(data)
+            dist.barrier()
+        tmpl, _ = st.template()
+        own = os.path.abspath(os.path.join(base, f"t{i}", f"rank{RANK}"))
+        dest = {"shared": os.path.abspath(os.path.join(base, f"t{i}", "shared")),
+                "nested": os.path.abspath(os.path.join(base, f"t{i}", "rank0", *(["inner"] if RANK else [])))
+                }.get(variant, own)
+        if RANK == 0 or variant not in ("shared",):
+            _user_files(dest, random.Random(rng.random() + RANK))
+        dist.barrier()
+        before = _digest_state({}, {"aux": dest})
+        before_state = _digest_state(tmpl)
+        try:
+            got = ck.load(tmpl, step=step, files={"aux": dest})
+            gen, bad = st.compare(tmpl, {"aux": dest}, got)
+            result(event="restore", trial=i, variant=variant, outcome="loaded", step=got, gen=gen, bad=bad[:5],
+                   extra_files=st.extra, siblings=_siblings(dest))
+        except CheckpointError as e:
+            dist.barrier()
+            result(event="restore", trial=i, variant=variant, outcome="raised", error=type(e).__name__,
+                   msg=str(e)[:300], untouched=_digest_state({}, {"aux": dest}) == before,
+                   state_untouched=_digest_state(tmpl) == before_state, siblings=_siblings(dest))
+        dist.barrier()
+        if RANK == 0:
+            shutil.rmtree(os.path.join(base, f"t{i}"), ignore_errors=True)
+        if variant == "failed":
+            step += 1
+            save(ck, st, step, args.gen)  # a good one after the damaged one, so retention moves on
+        step += 1
+    if RANK == 0:
+        shutil.rmtree(base, ignore_errors=True)
+    ck.close()
+
+
+def _per_rank_value(kind: str, size: int, rank: int, differ: str, world: int) -> Any:
+    """A plain value of about ``size`` bytes that differs across ranks as ``differ`` says."""
+    diff = rank if differ == "every rank" else int(rank == world - 1)
+    if kind == "tensor":
+        t = torch.zeros(max(1, size), dtype=torch.uint8)
+        if differ == "last byte":
+            t[-1] = diff
+        else:
+            t.fill_(diff)
+        return t
+    if kind == "string":
+        text = "x" * max(1, size)
+        return {"log": text[:-1] + str(diff)}
+    if kind == "list":
+        n = max(1, size // 8)
+        return [0] * (n - 1) + [diff]
+    raise ValueError(kind)
+
+
+def scenario_perrank(args: argparse.Namespace) -> None:
+    """Per-rank plain values of every size. Per trial a value of a random size (1 B .. 8 MiB, a tensor,
+    a string or a list) that differs on every rank, on one rank only, or only in its last byte: the
+    save must be refused on every rank with ReplicatedValueError naming it, committing nothing; the
+    same value in PerRank saves and loads back on each rank equal to that rank's own."""
+    ck = make_ck(args)
+    rng = random.Random(args.seed)
+    world = dist.get_world_size()
+    step = 1
+    for i in range(args.trials):
+        kind = ("tensor", "string", "list")[i % 3]
+        size = (1 << rng.randrange(0, 24 if kind == "tensor" else 21)) + rng.randrange(8)
+        differ = ("every rank", "one rank", "last byte")[(i // 3) % 3]
+        value = _per_rank_value(kind, size, RANK, differ, world)
+        before = ck.steps()
+        try:
+            ck.save(step, {"w": torch.ones(8), "v": value})
+            outcome, msg = "saved", ""
+        except CheckpointError as e:
+            outcome, msg = type(e).__name__, str(e)[:400]
+        after = ck.steps(refresh=True)
+        ok_back = None
+        try:
+            ck.save(step, {"w": torch.ones(8), "v": PerRank(value)}, overwrite=step in after)
+            empty = torch.zeros_like(value) if kind == "tensor" else ({"log": ""} if kind == "string" else [])
+            tmpl = {"w": torch.zeros(8), "v": PerRank(empty)}
+            got = ck.load(tmpl, step=step)
+            back = tmpl["v"].value
+            ok_back = got == step and (bitwise_equal(back, value) if kind == "tensor" else back == value)
+        except CheckpointError as e:
+            ok_back = False
+            msg += f" | PerRank save/load failed: {type(e).__name__}: {str(e)[:300]}"
+        result(event="perrank", trial=i, kind=kind, size=size, differ=differ, outcome=outcome, msg=msg,
+               before=before, after=after, perrank_ok=ok_back)
+        step += 1
+    ck.close()
+
+
+def scenario_asyncexit(args: argparse.Namespace) -> None:
+    """A background save in flight when the script ends (``--variant``): ``destroy`` (then
+    destroy_process_group(), and the script ends), ``exit`` (the script ends at once: no wait, no
+    destroy). ``--fault`` (``phase:rank:action``) makes the background save fail (raise) or kills a
+    rank in it (kill). Runs its own process group (no barrier at the end)."""
+    global RANK
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+    RANK = dist.get_rank()
+    st = State(RANK, args.big, args.scratch)
+    ck = make_ck(args)
+    step = 1 + max(ck.steps() or [0])
+    save(ck, st, step, args.gen)
+    if args.fault != "none":
+        _faults.arm(args.fault)
+    state, files = st.for_save(step + 1, args.gen)
+    result(event="saving", step=step + 1, gen=args.gen, blocking=False, overwrite=False)
+    ck.save(step + 1, state, files=files, metadata={"gen": args.gen}, blocking=False)
+    scribble(state, files)
+    result(event="returned", step=step + 1, variant=args.variant)
+    if args.variant == "destroy":
+        dist.destroy_process_group()  # must finish (or raise) the save first
+        result(event="destroyed")
+    # "exit": nothing: the interpreter exits with the save in flight
+
+
+def scenario_inspect(args: argparse.Namespace) -> None:
+    """One process, read_only: the committed steps, and the newest loaded and compared bitwise (rank 0's view)."""
+    st = State(0, args.big, args.scratch)
+    ck = Checkpointer(args.root, read_only=True)
+    result(event="inspect", steps=ck.steps())
+    state, _ = st.template()  # no files=: a 1-process job cannot restore 2 ranks' artifacts
+    got = ck.load(state)
+    if got is not None:
+        gen, bad = st.compare(state, {"aux": os.path.join(args.scratch, "none")}, got)
+        bad = [b for b in bad if not b.startswith("files=")]
+        result(event="loaded", what="newest", step=got, gen=gen, ok=not bad, bad=bad[:5], warned=[], extra_files=[])
+    ck.close()
+
+
+HOSTILE = ("fifo-manifest", "fifo-data", "fifo-files", "symlink-data", "symlink-manifest", "symlink-files",
+           "oversized-length", "shape-mismatch", "deep-nesting", "huge-manifest", "fifo-latest")
+
+
+class _Alarm(Exception):
+    pass
+
+
+def _hostile_change(root: str, step: int, what: str, rng: random.Random) -> None:
+    """Turn committed checkpoint ``step`` into a hostile one (the manifest re-sealed where needed)."""
+    import dataclasses
+
+    from ckptguard.checksum import checksum
+    from ckptguard.protocol.manifest import Manifest
+
+    d = os.path.join(root, CheckpointName(step).dirname)
+    manifest = os.path.join(d, "MANIFEST.json")
+    data_files = sorted(os.path.join(d, "data", n) for n in os.listdir(os.path.join(d, "data")))
+    art = [os.path.join(dp, n) for dp, _, ns in os.walk(os.path.join(d, "files")) for n in ns]
+
+    def fifo(path: str) -> None:
+        os.unlink(path)
+        os.mkfifo(path)
+
+    def symlink(path: str) -> None:
+        outside = os.path.join(os.path.dirname(root), f"outside-{uuid.uuid4().hex[:6]}")
+        shutil.copyfile(path, outside)  # the same bytes: only the link itself can be refused
+        os.unlink(path)
+        os.symlink(outside, path)
+
+    def reseal(change: Callable[[Manifest], Manifest]) -> None:
+        with open(manifest, "rb") as f:
+            m = Manifest.from_json(f.read(), manifest)
+        with open(manifest, "wb") as f:
+            f.write(change(m).to_json())
+
+    if what == "fifo-manifest":
+        fifo(manifest)
+    elif what == "fifo-data":
+        fifo(rng.choice(data_files))
+    elif what == "fifo-files":
+        fifo(rng.choice(art))
+    elif what == "symlink-data":
+        symlink(rng.choice(data_files))
+    elif what == "symlink-manifest":
+        symlink(manifest)
+    elif what == "symlink-files":
+        symlink(rng.choice(art))
+    elif what == "oversized-length":
+        big = rng.choice((1 << 33, 1 << 36, 1 << 40))
+        reseal(lambda m: dataclasses.replace(m, items=[i._replace(length=big) if k == 0 else i
+                                                       for k, i in enumerate(m.items)]))
+    elif what == "shape-mismatch":
+        reseal(lambda m: dataclasses.replace(m, items=[i._replace(shape=(1 << 40,)) if k == 0 and i.shape else i
+                                                       for k, i in enumerate(m.items)]))
+    elif what == "deep-nesting":
+        depth = rng.choice((1000, 100_000, 1_000_000))
+        body = "[" * depth + "]" * depth
+        with open(manifest, "wb") as f:
+            f.write(f'{{"manifest_checksum":"{checksum("xxh3-64", body.encode())}","body":{body}}}\n'.encode())
+    elif what == "huge-manifest":
+        with open(manifest, "r+b") as f:  # sparse: claims gigabytes, costs nothing on disk
+            f.truncate(rng.choice((1 << 31, 1 << 34)))
+    elif what == "fifo-latest":
+        latest = os.path.join(root, "latest")
+        if os.path.exists(latest):
+            os.unlink(latest)
+        os.mkfifo(latest)
+    else:
+        raise ValueError(what)
+
+
+def scenario_hostile(args: argparse.Namespace) -> None:
+    """Hostile checkpoints (one process): per trial a fresh root with steps 1 and 2; step 2 is made
+    hostile (FIFOs, symlinks, an item claiming terabytes, a shape that does not fit, nesting a million
+    deep, a sparse manifest of gigabytes, `latest` a FIFO). ``load(step=2)`` must raise a clear
+    CheckpointError (or load bitwise where the change is harmless), ``load()`` fall back to step 1
+    bitwise, and ``ckptguard ls``/``verify`` return; every trial runs under an alarm (``--hold-s``
+    seconds), so a hang is a failure, not a stuck campaign."""
+    st = State(0, args.big, args.scratch)
+    rng = random.Random(args.seed)
+
+    def alarm(signum: int, frame: Any) -> None:
+        raise _Alarm()
+
+    signal.signal(signal.SIGALRM, alarm)
+    for i in range(args.trials):
+        what = HOSTILE[i % len(HOSTILE)]
+        root = os.path.join(args.root, f"t{i}")
+        t0 = time.monotonic()
+        ev: dict[str, Any] = {"event": "hostile", "trial": i, "what": what}
+        signal.alarm(int(args.hold_s))
+        try:
+            with Checkpointer(root) as ck:
+                save(ck, st, 1, args.gen)
+                save(ck, st, 2, args.gen)
+            _hostile_change(root, 2, what, rng)
+            with Checkpointer(root, read_only=True) as ck:
+                try:
+                    got = load_and_check(ck, st, 2, "hostile-explicit", trial=i)
+                    ev["explicit"] = {"outcome": "loaded", "step": got}
+                except CheckpointError as e:
+                    ev["explicit"] = {"outcome": type(e).__name__, "msg": str(e)[:300],
+                                      "corrupt": isinstance(e, CorruptCheckpointError)}
+                got = load_and_check(ck, st, None, "hostile-newest", trial=i)
+                ev["newest"] = got
+            if i % args.cli_every == 0:
+                cli = {}
+                for cmd in ("ls", "verify"):
+                    proc = subprocess.run([sys.executable, "-m", "ckptguard.cli", cmd, root], capture_output=True,
+                                          text=True, timeout=max(5, args.hold_s - (time.monotonic() - t0) - 1))
+                    cli[cmd] = {"rc": proc.returncode, "traceback": "Traceback" in proc.stderr,
+                                "err": proc.stderr[-300:]}
+                ev["cli"] = cli
+            ev["outcome"] = "done"
+        except _Alarm:
+            ev["outcome"] = "hang"
+        except subprocess.TimeoutExpired as e:
+            ev["outcome"] = "hang"
+            ev["msg"] = f"CLI: {e}"
+        except Exception as e:
+            ev["outcome"] = "crash"
+            ev["msg"] = f"{type(e).__name__}: {str(e)[:400]}"
+        finally:
+            signal.alarm(0)
+        ev["seconds"] = round(time.monotonic() - t0, 2)
+        result(**ev)
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def scenario_rwriter(args: argparse.Namespace) -> None:
+    """The writer of reader trials (one process, keep_last=1): per trial it commits a step, waits until
+    the reader is inside its load of it, then retires it under the reader (a newer save) or overwrites
+    it (``overwrite=True``: the old version retired), and waits for the reader's verdict."""
+    st = State(0, args.big, args.scratch)
+    ck = make_ck(args, keep_last=1)
+    rng = random.Random(args.seed)
+    sync = args.sync
+    step = 1
+    for i in range(args.trials):
+        action = ("retire", "overwrite")[i % 2] if rng.random() < 0.9 else "none"
+        gen = args.gen * 1000 + 2 * i
+        save(ck, st, step, gen)
+        touch(os.path.join(sync, f"ready-{i}"))
+        result(event="rtrial", trial=i, step=step, action=action)
+        if not _wait_for(os.path.join(sync, f"reading-{i}"), os.path.join(sync, f"rdone-{i}"), 120):
+            result(event="reader-never-read", trial=i)
+        elif action == "retire":
+            save(ck, st, step + 1, gen + 1)
+            step += 1
+        elif action == "overwrite":
+            save(ck, st, step, gen + 1, overwrite=True)
+        touch(os.path.join(sync, f"done-{i}"))
+        barrier_file(os.path.join(sync, f"rdone-{i}"), timeout=180)
+        step += 1
+    ck.close()
+
+
+def _wait_for(path: str, or_path: str, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while not os.path.exists(path):
+        if os.path.exists(or_path) or time.monotonic() > deadline:
+            return False
+        time.sleep(0.005)
+    return True
+
+
+def scenario_rreader(args: argparse.Namespace) -> None:
+    """The reader of reader trials (one process, read_only): per trial it loads the step just committed
+    (``load()`` or ``load(step=N)``); at its first or second data-file open it lets the writer retire
+    or overwrite that step and waits until it has. The load must succeed bitwise (the old content from
+    the files it holds open, or the newest after listing again) or, with ``step=N``, raise
+    StepRetiredError; never a corruption report; a failed load leaves the state untouched."""
+    st = State(0, args.big, args.scratch)
+    rng = random.Random(args.seed + 1)
+    sync = args.sync
+    ck = Checkpointer(args.root, read_only=True)
+    storage = ck._session.storage
+    original = storage.open_read
+    armed: dict[str, int] = {}
+
+    def open_read(path: str) -> Any:
+        if "trial" in armed and "/data/" in path:
+            if armed["skip"] == 0:
+                i = armed.pop("trial")
+                touch(os.path.join(sync, f"reading-{i}"))
+                barrier_file(os.path.join(sync, f"done-{i}"), timeout=120)
+            else:
+                armed["skip"] -= 1
+        return original(path)
+
+    storage.open_read = open_read  # type: ignore[method-assign]
+    for i in range(args.trials):
+        barrier_file(os.path.join(sync, f"ready-{i}"), timeout=180)
+        steps = ck.steps(refresh=True)
+        target = steps[-1] if steps else None
+        explicit = rng.random() < 0.5
+        armed.update(trial=i, skip=rng.randrange(2))
+        tmpl, files = st.template()
+        _user_files(files["aux"], rng)
+        before = _digest_state(tmpl, files)
+        ev: dict[str, Any] = {"event": "read", "trial": i, "target": target, "explicit": explicit}
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            try:
+                got = ck.load(tmpl, step=target if explicit else None, files=files)
+                gen, bad = st.compare(tmpl, files, got) if got is not None else (None, ["nothing loaded"])
+                ev.update(outcome="loaded", step=got, gen=gen, bad=bad[:5], extra_files=st.extra)
+            except CheckpointError as e:
+                ev.update(outcome=type(e).__name__, msg=str(e)[:300], untouched=_digest_state(tmpl, files) == before)
+        ev["fired"] = "trial" not in armed
+        ev["warned"] = [str(w.message)[:200] for w in caught if "ckptguard" in str(w.message)]
+        armed.clear()
+        result(**ev)
+        shutil.rmtree(files["aux"], ignore_errors=True)
+        touch(os.path.join(sync, f"rdone-{i}"))
+    ck.close()
+
+
 def reopen(ck: Checkpointer, args: argparse.Namespace, **kw: Any) -> Checkpointer:
     """Close and drop ``ck``, open a new one (test_a_new_checkpointer_per_save_keeps_saving: this once broke)."""
     with contextlib.suppress(CheckpointError):
@@ -697,8 +1414,16 @@ def _process_group() -> Iterator[None]:
 SCENARIOS: dict[str, Callable[[argparse.Namespace], None]] = {
     "chain": scenario_chain, "corrupt": scenario_corrupt, "diskfull": scenario_diskfull,
     "contend": scenario_contend, "victim": scenario_victim, "thief": scenario_thief,
-    "consecutive": scenario_consecutive, "recreate": scenario_recreate,
+    "consecutive": scenario_consecutive, "recreate": scenario_recreate, "chain2": scenario_chain2,
+    "holder": scenario_holder, "taker": scenario_taker, "loadstate": scenario_loadstate,
+    "restore": scenario_restore, "perrank": scenario_perrank, "asyncexit": scenario_asyncexit,
+    "inspect": scenario_inspect, "hostile": scenario_hostile, "rwriter": scenario_rwriter,
+    "rreader": scenario_rreader,
 }
+#: Plain single-process scenarios (no torchrun, no process group): a "job" is one process.
+SINGLE = frozenset({"holder", "taker", "inspect", "hostile", "rwriter", "rreader"})
+#: Scenarios that run their own process group (and end without the final barrier).
+OWN_GROUP = frozenset({"asyncexit"})
 
 
 def main() -> None:
@@ -727,7 +1452,26 @@ def main() -> None:
     p.add_argument("--async-saves", action="store_true")
     p.add_argument("--stall-at", choices=("idle", "publish"), default="idle")
     p.add_argument("--hold-s", type=float, default=1.5)
+    p.add_argument("--mode", choices=("overwrite", "rollback"), default="overwrite")
+    p.add_argument("--stop-at", default="")
+    p.add_argument("--nth", type=int, default=0)
+    p.add_argument("--taker-stop", default="before_publish")
+    p.add_argument("--variant", default="")
     args = p.parse_args()
+    if args.scenario in OWN_GROUP:
+        args.scratch = os.path.join(args.scratch or "/tmp", f"gen{args.gen}-{uuid.uuid4().hex[:8]}")
+        os.makedirs(args.scratch, exist_ok=True)
+        SCENARIOS[args.scenario](args)
+        return
+    if args.scenario in SINGLE:
+        args.scratch = os.path.join(args.scratch or "/tmp", f"gen{args.gen}-{uuid.uuid4().hex[:8]}")
+        os.makedirs(args.scratch, exist_ok=True)
+        try:
+            SCENARIOS[args.scenario](args)
+        finally:
+            shutil.rmtree(args.scratch, ignore_errors=True)
+        result(event="exit")
+        return
     with _process_group():
         RANK = dist.get_rank()
         args.scratch = os.path.join(args.scratch or "/tmp", f"gen{args.gen}-{uuid.uuid4().hex[:8]}")

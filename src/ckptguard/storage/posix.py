@@ -164,21 +164,41 @@ class PosixStorage:
         The lock is held for a read and a rename. A holder frozen inside that
         window (SIGSTOP, a suspended VM) must not block everyone for ever: after
         ``CAS_LOCK_TIMEOUT_S`` the lock file is moved aside and a fresh one taken.
-        The frozen holder, if it ever wakes, completes its one replace; the
-        version check of every later compare-and-swap (the lease's included)
-        then sees it, so at most one writer carries on.
+        The frozen holder, when it wakes, finds its lock broken and does not write
+        (it would overwrite the swap of whoever broke it, a new lease holder's
+        record say). The new content is written and fsynced to a temp file first
+        (an fsync can hang for long: an NFS server failing over), and the lock is
+        looked at after that, right before the rename: only a freeze between
+        that look and the rename itself (two system calls) is left, and a swap
+        that finds its lock broken after the rename reports failure.
         """
         if token is None:
             return self.create_exclusive(path, data)
         fd = self._locked(path)
+        tmp: str | None = None
         try:
             current = self.read_versioned(path)
             if current is None or current[1] != token:
                 return False
-            replace_file(path, data)
-            return True
+            tmp = staged = unique_tmp_name(path)
+            write_new_file(staged, data)
+            if not self._still_locked(fd, path):
+                return False
+            retry_stale(lambda: os.replace(staged, path), "replace", path)
+            tmp = None
+            fsync_dir(os.path.dirname(path) or ".")
+            return self._still_locked(fd, path)
         finally:
+            if tmp is not None:
+                unlink_quietly(tmp)
             os.close(fd)  # releases the lock
+
+    def _still_locked(self, fd: int, path: str) -> bool:
+        """Is ``fd`` still the lock file of ``path`` (not moved aside by someone who timed out on it)?"""
+        try:
+            return os.fstat(fd).st_ino == os.stat(self._lock_path(path)).st_ino
+        except FileNotFoundError:
+            return False
 
     def _locked(self, path: str) -> int:
         deadline = time.monotonic() + CAS_LOCK_TIMEOUT_S
@@ -225,7 +245,7 @@ class PosixStorage:
         fd = self._locked(path)
         try:
             current = self.read_versioned(path)
-            if current is None or current[1] != token:
+            if current is None or current[1] != token or not self._still_locked(fd, path):
                 return False
             unlink_quietly(path)
             fsync_dir(os.path.dirname(path))
