@@ -11,7 +11,7 @@ what went wrong, so code matches types, never message text::
      ├── StepNotFoundError                 load(step=N) of a step not committed
      │    └── StepRetiredError             ... retired (retention) while it was being read
      ├── PathCollisionError                two ranks' files= paths overlap
- ├── ReplicatedValueError              a plain value (stored once) differs across ranks
+     ├── ReplicatedValueError              a plain value (stored once) differs across ranks
      ├── StorageError                      the storage refused an operation
      │    ├── DiskFullError                ENOSPC, EDQUOT
      │    ├── StoragePermissionError       EACCES, EPERM, EROFS
