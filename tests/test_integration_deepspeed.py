@@ -14,10 +14,7 @@ optimizer shard:
 
 from __future__ import annotations
 
-import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -25,29 +22,13 @@ import pytest
 pytest.importorskip("deepspeed", reason="deepspeed is not installed (DS_BUILD_OPS=0 pip install --no-build-isolation "
                                         "'ckptguard[deepspeed]')")
 
+from tests.support.frameworks import losses, records, tail, torchrun
+
 WORKER = Path(__file__).parent / "workers" / "deepspeed_job.py"
-REPO = Path(__file__).resolve().parent.parent
 
 
-def run(d: Path, record: Path, *args: str) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(WORKER),
-           "--dir", str(d), "--record", str(record), *args]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo", "DS_ACCELERATOR": "cpu",
-           "PYTHONPATH": os.pathsep.join([str(REPO / "src"), str(REPO), os.environ.get("PYTHONPATH", "")])}
-    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
-
-
-def records(prefix: Path, rank: int) -> list[dict]:
-    f = Path(f"{prefix}.rank{rank}.jsonl")
-    return [json.loads(line) for line in f.read_text().splitlines()] if f.exists() else []
-
-
-def losses(prefix: Path, rank: int) -> dict[int, float]:
-    return {r["step"]: r["loss"] for r in records(prefix, rank) if r["kind"] == "loss"}
-
-
-def tail(r: subprocess.CompletedProcess) -> str:
-    return r.stdout[-3000:] + r.stderr[-3000:]
+def run(d: Path, record: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    return torchrun(WORKER, "--dir", str(d), "--record", str(record), *args, env={"DS_ACCELERATOR": "cpu"})
 
 
 SHARDS = ["mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt",

@@ -14,8 +14,6 @@ so the run depends on every rank's RNG), a checkpoint every 2 steps, save_total_
 
 from __future__ import annotations
 
-import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -24,29 +22,13 @@ import pytest
 
 pytest.importorskip("transformers", reason="transformers is not installed (pip install 'ckptguard[transformers]')")
 
+from tests.support.frameworks import losses, records, tail, torchrun
+
 WORKER = Path(__file__).parent / "workers" / "hf_job.py"
-REPO = Path(__file__).resolve().parent.parent
 
 
-def run(out: Path, record: Path, *args: str) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(WORKER),
-           "--out", str(out), "--record", str(record), *args]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo",
-           "PYTHONPATH": os.pathsep.join([str(REPO / "src"), str(REPO), os.environ.get("PYTHONPATH", "")])}
-    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
-
-
-def records(prefix: Path, rank: int) -> list[dict]:
-    f = Path(f"{prefix}.rank{rank}.jsonl")
-    return [json.loads(line) for line in f.read_text().splitlines()] if f.exists() else []
-
-
-def losses(prefix: Path, rank: int) -> dict[int, float]:
-    return {r["step"]: r["loss"] for r in records(prefix, rank) if r["kind"] == "loss"}
-
-
-def tail(r: subprocess.CompletedProcess) -> str:
-    return r.stdout[-3000:] + r.stderr[-3000:]
+def run(out: Path, record: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    return torchrun(WORKER, "--out", str(out), "--record", str(record), *args)
 
 
 @pytest.fixture(scope="module")

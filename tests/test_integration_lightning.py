@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -24,16 +23,13 @@ L = pytest.importorskip("lightning", reason="lightning is not installed (pip ins
 from ckptguard import Checkpointer  # noqa: E402
 from ckptguard.integrations.lightning import CkptguardCheckpointIO, read_pointer  # noqa: E402
 
+from tests.support.frameworks import torchrun  # noqa: E402
+
 WORKER = Path(__file__).parent / "workers" / "lightning_job.py"
-SRC = str(Path(__file__).resolve().parent.parent / "src")
 
 
-def run(root: Path, out: Path, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(WORKER),
-           "--root", str(root), "--out", str(out), *args]
-    full_env = {**os.environ, "PYTHONPATH": SRC + os.pathsep + os.environ.get("PYTHONPATH", ""),
-                "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo", **(env or {})}
-    return subprocess.run(cmd, capture_output=True, text=True, env=full_env, timeout=300)
+def run(root: Path, out: Path, *args: str, env: dict | None = None) -> subprocess.CompletedProcess[str]:
+    return torchrun(WORKER, "--root", str(root), "--out", str(out), *args, env=env)
 
 
 def records(out: Path) -> list[dict]:

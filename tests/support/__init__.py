@@ -7,6 +7,8 @@
     beds/           storage beds: stale-caching sshfs mounts (sshfs.py), a small tmpfs
                     (diskfull.py); beds/workers/probe.py checks the launcher
     fixtures.py     pytest fixtures for the beds (registered by the root conftest.py)
+    frameworks.py   the framework-integration tests: a 2-rank torchrun of a worker, the ranks'
+                    JSONL records, a digest of model and optimizer state
     campaign.py     the crash-consistency campaign's engine: fault kinds, the checks that
                     call an outcome torn, lost, invented, stale or garbage, the report
 

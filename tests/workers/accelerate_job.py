@@ -11,11 +11,11 @@ model, optimizer and scheduler at every save, and right after a resume's load.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import io
 import json
 import os
 import signal
+import sys
 import warnings
 
 import accelerate.checkpointing
@@ -27,20 +27,11 @@ from torch import nn
 from ckptguard import _faults
 from ckptguard.integrations.accelerate import CkptguardAccelerator
 
+from tests.support.frameworks import state_digest
+
 EVERY, STEPS = 2, 8
 
 
-def digest(model: nn.Module, optim, sched) -> str:
-    h = hashlib.sha256()
-    for k, v in model.state_dict().items():
-        h.update(k.encode())
-        h.update(v.detach().numpy().tobytes())
-    for pid, st in sorted(optim.state_dict()["state"].items()):
-        for k, v in sorted(st.items()):
-            h.update(f"{pid}.{k}".encode())
-            h.update(v.detach().numpy().tobytes() if isinstance(v, torch.Tensor) else repr(v).encode())
-    h.update(repr(sorted(sched.state_dict().items())).encode())
-    return h.hexdigest()
 
 
 def kill_while_writing_optimizer_of_save(n: int) -> None:
@@ -98,8 +89,8 @@ def main() -> None:
                                    key=lambda n: int(n.split("_")[-1]))[-1].split("_")[-1])
             accelerator.project_configuration.iteration = iteration + 1
         start = (iteration + 1) * EVERY
-        record(kind="loaded", step=start, iteration=iteration, digest=digest(accelerator.unwrap_model(model), optim,
-                                                                              sched))
+        record(kind="loaded", step=start, iteration=iteration,
+               digest=state_digest(accelerator.unwrap_model(model), optim, sched))
     if a.crash_at_save and rank == 0:
         kill_while_writing_optimizer_of_save(a.crash_at_save)
     saves = 0
@@ -116,7 +107,7 @@ def main() -> None:
             if a.crash_at_commit == saves and rank == 0:
                 _faults.arm("before_publish:0:kill")
             accelerator.save_state()
-            record(kind="save", step=step, digest=digest(accelerator.unwrap_model(model), optim, sched))
+            record(kind="save", step=step, digest=state_digest(accelerator.unwrap_model(model), optim, sched))
     accelerator.wait_for_everyone()
     if rank == 0:
         record(kind="done", files=sorted(os.listdir(os.path.join(a.project, "checkpoints"))))
@@ -126,9 +117,13 @@ def main() -> None:
 if __name__ == "__main__":
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     main()
-    # Tear the process group down before exit: left to interpreter shutdown, gloo's teardown
-    # can abort a rank ("terminate called without an active exception") after the work is done.
+    # Tear the process group down and leave without the interpreter's own teardown: there, torch's
+    # gloo threads can abort a rank ("terminate called without an active exception", exit -6) after
+    # the work is done and recorded (seen with the frameworks' own checkpointing too).
     import torch.distributed as _dist
 
     if _dist.is_initialized():
         _dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

@@ -10,10 +10,10 @@ optimizer and scheduler at every save, and right after a resume's load.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import signal
+import sys
 import time
 import warnings
 
@@ -23,6 +23,8 @@ from transformers import PretrainedConfig, PreTrainedModel, Trainer, TrainingArg
 
 from ckptguard import _faults
 from ckptguard.integrations.hf import CkptguardTrainer
+
+from tests.support.frameworks import state_digest
 
 
 class TinyConfig(PretrainedConfig):
@@ -65,17 +67,6 @@ class Data(torch.utils.data.Dataset):
         return {"x": self.x[i], "labels": self.y[i]}
 
 
-def digest(model: nn.Module, optim, sched) -> str:
-    h = hashlib.sha256()
-    for k, v in model.state_dict().items():
-        h.update(k.encode())
-        h.update(v.detach().numpy().tobytes())
-    for pid, st in sorted(optim.state_dict()["state"].items()):
-        for k, v in sorted(st.items()):
-            h.update(f"{pid}.{k}".encode())
-            h.update(v.detach().numpy().tobytes() if isinstance(v, torch.Tensor) else repr(v).encode())
-    h.update(repr(sorted(sched.state_dict().items())).encode())
-    return h.hexdigest()
 
 
 class Recorder:
@@ -102,7 +93,7 @@ class Recorder:
             _faults.arm("before_publish:0:kill")
         super()._save_checkpoint(model, trial)
         self.record(kind="save", step=self.state.global_step,
-                    digest=digest(self.model, self.optimizer, self.lr_scheduler))
+                    digest=state_digest(self.model, self.optimizer, self.lr_scheduler))
 
     def _save_rng_state(self, output_dir: str) -> None:
         if self.default_crash_at == self.saves and self.args.process_index == 1:
@@ -118,7 +109,7 @@ class Recorder:
         super()._load_optimizer_and_scheduler(checkpoint)
         if checkpoint is not None:
             self.record(kind="loaded", step=self.state.global_step, path=os.path.basename(checkpoint),
-                        digest=digest(self.model, self.optimizer, self.lr_scheduler))
+                        digest=state_digest(self.model, self.optimizer, self.lr_scheduler))
 
 
 class RecordingTrainer(Recorder, Trainer):
@@ -157,9 +148,13 @@ def main() -> None:
 if __name__ == "__main__":
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     main()
-    # Tear the process group down before exit: left to interpreter shutdown, gloo's teardown
-    # can abort a rank ("terminate called without an active exception") after the work is done.
+    # Tear the process group down and leave without the interpreter's own teardown: there, torch's
+    # gloo threads can abort a rank ("terminate called without an active exception", exit -6) after
+    # the work is done and recorded (seen with the frameworks' own checkpointing too).
     import torch.distributed as _dist
 
     if _dist.is_initialized():
         _dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
