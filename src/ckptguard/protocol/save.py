@@ -224,9 +224,10 @@ def _commit(session: Session, plan: SavePlan, writer: GuardedWriter, user_metada
     mine: Manifest | None = comm.step(f"report its part of step {plan.step}", report_writes, manifests,
                                       scatter=True, suffix=plan.intact, where=session.url)
     published = False
+    mine_after: DomainListing = {}  # this domain's listing right after the publish (finish reuses it)
 
     def publish() -> DomainListing | None:
-        nonlocal published
+        nonlocal published, mine_after
         if not topo.is_leader:
             return None
         assert mine is not None and session.lease is not None
@@ -242,7 +243,8 @@ def _commit(session: Session, plan: SavePlan, writer: GuardedWriter, user_metada
         # by now: look again, and take it back (rolled back below, as when another domain fails).
         session.lease.check(acting="keep what it published", renew=False)
         fault_point(FaultPhase.AFTER_PUBLISH, comm.rank)
-        return leader_listing(session)
+        mine_after = session.root.listing()
+        return mine_after
 
     def after_publish(listings: list[DomainListing | None]) -> tuple[list[int], Listing]:
         agreed = agreed_listing(listings)
@@ -263,7 +265,7 @@ def _commit(session: Session, plan: SavePlan, writer: GuardedWriter, user_metada
     retired: list[str] = []
     if topo.is_leader:
         try:
-            retired = finish(session, plan, doomed, agreed)
+            retired = finish(session, plan, doomed, agreed, mine_after)
         except LeaseLostError as e:
             lost = e
     # Agreed, so that every rank of a job that lost the root raises (and no later save is tried).
@@ -301,8 +303,10 @@ def _discard_attempt(session: Session, plan: SavePlan) -> None:
             log.warning("ckptguard: could not remove the failed attempt %s: %s", plan.staging, e)
 
 
-def finish(session: Session, plan: SavePlan, doomed: list[int], agreed: Listing) -> list[str]:
+def finish(session: Session, plan: SavePlan, doomed: list[int], agreed: Listing, mine: DomainListing
+           ) -> list[str]:
     """After a commit (leaders): move `latest`, retire what is no longer needed; what to remove.
+    ``mine`` is this domain's listing taken right after the publish (only this job writes the root).
 
     Retiring (an atomic rename into trash) of old checkpoints, superseded
     versions and leftovers of crashed attempts happens now, so that when
@@ -331,7 +335,6 @@ def finish(session: Session, plan: SavePlan, doomed: list[int], agreed: Listing)
         root.move_latest(plan.name, plan.seq)
         fault_point(FaultPhase.AFTER_COMMIT, session.comm.rank)
         lease.check(acting="apply retention", renew=False)
-        mine = root.listing()
         doomed_dirs = [root.dir(CheckpointName(s, v)) for s in doomed for v in mine.get(s, {})]
         stray = [root.dir(n) for n in stray_versions(mine, agreed) if n.step not in doomed]
         garbage = root.garbage()
