@@ -220,11 +220,8 @@ class PosixStorage:
                 continue
             except OSError:
                 return fd  # a filesystem without locks: the version check still narrows the race
-            try:
-                if os.fstat(fd).st_ino == os.stat(lock_path).st_ino:
-                    return fd
-            except FileNotFoundError:
-                pass
+            if self._still_locked(fd, path):
+                return fd
             os.close(fd)  # the file was broken and replaced while we waited for it: lock the new one
 
     def _lock_path(self, path: str) -> str:
