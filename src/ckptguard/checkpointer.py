@@ -276,15 +276,13 @@ class Checkpointer:
         self.wait()
         self._check_usable(writing=False)
         step, self._tags = manage.tagged_step(self._session, tag, step, self._tags)
-        current = self._committed = save_protocol.agreed_current(self._session)
-        candidates = read_protocol.candidates(self._session, step, current)
         with gc_paused():
-            _, state = read_protocol.read_first_intact(self._session, candidates, current, fallback=step is None)
+            _, state, self._committed = read_protocol.read(self._session, step)
         return state
 
     def path(self, step: int) -> str:
         """The directory of committed ``step`` (its current version). Not collective."""
-        read_protocol.candidates(self._session, step, self._committed)  # raises if not committed
+        read_protocol.require_committed(self._session, step, self._committed)
         return self._session.root.dir(CheckpointName(step, self._committed[step].version))
 
     def delete(self, step: int) -> None:

@@ -24,7 +24,7 @@ import time
 import uuid
 import warnings
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, TypeVar
 
 from torch.distributed.checkpoint.metadata import Metadata
 
@@ -52,6 +52,8 @@ from ckptguard.state import prepare_state
 
 log = logging.getLogger("ckptguard")
 
+T = TypeVar("T")
+
 
 def falls_back(err: BaseException) -> bool:
     """Whether a failed load may try an older checkpoint: decided from what every rank agreed on,
@@ -73,6 +75,24 @@ def load(session: Session, step: int | None, state: Mapping[str, Any], files: Ma
     Returns the step loaded (None if nothing is committed), its timings, and the
     agreed listing it was chosen from.
     """
+
+    def attempt(name: CheckpointName, seq: int | None) -> PhaseTimer:
+        stats = PhaseTimer(show_progress)
+        load_one(session, name, seq, state, files, strict, stats)
+        return stats
+
+    return first_intact(session, step, attempt)
+
+
+def first_intact(session: Session, step: int | None, attempt: Callable[[CheckpointName, int | None], T]
+                 ) -> tuple[int | None, T | None, Listing]:
+    """Run ``attempt`` (a load or a read, collective) on ``step``, or on the checkpoint committed last
+    and, while that one turns out corrupt, the ones committed before it; the step it succeeded on
+    (None if nothing is committed), its result, and the agreed listing it was chosen from.
+
+    A checkpoint retired under the reader (a writer's retention) is not corrupt: ``step=None``
+    lists the root again, ``step=N`` raises StepRetiredError.
+    """
     errors: list[str] = []
     corrupt: set[tuple[int, int]] = set()
     for _ in range(_RELISTS):
@@ -88,10 +108,8 @@ def load(session: Session, step: int | None, state: Mapping[str, Any], files: Ma
         retired = False
         for s in candidates:
             name = CheckpointName(s, current[s].version)
-            stats = PhaseTimer(show_progress)
             try:
-                load_one(session, name, current[s].seq, state, files, strict, stats)
-                return s, stats, current
+                return s, attempt(name, current[s].seq), current
             except BaseException as e:
                 failures = agreed_failures(e)
                 if not failures or any(f.interrupted for f in failures):
@@ -138,18 +156,9 @@ def _was_retired(session: Session, name: CheckpointName) -> bool:
 
 def load_one(session: Session, name: CheckpointName, seq: int | None, state: Mapping[str, Any],
              files: Mapping[str, Any] | None, strict: bool, stats: PhaseTimer) -> None:
-    comm, topo, root = session.comm, session.topo, session.root
+    comm, root = session.comm, session.root
     started = time.perf_counter()
-    raw: bytes | None = None
-    read_error: BaseException | None = None
-    if topo.is_leader:
-        try:
-            raw = root.read_manifest_bytes(name)
-        except BaseException as e:  # reported at the next agreement, once every rank of the domain has the bytes
-            read_error = e
-    # The leader reads; every rank of the domain parses and checks the same bytes at once
-    # (bytes travel far faster than a pickled object graph of one entry per tensor chunk).
-    raw = comm.share_in_domain(raw, list(topo.domain))
+    raw, read_error = share_manifest_bytes(session, name)
     stop_prefetch: Callable[[], None] | None = None
     if raw is not None:
         # A rank mostly reads what the rank of its number wrote: warm those files while the manifest
@@ -165,11 +174,25 @@ def load_one(session: Session, name: CheckpointName, seq: int | None, state: Map
             stop_prefetch()
 
 
-def _load_from_manifest(session: Session, name: CheckpointName, seq: int | None, raw: bytes | None,
-                        read_error: BaseException | None,
-                        state: Mapping[str, Any], files: Mapping[str, Any] | None, strict: bool, stats: PhaseTimer,
-                        started: float, on_planned: Callable[[], None] | None) -> None:
-    comm, topo, root = session.comm, session.topo, session.root
+def share_manifest_bytes(session: Session, name: CheckpointName) -> tuple[bytes | None, BaseException | None]:
+    """The manifest's bytes, read by the domain's leader and shared with every rank of the domain
+    (bytes travel far faster than a pickled object graph of one entry per tensor chunk); the leader's
+    read error, if any, to be reported at the agreement of :func:`agree_on_manifest`."""
+    raw: bytes | None = None
+    read_error: BaseException | None = None
+    if session.topo.is_leader:
+        try:
+            raw = session.root.read_manifest_bytes(name)
+        except BaseException as e:  # reported at the next agreement, once every rank of the domain has the bytes
+            read_error = e
+    shared: bytes | None = session.comm.share_in_domain(raw, list(session.topo.domain))
+    return shared, read_error
+
+
+def agree_on_manifest(session: Session, name: CheckpointName, seq: int | None, raw: bytes | None,
+                      read_error: BaseException | None) -> tuple[Manifest, Metadata]:
+    """Every rank parses and checks the shared bytes, the leaders check the files' sizes (collective)."""
+    topo, root = session.topo, session.root
 
     def parse() -> tuple[Manifest, Metadata]:
         if read_error is not None:
@@ -180,7 +203,17 @@ def _load_from_manifest(session: Session, name: CheckpointName, seq: int | None,
             root.check_files(name, manifest)
         return manifest, metadata_from_json(manifest.dcp, manifest.items)
 
-    manifest, metadata = comm.step(f"read checkpoint {name.dirname} in {session.url}", parse, where=session.url)
+    agreed: tuple[Manifest, Metadata] = session.comm.step(f"read checkpoint {name.dirname} in {session.url}", parse,
+                                                          where=session.url)
+    return agreed
+
+
+def _load_from_manifest(session: Session, name: CheckpointName, seq: int | None, raw: bytes | None,
+                        read_error: BaseException | None,
+                        state: Mapping[str, Any], files: Mapping[str, Any] | None, strict: bool, stats: PhaseTimer,
+                        started: float, on_planned: Callable[[], None] | None) -> None:
+    comm, root = session.comm, session.root
+    manifest, metadata = agree_on_manifest(session, name, seq, raw, read_error)
 
     targets: list[ArtifactTarget] = []
 
