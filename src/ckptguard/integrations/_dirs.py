@@ -16,9 +16,11 @@ from __future__ import annotations
 import os
 import shutil
 import uuid
+from collections.abc import Callable
+from typing import Any
 
 from ckptguard.checkpointer import Checkpointer
-from ckptguard.errors import StepNotFoundError
+from ckptguard.errors import CheckpointError, StepNotFoundError
 from ckptguard.storage.fileio import fsync_dir, makedirs_durable
 
 FILES_KEY = "checkpoint"
@@ -87,3 +89,37 @@ def restore_step(root: str, wanted: int | None, target: str) -> int | None:
         return None
     with Checkpointer(root, process_group="local", read_only=True) as ck:
         return ck.load({}, step=wanted, files={FILES_KEY: target})
+
+
+def restore_on_every_rank(root: str, tmp: str, is_main: bool, broadcast: Callable[[Any], Any],
+                          restore_on_main: Callable[[str], tuple[int, str] | None],
+                          what: str = "load from") -> tuple[int, str] | None:
+    """Restore one committed step into ``tmp/<name>`` on every rank; (step, that directory), or None
+    if the root holds none.
+
+    The main process decides: ``restore_on_main(dest)`` restores into ``dest`` and returns the step
+    and the directory name the framework expects (falling back past a corrupt newest step). Every
+    rank learns the decision (or the main process's error, raised by all), the main process
+    renames its copy, the others restore the same step, verified.
+    """
+    found: tuple[int, str] | None = None
+    error: str | None = None
+    main_copy = os.path.join(tmp, "main")
+    if is_main:
+        try:
+            found = restore_on_main(main_copy)
+        except Exception as e:  # every rank raises it
+            error = f"{type(e).__name__}: {e}"
+    found, error = broadcast((found, error))
+    if error is not None:
+        raise CheckpointError(f"cannot {what} {root}: {error}", path=root)
+    if found is None:
+        return None
+    step, name = found
+    target = os.path.join(tmp, name)
+    if is_main:
+        os.rename(main_copy, target)
+    else:
+        with Checkpointer(root, process_group="local", read_only=True) as ck:
+            ck.load({}, step=step, files={FILES_KEY: target})
+    return step, target

@@ -186,24 +186,16 @@ def load_state(accelerator: Accelerator, input_dir: str | os.PathLike[str] | Non
     root = checkpoint_root(home)
     tmp = tempfile.mkdtemp(prefix="ckptguard-accelerate-", dir=restore_dir)
     try:
-        error: str | None = None
-        got: int | None = None
-        if accelerator.is_main_process:
-            try:
-                got = _dirs.restore_step(root, wanted, os.path.join(tmp, "main"))
-            except Exception as e:  # every process raises it
-                error = f"{type(e).__name__}: {e}"
-        got, error = _broadcast(accelerator, (got, error))
-        if error is not None:
-            raise CheckpointError(f"cannot load from {root}: {error}", path=root)
-        if got is None:
+
+        def restore_on_main(dest: str) -> tuple[int, str] | None:
+            got = _dirs.restore_step(root, wanted, dest)
+            return (got, "checkpoint") if got is not None else None
+
+        restored = _dirs.restore_on_every_rank(root, tmp, accelerator.is_main_process,
+                                               lambda v: _broadcast(accelerator, v), restore_on_main)
+        if restored is None:
             raise ValueError(f"no committed checkpoint in {root}")
-        target = os.path.join(tmp, "checkpoint")
-        if accelerator.is_main_process:
-            os.rename(os.path.join(tmp, "main"), target)
-        else:
-            with Checkpointer(root, process_group="local", read_only=True) as ck:
-                ck.load({}, step=got, files={_dirs.FILES_KEY: target})
+        got, target = restored
         Accelerator.load_state(accelerator, target, **load_state_kwargs)
         accelerator.wait_for_everyone()
     finally:

@@ -258,26 +258,13 @@ def install(engine: Any, *, publish: bool = True, restore_dir: str | None = None
         root = os.path.join(load_dir, ROOT_NAME)
         tmp = tempfile.mkdtemp(prefix="ckptguard-deepspeed-", dir=restore_dir)
         try:
-            found: tuple[int, str] | None = None
-            error: str | None = None
-            if _rank() == 0:
-                try:
-                    found = _restore_on_rank0(root, None if tag is None else str(tag), os.path.join(tmp, "main"))
-                except Exception as e:  # every rank raises it
-                    error = f"{type(e).__name__}: {e}"
-            found, error = _broadcast((found, error))
-            if error is not None:
-                raise CheckpointError(f"cannot load from {root}: {error}", path=root)
-            if found is None:
+            tag_name = None if tag is None else str(tag)
+            restored = _dirs.restore_on_every_rank(
+                root, tmp, _rank() == 0, _broadcast, lambda dest: _restore_on_rank0(root, tag_name, dest))
+            if restored is None:
                 log.warning("ckptguard: no committed checkpoint in %s", root)
                 return None, None
-            step, found_tag = found
-            target = os.path.join(tmp, found_tag)
-            if _rank() == 0:
-                os.rename(os.path.join(tmp, "main"), target)
-            else:
-                with Checkpointer(root, process_group="local", read_only=True) as ck:
-                    ck.load({}, step=step, files={_dirs.FILES_KEY: target})
+            found_tag = os.path.basename(restored[1])
             path, client_state = load_checkpoint(tmp, tag=found_tag, **kwargs)
             _barrier()
             if path is not None:  # where DeepSpeed read it -> where the user sees it

@@ -51,7 +51,6 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, TrainOutput
 
 from ckptguard.checkpointer import Checkpointer
 from ckptguard.comm import world_broadcast
-from ckptguard.errors import CheckpointError
 from ckptguard.integrations import _dirs
 
 log = logging.getLogger(__name__)
@@ -180,25 +179,16 @@ class CkptguardTrainer(Trainer):
             wanted = int(m.group(1))
         tmp = tempfile.mkdtemp(prefix="ckptguard-hf-", dir=self.ckptguard_restore_dir)
         try:
-            # The main process decides which step (falling back past a corrupt newest one); all follow.
-            error: str | None = None
-            step: int | None = None
-            if self._is_main():
-                try:
-                    step = _dirs.restore_step(root, wanted, os.path.join(tmp, "main"))
-                except Exception as e:  # reported to every rank, raised by all
-                    error = f"{type(e).__name__}: {e}"
-            step, error = self._broadcast((step, error))
-            if error is not None:
-                raise CheckpointError(f"cannot resume from {root}: {error}", path=root)
-            if step is None:
+
+            def restore_on_main(dest: str) -> tuple[int, str] | None:
+                got = _dirs.restore_step(root, wanted, dest)
+                return (got, f"{PREFIX_CHECKPOINT_DIR}-{got}") if got is not None else None
+
+            restored = _dirs.restore_on_every_rank(root, tmp, self._is_main(), self._broadcast, restore_on_main,
+                                                   what="resume from")
+            if restored is None:
                 raise ValueError(f"No committed checkpoint found in {root} (output directory {run_dir})")
-            target = os.path.join(tmp, f"{PREFIX_CHECKPOINT_DIR}-{step}")
-            if self._is_main():
-                os.rename(os.path.join(tmp, "main"), target)
-            else:
-                with Checkpointer(root, process_group="local", read_only=True) as ck:
-                    ck.load({}, step=step, files={_dirs.FILES_KEY: target})
+            step, target = restored
             log.info("ckptguard: resuming from committed step %d of %s", step, root)
             return tmp, target
         except BaseException:
