@@ -181,3 +181,17 @@ def test_rng_state_round_trips_per_rank(tmp_path: Path) -> None:
         holder = PerRank(ckptguard.RNGState())
         assert ck.load({"rng": PerRank(ckptguard.rng_state()), "stateful": holder}) == 1
         assert torch.equal(torch.rand(2), expected[0])  # RNGState.load_state_dict restored the RNGs
+
+
+def test_metadata_of_a_committed_step_is_the_one_its_save_was_given(tmp_path: Path) -> None:
+    with Checkpointer(tmp_path / "ck") as ck:
+        ck.save(1, {"x": torch.ones(1)}, metadata={"model_only": True, "loss": 0.5})
+        ck.save(2, {"x": torch.ones(1)})
+        assert ck.metadata(1) == {"model_only": True, "loss": 0.5}
+        assert ck.metadata(2) == {}
+        ck.save(1, {"x": torch.zeros(1)}, metadata={"model_only": False}, overwrite=True)
+        assert ck.metadata(1) == {"model_only": False}  # the current version's
+        with pytest.raises(StepNotFoundError):
+            ck.metadata(3)
+    with Checkpointer(tmp_path / "ck", read_only=True) as ck:
+        assert ck.metadata(1) == {"model_only": False}

@@ -46,3 +46,12 @@ def test_no_other_module_uses_a_private_torch_api() -> None:
 def test_the_scan_sees_private_imports() -> None:
     code = "from torch.distributed.checkpoint._traverse import set_element\nfrom torch.x import _y\n"
     assert len(_private_torch_uses(ast.parse(code))) == 2
+
+
+def test_the_manifests_dtype_table_covers_every_torch_dtype() -> None:
+    """`ls`/`verify` check tensor rows against a torch-free table: a dtype it lacks would make a
+    checkpoint that save wrote unreadable, so a new torch dtype must fail here first."""
+    from ckptguard.dcp.records import ITEMSIZES
+
+    dtypes = {str(v).removeprefix("torch."): v.itemsize for v in vars(torch).values() if isinstance(v, torch.dtype)}
+    assert {k: ITEMSIZES.get(k) for k in dtypes} == dtypes

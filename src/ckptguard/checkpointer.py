@@ -285,6 +285,10 @@ class Checkpointer:
         read_protocol.require_committed(self._session, step, self._committed)
         return self._session.root.dir(CheckpointName(step, self._committed[step].version))
 
+    def metadata(self, step: int) -> dict[str, Any]:
+        """The ``metadata=`` given to the save of committed ``step``; collective (rank 0 reads it)."""
+        return read_protocol.read_metadata(self._session, step, self._committed)
+
     def delete(self, step: int) -> None:
         """Delete committed ``step`` (every version) on every storage domain; collective.
 

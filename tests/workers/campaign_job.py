@@ -1227,8 +1227,14 @@ def _hostile_change(root: str, step: int, what: str, rng: random.Random) -> None
         reseal(lambda m: dataclasses.replace(m, items=[i._replace(length=big) if k == 0 else i
                                                        for k, i in enumerate(m.items)]))
     elif what == "shape-mismatch":
-        reseal(lambda m: dataclasses.replace(m, items=[i._replace(shape=(1 << 40,)) if k == 0 and i.shape else i
-                                                       for k, i in enumerate(m.items)]))
+        def misshape(m: Manifest) -> Manifest:
+            # The first item that has a shape (item 0 may be a scalar or a plain value, and leaving
+            # the checkpoint unchanged would make `verify` look blind).
+            k = next(k for k, i in enumerate(m.items) if i.shape)
+            return dataclasses.replace(m, items=[i._replace(shape=(1 << 40,)) if j == k else i
+                                                 for j, i in enumerate(m.items)])
+
+        reseal(misshape)
     elif what == "deep-nesting":
         depth = rng.choice((1000, 100_000, 1_000_000))
         body = "[" * depth + "]" * depth

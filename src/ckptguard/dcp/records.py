@@ -33,3 +33,18 @@ class FileEntry(NamedTuple):
     size: int
     rank: int
     checksum: str | None = None
+
+
+#: Bytes per element of each dtype name a manifest may hold, without importing torch (``ls`` and
+#: ``verify`` never do): a tensor row's shape must account for exactly its bytes. A test checks it
+#: against the installed torch's dtypes (tests/test_torch_private.py).
+ITEMSIZES: dict[str, int] = {
+    "bool": 1, "uint8": 1, "int8": 1, "int16": 2, "int32": 4, "int64": 8, "uint16": 2, "uint32": 4, "uint64": 8,
+    "float16": 2, "bfloat16": 2, "float32": 4, "float64": 8, "complex32": 4, "complex64": 8, "complex128": 16,
+    "bcomplex32": 4,  # torch 2.14
+    "qint8": 1, "quint8": 1, "qint32": 4, "quint4x2": 1, "quint2x4": 1,
+    "bits1x8": 1, "bits2x4": 1, "bits4x2": 1, "bits8": 1, "bits16": 2,
+    "float8_e5m2": 1, "float8_e4m3fn": 1, "float8_e5m2fnuz": 1, "float8_e4m3fnuz": 1, "float8_e8m0fnu": 1,
+    "float4_e2m1fn_x2": 1,
+    **{f"uint{n}": 1 for n in range(1, 8)}, **{f"int{n}": 1 for n in range(1, 8)},
+}

@@ -9,6 +9,7 @@ in JSON form. Loading never unpickles anything from a checkpoint: DCP's own
 from __future__ import annotations
 
 import json
+import math
 import platform
 import re
 from dataclasses import asdict, dataclass, field
@@ -16,7 +17,7 @@ from typing import Any
 
 from ckptguard._version import __version__
 from ckptguard.checksum import ALGORITHMS, checksum
-from ckptguard.dcp.records import FileEntry, StoredItem
+from ckptguard.dcp.records import ITEMSIZES, FileEntry, StoredItem
 from ckptguard.errors import CheckpointError, CorruptCheckpointError
 
 FORMAT = "ckptguard-checkpoint"
@@ -197,6 +198,10 @@ def _parse(data: bytes) -> Manifest:
             _expect(type(shape) is list and all(type(x) is int and x >= 0 for x in shape) and type(dtype) is str,
                     "item shape")
             shape = tuple(shape)
+            # A reader allocates the shape it is told: it must account for exactly the item's bytes.
+            _expect(dtype in ITEMSIZES, f"item {str(fqn)[:100]!r} has unknown dtype {str(dtype)[:40]!r}")
+            _expect(math.prod(shape) * ITEMSIZES[dtype] == length,
+                    f"item {str(fqn)[:100]!r}: shape {list(shape)[:8]} of {dtype} does not match its {length} bytes")
         elif dtype is not None:
             _expect(False, "item dtype without shape")
         items.append(StoredItem(fqn, offsets, paths[fi], offset, length, digest, dtype, shape))

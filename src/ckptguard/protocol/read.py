@@ -89,6 +89,20 @@ def read_stored(session: Session, name: CheckpointName, manifest: Manifest, rank
 
 
 
+def read_metadata(session: Session, step: int, current: Listing) -> dict[str, Any]:
+    """The ``metadata=`` saved with committed ``step``, as rank 0 reads it from that version's
+    manifest; every rank gets it, or the same error (collective)."""
+    require_committed(session, step, current)
+    name = CheckpointName(step, current[step].version)
+
+    def leader_reads() -> dict[str, Any] | None:
+        return session.root.read_manifest(name).user_metadata if session.comm.rank == 0 else None
+
+    meta: dict[str, Any] = session.comm.step(f"read the metadata of step {step}", leader_reads, lambda got: got[0],
+                                             where=session.url)
+    return meta
+
+
 def require_committed(session: Session, step: int, current: Listing) -> None:
     if step not in current:
         raise StepNotFoundError(f"step {step} is not a committed checkpoint in {session.url}; committed steps: "
