@@ -243,27 +243,16 @@ class CkptguardCheckpointManager(BaseCheckpointManager):  # type: ignore[misc]
         log.info("ckptguard: loaded step %d of %s%s", step, self.checkpointer.root, " (model only)" if model_only else "")
 
     def _model_only_steps(self) -> set[int]:
-        """The committed steps saved model-only, as rank 0 reads them in their manifests; every rank gets
-        the same answer (or the same error) through the Checkpointer's own agreement."""
-        ck = self.checkpointer
-        session = ck._session  # its storage (with the storage_options given) and its gloo control group
-
-        def read() -> list[int] | None:
-            if session.comm.rank != 0:
-                return None
-            current, found = session.root.current(), []
-            for s in ck.steps():
-                try:
-                    meta = session.root.read_manifest(current[s]).user_metadata
-                except (KeyError, CheckpointError):  # unreadable: loading it fails and falls back
-                    continue
-                if (meta.get(META_KEY) or {}).get("model_only"):
-                    found.append(s)
-            return found
-
-        agreed = session.comm.step("read which torchtitan checkpoints are model-only", read, lambda got: got[0],
-                                   where=ck.root)
-        return set(agreed or ())
+        """The committed steps saved model-only, from their metadata (each read is agreed by every
+        rank; an unreadable one is left to the load, which fails and falls back)."""
+        found = set()
+        for s in self.checkpointer.steps():
+            try:
+                if (self.checkpointer.metadata(s).get(META_KEY) or {}).get("model_only"):
+                    found.add(s)
+            except CheckpointError:
+                continue
+        return found
 
     def _initial_load(self) -> bool:
         """Nothing committed in the folder: start from ``initial_load_path`` (a ckptguard root), if set."""
