@@ -4,6 +4,7 @@
 - ``ckptguard.integrations.hf``: ``CkptguardTrainer`` (transformers 5.18.0)
 - ``ckptguard.integrations.accelerate``: ``CkptguardAccelerator``, ``save_state``, ``load_state`` (accelerate 1.15.0)
 - ``ckptguard.integrations.deepspeed``: ``install(engine)``, ``CkptguardCheckpointEngine`` (deepspeed 0.19.8)
+- ``ckptguard.integrations.torchtitan``: ``CkptguardCheckpointManager`` (torchtitan 0.3.0)
 
 Importing a module here imports its framework; ``ckptguard`` itself never does.
 """
