@@ -27,6 +27,7 @@ import json
 import os
 import re
 import threading
+from collections.abc import Mapping
 from typing import Any
 
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
@@ -40,10 +41,16 @@ POINTER_FORMAT = "ckptguard-lightning-pointer"
 _TAG_OK = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.=-]{0,127}$")
 
 
+# -- the path <-> step mapping (shared by every hook that saves Lightning checkpoints) ---------------
 def _tag_for(filename: str) -> str:
     if _TAG_OK.match(filename):
         return filename
     return "f-" + hashlib.sha256(filename.encode()).hexdigest()[:24]
+
+
+def root_for(path: str, root_name: str = ROOT_NAME) -> str:
+    """The ckptguard root that holds the data of checkpoint ``path`` (next to it)."""
+    return os.path.join(os.path.dirname(os.path.abspath(path)), root_name)
 
 
 def read_pointer(path: str) -> dict[str, Any] | None:
@@ -62,6 +69,47 @@ def read_pointer(path: str) -> dict[str, Any] | None:
     return body if isinstance(body, dict) and body.get("format") == POINTER_FORMAT else None
 
 
+def pointed(path: str, pointer: Mapping[str, Any]) -> tuple[str, str, int]:
+    """(root, tag, step) that the pointer at ``path`` names."""
+    root = os.path.normpath(os.path.join(os.path.dirname(path), pointer["root"]))
+    return root, str(pointer["tag"]), int(pointer["step"])
+
+
+def commit(ck: Checkpointer, path: str, state: Mapping[str, Any], *, publish: bool) -> int:
+    """Save ``state`` as the next step of ``ck``, tag it with the file name, then (``publish``: the
+    process that writes) point ``path`` at it; the step the tag named before is deleted last.
+    Collective exactly when ``ck`` is. Returns the step."""
+    name = os.path.basename(path)
+    tag = _tag_for(name)
+    step = max(ck.steps(), default=-1) + 1
+    ck.save(step, state)
+    before = ck.tag(tag, step)
+    if publish:
+        pointer = {"format": POINTER_FORMAT, "root": os.path.relpath(ck.root, os.path.dirname(path)), "tag": tag,
+                   "step": step, "name": name}
+        # The commit point Lightning sees: the pointer appears or changes atomically, once the
+        # checkpoint is committed.
+        replace_file(path, (json.dumps(pointer) + "\n").encode())
+    if before is not None and before != step:
+        _drop_if_untagged(ck, before)
+    return step
+
+
+def forget(ck: Checkpointer, pointer: Mapping[str, Any]) -> None:
+    """After the pointer is unlinked: untag its step and delete it (unless another tag names it).
+    Collective exactly when ``ck`` is."""
+    tags = ck.tags(refresh=True)
+    step = int(pointer["step"])
+    if tags.get(pointer["tag"]) == step:
+        ck.untag(pointer["tag"])
+    _drop_if_untagged(ck, step)
+
+
+def _drop_if_untagged(ck: Checkpointer, step: int) -> None:
+    if step in ck.steps() and step not in ck.tags().values():
+        ck.delete(step)
+
+
 class CkptguardCheckpointIO(CheckpointIO):
     """Lightning ``CheckpointIO`` through ckptguard (see the module docstring).
 
@@ -76,36 +124,18 @@ class CkptguardCheckpointIO(CheckpointIO):
         self._writers: dict[str, Checkpointer] = {}
         self._lock = threading.Lock()
 
-    # -- where things are -----------------------------------------------------------------
-    def _root(self, path: str) -> str:
-        return os.path.join(os.path.dirname(os.path.abspath(path)), self.root_name)
-
     def _writer(self, root: str) -> Checkpointer:
         ck = self._writers.get(root)
         if ck is None:
             ck = self._writers[root] = Checkpointer(root, process_group="local", **self.checkpointer_kwargs)
         return ck
 
-    # -- CheckpointIO -------------------------------------------------------------------
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
         if storage_options is not None:
             raise TypeError(f"{type(self).__name__} does not take storage_options")
         path = os.path.abspath(os.fspath(path))
-        root = self._root(path)
-        name = os.path.basename(path)
-        tag = _tag_for(name)
         with self._lock:
-            ck = self._writer(root)
-            step = max(ck.steps(), default=-1) + 1
-            ck.save(step, checkpoint)
-            before = ck.tag(tag, step)
-            pointer = {"format": POINTER_FORMAT, "root": os.path.relpath(root, os.path.dirname(path)), "tag": tag,
-                       "step": step, "name": name}
-            # The commit point Lightning sees: the pointer appears or changes atomically, once the
-            # checkpoint is committed.
-            replace_file(path, (json.dumps(pointer) + "\n").encode())
-            if before is not None and before != step:
-                self._drop_if_untagged(ck, before)
+            commit(self._writer(root_for(path, self.root_name)), path, checkpoint, publish=True)
 
     def load_checkpoint(self, path: Any, map_location: Any | None = None,
                         weights_only: bool | None = None) -> dict[str, Any]:
@@ -120,8 +150,7 @@ class CkptguardCheckpointIO(CheckpointIO):
 
             loaded: dict[str, Any] = torch.load(path, map_location=map_location or "cpu", weights_only=True)
             return loaded
-        root = os.path.normpath(os.path.join(os.path.dirname(path), pointer["root"]))
-        return self._read(root, pointer["tag"], int(pointer["step"]), map_location)
+        return self._read(*pointed(path, pointer), map_location)
 
     def _read(self, root: str, tag: str | None, step: int | None, map_location: Any) -> dict[str, Any]:
         with Checkpointer(root, process_group="local", read_only=True) as ck:
@@ -144,18 +173,9 @@ class CkptguardCheckpointIO(CheckpointIO):
             if os.path.isfile(path) or os.path.islink(path):
                 os.unlink(path)
             return
-        root = os.path.normpath(os.path.join(os.path.dirname(path), pointer["root"]))
         with self._lock:
             os.unlink(path)  # gone for Lightning first; the data follows
-            ck = self._writer(root)
-            tags = ck.tags(refresh=True)
-            if tags.get(pointer["tag"]) == pointer["step"]:
-                ck.untag(pointer["tag"])
-            self._drop_if_untagged(ck, int(pointer["step"]))
-
-    def _drop_if_untagged(self, ck: Checkpointer, step: int) -> None:
-        if step in ck.steps() and step not in ck.tags().values():
-            ck.delete(step)
+            forget(self._writer(pointed(path, pointer)[0]), pointer)
 
     def teardown(self) -> None:
         with self._lock:
