@@ -82,6 +82,28 @@ def test_plugin_round_trip_of_a_lightning_checkpoint_dict(tmp_path: Path) -> Non
         assert list(ck.tags()) == ["last.ckpt"] and len(ck.steps()) == 1
 
 
+def test_a_crash_between_the_tag_and_the_pointer_leaves_the_old_checkpoint_loadable(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The pointer is the commit point Lightning sees: a save that moved the tag but died before
+    replacing the pointer leaves the pointer's checkpoint, and the resume loads it."""
+    import ckptguard.integrations.lightning as lt
+
+    path = tmp_path / "last.ckpt"
+    io = CkptguardCheckpointIO()
+    io.save_checkpoint({"global_step": 2, "w": torch.ones(2)}, path)
+
+    def die(*args: object) -> None:
+        raise OSError("killed before the pointer was replaced")
+
+    monkeypatch.setattr(lt, "replace_file", die)
+    with pytest.raises(OSError, match="killed"):
+        io.save_checkpoint({"global_step": 4, "w": torch.zeros(2)}, path)
+    io.teardown()
+    monkeypatch.undo()
+    got = CkptguardCheckpointIO().load_checkpoint(path)
+    assert got["global_step"] == 2 and torch.equal(got["w"], torch.ones(2))
+
+
 @pytest.mark.slow
 def test_ddp_kill_inside_a_save_then_resume_reproduces_the_run(tmp_path: Path, reference: dict[int, float]) -> None:
     root, out = tmp_path / "ck", tmp_path / "run.jsonl"

@@ -33,7 +33,7 @@ from typing import Any
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 
 from ckptguard.checkpointer import Checkpointer
-from ckptguard.errors import CheckpointError, CorruptCheckpointError
+from ckptguard.errors import CorruptCheckpointError
 from ckptguard.storage.fileio import replace_file
 
 ROOT_NAME = ".ckptguard-lightning"
@@ -145,21 +145,21 @@ class CkptguardCheckpointIO(CheckpointIO):
         pointer = read_pointer(path) if os.path.isfile(path) else None
         if pointer is None:
             if os.path.isdir(path):  # a ckptguard root given directly
-                return self._read(path, None, None, map_location)
+                return self._read(path, None, map_location)
             import torch
 
             loaded: dict[str, Any] = torch.load(path, map_location=map_location or "cpu", weights_only=True)
             return loaded
-        return self._read(*pointed(path, pointer), map_location)
+        root, _, step = pointed(path, pointer)
+        # The pointer's step, even where its tag has moved on: a save that died between moving the tag
+        # and replacing the pointer did not commit for Lightning.
+        return self._read(root, step, map_location)
 
-    def _read(self, root: str, tag: str | None, step: int | None, map_location: Any) -> dict[str, Any]:
+    def _read(self, root: str, step: int | None, map_location: Any) -> dict[str, Any]:
         with Checkpointer(root, process_group="local", read_only=True) as ck:
             state = ck.read(step=step)
             if state is None:
                 raise CorruptCheckpointError(f"{root} holds no committed checkpoint", path=root)
-            if tag is not None and ck.tags().get(tag) != step:
-                raise CheckpointError(f"the pointer names step {step} as {tag!r} in {root}, but the tag names "
-                                      f"{ck.tags().get(tag)}: it was replaced meanwhile; load again", path=root)
         if map_location not in (None, "cpu"):
             import torch
 
