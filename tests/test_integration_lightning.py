@@ -104,6 +104,18 @@ def test_a_crash_between_the_tag_and_the_pointer_leaves_the_old_checkpoint_loada
     assert got["global_step"] == 2 and torch.equal(got["w"], torch.ones(2))
 
 
+def test_removing_a_link_to_a_checkpoint_keeps_the_checkpoint(tmp_path: Path) -> None:
+    """ModelCheckpoint(save_last="link") makes last.ckpt a symlink to the newest top-k pointer."""
+    io = CkptguardCheckpointIO()
+    top = tmp_path / "epoch=0-step=2.ckpt"
+    io.save_checkpoint({"global_step": 2}, top)
+    (tmp_path / "last.ckpt").symlink_to(top.name)
+    assert io.load_checkpoint(tmp_path / "last.ckpt")["global_step"] == 2
+    io.remove_checkpoint(tmp_path / "last.ckpt")
+    assert not (tmp_path / "last.ckpt").exists() and io.load_checkpoint(top)["global_step"] == 2
+    io.teardown()
+
+
 @pytest.mark.slow
 def test_ddp_kill_inside_a_save_then_resume_reproduces_the_run(tmp_path: Path, reference: dict[int, float]) -> None:
     root, out = tmp_path / "ck", tmp_path / "run.jsonl"

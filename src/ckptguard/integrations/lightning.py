@@ -69,6 +69,14 @@ def read_pointer(path: str) -> dict[str, Any] | None:
     return body if isinstance(body, dict) and body.get("format") == POINTER_FORMAT else None
 
 
+def pointer_at(path: str, *, follow: bool = True) -> dict[str, Any] | None:
+    """The pointer at ``path``, if it is a file holding one. ``follow=False``: not through a symlink
+    (``save_last="link"`` makes one; removing the link must not delete the data it links to)."""
+    if not os.path.isfile(path) or (not follow and os.path.islink(path)):
+        return None
+    return read_pointer(path)
+
+
 def pointed(path: str, pointer: Mapping[str, Any]) -> tuple[str, str, int]:
     """(root, tag, step) that the pointer at ``path`` names."""
     root = os.path.normpath(os.path.join(os.path.dirname(path), pointer["root"]))
@@ -142,7 +150,7 @@ class CkptguardCheckpointIO(CheckpointIO):
         path = os.path.abspath(os.fspath(path))
         if not os.path.exists(path):
             raise FileNotFoundError(f"Checkpoint file not found: {path}")
-        pointer = read_pointer(path) if os.path.isfile(path) else None
+        pointer = pointer_at(path)
         if pointer is None:
             if os.path.isdir(path):  # a ckptguard root given directly
                 return self._read(path, None, map_location)
@@ -168,7 +176,7 @@ class CkptguardCheckpointIO(CheckpointIO):
 
     def remove_checkpoint(self, path: Any) -> None:
         path = os.path.abspath(os.fspath(path))
-        pointer = read_pointer(path) if os.path.isfile(path) else None
+        pointer = pointer_at(path, follow=False)
         if pointer is None:
             if os.path.isfile(path) or os.path.islink(path):
                 os.unlink(path)
