@@ -1,11 +1,14 @@
-"""Lightning through ckptguard's CheckpointIO (issue 14), against the real lightning wheel.
+"""Lightning through ckptguard (issue 14), against the real lightning wheel.
 
-Real 2-rank DDP training on CPU (torchrun, gloo): train, checkpoint every epoch with
-ModelCheckpoint(save_top_k=2, save_last=True), kill rank 0 inside a save at a chosen point,
-resume with ckpt_path="last": the state right after the load equals the state at that save
-(model and Adam moments), and the following steps reproduce the uninterrupted run's losses.
-Lightning's own TorchCheckpointIO, killed at the same place (across filesystems, as on
-NFS/Lustre), leaves a torn last.ckpt that the resume picks and fails on.
+Real 2-rank training on CPU (torchrun, gloo), DDP through CkptguardCheckpointIO and FSDP2
+(ModelParallelStrategy, fully_shard) through CkptguardModelParallelStrategy: train, checkpoint
+every epoch with ModelCheckpoint(save_top_k=2, save_last=True), kill rank 0 inside a save at a
+chosen point, resume with ckpt_path="last": the state right after the load equals the state at
+that save (model and Adam moments; under FSDP2 each rank's own shards), and the following steps
+reproduce the uninterrupted run's losses. Lightning's own saves, killed at the same places, leave
+a last.ckpt that the resume picks: a torn file (TorchCheckpointIO across filesystems) that it
+fails on, or a sharded directory (ModelParallelStrategy) that it loads without a word, mixing the
+killed save's shards with the previous save's loops and step counters.
 """
 
 from __future__ import annotations
@@ -21,11 +24,18 @@ import torch
 L = pytest.importorskip("lightning", reason="lightning is not installed (pip install 'ckptguard[lightning]')")
 
 from ckptguard import Checkpointer  # noqa: E402
-from ckptguard.integrations.lightning import CkptguardCheckpointIO, read_pointer  # noqa: E402
+from ckptguard.integrations.lightning import (  # noqa: E402
+    CkptguardCheckpointIO,
+    CkptguardModelParallelStrategy,
+    read_pointer,
+)
 
+from tests.support import frameworks as fw  # noqa: E402
 from tests.support.frameworks import torchrun  # noqa: E402
 
 WORKER = Path(__file__).parent / "workers" / "lightning_job.py"
+FSDP_WORKER = Path(__file__).parent / "workers" / "lightning_fsdp_job.py"
+RANKS = (0, 1)
 
 
 def run(root: Path, out: Path, *args: str, env: dict | None = None) -> subprocess.CompletedProcess[str]:
@@ -82,6 +92,40 @@ def test_plugin_round_trip_of_a_lightning_checkpoint_dict(tmp_path: Path) -> Non
         assert list(ck.tags()) == ["last.ckpt"] and len(ck.steps()) == 1
 
 
+def test_a_crash_between_the_tag_and_the_pointer_leaves_the_old_checkpoint_loadable(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The pointer is the commit point Lightning sees: a save that moved the tag but died before
+    replacing the pointer leaves the pointer's checkpoint, and the resume loads it."""
+    import ckptguard.integrations.lightning as lt
+
+    path = tmp_path / "last.ckpt"
+    io = CkptguardCheckpointIO()
+    io.save_checkpoint({"global_step": 2, "w": torch.ones(2)}, path)
+
+    def die(*args: object) -> None:
+        raise OSError("killed before the pointer was replaced")
+
+    monkeypatch.setattr(lt, "replace_file", die)
+    with pytest.raises(OSError, match="killed"):
+        io.save_checkpoint({"global_step": 4, "w": torch.zeros(2)}, path)
+    io.teardown()
+    monkeypatch.undo()
+    got = CkptguardCheckpointIO().load_checkpoint(path)
+    assert got["global_step"] == 2 and torch.equal(got["w"], torch.ones(2))
+
+
+def test_removing_a_link_to_a_checkpoint_keeps_the_checkpoint(tmp_path: Path) -> None:
+    """ModelCheckpoint(save_last="link") makes last.ckpt a symlink to the newest top-k pointer."""
+    io = CkptguardCheckpointIO()
+    top = tmp_path / "epoch=0-step=2.ckpt"
+    io.save_checkpoint({"global_step": 2}, top)
+    (tmp_path / "last.ckpt").symlink_to(top.name)
+    assert io.load_checkpoint(tmp_path / "last.ckpt")["global_step"] == 2
+    io.remove_checkpoint(tmp_path / "last.ckpt")
+    assert not (tmp_path / "last.ckpt").exists() and io.load_checkpoint(top)["global_step"] == 2
+    io.teardown()
+
+
 @pytest.mark.slow
 def test_ddp_kill_inside_a_save_then_resume_reproduces_the_run(tmp_path: Path, reference: dict[int, float]) -> None:
     root, out = tmp_path / "ck", tmp_path / "run.jsonl"
@@ -117,3 +161,99 @@ def test_lightning_default_io_resumes_from_a_torn_last_ckpt(tmp_path: Path) -> N
     assert "torch_io.py" in resumed.stderr and "load_checkpoint" in resumed.stderr, resumed.stderr[-3000:]
     assert any(m in resumed.stderr for m in ("Invalid argument", "PytorchStreamReader failed",
                                              "failed finding central directory")), resumed.stderr[-3000:]
+
+
+# -- FSDP2: ModelParallelStrategy ------------------------------------------------------------------
+def run_fsdp(root: Path, out: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    return torchrun(FSDP_WORKER, "--root", str(root), "--out", str(out), *args)
+
+
+def saved_digests(out: Path) -> dict[int, dict[int, str]]:
+    """{rank: {global step: digest of the rank's own shards at that save}}."""
+    return {r: {x["step"]: x["digest"] for x in fw.records(out, r) if x["kind"] == "save"} for r in RANKS}
+
+
+def loaded(out: Path, rank: int) -> list[tuple[int, str]]:
+    return [(x["step"], x["digest"]) for x in fw.records(out, rank) if x["kind"] == "loaded"]
+
+
+@pytest.fixture(scope="module")
+def fsdp_reference(tmp_path_factory: pytest.TempPathFactory) -> dict[int, dict[int, float]]:
+    d = tmp_path_factory.mktemp("fsdp-ref")
+    r = run_fsdp(d / "ck", d / "ref")
+    assert r.returncode == 0, fw.tail(r)
+    done = next(x for x in fw.records(d / "ref", 0) if x["kind"] == "done")
+    assert done["files"] == [".ckptguard-lightning", "epoch=2-step=6.ckpt", "epoch=3-step=8.ckpt", "last.ckpt"]
+    assert read_pointer(str(d / "ck" / "last.ckpt"))["layout"] == "sharded"
+    with Checkpointer(d / "ck" / ".ckptguard-lightning", read_only=True) as ck:
+        assert sorted(ck.tags()) == ["epoch=2-step=6.ckpt", "epoch=3-step=8.ckpt", "last.ckpt"]
+        assert len(ck.steps()) == 3  # what top-k removed and last.ckpt replaced is gone
+        full = ck.read(tag="last.ckpt", keys=["state_dict", "meta"])
+    # saved as DTensor shards, read back whole; the rest is Lightning's (rank 0's) checkpoint dict
+    assert full["state_dict"]["net.0.weight"].shape == (16, 4) and full["meta"]["global_step"] == 8
+    digests = saved_digests(d / "ref")
+    assert digests[0][8] != digests[1][8]  # each rank saved its own shards
+    return {r: fw.losses(d / "ref", r) for r in RANKS}
+
+
+def test_a_save_replaces_a_sharded_directory_lightning_wrote_under_that_name(tmp_path: Path) -> None:
+    """A run that switches to ckptguard: Lightning's own last.ckpt/ (a DCP directory) is replaced by
+    the pointer once the new checkpoint is committed (one rename out of the way, then the pointer)."""
+    old = tmp_path / "last.ckpt"
+    old.mkdir()
+    (old / "meta.pt").write_bytes(b"old")
+    io = CkptguardCheckpointIO()
+    io.save_checkpoint({"global_step": 6}, old)
+    assert read_pointer(str(old))["name"] == "last.ckpt" and io.load_checkpoint(old)["global_step"] == 6
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".ckptguard-lightning", "last.ckpt"]
+    io.teardown()
+
+
+def test_model_parallel_strategy_refuses_a_full_checkpoint_save() -> None:
+    with pytest.raises(ValueError, match="save_distributed_checkpoint"):
+        CkptguardModelParallelStrategy(save_distributed_checkpoint=False)
+
+
+@pytest.mark.slow
+def test_fsdp2_kill_inside_a_sharded_save_then_resume_reproduces_the_run(
+        tmp_path: Path, fsdp_reference: dict[int, dict[int, float]]) -> None:
+    root, out = tmp_path / "ck", tmp_path / "run"
+    # Saves: 2 per epoch (top-k, then last). The 4th replaces last.ckpt (step 2) with step 4: rank 0
+    # dies once every rank's shards are written, before the commit (ckptguard's before_publish).
+    crashed = run_fsdp(root, out, "--crash-at-save", "4")
+    assert crashed.returncode != 0
+    saved = saved_digests(out)
+    assert all(4 in saved[r] for r in RANKS), saved  # the killed save had begun on both ranks
+    assert read_pointer(str(root / "last.ckpt"))["name"] == "last.ckpt"
+    resumed = run_fsdp(root, tmp_path / "resume", "--resume")
+    assert resumed.returncode == 0, fw.tail(resumed)
+    for r in RANKS:
+        # the last committed last.ckpt, each rank's shards of model and Adam state exactly as saved
+        assert loaded(tmp_path / "resume", r) == [(2, saved[r][2])]
+        got = fw.losses(tmp_path / "resume", r)
+        assert sorted(got) == [3, 4, 5, 6, 7, 8] and all(got[s] == fsdp_reference[r][s] for s in got), (r, got)
+    with Checkpointer(root / ".ckptguard-lightning", read_only=True) as ck:
+        pointers = sorted(p.name for p in root.glob("*.ckpt"))
+        assert sorted(ck.tags()) == pointers and len(ck.steps()) == len(pointers)  # no data left behind
+
+
+@pytest.mark.slow
+def test_lightning_own_sharded_save_killed_before_its_metadata_resumes_a_mixed_state(
+        tmp_path: Path, fsdp_reference: dict[int, dict[int, float]]) -> None:
+    """The same kill with Lightning's own ModelParallelStrategy save: rank 0 killed entering DCP's
+    FileSystemWriter.finish of the 4th save, every rank's shard file written, .metadata not. DCP
+    writes last.ckpt/ in place, so the directory keeps step 2's .metadata and meta.pt over step 4's
+    shard files: it looks complete, ckpt_path="last" takes it and the run goes on from step 2's
+    loops with step 4's weights and Adam moments."""
+    root, out = tmp_path / "ck", tmp_path / "run"
+    crashed = run_fsdp(root, out, "--lightning-own", "--crash-at-save", "4")
+    assert crashed.returncode != 0
+    saved = saved_digests(out)
+    assert sorted(os.listdir(root / "last.ckpt")) == [".metadata", "__0_0.distcp", "__1_0.distcp", "meta.pt"]
+    resumed = run_fsdp(root, tmp_path / "resume", "--lightning-own", "--resume")
+    assert resumed.returncode == 0, fw.tail(resumed)  # not a word
+    for r in RANKS:
+        assert saved[r][2] != saved[r][4]
+        assert loaded(tmp_path / "resume", r) == [(2, saved[r][4])]  # step 2's counters, step 4's state
+        got = fw.losses(tmp_path / "resume", r)
+        assert got[3] != fsdp_reference[r][3], (r, got)  # and the run diverges from the uninterrupted one

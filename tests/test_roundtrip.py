@@ -159,6 +159,13 @@ def test_read_picks_a_step_and_leaves_no_per_rank_suffix(ck: Checkpointer) -> No
         ck.read(step=7)
 
 
+def test_read_of_some_keys_reads_only_those(ck: Checkpointer) -> None:
+    ck.save(1, {"big": torch.arange(6.0), "meta": {"epoch": 3, "ids": (1, 2)}, "r": PerRank({"x": np.arange(2)})})
+    assert ck.read(keys=["meta"]) == {"meta": {"epoch": 3, "ids": (1, 2)}}
+    got = ck.read(step=1, keys={"r", "absent"})
+    assert list(got) == ["r"] and equal(got["r"], {"x": np.arange(2)})
+
+
 def test_read_of_modules_and_optimizers_gives_their_state_dicts(ck: Checkpointer) -> None:
     torch.manual_seed(0)
     model = nn.Linear(3, 2)

@@ -15,7 +15,7 @@ import json
 import logging
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -264,20 +264,22 @@ class Checkpointer:
             self.last_load_stats = stats
         return loaded
 
-    def read(self, step: int | None = None, *, tag: str | None = None) -> dict[str, Any] | None:
+    def read(self, step: int | None = None, *, tag: str | None = None,
+             keys: Collection[str] | None = None) -> dict[str, Any] | None:
         """The stored state dict of a committed checkpoint, without a template; None if there is none.
 
-        Nested as it was saved, every value as it was given to ``save`` (int and
-        tuple keys, tuples, numpy arrays, RNG states); modules and optimizers as
-        their state dicts, tensors whole on the CPU; ``PerRank`` values under
-        their key, this rank's own. Bytes are verified as in ``load``, and with
-        ``step=None`` a corrupt newest checkpoint falls back to an older one.
+        Nested as saved, every value as given to ``save`` (int and tuple keys, tuples, numpy, RNG
+        states); modules and optimizers as state dicts, tensors whole on the CPU; ``PerRank`` values
+        this rank's own. Verified as in ``load``; ``step=None`` falls back past a corrupt newest one.
+        ``keys``: only these top-level keys (e.g. the small part beside a sharded rest that ``load``
+        puts into the modules).
         """
         self.wait()
         self._check_usable(writing=False)
         step, self._tags = manage.tagged_step(self._session, tag, step, self._tags)
+        keep = None if keys is None else frozenset(keys).__contains__
         with gc_paused():
-            _, state, self._committed = read_protocol.read(self._session, step)
+            _, state, self._committed = read_protocol.read(self._session, step, keep)
         return state
 
     def path(self, step: int) -> str:

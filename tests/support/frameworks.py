@@ -42,17 +42,22 @@ def tail(r: subprocess.CompletedProcess[str]) -> str:
 
 
 def state_digest(model: Any, optim: Any, sched: Any = None) -> str:
-    """SHA-256 of a module's state, an optimizer's per-parameter state and (optionally) a scheduler's."""
+    """SHA-256 of a module's state, an optimizer's per-parameter state and (optionally) a scheduler's;
+    of this rank's own shards where they are DTensors (FSDP2)."""
     import torch
+    from torch.distributed.tensor import DTensor
+
+    def local(v: Any) -> Any:
+        return v.to_local() if isinstance(v, DTensor) else v
 
     h = hashlib.sha256()
     for k, v in model.state_dict().items():
         h.update(k.encode())
-        h.update(v.detach().numpy().tobytes())
+        h.update(local(v).detach().numpy().tobytes())
     for pid, st in sorted(optim.state_dict()["state"].items()):
         for k, v in sorted(st.items()):
             h.update(f"{pid}.{k}".encode())
-            h.update(v.detach().numpy().tobytes() if isinstance(v, torch.Tensor) else repr(v).encode())
+            h.update(local(v).detach().numpy().tobytes() if isinstance(v, torch.Tensor) else repr(v).encode())
     if sched is not None:
         h.update(repr(sorted(sched.state_dict().items())).encode())
     return h.hexdigest()

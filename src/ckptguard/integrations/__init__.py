@@ -1,6 +1,6 @@
 """Integrations with training frameworks, each behind an optional extra pinned to the version tested.
 
-- ``ckptguard.integrations.lightning``: ``CkptguardCheckpointIO`` (lightning 2.6.6)
+- ``ckptguard.integrations.lightning``: ``CkptguardCheckpointIO``, ``CkptguardModelParallelStrategy`` (lightning 2.6.6)
 - ``ckptguard.integrations.hf``: ``CkptguardTrainer`` (transformers 5.18.0)
 - ``ckptguard.integrations.accelerate``: ``CkptguardAccelerator``, ``save_state``, ``load_state`` (accelerate 1.15.0)
 - ``ckptguard.integrations.deepspeed``: ``install(engine)``, ``CkptguardCheckpointEngine`` (deepspeed 0.19.8)

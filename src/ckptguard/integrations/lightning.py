@@ -1,21 +1,30 @@
-"""Lightning: a ``CheckpointIO`` plugin that commits every checkpoint through ckptguard.
+"""Lightning: every checkpoint committed through ckptguard, whole (``CheckpointIO``) or sharded (FSDP2).
 
-    from ckptguard.integrations.lightning import CkptguardCheckpointIO
+    from ckptguard.integrations.lightning import CkptguardCheckpointIO, CkptguardModelParallelStrategy
     trainer = L.Trainer(strategy="ddp", plugins=[CkptguardCheckpointIO()], callbacks=[ModelCheckpoint(...)])
+    trainer = L.Trainer(strategy=CkptguardModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1), ...)
     trainer.fit(model, ckpt_path="last")          # resumes only from a committed checkpoint
 
-Lightning names checkpoints by path (``dirpath/epoch=0-step=10.ckpt``, ``last.ckpt``) and
-calls ``save_checkpoint`` on global rank 0 only, so the plugin uses a rank-local
-``Checkpointer`` (no collective). The data of every checkpoint of a directory lives in one
-ckptguard root next to them (``dirpath/.ckptguard-lightning``), one committed step per save,
-tagged with the file name; ``dirpath/<name>.ckpt`` itself is a small JSON pointer, replaced
-atomically once its checkpoint is committed. So ``ModelCheckpoint``'s top-k, ``save_last``
-and ``ckpt_path="last"`` see a checkpoint only once it is complete and durable, a crash in
-the middle of a save leaves the previous one intact, and ``remove_checkpoint`` deletes the
-pointer first, then the data (``Checkpointer.delete``). ``load_checkpoint`` reads without a
-template (``Checkpointer.read``): the optimizer's integer parameter ids, tuples and numpy
-values come back as they were saved. A path that holds an ordinary ``torch.save`` checkpoint
-is read with ``torch.load(weights_only=True)``.
+Lightning names checkpoints by path (``dirpath/epoch=0-step=10.ckpt``, ``last.ckpt``). Both hooks
+keep the data of every checkpoint of a directory in one ckptguard root next to them
+(``dirpath/.ckptguard-lightning``), one committed step per save, tagged with the file name;
+``dirpath/<name>.ckpt`` itself is a small JSON pointer, replaced atomically once its checkpoint is
+committed. So ``ModelCheckpoint``'s top-k, ``save_last`` and ``ckpt_path="last"`` see a checkpoint
+only once it is complete and durable, a crash in the middle of a save leaves the previous one
+intact, and removing a checkpoint deletes the pointer first, then the data. A path that holds an
+ordinary Lightning checkpoint still loads (a ``torch.save`` file through the plugin, a sharded
+directory through the strategy).
+
+``CkptguardCheckpointIO``: Lightning calls ``save_checkpoint`` on global rank 0 only, so the plugin
+uses a rank-local ``Checkpointer`` (no collective). ``load_checkpoint`` reads without a template
+(``Checkpointer.read``): the optimizer's integer parameter ids, tuples and numpy values come back as
+they were saved. A ``torch.save`` file is read with ``torch.load(weights_only=True)``.
+
+``CkptguardModelParallelStrategy``: Lightning's ``ModelParallelStrategy`` (FSDP2 / tensor parallel,
+DTensor state) writes sharded checkpoints itself with DCP and never calls ``CheckpointIO`` for them.
+The subclass commits them through one collective ``Checkpointer``: every rank saves its shards,
+rank 0's copy of the rest (loops, callbacks, hyper-parameters: what Lightning puts in ``meta.pt``),
+and loads them back into the sharded modules and optimizers, resharding if the mesh changed.
 
 Tested with lightning 2.6.6 (``pip install 'ckptguard[lightning]'``).
 """
@@ -26,24 +35,36 @@ import hashlib
 import json
 import os
 import re
+import shutil
 import threading
+import uuid
+from collections.abc import Mapping
 from typing import Any
 
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
+from lightning.pytorch.strategies import ModelParallelStrategy
 
 from ckptguard.checkpointer import Checkpointer
+from ckptguard.comm import world_broadcast
 from ckptguard.errors import CheckpointError, CorruptCheckpointError
-from ckptguard.storage.fileio import replace_file
+from ckptguard.storage.fileio import fsync_dir, replace_file
 
 ROOT_NAME = ".ckptguard-lightning"
 POINTER_FORMAT = "ckptguard-lightning-pointer"
+SHARDED = "sharded"  # the pointer's "layout" for the strategy's checkpoints
 _TAG_OK = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.=-]{0,127}$")
 
 
+# -- the path <-> step mapping both hooks share --------------------------------------------------
 def _tag_for(filename: str) -> str:
     if _TAG_OK.match(filename):
         return filename
     return "f-" + hashlib.sha256(filename.encode()).hexdigest()[:24]
+
+
+def root_for(path: str, root_name: str = ROOT_NAME) -> str:
+    """The ckptguard root that holds the data of checkpoint ``path`` (next to it)."""
+    return os.path.join(os.path.dirname(os.path.abspath(path)), root_name)
 
 
 def read_pointer(path: str) -> dict[str, Any] | None:
@@ -62,6 +83,73 @@ def read_pointer(path: str) -> dict[str, Any] | None:
     return body if isinstance(body, dict) and body.get("format") == POINTER_FORMAT else None
 
 
+def pointer_at(path: str, *, follow: bool = True) -> dict[str, Any] | None:
+    """The pointer at ``path``, if it is a file holding one. ``follow=False``: not through a symlink
+    (``save_last="link"`` makes one; removing the link must not delete the data it links to)."""
+    if not os.path.isfile(path) or (not follow and os.path.islink(path)):
+        return None
+    return read_pointer(path)
+
+
+def pointed(path: str, pointer: Mapping[str, Any]) -> tuple[str, str, int]:
+    """(root, tag, step) that the pointer at ``path`` names."""
+    root = os.path.normpath(os.path.join(os.path.dirname(path), pointer["root"]))
+    return root, str(pointer["tag"]), int(pointer["step"])
+
+
+def commit(ck: Checkpointer, path: str, state: Mapping[str, Any], *, publish: bool,
+           layout: str | None = None) -> int:
+    """Save ``state`` as the next step of ``ck``, tag it with the file name, then (``publish``: the
+    process that writes) point ``path`` at it; the step the tag named before is deleted last.
+    Collective exactly when ``ck`` is. Returns the step."""
+    name = os.path.basename(path)
+    tag = _tag_for(name)
+    step = max(ck.steps(), default=-1) + 1
+    ck.save(step, state)
+    before = ck.tag(tag, step)
+    if publish:
+        pointer: dict[str, Any] = {"format": POINTER_FORMAT, "root": os.path.relpath(ck.root, os.path.dirname(path)),
+                                   "tag": tag, "step": step, "name": name}
+        if layout is not None:
+            pointer["layout"] = layout
+        # The commit point Lightning sees: the pointer appears or changes atomically, once the
+        # checkpoint is committed.
+        _publish(path, (json.dumps(pointer) + "\n").encode())
+    if before is not None and before != step:
+        _drop_if_untagged(ck, before)
+    return step
+
+
+def _publish(path: str, data: bytes) -> None:
+    if os.path.isdir(path) and not os.path.islink(path):
+        # A sharded checkpoint Lightning wrote itself under this name (a run that switched to ckptguard):
+        # out of the way by one rename, so that the path never names a half-deleted directory. A crash
+        # before the pointer lands leaves no checkpoint under this name, and the old one aside.
+        aside = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.replaced-{uuid.uuid4().hex[:8]}")
+        os.rename(path, aside)
+        fsync_dir(os.path.dirname(path))
+        replace_file(path, data)
+        shutil.rmtree(aside, ignore_errors=True)
+        return
+    replace_file(path, data)
+
+
+def forget(ck: Checkpointer, pointer: Mapping[str, Any]) -> None:
+    """After the pointer is unlinked: untag its step and delete it (unless another tag names it).
+    Collective exactly when ``ck`` is."""
+    tags = ck.tags(refresh=True)
+    step = int(pointer["step"])
+    if tags.get(pointer["tag"]) == step:
+        ck.untag(pointer["tag"])
+    _drop_if_untagged(ck, step)
+
+
+def _drop_if_untagged(ck: Checkpointer, step: int) -> None:
+    if step in ck.steps() and step not in ck.tags().values():
+        ck.delete(step)
+
+
+# -- CheckpointIO: whole checkpoints, saved by rank 0 ---------------------------------------------
 class CkptguardCheckpointIO(CheckpointIO):
     """Lightning ``CheckpointIO`` through ckptguard (see the module docstring).
 
@@ -76,61 +164,45 @@ class CkptguardCheckpointIO(CheckpointIO):
         self._writers: dict[str, Checkpointer] = {}
         self._lock = threading.Lock()
 
-    # -- where things are -----------------------------------------------------------------
-    def _root(self, path: str) -> str:
-        return os.path.join(os.path.dirname(os.path.abspath(path)), self.root_name)
-
     def _writer(self, root: str) -> Checkpointer:
         ck = self._writers.get(root)
         if ck is None:
             ck = self._writers[root] = Checkpointer(root, process_group="local", **self.checkpointer_kwargs)
         return ck
 
-    # -- CheckpointIO -------------------------------------------------------------------
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
         if storage_options is not None:
             raise TypeError(f"{type(self).__name__} does not take storage_options")
         path = os.path.abspath(os.fspath(path))
-        root = self._root(path)
-        name = os.path.basename(path)
-        tag = _tag_for(name)
         with self._lock:
-            ck = self._writer(root)
-            step = max(ck.steps(), default=-1) + 1
-            ck.save(step, checkpoint)
-            before = ck.tag(tag, step)
-            pointer = {"format": POINTER_FORMAT, "root": os.path.relpath(root, os.path.dirname(path)), "tag": tag,
-                       "step": step, "name": name}
-            # The commit point Lightning sees: the pointer appears or changes atomically, once the
-            # checkpoint is committed.
-            replace_file(path, (json.dumps(pointer) + "\n").encode())
-            if before is not None and before != step:
-                self._drop_if_untagged(ck, before)
+            commit(self._writer(root_for(path, self.root_name)), path, checkpoint, publish=True)
 
     def load_checkpoint(self, path: Any, map_location: Any | None = None,
                         weights_only: bool | None = None) -> dict[str, Any]:
         path = os.path.abspath(os.fspath(path))
         if not os.path.exists(path):
             raise FileNotFoundError(f"Checkpoint file not found: {path}")
-        pointer = read_pointer(path) if os.path.isfile(path) else None
+        pointer = pointer_at(path)
         if pointer is None:
             if os.path.isdir(path):  # a ckptguard root given directly
-                return self._read(path, None, None, map_location)
+                return self._read(path, None, map_location)
             import torch
 
             loaded: dict[str, Any] = torch.load(path, map_location=map_location or "cpu", weights_only=True)
             return loaded
-        root = os.path.normpath(os.path.join(os.path.dirname(path), pointer["root"]))
-        return self._read(root, pointer["tag"], int(pointer["step"]), map_location)
+        if pointer.get("layout") == SHARDED:
+            raise CheckpointError(f"{path} is a sharded checkpoint of CkptguardModelParallelStrategy: load it "
+                                  "with that strategy", path=path)
+        root, _, step = pointed(path, pointer)
+        # The pointer's step, even where its tag has moved on: a save that died between moving the tag
+        # and replacing the pointer did not commit for Lightning.
+        return self._read(root, step, map_location)
 
-    def _read(self, root: str, tag: str | None, step: int | None, map_location: Any) -> dict[str, Any]:
+    def _read(self, root: str, step: int | None, map_location: Any) -> dict[str, Any]:
         with Checkpointer(root, process_group="local", read_only=True) as ck:
             state = ck.read(step=step)
             if state is None:
                 raise CorruptCheckpointError(f"{root} holds no committed checkpoint", path=root)
-            if tag is not None and ck.tags().get(tag) != step:
-                raise CheckpointError(f"the pointer names step {step} as {tag!r} in {root}, but the tag names "
-                                      f"{ck.tags().get(tag)}: it was replaced meanwhile; load again", path=root)
         if map_location not in (None, "cpu"):
             import torch
 
@@ -139,23 +211,14 @@ class CkptguardCheckpointIO(CheckpointIO):
 
     def remove_checkpoint(self, path: Any) -> None:
         path = os.path.abspath(os.fspath(path))
-        pointer = read_pointer(path) if os.path.isfile(path) else None
+        pointer = pointer_at(path, follow=False)
         if pointer is None:
             if os.path.isfile(path) or os.path.islink(path):
                 os.unlink(path)
             return
-        root = os.path.normpath(os.path.join(os.path.dirname(path), pointer["root"]))
         with self._lock:
             os.unlink(path)  # gone for Lightning first; the data follows
-            ck = self._writer(root)
-            tags = ck.tags(refresh=True)
-            if tags.get(pointer["tag"]) == pointer["step"]:
-                ck.untag(pointer["tag"])
-            self._drop_if_untagged(ck, int(pointer["step"]))
-
-    def _drop_if_untagged(self, ck: Checkpointer, step: int) -> None:
-        if step in ck.steps() and step not in ck.tags().values():
-            ck.delete(step)
+            forget(self._writer(pointed(path, pointer)[0]), pointer)
 
     def teardown(self) -> None:
         with self._lock:
@@ -172,3 +235,100 @@ def _move(obj: Any, fn: Any) -> Any:
     if isinstance(obj, tuple):
         return tuple(_move(v, fn) for v in obj)
     return fn(obj)
+
+
+# -- ModelParallelStrategy: sharded checkpoints, saved by every rank ------------------------------
+_SHARDED_KEYS = ("state_dict", "optimizer_states")
+
+
+class CkptguardModelParallelStrategy(ModelParallelStrategy):
+    """``ModelParallelStrategy`` whose sharded saves are committed through ckptguard (module docstring).
+
+    Saving, loading and removing a checkpoint are collective, as Lightning makes them: ``Trainer``
+    and ``ModelCheckpoint`` call them on every rank (the path is rank 0's). ``root_name`` as for
+    ``CkptguardCheckpointIO``; ``checkpointer_kwargs`` go to the collective ``Checkpointer``; the
+    other arguments to ``ModelParallelStrategy``. ``save_distributed_checkpoint=False`` (a full
+    checkpoint gathered on rank 0, which Lightning then loads with ``torch.load`` itself) is refused.
+    """
+
+    def __init__(self, *args: Any, root_name: str = ROOT_NAME,
+                 checkpointer_kwargs: Mapping[str, Any] | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if not self._save_distributed_checkpoint:
+            raise ValueError(f"{type(self).__name__} commits sharded checkpoints: save_distributed_checkpoint=False "
+                             "would write a full one past it (use ModelParallelStrategy for that)")
+        self.root_name = root_name
+        self.checkpointer_kwargs = dict(checkpointer_kwargs or {})
+        self._writers: dict[str, Checkpointer] = {}
+
+    def _writer(self, root: str) -> Checkpointer:
+        ck = self._writers.get(root)
+        if ck is None:  # collective: every rank opens it, in the same save, load or remove
+            ck = self._writers[root] = Checkpointer(root, **self.checkpointer_kwargs)
+        return ck
+
+    def _rank0_view(self, filepath: Any, *, follow: bool = True) -> tuple[str, dict[str, Any] | None]:
+        """Rank 0's absolute path and the pointer it finds there (``pointer_at``), on every rank."""
+        mine = None
+        if self.is_global_zero:
+            path = os.path.abspath(os.fspath(filepath))
+            mine = (path, pointer_at(path, follow=follow))
+        found: tuple[str, dict[str, Any] | None] = world_broadcast(mine)
+        return found
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        if storage_options is not None:
+            raise TypeError(f"{type(self).__name__} does not take storage_options")
+        rest = {k: v for k, v in checkpoint.items() if k not in _SHARDED_KEYS}
+        # One copy of the unsharded rest, rank 0's (Lightning's meta.pt is rank 0's too): a value that
+        # differs between ranks (a callback's own state) is not refused as diverging.
+        path, meta = world_broadcast((os.path.abspath(os.fspath(filepath)), rest) if self.is_global_zero else None)
+        state: dict[str, Any] = {"state_dict": checkpoint["state_dict"], "meta": meta}
+        for i, optim_state in enumerate(checkpoint.get("optimizer_states", [])):
+            state[f"optimizer_{i}"] = optim_state
+        ck = self._writer(root_for(path, self.root_name))
+        commit(ck, path, state, publish=self.is_global_zero, layout=SHARDED)
+
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        path, pointer = self._rank0_view(checkpoint_path)
+        if pointer is None:  # Lightning's own (a sharded directory or a full file)
+            loaded: dict[str, Any] = super().load_checkpoint(path, weights_only)
+            return loaded
+        if pointer.get("layout") != SHARDED:
+            raise CheckpointError(f"{path} is a whole checkpoint of CkptguardCheckpointIO, not a sharded one",
+                                  path=path)
+        root, _, step = pointed(path, pointer)  # the pointer's step, as CkptguardCheckpointIO loads
+        ck = self._writers.get(root)
+        own = ck is None
+        if ck is None:
+            ck = Checkpointer(root, read_only=True)
+        try:
+            stored = ck.read(step, keys=("meta",))
+            if stored is None or "meta" not in stored:
+                raise CorruptCheckpointError(f"step {step} of {root} holds no Lightning checkpoint", path=root)
+            assert self.lightning_module is not None
+            into: dict[str, Any] = {"state_dict": self.model}
+            into.update({f"optimizer_{i}": optim for i, optim in enumerate(self.optimizers)})
+            ck.load(into, step=step, strict=self.lightning_module.strict_loading)
+        finally:
+            if own:
+                ck.close()
+        meta: dict[str, Any] = stored["meta"]
+        return meta
+
+    def remove_checkpoint(self, filepath: Any) -> None:
+        path, pointer = self._rank0_view(filepath, follow=False)
+        if pointer is None:
+            super().remove_checkpoint(path)
+            return
+        if self.is_global_zero:
+            os.unlink(path)  # gone for Lightning first; the data follows
+        forget(self._writer(pointed(path, pointer)[0]), pointer)
+
+    def teardown(self) -> None:
+        try:
+            super().teardown()
+        finally:
+            writers, self._writers = self._writers, {}
+            for ck in writers.values():
+                ck.close()

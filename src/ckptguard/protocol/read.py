@@ -31,13 +31,15 @@ from ckptguard.protocol.session import Session
 from ckptguard.state import split_per_rank_key
 
 
-def read(session: Session, step: int | None) -> tuple[int | None, dict[str, Any] | None, Listing]:
+def read(session: Session, step: int | None, keep: Callable[[str], bool] | None = None
+         ) -> tuple[int | None, dict[str, Any] | None, Listing]:
     """(step, state) of ``step``, or of the checkpoint committed last with the fallback and relisting
-    of a load (load.first_intact); and the agreed listing (collective)."""
-    return first_intact(session, step, lambda name, seq: read_one(session, name, seq))
+    of a load (load.first_intact); and the agreed listing (collective). ``keep``: which top-level keys."""
+    return first_intact(session, step, lambda name, seq: read_one(session, name, seq, keep))
 
 
-def read_one(session: Session, name: CheckpointName, seq: int | None) -> dict[str, Any]:
+def read_one(session: Session, name: CheckpointName, seq: int | None,
+             keep: Callable[[str], bool] | None = None) -> dict[str, Any]:
     raw, read_error = share_manifest_bytes(session, name)
     manifest, metadata = agree_on_manifest(session, name, seq, raw, read_error)
     comm = session.comm
@@ -45,7 +47,7 @@ def read_one(session: Session, name: CheckpointName, seq: int | None) -> dict[st
 
     def read() -> None:
         out.update(read_stored(session, name, manifest, comm.rank, is_coordinator=comm.rank == 0,
-                               metadata=metadata))
+                               keep=keep, metadata=metadata))
 
     comm.step(f"read step {name.step}", read, where=session.url)
     return out
