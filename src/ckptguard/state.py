@@ -7,7 +7,6 @@ DDP, FSDP2 (DTensor) and plain modules all work and loading reshards.
 from __future__ import annotations
 
 import functools
-import re
 from collections.abc import Callable, Mapping, MutableMapping
 from dataclasses import dataclass
 from typing import Any
@@ -24,7 +23,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor
 
-from ckptguard.dcp.codec import decode_value, encode_value
+from ckptguard.dcp.codec import decode_value, encode_value, per_rank_key
 from ckptguard.errors import CheckpointError
 
 
@@ -42,25 +41,6 @@ class PerRank:
 
     def __repr__(self) -> str:
         return f"PerRank({self.value!r})"
-
-
-def per_rank_key(key: str, rank: int) -> str:
-    return f"{key}@rank{rank:05d}"
-
-
-_PER_RANK = re.compile(r"^[^.]*@rank\d{5}(\.|$)")
-_PER_RANK_KEY = re.compile(r"^(.+)@rank(\d{5,})$")
-
-
-def is_per_rank_key(fqn: str) -> bool:
-    """Whether a flattened key lies under a PerRank value (its top-level key carries the rank)."""
-    return _PER_RANK.match(fqn) is not None
-
-
-def split_per_rank_key(key: str) -> tuple[str, int] | None:
-    """(the user's key, the rank) of a top-level key made by :func:`per_rank_key`, else None."""
-    m = _PER_RANK_KEY.match(key)
-    return (m.group(1), int(m.group(2))) if m is not None else None
 
 
 @dataclass

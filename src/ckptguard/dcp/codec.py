@@ -7,6 +7,7 @@ metadata travels as JSON inside the manifest, never as DCP's pickled
 
 from __future__ import annotations
 
+import re
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -387,3 +388,23 @@ def unflatten(flat: Mapping[str, Any], paths: Mapping[str, Sequence[str | int]])
                     node[part] = nxt
                 node = node[part]
     return root
+
+
+# A PerRank value is stored under its top-level key with the rank appended (``meta@rank00003``).
+def per_rank_key(key: str, rank: int) -> str:
+    return f"{key}@rank{rank:05d}"
+
+
+_PER_RANK = re.compile(r"^[^.]*@rank\d{5}(\.|$)")
+_PER_RANK_KEY = re.compile(r"^(.+)@rank(\d{5,})$")
+
+
+def is_per_rank_key(fqn: str) -> bool:
+    """Whether a flattened key lies under a PerRank value (its top-level key carries the rank)."""
+    return _PER_RANK.match(fqn) is not None
+
+
+def split_per_rank_key(key: str) -> tuple[str, int] | None:
+    """(the user's key, the rank) of a top-level key made by :func:`per_rank_key`, else None."""
+    m = _PER_RANK_KEY.match(key)
+    return (m.group(1), int(m.group(2))) if m is not None else None

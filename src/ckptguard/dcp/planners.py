@@ -27,9 +27,8 @@ from torch.distributed.checkpoint.planner import (
 
 from ckptguard.checksum import checksum
 from ckptguard.dcp import _torch_private
-from ckptguard.dcp.codec import tensor_bytes
+from ckptguard.dcp.codec import is_per_rank_key, tensor_bytes
 from ckptguard.errors import UnsafeObjectError
-from ckptguard.state import is_per_rank_key
 
 
 class DomainSavePlanner(_torch_private.CachingSavePlanner):

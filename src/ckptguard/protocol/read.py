@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
-from ckptguard.dcp.codec import decode_value, metadata_from_json, unflatten
+from ckptguard.dcp.codec import decode_value, metadata_from_json, split_per_rank_key, unflatten
 from ckptguard.dcp.drive import read_locally
 from ckptguard.dcp.planners import SafeLoadPlanner
 from ckptguard.dcp.reader import GuardedReader
@@ -28,7 +28,6 @@ from ckptguard.protocol.layout import CheckpointName
 from ckptguard.protocol.load import agree_on_manifest, first_intact, share_manifest_bytes
 from ckptguard.protocol.manifest import Manifest
 from ckptguard.protocol.session import Session
-from ckptguard.state import split_per_rank_key
 
 
 def read(session: Session, step: int | None, keep: Callable[[str], bool] | None = None
