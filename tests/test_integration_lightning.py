@@ -13,7 +13,6 @@ killed save's shards with the previous save's loops and step counters.
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 from pathlib import Path
@@ -34,34 +33,35 @@ from tests.support import frameworks as fw  # noqa: E402
 from tests.support.frameworks import torchrun  # noqa: E402
 
 WORKER = Path(__file__).parent / "workers" / "lightning_job.py"
-FSDP_WORKER = Path(__file__).parent / "workers" / "lightning_fsdp_job.py"
 RANKS = (0, 1)
 
 
 def run(root: Path, out: Path, *args: str, env: dict | None = None) -> subprocess.CompletedProcess[str]:
-    return torchrun(WORKER, "--root", str(root), "--out", str(out), *args, env=env)
+    """The worker under DDP; each rank's records in ``<out>.rank<N>.jsonl``."""
+    return torchrun(WORKER, "--strategy", "ddp", "--root", str(root), "--out", str(out), *args, env=env)
 
 
 def records(out: Path) -> list[dict]:
-    return [json.loads(line) for line in out.read_text().splitlines()] if out.exists() else []
+    """Rank 0's records of a DDP run (the ranks' states are replicas)."""
+    return fw.records(out, 0)
 
 
 def losses(out: Path) -> dict[int, float]:
-    return {r["step"]: r["loss"] for r in records(out) if r["kind"] == "loss"}
+    return fw.losses(out, 0)
 
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[int, float]:
     d = tmp_path_factory.mktemp("ref")
-    r = run(d / "ck", d / "ref.jsonl")
+    r = run(d / "ck", d / "ref")
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    done = next(x for x in records(d / "ref.jsonl") if x["kind"] == "done")
+    done = next(x for x in records(d / "ref") if x["kind"] == "done")
     # top-k kept the 2 newest, save_last the pointer; removed ones are gone with their data
     assert done["files"] == [".ckptguard-lightning", "epoch=2-step=6.ckpt", "epoch=3-step=8.ckpt", "last.ckpt"]
     with Checkpointer(d / "ck" / ".ckptguard-lightning", read_only=True) as ck:
         assert sorted(ck.tags()) == ["epoch=2-step=6.ckpt", "epoch=3-step=8.ckpt", "last.ckpt"]
         assert len(ck.steps()) == 3
-    return losses(d / "ref.jsonl")
+    return losses(d / "ref")
 
 
 def test_plugin_round_trip_of_a_lightning_checkpoint_dict(tmp_path: Path) -> None:
@@ -128,20 +128,20 @@ def test_removing_a_link_to_a_checkpoint_keeps_the_checkpoint(tmp_path: Path) ->
 
 @pytest.mark.slow
 def test_ddp_kill_inside_a_save_then_resume_reproduces_the_run(tmp_path: Path, reference: dict[int, float]) -> None:
-    root, out = tmp_path / "ck", tmp_path / "run.jsonl"
+    root, out = tmp_path / "ck", tmp_path / "run"
     # Saves: 2 per epoch (top-k, then last). The 5th is epoch 2's top-k checkpoint: rank 0 dies with its
     # data written, before the commit.
     crashed = run(root, out, "--crash-at-save", "5")
     assert crashed.returncode != 0
     saved = {r["step"]: r["digest"] for r in records(out) if r["kind"] == "save"}
     assert read_pointer(str(root / "last.ckpt"))["name"] == "last.ckpt"
-    resumed = run(root, tmp_path / "resume.jsonl", "--resume")
+    resumed = run(root, tmp_path / "resume", "--resume")
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
-    after = records(tmp_path / "resume.jsonl")
+    after = records(tmp_path / "resume")
     loaded = [r for r in after if r["kind"] == "loaded"]
     assert [r["step"] for r in loaded] == [4]  # the last committed checkpoint
     assert loaded[0]["digest"] == saved[4]  # model and optimizer moments exactly as saved
-    got = losses(tmp_path / "resume.jsonl")
+    got = losses(tmp_path / "resume")
     assert sorted(got) == [5, 6, 7, 8] and all(got[s] == reference[s] for s in got), (got, reference)
 
 
@@ -152,10 +152,10 @@ def test_lightning_default_io_resumes_from_a_torn_last_ckpt(tmp_path: Path) -> N
     if not os.path.isdir("/dev/shm") or os.stat("/dev/shm").st_dev == os.stat(tmp_path).st_dev:
         pytest.skip("needs /dev/shm on another filesystem than the test's temporary directory")
     root, env = tmp_path / "ck", {"TMPDIR": "/dev/shm"}
-    crashed = run(root, tmp_path / "run.jsonl", "--default-io", "--crash-at-save", "4", env=env)
+    crashed = run(root, tmp_path / "run", "--lightning-own", "--crash-at-save", "4", env=env)
     assert crashed.returncode != 0
     size = (root / "last.ckpt").stat().st_size
-    resumed = run(root, tmp_path / "resume.jsonl", "--default-io", "--resume", env=env)
+    resumed = run(root, tmp_path / "resume", "--lightning-own", "--resume", env=env)
     # ckpt_path="last" picks the torn file: the resume dies in torch.load
     assert resumed.returncode != 0 and size > 0
     assert "torch_io.py" in resumed.stderr and "load_checkpoint" in resumed.stderr, resumed.stderr[-3000:]
@@ -165,7 +165,7 @@ def test_lightning_default_io_resumes_from_a_torn_last_ckpt(tmp_path: Path) -> N
 
 # -- FSDP2: ModelParallelStrategy ------------------------------------------------------------------
 def run_fsdp(root: Path, out: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    return torchrun(FSDP_WORKER, "--root", str(root), "--out", str(out), *args)
+    return torchrun(WORKER, "--strategy", "fsdp2", "--root", str(root), "--out", str(out), *args)
 
 
 def saved_digests(out: Path) -> dict[int, dict[int, str]]:

@@ -1,9 +1,16 @@
-"""A 2-rank Lightning DDP training run on CPU, checkpointed through ckptguard's CheckpointIO.
+"""A 2-rank Lightning training run on CPU (gloo): DDP, or FSDP2 (ModelParallelStrategy, ``fully_shard``).
 
-    torchrun --nproc-per-node 2 lightning_job.py --root DIR --out FILE [--resume] [--crash-at-save N] [--default-io]
+    torchrun --nproc-per-node 2 lightning_job.py --root DIR --out PREFIX [--strategy ddp|fsdp2]
+                                                 [--resume] [--crash-at-save N] [--lightning-own]
 
-Rank 0 appends JSON lines to FILE: the loss of every step, a digest of the model and
-optimizer state at every save, and right after a resume's load.
+Checkpointed through ckptguard: under ``ddp`` its CkptguardCheckpointIO, under ``fsdp2`` its
+CkptguardModelParallelStrategy. With ``--lightning-own``, through Lightning's own saving instead:
+TorchCheckpointIO (one file), or ModelParallelStrategy's sharded save (DCP into ``DIR/<name>.ckpt/``).
+``--crash-at-save N`` kills rank 0 inside its Nth save, at a point chosen per way of saving.
+
+Each rank appends JSON lines to PREFIX.rank<N>.jsonl: its loss at every step, a digest of its model and
+optimizer state (under FSDP2 its own shards) at every save and right after a resume's load; rank 0
+ends with a ``done`` record of the files in DIR and ModelCheckpoint's top-k.
 """
 
 from __future__ import annotations
@@ -11,35 +18,38 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 import warnings
 
 import lightning as L
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import nn
+from torch.distributed.fsdp import fully_shard
 from torch.utils.data import DataLoader, TensorDataset
 
 from ckptguard import _faults
-from ckptguard.integrations.lightning import CkptguardCheckpointIO
+from ckptguard.integrations.lightning import CkptguardCheckpointIO, CkptguardModelParallelStrategy
 
 from tests.support.frameworks import state_digest
 
 warnings.filterwarnings("ignore")
 
 
-
-
 class Net(L.LightningModule):
-    def __init__(self, out: str) -> None:
+    def __init__(self, out: str, hidden: int) -> None:
         super().__init__()
-        self.net = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+        self.net = nn.Sequential(nn.Linear(4, hidden), nn.ReLU(), nn.Linear(hidden, 1))
         self.out = out
 
     def record(self, **kw: object) -> None:
-        if self.global_rank == 0:
-            with open(self.out, "a") as f:
-                f.write(json.dumps(kw) + "\n")
+        with open(f"{self.out}.rank{self.global_rank}.jsonl", "a") as f:
+            f.write(json.dumps(kw) + "\n")
+
+    def digest(self) -> str:
+        return state_digest(self, self.trainer.optimizers[0])
 
     def training_step(self, batch, batch_idx):
         x, y = batch
@@ -52,13 +62,25 @@ class Net(L.LightningModule):
         return torch.optim.Adam(self.parameters(), lr=0.05)
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
-        self.record(kind="save", step=self.global_step, digest=state_digest(self, self.trainer.optimizers[0]))
+        self.record(kind="save", step=self.global_step, digest=self.digest())
 
     def on_train_start(self) -> None:
         if self.global_step:
-            self.record(kind="loaded", step=self.global_step, digest=state_digest(self, self.trainer.optimizers[0]))
+            self.record(kind="loaded", step=self.global_step, digest=self.digest())
 
 
+class ShardedNet(Net):
+    """FSDP2: ``fully_shard`` on each layer and on the whole over the data-parallel mesh."""
+
+    def configure_model(self) -> None:
+        mesh = self.device_mesh["data_parallel"]
+        for layer in self.net:
+            if isinstance(layer, nn.Linear):
+                fully_shard(layer, mesh=mesh)
+        fully_shard(self.net, mesh=mesh)
+
+
+# -- DDP: the kills inside a save ------------------------------------------------------------------
 class CrashingIO(CkptguardCheckpointIO):
     """Kills rank 0 inside its Nth save, after the data is written, before the commit (chosen point)."""
 
@@ -78,7 +100,6 @@ def kill_mid_copy_at(n: int) -> None:
     system temp dir and moves it into place; across filesystems (TMPDIR elsewhere, as on NFS/Lustre)
     the move is copy-then-delete. Kill rank 0 halfway through the copy of its Nth checkpoint."""
     import shutil
-    import signal
 
     real = shutil.move
     calls = [0]
@@ -101,34 +122,89 @@ def kill_mid_copy_at(n: int) -> None:
     shutil.move = move
 
 
+# -- FSDP2: the kills inside a sharded save --------------------------------------------------------
+class CrashingStrategy(CkptguardModelParallelStrategy):
+    """Kills rank 0 inside its Nth save: every rank's shards are written, the commit is not (chosen point)."""
+
+    def __init__(self, crash_at: int, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.crash_at, self.saves = crash_at, 0
+
+    def save_checkpoint(self, checkpoint, filepath, storage_options=None):
+        self.saves += 1
+        if self.saves == self.crash_at:
+            _faults.arm("before_publish:0:kill")
+        super().save_checkpoint(checkpoint, filepath, storage_options)
+
+
+def kill_in_dcp_finish_at(n: int) -> None:
+    """Lightning's own sharded save: DCP writes every rank's shard file, gathers the results on rank 0,
+    and rank 0 writes ``.metadata`` in FileSystemWriter.finish; then Lightning's rank 0 writes
+    ``meta.pt``. Kill rank 0 on entering its Nth finish: every shard file is written, ``.metadata``
+    and ``meta.pt`` are not (the same point as ckptguard's before_publish)."""
+    from torch.distributed.checkpoint.filesystem import FileSystemWriter
+
+    real = FileSystemWriter.finish
+    calls = [0]
+
+    def finish(self, metadata, results):
+        calls[0] += 1
+        if calls[0] == n:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return real(self, metadata, results)
+
+    FileSystemWriter.finish = finish
+
+
+def ddp(crash_at: int, lightning_own: bool) -> dict:
+    """Trainer arguments for DDP: a 4→8→1 MLP, ckptguard's CheckpointIO or Lightning's own."""
+    if lightning_own:
+        if crash_at and int(os.environ.get("RANK", "0")) == 0:
+            kill_mid_copy_at(crash_at)
+        return {"strategy": "ddp", "plugins": None}
+    return {"strategy": "ddp", "plugins": [CrashingIO(crash_at) if crash_at else CkptguardCheckpointIO()]}
+
+
+def fsdp2(crash_at: int, lightning_own: bool) -> dict:
+    """Trainer arguments for FSDP2 over 2 data-parallel ranks: ckptguard's strategy or Lightning's own."""
+    sizes = {"data_parallel_size": 2, "tensor_parallel_size": 1}
+    if lightning_own:
+        if crash_at and int(os.environ.get("RANK", "0")) == 0:
+            kill_in_dcp_finish_at(crash_at)
+        return {"strategy": ModelParallelStrategy(**sizes)}
+    return {"strategy": CrashingStrategy(crash_at, **sizes) if crash_at else CkptguardModelParallelStrategy(**sizes)}
+
+
+# strategy name: (Trainer arguments, the LightningModule, its hidden width)
+STRATEGIES = {"ddp": (ddp, Net, 8), "fsdp2": (fsdp2, ShardedNet, 16)}
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--root", required=True)
     p.add_argument("--out", required=True)
+    p.add_argument("--strategy", choices=sorted(STRATEGIES), default="ddp")
     p.add_argument("--resume", action="store_true")
     p.add_argument("--crash-at-save", type=int, default=0)
     p.add_argument("--epochs", type=int, default=4)
-    p.add_argument("--default-io", action="store_true", help="Lightning's own TorchCheckpointIO")
+    p.add_argument("--lightning-own", action="store_true",
+                   help="Lightning's own saving: TorchCheckpointIO (ddp), ModelParallelStrategy's (fsdp2)")
     a = p.parse_args()
     L.seed_everything(0, verbose=False)
     g = torch.Generator().manual_seed(1)
     x = torch.randn(32, 4, generator=g)
     data = DataLoader(TensorDataset(x, x.sum(1, keepdim=True).sin()), batch_size=8, shuffle=False)
-    io: object = CrashingIO(a.crash_at_save) if a.crash_at_save else CkptguardCheckpointIO()
-    if a.default_io:
-        io = None
-        if a.crash_at_save and int(os.environ.get("RANK", "0")) == 0:
-            kill_mid_copy_at(a.crash_at_save)
+    trainer_args, module, hidden = STRATEGIES[a.strategy]
     ckpt = ModelCheckpoint(dirpath=a.root, every_n_epochs=1, save_top_k=2, monitor="gstep", mode="max",
                            save_last=True)
-    trainer = L.Trainer(accelerator="cpu", devices=2, strategy="ddp", max_epochs=a.epochs, plugins=[io] if io else None,
-                        callbacks=[ckpt], logger=False, enable_progress_bar=False, enable_model_summary=False,
-                        deterministic=True)
-    trainer.fit(Net(a.out), data, ckpt_path="last" if a.resume else None)
+    trainer = L.Trainer(accelerator="cpu", devices=2, max_epochs=a.epochs, callbacks=[ckpt], logger=False,
+                        enable_progress_bar=False, enable_model_summary=False, deterministic=True,
+                        **trainer_args(a.crash_at_save, a.lightning_own))
+    model = module(a.out, hidden)
+    trainer.fit(model, data, ckpt_path="last" if a.resume else None)
     if trainer.global_rank == 0:
-        with open(a.out, "a") as f:
-            f.write(json.dumps({"kind": "done", "files": sorted(os.listdir(a.root)),
-                                "best_k": sorted(os.path.basename(k) for k in ckpt.best_k_models)}) + "\n")
+        model.record(kind="done", files=sorted(os.listdir(a.root)),
+                     best_k=sorted(os.path.basename(k) for k in ckpt.best_k_models))
     # Tear the process group down before exit: left to interpreter shutdown, gloo's teardown
     # aborted a rank now and then ("terminate called without an active exception") after the work was done.
     if torch.distributed.is_initialized():
