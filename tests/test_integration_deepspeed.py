@@ -10,10 +10,37 @@ optimizer shard:
 - ckptguard's engine (``install(engine)``): global_step6 never committed, never appeared, and
   ``latest`` still names global_step4; ``load_checkpoint()`` loads it, the state right after the
   load equals the state at that save, and steps 5-8 reproduce the uninterrupted run's losses.
+
+NVMe offload (``tests/workers/deepspeed_nvme_job.py``): DeepSpeed copies each rank's optimizer swap folder into
+``<tag>/offloaded_tensors/rank<NN>`` itself (``shutil.copytree``, not through the checkpoint engine) and, on load,
+copies it back and calls ``optimizer.reset_swap_buffers()``. A real ``"offload_optimizer": {"device": "nvme"}``
+needs DeepSpeed's ``async_io`` op. On this machine as set up (deepspeed 0.19.8, ``DS_BUILD_OPS=0``, no
+libaio-dev), ZeRO-3 fails in ``deepspeed.initialize`` on both ranks with::
+
+    RuntimeError: Unable to JIT load the async_io op due to it not being compatible due to hardware/software issue. None
+
+(from ``PartitionedOptimizerSwapper.__init__`` -> ``AsyncIOBuilder().load()``); ZeRO-2 accepts the config and
+runs without swapping (``engine.zero_nvme_offload_optimizer()`` is False: ZeRO-2 has no NVMe optimizer
+offload). After ``apt-get install libaio-dev`` the op JIT-builds (12 min on 2 cores, cached in
+``~/.cache/torch_extensions``) and ZeRO-3 swaps to NVMe for real on CPU; the ``[real]`` tests run then and skip
+otherwise (``aio_op_missing``). The ``[emulated]`` ones emulate only the failing stage, the swapper: a real
+ZeRO-2 engine gets a stand-in (the worker's ``StandInSwapper``) and DeepSpeed's own save/load code runs unchanged.
+
+- ``test_nvme_offload_kill_after_the_copy_then_resume[emulated|real]``: rank 1 SIGKILLed inside the 3rd save,
+  right after DeepSpeed copied its swap folder (when it calls the engine's ``commit``). ``global_step6`` never
+  appears; the committed step 4 holds ``offloaded_tensors/rank00`` and ``rank01`` with each rank's exact swap bytes
+  of step 4; the resume loads it, each swap folder then holds exactly those bytes (not step 6's) and
+  ``reset_swap_buffers`` ran once; step 5's loss reproduces the run, and step 6's too with the stand-in. (DeepSpeed's
+  real ZeRO-3 swapper does not keep Adam's ``step`` on NVMe, and its NVMe load skips the ZeRO shards that hold it,
+  so after any NVMe resume, with DeepSpeed's own engine too, Adam restarts its step count: step 6 differs.) Before
+  the fix, DeepSpeed's copy went into the visible ``save_dir/global_step6`` (left there by the kill) and the
+  resume's new save of global_step6 died with ``FileExistsError: ... global_step6/offloaded_tensors/rank01``.
 """
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import subprocess
 from pathlib import Path
 
@@ -102,3 +129,85 @@ def test_engine_refuses_two_ranks_writing_one_path(tmp_path: Path, monkeypatch: 
     ce.cleanup()
     with Checkpointer(tmp_path / ".ckptguard-deepspeed", read_only=True) as ck:
         assert ck.steps() == [3] and ck.read()["deepspeed"]["tag"] == "global_step3"
+
+
+# -- NVMe offload: DeepSpeed's offloaded_tensors/rank<NN> copy -----------------------------------------------------
+
+NVME_WORKER = Path(__file__).parent / "workers" / "deepspeed_nvme_job.py"
+
+
+@functools.cache
+def aio_op_missing() -> str | None:
+    """Why DeepSpeed's async_io op (its NVMe swapper's I/O) cannot be loaded without building it; None if it can."""
+    from deepspeed.git_version_info import installed_ops
+    from deepspeed.ops.op_builder.cpu.async_io import AsyncIOBuilder
+    from torch.utils.cpp_extension import _get_build_directory
+
+    if installed_ops.get("async_io"):
+        return None
+    if not AsyncIOBuilder().is_compatible():
+        return ("DeepSpeed's async_io op cannot be built: 'RuntimeError: Unable to JIT load the async_io op due to it "
+                "not being compatible due to hardware/software issue. None' (libaio-dev is not installed)")
+    for op in ("async_io", "pin_memory"):
+        if not (Path(_get_build_directory(op, verbose=False)) / f"{op}.so").exists():
+            return f"DeepSpeed's {op} op is not built yet (its first JIT build took 12 min here; run it outside the suite)"
+    return None
+
+
+@pytest.fixture(params=["emulated", "real"])
+def nvme(request: pytest.FixtureRequest) -> list[str]:
+    """The worker's arguments for one way of offloading the optimizer to NVMe (module docstring)."""
+    if request.param == "real" and (why := aio_op_missing()) is not None:
+        pytest.skip(why)
+    return ["--real"] if request.param == "real" else []
+
+
+def run_nvme(d: Path, record: Path, nvme: list[str], *args: str) -> subprocess.CompletedProcess[str]:
+    return torchrun(NVME_WORKER, "--dir", str(d / "ck"), "--record", str(record), "--swap", str(d / "swap"),
+                    *nvme, *args, env={"DS_ACCELERATOR": "cpu"})
+
+
+def swap_bytes(files: dict[str, str]) -> dict[str, str]:
+    """A swap folder's files as DeepSpeed's checkpoint copies them (it skips its '*gradient*' scratch files)."""
+    return {k: v for k, v in files.items() if "gradient" not in k}
+
+
+def digests(folder: Path) -> dict[str, str]:
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.slow
+def test_nvme_offload_kill_after_the_copy_then_resume(tmp_path: Path, nvme: list[str]) -> None:
+    ck = tmp_path / "ck"
+    crashed = run_nvme(tmp_path, tmp_path / "crash", nvme, "--steps", "6", "--kill-at-save", "3", "--kill-rank", "1")
+    assert crashed.returncode != 0
+    assert [r["kind"] for r in records(tmp_path / "crash", 1)][-1] == "swap"  # rank 1 died inside save 3
+    assert sorted(p.name for p in ck.glob("global_step*")) == ["global_step2", "global_step4"], tail(crashed)
+    assert (ck / "latest").read_text() == "global_step4"
+    assert (ck / "zero_to_fp32.py").is_file()  # DeepSpeed's recovery script, moved from the attempt directory
+    swapped = [{r["step"]: swap_bytes(r["files"]) for r in records(tmp_path / "crash", rank) if r["kind"] == "swap"}
+               for rank in (0, 1)]
+    from ckptguard import Checkpointer
+
+    with Checkpointer(ck / ".ckptguard-deepspeed", read_only=True) as c:
+        assert c.steps() == [2, 4]
+        c.load({}, step=4, files={"checkpoint": tmp_path / "step4"})
+    for rank in (0, 1):  # the committed step holds each rank's swap folder as it was at that step
+        assert digests(tmp_path / "step4" / "offloaded_tensors" / f"rank0{rank}") == swapped[rank][4]
+        assert swapped[rank][4] != swapped[rank][6]
+
+    resumed = run_nvme(tmp_path, tmp_path / "res", nvme, "--steps", "6", "--resume")
+    assert resumed.returncode == 0, tail(resumed)
+    for rank in (0, 1):
+        loaded = [r for r in records(tmp_path / "res", rank) if r["kind"] == "loaded"]
+        assert [(r["step"], r["resets"]) for r in loaded] == [(4, 1)]  # reset_swap_buffers ran once
+        # DeepSpeed copied the loaded tag's bytes into the swap folder, not those of the killed save
+        assert swap_bytes(loaded[0]["at_reset"]) == swap_bytes(loaded[0]["after"]) == swapped[rank][4]
+        before, after = losses(tmp_path / "crash", rank), losses(tmp_path / "res", rank)
+        assert sorted(after) == [5, 6] and after[5] == before[5]
+        if not nvme:  # the stand-in swaps Adam's step too; DeepSpeed's ZeRO-3 swapper does not (module docstring)
+            assert after[6] == before[6]
+    with Checkpointer(ck / ".ckptguard-deepspeed", read_only=True) as c:
+        assert c.steps() == [2, 4, 6]  # global_step6 saved again, over the killed save's copy
+    assert sorted(p.name for p in (ck / "global_step6" / "offloaded_tensors").iterdir()) == ["rank00", "rank01"]
