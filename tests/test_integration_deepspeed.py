@@ -35,6 +35,13 @@ ZeRO-2 engine gets a stand-in (the worker's ``StandInSwapper``) and DeepSpeed's 
   so after any NVMe resume, with DeepSpeed's own engine too, Adam restarts its step count: step 6 differs.) Before
   the fix, DeepSpeed's copy went into the visible ``save_dir/global_step6`` (left there by the kill) and the
   resume's new save of global_step6 died with ``FileExistsError: ... global_step6/offloaded_tensors/rank01``.
+- ``..._node_local_storage_on_a_shared_dir_*`` (2 torchrun agents x 1 process, ``use_node_local_storage``, one
+  shared save_dir): DeepSpeed's own engine has both nodes copy into ``offloaded_tensors/rank00``; the second
+  ``copytree`` fails with ``FileExistsError`` and the tag holds the first node's bytes only (in ZeRO-2 both nodes
+  also write ``mp_rank_00_model_states.pt``, one replacing the other). ckptguard's ``install`` refuses it on every
+  rank with ``PathCollisionError`` before anything is written (before the fix: ``FileExistsError`` on one node
+  with ZeRO-3, ``PathCollisionError`` for ``mp_rank_00_model_states.pt`` on one node with ZeRO-2). DeepSpeed's own
+  engine is run with the stand-in only (real ZeRO-3 did the same by hand, FileExistsError on node 1 or node 0).
 """
 
 from __future__ import annotations
@@ -49,7 +56,8 @@ import pytest
 pytest.importorskip("deepspeed", reason="deepspeed is not installed (DS_BUILD_OPS=0 pip install --no-build-isolation "
                                         "'ckptguard[deepspeed]')")
 
-from tests.support.frameworks import losses, records, tail, torchrun
+from tests.support.frameworks import REPO, losses, records, tail, torchrun
+from tests.support.jobs import JobResult, run_job
 
 WORKER = Path(__file__).parent / "workers" / "deepspeed_job.py"
 
@@ -211,3 +219,44 @@ def test_nvme_offload_kill_after_the_copy_then_resume(tmp_path: Path, nvme: list
     with Checkpointer(ck / ".ckptguard-deepspeed", read_only=True) as c:
         assert c.steps() == [2, 4, 6]  # global_step6 saved again, over the killed save's copy
     assert sorted(p.name for p in (ck / "global_step6" / "offloaded_tensors").iterdir()) == ["rank00", "rank01"]
+
+
+def two_nodes(d: Path, record: str, *args: str) -> JobResult:
+    """2 agents x 1 process (both local rank 0), use_node_local_storage, one shared save_dir, a save at step 2."""
+    return run_job(NVME_WORKER, ["--dir", str(d / "ck"), "--record", str(d / record), "--swap", str(d / "swap"),
+                                 "--node-local", "--steps", "2", *args],
+                   nnodes=2, nproc_per_node=1, timeout=240, straggler_grace=30,
+                   env={"DS_ACCELERATOR": "cpu", "PYTHONPATH": str(REPO / "src")})
+
+
+def save_errors(d: Path, record: str) -> list[str | None]:
+    return [next((r["error"] for r in records(d / record, rank) if r["kind"] == "save_error"), None)
+            for rank in (0, 1)]
+
+
+@pytest.mark.slow
+def test_nvme_offload_node_local_storage_on_a_shared_dir_with_deepspeeds_engine(tmp_path: Path) -> None:
+    """Both nodes copy into global_step2/offloaded_tensors/rank00; the second copytree (dirs_exist_ok=False)
+    fails, and the tag holds the other node's bytes under that name."""
+    assert not two_nodes(tmp_path, "rec", "--default").ok
+    errors = save_errors(tmp_path, "rec")
+    copied = [rank for rank in (0, 1) if errors[rank] is None or not errors[rank].startswith("FileExistsError")]
+    assert len(copied) == 1, errors
+    offloaded = tmp_path / "ck" / "global_step2" / "offloaded_tensors"
+    assert errors[1 - copied[0]] == f"FileExistsError: [Errno 17] File exists: '{offloaded / 'rank00'}'"
+    swapped = [swap_bytes(next(r["files"] for r in records(tmp_path / "rec", rank) if r["kind"] == "swap"))
+               for rank in (0, 1)]
+    assert [p.name for p in offloaded.iterdir()] == ["rank00"]
+    assert digests(offloaded / "rank00") == swapped[copied[0]]
+
+
+@pytest.mark.slow
+def test_nvme_offload_node_local_storage_on_a_shared_dir_is_refused(tmp_path: Path, nvme: list[str]) -> None:
+    """ckptguard's engine: every rank refuses before anything is written."""
+    job = two_nodes(tmp_path, "rec", *nvme)
+    assert not job.ok
+    for error in save_errors(tmp_path, "rec"):
+        assert error is not None and error.startswith("PathCollisionError: ranks [0, 1] would all copy"), job.output()
+        assert "global_step2/offloaded_tensors/rank00" in error
+    assert not (tmp_path / "ck" / "global_step2").exists()
+    assert not list((tmp_path / "ck").rglob("offloaded_tensors")) and not list((tmp_path / "ck").rglob("*.pt"))

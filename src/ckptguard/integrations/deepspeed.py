@@ -22,7 +22,10 @@ interface; DeepSpeed has no configuration key for a custom engine) and wraps the
   ``save_dir/.ckptguard-deepspeed-staging/<tag>.<attempt>``, and DeepSpeed's own ``save_checkpoint`` is
   given it as its ``save_dir``: every file it writes for the tag lands in ``<attempt>/<tag>`` (the
   staging directory), the NVMe-offload copy included, and nothing appears under ``save_dir/<tag>``
-  before the commit (its ``zero_to_fp32.py``/``zero_to_torch.py`` go to ``save_dir`` at the commit);
+  before the commit (its ``zero_to_fp32.py``/``zero_to_torch.py`` go to ``save_dir`` at the commit).
+  With NVMe offload, a save in which several ranks' copies would share one ``offloaded_tensors/rank<NN>``
+  (``use_node_local_storage`` with more than one node) is refused on every rank with
+  ``PathCollisionError`` before anything is written;
 - ``save``/``makedirs``: every file is created exclusively (``O_EXCL``): two ranks writing one path
   (e.g. ``use_node_local_storage`` on storage that is in fact shared, where every node's local rank 0
   writes ``mp_rank_00_model_states.pt``) is refused with ``PathCollisionError`` instead of one rank's
@@ -68,7 +71,7 @@ from deepspeed.runtime.checkpoint_engine.checkpoint_engine import (  # type: ign
 )
 
 from ckptguard.checkpointer import Checkpointer
-from ckptguard.comm import world_barrier, world_broadcast
+from ckptguard.comm import world_all_gather, world_barrier, world_broadcast
 from ckptguard.errors import CheckpointError, PathCollisionError
 from ckptguard.integrations import _dirs
 from ckptguard.storage.fileio import replace_file
@@ -250,6 +253,24 @@ def _restore_on_rank0(root: str, tag: str | None, target: str) -> tuple[int, str
         return got, str(meta["deepspeed"]["tag"])
 
 
+def _refuse_shared_offload_dirs(engine: Any, tag: str) -> None:
+    """Refuse, on every rank and before anything is written, a save in which DeepSpeed would copy several ranks'
+    NVMe swap folders into one ``<tag>/offloaded_tensors/rank<NN>``: it names the copy by the local rank with
+    ``use_node_local_storage``, and ``save_dir`` is shared by all ranks."""
+    from deepspeed.checkpoint.ds_to_universal import dp_index_to_str  # type: ignore[import-untyped]
+
+    rank = engine.local_rank if engine.use_node_local_storage() else engine.global_rank
+    names = world_all_gather("rank" + dp_index_to_str(rank))
+    for name in sorted(set(names)):
+        ranks = [r for r, n in enumerate(names) if n == name]
+        if len(ranks) > 1:
+            raise PathCollisionError(
+                f"ranks {ranks} would all copy their NVMe-offloaded optimizer state into "
+                f"{tag}/offloaded_tensors/{name} (DeepSpeed names that copy by the local rank with "
+                f"use_node_local_storage, and save_dir is shared by all ranks); refusing before anything is written",
+                path=os.path.join(tag, "offloaded_tensors", name))
+
+
 def install(engine: Any, *, publish: bool = True, restore_dir: str | None = None,
             checkpointer_options: dict[str, Any] | None = None) -> CkptguardCheckpointEngine:
     """Make ``engine`` (a ``DeepSpeedEngine``) save and load through ckptguard (module docstring)."""
@@ -265,6 +286,8 @@ def install(engine: Any, *, publish: bool = True, restore_dir: str | None = None
         if not save_dir:  # DeepSpeed's own error
             return save_checkpoint(save_dir, tag=tag, client_state=client_state, save_latest=False, **kwargs)
         tag = f"global_step{engine.global_steps}" if tag is None else str(tag)  # DeepSpeed's default
+        if engine.zero_nvme_offload_optimizer():
+            _refuse_shared_offload_dirs(engine, tag)
         ce.want_latest = save_latest
         attempt = ce.begin(save_dir, tag)
         # DeepSpeed's own `latest` (open('w'), not waiting for the others) stays off: commit writes it
