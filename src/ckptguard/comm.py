@@ -456,6 +456,17 @@ def world_broadcast(value: Any) -> Any:
     return box[0]
 
 
+def world_all_gather(value: Any) -> list[Any]:
+    """Every rank's ``value``, in rank order, on every rank of the default process group (``[value]`` without one)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() <= 1:
+        return [value]
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, value)
+    return out
+
+
 def world_barrier() -> None:
     """A barrier of the default process group (nothing without one)."""
     import torch.distributed as dist

@@ -10,20 +10,27 @@ DeepSpeed's own ``save_checkpoint`` writes every rank's files straight into ``sa
 with ``torch.save`` (no fsync), then global rank 0 writes ``latest`` with ``open('w')`` without
 waiting for the other ranks' files, so ``latest`` can name a tag whose shards are not all written
 (and a crash during that write leaves it empty); ``load_checkpoint()`` trusts ``latest``. Its
-NVMe-offload copy (``offloaded_tensors/``) bypasses the checkpoint engine and, with
-``use_node_local_storage``, is keyed by the local rank.
+NVMe-offload copy (``shutil.copytree`` of each rank's optimizer swap folder into
+``save_dir/<tag>/offloaded_tensors/rank<NN>``, ``dirs_exist_ok=False``) bypasses the checkpoint engine and,
+with ``use_node_local_storage``, is named by the local rank.
 
 ``install(engine)`` replaces ``engine.checkpoint_engine`` (DeepSpeed's ``CheckpointEngine``
 interface; DeepSpeed has no configuration key for a custom engine) and wraps the engine's
 ``save_checkpoint`` / ``load_checkpoint``:
 
-- ``create``: all ranks agree on a fresh staging directory,
-  ``save_dir/.ckptguard-deepspeed-staging/<tag>.<attempt>/<tag>``;
-- ``save``/``makedirs``: every file DeepSpeed writes under ``save_dir/<tag>`` goes there instead,
-  created exclusively (``O_EXCL``): two ranks writing one path (e.g. ``use_node_local_storage`` on
-  storage that is in fact shared) is refused with ``PathCollisionError`` instead of one rank's
-  file silently replacing another's; an ``offloaded_tensors/`` copy DeepSpeed made into the
-  visible directory is moved into staging by its own rank before the commit;
+- ``save_checkpoint(save_dir, tag)``: all ranks agree on a fresh attempt directory,
+  ``save_dir/.ckptguard-deepspeed-staging/<tag>.<attempt>``, and DeepSpeed's own ``save_checkpoint`` is
+  given it as its ``save_dir``: every file it writes for the tag lands in ``<attempt>/<tag>`` (the
+  staging directory), the NVMe-offload copy included, and nothing appears under ``save_dir/<tag>``
+  before the commit (its ``zero_to_fp32.py``/``zero_to_torch.py`` go to ``save_dir`` at the commit).
+  With NVMe offload, a save in which several ranks' copies would share one ``offloaded_tensors/rank<NN>``
+  (``use_node_local_storage`` with more than one node) is refused on every rank with
+  ``PathCollisionError`` before anything is written;
+- ``save``/``makedirs``: every file is created exclusively (``O_EXCL``): two ranks writing one path
+  (e.g. ``use_node_local_storage`` on storage that is in fact shared, where every node's local rank 0
+  writes ``mp_rank_00_model_states.pt``) is refused with ``PathCollisionError`` instead of one rank's
+  file silently replacing another's. (DeepSpeed's own calls of ``create``/``save``/``commit`` outside
+  ``save_checkpoint`` stage what they write under ``save_dir/<tag>``.)
 - ``commit``: all ranks meet; global rank 0 commits the staging directory as a step of the
   ckptguard root ``save_dir/.ckptguard-deepspeed`` (every file checksummed and fsynced, one
   atomic commit), then ``save_dir/<tag>`` appears (one rename) and ``latest`` is replaced
@@ -41,8 +48,9 @@ load (DeepSpeed's ZeRO-1/2 loader reads every rank's shard anyway); data is stor
 committed copy and ``save_dir/<tag>``; ``publish=False`` keeps only the committed copy) and written
 twice per save. ``save_dir`` must be shared by all ranks.
 
-Tested with deepspeed 0.19.8 built with ``DS_BUILD_OPS=0``, ``DS_ACCELERATOR=cpu``, gloo, ZeRO-2
-(``pip install 'ckptguard[deepspeed]'``).
+Tested with deepspeed 0.19.8 built with ``DS_BUILD_OPS=0``, ``DS_ACCELERATOR=cpu``, gloo, ZeRO-2, and
+ZeRO-3 with NVMe optimizer offload where DeepSpeed's ``async_io`` op is built (libaio-dev), else a
+stand-in for its swapper (``pip install 'ckptguard[deepspeed]'``).
 """
 
 from __future__ import annotations
@@ -63,7 +71,7 @@ from deepspeed.runtime.checkpoint_engine.checkpoint_engine import (  # type: ign
 )
 
 from ckptguard.checkpointer import Checkpointer
-from ckptguard.comm import world_barrier, world_broadcast
+from ckptguard.comm import world_all_gather, world_barrier, world_broadcast
 from ckptguard.errors import CheckpointError, PathCollisionError
 from ckptguard.integrations import _dirs
 from ckptguard.storage.fileio import replace_file
@@ -98,6 +106,7 @@ class CkptguardCheckpointEngine(CheckpointEngine):  # type: ignore[misc]
         self.checkpointer_options = dict(checkpointer_options or {})
         self.want_latest = True  # what the caller of save_checkpoint asked for (set by install's wrapper)
         self._writers: dict[str, Checkpointer] = {}
+        self._begun: tuple[str, str, str] | None = None  # begin(): save_dir, tag, this save's attempt directory
         self._save_dir: str | None = None
         self._tag: str | None = None
         self._staging: str | None = None
@@ -122,12 +131,25 @@ class CkptguardCheckpointEngine(CheckpointEngine):  # type: ignore[misc]
             ck = self._writers[root] = Checkpointer(root, process_group="local", **self.checkpointer_options)
         return ck
 
+    def begin(self, save_dir: str, tag: str) -> str:
+        """Agree with the other ranks on this save's attempt directory,
+        ``save_dir/.ckptguard-deepspeed-staging/<tag>.<attempt>``: ``install``'s wrapper passes it to DeepSpeed's
+        ``save_checkpoint`` as its ``save_dir``, so that everything DeepSpeed writes for the tag lands in
+        ``<attempt>/<tag>``, its NVMe-offload copy too (a ``copytree`` that bypasses the engine)."""
+        save_dir = os.path.abspath(save_dir)
+        attempt = os.path.join(save_dir, STAGING_NAME, f"{tag}.{_broadcast(uuid.uuid4().hex[:12])}")
+        self._begun = (save_dir, tag, attempt)
+        return attempt
+
     # -- CheckpointEngine -----------------------------------------------------------------
     def create(self, info: CheckpointCommitInfo) -> None:
-        save_dir = os.path.abspath(info.save_dir)
-        attempt = _broadcast(uuid.uuid4().hex[:12])
-        self._save_dir, self._tag = save_dir, str(info.tag)
-        self._staging = os.path.join(save_dir, STAGING_NAME, f"{self._tag}.{attempt}", self._tag)
+        begun, self._begun = self._begun, None
+        if begun is not None and (os.path.abspath(info.save_dir), str(info.tag)) == (begun[2], begun[1]):
+            save_dir, tag, attempt = begun
+        else:  # DeepSpeed's own call (save_16bit_model) or its save_checkpoint without install's wrapper
+            save_dir, tag = os.path.abspath(info.save_dir), str(info.tag)
+            attempt = os.path.join(save_dir, STAGING_NAME, f"{tag}.{_broadcast(uuid.uuid4().hex[:12])}")
+        self._save_dir, self._tag, self._staging = save_dir, tag, os.path.join(attempt, tag)
         os.makedirs(self._staging, exist_ok=True)
 
     def makedirs(self, path: str, exist_ok: bool = False) -> None:
@@ -156,16 +178,6 @@ class CkptguardCheckpointEngine(CheckpointEngine):  # type: ignore[misc]
         if save_dir is None or tag is None or staging is None:
             raise CheckpointError("commit without create: the checkpoint engine was installed mid-save")
         try:
-            # DeepSpeed copies NVMe-offloaded optimizer files into save_dir/<tag>/offloaded_tensors/rankNN
-            # itself, bypassing the engine: each rank moves its own into staging.
-            offloaded = os.path.join(save_dir, tag, "offloaded_tensors")
-            mine = [d for d in (os.listdir(offloaded) if os.path.isdir(offloaded) else ())
-                    if os.path.isdir(os.path.join(offloaded, d)) and d.startswith("rank")
-                    and int(d[4:] or -1) == _rank()]
-            for d in mine:
-                dest = os.path.join(staging, "offloaded_tensors", d)
-                os.makedirs(os.path.dirname(dest), exist_ok=True)
-                os.rename(os.path.join(offloaded, d), dest)
             _barrier()  # every rank's files are in staging
             error: str | None = None
             if _rank() == 0:
@@ -194,6 +206,10 @@ class CkptguardCheckpointEngine(CheckpointEngine):  # type: ignore[misc]
             step = max(ck.steps(), default=-1) + 1
         ck.save(step, {"deepspeed": {"tag": tag}}, files={_dirs.FILES_KEY: staging},
                 overwrite=step in ck.steps(), metadata={"tag": tag})
+        attempt = os.path.dirname(staging)  # DeepSpeed's save_dir: its zero_to_fp32.py & co. belong in save_dir
+        for name in os.listdir(attempt):
+            if name != tag and os.path.isfile(os.path.join(attempt, name)):
+                os.replace(os.path.join(attempt, name), os.path.join(save_dir, name))
         staging_root = os.path.join(save_dir, STAGING_NAME)
         if self.publish:
             _dirs.publish(save_dir, staging, tag, staging_root)
@@ -237,6 +253,24 @@ def _restore_on_rank0(root: str, tag: str | None, target: str) -> tuple[int, str
         return got, str(meta["deepspeed"]["tag"])
 
 
+def _refuse_shared_offload_dirs(engine: Any, tag: str) -> None:
+    """Refuse, on every rank and before anything is written, a save in which DeepSpeed would copy several ranks'
+    NVMe swap folders into one ``<tag>/offloaded_tensors/rank<NN>``: it names the copy by the local rank with
+    ``use_node_local_storage``, and ``save_dir`` is shared by all ranks."""
+    from deepspeed.checkpoint.ds_to_universal import dp_index_to_str  # type: ignore[import-untyped]
+
+    rank = engine.local_rank if engine.use_node_local_storage() else engine.global_rank
+    names = world_all_gather("rank" + dp_index_to_str(rank))
+    for name in sorted(set(names)):
+        ranks = [r for r, n in enumerate(names) if n == name]
+        if len(ranks) > 1:
+            raise PathCollisionError(
+                f"ranks {ranks} would all copy their NVMe-offloaded optimizer state into "
+                f"{tag}/offloaded_tensors/{name} (DeepSpeed names that copy by the local rank with "
+                f"use_node_local_storage, and save_dir is shared by all ranks); refusing before anything is written",
+                path=os.path.join(tag, "offloaded_tensors", name))
+
+
 def install(engine: Any, *, publish: bool = True, restore_dir: str | None = None,
             checkpointer_options: dict[str, Any] | None = None) -> CkptguardCheckpointEngine:
     """Make ``engine`` (a ``DeepSpeedEngine``) save and load through ckptguard (module docstring)."""
@@ -248,10 +282,16 @@ def install(engine: Any, *, publish: bool = True, restore_dir: str | None = None
 
     def save(save_dir: str, tag: Any = None, client_state: Any = None, save_latest: bool = True,
              **kwargs: Any) -> Any:
+        client_state = {} if client_state is None else client_state
+        if not save_dir:  # DeepSpeed's own error
+            return save_checkpoint(save_dir, tag=tag, client_state=client_state, save_latest=False, **kwargs)
+        tag = f"global_step{engine.global_steps}" if tag is None else str(tag)  # DeepSpeed's default
+        if engine.zero_nvme_offload_optimizer():
+            _refuse_shared_offload_dirs(engine, tag)
         ce.want_latest = save_latest
+        attempt = ce.begin(save_dir, tag)
         # DeepSpeed's own `latest` (open('w'), not waiting for the others) stays off: commit writes it
-        return save_checkpoint(save_dir, tag=tag, client_state={} if client_state is None else client_state,
-                               save_latest=False, **kwargs)
+        return save_checkpoint(attempt, tag=tag, client_state=client_state, save_latest=False, **kwargs)
 
     def load(load_dir: str, tag: Any = None, **kwargs: Any) -> Any:
         load_dir = os.path.abspath(load_dir)
