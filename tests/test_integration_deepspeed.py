@@ -54,6 +54,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+import torch
 
 pytest.importorskip("deepspeed", reason="deepspeed is not installed (DS_BUILD_OPS=0 pip install --no-build-isolation "
                                         "'ckptguard[deepspeed]')")
@@ -75,14 +76,19 @@ SHARDS = ["mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> dict:
     d = tmp_path_factory.mktemp("ds-ref")
-    r = run(d / "ck", d / "ref")
+    r = run(d / "ck", d / "ref", "--export16")
     assert r.returncode == 0, tail(r)
+    # save_16bit_model at step 8 (DeepSpeed wraps it in the engine's create/commit with tag global_step8)
+    # once committed an empty global_step8 over the real one; now its file is written beside the tags.
     assert (d / "ck" / "latest").read_text() == "global_step8"
     assert sorted(p.name for p in (d / "ck" / "global_step8").iterdir()) == SHARDS
+    exported = torch.load(d / "ck" / "pytorch_model.bin", weights_only=True)
+    assert sorted(exported) == ["0.bias", "0.weight", "3.bias", "3.weight"]
     from ckptguard import Checkpointer
 
     with Checkpointer(d / "ck" / ".ckptguard-deepspeed", read_only=True) as ck:
         assert ck.steps() == [2, 4, 6, 8]
+        assert ck.read(step=8)["deepspeed"]["tag"] == "global_step8"
     return {"losses": [losses(d / "ref", r) for r in (0, 1)],
             "saved": [{x["step"]: x["digest"] for x in records(d / "ref", r) if x["kind"] == "save"} for r in (0, 1)]}
 

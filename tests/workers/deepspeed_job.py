@@ -64,6 +64,7 @@ def main() -> None:
     p.add_argument("--default", action="store_true", help="DeepSpeed's own checkpoint engine")
     p.add_argument("--crash-at-save", type=int, default=0)
     p.add_argument("--stage", type=int, default=2)
+    p.add_argument("--export16", action="store_true", help="save_16bit_model twice at the end (the last tag's step)")
     a = p.parse_args()
     deepspeed.init_distributed(dist_backend="gloo")
     rank = torch.distributed.get_rank()
@@ -109,6 +110,9 @@ def main() -> None:
                 arm_rank1_crash(engine, a.dir, f"global_step{step}", a.default)
             engine.save_checkpoint(a.dir, tag=f"global_step{step}", client_state={"step": step, "rng": rngs})
             record(kind="save", step=step, digest=digest(engine))
+    if a.export16:  # DeepSpeed wraps this export in the engine's create/commit too, with the last tag's name
+        for _ in range(2):  # the second replaces the first
+            assert engine.save_16bit_model(a.dir)
 
 
 def arm_rank1_crash(engine, save_dir: str, tag: str, default: bool) -> None:

@@ -74,7 +74,7 @@ from ckptguard.checkpointer import Checkpointer
 from ckptguard.comm import world_all_gather, world_barrier, world_broadcast
 from ckptguard.errors import CheckpointError, PathCollisionError
 from ckptguard.integrations import _dirs
-from ckptguard.storage.fileio import replace_file
+from ckptguard.storage.fileio import fsync_dir, replace_file, unique_tmp_name, unlink_quietly
 
 log = logging.getLogger(__name__)
 
@@ -155,7 +155,19 @@ class CkptguardCheckpointEngine(CheckpointEngine):  # type: ignore[misc]
     def makedirs(self, path: str, exist_ok: bool = False) -> None:
         os.makedirs(self._redirect(path), exist_ok=True if self._staging else exist_ok)
 
+    def _in_this_tag(self, path: str) -> bool:
+        if self._save_dir is None or self._tag is None or self._staging is None:
+            return False
+        p = os.path.abspath(path)
+        return any(p == d or p.startswith(d + os.sep)
+                   for d in (os.path.join(self._save_dir, self._tag), os.path.abspath(self._staging)))
+
     def save(self, state_dict: Any, path: str) -> None:
+        if not self._in_this_tag(path):
+            # Not a file of a checkpoint tag: e.g. save_16bit_model's export (save_dir/pytorch_model.bin),
+            # which DeepSpeed wraps in create/commit too. Written atomically, replacing an older export.
+            _save_replacing(state_dict, path)
+            return
         target = self._redirect(path)
         os.makedirs(os.path.dirname(target), exist_ok=True)
         try:
@@ -195,6 +207,12 @@ class CkptguardCheckpointEngine(CheckpointEngine):  # type: ignore[misc]
             self._save_dir = self._tag = self._staging = None
 
     def _commit_on_rank0(self, save_dir: str, tag: str, staging: str) -> None:
+        staging_root = os.path.join(save_dir, STAGING_NAME)
+        if not any(files for _, _, files in os.walk(staging)):
+            # Nothing of the tag was written (save_16bit_model: its export lies beside the tags), so there is
+            # no checkpoint to commit: committing it would replace a real tag of the same step by an empty one.
+            _dirs.clear_staging(staging_root)
+            return
         ck = self._writer(save_dir)
         m = _NUMBER_AT_END.search(tag)
         existing = _step_of_tag(ck, tag)
@@ -210,7 +228,6 @@ class CkptguardCheckpointEngine(CheckpointEngine):  # type: ignore[misc]
         for name in os.listdir(attempt):
             if name != tag and os.path.isfile(os.path.join(attempt, name)):
                 os.replace(os.path.join(attempt, name), os.path.join(save_dir, name))
-        staging_root = os.path.join(save_dir, STAGING_NAME)
         if self.publish:
             _dirs.publish(save_dir, staging, tag, staging_root)
         if self.want_latest:
@@ -221,6 +238,22 @@ class CkptguardCheckpointEngine(CheckpointEngine):  # type: ignore[misc]
         writers, self._writers = self._writers, {}
         for ck in writers.values():
             ck.close()
+
+
+def _save_replacing(state_dict: Any, path: str) -> None:
+    """torch.save to a temporary file beside ``path``, fsync, then rename over it: readers see the old
+    file or the new one, never a torn one."""
+    tmp = unique_tmp_name(path)
+    try:
+        with open(tmp, "xb") as f:
+            torch.save(state_dict, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        unlink_quietly(tmp)
+        raise
+    fsync_dir(os.path.dirname(os.path.abspath(path)))
 
 
 def _step_of_tag(ck: Checkpointer, tag: str) -> int | None:
