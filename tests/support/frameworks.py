@@ -9,9 +9,9 @@ import json
 import os
 import subprocess
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -61,3 +61,18 @@ def state_digest(model: Any, optim: Any, sched: Any = None) -> str:
     if sched is not None:
         h.update(repr(sorted(sched.state_dict().items())).encode())
     return h.hexdigest()
+
+
+def run_worker(main: Callable[[], None]) -> NoReturn:
+    """A framework worker's ``__main__``: run ``main``, tear the process group down and leave without the
+    interpreter's own teardown, where torch's gloo threads can abort a rank that has finished and
+    recorded its work ("terminate called without an active exception", exit -6)."""
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    main()
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

@@ -15,7 +15,6 @@ import io
 import json
 import os
 import signal
-import sys
 import warnings
 
 import accelerate.checkpointing
@@ -27,7 +26,7 @@ from torch import nn
 from ckptguard import _faults
 from ckptguard.integrations.accelerate import CkptguardAccelerator
 
-from tests.support.frameworks import state_digest
+from tests.support.frameworks import run_worker, state_digest
 
 EVERY, STEPS = 2, 8
 
@@ -115,15 +114,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    main()
-    # Tear the process group down and leave without the interpreter's own teardown: there, torch's
-    # gloo threads can abort a rank ("terminate called without an active exception", exit -6) after
-    # the work is done and recorded (seen with the frameworks' own checkpointing too).
-    import torch.distributed as _dist
-
-    if _dist.is_initialized():
-        _dist.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    run_worker(main)

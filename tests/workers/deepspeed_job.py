@@ -17,7 +17,6 @@ import hashlib
 import json
 import os
 import signal
-import sys
 import time
 import warnings
 from pathlib import Path
@@ -27,6 +26,8 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 import deepspeed
 import torch
 from torch import nn
+
+from tests.support.frameworks import run_worker
 
 EVERY, STEPS = 2, 8
 
@@ -133,15 +134,4 @@ def arm_rank1_crash(engine, save_dir: str, tag: str, default: bool) -> None:
 
 
 if __name__ == "__main__":
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    main()
-    # Tear the process group down and leave without the interpreter's own teardown: there, torch's
-    # gloo threads can abort a rank ("terminate called without an active exception", exit -6) after
-    # the work is done and recorded (seen with the frameworks' own checkpointing too).
-    import torch.distributed as _dist
-
-    if _dist.is_initialized():
-        _dist.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    run_worker(main)

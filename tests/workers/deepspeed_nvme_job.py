@@ -25,7 +25,6 @@ import hashlib
 import json
 import os
 import signal
-import sys
 import warnings
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
@@ -33,6 +32,8 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 import deepspeed
 import torch
 from torch import nn
+
+from tests.support.frameworks import run_worker
 
 EVERY = 2
 
@@ -187,12 +188,4 @@ def arm_kill_after_offload_copy(engine) -> None:
 
 
 if __name__ == "__main__":
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    main()
-    import torch.distributed as _dist
-
-    if _dist.is_initialized():
-        _dist.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    run_worker(main)

@@ -13,7 +13,6 @@ import argparse
 import json
 import os
 import signal
-import sys
 import time
 import warnings
 
@@ -24,7 +23,7 @@ from transformers import PretrainedConfig, PreTrainedModel, Trainer, TrainingArg
 from ckptguard import _faults
 from ckptguard.integrations.hf import CkptguardTrainer
 
-from tests.support.frameworks import state_digest
+from tests.support.frameworks import run_worker, state_digest
 
 
 class TinyConfig(PretrainedConfig):
@@ -146,15 +145,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    main()
-    # Tear the process group down and leave without the interpreter's own teardown: there, torch's
-    # gloo threads can abort a rank ("terminate called without an active exception", exit -6) after
-    # the work is done and recorded (seen with the frameworks' own checkpointing too).
-    import torch.distributed as _dist
-
-    if _dist.is_initialized():
-        _dist.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    run_worker(main)

@@ -19,7 +19,6 @@ import argparse
 import json
 import os
 import signal
-import sys
 import warnings
 
 import lightning as L
@@ -33,7 +32,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from ckptguard import _faults
 from ckptguard.integrations.lightning import CkptguardCheckpointIO, CkptguardModelParallelStrategy
 
-from tests.support.frameworks import state_digest
+from tests.support.frameworks import run_worker, state_digest
 
 warnings.filterwarnings("ignore")
 
@@ -205,17 +204,7 @@ def main() -> None:
     if trainer.global_rank == 0:
         model.record(kind="done", files=sorted(os.listdir(a.root)),
                      best_k=sorted(os.path.basename(k) for k in ckpt.best_k_models))
-    # Tear the process group down before exit: left to interpreter shutdown, gloo's teardown
-    # aborted a rank now and then ("terminate called without an active exception") after the work was done.
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    main()
-    # Leave without the interpreter's own teardown, where torch's gloo threads can abort a rank
-    # ("terminate called without an active exception", exit -6) after the work is done and recorded.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    run_worker(main)

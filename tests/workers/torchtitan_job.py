@@ -33,7 +33,6 @@ import json
 import os
 import pickle
 import signal
-import sys
 import time
 import warnings
 from typing import Any
@@ -44,6 +43,8 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
+
+from tests.support.frameworks import run_worker
 
 STEPS, INTERVAL = 8, 2
 SAVING = {"step": -1}  # the step whose save is running (for the kill hook)
@@ -208,12 +209,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    main()
-    # As the other framework workers: tear the group down and leave without the interpreter's teardown
-    # (torch's gloo threads can abort a finished rank there).
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    run_worker(main)
