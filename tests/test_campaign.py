@@ -119,6 +119,17 @@ def test_kills_during_overwrite_and_rollback_saves_on_two_storage_domains(tmp_pa
         report.table()
 
 
+@pytest.mark.slow
+def test_a_resumed_campaign_in_the_same_workdir_starts_on_fresh_roots(tmp_path: Path) -> None:
+    """Found by the long run: the first round's kinds used fixed root names, so a later run with the
+    same --workdir restarted its kill chain on the earlier run's committed steps ("steps [21, 22] are
+    committed but no job ever saved them") and its corruption job on the earlier run's damaged
+    checkpoints. Two runs, one workdir: the second must see nothing of the first."""
+    plan = {"kill_phase": 1, "corruption": 2}
+    _run(tmp_path, plan, seed=21)
+    _run(tmp_path, plan, seed=22)
+
+
 #: The stop points test_reliability does not cover (it stops after publish and after commit).
 CI_STOP_POINTS = ("latest-cas", "retention", "renewal-cas", "release", "mid_write")
 

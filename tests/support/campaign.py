@@ -292,6 +292,14 @@ class Campaign:
         self.scratch.mkdir(parents=True, exist_ok=True)
 
     # -- plumbing ----------------------------------------------------------------------------
+    def fresh_root(self, name: str) -> Path:
+        """A root of this run only: named by the run's seed, so a resumed campaign that reuses its
+        --workdir never starts a chain on the roots (and the committed or damaged steps) of an earlier
+        run; removed first if a run with this very seed left it."""
+        path = self.workdir / f"{name}-{self.seed}"
+        shutil.rmtree(path, ignore_errors=True)
+        return path
+
     def next_gen(self) -> int:
         self._gen += 1
         return self._gen
@@ -340,7 +348,7 @@ class Campaign:
             self.report.problems.append(f"[{trial.kind}/{trial.sub}] {p}")
         if trial.problems:
             self._failed += 1
-            logs = self.workdir / "failed"
+            logs = self.workdir / f"failed-{self.seed}"
             logs.mkdir(exist_ok=True)
             path = logs / f"{self._failed:03d}-{trial.kind}-{trial.sub.replace(' ', '_')}.log"
             parts = ["\n".join(trial.problems)]
@@ -403,9 +411,9 @@ class Campaign:
         """Kill trials on three layouts: 1 node x 2 ranks (cheap, half of the trials), 2 nodes x 2 ranks
         sharing one root, and 2 nodes x 2 ranks with node-local roots (two storage domains, so a
         commit can be published on one domain and not the other)."""
-        single = self.workdir / "kill-single"
-        shared = self.workdir / "kill-shared"
-        local = [self.workdir / "kill-local-n0", self.workdir / "kill-local-n1"]
+        single = self.fresh_root("kill-single")
+        shared = self.fresh_root("kill-shared")
+        local = [self.fresh_root("kill-local-n0"), self.fresh_root("kill-local-n1")]
         topos = {"single": Topo("single", 1, 2, [single], [single], (0,)),
                  "shared": Topo("shared", 2, 2, [shared, shared], [shared], (0,)),
                  "local": Topo("local", 2, 2, local, local, (0, 2))}
@@ -448,10 +456,10 @@ class Campaign:
         while done < n:
             k = min(per_job, n - done)
             if index % 2 == 0:
-                root = self.workdir / f"corrupt-{index}"
+                root = self.fresh_root(f"corrupt-{index}")
                 topo = Topo("shared", 2, 2, [root, root], [root], (0,))
             else:
-                roots = [self.workdir / f"corrupt-{index}-n{i}" for i in range(2)]
+                roots = [self.fresh_root(f"corrupt-{index}-n{i}") for i in range(2)]
                 topo = Topo("local", 2, 2, roots, roots, (0, 2))
             self._corruption_job(topo, k, offset=done)
             done += k
@@ -519,7 +527,7 @@ class Campaign:
 
     def two_jobs(self, n: int) -> None:
         """Two 1-node jobs started on one root at the same moment: one wins, the other is refused."""
-        root = self.workdir / "two-jobs"
+        root = self.fresh_root("two-jobs")
         topo = Topo("shared", 1, 2, [root], [root], (0,))
         with LatestWatch([root]) as watch:
             for i in range(n):
@@ -550,7 +558,7 @@ class Campaign:
         """A job stalls (SIGSTOP of its leader) past its lease TTL; a second job takes the root over;
         the first one wakes up and must be fenced off. Alternately the stall hits between two saves
         ("idle") and inside a save, right before the publishing rename ("publish")."""
-        root = self.workdir / "takeover"
+        root = self.fresh_root("takeover")
         topo = Topo("shared", 1, 2, [root], [root], (0,))
         with LatestWatch([root]) as watch:
             for i in range(n):

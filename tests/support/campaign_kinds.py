@@ -189,7 +189,7 @@ def ordered_chains(c: Campaign, plan: dict[str, int]) -> None:
         n = plan.get(kind, 0)
         if not n:
             continue
-        roots = [c.workdir / f"{kind}-{c.seed}-n{k}" for k in range(2)]
+        roots = [c.fresh_root(f"{kind}-n{k}") for k in range(2)]
         topo = Topo("local", 2, 1, roots, roots, (0, 1))
         faults = [(kind, *ordered_fault(c, kind, i, topo)) for i in range(n)]
         c.rng.shuffle(faults)
@@ -326,7 +326,7 @@ def stops(c: Campaign, n: int, ttl: float = 1.5, points: tuple[str, ...] = STOP_
     101, and both of B's steps load bitwise."""
     chosen = [points[i % len(points)] for i in range(n)]
     c.rng.shuffle(chosen)
-    base = c.workdir / f"stop-{c.seed}"
+    base = c.fresh_root("stop")
     base.mkdir(parents=True, exist_ok=True)
     for i, at in enumerate(chosen):
         c._yield()
