@@ -83,8 +83,19 @@ def load_results(path: Path) -> list[dict[str, Any]]:
     return out
 
 
-def cumulative_table(records: list[dict[str, Any]]) -> str:
+def load_excluded(results: Path) -> dict[str, str]:
+    """Runs whose checks were wrong (a bug of the campaign, not of ckptguard), run id -> why, from
+    ``excluded-runs.json`` beside the results file. Their records stay in the file; the report lists
+    them under the totals instead of counting them."""
+    path = results.with_name("excluded-runs.json")
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def cumulative_table(records: list[dict[str, Any]], excluded: dict[str, str] | None = None) -> str:
     """The table of every trial in the results file, by kind and variant, with the totals."""
+    excluded = excluded or {}
+    left_out = [r for r in records if r["run"] in excluded]
+    records = [r for r in records if r["run"] not in excluded]
     rows: dict[tuple[str, str], dict[str, float]] = {}
     for r in records:
         row = rows.setdefault((r["kind"], r["variant"]), dict.fromkeys(
@@ -132,6 +143,12 @@ def cumulative_table(records: list[dict[str, Any]]) -> str:
                  f"{everything['faults']:.0f} injected faults, of which {new['kills'] + new['stops']:.0f} "
                  f"SIGKILLs/SIGSTOPs in the new kinds; {everything['failures']:.0f} failures, "
                  f"{everything['torn']:.0f} torn, {everything['lost']:.0f} lost.")
+    for run, why in excluded.items():
+        rs = [r for r in left_out if r["run"] == run]
+        lines.append("")
+        lines.append(f"Not counted above: run {run} ({len(rs)} trials, {sum(r['injected'] for r in rs)} injected faults, "
+                     f"{sum(r['outcome'] != 'ok' for r in rs)} failures, {sum(r['torn'] for r in rs)} torn, "
+                     f"{sum(r['lost'] for r in rs)} lost): {why}")
     return "\n".join(lines)
 
 
@@ -166,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.report:
         if not args.results:
             p.error("--report needs --results FILE")
-        table = cumulative_table(load_results(Path(args.results)))
+        table = cumulative_table(load_results(Path(args.results)), load_excluded(Path(args.results)))
         print(table)
         if args.write_docs:
             write_docs(Path(args.write_docs), table)
