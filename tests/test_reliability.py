@@ -365,6 +365,19 @@ def test_takeover_shortcuts_only_where_the_holder_is_certainly_gone(tmp_path: Pa
     first = lease_mod.job_identity()
     monkeypatch.setenv("SLURM_STEP_ID", "1")
     assert first != lease_mod.job_identity() and first == "slurm:77.0"
+    # The batch step (no SLURM_STEP_ID): two processes started side by side by one batch script share
+    # SLURM_JOB_ID and are not each other's incarnations; a requeue (higher SLURM_RESTART_COUNT) is.
+    monkeypatch.delenv("SLURM_STEP_ID")
+    monkeypatch.delenv("SLURM_RESTART_COUNT", raising=False)
+    batch0 = lease_mod.job_identity()
+    holder = lease_mod.Lease(open_storage(tmp_path), "first", batch0, ttl_s=30)._record(1)
+    holder.pid = os.getpid()  # alive: only the job identity could let a newcomer in
+    assert lease_mod.Lease(open_storage(tmp_path), "beside", batch0, ttl_s=30)._holder_gone(holder) is None
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
+    requeued = lease_mod.Lease(open_storage(tmp_path), "requeued", lease_mod.job_identity(), ttl_s=30)
+    assert requeued._holder_gone(holder) is not None
+    monkeypatch.setenv("SLURM_JOB_ID", "78")
+    assert lease_mod.Lease(open_storage(tmp_path), "x", lease_mod.job_identity(), ttl_s=30)._holder_gone(holder) is None
     monkeypatch.delenv("SLURM_JOB_ID")
     lease = lease_mod.Lease(open_storage(tmp_path), "me", None, ttl_s=30)
     dead = subprocess.Popen([sys.executable, "-c", "pass"])

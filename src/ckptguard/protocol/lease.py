@@ -14,7 +14,8 @@ deletes the record only if it is still the very record this job wrote
 neither hide nor overwrite anything of the new holder's.
 
 Takeover without waiting is allowed only when the holder is provably gone: the
-same job identity (a torchrun restart, a SLURM requeue of the same job step), or
+same job identity (a torchrun restart, a SLURM requeue of the same job step; in a batch step,
+which processes started side by side share, only a higher SLURM_RESTART_COUNT), or
 the same host, boot and pid namespace with a dead pid. Otherwise the newcomer
 waits for the lease to expire and fails with a clear error if the holder keeps
 renewing it.
@@ -50,8 +51,27 @@ def job_identity(explicit: str | None = None) -> str | None:
     if os.environ.get("SLURM_JOB_ID"):
         # Concurrent `srun` steps of one allocation share SLURM_JOB_ID: they are different jobs.
         step = os.environ.get("SLURM_STEP_ID", "")
-        return f"slurm:{os.environ['SLURM_JOB_ID']}" + (f".{step}" if step else "")
+        if step:
+            return f"slurm:{os.environ['SLURM_JOB_ID']}.{step}"
+        # The batch step: processes started side by side by one batch script share it too; only a
+        # later incarnation (a requeue raises SLURM_RESTART_COUNT) is certainly another lifetime.
+        return f"slurm:{os.environ['SLURM_JOB_ID']}{_BATCH}{os.environ.get('SLURM_RESTART_COUNT', '0')}"
     return None
+
+
+_BATCH = ".batch#"
+
+
+def earlier_incarnation(holder_job: str | None, our_job: str | None) -> bool:
+    """Is the holder certainly an earlier lifetime of our own job (so it is gone)?"""
+    if not holder_job or not our_job:
+        return False
+    if _BATCH in holder_job or _BATCH in our_job:
+        theirs, _, their_restart = holder_job.partition(_BATCH)
+        ours, _, our_restart = our_job.partition(_BATCH)
+        return (theirs == ours and their_restart.isdigit() and our_restart.isdigit()
+                and int(their_restart) < int(our_restart))
+    return holder_job == our_job
 
 
 def _boot_id() -> str:
@@ -149,7 +169,7 @@ class Lease:
             return "it is ours"
         if time.time() - rec.renewed_at > rec.ttl_s:
             return "it expired"
-        if self.job is not None and rec.job == self.job:
+        if earlier_incarnation(rec.job, self.job):
             return f"it belongs to an earlier incarnation of this job ({self.job})"
         if rec.host == hostname() and rec.boot_id == _boot_id() and rec.pid_ns and \
                 rec.pid_ns == _pid_namespace() and not _pid_alive(rec.pid):
