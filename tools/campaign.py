@@ -91,6 +91,15 @@ def load_excluded(results: Path) -> dict[str, str]:
     return json.loads(path.read_text()) if path.exists() else {}
 
 
+#: The signal of the first round's kinds, whose records before 2026-11-30 22:30 UTC do not name it.
+IMPLIED_SIGNAL = {"kill_phase": "kill", "kill_random": "kill", "kill_load": "kill", "stale_cache": "kill",
+                  "takeover": "stop"}
+
+
+def _signal(r: dict[str, Any]) -> str:
+    return r.get("signal") or (IMPLIED_SIGNAL.get(r["kind"], "") if r["injected"] else "")
+
+
 def cumulative_table(records: list[dict[str, Any]], excluded: dict[str, str] | None = None) -> str:
     """The table of every trial in the results file, by kind and variant, with the totals."""
     excluded = excluded or {}
@@ -102,8 +111,8 @@ def cumulative_table(records: list[dict[str, Any]], excluded: dict[str, str] | N
             ("trials", "faults", "kills", "stops", "failures", "torn", "lost", "seconds"), 0))
         row["trials"] += 1
         row["faults"] += r["injected"]
-        row["kills"] += int(r.get("signal") == "kill")
-        row["stops"] += int(r.get("signal") == "stop")
+        row["kills"] += int(_signal(r) == "kill")
+        row["stops"] += int(_signal(r) == "stop")
         row["failures"] += int(r["outcome"] != "ok")
         row["torn"] += r["torn"]
         row["lost"] += r["lost"]
@@ -135,13 +144,13 @@ def cumulative_table(records: list[dict[str, Any]], excluded: dict[str, str] | N
         by_commit.setdefault(r.get("commit") or "?", []).append(r)
     for commit, rs in sorted(by_commit.items(), key=lambda kv: min(r["time"] for r in kv[1])):
         first = time.strftime("%Y-%m-%d %H:%M", time.gmtime(min(r["time"] for r in rs)))
-        lines.append(f"| {commit} | {first} UTC | {len(rs)} | {sum(r.get('signal') in ('kill', 'stop') for r in rs)} | "
+        lines.append(f"| {commit} | {first} UTC | {len(rs)} | {sum(_signal(r) in ('kill', 'stop') for r in rs)} | "
                      f"{sum(r['outcome'] != 'ok' for r in rs)} | {sum(r['torn'] for r in rs)} | "
                      f"{sum(r['lost'] for r in rs)} |")
     lines.append("")
     lines.append(f"{len(records)} trials in {len(runs)} run(s), commits {', '.join(commits) or '?'}; "
-                 f"{everything['faults']:.0f} injected faults, of which {new['kills'] + new['stops']:.0f} "
-                 f"SIGKILLs/SIGSTOPs in the new kinds; {everything['failures']:.0f} failures, "
+                 f"{everything['faults']:.0f} injected faults, {everything['kills'] + everything['stops']:.0f} of them "
+                 f"SIGKILLs/SIGSTOPs, {new['kills'] + new['stops']:.0f} of these in the new kinds; {everything['failures']:.0f} failures, "
                  f"{everything['torn']:.0f} torn, {everything['lost']:.0f} lost.")
     for run, why in excluded.items():
         rs = [r for r in left_out if r["run"] == run]

@@ -565,7 +565,8 @@ class Campaign:
                 self._yield()
                 t0 = time.monotonic()
                 at = ("idle", "publish")[i % 2]
-                trial = Trial("takeover", f"stalled {'between saves' if at == 'idle' else 'before publish'}")
+                trial = Trial("takeover", f"stalled {'between saves' if at == 'idle' else 'before publish'}",
+                              fault=f"{at}:leader:stop", signal="stop")
                 sync = Path(tempfile.mkdtemp(prefix=f"takeover-{i}-", dir=self.workdir))
                 gv, gt = self.next_gen(), self.next_gen()
                 victim: list[Any] = [None]
@@ -647,7 +648,7 @@ class Chain:
                         final.fail(f"the final check job failed: {timeout or tail(job)}")
                         self.c.record(final, 0.0)
                     break
-                pending = Trial(kind, sub, jobs=[job] if job else [])
+                pending = Trial(kind, sub, fault=spec, signal="kill", jobs=[job] if job else [])
                 classify_kill(pending, job, evs, spec, timeout)
                 history = update_history(history, evs, gen)
                 pending_s = time.monotonic() - t0
