@@ -32,7 +32,7 @@ def _root(version: bool = typer.Option(False, "--version", "-V", help="Print the
 
 
 def _register() -> None:
-    from ckptguard.cli import checkpoint_cmd, diagnose_cmd, interop_cmd  # noqa: F401
+    from ckptguard.cli import checkpoint_cmd, diagnose_cmd, interop_cmd, run_cmd  # noqa: F401
 
 
 def main() -> None:
