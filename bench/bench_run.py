@@ -83,7 +83,7 @@ def main() -> int:
         _, rss4 = timed(under(4 * args.lines), env)
         kept = sum(f.stat().st_size for f in Path(logs).rglob("*.log"))
     print(f"lines: {args.lines:,} (half on stderr); best of {args.repeat}")
-    print(f"| run | seconds | lines/s |\n| --- | --- | --- |")
+    print("| run | seconds | lines/s |\n| --- | --- | --- |")
     print(f"| direct | {best_d:.2f} | {args.lines / best_d:,.0f} |")
     print(f"| under ckptguard run | {best_u:.2f} | {args.lines / best_u:,.0f} |")
     print(f"ratio (direct time / time under run): {best_d / best_u:.3f} (target >= 0.95)")
