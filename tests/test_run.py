@@ -157,6 +157,20 @@ def test_success_passes_both_streams_through_pipes_byte_for_byte(tmp_path: Path)
     assert times[0] == "0" and float(times[1]) > 0
 
 
+def test_capture_keeps_head_and_tail_under_the_cap_and_passes_everything_through(tmp_path: Path) -> None:
+    logs = tmp_path / "logs"
+    code = "import sys\nfor i in range(20000): sys.stdout.write(f'line {i:05d}\\n')"
+    res = subprocess.run([*RUN, "--logs", str(logs), "--max-log-bytes", "4096", "--", sys.executable, "-c", code],
+                         env=_env(), capture_output=True, timeout=60)
+    assert res.returncode == 0
+    assert res.stdout == b"".join(b"line %05d\n" % i for i in range(20000))
+    kept = next(logs.glob("*/stdout.log")).read_bytes()
+    assert kept.startswith(res.stdout[:2048])
+    assert kept.endswith(res.stdout[-1024:])
+    assert b"bytes left out here" in kept and len(kept) < 4096 + 200
+    assert not list(logs.glob("*/.stdout.tail*"))
+
+
 def _through_ptys(cmd: list[str], env: dict[str, str]) -> tuple[int, bytes, bytes]:
     """Run ``cmd`` with stdout and stderr each on its own pseudo-terminal; what each terminal got."""
     masters, slaves = zip(*(os.openpty() for _ in range(2)), strict=True)
