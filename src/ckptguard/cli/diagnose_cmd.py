@@ -40,8 +40,9 @@ def diagnose(
     job = logdir.runs_for_path(paths[0]) if len(paths) == 1 else None
     try:
         if job is not None:
-            diag = report.diagnose_runs(job[0])
-            diag.notes.append(f"Read {job[1]}.")
+            diag = report.diagnose_runs(job[0], mask_hosts=mask_hosts)
+            if not mask_hosts:
+                diag.notes.append(f"Read {job[1]}.")
         else:
             diag = run(paths, mask_hosts=mask_hosts)
     except UsageError as exc:
@@ -66,7 +67,7 @@ def diagnose(
             sys.stdout.write(to_json(diag) + "\n")
         else:
             out = report.job_json(diag, resume, job[0] if job is not None else [])
-            if job is None:
+            if job is None or mask_hosts:  # the host runs name hosts and paths
                 out.pop("runs")
             sys.stdout.write(json.dumps(out, indent=2, ensure_ascii=False) + "\n")
     else:

@@ -21,13 +21,14 @@ if TYPE_CHECKING:
     from ckptguard.resume import ResumeInfo
 
 
-def diagnose_runs(runs: Sequence[HostRun]) -> Diagnosis:
+def diagnose_runs(runs: Sequence[HostRun], *, mask_hosts: bool = False) -> Diagnosis:
     """Diagnose the captured logs of ``runs`` together (raises the engine's UsageError if none)."""
     from ckptguard.diagnose.engine import diagnose
 
     files = [f for r in runs for f in r.log_files()]
-    diag = diagnose(files)
-    _fill_host(diag, runs)
+    diag = diagnose(files, mask_hosts=mask_hosts)
+    if not mask_hosts:
+        _fill_host(diag, runs)
     return diag
 
 
