@@ -36,5 +36,11 @@ def _register() -> None:
 
 
 def main() -> None:
+    import sys
+
+    if sys.argv[1:2] == ["run"]:  # before typer: see cli/run_cmd.py
+        from ckptguard.cli.run_cmd import main as run_main
+
+        sys.exit(run_main(sys.argv[2:]))
     _register()
     app()
