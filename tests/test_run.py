@@ -64,7 +64,13 @@ def job_marker() -> Iterator[str]:
 # ---- torchrun jobs ---------------------------------------------------------------------------
 
 
-@pytest.mark.skipif(shutil.which("unshare") is None, reason="needs unshare(1) for a hostname per node")
+def _can_unshare_uts() -> bool:
+    if shutil.which("unshare") is None:
+        return False
+    return subprocess.run(["unshare", "--uts", "true"], capture_output=True).returncode == 0
+
+
+@pytest.mark.skipif(not _can_unshare_uts(), reason="needs unshare --uts (root) for a hostname per node")
 def test_two_node_job_failure_is_diagnosed_on_each_node_with_the_step_to_resume(tmp_path: Path, job_marker: str) -> None:
     logs, root = tmp_path / "logs", tmp_path / "ckpt"
     port = free_port()
