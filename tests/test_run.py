@@ -239,7 +239,7 @@ def test_on_failure_runs_once_with_the_report_paths(tmp_path: Path) -> None:
     logs = tmp_path / "logs"
     res = subprocess.run([*RUN, "--logs", str(logs), "--grace", "0", "--on-failure",
                           f'echo "$CKPTGUARD_EXIT_STATUS $CKPTGUARD_REPORT_JSON $CKPTGUARD_REPORT_HTML" >> {hook}', "--",
-                          sys.executable, str(CHILD), "save-and-fail", str(tmp_path / "ckpt"), "1"],
+                          sys.executable, "-c", "raise RuntimeError('training diverged')"],
                          env=_env(), capture_output=True, text=True, timeout=120)
     assert res.returncode == 1
     lines = hook.read_text().splitlines()
