@@ -37,14 +37,16 @@ def banner(text: str) -> None:
 
 
 def run_job(name: str, root: Path, logs: Path, extra_env: dict[str, str]) -> int:
-    """Start both torchrun agents; each agent's console (with [rankN]: prefixes) goes to a log file."""
+    """Start both torchrun agents, each under `ckptguard run` (one shared log directory, `logs/run`);
+    each agent's console (with [rankN]: prefixes) also goes to a file, for the demo's own summary."""
     logs.mkdir(parents=True, exist_ok=True)
     port = free_port()
     env = {**os.environ, "CKPT_ROOT": str(root), "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1",
            "PYTHONUNBUFFERED": "1", "TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE": "[rank${rank}]:", **extra_env}
     agents = []
     for node in range(NODES):
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={NODES}", f"--nproc-per-node={PROCS}",
+        cmd = [sys.executable, "-m", "ckptguard", "run", "--logs", str(logs / "run"), "--checkpoints", str(root),
+               "--", sys.executable, "-m", "torch.distributed.run", f"--nnodes={NODES}", f"--nproc-per-node={PROCS}",
                "--rdzv-backend=static", "--master-addr=127.0.0.1", f"--master-port={port}",
                f"--node-rank={node}", "--max-restarts=0", "--tee=3", f"--log-dir={logs / f'torchrun-node{node}'}",
                str(HERE / "train.py")]
@@ -65,6 +67,11 @@ def run_job(name: str, root: Path, logs: Path, extra_env: dict[str, str]) -> int
             print(f"  {m.group(1)}")
     status = "ok" if all(c == 0 for c in codes) else f"FAILED (agent exit codes {codes})"
     print(f"--> {name}: {status}; logs in {logs}", flush=True)
+    for n in range(NODES):  # what `ckptguard run` printed on the failing node's terminal
+        block = (logs / f"node{n}.log").read_text(errors="replace").partition("ckptguard run: the command failed")
+        if block[1]:
+            print(f"\n  [node {n}'s terminal]\n  {block[1]}{block[2]}".replace("\n", "\n  ").rstrip(), flush=True)
+            break
     return 0 if all(c == 0 for c in codes) else 1
 
 
@@ -114,8 +121,8 @@ def main() -> int:
     ckptguard("ls", str(root))
     verify_rc = ckptguard("verify", str(root))
 
-    banner("4. what killed the first run? (diagnosis from its logs, offline)")
-    ckptguard("diagnose", str(work / "logs" / "run1-crash"))
+    banner("4. afterwards, the same whole-job answer from the first run's log directory (offline)")
+    ckptguard("diagnose", str(work / "logs" / "run1-crash" / "run"), "--checkpoints", str(root))
 
     ok = crashed != 0 and resumed == 0 and verify_rc == 0 and exact
     banner("demo " + ("finished: crash contained, run resumed, checkpoints intact" if ok else "FAILED"))

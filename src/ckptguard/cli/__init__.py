@@ -32,9 +32,15 @@ def _root(version: bool = typer.Option(False, "--version", "-V", help="Print the
 
 
 def _register() -> None:
-    from ckptguard.cli import checkpoint_cmd, diagnose_cmd, interop_cmd  # noqa: F401
+    from ckptguard.cli import checkpoint_cmd, diagnose_cmd, interop_cmd, run_cmd  # noqa: F401
 
 
 def main() -> None:
+    import sys
+
+    if sys.argv[1:2] == ["run"]:  # before typer: see cli/run_cmd.py
+        from ckptguard.cli.run_cmd import main as run_main
+
+        sys.exit(run_main(sys.argv[2:]))
     _register()
     app()

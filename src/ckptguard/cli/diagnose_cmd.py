@@ -24,27 +24,59 @@ def diagnose(
     html_out: Annotated[Path | None, typer.Option("--html", help="Also write a self-contained HTML report.")] = None,
     mask_hosts: Annotated[bool, typer.Option(
         "--mask-hosts", help="Also mask hostnames, IP addresses and user names in paths.")] = False,
+    checkpoints: Annotated[str | None, typer.Option(
+        "--checkpoints", help="Checkpoint root (path or s3://): add the step to resume from.")] = None,
+    deep: Annotated[bool, typer.Option("--deep", help="With --checkpoints: checksum every byte.")] = False,
 ) -> None:
-    """Name the failure, the rank that failed first and the collateral ranks of a crashed run."""
+    """Name the failure, the rank that failed first and the collateral ranks of a crashed run.
+
+    A `ckptguard run` log directory is read as its job: every host's captured output merged.
+    """
     from ckptguard.diagnose.engine import diagnose as run
     from ckptguard.diagnose.ingest import UsageError
     from ckptguard.diagnose.report import render_html, render_text, to_json
+    from ckptguard.runner import logdir, report
 
+    job = logdir.runs_for_path(paths[0]) if len(paths) == 1 else None
     try:
-        diag = run(paths, mask_hosts=mask_hosts)
+        if job is not None:
+            diag = report.diagnose_runs(job[0], mask_hosts=mask_hosts)
+            if not mask_hosts:
+                diag.notes.append(f"Read {job[1]}.")
+        else:
+            diag = run(paths, mask_hosts=mask_hosts)
     except UsageError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from exc
+    resume = None
+    if checkpoints is not None:
+        from ckptguard.resume import resume_info
+
+        resume = resume_info(checkpoints, deep=deep)
     if html_out is not None:
         try:
-            html_out.write_text(render_html(diag), encoding="utf-8")
+            page = render_html(diag)
+            if resume is not None:
+                page = page.replace("</body>", report.resume_html(resume) + "\n</body>", 1)
+            html_out.write_text(page, encoding="utf-8")
         except OSError as exc:
             typer.echo(f"error: cannot write {html_out}: {exc}", err=True)
             raise typer.Exit(2) from exc
     if json_out:
-        sys.stdout.write(to_json(diag) + "\n")
+        if resume is None and job is None:
+            sys.stdout.write(to_json(diag) + "\n")
+        else:
+            out = report.job_json(diag, resume, job[0] if job is not None else [])
+            if job is None or mask_hosts:  # the host runs name hosts and paths
+                out.pop("runs")
+            sys.stdout.write(json.dumps(out, indent=2, ensure_ascii=False) + "\n")
     else:
-        render_text(diag, console(highlight=False))
+        con = console(highlight=False)
+        render_text(diag, con)
+        if resume is not None:
+            con.print("\n[bold]Resume[/bold]")
+            for line in report.resume_lines(resume):
+                con.print("  " + line, markup=False, soft_wrap=True)
     raise typer.Exit(0 if diag.found else 1)
 
 

@@ -1,0 +1,162 @@
+"""Which step is safe to resume from, which are not and why, and the line that resumes.
+
+Answered from what `list_root` and `verify_checkpoint` read (no process group, no torch tensors):
+the step is the checkpoint committed last whose manifest reads and whose files are all there with
+their recorded sizes (the quick checks), or, with ``deep=True``, whose every byte matches its
+checksum. Steps committed after it that fail those checks, steps rolled back past, and save
+attempts that never committed are the unsafe ones, each with its reason.
+
+A root that belongs to a framework integration (``.ckptguard-hf`` under a Trainer's output_dir,
+``.ckptguard-lightning``, ``.ckptguard-accelerate``, ``.ckptguard-deepspeed``) is found when the
+directory given is the framework's, and the hint is then the framework's own resume call.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from ckptguard.errors import CheckpointError
+from ckptguard.protocol.layout import CheckpointName
+from ckptguard.protocol.objstore import open_root
+from ckptguard.storage import open_storage
+from ckptguard.verify import CheckpointInfo, RootListing, list_root, verify_checkpoint
+
+#: Hidden ckptguard roots that framework integrations keep inside the framework's directory.
+FRAMEWORK_ROOTS = {
+    ".ckptguard-hf": "hf",
+    ".ckptguard-lightning": "lightning",
+    ".ckptguard-accelerate": "accelerate",
+    ".ckptguard-deepspeed": "deepspeed",
+}
+
+
+@dataclass
+class UnsafeStep:
+    step: int
+    reason: str
+
+
+@dataclass
+class ResumeInfo:
+    """The resume section of a report; ``to_json`` is the documented ``resume`` object."""
+
+    step: int | None
+    root: str
+    unsafe: list[UnsafeStep] = field(default_factory=list)
+    resume_hint: str = ""
+    checked: str = "quick"  # "quick" (manifests and sizes) or "deep" (every byte checksummed)
+    framework: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {"step": self.step, "root": self.root,
+                "unsafe": [{"step": u.step, "reason": u.reason} for u in self.unsafe],
+                "resume_hint": self.resume_hint}
+
+
+def _is_remote(root: str) -> bool:
+    return "://" in root
+
+
+def _framework_root(root: str) -> tuple[str, str | None]:
+    """(the ckptguard root to read, the framework it belongs to or None)."""
+    if _is_remote(root):
+        return root, None
+    base = os.path.basename(os.path.normpath(root))
+    if base in FRAMEWORK_ROOTS:
+        return root, FRAMEWORK_ROOTS[base]
+    for name, fw in FRAMEWORK_ROOTS.items():
+        if os.path.isdir(os.path.join(root, name)):
+            return os.path.join(root, name), fw
+    return root, None
+
+
+def _quick_problem(root: str, info: CheckpointInfo) -> str | None:
+    """What the quick checks find wrong with one committed checkpoint (None: nothing)."""
+    if info.manifest_error:
+        return f"corrupt manifest: {info.manifest_error}"
+    storage = open_storage(root)
+    croot = open_root(storage)
+    name = CheckpointName(info.step, info.version)
+    try:
+        manifest = croot.read_manifest(name)
+    except CheckpointError as e:
+        return f"corrupt manifest: {e}"
+    base = croot.data_dir(name, manifest)
+    for f in manifest.files:
+        path = os.path.join(base, f.path)
+        actual = storage.size(path)
+        if actual is None:
+            return f"missing file {path}"
+        if actual != f.size:
+            return f"corrupt file {path}: {actual} bytes, the manifest says {f.size}"
+    return None
+
+
+def _deep_problem(root: str, info: CheckpointInfo) -> str | None:
+    result = verify_checkpoint(root, CheckpointName(info.step, info.version))
+    if result.intact:
+        return None
+    p = result.problems[0]
+    more = f" (and {len(result.problems) - 1} more problems)" if len(result.problems) > 1 else ""
+    return f"corrupt file {p.path}: {p.kind}: {p.detail}{more}"
+
+
+def _hint(framework: str | None, shown_root: str, ck_root: str, step: int, info: CheckpointInfo) -> str:
+    base = os.path.dirname(os.path.normpath(ck_root))
+    if framework == "hf":
+        return f'trainer.train(resume_from_checkpoint="{os.path.join(base, f"checkpoint-{step}")}")'
+    if framework == "accelerate":
+        return f"accelerator.load_state(step={step})  # CkptguardAccelerator; or load_state(accelerator, step={step})"
+    if framework == "lightning":
+        return f'trainer.fit(model, ckpt_path="last")  # the .ckpt committed last (step {step} of {ck_root})'
+    if framework == "deepspeed":
+        tag = info.user_metadata.get("tag") if info.user_metadata else None
+        tag_arg = f', tag="{tag}"' if tag is not None else ""
+        return f'engine.load_checkpoint("{base}"{tag_arg})'
+    return f'Checkpointer("{shown_root}").load(state, step={step})'
+
+
+def resume_info(root: str, *, deep: bool = False) -> ResumeInfo:
+    """The step to resume from in ``root`` (POSIX path or s3:// URL). Never raises for a root that
+    is missing, empty or unreadable: the answer is then ``step=None`` and the hint says why."""
+    ck_root, framework = _framework_root(root)
+    info = ResumeInfo(None, root, checked="deep" if deep else "quick", framework=framework)
+    if not _is_remote(root) and not os.path.exists(root):
+        info.resume_hint = f"no answer: {root} does not exist (the job saved no checkpoint there); it starts from scratch"
+        return info
+    try:
+        listing: RootListing = list_root(ck_root)
+    except CheckpointError as e:
+        info.resume_hint = f"no answer: cannot read {root} as a checkpoint root: {e}"
+        return info
+    current = [c for c in listing.checkpoints if c.current]
+    for a in listing.attempts:
+        if a.step is not None:
+            info.unsafe.append(UnsafeStep(a.step, f"uncommitted attempt ({a.state}) in {a.dir}: never committed"))
+    chosen: CheckpointInfo | None = None
+    for c in reversed(current):  # commit order: the last committed comes last
+        if c.abandoned:
+            info.unsafe.append(UnsafeStep(c.step, "rolled back: a lower step was committed after it"))
+            continue
+        try:
+            problem = _deep_problem(ck_root, c) if deep else _quick_problem(ck_root, c)
+        except CheckpointError as e:
+            problem = f"cannot be read: {e}"
+        if problem is not None:
+            info.unsafe.append(UnsafeStep(c.step, problem))
+            continue
+        chosen = c
+        break
+    info.unsafe.sort(key=lambda u: u.step)
+    if chosen is None:
+        if current:
+            info.resume_hint = (f"no answer: none of the {len(current)} committed checkpoints in {root} passes "
+                                f"the {info.checked} checks; it starts from scratch")
+        else:
+            info.resume_hint = f"no answer: {root} holds no committed checkpoint; it starts from scratch"
+        return info
+    info.step = chosen.step
+    info.resume_hint = _hint(framework, root, ck_root, chosen.step, chosen)
+    return info

@@ -1,0 +1,116 @@
+"""`ckptguard run`: run any launcher command, pass its output through, keep it, and explain a failure.
+
+The pieces: ``child`` (spawn, pass-through over pipes or pseudo-terminals, signal forwarding),
+``capture`` (the kept bytes, head and tail, arrival times), ``logdir`` (one subdirectory per host
+and run, finding a job's other hosts), ``report`` (the whole-job diagnosis and resume section).
+The exit status is always the child's; the runner's own refusals happen before the child starts
+(125: options or log directory, 126: not executable, 127: command not found).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from ckptguard.runner import logdir
+from ckptguard.runner.capture import DEFAULT_CAP, StreamCapture
+from ckptguard.runner.child import CommandNotFound, run_child
+
+RUNNER_ERROR = 125
+MAX_GRACE_S = 10.0
+#: Where torchrun's agent writes the root-cause worker's error file (entry points decorated
+#: with ``@record``); set only when the user has not set it.
+ERROR_FILE = "torchelastic_error.json"
+
+
+@dataclass
+class RunOptions:
+    command: Sequence[str]
+    logs: str = "ckptguard-logs"
+    checkpoints: str | None = None
+    deep: bool = False
+    on_failure: str | None = None
+    grace_s: float = MAX_GRACE_S
+    job_id: str | None = None
+    max_log_bytes: int = DEFAULT_CAP
+
+
+def _say(text: str) -> None:
+    sys.stderr.write(text)
+    sys.stderr.flush()
+
+
+def child_env(base: Mapping[str, str], run: logdir.HostRun) -> dict[str, str]:
+    """The child's environment: ours, plus where torchrun's agent may record the root cause."""
+    env = dict(base)
+    env.setdefault("TORCHELASTIC_ERROR_FILE", os.path.join(run.dir, ERROR_FILE))
+    env["CKPTGUARD_RUN_LOGS"] = run.dir
+    return env
+
+
+def run(opts: RunOptions, env: Mapping[str, str] | None = None) -> int:
+    """Run ``opts.command``; return the status `ckptguard run` exits with (the child's)."""
+    env = dict(os.environ if env is None else env)
+    if not opts.command:
+        _say("ckptguard run: no command given (ckptguard run [OPTIONS] -- COMMAND ...)\n")
+        return RUNNER_ERROR
+    if not 0 <= opts.grace_s <= MAX_GRACE_S:
+        _say(f"ckptguard run: --grace must be between 0 and {MAX_GRACE_S:.0f} seconds\n")
+        return RUNNER_ERROR
+    job_id = opts.job_id or logdir.job_id_from_env(env)
+    opts.logs = os.path.abspath(opts.logs)
+    try:
+        me = logdir.create(opts.logs, list(opts.command), job_id)
+        out = StreamCapture(me.dir, "stdout", opts.max_log_bytes)
+        err = StreamCapture(me.dir, "stderr", opts.max_log_bytes)
+    except (logdir.LogDirError, OSError) as e:
+        _say(f"ckptguard run: {e}\n")
+        return RUNNER_ERROR
+    try:
+        result = run_child(opts.command, child_env(env, me), out, err)
+    except CommandNotFound as e:
+        out.close()
+        err.close()
+        logdir.finish(me, ended_at=me.started, exit_status=e.status, error=str(e))
+        _say(f"ckptguard run: {e}\n")
+        return e.status
+    out.close()
+    err.close()
+    logdir.finish(me, ended_at=result.ended_at, exit_status=result.status,
+                  signals_forwarded=result.signals_forwarded)
+    if result.status != 0:
+        _on_failure(opts, me, result.status, env)
+    return result.status
+
+
+def _on_failure(opts: RunOptions, me: logdir.HostRun, status: int, env: Mapping[str, str]) -> None:
+    """Diagnose the whole job, print the summary, write the reports, run --on-failure."""
+    from ckptguard.runner import report
+
+    try:
+        runs = logdir.wait_for_job(me, opts.logs, opts.grace_s)
+        diag = report.diagnose_runs(runs)
+        resume = None
+        if opts.checkpoints is not None:
+            from ckptguard.resume import resume_info
+
+            resume = resume_info(opts.checkpoints, deep=opts.deep)
+        paths = report.write_reports(me.dir, diag, resume, runs)
+        _say(report.summary(diag, resume, status, runs, paths))
+        logdir.finish(me, report_json=paths[0], report_html=paths[1])
+    except Exception as e:  # the child's status is what matters; the diagnosis is a bonus
+        _say(f"ckptguard run: could not diagnose the failure ({type(e).__name__}: {e}); "
+             f"the output is kept in {me.dir}\n")
+        paths = None
+        diag = None
+    if opts.on_failure:
+        hook_env = {**env, "CKPTGUARD_EXIT_STATUS": str(status), "CKPTGUARD_LOG_DIR": me.dir,
+                    "CKPTGUARD_REPORT_JSON": paths[0] if paths else "",
+                    "CKPTGUARD_REPORT_HTML": paths[1] if paths else "",
+                    "CKPTGUARD_FAILURE_CLASS": (diag.failure_class or "") if diag is not None else ""}
+        rc = subprocess.call(opts.on_failure, shell=True, env=hook_env)
+        if rc != 0:
+            _say(f"ckptguard run: --on-failure command exited with status {rc}\n")

@@ -1,0 +1,132 @@
+"""The whole-job answer after a failure: diagnosis of every host's logs, plus the resume section.
+
+Used by `ckptguard run` (on failure) and by `ckptguard diagnose` on a run's log directory, so
+both give the same answer. The diagnosis engine reads the captured ``stdout.log``/``stderr.log``
+of each host run; where it cannot tell the host of the rank that failed first, the host run
+whose log holds that rank's evidence names it.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+import os
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from ckptguard.runner.logdir import HostRun
+
+if TYPE_CHECKING:
+    from ckptguard.diagnose.model import Diagnosis
+    from ckptguard.resume import ResumeInfo
+
+
+def diagnose_runs(runs: Sequence[HostRun], *, mask_hosts: bool = False) -> Diagnosis:
+    """Diagnose the captured logs of ``runs`` together (raises the engine's UsageError if none)."""
+    from ckptguard.diagnose.engine import diagnose
+
+    files = [f for r in runs for f in r.log_files()]
+    diag = diagnose(files, mask_hosts=mask_hosts)
+    if not mask_hosts:
+        _fill_host(diag, runs)
+    return diag
+
+
+def _fill_host(diag: Diagnosis, runs: Sequence[HostRun]) -> None:
+    if not diag.found or diag.initiating_host or diag.initiating_rank is None:
+        return
+    host_of = {f: r.host for r in runs for f in r.log_files()}
+    for e in diag.evidence:
+        if e.role == "initiating" and e.rank == diag.initiating_rank and e.file in host_of:
+            diag.initiating_host = host_of[e.file]
+            return
+
+
+def job_json(diag: Diagnosis, resume: ResumeInfo | None, runs: Sequence[HostRun]) -> dict[str, Any]:
+    """The diagnosis JSON (docs/diagnose.md) with ``resume`` (when asked) and the host runs read."""
+    out: dict[str, Any] = diag.to_dict()
+    if resume is not None:
+        out["resume"] = resume.to_json()
+    out["runs"] = [{"dir": r.dir, "host": r.host, "job_id": r.job_id, "exit_status": r.record.get("exit_status"),
+                    "command": r.record.get("command")} for r in runs]
+    return out
+
+
+def resume_lines(resume: ResumeInfo) -> list[str]:
+    """The resume section as plain lines (the same in the terminal summary and `diagnose`)."""
+    checks = "every byte checksummed" if resume.checked == "deep" else "quick checks: manifest and file sizes; --deep checksums every byte"
+    lines = []
+    if resume.step is not None:
+        lines.append(f"resume from  step {resume.step} of {resume.root} (committed last and intact; {checks})")
+        lines.append(f"             {resume.resume_hint}")
+    else:
+        lines.append(f"resume from  {resume.resume_hint}")
+    for u in resume.unsafe:
+        lines.append(f"not safe     step {u.step}: {u.reason}")
+    return lines
+
+
+def resume_html(resume: ResumeInfo) -> str:
+    e = html.escape
+    unsafe = "".join(f"<li>step {u.step}: {e(u.reason)}</li>" for u in resume.unsafe) or "<li>none</li>"
+    head = (f"<p>Resume from <b>step {resume.step}</b> of <code>{e(resume.root)}</code> "
+            f"(committed last and intact, {e(resume.checked)} checks):</p><pre class=code>{e(resume.resume_hint)}</pre>"
+            if resume.step is not None else f"<p>{e(resume.resume_hint)}</p>")
+    return f"<h2>Resume</h2>{head}<h3>Not safe</h3><ul>{unsafe}</ul>"
+
+
+def write_reports(directory: str, diag: Diagnosis, resume: ResumeInfo | None,
+                  runs: Sequence[HostRun]) -> tuple[str, str]:
+    """``report.json`` and ``report.html`` in ``directory``; their paths."""
+    from ckptguard.diagnose.report import render_html
+
+    json_path = os.path.join(directory, "report.json")
+    html_path = os.path.join(directory, "report.html")
+    with open(json_path, "w", encoding="utf-8") as f:
+        json.dump(job_json(diag, resume, runs), f, indent=2, ensure_ascii=False)
+        f.write("\n")
+    page = render_html(diag)
+    extra = (resume_html(resume) if resume is not None else "") + _runs_html(runs)
+    page = page.replace("</body>", extra + "\n</body>", 1)
+    with open(html_path, "w", encoding="utf-8") as f:
+        f.write(page)
+    return json_path, html_path
+
+
+def _runs_html(runs: Sequence[HostRun]) -> str:
+    e = html.escape
+    rows = "".join(f"<tr><td>{e(r.host)}</td><td>{e(str(r.record.get('exit_status')))}</td><td><code>{e(r.dir)}</code></td></tr>"
+                   for r in runs)
+    return f"<h2>Hosts read</h2><table><tr><th>host</th><th>exit status</th><th>logs</th></tr>{rows}</table>"
+
+
+def summary(diag: Diagnosis, resume: ResumeInfo | None, status: int, runs: Sequence[HostRun],
+            report_paths: tuple[str, str] | None) -> str:
+    """The compact summary `ckptguard run` prints on stderr after a failure."""
+    from ckptguard.diagnose.model import ranges
+
+    hosts = ", ".join(sorted({r.host for r in runs}))
+    lines = [f"ckptguard run: the command failed (exit status {status}); diagnosis of the logs of "
+             f"{len(runs)} host run(s) ({hosts}):"]
+    if diag.found:
+        lines.append(f"  failure      {diag.failure_class}: {diag.title} (confidence {diag.confidence:.2f}, "
+                     f"{diag.confidence_label})")
+        first = "unknown" if diag.initiating_rank is None else f"rank {diag.initiating_rank}"
+        if diag.initiating_host:
+            first += f" on {diag.initiating_host}"
+        lines.append(f"  first        {first}")
+        lines.append(f"  collateral   {ranges(diag.collateral_ranks) if diag.collateral_ranks else 'none'}")
+        if diag.also_failed_ranks:
+            lines.append(f"  also failed  {ranges(diag.also_failed_ranks)}")
+        lines.append(f"  root cause   {diag.root_cause}")
+        fix = diag.fix.split(" ckptguard's Checkpointer prevents")[0].strip()
+        lines.append(f"  fix          {fix}")
+        lines.append(f"  verify       $ {diag.verify_command}")
+    else:
+        lines.append("  failure      none recognised in the captured output: " + " ".join(diag.notes))
+    if resume is not None:
+        lines += ["  " + x for x in resume_lines(resume)]
+    if report_paths is not None:
+        lines.append(f"  report       {report_paths[1]} (JSON: {report_paths[0]})")
+    lines.append(f"  all nodes    $ ckptguard diagnose {os.path.dirname(runs[0].dir) if runs else '.'}")
+    return "\n".join(lines) + "\n"

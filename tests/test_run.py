@@ -1,0 +1,359 @@
+"""`ckptguard run`: real commands and real torchrun jobs under the runner, and `diagnose --checkpoints`.
+
+The torchrun tests (a 2-node x 2-rank job with each agent in its own UTS namespace, a SIGKILLed
+rank, a hang ended by ``collective_timeout_s``) start real agents; the others run a small Python
+child (``tests/workers/run_child.py``) or build a checkpoint root in this process.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.support.jobs import REPO, free_port, kill_job
+
+WORKERS = REPO / "tests" / "workers"
+CHILD = WORKERS / "run_child.py"
+JOB = WORKERS / "run_target_job.py"
+RUN = [sys.executable, "-m", "ckptguard", "run"]
+MARKER = "CKPTGUARD_BED_JOB"
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = dict(os.environ)
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_ERROR_FILE",
+              "TORCHELASTIC_RUN_ID", "SLURM_JOB_ID", "PBS_JOBID", "LSB_JOBID", "JOB_ID", "PET_RDZV_ID"):
+        env.pop(k, None)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO / "src"), str(REPO)])
+    env.update(GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env.update(extra)
+    return env
+
+
+def _reports(logs: Path) -> list[dict[str, Any]]:
+    return [json.loads(p.read_text()) for p in sorted(logs.glob("*/report.json"))]
+
+
+def _torchrun(nnodes: int, node: int, port: int, *args: str) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nnodes}", "--nproc-per-node=2",
+            "--rdzv-backend=static", "--master-addr=127.0.0.1", f"--master-port={port}", f"--node-rank={node}",
+            "--max-restarts=0", str(JOB), *args]
+
+
+@pytest.fixture
+def job_marker() -> Iterator[str]:
+    """Tags every process a test starts; whatever is left afterwards is killed."""
+    marker = uuid.uuid4().hex
+    yield marker
+    kill_job(marker)
+
+
+# ---- torchrun jobs ---------------------------------------------------------------------------
+
+
+def _can_unshare_uts() -> bool:
+    if shutil.which("unshare") is None:
+        return False
+    return subprocess.run(["unshare", "--uts", "true"], capture_output=True).returncode == 0
+
+
+@pytest.mark.skipif(not _can_unshare_uts(), reason="needs unshare --uts (root) for a hostname per node")
+def test_two_node_job_failure_is_diagnosed_on_each_node_with_the_step_to_resume(tmp_path: Path, job_marker: str) -> None:
+    logs, root = tmp_path / "logs", tmp_path / "ckpt"
+    port = free_port()
+    env = _env(**{MARKER: job_marker})
+    procs = []
+    for node in (0, 1):
+        cmd = [*RUN, "--logs", str(logs), "--checkpoints", str(root), "--",
+               *_torchrun(2, node, port, "--root", str(root), "--fail", "raise", "--fail-rank", "3", "--fail-step", "3")]
+        script = f"hostname node{node} && exec \"$@\""
+        procs.append(subprocess.Popen(["unshare", "--uts", "sh", "-c", script, "sh", *cmd], env=env, cwd=tmp_path,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE))
+    outs = [p.communicate(timeout=240) for p in procs]
+    stderr = [e.decode(errors="replace") for _, e in outs]
+    # Each node's runner exits with its torchrun's status: both agents saw a worker fail.
+    assert [p.returncode for p in procs] == [1, 1], stderr
+    reports = _reports(logs)
+    assert len(reports) == 2, list(logs.iterdir())
+    for rep, text in zip(reports, stderr, strict=True):
+        assert rep["initiating_rank"] == 3 and rep["initiating_host"] == "node1", rep["root_cause"]
+        assert 3 not in rep["collateral_ranks"] and rep["collateral_ranks"]
+        assert set(rep["collateral_ranks"]) | set(rep["also_failed_ranks"]) == {0, 1, 2}
+        assert {r["host"] for r in rep["runs"]} == {"node0", "node1"}
+        assert rep["resume"] == {"step": 2, "root": str(root), "unsafe": [],
+                                 "resume_hint": f'Checkpointer("{root}").load(state, step=2)'}
+        assert "first        rank 3 on node1" in text and "resume from  step 2" in text, text
+    # torchrun's agent recorded the failing worker's error file (the entry point has @record).
+    assert any("sampler state of rank 3" in p.read_text() for p in logs.glob("*node1*/torchelastic_error.json"))
+    # The same whole-job answer afterwards, from the log directory.
+    after = subprocess.run([sys.executable, "-m", "ckptguard", "diagnose", str(logs), "--json", "--checkpoints",
+                            str(root)], env=_env(), capture_output=True, text=True, timeout=60)
+    got = json.loads(after.stdout)
+    assert (got["initiating_rank"], got["initiating_host"], got["failure_class"]) == (3, "node1", reports[0]["failure_class"])
+    assert got["resume"]["step"] == 2
+    # The step named loads.
+    import torch
+
+    import ckptguard
+
+    state = ckptguard.Checkpointer(str(root), process_group="local", read_only=True).read(step=2)
+    assert torch.equal(state["w"], torch.full((64,), 2.0))
+
+
+def _single_node(tmp_path: Path, marker: str, *job_args: str) -> tuple[subprocess.CompletedProcess[str], dict[str, Any]]:
+    logs = tmp_path / "logs"
+    cmd = [*RUN, "--logs", str(logs), "--checkpoints", str(tmp_path / "ckpt"), "--grace", "0", "--",
+           *_torchrun(1, 0, free_port(), "--root", str(tmp_path / "ckpt"), *job_args)]
+    res = subprocess.run(cmd, env=_env(**{MARKER: marker}), cwd=tmp_path, capture_output=True, text=True, timeout=240)
+    reports = _reports(logs)
+    assert len(reports) == 1, res.stderr
+    return res, reports[0]
+
+
+def test_sigkilled_rank_is_named(tmp_path: Path, job_marker: str) -> None:
+    res, rep = _single_node(tmp_path, job_marker, "--fail", "kill", "--fail-rank", "1", "--fail-step", "2")
+    assert res.returncode == 1, res.stderr
+    assert rep["initiating_rank"] == 1, rep
+    assert "-9" in json.dumps(rep["evidence"]) or "SIGKILL" in json.dumps(rep["evidence"])
+    assert rep["resume"]["step"] == 1
+    assert "ckptguard run: the command failed (exit status 1)" in res.stderr
+
+
+def test_hang_ended_by_the_collective_timeout(tmp_path: Path, job_marker: str) -> None:
+    started = time.monotonic()
+    res, rep = _single_node(tmp_path, job_marker, "--fail", "hang", "--fail-rank", "1", "--fail-step", "2",
+                            "--timeout", "3")
+    assert res.returncode == 1, res.stderr
+    assert time.monotonic() - started < 200
+    # A collective that timed out (which rank hung is the engine's to tell: rank 1 printed nothing).
+    assert rep["failure_class"] in {"nccl_watchdog_timeout", "peer_connection_lost"}, rep
+    assert "PeerError" in json.dumps(rep["evidence"]) or "PeerError" in json.dumps(rep["timeline"])
+    assert rep["resume"]["step"] == 1
+    # The unfinished save of step 2 is no checkpoint: at most an attempt named unsafe.
+    assert all(u["step"] == 2 for u in rep["resume"]["unsafe"])
+
+
+# ---- pass-through, status, signals -------------------------------------------------------------
+
+
+def test_success_passes_both_streams_through_pipes_byte_for_byte(tmp_path: Path) -> None:
+    direct = subprocess.run([sys.executable, str(CHILD), "output"], env=_env(), capture_output=True, timeout=60)
+    logs = tmp_path / "logs"
+    under = subprocess.run([*RUN, "--logs", str(logs), "--", sys.executable, str(CHILD), "output"], env=_env(),
+                           capture_output=True, timeout=60)
+    assert under.returncode == 0
+    assert under.stdout == direct.stdout and b"isatty=False" in direct.stdout
+    assert under.stderr == direct.stderr
+    (run_dir,) = logs.iterdir()
+    assert (run_dir / "stdout.log").read_bytes() == direct.stdout
+    assert (run_dir / "stderr.log").read_bytes() == direct.stderr
+    assert not (run_dir / "report.json").exists()
+    times = (run_dir / ".stdout.times").read_text().split()
+    assert times[0] == "0" and float(times[1]) > 0
+
+
+def test_capture_keeps_head_and_tail_under_the_cap_and_passes_everything_through(tmp_path: Path) -> None:
+    logs = tmp_path / "logs"
+    code = "import sys\nfor i in range(20000): sys.stdout.write(f'line {i:05d}\\n')"
+    res = subprocess.run([*RUN, "--logs", str(logs), "--max-log-bytes", "4096", "--", sys.executable, "-c", code],
+                         env=_env(), capture_output=True, timeout=60)
+    assert res.returncode == 0
+    assert res.stdout == b"".join(b"line %05d\n" % i for i in range(20000))
+    kept = next(logs.glob("*/stdout.log")).read_bytes()
+    assert kept.startswith(res.stdout[:2048])
+    assert kept.endswith(res.stdout[-1024:])
+    assert b"bytes left out here" in kept and len(kept) < 4096 + 200
+    assert not list(logs.glob("*/.stdout.tail*"))
+
+
+def _through_ptys(cmd: list[str], env: dict[str, str]) -> tuple[int, bytes, bytes]:
+    """Run ``cmd`` with stdout and stderr each on its own pseudo-terminal; what each terminal got."""
+    masters, slaves = zip(*(os.openpty() for _ in range(2)), strict=True)
+    got = [bytearray(), bytearray()]
+
+    def drain(i: int) -> None:
+        while True:
+            try:
+                data = os.read(masters[i], 65536)
+            except OSError as e:
+                assert e.errno == errno.EIO
+                return
+            if not data:
+                return
+            got[i] += data
+
+    proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=slaves[0], stderr=slaves[1])
+    for s in slaves:
+        os.close(s)
+    readers = [threading.Thread(target=drain, args=(i,)) for i in (0, 1)]
+    for t in readers:
+        t.start()
+    rc = proc.wait(timeout=60)
+    for t in readers:
+        t.join(timeout=30)
+    for m in masters:
+        os.close(m)
+    return rc, bytes(got[0]), bytes(got[1])
+
+
+def test_success_through_a_terminal_child_sees_a_terminal_and_bytes_are_identical(tmp_path: Path) -> None:
+    rc_d, out_d, err_d = _through_ptys([sys.executable, str(CHILD), "output"], _env())
+    rc_u, out_u, err_u = _through_ptys([*RUN, "--logs", str(tmp_path / "logs"), "--", sys.executable, str(CHILD),
+                                        "output"], _env())
+    assert (rc_d, rc_u) == (0, 0)
+    assert b"stdout isatty=True stderr isatty=True" in out_d
+    assert out_u == out_d
+    assert err_u == err_d
+
+
+def test_signals_reach_the_child_and_the_status_is_the_childs(tmp_path: Path) -> None:
+    for sig, status, said in ((signal.SIGTERM, 7, "child got signal 15"), (signal.SIGINT, 128 + signal.SIGINT, "cleanup ran")):
+        logs = tmp_path / f"logs-{sig.name}"
+        proc = subprocess.Popen([*RUN, "--logs", str(logs), "--grace", "0", "--", sys.executable, str(CHILD), "signals"],
+                                env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        assert proc.stdout is not None
+        assert proc.stdout.readline() == b"ready\n"
+        proc.send_signal(sig)
+        out, err = proc.communicate(timeout=60)
+        assert proc.returncode == status, err
+        assert said in out.decode()
+        record = json.loads(next(logs.glob("*/run.json")).read_text())
+        assert record["signals_forwarded"] == [int(sig)] and record["exit_status"] == status
+
+
+def test_on_failure_runs_once_with_the_report_paths(tmp_path: Path) -> None:
+    hook = tmp_path / "hook.txt"
+    logs = tmp_path / "logs"
+    res = subprocess.run([*RUN, "--logs", str(logs), "--grace", "0", "--on-failure",
+                          f'echo "$CKPTGUARD_EXIT_STATUS $CKPTGUARD_REPORT_JSON $CKPTGUARD_REPORT_HTML" >> {hook}', "--",
+                          sys.executable, "-c", "raise RuntimeError('training diverged')"],
+                         env=_env(), capture_output=True, text=True, timeout=120)
+    assert res.returncode == 1
+    lines = hook.read_text().splitlines()
+    assert len(lines) == 1
+    status, json_path, html_path = lines[0].split()
+    assert status == "1"
+    assert json.loads(Path(json_path).read_text())["failure_class"]
+    assert "<html" in Path(html_path).read_text()
+
+
+def test_s3_checkpoint_root(tmp_path: Path) -> None:
+    from tests.support.beds.s3 import s3_bed
+
+    with s3_bed(seed=24) as bed:
+        bucket = bed.make_bucket(f"run-{uuid.uuid4().hex[:10]}")
+        root = f"s3://{bucket}/job"
+        logs = tmp_path / "logs"
+        env = _env(**bed.env())
+        res = subprocess.run([*RUN, "--logs", str(logs), "--grace", "0", "--checkpoints", root, "--",
+                              sys.executable, str(CHILD), "save-and-fail", root, "2"],
+                             env=env, capture_output=True, text=True, timeout=180)
+        assert res.returncode == 1, res.stderr
+        (rep,) = _reports(logs)
+        assert rep["resume"] == {"step": 2, "root": root, "unsafe": [],
+                                 "resume_hint": f'Checkpointer("{root}").load(state, step=2)'}
+        assert "resume from  step 2 of " + root in res.stderr
+
+
+# ---- bad input ---------------------------------------------------------------------------------
+
+
+def test_missing_command_exits_127(tmp_path: Path) -> None:
+    res = subprocess.run([*RUN, "--logs", str(tmp_path / "logs"), "--", "no-such-command-ckptguard"], env=_env(),
+                         capture_output=True, text=True, timeout=60)
+    assert res.returncode == 127
+    assert "no-such-command-ckptguard: command not found" in res.stderr
+
+
+def test_unwritable_logs_refused_before_the_child_starts(tmp_path: Path) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    ran = tmp_path / "ran"
+    res = subprocess.run([*RUN, "--logs", str(blocker / "logs"), "--", sys.executable, str(CHILD), "touch", str(ran)],
+                         env=_env(), capture_output=True, text=True, timeout=60)
+    assert res.returncode == 125
+    assert f"cannot write the log directory {blocker / 'logs'}" in res.stderr
+    assert not ran.exists()
+
+
+@pytest.mark.parametrize("kind", ["missing", "empty"])
+def test_missing_or_empty_checkpoint_root_still_prints_the_diagnosis(tmp_path: Path, kind: str) -> None:
+    root = tmp_path / "ckpt"
+    if kind == "empty":
+        root.mkdir()
+    res = subprocess.run([*RUN, "--logs", str(tmp_path / "logs"), "--grace", "0", "--checkpoints", str(root), "--",
+                          sys.executable, "-c", "raise MemoryError('out of host memory')"],
+                         env=_env(), capture_output=True, text=True, timeout=60)
+    assert res.returncode == 1
+    assert "failure      " in res.stderr and "MemoryError" in res.stderr
+    (rep,) = _reports(tmp_path / "logs")
+    assert rep["resume"]["step"] is None
+    why = "does not exist" if kind == "missing" else "holds no committed checkpoint"
+    assert why in rep["resume"]["resume_hint"] and why in res.stderr
+
+
+# ---- the resume section on its own (diagnose --checkpoints) ----------------------------------
+
+
+def _root_with_steps(root: Path, steps: int) -> None:
+    import torch
+
+    import ckptguard
+
+    with ckptguard.Checkpointer(str(root), process_group="local") as ck:
+        for s in range(1, steps + 1):
+            ck.save(s, {"w": torch.full((1024,), float(s))})
+
+
+def _diagnose_resume(log: Path, root: Path, *flags: str) -> dict[str, Any]:
+    res = subprocess.run([sys.executable, "-m", "ckptguard", "diagnose", str(log), "--json", "--checkpoints", str(root),
+                          *flags], env=_env(), capture_output=True, text=True, timeout=60)
+    return json.loads(res.stdout)["resume"]
+
+
+def _data_file(root: Path, step: int) -> Path:
+    return max((p for p in (root / f"step-{step:08d}").rglob("*.bin")), key=lambda p: p.stat().st_size)
+
+
+def test_resume_skips_a_corrupt_last_step_quick_by_size_and_deep_by_checksum(tmp_path: Path) -> None:
+    log = tmp_path / "job.log"
+    log.write_text("Traceback (most recent call last):\n  File \"train.py\", line 3, in <module>\nValueError: boom\n")
+    root = tmp_path / "ckpt"
+    _root_with_steps(root, 3)
+    assert _diagnose_resume(log, root)["step"] == 3
+    data = _data_file(root, 3)
+    blob = bytearray(data.read_bytes())
+    blob[10] ^= 0xFF  # same size: only the checksums see it
+    data.write_bytes(bytes(blob))
+    assert _diagnose_resume(log, root)["step"] == 3
+    deep = _diagnose_resume(log, root, "--deep")
+    assert deep["step"] == 2
+    assert [u["step"] for u in deep["unsafe"]] == [3] and "checksum" in deep["unsafe"][0]["reason"]
+    with data.open("ab") as f:
+        f.write(b"x")
+    quick = _diagnose_resume(log, root)
+    assert quick["step"] == 2 and "corrupt file" in quick["unsafe"][0]["reason"]
+    assert quick["resume_hint"] == f'Checkpointer("{root}").load(state, step=2)'
+
+
+def test_framework_root_gets_the_frameworks_resume_call(tmp_path: Path) -> None:
+    log = tmp_path / "job.log"
+    log.write_text("RuntimeError: CUDA out of memory. Tried to allocate 2.00 GiB\n")
+    out = tmp_path / "hf-output"
+    _root_with_steps(out / ".ckptguard-hf", 2)
+    got = _diagnose_resume(log, out)
+    assert got["step"] == 2
+    assert got["resume_hint"] == f'trainer.train(resume_from_checkpoint="{out / "checkpoint-2"}")'
