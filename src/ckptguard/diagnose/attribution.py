@@ -72,8 +72,10 @@ def when(e: Event) -> tuple[float, int]:
 
 
 def best_of(kb: KnowledgeBase, events: list[Event]) -> Event:
-    """The event that best names a rank's failure: highest tier, weight, exception over line."""
-    return max(events, key=lambda e: (tier(kb, e), e.weight, e.kind == EventKind.EXCEPTION, -e.seq))
+    """The event that best names a rank's failure: highest tier, a named class over the generic
+    ones, weight, exception over line."""
+    return max(events, key=lambda e: (tier(kb, e), e.class_id not in GENERIC, e.weight,
+                                      e.kind == EventKind.EXCEPTION, -e.seq))
 
 
 def collect(ex: Extractor, kb: KnowledgeBase) -> Attribution:
@@ -126,13 +128,19 @@ def collect(ex: Extractor, kb: KnowledgeBase) -> Attribution:
 def choose(att: Attribution, kb: KnowledgeBase) -> None:
     """Pick the initiating event and rank (or leave ``init`` None: only consequences)."""
     views = att.views
-    firsts = {r: min(v.primary, key=lambda e: (-min(tier(kb, e), 2), *when(e)))
+    firsts = {r: min(v.primary, key=lambda e: (-min(tier(kb, e), 2), e.class_id in GENERIC, *when(e)))
               for r, v in views.items() if v.primary and r is not None}
     unattr = views.get(None)
     first_unattr = None
-    if unattr and unattr.primary:
-        top = max(tier(kb, e) for e in unattr.primary)
-        first_unattr = min((e for e in unattr.primary if tier(kb, e) == top), key=when)
+    consequences = any(v.collateral for v in views.values())
+    # A cut traceback that shows nothing (no exception line, no known operation), on no rank,
+    # does not outweigh the consequences that the log does show: they say more.
+    candidates = [e for e in unattr.primary if not (consequences and e.kind == EventKind.CUT
+                                                    and e.class_id in GENERIC)] if unattr else []
+    if candidates:
+        top = max(tier(kb, e) for e in candidates)
+        first_unattr = min((e for e in candidates if tier(kb, e) == top),
+                           key=lambda e: (e.class_id in GENERIC, *when(e)))
     ranked_top = max((tier(kb, best_of(kb, views[r].primary)) for r in firsts), default=-1)
     att.firsts = firsts
     if firsts and (first_unattr is None or ranked_top >= tier(kb, first_unattr)):
@@ -142,8 +150,7 @@ def choose(att: Attribution, kb: KnowledgeBase) -> None:
         att.basis = basis
         att.also = order[1:]
     elif first_unattr is not None:
-        att.init = best_of(kb, [e for e in unattr.primary if tier(kb, e) == tier(kb, first_unattr)]) \
-            if unattr else first_unattr
+        att.init = best_of(kb, [e for e in candidates if tier(kb, e) == tier(kb, first_unattr)])
         att.basis = OrderingBasis.UNATTRIBUTED
         att.also = sorted(firsts, key=lambda r: firsts[r].seq)
 

@@ -18,6 +18,7 @@ from ckptguard.diagnose.kb import KnowledgeBase, Match
 from ckptguard.diagnose.launchers import Block, LauncherLines
 from ckptguard.diagnose.mask import Masker
 from ckptguard.diagnose.model import Event, EventKind, Evidence, LauncherFailure, RankSource
+from ckptguard.diagnose.rules import Operation
 
 # Literal anchors for the structural parts of a log (tracebacks, launcher lines, NCCL rank
 # maps, generic failure words); the KB adds the anchors of its signatures and rules.
@@ -26,12 +27,14 @@ STRUCTURAL_ANCHORS = (
     "NaN", "Killed", "nan", "nranks", "oss is", "[send]", "[receive]", "Errno", "[...]",
     'File "',
 )
+GENERIC_CLASSES = frozenset({"python_exception", "unclassified_error"})
 EVIDENCE_CHARS = 400
 KEEP_PER_RANK_CLASS = 3
 KEEP_UNATTRIBUTED_PER_CLASS = 20
 MAX_FRAMES = 12
 MAX_FINGERPRINTS = 4096
 TRACEBACK_FORCE = 60  # lines read unconditionally after a traceback line
+OWNER_LINES = 400  # how far a launcher's "process N terminated with the following error" reaches
 
 _NCCL_RE = re.compile(r"^(?P<host>[\w.\-]+):(?P<pid>\d+):(?P<tid>\d+) \[(?P<dev>\d+)\] (?:[\w/.\-]+:\d+ )?NCCL (?P<lvl>[A-Z]+) ?(?P<msg>.*)$")
 _COMM_RE = re.compile(r"\brank (\d+) nranks (\d+)\b")
@@ -110,6 +113,8 @@ class Extractor(LauncherLines):
         self._block: Block | None = None
         self._block_left = 0
         self._pending: _Pending | None = None
+        self._lineno = 0
+        self._owner: dict[tuple[int | None, int | None], tuple[int, int]] = {}  # key -> (rank, until line)
 
     # ---- per source ---------------------------------------------------------------------
     def begin_source(self, source: Source) -> None:
@@ -123,6 +128,7 @@ class Extractor(LauncherLines):
         self._block = None
         self._block_left = 0
         self._pending = None
+        self._owner.clear()
 
     def end_source(self) -> None:
         """Flush what the end of the file cut off (a log cut mid-traceback)."""
@@ -141,6 +147,7 @@ class Extractor(LauncherLines):
     def feed(self, raw: bytes, lineno: int) -> int:
         """Handle one line; return how many following lines must be read unconditionally."""
         self.lines_processed += 1
+        self._lineno = lineno
         text = raw.decode("utf-8", "replace").rstrip("\r\n")
         if not text.strip():
             return self._pending_force()
@@ -207,6 +214,17 @@ class Extractor(LauncherLines):
 
         if self.launcher_line(rest, ev, ts):
             return self._pending_force()
+        if "terminated with" in rest:
+            for pat in self.rules.traceback_owners:
+                om = pat.search(rest)
+                if om:
+                    owner = int(om.group("local"))
+                    self._owner[key] = (owner, lineno + OWNER_LINES)
+                    last = self.events[-1] if self.events else None
+                    if last is not None and last.rank is None and last.source == self._src \
+                            and lineno - last.evidence[-1].line <= 3:
+                        last.rank, last.rank_via = owner, RankSource.SPAWN_INDEX  # the launcher's report of it
+                    return TRACEBACK_FORCE
         self._facts(rest, rank, ev)
         hint = any(h.search(rest) for h in self.rules.hints)
         em = _EXC_RE.match(rest)
@@ -360,10 +378,31 @@ class Extractor(LauncherLines):
         if not frames or any(self.rules.launcher_frames.search(f) for f in frames):
             return  # nothing to go on, or the launcher's own traceback
         evidence = [tb.start] + ([tb.last] if tb.last is not None and tb.last is not tb.start else [])
-        cls = "python_exception"
-        self._emit(EventKind.CUT, [Match(cls, 0.3)], evidence, rank, via, ts_key=key,
+        code = list(tb.code)
+        op = self._operation(frames, code)
+        if rank is None:
+            rank, via = self._spawn_rank(key, via)
+        match = Match(op.class_for(rank), op.weight) if op else Match("python_exception", 0.3)
+        self._emit(EventKind.CUT, [match], evidence, rank, via, ts_key=key,
                    exc_type="traceback cut before its exception line", frames=frames,
-                   code=list(tb.code))
+                   code=code, operation=op.name if op else None)
+
+    def _spawn_rank(self, key: tuple[int | None, int | None], via: RankSource) -> tuple[int | None, RankSource]:
+        """The process that a launcher named as the owner of the traceback that followed."""
+        owner = self._owner.get(key)
+        if owner is not None and self._lineno <= owner[1]:
+            return owner[0], RankSource.SPAWN_INDEX
+        return None, via
+
+    def _operation(self, frames: list[str], code: list[str], exc: str | None = None) -> Operation | None:
+        """The first operation (KB order: most specific first) that the frames show; for an
+        exception, only one whose ``errors`` family the exception belongs to."""
+        for op in self.rules.operations:
+            if exc is not None and (op.errors is None or not op.errors.search(exc)):
+                continue
+            if op.matches(frames, code):
+                return op
+        return None
 
     def _emit_exception(self, etype: str, msg: str, chain: list[tuple[str, str]],
                         frames: list[str], code: list[str], ev: Evidence, rank: int | None,
@@ -382,9 +421,20 @@ class Extractor(LauncherLines):
         for t, m in chain:
             for match in self.kb.match(f"{t}: {m}" if m else t, exception=True, context=context):
                 best[match.class_id] = max(best.get(match.class_id, 0.0), match.weight)
+        if rank is None:
+            rank, via = self._spawn_rank(key, via)
+        op_name = None
+        if set(best) <= GENERIC_CLASSES:  # nothing specific: what was being done decides
+            op = self._operation(frames, code, exc=f"{etype}: {msg}")
+            if op is not None:
+                cls = op.class_for(rank)
+                best = {c: min(w, op.weight * 0.9) for c, w in best.items()}  # kept as alternatives
+                best[cls] = op.weight
+                op_name = op.name
         matches = sorted((Match(c, w) for c, w in best.items()), key=lambda x: -x.weight)
         event = self._emit(EventKind.EXCEPTION, matches, [ev], rank, via, ts=ts, ts_key=key,
-                           exc_type=etype, message=msg, frames=frames, code=code)
+                           exc_type=etype, message=msg, frames=frames, code=code,
+                           operation=op_name)
         if event is not None:
             self._recent.append((ident, event))
 
@@ -394,7 +444,7 @@ class Extractor(LauncherLines):
               host: str | None = None, ts: float | None = None,
               ts_key: tuple[int | None, int | None] | None = None, exc_type: str | None = None,
               message: str | None = None, frames: list[str] | None = None,
-              code: list[str] | None = None) -> Event | None:
+              code: list[str] | None = None, operation: str | None = None) -> Event | None:
         if not matches:
             return None
         if rank is None:
@@ -412,7 +462,7 @@ class Extractor(LauncherLines):
         self._seq += 1
         event = Event(self._seq, kind, best.class_id, best.weight, matches, evidence, rank, via,
                       pid=pid, host=host, ts=ts, ts_own=own, exc_type=exc_type,
-                      message=message, frames=frames or [], code=code or [])
+                      message=message, frames=frames or [], code=code or [], operation=operation)
         self.events.append(event)
         return event
 
