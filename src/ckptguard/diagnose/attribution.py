@@ -54,6 +54,7 @@ class Attribution:
     hints: list[Event] = field(default_factory=list)
     reported: list[tuple[int, Evidence]] = field(default_factory=list)
     sigterm_lines: int = 0
+    shown: set[int] = field(default_factory=set)  # ranks that any line names (not the world's range)
 
 
 def tier(kb: KnowledgeBase, e: Event) -> int:
@@ -120,13 +121,22 @@ def collect(ex: Extractor, kb: KnowledgeBase) -> Attribution:
     known = set(ex.ranks_seen) | {r for r in views if r is not None}
     if world:
         known |= set(range(world))
+    shown = set(ex.ranks_seen) | ex.named_ranks | {r for r in views if r is not None}
     return Attribution(events, views, launcher, set(sigterm_ranks), known,
                        world or (max(known) + 1 if known else None), hints=hints,
-                       reported=list(ex.reported_ranks), sigterm_lines=len(ex.sigterm))
+                       reported=list(ex.reported_ranks), sigterm_lines=len(ex.sigterm), shown=shown)
 
 
 def choose(att: Attribution, kb: KnowledgeBase) -> None:
     """Pick the initiating event and rank (or leave ``init`` None: only consequences)."""
+    _choose(att, kb)
+    init = att.init
+    if init is not None and att.init_rank is None and len(att.shown) == 1 and (att.world or 1) <= 1:
+        (att.init_rank,) = att.shown  # one process, or a log that names one rank only
+        init.rank, init.rank_via = att.init_rank, RankSource.ONLY_RANK
+
+
+def _choose(att: Attribution, kb: KnowledgeBase) -> None:
     views = att.views
     firsts = {r: min(v.primary, key=lambda e: (-min(tier(kb, e), 2), e.class_id in GENERIC, *when(e)))
               for r, v in views.items() if v.primary and r is not None}
@@ -260,6 +270,10 @@ def collateral_rank(att: Attribution, kb: KnowledgeBase, cls: str) -> tuple[int 
     if len(suspects) == 1 and len(reporters) >= 2:
         return suspects[0], RankSource.INFERRED, (
             f"every other rank reported {cls}, rank {suspects[0]} did not; it is the one they were waiting for")
+    if len(reporters) == 1 and att.shown <= reporters:
+        (r,) = reporters
+        return r, RankSource.ONLY_RANK, (
+            f"the only rank that the log shows, and the first whose {cls} fired; the rank it waited for is not in the log")
     if len(reporters) == 1 and cls in rules.single_reporter and att.sigterm_lines:
         (r,) = reporters
         return r, RankSource.INFERRED, (

@@ -37,6 +37,7 @@ TRACEBACK_FORCE = 60  # lines read unconditionally after a traceback line
 OWNER_LINES = 400  # how far a launcher's "process N terminated with the following error" reaches
 
 _NCCL_RE = re.compile(r"^(?P<host>[\w.\-]+):(?P<pid>\d+):(?P<tid>\d+) \[(?P<dev>\d+)\] (?:[\w/.\-]+:\d+ )?NCCL (?P<lvl>[A-Z]+) ?(?P<msg>.*)$")
+_NCCL_TRACE_RE = re.compile(r":\d+ -> [1-9]\d*\s*$")  # NCCL's error trace: file:line -> non-zero code
 _COMM_RE = re.compile(r"\brank (\d+) nranks (\d+)\b")
 _CHANNEL_RE = re.compile(r"Channel \d+/\d+ : (\d+)\[(\d+)\] -> (\d+)\[(\d+)\](?: \[(send|receive)\])?")
 _TREES_RE = re.compile(r"Trees \[\d+\] [-\d/]+->(\d+)->")
@@ -101,6 +102,8 @@ class Extractor(LauncherLines):
         self.saves: dict[str, dict[int, Evidence]] = {}
         self.fingerprints: list[tuple[dict[str, str], Evidence]] = []
         self.reported_ranks: list[tuple[int, Evidence]] = []
+        self.progress: dict[int, dict[int, Evidence]] = {}  # step reached -> total -> first line
+        self.named_ranks: set[int] = set()  # ranks that lines name without being failures
         self.lines_processed = 0
         self._seq = 0
         self._src = 0
@@ -258,6 +261,18 @@ class Extractor(LauncherLines):
             fm = self.rules.desync_pattern.search(rest)
             if fm:
                 self.fingerprints.append(({k: v for k, v in fm.groupdict().items() if v}, ev))
+        prog = self.rules.progress
+        if prog is not None and len(self.progress) < MAX_FINGERPRINTS and any(a in rest for a in self.rules.progress_anchors):
+            for pm in prog.finditer(rest):
+                cur, total = int(pm.group("cur")), int(pm.group("total"))
+                if cur < total:  # a bar that finished says nothing about where the ranks stopped
+                    self.progress.setdefault(cur, {}).setdefault(total, ev)
+        if rank is None and "ank" in rest and len(self.named_ranks) < 64:
+            for h in self.rules.rank_hints:
+                if h.source == "message" and h.anchor in rest:
+                    hm = h.pattern.search(rest)
+                    if hm:
+                        self.named_ranks.add(int(hm.group("rank")))
         for rep in self.rules.rank_reports:
             if rep.anchor in rest:
                 rm = rep.pattern.search(rest)
@@ -307,7 +322,7 @@ class Extractor(LauncherLines):
                 tm = _TREES_RE.search(msg)
                 if tm:
                     self._map_pid(pid, int(tm.group(1)), 1)
-        if m.group("lvl") in ("WARN", "ERROR"):
+        if m.group("lvl") in ("WARN", "ERROR") or _NCCL_TRACE_RE.search(msg):
             matches = self.kb.match(m.group(0), exception=False)
             if matches:
                 self._emit(EventKind.LINE, matches, [ev], rank, via, pid=pid, host=host, ts=ts,

@@ -130,6 +130,9 @@ class Rules:
     desync_class: str
     desync_pattern: re.Pattern[str]
     desync_weight: float
+    progress: re.Pattern[str] | None
+    progress_anchors: tuple[str, ...]
+    progress_requires: frozenset[str]
     collateral_priority: tuple[str, ...]
     alone_means: dict[str, str]
     single_reporter: frozenset[str]
@@ -148,6 +151,7 @@ class Rules:
         """Literals that the prefilter must let through for these rules to see their lines."""
         out = {lf.anchor for lf in self.launchers} | {r.anchor for r in self.rank_reports}
         out |= set(self.race.anchors)  # rank hints only read lines that are events already
+        out |= set(self.progress_anchors)
         return out
 
     def explained(self, cls: str, present: set[str]) -> bool:
@@ -219,6 +223,10 @@ def parse_rules(data: dict[str, object], kb: KnowledgeBase) -> Rules:
             desync_class=_need(kb, d["desync"]["class"], "desync"),
             desync_pattern=_re(d["desync"]["pattern"], "desync"),
             desync_weight=float(d["desync"]["weight"]),
+            progress=_re(d["desync"]["progress"], "desync.progress") if "progress" in d["desync"] else None,
+            progress_anchors=tuple(d["desync"].get("progress_anchors", ())),
+            progress_requires=frozenset(_need(kb, c, "desync.progress_requires")
+                                        for c in d["desync"].get("progress_requires", ())),
             collateral_priority=tuple(_need(kb, c, "collateral_only") for c in co["priority"]),
             alone_means={_need(kb, k, "alone_means"): _need(kb, v, "alone_means")
                          for k, v in co["alone_means"].items()},
