@@ -9,8 +9,11 @@ import sys
 import tracemalloc
 from pathlib import Path
 
+import pytest
+
 from ckptguard.cli import app
 from ckptguard.diagnose.engine import diagnose
+from ckptguard.diagnose.ingest import UsageError
 
 from .conftest import FIXTURES, SEED, cli_json
 
@@ -36,7 +39,12 @@ def test_usage_errors(runner, tmp_path: Path) -> None:
 def test_binary_garbage_and_non_utf8(tmp_path: Path) -> None:
     rnd = os.urandom(3 * 1024 * 1024)
     (tmp_path / "garbage.bin.log").write_bytes(rnd)
-    diagnose([str(tmp_path / "garbage.bin.log")])  # no crash, whatever it finds in noise
+    with pytest.raises(UsageError, match="garbage.bin.log is a binary file"):
+        diagnose([str(tmp_path / "garbage.bin.log")])
+    (tmp_path / "job.log").write_bytes(b"step 1\n\0\0\0\n" + b"step 2 loss 1.0\n" * 2000
+                                       + b"[rank1]: torch.OutOfMemoryError: CUDA out of memory.\n")
+    d = diagnose([str(tmp_path / "job.log")])  # a text log with a few NULs (a crash's padding) is read
+    assert (d.failure_class, d.initiating_rank) == ("cuda_oom", 1)
     bad = (b"\xff\xfe[rank1]: caf\xe9 \x80\x81\n[rank1]: Traceback (most recent call last):\n"
            b"[rank1]: OSError: [Errno 28] No space left on device: '/ck\xffpt/x.pt'\n")
     (tmp_path / "latin.log").write_bytes(bad)

@@ -132,8 +132,10 @@ def choose(att: Attribution, kb: KnowledgeBase) -> None:
     _choose(att, kb)
     init = att.init
     if init is not None and att.init_rank is None and len(att.shown) == 1 and (att.world or 1) <= 1:
-        (att.init_rank,) = att.shown  # one process, or a log that names one rank only
-        init.rank, init.rank_via = att.init_rank, RankSource.ONLY_RANK
+        (only,) = att.shown  # one process, or a log that names one rank only...
+        if only not in att.views or not att.views[only].collateral:  # ...and not as a waiter
+            att.init_rank = only
+            init.rank, init.rank_via = only, RankSource.ONLY_RANK
 
 
 def _choose(att: Attribution, kb: KnowledgeBase) -> None:

@@ -60,6 +60,7 @@ class _Traceback:
     chain: list[tuple[str, str]] = field(default_factory=list)
     last: Evidence | None = None
     after_frame: bool = False
+    lines: deque[tuple[str, Evidence]] = field(default_factory=lambda: deque(maxlen=2 * MAX_FRAMES))
 
 
 @dataclass
@@ -79,6 +80,14 @@ class _Pending:
 def _clip(text: str) -> str:
     text = text.strip()
     return text if len(text) <= EVIDENCE_CHARS else text[: EVIDENCE_CHARS - 1] + "…"
+
+
+def _op_lines(op: Operation, lines: list[tuple[str, Evidence]]) -> list[Evidence]:
+    """The frame and source lines that show the operation (the innermost two), for evidence."""
+    hits = [ev for text, ev in lines if op.frames.search(text)]
+    if not hits:  # a rule that needs several lines together: the innermost source line
+        hits = [ev for text, ev in lines if ":" not in text or " " in text][-1:]
+    return hits[-2:]
 
 
 class Extractor(LauncherLines):
@@ -202,11 +211,13 @@ class Extractor(LauncherLines):
             if tb is None:  # the log starts (or an excerpt resumes) mid-traceback
                 tb = self._tb[key] = _Traceback(ev, chain=self._chain_next.pop(key, []))
             tb.frames.append(f"{fm.group('file')}:{fm.group('func') or '?'}")
+            tb.lines.append((tb.frames[-1], ev))
             tb.last, tb.after_frame = ev, True
             return TRACEBACK_FORCE
         tb = self._tb.get(key)
         if tb is not None and tb.after_frame and rest[:1].isspace():
             tb.code.append(stripped)  # the source line that a frame shows
+            tb.lines.append((stripped, ev))
             tb.last, tb.after_frame = ev, False
             return TRACEBACK_FORCE
         if any(marker in rest for marker in _CHAIN_MARKERS):
@@ -384,7 +395,7 @@ class Extractor(LauncherLines):
         etype, msg = tb.chain[-1]
         evidence = ev if ev is not None else tb.start
         self._emit_exception(etype, msg, tb.chain, list(tb.frames), list(tb.code), evidence,
-                             rank, via, ts, key)
+                             rank, via, ts, key, tb_lines=list(tb.lines))
 
     def _cut_traceback(self, key: tuple[int | None, int | None], tb: _Traceback,
                        rank: int | None, via: RankSource) -> None:
@@ -395,6 +406,8 @@ class Extractor(LauncherLines):
         evidence = [tb.start] + ([tb.last] if tb.last is not None and tb.last is not tb.start else [])
         code = list(tb.code)
         op = self._operation(frames, code)
+        if op is not None:
+            evidence += [e for e in _op_lines(op, list(tb.lines)) if e not in evidence]
         if rank is None:
             rank, via = self._spawn_rank(key, via)
         match = Match(op.class_for(rank), op.weight) if op else Match("python_exception", 0.3)
@@ -422,7 +435,8 @@ class Extractor(LauncherLines):
     def _emit_exception(self, etype: str, msg: str, chain: list[tuple[str, str]],
                         frames: list[str], code: list[str], ev: Evidence, rank: int | None,
                         via: RankSource, ts: float | None,
-                        key: tuple[int | None, int | None]) -> None:
+                        key: tuple[int | None, int | None],
+                        tb_lines: list[tuple[str, Evidence]] | None = None) -> None:
         ident = (key, self._src, etype, msg[:200])
         for old_ident, old in self._recent:
             if old_ident == ident and ev.line - old.evidence[-1].line < 400:
@@ -439,6 +453,7 @@ class Extractor(LauncherLines):
         if rank is None:
             rank, via = self._spawn_rank(key, via)
         op_name = None
+        extra: list[Evidence] = []
         if set(best) <= GENERIC_CLASSES:  # nothing specific: what was being done decides
             op = self._operation(frames, code, exc=f"{etype}: {msg}")
             if op is not None:
@@ -446,8 +461,9 @@ class Extractor(LauncherLines):
                 best = {c: min(w, op.weight * 0.9) for c, w in best.items()}  # kept as alternatives
                 best[cls] = op.weight
                 op_name = op.name
+                extra = _op_lines(op, tb_lines or [])
         matches = sorted((Match(c, w) for c, w in best.items()), key=lambda x: -x.weight)
-        event = self._emit(EventKind.EXCEPTION, matches, [ev], rank, via, ts=ts, ts_key=key,
+        event = self._emit(EventKind.EXCEPTION, matches, [ev, *extra], rank, via, ts=ts, ts_key=key,
                            exc_type=etype, message=msg, frames=frames, code=code,
                            operation=op_name)
         if event is not None:

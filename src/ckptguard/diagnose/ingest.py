@@ -13,6 +13,7 @@ import codecs
 import gzip
 import re
 import sys
+import zlib
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -233,6 +234,31 @@ def _looks_utf16(head: bytes) -> bool:
     else:
         return False
     return bool(high) and high.count(0) >= len(high) * 0.3
+
+
+SNIFF = 8192
+
+
+def looks_binary(head: bytes) -> bool:
+    """An executable, archive, checkpoint or image rather than a text log: more than a few NUL and
+    other control bytes in the first block (a UTF-16 log has NULs too, after its byte-order
+    mark)."""
+    if not head or _looks_utf16(head):
+        return False
+    control = sum(head.count(bytes([c])) for c in range(32) if c not in (9, 10, 12, 13, 27))
+    return control > len(head) * 0.05  # a text log has next to none (a few NULs after a crash)
+
+
+def sniff_binary(source: Source) -> bool:
+    """Whether a file source holds binary data (stdin is judged from what it has buffered)."""
+    try:
+        if source.path is None:
+            peek = getattr(sys.stdin.buffer, "peek", None)
+            return looks_binary(peek(SNIFF)[:SNIFF]) if peek is not None else False
+        with source.open() as f:
+            return looks_binary(f.read(SNIFF))
+    except (OSError, EOFError, ValueError, zlib.error):
+        return False  # unreadable: the scan reports it
 
 
 def _any_hit(prefilter: Prefilter, text: bytes) -> bool:
