@@ -207,3 +207,45 @@ def test_unreadable_only_input_is_a_usage_error(runner, tmp_path: Path) -> None:
     (tmp_path / "bad.log.gz").write_bytes(b"\x1f\x8b\x08\x00garbage")
     result = runner.invoke(app, ["diagnose", str(tmp_path / "bad.log.gz")])
     assert result.exit_code == 2 and "cannot read" in result.output
+
+
+def _fed(path: Path, with_grep: bool) -> list[tuple[int, bytes]]:
+    """The (line number, line) pairs that the scan hands to the extractor."""
+    from ckptguard.diagnose.events import STRUCTURAL_ANCHORS
+    from ckptguard.diagnose.ingest import GrepHits, Prefilter, Source, scan
+    from ckptguard.diagnose.kb import load_kb
+
+    pf = Prefilter(STRUCTURAL_ANCHORS, load_kb().anchors())
+    src = Source(path.name, path)
+    hits = GrepHits.open(src, pf) if with_grep else None
+    if with_grep:
+        assert hits is not None, "grep is on every POSIX machine this runs on"
+    out: list[tuple[int, bytes]] = []
+
+    def on_line(line: bytes, lineno: int) -> int:
+        out.append((lineno, line))
+        return 2 if b"Traceback" in line else 0
+
+    with path.open("rb") as f:
+        scan(f, pf, on_line, hits)
+    if hits is not None:
+        hits.close()
+    return out
+
+
+def test_grep_prefilter_feeds_the_same_lines(tmp_path: Path) -> None:
+    """grep -F finds the anchors in plain files; the lines fed must be exactly the Python
+    prefilter's, across 4 MiB block edges, over-long lines and anchors at a line's very end."""
+    big = tmp_path / "big.log"
+    with big.open("wb") as f:
+        for i in range(120_000):
+            f.write(b"[rank%d]: step %d loss 1.0 tok/s 1000\n" % (i % 8, i))
+            if i % 9973 == 0:
+                f.write(b"[rank3]: RuntimeError: boom\nTraceback (most recent call last):\n  File \"x.py\"\n")
+            if i % 31337 == 0:
+                f.write(b"x" * (70 * 1024) + b" Errno 28 at the end of an over-long line\n")
+            if i % 50_000 == 0:
+                f.write(b"[rank1]: ends with an anchor: Killed\n")
+    files = [big, *sorted(p for p in FIXTURES.rglob("*.log"))[:8]]
+    for p in files:
+        assert _fed(p, True) == _fed(p, False), p

@@ -16,7 +16,7 @@ from typing import BinaryIO
 from ckptguard.diagnose import advice, scoring
 from ckptguard.diagnose.attribution import Attribution, choose, collateral_rank, collect
 from ckptguard.diagnose.events import STRUCTURAL_ANCHORS, Extractor
-from ckptguard.diagnose.ingest import Prefilter, UsageError, discover, scan, sniff_binary
+from ckptguard.diagnose.ingest import GrepHits, Prefilter, UsageError, discover, scan, sniff_binary
 from ckptguard.diagnose.kb import FailureClass, KnowledgeBase, Unproven, load_kb
 from ckptguard.diagnose.mask import Masker
 from ckptguard.diagnose.model import (
@@ -56,9 +56,12 @@ def diagnose(paths: Iterable[str], *, mask_hosts: bool = False, kb: KnowledgeBas
         ex.begin_source(src)
         try:
             stream = stdin if (src.path is None and stdin is not None) else src.open()
+            hits = GrepHits.open(src, prefilter) if src.path is not None else None
             try:
-                b, n = scan(stream, prefilter, ex.feed)
+                b, n = scan(stream, prefilter, ex.feed, hits)
             finally:
+                if hits is not None:
+                    hits.close()
                 if stream is not stdin and src.path is not None:
                     stream.close()
         except (OSError, EOFError, zlib.error) as exc:  # unreadable, or a damaged .gz
