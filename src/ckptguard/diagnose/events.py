@@ -237,7 +237,11 @@ class Extractor(LauncherLines):
                     last = self.events[-1] if self.events else None
                     if last is not None and last.rank is None and last.source == self._src \
                             and lineno - last.evidence[-1].line <= 3:
-                        last.rank, last.rank_via = owner, RankSource.SPAWN_INDEX  # the launcher's report of it
+                        # the launcher's exception reporting that process's failure: an exit
+                        # report, weaker than the process's own traceback that follows
+                        last.rank, last.rank_via = owner, RankSource.SPAWN_INDEX
+                        if last.class_id in GENERIC_CLASSES:
+                            last.kind = EventKind.EXIT
                     return TRACEBACK_FORCE
         self._facts(rest, rank, ev)
         hint = any(h.search(rest) for h in self.rules.hints)
