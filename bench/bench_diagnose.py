@@ -116,6 +116,8 @@ def main() -> None:
     ap.add_argument("--size-mb", type=int, default=1024)
     ap.add_argument("--ranks", type=int, default=1024)
     ap.add_argument("--keep", action="store_true", help="keep the generated logs")
+    ap.add_argument("--baseline", metavar="SRC",
+                    help="also time the engine importable from SRC (e.g. an older commit's src/), in the same run")
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="ckptguard-bench-"))
     one_core = ["taskset", "-c", "0"] if shutil.which("taskset") else []
@@ -129,14 +131,18 @@ def main() -> None:
         subprocess.run(["cat", str(big), str(small)], stdout=subprocess.DEVNULL, check=True)  # warm cache
         # The command users run, end to end: start-up, ingest, diagnosis and the JSON report.
         cli = [sys.executable, "-m", "ckptguard.cli", "diagnose", "--json"]
+        runs = [("grep -c 'loss'", big, None), ("ckptguard diagnose", big, None),
+                ("ckptguard diagnose (1/8 size)", small, None)]
+        if args.baseline:
+            runs += [("baseline diagnose", big, args.baseline), ("baseline diagnose (1/8 size)", small, args.baseline)]
         rows = []
-        for label, path in (("grep -c 'loss'", big), ("ckptguard diagnose", big),
-                            ("ckptguard diagnose (1/8 size)", small)):
+        for label, path, pythonpath in runs:
             if label.startswith("grep"):
                 dt, rss, out = _run_measured([*one_core, "grep", "-c", "loss", str(path)])
                 result = f"{out.strip()} matching lines"
             else:
-                dt, rss, out = _run_measured([*one_core, *cli, str(path)])
+                env = ["env", f"PYTHONPATH={pythonpath}"] if pythonpath else []
+                dt, rss, out = _run_measured([*one_core, *env, *cli, str(path)])
                 d = json.loads(out)
                 result = (f"{d['failure_class']}, rank {d['initiating_rank']}, "
                           f"{len(d['collateral_ranks'])} collateral")
