@@ -7,7 +7,8 @@ Writes the log into a temporary directory (never into the repository), then in o
 core (taskset) for the full log and for a log one eighth of the size, with the peak RSS of each,
 so that the table shows both the throughput and that memory does not grow with the log. The
 absolute MB/s of a shared machine swings with its load, so the figure to compare between commits
-is the ratio of the engine's MB/s to `grep -c`'s in the same run, printed last.
+is the ratio of the engine's MB/s to that of `grep -c` run over the same file just before it,
+printed last (``--baseline SRC`` adds another engine, e.g. an older commit's ``src/``).
 """
 
 from __future__ import annotations
@@ -136,24 +137,27 @@ def main() -> None:
         if args.baseline:
             runs += [("baseline diagnose", big, args.baseline), ("baseline diagnose (1/8 size)", small, args.baseline)]
         rows = []
+        ratios = []
         for label, path, pythonpath in runs:
-            if label.startswith("grep"):
-                dt, rss, out = _run_measured([*one_core, "grep", "-c", "loss", str(path)])
-                result = f"{out.strip()} matching lines"
-            else:
-                env = ["env", f"PYTHONPATH={pythonpath}"] if pythonpath else []
-                dt, rss, out = _run_measured([*one_core, *env, *cli, str(path)])
-                d = json.loads(out)
-                result = (f"{d['failure_class']}, rank {d['initiating_rank']}, "
-                          f"{len(d['collateral_ranks'])} collateral")
             mb = path.stat().st_size / 1e6
+            # grep -c over the same file right before each engine run: the load of a shared
+            # machine drifts within minutes, the ratio of two neighbouring runs much less
+            gdt, grss, gout = _run_measured([*one_core, "grep", "-c", "loss", str(path)])
+            if label.startswith("grep"):
+                rows.append((label, mb, gdt, mb / gdt, grss / 2**20, f"{gout.strip()} matching lines"))
+                continue
+            env = ["env", f"PYTHONPATH={pythonpath}"] if pythonpath else []
+            dt, rss, out = _run_measured([*one_core, *env, *cli, str(path)])
+            d = json.loads(out)
+            result = (f"{d['failure_class']}, rank {d['initiating_rank']}, "
+                      f"{len(d['collateral_ranks'])} collateral")
             rows.append((label, mb, dt, mb / dt, rss / 2**20, result))
+            ratios.append((label, gdt / dt, mb / gdt))
         print(f"\n{'tool':32s} {'MB':>7s} {'seconds':>8s} {'MB/s':>8s} {'peak RSS MiB':>13s}  result")
         for label, mb, dt, rate, rss, result in rows:
             print(f"{label:32s} {mb:7.0f} {dt:8.2f} {rate:8.0f} {rss:13.0f}  {result}")
-        grep_rate = rows[0][3]
-        for label, _mb, _dt, rate, _rss, _result in rows[1:]:
-            print(f"ratio {label} / grep -c: {rate / grep_rate:.3f}")
+        for label, ratio, grep_rate in ratios:
+            print(f"ratio {label} / grep -c (run just before it, {grep_rate:.0f} MB/s): {ratio:.3f}")
         print(f"\n(one core via {'taskset -c 0' if one_core else 'no taskset: unpinned'}; python {sys.version.split()[0]}; "
               f"page cache warm; peak RSS is each process's own ru_maxrss, Python interpreter included)")
     finally:

@@ -14,7 +14,17 @@ from pathlib import Path
 
 import pytest
 
-from .corpus_score import CORPORA, CORPUS, CORPUS2, Label, Scored, bands, load_labels, score_one, summary
+from .corpus_score import (
+    CORPORA,
+    CORPUS,
+    CORPUS2,
+    Label,
+    Scored,
+    bands,
+    load_labels,
+    score_one,
+    summary,
+)
 
 # corpus -> (logs, class right, ranks labelled, rank right, labelled evidence shown): the floor
 FLOORS = {CORPUS.name: (50, 50, 18, 18, 50), CORPUS2.name: (56, 43, 17, 15, 45)}

@@ -39,7 +39,7 @@ def test_usage_errors(runner, tmp_path: Path) -> None:
 def test_binary_garbage_and_non_utf8(tmp_path: Path) -> None:
     rnd = os.urandom(3 * 1024 * 1024)
     (tmp_path / "garbage.bin.log").write_bytes(rnd)
-    with pytest.raises(UsageError, match="garbage.bin.log is a binary file"):
+    with pytest.raises(UsageError, match=r"garbage\.bin\.log is a binary file"):
         diagnose([str(tmp_path / "garbage.bin.log")])
     (tmp_path / "job.log").write_bytes(b"step 1\n\0\0\0\n" + b"step 2 loss 1.0\n" * 2000
                                        + b"[rank1]: torch.OutOfMemoryError: CUDA out of memory.\n")

@@ -184,19 +184,19 @@ def notes(diag: Diagnosis, att: Attribution) -> None:
         diag.notes.append(f"The exception names no cause of its own; the class rests on what its frames "
                           f"show was being done: {init.operation}.")
     if diag.failure_class == "python_exception":
-        unseen = ["an errno, fatal signal, collective, CUDA, checkpoint, DataLoader or launcher "
-                  "message that names a known cause"]
+        missing = ["an errno, fatal signal, collective, CUDA, checkpoint, DataLoader or launcher "
+                   "message that names a known cause"]
         if init.kind == EventKind.CUT:
-            unseen.append("the exception line (the traceback is cut before it)")
+            missing.append("the exception line (the traceback is cut before it)")
         if not init.frames:
-            unseen.append("the traceback's frames")
+            missing.append("the traceback's frames")
         elif not init.operation:
-            unseen.append("a frame doing a known operation (saving, loading, rotating a checkpoint, "
-                          "a collective, DataLoader I/O)")
+            missing.append("a frame doing a known operation (saving, loading, rotating a checkpoint, "
+                           "a collective, DataLoader I/O)")
         if diag.initiating_rank is None:
-            unseen.append("which rank raised it")
+            missing.append("which rank raised it")
         diag.notes.append("Answered with the generic class, as a last resort: the log does not show "
-                          + "; ".join(unseen) + ".")
+                          + "; ".join(missing) + ".")
     if init.kind == EventKind.HINT:
         diag.notes.append("Only a warning or a retried error names a failure; the run may not have failed from it.")
     unseen = sorted(att.known - {r for r, v in att.views.items() if r is not None and v.events}
