@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from typer.testing import CliRunner
 
 from ckptguard.cli import app
@@ -57,3 +58,14 @@ def test_binary_input_is_named_as_such(tmp_path: Path) -> None:
     code, d = cli_json(CliRunner(), str(tmp_path))
     assert (code, d["failure_class"], d["initiating_rank"]) == (0, "cuda_oom", 0)
     assert any("Skipped" in n and "core" in n and "binary" in n for n in d["notes"])
+
+
+NEGATIVES = Path(__file__).parent / "negatives"
+
+
+@pytest.mark.parametrize("path", [NEGATIVES / "finished_demo_run", NEGATIVES / "nginx_access.log",
+                                  Path(__file__).parent / "variants" / "clean_hf_trainer.log"],
+                         ids=lambda p: p.name)
+def test_no_failure_in_a_clean_finished_or_foreign_log(runner: CliRunner, path: Path) -> None:
+    code, d = cli_json(runner, str(path))
+    assert (code, d["found"], d["failure_class"]) == (1, False, None), (d["failure_class"], d["evidence"])
