@@ -5,7 +5,10 @@
 Writes the log into a temporary directory (never into the repository), then in one run measures
 `grep -c` of a simple pattern over the same file (the read-speed limit), and the diagnosis on one
 core (taskset) for the full log and for a log one eighth of the size, with the peak RSS of each,
-so that the table shows both the throughput and that memory does not grow with the log.
+so that the table shows both the throughput and that memory does not grow with the log. The
+absolute MB/s of a shared machine swings with its load, so the figure to compare between commits
+is the ratio of the engine's MB/s to that of `grep -c` run over the same file just before it,
+printed last (``--baseline SRC`` adds another engine, e.g. an older commit's ``src/``).
 """
 
 from __future__ import annotations
@@ -114,6 +117,8 @@ def main() -> None:
     ap.add_argument("--size-mb", type=int, default=1024)
     ap.add_argument("--ranks", type=int, default=1024)
     ap.add_argument("--keep", action="store_true", help="keep the generated logs")
+    ap.add_argument("--baseline", metavar="SRC",
+                    help="also time the engine importable from SRC (e.g. an older commit's src/), in the same run")
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="ckptguard-bench-"))
     one_core = ["taskset", "-c", "0"] if shutil.which("taskset") else []
@@ -127,22 +132,32 @@ def main() -> None:
         subprocess.run(["cat", str(big), str(small)], stdout=subprocess.DEVNULL, check=True)  # warm cache
         # The command users run, end to end: start-up, ingest, diagnosis and the JSON report.
         cli = [sys.executable, "-m", "ckptguard.cli", "diagnose", "--json"]
+        runs = [("grep -c 'loss'", big, None), ("ckptguard diagnose", big, None),
+                ("ckptguard diagnose (1/8 size)", small, None)]
+        if args.baseline:
+            runs += [("baseline diagnose", big, args.baseline), ("baseline diagnose (1/8 size)", small, args.baseline)]
         rows = []
-        for label, path in (("grep -c 'loss'", big), ("ckptguard diagnose", big),
-                            ("ckptguard diagnose (1/8 size)", small)):
-            if label.startswith("grep"):
-                dt, rss, out = _run_measured([*one_core, "grep", "-c", "loss", str(path)])
-                result = f"{out.strip()} matching lines"
-            else:
-                dt, rss, out = _run_measured([*one_core, *cli, str(path)])
-                d = json.loads(out)
-                result = (f"{d['failure_class']}, rank {d['initiating_rank']}, "
-                          f"{len(d['collateral_ranks'])} collateral")
+        ratios = []
+        for label, path, pythonpath in runs:
             mb = path.stat().st_size / 1e6
+            # grep -c over the same file right before each engine run: the load of a shared
+            # machine drifts within minutes, the ratio of two neighbouring runs much less
+            gdt, grss, gout = _run_measured([*one_core, "grep", "-c", "loss", str(path)])
+            if label.startswith("grep"):
+                rows.append((label, mb, gdt, mb / gdt, grss / 2**20, f"{gout.strip()} matching lines"))
+                continue
+            env = ["env", f"PYTHONPATH={pythonpath}"] if pythonpath else []
+            dt, rss, out = _run_measured([*one_core, *env, *cli, str(path)])
+            d = json.loads(out)
+            result = (f"{d['failure_class']}, rank {d['initiating_rank']}, "
+                      f"{len(d['collateral_ranks'])} collateral")
             rows.append((label, mb, dt, mb / dt, rss / 2**20, result))
+            ratios.append((label, gdt / dt, mb / gdt))
         print(f"\n{'tool':32s} {'MB':>7s} {'seconds':>8s} {'MB/s':>8s} {'peak RSS MiB':>13s}  result")
         for label, mb, dt, rate, rss, result in rows:
             print(f"{label:32s} {mb:7.0f} {dt:8.2f} {rate:8.0f} {rss:13.0f}  {result}")
+        for label, ratio, grep_rate in ratios:
+            print(f"ratio {label} / grep -c (run just before it, {grep_rate:.0f} MB/s): {ratio:.3f}")
         print(f"\n(one core via {'taskset -c 0' if one_core else 'no taskset: unpinned'}; python {sys.version.split()[0]}; "
               f"page cache warm; peak RSS is each process's own ru_maxrss, Python interpreter included)")
     finally:

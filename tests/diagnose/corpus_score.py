@@ -3,10 +3,12 @@
 Used by the parametrised corpus test and runnable on its own, to print the tables that
 docs/diagnose.md shows:
 
-    PYTHONPATH=src python tests/diagnose/corpus_score.py [CORPUS_DIR]
+    PYTHONPATH=src python tests/diagnose/corpus_score.py [CORPUS_DIR ...]
 
-The corpus lives outside the repository (``<repo>/../shared/corpus/diagnose-dev``); it is never
-copied in, because the same engine is also scored on logs that are not in it.
+(several directories: each one's table, then the reliability table of all of them together).
+The corpora live outside the repository (``<repo>/../shared/corpus/diagnose-dev`` and
+``diagnose-dev2``); they are never copied in, because the same engine is also scored on logs
+that are in neither.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ from ckptguard.diagnose.engine import Diagnosis, diagnose
 
 REPO = Path(__file__).resolve().parents[2]
 CORPUS = REPO.parent / "shared" / "corpus" / "diagnose-dev"
+CORPUS2 = REPO.parent / "shared" / "corpus" / "diagnose-dev2"
+CORPORA = (CORPUS, CORPUS2)
 # Bands of the reliability table: (label, lowest confidence, highest confidence exclusive).
 BANDS = (("high (>= 0.8)", 0.8, 1.01), ("medium (0.5-0.8)", 0.5, 0.8), ("low (< 0.5)", 0.0, 0.5))
 
@@ -138,4 +142,12 @@ def report(results: list[Scored]) -> str:
 
 
 if __name__ == "__main__":
-    print(report(score_all(Path(sys.argv[1]) if len(sys.argv) > 1 else CORPUS)))
+    dirs = [Path(a) for a in sys.argv[1:]] or [CORPUS]
+    every: list[Scored] = []
+    for d in dirs:
+        res = score_all(d)
+        every += res
+        print(f"## {d.name}\n\n{report(res)}\n")
+    if len(dirs) > 1:
+        print("## all together\n\n| confidence | answers | right |\n| --- | --- | --- |")
+        print("\n".join(f"| {name} | {n} | {ok} |" for name, n, ok in bands(every)))

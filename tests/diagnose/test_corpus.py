@@ -1,54 +1,71 @@
-"""The dev corpus of real crash logs (issue 11): class, first rank, evidence and confidence.
+"""The labelled corpora of real crash logs (diagnose-dev and diagnose-dev2): class, first rank,
+evidence and calibrated confidence.
 
-The corpus lives next to the repository (``<repo>/../shared/corpus/diagnose-dev``); the tests
-skip, saying so, only where it is absent. Per log: at least one labelled evidence string is
-printed among the evidence; class and rank are asserted in total (>= 48/50 classes, >= 17/18
-ranks), and the answers given with confidence >= 0.8 must be right >= 90 % of the time.
+The corpora live next to the repository (``<repo>/../shared/corpus/``); the tests skip, saying
+so, only where they are absent (CI has them). Each log must get an answer (never "no failure
+found"); totals must not fall below the figures the engine reached (docs/diagnose.md), and over
+both corpora together the answers given with confidence >= 0.8 must be right >= 90 % of the time.
 """
 
 from __future__ import annotations
 
 from functools import cache
+from pathlib import Path
 
 import pytest
 
-from .corpus_score import CORPUS, Label, Scored, bands, load_labels, score_one, summary
+from .corpus_score import (
+    CORPORA,
+    CORPUS,
+    CORPUS2,
+    Label,
+    Scored,
+    bands,
+    load_labels,
+    score_one,
+    summary,
+)
 
-pytestmark = pytest.mark.skipif(not (CORPUS / "labels.jsonl").is_file(),
-                                reason=f"dev corpus not found at {CORPUS} (a clean clone has it in ../shared)")
-LABELS = load_labels() if (CORPUS / "labels.jsonl").is_file() else []
+# corpus -> (logs, class right, ranks labelled, rank right, labelled evidence shown): the floor
+FLOORS = {CORPUS.name: (50, 50, 18, 18, 50), CORPUS2.name: (56, 43, 17, 15, 45)}
+PRESENT = [c for c in CORPORA if (c / "labels.jsonl").is_file()]
+pytestmark = pytest.mark.skipif(len(PRESENT) < len(CORPORA),
+                                reason=f"corpora not found under {CORPUS.parent} (a clean clone has them in ../shared)")
+CASES = [(c, lb) for c in PRESENT for lb in load_labels(c)]
 
 
 @cache
-def _scored(file: str) -> Scored:
-    label = next(lb for lb in LABELS if lb.file == file)
-    return score_one(label)
+def _scored(corpus: Path, file: str) -> Scored:
+    label = next(lb for lb in load_labels(corpus) if lb.file == file)
+    return score_one(label, corpus)
 
 
-def _all() -> list[Scored]:
-    return [_scored(lb.file) for lb in LABELS]
+def _all(corpus: Path) -> list[Scored]:
+    return [_scored(corpus, lb.file) for lb in load_labels(corpus)]
 
 
-@pytest.mark.parametrize("label", LABELS, ids=lambda lb: lb.file.split("/")[-1][:40])
-def test_corpus_log(label: Label) -> None:
-    """Each log: a labelled evidence line is among the evidence printed, and the answer."""
-    s = _scored(label.file)
-    assert s.evidence_ok, f"none of {label.evidence_lines} in the evidence {s.evidence}"
+@pytest.mark.parametrize(("corpus", "label"), CASES, ids=[f"{c.name}/{lb.file.split('/')[-1][:36]}" for c, lb in CASES])
+def test_corpus_log(corpus: Path, label: Label) -> None:
+    """Each real crash log gets an answer; on diagnose-dev a labelled evidence line is printed."""
+    s = _scored(corpus, label.file)
     assert s.got_class is not None, "a real crash log never gets 'no failure found'"
+    if corpus == CORPUS:
+        assert s.evidence_ok, f"none of {label.evidence_lines} in the evidence {s.evidence}"
 
 
-def test_corpus_totals() -> None:
-    s = summary(_all())
-    assert len(LABELS) == 50
-    assert s["class"][0] >= 48, s
-    assert s["rank"][1] == 18 and s["rank"][0] >= 17, s
-    assert s["evidence"][0] == 50, s
+@pytest.mark.parametrize("corpus", PRESENT, ids=lambda c: c.name)
+def test_corpus_totals(corpus: Path) -> None:
+    logs, cls, ranked, rank, evidence = FLOORS[corpus.name]
+    s = summary(_all(corpus))
+    assert s["class"][1] == logs and s["class"][0] >= cls, s
+    assert s["rank"][1] == ranked and s["rank"][0] >= rank, s
+    assert s["evidence"][0] >= evidence, s
 
 
-def test_corpus_confidence_means_something() -> None:
-    """High confidence is right >= 90 % of the time, and no less often than the lower bands."""
-    table = {name: (n, ok) for name, n, ok in bands(_all())}
+def test_corpus_confidence_is_calibrated() -> None:
+    """Over both corpora: high confidence is right >= 90 % of the time, and more often than low."""
+    table = {name: (n, ok) for name, n, ok in bands([r for c in PRESENT for r in _all(c)])}
     n_hi, ok_hi = table["high (>= 0.8)"]
-    assert n_hi >= 10 and ok_hi / n_hi >= 0.9, table
+    assert n_hi >= 20 and ok_hi / n_hi >= 0.9, table
     n_lo, ok_lo = table["low (< 0.5)"]
-    assert n_lo == 0 or ok_lo / n_lo <= ok_hi / n_hi, table
+    assert n_lo == 0 or ok_lo / n_lo < ok_hi / n_hi, table

@@ -39,6 +39,7 @@ CASES: dict[str, tuple[str, int | None, list[int], list[int]]] = {
     "rename_not_empty.log": ("checkpoint_write_race", 1, [0], []),
     "dcp_size_mismatch.log": ("state_dict_mismatch", 0, [], [1]),
     "spawn_sigkill.log": ("host_oom_sigkill", 1, [], []),
+    "demo_sigkill": ("host_oom_sigkill", 3, [0, 1, 2], []),
 }
 
 

@@ -9,8 +9,11 @@ import sys
 import tracemalloc
 from pathlib import Path
 
+import pytest
+
 from ckptguard.cli import app
 from ckptguard.diagnose.engine import diagnose
+from ckptguard.diagnose.ingest import UsageError
 
 from .conftest import FIXTURES, SEED, cli_json
 
@@ -36,7 +39,12 @@ def test_usage_errors(runner, tmp_path: Path) -> None:
 def test_binary_garbage_and_non_utf8(tmp_path: Path) -> None:
     rnd = os.urandom(3 * 1024 * 1024)
     (tmp_path / "garbage.bin.log").write_bytes(rnd)
-    diagnose([str(tmp_path / "garbage.bin.log")])  # no crash, whatever it finds in noise
+    with pytest.raises(UsageError, match=r"garbage\.bin\.log is a binary file"):
+        diagnose([str(tmp_path / "garbage.bin.log")])
+    (tmp_path / "job.log").write_bytes(b"step 1\n\0\0\0\n" + b"step 2 loss 1.0\n" * 2000
+                                       + b"[rank1]: torch.OutOfMemoryError: CUDA out of memory.\n")
+    d = diagnose([str(tmp_path / "job.log")])  # a text log with a few NULs (a crash's padding) is read
+    assert (d.failure_class, d.initiating_rank) == ("cuda_oom", 1)
     bad = (b"\xff\xfe[rank1]: caf\xe9 \x80\x81\n[rank1]: Traceback (most recent call last):\n"
            b"[rank1]: OSError: [Errno 28] No space left on device: '/ck\xffpt/x.pt'\n")
     (tmp_path / "latin.log").write_bytes(bad)
@@ -199,3 +207,45 @@ def test_unreadable_only_input_is_a_usage_error(runner, tmp_path: Path) -> None:
     (tmp_path / "bad.log.gz").write_bytes(b"\x1f\x8b\x08\x00garbage")
     result = runner.invoke(app, ["diagnose", str(tmp_path / "bad.log.gz")])
     assert result.exit_code == 2 and "cannot read" in result.output
+
+
+def _fed(path: Path, with_grep: bool) -> list[tuple[int, bytes]]:
+    """The (line number, line) pairs that the scan hands to the extractor."""
+    from ckptguard.diagnose.events import STRUCTURAL_ANCHORS
+    from ckptguard.diagnose.ingest import GrepHits, Prefilter, Source, scan
+    from ckptguard.diagnose.kb import load_kb
+
+    pf = Prefilter(STRUCTURAL_ANCHORS, load_kb().anchors())
+    src = Source(path.name, path)
+    hits = GrepHits.open(src, pf) if with_grep else None
+    if with_grep:
+        assert hits is not None, "grep is on every POSIX machine this runs on"
+    out: list[tuple[int, bytes]] = []
+
+    def on_line(line: bytes, lineno: int) -> int:
+        out.append((lineno, line))
+        return 2 if b"Traceback" in line else 0
+
+    with path.open("rb") as f:
+        scan(f, pf, on_line, hits)
+    if hits is not None:
+        hits.close()
+    return out
+
+
+def test_grep_prefilter_feeds_the_same_lines(tmp_path: Path) -> None:
+    """grep -F finds the anchors in plain files; the lines fed must be exactly the Python
+    prefilter's, across 4 MiB block edges, over-long lines and anchors at a line's very end."""
+    big = tmp_path / "big.log"
+    with big.open("wb") as f:
+        for i in range(120_000):
+            f.write(b"[rank%d]: step %d loss 1.0 tok/s 1000\n" % (i % 8, i))
+            if i % 9973 == 0:
+                f.write(b"[rank3]: RuntimeError: boom\nTraceback (most recent call last):\n  File \"x.py\"\n")
+            if i % 31337 == 0:
+                f.write(b"x" * (70 * 1024) + b" Errno 28 at the end of an over-long line\n")
+            if i % 50_000 == 0:
+                f.write(b"[rank1]: ends with an anchor: Killed\n")
+    files = [big, *sorted(p for p in FIXTURES.rglob("*.log"))[:8]]
+    for p in files:
+        assert _fed(p, True) == _fed(p, False), p

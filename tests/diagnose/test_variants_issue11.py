@@ -28,6 +28,8 @@ def test_variant(name: str) -> None:
         assert (d.failure_class, d.initiating_rank) == (want["class"], None if rank == -1 else rank), \
             (d.failure_class, d.initiating_rank, d.rank_attribution)
         assert d.evidence and d.root_cause and d.fix
+    if "operation" in want:
+        assert any(f"was being done: {want['operation']}." in n for n in d.notes), d.notes
     if "max_confidence" in want:
         assert not d.found or d.confidence <= float(want["max_confidence"]), (d.failure_class, d.confidence)  # type: ignore[arg-type]
 
@@ -38,3 +40,11 @@ def test_negatives_are_never_confident_alarms() -> None:
             d = diagnose([str(VARIANTS / f"{name}.log")])
             assert not d.found or d.confidence < 0.5, (name, d.failure_class, d.confidence)
             assert "max_confidence" in want
+
+
+def test_every_operation_has_a_reworded_variant() -> None:
+    """Each [[operation]] of the rules decides at least one hand-written variant."""
+    from ckptguard.diagnose.kb import load_kb
+
+    covered = {str(w["operation"]) for w in EXPECTED.values() if "operation" in w}
+    assert {op.name for op in load_kb().rules.operations} <= covered

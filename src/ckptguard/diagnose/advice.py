@@ -8,7 +8,7 @@ import re
 
 from ckptguard.diagnose.attribution import Attribution, tier
 from ckptguard.diagnose.events import Extractor
-from ckptguard.diagnose.kb import FailureClass, KnowledgeBase
+from ckptguard.diagnose.kb import FailureClass, KnowledgeBase, Unproven
 from ckptguard.diagnose.model import (
     Diagnosis,
     Event,
@@ -77,6 +77,22 @@ def advise(diag: Diagnosis, fc: FailureClass, init: Event | None) -> None:
     if mm:
         module = mm.group(1)
     diag.verify_command = fmt(fc.verify_command, {"ckpt_dir": ckpt_dir, "module": module})
+
+
+def unproven(diag: Diagnosis, fc: FailureClass, u: Unproven, init: Event) -> None:
+    """The class is only implied by the log: the headline, root cause, confirmation and
+    confidence say what the log does not show."""
+    exc = f"{init.exc_type}: {init.message}" if init.exc_type and init.message else (
+        init.exc_type or init.evidence[0].text)
+    diag.title = u.title
+    diag.root_cause = fmt(u.root_cause, {"rank_text": rank_text(diag.initiating_rank),
+                                          "host_text": diag.initiating_host or "the node", "exc": exc})
+    diag.confirm = list(u.confirm) or diag.confirm
+    if u.fix:
+        diag.fix = " ".join(u.fix.split()) + " " + diag.fix
+    diag.confidence = round(min(diag.confidence, u.confidence_cap), 2)
+    diag.notes.append("The log implies this class but does not prove it; the commands under "
+                      "'How to confirm' tell (" + "; ".join(c.split("`")[1] for c in u.confirm if "`" in c) + ").")
 
 
 def alternatives(diag: Diagnosis, att: Attribution, kb: KnowledgeBase, ex: Extractor,
@@ -161,7 +177,26 @@ def notes(diag: Diagnosis, att: Attribution) -> None:
     if init.kind == EventKind.EXIT:
         diag.notes.append("The log holds no message from the failing process itself, only its exit status.")
     if init.kind == EventKind.CUT:
-        diag.notes.append("The log is cut before the exception line of this traceback.")
+        diag.notes.append("The log is cut before the exception line of this traceback."
+                          + (f" The class rests on what its frames show was being done: {init.operation}."
+                             if init.operation else ""))
+    elif init.operation:
+        diag.notes.append(f"The exception names no cause of its own; the class rests on what its frames "
+                          f"show was being done: {init.operation}.")
+    if diag.failure_class == "python_exception":
+        missing = ["an errno, fatal signal, collective, CUDA, checkpoint, DataLoader or launcher "
+                   "message that names a known cause"]
+        if init.kind == EventKind.CUT:
+            missing.append("the exception line (the traceback is cut before it)")
+        if not init.frames:
+            missing.append("the traceback's frames")
+        elif not init.operation:
+            missing.append("a frame doing a known operation (saving, loading, rotating a checkpoint, "
+                           "a collective, DataLoader I/O)")
+        if diag.initiating_rank is None:
+            missing.append("which rank raised it")
+        diag.notes.append("Answered with the generic class, as a last resort: the log does not show "
+                          + "; ".join(missing) + ".")
     if init.kind == EventKind.HINT:
         diag.notes.append("Only a warning or a retried error names a failure; the run may not have failed from it.")
     unseen = sorted(att.known - {r for r, v in att.views.items() if r is not None and v.events}

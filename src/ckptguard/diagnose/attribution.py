@@ -54,6 +54,7 @@ class Attribution:
     hints: list[Event] = field(default_factory=list)
     reported: list[tuple[int, Evidence]] = field(default_factory=list)
     sigterm_lines: int = 0
+    shown: set[int] = field(default_factory=set)  # ranks that any line names (not the world's range)
 
 
 def tier(kb: KnowledgeBase, e: Event) -> int:
@@ -72,8 +73,10 @@ def when(e: Event) -> tuple[float, int]:
 
 
 def best_of(kb: KnowledgeBase, events: list[Event]) -> Event:
-    """The event that best names a rank's failure: highest tier, weight, exception over line."""
-    return max(events, key=lambda e: (tier(kb, e), e.weight, e.kind == EventKind.EXCEPTION, -e.seq))
+    """The event that best names a rank's failure: highest tier, a named class over the generic
+    ones, weight, exception over line."""
+    return max(events, key=lambda e: (tier(kb, e), e.class_id not in GENERIC, e.weight,
+                                      e.kind == EventKind.EXCEPTION, -e.seq))
 
 
 def collect(ex: Extractor, kb: KnowledgeBase) -> Attribution:
@@ -118,21 +121,38 @@ def collect(ex: Extractor, kb: KnowledgeBase) -> Attribution:
     known = set(ex.ranks_seen) | {r for r in views if r is not None}
     if world:
         known |= set(range(world))
+    shown = set(ex.ranks_seen) | ex.named_ranks | {r for r in views if r is not None}
     return Attribution(events, views, launcher, set(sigterm_ranks), known,
                        world or (max(known) + 1 if known else None), hints=hints,
-                       reported=list(ex.reported_ranks), sigterm_lines=len(ex.sigterm))
+                       reported=list(ex.reported_ranks), sigterm_lines=len(ex.sigterm), shown=shown)
 
 
 def choose(att: Attribution, kb: KnowledgeBase) -> None:
     """Pick the initiating event and rank (or leave ``init`` None: only consequences)."""
+    _choose(att, kb)
+    init = att.init
+    if init is not None and att.init_rank is None and len(att.shown) == 1 and (att.world or 1) <= 1:
+        (only,) = att.shown  # one process, or a log that names one rank only...
+        if only not in att.views or not att.views[only].collateral:  # ...and not as a waiter
+            att.init_rank = only
+            init.rank, init.rank_via = only, RankSource.ONLY_RANK
+
+
+def _choose(att: Attribution, kb: KnowledgeBase) -> None:
     views = att.views
-    firsts = {r: min(v.primary, key=lambda e: (-min(tier(kb, e), 2), *when(e)))
+    firsts = {r: min(v.primary, key=lambda e: (-min(tier(kb, e), 2), e.class_id in GENERIC, *when(e)))
               for r, v in views.items() if v.primary and r is not None}
     unattr = views.get(None)
     first_unattr = None
-    if unattr and unattr.primary:
-        top = max(tier(kb, e) for e in unattr.primary)
-        first_unattr = min((e for e in unattr.primary if tier(kb, e) == top), key=when)
+    consequences = any(v.collateral for v in views.values())
+    # A cut traceback that shows nothing (no exception line, no known operation), on no rank,
+    # does not outweigh the consequences that the log does show: they say more.
+    candidates = [e for e in unattr.primary if not (consequences and e.kind == EventKind.CUT
+                                                    and e.class_id in GENERIC)] if unattr else []
+    if candidates:
+        top = max(tier(kb, e) for e in candidates)
+        first_unattr = min((e for e in candidates if tier(kb, e) == top),
+                           key=lambda e: (e.class_id in GENERIC, *when(e)))
     ranked_top = max((tier(kb, best_of(kb, views[r].primary)) for r in firsts), default=-1)
     att.firsts = firsts
     if firsts and (first_unattr is None or ranked_top >= tier(kb, first_unattr)):
@@ -142,8 +162,7 @@ def choose(att: Attribution, kb: KnowledgeBase) -> None:
         att.basis = basis
         att.also = order[1:]
     elif first_unattr is not None:
-        att.init = best_of(kb, [e for e in unattr.primary if tier(kb, e) == tier(kb, first_unattr)]) \
-            if unattr else first_unattr
+        att.init = best_of(kb, [e for e in candidates if tier(kb, e) == tier(kb, first_unattr)])
         att.basis = OrderingBasis.UNATTRIBUTED
         att.also = sorted(firsts, key=lambda r: firsts[r].seq)
 
@@ -253,6 +272,10 @@ def collateral_rank(att: Attribution, kb: KnowledgeBase, cls: str) -> tuple[int 
     if len(suspects) == 1 and len(reporters) >= 2:
         return suspects[0], RankSource.INFERRED, (
             f"every other rank reported {cls}, rank {suspects[0]} did not; it is the one they were waiting for")
+    if len(reporters) == 1 and att.shown <= reporters:
+        (r,) = reporters
+        return r, RankSource.ONLY_RANK, (
+            f"the only rank that the log shows, and the first whose {cls} fired; the rank it waited for is not in the log")
     if len(reporters) == 1 and cls in rules.single_reporter and att.sigterm_lines:
         (r,) = reporters
         return r, RankSource.INFERRED, (

@@ -16,8 +16,8 @@ from typing import BinaryIO
 from ckptguard.diagnose import advice, scoring
 from ckptguard.diagnose.attribution import Attribution, choose, collateral_rank, collect
 from ckptguard.diagnose.events import STRUCTURAL_ANCHORS, Extractor
-from ckptguard.diagnose.ingest import Prefilter, UsageError, discover, scan
-from ckptguard.diagnose.kb import KnowledgeBase, load_kb
+from ckptguard.diagnose.ingest import GrepHits, Prefilter, UsageError, discover, scan, sniff_binary
+from ckptguard.diagnose.kb import FailureClass, KnowledgeBase, Unproven, load_kb
 from ckptguard.diagnose.mask import Masker
 from ckptguard.diagnose.model import (
     SCHEMA_VERSION,
@@ -41,6 +41,12 @@ def diagnose(paths: Iterable[str], *, mask_hosts: bool = False, kb: KnowledgeBas
     kb = kb or load_kb()
     masker = Masker(mask_hosts=mask_hosts)
     sources = discover(paths)
+    binary = [src.name for src in sources if (src.path is not None or stdin is None) and sniff_binary(src)]
+    if binary and len(binary) == len(sources):
+        raise UsageError(f"{binary[0]} is a binary file (an executable, archive, checkpoint or image), not a "
+                         "text log" + (f" (and {len(binary) - 1} more)" if len(binary) > 1 else "")
+                         + ": pass the job's console output or per-rank log files")
+    sources = [src for src in sources if src.name not in binary]
     prefilter = Prefilter(STRUCTURAL_ANCHORS, kb.anchors())
     ex = Extractor(kb, masker)
     t0 = time.perf_counter()
@@ -50,9 +56,12 @@ def diagnose(paths: Iterable[str], *, mask_hosts: bool = False, kb: KnowledgeBas
         ex.begin_source(src)
         try:
             stream = stdin if (src.path is None and stdin is not None) else src.open()
+            hits = GrepHits.open(src, prefilter) if src.path is not None else None
             try:
-                b, n = scan(stream, prefilter, ex.feed)
+                b, n = scan(stream, prefilter, ex.feed, hits)
             finally:
+                if hits is not None:
+                    hits.close()
                 if stream is not stdin and src.path is not None:
                     stream.close()
         except (OSError, EOFError, zlib.error) as exc:  # unreadable, or a damaged .gz
@@ -65,6 +74,7 @@ def diagnose(paths: Iterable[str], *, mask_hosts: bool = False, kb: KnowledgeBas
         raise UsageError("cannot read " + "; ".join(unreadable))
     diag = attribute(ex, kb)
     diag.notes += [f"Could not read all of {u}" for u in unreadable]
+    diag.notes += [f"Skipped {b}: a binary file, not a text log" for b in binary]
     elapsed = time.perf_counter() - t0
     diag.sources = [s.name for s in sources]
     diag.stats = {"bytes": nbytes, "lines": nlines, "lines_examined": ex.lines_processed,
@@ -111,6 +121,7 @@ def _answer(diag: Diagnosis, att: Attribution, ex: Extractor, kb: KnowledgeBase,
     diag.initiating_host = (init.host or (ex.rank_host.get(att.init_rank) if att.init_rank is not None else None)
                             or _host_of(ex, att.init_rank))
     diag.confidence = scoring.confidence(att, v, kb)
+    unproven = _unproven(fc, att)
 
     for ev in init.evidence:
         diag.evidence.append(advice.evline(ev, names, "initiating", init.rank if ev.rank is None else ev.rank))
@@ -128,6 +139,8 @@ def _answer(diag: Diagnosis, att: Attribution, ex: Extractor, kb: KnowledgeBase,
                 seen_cls.add(e.class_id)
                 diag.evidence.append(advice.evline(e.evidence[0], names, "collateral", r))
     advice.advise(diag, fc, init)
+    if unproven is not None:
+        advice.unproven(diag, fc, unproven, init)
     advice.alternatives(diag, att, kb, ex, names, v.class_id)
     advice.notes(diag, att)
     diag.timeline = advice.timeline(att.events, kb, names)
@@ -183,6 +196,16 @@ def _collateral_only(diag: Diagnosis, att: Attribution, ex: Extractor, kb: Knowl
                       "(a hang, or a process killed without output).")
     diag.timeline = advice.timeline([e for view in att.views.values() for e in view.events], kb, names)
     return diag
+
+
+def _unproven(fc: FailureClass, att: Attribution) -> Unproven | None:
+    """The class's [unproven] report when no line of the log proves it (only implies it)."""
+    u = fc.unproven
+    if u is None:
+        return None
+    every = [*att.events, *att.hints]
+    proved = any(m.class_id == fc.id and m.weight >= u.proof_weight for e in every for m in e.matches)
+    return None if proved else u
 
 
 def _host_of(ex: Extractor, rank: int | None) -> str | None:

@@ -18,6 +18,7 @@ from ckptguard.diagnose.kb import KnowledgeBase, Match
 from ckptguard.diagnose.launchers import Block, LauncherLines
 from ckptguard.diagnose.mask import Masker
 from ckptguard.diagnose.model import Event, EventKind, Evidence, LauncherFailure, RankSource
+from ckptguard.diagnose.rules import Operation
 
 # Literal anchors for the structural parts of a log (tracebacks, launcher lines, NCCL rank
 # maps, generic failure words); the KB adds the anchors of its signatures and rules.
@@ -26,14 +27,17 @@ STRUCTURAL_ANCHORS = (
     "NaN", "Killed", "nan", "nranks", "oss is", "[send]", "[receive]", "Errno", "[...]",
     'File "',
 )
+GENERIC_CLASSES = frozenset({"python_exception", "unclassified_error"})
 EVIDENCE_CHARS = 400
 KEEP_PER_RANK_CLASS = 3
 KEEP_UNATTRIBUTED_PER_CLASS = 20
 MAX_FRAMES = 12
 MAX_FINGERPRINTS = 4096
 TRACEBACK_FORCE = 60  # lines read unconditionally after a traceback line
+OWNER_LINES = 400  # how far a launcher's "process N terminated with the following error" reaches
 
 _NCCL_RE = re.compile(r"^(?P<host>[\w.\-]+):(?P<pid>\d+):(?P<tid>\d+) \[(?P<dev>\d+)\] (?:[\w/.\-]+:\d+ )?NCCL (?P<lvl>[A-Z]+) ?(?P<msg>.*)$")
+_NCCL_TRACE_RE = re.compile(r":\d+ -> [1-9]\d*\s*$")  # NCCL's error trace: file:line -> non-zero code
 _COMM_RE = re.compile(r"\brank (\d+) nranks (\d+)\b")
 _CHANNEL_RE = re.compile(r"Channel \d+/\d+ : (\d+)\[(\d+)\] -> (\d+)\[(\d+)\](?: \[(send|receive)\])?")
 _TREES_RE = re.compile(r"Trees \[\d+\] [-\d/]+->(\d+)->")
@@ -56,6 +60,7 @@ class _Traceback:
     chain: list[tuple[str, str]] = field(default_factory=list)
     last: Evidence | None = None
     after_frame: bool = False
+    lines: deque[tuple[str, Evidence]] = field(default_factory=lambda: deque(maxlen=2 * MAX_FRAMES))
 
 
 @dataclass
@@ -75,6 +80,14 @@ class _Pending:
 def _clip(text: str) -> str:
     text = text.strip()
     return text if len(text) <= EVIDENCE_CHARS else text[: EVIDENCE_CHARS - 1] + "…"
+
+
+def _op_lines(op: Operation, lines: list[tuple[str, Evidence]]) -> list[Evidence]:
+    """The frame and source lines that show the operation (the innermost two), for evidence."""
+    hits = [ev for text, ev in lines if op.frames.search(text)]
+    if not hits:  # a rule that needs several lines together: the innermost source line
+        hits = [ev for text, ev in lines if ":" not in text or " " in text][-1:]
+    return hits[-2:]
 
 
 class Extractor(LauncherLines):
@@ -98,6 +111,8 @@ class Extractor(LauncherLines):
         self.saves: dict[str, dict[int, Evidence]] = {}
         self.fingerprints: list[tuple[dict[str, str], Evidence]] = []
         self.reported_ranks: list[tuple[int, Evidence]] = []
+        self.progress: dict[int, dict[int, Evidence]] = {}  # step reached -> total -> first line
+        self.named_ranks: set[int] = set()  # ranks that lines name without being failures
         self.lines_processed = 0
         self._seq = 0
         self._src = 0
@@ -110,6 +125,8 @@ class Extractor(LauncherLines):
         self._block: Block | None = None
         self._block_left = 0
         self._pending: _Pending | None = None
+        self._lineno = 0
+        self._owner: dict[tuple[int | None, int | None], tuple[int, int]] = {}  # key -> (rank, until line)
 
     # ---- per source ---------------------------------------------------------------------
     def begin_source(self, source: Source) -> None:
@@ -123,6 +140,7 @@ class Extractor(LauncherLines):
         self._block = None
         self._block_left = 0
         self._pending = None
+        self._owner.clear()
 
     def end_source(self) -> None:
         """Flush what the end of the file cut off (a log cut mid-traceback)."""
@@ -141,6 +159,7 @@ class Extractor(LauncherLines):
     def feed(self, raw: bytes, lineno: int) -> int:
         """Handle one line; return how many following lines must be read unconditionally."""
         self.lines_processed += 1
+        self._lineno = lineno
         text = raw.decode("utf-8", "replace").rstrip("\r\n")
         if not text.strip():
             return self._pending_force()
@@ -192,11 +211,13 @@ class Extractor(LauncherLines):
             if tb is None:  # the log starts (or an excerpt resumes) mid-traceback
                 tb = self._tb[key] = _Traceback(ev, chain=self._chain_next.pop(key, []))
             tb.frames.append(f"{fm.group('file')}:{fm.group('func') or '?'}")
+            tb.lines.append((tb.frames[-1], ev))
             tb.last, tb.after_frame = ev, True
             return TRACEBACK_FORCE
         tb = self._tb.get(key)
         if tb is not None and tb.after_frame and rest[:1].isspace():
             tb.code.append(stripped)  # the source line that a frame shows
+            tb.lines.append((stripped, ev))
             tb.last, tb.after_frame = ev, False
             return TRACEBACK_FORCE
         if any(marker in rest for marker in _CHAIN_MARKERS):
@@ -207,6 +228,21 @@ class Extractor(LauncherLines):
 
         if self.launcher_line(rest, ev, ts):
             return self._pending_force()
+        if "terminated with" in rest:
+            for pat in self.rules.traceback_owners:
+                om = pat.search(rest)
+                if om:
+                    owner = int(om.group("local"))
+                    self._owner[key] = (owner, lineno + OWNER_LINES)
+                    last = self.events[-1] if self.events else None
+                    if last is not None and last.rank is None and last.source == self._src \
+                            and lineno - last.evidence[-1].line <= 3:
+                        # the launcher's exception reporting that process's failure: an exit
+                        # report, weaker than the process's own traceback that follows
+                        last.rank, last.rank_via = owner, RankSource.SPAWN_INDEX
+                        if last.class_id in GENERIC_CLASSES:
+                            last.kind = EventKind.EXIT
+                    return TRACEBACK_FORCE
         self._facts(rest, rank, ev)
         hint = any(h.search(rest) for h in self.rules.hints)
         em = _EXC_RE.match(rest)
@@ -240,6 +276,18 @@ class Extractor(LauncherLines):
             fm = self.rules.desync_pattern.search(rest)
             if fm:
                 self.fingerprints.append(({k: v for k, v in fm.groupdict().items() if v}, ev))
+        prog = self.rules.progress
+        if prog is not None and len(self.progress) < MAX_FINGERPRINTS and any(a in rest for a in self.rules.progress_anchors):
+            for pm in prog.finditer(rest):
+                cur, total = int(pm.group("cur")), int(pm.group("total"))
+                if cur < total:  # a bar that finished says nothing about where the ranks stopped
+                    self.progress.setdefault(cur, {}).setdefault(total, ev)
+        if rank is None and "ank" in rest and len(self.named_ranks) < 64:
+            for h in self.rules.rank_hints:
+                if h.source == "message" and h.anchor in rest:
+                    hm = h.pattern.search(rest)
+                    if hm:
+                        self.named_ranks.add(int(hm.group("rank")))
         for rep in self.rules.rank_reports:
             if rep.anchor in rest:
                 rm = rep.pattern.search(rest)
@@ -289,7 +337,7 @@ class Extractor(LauncherLines):
                 tm = _TREES_RE.search(msg)
                 if tm:
                     self._map_pid(pid, int(tm.group(1)), 1)
-        if m.group("lvl") in ("WARN", "ERROR"):
+        if m.group("lvl") in ("WARN", "ERROR") or _NCCL_TRACE_RE.search(msg):
             matches = self.kb.match(m.group(0), exception=False)
             if matches:
                 self._emit(EventKind.LINE, matches, [ev], rank, via, pid=pid, host=host, ts=ts,
@@ -351,7 +399,7 @@ class Extractor(LauncherLines):
         etype, msg = tb.chain[-1]
         evidence = ev if ev is not None else tb.start
         self._emit_exception(etype, msg, tb.chain, list(tb.frames), list(tb.code), evidence,
-                             rank, via, ts, key)
+                             rank, via, ts, key, tb_lines=list(tb.lines))
 
     def _cut_traceback(self, key: tuple[int | None, int | None], tb: _Traceback,
                        rank: int | None, via: RankSource) -> None:
@@ -360,15 +408,39 @@ class Extractor(LauncherLines):
         if not frames or any(self.rules.launcher_frames.search(f) for f in frames):
             return  # nothing to go on, or the launcher's own traceback
         evidence = [tb.start] + ([tb.last] if tb.last is not None and tb.last is not tb.start else [])
-        cls = "python_exception"
-        self._emit(EventKind.CUT, [Match(cls, 0.3)], evidence, rank, via, ts_key=key,
+        code = list(tb.code)
+        op = self._operation(frames, code)
+        if op is not None:
+            evidence += [e for e in _op_lines(op, list(tb.lines)) if e not in evidence]
+        if rank is None:
+            rank, via = self._spawn_rank(key, via)
+        match = Match(op.class_for(rank), op.weight) if op else Match("python_exception", 0.3)
+        self._emit(EventKind.CUT, [match], evidence, rank, via, ts_key=key,
                    exc_type="traceback cut before its exception line", frames=frames,
-                   code=list(tb.code))
+                   code=code, operation=op.name if op else None)
+
+    def _spawn_rank(self, key: tuple[int | None, int | None], via: RankSource) -> tuple[int | None, RankSource]:
+        """The process that a launcher named as the owner of the traceback that followed."""
+        owner = self._owner.get(key)
+        if owner is not None and self._lineno <= owner[1]:
+            return owner[0], RankSource.SPAWN_INDEX
+        return None, via
+
+    def _operation(self, frames: list[str], code: list[str], exc: str | None = None) -> Operation | None:
+        """The first operation (KB order: most specific first) that the frames show; for an
+        exception, only one whose ``errors`` family the exception belongs to."""
+        for op in self.rules.operations:
+            if exc is not None and (op.errors is None or not op.errors.search(exc)):
+                continue
+            if op.matches(frames, code):
+                return op
+        return None
 
     def _emit_exception(self, etype: str, msg: str, chain: list[tuple[str, str]],
                         frames: list[str], code: list[str], ev: Evidence, rank: int | None,
                         via: RankSource, ts: float | None,
-                        key: tuple[int | None, int | None]) -> None:
+                        key: tuple[int | None, int | None],
+                        tb_lines: list[tuple[str, Evidence]] | None = None) -> None:
         ident = (key, self._src, etype, msg[:200])
         for old_ident, old in self._recent:
             if old_ident == ident and ev.line - old.evidence[-1].line < 400:
@@ -382,9 +454,22 @@ class Extractor(LauncherLines):
         for t, m in chain:
             for match in self.kb.match(f"{t}: {m}" if m else t, exception=True, context=context):
                 best[match.class_id] = max(best.get(match.class_id, 0.0), match.weight)
+        if rank is None:
+            rank, via = self._spawn_rank(key, via)
+        op_name = None
+        extra: list[Evidence] = []
+        if set(best) <= GENERIC_CLASSES:  # nothing specific: what was being done decides
+            op = self._operation(frames, code, exc=f"{etype}: {msg}")
+            if op is not None:
+                cls = op.class_for(rank)
+                best = {c: min(w, op.weight * 0.9) for c, w in best.items()}  # kept as alternatives
+                best[cls] = op.weight
+                op_name = op.name
+                extra = _op_lines(op, tb_lines or [])
         matches = sorted((Match(c, w) for c, w in best.items()), key=lambda x: -x.weight)
-        event = self._emit(EventKind.EXCEPTION, matches, [ev], rank, via, ts=ts, ts_key=key,
-                           exc_type=etype, message=msg, frames=frames, code=code)
+        event = self._emit(EventKind.EXCEPTION, matches, [ev, *extra], rank, via, ts=ts, ts_key=key,
+                           exc_type=etype, message=msg, frames=frames, code=code,
+                           operation=op_name)
         if event is not None:
             self._recent.append((ident, event))
 
@@ -394,7 +479,7 @@ class Extractor(LauncherLines):
               host: str | None = None, ts: float | None = None,
               ts_key: tuple[int | None, int | None] | None = None, exc_type: str | None = None,
               message: str | None = None, frames: list[str] | None = None,
-              code: list[str] | None = None) -> Event | None:
+              code: list[str] | None = None, operation: str | None = None) -> Event | None:
         if not matches:
             return None
         if rank is None:
@@ -412,7 +497,7 @@ class Extractor(LauncherLines):
         self._seq += 1
         event = Event(self._seq, kind, best.class_id, best.weight, matches, evidence, rank, via,
                       pid=pid, host=host, ts=ts, ts_own=own, exc_type=exc_type,
-                      message=message, frames=frames or [], code=code or [])
+                      message=message, frames=frames or [], code=code or [], operation=operation)
         self.events.append(event)
         return event
 

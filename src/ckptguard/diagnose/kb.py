@@ -43,6 +43,20 @@ class Signature:
 
 
 @dataclass(frozen=True)
+class Unproven:
+    """How to report a class that the log only implies (no signature of ``proof_weight`` or more
+    matched, e.g. a SIGKILL with no out-of-memory message): what it cannot show, and a cap on the
+    confidence."""
+
+    proof_weight: float
+    title: str
+    root_cause: str
+    confirm: tuple[str, ...]
+    confidence_cap: float
+    fix: str = ""
+
+
+@dataclass(frozen=True)
 class FailureClass:
     """A failure class as the report explains it."""
 
@@ -64,6 +78,7 @@ class FailureClass:
     checkpointer_prevents: bool = False
     references: tuple[str, ...] = ()
     signatures: tuple[Signature, ...] = field(default=(), repr=False)
+    unproven: Unproven | None = None
 
     def as_dict(self) -> dict[str, object]:
         """The entry as plain data (for `explain --json`)."""
@@ -191,6 +206,14 @@ def parse_class(data: dict[str, object], where: str) -> FailureClass:
                               bool(raw.get("prefilter", False))))
     if not sigs:
         raise KBError(f"{where}: a class needs at least one signature")
+    unproven = None
+    raw_u = data.get("unproven")
+    if raw_u is not None:
+        if not isinstance(raw_u, dict) or not {"proof_weight", "title", "root_cause", "confidence_cap"} <= set(raw_u):
+            raise KBError(f"{where}: [unproven] needs proof_weight, title, root_cause and confidence_cap")
+        unproven = Unproven(float(raw_u["proof_weight"]), str(raw_u["title"]), str(raw_u["root_cause"]),
+                            _tuple(raw_u, "confirm", where), float(raw_u["confidence_cap"]),
+                            str(raw_u.get("fix", "")))
     return FailureClass(
         id=cid, title=str(data["title"]), category=str(data["category"]),
         collateral=bool(data["collateral"]), summary=str(data["summary"]),
@@ -200,7 +223,7 @@ def parse_class(data: dict[str, object], where: str) -> FailureClass:
         prevention=_tuple(data, "prevention", where), verify_command=str(data["verify_command"]),
         related=_tuple(data, "related", where), weak=bool(data.get("weak", False)),
         checkpointer_prevents=bool(data.get("checkpointer_prevents", False)),
-        references=_tuple(data, "references", where), signatures=tuple(sigs),
+        references=_tuple(data, "references", where), signatures=tuple(sigs), unproven=unproven,
     )
 
 

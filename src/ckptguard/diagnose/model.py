@@ -38,6 +38,8 @@ class RankSource(StrEnum):
     LOCAL_PREFIX = "local-prefix"
     DEVICE = "device"
     REPORT = "report"
+    SPAWN_INDEX = "spawn-index"
+    ONLY_RANK = "only-rank"
     INFERRED = "inferred"
 
     @property
@@ -58,6 +60,9 @@ _RANK_TEXT = {
     RankSource.LOCAL_PREFIX: "from a local-rank prefix ([defaultN]:), taken as the global rank",
     RankSource.DEVICE: "from the GPU index in the message (one GPU per process, GPU N = rank N assumed)",
     RankSource.REPORT: "from torch's own report of the lagging or failing ranks",
+    RankSource.SPAWN_INDEX: ("from the process index that torch.multiprocessing.spawn names for the traceback "
+                             "(the rank on a single node)"),
+    RankSource.ONLY_RANK: "the only rank that the log shows at all",
     RankSource.INFERRED: "inferred from which ranks reported consequences",
 }
 
@@ -106,6 +111,7 @@ class Event:
     message: str | None = None
     frames: list[str] = field(default_factory=list)
     code: list[str] = field(default_factory=list)
+    operation: str | None = None  # what the frames show was being done, when that decided the class
 
     @property
     def source(self) -> int:

@@ -88,6 +88,32 @@ class RaceRule:
 
 
 @dataclass(frozen=True)
+class Operation:
+    """What a traceback's frames show was being done (saving, rotating, loading a checkpoint,
+    passing file descriptors, scaling the loss...), and the failure of that operation that is the
+    most likely when the exception line itself names nothing specific: a traceback cut before its
+    exception line, or a generic exception type of the operation's ``errors`` family."""
+
+    name: str
+    frames: re.Pattern[str]
+    class_id: str
+    weight: float
+    depth: int = 0  # innermost frames (and their source lines) looked at; 0 = all
+    errors: re.Pattern[str] | None = None  # "Type: message" of generic exceptions that count
+    nonleader_class: str | None = None  # the class when a rank other than 0 did it
+
+    def matches(self, frames: list[str], code: list[str]) -> bool:
+        """Do these frames (``file:func``) and source lines show this operation?"""
+        if self.depth:
+            frames, code = frames[-self.depth:], code[-self.depth:]
+        return bool(frames or code) and self.frames.search("\n".join([*frames, *code])) is not None
+
+    def class_for(self, rank: int | None) -> str:
+        """Several ranks doing what one leader should do is the race, whatever the errno."""
+        return self.nonleader_class if self.nonleader_class and rank not in (None, 0) else self.class_id
+
+
+@dataclass(frozen=True)
 class Rules:
     """Everything in ``_rules.toml``, validated."""
 
@@ -104,10 +130,15 @@ class Rules:
     desync_class: str
     desync_pattern: re.Pattern[str]
     desync_weight: float
+    progress: re.Pattern[str] | None
+    progress_anchors: tuple[str, ...]
+    progress_requires: frozenset[str]
     collateral_priority: tuple[str, ...]
     alone_means: dict[str, str]
     single_reporter: frozenset[str]
     hints: tuple[re.Pattern[str], ...]
+    operations: tuple[Operation, ...] = ()
+    traceback_owners: tuple[re.Pattern[str], ...] = ()
     confidence: dict[str, float] = field(default_factory=dict)
     rank_factor: dict[str, float] = field(default_factory=dict)
     ordering_factor: dict[str, float] = field(default_factory=dict)
@@ -120,6 +151,7 @@ class Rules:
         """Literals that the prefilter must let through for these rules to see their lines."""
         out = {lf.anchor for lf in self.launchers} | {r.anchor for r in self.rank_reports}
         out |= set(self.race.anchors)  # rank hints only read lines that are events already
+        out |= set(self.progress_anchors)
         return out
 
     def explained(self, cls: str, present: set[str]) -> bool:
@@ -173,6 +205,12 @@ def parse_rules(data: dict[str, object], kb: KnowledgeBase) -> Rules:
                         frozenset(_need(kb, x, "race") for x in r["upgrade_from"]),
                         int(r["min_ranks"]), float(r["weight"]), tuple(r["anchors"]),
                         _re(r["announce"], "race.announce"), _re(r["same_error"], "race.same_error"))
+        operations = tuple(
+            Operation(o["name"], _re(o["frames"], f"operation {o['name']}"),
+                      _need(kb, o["class"], "operation"), float(o["weight"]), int(o.get("depth", 0)),
+                      _re(o["errors"], f"operation {o['name']} errors") if "errors" in o else None,
+                      _need(kb, o["nonleader_class"], "operation") if "nonleader_class" in o else None)
+            for o in d.get("operation", []))
         co = d["collateral_only"]
         conf = d["confidence"]
         return Rules(
@@ -185,11 +223,17 @@ def parse_rules(data: dict[str, object], kb: KnowledgeBase) -> Rules:
             desync_class=_need(kb, d["desync"]["class"], "desync"),
             desync_pattern=_re(d["desync"]["pattern"], "desync"),
             desync_weight=float(d["desync"]["weight"]),
+            progress=_re(d["desync"]["progress"], "desync.progress") if "progress" in d["desync"] else None,
+            progress_anchors=tuple(d["desync"].get("progress_anchors", ())),
+            progress_requires=frozenset(_need(kb, c, "desync.progress_requires")
+                                        for c in d["desync"].get("progress_requires", ())),
             collateral_priority=tuple(_need(kb, c, "collateral_only") for c in co["priority"]),
             alone_means={_need(kb, k, "alone_means"): _need(kb, v, "alone_means")
                          for k, v in co["alone_means"].items()},
             single_reporter=frozenset(_need(kb, c, "single_reporter") for c in co["single_reporter"]),
             hints=tuple(_re(p, "hints") for p in d["hints"]["patterns"]),
+            operations=operations,
+            traceback_owners=tuple(_re(p, "traceback_owner") for p in d.get("traceback_owner", {}).get("patterns", [])),
             confidence={k: float(v) for k, v in conf.items() if not isinstance(v, dict)},
             rank_factor={k: float(v) for k, v in conf["rank_source"].items()},
             ordering_factor={k: float(v) for k, v in conf["ordering"].items()},

@@ -45,7 +45,7 @@ def verdict(att: Attribution, ex: Extractor, kb: KnowledgeBase) -> Verdict:
                        rules.confidence["upgrade_cap"])
     if tier(kb, init) <= 2:
         d = desync(ex, kb)
-        if d and init.class_id in GENERIC | {"launcher_sigterm", "native_abort"}:
+        if d and init.class_id in GENERIC | {"launcher_sigterm"}:
             return Verdict(rules.desync_class, rules.desync_weight, "desync", d,
                            rules.confidence["upgrade_cap"])
         hint = _explaining_hint(att, kb, init)
@@ -88,7 +88,8 @@ def _race(att: Attribution, ex: Extractor, kb: KnowledgeBase, init: Event) -> li
 
 
 def desync(ex: Extractor, kb: KnowledgeBase) -> list[Evidence]:
-    """Timeouts of one collective (same SeqNum) with different op types or sizes."""
+    """Timeouts of one collective (same SeqNum) with different op types or sizes, or progress
+    bars stopped at one step with different totals in a log with a collective timeout."""
     by_seq: dict[str, dict[tuple[str, str], Evidence]] = {}
     for fp, ev in ex.fingerprints:
         shape = (fp.get("op", ""), fp.get("numel_in", ""))
@@ -98,6 +99,13 @@ def desync(ex: Extractor, kb: KnowledgeBase) -> list[Evidence]:
         sizes = {n for _, n in shapes if n}
         if len(ops) > 1 or len(sizes) > 1:
             return list(shapes.values())[:4]
+    rules = kb.rules
+    if any(cls in rules.progress_requires for _, cls in ex.counts):
+        for totals in ex.progress.values():
+            # one loop whose length differs a little between ranks, not a training bar and a
+            # validation bar that happen to stand at the same count
+            if len(totals) > 1 and max(totals) <= min(totals) * 1.1:
+                return list(totals.values())[:4]
     return []
 
 
