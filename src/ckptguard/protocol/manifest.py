@@ -18,7 +18,8 @@ from typing import Any
 from ckptguard._version import __version__
 from ckptguard.checksum import ALGORITHMS, checksum
 from ckptguard.dcp.records import ITEMSIZES, FileEntry, StoredItem
-from ckptguard.errors import CheckpointError, CorruptCheckpointError
+from ckptguard.errors import CheckpointError, CorruptCheckpointError, MalformedRecordError
+from ckptguard.protocol.records import parse_json
 
 FORMAT = "ckptguard-checkpoint"
 FORMAT_VERSION = 1
@@ -98,7 +99,9 @@ class Manifest:
     @staticmethod
     def from_json(data: bytes, path: str) -> Manifest:
         try:
-            return _parse(data)
+            return _parse(data, path)
+        except MalformedRecordError:
+            raise
         except CheckpointError as e:
             raise CorruptCheckpointError(f"{path}: {e}", path=path) from None
         except (ValueError, TypeError, KeyError, IndexError, UnicodeDecodeError, RecursionError) as e:
@@ -154,7 +157,7 @@ def _relpath(v: Any, what: str) -> str:
     return p
 
 
-def _parse(data: bytes) -> Manifest:
+def _parse(data: bytes, path: str) -> Manifest:
     text = data.decode("utf-8")
     head = '{"manifest_checksum":"'
     _expect(text.startswith(head), "missing manifest_checksum")
@@ -166,7 +169,7 @@ def _parse(data: bytes) -> Manifest:
     body_text = body_text[:-1]
     if checksum("xxh3-64", body_text.encode()) != stored:
         raise CheckpointError("manifest checksum mismatch: the manifest itself is corrupt")
-    b = json.loads(body_text)
+    b = parse_json(body_text, path, "manifest", max_bytes=None)  # size: bounded by the storage read
     _expect(isinstance(b, dict), "body must be an object")
     _expect(b.get("format") == FORMAT, "wrong format tag")
     _expect(b.get("format_version") == FORMAT_VERSION,
