@@ -114,7 +114,7 @@ def _walk(storage: StorageBackend, path: str, rel: str = "", depth: int = 0) -> 
         if f"{rel}{name}" in files:
             continue
         full = os.path.join(path, name)
-        if storage.has_directories and not _real_dir(full) or depth >= MAX_WALK_DEPTH:
+        if (storage.has_directories and not _real_dir(full)) or depth >= MAX_WALK_DEPTH:
             out.append((f"{rel}{name}", NOT_A_FILE))
         else:
             out.extend(_walk(storage, full, f"{rel}{name}/", depth + 1))
