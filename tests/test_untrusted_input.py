@@ -164,3 +164,126 @@ def test_load_file_wraps_what_the_safetensors_library_refuses(tmp_path: Path) ->
     path = _safetensors(tmp_path / "m.safetensors", header, raw[8 + n:])
     with pytest.raises(CorruptCheckpointError, match="safetensors refused it"):
         load_file(path)
+
+
+# -- import: paths, FIFOs, lengths and depths from the imported files -------------------------------
+
+def _dcp_dir(path: Path, value: float = 0.0) -> Path:
+    from torch.distributed.checkpoint import FileSystemWriter
+    from torch.distributed.checkpoint import save as dcp_save
+
+    dcp_save({"w": torch.arange(4.0) + value}, storage_writer=FileSystemWriter(str(path)), no_dist=True)
+    return path
+
+
+def _rewrite_metadata(directory: Path, change: object) -> None:
+    import pickle
+
+    md = pickle.loads((directory / ".metadata").read_bytes())
+    for info in md.storage_data.values():
+        change(directory, info)  # type: ignore[operator]
+    (directory / ".metadata").write_bytes(pickle.dumps(md))
+
+
+def _import(source: Path, root: Path) -> tuple[int, str]:
+    return cli("import", str(source), str(root), "--step", "1")
+
+
+def test_import_refuses_a_relative_path_out_of_the_dcp_directory(tmp_path: Path) -> None:
+    _dcp_dir(tmp_path / "other", 100.0)
+    src = _dcp_dir(tmp_path / "src")
+    _rewrite_metadata(src, lambda d, info: setattr(info, "relative_path", "../other/" + info.relative_path))
+    code, out = _import(src, tmp_path / "root")
+    assert code == 1 and "not a plain file name" in out and not (tmp_path / "root" / "step-00000001").exists()
+
+
+def test_import_refuses_a_device_file_with_a_huge_length(tmp_path: Path) -> None:
+    src = _dcp_dir(tmp_path / "src")
+
+    def to_device(d: Path, info: object) -> None:
+        data = d / info.relative_path  # type: ignore[attr-defined]
+        data.unlink(missing_ok=True)
+        os.symlink("/dev/zero", data)
+        info.length = 1 << 40  # type: ignore[attr-defined]
+
+    _rewrite_metadata(src, to_device)
+    code, out = _import(src, tmp_path / "root")
+    assert code == 1 and "not a regular file" in out
+
+
+def test_import_refuses_a_tensor_larger_than_its_data(tmp_path: Path) -> None:
+    import pickle
+
+    src = _dcp_dir(tmp_path / "src")
+    md = pickle.loads((src / ".metadata").read_bytes())
+    md.state_dict_metadata["w"].size = torch.Size([1 << 40])
+    (src / ".metadata").write_bytes(pickle.dumps(md))
+    code, out = _import(src, tmp_path / "root")
+    assert code == 1 and "larger than every data file" in out
+
+
+def test_import_refuses_a_deeply_nested_torch_save_file(tmp_path: Path) -> None:
+    import sys
+
+    deep: list[object] = []
+    cur = deep
+    for _ in range(3000):
+        nxt: list[object] = []
+        cur.append(nxt)
+        cur = nxt
+    limit = sys.getrecursionlimit()
+    sys.setrecursionlimit(20_000)
+    try:
+        torch.save({"a": deep}, tmp_path / "deep.pt")
+    finally:
+        sys.setrecursionlimit(limit)
+    code, out = _import(tmp_path / "deep.pt", tmp_path / "root")
+    assert code == 1 and "nests more than" in out
+
+
+@pytest.mark.parametrize("where", ["source", "metadata", "data"])
+def test_import_never_blocks_on_a_fifo(tmp_path: Path, where: str) -> None:
+    if where == "source":
+        source = tmp_path / "model.pt"
+        os.mkfifo(source)
+    else:
+        source = _dcp_dir(tmp_path / "src")
+        victim = source / ".metadata" if where == "metadata" else next(source.glob("*.distcp"))
+        victim.unlink()
+        os.mkfifo(victim)
+    code, out = _import(source, tmp_path / "root")  # before: blocked in open() forever
+    assert code in (1, 2) and "not a regular file" in out
+
+
+# -- read() and export of a sealed hostile manifest ----------------------------------------------
+
+def _reseal_dcp(root: Path, change: object) -> None:
+    import dataclasses
+
+    from ckptguard.protocol.manifest import Manifest
+
+    path = root / "step-00000001" / "MANIFEST.json"
+    m = Manifest.from_json(path.read_bytes(), str(path))
+    dcp = json.loads(json.dumps(m.dcp))
+    change(dcp)  # type: ignore[operator]
+    path.write_bytes(dataclasses.replace(m, dcp=dcp).to_json())
+
+
+@pytest.mark.parametrize(("change", "says"), [
+    (lambda d: d["planner_data"].update({"w": ["w", 10**9]}), "bad planner path"),
+    (lambda d: d["planner_data"].update({"w": ["w", -1]}), "bad planner path"),
+    (lambda d: d["planner_data"].update({"w": []}), "bad planner path"),
+    (lambda d: d["state_dict"]["w"].update({"size": [1 << 40]}), "bytes stored for it"),
+    (lambda d: d["state_dict"]["w"].update({"size": [-4]}), "integers >= 0"),
+])
+def test_read_and_export_of_a_hostile_manifest_are_corrupt_not_a_crash(root: Path, tmp_path: Path, change: object,
+                                                                         says: str) -> None:
+    from ckptguard import export_checkpoint
+
+    _reseal_dcp(root, change)
+    with Checkpointer(root, read_only=True) as ck, pytest.raises(CorruptCheckpointError, match=says):
+        ck.read(1)
+    with pytest.raises(CorruptCheckpointError, match=says):
+        export_checkpoint(root, tmp_path / "out.pt", "torch", step=1)
+    code, out = cli("export", str(root), str(tmp_path / "out2.pt"), "--to", "torch")
+    assert code != 0 and says in out
