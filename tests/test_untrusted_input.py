@@ -287,3 +287,26 @@ def test_read_and_export_of_a_hostile_manifest_are_corrupt_not_a_crash(root: Pat
         export_checkpoint(root, tmp_path / "out.pt", "torch", step=1)
     code, out = cli("export", str(root), str(tmp_path / "out2.pt"), "--to", "torch")
     assert code != 0 and says in out
+
+
+# -- the object store's control records ----------------------------------------------------------
+
+def test_deep_json_in_the_s3_index_and_latest_is_a_typed_error_not_a_crash(monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("moto")
+    from tests.support.beds.s3 import s3_bed
+
+    with s3_bed(seed=5) as bed:
+        for k, v in bed.env().items():
+            monkeypatch.setenv(k, v)
+        bucket = bed.make_bucket("hostile-records")
+        root = f"s3://{bucket}/run"
+        with Checkpointer(root) as ck:
+            ck.save(1, {"w": torch.arange(8.0)})
+        bed.client().put_object(Bucket=bucket, Key="run/latest", Body=DEEP.encode())
+        assert cli("verify", root)[0] == 0  # an unreadable `latest` is a note
+        bed.client().put_object(Bucket=bucket, Key="run/.ckptguard/index.json", Body=DEEP.encode())
+        with pytest.raises(MalformedRecordError) as info:
+            Checkpointer(root, read_only=True).steps()
+        assert info.value.path is not None and info.value.path.endswith("index.json")
+        code, out = cli("ls", root)
+        assert code == 2 and "index.json" in out and "nested" in out
