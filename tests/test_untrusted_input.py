@@ -310,3 +310,30 @@ def test_deep_json_in_the_s3_index_and_latest_is_a_typed_error_not_a_crash(monke
         assert info.value.path is not None and info.value.path.endswith("index.json")
         code, out = cli("ls", root)
         assert code == 2 and "index.json" in out and "nested" in out
+
+
+def test_a_lease_naming_an_impossible_pid_is_garbage_not_an_overflow(root: Path) -> None:
+    import socket
+
+    from ckptguard.protocol.lease import _boot_id, _pid_namespace
+
+    lease = root / ".ckptguard" / "lease.json"
+    now = time.time()
+    lease.write_text(json.dumps({"holder": "other", "job": None, "host": socket.gethostname(), "pid": 2**70,
+                                 "boot_id": _boot_id(), "epoch": 3, "acquired_at": now, "renewed_at": now,
+                                 "ttl_s": 3600.0, "pid_ns": _pid_namespace()}))
+    os.utime(lease, (now - 7200, now - 7200))
+    with Checkpointer(root) as ck:  # before: OverflowError from os.kill(pid, 0)
+        ck.save(2, {"w": torch.ones(8)})
+
+
+def test_a_manifest_attempt_that_is_not_hex_is_corrupt(root: Path) -> None:
+    import dataclasses
+
+    from ckptguard.protocol.manifest import Manifest
+
+    path = root / "step-00000001" / "MANIFEST.json"
+    m = Manifest.from_json(path.read_bytes(), str(path))
+    path.write_bytes(dataclasses.replace(m, attempt="../../elsewhere").to_json())  # a path part on object stores
+    with Checkpointer(root, read_only=True) as ck, pytest.raises(CorruptCheckpointError, match="hex digits"):
+        ck.read(1)

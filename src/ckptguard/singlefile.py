@@ -365,7 +365,7 @@ class _WriterLock:
     def _dead(holder: str) -> bool:
         # "host pid" is enough: a token cut short after the pid still names its creator.
         parts = holder.split()
-        if len(parts) < 2 or parts[0] != socket.gethostname() or not parts[1].isdigit():
+        if len(parts) < 2 or parts[0] != socket.gethostname() or not parts[1].isdigit() or len(parts[1]) > 9:
             return False
         try:
             os.kill(int(parts[1]), 0)

@@ -19,7 +19,7 @@ from ckptguard._version import __version__
 from ckptguard.checksum import ALGORITHMS, checksum
 from ckptguard.dcp.records import ITEMSIZES, FileEntry, StoredItem
 from ckptguard.errors import CheckpointError, CorruptCheckpointError, MalformedRecordError
-from ckptguard.protocol.records import parse_json
+from ckptguard.protocol.records import ATTEMPT_PATTERN, parse_json
 
 FORMAT = "ckptguard-checkpoint"
 FORMAT_VERSION = 1
@@ -149,6 +149,13 @@ def _ints(v: Any, what: str) -> tuple[int, ...]:
     return tuple(_int(x, what) for x in v)
 
 
+def _attempt(v: Any) -> str:
+    # Object stores read a checkpoint's data under staging/step-N.<attempt>: a path part, so hex only.
+    _expect(isinstance(v, str) and re.fullmatch(ATTEMPT_PATTERN, v) is not None,
+            f"attempt {str(v)[:100]!r} must be 16-64 hex digits")
+    return str(v)
+
+
 def _relpath(v: Any, what: str) -> str:
     p = _str(v, what)
     parts = p.split("/")
@@ -231,7 +238,7 @@ def _parse(data: bytes, path: str) -> Manifest:
     return Manifest(
         step=_int(b["step"], "step"),
         version=_int(b["version"], "version", 1),
-        attempt=_str(b["attempt"], "attempt"),
+        attempt=_attempt(b["attempt"]),
         created_at=float(b["created_at"]),
         world_size=_int(b["world_size"], "world_size", 1),
         domain_index=_int(dom["index"], "domain index"),

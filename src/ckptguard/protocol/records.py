@@ -43,6 +43,11 @@ MAX_MANIFEST_DEPTH = 128
 NonNegative = Annotated[int, msgspec.Meta(ge=0)]
 Positive = Annotated[int, msgspec.Meta(ge=1)]
 Name = Annotated[str, msgspec.Meta(max_length=4096)]
+#: A pid is handed to os.kill: beyond a C int it would raise OverflowError there.
+Pid = Annotated[int, msgspec.Meta(ge=0, le=2**31 - 1)]
+#: An attempt id becomes part of a path (staging/step-N.<attempt>): hex only, never ``../``.
+ATTEMPT_PATTERN = "^[0-9a-f]{16,64}$"
+Attempt = Annotated[str, msgspec.Meta(pattern=ATTEMPT_PATTERN)]
 
 
 class LatestRecord(msgspec.Struct, frozen=True):
@@ -69,7 +74,7 @@ class LeaseBody(msgspec.Struct, frozen=True):
     holder: Name
     job: Name | None
     host: Name
-    pid: int
+    pid: Pid
     boot_id: Name
     epoch: NonNegative
     acquired_at: float
@@ -81,7 +86,7 @@ class LeaseBody(msgspec.Struct, frozen=True):
 class IndexEntryBody(msgspec.Struct, frozen=True):
     step: NonNegative
     version: Positive
-    attempt: Name
+    attempt: Attempt
     state: Literal["pending", "committed", "aborted"]
     epoch: NonNegative
     seq: Positive | None = None
