@@ -133,11 +133,15 @@ def nesting_depth(data: bytes) -> int:
     quotes_before, depth, deepest = 0, 0, 0
     for start in range(0, len(arr), _CHUNK):
         chunk = arr[start:start + _CHUNK]
-        # uint8 wraps, parity survives: odd = inside a string (the opening quote counts itself)
-        parity = (np.cumsum(chunk == 34, dtype=np.uint8) + quotes_before) & 1
+        # Only quotes and brackets matter: keep those ('[' | 32 == '{', ']' | 32 == '}'), then
+        # a quote count's parity says inside a string (uint8 wraps, parity survives).
+        special = chunk[(chunk == 34) | ((chunk | 32) == 123) | ((chunk | 32) == 125)]
+        if not len(special):
+            continue
+        is_quote = special == 34
+        parity = (np.cumsum(is_quote, dtype=np.uint8) + quotes_before) & 1
         quotes_before = int(parity[-1])
-        steps = _OPEN_CLOSE[chunk]
-        steps = steps[(steps != 0) & (parity == 0)]
+        steps = _OPEN_CLOSE[special[~is_quote & (parity == 0)]]
         if len(steps):
             running = np.cumsum(steps, dtype=np.int64) + depth
             deepest = max(deepest, int(running.max()))
