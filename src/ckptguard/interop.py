@@ -214,7 +214,11 @@ def read_dcp_metadata(directory: str | os.PathLike[str]) -> Metadata:
         raise CorruptCheckpointError(f"{path} is not a readable DCP metadata file: {e}", path=path) from None
     if not isinstance(md, Metadata):
         raise CorruptCheckpointError(f"{path} holds a {type(md).__name__}, not DCP Metadata", path=path)
-    _check_dcp_metadata(md, local_path(directory), path)
+    try:
+        _check_dcp_metadata(md, local_path(directory), path)
+    except (AttributeError, TypeError, ValueError) as e:  # DCP's classes, with fields of any type
+        raise CorruptCheckpointError(f"{path}: malformed DCP metadata ({type(e).__name__}: {e})",
+                                     path=path) from None
     return md
 
 
@@ -239,10 +243,11 @@ def _check_dcp_metadata(md: Metadata, directory: str, path: str) -> None:
     storage = md.storage_data if isinstance(md.storage_data, dict) else {}
     sizes: dict[str, int] = {}
     for index, info in storage.items():
+        fqn = getattr(index, "fqn", index)
         rel = getattr(info, "relative_path", None)
         offset, length = getattr(info, "offset", None), getattr(info, "length", None)
         if not isinstance(rel, str) or not rel or "/" in rel or "\\" in rel or rel in (".", ".."):
-            raise CorruptCheckpointError(f"{path}: data file {str(rel)[:200]!r} of {index.fqn!r} is not a plain "
+            raise CorruptCheckpointError(f"{path}: data file {str(rel)[:200]!r} of {fqn!r} is not a plain "
                                          "file name in the checkpoint directory: refusing to read it", path=path)
         if rel not in sizes:
             full = os.path.join(directory, rel)
@@ -256,7 +261,7 @@ def _check_dcp_metadata(md: Metadata, directory: str, path: str) -> None:
             sizes[rel] = st.st_size
         if not (type(offset) is int and type(length) is int and offset >= 0 and length >= 0
                 and offset + length <= sizes[rel]):
-            raise CorruptCheckpointError(f"{path}: {index.fqn!r} claims bytes {offset}..+{length} of {rel}, "
+            raise CorruptCheckpointError(f"{path}: {fqn!r} claims bytes {offset}..+{length} of {rel}, "
                                          f"which has {sizes[rel]}", path=path)
     total = sum(sizes.values())
     for fqn, entry in md.state_dict_metadata.items():
@@ -302,6 +307,8 @@ def import_checkpoint(source: str | os.PathLike[str], root: str | os.PathLike[st
         except pickle.UnpicklingError as e:
             raise UnsafeObjectError(f"{source}: torch.load(weights_only=True) refused it ({str(e).splitlines()[0]}); "
                                     "ckptguard imports only files that load without running code", path=source) from None
+        except CheckpointError:
+            raise
         except (OSError, RuntimeError) as e:
             raise CheckpointError(f"{source} is not a DCP directory or a torch.save file: {e}", path=source) from None
     check_depth(state, source, source)
