@@ -1,4 +1,4 @@
-"""A hostile or damaged checkpoint can neither hang nor exhaust a reader (issue 10, hole 9).
+"""A hostile or damaged checkpoint can neither hang nor exhaust a reader.
 
 Each case starts from a real committed checkpoint and damages it the way an
 attacker or a broken tool could; the manifest is re-sealed with a valid

@@ -25,7 +25,7 @@ from ckptguard.checksum import ALGORITHMS, DEFAULT_ALGORITHM
 from ckptguard.comm import DEFAULT_TIMEOUT_S, Comm, LocalTransport, default_comm, hostname
 from ckptguard.dcp.planners import forget_cached_plans
 from ckptguard.errors import CheckpointError
-from ckptguard.protocol import artifacts, manage
+from ckptguard.protocol import artifacts, manage, records
 from ckptguard.protocol import load as load_protocol
 from ckptguard.protocol import read as read_protocol
 from ckptguard.protocol import save as save_protocol
@@ -394,7 +394,9 @@ def _json_object(metadata: Mapping[str, Any] | None) -> dict[str, Any]:
         return {}
     try:
         text = json.dumps(dict(metadata), allow_nan=False)
-    except (TypeError, ValueError) as e:
+    except (TypeError, ValueError, RecursionError) as e:
         raise ValueError(f"metadata must be JSON-serializable: {e}") from None
-    result: dict[str, Any] = json.loads(text)
+    # Bounded as a load will bound it: a manifest that no load could read is never written.
+    result: dict[str, Any] = records.parse_json(text, "metadata=", "user metadata", max_bytes=None,
+                                                max_depth=records.MAX_MANIFEST_DEPTH - 2)
     return result

@@ -24,6 +24,8 @@ what went wrong, so code matches types, never message text::
      ├── UnsafeObjectError                 an object that would need unpickling code
      ├── UnsupportedValueError             save of a value load could not give back (also TypeError)
      ├── CorruptCheckpointError            bytes that do not match the manifest
+     │    └── MalformedRecordError         a record (manifest, latest, tag, lease, index, header)
+     │                                     too large, too deep or not its schema: names the field
      ├── TornLoadError                     a file changed between verifying and copying into place
      └── PeerError                         another rank failed with a non-ckptguard error
 
@@ -137,6 +139,17 @@ class UnsupportedValueError(CheckpointError, TypeError):
 
 class CorruptCheckpointError(CheckpointError):
     """A committed checkpoint whose bytes do not match its manifest (bit rot, truncation, deletion)."""
+
+
+class MalformedRecordError(CorruptCheckpointError):
+    """A record read from storage or an imported file (a manifest, ``latest``, a tag, the lease, the S3
+    index, a safetensors header, DCP's ``.metadata``) is too large, nests too deep, or does not fit its
+    schema. ``field`` names what is wrong (``(size)``, ``(nesting)``, ``(record)`` or a field path)."""
+
+    def __init__(self, message: str, *, rank: int | None = None, path: str | None = None,
+                 field: str | None = None) -> None:
+        super().__init__(message, rank=rank, path=path)
+        self.field = field
 
 
 class TornLoadError(CheckpointError):

@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import importlib
 import io
+import math
 import os
 import pickle
+import stat
 from typing import Any
 
 import torch
@@ -23,7 +25,7 @@ from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystem
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
 
-from ckptguard.dcp.codec import decode_value, metadata_from_json, unflatten
+from ckptguard.dcp.codec import check_depth, decode_value, metadata_from_json, unflatten
 from ckptguard.dcp.drive import read_locally
 from ckptguard.dcp.planners import SafeLoadPlanner
 from ckptguard.dcp.reader import GuardedReader
@@ -38,6 +40,7 @@ from ckptguard.protocol.layout import CheckpointName
 from ckptguard.protocol.manifest import Manifest
 from ckptguard.protocol.root import CheckpointRoot
 from ckptguard.storage import PosixStorage, local_path
+from ckptguard.storage.fileio import open_regular
 
 EXPORT_FORMATS = ("torch", "safetensors", "dcp")
 
@@ -74,7 +77,7 @@ class DCPReader(GuardedReader):
         root, name = resolve_checkpoint(path, step)
         self.manifest: Manifest = root.read_manifest(name)
         root.check_files(name, self.manifest)
-        metadata = metadata_from_json(self.manifest.dcp, self.manifest.items)
+        metadata = metadata_from_json(self.manifest.dcp, self.manifest.items, root.dir(name))
         metadata.storage_meta = StorageMeta()
         super().__init__(root.storage, root.data_dir(name, self.manifest), metadata, self.manifest.checksum_algorithm, rank=0,
                          io_threads=io_threads)
@@ -204,15 +207,70 @@ def read_dcp_metadata(directory: str | os.PathLike[str]) -> Metadata:
     """DCP's ``.metadata`` of ``directory``, unpickled with only DCP's metadata classes admitted."""
     path = os.path.join(local_path(directory), ".metadata")
     try:
-        with open(path, "rb") as f:
-            md = _MetadataUnpickler(io.BytesIO(f.read())).load()
+        md = _MetadataUnpickler(io.BytesIO(_read_regular(path, MAX_METADATA_BYTES))).load()
     except FileNotFoundError:
         raise CheckpointError(f"{directory} is not a DCP checkpoint: it has no .metadata", path=path) from None
     except (pickle.UnpicklingError, EOFError, AttributeError, TypeError, ValueError) as e:
         raise CorruptCheckpointError(f"{path} is not a readable DCP metadata file: {e}", path=path) from None
     if not isinstance(md, Metadata):
         raise CorruptCheckpointError(f"{path} holds a {type(md).__name__}, not DCP Metadata", path=path)
+    try:
+        _check_dcp_metadata(md, local_path(directory), path)
+    except (AttributeError, TypeError, ValueError) as e:  # DCP's classes, with fields of any type
+        raise CorruptCheckpointError(f"{path}: malformed DCP metadata ({type(e).__name__}: {e})",
+                                     path=path) from None
     return md
+
+
+#: DCP's .metadata of a large model is tens of MB; the ceiling is what one process reads into memory.
+MAX_METADATA_BYTES = 1 << 30
+
+
+def _read_regular(path: str, limit: int) -> bytes:
+    """A regular file's bytes (a FIFO, device or symlink is refused: an import never blocks or escapes)."""
+    with os.fdopen(open_regular(path), "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        if size > limit:
+            raise CorruptCheckpointError(f"{path} is {size:,} bytes, more than the {limit:,} ckptguard reads",
+                                         path=path)
+        return f.read()
+
+
+def _check_dcp_metadata(md: Metadata, directory: str, path: str) -> None:
+    """Every data file DCP's metadata names: a plain name in ``directory``, a regular file, each
+    range inside it; every tensor no larger than the bytes stored. Checked before anything is
+    opened by path or allocated (DCP's reader trusts all of it)."""
+    storage = md.storage_data if isinstance(md.storage_data, dict) else {}
+    sizes: dict[str, int] = {}
+    for index, info in storage.items():
+        fqn = getattr(index, "fqn", index)
+        rel = getattr(info, "relative_path", None)
+        offset, length = getattr(info, "offset", None), getattr(info, "length", None)
+        if not isinstance(rel, str) or not rel or "/" in rel or "\\" in rel or rel in (".", ".."):
+            raise CorruptCheckpointError(f"{path}: data file {str(rel)[:200]!r} of {fqn!r} is not a plain "
+                                         "file name in the checkpoint directory: refusing to read it", path=path)
+        if rel not in sizes:
+            full = os.path.join(directory, rel)
+            try:
+                st = os.lstat(full)
+            except FileNotFoundError:
+                raise CorruptCheckpointError(f"{full}, named by {path}, is missing", path=full) from None
+            if not stat.S_ISREG(st.st_mode):
+                raise CorruptCheckpointError(f"{full} is not a regular file (a link, FIFO or device): refusing "
+                                             "to read it", path=full)
+            sizes[rel] = st.st_size
+        if not (type(offset) is int and type(length) is int and offset >= 0 and length >= 0
+                and offset + length <= sizes[rel]):
+            raise CorruptCheckpointError(f"{path}: {fqn!r} claims bytes {offset}..+{length} of {rel}, "
+                                         f"which has {sizes[rel]}", path=path)
+    total = sum(sizes.values())
+    for fqn, entry in md.state_dict_metadata.items():
+        if isinstance(entry, TensorStorageMetadata):
+            dims = list(entry.size)
+            if any(type(d) is not int or d < 0 for d in dims) or \
+                    math.prod(dims) * entry.properties.dtype.itemsize > total:
+                raise CorruptCheckpointError(f"{path}: tensor {fqn!r} of size {dims[:8]} is larger than every "
+                                             f"data file together ({total} bytes)", path=path)
 
 
 class _SafeFileSystemReader(FileSystemReader):
@@ -244,12 +302,16 @@ def import_checkpoint(source: str | os.PathLike[str], root: str | os.PathLike[st
         state = read_dcp(source)
     else:
         try:
-            state = torch.load(source, map_location="cpu", weights_only=True)
+            with os.fdopen(open_regular(source), "rb") as f:  # a FIFO is refused, never waited on
+                state = torch.load(f, map_location="cpu", weights_only=True)
         except pickle.UnpicklingError as e:
             raise UnsafeObjectError(f"{source}: torch.load(weights_only=True) refused it ({str(e).splitlines()[0]}); "
                                     "ckptguard imports only files that load without running code", path=source) from None
+        except CheckpointError:
+            raise
         except (OSError, RuntimeError) as e:
             raise CheckpointError(f"{source} is not a DCP directory or a torch.save file: {e}", path=source) from None
+    check_depth(state, source, source)
     if not isinstance(state, dict) or not all(isinstance(k, str) and k for k in state):
         state = {"state": state}
     with Checkpointer(root, process_group="local") as ck:

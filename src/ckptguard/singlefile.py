@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import io
 import json
+import math
 import os
 import re
 import socket
@@ -25,9 +26,11 @@ from ckptguard.comm import Comm, LocalTransport, default_comm
 from ckptguard.errors import (
     CheckpointError,
     CorruptCheckpointError,
+    MalformedRecordError,
     UnsafeObjectError,
     from_os_error,
 )
+from ckptguard.protocol.records import parse_json
 from ckptguard.protocol.topology import Topology, probe_storage_domains
 from ckptguard.storage import PosixStorage, StorageBackend, is_s3_url, local_path, open_storage
 from ckptguard.storage.fileio import makedirs_durable, open_regular, replace_file, unlink_quietly
@@ -230,17 +233,47 @@ def _st_split(raw: bytes, path: str) -> tuple[dict[str, Any], memoryview]:
     (n,) = struct.unpack("<Q", raw[:8])
     if n > len(raw) - 8 or n > 100 << 20:
         raise CorruptCheckpointError(f"{path}: safetensors header length {n} does not fit the file", path=path)
-    try:
-        header = json.loads(raw[8:8 + n])
-    except ValueError as e:
-        raise CorruptCheckpointError(f"{path}: safetensors header is not JSON ({e})", path=path) from None
+    header = parse_json(raw[8:8 + n], path, "safetensors header", max_bytes=None, max_depth=_ST_MAX_DEPTH)
     if not isinstance(header, dict):
-        raise CorruptCheckpointError(f"{path}: safetensors header is not an object", path=path)
+        raise MalformedRecordError(f"{path}: safetensors header is not an object", path=path, field="(record)")
     return header, memoryview(raw)[8 + n:]
+
+
+#: {name: {"dtype", "shape": [...], "data_offsets": [b, e]}, "__metadata__": {str: str}}
+_ST_MAX_DEPTH = 3
+_ST_ITEMSIZES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "I16": 2, "U16": 2, "F16": 2, "BF16": 2,
+                 "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8, "C64": 8}
+# (other dtypes, sub-byte ones included, are checked by the safetensors library, its refusal wrapped)
+
+
+def _st_check(header: dict[str, Any], data_bytes: int, path: str) -> None:
+    """Every entry of a safetensors header well-formed and inside the data, before anything reads it."""
+    def bad(field: str, what: str) -> MalformedRecordError:
+        return MalformedRecordError(f"{path}: safetensors header field {field[:200]!r}: {what}", path=path,
+                                    field=field[:200])
+
+    for name, entry in header.items():
+        if name == "__metadata__":
+            if not isinstance(entry, dict) or not all(isinstance(v, str) for v in entry.values()):
+                raise bad(name, "must map names to strings")
+            continue
+        if not isinstance(entry, dict):
+            raise bad(name, "must be an object with dtype, shape and data_offsets")
+        dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
+        if not isinstance(dtype, str):
+            raise bad(name, "dtype must be a string")
+        if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
+            raise bad(name, "shape must be a list of integers >= 0")
+        if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)
+                and 0 <= offsets[0] <= offsets[1] <= data_bytes):
+            raise bad(name, f"data_offsets {str(offsets)[:80]} are not inside the {data_bytes} data bytes")
+        if dtype in _ST_ITEMSIZES and math.prod(shape) * _ST_ITEMSIZES[dtype] != offsets[1] - offsets[0]:
+            raise bad(name, f"shape {shape[:8]} of {dtype} does not match its {offsets[1] - offsets[0]} bytes")
 
 
 def _load_safetensors(data: bytes, path: str, map_location: Any) -> dict[str, torch.Tensor]:
     header, body = _st_split(data, path)
+    _st_check(header, len(body), path)
     tag = (header.get("__metadata__") or {}).get(_ST_KEY)
     m = re.fullmatch(r"1:(xxh3-64|crc32c):([0-9a-f]+:[0-9a-f]+):(\d+)", tag or "")
     if m is None:
@@ -256,10 +289,19 @@ def _load_safetensors(data: bytes, path: str, map_location: Any) -> dict[str, to
                                      "the file is corrupt. Refusing to load it.", path=path)
     from safetensors.torch import load as st_load
 
-    tensors: dict[str, torch.Tensor] = st_load(data)
+    try:
+        tensors: dict[str, torch.Tensor] = st_load(data)
+    except Exception as e:  # SafetensorError and whatever else the library refuses it with
+        raise CorruptCheckpointError(f"{path}: verified, but safetensors refused it: {type(e).__name__}: {e}",
+                                     path=path) from None
     if map_location not in (None, "cpu"):
         tensors = {k: v.to(map_location) for k, v in tensors.items()}
     return tensors
+
+
+#: A lock file stays empty only between its creation and the write of its token (microseconds);
+#: one empty for longer was left by a writer that failed or died in between.
+EMPTY_LOCK_S = 10.0
 
 
 class _WriterLock:
@@ -282,8 +324,8 @@ class _WriterLock:
                 fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
             except FileExistsError:
                 holder = self._holder()
-                if holder is not None and self._dead(holder):
-                    self._break(holder)
+                if (holder is not None and self._dead(holder)) or (holder is None and self._abandoned_empty()):
+                    self._break(holder or "")
                     continue
                 if time.monotonic() >= deadline:
                     from ckptguard.errors import PathCollisionError
@@ -297,8 +339,12 @@ class _WriterLock:
                 continue
             except OSError as e:
                 raise from_os_error(e, self.path) from e
-            with os.fdopen(fd, "w") as f:
-                f.write(self.token)
+            try:
+                with os.fdopen(fd, "w") as f:
+                    f.write(self.token)
+            except OSError as e:  # disk full: leave no lock that no one would ever break
+                unlink_quietly(self.path)
+                raise from_os_error(e, self.path[:-5]) from e
             return self
 
     def __exit__(self, *exc: object) -> None:
@@ -306,16 +352,20 @@ class _WriterLock:
             unlink_quietly(self.path)
 
     def _holder(self) -> str | None:
+        return _read_token(self.path)
+
+    def _abandoned_empty(self) -> bool:
+        """An empty (or unreadable) lock older than EMPTY_LOCK_S: its creator never wrote its token."""
         try:
-            with open(self.path) as f:
-                return f.read().strip() or None
+            return time.time() - os.lstat(self.path).st_mtime > EMPTY_LOCK_S
         except OSError:
-            return None
+            return False
 
     @staticmethod
     def _dead(holder: str) -> bool:
+        # "host pid" is enough: a token cut short after the pid still names its creator.
         parts = holder.split()
-        if len(parts) != 3 or parts[0] != socket.gethostname() or not parts[1].isdigit():
+        if len(parts) < 2 or parts[0] != socket.gethostname() or not parts[1].isdigit() or len(parts[1]) > 9:
             return False
         try:
             os.kill(int(parts[1]), 0)
@@ -333,12 +383,20 @@ class _WriterLock:
         except FileNotFoundError:
             return
         try:
-            with open(aside) as f:
-                if f.read().strip() != holder:  # someone else's fresh lock: put it back if we can
-                    with suppress(OSError):
-                        os.link(aside, self.path)
+            if (_read_token(aside) or "") != holder:  # someone else's fresh lock: put it back if we can
+                with suppress(OSError):
+                    os.link(aside, self.path)
         finally:
             unlink_quietly(aside)
+
+
+def _read_token(path: str) -> str | None:
+    """A lock's token; None if empty or unreadable (never blocks on a FIFO, never follows a link)."""
+    try:
+        with os.fdopen(open_regular(path), "rb") as f:
+            return f.read(512).decode("utf-8", "replace").strip() or None
+    except (OSError, CheckpointError):
+        return None
 def _object_storage(path: str) -> tuple[StorageBackend, str]:
     """The store holding ``s3://bucket/key`` and the path of the object in it."""
     directory, _, name = path.rstrip("/").rpartition("/")

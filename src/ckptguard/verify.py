@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import stat
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -18,7 +19,7 @@ from typing import Any
 
 from ckptguard.checksum import Hasher
 from ckptguard.errors import CheckpointError
-from ckptguard.protocol import layout
+from ckptguard.protocol import layout, records
 from ckptguard.protocol.decisions import Committed, abandoned, order_key
 from ckptguard.protocol.layout import CheckpointName
 from ckptguard.protocol.lease import LeaseRecord
@@ -64,11 +65,15 @@ class RootListing:
     attempts: list[AttemptInfo]
     trash: list[str]
     lease: dict[str, Any] | None
+    #: Why `latest` could not be read, if it could not. `latest` is a hint for tools: loads and
+    #: verify list the checkpoints themselves, so an unreadable pointer makes nothing "not intact".
+    latest_error: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {"schema_version": SCHEMA_VERSION, "root": self.root,
                 "checkpoints": [asdict(c) for c in self.checkpoints],
-                "attempts": [asdict(a) for a in self.attempts], "trash": self.trash, "lease": self.lease}
+                "attempts": [asdict(a) for a in self.attempts], "trash": self.trash, "lease": self.lease,
+                "latest_error": self.latest_error}
 
 
 @dataclass
@@ -90,20 +95,45 @@ class VerifyResult:
     problems: list[Problem] = field(default_factory=list)
 
 
-def _walk(storage: StorageBackend, path: str, rel: str = "") -> list[tuple[str, int]]:
-    """(path relative to ``path``, size) of every file under ``path``."""
+#: What _walk gives for an entry that is neither a regular file nor a directory (a symbolic link,
+#: a FIFO, a device): listed as a problem, never followed or opened.
+NOT_A_FILE = -1
+
+
+def _walk(storage: StorageBackend, path: str, rel: str = "", depth: int = 0) -> list[tuple[str, int]]:
+    """(path relative to ``path``, size or NOT_A_FILE) of every entry under ``path``.
+
+    Directory symlinks are not followed (a loop would never end, a link to elsewhere would
+    list files outside the root) and the walk stops at MAX_WALK_DEPTH levels.
+    """
     out: list[tuple[str, int]] = []
     for name, size in storage.sizes_in(path).items():
         out.append((f"{rel}{name}", size))
     files = {n for n, _ in out}
     for name in storage.listdir(path):
-        if f"{rel}{name}" not in files:
-            out.extend(_walk(storage, os.path.join(path, name), f"{rel}{name}/"))
+        if f"{rel}{name}" in files:
+            continue
+        full = os.path.join(path, name)
+        if (storage.has_directories and not _real_dir(full)) or depth >= MAX_WALK_DEPTH:
+            out.append((f"{rel}{name}", NOT_A_FILE))
+        else:
+            out.extend(_walk(storage, full, f"{rel}{name}/", depth + 1))
     return out
 
 
+#: A checkpoint directory is 3 levels deep (files/rankNNNNN/key/...) plus what a files= artifact holds.
+MAX_WALK_DEPTH = 64
+
+
+def _real_dir(path: str) -> bool:
+    try:
+        return stat.S_ISDIR(os.lstat(path).st_mode)
+    except OSError:
+        return False
+
+
 def _dir_bytes(storage: StorageBackend, path: str) -> int:
-    return sum(size for _, size in _walk(storage, path))
+    return sum(size for _, size in _walk(storage, path) if size != NOT_A_FILE)
 
 
 def list_root(path: str) -> RootListing:
@@ -156,7 +186,18 @@ def list_root(path: str) -> RootListing:
     lease = None
     if lease_rec is not None:
         lease = {**asdict(lease_rec), "live": lease_live}
-    return RootListing(storage.root, checkpoints, attempts, trash, lease)
+    return RootListing(storage.root, checkpoints, attempts, trash, lease, _latest_error(storage))
+
+
+def _latest_error(storage: StorageBackend) -> str | None:
+    path = storage.path(layout.LATEST)
+    try:
+        records.decode(storage.read_bytes(path, records.MAX_CONTROL_BYTES), records.LatestRecord, path)
+    except FileNotFoundError:
+        return None
+    except (OSError, CheckpointError) as e:
+        return str(e)
+    return None
 
 
 def _tiling_problems(manifest: Manifest, base: str) -> list[Problem]:
@@ -200,8 +241,11 @@ def verify_checkpoint(root_path: str, name: CheckpointName, *, threads: int = 4,
     base = root.data_dir(name, manifest)
     result.problems.extend(_tiling_problems(manifest, base))
     listed = {f.path for f in manifest.files} | {layout.MANIFEST}
-    for rel, _ in _walk(storage, base):
-        if rel not in listed:
+    for rel, size in _walk(storage, base):
+        if size == NOT_A_FILE:
+            result.problems.append(Problem(os.path.join(base, rel), "extra", "not a regular file or directory "
+                                           "(a symbolic link, FIFO or device): not followed, added after the commit"))
+        elif rel not in listed:
             result.problems.append(Problem(os.path.join(base, rel), "extra",
                                            "file not in the manifest: added after the commit"))
     items_by_file: dict[str, list[StoredItem]] = {}

@@ -80,10 +80,18 @@ def ls_command(path: PathArg, json_out: JsonOpt = False) -> None:
         con.print(f"attempt {a.state}: step {a.step} ({_human_bytes(a.bytes)}, {a.age_s:.0f} s old) {a.dir}")
     for t in listing.trash:
         con.print(f"being deleted: {t}")
+    _latest_note(con, listing)
     if listing.lease:
         lease = listing.lease
         con.print(f"lease: {'held' if lease['live'] else 'expired'} by host {lease['host']} pid {lease['pid']}"
                       + (f" ({lease['job']})" if lease.get("job") else ""))
+
+
+def _latest_note(con: Console, listing: Any) -> None:
+    if listing.latest_error:
+        con.print(f"note: the `latest` pointer is unreadable ({listing.latest_error}). It is a hint for other "
+                  "tools; ckptguard lists the checkpoints themselves, so no checkpoint is affected. The next "
+                  "save rewrites it.", highlight=False, soft_wrap=True)
 
 
 @app.command("verify")
@@ -119,7 +127,7 @@ def verify_command(
         typer.echo(json.dumps({
             "schema_version": SCHEMA_VERSION, "root": listing.root, "intact": ok,
             "safe_to_resume": safe, "checked": [asdict(r) for r in results],
-            "attempts": [asdict(a) for a in listing.attempts],
+            "attempts": [asdict(a) for a in listing.attempts], "latest_error": listing.latest_error,
         }, indent=2))
         raise typer.Exit(0 if ok else 1)
     con = console()
@@ -140,6 +148,7 @@ def verify_command(
         con.print("no committed checkpoint to verify")
     for a in listing.attempts:
         con.print(f"note: attempt {a.state} for step {a.step} in {a.dir} (never counts as a checkpoint)")
+    _latest_note(con, listing)
     if step is None:
         con.print(f"safe to resume from: step {safe}" if safe is not None else "no intact checkpoint to resume from")
     raise typer.Exit(0 if ok else 1)

@@ -7,6 +7,7 @@ metadata travels as JSON inside the manifest, never as DCP's pickled
 
 from __future__ import annotations
 
+import math
 import re
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
@@ -22,7 +23,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from ckptguard.dcp.records import StoredItem
+from ckptguard.dcp.records import ITEMSIZES, StoredItem
 from ckptguard.errors import CheckpointError, CorruptCheckpointError
 
 _DTYPES: dict[str, torch.dtype] = {
@@ -100,8 +101,12 @@ def metadata_to_json(md: Metadata) -> dict[str, Any]:
     }
 
 
-def metadata_from_json(obj: dict[str, Any], items: Sequence[StoredItem]) -> Metadata:
+def metadata_from_json(obj: dict[str, Any], items: Sequence[StoredItem], path: str | None = None) -> Metadata:
+    """DCP's Metadata from the manifest's JSON; every size and index bounded by what the items hold."""
     props: dict[tuple[str, bool], TensorProperties] = {}
+    stored: dict[str, int] = {}
+    for i in items:
+        stored[i.fqn] = stored.get(i.fqn, 0) + i.length
     try:
         sd: dict[str, Any] = {}
         for fqn, e in obj["state_dict"].items():
@@ -122,20 +127,60 @@ def metadata_from_json(obj: dict[str, Any], items: Sequence[StoredItem]) -> Meta
                     chunks = [ChunkStorageMetadata(offsets=torch.Size(flat[i:i + ndim]),
                                                    sizes=torch.Size(flat[i + ndim:i + step]))
                               for i in range(0, len(flat), step)]
+                _check_size(fqn, e["size"], flat, key[0], stored)
                 sd[fqn] = TensorStorageMetadata(properties=props[key], size=torch.Size(e["size"]), chunks=chunks)
             else:
                 raise ValueError(f"unknown entry type {e['type']!r}")
         planner_data = {}
+        entries = len(obj["planner_data"])
         for k, path in obj["planner_data"].items():
-            if not isinstance(path, list) or not all(isinstance(p, str | int) for p in path):
-                raise ValueError(f"bad planner path for {k!r}")
+            # Lists are rebuilt by index (unflatten) and nested by path: an index is below the number of
+            # entries (each list element that holds something has one), a path no longer than MAX_VALUE_DEPTH.
+            if not isinstance(path, list) or not 0 < len(path) <= MAX_VALUE_DEPTH or not all(
+                    type(p) is str or (type(p) is int and 0 <= p < entries) for p in path):
+                raise ValueError(f"bad planner path for {str(k)[:100]!r}: {str(path)[:100]}")
             planner_data[str(k)] = tuple(path)
     except (KeyError, TypeError, ValueError) as e:
-        raise CorruptCheckpointError(f"invalid DCP metadata in manifest: {type(e).__name__}: {e}") from None
+        raise CorruptCheckpointError(f"invalid DCP metadata in manifest {path or ''}: {type(e).__name__}: {e}",
+                                     path=path) from None
     # Each item's shape was checked against its length when the manifest was parsed.
     storage = {item_index(i): i for i in items}
     return Metadata(state_dict_metadata=sd, planner_data=planner_data, storage_data=storage,
                     version=obj.get("version"))
+
+
+#: How deeply a stored value may nest (dicts, lists, tuples, sets): decoding and encoding recurse.
+MAX_VALUE_DEPTH = 100
+
+
+def _check_size(fqn: str, size: Any, flat: Any, dtype: str, stored: Mapping[str, int]) -> None:
+    """A tensor's size: what a reader allocates before reading. Its bytes cannot exceed what the
+    checkpoint stores for it (each item's length was checked against its file when parsed)."""
+    if not (type(size) is list and len(size) <= 64 and all(type(d) is int and d >= 0 for d in size)):
+        raise ValueError(f"{fqn[:100]}: size {str(size)[:100]} is not a list of integers >= 0")
+    if not (type(flat) is list and all(type(d) is int and d >= 0 for d in flat)):
+        raise ValueError(f"{fqn[:100]}: chunk offsets and sizes must be integers >= 0")
+    itemsize = ITEMSIZES.get(dtype)
+    if itemsize is not None and math.prod(size) * itemsize > stored.get(fqn, 0):
+        raise ValueError(f"{fqn[:100]}: size {size[:8]} of {dtype} is more than the {stored.get(fqn, 0)} bytes "
+                         "stored for it")
+
+
+def check_depth(value: Any, what: str, path: str | None = None) -> None:
+    """CorruptCheckpointError if ``value`` nests deeper than MAX_VALUE_DEPTH (found without recursing)."""
+    stack: list[tuple[Any, int]] = [(value, 0)]
+    while stack:
+        v, depth = stack.pop()
+        if isinstance(v, dict):
+            children: Any = v.values()
+        elif isinstance(v, list | tuple | set | frozenset):
+            children = v
+        else:
+            continue
+        if depth >= MAX_VALUE_DEPTH:
+            raise CorruptCheckpointError(f"{what} nests more than {MAX_VALUE_DEPTH} deep: not a state "
+                                         "ckptguard stores (decoding it would recurse without bound)", path=path)
+        stack.extend((c, depth + 1) for c in children)
 
 
 def item_index(item: StoredItem) -> MetadataIndex:
@@ -251,6 +296,8 @@ def decode_key(key: str) -> Any:
     if key.startswith("<key>"):
         import json
 
+        if len(key) > 4096 or key.count("[") + key.count("{") > 32:  # keys are small: bound before recursing
+            raise CheckpointError(f"invalid encoded dict key {key[:100]!r}... in checkpoint: too large or deep")
         return _key_from_json(json.loads(key[5:]))
     raise CheckpointError(f"invalid encoded dict key {key!r} in checkpoint")
 

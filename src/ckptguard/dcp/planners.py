@@ -27,7 +27,7 @@ from torch.distributed.checkpoint.planner import (
 
 from ckptguard.checksum import checksum
 from ckptguard.dcp import _torch_private
-from ckptguard.dcp.codec import is_per_rank_key, tensor_bytes
+from ckptguard.dcp.codec import check_depth, is_per_rank_key, tensor_bytes
 from ckptguard.errors import UnsafeObjectError
 
 
@@ -179,7 +179,7 @@ class SafeLoadPlanner(DefaultLoadPlanner):
 def decode_object(fqn: str, value: io.BytesIO) -> Any:
     """A stored object, by torch.load(weights_only=True): nothing from the checkpoint runs."""
     try:
-        return torch.load(value, weights_only=True)
+        obj = torch.load(value, weights_only=True)
     except Exception as e:
         raise UnsafeObjectError(
             f"refusing to load object {fqn!r}: it is not a tensor or plain "
@@ -187,3 +187,5 @@ def decode_object(fqn: str, value: io.BytesIO) -> Any:
             "ckptguard never unpickles arbitrary objects from a checkpoint; register classes you "
             "trust with torch.serialization.add_safe_globals([...]) or store their state_dict()."
         ) from None
+    check_depth(obj, f"stored object {fqn!r}")  # decode_value recurses into it
+    return obj

@@ -78,7 +78,7 @@ def read_pointer(path: str) -> dict[str, Any] | None:
         return None
     try:
         body = json.loads(head)
-    except ValueError:
+    except (ValueError, RecursionError):  # 4096 bytes at most: the decoder's own limit ends it
         return None
     return body if isinstance(body, dict) and body.get("format") == POINTER_FORMAT else None
 

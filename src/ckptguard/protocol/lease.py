@@ -31,11 +31,18 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 from socket import gethostname as hostname
 
-from ckptguard.errors import CorruptCheckpointError, LeaseHeldError, LeaseLostError
-from ckptguard.protocol import layout
+import msgspec
+
+from ckptguard.errors import (
+    CorruptCheckpointError,
+    LeaseHeldError,
+    LeaseLostError,
+    MalformedRecordError,
+)
+from ckptguard.protocol import layout, records
 from ckptguard.storage import StorageBackend
 
 log = logging.getLogger("ckptguard")
@@ -120,11 +127,9 @@ class LeaseRecord:
 
     @staticmethod
     def from_bytes(data: bytes) -> LeaseRecord | None:
-        try:
-            d = json.loads(data)
-            known = {f.name for f in fields(LeaseRecord)}
-            return LeaseRecord(**{k: v for k, v in d.items() if k in known})  # newer fields: ignored
-        except (ValueError, TypeError, AttributeError):
+        try:  # newer fields: ignored
+            return LeaseRecord(**msgspec.structs.asdict(records.decode(data, records.LeaseBody, layout.LEASE)))
+        except MalformedRecordError:
             return None  # being written, or garbage: treated as expired after the TTL by mtime
 
     def describe(self) -> str:

@@ -17,8 +17,8 @@ import re
 import time
 from typing import Any
 
-from ckptguard.errors import CheckpointError, StepNotFoundError
-from ckptguard.protocol import layout
+from ckptguard.errors import CheckpointError, MalformedRecordError, StepNotFoundError
+from ckptguard.protocol import layout, records
 from ckptguard.protocol.decisions import (
     Committed,
     DomainListing,
@@ -55,12 +55,11 @@ def leader_tags(session: Session) -> Tags | None:
     for entry in storage.listdir(storage.path(TAGS_DIR)):
         if not _TAG_NAME.match(entry):
             continue
+        path = _tag_path(session, entry)
         try:
-            body = json.loads(storage.read_bytes(_tag_path(session, entry)))
-        except (OSError, ValueError, CheckpointError):
-            continue
-        if isinstance(body, dict) and isinstance(body.get("step"), int):
-            out[entry] = body["step"]
+            out[entry] = records.decode(storage.read_bytes(path), records.TagRecord, path).step
+        except (OSError, CheckpointError):
+            continue  # unreadable: not a tag (ls and verify say so)
     return out
 
 
@@ -106,9 +105,8 @@ def set_tag(session: Session, name: str, step: int | None, committed: Listing,
             before: int | None = None
             if current is not None:
                 try:
-                    body = json.loads(current[0])
-                    before = body["step"] if isinstance(body, dict) and isinstance(body.get("step"), int) else None
-                except ValueError:
+                    before = records.decode(current[0], records.TagRecord, path).step
+                except MalformedRecordError:
                     before = None
             if expect is not ... and before != expect:
                 raise CheckpointError(f"tag {name!r} in {session.url} points at step {before}, not {expect}: "
@@ -173,11 +171,10 @@ def _point_latest_at_newest(session: Session, deleted: int, left: DomainListing)
         if current is None:
             return
         try:
-            body = json.loads(current[0])
-        except ValueError:
-            body = None
-        if isinstance(body, dict) and body.get("step") != deleted:
-            return
+            if records.decode(current[0], records.LatestRecord, path).step != deleted:
+                return
+        except MalformedRecordError:
+            pass  # unreadable: replace it
         if not left:
             storage.delete(path)
             return

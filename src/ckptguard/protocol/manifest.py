@@ -18,7 +18,8 @@ from typing import Any
 from ckptguard._version import __version__
 from ckptguard.checksum import ALGORITHMS, checksum
 from ckptguard.dcp.records import ITEMSIZES, FileEntry, StoredItem
-from ckptguard.errors import CheckpointError, CorruptCheckpointError
+from ckptguard.errors import CheckpointError, CorruptCheckpointError, MalformedRecordError
+from ckptguard.protocol.records import ATTEMPT_PATTERN, parse_json
 
 FORMAT = "ckptguard-checkpoint"
 FORMAT_VERSION = 1
@@ -98,7 +99,9 @@ class Manifest:
     @staticmethod
     def from_json(data: bytes, path: str) -> Manifest:
         try:
-            return _parse(data)
+            return _parse(data, path)
+        except MalformedRecordError:
+            raise
         except CheckpointError as e:
             raise CorruptCheckpointError(f"{path}: {e}", path=path) from None
         except (ValueError, TypeError, KeyError, IndexError, UnicodeDecodeError, RecursionError) as e:
@@ -146,6 +149,13 @@ def _ints(v: Any, what: str) -> tuple[int, ...]:
     return tuple(_int(x, what) for x in v)
 
 
+def _attempt(v: Any) -> str:
+    # Object stores read a checkpoint's data under staging/step-N.<attempt>: a path part, so hex only.
+    _expect(isinstance(v, str) and re.fullmatch(ATTEMPT_PATTERN, v) is not None,
+            f"attempt {str(v)[:100]!r} must be 16-64 hex digits")
+    return str(v)
+
+
 def _relpath(v: Any, what: str) -> str:
     p = _str(v, what)
     parts = p.split("/")
@@ -154,7 +164,7 @@ def _relpath(v: Any, what: str) -> str:
     return p
 
 
-def _parse(data: bytes) -> Manifest:
+def _parse(data: bytes, path: str) -> Manifest:
     text = data.decode("utf-8")
     head = '{"manifest_checksum":"'
     _expect(text.startswith(head), "missing manifest_checksum")
@@ -166,7 +176,7 @@ def _parse(data: bytes) -> Manifest:
     body_text = body_text[:-1]
     if checksum("xxh3-64", body_text.encode()) != stored:
         raise CheckpointError("manifest checksum mismatch: the manifest itself is corrupt")
-    b = json.loads(body_text)
+    b = parse_json(body_text, path, "manifest", max_bytes=None)  # size: bounded by the storage read
     _expect(isinstance(b, dict), "body must be an object")
     _expect(b.get("format") == FORMAT, "wrong format tag")
     _expect(b.get("format_version") == FORMAT_VERSION,
@@ -228,7 +238,7 @@ def _parse(data: bytes) -> Manifest:
     return Manifest(
         step=_int(b["step"], "step"),
         version=_int(b["version"], "version", 1),
-        attempt=_str(b["attempt"], "attempt"),
+        attempt=_attempt(b["attempt"]),
         created_at=float(b["created_at"]),
         world_size=_int(b["world_size"], "world_size", 1),
         domain_index=_int(dom["index"], "domain index"),

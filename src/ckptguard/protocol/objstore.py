@@ -43,7 +43,7 @@ from ckptguard.errors import (
     LeaseLostError,
     NotVisibleError,
 )
-from ckptguard.protocol import layout
+from ckptguard.protocol import layout, records
 from ckptguard.protocol.decisions import DomainListing
 from ckptguard.protocol.layout import CheckpointName
 from ckptguard.protocol.manifest import FileEntry, Manifest
@@ -89,20 +89,9 @@ class Index:
 
     @staticmethod
     def from_bytes(data: bytes, path: str) -> Index:
-        try:
-            body = json.loads(data)
-            if not isinstance(body, dict) or body.get("format") != INDEX_FORMAT:
-                raise ValueError("wrong format tag")
-            entries = [IndexEntry(int(e["step"]), int(e["version"]), str(e["attempt"]), str(e["state"]),
-                                  int(e["epoch"]), None if e.get("seq") is None else int(e["seq"]))
-                       for e in body["entries"]]
-            if any(e.state not in ("pending", "committed", "aborted") for e in entries):
-                raise ValueError("unknown entry state")
-            return Index(int(body["epoch"]), int(body["next_seq"]), entries)
-        except (ValueError, TypeError, KeyError) as e:
-            raise CorruptCheckpointError(
-                f"{path} is not a valid ckptguard index ({type(e).__name__}: {e}); it was modified by hand or "
-                "by another tool. Committed checkpoints cannot be found without it.", path=path) from None
+        body = records.decode(data, records.IndexBody, path, max_bytes=records.MAX_INDEX_BYTES)
+        return Index(body.epoch, body.next_seq, [IndexEntry(e.step, e.version, e.attempt, e.state, e.epoch, e.seq)
+                                                 for e in body.entries])
 
     def find(self, name: CheckpointName) -> IndexEntry | None:
         for e in self.entries:
@@ -192,10 +181,10 @@ class ObjectStoreRoot(CheckpointRoot):
 
     def _is_tombstone(self, commit: str) -> bool:
         try:
-            body = json.loads(self.storage.read_bytes(commit))
-        except (FileNotFoundError, ValueError):
-            return False
-        return isinstance(body, dict) and body.get("format") == TOMBSTONE_FORMAT
+            records.decode(self.storage.read_bytes(commit), records.TombstoneRecord, commit)
+        except (FileNotFoundError, CorruptCheckpointError):
+            return False  # absent, or a manifest
+        return True
 
     def _commit_attempt(self, name: CheckpointName) -> str | None:
         """The attempt a commit object names (None: absent, a tombstone or not a manifest)."""

@@ -12,8 +12,15 @@ import os
 import time
 from dataclasses import dataclass
 
-from ckptguard.errors import CheckpointError, CorruptCheckpointError, NotVisibleError
-from ckptguard.protocol import layout
+import msgspec
+
+from ckptguard.errors import (
+    CheckpointError,
+    CorruptCheckpointError,
+    MalformedRecordError,
+    NotVisibleError,
+)
+from ckptguard.protocol import layout, records
 from ckptguard.protocol.decisions import DomainListing
 from ckptguard.protocol.layout import CheckpointName
 from ckptguard.protocol.manifest import HEAD_BYTES, FileEntry, Manifest, commit_seq_from_head
@@ -296,8 +303,8 @@ class CheckpointRoot:
 
 
 def _latest_body(data: bytes) -> dict[str, object] | None:
+    """The pointer's fields, or None where it is unreadable (a hint: the listing decides, not `latest`)."""
     try:
-        body = json.loads(data)
-    except ValueError:
+        return msgspec.structs.asdict(records.decode(data, records.LatestRecord, layout.LATEST))
+    except MalformedRecordError:
         return None
-    return body if isinstance(body, dict) and isinstance(body.get("step"), int) else None

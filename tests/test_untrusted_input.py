@@ -1,0 +1,339 @@
+"""Bytes from a root's control files, a checkpoint or an imported file are untrusted: every one is
+bounded before it is used as a size, an index, a path or a depth, and every refusal is a
+CheckpointError naming the file; nothing hangs, recurses without bound or follows a link out.
+
+The CLI runs in-process (typer's runner): an exception escaping a command is a failure here.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from ckptguard import (
+    Checkpointer,
+    CheckpointError,
+    CorruptCheckpointError,
+    DiskFullError,
+    MalformedRecordError,
+    load_file,
+    save_file,
+)
+from ckptguard.cli import _register, app
+
+DEEP = "[" * 20_000  # small enough for every control-file size limit, deep enough for any recursion
+
+
+def cli(*args: str) -> tuple[int, str]:
+    _register()
+    result = CliRunner().invoke(app, list(args))
+    if result.exception is not None and not isinstance(result.exception, SystemExit):
+        raise result.exception
+    return result.exit_code, result.output
+
+
+@pytest.fixture
+def root(tmp_path: Path) -> Path:
+    root = tmp_path / "ck"
+    with Checkpointer(root) as ck:
+        ck.save(1, {"w": torch.arange(8.0)})
+        ck.tag("best", 1)
+    return root
+
+
+def test_deep_json_in_latest_and_tags_is_a_note_not_a_crash_and_root_stays_intact(root: Path) -> None:
+    (root / "latest").write_text(DEEP)
+    (root / "tags" / "best").write_text(DEEP)
+    code, out = cli("verify", str(root))
+    assert code == 0 and "intact" in out and "`latest` pointer is unreadable" in out and "nested" in out
+    code, out = cli("ls", str(root), "--json")
+    assert code == 0 and "nested" in json.loads(out)["latest_error"]
+    with Checkpointer(root) as ck:
+        assert ck.tags() == {}  # an unreadable tag is no tag
+        ck.save(2, {"w": torch.ones(8)})  # and the next save rewrites `latest`
+    assert json.loads((root / "latest").read_text())["step"] == 2
+
+
+def test_deep_json_in_the_lease_is_an_expired_lease(root: Path) -> None:
+    lease = root / ".ckptguard" / "lease.json"
+    lease.write_text(DEEP)
+    old = time.time() - 3600
+    os.utime(lease, (old, old))  # garbage counts as expired once its mtime is older than the TTL
+    assert cli("ls", str(root))[0] == 0
+    with Checkpointer(root) as ck:
+        ck.save(2, {"w": torch.ones(8)})
+
+
+def test_the_guarded_parser_names_the_file_and_the_field(tmp_path: Path) -> None:
+    from ckptguard.protocol import records
+
+    with pytest.raises(MalformedRecordError) as info:
+        records.decode(b'{"step": -3}', records.LatestRecord, "ROOT/latest")
+    assert info.value.path == "ROOT/latest" and info.value.field == "step"
+    with pytest.raises(MalformedRecordError) as info:
+        records.decode(b'{"step": 1, "dir": ' + b"[" * 100 + b"]" * 100 + b"}", records.LatestRecord, "L")
+    assert info.value.field == "(nesting)"
+    assert records.nesting_depth(b'["[[[\\"[", {"a": [1]}]') == 3
+
+
+def test_verify_and_ls_never_follow_directory_symlinks(root: Path, tmp_path: Path) -> None:
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "secret.bin").write_bytes(b"x" * 10)
+    step = root / "step-00000001"
+    os.symlink(outside, step / "data" / "escape")
+    os.symlink(step / "data", step / "data" / "loop")
+    os.symlink(root / ".ckptguard" / "staging", root / ".ckptguard" / "staging" / "step-00000009.0123456789abcdef")
+    code, out = cli("verify", str(root), "--json")
+    report = json.loads(out)
+    assert code == 1 and "secret.bin" not in out
+    kinds = {os.path.basename(p["path"]): p["detail"] for p in report["checked"][0]["problems"]}
+    assert set(kinds) == {"escape", "loop"} and all("not followed" in d for d in kinds.values())
+    code, out = cli("ls", str(root), "--json")
+    assert code == 0 and "secret.bin" not in out
+
+
+def test_save_file_on_a_full_disk_is_disk_full_and_leaves_no_lock(small_fs: Path) -> None:
+    target = small_fs / "model.pt"
+    with open(small_fs / "filler", "wb") as f, pytest.raises(OSError):
+        while True:
+            f.write(b"\0" * (1 << 20))
+            f.flush()
+    with pytest.raises(DiskFullError) as info:
+        save_file({"w": torch.ones(4)}, target, lock_timeout_s=1)
+    assert str(target) in str(info.value)
+    assert not (small_fs / "model.pt.lock").exists()
+    (small_fs / "filler").unlink()
+    save_file({"w": torch.ones(4)}, target, lock_timeout_s=1)
+    assert torch.equal(load_file(target)["w"], torch.ones(4))
+
+
+def test_an_abandoned_empty_lock_is_broken(tmp_path: Path) -> None:
+    target = tmp_path / "model.pt"
+    lock = tmp_path / "model.pt.lock"
+    lock.write_bytes(b"")
+    old = time.time() - 60
+    os.utime(lock, (old, old))
+    save_file({"w": torch.ones(4)}, target, lock_timeout_s=2)
+    lock.write_bytes(b"\xff\xfe not utf-8")  # unreadable token, fresh: waited for, refused by name
+    with pytest.raises(CheckpointError, match="being written by another process"):
+        save_file({"w": torch.ones(4)}, target, lock_timeout_s=0.2)
+
+
+def _safetensors(path: Path, header: object, data: bytes = b"\0" * 16) -> Path:
+    text = json.dumps(header).encode() if not isinstance(header, bytes) else header
+    path.write_bytes(struct.pack("<Q", len(text)) + text + data)
+    return path
+
+
+@pytest.mark.parametrize(("header", "says"), [
+    ({"__metadata__": [1]}, "__metadata__"),
+    ({"__metadata__": {"ckptguard": 5}}, "__metadata__"),
+    (b"[" * 5000 + b"]" * 5000, "nested"),
+    ({"w": {"dtype": "F32", "shape": [4], "data_offsets": [0, 1 << 40]}}, "data_offsets"),
+    ({"w": {"dtype": "F32", "shape": [1 << 40], "data_offsets": [0, 16]}}, "shape"),
+    ({"w": "x"}, "'w'"),
+    (b"not json", "not JSON"),
+])
+def test_load_file_refuses_hostile_safetensors_headers_by_name(tmp_path: Path, header: object, says: str) -> None:
+    path = _safetensors(tmp_path / "m.safetensors", header)
+    with pytest.raises(CorruptCheckpointError, match=says) as info:
+        load_file(path)
+    assert info.value.path == str(path)
+
+
+def test_load_file_wraps_what_the_safetensors_library_refuses(tmp_path: Path) -> None:
+    good = tmp_path / "good.safetensors"
+    save_file({"w": torch.ones(4)}, good)
+    raw = good.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8:8 + n])
+    header["w"]["dtype"] = "NOT_A_DTYPE"  # checked by the library, not by ckptguard: its refusal is wrapped
+    from ckptguard.singlefile import _st_digest
+
+    meta = header.pop("__metadata__")
+    digest = _st_digest("xxh3-64", header, memoryview(raw[8 + n:]))
+    header["__metadata__"] = {**meta, "ckptguard": f"1:xxh3-64:{digest}:{len(raw) - 8 - n}"}
+    path = _safetensors(tmp_path / "m.safetensors", header, raw[8 + n:])
+    with pytest.raises(CorruptCheckpointError, match="safetensors refused it"):
+        load_file(path)
+
+
+# -- import: paths, FIFOs, lengths and depths from the imported files -------------------------------
+
+def _dcp_dir(path: Path, value: float = 0.0) -> Path:
+    from torch.distributed.checkpoint import FileSystemWriter
+    from torch.distributed.checkpoint import save as dcp_save
+
+    dcp_save({"w": torch.arange(4.0) + value}, storage_writer=FileSystemWriter(str(path)), no_dist=True)
+    return path
+
+
+def _rewrite_metadata(directory: Path, change: object) -> None:
+    import pickle
+
+    md = pickle.loads((directory / ".metadata").read_bytes())
+    for info in md.storage_data.values():
+        change(directory, info)  # type: ignore[operator]
+    (directory / ".metadata").write_bytes(pickle.dumps(md))
+
+
+def _import(source: Path, root: Path) -> tuple[int, str]:
+    return cli("import", str(source), str(root), "--step", "1")
+
+
+def test_import_refuses_a_relative_path_out_of_the_dcp_directory(tmp_path: Path) -> None:
+    _dcp_dir(tmp_path / "other", 100.0)
+    src = _dcp_dir(tmp_path / "src")
+    _rewrite_metadata(src, lambda d, info: setattr(info, "relative_path", "../other/" + info.relative_path))
+    code, out = _import(src, tmp_path / "root")
+    assert code == 1 and "not a plain file name" in out and not (tmp_path / "root" / "step-00000001").exists()
+
+
+def test_import_refuses_a_device_file_with_a_huge_length(tmp_path: Path) -> None:
+    src = _dcp_dir(tmp_path / "src")
+
+    def to_device(d: Path, info: object) -> None:
+        data = d / info.relative_path  # type: ignore[attr-defined]
+        data.unlink(missing_ok=True)
+        os.symlink("/dev/zero", data)
+        info.length = 1 << 40  # type: ignore[attr-defined]
+
+    _rewrite_metadata(src, to_device)
+    code, out = _import(src, tmp_path / "root")
+    assert code == 1 and "not a regular file" in out
+
+
+def test_import_refuses_a_tensor_larger_than_its_data(tmp_path: Path) -> None:
+    import pickle
+
+    src = _dcp_dir(tmp_path / "src")
+    md = pickle.loads((src / ".metadata").read_bytes())
+    md.state_dict_metadata["w"].size = torch.Size([1 << 40])
+    (src / ".metadata").write_bytes(pickle.dumps(md))
+    code, out = _import(src, tmp_path / "root")
+    assert code == 1 and "larger than every data file" in out
+
+
+def test_import_refuses_a_deeply_nested_torch_save_file(tmp_path: Path) -> None:
+    import sys
+
+    deep: list[object] = []
+    cur = deep
+    for _ in range(3000):
+        nxt: list[object] = []
+        cur.append(nxt)
+        cur = nxt
+    limit = sys.getrecursionlimit()
+    sys.setrecursionlimit(20_000)
+    try:
+        torch.save({"a": deep}, tmp_path / "deep.pt")
+    finally:
+        sys.setrecursionlimit(limit)
+    code, out = _import(tmp_path / "deep.pt", tmp_path / "root")
+    assert code == 1 and "nests more than" in out
+
+
+@pytest.mark.parametrize("where", ["source", "metadata", "data"])
+def test_import_never_blocks_on_a_fifo(tmp_path: Path, where: str) -> None:
+    if where == "source":
+        source = tmp_path / "model.pt"
+        os.mkfifo(source)
+    else:
+        source = _dcp_dir(tmp_path / "src")
+        victim = source / ".metadata" if where == "metadata" else next(source.glob("*.distcp"))
+        victim.unlink()
+        os.mkfifo(victim)
+    code, out = _import(source, tmp_path / "root")  # before: blocked in open() forever
+    assert code == 1 and "not a regular file" in out  # CorruptCheckpointError: exit 1
+
+
+# -- read() and export of a sealed hostile manifest ----------------------------------------------
+
+def _reseal_dcp(root: Path, change: object) -> None:
+    import dataclasses
+
+    from ckptguard.protocol.manifest import Manifest
+
+    path = root / "step-00000001" / "MANIFEST.json"
+    m = Manifest.from_json(path.read_bytes(), str(path))
+    dcp = json.loads(json.dumps(m.dcp))
+    change(dcp)  # type: ignore[operator]
+    path.write_bytes(dataclasses.replace(m, dcp=dcp).to_json())
+
+
+@pytest.mark.parametrize(("change", "says"), [
+    (lambda d: d["planner_data"].update({"w": ["w", 10**9]}), "bad planner path"),
+    (lambda d: d["planner_data"].update({"w": ["w", -1]}), "bad planner path"),
+    (lambda d: d["planner_data"].update({"w": []}), "bad planner path"),
+    (lambda d: d["state_dict"]["w"].update({"size": [1 << 40]}), "bytes stored for it"),
+    (lambda d: d["state_dict"]["w"].update({"size": [-4]}), "integers >= 0"),
+])
+def test_read_and_export_of_a_hostile_manifest_are_corrupt_not_a_crash(root: Path, tmp_path: Path, change: object,
+                                                                         says: str) -> None:
+    from ckptguard import export_checkpoint
+
+    _reseal_dcp(root, change)
+    with Checkpointer(root, read_only=True) as ck, pytest.raises(CorruptCheckpointError, match=says):
+        ck.read(1)
+    with pytest.raises(CorruptCheckpointError, match=says):
+        export_checkpoint(root, tmp_path / "out.pt", "torch", step=1)
+    code, out = cli("export", str(root), str(tmp_path / "out2.pt"), "--to", "torch")
+    assert code != 0 and says in out
+
+
+# -- the object store's control records ----------------------------------------------------------
+
+def test_deep_json_in_the_s3_index_and_latest_is_a_typed_error_not_a_crash(monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("moto")
+    from tests.support.beds.s3 import s3_bed
+
+    with s3_bed(seed=5) as bed:
+        for k, v in bed.env().items():
+            monkeypatch.setenv(k, v)
+        bucket = bed.make_bucket("hostile-records")
+        root = f"s3://{bucket}/run"
+        with Checkpointer(root) as ck:
+            ck.save(1, {"w": torch.arange(8.0)})
+        bed.client().put_object(Bucket=bucket, Key="run/latest", Body=DEEP.encode())
+        assert cli("verify", root)[0] == 0  # an unreadable `latest` is a note
+        bed.client().put_object(Bucket=bucket, Key="run/.ckptguard/index.json", Body=DEEP.encode())
+        with pytest.raises(MalformedRecordError) as info:
+            Checkpointer(root, read_only=True).steps()
+        assert info.value.path is not None and info.value.path.endswith("index.json")
+        code, out = cli("ls", root)
+        assert code == 2 and "index.json" in out and "nested" in out
+
+
+def test_a_lease_naming_an_impossible_pid_is_garbage_not_an_overflow(root: Path) -> None:
+    import socket
+
+    from ckptguard.protocol.lease import _boot_id, _pid_namespace
+
+    lease = root / ".ckptguard" / "lease.json"
+    now = time.time()
+    lease.write_text(json.dumps({"holder": "other", "job": None, "host": socket.gethostname(), "pid": 2**70,
+                                 "boot_id": _boot_id(), "epoch": 3, "acquired_at": now, "renewed_at": now,
+                                 "ttl_s": 3600.0, "pid_ns": _pid_namespace()}))
+    os.utime(lease, (now - 7200, now - 7200))
+    with Checkpointer(root) as ck:  # before: OverflowError from os.kill(pid, 0)
+        ck.save(2, {"w": torch.ones(8)})
+
+
+def test_a_manifest_attempt_that_is_not_hex_is_corrupt(root: Path) -> None:
+    import dataclasses
+
+    from ckptguard.protocol.manifest import Manifest
+
+    path = root / "step-00000001" / "MANIFEST.json"
+    m = Manifest.from_json(path.read_bytes(), str(path))
+    path.write_bytes(dataclasses.replace(m, attempt="../../elsewhere").to_json())  # a path part on object stores
+    with Checkpointer(root, read_only=True) as ck, pytest.raises(CorruptCheckpointError, match="hex digits"):
+        ck.read(1)
