@@ -28,6 +28,7 @@ from ckptguard.protocol.decisions import (
     commit_order,
 )
 from ckptguard.protocol.layout import CheckpointName
+from ckptguard.protocol.root import high_seq
 from ckptguard.protocol.session import Session
 
 TAGS_DIR = "tags"
@@ -175,6 +176,7 @@ def _point_latest_at_newest(session: Session, deleted: int, left: DomainListing)
                                   "updated_at": time.time()}
         if agreed[last].seq is not None:
             new["seq"] = agreed[last].seq
+        new["high_seq"] = high_seq(body)  # the deleted step's number is never handed out again
         return Put(new, None)
 
     swap(storage, storage.path(layout.LATEST), decode=_json_object, encode=_encode, decide=decide,

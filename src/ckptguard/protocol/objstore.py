@@ -249,6 +249,10 @@ class ObjectStoreRoot(CheckpointRoot):
                 out.setdefault(e.step, {})[e.version] = e.seq
         return out
 
+    def latest_seq(self) -> int:
+        """Also every number the index handed out (a step deleted and saved again gets a new one)."""
+        return max(super().latest_seq(), self.read_index()[0].next_seq - 1)
+
     def taken_versions(self, step: int) -> list[int]:
         """Versions of ``step`` already used: committed, pending or aborted (their keys are taken)."""
         index, _ = self.read_index()

@@ -115,11 +115,25 @@ class CheckpointRoot:
                 seq = None
         return True, seq
 
+    def still_committed(self, name: CheckpointName, seq: int | None) -> bool:
+        """Whether ``name`` is still the checkpoint that was listed with commit sequence number ``seq``.
+
+        False when it was retired, and also when it was retired and saved again
+        under the same name (a step deleted and saved anew): a reader holding the
+        old manifest must list again, not call the new one corrupt.
+        """
+        found, now = self.commit_seq(name)
+        return found and (seq is None or now is None or now == seq)
+
     def latest_seq(self) -> int:
-        """The commit sequence number `latest` names (0 if none)."""
+        """The highest commit sequence number handed out in this root as far as `latest` knows (0 if
+        none): the one it names, or a higher one it remembers from a step deleted since. A new commit
+        is numbered above it, so a step deleted and saved again never gets its old number back (a
+        reader holding the old manifest tells the two apart by it)."""
         body = self.read_latest()
-        seq = body.get("seq") if body is not None else None
-        return seq if isinstance(seq, int) and not isinstance(seq, bool) and seq > 0 else 0
+        if body is None:
+            return 0
+        return max(_seq(body.get("seq")), _seq(body.get("high_seq")))
 
     def read_manifest(self, name: CheckpointName) -> Manifest:
         return self.parse_manifest(name, self.read_manifest_bytes(name))
@@ -281,6 +295,9 @@ class CheckpointRoot:
             body: dict[str, object] = {"step": name.step, "dir": name.dirname, "updated_at": time.time()}
             if seq is not None:
                 body["seq"] = seq
+            high = high_seq(cur, seq)
+            if high:
+                body["high_seq"] = high
             return Put(body, True)
 
         moved: bool = swap(self.storage, path, decode=_latest_body, encode=encode_latest, decide=decide,
@@ -349,6 +366,17 @@ class CheckpointRoot:
 
     def after_lease(self) -> None:
         """Runs once this job holds the root's lease (POSIX fences before, in fence_staging)."""
+
+
+def _seq(value: object) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
+
+
+def high_seq(body: dict[str, object] | None, seq: int | None = None) -> int:
+    """The highest commit sequence number a `latest` body names or remembers, and ``seq``."""
+    if body is None:
+        return seq or 0
+    return max(_seq(body.get("seq")), _seq(body.get("high_seq")), seq or 0)
 
 
 def encode_latest(body: dict[str, object]) -> bytes:
