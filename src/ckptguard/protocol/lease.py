@@ -205,6 +205,11 @@ class Lease:
             if rec is not None and self._holder_gone(rec) is not None:
                 epoch = rec.epoch + 1
                 if fence is not None:
+                    # The fence moves shared state: only while the record judged gone is still the one
+                    # there (a newcomer that stalled here must not fence the job that took over meanwhile).
+                    again = self._read_versioned()
+                    if again is None or again[1] != versioned[1]:
+                        continue
                     fence()
                 # Compare-and-swap on the version read: of two jobs taking over at once, one wins.
                 if self.storage.compare_and_swap(self.path, self._record(epoch).to_bytes(), versioned[1]):
