@@ -358,8 +358,9 @@ class ObjectStoreRoot(CheckpointRoot):
         except LeaseLostError as e:
             # Fenced off between the create and here: the commit object is ours, and the new holder
             # adopts it when it settles pending intents.
-            raise LeaseLostError(f"{name.dirname} is committed (its commit object {commit} is in place), but {e} "
-                                 "The job that took the root over adopts it.", path=commit) from e
+            raise LeaseLostError(f"{name.dirname} is committed (its commit object {commit} is in place), but "
+                                 f"another job took over {self.path} before it was indexed; that job adopts it, "
+                                 "and this job writes nothing more to the root.", path=commit) from e
         except OSError as e:
             # Committed all the same: a pending entry whose commit object names its attempt is listed as
             # committed, and the next index update of any job records it.
@@ -368,21 +369,23 @@ class ObjectStoreRoot(CheckpointRoot):
 
     def _settle_own_commit(self, name: CheckpointName, attempt: str, err: OSError) -> bool:
         """The create of our commit object failed without a clear answer: did it land? True if the commit
-        object is ours; False if it is not (and, when it was absent, a tombstone now makes sure our
-        create never lands late); CommitOutcomeUnknownError if that cannot be learned."""
+        object is ours, False if another's; ``err`` again if it had not landed (a tombstone of our own now
+        makes sure it never lands late: nothing is committed); CommitOutcomeUnknownError if that cannot
+        be learned."""
         commit = self.commit_path(name)
         tombstone = (json.dumps({"format": TOMBSTONE_FORMAT, "attempt": attempt, "epoch": self.epoch or 0,
                                  "at": time.time()}) + "\n").encode()
         try:
-            if self.storage.create_exclusive(commit, tombstone):
-                return False  # it had not landed, and now never will: nothing committed
-            return self._commit_attempt(name) == attempt
+            created = self.storage.create_exclusive(commit, tombstone)
+            if not created:
+                return self._commit_attempt(name) == attempt
         except OSError as again:
             raise CommitOutcomeUnknownError(
                 f"the commit of {name.dirname} on {self.path} got no answer ({err}), nor did reading it back "
                 f"({again}): it may or may not be committed. Its data is kept; the next save, or the next job to "
                 "take this root, settles it (adopts it if the commit landed, aborts it if not).", path=commit
             ) from err
+        raise err
 
     @staticmethod
     def _attempt_of(manifest_bytes: bytes) -> str:
