@@ -347,6 +347,8 @@ def _tree(root: Path) -> dict[str, str]:
         for d in dirnames:
             out[os.path.join(rel, d)] = "dir"
         for f in filenames:
+            if ".tmp-" in f:  # a write in flight (the stopped job's lease renewal may still be finishing one)
+                continue
             p = Path(dirpath) / f
             out[os.path.join(rel, f)] = p.read_text() if f in ("latest", "lease.json") else str(p.stat().st_size)
     return out
