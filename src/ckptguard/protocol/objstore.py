@@ -34,7 +34,6 @@ import logging
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, cast
 
 from ckptguard.errors import (
@@ -49,6 +48,7 @@ from ckptguard.protocol.cas import Keep, Put, swap
 from ckptguard.protocol.decisions import DomainListing
 from ckptguard.protocol.layout import CheckpointName
 from ckptguard.protocol.manifest import FileEntry, Manifest
+from ckptguard.protocol.objindex import INDEX, Index, IndexEntry
 from ckptguard.protocol.root import CheckpointRoot, Garbage
 from ckptguard.storage import StorageBackend
 from ckptguard.storage.base import ObjectStore
@@ -58,59 +58,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("ckptguard")
 
-INDEX = f"{layout.CONTROL}/index.json"
-INDEX_FORMAT = "ckptguard-index"
 TOMBSTONE_FORMAT = "ckptguard-tombstone"
 _HEAD_THREADS = 16
-
-
-@dataclass
-class IndexEntry:
-    step: int
-    version: int
-    attempt: str
-    state: str  # "pending" (intent recorded, commit object maybe created), "committed", "aborted"
-    epoch: int  # the index epoch of the job that recorded it
-    seq: int | None = None  # commit sequence number, in commit order (committed entries)
-
-    @property
-    def name(self) -> CheckpointName:
-        return CheckpointName(self.step, self.version)
-
-
-@dataclass
-class Index:
-    epoch: int = 0
-    next_seq: int = 1
-    entries: list[IndexEntry] = field(default_factory=list)
-
-    def to_bytes(self) -> bytes:
-        body = {"format": INDEX_FORMAT, "epoch": self.epoch, "next_seq": self.next_seq,
-                "entries": [asdict(e) for e in self.entries]}
-        return (json.dumps(body, separators=(",", ":")) + "\n").encode()
-
-    @staticmethod
-    def from_bytes(data: bytes, path: str) -> Index:
-        try:
-            body = json.loads(data)
-            if not isinstance(body, dict) or body.get("format") != INDEX_FORMAT:
-                raise ValueError("wrong format tag")
-            entries = [IndexEntry(int(e["step"]), int(e["version"]), str(e["attempt"]), str(e["state"]),
-                                  int(e["epoch"]), None if e.get("seq") is None else int(e["seq"]))
-                       for e in body["entries"]]
-            if any(e.state not in ("pending", "committed", "aborted") for e in entries):
-                raise ValueError("unknown entry state")
-            return Index(int(body["epoch"]), int(body["next_seq"]), entries)
-        except (ValueError, TypeError, KeyError) as e:
-            raise CorruptCheckpointError(
-                f"{path} is not a valid ckptguard index ({type(e).__name__}: {e}); it was modified by hand or "
-                "by another tool. Committed checkpoints cannot be found without it.", path=path) from None
-
-    def find(self, name: CheckpointName) -> IndexEntry | None:
-        for e in self.entries:
-            if e.step == name.step and e.version == name.version:
-                return e
-        return None
 
 
 class ObjectStoreRoot(CheckpointRoot):
