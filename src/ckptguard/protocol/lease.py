@@ -24,6 +24,7 @@ renewing it.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import os
@@ -190,7 +191,8 @@ class Lease:
             if not self.storage.exists(self.path):
                 if fence is not None:
                     fence()
-                if self.storage.create_exclusive(self.path, self._record(1).to_bytes()):
+                create = functools.partial(self.storage.create_exclusive, self.path, self._record(1).to_bytes())
+                if self._settled(create, 1):
                     self.epoch = 1
                     break
             versioned = self._read_versioned()
@@ -212,7 +214,9 @@ class Lease:
                         continue
                     fence()
                 # Compare-and-swap on the version read: of two jobs taking over at once, one wins.
-                if self.storage.compare_and_swap(self.path, self._record(epoch).to_bytes(), versioned[1]):
+                swap_in = functools.partial(self.storage.compare_and_swap, self.path, self._record(epoch).to_bytes(),
+                                            versioned[1])
+                if self._settled(swap_in, epoch):
                     self.epoch = epoch
                     break
                 continue
@@ -227,6 +231,17 @@ class Lease:
                 )
             time.sleep(min(1.0, max(0.05, deadline - time.monotonic())))
         self._start_renewal()
+
+    def _settled(self, write: Callable[[], bool], epoch: int) -> bool:
+        """Whether ``write`` (taking the lease at ``epoch``) landed; one whose answer was lost is settled by
+        reading the record back, so a job never fails to start while the root's lease is in fact its own."""
+        try:
+            return write()
+        except OSError:
+            rec = self.read()  # if this fails too, the outcome is unknown: the OSError is raised
+            if rec is not None and rec.holder == self.holder and rec.epoch == epoch:
+                return True
+            raise
 
     def _start_renewal(self) -> None:
         self._stop.clear()
