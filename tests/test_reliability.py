@@ -272,6 +272,38 @@ def test_a_reader_whose_checkpoint_is_retired_loads_the_newest(tmp_path: Path, m
     reader.close()
 
 
+def test_a_reader_whose_step_is_deleted_and_saved_again_loads_the_new_one(tmp_path: Path, monkeypatch) -> None:
+    """The reader holds step 2's manifest when the writer deletes step 2 and saves it again (the Lightning
+    plugin does): the reader loads the new step 2; it does not call it corrupt and fall back to step 1."""
+    root = tmp_path / "ckpt"
+    writer = Checkpointer(root)
+    writer.save(1, _w(1))
+    writer.save(2, _w(2))
+    reader = Checkpointer(root, read_only=True)
+    storage = reader._session.storage
+    original = storage.open_read
+    again = {"w": _w(2)["w"] * 3}
+
+    def open_read(path: str):  # type: ignore[no-untyped-def]
+        if "/data/" in path and "step-00000002" in path and not fired:
+            fired.append(path)
+            writer.delete(2)
+            writer.save(2, again)
+        return original(path)
+
+    fired: list[str] = []
+    monkeypatch.setattr(storage, "open_read", open_read)
+    out = {"w": torch.zeros(16)}
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a "corrupt, falling back" warning fails the test
+        assert reader.load(out) == 2
+    assert fired and torch.equal(out["w"], again["w"])
+    writer.close()
+    reader.close()
+
+
 # -- hole 8: a stalled job cannot touch a root another job took over --------------------------------
 
 
@@ -315,6 +347,8 @@ def _tree(root: Path) -> dict[str, str]:
         for d in dirnames:
             out[os.path.join(rel, d)] = "dir"
         for f in filenames:
+            if ".tmp-" in f:  # a write in flight (the stopped job's lease renewal may still be finishing one)
+                continue
             p = Path(dirpath) / f
             out[os.path.join(rel, f)] = p.read_text() if f in ("latest", "lease.json") else str(p.stat().st_size)
     return out

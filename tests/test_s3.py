@@ -14,7 +14,7 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -28,6 +28,7 @@ from ckptguard import (
     BucketNotFoundError,
     Checkpointer,
     CheckpointError,
+    CommitOutcomeUnknownError,
     LeaseLostError,
     StoragePermissionError,
     UnsupportedStorageError,
@@ -39,7 +40,14 @@ from ckptguard.protocol.objstore import INDEX, ObjectStoreRoot
 from ckptguard.storage import open_storage
 from ckptguard.storage.s3 import S3Storage, _Clients
 
-from tests.support.beds.s3 import S3Bed, canned_denied, canned_wrong_region, s3_bed
+from tests.support.beds.s3 import (
+    FaultProxy,
+    Request,
+    S3Bed,
+    canned_denied,
+    canned_wrong_region,
+    s3_bed,
+)
 from tests.support.jobs import JobResult, run_job
 from tests.support.results import job_results
 
@@ -453,3 +461,213 @@ def test_a_job_stalled_mid_commit_loses_to_the_job_that_took_over(bed: S3Bed, bu
     index = json.loads(bed.client().get_object(Bucket=bucket, Key=f"stall/{INDEX}")["Body"].read())
     step2 = [(e["version"], e["state"]) for e in index["entries"] if e["step"] == 2]
     assert sorted(step2) == [(1, "aborted"), (2, "committed")]
+
+
+# -- fencing, unknown outcomes, exit: each stalled, lost or refused request made real by a proxy ---------
+
+
+def _via(proxy: FaultProxy) -> dict[str, object]:
+    """storage_options for a job whose requests go through its own proxy (faults hit it alone)."""
+    return {**SMALL, "endpoint_url": proxy.url}
+
+
+def _small(step: int) -> dict[str, object]:
+    return _state(step, 50_000)
+
+
+def _same(out: dict[str, object], want: dict[str, object]) -> bool:
+    return all(torch.equal(out[k], want[k]) for k in ("w", "b")) and out["step"] == want["step"]  # type: ignore[arg-type]
+
+
+def _in_thread(fn: Callable[[], object]) -> tuple[threading.Thread, dict[str, object]]:
+    outcome: dict[str, object] = {}
+
+    def run() -> None:
+        try:
+            outcome["result"] = fn()
+        except BaseException as e:
+            outcome["error"] = e
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t, outcome
+
+
+def _until(cond: Callable[[], bool], timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
+
+
+def _stall_after(proxy: FaultProxy, first: Callable[[Request], bool]) -> threading.Event:
+    """Freeze every request of the proxy's job from the one after the first request ``first`` picks
+    (which goes through): the job stalls right there, its lease renewals included."""
+    seen = threading.Event()
+
+    def match(r: Request) -> bool:
+        if seen.is_set():
+            return True
+        if first(r):
+            seen.set()
+        return False
+
+    proxy.add_rule(match, "freeze")
+    return seen
+
+
+def test_a_writer_stalled_after_its_commit_landed_deletes_nothing_of_the_step_adopted(bed: S3Bed, bucket: str
+                                                                                       ) -> None:
+    """Job A's commit object of step 2 lands, then A stalls; its lease expires, job B takes over, adopts
+    step 2 and loads it. A resumes: it is fenced, and its failure path deletes nothing of step 2."""
+    root = f"s3://{bucket}/adopt"
+    a_proxy = bed.add_proxy()
+    a = Checkpointer(root, lease_ttl_s=2, storage_options=_via(a_proxy))
+    a.save(1, _small(1))
+    landed = _stall_after(a_proxy, lambda r: r.method == "PUT" and r.path.endswith("step-00000002/MANIFEST.json"))
+    t, outcome = _in_thread(lambda: a.save(2, _small(2)))
+    _until(lambda: landed.is_set() and a_proxy.frozen > 0)
+    with Checkpointer(root, lease_ttl_s=30, lease_wait_s=30, storage_options=SMALL) as b:
+        assert b.steps() == [1, 2]
+        out = _empty(50_000)
+        assert b.load(out) == 2 and _same(out, _small(2))
+        a_proxy.thaw()
+        t.join(60)
+        assert isinstance(outcome.get("error"), LeaseLostError), outcome
+        assert "is committed" in str(outcome["error"])
+        out = _empty(50_000)
+        assert b.load(out, step=2) == 2 and _same(out, _small(2))
+        b.save(3, _small(3))
+        assert b.steps() == [1, 2, 3]
+    a.close()
+    with Checkpointer(root, read_only=True) as ck:
+        out = _empty(50_000)
+        assert ck.load(out, step=2) == 2 and _same(out, _small(2))
+
+
+def test_a_commit_whose_reply_was_lost_is_settled_never_failed(bed: S3Bed, bucket: str) -> None:
+    """The commit lands and its answers are lost (botocore's retries' too): the save reads its commit back
+    and succeeds. When it cannot even read back, it raises CommitOutcomeUnknownError, keeps the data,
+    and the next save settles it: committed, and whole."""
+    root = f"s3://{bucket}/lost"
+    proxy = bed.add_proxy()
+    with Checkpointer(root, storage_options=_via(proxy)) as ck:
+        ck.save(1, _small(1))
+        proxy.add_rule(lambda r: r.method == "PUT" and r.path.endswith("step-00000002/MANIFEST.json"), "drop",
+                       times=3)  # S3Options.control_max_attempts: every try of the commit
+        ck.save(2, _small(2))
+        assert ck.steps() == [1, 2]
+        out = _empty(50_000)
+        assert ck.load(out) == 2 and _same(out, _small(2))
+        proxy.add_rule(lambda r: r.path.endswith("step-00000003/MANIFEST.json"), "drop")  # and no read-back
+        with pytest.raises(CommitOutcomeUnknownError, match="may or may not be committed"):
+            ck.save(3, _small(3))
+        proxy.clear_rules()
+        ck.save(4, _small(4))
+        assert ck.steps() == [1, 2, 3, 4]
+        out = _empty(50_000)
+        assert ck.load(out, step=3) == 3 and _same(out, _small(3))
+
+
+def test_a_fenced_job_moves_no_tag_after_a_conflict(bed: S3Bed, bucket: str) -> None:
+    """Job A's swap of tag `best` stalls in flight; its lease expires; job B moves the tag. A's swap lands
+    late and fails (412): A must find it lost the root, not swap again over B's tag."""
+    root = f"s3://{bucket}/tags"
+    a_proxy = bed.add_proxy()
+    a = Checkpointer(root, lease_ttl_s=2, storage_options=_via(a_proxy))
+    for step in (1, 2, 3):
+        a.save(step, _small(step))
+    a.tag("best", 1)
+    swapping = threading.Event()
+
+    def match(r: Request) -> bool:
+        if r.method == "PUT" and r.path.endswith("/tags/best"):
+            swapping.set()
+        return swapping.is_set()
+
+    a_proxy.add_rule(match, "freeze")
+    t, outcome = _in_thread(lambda: a.tag("best", 3))
+    _until(lambda: swapping.is_set() and a_proxy.frozen > 0)
+    with Checkpointer(root, lease_ttl_s=30, lease_wait_s=30, storage_options=SMALL) as b:
+        assert b.tag("best", 2) == 1
+        a_proxy.thaw()
+        t.join(60)
+        assert isinstance(outcome.get("error"), LeaseLostError), outcome
+        assert b.tags(refresh=True) == {"best": 2}
+    a.close()
+
+
+def test_a_reader_whose_step_is_deleted_and_saved_again_loads_the_new_one(bed: S3Bed, bucket: str) -> None:
+    """The reader holds step 2's manifest when the writer deletes step 2 and saves it again (as the
+    Lightning plugin does): the reader loads the new step 2, it does not call it corrupt."""
+    root = f"s3://{bucket}/resave"
+    r_proxy = bed.add_proxy()
+    with Checkpointer(root, storage_options=SMALL) as w:
+        w.save(1, _small(1))
+        w.save(2, _small(2))
+        with Checkpointer(root, read_only=True, storage_options=_via(r_proxy)) as reader:
+            r_proxy.add_rule(lambda r: "/.ckptguard/staging/step-00000002." in r.path, "freeze")
+            out = _empty(50_000)
+            t, outcome = _in_thread(lambda: reader.load(out))
+            _until(lambda: r_proxy.frozen > 0)
+            w.delete(2)
+            again = _small(2)
+            again["w"] = again["w"] * 3  # type: ignore[operator]
+            w.save(2, again)
+            r_proxy.thaw()
+            t.join(60)
+            assert outcome.get("result") == 2, outcome
+            assert _same(out, again)
+
+
+_EXIT_SCRIPT = """
+import atexit, json, sys, time, torch, ckptguard
+marks = {}
+atexit.register(lambda: print("RELEASED " + json.dumps(time.monotonic() - marks["end"]), flush=True))
+ck = ckptguard.Checkpointer(sys.argv[1], lease_ttl_s=30, storage_options={"endpoint_url": sys.argv[2]})
+ck.save(1, {"w": torch.zeros(8)})
+print("READY", flush=True)
+sys.stdin.readline()
+marks["end"] = time.monotonic()
+"""
+
+
+def test_exit_releases_the_lease_within_5_s_whatever_the_endpoint_does(bed: S3Bed, bucket: str) -> None:
+    """Processes that exit without close() while the endpoint does not answer (frozen) or refuses
+    connections are done with the lease's release within 5 s, print no traceback, and leave the lease
+    to expire."""
+    src = str(Path(ckptguard.__file__).resolve().parent.parent)  # the ckptguard this test imports
+    env = {**os.environ, **bed.env(), "PYTHONPATH": src}
+    jobs: dict[str, tuple[FaultProxy, subprocess.Popen[str]]] = {}
+    try:
+        for endpoint in ("frozen", "refusing"):
+            proxy = bed.add_proxy()
+            jobs[endpoint] = proxy, subprocess.Popen(
+                [sys.executable, "-c", _EXIT_SCRIPT, f"s3://{bucket}/{endpoint}", proxy.url], env=env,
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for _, p in jobs.values():
+            assert p.stdout is not None
+            line = p.stdout.readline()
+            assert line.startswith("READY"), line + p.communicate(timeout=60)[1]
+        frozen, refusing = jobs["frozen"][0], jobs["refusing"][0]
+        frozen.add_rule(lambda r: True, "freeze")
+        refusing.add_rule(lambda r: True, "reset")  # connections in the pool are closed,
+        refusing.stop()  # and new ones refused
+        for _, p in jobs.values():
+            assert p.stdin is not None
+            p.stdin.write("\n")
+            p.stdin.flush()
+        for endpoint, (_, p) in jobs.items():
+            out, err = p.communicate(timeout=60)  # before the bound: many minutes (frozen), over one (refusing)
+            released = [float(x.split()[1]) for x in out.splitlines() if x.startswith("RELEASED")]
+            assert released and released[0] <= 5.0, (endpoint, out, err)
+            assert "Traceback" not in err and "Exception ignored" not in err, (endpoint, err)
+            assert p.returncode == 0, (endpoint, err)
+            lease = bed.client().get_object(Bucket=bucket, Key=f"{endpoint}/.ckptguard/lease.json")["Body"].read()
+            assert json.loads(lease)["ttl_s"] == 30  # left in place: it expires
+    finally:
+        for proxy, p in jobs.values():
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+            proxy.thaw()

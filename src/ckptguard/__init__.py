@@ -17,6 +17,7 @@ from ckptguard._version import __version__ as __version__
 from ckptguard.errors import (
     BucketNotFoundError,
     CheckpointError,
+    CommitOutcomeUnknownError,
     CorruptCheckpointError,
     DiskFullError,
     LeaseError,
@@ -51,6 +52,7 @@ __all__ = [
     "BucketNotFoundError",
     "CheckpointError",
     "Checkpointer",
+    "CommitOutcomeUnknownError",
     "CorruptCheckpointError",
     "DCPReader",
     "DiskFullError",

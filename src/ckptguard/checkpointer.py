@@ -372,7 +372,7 @@ class Checkpointer:
     def _remove_retired(self, retired: list[str], step: int) -> None:
         for path in retired:
             try:
-                self._session.storage.remove_tree(path)
+                self._session.root.remove_retired(path)  # under the fence: a job that lost the root removes nothing
             except (OSError, CheckpointError) as e:
                 log.warning("ckptguard: step %d is committed, but removing %s failed: %s", step, path, e)
 

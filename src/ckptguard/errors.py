@@ -13,6 +13,7 @@ what went wrong, so code matches types, never message text::
      ├── PathCollisionError                two ranks' files= paths overlap
      ├── ReplicatedValueError              a plain value (stored once) differs across ranks
      ├── StorageError                      the storage refused an operation
+     │    ├── CommitOutcomeUnknownError    a commit got no answer: it may have landed
      │    ├── DiskFullError                ENOSPC, EDQUOT
      │    ├── StoragePermissionError       EACCES, EPERM, EROFS
      │    ├── StaleHandleError             ESTALE that outlived its retries
@@ -97,6 +98,12 @@ class ReplicatedValueError(CheckpointError):
 
 class StorageError(CheckpointError):
     """The storage refused or failed an operation."""
+
+
+class CommitOutcomeUnknownError(StorageError):
+    """A commit request got no answer (the reply was lost, the endpoint stopped answering) and asking
+    again got none either: the step may or may not be committed. Its data is kept; the next save or
+    the next job to take the root settles it (adopts it if its commit landed, else aborts it)."""
 
 
 class DiskFullError(StorageError):

@@ -24,6 +24,7 @@ renewing it.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import os
@@ -37,12 +38,14 @@ from socket import gethostname as hostname
 import msgspec
 
 from ckptguard.errors import (
+    CheckpointError,
     CorruptCheckpointError,
     LeaseHeldError,
     LeaseLostError,
     MalformedRecordError,
 )
 from ckptguard.protocol import layout, records
+from ckptguard.protocol.cas import Keep, Put, Remove, SwapConflictError, swap
 from ckptguard.storage import StorageBackend
 
 log = logging.getLogger("ckptguard")
@@ -194,7 +197,8 @@ class Lease:
             if not self.storage.exists(self.path):
                 if fence is not None:
                     fence()
-                if self.storage.create_exclusive(self.path, self._record(1).to_bytes()):
+                create = functools.partial(self.storage.create_exclusive, self.path, self._record(1).to_bytes())
+                if self._settled(create, 1):
                     self.epoch = 1
                     break
             versioned = self._read_versioned()
@@ -209,9 +213,16 @@ class Lease:
             if rec is not None and self._holder_gone(rec) is not None:
                 epoch = rec.epoch + 1
                 if fence is not None:
+                    # The fence moves shared state: only while the record judged gone is still the one
+                    # there (a newcomer that stalled here must not fence the job that took over meanwhile).
+                    again = self._read_versioned()
+                    if again is None or again[1] != versioned[1]:
+                        continue
                     fence()
                 # Compare-and-swap on the version read: of two jobs taking over at once, one wins.
-                if self.storage.compare_and_swap(self.path, self._record(epoch).to_bytes(), versioned[1]):
+                swap_in = functools.partial(self.storage.compare_and_swap, self.path, self._record(epoch).to_bytes(),
+                                            versioned[1])
+                if self._settled(swap_in, epoch):
                     self.epoch = epoch
                     break
                 continue
@@ -227,6 +238,17 @@ class Lease:
             time.sleep(min(1.0, max(0.05, deadline - time.monotonic())))
         self._start_renewal()
 
+    def _settled(self, write: Callable[[], bool], epoch: int) -> bool:
+        """Whether ``write`` (taking the lease at ``epoch``) landed; one whose answer was lost is settled by
+        reading the record back, so a job never fails to start while the root's lease is in fact its own."""
+        try:
+            return write()
+        except OSError:
+            rec = self.read()  # if this fails too, the outcome is unknown: the OSError is raised
+            if rec is not None and rec.holder == self.holder and rec.epoch == epoch:
+                return True
+            raise
+
     def _start_renewal(self) -> None:
         self._stop.clear()
         self._thread = threading.Thread(target=self._renew_loop, name="ckptguard-lease", daemon=True)
@@ -237,24 +259,32 @@ class Lease:
         while not self._stop.wait(interval):
             try:
                 self.renew()
-            except OSError as e:
+            except (OSError, CheckpointError) as e:
                 # Transient (a full disk, an NFS hiccup): try again next time. Whether the lease
                 # is still ours is decided by what the lease file says, in check().
                 log.warning("ckptguard: renewing the lease on %s failed (will retry): %s", self.storage.root, e)
 
     def renew(self) -> None:
-        with self._lock:
-            if self._lost:
-                return
-            versioned = self._read_versioned()
-            rec = LeaseRecord.from_bytes(versioned[0]) if versioned is not None else None
-            if versioned is None or rec is None or rec.holder != self.holder or rec.epoch != self.epoch:
-                self._lost = self._who_took_it(rec)
-                return
-            fresh = self._record(self.epoch, rec.acquired_at).to_bytes()
-            # Only over the very record read: a takeover between the read and the write wins.
-            if not self.storage.compare_and_swap(self.path, fresh, versioned[1]):
-                self._lost = self._who_took_it(self.read())
+        """Refresh the record if it is still ours, by compare-and-swap on the version read; else note the
+        lease as lost. No lock is held across the storage calls (a renewal stalled on an endpoint that
+        does not answer must not hold up release() or check()): a swap that loses to a concurrent
+        renewal of our own rereads a record that is still ours and swaps again."""
+        if self._lost:
+            return
+
+        def decide(rec: LeaseRecord | None) -> Put[LeaseRecord, str | None] | Keep[str | None]:
+            if rec is None or rec.holder != self.holder or rec.epoch != self.epoch:
+                return Keep(self._who_took_it(rec))
+            return Put(self._record(self.epoch, rec.acquired_at), None)
+
+        try:
+            lost = swap(self.storage, self.path, decode=LeaseRecord.from_bytes, encode=LeaseRecord.to_bytes,
+                        decide=decide, fence=None, what="renew the lease", rounds=3, pause_s=0.0)
+        except SwapConflictError:
+            lost = self._who_took_it(self.read())
+        if lost is not None:
+            with self._lock:
+                self._lost = self._lost or lost
 
     def _who_took_it(self, rec: LeaseRecord | None) -> str:
         if rec is None:
@@ -283,7 +313,7 @@ class Lease:
         if lost is None and renew:
             try:  # renewals may have failed for a while (disk full): the lease is ours, refresh it now
                 self.renew()
-            except OSError as e:
+            except (OSError, CheckpointError) as e:
                 log.warning("ckptguard: renewing the lease on %s failed: %s", self.storage.root, e)
         if lost:
             raise LeaseLostError(
@@ -293,19 +323,41 @@ class Lease:
             )
 
     def release(self) -> None:
+        """Hand the root back: delete the record if it is still ours. Bounded (at exit too): if the
+        storage does not answer within RELEASE_TIMEOUT_S, the lease is left to expire after its TTL.
+        Never raises."""
         self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=5)
-            self._thread = None
-        with self._lock:
-            versioned = self._read_versioned()
-            rec = LeaseRecord.from_bytes(versioned[0]) if versioned is not None else None
-            if versioned is None or rec is None or rec.holder != self.holder or rec.epoch != self.epoch:
-                return
-            # Delete only the very record read (compare-and-delete on its version): a job that took
-            # the root over between the read and the delete keeps its lease.
-            with contextlib.suppress(OSError):
-                self.storage.delete_if_version(self.path, versioned[1])
+        self._thread = None  # a renewal stalled in a storage call ends on its own (a daemon thread)
+        done = threading.Event()
+
+        def run() -> None:
+            try:
+                self._delete_record()
+            except BaseException as e:  # at exit nothing may escape: the lease expires
+                log.warning("ckptguard: could not release the lease on %s (it expires %.0f s after its last "
+                            "renewal): %s", self.storage.root, self.ttl_s, e)
+            finally:
+                done.set()
+
+        threading.Thread(target=run, name="ckptguard-lease-release", daemon=True).start()
+        if not done.wait(RELEASE_TIMEOUT_S):
+            log.warning("ckptguard: releasing the lease on %s got no answer from the storage within %.0f s; it "
+                        "expires %.0f s after its last renewal", self.storage.root, RELEASE_TIMEOUT_S, self.ttl_s)
+
+    def _delete_record(self) -> None:
+        def decide(rec: LeaseRecord | None) -> Remove[None] | Keep[None]:
+            ours = rec is not None and rec.holder == self.holder and rec.epoch == self.epoch
+            return Remove(None) if ours else Keep(None)
+
+        # Compare-and-delete on the version read: a job that took the root over between the read and the
+        # delete keeps its lease; a renewal of ours in between makes the swap read again.
+        with contextlib.suppress(SwapConflictError):
+            swap(self.storage, self.path, decode=LeaseRecord.from_bytes, encode=LeaseRecord.to_bytes,
+                 decide=decide, fence=None, what="release the lease", rounds=3, pause_s=0.0)
+
+
+#: How long release() waits for the storage before it leaves the lease to expire.
+RELEASE_TIMEOUT_S = 4.0
 
 
 def new_holder_id() -> str:

@@ -115,7 +115,7 @@ def first_intact(session: Session, step: int | None, attempt: Callable[[Checkpoi
                 if not failures or any(f.interrupted for f in failures):
                     raise
                 # Every rank failed at the same agreement: ask whether the checkpoint is still there.
-                if _was_retired(session, name):
+                if _was_retired(session, name, current[s].seq):
                     if step is not None:
                         raise StepRetiredError(
                             f"step {step} was retired while this job was reading it (the job writing to "
@@ -141,13 +141,14 @@ def first_intact(session: Session, step: int | None, attempt: Callable[[Checkpoi
                            f"them ({_RELISTS} tries): is a writer saving with keep_last=1 in a tight loop?")
 
 
-def _was_retired(session: Session, name: CheckpointName) -> bool:
-    """Whether ``name`` is gone from some storage domain (collective; the leaders look)."""
+def _was_retired(session: Session, name: CheckpointName, seq: int | None) -> bool:
+    """Whether ``name`` is gone from some storage domain, or was saved again since it was listed with
+    ``seq`` (collective; the leaders look)."""
 
     def look() -> bool | None:
         if not session.topo.is_leader:
             return None
-        return session.storage.exists(os.path.join(session.root.dir(name), layout.MANIFEST))
+        return session.root.still_committed(name, seq)
 
     gone: bool = session.comm.step(f"look for {name.dirname} in {session.url}", look,
                                    lambda seen: any(x is False for x in seen), where=session.url)

@@ -17,8 +17,11 @@ import re
 import time
 from typing import Any
 
+import msgspec
+
 from ckptguard.errors import CheckpointError, MalformedRecordError, StepNotFoundError
 from ckptguard.protocol import layout, records
+from ckptguard.protocol.cas import Keep, Put, Remove, swap
 from ckptguard.protocol.decisions import (
     Committed,
     DomainListing,
@@ -27,6 +30,7 @@ from ckptguard.protocol.decisions import (
     commit_order,
 )
 from ckptguard.protocol.layout import CheckpointName
+from ckptguard.protocol.root import encode_latest, high_seq, latest_body
 from ckptguard.protocol.session import Session
 
 TAGS_DIR = "tags"
@@ -94,33 +98,29 @@ def set_tag(session: Session, name: str, step: int | None, committed: Listing,
     storage = session.storage
     path = _tag_path(session, name)
 
+    def decide(current: dict[str, Any] | None) -> Put[dict[str, Any], int | None] | Remove[int | None] | \
+            Keep[int | None]:
+        step_now = current.get("step") if current is not None else None
+        before = step_now if isinstance(step_now, int) and not isinstance(step_now, bool) else None
+        if expect is not ... and before != expect:
+            raise CheckpointError(f"tag {name!r} in {session.url} points at step {before}, not {expect}: "
+                                  "another writer moved it", path=path)
+        if step is None:
+            return Remove(before) if current is not None else Keep(before)
+        return Put({"tag": name, "step": step, "dir": CheckpointName(step, committed[step].version).dirname,
+                    "updated_at": time.time()}, before)
+
     def move() -> int | None:
         if not session.topo.is_leader:
             return None
         assert session.lease is not None
         session.lease.check()
         storage.makedirs(storage.path(TAGS_DIR))
-        for _ in range(16):
-            current = storage.read_versioned(path)
-            before: int | None = None
-            if current is not None:
-                try:
-                    before = records.decode(current[0], records.TagRecord, path).step
-                except MalformedRecordError:
-                    before = None
-            if expect is not ... and before != expect:
-                raise CheckpointError(f"tag {name!r} in {session.url} points at step {before}, not {expect}: "
-                                      "another writer moved it", path=path)
-            if step is None:
-                if current is not None:
-                    storage.delete(path)
-                return before
-            body = {"tag": name, "step": step, "dir": CheckpointName(step, committed[step].version).dirname,
-                    "updated_at": time.time()}
-            data = (json.dumps(body) + "\n").encode()
-            if storage.compare_and_swap(path, data, current[1] if current is not None else None):
-                return before
-        raise CheckpointError(f"could not move tag {path}: it kept changing under this job", path=path)
+        # The fence is checked before every swap, the retries after a conflict included: a job that lost
+        # the root between two tries moves nothing.
+        moved: int | None = swap(storage, path, decode=_tag_body, encode=_encode, decide=decide,
+                                 fence=lambda: session.root.guard(f"move tag {name!r}"), what=f"move tag {name!r}")
+        return moved
 
     def first(reports: list[int | None]) -> int | None:
         return next((r for i, r in enumerate(reports) if i in session.topo.leaders), None)
@@ -165,31 +165,34 @@ def _point_latest_at_newest(session: Session, deleted: int, left: DomainListing)
     """If `latest` names the deleted step, point it at the checkpoint committed last of those left
     (or remove it)."""
     storage = session.storage
-    path = storage.path(layout.LATEST)
-    for _ in range(16):
-        current = storage.read_versioned(path)
-        if current is None:
-            return
-        try:
-            if records.decode(current[0], records.LatestRecord, path).step != deleted:
-                return
-        except MalformedRecordError:
-            pass  # unreadable: replace it
-        if not left:
-            storage.delete(path)
-            return
+
+    def decide(body: dict[str, Any] | None) -> Put[dict[str, object], None] | Remove[None] | Keep[None]:
+        if body is None or body.get("step") != deleted:
+            return Keep(None)  # absent, unreadable (the next commit replaces it), or naming another step
         agreed = {st: Committed(max(vs), vs[max(vs)]) for st, vs in left.items() if vs}
         if not agreed:
-            storage.delete(path)
-            return
+            return Remove(None)
         last = commit_order(agreed)[-1]
         new: dict[str, object] = {"step": last, "dir": CheckpointName(last, agreed[last].version).dirname,
                                   "updated_at": time.time()}
         if agreed[last].seq is not None:
             new["seq"] = agreed[last].seq
-        if storage.compare_and_swap(path, (json.dumps(new) + "\n").encode(), current[1]):
-            return
-    raise CheckpointError(f"could not move {path}: it kept changing under this job", path=path)
+        new["high_seq"] = high_seq(body)  # the deleted step's number is never handed out again
+        return Put(new, None)
+
+    swap(storage, storage.path(layout.LATEST), decode=latest_body, encode=encode_latest, decide=decide,
+         fence=lambda: session.root.guard("move `latest`"), what="move `latest`")
+
+
+def _tag_body(data: bytes) -> dict[str, Any]:
+    try:
+        return msgspec.structs.asdict(records.decode(data, records.TagRecord, TAGS_DIR))
+    except MalformedRecordError:
+        return {}  # unreadable: a tag naming no step, which untag removes
+
+
+def _encode(body: dict[str, Any]) -> bytes:
+    return (json.dumps(body) + "\n").encode()
 
 
 def tagged_step(session: Session, tag: str | None, step: int | None, tags: Tags) -> tuple[int | None, Tags]:

@@ -34,19 +34,21 @@ import logging
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, cast
 
 from ckptguard.errors import (
     CheckpointError,
+    CommitOutcomeUnknownError,
     CorruptCheckpointError,
     LeaseLostError,
     NotVisibleError,
 )
 from ckptguard.protocol import layout, records
+from ckptguard.protocol.cas import Keep, Put, swap
 from ckptguard.protocol.decisions import DomainListing
 from ckptguard.protocol.layout import CheckpointName
 from ckptguard.protocol.manifest import FileEntry, Manifest
+from ckptguard.protocol.objindex import INDEX, Index, IndexEntry
 from ckptguard.protocol.root import CheckpointRoot, Garbage
 from ckptguard.storage import StorageBackend
 from ckptguard.storage.base import ObjectStore
@@ -56,48 +58,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("ckptguard")
 
-INDEX = f"{layout.CONTROL}/index.json"
-INDEX_FORMAT = "ckptguard-index"
 TOMBSTONE_FORMAT = "ckptguard-tombstone"
 _HEAD_THREADS = 16
-
-
-@dataclass
-class IndexEntry:
-    step: int
-    version: int
-    attempt: str
-    state: str  # "pending" (intent recorded, commit object maybe created), "committed", "aborted"
-    epoch: int  # the index epoch of the job that recorded it
-    seq: int | None = None  # commit sequence number, in commit order (committed entries)
-
-    @property
-    def name(self) -> CheckpointName:
-        return CheckpointName(self.step, self.version)
-
-
-@dataclass
-class Index:
-    epoch: int = 0
-    next_seq: int = 1
-    entries: list[IndexEntry] = field(default_factory=list)
-
-    def to_bytes(self) -> bytes:
-        body = {"format": INDEX_FORMAT, "epoch": self.epoch, "next_seq": self.next_seq,
-                "entries": [asdict(e) for e in self.entries]}
-        return (json.dumps(body, separators=(",", ":")) + "\n").encode()
-
-    @staticmethod
-    def from_bytes(data: bytes, path: str) -> Index:
-        body = records.decode(data, records.IndexBody, path, max_bytes=records.MAX_INDEX_BYTES)
-        return Index(body.epoch, body.next_seq, [IndexEntry(e.step, e.version, e.attempt, e.state, e.epoch, e.seq)
-                                                 for e in body.entries])
-
-    def find(self, name: CheckpointName) -> IndexEntry | None:
-        for e in self.entries:
-            if e.step == name.step and e.version == name.version:
-                return e
-        return None
 
 
 class ObjectStoreRoot(CheckpointRoot):
@@ -123,17 +85,24 @@ class ObjectStoreRoot(CheckpointRoot):
         must be idempotent (a CAS retried after a 5xx may already have landed).
         Unless ``fencing``, the update is refused once a newer job took the root.
         """
-        for _ in range(64):
-            index, token = self.read_index()
-            if not fencing:
+        def decide(found: Index | None) -> Put[Index, Index] | Keep[Index]:
+            index = found if found is not None else Index()
+            if not fencing:  # the fence: checked on the very version the swap replaces
                 self._check_epoch(index, what)
-            if not change(index):
-                return index
-            if self.storage.compare_and_swap(self.index_path, index.to_bytes(), token):
-                return index
-            time.sleep(0.01)
-        raise CheckpointError(f"could not update {self.index_path} to {what}: it kept changing under this job",
-                              path=self.index_path)
+            return Put(index, index) if change(index) else Keep(index)
+
+        updated: Index = swap(self.storage, self.index_path, decode=self._decode_index, encode=Index.to_bytes,
+                              decide=decide, fence=None, what=what, rounds=64)
+        return updated
+
+    def _decode_index(self, data: bytes) -> Index:
+        return Index.from_bytes(data, self.index_path)
+
+    def guard(self, acting: str) -> None:
+        """The lease, and the index epoch: a job that took the root over bumped it."""
+        super().guard(acting)
+        if self.epoch is not None:
+            self._check_epoch(self.read_index()[0], acting)
 
     def _check_epoch(self, index: Index, what: str) -> None:
         if self.epoch is None:
@@ -172,9 +141,12 @@ class ObjectStoreRoot(CheckpointRoot):
         if self.storage.create_exclusive(commit, tombstone) or self._is_tombstone(commit):
             entry.state = "aborted"
             return f"{entry.name.dirname} ({entry.attempt}) aborted"
-        if self._commit_attempt(entry.name) == entry.attempt:
-            entry.state, entry.seq = "committed", index.next_seq
-            index.next_seq += 1
+        manifest = self._commit_manifest(entry.name)
+        if manifest is not None and manifest.attempt == entry.attempt:
+            # The manifest's own sequence number, so that listing, `latest` and the manifest agree.
+            seq = manifest.commit_seq if manifest.commit_seq is not None else index.next_seq
+            entry.state, entry.seq = "committed", seq
+            index.next_seq = max(index.next_seq, seq + 1)
             return f"{entry.name.dirname} ({entry.attempt}) committed"
         entry.state = "aborted"  # another attempt holds that key: this one lost
         return f"{entry.name.dirname} ({entry.attempt}) lost to another attempt"
@@ -188,8 +160,12 @@ class ObjectStoreRoot(CheckpointRoot):
 
     def _commit_attempt(self, name: CheckpointName) -> str | None:
         """The attempt a commit object names (None: absent, a tombstone or not a manifest)."""
+        manifest = self._commit_manifest(name)
+        return manifest.attempt if manifest is not None else None
+
+    def _commit_manifest(self, name: CheckpointName) -> Manifest | None:
         try:
-            return self.parse_manifest(name, self.read_manifest_bytes(name)).attempt
+            return self.parse_manifest(name, self.read_manifest_bytes(name))
         except CheckpointError:
             return None
 
@@ -221,6 +197,10 @@ class ObjectStoreRoot(CheckpointRoot):
             if e.name in committed:
                 out.setdefault(e.step, {})[e.version] = e.seq
         return out
+
+    def latest_seq(self) -> int:
+        """Also every number the index handed out (a step deleted and saved again gets a new one)."""
+        return max(super().latest_seq(), self.read_index()[0].next_seq - 1)
 
     def taken_versions(self, step: int) -> list[int]:
         """Versions of ``step`` already used: committed, pending or aborted (their keys are taken)."""
@@ -288,10 +268,21 @@ class ObjectStoreRoot(CheckpointRoot):
         self._to_publish[name] = manifest.to_json()
 
     def publish(self, staging: str, name: CheckpointName) -> None:
-        """The commit point: the manifest created at its step's key only if nothing is there yet."""
+        """The commit point: the manifest created at its step's key only if nothing is there yet.
+
+        A create whose answer is lost (and whose retries got no answer either) may
+        have landed: its outcome is settled by reading the key back, never assumed.
+        Once the commit object is ours the step is committed, whatever happens to
+        the index update after it.
+        """
         data = self._to_publish.pop(name)
         commit = self.commit_path(name)
-        if not self.storage.create_exclusive(commit, data):
+        attempt = self._attempt_of(data)
+        try:
+            created = self.storage.create_exclusive(commit, data)
+        except OSError as e:
+            created = self._settle_own_commit(name, attempt, e)
+        if not created:
             if self._is_tombstone(commit):
                 raise LeaseLostError(
                     f"{name.dirname} was not committed: another job took over {self.path} while this one "
@@ -301,7 +292,7 @@ class ObjectStoreRoot(CheckpointRoot):
 
         def mark(index: Index) -> bool:
             e = index.find(name)
-            if e is None or e.attempt != self._attempt_of(data):
+            if e is None or e.attempt != attempt:
                 raise CheckpointError(f"{name.dirname} is committed but its index entry vanished", path=commit)
             if e.state == "committed":
                 return False  # adopted meanwhile, or our own retried update
@@ -311,14 +302,43 @@ class ObjectStoreRoot(CheckpointRoot):
             index.next_seq = max(index.next_seq, (e.seq or 0) + 1)
             return True
 
-        # If a newer job fenced this one off between the create and here, this raises LeaseLostError;
-        # the commit object is ours and the new holder adopts it when it settles pending intents.
-        self.update_index(mark, f"index the commit of {name.dirname}")
+        try:
+            self.update_index(mark, f"index the commit of {name.dirname}")
+        except LeaseLostError as e:
+            # Fenced off between the create and here: the commit object is ours, and the new holder
+            # adopts it when it settles pending intents.
+            raise LeaseLostError(f"{name.dirname} is committed (its commit object {commit} is in place), but "
+                                 f"another job took over {self.path} before it was indexed; that job adopts it, "
+                                 "and this job writes nothing more to the root.", path=commit) from e
+        except OSError as e:
+            # Committed all the same: a pending entry whose commit object names its attempt is listed as
+            # committed, and the next index update of any job records it.
+            log.warning("ckptguard: %s is committed, but recording it in %s failed (it is recorded by the next "
+                        "save): %s", name.dirname, self.index_path, e)
+
+    def _settle_own_commit(self, name: CheckpointName, attempt: str, err: OSError) -> bool:
+        """The create of our commit object failed without a clear answer: did it land? True if the commit
+        object is ours, False if another's; ``err`` again if it had not landed (a tombstone of our own now
+        makes sure it never lands late: nothing is committed); CommitOutcomeUnknownError if that cannot
+        be learned."""
+        commit = self.commit_path(name)
+        tombstone = (json.dumps({"format": TOMBSTONE_FORMAT, "attempt": attempt, "epoch": self.epoch or 0,
+                                 "at": time.time()}) + "\n").encode()
+        try:
+            created = self.storage.create_exclusive(commit, tombstone)
+            if not created:
+                return self._commit_attempt(name) == attempt
+        except OSError as again:
+            raise CommitOutcomeUnknownError(
+                f"the commit of {name.dirname} on {self.path} got no answer ({err}), nor did reading it back "
+                f"({again}): it may or may not be committed. Its data is kept; the next save, or the next job to "
+                "take this root, settles it (adopts it if the commit landed, aborts it if not).", path=commit
+            ) from err
+        raise err
 
     @staticmethod
     def _attempt_of(manifest_bytes: bytes) -> str:
         return Manifest.from_json(manifest_bytes, "MANIFEST.json").attempt
-
 
     def fence_staging(self) -> None:
         pass  # object stores fence through the index epoch, after the lease is taken (after_lease)
@@ -329,6 +349,7 @@ class ObjectStoreRoot(CheckpointRoot):
         rel = _rel(path, self.path)
         name = CheckpointName.parse(rel) if rel is not None and "/" not in rel else None
         if name is None:
+            self.guard(f"retire {path}")
             return path
         removed: list[IndexEntry] = []
 
@@ -341,16 +362,51 @@ class ObjectStoreRoot(CheckpointRoot):
             index.entries.remove(e)
             return True
 
+        commit = self.commit_path(name)
+        seen = self.storage.read_versioned(commit)
         self.update_index(unindex, f"retire {name.dirname}")
         if not removed:
             return None
-        self.storage.delete(self.commit_path(name))
+        if seen is not None and self._commit_attempt_in(name, seen[0]) == removed[0].attempt:
+            # Only the very commit object read: a new save of this step version (its key is free once
+            # the entry is gone) keeps its own.
+            self.guard(f"delete {commit}")
+            self.storage.delete_if_version(commit, seen[1])
         return self.staging_dir(name.step, removed[0].attempt)
+
+    def _commit_attempt_in(self, name: CheckpointName, data: bytes) -> str | None:
+        try:
+            return self.parse_manifest(name, data).attempt
+        except CheckpointError:
+            return None
 
     def invalidate(self, path: str) -> None:
         retired = self.retire(path)
         if retired is not None:
-            self.storage.remove_tree(retired)
+            self.remove_retired(retired)
+
+    def discard_attempt(self, staging: str, name: CheckpointName, attempt: str) -> None:
+        """Remove the data of a save that failed, unless it may be committed after all: an attempt the
+        index records as pending is settled first (adopted if its commit object is ours, else aborted by a
+        tombstone), and only an attempt that can never commit loses its data."""
+        self.guard(f"discard the attempt {staging}")
+        state: list[str] = []
+
+        def settle(index: Index) -> bool:
+            state.clear()
+            e = index.find(name)
+            if e is None or e.attempt != attempt:
+                return False  # never recorded: its commit object was never created
+            if e.state == "pending":
+                self._settle(e, index)
+            state.append(e.state)
+            return True
+
+        self.update_index(settle, f"settle the failed attempt {attempt} of {name.dirname}")
+        if state and state[0] == "committed":
+            log.warning("ckptguard: %s (attempt %s) is committed after all: its data is kept", name.dirname, attempt)
+            return
+        self.remove_retired(staging)
 
     def garbage(self, keep_attempts: frozenset[str] = frozenset(), min_probe_age_s: float = 600.0) -> Garbage:
         """Attempts no index entry names (a listing finds candidates; the index, read after the listing,
@@ -371,7 +427,8 @@ class ObjectStoreRoot(CheckpointRoot):
                 staging.append(self.storage.path(layout.STAGING, entry))
         # Uploads left open inside live attempts (a retried completion, a killed writer): abort them too.
         # A committed attempt's objects are complete; the current attempt has completed before this runs.
-        if store is not None:
+        if store is not None and uploads:
+            self.guard("abort multipart uploads left open")
             for upload_path, upload_id in uploads:
                 parsed = layout.parse_staging(_attempt_dir(upload_path, staging_root))
                 if parsed is not None and parsed[1] in live and parsed[1] not in keep_attempts:

@@ -57,6 +57,7 @@ class LatestRecord(msgspec.Struct, frozen=True):
     dir: Name | None = None
     updated_at: float = 0.0
     seq: Positive | None = None
+    high_seq: Positive | None = None  # the highest sequence number ever handed out here
 
 
 class TagRecord(msgspec.Struct, frozen=True):

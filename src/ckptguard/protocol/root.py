@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import msgspec
@@ -21,6 +22,7 @@ from ckptguard.errors import (
     NotVisibleError,
 )
 from ckptguard.protocol import layout, records
+from ckptguard.protocol.cas import Keep, Put, swap
 from ckptguard.protocol.decisions import DomainListing
 from ckptguard.protocol.layout import CheckpointName
 from ckptguard.protocol.manifest import HEAD_BYTES, FileEntry, Manifest, commit_seq_from_head
@@ -43,6 +45,20 @@ class Garbage:
 class CheckpointRoot:
     def __init__(self, storage: StorageBackend) -> None:
         self.storage = storage
+        self._fence: Callable[[str], None] | None = None
+
+    # -- the fence ----------------------------------------------------------------------
+    def set_fence(self, fence: Callable[[str], None]) -> None:
+        """``fence(acting)`` raises LeaseLostError once this job no longer holds the root (set by the
+        session once the lease is taken; a root without one is a tool's, or a reader's)."""
+        self._fence = fence
+
+    def guard(self, acting: str) -> None:
+        """Raise LeaseLostError unless this job still holds the root: called immediately before every
+        change to shared state (a pointer move, a retirement, a removal), so a job that stalled while
+        another took the root over changes nothing of the new holder's."""
+        if self._fence is not None:
+            self._fence(acting)
 
     @property
     def path(self) -> str:
@@ -106,11 +122,25 @@ class CheckpointRoot:
                 seq = None
         return True, seq
 
+    def still_committed(self, name: CheckpointName, seq: int | None) -> bool:
+        """Whether ``name`` is still the checkpoint that was listed with commit sequence number ``seq``.
+
+        False when it was retired, and also when it was retired and saved again
+        under the same name (a step deleted and saved anew): a reader holding the
+        old manifest must list again, not call the new one corrupt.
+        """
+        found, now = self.commit_seq(name)
+        return found and (seq is None or now is None or now == seq)
+
     def latest_seq(self) -> int:
-        """The commit sequence number `latest` names (0 if none)."""
+        """The highest commit sequence number handed out in this root as far as `latest` knows (0 if
+        none): the one it names, or a higher one it remembers from a step deleted since. A new commit
+        is numbered above it, so a step deleted and saved again never gets its old number back (a
+        reader holding the old manifest tells the two apart by it)."""
         body = self.read_latest()
-        seq = body.get("seq") if body is not None else None
-        return seq if isinstance(seq, int) and not isinstance(seq, bool) and seq > 0 else 0
+        if body is None:
+            return 0
+        return max(_seq(body.get("seq")), _seq(body.get("high_seq")))
 
     def read_manifest(self, name: CheckpointName) -> Manifest:
         return self.parse_manifest(name, self.read_manifest_bytes(name))
@@ -154,7 +184,7 @@ class CheckpointRoot:
 
     def read_latest(self) -> dict[str, object] | None:
         try:
-            return _latest_body(self.storage.read_bytes(self.storage.path(layout.LATEST)))
+            return latest_body(self.storage.read_bytes(self.storage.path(layout.LATEST)))
         except (FileNotFoundError, CorruptCheckpointError):
             return None
 
@@ -221,13 +251,35 @@ class CheckpointRoot:
         self.storage.replace(os.path.join(staging, layout.MANIFEST), manifest.to_json())
 
     def publish(self, staging: str, name: CheckpointName) -> None:
-        """The commit point: the attempt directory becomes the checkpoint, atomically."""
+        """The commit point: the attempt directory becomes the checkpoint, atomically.
+
+        A rename that reports an error may still have landed (NFS retransmits a
+        rename whose reply was lost, and the retry fails with ENOENT): the outcome
+        is settled by looking, and a rename that landed is a commit.
+        """
         try:
             self.storage.publish(staging, self.dir(name))
         except FileExistsError:
+            if self._landed(staging, name):
+                return
             raise CheckpointError(
                 f"{self.dir(name)} appeared while this save was in progress: another writer is active on "
                 f"{self.path}", path=self.dir(name)) from None
+        except OSError:
+            if self._landed(staging, name):
+                return
+            raise
+
+    def _landed(self, staging: str, name: CheckpointName) -> bool:
+        """Whether the attempt ``staging`` is now the checkpoint ``name`` (its source is gone and the
+        manifest in place names that attempt)."""
+        parsed = layout.parse_staging(os.path.basename(staging))
+        if parsed is None or self.storage.exists(staging):
+            return False
+        try:
+            return self.read_manifest(name).attempt == parsed[1]
+        except (OSError, CheckpointError):
+            return False
 
     def move_latest(self, name: CheckpointName, seq: int | None) -> bool:
         """Point `latest` at ``name`` unless it already names a checkpoint committed later.
@@ -239,22 +291,25 @@ class CheckpointRoot:
         commit of the job that took the root over) never moves it backwards.
         """
         path = self.storage.path(layout.LATEST)
-        for _ in range(16):
-            current = self.storage.read_versioned(path)
-            cur = _latest_body(current[0]) if current is not None else None
+
+        def decide(cur: dict[str, object] | None) -> Put[dict[str, object], bool] | Keep[bool]:
             if cur is not None:
                 cur_seq = cur.get("seq")
                 cur_name = CheckpointName.parse(str(cur.get("dir", "")))
                 if isinstance(cur_seq, int) and (seq is None or cur_seq >= seq) and cur_name is not None \
                         and cur_name != name and self.storage.exists(os.path.join(self.dir(cur_name), layout.MANIFEST)):
-                    return False
+                    return Keep(False)
             body: dict[str, object] = {"step": name.step, "dir": name.dirname, "updated_at": time.time()}
             if seq is not None:
                 body["seq"] = seq
-            if self.storage.compare_and_swap(path, (json.dumps(body) + "\n").encode(),
-                                             current[1] if current is not None else None):
-                return True
-        raise CheckpointError(f"could not move {path}: it kept changing under this job", path=path)
+            high = high_seq(cur, seq)
+            if high:
+                body["high_seq"] = high
+            return Put(body, True)
+
+        moved: bool = swap(self.storage, path, decode=latest_body, encode=encode_latest, decide=decide,
+                           fence=lambda: self.guard("move `latest`"), what="move `latest`")
+        return moved
 
     def fence_staging(self) -> None:
         """Move the whole staging directory away (before taking the root's lease).
@@ -267,10 +322,14 @@ class CheckpointRoot:
         """
         staging = self.storage.path(layout.STAGING)
         if self.storage.exists(staging):
-            self.retire(staging)
+            self._to_trash(staging)  # before the lease is ours: no fence to check yet
 
     def retire(self, path: str) -> str | None:
         """Take a checkpoint or leftover out of sight atomically (rename into trash); the trash path."""
+        self.guard(f"retire {path}")
+        return self._to_trash(path)
+
+    def _to_trash(self, path: str) -> str | None:
         trash_root = self.storage.path(layout.TRASH)
         if os.path.dirname(path) == trash_root:
             return path
@@ -286,7 +345,21 @@ class CheckpointRoot:
         """Delete a checkpoint or leftover: first rename it out of sight (atomic), then remove it."""
         retired = self.retire(path)
         if retired is not None:
-            self.storage.remove_tree(retired)
+            self.remove_retired(retired)
+
+    def remove_retired(self, path: str) -> None:
+        """Remove the bytes of something :meth:`retire` took out of sight (under the fence)."""
+        self.guard(f"remove {path}")
+        self.storage.remove_tree(path)
+
+    def discard_attempt(self, staging: str, name: CheckpointName, attempt: str) -> None:
+        """Remove the data of a save that failed, unless it may be committed after all.
+
+        On POSIX the commit is the rename of ``staging``: once it landed there is
+        no ``staging`` left to remove, so what is left is certainly not committed.
+        A job that lost the root removes nothing (the new holder clears leftovers).
+        """
+        self.invalidate(staging)
 
     # -- where object stores differ (protocol/objstore.py overrides these) ------------------
     def taken_versions(self, step: int) -> list[int]:
@@ -302,7 +375,22 @@ class CheckpointRoot:
         """Runs once this job holds the root's lease (POSIX fences before, in fence_staging)."""
 
 
-def _latest_body(data: bytes) -> dict[str, object] | None:
+def _seq(value: object) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
+
+
+def high_seq(body: dict[str, object] | None, seq: int | None = None) -> int:
+    """The highest commit sequence number a `latest` body names or remembers, and ``seq``."""
+    if body is None:
+        return seq or 0
+    return max(_seq(body.get("seq")), _seq(body.get("high_seq")), seq or 0)
+
+
+def encode_latest(body: dict[str, object]) -> bytes:
+    return (json.dumps(body) + "\n").encode()
+
+
+def latest_body(data: bytes) -> dict[str, object] | None:
     """The pointer's fields, or None where it is unreadable (a hint: the listing decides, not `latest`)."""
     try:
         return msgspec.structs.asdict(records.decode(data, records.LatestRecord, layout.LATEST))

@@ -256,7 +256,7 @@ def _commit(session: Session, plan: SavePlan, writer: GuardedWriter, user_metada
                                    where=session.url, on_error=session.fenced)
     except BaseException as e:
         if published and agreed_failures(e):  # another domain failed: not committed anywhere, roll back
-            try:
+            try:  # under the fence, like every removal: a job that lost the root takes nothing back
                 session.root.invalidate(session.root.dir(plan.name))
             except (OSError, CheckpointError) as rollback:
                 log.warning("ckptguard: could not roll back %s: %s", session.root.dir(plan.name), rollback)
@@ -296,11 +296,17 @@ def _raise(err: BaseException | None) -> None:
 
 
 def _discard_attempt(session: Session, plan: SavePlan) -> None:
+    """Remove a failed attempt's data, unless this job lost the root (the new holder may have adopted it,
+    and clears leftovers itself) or the attempt may be committed after all (an unknown outcome)."""
     if session.topo.is_leader:
         try:
-            session.root.invalidate(plan.staging)
+            session.root.discard_attempt(plan.staging, plan.name, plan.attempt)
+        except LeaseLostError as e:
+            log.info("ckptguard: the failed attempt %s is left to the job that holds the root now: %s",
+                     plan.staging, e)
         except (OSError, CheckpointError) as e:
-            log.warning("ckptguard: could not remove the failed attempt %s: %s", plan.staging, e)
+            log.warning("ckptguard: the failed attempt %s is kept (it is settled by the next save): %s",
+                        plan.staging, e)
 
 
 def finish(session: Session, plan: SavePlan, doomed: list[int], agreed: Listing, mine: DomainListing
@@ -325,8 +331,7 @@ def finish(session: Session, plan: SavePlan, doomed: list[int], agreed: Listing,
     retired: list[str] = []
 
     def retire(path: str) -> None:
-        lease.check(acting="retire " + path, renew=False)
-        retired_path = root.retire(path)
+        retired_path = root.retire(path)  # checks the fence right before it acts
         if retired_path is not None:
             retired.append(retired_path)
 

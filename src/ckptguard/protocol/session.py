@@ -6,6 +6,7 @@ save and load transactions, which keep no state of their own between calls.
 
 from __future__ import annotations
 
+import functools
 import uuid
 from dataclasses import dataclass
 
@@ -99,6 +100,7 @@ def open_session(comm: Comm, storage: StorageBackend, options: Options, *, read_
                 lease.acquire(lease_wait_s if lease_wait_s is not None else lease_ttl_s * 1.5,
                               fence=root.fence_staging)
                 session.lease = lease
+                root.set_fence(functools.partial(_check_lease, lease))
                 root.after_lease()
 
         try:
@@ -108,3 +110,7 @@ def open_session(comm: Comm, storage: StorageBackend, options: Options, *, read_
                 session.lease.release()
             raise
     return session
+
+
+def _check_lease(lease: Lease, acting: str) -> None:
+    lease.check(acting=acting, renew=False)

@@ -16,7 +16,16 @@
     last so many seconds (an arbitrarily stale listing);
   - ``strip_conditions``: drops If-None-Match / If-Match (a store that ignores them);
   - ``canned``: bucket name -> a fixed error answer (access denied, wrong region);
+  - ``rules`` (:meth:`FaultProxy.add_rule`): chosen requests, picked by a predicate on the
+    :class:`Request`, are DELAYED, DROPPED (forwarded and applied by moto, then the
+    connection is closed without an answer: a lost reply), FROZEN (held, unanswered
+    and not forwarded, until :meth:`FaultProxy.thaw`; then forwarded: a stalled writer's
+    request that lands late) or RESET (the connection closed at once, nothing forwarded:
+    with :meth:`FaultProxy.stop`, an endpoint that refuses connections);
   - ``log``: (method, path, query, status) of every request, for assertions.
+
+Several proxies may front one moto server (:meth:`S3Bed.add_proxy`): one per job, so
+that faults hit one job's requests and not another's.
 """
 
 from __future__ import annotations
@@ -34,7 +43,7 @@ import threading
 import time
 import urllib.parse
 import xml.etree.ElementTree as ET
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -97,6 +106,28 @@ class MotoServer:
         self.proc = None
 
 
+@dataclass(frozen=True)
+class Request:
+    """One request as the proxy received it (what a rule's predicate looks at)."""
+
+    method: str
+    path: str  # /bucket/key, unquoted
+    query: str
+    body: bytes
+
+    def key_endswith(self, suffix: str) -> bool:
+        return self.path.endswith(suffix)
+
+
+@dataclass
+class Rule:
+    match: Callable[[Request], bool]
+    action: str  # "delay" | "drop" | "freeze" | "reset"
+    delay_s: float = 0.0
+    times: int | None = None  # how many matching requests it applies to (None: all)
+    hits: int = 0
+
+
 @dataclass
 class ProxyStats:
     requests: int = 0
@@ -122,8 +153,44 @@ class FaultProxy:
         self.written: dict[str, float] = {}  # key (bucket/key) -> when last written through the proxy
         self.rng = random.Random(seed)
         self.lock = threading.Lock()
+        self.rules: list[Rule] = []
+        self.frozen = 0  # requests held by a freeze rule right now
+        self._thawed = threading.Event()
+        self._thawed.set()
         self.server: ThreadingHTTPServer | None = None
         self.port = 0
+
+    def add_rule(self, match: Callable[[Request], bool], action: str, delay_s: float = 0.0,
+                 times: int | None = None) -> Rule:
+        """DELAY (``delay_s``), DROP (apply, then lose the reply), FREEZE (hold until thaw()) or RESET
+        (close the connection, forward nothing) the requests ``match`` picks, the first ``times`` of them
+        (all if None)."""
+        assert action in ("delay", "drop", "freeze", "reset"), action
+        rule = Rule(match, action, delay_s, times)
+        with self.lock:
+            if action == "freeze":
+                self._thawed.clear()
+            self.rules.append(rule)
+        return rule
+
+    def thaw(self) -> None:
+        """Forward every frozen request (they land now, late) and freeze no more."""
+        with self.lock:
+            self.rules = [r for r in self.rules if r.action != "freeze"]
+            self._thawed.set()
+
+    def clear_rules(self) -> None:
+        self.thaw()
+        with self.lock:
+            self.rules.clear()
+
+    def _rule_for(self, request: Request) -> Rule | None:
+        with self.lock:
+            for rule in self.rules:
+                if (rule.times is None or rule.hits < rule.times) and rule.match(request):
+                    rule.hits += 1
+                    return rule
+        return None
 
     @property
     def url(self) -> str:
@@ -149,6 +216,7 @@ class FaultProxy:
         threading.Thread(target=self.server.serve_forever, name="s3-fault-proxy", daemon=True).start()
 
     def stop(self) -> None:
+        self.thaw()
         if self.server is not None:
             self.server.shutdown()
             self.server.server_close()
@@ -180,6 +248,22 @@ class FaultProxy:
                     self._reply(h, 400, _error("BadDigest", "The CRC32C you specified did not match the "
                                                              "calculated checksum."), {}, path, parsed.query)
                     return
+        rule = self._rule_for(Request(h.command, path, parsed.query, body))
+        if rule is not None and rule.action == "reset":
+            h.close_connection = True
+            with contextlib.suppress(OSError):
+                h.connection.shutdown(socket.SHUT_RDWR)
+            return
+        if rule is not None and rule.action == "delay":
+            time.sleep(rule.delay_s)
+        if rule is not None and rule.action == "freeze":
+            with self.lock:
+                self.frozen += 1
+            try:
+                self._thawed.wait(600)
+            finally:
+                with self.lock:
+                    self.frozen -= 1
         inject = self.fail_rate > 0 and roll < self.fail_rate and not path.startswith("/moto-api")
         if inject and kind in ("500", "503"):
             self.stats.injected += 1
@@ -209,6 +293,13 @@ class FaultProxy:
                 self.written[path.lstrip("/")] = time.time()
         if status == 200 and h.command == "GET" and "list-type=2" in parsed.query and self.hide_listing_s:
             data = self._stale_listing(data)
+        if rule is not None and rule.action == "drop":  # applied upstream, and the answer is lost
+            with self.lock:
+                self.stats.log.append((h.command, path, parsed.query, 0))
+            h.close_connection = True
+            with contextlib.suppress(OSError):
+                h.connection.shutdown(socket.SHUT_RDWR)
+            return
         if inject and kind == "500-after":  # applied upstream, but the client sees a failure
             self.stats.injected += 1
             self._reply(h, 500, _error("InternalError", "injected by the test proxy after applying the request"),
@@ -272,6 +363,14 @@ def canned_wrong_region(region: str = "eu-west-3") -> tuple[int, str, dict[str, 
 class S3Bed:
     moto: MotoServer
     proxy: FaultProxy
+    extra: list[FaultProxy] = field(default_factory=list)
+
+    def add_proxy(self) -> FaultProxy:
+        """Another proxy in front of the same moto server (for one job's requests only); stopped with the bed."""
+        proxy = FaultProxy(self.moto.port)
+        proxy.start()
+        self.extra.append(proxy)
+        return proxy
 
     @property
     def endpoint(self) -> str:
@@ -311,6 +410,10 @@ class S3Bed:
         self.proxy.hide_listing_s = 0.0
         self.proxy.strip_conditions = False
         self.proxy.canned.clear()
+        self.proxy.clear_rules()
+        for proxy in self.extra:
+            proxy.stop()
+        self.extra.clear()
 
 
 @contextlib.contextmanager
@@ -319,10 +422,13 @@ def s3_bed(seed: int = 0) -> Iterator[S3Bed]:
     moto = MotoServer()
     moto.start()
     proxy = FaultProxy(moto.port, seed)
+    bed = S3Bed(moto, proxy)
     try:
         proxy.start()
-        yield S3Bed(moto, proxy)
+        yield bed
     finally:
+        for extra in bed.extra:
+            extra.stop()
         proxy.stop()
         moto.stop()
 

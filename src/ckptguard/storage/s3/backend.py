@@ -62,6 +62,7 @@ class S3Storage:
         self.root = f"s3://{self.bucket}/{self.prefix}" if self.prefix else f"s3://{self.bucket}"
         self._base = f"s3://{self.bucket}/"
         self._client: S3Client | None = None
+        self._control: S3Client | None = None
         self._ready = False
         self._pool: ThreadPoolExecutor | None = None
         self._pool_lock = threading.Lock()
@@ -73,6 +74,13 @@ class S3Storage:
         if self._client is None:
             self._client = _Clients.get(self.options)
         return self._client
+
+    @property
+    def control(self) -> S3Client:
+        """The client for small control objects: short timeouts, few retries (S3Options.control_*)."""
+        if self._control is None:
+            self._control = _Clients.get(self.options, control=True)
+        return self._control
 
     @property
     def endpoint(self) -> str:
@@ -239,7 +247,7 @@ class S3Storage:
         if not key:
             return None
         try:
-            head: dict[str, Any] = self.call("look up", path, lambda: self.client.head_object(Bucket=self.bucket,
+            head: dict[str, Any] = self.call("look up", path, lambda: self.control.head_object(Bucket=self.bucket,
                                                                                                 Key=key))
         except FileNotFoundError:
             return None
@@ -313,7 +321,7 @@ class S3Storage:
     def _get(self, path: str, limit: int) -> tuple[bytes, str] | None:
         key = self.key(path)
         try:
-            resp = self.call("read", path, lambda: self.client.get_object(Bucket=self.bucket, Key=key))
+            resp = self.call("read", path, lambda: self.control.get_object(Bucket=self.bucket, Key=key))
         except FileNotFoundError:
             return None
         length = int(resp.get("ContentLength", 0))
@@ -361,7 +369,7 @@ class S3Storage:
         checksum = _crc32c_b64(body)
         for attempt in range(8):
             try:
-                self.call("write", path, lambda: self.client.put_object(
+                self.call("write", path, lambda: self.control.put_object(
                     Bucket=self.bucket, Key=key, Body=_body(body), ChecksumCRC32C=checksum, **condition))  # type: ignore[arg-type]
                 return True
             except OSError as e:
@@ -397,7 +405,7 @@ class S3Storage:
     def delete(self, path: str) -> None:
         key = self.key(path)
         with contextlib.suppress(FileNotFoundError):
-            self.call("delete", path, lambda: self.client.delete_object(Bucket=self.bucket, Key=key))
+            self.call("delete", path, lambda: self.control.delete_object(Bucket=self.bucket, Key=key))
 
     def delete_if_version(self, path: str, token: str) -> bool:
         """DELETE with If-Match on the ETag read: a writer that replaced the object since keeps it.
@@ -408,7 +416,7 @@ class S3Storage:
             return False
         key = self.key(path)
         try:
-            self.call("delete", path, lambda: self.client.delete_object(Bucket=self.bucket, Key=key, IfMatch=token))
+            self.call("delete", path, lambda: self.control.delete_object(Bucket=self.bucket, Key=key, IfMatch=token))
         except FileNotFoundError:
             return False
         except OSError as e:

@@ -51,6 +51,11 @@ class S3Options:
     max_attempts: int = 10  # per request, by botocore's standard retry mode (throttling, 5xx, resets)
     connect_timeout_s: float = 10.0
     read_timeout_s: float = 60.0
+    # Control objects (lease, index, `latest`, tags, commit objects): small, so short timeouts and few
+    # tries; a lost answer is settled by reading back, and the lease's release at exit stays bounded.
+    control_connect_timeout_s: float = 3.0
+    control_read_timeout_s: float = 10.0
+    control_max_attempts: int = 3
     check_conditional_writes: bool | None = None  # None: probe stores reached through a custom endpoint
 
     @staticmethod
@@ -64,8 +69,8 @@ class S3Options:
         opts = replace(S3Options(), **options)
         if opts.part_size < _MIN_PART:
             raise ValueError(f"storage_options part_size must be >= {_MIN_PART} (S3's smallest part)")
-        if opts.max_concurrency < 1 or opts.max_attempts < 1:
-            raise ValueError("storage_options max_concurrency and max_attempts must be >= 1")
+        if opts.max_concurrency < 1 or opts.max_attempts < 1 or opts.control_max_attempts < 1:
+            raise ValueError("storage_options max_concurrency, max_attempts and control_max_attempts must be >= 1")
         return opts
 
 
@@ -116,7 +121,11 @@ class _Clients:
     ready: ClassVar[dict[tuple[str, str], BaseException | None]] = {}  # (endpoint, bucket) -> probe outcome
 
     @classmethod
-    def get(cls, opts: S3Options) -> S3Client:
+    def get(cls, opts: S3Options, control: bool = False) -> S3Client:
+        """The client for data (parts, ranges, listings) or, ``control``, for small control objects."""
+        if control:
+            opts = replace(opts, max_attempts=opts.control_max_attempts, connect_timeout_s=opts.control_connect_timeout_s,
+                           read_timeout_s=opts.control_read_timeout_s)
         key = (opts.endpoint_url, opts.region_name, opts.profile_name, opts.max_concurrency, opts.max_attempts,
                opts.connect_timeout_s, opts.read_timeout_s)
         with cls.lock:
