@@ -90,6 +90,8 @@ def test_plugin_round_trip_of_a_lightning_checkpoint_dict(tmp_path: Path) -> Non
     io.teardown()
     with Checkpointer(tmp_path / ".ckptguard-lightning", read_only=True) as ck:
         assert list(ck.tags()) == ["last.ckpt"] and len(ck.steps()) == 1
+        assert ck.metadata(ck.steps()[0]) == {"framework": "lightning", "file": "last.ckpt", "global_step": 4,
+                                              "epoch": 1}
 
 
 def test_a_crash_between_the_tag_and_the_pointer_leaves_the_old_checkpoint_loadable(
@@ -131,8 +133,9 @@ def test_ddp_kill_inside_a_save_then_resume_reproduces_the_run(tmp_path: Path, r
     root, out = tmp_path / "ck", tmp_path / "run"
     # Saves: 2 per epoch (top-k, then last). The 5th is epoch 2's top-k checkpoint: rank 0 dies with its
     # data written, before the commit.
-    crashed = run(root, out, "--crash-at-save", "5")
+    crashed = run(root, out, "--crash-at-save", "5")  # a fresh start with the resume line, ckpt_path="last"
     assert crashed.returncode != 0
+    assert 'ckpt_path="last") is set, but there is no last checkpoint available' in crashed.stderr
     saved = {r["step"]: r["digest"] for r in records(out) if r["kind"] == "save"}
     assert read_pointer(str(root / "last.ckpt"))["name"] == "last.ckpt"
     resumed = run(root, tmp_path / "resume", "--resume")
