@@ -125,8 +125,10 @@ def framework_metadata(name: str, state: Mapping[str, Any]) -> dict[str, Any]:
     """What ``ckptguard ls`` shows for a step: Lightning's own counters (the ckptguard step is a
     sequence number: several files, ``last.ckpt`` and a top-k one, are saved at one global step)."""
     meta: dict[str, Any] = {FRAMEWORK_KEY: "lightning", "file": name}
+    nested = state.get("meta")  # the strategy's layout keeps Lightning's counters under "meta"
+    counters: Mapping[str, Any] = nested if isinstance(nested, Mapping) else state
     for key in ("global_step", "epoch"):
-        value = state.get(key)
+        value = counters.get(key)
         if isinstance(value, int) and not isinstance(value, bool):
             meta[key] = value
     return meta
