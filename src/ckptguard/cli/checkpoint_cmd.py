@@ -72,9 +72,9 @@ def _roots(path: str, json_out: bool) -> tuple[list[Any], bool]:
         if json_out:
             typer.echo(json.dumps({"schema_version": 1, "path": given, "roots": []}, indent=2))
         console(stderr=True).print(
-            f"{given} holds no ckptguard checkpoint root (looked at it and two levels below it, including the "
+            f"{given} holds no ckptguard checkpoint root (looked at it and below it, including the "
             ".ckptguard-hf, .ckptguard-lightning, .ckptguard-accelerate and .ckptguard-deepspeed directories "
-            "the integrations write)", highlight=False, soft_wrap=True)
+            "the integrations write)", highlight=False, markup=False, soft_wrap=True)
         raise typer.Exit(NO_ROOT_EXIT)
     return roots, len(roots) == 1 and roots[0].path == given
 
