@@ -92,7 +92,7 @@ def test_verify_usage_errors(root: Path, tmp_path: Path) -> None:
 
 
 def test_verify_empty_root_is_not_a_failure(tmp_path: Path) -> None:
-    (tmp_path / "empty").mkdir()
+    Checkpointer(tmp_path / "empty").close()  # a root opened for writing, nothing saved yet
     out = cli("verify", str(tmp_path / "empty"))
     assert out.returncode == 0 and "no committed checkpoint" in out.stdout
 

@@ -55,7 +55,8 @@ def test_single_process_save_rotate_and_load_ignore_an_uncommitted_folder(tmp_pa
     import torch
     from accelerate.utils import ProjectConfiguration
 
-    from ckptguard import CheckpointError
+    from ckptguard import Checkpointer, CheckpointError
+    from ckptguard.discover import FoundRoot, find_roots
     from ckptguard.integrations.accelerate import CkptguardAccelerator, load_state, save_state
 
     acc = CkptguardAccelerator(cpu=True, project_config=ProjectConfiguration(
@@ -63,6 +64,7 @@ def test_single_process_save_rotate_and_load_ignore_an_uncommitted_folder(tmp_pa
     model = torch.nn.Linear(3, 2)
     optim = torch.optim.Adam(model.parameters())
     model, optim = acc.prepare(model, optim)
+    assert acc.load_state() is None  # a fresh start: the same line a restart runs, nothing to load
     states = []
     for _ in range(3):
         model(torch.randn(4, 3)).sum().backward()
@@ -84,6 +86,11 @@ def test_single_process_save_rotate_and_load_ignore_an_uncommitted_folder(tmp_pa
     acc.project_configuration.automatic_checkpoint_naming = False
     assert save_state(acc, tmp_path / "manual" / "ckpt_40") == str(tmp_path / "manual" / "ckpt_40")
     assert load_state(acc, tmp_path / "manual") == 40
+    with Checkpointer(tmp_path / ".ckptguard-accelerate", read_only=True) as ck:
+        assert ck.metadata(2) == {"framework": "accelerate", "folder": "checkpoint_2"}
+    assert find_roots(tmp_path) == [FoundRoot(str(tmp_path / ".ckptguard-accelerate"), "accelerate"),
+                                    FoundRoot(str(tmp_path / "manual" / ".ckptguard-accelerate"), "accelerate")]
+    assert find_roots(ckpts) == [FoundRoot(str(tmp_path / ".ckptguard-accelerate"), "accelerate")]
     acc.end_training()
 
 

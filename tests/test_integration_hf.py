@@ -14,6 +14,8 @@ so the run depends on every rank's RNG), a checkpoint every 2 steps, save_total_
 
 from __future__ import annotations
 
+import json
+import logging
 import subprocess
 import sys
 from pathlib import Path
@@ -54,10 +56,12 @@ def assert_reproduces(prefix: Path, reference: dict, first: int) -> None:
         assert all(got[s] == reference["losses"][rank][s] for s in got), (rank, got, reference["losses"][rank])
 
 
-def test_trainer_single_process_resume_ignores_an_uncommitted_checkpoint_dir(tmp_path: Path,
-                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
-    """In-process (world size 1): a torn checkpoint-N directory (what Trainer's get_last_checkpoint would
-    take) is never resumed from; naming it explicitly is refused; the committed one resumes."""
+def test_trainer_single_process_resume_ignores_an_uncommitted_checkpoint_dir(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """In-process (world size 1): ``train(resume_from_checkpoint=True)`` on a fresh start trains from
+    scratch with one log line; a torn checkpoint-N directory (what Trainer's get_last_checkpoint would
+    take) is never resumed from; naming it explicitly is refused; the committed one resumes; ``ckptguard
+    ls`` on output_dir shows the root and Trainer's global step."""
     sys.path.insert(0, str(WORKER.parent))
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     import hf_job
@@ -74,7 +78,10 @@ def test_trainer_single_process_resume_ignores_an_uncommitted_checkpoint_dir(tmp
         return hf_job.RecordingCkptguardTrainer(model=hf_job.TinyModel(hf_job.TinyConfig()), args=args,
                                                 train_dataset=hf_job.Data())
 
-    trainer(4).train()
+    with caplog.at_level(logging.INFO, logger="ckptguard"):
+        trainer(4).train(resume_from_checkpoint=True)  # the same line a restart runs
+    fresh = [r.getMessage() for r in caplog.records if "no committed checkpoint" in r.getMessage()]
+    assert len(fresh) == 1 and "training from scratch" in fresh[0]
     out = tmp_path / "out"
     assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-4"]  # limit 1: the newest
     torn = out / "checkpoint-6"
@@ -92,6 +99,13 @@ def test_trainer_single_process_resume_ignores_an_uncommitted_checkpoint_dir(tmp
     # the torn directory was replaced by the committed checkpoint-6, and the limit rotated checkpoint-4 out
     assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-6"]
     assert (out / "checkpoint-6" / "optimizer.pt").exists()
+    listed = subprocess.run([sys.executable, "-m", "ckptguard", "ls", str(out), "--json"], capture_output=True,
+                            text=True, timeout=120)
+    assert listed.returncode == 0, listed.stderr
+    (doc,) = json.loads(listed.stdout)["roots"]  # output_dir holds the root: one entry per root found
+    assert doc["framework"] == "transformers" and doc["root"] == str(out / ".ckptguard-hf")
+    meta = doc["checkpoints"][-1]["user_metadata"]
+    assert meta["global_step"] == 6 and meta["framework"] == "transformers" and meta["epoch"] > 0
 
 
 @pytest.mark.slow

@@ -90,6 +90,8 @@ def test_plugin_round_trip_of_a_lightning_checkpoint_dict(tmp_path: Path) -> Non
     io.teardown()
     with Checkpointer(tmp_path / ".ckptguard-lightning", read_only=True) as ck:
         assert list(ck.tags()) == ["last.ckpt"] and len(ck.steps()) == 1
+        assert ck.metadata(ck.steps()[0]) == {"framework": "lightning", "file": "last.ckpt", "global_step": 4,
+                                              "epoch": 1}
 
 
 def test_a_crash_between_the_tag_and_the_pointer_leaves_the_old_checkpoint_loadable(
@@ -131,8 +133,9 @@ def test_ddp_kill_inside_a_save_then_resume_reproduces_the_run(tmp_path: Path, r
     root, out = tmp_path / "ck", tmp_path / "run"
     # Saves: 2 per epoch (top-k, then last). The 5th is epoch 2's top-k checkpoint: rank 0 dies with its
     # data written, before the commit.
-    crashed = run(root, out, "--crash-at-save", "5")
+    crashed = run(root, out, "--crash-at-save", "5")  # a fresh start with the resume line, ckpt_path="last"
     assert crashed.returncode != 0
+    assert not [r for r in records(out) if r["kind"] == "loaded"] and min(losses(out)) == 1  # from scratch
     saved = {r["step"]: r["digest"] for r in records(out) if r["kind"] == "save"}
     assert read_pointer(str(root / "last.ckpt"))["name"] == "last.ckpt"
     resumed = run(root, tmp_path / "resume", "--resume")
@@ -189,6 +192,8 @@ def fsdp_reference(tmp_path_factory: pytest.TempPathFactory) -> dict[int, dict[i
         assert sorted(ck.tags()) == ["epoch=2-step=6.ckpt", "epoch=3-step=8.ckpt", "last.ckpt"]
         assert len(ck.steps()) == 3  # what top-k removed and last.ckpt replaced is gone
         full = ck.read(tag="last.ckpt", keys=["state_dict", "meta"])
+        assert ck.metadata(ck.tags()["last.ckpt"]) == {"framework": "lightning", "file": "last.ckpt",
+                                                       "global_step": 8, "epoch": 3}
     # saved as DTensor shards, read back whole; the rest is Lightning's (rank 0's) checkpoint dict
     assert full["state_dict"]["net.0.weight"].shape == (16, 4) and full["meta"]["global_step"] == 8
     digests = saved_digests(d / "ref")

@@ -103,8 +103,10 @@ def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
 
 def test_saves_on_torchtitans_policy_and_resumes_from_the_newest_full_checkpoint(tmp_path: Path) -> None:
     from ckptguard import Checkpointer, StepNotFoundError
+    from ckptguard.discover import FoundRoot, find_roots
 
     job = Job(tmp_path, keep_latest_k=2)  # torchtitan's defaults otherwise: the last save is model-only
+    assert job.manager.load() is False  # what torchtitan's Trainer runs first: a fresh start loads nothing
     saved = job.train(8)
     assert sorted(saved) == [2, 4, 6, 8]
     adam = {k: v.clone() for k, v in job.optimizers.state_dict().items() if isinstance(v, torch.Tensor)}
@@ -112,6 +114,8 @@ def test_saves_on_torchtitans_policy_and_resumes_from_the_newest_full_checkpoint
     with Checkpointer(tmp_path / "checkpoint", read_only=True) as ck:
         assert ck.steps() == [6, 8]  # keep_latest_k=2, rotated after each commit
         assert set(ck.read(8)) == {"model"} and ck.read(8)["model"].keys() == saved[8].keys()
+        assert ck.metadata(6) == {"torchtitan": {"model_only": False}, "framework": "torchtitan"}
+    assert find_roots(tmp_path) == [FoundRoot(str(tmp_path / "checkpoint"), "torchtitan")]
 
     fresh = Job(tmp_path, keep_latest_k=2)
     assert not same(weights(fresh.model), saved[6])

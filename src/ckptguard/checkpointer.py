@@ -13,10 +13,13 @@ from __future__ import annotations
 import atexit
 import json
 import logging
+import math
+import operator
 import os
 import time
 from collections.abc import Collection, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import replace
 from typing import Any
 
 from ckptguard import inflight
@@ -84,24 +87,32 @@ class Checkpointer:
         collective_timeout_s: float = DEFAULT_TIMEOUT_S,
         storage_options: Mapping[str, Any] | None = None,
     ) -> None:
-        if keep_last is not None and keep_last < 1:
-            raise ValueError("keep_last must be >= 1 (the newest checkpoint is always kept)")
-        if keep_every is not None and keep_every < 1:
-            raise ValueError("keep_every must be >= 1")
+        keep_last = _count("keep_last", keep_last, 1, "the newest checkpoint is always kept", optional=True)
+        keep_every = _count("keep_every", keep_every, 1, optional=True)
+        io_threads = _required(_count("io_threads", io_threads, 1))
+        load_memory_bytes = _count("load_memory_bytes", load_memory_bytes, 0, optional=True)
+        async_budget_bytes = _count("async_budget_bytes", async_budget_bytes, 0, optional=True)
+        visibility_timeout_s = _seconds("visibility_timeout_s", visibility_timeout_s)
+        lease_ttl_s = _seconds("lease_ttl_s", lease_ttl_s)
+        collective_timeout_s = _seconds("collective_timeout_s", collective_timeout_s)
+        if lease_wait_s is not None:
+            lease_wait_s = _seconds("lease_wait_s", lease_wait_s, allow_zero=True)
+        for flag, value in (("read_only", read_only), ("progress", progress)):
+            if not isinstance(value, bool):
+                raise TypeError(f"{flag} must be True or False, got {value!r}")
+        if job_id is not None and not isinstance(job_id, str):
+            raise TypeError(f"job_id must be a str or None, got {job_id!r}")
+        if not isinstance(root, (str, os.PathLike)):
+            raise TypeError(f"root must be a path or a URL (str or os.PathLike), got {type(root).__name__}")
         storage = open_storage(root, storage_options)  # refuses unknown URL schemes before any collective
         if checksum is None:  # object stores check CRC32C on arrival: the manifest records the same
             checksum = DEFAULT_ALGORITHM if storage.has_directories else "crc32c"
-        if checksum not in ALGORITHMS:
-            raise ValueError(f"checksum must be one of {ALGORITHMS}")
-        if load_memory_bytes is not None and load_memory_bytes < 0:
-            raise ValueError("load_memory_bytes must be >= 0")
-        self.keep_last = keep_last
-        self.keep_every = keep_every
+        checksum = _checksum(checksum)
+        if read_only and storage.has_directories and not os.path.isdir(storage.root):
+            log.warning("ckptguard: the read_only root %s does not exist: there is nothing to load or list "
+                        "(a typo in the path?)", storage.root)
         self.progress = progress
-        self.read_only = read_only
-        self.io_threads = io_threads
-        self.checksum = checksum
-        self.visibility_timeout_s = visibility_timeout_s
+        self._read_only = read_only
         options = Options(keep_last, keep_every, io_threads, checksum, visibility_timeout_s,
                           DEFAULT_LOAD_MEMORY_BYTES if load_memory_bytes is None else load_memory_bytes)
         comm = Comm(LocalTransport()) if isinstance(process_group, str) and process_group == "local" \
@@ -125,6 +136,76 @@ class Checkpointer:
         self._tags: manage.Tags = manage.read_tags(self._session)
         inflight.track(self)
         log.debug("ckptguard %s: %s", self.root, self.topology.describe())
+
+    # -- configuration: what is read here is what the next save or load uses --------------------------
+    # Settable after construction (validated as in __init__); every rank must set the same value.
+    @property
+    def keep_last(self) -> int | None:
+        """How many committed checkpoints retention keeps (None: all); applied at the next save."""
+        return self._session.options.keep_last
+
+    @keep_last.setter
+    def keep_last(self, value: int | None) -> None:
+        self._set_option(keep_last=_count("keep_last", value, 1, "the newest checkpoint is always kept",
+                                          optional=True))
+
+    @property
+    def keep_every(self) -> int | None:
+        """Steps that are multiples of this are kept whatever ``keep_last`` says."""
+        return self._session.options.keep_every
+
+    @keep_every.setter
+    def keep_every(self, value: int | None) -> None:
+        self._set_option(keep_every=_count("keep_every", value, 1, optional=True))
+
+    @property
+    def io_threads(self) -> int:
+        """Files each rank writes or reads in parallel."""
+        return self._session.options.io_threads
+
+    @io_threads.setter
+    def io_threads(self, value: int) -> None:
+        self._set_option(io_threads=_required(_count("io_threads", value, 1)))
+
+    @property
+    def checksum(self) -> str:
+        """The checksum the next save records (a load uses the one each manifest names)."""
+        return self._session.options.checksum
+
+    @checksum.setter
+    def checksum(self, value: str) -> None:
+        self._set_option(checksum=_checksum(value))
+
+    @property
+    def visibility_timeout_s(self) -> float:
+        """How long the leader waits for another rank's files to become visible (NFS caches)."""
+        return self._session.options.visibility_timeout_s
+
+    @visibility_timeout_s.setter
+    def visibility_timeout_s(self, value: float) -> None:
+        self._set_option(visibility_timeout_s=_seconds("visibility_timeout_s", value))
+
+    @property
+    def load_memory_bytes(self) -> int:
+        """Per rank, how much of a load is verified in host memory before it is copied into place."""
+        return self._session.options.load_memory_bytes
+
+    @load_memory_bytes.setter
+    def load_memory_bytes(self, value: int) -> None:
+        self._set_option(load_memory_bytes=_required(_count("load_memory_bytes", value, 0)))
+
+    @property
+    def read_only(self) -> bool:
+        """Opened to load and list only: no lease was taken, so it cannot be changed afterwards."""
+        return self._read_only
+
+    @read_only.setter
+    def read_only(self, value: bool) -> None:
+        raise AttributeError(f"read_only is fixed when a Checkpointer is opened (it decides whether the root's "
+                             f"lease is taken): open a new Checkpointer({self.root!r}, read_only={value!r})")
+
+    def _set_option(self, **change: Any) -> None:
+        self._session.options = replace(self._session.options, **change)
 
     # -- public API ---------------------------------------------------------------------
     @property
@@ -387,6 +468,43 @@ class Checkpointer:
         self._wait_cleanup()
         if writing and self.read_only:
             raise CheckpointError(f"this Checkpointer on {self.root} was opened read_only=True")
+
+
+def _count(name: str, value: Any, minimum: int, why: str = "", *, optional: bool = False) -> int | None:
+    """``value`` checked to be an int >= ``minimum`` (or None where ``optional``): refused at the door,
+    naming the argument, rather than failing later in a comparison (``keep_last='3'``)."""
+    if value is None and optional:
+        return None
+    try:
+        if isinstance(value, bool):
+            raise TypeError
+        number = operator.index(value)  # int, numpy integers; not float, str or bool
+    except TypeError:
+        allowed = f"an int >= {minimum}" + (" or None" if optional else "")
+        raise TypeError(f"{name} must be {allowed}, got {value!r} ({type(value).__name__})") from None
+    if number < minimum:
+        raise ValueError(f"{name} must be >= {minimum}" + (f" ({why})" if why else "") + f", got {number}")
+    return number
+
+
+def _required(value: int | None) -> int:
+    assert value is not None  # _count without optional=True never returns None
+    return value
+
+
+def _seconds(name: str, value: Any, *, allow_zero: bool = False) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a number of seconds, got {value!r} ({type(value).__name__})")
+    if not math.isfinite(value) or value < 0 or (value == 0 and not allow_zero):
+        raise ValueError(f"{name} must be a finite number of seconds {'>= 0' if allow_zero else '> 0'}, "
+                         f"got {value}")
+    return float(value)
+
+
+def _checksum(value: Any) -> str:
+    if value not in ALGORITHMS:
+        raise ValueError(f"checksum must be one of {', '.join(ALGORITHMS)}, got {value!r}")
+    return str(value)
 
 
 def _json_object(metadata: Mapping[str, Any] | None) -> dict[str, Any]:

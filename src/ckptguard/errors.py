@@ -24,6 +24,7 @@ what went wrong, so code matches types, never message text::
      │                                     conditional writes
      ├── UnsafeObjectError                 an object that would need unpickling code
      ├── UnsupportedValueError             save of a value load could not give back (also TypeError)
+     ├── TemplateMismatchError             load into a state whose shapes or keys differ (also ValueError)
      ├── CorruptCheckpointError            bytes that do not match the manifest
      │    └── MalformedRecordError         a record (manifest, latest, tag, lease, index, header)
      │                                     too large, too deep or not its schema: names the field
@@ -142,6 +143,11 @@ class UnsafeObjectError(CheckpointError):
 class UnsupportedValueError(CheckpointError, TypeError):
     """A value ``save`` was given that no load could give back equal (it would need unpickling code,
     or would come back as another type): refused before anything is written."""
+
+
+class TemplateMismatchError(CheckpointError, ValueError):
+    """The state given to ``load`` does not fit the checkpoint (a shape differs, a key is missing):
+    found when the load is planned, before any byte is read."""
 
 
 class CorruptCheckpointError(CheckpointError):

@@ -200,7 +200,8 @@ def main() -> None:
                         enable_progress_bar=False, enable_model_summary=False, deterministic=True,
                         **trainer_args(a.crash_at_save, a.lightning_own))
     model = module(a.out, hidden)
-    trainer.fit(model, data, ckpt_path="last" if a.resume else None)
+    # The one line a script runs unchanged on a fresh start and on a restart (--resume only names the run).
+    trainer.fit(model, data, ckpt_path="last")
     if trainer.global_rank == 0:
         model.record(kind="done", files=sorted(os.listdir(a.root)),
                      best_k=sorted(os.path.basename(k) for k in ckpt.best_k_models))

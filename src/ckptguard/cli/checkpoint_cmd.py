@@ -1,7 +1,10 @@
 """`ckptguard ls` and `ckptguard verify`: what a checkpoint root holds, and whether it is intact.
 
-Exit codes: 0 all checked checkpoints intact, 1 any is not, 2 usage errors
-(including a PATH that is not a directory). JSON output is documented in
+PATH is a checkpoint root or a directory holding some (a Trainer ``output_dir``, a Lightning
+``dirpath``, an Accelerate ``project_dir``, a DeepSpeed save directory, a torchtitan dump folder,
+a directory of runs): every root found is reported, with the framework that wrote it.
+Exit codes: 0 all checked checkpoints intact, 1 any is not, 2 usage errors (including a PATH
+that is not a directory), 3 no ckptguard root at or under PATH. JSON output is documented in
 docs/verify.md (schema_version 1).
 """
 
@@ -10,17 +13,20 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import sys
 from typing import Annotated, Any
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
-from ckptguard.cli import app
+from ckptguard.cli import app, debugging
 from ckptguard.cli.output import console
 from ckptguard.progress import ByteProgress
 
-PathArg = Annotated[str, typer.Argument(help="The checkpoint root directory.")]
+PathArg = Annotated[str, typer.Argument(help="A checkpoint root, or a directory holding some (a framework's "
+                                                  "output directory, a directory of runs).")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object instead of tables.")]
 
 
@@ -42,8 +48,35 @@ def _when(ts: float | None) -> str:
 
 
 def _usage_error(message: str) -> typer.Exit:
-    console(stderr=True).print(f"[red]error:[/red] {message}", highlight=False)
+    if debugging() and sys.exc_info()[1] is not None:
+        raise  # the error being handled, with its traceback
+    console(stderr=True).print(f"[red]error:[/red] {escape(message)}", highlight=False)
     return typer.Exit(2)
+
+
+NO_ROOT_EXIT = 3
+
+
+def _roots(path: str, json_out: bool) -> tuple[list[Any], bool]:
+    """The roots at or under ``path``, and whether ``path`` is itself the one root; exit 3 if none."""
+    from ckptguard.discover import find_roots
+    from ckptguard.errors import CheckpointError
+    from ckptguard.storage import open_storage
+
+    try:
+        roots = find_roots(path)
+        given = open_storage(path).root
+    except CheckpointError as e:
+        raise _usage_error(str(e)) from None
+    if not roots:
+        if json_out:
+            typer.echo(json.dumps({"schema_version": 1, "path": given, "roots": []}, indent=2))
+        console(stderr=True).print(
+            f"{given} holds no ckptguard checkpoint root (looked at it and below it, including the "
+            ".ckptguard-hf, .ckptguard-lightning, .ckptguard-accelerate and .ckptguard-deepspeed directories "
+            "the integrations write)", highlight=False, markup=False, soft_wrap=True)
+        raise typer.Exit(NO_ROOT_EXIT)
+    return roots, len(roots) == 1 and roots[0].path == given
 
 
 def _listing(path: str) -> Any:
@@ -56,15 +89,27 @@ def _listing(path: str) -> Any:
         raise _usage_error(str(e)) from None
 
 
+def _title(what: str, root: str, framework: str | None) -> str:
+    return f"{what} {root}" + (f" (written by the {framework} integration)" if framework else "")
+
+
 @app.command("ls")
 def ls_command(path: PathArg, json_out: JsonOpt = False) -> None:
     """List committed checkpoints, attempts in progress or abandoned, and leftovers."""
-    listing = _listing(path)
+    roots, direct = _roots(path, json_out)
+    listings = [(_listing(r.path), r.framework) for r in roots]
     if json_out:
-        typer.echo(json.dumps(listing.to_json(), indent=2))
+        docs = [{**listing.to_json(), "framework": framework} for listing, framework in listings]
+        doc = docs[0] if direct else {"schema_version": 1, "path": path, "roots": docs}
+        typer.echo(json.dumps(doc, indent=2))
         return
+    for listing, framework in listings:
+        _print_listing(listing, framework)
+
+
+def _print_listing(listing: Any, framework: str | None) -> None:
     con = console()
-    table = Table(title=f"checkpoints in {listing.root}", title_justify="left")
+    table = Table(title=_title("checkpoints in", listing.root, framework), title_justify="left")
     for col in ("#", "step", "dir", "state", "created", "size", "metadata"):
         table.add_column(col, no_wrap=col != "metadata")
     for c in listing.checkpoints:  # in commit order: the last committed is at the bottom
@@ -105,33 +150,52 @@ def verify_command(
     from ckptguard.protocol.layout import CheckpointName
     from ckptguard.verify import SCHEMA_VERSION, checkpoint_bytes, verify_checkpoint
 
-    listing = _listing(path)
-    current = [c for c in listing.checkpoints if c.current]
-    if step is not None:
-        current = [c for c in current if c.step == step]
-        if not current:
-            raise _usage_error(f"step {step} is not a committed checkpoint in {listing.root}; committed: "
-                               f"{sorted(c.step for c in listing.checkpoints if c.current) or 'none'}")
-    names = [CheckpointName(c.step, c.version) for c in current]
-    total = sum(checkpoint_bytes(listing.root, n) for n in names)
-    results = []
+    roots, direct = _roots(path, json_out)
+    plans = []
+    for found in roots:
+        listing = _listing(found.path)
+        current = [c for c in listing.checkpoints if c.current]
+        if step is not None:
+            current = [c for c in current if c.step == step]
+        plans.append((found, listing, [CheckpointName(c.step, c.version) for c in current]))
+    if step is not None and not any(names for _, _, names in plans):
+        committed = sorted({c.step for _, listing, _ in plans for c in listing.checkpoints if c.current})
+        where = plans[0][1].root if len(plans) == 1 else f"any of the {len(plans)} roots under {path}"
+        raise _usage_error(f"step {step} is not a committed checkpoint in {where}; committed: {committed or 'none'}")
+    total = sum(checkpoint_bytes(listing.root, n) for _, listing, names in plans for n in names)
+    checked = []
     with ByteProgress(not json_out and Console(stderr=True).is_terminal, "verifying", total) as bar:
-        for n in names:
-            results.append(verify_checkpoint(listing.root, n, threads=threads, on_bytes=bar.callback))
-    intact = [r for r in results if r.intact]
-    safe = intact[-1].step if intact else None  # listed in commit order: the last intact one is committed last
-    ok = all(r.intact for r in results)
+        for found, listing, names in plans:
+            results = [verify_checkpoint(listing.root, n, threads=threads, on_bytes=bar.callback) for n in names]
+            checked.append((found, listing, results))
+    ok = all(r.intact for _, _, results in checked for r in results)
     if json_out:
-        from dataclasses import asdict
-
-        typer.echo(json.dumps({
-            "schema_version": SCHEMA_VERSION, "root": listing.root, "intact": ok,
-            "safe_to_resume": safe, "checked": [asdict(r) for r in results],
-            "attempts": [asdict(a) for a in listing.attempts], "latest_error": listing.latest_error,
-        }, indent=2))
+        docs = [_verify_json(SCHEMA_VERSION, found.framework, listing, results) for found, listing, results in checked]
+        doc = docs[0] if direct else {"schema_version": SCHEMA_VERSION, "path": path, "intact": ok, "roots": docs}
+        typer.echo(json.dumps(doc, indent=2))
         raise typer.Exit(0 if ok else 1)
+    for found, listing, results in checked:
+        _print_verify(found.framework, listing, results, step is None)
+    raise typer.Exit(0 if ok else 1)
+
+
+def _safe_to_resume(results: list[Any]) -> int | None:
+    intact = [r for r in results if r.intact]
+    return intact[-1].step if intact else None  # listed in commit order: the last intact one is committed last
+
+
+def _verify_json(schema: int, framework: str | None, listing: Any, results: list[Any]) -> dict[str, Any]:
+    from dataclasses import asdict
+
+    return {"schema_version": schema, "root": listing.root, "framework": framework,
+            "intact": all(r.intact for r in results), "safe_to_resume": _safe_to_resume(results),
+            "checked": [asdict(r) for r in results], "attempts": [asdict(a) for a in listing.attempts],
+            "latest_error": listing.latest_error}
+
+
+def _print_verify(framework: str | None, listing: Any, results: list[Any], every_step: bool) -> None:
     con = console()
-    table = Table(title=f"verify {listing.root}", title_justify="left")
+    table = Table(title=_title("verify", listing.root, framework), title_justify="left")
     for col in ("step", "dir", "result", "files", "size", "seconds"):
         table.add_column(col, no_wrap=True)
     for r in results:
@@ -149,6 +213,6 @@ def verify_command(
     for a in listing.attempts:
         con.print(f"note: attempt {a.state} for step {a.step} in {a.dir} (never counts as a checkpoint)")
     _latest_note(con, listing)
-    if step is None:
+    if every_step:
+        safe = _safe_to_resume(results)
         con.print(f"safe to resume from: step {safe}" if safe is not None else "no intact checkpoint to resume from")
-    raise typer.Exit(0 if ok else 1)

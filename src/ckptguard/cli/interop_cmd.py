@@ -8,13 +8,14 @@ from __future__ import annotations
 from typing import Annotated
 
 import typer
+from rich.markup import escape
 
 from ckptguard.cli import app
 from ckptguard.cli.output import console
 
 
 def _fail(message: str, code: int) -> typer.Exit:
-    console(stderr=True).print(f"[red]error:[/red] {message}", highlight=False)
+    console(stderr=True).print(f"[red]error:[/red] {escape(message)}", highlight=False)
     return typer.Exit(code)
 
 

@@ -28,7 +28,7 @@ from torch.distributed.checkpoint.planner import (
 from ckptguard.checksum import checksum
 from ckptguard.dcp import _torch_private
 from ckptguard.dcp.codec import check_depth, is_per_rank_key, tensor_bytes
-from ckptguard.errors import UnsafeObjectError
+from ckptguard.errors import TemplateMismatchError, UnsafeObjectError
 
 
 class DomainSavePlanner(_torch_private.CachingSavePlanner):
@@ -150,6 +150,7 @@ class SafeLoadPlanner(DefaultLoadPlanner):
     def create_local_plan(self) -> LoadPlan:
         assert self.metadata is not None
         stored = self.metadata.state_dict_metadata
+        refuse_mismatches(self.state_dict, stored, strict=not self.allow_partial_load)
         direct: list[ReadItem] = []
         rest: dict[str, Any] = {}
         for fqn, obj in self.state_dict.items():
@@ -174,6 +175,36 @@ class SafeLoadPlanner(DefaultLoadPlanner):
             _torch_private.set_nested_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
         else:
             self.state_dict[read_item.dest_index.fqn] = obj
+
+
+def refuse_mismatches(state_dict: dict[str, Any], stored: dict[str, Any], *, strict: bool) -> None:
+    """Raise TemplateMismatchError naming every key of the template that the checkpoint cannot fill (a
+    tensor of another shape, a tensor stored as an object, a key it lacks unless ``strict=False``),
+    rather than DCP's error about the first one, and before any byte is read."""
+    problems = []
+    for fqn, obj in state_dict.items():
+        md = stored.get(fqn)
+        if md is None:
+            if strict:
+                problems.append(f"{fqn}: not in the checkpoint (template: {_describe(obj)})")
+        elif isinstance(obj, torch.Tensor):
+            if not isinstance(md, TensorStorageMetadata):
+                problems.append(f"{fqn}: checkpoint: a non-tensor value, template: {_describe(obj)}")
+            elif tuple(md.size) != tuple(obj.size()):
+                problems.append(f"{fqn}: checkpoint: shape {list(md.size)} {md.properties.dtype}, "
+                                f"template: shape {list(obj.size())} {obj.dtype}")
+    if problems:
+        shown = "; ".join(problems[:50]) + (f"; ... and {len(problems) - 50} more" if len(problems) > 50 else "")
+        raise TemplateMismatchError(
+            f"the state given to load does not match the checkpoint ({len(problems)} key(s)): {shown}. Build the "
+            "state like the one saved (same model config, same optimizer), or pass strict=False to leave keys "
+            "the checkpoint lacks as they are; nothing was read or changed")
+
+
+def _describe(obj: Any) -> str:
+    if isinstance(obj, torch.Tensor):
+        return f"shape {list(obj.size())} {obj.dtype}"
+    return type(obj).__name__
 
 
 def decode_object(fqn: str, value: io.BytesIO) -> Any:

@@ -51,12 +51,13 @@ from accelerate import Accelerator  # type: ignore[import-untyped]
 
 from ckptguard.checkpointer import Checkpointer
 from ckptguard.comm import world_broadcast
+from ckptguard.discover import ACCELERATE_ROOT, FRAMEWORK_KEY
 from ckptguard.errors import CheckpointError
 from ckptguard.integrations import _dirs
 
 log = logging.getLogger(__name__)
 
-ROOT_NAME = ".ckptguard-accelerate"
+ROOT_NAME = ACCELERATE_ROOT
 STAGING_NAME = ".ckptguard-accelerate-staging"
 _NUMBER_AT_END = re.compile(r"(\d+)$")
 
@@ -142,7 +143,8 @@ def save_state(accelerator: Accelerator, output_dir: str | os.PathLike[str] | No
         try:
             ck = _writer(accelerator, home, dict(checkpointer_options or {}))
             ck.save(s, {"accelerate": {"folder": name}}, files={_dirs.FILES_KEY: staging},
-                    overwrite=s in ck.steps(), metadata={"folder": name})
+                    overwrite=s in ck.steps(),
+                    metadata={FRAMEWORK_KEY: "accelerate", "folder": name})  # the step is Accelerate's iteration
             if publish:
                 _dirs.publish(base, staging, name, staging_root)
             if automatic:  # Accelerate's total_limit, after the commit
@@ -166,7 +168,9 @@ def load_state(accelerator: Accelerator, input_dir: str | os.PathLike[str] | Non
     ``input_dir=None`` with automatic naming: the newest committed step in ``project_dir/checkpoints``
     (or ``step=``). ``input_dir=".../checkpoint_7"``: committed step 7 of its directory.
     ``input_dir`` naming the checkpoints directory itself: its newest committed step.
-    Raises ``ValueError`` if there is no committed checkpoint. Called by every process.
+    Returns None on a fresh start (nothing committed yet: one log line says so), so that one script
+    runs unchanged the first time and after a crash; a step asked for by ``step=`` or a folder name
+    that is not committed raises. Called by every process.
     """
     pc = accelerator.project_configuration
     wanted = step
@@ -194,7 +198,10 @@ def load_state(accelerator: Accelerator, input_dir: str | os.PathLike[str] | Non
         restored = _dirs.restore_on_every_rank(root, tmp, accelerator.is_main_process,
                                                lambda v: _broadcast(accelerator, v), restore_on_main)
         if restored is None:
-            raise ValueError(f"no committed checkpoint in {root}")
+            if wanted is not None:
+                raise ValueError(f"no committed checkpoint in {root}")
+            log.warning("ckptguard: no committed checkpoint in %s: nothing loaded (a fresh start)", root)
+            return None
         got, target = restored
         Accelerator.load_state(accelerator, target, **load_state_kwargs)
         accelerator.wait_for_everyone()

@@ -72,13 +72,14 @@ from deepspeed.runtime.checkpoint_engine.checkpoint_engine import (  # type: ign
 
 from ckptguard.checkpointer import Checkpointer
 from ckptguard.comm import world_all_gather, world_barrier, world_broadcast
+from ckptguard.discover import DEEPSPEED_ROOT, FRAMEWORK_KEY
 from ckptguard.errors import CheckpointError, PathCollisionError
 from ckptguard.integrations import _dirs
 from ckptguard.storage.fileio import fsync_dir, replace_file, unique_tmp_name, unlink_quietly
 
 log = logging.getLogger(__name__)
 
-ROOT_NAME = ".ckptguard-deepspeed"
+ROOT_NAME = DEEPSPEED_ROOT
 STAGING_NAME = ".ckptguard-deepspeed-staging"
 _NUMBER_AT_END = re.compile(r"(\d+)$")
 
@@ -223,7 +224,7 @@ class CkptguardCheckpointEngine(CheckpointEngine):  # type: ignore[misc]
         else:
             step = max(ck.steps(), default=-1) + 1
         ck.save(step, {"deepspeed": {"tag": tag}}, files={_dirs.FILES_KEY: staging},
-                overwrite=step in ck.steps(), metadata={"tag": tag})
+                overwrite=step in ck.steps(), metadata={FRAMEWORK_KEY: "deepspeed", "tag": tag})
         attempt = os.path.dirname(staging)  # DeepSpeed's save_dir: its zero_to_fp32.py & co. belong in save_dir
         for name in os.listdir(attempt):
             if name != tag and os.path.isfile(os.path.join(attempt, name)):

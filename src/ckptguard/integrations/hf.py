@@ -51,11 +51,12 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, TrainOutput
 
 from ckptguard.checkpointer import Checkpointer
 from ckptguard.comm import world_broadcast
+from ckptguard.discover import FRAMEWORK_KEY, HF_ROOT
 from ckptguard.integrations import _dirs
 
 log = logging.getLogger(__name__)
 
-ROOT_NAME = ".ckptguard-hf"
+ROOT_NAME = HF_ROOT
 STAGING_NAME = ".ckptguard-hf-staging"
 _FOLDER_RE = re.compile(rf"^{PREFIX_CHECKPOINT_DIR}-(\d+)$")
 
@@ -134,7 +135,8 @@ class CkptguardTrainer(Trainer):
             ck = self._writer(run_dir)
             ck.save(step, {"hf": {"folder": folder, "world_size": int(self.args.world_size)}},
                     files={_dirs.FILES_KEY: staging}, overwrite=step in ck.steps(),
-                    metadata={"folder": folder, "global_step": step})
+                    metadata={FRAMEWORK_KEY: "transformers", "folder": folder, "global_step": step,
+                              **({"epoch": float(self.state.epoch)} if self.state.epoch is not None else {})})
             # Committed: now Trainer and the user may see it, and only now may old ones go.
             if self.ckptguard_publish:
                 _dirs.publish(run_dir, staging, folder, os.path.join(run_dir, STAGING_NAME))
@@ -166,7 +168,7 @@ class CkptguardTrainer(Trainer):
                 self._ckptguard_writer.close()
                 self._ckptguard_writer = None
 
-    def _restore(self, resume: str | bool) -> tuple[str | None, str | bool]:
+    def _restore(self, resume: str | bool) -> tuple[str | None, str | bool | None]:
         """Restore the committed checkpoint to resume from; (temporary directory, path for Trainer)."""
         run_dir = os.path.abspath(str(self.args.output_dir))
         root = self.ckptguard_root(run_dir)
@@ -187,6 +189,10 @@ class CkptguardTrainer(Trainer):
             restored = _dirs.restore_on_every_rank(root, tmp, self._is_main(), self._broadcast, restore_on_main,
                                                    what="resume from")
             if restored is None:
+                if wanted is None:  # resume_from_checkpoint=True on a fresh start: train from scratch
+                    log.warning("ckptguard: no committed checkpoint in %s: training from scratch", root)
+                    shutil.rmtree(tmp, ignore_errors=True)
+                    return None, None
                 raise ValueError(f"No committed checkpoint found in {root} (output directory {run_dir})")
             step, target = restored
             log.info("ckptguard: resuming from committed step %d of %s", step, root)

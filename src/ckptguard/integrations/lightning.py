@@ -46,10 +46,11 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 
 from ckptguard.checkpointer import Checkpointer
 from ckptguard.comm import world_broadcast
+from ckptguard.discover import FRAMEWORK_KEY, LIGHTNING_ROOT
 from ckptguard.errors import CheckpointError, CorruptCheckpointError
 from ckptguard.storage.fileio import fsync_dir, replace_file
 
-ROOT_NAME = ".ckptguard-lightning"
+ROOT_NAME = LIGHTNING_ROOT
 POINTER_FORMAT = "ckptguard-lightning-pointer"
 SHARDED = "sharded"  # the pointer's "layout" for the strategy's checkpoints
 _TAG_OK = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.=-]{0,127}$")
@@ -105,7 +106,7 @@ def commit(ck: Checkpointer, path: str, state: Mapping[str, Any], *, publish: bo
     name = os.path.basename(path)
     tag = _tag_for(name)
     step = max(ck.steps(), default=-1) + 1
-    ck.save(step, state)
+    ck.save(step, state, metadata=framework_metadata(name, state))
     before = ck.tag(tag, step)
     if publish:
         pointer: dict[str, Any] = {"format": POINTER_FORMAT, "root": os.path.relpath(ck.root, os.path.dirname(path)),
@@ -118,6 +119,19 @@ def commit(ck: Checkpointer, path: str, state: Mapping[str, Any], *, publish: bo
     if before is not None and before != step:
         _drop_if_untagged(ck, before)
     return step
+
+
+def framework_metadata(name: str, state: Mapping[str, Any]) -> dict[str, Any]:
+    """What ``ckptguard ls`` shows for a step: Lightning's own counters (the ckptguard step is a
+    sequence number: several files, ``last.ckpt`` and a top-k one, are saved at one global step)."""
+    meta: dict[str, Any] = {FRAMEWORK_KEY: "lightning", "file": name}
+    nested = state.get("meta")  # the strategy's layout keeps Lightning's counters under "meta"
+    counters: Mapping[str, Any] = nested if isinstance(nested, Mapping) else state
+    for key in ("global_step", "epoch"):
+        value = counters.get(key)
+        if isinstance(value, int) and not isinstance(value, bool):
+            meta[key] = value
+    return meta
 
 
 def _publish(path: str, data: bytes) -> None:

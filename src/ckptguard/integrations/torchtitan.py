@@ -62,6 +62,7 @@ from torchtitan.config import TORCH_DTYPE_MAP  # type: ignore[import-untyped]
 from torchtitan.tools import filesystem  # type: ignore[import-untyped]
 
 from ckptguard.checkpointer import Checkpointer
+from ckptguard.discover import FRAMEWORK_KEY
 from ckptguard.errors import CheckpointError, CorruptCheckpointError
 from ckptguard.protocol.load import falls_back
 
@@ -194,7 +195,7 @@ class CkptguardCheckpointManager(BaseCheckpointManager):  # type: ignore[misc]
         blocking = last_step or self.async_mode == "disabled"
         with torch.no_grad():
             self.checkpointer.save(curr_step, state, overwrite=curr_step in self.checkpointer.steps(),
-                                   metadata={META_KEY: {"model_only": model_only}}, blocking=blocking)
+                                   metadata={META_KEY: {"model_only": model_only}, FRAMEWORK_KEY: "torchtitan"}, blocking=blocking)
         self.save_future = None if blocking else self.checkpointer.pending_save()
         log.info("ckptguard: %s step %d%s", "committed" if blocking else "saving", curr_step,
                  " (model only)" if model_only else "")

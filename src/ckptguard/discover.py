@@ -1,0 +1,122 @@
+"""Find the ckptguard root(s) inside the directories users have.
+
+The integrations keep their committed checkpoints in a hidden root next to the framework's own
+files (``output_dir/.ckptguard-hf``, ``dirpath/.ckptguard-lightning``, ...). A user points tools at
+the directory they know (a Trainer ``output_dir``, a Lightning ``dirpath``, an Accelerate
+``project_dir``, a DeepSpeed save directory, a torchtitan dump folder); :func:`find_roots` turns
+that into the roots to read, each with the framework that wrote it, so that ``ckptguard ls`` and
+``verify`` never report "no checkpoint" for a directory full of them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import posixpath
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from ckptguard.errors import CheckpointError
+from ckptguard.protocol import layout
+from ckptguard.storage import StorageBackend, open_storage
+
+# The hidden root each integration keeps its committed checkpoints in (the integrations use these names).
+FRAMEWORK_ROOTS: Mapping[str, str] = {
+    ".ckptguard-hf": "transformers",
+    ".ckptguard-lightning": "lightning",
+    ".ckptguard-accelerate": "accelerate",
+    ".ckptguard-deepspeed": "deepspeed",
+}
+HF_ROOT, LIGHTNING_ROOT, ACCELERATE_ROOT, DEEPSPEED_ROOT = FRAMEWORK_ROOTS
+# The key of a checkpoint's ``metadata=`` that names the framework that saved it; torchtitan's root is
+# the folder itself (no hidden name), so this is how it is recognised.
+FRAMEWORK_KEY = "framework"
+_LEGACY_KEYS = ("torchtitan",)  # metadata written before FRAMEWORK_KEY existed
+_SEARCH_DEPTH = 2  # the given directory's children and grandchildren (a directory of runs)
+
+
+@dataclass(frozen=True)
+class FoundRoot:
+    """A ckptguard root: where it is, and which integration wrote it (None: the plain API, or unknown)."""
+
+    path: str
+    framework: str | None
+
+
+def find_roots(path: str | os.PathLike[str], storage_options: Mapping[str, Any] | None = None) -> list[FoundRoot]:
+    """The ckptguard roots at or under ``path``, in path order; ``[]`` if there is none.
+
+    ``path`` itself if it is a root; otherwise every root found in it and in its subdirectories
+    (two levels; on object stores one, each level costs a listing), not looking inside a root. For a
+    ``.../checkpoints`` directory of Accelerate's automatic naming, the root beside it in
+    ``project_dir``. Raises ``CheckpointError`` if ``path`` cannot be read (a usage error: not a
+    directory, an unsupported URL, a missing bucket).
+    """
+    text = os.fspath(path)
+    storage = open_storage(text, storage_options)
+    if storage.has_directories and not os.path.isdir(storage.root):
+        raise CheckpointError(f"{text} is not a directory", path=text)
+    found: list[FoundRoot] = []
+    if _is_root(storage, storage.root):
+        return [FoundRoot(storage.root, _framework_of(storage, storage.root, storage_options))]
+    depth = _SEARCH_DEPTH if storage.has_directories else 1
+    _search(storage, storage.root, depth, found, storage_options)
+    if not found and os.path.basename(os.path.normpath(storage.root)) == "checkpoints":
+        beside = _join(storage, _parent(storage, storage.root), ACCELERATE_ROOT)
+        if _is_root(storage, beside):
+            found.append(FoundRoot(beside, "accelerate"))
+    return found
+
+
+def _search(storage: StorageBackend, directory: str, depth: int, found: list[FoundRoot],
+            options: Mapping[str, Any] | None) -> None:
+    for name in sorted(storage.listdir(directory)):
+        child = _join(storage, directory, name)
+        if storage.has_directories and not os.path.isdir(child):
+            continue
+        if name in FRAMEWORK_ROOTS:
+            if _is_root(storage, child):
+                found.append(FoundRoot(child, FRAMEWORK_ROOTS[name]))
+            continue
+        if name.startswith("."):  # staging directories, .git, caches: never a user's run
+            continue
+        if _is_root(storage, child):
+            found.append(FoundRoot(child, _framework_of(storage, child, options)))
+        elif depth > 1:
+            _search(storage, child, depth - 1, found, options)
+
+
+def _is_root(storage: StorageBackend, directory: str) -> bool:
+    """A root has its control directory (made when a Checkpointer first opens it for writing) or a
+    committed checkpoint; a framework's own ``latest`` file (DeepSpeed's) is not enough."""
+    names = storage.listdir(directory)
+    return layout.CONTROL in names or any(layout.CheckpointName.parse(n) is not None for n in names)
+
+
+def _framework_of(storage: StorageBackend, directory: str, options: Mapping[str, Any] | None) -> str | None:
+    """The framework named in the metadata of the root's newest checkpoint (torchtitan's folder)."""
+    from ckptguard.protocol.objstore import open_root
+
+    with contextlib.suppress(CheckpointError, OSError, ValueError):
+        root = open_root(storage if directory == storage.root else open_storage(directory, options))
+        current = root.current()
+        if not current:
+            return None
+        meta = root.read_manifest(current[max(current)]).user_metadata or {}
+        named = meta.get(FRAMEWORK_KEY)
+        if isinstance(named, str):
+            return named
+        for key in _LEGACY_KEYS:
+            if key in meta:
+                return key
+    return None
+
+
+def _join(storage: StorageBackend, directory: str, name: str) -> str:
+    return os.path.join(directory, name) if storage.has_directories else posixpath.join(directory, name)
+
+
+def _parent(storage: StorageBackend, directory: str) -> str:
+    return os.path.dirname(os.path.normpath(directory)) if storage.has_directories \
+        else posixpath.dirname(directory.rstrip("/"))

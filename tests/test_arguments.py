@@ -1,0 +1,80 @@
+"""Misuse is refused at the door with a message naming the argument; configuration set after construction
+takes effect (or is refused); a template that does not fit the checkpoint is named key by key."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from ckptguard import Checkpointer, TemplateMismatchError
+
+
+@pytest.mark.parametrize("kwargs,error,words", [
+    ({"keep_last": "3"}, TypeError, "keep_last must be an int >= 1 or None, got '3'"),
+    ({"keep_last": 1.5}, TypeError, "keep_last must be an int >= 1 or None, got 1.5"),
+    ({"keep_last": True}, TypeError, "keep_last"),
+    ({"keep_last": 0}, ValueError, "keep_last must be >= 1"),
+    ({"keep_every": -2}, ValueError, "keep_every must be >= 1"),
+    ({"io_threads": 0}, ValueError, "io_threads must be >= 1"),
+    ({"io_threads": None}, TypeError, "io_threads must be an int >= 1, got None"),
+    ({"checksum": "md5"}, ValueError, "checksum must be one of"),
+    ({"visibility_timeout_s": 0}, ValueError, "visibility_timeout_s must be a finite number of seconds > 0"),
+    ({"lease_ttl_s": "30"}, TypeError, "lease_ttl_s must be a number of seconds"),
+    ({"collective_timeout_s": float("inf")}, ValueError, "collective_timeout_s"),
+    ({"async_budget_bytes": -1}, ValueError, "async_budget_bytes must be >= 0"),
+    ({"read_only": "yes"}, TypeError, "read_only must be True or False"),
+])
+def test_bad_arguments_are_refused_naming_the_argument_and_nothing_is_created(
+        tmp_path: Path, kwargs: dict[str, Any], error: type[Exception], words: str) -> None:
+    with pytest.raises(error, match=words.replace("(", r"\(").replace(")", r"\)").replace(".", r"\.")):
+        Checkpointer(tmp_path / "ck", **kwargs)
+    assert not (tmp_path / "ck").exists()
+
+
+def test_configuration_set_after_construction_takes_effect_or_is_refused(tmp_path: Path) -> None:
+    with Checkpointer(tmp_path / "ck", keep_last=np.int64(5)) as ck:  # numpy ints are ints
+        for step in range(4):
+            ck.save(step, {"w": torch.full((2,), float(step))})
+        ck.keep_last = 2  # retention reads it at the next save
+        ck.save(4, {"w": torch.zeros(2)})
+        assert ck.steps() == [3, 4] and ck.keep_last == 2
+        ck.checksum = "crc32c"
+        ck.io_threads = 1
+        ck.save(5, {"w": torch.ones(2)})
+        manifest = (Path(ck.path(5)) / "MANIFEST.json").read_text()
+        assert '"crc32c"' in manifest
+        with pytest.raises(TypeError, match="keep_last must be an int"):
+            ck.keep_last = "3"  # type: ignore[assignment]
+        with pytest.raises(ValueError, match="checksum must be one of"):
+            ck.checksum = "sha1"
+        with pytest.raises(AttributeError, match=r"open a new Checkpointer\(.*read_only=True\)"):
+            ck.read_only = True
+        assert ck.keep_last == 2 and ck.checksum == "crc32c" and not ck.read_only
+
+
+def test_read_only_on_a_path_that_does_not_exist_says_so(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.WARNING, logger="ckptguard"), \
+            Checkpointer(tmp_path / "typo", read_only=True) as ck:
+        assert ck.load({"w": torch.zeros(2)}) is None
+    assert any("does not exist" in r.getMessage() and "typo" in r.getMessage() for r in caplog.records)
+    assert not (tmp_path / "typo").exists()
+
+
+def test_a_template_that_does_not_fit_is_named_key_by_key_before_anything_is_read(tmp_path: Path) -> None:
+    with Checkpointer(tmp_path / "ck") as ck:
+        ck.save(1, {"model": {"w": torch.ones(4, 3), "b": torch.zeros(3)}, "n": 1})
+        ck.save(2, {"model": {"w": torch.ones(4, 3) * 2, "b": torch.zeros(3)}, "n": 2})
+        template = {"model": {"w": torch.zeros(4, 2), "b": torch.zeros(3), "extra": torch.zeros(1)}, "n": 0}
+        with pytest.raises(TemplateMismatchError) as err:
+            ck.load(template)  # step=None: not mistaken for a corrupt checkpoint (no fall-back to step 1)
+        text = str(err.value)
+        assert "model.w: checkpoint: shape [4, 3] torch.float32, template: shape [4, 2] torch.float32" in text
+        assert "model.extra: not in the checkpoint" in text and "model.b" not in text
+        assert isinstance(err.value, ValueError) and template["n"] == 0 and not template["model"]["w"].any()
+        template["model"]["w"] = torch.zeros(4, 3)
+        assert ck.load(template, strict=False) == 2 and template["n"] == 2
