@@ -17,19 +17,12 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from ckptguard.discover import find_roots
 from ckptguard.errors import CheckpointError
 from ckptguard.protocol.layout import CheckpointName
 from ckptguard.protocol.objstore import open_root
 from ckptguard.storage import open_storage
 from ckptguard.verify import CheckpointInfo, RootListing, list_root, verify_checkpoint
-
-#: Hidden ckptguard roots that framework integrations keep inside the framework's directory.
-FRAMEWORK_ROOTS = {
-    ".ckptguard-hf": "hf",
-    ".ckptguard-lightning": "lightning",
-    ".ckptguard-accelerate": "accelerate",
-    ".ckptguard-deepspeed": "deepspeed",
-}
 
 
 @dataclass
@@ -60,16 +53,15 @@ def _is_remote(root: str) -> bool:
 
 
 def _framework_root(root: str) -> tuple[str, str | None]:
-    """(the ckptguard root to read, the framework it belongs to or None)."""
-    if _is_remote(root):
+    """(the ckptguard root to read, the framework it belongs to or None): the root itself, or the one
+    a framework's directory holds (``ckptguard.discover``)."""
+    try:
+        found = find_roots(root)
+    except CheckpointError:
+        return root, None  # missing or unreadable: resume_info says so
+    if not found:
         return root, None
-    base = os.path.basename(os.path.normpath(root))
-    if base in FRAMEWORK_ROOTS:
-        return root, FRAMEWORK_ROOTS[base]
-    for name, fw in FRAMEWORK_ROOTS.items():
-        if os.path.isdir(os.path.join(root, name)):
-            return os.path.join(root, name), fw
-    return root, None
+    return found[0].path, found[0].framework
 
 
 def _quick_problem(root: str, info: CheckpointInfo) -> str | None:
@@ -105,7 +97,7 @@ def _deep_problem(root: str, info: CheckpointInfo) -> str | None:
 
 def _hint(framework: str | None, shown_root: str, ck_root: str, step: int, info: CheckpointInfo) -> str:
     base = os.path.dirname(os.path.normpath(ck_root))
-    if framework == "hf":
+    if framework == "transformers":
         return f'trainer.train(resume_from_checkpoint="{os.path.join(base, f"checkpoint-{step}")}")'
     if framework == "accelerate":
         return f"accelerator.load_state(step={step})  # CkptguardAccelerator; or load_state(accelerator, step={step})"
@@ -115,6 +107,8 @@ def _hint(framework: str | None, shown_root: str, ck_root: str, step: int, info:
         tag = info.user_metadata.get("tag") if info.user_metadata else None
         tag_arg = f', tag="{tag}"' if tag is not None else ""
         return f'engine.load_checkpoint("{base}"{tag_arg})'
+    if framework == "torchtitan":
+        return f"the torchtitan trainer loads the step committed last at start (step {step} of {ck_root})"
     return f'Checkpointer("{shown_root}").load(state, step={step})'
 
 
