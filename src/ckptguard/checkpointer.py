@@ -32,7 +32,7 @@ from ckptguard.protocol import save as save_protocol
 from ckptguard.protocol.artifacts import ArtifactTarget
 from ckptguard.protocol.decisions import Listing, commit_order
 from ckptguard.protocol.layout import CheckpointName
-from ckptguard.protocol.session import DEFAULT_LOAD_MEMORY_BYTES, Options, Session, open_session
+from ckptguard.protocol.session import Options, Session, open_session
 from ckptguard.protocol.timing import PhaseTimer, gc_paused
 from ckptguard.protocol.topology import Topology
 from ckptguard.staging import HostStager
@@ -102,8 +102,7 @@ class Checkpointer:
         self.io_threads = io_threads
         self.checksum = checksum
         self.visibility_timeout_s = visibility_timeout_s
-        options = Options(keep_last, keep_every, io_threads, checksum, visibility_timeout_s,
-                          DEFAULT_LOAD_MEMORY_BYTES if load_memory_bytes is None else load_memory_bytes)
+        options = Options(keep_last, keep_every, io_threads, checksum, visibility_timeout_s, load_memory_bytes)
         comm = Comm(LocalTransport()) if isinstance(process_group, str) and process_group == "local" \
             else default_comm(process_group, collective_timeout_s)
         self._session: Session = open_session(comm, storage, options, read_only=read_only, job_id=job_id,

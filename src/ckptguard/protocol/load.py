@@ -239,8 +239,10 @@ def _load_from_manifest(session: Session, name: CheckpointName, seq: int | None,
         prepared = prepare_state(state, comm.rank)
     planner = SafeLoadPlanner(allow_partial_load=not strict)
     data_dir = root.data_dir(name, manifest)
+    topo = session.topo
     reader = GuardedReader(session.storage, data_dir, metadata, manifest.checksum_algorithm, comm.rank,
-                           session.options.io_threads, memory_bytes=session.options.load_memory_bytes)
+                           session.options.io_threads, memory_bytes=session.options.load_memory_bytes,
+                           local_ranks=topo.hosts.count(topo.hosts[topo.rank]))
     swaps: list[artifacts.RestoreSwap] = []
     try:
         with ByteProgress(stats.show_progress, f"loading step {name.step}", None) as bar:
