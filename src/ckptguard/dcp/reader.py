@@ -49,7 +49,7 @@ from torch.distributed.checkpoint.storage import StorageReader
 
 from ckptguard._faults import FaultPhase, fault_point
 from ckptguard.checksum import Hasher, checksum
-from ckptguard.dcp.codec import dtype_from_name, dtype_name, narrow, tensor_bytes
+from ckptguard.dcp.codec import _NUMPY_DTYPES, dtype_from_name, dtype_name, narrow, tensor_bytes
 from ckptguard.dcp.planners import decode_object
 from ckptguard.dcp.records import StoredItem
 from ckptguard.errors import CheckpointError, CorruptCheckpointError, TornLoadError
@@ -430,14 +430,18 @@ def _keepable(wanted: int) -> int:
 
 def _no_in_place_for_aliases(jobs: list[_ReadJob]) -> None:
     """Items whose destinations share memory with another item's (tied weights) are staged, not read
-    in place: their old bytes could not be told apart when put back."""
+    in place: their old bytes could not be told apart when put back. A destination read in place
+    spans its own bytes; any other, conservatively, its whole storage."""
     spans: list[tuple[int, int, _ReadJob]] = []
     for job in jobs:
+        if job.direct is not None:
+            t = job.targets[0]
+            spans.append((t.data_ptr(), t.data_ptr() + len(job.direct), job))
+            continue
         for t in job.targets:
-            if t.device.type != "cpu" or not t.numel():
-                continue
-            storage = t.untyped_storage()
-            spans.append((storage.data_ptr(), storage.data_ptr() + storage.nbytes(), job))
+            if t.is_cpu and t.numel():
+                storage = t.untyped_storage()
+                spans.append((storage.data_ptr(), storage.data_ptr() + storage.nbytes(), job))
     spans.sort(key=lambda s: s[0])
     end = -1
     last: _ReadJob | None = None
@@ -627,15 +631,19 @@ class _ReadJob:
         self.old = None
 
     def _direct_view(self) -> memoryview | None:
-        """The destination's own bytes, if the stored bytes can go straight into them."""
-        if len(self.reqs) != 1 or self.stored.shape is None or len(self.targets) != 1:
+        """The destination's own bytes, if the stored bytes can go straight into them (cheap checks
+        first: this runs for every item of every load)."""
+        if len(self.targets) != 1 or self.stored.shape is None:
             return None
         t, req = self.targets[0], self.reqs[0]
-        if (t.device.type != "cpu" or not t.is_contiguous() or dtype_name(t.dtype) != self.stored.dtype
-                or tuple(t.shape) != self.stored.shape or any(req.storage_offsets)
-                or tuple(req.lengths) != self.stored.shape or not t.numel()):
+        if (not t.is_contiguous() or t.is_cpu is False or tuple(t.shape) != self.stored.shape
+                or tuple(req.lengths) != self.stored.shape or any(req.storage_offsets) or not t.numel()
+                or dtype_name(t.dtype) != self.stored.dtype or t.is_conj() or t.is_neg()):
             return None
-        view, _ = tensor_bytes(t)
+        if t.dtype in _NUMPY_DTYPES:
+            view = memoryview(t.numpy()).cast("B")  # type: ignore[arg-type]  # ndarray is a buffer
+        else:
+            view, _ = tensor_bytes(t)
         return view if len(view) == self.stored.length else None
 
     def verify_streaming(self, fd: ReadHandle, path: str, algorithm: str, chunk: memoryview,

@@ -279,4 +279,5 @@ def _load_from_manifest(session: Session, name: CheckpointName, seq: int | None,
     stats.bytes = sum(i.length for i in manifest.items)
     stats.staged_bytes = reader.staged_bytes
     stats.verified_only_bytes = reader.verified_only_bytes
+    stats.spilled_bytes = reader.spilled_bytes
     log.debug("ckptguard: loaded step %d: %s", name.step, stats)

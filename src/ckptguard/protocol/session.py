@@ -23,6 +23,7 @@ from ckptguard.protocol.topology import (
 )
 from ckptguard.storage import StorageBackend
 
+
 @dataclass(frozen=True)
 class Options:
     keep_last: int | None
