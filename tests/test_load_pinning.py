@@ -152,3 +152,37 @@ def test_s3_retention_between_the_passes_never_reads_the_deleted_objects(bed: S3
             _retire_before_placing(reader, retire)
             _check_whole_or_untouched(reader, 1, state)
             assert reader.last_load_stats.spilled_bytes > 0
+
+
+# -- read in place: the old bytes come back unless every rank agreed ---------------------------------
+
+
+def test_a_corrupt_item_puts_back_the_items_already_read_in_place(tmp_path: Path) -> None:
+    """Within the budget items are read straight into the caller's tensors; a corrupt item after
+    them puts every one of them back, parameters (requires_grad) included."""
+    from tests.test_reliability import _flip_item
+
+    root = tmp_path / "ckpt"
+    model = torch.nn.Linear(64, 64)
+    saved = {"model": model.state_dict(), "extra": {f"t{i}": torch.full((1000,), float(i)) for i in range(50)}}
+    with Checkpointer(root) as ck:
+        ck.save(1, saved)
+        _flip_item(root, 1, "extra.t49")
+        fresh = torch.nn.Linear(64, 64)
+        before = {k: v.clone() for k, v in fresh.state_dict().items()}
+        out = {"model": fresh, "extra": {f"t{i}": torch.full((1000,), -1.0) for i in range(50)}}
+        with pytest.raises(CheckpointError, match="checksum mismatch"):
+            ck.load(out, step=1)
+        assert all(torch.equal(fresh.state_dict()[k], v) for k, v in before.items())
+        assert all(bool((t == -1).all()) for t in out["extra"].values())
+
+
+def test_tied_destinations_load_equal(tmp_path: Path) -> None:
+    """Two keys naming one tensor (tied weights) are not read in place: both get the saved bytes."""
+    shared = torch.arange(512.0)
+    with Checkpointer(tmp_path / "ckpt") as ck:
+        ck.save(1, {"a": shared, "b": shared.clone(), "c": shared[:256]})
+        dest = torch.zeros(512)
+        out = {"a": dest, "b": dest, "c": dest[:256]}
+        assert ck.load(out) == 1
+        assert torch.equal(dest, shared)
