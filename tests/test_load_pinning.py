@@ -186,3 +186,24 @@ def test_tied_destinations_load_equal(tmp_path: Path) -> None:
         out = {"a": dest, "b": dest, "c": dest[:256]}
         assert ck.load(out) == 1
         assert torch.equal(dest, shared)
+
+
+def test_the_default_budget_reads_a_state_that_fits_once(tmp_path: Path) -> None:
+    """By default the budget is a share of MemAvailable: a small state is read once (in place or
+    staged), nothing verified-only; load_memory_bytes=0 verifies everything first and reads again."""
+    from ckptguard.dcp.reader import auto_memory_bytes
+
+    assert 0 < auto_memory_bytes(4) < auto_memory_bytes(1)
+    state = {"a": torch.arange(10_000.0), "b": torch.ones(3, 5)}
+    nbytes = sum(t.numel() * t.element_size() for t in state.values())
+    with Checkpointer(tmp_path / "ckpt") as ck:
+        ck.save(1, state)
+        out = {"a": torch.zeros(10_000), "b": torch.zeros(3, 5)}
+        assert ck.load(out) == 1 and all(torch.equal(out[k], state[k]) for k in state)
+        stats = ck.last_load_stats
+        assert stats is not None and stats.staged_bytes == nbytes and stats.verified_only_bytes == 0
+    with Checkpointer(tmp_path / "ckpt", read_only=True, load_memory_bytes=0) as reader:
+        out = {"a": torch.zeros(10_000), "b": torch.zeros(3, 5)}
+        assert reader.load(out) == 1 and all(torch.equal(out[k], state[k]) for k in state)
+        stats = reader.last_load_stats
+        assert stats is not None and stats.verified_only_bytes == nbytes and stats.spilled_bytes == 0
