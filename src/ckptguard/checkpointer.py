@@ -251,8 +251,9 @@ class Checkpointer:
         Loading at a different world size reshards.
 
         A failed load leaves ``state`` (and ``files=`` destinations) exactly as
-        they were: every byte is read and verified on every rank before any of it
-        is copied into place (see ``load_memory_bytes`` in docs/performance.md).
+        they were: every byte is read and verified on every rank before the load is
+        agreed, and tensors read in place get their old bytes back if it is not
+        (see ``load_memory_bytes`` in docs/performance.md).
         """
         self.wait()
         self._check_usable(writing=False)
