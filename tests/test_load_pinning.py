@@ -189,8 +189,9 @@ def test_tied_destinations_load_equal(tmp_path: Path) -> None:
 
 
 def test_the_default_budget_reads_a_state_that_fits_once(tmp_path: Path) -> None:
-    """By default the budget is a share of MemAvailable: a small state is read once (in place or
-    staged), nothing verified-only; load_memory_bytes=0 verifies everything first and reads again."""
+    """By default a small state is read once (in place or staged), nothing verified-only; the object
+    store default is a share of MemAvailable; load_memory_bytes=0 verifies everything first and
+    reads again from the files kept open."""
     from ckptguard.dcp.reader import auto_memory_bytes
 
     assert 0 < auto_memory_bytes(4) < auto_memory_bytes(1)

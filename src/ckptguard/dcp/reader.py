@@ -60,10 +60,15 @@ _CHUNK = 8 << 20  # verified-only items are checked in chunks of this size
 _ALIGN = 64  # scratch slots in the arena start at this alignment (any dtype, vector loads)
 _FD_MARGIN = 256  # descriptors left to the rest of the process when files are kept open for a load
 
-#: Share of MemAvailable a load may hold per rank of this host when ``memory_bytes`` is None.
+#: Share of MemAvailable a load may hold per rank of this host when ``memory_bytes`` is None, on
+#: storage where a second read is not cheap (object stores: a spill to local disk).
 MEMORY_SHARE = 0.5
 #: What a load holds per rank when MemAvailable cannot be read.
 FALLBACK_MEMORY_BYTES = 256 << 20
+#: What a load holds per rank by default on POSIX storage. Measured here (docs/performance.md),
+#: holding bytes in fresh host memory (scratch, or the old bytes of items read in place) cost more
+#: than a second read from the page cache through the files kept open: only small states are held.
+POSIX_MEMORY_BYTES = 256 << 20
 
 
 def auto_memory_bytes(local_ranks: int) -> int:
@@ -80,8 +85,9 @@ def auto_memory_bytes(local_ranks: int) -> int:
 
 
 class GuardedReader(StorageReader):
-    """``memory_bytes`` None: :func:`auto_memory_bytes` of ``local_ranks``. ``backup=False`` when the
-    destinations are fresh buffers of the reader's caller (nothing to put back on failure)."""
+    """``memory_bytes`` None: ``POSIX_MEMORY_BYTES`` on POSIX storage, else :func:`auto_memory_bytes`
+    of ``local_ranks``. ``backup=False`` when the destinations are fresh buffers of the reader's
+    caller (nothing to put back on failure)."""
 
     def __init__(self, storage: StorageBackend, checkpoint_dir: str, metadata: Metadata, algorithm: str,
                  rank: int, io_threads: int = 4, on_bytes: Callable[[int], None] | None = None,
@@ -94,7 +100,9 @@ class GuardedReader(StorageReader):
         self.algorithm = algorithm
         self.rank = rank
         self.io_threads = max(1, io_threads)
-        self.memory_bytes = auto_memory_bytes(local_ranks) if memory_bytes is None else memory_bytes
+        if memory_bytes is None:
+            memory_bytes = POSIX_MEMORY_BYTES if storage.has_directories else auto_memory_bytes(local_ranks)
+        self.memory_bytes = memory_bytes
         self.backup = backup
         self.storage_data: dict[MetadataIndex, StoredItem] = metadata.storage_data
         self._jobs: list[_ReadJob] = []
@@ -471,15 +479,11 @@ def _torn(err: CorruptCheckpointError, rank: int, path: str) -> TornLoadError:
 
 
 class _Arena:
-    """The host memory of one load's staged items and saved old bytes: one anonymous mapping with
-    huge pages where the kernel grants them. Faulting in fresh memory page by page cost more than
-    the copy itself (docs/performance.md); one mapping also spares an allocation per small item."""
+    """The host memory of one load's staged items and saved old bytes: one anonymous mapping instead
+    of an allocation per item (a small tensor's allocation cost more than its copy)."""
 
     def __init__(self, size: int) -> None:
         self._map = mmap.mmap(-1, size) if size else None
-        if self._map is not None and hasattr(mmap, "MADV_HUGEPAGE"):
-            with contextlib.suppress(OSError):
-                self._map.madvise(mmap.MADV_HUGEPAGE)
         self.view = memoryview(self._map) if self._map is not None else memoryview(bytearray())
 
     def close(self) -> None:

@@ -32,7 +32,7 @@ class Options:
     checksum: str
     visibility_timeout_s: float
     #: Per rank: what a load may hold in host memory to read a checkpoint once and still leave the
-    #: caller's state untouched on failure; None: a share of MemAvailable (dcp/reader.py).
+    #: caller's state untouched on failure; None: the reader's default for the storage (dcp/reader.py).
     load_memory_bytes: int | None = None
 
 
