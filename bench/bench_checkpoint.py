@@ -4,8 +4,10 @@ One command, one table, one JSON file. Two ranks (gloo, CPU) each hold half of
 the state, nested as {"model": {name: tensor}} like a real state dict. Two states:
 "large" (16 float32 tensors, 2 GiB in all) and "small" (20,000 tensors of 4 KiB-256
 KiB). Every repetition runs the writers in rotated order with `sync` before
-each; figures are medians. Loads go into preallocated tensors, after dropping
-the page cache (needs root; otherwise they are reported as warm).
+each; figures are medians and best-of. Loads go into preallocated tensors, cold: the bench's
+files are evicted from the page cache before each (posix_fadvise DONTNEED; --drop-caches drops
+the whole page cache instead, as root). A ckptguard load uses a fresh read-only Checkpointer, as
+a restarted job does. Peak resident memory above the state is reported for saves and loads.
 
 Each writer's files are deleted (and synced) right after it ran, outside the timing; a first
 repetition warms up (page faults, first files) and is not counted.
@@ -86,14 +88,49 @@ def rss_bytes() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def drop_caches() -> bool:
+def evict(work: Path, everything: bool) -> bool:
+    """Make the next read cold: the files under ``work`` are written back and dropped from the page
+    cache (posix_fadvise DONTNEED, file by file: other users' caches are left alone). With
+    ``everything`` (--drop-caches, root only) the whole page cache is dropped instead."""
     subprocess.run(["sync"], check=False)
+    if everything:
+        try:
+            with open("/proc/sys/vm/drop_caches", "w") as f:
+                f.write("3\n")
+            return True
+        except OSError:
+            return False
+    for dirpath, _, names in os.walk(work):
+        for n in names:
+            try:
+                fd = os.open(os.path.join(dirpath, n), os.O_RDONLY)
+            except OSError:
+                continue
+            try:
+                os.fdatasync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+    return True
+
+
+def reset_peak() -> int:
+    """Reset this process's peak resident set (Linux: clear_refs 5) and return the resident set now."""
     try:
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3\n")
-        return True
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5\n")
     except OSError:
-        return False
+        pass
+    return rss_bytes()
+
+
+def peak_rss() -> int:
+    """This process's peak resident set since the last reset_peak() (VmHWM)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    return 0
 
 
 # -- reference writers and readers: each returns after its bytes are durable ---------------------
@@ -168,12 +205,18 @@ def checksums_off() -> Iterator[None]:
 # -- the benchmark, run on every rank ------------------------------------------------------------
 
 
-def timed(fn: Callable[[], None]) -> float:
+def timed(fn: Callable[[], None], peaks: list[int] | None = None) -> float:
+    """Seconds of ``fn`` on all ranks; with ``peaks``, also this rank's peak resident set above what
+    was resident before (the state and the caller's template are resident before)."""
     dist.barrier()
+    before = reset_peak() if peaks is not None else 0
     start = time.perf_counter()
     fn()
     dist.barrier()
-    return time.perf_counter() - start
+    seconds = time.perf_counter() - start
+    if peaks is not None:
+        peaks.append(max(0, peak_rss() - before))
+    return seconds
 
 
 def clean(path: Path, rank: int) -> None:
@@ -222,6 +265,7 @@ def bench_state(kind: str, rank: int, args: argparse.Namespace) -> dict[str, Any
         "host copy": lambda i: [], "gather+torch.save": lambda i: [f"torch{i}.pt"], "dd": lambda i: [f"dd{i}"],
     }
     times: dict[str, list[float]] = {w: [] for w in writers}
+    save_peaks: dict[str, list[int]] = {w: [] for w in ("ckptguard", "dcp.save", "raw writer")}
     save_phases: list[dict[str, float]] = []  # this rank's Checkpointer.last_save_stats, per repetition
     order = list(writers)
     last = args.reps  # repetition 0 is a warm-up (first touch of memory, first files): not counted
@@ -229,7 +273,7 @@ def bench_state(kind: str, rank: int, args: argparse.Namespace) -> dict[str, Any
         for name in order[rep % len(order):] + order[: rep % len(order)]:
             if rank == 0:
                 subprocess.run(["sync"], check=False)
-            seconds = timed(lambda n=name, r=rep: writers[n](r))
+            seconds = timed(lambda n=name, r=rep: writers[n](r), save_peaks.get(name) if rep else None)
             if rep:
                 times[name].append(seconds)
                 if name == "ckptguard":
@@ -245,23 +289,32 @@ def bench_state(kind: str, rank: int, args: argparse.Namespace) -> dict[str, Any
                 dist.barrier()
     copy_dest.clear()  # free it before the loads
     dest = {"model": {k: torch.empty_like(v) for k, v in state["model"].items()}}
+    def fresh_load() -> None:  # a restarted job: a new Checkpointer, then load
+        with Checkpointer(work / "ckptguard", read_only=True) as fresh:
+            fresh.load(dest, step=last)
+            load_phases.append(dict(fresh.last_load_stats.seconds))
+
     readers: dict[str, Callable[[], None]] = {
-        "ckptguard": lambda: ck.load(dest, step=last) and None,
+        "ckptguard": fresh_load,
         "dcp.load": lambda: dcp.load(dest, checkpoint_id=str(work / f"dcp{last}")),
         "raw reader": lambda: raw_read(dest, work / f"raw{last}.r{rank}"),
     }
     load_times: dict[str, list[float]] = {r: [] for r in readers}
+    load_peaks: dict[str, list[int]] = {r: [] for r in readers}
     load_phases: list[dict[str, float]] = []
     cold = True
     names = list(readers)
-    for rep in range(args.load_reps):
+    for rep in range(args.load_reps + 1):  # repetition 0 warms up (first touch of dest), not counted
         for name in names[rep % len(names):] + names[: rep % len(names)]:
             dist.barrier()
             if rank == 0:
-                cold = drop_caches() and cold
-            load_times[name].append(timed(readers[name]))
-            if name == "ckptguard":
-                load_phases.append(dict(ck.last_load_stats.seconds))
+                cold = evict(work, args.drop_caches) and cold
+            dist.barrier()
+            seconds = timed(readers[name], load_peaks[name])
+            if rep:
+                load_times[name].append(seconds)
+            elif name == "ckptguard":
+                load_phases.pop()
     for k in state["model"]:
         assert torch.equal(dest["model"][k], state["model"][k]), f"{kind}: {k} differs after load"
     # gather + torch.save last: it pickles every rank's state into rank 0's memory, which would
@@ -280,12 +333,17 @@ def bench_state(kind: str, rank: int, args: argparse.Namespace) -> dict[str, Any
             dist.barrier()
     all_blocked: list[Any] = [None] * WORLD
     dist.all_gather_object(all_blocked, blocked)
+    all_peaks: list[Any] = [None] * WORLD
+    dist.all_gather_object(all_peaks, {"save": save_peaks, "load": load_peaks})
     for c in (ck, ck_plain, ck_async):
         c.close()
     clean(work, rank)
     return {"bytes": total, "tensors": len(state["model"]) * WORLD, "save": times, "load": load_times,
             "cold": cold, "async_blocked": [max(b) for b in zip(*all_blocked, strict=True)],
-            "phases_rank0": {"save": save_phases, "load": load_phases}}
+            "phases_rank0": {"save": save_phases, "load": load_phases},
+            "rank_bytes": nbytes(state),
+            "peak_rss_above": {op: {w: max(max(p[op][w] or [0]) for p in all_peaks) for w in all_peaks[0][op]}
+                               for op in ("save", "load")}}
 
 
 def bench_load_modes(kind: str, rank: int, args: argparse.Namespace) -> dict[str, Any]:
@@ -317,7 +375,8 @@ def bench_load_modes(kind: str, rank: int, args: argparse.Namespace) -> dict[str
         for name in names[rep % len(names):] + names[: rep % len(names)]:
             dist.barrier()
             if rank == 0:
-                cold = drop_caches() and cold
+                cold = evict(work, args.drop_caches) and cold
+            dist.barrier()
             out["cold"][name].append(timed(readers[name]))
             out["warm"][name].append(timed(readers[name]))
             for k in state["model"]:
@@ -401,6 +460,12 @@ def render(results: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
              f"save vs dcp {best['dcp.save'] / best['ckptguard']:.2f}x",
              f"load vs raw {lbest['raw reader'] / lbest['ckptguard']:.2f}x",
              f"load vs dcp {lbest['dcp.load'] / lbest['ckptguard']:.2f}x"]))
+        if "peak_rss_above" in r:
+            state_mb = r["rank_bytes"] / 1e6
+            for op, peaks in r["peak_rss_above"].items():
+                lines.append(f"  peak resident set above the state during {op} (max over ranks and reps; state "
+                             f"{state_mb:.0f} MB per rank): " + "; ".join(
+                                 f"{w} {v / 1e6:.0f} MB ({v / r['rank_bytes']:.1%})" for w, v in peaks.items()))
         for op, runs in r.get("phases_rank0", {}).items():
             if runs:
                 phases = {k: statistics.median(x.get(k, 0.0) for x in runs) for k in runs[0]}
@@ -453,6 +518,8 @@ def main() -> None:
     p.add_argument("--quick", action="store_true", help="0.25 GiB, 2,000 small tensors, 2 repetitions, 10 saves")
     p.add_argument("--json", default=None, help="where to write the JSON result (default bench/results/)")
     p.add_argument("--load-modes", action="store_true", help="only loads: raw reader vs each ckptguard load mode")
+    p.add_argument("--drop-caches", action="store_true",
+                   help="cold loads by dropping the whole page cache (root); default: evict only the bench's files")
     args = p.parse_args()
     if args.quick:
         args.size_gib, args.small_count, args.reps, args.load_reps, args.rss_saves = 0.25, 2000, 2, 1, 10

@@ -35,7 +35,7 @@ from ckptguard.protocol import save as save_protocol
 from ckptguard.protocol.artifacts import ArtifactTarget
 from ckptguard.protocol.decisions import Listing, commit_order
 from ckptguard.protocol.layout import CheckpointName
-from ckptguard.protocol.session import DEFAULT_LOAD_MEMORY_BYTES, Options, Session, open_session
+from ckptguard.protocol.session import Options, Session, open_session
 from ckptguard.protocol.timing import PhaseTimer, gc_paused
 from ckptguard.protocol.topology import Topology
 from ckptguard.staging import HostStager
@@ -62,9 +62,12 @@ class Checkpointer:
     ``CheckpointIO``); the lease still keeps a second writer out of the root.
     ``collective_timeout_s`` bounds how long ranks wait for a rank that died or
     stalled, on the group ckptguard creates (a group passed in keeps its own).
-    ``load_memory_bytes`` (per rank, default 256 MiB) is how much of a load is
-    verified in host memory and then copied into place; the rest is verified
-    in a first pass and read into place in a second (docs/performance.md).
+    ``load_memory_bytes`` (per rank; default None: 256 MiB on filesystems, half
+    of MemAvailable shared by the host's ranks on object stores) is how much of
+    a load is read once, verified, and held
+    (scratch, or the old bytes of tensors read in place) until every rank agreed;
+    the rest is verified in a first pass and read into place in a second from
+    the files kept open or a local spill (docs/performance.md).
     """
 
     def __init__(
@@ -113,8 +116,7 @@ class Checkpointer:
                         "(a typo in the path?)", storage.root)
         self.progress = progress
         self._read_only = read_only
-        options = Options(keep_last, keep_every, io_threads, checksum, visibility_timeout_s,
-                          DEFAULT_LOAD_MEMORY_BYTES if load_memory_bytes is None else load_memory_bytes)
+        options = Options(keep_last, keep_every, io_threads, checksum, visibility_timeout_s, load_memory_bytes)
         comm = Comm(LocalTransport()) if isinstance(process_group, str) and process_group == "local" \
             else default_comm(process_group, collective_timeout_s)
         self._session: Session = open_session(comm, storage, options, read_only=read_only, job_id=job_id,
@@ -186,13 +188,13 @@ class Checkpointer:
         self._set_option(visibility_timeout_s=_seconds("visibility_timeout_s", value))
 
     @property
-    def load_memory_bytes(self) -> int:
+    def load_memory_bytes(self) -> int | None:
         """Per rank, how much of a load is verified in host memory before it is copied into place."""
         return self._session.options.load_memory_bytes
 
     @load_memory_bytes.setter
-    def load_memory_bytes(self, value: int) -> None:
-        self._set_option(load_memory_bytes=_required(_count("load_memory_bytes", value, 0)))
+    def load_memory_bytes(self, value: int | None) -> None:
+        self._set_option(load_memory_bytes=_count("load_memory_bytes", value, 0, optional=True))
 
     @property
     def read_only(self) -> bool:
@@ -331,8 +333,9 @@ class Checkpointer:
         Loading at a different world size reshards.
 
         A failed load leaves ``state`` (and ``files=`` destinations) exactly as
-        they were: every byte is read and verified on every rank before any of it
-        is copied into place (see ``load_memory_bytes`` in docs/performance.md).
+        they were: every byte is read and verified on every rank before the load is
+        agreed, and tensors read in place get their old bytes back if it is not
+        (see ``load_memory_bytes`` in docs/performance.md).
         """
         self.wait()
         self._check_usable(writing=False)

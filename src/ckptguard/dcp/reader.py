@@ -1,31 +1,43 @@
-"""DCP StorageReader for ckptguard: every byte verified before any of it reaches the caller's state.
+"""DCP StorageReader for ckptguard: a load changes the caller's state only once every byte is verified.
 
 A load has two phases, with an agreement of all ranks between them (protocol/load.py):
 
-    read_data   (DCP calls it) reads this rank's items and checks every checksum,
-                without writing a byte into the caller's tensors or objects:
-                items go into scratch buffers while they fit in ``memory_bytes``
-                (staged); the rest is read and checked in bounded chunks, and its
-                files are kept open (verified only)
+    read_data   (DCP calls it) reads this rank's items and checks every checksum.
+                Within ``memory_bytes`` an item whose bytes can go straight into
+                its destination (same shape, dtype, contiguous CPU memory) is read
+                there, after its old bytes are copied aside (in place); other
+                items go into scratch memory (staged). Beyond ``memory_bytes`` an
+                item is checked in bounded chunks and its source is pinned for a
+                second read: the file kept open (POSIX), or, where an open handle
+                does not keep the bytes (object stores) or no more files may be
+                kept open, its verified bytes are spilled to an unlinked local
+                temporary file (verified only)
     apply       once every rank verified its part: staged items are copied into
-                place, verified-only items read again straight into place from
-                the files kept open, and checked again; objects are placed
+                place, verified-only items read again from their pinned source and
+                checked again; objects are placed
+    close       without a successful apply (this rank's or another's failure), the
+                old bytes of every item read in place are put back
 
-So a corrupt byte anywhere, on any rank, leaves the caller's state exactly as it
-was. Staged items cost one memory copy; verified-only ones a second read (from
-the page cache when memory allows), which is what bounds memory for states
-larger than ``memory_bytes``. The second read can only disagree with the first
-if a file of a committed checkpoint was modified in place during the load (never
-by ckptguard): that is reported as a TornLoadError, which says so.
+So a corrupt byte anywhere, on any rank, leaves the caller's state as it was. In
+place and staged items cost one memory copy and one read of storage; verified-only
+items a second read of a source retention cannot delete (an open file, or the local
+spill). Storage is read once whatever the budget: an object deleted or replaced by
+retention between the phases is never fetched again. The second read can only
+disagree with the first if a checkpoint file was modified in place during the load
+(never by ckptguard): that is reported as a TornLoadError, which says so.
 """
 
 from __future__ import annotations
 
+import contextlib
 import io
+import mmap
 import os
+import resource
+import tempfile
 import threading
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,7 +49,7 @@ from torch.distributed.checkpoint.storage import StorageReader
 
 from ckptguard._faults import FaultPhase, fault_point
 from ckptguard.checksum import Hasher, checksum
-from ckptguard.dcp.codec import dtype_from_name, dtype_name, narrow, tensor_bytes
+from ckptguard.dcp.codec import _NUMPY_DTYPES, dtype_from_name, dtype_name, narrow, tensor_bytes
 from ckptguard.dcp.planners import decode_object
 from ckptguard.dcp.records import StoredItem
 from ckptguard.errors import CheckpointError, CorruptCheckpointError, TornLoadError
@@ -45,13 +57,41 @@ from ckptguard.storage import ReadHandle, StorageBackend
 
 _MAX_IOV = 512  # items per vectored read
 _CHUNK = 8 << 20  # verified-only items are checked in chunks of this size
-_MAX_KEPT_OPEN = 256  # files of verified-only items kept open between the two phases
+_ALIGN = 64  # scratch slots in the arena start at this alignment (any dtype, vector loads)
+_FD_MARGIN = 256  # descriptors left to the rest of the process when files are kept open for a load
+
+#: Share of MemAvailable a load may hold per rank of this host when ``memory_bytes`` is None, on
+#: storage where a second read is not cheap (object stores: a spill to local disk).
+MEMORY_SHARE = 0.5
+#: What a load holds per rank when MemAvailable cannot be read.
+FALLBACK_MEMORY_BYTES = 256 << 20
+#: What a load holds per rank by default on POSIX storage. Measured here (docs/performance.md),
+#: holding bytes in fresh host memory (scratch, or the old bytes of items read in place) cost more
+#: than a second read from the page cache through the files kept open: only small states are held.
+POSIX_MEMORY_BYTES = 256 << 20
+
+
+def auto_memory_bytes(local_ranks: int) -> int:
+    """The verified-bytes budget of one rank: a share of the memory available now on this host,
+    split between the ranks of the host (the loads of a restarted job run at once)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(int(line.split()[1]) * 1024 * MEMORY_SHARE) // max(1, local_ranks)
+    except (OSError, ValueError, IndexError):
+        pass
+    return FALLBACK_MEMORY_BYTES
 
 
 class GuardedReader(StorageReader):
+    """``memory_bytes`` None: ``POSIX_MEMORY_BYTES`` on POSIX storage, else :func:`auto_memory_bytes`
+    of ``local_ranks``. ``backup=False`` when the destinations are fresh buffers of the reader's
+    caller (nothing to put back on failure)."""
+
     def __init__(self, storage: StorageBackend, checkpoint_dir: str, metadata: Metadata, algorithm: str,
                  rank: int, io_threads: int = 4, on_bytes: Callable[[int], None] | None = None,
-                 memory_bytes: int = 256 << 20) -> None:
+                 memory_bytes: int | None = None, local_ranks: int = 1, backup: bool = True) -> None:
         super().__init__()
         self.storage = storage
         self.on_bytes = on_bytes
@@ -60,12 +100,19 @@ class GuardedReader(StorageReader):
         self.algorithm = algorithm
         self.rank = rank
         self.io_threads = max(1, io_threads)
+        if memory_bytes is None:
+            memory_bytes = POSIX_MEMORY_BYTES if storage.has_directories else auto_memory_bytes(local_ranks)
         self.memory_bytes = memory_bytes
+        self.backup = backup
         self.storage_data: dict[MetadataIndex, StoredItem] = metadata.storage_data
         self._jobs: list[_ReadJob] = []
         self._open: dict[str, ReadHandle] = {}
-        self.staged_bytes = 0  # held in scratch buffers between the phases
-        self.verified_only_bytes = 0  # read twice
+        self._arena: _Arena | None = None
+        self._spill: _Spill | None = None
+        self._done = False
+        self.staged_bytes = 0  # held in host memory between the phases (scratch, or old bytes of in-place items)
+        self.verified_only_bytes = 0  # read twice: from storage, then from a pinned source
+        self.spilled_bytes = 0  # of those, read again from the local spill file
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         pass
@@ -86,8 +133,19 @@ class GuardedReader(StorageReader):
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
         return False
 
-    # -- phase 1: read and verify, touching nothing of the caller's ---------------------------
+    # -- phase 1: read and verify; the caller's state is put back as it was unless apply() succeeds ----
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> torch.futures.Future[None]:
+        try:
+            jobs = self._plan_jobs(plan, planner)
+            self._read_and_verify(jobs)
+        except BaseException:
+            self.close()
+            raise
+        fut: torch.futures.Future[None] = torch.futures.Future()
+        fut.set_result(None)
+        return fut
+
+    def _plan_jobs(self, plan: LoadPlan, planner: LoadPlanner) -> list[_ReadJob]:
         by_item: dict[StoredItem, list[ReadItem]] = defaultdict(list)
         for req in plan.items:
             stored = self.storage_data.get(req.storage_index)
@@ -100,120 +158,161 @@ class GuardedReader(StorageReader):
                 )
             by_item[stored].append(req)
         # Resolve destinations on this thread (the planner is not ours to call concurrently); resolving
-        # only returns views of the caller's tensors, nothing is written to them in this phase.
+        # only returns views of the caller's tensors.
         jobs: list[_ReadJob] = []
-        budget = self.memory_bytes
         for stored, reqs in sorted(by_item.items(), key=lambda kv: (kv[0].file, kv[0].offset)):
             if reqs[0].type == LoadItemType.BYTE_IO:
-                job = _ReadJob(stored, reqs, [], staged=True)  # objects are decoded (and checked) now
+                job = _ReadJob(stored, reqs, [], mode=_STAGED)  # objects are decoded (and checked) now
             else:
                 job = _ReadJob(stored, reqs, [planner.resolve_tensor(r).detach() for r in reqs])
                 job.check_fits()
-                job.staged = stored.length <= budget
-            if job.staged:
-                budget -= stored.length
-                self.staged_bytes += stored.length
-            else:
-                self.verified_only_bytes += stored.length
             jobs.append(job)
+        _no_in_place_for_aliases(jobs)
+        budget = self.memory_bytes
+        arena_bytes = 0
+        for job in jobs:
+            length = job.stored.length
+            if job.stored.shape is None:  # an object: always staged (decoded in this phase)
+                budget -= length
+                self.staged_bytes += length
+                continue
+            if job.direct is not None and not self.backup:
+                job.mode = _IN_PLACE  # fresh destinations: nothing to put back, nothing to hold
+                continue
+            if length <= budget:
+                job.mode = _IN_PLACE if job.direct is not None else _STAGED
+                budget -= length
+                self.staged_bytes += length
+                job.slot = arena_bytes
+                arena_bytes += -(-length // _ALIGN) * _ALIGN
+            else:
+                job.mode = _VERIFIED
+                self.verified_only_bytes += length
+        self._arena = _Arena(arena_bytes)
         self._jobs = jobs
+        return jobs
+
+    def _read_and_verify(self, jobs: list[_ReadJob]) -> None:
         by_file: dict[str, list[_ReadJob]] = defaultdict(list)
         for job in jobs:
             by_file[job.stored.file].append(job)
+        files = sorted(by_file.items())
+        # Files a second read comes from: kept open where an open handle keeps the bytes (POSIX: a
+        # rename or unlink by retention changes nothing for it), as many as the descriptor limit allows;
+        # the verified bytes of the others are spilled to a local temporary file.
+        second = [rel for rel, fj in files if any(j.mode == _VERIFIED for j in fj)]
+        keep = set(second[:_keepable(len(second))]) if self.storage.has_directories else set()
+        if len(keep) < len(second):
+            self._spill = _Spill()
+            self.spilled_bytes = sum(j.stored.length for rel, fj in files if rel not in keep
+                                     for j in fj if j.mode == _VERIFIED)
         first = [True]
         lock = threading.Lock()
+        stop = threading.Event()
 
         def read_file(rel: str, file_jobs: list[_ReadJob]) -> None:
+            if stop.is_set():
+                return
             path = os.path.join(self.checkpoint_dir, rel)
             fd = self.storage.open_read(path)
-            keep = False
+            kept = False
             try:
-                batch: list[tuple[_ReadJob, memoryview]] = []
-                batch_bytes = 0
-                checks: list[_ReadJob] = []  # consecutive verified-only items, read together into `chunk`
-                checks_bytes = 0
-                chunk: memoryview | None = None
-
-                def flush() -> None:
-                    nonlocal batch, batch_bytes, checks, checks_bytes
-                    if batch:
-                        fd.read_into([v for _, v in batch], batch[0][0].stored.offset)
-                        for job, view in batch:
-                            job.verify(view, path, self.algorithm)
-                        if self.on_bytes is not None:
-                            self.on_bytes(batch_bytes)
-                        batch, batch_bytes = [], 0
-                    if checks:
-                        assert chunk is not None
-                        fd.read_into([chunk[:checks_bytes]], checks[0].stored.offset)
-                        pos = 0
-                        for job in checks:
-                            job.verify(chunk[pos:pos + job.stored.length], path, self.algorithm)
-                            pos += job.stored.length
-                        if self.on_bytes is not None:
-                            self.on_bytes(checks_bytes)
-                        checks, checks_bytes = [], 0
-
-                for job in file_jobs:  # in offset order
-                    if job.staged:
-                        view = job.allocate()
-                        # Consecutive staged items: one preadv() for many of them.
-                        if checks or (batch and (len(batch) >= _MAX_IOV or batch_bytes >= 64 << 20 or
-                                                 not _follows(batch[-1][0], job))):
-                            flush()
-                        batch.append((job, view))
-                        batch_bytes += len(view)
-                    else:
-                        keep = True
-                        if chunk is None:
-                            chunk = memoryview(bytearray(_CHUNK))
-                        if batch or (checks and (checks_bytes + job.stored.length > _CHUNK
-                                                 or not _follows(checks[-1], job))):
-                            flush()
-                        if job.stored.length > _CHUNK:
-                            job.verify_streaming(fd, path, self.algorithm, chunk)
-                            if self.on_bytes is not None:
-                                self.on_bytes(job.stored.length)
-                        else:
-                            checks.append(job)
-                            checks_bytes += job.stored.length
-                    if first[0]:
-                        first[0] = False
-                        flush()
-                        fault_point(FaultPhase.MID_LOAD, self.rank)
-                flush()
-            except BaseException:
-                fd.close()
-                raise
-            if keep:
-                with lock:
-                    if len(self._open) < _MAX_KEPT_OPEN:
-                        # Read again in the apply phase through this very handle: retention renaming
-                        # or deleting the checkpoint meanwhile does not change what it reads.
+                kept = self._read_file(fd, path, file_jobs, rel in keep, first, lock, stop)
+            finally:
+                if kept:
+                    with lock:
                         self._open[rel] = fd
-                        return
-            fd.close()
+                else:
+                    fd.close()
 
-        files = sorted(by_file.items())
-        try:
-            if len(files) <= 1 or self.io_threads == 1:
-                for rel, fj in files:
-                    read_file(rel, fj)
-            else:
-                with ThreadPoolExecutor(min(self.io_threads, len(files)), thread_name_prefix="ckptguard-read") as pool:
-                    for f in [pool.submit(read_file, rel, fj) for rel, fj in files]:
+        if len(files) <= 1 or self.io_threads == 1:
+            for rel, fj in files:
+                read_file(rel, fj)
+        else:
+            with ThreadPoolExecutor(min(self.io_threads, len(files)), thread_name_prefix="ckptguard-read") as pool:
+                futures = [pool.submit(read_file, rel, fj) for rel, fj in files]
+                try:
+                    for f in futures:
                         f.result()
-            for job in jobs:
-                if job.reqs[0].type == LoadItemType.BYTE_IO:
-                    assert job.raw is not None
-                    job.obj = decode_object(job.reqs[0].dest_index.fqn, io.BytesIO(job.raw))
-                    job.raw = None
-        except BaseException:
-            self.close()
-            raise
-        fut: torch.futures.Future[None] = torch.futures.Future()
-        fut.set_result(None)
-        return fut
+                except BaseException:
+                    stop.set()  # the others stop at their next batch; leaving `with` waits for them
+                    raise
+        for job in jobs:
+            if job.reqs[0].type == LoadItemType.BYTE_IO:
+                assert job.raw is not None
+                job.obj = decode_object(job.reqs[0].dest_index.fqn, io.BytesIO(job.raw))
+                job.raw = None
+
+    def _read_file(self, fd: ReadHandle, path: str, file_jobs: list[_ReadJob], keep: bool, first: list[bool],
+                   lock: threading.Lock, stop: threading.Event) -> bool:
+        """Phase 1 for one file's items, in offset order; whether ``fd`` is kept for the second read."""
+        arena = self._arena
+        assert arena is not None
+        batch: list[tuple[_ReadJob, memoryview]] = []
+        batch_bytes = 0
+        checks: list[_ReadJob] = []  # consecutive verified-only items, read together into `chunk`
+        checks_bytes = 0
+        chunk: memoryview | None = None
+
+        def flush() -> None:
+            nonlocal batch, batch_bytes, checks, checks_bytes
+            if stop.is_set():
+                raise _Stopped()
+            if batch:
+                for job, _ in batch:
+                    if job.mode == _IN_PLACE and self.backup:
+                        job.save_old(arena)  # just before its bytes change: what close() puts back
+                fd.read_into([v for _, v in batch], batch[0][0].stored.offset)
+                for job, view in batch:
+                    job.verify(view, path, self.algorithm)
+                if self.on_bytes is not None:
+                    self.on_bytes(batch_bytes)
+                batch, batch_bytes = [], 0
+            if checks:
+                assert chunk is not None
+                fd.read_into([chunk[:checks_bytes]], checks[0].stored.offset)
+                pos = 0
+                for job in checks:
+                    view = chunk[pos:pos + job.stored.length]
+                    job.verify(view, path, self.algorithm)
+                    if not keep:
+                        assert self._spill is not None
+                        job.spill_at = self._spill.append(view)
+                    pos += job.stored.length
+                if self.on_bytes is not None:
+                    self.on_bytes(checks_bytes)
+                checks, checks_bytes = [], 0
+
+        for job in file_jobs:  # in offset order
+            if job.mode != _VERIFIED:
+                view = job.destination(arena)
+                # Consecutive items read into memory: one preadv() for many of them.
+                if checks or (batch and (len(batch) >= _MAX_IOV or batch_bytes >= 64 << 20 or
+                                         not _follows(batch[-1][0], job))):
+                    flush()
+                batch.append((job, view))
+                batch_bytes += len(view)
+            else:
+                if chunk is None:
+                    chunk = memoryview(bytearray(_CHUNK))
+                if batch or (checks and (checks_bytes + job.stored.length > _CHUNK
+                                         or not _follows(checks[-1], job))):
+                    flush()
+                if job.stored.length > _CHUNK:
+                    job.verify_streaming(fd, path, self.algorithm, chunk, None if keep else self._spill)
+                    if self.on_bytes is not None:
+                        self.on_bytes(job.stored.length)
+                else:
+                    checks.append(job)
+                    checks_bytes += job.stored.length
+            if first[0]:
+                with lock:
+                    was_first, first[0] = first[0], False
+                if was_first:
+                    flush()
+                    fault_point(FaultPhase.MID_LOAD, self.rank)
+        flush()
+        return keep
 
     # -- phase 2: once every rank verified its part ----------------------------------------------
     def apply(self, planner: LoadPlanner) -> None:
@@ -232,77 +331,144 @@ class GuardedReader(StorageReader):
                             buf.seek(0)
                             planner.load_bytes(req, buf)
                     continue
-                if job.placed:
+                if job.placed or job.mode == _IN_PLACE:
                     pass
-                elif not job.staged:
+                elif job.mode == _VERIFIED:
                     self._read_into_place(job)
                 else:
                     job.copy_into_place()
                 for req, target in zip(job.reqs, job.targets, strict=True):
                     planner.commit_tensor(req, target)
                 job.release()
+            self._done = True
         finally:
             self.close()
+
+    def _second_source(self, rel: str, path: str) -> tuple[ReadHandle, bool]:
+        """Where a verified-only item of ``rel`` is read again: its file kept open, or the spill (True)."""
+        fd = self._open.get(rel)
+        if fd is not None:
+            return fd, False
+        assert self._spill is not None, f"{path}: neither kept open nor spilled"
+        return self._spill, True
 
     def _read_direct_into_place(self) -> None:
         """Verified-only items that go straight into their destinations: one preadv() for many."""
         by_file: dict[str, list[tuple[_ReadJob, memoryview]]] = defaultdict(list)
         for job in self._jobs:
-            if not job.staged and job.reqs[0].type != LoadItemType.BYTE_IO:
-                view = job.direct_view()
-                if view is not None:
-                    by_file[job.stored.file].append((job, view))
+            if job.mode == _VERIFIED and job.direct is not None:
+                by_file[job.stored.file].append((job, job.direct))
         for rel, items in by_file.items():
+            path = os.path.join(self.checkpoint_dir, rel)
+            fd, spilled = self._second_source(rel, path)
             batches: list[list[tuple[_ReadJob, memoryview]]] = []
             batch_bytes = 0
             for job, view in items:
                 if not batches or len(batches[-1]) >= _MAX_IOV or batch_bytes >= 64 << 20 \
-                        or not _follows(batches[-1][-1][0], job):
+                        or not _follows_at(batches[-1][-1][0], job, spilled):
                     batches.append([])
                     batch_bytes = 0
                 batches[-1].append((job, view))
                 batch_bytes += len(view)
-            path = os.path.join(self.checkpoint_dir, rel)
-            fd = self._open.get(rel)
-            own = fd is None
-            if fd is None:
-                fd = self.storage.open_read(path)
-            try:
-                for batch in batches:
-                    fd.read_into([v for _, v in batch], batch[0][0].stored.offset)
-                    for job, view in batch:
-                        try:
-                            job.verify(view, path, self.algorithm)
-                        except CorruptCheckpointError as e:
-                            raise _torn(e, self.rank, path) from None
-                        job.placed = True
-            finally:
-                if own:
-                    fd.close()
+            for batch in batches:
+                head = batch[0][0]
+                fd.read_into([v for _, v in batch], head.spill_at if spilled else head.stored.offset)
+                for job, view in batch:
+                    try:
+                        job.verify(view, path, self.algorithm)
+                    except CorruptCheckpointError as e:
+                        raise _torn(e, self.rank, path) from None
+                    job.placed = True
 
     def _read_into_place(self, job: _ReadJob) -> None:
         path = os.path.join(self.checkpoint_dir, job.stored.file)
-        fd = self._open.get(job.stored.file)
-        own = fd is None
-        if fd is None:
-            fd = self.storage.open_read(path)
+        fd, spilled = self._second_source(job.stored.file, path)
+        view = job.allocate_scratch()
         try:
-            job.read_into_place(fd, path, self.algorithm)
+            fd.read_into([view], job.spill_at if spilled else job.stored.offset)
+            job.verify(view, path, self.algorithm)
         except CorruptCheckpointError as e:
             raise _torn(e, self.rank, path) from None
-        finally:
-            if own:
-                fd.close()
+        job.copy_into_place()
 
     def close(self) -> None:
-        """Release the files kept open between the phases."""
-        handles, self._open = self._open, {}
-        for fd in handles.values():
-            fd.close()
+        """Put back the old bytes of every item read in place unless apply() succeeded; release the
+        files kept open, the spill and the scratch memory."""
+        try:
+            if not self._done and self.backup:
+                for job in reversed(self._jobs):  # reversed: aliasing views end with the oldest bytes
+                    job.restore_old()
+        finally:
+            self._done = True
+            handles, self._open = self._open, {}
+            for fd in handles.values():
+                fd.close()
+            if self._spill is not None:
+                self._spill.close()
+                self._spill = None
+            for job in self._jobs:
+                job.release()
+            if self._arena is not None:
+                self._arena.close()
+                self._arena = None
+
+
+class _Stopped(Exception):
+    """Another file of the same load failed: this one stops reading."""
+
+
+def _keepable(wanted: int) -> int:
+    """How many files may be kept open for a second read: the soft descriptor limit is raised toward
+    the hard one when ``wanted`` needs it; ``_FD_MARGIN`` descriptors stay free for the rest."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    need = wanted + 2 * _FD_MARGIN
+    if need > soft:
+        target = need if hard == resource.RLIM_INFINITY else min(need, hard)
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+        except (ValueError, OSError):
+            pass
+    try:
+        in_use = len(os.listdir("/proc/self/fd"))
+    except OSError:
+        in_use = _FD_MARGIN
+    return max(0, min(wanted, soft - in_use - _FD_MARGIN))
+
+
+def _no_in_place_for_aliases(jobs: list[_ReadJob]) -> None:
+    """Items whose destinations share memory with another item's (tied weights) are staged, not read
+    in place: their old bytes could not be told apart when put back. A destination read in place
+    spans its own bytes; any other, conservatively, its whole storage."""
+    spans: list[tuple[int, int, _ReadJob]] = []
+    for job in jobs:
+        if job.direct is not None:
+            t = job.targets[0]
+            spans.append((t.data_ptr(), t.data_ptr() + len(job.direct), job))
+            continue
+        for t in job.targets:
+            if t.is_cpu and t.numel():
+                storage = t.untyped_storage()
+                spans.append((storage.data_ptr(), storage.data_ptr() + storage.nbytes(), job))
+    spans.sort(key=lambda s: s[0])
+    end = -1
+    last: _ReadJob | None = None
+    for lo, hi, job in spans:
+        if lo < end and last is not None and last is not job:
+            job.direct = None
+            last.direct = None
+        if hi > end:
+            end, last = hi, job
 
 
 def _follows(prev: _ReadJob, job: _ReadJob) -> bool:
     return prev.stored.offset + prev.stored.length == job.stored.offset
+
+
+def _follows_at(prev: _ReadJob, job: _ReadJob, spilled: bool) -> bool:
+    if spilled:
+        return prev.spill_at >= 0 and prev.spill_at + prev.stored.length == job.spill_at
+    return _follows(prev, job)
 
 
 def _torn(err: CorruptCheckpointError, rank: int, path: str) -> TornLoadError:
@@ -312,17 +478,87 @@ def _torn(err: CorruptCheckpointError, rank: int, path: str) -> TornLoadError:
         "being loaded: load again.", rank=rank, path=path)
 
 
+class _Arena:
+    """The host memory of one load's staged items and saved old bytes: one anonymous mapping instead
+    of an allocation per item (a small tensor's allocation cost more than its copy)."""
+
+    def __init__(self, size: int) -> None:
+        self._map = mmap.mmap(-1, size) if size else None
+        self.view = memoryview(self._map) if self._map is not None else memoryview(bytearray())
+
+    def close(self) -> None:
+        self.view.release()
+        if self._map is not None:
+            with contextlib.suppress(BufferError):  # a scratch tensor still refers to it: it goes with the last
+                self._map.close()
+            self._map = None
+
+
+class _Spill:
+    """Verified bytes kept for the second read in an unlinked local temporary file (TMPDIR): what a
+    load re-reads instead of storage that retention may have changed since (objects; files beyond
+    the descriptor limit). It is the load's own: nothing else can delete or change it."""
+
+    path = "the load's spill file"
+
+    def __init__(self) -> None:
+        self._file = tempfile.TemporaryFile(prefix="ckptguard-load-")  # noqa: SIM115  # closed by close()
+        self.fd = self._file.fileno()
+        self._end = 0
+        self._lock = threading.Lock()
+
+    def append(self, data: memoryview) -> int:
+        """Write ``data`` at the end; where it starts."""
+        with self._lock:
+            at = self._end
+            self._end += len(data)
+        done = 0
+        while done < len(data):
+            done += os.pwrite(self.fd, data[done:], at + done)
+        return at
+
+    def size(self) -> int:
+        return self._end
+
+    def read_into(self, views: Sequence[memoryview], offset: int) -> None:
+        pending = [v for v in views if len(v)]
+        done = 0
+        while pending:
+            n = os.preadv(self.fd, pending[:1024], offset + done)
+            if n <= 0:
+                raise CorruptCheckpointError(f"{self.path} ended early at {offset + done}")
+            done += n
+            while pending and n >= len(pending[0]):
+                n -= len(pending[0])
+                pending.pop(0)
+            if n:
+                pending[0] = pending[0][n:]
+
+    def close(self) -> None:
+        self._file.close()
+
+
+_IN_PLACE, _STAGED, _VERIFIED = "in place", "staged", "verified only"
+
+
 @dataclass
 class _ReadJob:
     stored: StoredItem
     reqs: list[ReadItem]
     targets: list[torch.Tensor]
-    staged: bool = False
+    mode: str = _STAGED
+    direct: memoryview | None = field(default=None, repr=False)  # the destination's bytes, if read straight there
+    slot: int = -1  # offset in the arena: scratch bytes (staged) or the old bytes (in place)
+    spill_at: int = -1  # offset in the spill file of a verified-only item
     raw: bytearray | None = None  # an object's bytes, until decoded
     obj: Any = None  # an object, decoded
     scratch: torch.Tensor | None = field(default=None, repr=False)
     scratch_view: memoryview | None = field(default=None, repr=False)
+    old: memoryview | None = field(default=None, repr=False)  # the destination's bytes before this load
     placed: bool = False  # read straight into its destination in the apply phase
+
+    def __post_init__(self) -> None:
+        self.direct = self._direct_view()
 
     def check_fits(self) -> None:
         """Every destination can take its piece (checked before anything is copied)."""
@@ -334,24 +570,56 @@ class _ReadJob:
                 raise CheckpointError(f"{s.fqn}: stored piece {list(req.lengths)} does not fit destination "
                                       f"{list(target.shape)}")
 
-    def allocate(self) -> memoryview:
-        """A scratch buffer for the stored bytes (a tensor of the stored shape, or bytes of an object)."""
+    def destination(self, arena: _Arena) -> memoryview:
+        """Where phase 1 reads this item: its destination (in place), an arena slot (staged tensor),
+        or fresh bytes (an object)."""
         s = self.stored
+        if self.mode == _IN_PLACE:
+            assert self.direct is not None
+            return self.direct
         if s.shape is None:
             buf = bytearray(s.length)
             self.raw = buf
             return memoryview(buf)
-        self.scratch = torch.empty(s.shape, dtype=dtype_from_name(s.dtype or ""))
-        view, _ = tensor_bytes(self.scratch) if self.scratch.numel() else (memoryview(b""), self.scratch)
-        if len(view) != s.length:
+        view = arena.view[self.slot:self.slot + s.length] if self.slot >= 0 else None
+        return self._scratch(view)
+
+    def allocate_scratch(self) -> memoryview:
+        """Scratch memory for the second read of a verified-only item that cannot go straight into place."""
+        return self._scratch(None)
+
+    def _scratch(self, view: memoryview | None) -> memoryview:
+        s = self.stored
+        assert s.shape is not None
+        dtype = dtype_from_name(s.dtype or "")
+        numel = 1
+        for d in s.shape:
+            numel *= d
+        if view is None or not numel:
+            self.scratch = torch.empty(s.shape, dtype=dtype)
+        else:
+            self.scratch = torch.frombuffer(view, dtype=torch.uint8).view(dtype).view(s.shape)
+        got, _ = tensor_bytes(self.scratch) if numel else (memoryview(b""), self.scratch)
+        if len(got) != s.length:
             raise CorruptCheckpointError(f"{s.fqn}: stored length {s.length} does not match its shape "
                                          f"{list(s.shape)}")
-        self.scratch_view = view
-        return view
+        self.scratch_view = got
+        return got
+
+    def save_old(self, arena: _Arena) -> None:
+        assert self.direct is not None and self.slot >= 0
+        old = arena.view[self.slot:self.slot + len(self.direct)]
+        old[:] = self.direct
+        self.old = old
+
+    def restore_old(self) -> None:
+        if self.old is not None and self.direct is not None:
+            self.direct[:] = self.old
+        self.old = None
 
     def copy_into_place(self) -> None:
         assert self.scratch is not None
-        direct = self.direct_view()
+        direct = self.direct
         if direct is not None and self.scratch_view is not None and len(self.scratch_view) == len(direct):
             direct[:] = self.scratch_view  # a plain memcpy: far cheaper than a torch op per small tensor
             return
@@ -360,37 +628,31 @@ class _ReadJob:
 
     def release(self) -> None:
         self.scratch = None
+        if self.scratch_view is not None:
+            self.scratch_view.release()
         self.scratch_view = None
         self.obj = None
+        self.old = None
 
-    def _direct_target(self) -> torch.Tensor | None:
-        """The destination tensor if the stored bytes can be read straight into it."""
-        if len(self.reqs) != 1 or self.stored.shape is None:
+    def _direct_view(self) -> memoryview | None:
+        """The destination's own bytes, if the stored bytes can go straight into them (cheap checks
+        first: this runs for every item of every load)."""
+        if len(self.targets) != 1 or self.stored.shape is None:
             return None
         t, req = self.targets[0], self.reqs[0]
-        if (t.device.type != "cpu" or not t.is_contiguous() or dtype_name(t.dtype) != self.stored.dtype
-                or tuple(t.shape) != self.stored.shape or any(req.storage_offsets)
-                or tuple(req.lengths) != self.stored.shape):
+        if (not t.is_contiguous() or t.is_cpu is False or tuple(t.shape) != self.stored.shape
+                or tuple(req.lengths) != self.stored.shape or any(req.storage_offsets) or not t.numel()
+                or dtype_name(t.dtype) != self.stored.dtype or t.is_conj() or t.is_neg()):
             return None
-        return t
-
-    def direct_view(self) -> memoryview | None:
-        """The destination's own bytes, if the stored bytes can go straight into them."""
-        direct = self._direct_target()
-        if direct is None or not direct.numel():
-            return None
-        view, _ = tensor_bytes(direct)
+        if t.dtype in _NUMPY_DTYPES:
+            view = memoryview(t.numpy()).cast("B")  # type: ignore[arg-type]  # ndarray is a buffer
+        else:
+            view, _ = tensor_bytes(t)
         return view if len(view) == self.stored.length else None
 
-    def read_into_place(self, fd: ReadHandle, path: str, algorithm: str) -> None:
-        """The second read of a verified-only item that cannot go straight into its destination."""
-        view = self.allocate()
-        fd.read_into([view], self.stored.offset)
-        self.verify(view, path, algorithm)
-        self.copy_into_place()
-
-    def verify_streaming(self, fd: ReadHandle, path: str, algorithm: str, chunk: memoryview) -> None:
-        """Check an item's checksum reading it in chunks (nothing kept)."""
+    def verify_streaming(self, fd: ReadHandle, path: str, algorithm: str, chunk: memoryview,
+                         spill: _Spill | None) -> None:
+        """Check an item's checksum reading it in chunks (kept in ``spill`` if given)."""
         s = self.stored
         hasher = Hasher(algorithm)
         pos = 0
@@ -398,6 +660,10 @@ class _ReadJob:
             n = min(len(chunk), s.length - pos)
             fd.read_into([chunk[:n]], s.offset + pos)
             hasher.update(chunk[:n])
+            if spill is not None:
+                at = spill.append(chunk[:n])
+                if not pos:
+                    self.spill_at = at
             pos += n
         self._compare(hasher.hexdigest(), path)
 

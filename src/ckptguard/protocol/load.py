@@ -240,8 +240,10 @@ def _load_from_manifest(session: Session, name: CheckpointName, seq: int | None,
         prepared = prepare_state(state, comm.rank)
     planner = SafeLoadPlanner(allow_partial_load=not strict)
     data_dir = root.data_dir(name, manifest)
+    topo = session.topo
     reader = GuardedReader(session.storage, data_dir, metadata, manifest.checksum_algorithm, comm.rank,
-                           session.options.io_threads, memory_bytes=session.options.load_memory_bytes)
+                           session.options.io_threads, memory_bytes=session.options.load_memory_bytes,
+                           local_ranks=topo.hosts.count(topo.hosts[topo.rank]))
     swaps: list[artifacts.RestoreSwap] = []
     try:
         with ByteProgress(stats.show_progress, f"loading step {name.step}", None) as bar:
@@ -278,4 +280,5 @@ def _load_from_manifest(session: Session, name: CheckpointName, seq: int | None,
     stats.bytes = sum(i.length for i in manifest.items)
     stats.staged_bytes = reader.staged_bytes
     stats.verified_only_bytes = reader.verified_only_bytes
+    stats.spilled_bytes = reader.spilled_bytes
     log.debug("ckptguard: loaded step %d: %s", name.step, stats)

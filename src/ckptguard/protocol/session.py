@@ -24,12 +24,6 @@ from ckptguard.protocol.topology import (
 )
 from ckptguard.storage import StorageBackend
 
-#: Per rank: what a load may hold in host memory to verify a checkpoint before it touches the
-#: caller's state in one pass; beyond it, the rest is verified first and read into place in a
-#: second pass. Measured here (docs/performance.md), the second pass from the page cache cost less
-#: than faulting in fresh host memory for a large state: the default stages only small states.
-DEFAULT_LOAD_MEMORY_BYTES = 256 << 20
-
 
 @dataclass(frozen=True)
 class Options:
@@ -38,7 +32,9 @@ class Options:
     io_threads: int
     checksum: str
     visibility_timeout_s: float
-    load_memory_bytes: int = DEFAULT_LOAD_MEMORY_BYTES
+    #: Per rank: what a load may hold in host memory to read a checkpoint once and still leave the
+    #: caller's state untouched on failure; None: the reader's default for the storage (dcp/reader.py).
+    load_memory_bytes: int | None = None
 
 
 @dataclass

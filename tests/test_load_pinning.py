@@ -1,0 +1,210 @@
+"""A load larger than ``load_memory_bytes`` reads what it verified, even when retention deletes the
+checkpoint between the verifying pass and the placing one: the files stay open (POSIX), or the
+verified bytes come from a local spill (object stores, and files beyond the descriptor limit).
+The outcome is the checkpoint whole, or an error with the caller's state untouched; never a mix."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import ckptguard.dcp.writer as writer_module
+from ckptguard import Checkpointer, CheckpointError
+
+REPO = Path(__file__).resolve().parent.parent
+FILES = 300  # more data files than a load kept open before (256)
+
+
+def _state(step: int, n: int = FILES) -> dict[str, Any]:
+    return {"model": {f"p{i}": torch.full((64,), float(step * 1000 + i)) for i in range(n)}}
+
+
+def _retire_before_placing(reader: Checkpointer, retire: Callable[[], None]) -> None:
+    """Run ``retire`` (another job's save with keep_last=1) once the reader has verified everything
+    and just before it places it: between the two passes of the load."""
+    comm = reader._session.comm
+    original = comm.step
+
+    def step(what: str, *args: Any, **kwargs: Any) -> Any:
+        if what.startswith("copy step"):
+            retire()
+        return original(what, *args, **kwargs)
+
+    comm.step = step  # type: ignore[method-assign]
+
+
+def _check_whole_or_untouched(reader: Checkpointer, step: int, expected: dict[str, Any]) -> None:
+    out = {"model": {k: torch.zeros_like(t) for k, t in expected["model"].items()}}
+    try:
+        loaded = reader.load(out, step=step)
+    except CheckpointError:
+        assert not any(t.any() for t in out["model"].values()), "a failed load changed the caller's state"
+        raise
+    assert loaded == step
+    bad = [k for k, t in out["model"].items() if not torch.equal(t, expected["model"][k])]
+    assert not bad, f"{len(bad)} of {len(out['model'])} tensors differ from step {step}: {bad[:5]}"
+
+
+@pytest.fixture
+def many_files(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """A checkpoint of one file per tensor, as a checkpoint of many ranks loaded by fewer has."""
+    monkeypatch.setattr(writer_module, "_MIN_BYTES_PER_FILE", 1)
+    yield
+
+
+def test_retention_between_the_passes_of_a_load_of_many_files(tmp_path: Path, many_files: None) -> None:
+    root = tmp_path / "ckpt"
+    with Checkpointer(root, keep_last=1, io_threads=FILES) as writer:
+        writer.save(1, _state(1))
+        assert sum(1 for p in (root / "step-00000001").rglob("*") if p.is_file()) > FILES
+        with Checkpointer(root, read_only=True, load_memory_bytes=0) as reader:
+
+            def retire() -> None:
+                writer.save(2, _state(2))
+                writer._wait_cleanup()
+                assert not (root / "step-00000001").exists()
+
+            _retire_before_placing(reader, retire)
+            _check_whole_or_untouched(reader, 1, _state(1))
+
+
+_SPILL_SCRIPT = textwrap.dedent("""
+    import resource, sys
+    resource.setrlimit(resource.RLIMIT_NOFILE, (320, 320))  # fewer descriptors than data files
+    sys.path.insert(0, sys.argv[2])
+    import pytest
+    from tests import test_load_pinning as t
+    import ckptguard.dcp.writer as w
+    w._MIN_BYTES_PER_FILE = 1
+    from pathlib import Path
+    from ckptguard import Checkpointer
+    import ckptguard.dcp.reader as r
+    root = Path(sys.argv[1])
+    with Checkpointer(root, keep_last=1, io_threads=t.FILES) as writer:
+        writer.save(1, t._state(1))
+        with Checkpointer(root, read_only=True, load_memory_bytes=0) as reader:
+            def retire():
+                writer.save(2, t._state(2))
+                writer._wait_cleanup()
+                assert not (root / "step-00000001").exists()
+            t._retire_before_placing(reader, retire)
+            t._check_whole_or_untouched(reader, 1, t._state(1))
+            assert reader.last_load_stats.spilled_bytes > 0, "nothing was spilled"
+    print("OK")
+""")
+
+
+def test_files_beyond_the_descriptor_limit_are_read_again_from_the_spill(tmp_path: Path) -> None:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "src"), str(REPO)])}
+    out = subprocess.run([sys.executable, "-c", _SPILL_SCRIPT, str(tmp_path / "ckpt"), str(REPO)],
+                         capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode == 0 and "OK" in out.stdout, out.stdout + out.stderr
+
+
+# -- object stores: a second pass never fetches again ------------------------------------------------
+
+boto3 = pytest.importorskip("boto3")
+pytest.importorskip("moto")
+
+from tests.support.beds.s3 import S3Bed, s3_bed  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def bed() -> Iterator[S3Bed]:
+    keys = ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION",
+            "AWS_EC2_METADATA_DISABLED", "AWS_CONFIG_FILE", "AWS_SHARED_CREDENTIALS_FILE")
+    saved = {k: os.environ.get(k) for k in keys}
+    with s3_bed(seed=22) as b:
+        os.environ.update(b.env())
+        try:
+            yield b
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+
+
+def test_s3_retention_between_the_passes_never_reads_the_deleted_objects(bed: S3Bed) -> None:
+    bucket = bed.make_bucket(f"ckpt-{uuid.uuid4().hex[:12]}")
+    url = f"s3://{bucket}/root"
+    state = {"model": {f"p{i}": torch.full((4096,), float(1000 + i)) for i in range(40)}}
+    with Checkpointer(url, keep_last=1) as writer:
+        writer.save(1, state)
+        with Checkpointer(url, read_only=True, load_memory_bytes=0) as reader:
+
+            def retire() -> None:
+                writer.save(2, {"model": {k: t + 1 for k, t in state["model"].items()}})
+                writer._wait_cleanup()
+                listed = bed.client(direct=True).list_objects_v2(Bucket=bucket, Prefix="root/").get("Contents", [])
+                assert not [o["Key"] for o in listed if "step-00000001" in o["Key"] and "/data/" in o["Key"]]
+
+            _retire_before_placing(reader, retire)
+            _check_whole_or_untouched(reader, 1, state)
+            assert reader.last_load_stats.spilled_bytes > 0
+
+
+# -- read in place: the old bytes come back unless every rank agreed ---------------------------------
+
+
+def test_a_corrupt_item_puts_back_the_items_already_read_in_place(tmp_path: Path) -> None:
+    """Within the budget items are read straight into the caller's tensors; a corrupt item after
+    them puts every one of them back, parameters (requires_grad) included."""
+    from tests.test_reliability import _flip_item
+
+    root = tmp_path / "ckpt"
+    model = torch.nn.Linear(64, 64)
+    saved = {"model": model.state_dict(), "extra": {f"t{i}": torch.full((1000,), float(i)) for i in range(50)}}
+    with Checkpointer(root) as ck:
+        ck.save(1, saved)
+        _flip_item(root, 1, "extra.t49")
+        fresh = torch.nn.Linear(64, 64)
+        before = {k: v.clone() for k, v in fresh.state_dict().items()}
+        out = {"model": fresh, "extra": {f"t{i}": torch.full((1000,), -1.0) for i in range(50)}}
+        with pytest.raises(CheckpointError, match="checksum mismatch"):
+            ck.load(out, step=1)
+        assert all(torch.equal(fresh.state_dict()[k], v) for k, v in before.items())
+        assert all(bool((t == -1).all()) for t in out["extra"].values())
+
+
+def test_tied_destinations_load_equal(tmp_path: Path) -> None:
+    """Two keys naming one tensor (tied weights) are not read in place: both get the saved bytes."""
+    shared = torch.arange(512.0)
+    with Checkpointer(tmp_path / "ckpt") as ck:
+        ck.save(1, {"a": shared, "b": shared.clone(), "c": shared[:256]})
+        dest = torch.zeros(512)
+        out = {"a": dest, "b": dest, "c": dest[:256]}
+        assert ck.load(out) == 1
+        assert torch.equal(dest, shared)
+
+
+def test_the_default_budget_reads_a_state_that_fits_once(tmp_path: Path) -> None:
+    """By default a small state is read once (in place or staged), nothing verified-only; the object
+    store default is a share of MemAvailable; load_memory_bytes=0 verifies everything first and
+    reads again from the files kept open."""
+    from ckptguard.dcp.reader import auto_memory_bytes
+
+    assert 0 < auto_memory_bytes(4) < auto_memory_bytes(1)
+    state = {"a": torch.arange(10_000.0), "b": torch.ones(3, 5)}
+    nbytes = sum(t.numel() * t.element_size() for t in state.values())
+    with Checkpointer(tmp_path / "ckpt") as ck:
+        ck.save(1, state)
+        out = {"a": torch.zeros(10_000), "b": torch.zeros(3, 5)}
+        assert ck.load(out) == 1 and all(torch.equal(out[k], state[k]) for k in state)
+        stats = ck.last_load_stats
+        assert stats is not None and stats.staged_bytes == nbytes and stats.verified_only_bytes == 0
+    with Checkpointer(tmp_path / "ckpt", read_only=True, load_memory_bytes=0) as reader:
+        out = {"a": torch.zeros(10_000), "b": torch.zeros(3, 5)}
+        assert reader.load(out) == 1 and all(torch.equal(out[k], state[k]) for k in state)
+        stats = reader.last_load_stats
+        assert stats is not None and stats.verified_only_bytes == nbytes and stats.spilled_bytes == 0
