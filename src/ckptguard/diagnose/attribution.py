@@ -272,6 +272,11 @@ def collateral_rank(att: Attribution, kb: KnowledgeBase, cls: str) -> tuple[int 
     if len(suspects) == 1 and len(reporters) >= 2:
         return suspects[0], RankSource.INFERRED, (
             f"every other rank reported {cls}, rank {suspects[0]} did not; it is the one they were waiting for")
+    if len(suspects) == 1 and len(reporters) == 1 and att.world == len(known):
+        # the whole world is known and the one other rank never reported: the one that was waited for
+        return suspects[0], RankSource.INFERRED, (
+            f"rank {min(reporters)} reported {cls} and the only other rank of the job did not; "
+            f"rank {suspects[0]} is the one it was waiting for")
     if len(reporters) == 1 and att.shown <= reporters:
         (r,) = reporters
         return r, RankSource.ONLY_RANK, (

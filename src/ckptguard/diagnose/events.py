@@ -28,6 +28,7 @@ STRUCTURAL_ANCHORS = (
     'File "',
 )
 GENERIC_CLASSES = frozenset({"python_exception", "unclassified_error"})
+_RAISE_NEW = re.compile(r"raise\s+([\w.]+)\(")
 EVIDENCE_CHARS = 400
 KEEP_PER_RANK_CLASS = 3
 KEEP_UNATTRIBUTED_PER_CLASS = 20
@@ -88,6 +89,15 @@ def _op_lines(op: Operation, lines: list[tuple[str, Evidence]]) -> list[Evidence
     if not hits:  # a rule that needs several lines together: the innermost source line
         hits = [ev for text, ev in lines if ":" not in text or " " in text][-1:]
     return hits[-2:]
+
+
+def _raised_by_code(etype: str, code: list[str]) -> bool:
+    """The innermost source line builds and raises this very exception: the code's author chose
+    the type and words, so no operation's errno family (a write, a load) explains it."""
+    if not code:
+        return False
+    m = _RAISE_NEW.match(code[-1].strip())
+    return m is not None and m.group(1).rsplit(".", 1)[-1] == etype.rsplit(".", 1)[-1]
 
 
 class Extractor(LauncherLines):
@@ -458,7 +468,8 @@ class Extractor(LauncherLines):
             rank, via = self._spawn_rank(key, via)
         op_name = None
         extra: list[Evidence] = []
-        if set(best) <= GENERIC_CLASSES:  # nothing specific: what was being done decides
+        if set(best) <= GENERIC_CLASSES and not _raised_by_code(etype, code):
+            # nothing specific: what was being done decides
             op = self._operation(frames, code, exc=f"{etype}: {msg}")
             if op is not None:
                 cls = op.class_for(rank)
