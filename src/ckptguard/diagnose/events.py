@@ -446,6 +446,18 @@ class Extractor(LauncherLines):
                 return op
         return None
 
+    def _blame(self, event: Event, exc: str, ev: Evidence) -> None:
+        """An error whose own words say another rank failed first (a library's agreed failure):
+        that rank is reported, and this one's error is its consequence."""
+        for rep in self.rules.blame_reports:
+            if rep.anchor in exc:
+                bm = rep.pattern.search(exc)
+                if bm:
+                    event.blames = int(bm.group("ranks"))
+                    if event.blames != event.rank and len(self.reported_ranks) < 64:
+                        self.reported_ranks.append((event.blames, ev))
+                    return
+
     def _emit_exception(self, etype: str, msg: str, chain: list[tuple[str, str]],
                         frames: list[str], code: list[str], ev: Evidence, rank: int | None,
                         via: RankSource, ts: float | None,
@@ -483,6 +495,7 @@ class Extractor(LauncherLines):
                            operation=op_name)
         if event is not None:
             self._recent.append((ident, event))
+            self._blame(event, f"{etype}: {msg}", ev)
 
     # ---- bookkeeping --------------------------------------------------------------------
     def _emit(self, kind: EventKind, matches: list[Match], evidence: list[Evidence],
