@@ -138,8 +138,9 @@ def test_hang_ended_by_the_collective_timeout(tmp_path: Path, job_marker: str) -
                             "--timeout", "3")
     assert res.returncode == 1, res.stderr
     assert time.monotonic() - started < 200
-    # A collective that timed out (which rank hung is the engine's to tell: rank 1 printed nothing).
+    # A collective that timed out: rank 1 hung and printed nothing; rank 0 waited for it.
     assert rep["failure_class"] in {"nccl_watchdog_timeout", "peer_connection_lost"}, rep
+    assert rep["initiating_rank"] == 1 and rep["collateral_ranks"] == [0], rep
     assert "PeerError" in json.dumps(rep["evidence"]) or "PeerError" in json.dumps(rep["timeline"])
     assert rep["resume"]["step"] == 1
     # The unfinished save of step 2 is no checkpoint: at most an attempt named unsafe.

@@ -40,6 +40,12 @@ CASES: dict[str, tuple[str, int | None, list[int], list[int]]] = {
     "dcp_size_mismatch.log": ("state_dict_mismatch", 0, [], [1]),
     "spawn_sigkill.log": ("host_oom_sigkill", 1, [], []),
     "demo_sigkill": ("host_oom_sigkill", 3, [0, 1, 2], []),
+    # `ckptguard run` log directories of 4- and 2-rank torchrun jobs (tests/workers/run_target_job.py)
+    "runner_raise_rank3": ("python_exception", 3, [0, 1, 2], []),
+    "runner_storage_error_rank2": ("python_exception", 2, [0, 1, 3], []),
+    "runner_sigkill_rank2": ("host_oom_sigkill", 2, [0, 1, 3], []),
+    "runner_hang_rank1_of4": ("nccl_watchdog_timeout", 1, [0, 2, 3], []),
+    "runner_hang_rank1_of2": ("nccl_watchdog_timeout", 1, [0], []),
 }
 
 

@@ -110,7 +110,8 @@ def collect(ex: Extractor, kb: KnowledgeBase) -> Attribution:
         strong: list[Event] = []
         weak: list[Event] = []
         for e in view.events:
-            if kb[e.class_id].collateral or rules.explained(e.class_id, present):
+            if (kb[e.class_id].collateral or rules.explained(e.class_id, present)
+                    or (e.blames is not None and e.rank is not None and e.blames != e.rank)):
                 view.collateral.append(e)
             elif tier(kb, e) >= 2:
                 strong.append(e)
@@ -264,7 +265,7 @@ def collateral_rank(att: Attribution, kb: KnowledgeBase, cls: str) -> tuple[int 
             reporters.add(r)
     reported = sorted({r for r, _ in att.reported})
     if len(reported) == 1:
-        return reported[0], RankSource.REPORT, "torch's own report names it as the lagging rank"
+        return reported[0], RankSource.REPORT, "the log's own report names it"
     known = set(att.known)
     if len(reporters) >= 2:
         known |= set(range(max(known) + 1))  # ranks are numbered from 0: the gaps are ranks too
@@ -272,6 +273,11 @@ def collateral_rank(att: Attribution, kb: KnowledgeBase, cls: str) -> tuple[int 
     if len(suspects) == 1 and len(reporters) >= 2:
         return suspects[0], RankSource.INFERRED, (
             f"every other rank reported {cls}, rank {suspects[0]} did not; it is the one they were waiting for")
+    if len(suspects) == 1 and len(reporters) == 1 and att.world == len(known):
+        # the whole world is known and the one other rank never reported: the one that was waited for
+        return suspects[0], RankSource.INFERRED, (
+            f"rank {min(reporters)} reported {cls} and the only other rank of the job did not; "
+            f"rank {suspects[0]} is the one it was waiting for")
     if len(reporters) == 1 and att.shown <= reporters:
         (r,) = reporters
         return r, RankSource.ONLY_RANK, (

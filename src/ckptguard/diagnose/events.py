@@ -28,6 +28,7 @@ STRUCTURAL_ANCHORS = (
     'File "',
 )
 GENERIC_CLASSES = frozenset({"python_exception", "unclassified_error"})
+_RAISE_NEW = re.compile(r"raise\s+([\w.]+)\(")
 EVIDENCE_CHARS = 400
 KEEP_PER_RANK_CLASS = 3
 KEEP_UNATTRIBUTED_PER_CLASS = 20
@@ -88,6 +89,15 @@ def _op_lines(op: Operation, lines: list[tuple[str, Evidence]]) -> list[Evidence
     if not hits:  # a rule that needs several lines together: the innermost source line
         hits = [ev for text, ev in lines if ":" not in text or " " in text][-1:]
     return hits[-2:]
+
+
+def _raised_by_code(etype: str, code: list[str]) -> bool:
+    """The innermost source line builds and raises this very exception: the code's author chose
+    the type and words, so no operation's errno family (a write, a load) explains it."""
+    if not code:
+        return False
+    m = _RAISE_NEW.match(code[-1].strip())
+    return m is not None and m.group(1).rsplit(".", 1)[-1] == etype.rsplit(".", 1)[-1]
 
 
 class Extractor(LauncherLines):
@@ -436,6 +446,18 @@ class Extractor(LauncherLines):
                 return op
         return None
 
+    def _blame(self, event: Event, exc: str, ev: Evidence) -> None:
+        """An error whose own words say another rank failed first (a library's agreed failure):
+        that rank is reported, and this one's error is its consequence."""
+        for rep in self.rules.blame_reports:
+            if rep.anchor in exc:
+                bm = rep.pattern.search(exc)
+                if bm:
+                    event.blames = int(bm.group("ranks"))
+                    if event.blames != event.rank and len(self.reported_ranks) < 64:
+                        self.reported_ranks.append((event.blames, ev))
+                    return
+
     def _emit_exception(self, etype: str, msg: str, chain: list[tuple[str, str]],
                         frames: list[str], code: list[str], ev: Evidence, rank: int | None,
                         via: RankSource, ts: float | None,
@@ -458,7 +480,8 @@ class Extractor(LauncherLines):
             rank, via = self._spawn_rank(key, via)
         op_name = None
         extra: list[Evidence] = []
-        if set(best) <= GENERIC_CLASSES:  # nothing specific: what was being done decides
+        if set(best) <= GENERIC_CLASSES and not _raised_by_code(etype, code):
+            # nothing specific: what was being done decides
             op = self._operation(frames, code, exc=f"{etype}: {msg}")
             if op is not None:
                 cls = op.class_for(rank)
@@ -472,6 +495,7 @@ class Extractor(LauncherLines):
                            operation=op_name)
         if event is not None:
             self._recent.append((ident, event))
+            self._blame(event, f"{etype}: {msg}", ev)
 
     # ---- bookkeeping --------------------------------------------------------------------
     def _emit(self, kind: EventKind, matches: list[Match], evidence: list[Evidence],

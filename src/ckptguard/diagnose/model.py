@@ -59,7 +59,7 @@ _RANK_TEXT = {
     RankSource.ONLY_FAILING_RANK: "the failing lines have no rank prefix; this is the only rank that failed (its own traceback, or the launcher's report)",
     RankSource.LOCAL_PREFIX: "from a local-rank prefix ([defaultN]:), taken as the global rank",
     RankSource.DEVICE: "from the GPU index in the message (one GPU per process, GPU N = rank N assumed)",
-    RankSource.REPORT: "from torch's own report of the lagging or failing ranks",
+    RankSource.REPORT: "from a report that names the failing rank (torch's lagging-rank report, another rank's error)",
     RankSource.SPAWN_INDEX: ("from the process index that torch.multiprocessing.spawn names for the traceback "
                              "(the rank on a single node)"),
     RankSource.ONLY_RANK: "the only rank that the log shows at all",
@@ -112,6 +112,7 @@ class Event:
     frames: list[str] = field(default_factory=list)
     code: list[str] = field(default_factory=list)
     operation: str | None = None  # what the frames show was being done, when that decided the class
+    blames: int | None = None  # the rank that this error's own message says failed first
 
     @property
     def source(self) -> int:

@@ -125,6 +125,7 @@ class Rules:
     launcher_frames: re.Pattern[str]
     rank_hints: tuple[RankHint, ...]
     rank_reports: tuple[RankReport, ...]
+    blame_reports: tuple[RankReport, ...]
     causes: dict[str, frozenset[str]]
     race: RaceRule
     desync_class: str
@@ -198,6 +199,8 @@ def parse_rules(data: dict[str, object], kb: KnowledgeBase) -> Rules:
                       for h in d["rank_hint"])
         reports = tuple(RankReport(r["anchor"], _re(r["pattern"], "rank_report"))
                         for r in d["rank_report"])
+        blames = tuple(RankReport(r["anchor"], _re(r["pattern"], "blame_report"))
+                       for r in d.get("blame_report", []))
         causes = {_need(kb, c["class"], "cause"): frozenset(_need(kb, x, "cause") for x in c["explains"])
                   for c in d["cause"]}
         r = d["race"]
@@ -219,7 +222,7 @@ def parse_rules(data: dict[str, object], kb: KnowledgeBase) -> Rules:
             nonzero_exit=(_need(kb, ex["nonzero_exit"]["class"], "exits"), float(ex["nonzero_exit"]["weight"])),
             exit_words=words, launchers=launchers,
             launcher_frames=_re(d["launcher_traceback"]["frames"], "launcher_traceback"),
-            rank_hints=hints, rank_reports=reports, causes=causes, race=race,
+            rank_hints=hints, rank_reports=reports, blame_reports=blames, causes=causes, race=race,
             desync_class=_need(kb, d["desync"]["class"], "desync"),
             desync_pattern=_re(d["desync"]["pattern"], "desync"),
             desync_weight=float(d["desync"]["weight"]),
