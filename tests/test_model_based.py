@@ -1,0 +1,68 @@
+"""Model-based test of the checkpoint protocol: hypothesis drives two writing jobs and a read-only
+reader (real worker processes) through saves, loads, reads, deletes, tags, retention, takeovers,
+SIGKILLs, SIGSTOPs and S3 faults, and audits the root against a model after every step
+(tests/support/model/, docs/crash-consistency.md "Model-based test").
+
+The CI slice: a fixed seed, a bounded number of examples and steps per backend, one pool of
+workers for both. The long run with fresh seeds is tools/model_run.py.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, seed, settings
+from hypothesis.stateful import get_state_machine_test
+
+from tests.support.beds.s3 import CREDENTIALS, S3Bed
+from tests.support.model.drivers import Backend, S3Backend, WorkerPool
+from tests.support.model.machine import MACHINES, use_harness
+
+CI_SEED = 20
+CI_SETTINGS = settings(max_examples=int(os.environ.get("CKPTGUARD_MODEL_EXAMPLES", "5")),
+                       stateful_step_count=int(os.environ.get("CKPTGUARD_MODEL_STEPS", "25")),
+                       deadline=None, database=None, print_blob=False, suppress_health_check=list(HealthCheck))
+
+
+@pytest.fixture(scope="module")
+def pool(tmp_path_factory: pytest.TempPathFactory) -> Iterator[WorkerPool]:
+    p = WorkerPool(tmp_path_factory.mktemp("model-logs"))
+    try:
+        yield p
+    finally:
+        p.close()
+
+
+def _run(backend: Backend, pool: WorkerPool) -> None:
+    with use_harness(backend, pool) as h:
+        seed(CI_SEED)(get_state_machine_test(MACHINES[backend.name], settings=CI_SETTINGS))()
+    assert h.counts["audits"] > 0 and h.counts["actions"] > 0, h.counts
+
+
+def test_model_posix(pool: WorkerPool, tmp_path: Path) -> None:
+    _run(Backend(tmp_path), pool)
+
+
+@pytest.fixture(scope="module")
+def s3() -> Iterator[S3Bed]:
+    pytest.importorskip("moto")
+    from tests.support.beds.s3 import s3_bed
+
+    saved = {k: os.environ.get(k) for k in CREDENTIALS}
+    os.environ.update(CREDENTIALS)  # for the auditor, in this process (the workers get them from the pool)
+    try:
+        with s3_bed(seed=CI_SEED) as bed:
+            yield bed
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def test_model_s3(s3: S3Bed, pool: WorkerPool, tmp_path: Path) -> None:
+    _run(S3Backend(tmp_path, s3), pool)
