@@ -9,6 +9,7 @@ workers for both. The long run with fresh seeds is tools/model_run.py.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -34,6 +35,13 @@ def pool(tmp_path_factory: pytest.TempPathFactory) -> Iterator[WorkerPool]:
         yield p
     finally:
         p.close()
+
+
+@contextlib.contextmanager
+def replay(backend: Backend, pool: WorkerPool) -> Iterator[None]:
+    """For a counterexample pasted from tools/model_run.py: the machine's harness on ``backend``."""
+    with use_harness(backend, pool):
+        yield
 
 
 def _run(backend: Backend, pool: WorkerPool) -> None:

@@ -28,6 +28,7 @@ import contextlib
 import copy
 import functools
 import os
+import threading
 import time
 from collections import Counter
 from collections.abc import Iterator
@@ -49,7 +50,13 @@ TAGS = st.sampled_from(["best", "good"])
 IDX = st.integers(min_value=0, max_value=2)  # which of the workers a rule may act on
 # The proxy fault an operation meets (S3 only; None mostly): drawn with each operation, so that
 # faults come with the operations they hit.
-FAULT = st.sampled_from([None, None, None, None, *sorted(S3_FAULTS)])
+FAULT = st.sampled_from([None, None, None, None, *sorted(S3_FAULTS)]).flatmap(
+    lambda kind: st.none() if kind is None else st.tuples(st.just(kind), st.sampled_from([0, 0, 10, 30, 80, 200])))
+# What befalls the worker right after it starts an operation (None mostly): SIGKILL or SIGSTOP
+# after so many milliseconds, at a random point of the operation.
+DISRUPT = st.sampled_from([None, None, None, None, "kill", "stall"]).flatmap(
+    lambda kind: st.none() if kind is None else st.tuples(st.just(kind), st.integers(min_value=0, max_value=150)))
+STALL_STEPS = 3  # a stalled worker resumes by itself after this many steps (if no rule resumed it)
 KEEP_LAST = 3
 TTL_S = 2.0
 REPLY_TIMEOUT_S = 120.0
@@ -66,6 +73,7 @@ def _timed(rule_fn: Any) -> Any:
 
     @functools.wraps(rule_fn)
     def run(self: ModelMachine, **kwargs: Any) -> None:
+        self.resume_due()
         t0 = time.monotonic()
         try:
             rule_fn(self, **kwargs)
@@ -116,6 +124,7 @@ class Slot:
     open: bool = False
     fenced: bool = False
     op: Op | None = None
+    stall_left: int = 0
 
     @property
     def alive(self) -> bool:
@@ -142,6 +151,7 @@ class ModelMachine(RuleBasedStateMachine):
         self.holder: str | None = None
         self.nonce = 0
         self.auditor: Any = None
+        self._timer: threading.Timer | None = None
         self._open("A")
         self._open(READER)
         self.auditor = self.backend.auditor(self.root)
@@ -169,7 +179,7 @@ class ModelMachine(RuleBasedStateMachine):
     def _send(self, name: str, cmd: dict[str, Any], **extra: Any) -> Op:
         s = self.slots[name]
         as_holder = self.holder == name and not s.fenced and name != READER
-        op = Op(cmd, as_holder, troubled=self.backend.fault_active,
+        op = Op(cmd, as_holder, troubled=self.backend.fault_active or self._timer is not None,
                 quiet=not self.holder_writing() and self.model.certain, live_before=dict(self.model.live), **extra)
         if as_holder and cmd["op"] in WRITES:
             op.snapshot = copy.deepcopy(self.model)
@@ -227,9 +237,11 @@ class ModelMachine(RuleBasedStateMachine):
 
     # -- operations --------------------------------------------------------------------------------
     @precondition(lambda self: any(self.ready(n) for n in WRITERS))
-    @rule(i=IDX, step=STEPS, overwrite=st.booleans(), wait=st.booleans(), fault=FAULT)
+    @rule(i=IDX, step=STEPS, overwrite=st.booleans(), wait=st.booleans(), fault=FAULT,
+          disrupt=DISRUPT)
     @_timed
-    def start_save(self, i: int, step: int, overwrite: bool, wait: bool, fault: str | None) -> None:
+    def start_save(self, i: int, step: int, overwrite: bool, wait: bool, fault: tuple[str, int] | None,
+                   disrupt: tuple[str, int] | None) -> None:
         w = self.pick(i, WRITERS, self.ready)
         if w is None:
             return
@@ -242,23 +254,27 @@ class ModelMachine(RuleBasedStateMachine):
             self.model.unsure(step, digest)
             self.model.retire_candidates(step, KEEP_LAST)
             self.model.retention_floor = None
-        self._then(w, wait)
+        self._then(w, wait, disrupt)
 
     @precondition(lambda self: any(self.ready(n) for n in SLOTS))
-    @rule(i=IDX, step=st.none() | STEPS, tag=st.none() | TAGS, read=st.booleans(), wait=st.booleans(), fault=FAULT)
+    @rule(i=IDX, step=st.none() | STEPS, tag=st.none() | TAGS, read=st.booleans(), wait=st.booleans(), fault=FAULT,
+          disrupt=DISRUPT)
     @_timed
-    def start_load(self, i: int, step: int | None, tag: str | None, read: bool, wait: bool, fault: str | None) -> None:
+    def start_load(self, i: int, step: int | None, tag: str | None, read: bool, wait: bool, fault: tuple[str, int] | None,
+                   disrupt: tuple[str, int] | None) -> None:
         w = self.pick(i, SLOTS, self.ready)
         if w is None:
             return
         self.set_fault(fault)
         self._send(w, {"op": "read" if read else "load", "step": None if tag else step, "tag": tag})
-        self._then(w, wait)
+        self._then(w, wait, disrupt)
 
     @precondition(lambda self: any(self.ready(n) for n in WRITERS))
-    @rule(i=IDX, step=STEPS, wait=st.booleans(), fault=FAULT)
+    @rule(i=IDX, step=STEPS, wait=st.booleans(), fault=FAULT,
+          disrupt=DISRUPT)
     @_timed
-    def start_delete(self, i: int, step: int, wait: bool, fault: str | None) -> None:
+    def start_delete(self, i: int, step: int, wait: bool, fault: tuple[str, int] | None,
+                   disrupt: tuple[str, int] | None) -> None:
         w = self.pick(i, WRITERS, self.ready)
         if w is None:
             return
@@ -266,12 +282,14 @@ class ModelMachine(RuleBasedStateMachine):
         op = self._send(w, {"op": "delete", "step": step})
         if op.as_holder:
             self.model.unsure(step, Absent)
-        self._then(w, wait)
+        self._then(w, wait, disrupt)
 
     @precondition(lambda self: any(self.ready(n) for n in WRITERS))
-    @rule(i=IDX, name=TAGS, step=st.none() | STEPS, wait=st.booleans(), fault=FAULT)
+    @rule(i=IDX, name=TAGS, step=st.none() | STEPS, wait=st.booleans(), fault=FAULT,
+          disrupt=DISRUPT)
     @_timed
-    def start_tag(self, i: int, name: str, step: int | None, wait: bool, fault: str | None) -> None:
+    def start_tag(self, i: int, name: str, step: int | None, wait: bool, fault: tuple[str, int] | None,
+                   disrupt: tuple[str, int] | None) -> None:
         w = self.pick(i, WRITERS, self.ready)
         if w is None:
             return
@@ -280,7 +298,7 @@ class ModelMachine(RuleBasedStateMachine):
         op = self._send(w, cmd)
         if op.as_holder:
             self.model.tags_unknown.add(name)
-        self._then(w, wait)
+        self._then(w, wait, disrupt)
 
     @precondition(lambda self: any(s.op is not None and s.alive and not s.stopped for s in self.slots.values()))
     @rule(i=IDX)
@@ -306,7 +324,7 @@ class ModelMachine(RuleBasedStateMachine):
             self.fail(f"{op.cmd} on job {s.name} did not return within {REPLY_TIMEOUT_S:.0f} s (a hang)", s)
             return
         s.op = None
-        if self.backend.fault_active:
+        if self.backend.fault_active or self._timer is not None:
             op.troubled = True
         kind = op.cmd["op"]
         if not out["ok"] and not out.get("checkpoint_error"):
@@ -433,35 +451,43 @@ class ModelMachine(RuleBasedStateMachine):
         if not out["ok"] and not self.backend.fault_active:
             self.fail(f"close() of job {w} failed: {out['error']}: {out['message']}", s)
 
-    def kill(self, i: int, delay_ms: int) -> None:
-        """SIGKILL after ``delay_ms`` of an operation in flight (its outcome is left to the audit)."""
-        w = self.pick(i, SLOTS, lambda n: self.slots[n].alive and self.slots[n].op is not None)
-        if w is None:
-            return
+    def kill(self, w: str, delay_ms: int) -> None:
+        """SIGKILL after ``delay_ms`` of the operation in flight, if any (its outcome is left to the audit);
+        then the job restarts, as under torchrun: a new process opens the root with the same job id."""
         s = self.slots[w]
+        if not s.alive:
+            return
         assert s.worker is not None
         if s.op is not None:
             time.sleep(delay_ms / 1000)
         s.worker.kill()
         s.worker, s.open, s.op = None, False, None
         self.h.counts["kills"] += 1
+        self._open(w)
+
+    def resume_due(self) -> None:
+        for s in self.slots.values():
+            if s.stopped and s.worker is not None:
+                s.stall_left -= 1
+                if s.stall_left <= 0:
+                    s.worker.cont()
 
     def stallable(self, n: str) -> bool:
         s = self.slots[n]
         return s.alive and not s.stopped and s.open and (s.op is not None or n == self.holder)
 
-    def stall(self, i: int, delay_ms: int) -> None:
-        """SIGSTOP after ``delay_ms`` (an operation in flight, or the idle lease holder): the lease stops
-        being renewed; another job may take it over."""
-        w = self.pick(i, SLOTS, self.stallable)
-        if w is None:
-            return
+    def stall(self, w: str, delay_ms: int) -> None:
+        """SIGSTOP after ``delay_ms`` of the operation in flight, if any: the lease stops being renewed;
+        another job may take it over. It resumes after STALL_STEPS steps unless a rule resumes it first."""
         s = self.slots[w]
+        if not (s.alive and not s.stopped and s.open):
+            return
         assert s.worker is not None
         if s.op is not None:
             time.sleep(delay_ms / 1000)
             s.op.troubled = True
         s.worker.stop()
+        s.stall_left = STALL_STEPS
         self.h.counts["stalls"] += 1
 
     def resume(self, i: int) -> None:
@@ -471,27 +497,38 @@ class ModelMachine(RuleBasedStateMachine):
             assert worker is not None
             worker.cont()
 
-    def fault_on(self, kind: str) -> None:
-        self.backend.fault_on(kind)
+    def fault_off(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        self.backend.fault_off()
+
+    def set_fault(self, fault: tuple[str, int] | None) -> None:
+        """The proxy fault the next operations meet (S3; ignored on POSIX), from ``delay_ms`` after the
+        operation starts (a fault that begins mid-save: at its commit, say); None: none."""
+        if not self.backend.faults:
+            return
+        self.fault_off()
+        if fault is None:
+            return
+        kind, delay_ms = fault
         for s in self.slots.values():
             if s.op is not None:
                 s.op.troubled = True
         self.h.counts[f"fault:{kind}"] += 1
-
-    def fault_off(self) -> None:
-        self.backend.fault_off()
-
-    def set_fault(self, kind: str | None) -> None:
-        """The proxy fault the next operations meet (S3; ignored on POSIX); None: none."""
-        if not self.backend.faults:
-            return
-        if kind is None:
-            self.fault_off()
+        if delay_ms == 0:
+            self.backend.fault_on(kind)
         else:
-            self.fault_on(kind)
+            self._timer = threading.Timer(delay_ms / 1000, self.backend.fault_on, args=(kind,))
+            self._timer.start()
 
-    def _then(self, w: str, wait: bool) -> None:
-        """With ``wait``, the operation's reply is taken and checked now, and its fault ends with it."""
+    def _then(self, w: str, wait: bool, disrupt: tuple[str, int] | None) -> None:
+        """Kill or stall the worker mid-operation (``disrupt``); with ``wait``, take and check the reply
+        now (the operation's fault ends with it)."""
+        if disrupt is not None:
+            kind, delay_ms = disrupt
+            (self.kill if kind == "kill" else self.stall)(w, delay_ms)
+            return
         if wait:
             self._finish(self.slots[w])
             self.fault_off()
@@ -507,9 +544,13 @@ class ModelMachine(RuleBasedStateMachine):
         elif event == "close":
             self.close_job(i)
         elif event == "kill":
-            self.kill(i, delay_ms)
+            w = self.pick(i, SLOTS, lambda n: self.slots[n].alive)
+            if w is not None:
+                self.kill(w, delay_ms)
         elif event == "stall":
-            self.stall(i, delay_ms)
+            w = self.pick(i, SLOTS, self.stallable)
+            if w is not None:
+                self.stall(w, delay_ms)
         else:
             self.resume(i)
 
@@ -545,7 +586,7 @@ class ModelMachine(RuleBasedStateMachine):
             self.fail("; ".join(bad))
 
     def teardown(self) -> None:
-        self.backend.fault_off()
+        self.fault_off()
         for s in self.slots.values():
             w = s.worker
             if w is None or not w.alive():
