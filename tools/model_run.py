@@ -20,6 +20,7 @@ import argparse
 import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -116,6 +117,8 @@ def run_round(backend: Any, pool: Any, seed: int, examples: int, steps: int) -> 
         except Exception as e:
             outcome, violation = "error", "".join(traceback.format_exception(e))[-4000:]
             lines.extend(getattr(e, "__notes__", []))
+    if h.violations and outcome == "error":  # a flaky replay: the violation itself is what counts
+        outcome, violation = "violation", "\n".join(h.violations) + "\n\n" + violation
     counts: Counter[str] = h.counts
     rec: dict[str, Any] = {
         "backend": backend.name, "seed": seed, "commit": _commit(), "time": round(time.time(), 1),
@@ -170,6 +173,8 @@ def main() -> None:
         return
     if args.backend is None:
         ap.error("--backend is required (or --report)")
+    # SIGTERM unwinds like Ctrl-C: the machine's teardown resumes and closes its workers, the bed stops.
+    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     from tests.support.model.drivers import WorkerPool
 
     done = [r for r in _records(args.results) if r["backend"] == args.backend]

@@ -99,6 +99,7 @@ class Harness:
     pool: WorkerPool
     counts: Counter[str] = field(default_factory=Counter)
     seconds: Counter[str] = field(default_factory=Counter)
+    violations: list[str] = field(default_factory=list)  # every one seen, shrinking's replays included
 
     def worker(self) -> Worker:
         return self.pool.take()
@@ -125,6 +126,7 @@ class Slot:
     fenced: bool = False
     op: Op | None = None
     stall_left: int = 0
+    resumed_at: float = -1e9  # time.monotonic() of the last SIGCONT
 
     @property
     def alive(self) -> bool:
@@ -160,6 +162,7 @@ class ModelMachine(RuleBasedStateMachine):
     def fail(self, what: str, slot: Slot | None = None) -> None:
         self.h.counts["violations"] += 1
         log = f"\n--- log of worker {slot.name} ---\n{slot.worker.log_tail()}" if slot and slot.worker else ""
+        self.h.violations.append(f"[{self.backend.name}] {what}")
         raise Violation(f"[{self.backend.name}] {what}{log}")
 
     def holder_writing(self) -> bool:
@@ -211,6 +214,8 @@ class ModelMachine(RuleBasedStateMachine):
             expect, wait_s = "ok", 1.0  # no holder, this job's earlier incarnation, or a dead process
         elif hs.stopped:
             expect, wait_s = "ok", 3 * TTL_S  # taken over once the stalled holder's lease expires
+        elif time.monotonic() - hs.resumed_at < 3 * TTL_S:
+            expect, wait_s = "either", 0.5  # resumed lately: its lease may have expired before it renewed
         else:
             expect, wait_s = "held", 0.5
         out = s.worker.call({"op": "open", "root": self.root, "job_id": s.job_id, "keep_last": KEEP_LAST,
@@ -229,7 +234,7 @@ class ModelMachine(RuleBasedStateMachine):
             s.open, s.fenced = True, False
             return
         s.open = False
-        if expect == "held" and out["error"] == "LeaseHeldError":
+        if expect in ("held", "either") and out["error"] == "LeaseHeldError":
             return
         if self.backend.fault_active:
             return
@@ -471,6 +476,7 @@ class ModelMachine(RuleBasedStateMachine):
                 s.stall_left -= 1
                 if s.stall_left <= 0:
                     s.worker.cont()
+                    s.resumed_at = time.monotonic()
 
     def stallable(self, n: str) -> bool:
         s = self.slots[n]
@@ -496,6 +502,7 @@ class ModelMachine(RuleBasedStateMachine):
             worker = self.slots[w].worker
             assert worker is not None
             worker.cont()
+            self.slots[w].resumed_at = time.monotonic()
 
     def fault_off(self) -> None:
         if self._timer is not None:
