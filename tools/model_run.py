@@ -101,7 +101,7 @@ def run_round(backend: Any, pool: Any, seed: int, examples: int, steps: int) -> 
 
     from tests.support.model.machine import MACHINES, use_harness
 
-    lines: list[str] = []
+    lines: list[object] = []
     t0 = time.monotonic()
     outcome, violation = "ok", ""
     with use_harness(backend, pool) as h:

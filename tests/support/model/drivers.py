@@ -58,7 +58,7 @@ class Worker:
         return int(self.proc.pid or 0)
 
     def alive(self) -> bool:
-        return self.proc.is_alive()
+        return bool(self.proc.is_alive())
 
     def send(self, cmd: dict[str, Any]) -> None:
         assert self.in_flight is None, f"worker {self.pid} already runs {self.in_flight}"

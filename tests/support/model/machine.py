@@ -30,7 +30,7 @@ import functools
 import os
 import threading
 import time
-from collections import Counter
+from collections import Counter, defaultdict
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -98,7 +98,7 @@ class Harness:
     backend: Backend
     pool: WorkerPool
     counts: Counter[str] = field(default_factory=Counter)
-    seconds: Counter[str] = field(default_factory=Counter)
+    seconds: dict[str, float] = field(default_factory=lambda: defaultdict(float))
     violations: list[str] = field(default_factory=list)  # every one seen, shrinking's replays included
 
     def worker(self) -> Worker:
@@ -408,7 +408,7 @@ class ModelMachine(RuleBasedStateMachine):
     def _apply(self, s: Slot, op: Op, out: dict[str, Any]) -> None:
         cmd, before = op.cmd, op.snapshot
         assert before is not None
-        step = cmd.get("step")
+        step: Any = cmd.get("step")
         if cmd["op"] == "save":
             assert op.digest is not None
             if before.certain and step in before.live and not cmd["overwrite"]:
