@@ -74,6 +74,8 @@ def _timed(rule_fn: Any) -> Any:
     @functools.wraps(rule_fn)
     def run(self: ModelMachine, **kwargs: Any) -> None:
         self.resume_due()
+        args = ", ".join(f"{k}={v!r}" for k, v in sorted(kwargs.items()))
+        self.trace.append(f"state.{rule_fn.__name__}({args})")
         t0 = time.monotonic()
         try:
             rule_fn(self, **kwargs)
@@ -100,6 +102,7 @@ class Harness:
     counts: Counter[str] = field(default_factory=Counter)
     seconds: dict[str, float] = field(default_factory=lambda: defaultdict(float))
     violations: list[str] = field(default_factory=list)  # every one seen, shrinking's replays included
+    traces: list[list[str]] = field(default_factory=list)  # the steps that led to each
 
     def worker(self) -> Worker:
         return self.pool.take()
@@ -153,7 +156,9 @@ class ModelMachine(RuleBasedStateMachine):
         self.holder: str | None = None
         self.nonce = 0
         self.auditor: Any = None
+        self.trace: list[str] = []  # the rules run so far, as hypothesis prints them
         self._timer: threading.Timer | None = None
+        self.fault_seen_at = -1e9  # time.monotonic() when a proxy fault was last on
         self._open("A")
         self._open(READER)
         self.auditor = self.backend.auditor(self.root)
@@ -163,6 +168,7 @@ class ModelMachine(RuleBasedStateMachine):
         self.h.counts["violations"] += 1
         log = f"\n--- log of worker {slot.name} ---\n{slot.worker.log_tail()}" if slot and slot.worker else ""
         self.h.violations.append(f"[{self.backend.name}] {what}")
+        self.h.traces.append(list(self.trace))
         raise Violation(f"[{self.backend.name}] {what}{log}")
 
     def holder_writing(self) -> bool:
@@ -214,8 +220,9 @@ class ModelMachine(RuleBasedStateMachine):
             expect, wait_s = "ok", 1.0  # no holder, this job's earlier incarnation, or a dead process
         elif hs.stopped:
             expect, wait_s = "ok", 3 * TTL_S  # taken over once the stalled holder's lease expires
-        elif time.monotonic() - hs.resumed_at < 3 * TTL_S:
-            expect, wait_s = "either", 0.5  # resumed lately: its lease may have expired before it renewed
+        elif time.monotonic() - max(hs.resumed_at, self.fault_seen_at) < 3 * TTL_S or self.backend.fault_active:
+            # resumed lately, or a fault kept its renewals from the store: its lease may have expired
+            expect, wait_s = "either", 0.5
         else:
             expect, wait_s = "held", 0.5
         out = s.worker.call({"op": "open", "root": self.root, "job_id": s.job_id, "keep_last": KEEP_LAST,
@@ -505,6 +512,8 @@ class ModelMachine(RuleBasedStateMachine):
             self.slots[w].resumed_at = time.monotonic()
 
     def fault_off(self) -> None:
+        if self.backend.fault_active or self._timer is not None:
+            self.fault_seen_at = time.monotonic()
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
