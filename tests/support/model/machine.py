@@ -51,7 +51,7 @@ IDX = st.integers(min_value=0, max_value=2)  # which of the workers a rule may a
 # The proxy fault an operation meets (S3 only; None mostly): drawn with each operation, so that
 # faults come with the operations they hit.
 FAULT = st.sampled_from([None, None, None, None, *sorted(S3_FAULTS)]).flatmap(
-    lambda kind: st.none() if kind is None else st.tuples(st.just(kind), st.sampled_from([0, 0, 10, 30, 80, 200])))
+    lambda kind: st.none() if kind is None else st.tuples(st.just(kind), st.sampled_from([0, 0, 10, 30, 80, 200, 400, 800])))
 # What befalls the worker right after it starts an operation (None mostly): SIGKILL or SIGSTOP
 # after so many milliseconds, at a random point of the operation.
 DISRUPT = st.sampled_from([None, None, None, None, "kill", "stall"]).flatmap(
