@@ -20,9 +20,11 @@ from hypothesis.stateful import get_state_machine_test
 
 from tests.support.beds.s3 import CREDENTIALS, S3Bed
 from tests.support.model.drivers import Backend, S3Backend, WorkerPool
-from tests.support.model.machine import MACHINES, use_harness
+from tests.support.model.machine import MACHINES, PosixModelMachine, S3ModelMachine, use_harness
 
 CI_SEED = 20
+# Regression tests pasted from tools/model_run.py name these (and `replay`, `pool`, `s3` below).
+MACHINE_CLASSES = (PosixModelMachine, S3ModelMachine)
 EXAMPLES = {"posix": 4, "s3": 3}  # an S3 step costs ~3x a POSIX one (moto, the proxy, retries)
 
 
