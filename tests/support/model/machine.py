@@ -103,6 +103,7 @@ class Harness:
     seconds: dict[str, float] = field(default_factory=lambda: defaultdict(float))
     violations: list[str] = field(default_factory=list)  # every one seen, shrinking's replays included
     traces: list[list[str]] = field(default_factory=list)  # the steps that led to each
+    sabotage: str | None = None  # writers break the library on purpose (worker.py): the checks must fire
 
     def worker(self) -> Worker:
         return self.pool.take()
@@ -226,7 +227,7 @@ class ModelMachine(RuleBasedStateMachine):
         else:
             expect, wait_s = "held", 0.5
         out = s.worker.call({"op": "open", "root": self.root, "job_id": s.job_id, "keep_last": KEEP_LAST,
-                             "lease_ttl_s": TTL_S, "lease_wait_s": wait_s,
+                             "lease_ttl_s": TTL_S, "lease_wait_s": wait_s, "sabotage": self.h.sabotage,
                              "storage_options": self.backend.storage_options()}, timeout=REPLY_TIMEOUT_S)
         self.h.counts["opens"] += 1
         if out["ok"]:

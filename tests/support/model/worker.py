@@ -57,6 +57,7 @@ def expected_digest(step: int, nonce: int) -> str:
 class Job:
     def __init__(self) -> None:
         self.ck: Any = None
+        self.sabotage: str | None = None
 
     def handle(self, cmd: dict[str, Any]) -> dict[str, Any]:
         from ckptguard import Checkpointer
@@ -70,6 +71,7 @@ class Job:
         if op == "open":
             if self.ck is not None:
                 self._close()
+            self.sabotage = cmd.get("sabotage")
             self.ck = Checkpointer(cmd["root"], process_group="local", read_only=cmd.get("read_only", False),
                                    job_id=cmd.get("job_id"), keep_last=cmd.get("keep_last"),
                                    lease_ttl_s=cmd.get("lease_ttl_s", 30.0), lease_wait_s=cmd.get("lease_wait_s"),
@@ -85,6 +87,8 @@ class Job:
         if op == "save":
             state = make_state(cmd["step"], cmd["nonce"])
             ck.save(cmd["step"], state, overwrite=cmd.get("overwrite", False))
+            if self.sabotage == "lose-data":
+                _lose_an_older_step(ck, cmd["step"])
             return {"digest": digest(state)}
         if op == "load":
             state = template()
@@ -117,6 +121,20 @@ class Job:
         ck, self.ck = self.ck, None
         if ck is not None:
             ck.close()
+
+
+def _lose_an_older_step(ck: Any, step: int) -> None:
+    """A deliberately broken library (the test that the model catches one): after a save, a data
+    file of another committed step disappears, as if retention or a discard removed the wrong one."""
+    for other in ck.steps():
+        path = ck.path(other)
+        if other == step or not os.path.isdir(path):
+            continue
+        for dirpath, _, files in os.walk(path):
+            for name in files:
+                if name != "MANIFEST.json":
+                    os.remove(os.path.join(dirpath, name))
+                    return
 
 
 class _LoadFailed(Exception):
