@@ -8,9 +8,11 @@ whose log holds that rank's evidence names it.
 
 from __future__ import annotations
 
+import contextlib
 import html
 import json
 import os
+import shlex
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -47,9 +49,13 @@ def job_json(diag: Diagnosis, resume: ResumeInfo | None, runs: Sequence[HostRun]
     out: dict[str, Any] = diag.to_dict()
     if resume is not None:
         out["resume"] = resume.to_json()
-    out["runs"] = [{"dir": r.dir, "host": r.host, "job_id": r.job_id, "exit_status": r.record.get("exit_status"),
-                    "command": r.record.get("command")} for r in runs]
+    out["runs"] = _runs_json(runs)
     return out
+
+
+def _runs_json(runs: Sequence[HostRun]) -> list[dict[str, Any]]:
+    return [{"dir": r.dir, "host": r.host, "job_id": r.job_id, "exit_status": r.record.get("exit_status"),
+             "command": r.record.get("command")} for r in runs]
 
 
 def resume_lines(resume: ResumeInfo) -> list[str]:
@@ -75,21 +81,62 @@ def resume_html(resume: ResumeInfo) -> str:
     return f"<h2>Resume</h2>{head}<h3>Not safe</h3><ul>{unsafe}</ul>"
 
 
-def write_reports(directory: str, diag: Diagnosis, resume: ResumeInfo | None,
-                  runs: Sequence[HostRun]) -> tuple[str, str]:
-    """``report.json`` and ``report.html`` in ``directory``; their paths."""
-    from ckptguard.diagnose.report import render_html
+def encodable(value: Any) -> Any:
+    """``value`` with every string made valid UTF-8: bytes that came in through surrogateescape (a
+    non-UTF-8 argument or path) become backslash escapes, so a report can always be written."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+            return value
+        except UnicodeEncodeError:
+            return value.encode("utf-8", "surrogateescape" if _only_escapes(value) else "backslashreplace").decode(
+                "utf-8", "backslashreplace")
+    if isinstance(value, dict):
+        return {encodable(k): encodable(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [encodable(v) for v in value]
+    return value
 
+
+def _only_escapes(text: str) -> bool:
+    return all(not 0xD800 <= ord(c) <= 0xDFFF or 0xDC80 <= ord(c) <= 0xDCFF for c in text)
+
+
+def _write_atomic(path: str, text: str) -> None:
+    """Write ``path`` whole or not at all (a temporary file renamed over it)."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    try:
+        with open(tmp, "w", encoding="utf-8", errors="backslashreplace") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def write_reports(directory: str, diag: Diagnosis | None, resume: ResumeInfo | None,
+                  runs: Sequence[HostRun], *, problem: str | None = None) -> tuple[str, str]:
+    """``report.json`` and ``report.html`` in ``directory``, each written whole; their paths. With
+    no diagnosis (``problem`` says why), the reports carry the resume section and the runs read."""
     json_path = os.path.join(directory, "report.json")
     html_path = os.path.join(directory, "report.html")
-    with open(json_path, "w", encoding="utf-8") as f:
-        json.dump(job_json(diag, resume, runs), f, indent=2, ensure_ascii=False)
-        f.write("\n")
-    page = render_html(diag)
+    if diag is not None:
+        data = job_json(diag, resume, runs)
+    else:
+        data = {"found": False, "error": problem or "no diagnosis", "runs": _runs_json(runs)}
+        if resume is not None:
+            data["resume"] = resume.to_json()
+    _write_atomic(json_path, json.dumps(encodable(data), indent=2, ensure_ascii=False) + "\n")
     extra = (resume_html(resume) if resume is not None else "") + _runs_html(runs)
-    page = page.replace("</body>", extra + "\n</body>", 1)
-    with open(html_path, "w", encoding="utf-8") as f:
-        f.write(page)
+    if diag is not None:
+        from ckptguard.diagnose.report import render_html
+
+        page = render_html(diag).replace("</body>", extra + "\n</body>", 1)
+    else:
+        page = (f"<!doctype html><html><head><meta charset=utf-8><title>ckptguard run</title></head><body>"
+                f"<h1>No diagnosis</h1><p>{html.escape(problem or '')}</p>{extra}\n</body></html>\n")
+    _write_atomic(html_path, page)
     return json_path, html_path
 
 
@@ -101,7 +148,7 @@ def _runs_html(runs: Sequence[HostRun]) -> str:
 
 
 def summary(diag: Diagnosis, resume: ResumeInfo | None, status: int, runs: Sequence[HostRun],
-            report_paths: tuple[str, str] | None) -> str:
+            report_paths: tuple[str, str] | None, me: HostRun | None = None) -> str:
     """The compact summary `ckptguard run` prints on stderr after a failure."""
     from ckptguard.diagnose.model import ranges
 
@@ -128,5 +175,7 @@ def summary(diag: Diagnosis, resume: ResumeInfo | None, status: int, runs: Seque
         lines += ["  " + x for x in resume_lines(resume)]
     if report_paths is not None:
         lines.append(f"  report       {report_paths[1]} (JSON: {report_paths[0]})")
-    lines.append(f"  all nodes    $ ckptguard diagnose {os.path.dirname(runs[0].dir) if runs else '.'}")
+    # A host run's own directory selects its job, whatever other jobs share the log directory.
+    one = me.dir if me is not None else (runs[0].dir if runs else ".")
+    lines.append(f"  all nodes    $ ckptguard diagnose {shlex.quote(one)}")
     return "\n".join(lines) + "\n"
