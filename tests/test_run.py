@@ -482,3 +482,36 @@ def test_empty_logs_refused_and_empty_command_is_not_found(tmp_path: Path) -> No
     res = subprocess.run([*RUN, "--logs", str(tmp_path / "logs"), "--", ""], env=_env(), capture_output=True,
                          text=True, timeout=60)
     assert res.returncode == 127 and "command not found" in res.stderr
+
+
+def test_resume_lists_rolled_back_and_bad_manifest_steps_like_ls(tmp_path: Path) -> None:
+    import torch
+
+    import ckptguard
+    from ckptguard.resume import resume_info
+
+    rolled = tmp_path / "rolled"
+    with ckptguard.Checkpointer(str(rolled), process_group="local") as ck:
+        for s in (10, 20, 30):
+            ck.save(s, {"w": torch.full((16,), float(s))})
+        ck.load({"w": torch.zeros(16)}, step=10)
+        ck.save(15, {"w": torch.full((16,), 15.0)})
+    bads = []
+    for garbage in ("garbage{", "", None):
+        bad = tmp_path / f"bad-{len(garbage) if garbage is not None else 'dir'}"
+        _root_with_steps(bad, 3)
+        manifest = bad / "step-00000003" / "MANIFEST.json"
+        manifest.unlink()
+        if garbage is None:
+            manifest.mkdir()
+        else:
+            manifest.write_text(garbage)
+        bads.append(bad)
+    for deep in (False, True):
+        got = resume_info(str(rolled), deep=deep)
+        assert got.step == 15
+        assert [(u.step, u.reason.split(":")[0]) for u in got.unsafe] == [(20, "rolled back"), (30, "rolled back")]
+        for bad in bads:
+            got = resume_info(str(bad), deep=deep)
+            assert got.step == 2, got
+            assert [u.step for u in got.unsafe] == [3] and got.unsafe[0].reason.startswith("bad manifest"), got
