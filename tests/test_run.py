@@ -515,3 +515,19 @@ def test_resume_lists_rolled_back_and_bad_manifest_steps_like_ls(tmp_path: Path)
             got = resume_info(str(bad), deep=deep)
             assert got.step == 2, got
             assert [u.step for u in got.unsafe] == [3] and got.unsafe[0].reason.startswith("bad manifest"), got
+
+
+def test_what_run_saw_of_the_end_is_evidence_sigkill_and_forwarded_sigint(tmp_path: Path) -> None:
+    res = subprocess.run([*RUN, "--logs", str(tmp_path / "l1"), "--grace", "0", "--", "sh", "-c", "kill -9 $$"],
+                         env=_env(), capture_output=True, text=True, timeout=60)
+    assert res.returncode == 137
+    assert "host_oom_sigkill" in res.stderr and "the log does not show who sent it" in res.stderr, res.stderr
+    proc = subprocess.Popen([*RUN, "--logs", str(tmp_path / "l2"), "--grace", "0", "--", sys.executable, str(CHILD),
+                             "signals"], env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    assert proc.stdout.readline() == "ready\n"
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 128 + signal.SIGINT
+    assert "Interrupted: ckptguard run on" in err and "forwarded SIGINT" in err, err
+    assert "python_exception" not in err.split("failure", 1)[1].splitlines()[0]

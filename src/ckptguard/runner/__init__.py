@@ -87,6 +87,8 @@ def run(opts: RunOptions, env: Mapping[str, str] | None = None) -> int:
     err.close()
     logdir.finish(me, ended_at=result.ended_at, exit_status=result.status,
                   signals_forwarded=result.signals_forwarded)
+    if result.signal is not None:
+        logdir.record_exit(me, result.signal)
     for cap in (out, err):
         if cap.failure is not None:
             _say(f"ckptguard run: {cap.failure} (in {me.dir}); the output was passed through whole\n")

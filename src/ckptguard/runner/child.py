@@ -53,6 +53,8 @@ class ChildResult:
     signals_forwarded: list[int]
     started_at: float
     ended_at: float
+    #: The signal that ended the child itself (its process, not a status it chose), or None.
+    signal: int | None = None
     #: The reader of one of the runner's streams went away (``| head``), so the child's end was closed.
     reader_gone: bool = False
 
@@ -191,6 +193,7 @@ def run_child(argv: Sequence[str], env: Mapping[str, str], stdout: StreamCapture
         ended = time.time()
         assert proc.returncode is not None
         return ChildResult(exit_status(proc.returncode), forwarded, started, ended,
+                           signal=-proc.returncode if proc.returncode < 0 else None,
                            reader_gone=any(not o.out_open for o in outs))
     finally:
         for s, h in previous.items():

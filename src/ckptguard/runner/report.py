@@ -13,6 +13,7 @@ import html
 import json
 import os
 import shlex
+import signal
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -31,7 +32,41 @@ def diagnose_runs(runs: Sequence[HostRun], *, mask_hosts: bool = False) -> Diagn
     diag = diagnose(files, mask_hosts=mask_hosts)
     if not mask_hosts:
         _fill_host(diag, runs)
+    _interrupted(diag, runs)
     return diag
+
+
+#: Signals whose forwarding by the runner means the job was stopped from outside.
+_INTERRUPTS = {int(signal.SIGINT): "SIGINT (Ctrl-C)", int(signal.SIGTERM): "SIGTERM (the scheduler, a time limit, "
+               "preemption or a person)", int(signal.SIGHUP): "SIGHUP (the terminal closed)"}
+
+
+def _interrupted(diag: Diagnosis, runs: Sequence[HostRun]) -> None:
+    """When a runner forwarded SIGINT/SIGTERM/SIGHUP to the command, that is the answer: the job
+    was interrupted from outside; what it printed afterwards (a KeyboardInterrupt traceback, the
+    launcher tearing ranks down) is its reaction, not a bug."""
+    for r in runs:
+        sent = [s for s in r.record.get("signals_forwarded") or [] if s in _INTERRUPTS]
+        if not sent:
+            continue
+        what = _INTERRUPTS[sent[0]]
+        host = r.host
+        if diag.found and diag.failure_class and diag.failure_class != "launcher_sigterm":
+            diag.notes.append(f"Before: {diag.failure_class}: {diag.title} (the job's reaction to the interruption).")
+        diag.found = True
+        diag.failure_class = "launcher_sigterm"
+        diag.category = "launcher"
+        diag.title = f"Interrupted: ckptguard run on {host} forwarded {what} to the command"
+        diag.confidence = 0.95
+        diag.initiating_rank = None
+        diag.initiating_host = host
+        diag.root_cause = (f"The job was interrupted from outside: ckptguard run on {host} received {what} and "
+                           f"forwarded it to the command. Not a bug in the code; what the job printed after it is "
+                           f"its reaction.")
+        diag.fix = ("Nothing to fix in the code. Rerun (resuming from the step below) when the interruption was "
+                    "intended; if it came from the scheduler, check the time limit or the preemption policy.")
+        diag.verify_command = "sacct -j $SLURM_JOB_ID --format=JobID,State,ExitCode,Elapsed  # or your scheduler's log"
+        return
 
 
 def _fill_host(diag: Diagnosis, runs: Sequence[HostRun]) -> None:
