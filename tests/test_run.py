@@ -517,7 +517,7 @@ def test_resume_lists_rolled_back_and_bad_manifest_steps_like_ls(tmp_path: Path)
             assert [u.step for u in got.unsafe] == [3] and got.unsafe[0].reason.startswith("bad manifest"), got
 
 
-def test_what_run_saw_of_the_end_is_evidence_sigkill_and_forwarded_sigint(tmp_path: Path) -> None:
+def test_what_run_saw_of_the_end_is_evidence_kill9_and_forwarded_sigint(tmp_path: Path) -> None:
     res = subprocess.run([*RUN, "--logs", str(tmp_path / "l1"), "--grace", "0", "--", "sh", "-c", "kill -9 $$"],
                          env=_env(), capture_output=True, text=True, timeout=60)
     assert res.returncode == 137
