@@ -75,6 +75,14 @@ def run(opts: RunOptions, env: Mapping[str, str] | None = None) -> int:
     except (logdir.LogDirError, OSError) as e:
         _say(f"ckptguard run: {e}\n")
         return RUNNER_ERROR
+    # Installed before the child starts, so that no signal after its exit finds the default
+    # handler (which would end the runner with a status that is not the child's).
+    with _signals_end_early() as hook:
+        return _run_and_explain(opts, env, me, out, err, hook)
+
+
+def _run_and_explain(opts: RunOptions, env: Mapping[str, str], me: logdir.HostRun, out: StreamCapture,
+                     err: StreamCapture, hook: _Hook) -> int:
     try:
         result = run_child(opts.command, child_env(env, me), out, err)
     except CommandNotFound as e:
@@ -96,12 +104,14 @@ def run(opts: RunOptions, env: Mapping[str, str] | None = None) -> int:
     # ends, not a failure to explain.
     piped_away = result.reader_gone and result.status == 128 + signal.SIGPIPE
     if result.status != 0 and not piped_away:
-        with _signals_end_early() as hook:
-            try:
-                _on_failure(opts, me, result.status, env, hook)
-            except _Stopped as e:
-                _say(f"ckptguard run: signal {e.signum} received: the diagnosis was cut short; "
-                     f"the output is kept in {me.dir}\n")
+        try:
+            hook.armed = True
+            if hook.pending is not None:
+                raise _Stopped(hook.pending)
+            _on_failure(opts, me, result.status, env, hook)
+        except _Stopped as e:
+            _say(f"ckptguard run: signal {e.signum} received: the diagnosis was cut short; "
+                 f"the output is kept in {me.dir}\n")
     return result.status
 
 
@@ -118,6 +128,8 @@ class _Hook:
     """The --on-failure process while it runs: signals to the runner are passed to its group."""
 
     proc: subprocess.Popen[bytes] | None = None
+    armed = False  # the diagnosis has begun: a signal now ends it
+    pending: int | None = None  # a signal that came after the child's exit, before the diagnosis
 
 
 @contextlib.contextmanager
@@ -132,7 +144,9 @@ def _signals_end_early() -> Iterator[_Hook]:
                 with contextlib.suppress(ProcessLookupError, PermissionError):
                     os.killpg(hook.proc.pid, signum)
             return
-        raise _Stopped(signum)
+        if hook.armed:
+            raise _Stopped(signum)
+        hook.pending = signum
 
     previous = {s: signal.signal(s, handler) for s in FORWARDED}
     try:
