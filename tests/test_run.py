@@ -358,3 +358,177 @@ def test_framework_root_gets_the_frameworks_resume_call(tmp_path: Path) -> None:
     got = _diagnose_resume(log, out)
     assert got["step"] == 2
     assert got["resume_hint"] == f'trainer.train(resume_from_checkpoint="{out / "checkpoint-2"}")'
+
+
+# ---- the runner never changes the job's fate -----------------------------------------------------
+
+
+def _limit_file_size() -> None:
+    import resource
+
+    resource.setrlimit(resource.RLIMIT_FSIZE, (64 << 10, 64 << 10))  # run's capture fails with EFBIG past it
+
+
+def test_capture_failing_midway_leaves_child_output_and_status_alone(tmp_path: Path) -> None:
+    prog = "import os, sys\nfor i in range(20000): os.write(1, b'out line %08d\\n' % i)\nsys.exit(5)\n"
+    res = subprocess.run([*RUN, "--logs", str(tmp_path / "logs"), "--grace", "0", "--", sys.executable, "-c", prog],
+                         env=_env(), capture_output=True, timeout=120, preexec_fn=_limit_file_size)
+    assert res.returncode == 5, res.stderr
+    assert res.stdout == b"".join(b"out line %08d\n" % i for i in range(20000))
+    err = res.stderr.decode()
+    assert "Traceback" not in err
+    assert err.count("stopped keeping stdout.log") == 1, err
+
+
+def test_reader_of_stdout_gone_ends_the_child_with_sigpipe(tmp_path: Path) -> None:
+    proc = subprocess.Popen([*RUN, "--logs", str(tmp_path / "logs"), "--grace", "0", "--", "yes"], env=_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert proc.stdout is not None
+    assert proc.stdout.readline() == b"y\n"
+    proc.stdout.close()
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 128 + signal.SIGPIPE, err
+    assert b"diagnosis" not in err  # `| head` ending a pipeline is not a failure to explain
+
+
+def test_leftover_background_process_keeps_its_output_after_run_returns(tmp_path: Path) -> None:
+    alive = tmp_path / "alive.txt"
+    script = f"( sleep 6; echo late-line >&2; echo alive > {alive} ) & echo child-done"
+    with open(tmp_path / "out", "wb") as out, open(tmp_path / "err", "wb") as err:
+        t0 = time.monotonic()
+        rc = subprocess.run([*RUN, "--logs", str(tmp_path / "logs"), "--", "sh", "-c", script], env=_env(),
+                            stdout=out, stderr=err, timeout=60).returncode
+        took = time.monotonic() - t0
+    assert rc == 0 and took < 4.5  # returned without waiting out the leftover process (6 s)
+    deadline = time.monotonic() + 20
+    while not alive.exists() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert alive.exists()  # its late write did not kill it
+    time.sleep(0.3)
+    assert (tmp_path / "out").read_bytes() == b"child-done\n"
+    assert (tmp_path / "err").read_bytes() == b"late-line\n"
+
+
+def test_signal_during_on_failure_ends_the_hook_and_keeps_the_childs_status(tmp_path: Path) -> None:
+    started, finished = tmp_path / "hook-started", tmp_path / "hook-finished"
+    proc = subprocess.Popen([*RUN, "--logs", str(tmp_path / "logs"), "--grace", "0", "--on-failure",
+                             f"touch {started}; sleep 20; touch {finished}", "--", "sh", "-c", "exit 3"],
+                            env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 60
+    while not started.exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert started.exists()
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=10)
+    assert proc.returncode == 3, err
+    time.sleep(0.5)
+    assert not finished.exists()  # the hook was sent the signal, not left running
+
+
+def test_unreachable_s3_root_still_gives_diagnosis_reports_and_hook(tmp_path: Path) -> None:
+    hook = tmp_path / "hook.txt"
+    logs = tmp_path / "logs"
+    env = _env(AWS_ENDPOINT_URL=f"http://127.0.0.1:{free_port()}", AWS_ACCESS_KEY_ID="x", AWS_SECRET_ACCESS_KEY="y")
+    t0 = time.monotonic()
+    res = subprocess.run([*RUN, "--logs", str(logs), "--grace", "0", "--checkpoints", "s3://bkt/p", "--on-failure",
+                          f'echo "$CKPTGUARD_REPORT_JSON" >> {hook}', "--",
+                          sys.executable, "-c", "raise RuntimeError('boom')"],
+                         env=env, capture_output=True, text=True, timeout=120)
+    assert time.monotonic() - t0 < 30, res.stderr
+    assert res.returncode == 1
+    assert "python_exception" in res.stderr and "resume from  no answer: cannot read s3://bkt/p" in res.stderr
+    (rep,) = _reports(logs)
+    assert rep["resume"]["step"] is None
+    assert Path(hook.read_text().strip()).is_file()
+
+
+def test_non_utf8_argument_still_gives_valid_reports(tmp_path: Path) -> None:
+    logs = tmp_path / "logs"
+    res = subprocess.run([*RUN, "--logs", str(logs), "--grace", "0", "--", "sh", "-c",
+                          'echo "RuntimeError: boom" >&2; exit 2', b"caf\xe9-\xff"],
+                         env=_env(), capture_output=True, timeout=120)
+    assert res.returncode == 2, res.stderr
+    assert b"could not" not in res.stderr and b"python_exception" in res.stderr
+    (rep,) = _reports(logs)
+    assert rep["runs"][0]["command"][-1] == "caf\\xe9-\\xff"
+    assert next(logs.glob("*/report.html")).read_text(encoding="utf-8").rstrip().endswith("</html>")
+    assert not list(logs.glob("*/*.tmp*"))
+
+
+def test_all_nodes_hint_reads_this_job_when_jobs_share_the_log_dir(tmp_path: Path) -> None:
+    logs = tmp_path / "my logs"
+    b = subprocess.Popen([*RUN, "--logs", str(logs), "--grace", "0", "--job-id", "B", "--", "sh", "-c",
+                          'sleep 2; echo "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB" >&2; exit 1'],
+                         env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    time.sleep(0.5)
+    a = subprocess.run([*RUN, "--logs", str(logs), "--grace", "0", "--job-id", "A", "--", "sh", "-c",
+                        'echo "RuntimeError: job A broke" >&2; exit 1'], env=_env(), capture_output=True, timeout=120)
+    assert a.returncode == 1
+    _, err = b.communicate(timeout=120)
+    hint = next(line for line in err.splitlines() if "all nodes" in line).split("$ ", 1)[1]
+    import shlex
+
+    argv = shlex.split(hint)
+    assert argv[:2] == ["ckptguard", "diagnose"]
+    out = subprocess.run([*RUN[:-1], "diagnose", "--json", *argv[2:]], env=_env(), capture_output=True, text=True,
+                         timeout=120)
+    assert json.loads(out.stdout)["failure_class"] == "cuda_oom", out.stderr
+
+
+def test_empty_logs_refused_and_empty_command_is_not_found(tmp_path: Path) -> None:
+    res = subprocess.run([*RUN, "--logs", "", "--", "true"], env=_env(), cwd=tmp_path, capture_output=True, text=True,
+                         timeout=60)
+    assert res.returncode == 125 and "--logs" in res.stderr
+    assert list(tmp_path.iterdir()) == []
+    res = subprocess.run([*RUN, "--logs", str(tmp_path / "logs"), "--", ""], env=_env(), capture_output=True,
+                         text=True, timeout=60)
+    assert res.returncode == 127 and "command not found" in res.stderr
+
+
+def test_resume_lists_rolled_back_and_bad_manifest_steps_like_ls(tmp_path: Path) -> None:
+    import torch
+
+    import ckptguard
+    from ckptguard.resume import resume_info
+
+    rolled = tmp_path / "rolled"
+    with ckptguard.Checkpointer(str(rolled), process_group="local") as ck:
+        for s in (10, 20, 30):
+            ck.save(s, {"w": torch.full((16,), float(s))})
+        ck.load({"w": torch.zeros(16)}, step=10)
+        ck.save(15, {"w": torch.full((16,), 15.0)})
+    bads = []
+    for garbage in ("garbage{", "", None):
+        bad = tmp_path / f"bad-{len(garbage) if garbage is not None else 'dir'}"
+        _root_with_steps(bad, 3)
+        manifest = bad / "step-00000003" / "MANIFEST.json"
+        manifest.unlink()
+        if garbage is None:
+            manifest.mkdir()
+        else:
+            manifest.write_text(garbage)
+        bads.append(bad)
+    for deep in (False, True):
+        got = resume_info(str(rolled), deep=deep)
+        assert got.step == 15
+        assert [(u.step, u.reason.split(":")[0]) for u in got.unsafe] == [(20, "rolled back"), (30, "rolled back")]
+        for bad in bads:
+            got = resume_info(str(bad), deep=deep)
+            assert got.step == 2, got
+            assert [u.step for u in got.unsafe] == [3] and got.unsafe[0].reason.startswith("bad manifest"), got
+
+
+def test_what_run_saw_of_the_end_is_evidence_kill9_and_forwarded_sigint(tmp_path: Path) -> None:
+    res = subprocess.run([*RUN, "--logs", str(tmp_path / "l1"), "--grace", "0", "--", "sh", "-c", "kill -9 $$"],
+                         env=_env(), capture_output=True, text=True, timeout=60)
+    assert res.returncode == 137
+    assert "host_oom_sigkill" in res.stderr and "the log does not show who sent it" in res.stderr, res.stderr
+    proc = subprocess.Popen([*RUN, "--logs", str(tmp_path / "l2"), "--grace", "0", "--", sys.executable, str(CHILD),
+                             "signals"], env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    assert proc.stdout.readline() == "ready\n"
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 128 + signal.SIGINT
+    assert "Interrupted: ckptguard run on" in err and "forwarded SIGINT" in err, err
+    assert "python_exception" not in err.split("failure", 1)[1].splitlines()[0]

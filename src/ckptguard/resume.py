@@ -52,6 +52,21 @@ def _is_remote(root: str) -> bool:
     return "://" in root
 
 
+#: One quick request before reading an object store: an endpoint that cannot be reached is said
+#: in seconds, not after every request's retries (minutes).
+PROBE_OPTIONS: dict[str, Any] = {"max_attempts": 1, "connect_timeout_s": 3.0, "read_timeout_s": 10.0}
+
+
+def _unreachable(root: str) -> str | None:
+    """Why the object store holding ``root`` cannot be read (None: it answered)."""
+    try:
+        storage = open_storage(root, PROBE_OPTIONS)
+        storage.listdir(storage.root)
+    except (OSError, CheckpointError, ValueError) as e:
+        return str(e)
+    return None
+
+
 def _framework_root(root: str) -> tuple[str, str | None]:
     """(the ckptguard root to read, the framework it belongs to or None): the root itself, or the one
     a framework's directory holds (``ckptguard.discover``)."""
@@ -67,14 +82,14 @@ def _framework_root(root: str) -> tuple[str, str | None]:
 def _quick_problem(root: str, info: CheckpointInfo) -> str | None:
     """What the quick checks find wrong with one committed checkpoint (None: nothing)."""
     if info.manifest_error:
-        return f"corrupt manifest: {info.manifest_error}"
+        return f"bad manifest: {info.manifest_error}"
     storage = open_storage(root)
     croot = open_root(storage)
     name = CheckpointName(info.step, info.version)
     try:
         manifest = croot.read_manifest(name)
     except CheckpointError as e:
-        return f"corrupt manifest: {e}"
+        return f"bad manifest: {e}"
     base = croot.data_dir(name, manifest)
     for f in manifest.files:
         path = os.path.join(base, f.path)
@@ -83,6 +98,15 @@ def _quick_problem(root: str, info: CheckpointInfo) -> str | None:
             return f"missing file {path}"
         if actual != f.size:
             return f"corrupt file {path}: {actual} bytes, the manifest says {f.size}"
+    return None
+
+
+def _listed_problem(info: CheckpointInfo) -> str | None:
+    """What `ckptguard ls` shows wrong with a committed checkpoint without reading its files."""
+    if info.manifest_error:
+        return f"bad manifest: {info.manifest_error}"
+    if info.abandoned:
+        return "rolled back: a lower step was committed after it"
     return None
 
 
@@ -115,6 +139,11 @@ def _hint(framework: str | None, shown_root: str, ck_root: str, step: int, info:
 def resume_info(root: str, *, deep: bool = False) -> ResumeInfo:
     """The step to resume from in ``root`` (POSIX path or s3:// URL). Never raises for a root that
     is missing, empty or unreadable: the answer is then ``step=None`` and the hint says why."""
+    if _is_remote(root):
+        unreachable = _unreachable(root)
+        if unreachable is not None:
+            return ResumeInfo(None, root, checked="deep" if deep else "quick",
+                              resume_hint=f"no answer: cannot read {root}: {unreachable}")
     ck_root, framework = _framework_root(root)
     info = ResumeInfo(None, root, checked="deep" if deep else "quick", framework=framework)
     if not _is_remote(root) and not os.path.exists(root):
@@ -131,18 +160,18 @@ def resume_info(root: str, *, deep: bool = False) -> ResumeInfo:
             info.unsafe.append(UnsafeStep(a.step, f"uncommitted attempt ({a.state}) in {a.dir}: never committed"))
     chosen: CheckpointInfo | None = None
     for c in reversed(current):  # commit order: the last committed comes last
-        if c.abandoned:
-            info.unsafe.append(UnsafeStep(c.step, "rolled back: a lower step was committed after it"))
-            continue
-        try:
-            problem = _deep_problem(ck_root, c) if deep else _quick_problem(ck_root, c)
-        except CheckpointError as e:
-            problem = f"cannot be read: {e}"
+        # Older than the answer, rolled back or unreadable: what the listing alone shows (no reads).
+        if chosen is not None or c.abandoned or c.manifest_error:
+            problem = _listed_problem(c)
+        else:
+            try:
+                problem = _deep_problem(ck_root, c) if deep else _quick_problem(ck_root, c)
+            except CheckpointError as e:
+                problem = f"cannot be read: {e}"
         if problem is not None:
             info.unsafe.append(UnsafeStep(c.step, problem))
-            continue
-        chosen = c
-        break
+        elif chosen is None:
+            chosen = c
     info.unsafe.sort(key=lambda u: u.step)
     if chosen is None:
         if current:

@@ -9,15 +9,18 @@ The exit status is always the child's; the runner's own refusals happen before t
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import subprocess
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from types import FrameType
 
 from ckptguard.runner import logdir
 from ckptguard.runner.capture import DEFAULT_CAP, StreamCapture
-from ckptguard.runner.child import CommandNotFound, run_child
+from ckptguard.runner.child import FORWARDED, CommandNotFound, run_child
 
 RUNNER_ERROR = 125
 MAX_GRACE_S = 10.0
@@ -60,6 +63,9 @@ def run(opts: RunOptions, env: Mapping[str, str] | None = None) -> int:
     if not 0 <= opts.grace_s <= MAX_GRACE_S:
         _say(f"ckptguard run: --grace must be between 0 and {MAX_GRACE_S:.0f} seconds\n")
         return RUNNER_ERROR
+    if not opts.logs:
+        _say("ckptguard run: --logs must name a directory (it is empty)\n")
+        return RUNNER_ERROR
     job_id = opts.job_id or logdir.job_id_from_env(env)
     opts.logs = os.path.abspath(opts.logs)
     try:
@@ -69,6 +75,14 @@ def run(opts: RunOptions, env: Mapping[str, str] | None = None) -> int:
     except (logdir.LogDirError, OSError) as e:
         _say(f"ckptguard run: {e}\n")
         return RUNNER_ERROR
+    # Installed before the child starts, so that no signal after its exit finds the default
+    # handler (which would end the runner with a status that is not the child's).
+    with _signals_end_early() as hook:
+        return _run_and_explain(opts, env, me, out, err, hook)
+
+
+def _run_and_explain(opts: RunOptions, env: Mapping[str, str], me: logdir.HostRun, out: StreamCapture,
+                     err: StreamCapture, hook: _Hook) -> int:
     try:
         result = run_child(opts.command, child_env(env, me), out, err)
     except CommandNotFound as e:
@@ -81,36 +95,113 @@ def run(opts: RunOptions, env: Mapping[str, str] | None = None) -> int:
     err.close()
     logdir.finish(me, ended_at=result.ended_at, exit_status=result.status,
                   signals_forwarded=result.signals_forwarded)
-    if result.status != 0:
-        _on_failure(opts, me, result.status, env)
+    if result.signal is not None:
+        logdir.record_exit(me, result.signal)
+    for cap in (out, err):
+        if cap.failure is not None:
+            _say(f"ckptguard run: {cap.failure} (in {me.dir}); the output was passed through whole\n")
+    # Killed by SIGPIPE after our reader left (`ckptguard run ... | head`): how such a pipeline
+    # ends, not a failure to explain.
+    piped_away = result.reader_gone and result.status == 128 + signal.SIGPIPE
+    if result.status != 0 and not piped_away:
+        try:
+            hook.armed = True
+            if hook.pending is not None:
+                raise _Stopped(hook.pending)
+            _on_failure(opts, me, result.status, env, hook)
+        except _Stopped as e:
+            _say(f"ckptguard run: signal {e.signum} received: the diagnosis was cut short; "
+                 f"the output is kept in {me.dir}\n")
     return result.status
 
 
-def _on_failure(opts: RunOptions, me: logdir.HostRun, status: int, env: Mapping[str, str]) -> None:
-    """Diagnose the whole job, print the summary, write the reports, run --on-failure."""
+class _Stopped(BaseException):
+    """A signal to the runner after the child's exit: end the diagnosis early (not an Exception,
+    so no handler of the diagnosis stage swallows it)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+class _Hook:
+    """The --on-failure process while it runs: signals to the runner are passed to its group."""
+
+    proc: subprocess.Popen[bytes] | None = None
+    armed = False  # the diagnosis has begun: a signal now ends it
+    pending: int | None = None  # a signal that came after the child's exit, before the diagnosis
+
+
+@contextlib.contextmanager
+def _signals_end_early() -> Iterator[_Hook]:
+    """After the child's exit, a signal to the runner ends the diagnosis (or is passed to the
+    --on-failure command's group) instead of ending the runner: its status stays the child's."""
+    hook = _Hook()
+
+    def handler(signum: int, _frame: FrameType | None) -> None:
+        if hook.proc is not None:
+            if hook.proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(hook.proc.pid, signum)
+            return
+        if hook.armed:
+            raise _Stopped(signum)
+        hook.pending = signum
+
+    previous = {s: signal.signal(s, handler) for s in FORWARDED}
+    try:
+        yield hook
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+
+
+def _on_failure(opts: RunOptions, me: logdir.HostRun, status: int, env: Mapping[str, str], hook: _Hook) -> None:
+    """Diagnose the whole job, print the summary, write the reports, run --on-failure. No failure
+    of one stage (an unreadable log, an unreachable checkpoint root) suppresses the others."""
     from ckptguard.runner import report
 
+    runs = [me]
     try:
         runs = logdir.wait_for_job(me, opts.logs, opts.grace_s)
+    except Exception as e:  # this node's own logs are still there to read
+        _say(f"ckptguard run: could not look for the job's other runs in {opts.logs} ({type(e).__name__}: {e})\n")
+    diag = None
+    problem = None
+    try:
         diag = report.diagnose_runs(runs)
-        resume = None
-        if opts.checkpoints is not None:
-            from ckptguard.resume import resume_info
-
-            resume = resume_info(opts.checkpoints, deep=opts.deep)
-        paths = report.write_reports(me.dir, diag, resume, runs)
-        _say(report.summary(diag, resume, status, runs, paths))
-        logdir.finish(me, report_json=paths[0], report_html=paths[1])
     except Exception as e:  # the child's status is what matters; the diagnosis is a bonus
-        _say(f"ckptguard run: could not diagnose the failure ({type(e).__name__}: {e}); "
-             f"the output is kept in {me.dir}\n")
-        paths = None
-        diag = None
+        problem = f"could not diagnose the failure ({type(e).__name__}: {e})"
+    resume = None
+    if opts.checkpoints is not None:
+        from ckptguard.resume import ResumeInfo, resume_info
+
+        try:
+            resume = resume_info(opts.checkpoints, deep=opts.deep)
+        except Exception as e:  # the section says why it has no answer
+            resume = ResumeInfo(None, opts.checkpoints, checked="deep" if opts.deep else "quick",
+                                resume_hint=f"no answer: cannot read {opts.checkpoints}: {type(e).__name__}: {e}")
+    paths = None
+    try:
+        paths = report.write_reports(me.dir, diag, resume, runs, problem=problem)
+    except Exception as e:
+        _say(f"ckptguard run: could not write the report into {me.dir} ({type(e).__name__}: {e})\n")
+    if diag is not None:
+        _say(report.summary(diag, resume, status, runs, paths, me))
+    else:
+        _say(f"ckptguard run: {problem}; the output is kept in {me.dir}\n")
+        if resume is not None:
+            _say("".join(f"  {x}\n" for x in report.resume_lines(resume)))
+    if paths is not None:
+        logdir.finish(me, report_json=paths[0], report_html=paths[1])
     if opts.on_failure:
         hook_env = {**env, "CKPTGUARD_EXIT_STATUS": str(status), "CKPTGUARD_LOG_DIR": me.dir,
                     "CKPTGUARD_REPORT_JSON": paths[0] if paths else "",
                     "CKPTGUARD_REPORT_HTML": paths[1] if paths else "",
                     "CKPTGUARD_FAILURE_CLASS": (diag.failure_class or "") if diag is not None else ""}
-        rc = subprocess.call(opts.on_failure, shell=True, env=hook_env)
+        hook.proc = subprocess.Popen(opts.on_failure, shell=True, env=hook_env, start_new_session=True)
+        rc = hook.proc.wait()
+        while rc is None:  # pragma: no cover - wait() returns the status
+            rc = hook.proc.wait()
         if rc != 0:
             _say(f"ckptguard run: --on-failure command exited with status {rc}\n")

@@ -11,10 +11,15 @@ Arrival times go to ``.<name>.times``: one line ``<byte offset> <unix time>`` pe
 brings the start of a line (offsets count every byte the stream produced, so they keep their
 meaning across the part left out). Its name starts with a dot, so `ckptguard diagnose` on the
 directory does not read it as a log.
+
+Keeping is never allowed to disturb the child: when a write to the log directory fails (disk
+full, EIO, the directory removed), the capture stops there, keeps what it had written, and
+``failure`` says why, for the runner to report once at the end.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from typing import BinaryIO
@@ -39,11 +44,25 @@ class StreamCapture:
         self._seg_bytes = 0
         self.total = 0  # every byte the stream produced
         self._at_line_start = True
+        #: Why keeping stopped (a write to the log directory failed), or None while it works.
+        self.failure: str | None = None
 
     def write(self, data: bytes, now: float | None = None) -> None:
         """Keep ``data``, which arrived at ``now`` (default: the current time)."""
-        if not data:
+        if not data or self.failure is not None:
+            self.total += len(data)
             return
+        try:
+            self._write(data, now)
+        except OSError as e:
+            self._fail(e)
+
+    def _fail(self, e: OSError) -> None:
+        if self.failure is None:
+            self.failure = (f"stopped keeping {os.path.basename(self.path)} after {self.total} bytes: "
+                            f"{e.strerror or e}")
+
+    def _write(self, data: bytes, now: float | None) -> None:
         if self._at_line_start:
             self._stamp(self.total, now)
         elif (nl := data.find(b"\n")) >= 0 and nl + 1 < len(data):
@@ -68,6 +87,14 @@ class StreamCapture:
 
     def flush(self) -> None:
         """Make what was kept so far readable by other processes (other nodes' runners)."""
+        if self.failure is not None:
+            return
+        try:
+            self._flush()
+        except OSError as e:
+            self._fail(e)
+
+    def _flush(self) -> None:
         self._head.flush()
         self._times.flush()
         for seg in self._segs:
@@ -75,7 +102,23 @@ class StreamCapture:
                 seg.flush()
 
     def close(self) -> None:
-        """Join head and tail into ``<name>.log``; remove the segments."""
+        """Join head and tail into ``<name>.log``; remove the segments. Never raises: a failure
+        to write is recorded in ``failure``."""
+        try:
+            if self.failure is None:
+                self._join()
+        except OSError as e:
+            self._fail(e)
+        for f in (self._head, self._times, *self._segs):
+            if f is not None:
+                with contextlib.suppress(OSError):
+                    f.close()
+        for p in self._seg_paths:
+            with contextlib.suppress(OSError):
+                if os.path.exists(p):
+                    os.unlink(p)
+
+    def _join(self) -> None:
         cur = self._segs[self._seg]
         other = self._segs[self._seg ^ 1]
         kept_tail = 0
@@ -96,11 +139,8 @@ class StreamCapture:
                 with open(p, "rb") as f:
                     while chunk := f.read(1 << 20):
                         self._head.write(chunk)
-        self._head.close()
-        self._times.close()
-        for p in self._seg_paths:
-            if os.path.exists(p):
-                os.unlink(p)
+        self._head.flush()
+        self._times.flush()
 
     def _stamp(self, offset: int, now: float | None) -> None:
         self._times.write(b"%d %.6f\n" % (offset, time.time() if now is None else now))

@@ -34,6 +34,8 @@ FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signa
 READ_BYTES = 1 << 16
 #: After the child exits, how long output still held open by its leftover processes is passed on.
 DRAIN_AFTER_EXIT_S = 5.0
+#: After the child exits, how long the streams may be quiet before the rest is handed off.
+IDLE_AFTER_EXIT_S = 0.5
 FLUSH_EVERY_S = 0.5
 
 
@@ -51,6 +53,10 @@ class ChildResult:
     signals_forwarded: list[int]
     started_at: float
     ended_at: float
+    #: The signal that ended the child itself (its process, not a status it chose), or None.
+    signal: int | None = None
+    #: The reader of one of the runner's streams went away (``| head``), so the child's end was closed.
+    reader_gone: bool = False
 
 
 def exit_status(returncode: int) -> int:
@@ -85,7 +91,8 @@ class _Out:
         self.out_open = True
 
     def pump(self) -> bool:
-        """Pass on one read; False at the end of the stream."""
+        """Pass on one read; False at the end of the stream, or when our reader went away (then
+        the child's end is closed, so its next write fails as it would without the runner)."""
         try:
             data = os.read(self.read_fd, READ_BYTES)
         except OSError as e:
@@ -97,9 +104,15 @@ class _Out:
         if not data:
             return False
         self.capture.write(data)
-        if self.out_open:
-            self._write_all(data)
-        return True
+        self._write_all(data)
+        return self.out_open
+
+    def close(self) -> None:
+        """Close our read end (once)."""
+        if self.read_fd >= 0:
+            with contextlib.suppress(OSError):
+                os.close(self.read_fd)
+            self.read_fd = -1
 
     def _write_all(self, data: bytes) -> None:
         view = memoryview(data)
@@ -111,7 +124,7 @@ class _Out:
             except BlockingIOError:  # our stream was left non-blocking by someone: wait for room
                 time.sleep(0.001)
                 continue
-            except OSError:  # our reader went away (EPIPE): keep capturing, stop passing on
+            except OSError:  # our reader went away (EPIPE): stop passing on
                 self.out_open = False
                 return
             view = view[n:]
@@ -123,6 +136,8 @@ def run_child(argv: Sequence[str], env: Mapping[str, str], stdout: StreamCapture
 
     Raises CommandNotFound before anything runs when ``argv[0]`` cannot be executed.
     """
+    if not argv or not argv[0]:
+        raise CommandNotFound(argv[0] if argv else "", 127, "command not found")
     ours = (1, 2)
     masters: list[int] = []
     child_ends: list[int] = []
@@ -177,42 +192,102 @@ def run_child(argv: Sequence[str], env: Mapping[str, str], stdout: StreamCapture
         _pump(proc, outs, stdout, stderr)
         ended = time.time()
         assert proc.returncode is not None
-        return ChildResult(exit_status(proc.returncode), forwarded, started, ended)
+        return ChildResult(exit_status(proc.returncode), forwarded, started, ended,
+                           signal=-proc.returncode if proc.returncode < 0 else None,
+                           reader_gone=any(not o.out_open for o in outs))
     finally:
         for s, h in previous.items():
             signal.signal(s, h)
-        for fd in masters:
-            with contextlib.suppress(OSError):
-                os.close(fd)
+        for o in outs:
+            o.close()
 
 
 def _pump(proc: subprocess.Popen[bytes], outs: list[_Out], stdout: StreamCapture, stderr: StreamCapture) -> None:
-    """Pass output on until both streams end (or the child is gone and the drain time is up)."""
+    """Pass output on until both streams end, or, once the child has exited, until they have been
+    quiet for IDLE_AFTER_EXIT_S (at most DRAIN_AFTER_EXIT_S): streams still held open then by the
+    child's leftover processes are handed to a detached forwarder (``_hand_off``)."""
     sel = selectors.DefaultSelector()
     for o in outs:
         sel.register(o.read_fd, selectors.EVENT_READ, o)
-    open_streams = len(outs)
+    open_outs = list(outs)
     exited_at: float | None = None
-    last_flush = time.monotonic()
-    while open_streams:
+    last_data = last_flush = time.monotonic()
+    while open_outs:
         events = sel.select(timeout=0.1)
         for key, _ in events:
             out: _Out = key.data
             if not out.pump():
                 sel.unregister(key.fd)
-                open_streams -= 1
+                open_outs.remove(out)
+                out.close()
         now = time.monotonic()
+        if events:
+            last_data = now
         if not events or now - last_flush > FLUSH_EVERY_S:
             stdout.flush()
             stderr.flush()
             last_flush = now
         if exited_at is None and proc.poll() is not None:
             exited_at = now
-        if exited_at is not None and not events and now - exited_at > DRAIN_AFTER_EXIT_S:
+        if exited_at is not None and not events and (
+                now - last_data > IDLE_AFTER_EXIT_S or now - exited_at > DRAIN_AFTER_EXIT_S):
             break  # a leftover process of the child holds the stream open: do not wait for it
     sel.close()
+    if open_outs:
+        _hand_off(open_outs)
     while proc.poll() is None:
         try:
             proc.wait()
         except KeyboardInterrupt:  # pragma: no cover - signals are handled, never raised
             continue
+
+
+def _hand_off(outs: list[_Out]) -> None:
+    """Keep passing on what the child's leftover processes write, after the runner is done.
+
+    A detached process (its own session, reparented to init) takes over the read ends and copies
+    to the runner's streams until each ends, as if those processes wrote there directly: their
+    writes never fail because the runner left, and when a stream's reader goes away the read end
+    is closed, so they get EPIPE/SIGPIPE as they would directly. Its bytes are not kept.
+    """
+    try:
+        pid = os.fork()
+    except OSError:
+        return
+    if pid == 0:  # pragma: no cover - runs in the detached forwarder
+        code = 0
+        try:
+            os.setsid()
+            if os.fork() != 0:
+                os._exit(0)
+            for s in (*FORWARDED, signal.SIGWINCH):
+                signal.signal(s, signal.SIG_IGN if s != signal.SIGWINCH else signal.SIG_DFL)
+            _forward_until_eof(outs)
+        except BaseException:
+            code = 1
+        os._exit(code)
+    os.waitpid(pid, 0)
+    for o in outs:
+        o.close()
+
+
+def _forward_until_eof(outs: list[_Out]) -> None:  # pragma: no cover - runs in the forwarder
+    sel = selectors.DefaultSelector()
+    for each in outs:
+        sel.register(each.read_fd, selectors.EVENT_READ, each)
+    left = len(outs)
+    while left:
+        for key, _ in sel.select():
+            o: _Out = key.data
+            try:
+                data = os.read(o.read_fd, READ_BYTES)
+            except OSError as e:
+                if e.errno in (errno.EAGAIN, errno.EINTR):
+                    continue
+                data = b""
+            if data:
+                o._write_all(data)
+            if not data or not o.out_open:
+                sel.unregister(key.fd)
+                o.close()
+                left -= 1

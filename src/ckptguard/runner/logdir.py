@@ -22,7 +22,10 @@ from dataclasses import dataclass
 from typing import Any
 
 RUN_FILE = "run.json"
-LOG_NAMES = ("stdout.log", "stderr.log")
+#: ``exit.log``: what the runner itself saw of the child's end (a death by signal), written as a
+#: launcher's exit line that the diagnosis engine reads like any other.
+EXIT_LOG = "exit.log"
+LOG_NAMES = ("stdout.log", "stderr.log", EXIT_LOG)
 JOB_ID_VARS = ("SLURM_JOB_ID", "PBS_JOBID", "LSB_JOBID", "JOB_ID", "TORCHELASTIC_RUN_ID", "PET_RDZV_ID")
 #: A run that never recorded its end counts as still running while its logs grew this recently.
 STALE_S = 60.0
@@ -98,6 +101,14 @@ def create(base: str, argv: list[str], job_id: str | None) -> HostRun:
         raise LogDirError(f"cannot write the log directory {base}: {e.strerror or e} "
                           f"(choose another with --logs DIR)") from e
     return HostRun(path, record)
+
+
+def record_exit(run: HostRun, signum: int) -> None:
+    """Write ``exit.log``: the child was ended by signal ``signum`` (seen by the runner, so also
+    when the child printed nothing)."""
+    with contextlib.suppress(OSError), open(os.path.join(run.dir, EXIT_LOG), "w", encoding="utf-8") as f:
+        f.write(f"ckptguard run: the command {run.record.get('command', ['?'])[0]!s} exits with return code = "
+                f"{-signum}\n")
 
 
 def finish(run: HostRun, **fields: Any) -> None:

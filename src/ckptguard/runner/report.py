@@ -8,9 +8,12 @@ whose log holds that rank's evidence names it.
 
 from __future__ import annotations
 
+import contextlib
 import html
 import json
 import os
+import shlex
+import signal
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -29,7 +32,41 @@ def diagnose_runs(runs: Sequence[HostRun], *, mask_hosts: bool = False) -> Diagn
     diag = diagnose(files, mask_hosts=mask_hosts)
     if not mask_hosts:
         _fill_host(diag, runs)
+    _interrupted(diag, runs)
     return diag
+
+
+#: Signals whose forwarding by the runner means the job was stopped from outside.
+_INTERRUPTS = {int(signal.SIGINT): "SIGINT (Ctrl-C)", int(signal.SIGTERM): "SIGTERM (the scheduler, a time limit, "
+               "preemption or a person)", int(signal.SIGHUP): "SIGHUP (the terminal closed)"}
+
+
+def _interrupted(diag: Diagnosis, runs: Sequence[HostRun]) -> None:
+    """When a runner forwarded SIGINT/SIGTERM/SIGHUP to the command, that is the answer: the job
+    was interrupted from outside; what it printed afterwards (a KeyboardInterrupt traceback, the
+    launcher tearing ranks down) is its reaction, not a bug."""
+    for r in runs:
+        sent = [s for s in r.record.get("signals_forwarded") or [] if s in _INTERRUPTS]
+        if not sent:
+            continue
+        what = _INTERRUPTS[sent[0]]
+        host = r.host
+        if diag.found and diag.failure_class and diag.failure_class != "launcher_sigterm":
+            diag.notes.append(f"Before: {diag.failure_class}: {diag.title} (the job's reaction to the interruption).")
+        diag.found = True
+        diag.failure_class = "launcher_sigterm"
+        diag.category = "launcher"
+        diag.title = f"Interrupted: ckptguard run on {host} forwarded {what} to the command"
+        diag.confidence = 0.95
+        diag.initiating_rank = None
+        diag.initiating_host = host
+        diag.root_cause = (f"The job was interrupted from outside: ckptguard run on {host} received {what} and "
+                           f"forwarded it to the command. Not a bug in the code; what the job printed after it is "
+                           f"its reaction.")
+        diag.fix = ("Nothing to fix in the code. Rerun (resuming from the step below) when the interruption was "
+                    "intended; if it came from the scheduler, check the time limit or the preemption policy.")
+        diag.verify_command = "sacct -j $SLURM_JOB_ID --format=JobID,State,ExitCode,Elapsed  # or your scheduler's log"
+        return
 
 
 def _fill_host(diag: Diagnosis, runs: Sequence[HostRun]) -> None:
@@ -47,9 +84,13 @@ def job_json(diag: Diagnosis, resume: ResumeInfo | None, runs: Sequence[HostRun]
     out: dict[str, Any] = diag.to_dict()
     if resume is not None:
         out["resume"] = resume.to_json()
-    out["runs"] = [{"dir": r.dir, "host": r.host, "job_id": r.job_id, "exit_status": r.record.get("exit_status"),
-                    "command": r.record.get("command")} for r in runs]
+    out["runs"] = _runs_json(runs)
     return out
+
+
+def _runs_json(runs: Sequence[HostRun]) -> list[dict[str, Any]]:
+    return [{"dir": r.dir, "host": r.host, "job_id": r.job_id, "exit_status": r.record.get("exit_status"),
+             "command": r.record.get("command")} for r in runs]
 
 
 def resume_lines(resume: ResumeInfo) -> list[str]:
@@ -75,21 +116,62 @@ def resume_html(resume: ResumeInfo) -> str:
     return f"<h2>Resume</h2>{head}<h3>Not safe</h3><ul>{unsafe}</ul>"
 
 
-def write_reports(directory: str, diag: Diagnosis, resume: ResumeInfo | None,
-                  runs: Sequence[HostRun]) -> tuple[str, str]:
-    """``report.json`` and ``report.html`` in ``directory``; their paths."""
-    from ckptguard.diagnose.report import render_html
+def encodable(value: Any) -> Any:
+    """``value`` with every string made valid UTF-8: bytes that came in through surrogateescape (a
+    non-UTF-8 argument or path) become backslash escapes, so a report can always be written."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+            return value
+        except UnicodeEncodeError:
+            return value.encode("utf-8", "surrogateescape" if _only_escapes(value) else "backslashreplace").decode(
+                "utf-8", "backslashreplace")
+    if isinstance(value, dict):
+        return {encodable(k): encodable(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [encodable(v) for v in value]
+    return value
 
+
+def _only_escapes(text: str) -> bool:
+    return all(not 0xD800 <= ord(c) <= 0xDFFF or 0xDC80 <= ord(c) <= 0xDCFF for c in text)
+
+
+def _write_atomic(path: str, text: str) -> None:
+    """Write ``path`` whole or not at all (a temporary file renamed over it)."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    try:
+        with open(tmp, "w", encoding="utf-8", errors="backslashreplace") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def write_reports(directory: str, diag: Diagnosis | None, resume: ResumeInfo | None,
+                  runs: Sequence[HostRun], *, problem: str | None = None) -> tuple[str, str]:
+    """``report.json`` and ``report.html`` in ``directory``, each written whole; their paths. With
+    no diagnosis (``problem`` says why), the reports carry the resume section and the runs read."""
     json_path = os.path.join(directory, "report.json")
     html_path = os.path.join(directory, "report.html")
-    with open(json_path, "w", encoding="utf-8") as f:
-        json.dump(job_json(diag, resume, runs), f, indent=2, ensure_ascii=False)
-        f.write("\n")
-    page = render_html(diag)
+    if diag is not None:
+        data = job_json(diag, resume, runs)
+    else:
+        data = {"found": False, "error": problem or "no diagnosis", "runs": _runs_json(runs)}
+        if resume is not None:
+            data["resume"] = resume.to_json()
+    _write_atomic(json_path, json.dumps(encodable(data), indent=2, ensure_ascii=False) + "\n")
     extra = (resume_html(resume) if resume is not None else "") + _runs_html(runs)
-    page = page.replace("</body>", extra + "\n</body>", 1)
-    with open(html_path, "w", encoding="utf-8") as f:
-        f.write(page)
+    if diag is not None:
+        from ckptguard.diagnose.report import render_html
+
+        page = render_html(diag).replace("</body>", extra + "\n</body>", 1)
+    else:
+        page = (f"<!doctype html><html><head><meta charset=utf-8><title>ckptguard run</title></head><body>"
+                f"<h1>No diagnosis</h1><p>{html.escape(problem or '')}</p>{extra}\n</body></html>\n")
+    _write_atomic(html_path, page)
     return json_path, html_path
 
 
@@ -101,7 +183,7 @@ def _runs_html(runs: Sequence[HostRun]) -> str:
 
 
 def summary(diag: Diagnosis, resume: ResumeInfo | None, status: int, runs: Sequence[HostRun],
-            report_paths: tuple[str, str] | None) -> str:
+            report_paths: tuple[str, str] | None, me: HostRun | None = None) -> str:
     """The compact summary `ckptguard run` prints on stderr after a failure."""
     from ckptguard.diagnose.model import ranges
 
@@ -128,5 +210,7 @@ def summary(diag: Diagnosis, resume: ResumeInfo | None, status: int, runs: Seque
         lines += ["  " + x for x in resume_lines(resume)]
     if report_paths is not None:
         lines.append(f"  report       {report_paths[1]} (JSON: {report_paths[0]})")
-    lines.append(f"  all nodes    $ ckptguard diagnose {os.path.dirname(runs[0].dir) if runs else '.'}")
+    # A host run's own directory selects its job, whatever other jobs share the log directory.
+    one = me.dir if me is not None else (runs[0].dir if runs else ".")
+    lines.append(f"  all nodes    $ ckptguard diagnose {shlex.quote(one)}")
     return "\n".join(lines) + "\n"
