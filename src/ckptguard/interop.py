@@ -77,7 +77,8 @@ class DCPReader(GuardedReader):
         root, name = resolve_checkpoint(path, step)
         self.manifest: Manifest = root.read_manifest(name)
         root.check_files(name, self.manifest)
-        metadata = metadata_from_json(self.manifest.dcp, self.manifest.items, root.dir(name))
+        metadata = metadata_from_json(self.manifest.dcp, self.manifest.items, root.dir(name),
+                                      domain_count=self.manifest.domain_count)
         metadata.storage_meta = StorageMeta()
         super().__init__(root.storage, root.data_dir(name, self.manifest), metadata, self.manifest.checksum_algorithm, rank=0,
                          io_threads=io_threads)

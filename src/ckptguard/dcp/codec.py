@@ -101,8 +101,13 @@ def metadata_to_json(md: Metadata) -> dict[str, Any]:
     }
 
 
-def metadata_from_json(obj: dict[str, Any], items: Sequence[StoredItem], path: str | None = None) -> Metadata:
-    """DCP's Metadata from the manifest's JSON; every size and index bounded by what the items hold."""
+def metadata_from_json(obj: dict[str, Any], items: Sequence[StoredItem], path: str | None = None, *,
+                       domain_count: int = 1) -> Metadata:
+    """DCP's Metadata from the manifest's JSON; every size and index bounded by what the items hold.
+
+    ``domain_count`` > 1: the manifest is one storage domain's of several and its items hold only that
+    domain's share (a per-rank value or a shard may live in another domain's manifest), so a tensor's
+    size is bounded by its declared chunks, each of which must lie inside it, instead."""
     props: dict[tuple[str, bool], TensorProperties] = {}
     stored: dict[str, int] = {}
     for i in items:
@@ -127,7 +132,7 @@ def metadata_from_json(obj: dict[str, Any], items: Sequence[StoredItem], path: s
                     chunks = [ChunkStorageMetadata(offsets=torch.Size(flat[i:i + ndim]),
                                                    sizes=torch.Size(flat[i + ndim:i + step]))
                               for i in range(0, len(flat), step)]
-                _check_size(fqn, e["size"], flat, key[0], stored)
+                _check_size(fqn, e["size"], flat, key[0], stored if domain_count == 1 else None)
                 sd[fqn] = TensorStorageMetadata(properties=props[key], size=torch.Size(e["size"]), chunks=chunks)
             else:
                 raise ValueError(f"unknown entry type {e['type']!r}")
@@ -153,17 +158,34 @@ def metadata_from_json(obj: dict[str, Any], items: Sequence[StoredItem], path: s
 MAX_VALUE_DEPTH = 100
 
 
-def _check_size(fqn: str, size: Any, flat: Any, dtype: str, stored: Mapping[str, int]) -> None:
+def _check_size(fqn: str, size: Any, flat: Any, dtype: str, stored: Mapping[str, int] | None) -> None:
     """A tensor's size: what a reader allocates before reading. Its bytes cannot exceed what the
-    checkpoint stores for it (each item's length was checked against its file when parsed)."""
+    checkpoint stores for it (each item's length was checked against its file when parsed); where the
+    manifest holds only a share of the checkpoint (``stored`` None), its elements cannot exceed those
+    of its chunks, each inside the tensor."""
     if not (type(size) is list and len(size) <= 64 and all(type(d) is int and d >= 0 for d in size)):
         raise ValueError(f"{fqn[:100]}: size {str(size)[:100]} is not a list of integers >= 0")
     if not (type(flat) is list and all(type(d) is int and d >= 0 for d in flat)):
         raise ValueError(f"{fqn[:100]}: chunk offsets and sizes must be integers >= 0")
     itemsize = ITEMSIZES.get(dtype)
-    if itemsize is not None and math.prod(size) * itemsize > stored.get(fqn, 0):
-        raise ValueError(f"{fqn[:100]}: size {size[:8]} of {dtype} is more than the {stored.get(fqn, 0)} bytes "
-                         "stored for it")
+    if itemsize is None:
+        return
+    if stored is not None:
+        if math.prod(size) * itemsize > stored.get(fqn, 0):
+            raise ValueError(f"{fqn[:100]}: size {size[:8]} of {dtype} is more than the {stored.get(fqn, 0)} "
+                             "bytes stored for it")
+        return
+    ndim = len(size)
+    covered = 1 if ndim == 0 else 0
+    for i in range(0, len(flat), 2 * ndim or 1):
+        if ndim == 0:
+            break
+        offsets, sizes = flat[i:i + ndim], flat[i + ndim:i + 2 * ndim]
+        if any(o + n > d for o, n, d in zip(offsets, sizes, size, strict=True)):
+            raise ValueError(f"{fqn[:100]}: a chunk at {offsets[:8]} of {sizes[:8]} lies outside its size {size[:8]}")
+        covered += math.prod(sizes)
+    if math.prod(size) > covered:
+        raise ValueError(f"{fqn[:100]}: size {size[:8]} is more than its chunks cover ({covered} elements)")
 
 
 def check_depth(value: Any, what: str, path: str | None = None) -> None:

@@ -202,7 +202,8 @@ def agree_on_manifest(session: Session, name: CheckpointName, seq: int | None, r
         manifest = root.parse_manifest(name, raw, seq)
         if topo.is_leader:
             root.check_files(name, manifest)
-        return manifest, metadata_from_json(manifest.dcp, manifest.items)
+        return manifest, metadata_from_json(manifest.dcp, manifest.items, root.dir(name),
+                                                 domain_count=manifest.domain_count)
 
     agreed: tuple[Manifest, Metadata] = session.comm.step(f"read checkpoint {name.dirname} in {session.url}", parse,
                                                           where=session.url)

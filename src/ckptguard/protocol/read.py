@@ -58,7 +58,8 @@ def read_stored(session: Session, name: CheckpointName, manifest: Manifest, rank
     """This rank's view of the stored state dict (local: no agreement); ``metadata``: the manifest's
     DCP metadata, if already parsed."""
     if metadata is None:
-        metadata = metadata_from_json(manifest.dcp, manifest.items, session.root.dir(name))
+        metadata = metadata_from_json(manifest.dcp, manifest.items, session.root.dir(name),
+                                      domain_count=manifest.domain_count)
     paths = metadata.planner_data if isinstance(metadata.planner_data, dict) else {}
     flat: dict[str, Any] = {}
     for fqn, entry in metadata.state_dict_metadata.items():
