@@ -78,3 +78,27 @@ def test_a_template_that_does_not_fit_is_named_key_by_key_before_anything_is_rea
         assert isinstance(err.value, ValueError) and template["n"] == 0 and not template["model"]["w"].any()
         template["model"]["w"] = torch.zeros(4, 3)
         assert ck.load(template, strict=False) == 2 and template["n"] == 2
+
+
+def test_a_template_of_another_dtype_is_refused_not_cast(tmp_path: Path) -> None:
+    with Checkpointer(tmp_path / "ck") as ck:
+        ck.save(1, {"w": torch.tensor([1.7, -2.9, 100000.5], dtype=torch.float64)})
+        for dtype in (torch.int8, torch.float16, torch.float32):
+            template = {"w": torch.zeros(3, dtype=dtype)}
+            with pytest.raises(TemplateMismatchError,
+                               match=rf"w: checkpoint: shape \[3\] torch.float64, template: shape \[3\] {dtype}"):
+                ck.load(template)
+            assert not template["w"].any()
+        same = {"w": torch.zeros(3, dtype=torch.float64)}
+        assert ck.load(same) == 1 and same["w"][2] == 100000.5
+
+
+@pytest.mark.parametrize("value", [3, [0.0] * 6, None, "w"])
+def test_a_plain_value_where_a_tensor_was_saved_is_a_template_mismatch(tmp_path: Path, value: object) -> None:
+    with Checkpointer(tmp_path / "ck") as ck:
+        ck.save(1, {"w": torch.ones(2, 3), "n": 5})
+        with pytest.raises(TemplateMismatchError, match=r"w: checkpoint: a tensor of shape \[2, 3\] torch.float32, "
+                                                         rf"template: a non-tensor value \({type(value).__name__}\)"):
+            ck.load({"w": value, "n": 0})
+        with pytest.raises(TemplateMismatchError, match=r"n: checkpoint: a non-tensor value, template: shape \[2\]"):
+            ck.load({"w": torch.zeros(2, 3), "n": torch.zeros(2)})

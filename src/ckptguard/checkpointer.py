@@ -276,7 +276,7 @@ class Checkpointer:
         local_error: BaseException | None = None
         targets: list[ArtifactTarget] = []
         try:
-            targets = artifacts.normalize(files, self._comm.rank, hostname(), must_exist=True)
+            targets = artifacts.normalize(files, self._comm.rank, hostname(), True, self._session.storage)
         except Exception as e:  # reported in the plan's agreement
             local_error = e
         if not blocking:

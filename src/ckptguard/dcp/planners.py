@@ -163,7 +163,13 @@ class SafeLoadPlanner(DefaultLoadPlanner):
                                        storage_index=index, storage_offsets=zero, lengths=md.size))
             else:
                 rest[fqn] = obj
-        general = create_default_local_load_plan(rest, self.metadata, not self.allow_partial_load)
+        try:
+            general = create_default_local_load_plan(rest, self.metadata, not self.allow_partial_load)
+        except (ValueError, RuntimeError, KeyError, TypeError) as e:
+            # Whatever else DCP finds the template and the checkpoint disagree on (nothing was read yet).
+            raise TemplateMismatchError(
+                f"the state given to load does not match the checkpoint: {e}. Build the state like the one "
+                "saved (same model config, same optimizer); nothing was read or changed") from None
         return LoadPlan(direct + general.items)
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
@@ -179,7 +185,8 @@ class SafeLoadPlanner(DefaultLoadPlanner):
 
 def refuse_mismatches(state_dict: dict[str, Any], stored: dict[str, Any], *, strict: bool) -> None:
     """Raise TemplateMismatchError naming every key of the template that the checkpoint cannot fill (a
-    tensor of another shape, a tensor stored as an object, a key it lacks unless ``strict=False``),
+    tensor of another shape or dtype, a tensor where an object is stored or the other way round, a key
+    it lacks unless ``strict=False``),
     rather than DCP's error about the first one, and before any byte is read."""
     problems = []
     for fqn, obj in state_dict.items():
@@ -190,9 +197,13 @@ def refuse_mismatches(state_dict: dict[str, Any], stored: dict[str, Any], *, str
         elif isinstance(obj, torch.Tensor):
             if not isinstance(md, TensorStorageMetadata):
                 problems.append(f"{fqn}: checkpoint: a non-tensor value, template: {_describe(obj)}")
-            elif tuple(md.size) != tuple(obj.size()):
+            elif tuple(md.size) != tuple(obj.size()) or md.properties.dtype != obj.dtype:
+                # Another dtype is refused, not cast: a cast may round, overflow or wrap silently.
                 problems.append(f"{fqn}: checkpoint: shape {list(md.size)} {md.properties.dtype}, "
                                 f"template: shape {list(obj.size())} {obj.dtype}")
+        elif isinstance(md, TensorStorageMetadata):
+            problems.append(f"{fqn}: checkpoint: a tensor of shape {list(md.size)} {md.properties.dtype}, "
+                            f"template: a non-tensor value ({_describe(obj)})")
     if problems:
         shown = "; ".join(problems[:50]) + (f"; ... and {len(problems) - 50} more" if len(problems) > 50 else "")
         raise TemplateMismatchError(
