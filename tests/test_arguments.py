@@ -80,7 +80,7 @@ def test_a_template_that_does_not_fit_is_named_key_by_key_before_anything_is_rea
         assert ck.load(template, strict=False) == 2 and template["n"] == 2
 
 
-def test_a_template_of_another_dtype_is_refused_not_cast(tmp_path: Path) -> None:
+def test_a_template_of_another_dtype_is_refused_unless_the_cast_is_lossless(tmp_path: Path) -> None:
     with Checkpointer(tmp_path / "ck") as ck:
         ck.save(1, {"w": torch.tensor([1.7, -2.9, 100000.5], dtype=torch.float64)})
         for dtype in (torch.int8, torch.float16, torch.float32):
@@ -91,6 +91,12 @@ def test_a_template_of_another_dtype_is_refused_not_cast(tmp_path: Path) -> None
             assert not template["w"].any()
         same = {"w": torch.zeros(3, dtype=torch.float64)}
         assert ck.load(same) == 1 and same["w"][2] == 100000.5
+        ck.save(2, {"h": torch.tensor([1.5, -65536.0], dtype=torch.bfloat16), "i": torch.tensor([-128], dtype=torch.int8)})
+        wider = {"h": torch.zeros(2), "i": torch.zeros(1, dtype=torch.int32)}  # lossless widenings are made
+        assert ck.load(wider) == 2 and wider["h"].tolist() == [1.5, -65536.0] and wider["i"].tolist() == [-128]
+        with pytest.raises(TemplateMismatchError, match=r"i: checkpoint: shape \[1\] torch.int8, template: shape "
+                                                         r"\[1\] torch.uint8"):
+            ck.load({"h": torch.zeros(2), "i": torch.zeros(1, dtype=torch.uint8)})
 
 
 @pytest.mark.parametrize("value", [3, [0.0] * 6, None, "w"])

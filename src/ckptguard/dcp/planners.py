@@ -5,6 +5,7 @@ objects loaded without running code.
 from __future__ import annotations
 
 import io
+import math
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import replace
@@ -197,8 +198,9 @@ def refuse_mismatches(state_dict: dict[str, Any], stored: dict[str, Any], *, str
         elif isinstance(obj, torch.Tensor):
             if not isinstance(md, TensorStorageMetadata):
                 problems.append(f"{fqn}: checkpoint: a non-tensor value, template: {_describe(obj)}")
-            elif tuple(md.size) != tuple(obj.size()) or md.properties.dtype != obj.dtype:
-                # Another dtype is refused, not cast: a cast may round, overflow or wrap silently.
+            elif tuple(md.size) != tuple(obj.size()) or not widens(md.properties.dtype, obj.dtype):
+                # Only a cast that keeps every value exactly is made: a narrowing one may round, overflow
+                # or wrap silently.
                 problems.append(f"{fqn}: checkpoint: shape {list(md.size)} {md.properties.dtype}, "
                                 f"template: shape {list(obj.size())} {obj.dtype}")
         elif isinstance(md, TensorStorageMetadata):
@@ -210,6 +212,29 @@ def refuse_mismatches(state_dict: dict[str, Any], stored: dict[str, Any], *, str
             f"the state given to load does not match the checkpoint ({len(problems)} key(s)): {shown}. Build the "
             "state like the one saved (same model config, same optimizer), or pass strict=False to leave keys "
             "the checkpoint lacks as they are; nothing was read or changed")
+
+
+def widens(stored: torch.dtype, template: torch.dtype) -> bool:
+    """Whether every value of ``stored`` is exactly a value of ``template`` (the same dtype, or a lossless
+    widening such as bfloat16 -> float32, int8 -> int32, int16 -> float32): the only casts a load makes."""
+    if stored == template or stored == torch.bool:
+        return stored == template or template != torch.bool
+    try:
+        if template.is_complex or stored.is_complex:
+            return stored.is_complex and template.is_complex and stored.itemsize < template.itemsize
+        if stored.is_floating_point:
+            if not template.is_floating_point:
+                return False
+            s, t = torch.finfo(stored), torch.finfo(template)
+            return t.eps <= s.eps and t.max >= s.max and t.smallest_normal * t.eps <= s.smallest_normal * s.eps
+        si = torch.iinfo(stored)
+        if template.is_floating_point:
+            magnitude_bits = si.bits - (1 if si.min < 0 else 0)
+            return -math.log2(torch.finfo(template).eps) + 1 >= magnitude_bits
+        ti = torch.iinfo(template)
+        return ti.min <= si.min and ti.max >= si.max
+    except TypeError:  # a dtype without finfo/iinfo (quantized, bits): only the same dtype
+        return False
 
 
 def _describe(obj: Any) -> str:
