@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import pickle
 import subprocess
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -315,6 +317,27 @@ def test_save_file_round_trip_and_plain_torch_load(tmp_path: Path) -> None:
     assert torch.equal(loaded["w"], obj["w"]) and loaded["step"] == 3
     assert torch.equal(torch.load(path, weights_only=True)["w"], obj["w"])  # still a normal torch file
     assert os.listdir(path.parent) == ["model.pt"]
+
+
+class _Opaque:
+    pass
+
+
+_Pair = collections.namedtuple("_Pair", "a b")
+
+
+@pytest.mark.parametrize("value,words", [
+    (Path("/x"), "pathlib"), (_Pair(1, 2), "namedtuple"), (_Opaque(), "_Opaque"),
+    (np.ones(2), "numpy"), (frozenset({1}), "frozenset"),
+])
+def test_save_file_refuses_what_load_file_could_not_give_back(tmp_path: Path, value: object, words: str) -> None:
+    path = tmp_path / "model.pt"
+    with pytest.raises(ckptguard.UnsupportedValueError, match=rf"{path}: cannot save \['v'\]: .*{words}"):
+        ckptguard.save_file({"v": value, "w": torch.ones(1)}, path)
+    assert not path.exists()
+    plain = {"v": {1: {3, 4}, (2, "b"): (torch.Size([2]), None)}, "w": torch.ones(1)}  # plain values still save
+    ckptguard.save_file(plain, path)
+    assert ckptguard.load_file(path)["v"] == plain["v"]
 
 
 @pytest.mark.parametrize("damage", ["truncate", "bitflip", "append", "plain_torch_save"])

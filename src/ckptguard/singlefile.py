@@ -23,11 +23,13 @@ import torch
 
 from ckptguard.checksum import DEFAULT_ALGORITHM, checksum
 from ckptguard.comm import Comm, LocalTransport, default_comm
+from ckptguard.dcp.codec import encode_value
 from ckptguard.errors import (
     CheckpointError,
     CorruptCheckpointError,
     MalformedRecordError,
     UnsafeObjectError,
+    UnsupportedValueError,
     from_os_error,
 )
 from ckptguard.protocol.records import parse_json
@@ -185,6 +187,10 @@ def _format(path: str, format: str | None) -> str:
 def _serialize(obj: Any, fmt: str, algorithm: str, path: str) -> bytes:
     if fmt == "safetensors":
         return _seal_safetensors(obj, algorithm, path)
+    try:  # what load_file could not give back is refused here, as Checkpointer.save refuses it
+        encode_value(obj, plain_torch_load=True)
+    except UnsupportedValueError as e:
+        raise UnsupportedValueError(f"{path}: {e}", path=path) from None
     buf = io.BytesIO()
     torch.save(obj, buf)
     return _seal(buf.getvalue(), algorithm)
@@ -211,8 +217,6 @@ def _seal_safetensors(obj: Any, algorithm: str, path: str) -> bytes:
     except ImportError:
         raise CheckpointError("saving .safetensors needs the safetensors package: pip install "
                               "'ckptguard[safetensors]'", path=path) from None
-    from ckptguard.errors import UnsupportedValueError
-
     if not isinstance(obj, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in obj.items()):
         raise UnsupportedValueError(
             f"{path}: safetensors stores a flat dict of str names to tensors (e.g. model.state_dict()); "
