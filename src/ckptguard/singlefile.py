@@ -110,16 +110,7 @@ def save_file(obj: Any, path: str | os.PathLike[str], *, group: Any = None, proc
     directory = os.path.dirname(path)
     fmt = _format(path, format)
     if group is None:
-        try:
-            makedirs_durable(directory)
-        except OSError as e:
-            raise from_os_error(e, directory) from e
-        data = _serialize(obj, fmt, checksum_algorithm, path)
-        with _WriterLock(path, lock_timeout_s):
-            try:
-                replace_file(path, data)
-            except OSError as e:  # the temporary file's own name would only confuse
-                raise from_os_error(e, path, root=directory) from e
+        save_local(obj, path, fmt, checksum_algorithm, lock_timeout_s)
         return
     comm = _world_comm() if group is True else default_comm(group)
     try:
@@ -142,6 +133,23 @@ def save_file(obj: Any, path: str | os.PathLike[str], *, group: Any = None, proc
                     raise from_os_error(e, path, comm.rank, root=directory) from e
 
     comm.step(f"save {path}", write, where=directory)
+
+
+def save_local(obj: Any, path: str, fmt: str, algorithm: str, lock_timeout_s: float = 60.0, *,
+               loadable: bool = True) -> None:
+    """``save_file`` to a local path, by this process alone. ``loadable=False`` (``ckptguard export --to
+    torch``, whose file is for plain ``torch.load``) skips the refusal of what ``load_file`` could not read."""
+    directory = os.path.dirname(path)
+    try:
+        makedirs_durable(directory)
+    except OSError as e:
+        raise from_os_error(e, directory) from e
+    data = _serialize(obj, fmt, algorithm, path, loadable=loadable)
+    with _WriterLock(path, lock_timeout_s):
+        try:
+            replace_file(path, data)
+        except OSError as e:  # the temporary file's own name would only confuse
+            raise from_os_error(e, path, root=directory) from e
 
 
 def load_file(path: str | os.PathLike[str], *, map_location: Any = "cpu", format: str | None = None) -> Any:
@@ -184,11 +192,12 @@ def _format(path: str, format: str | None) -> str:
     return format
 
 
-def _serialize(obj: Any, fmt: str, algorithm: str, path: str) -> bytes:
+def _serialize(obj: Any, fmt: str, algorithm: str, path: str, *, loadable: bool = True) -> bytes:
     if fmt == "safetensors":
         return _seal_safetensors(obj, algorithm, path)
     try:  # what load_file could not give back is refused here, as Checkpointer.save refuses it
-        encode_value(obj, plain_torch_load=True)
+        if loadable:
+            encode_value(obj, plain_torch_load=True)
     except UnsupportedValueError as e:
         raise UnsupportedValueError(f"{path}: {e}", path=path) from None
     buf = io.BytesIO()
