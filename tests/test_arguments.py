@@ -108,3 +108,22 @@ def test_a_plain_value_where_a_tensor_was_saved_is_a_template_mismatch(tmp_path:
             ck.load({"w": value, "n": 0})
         with pytest.raises(TemplateMismatchError, match=r"n: checkpoint: a non-tensor value, template: shape \[2\]"):
             ck.load({"w": torch.zeros(2, 3), "n": torch.zeros(2)})
+
+
+def test_only_the_documented_settings_may_be_assigned_and_each_is_validated(tmp_path: Path) -> None:
+    with Checkpointer(tmp_path / "ck") as ck:
+        for name in ("collective_timeout_s", "async_budget_bytes", "lease_ttl_s"):
+            with pytest.raises(AttributeError, match=rf"{name} is fixed when a Checkpointer is opened: open a new "
+                                                     rf"Checkpointer\(.*{name}=\.\.\.\); the settings that may be "
+                                                     r"assigned are keep_last, keep_every, .*progress"):
+                setattr(ck, name, -1)
+        with pytest.raises(AttributeError, match=r"no setting 'keep_lst'; the settings that may be assigned are "
+                                                 r"keep_last"):
+            ck.keep_lst = 1  # type: ignore[attr-defined]
+        with pytest.raises(TypeError, match="progress must be True or False, got 'yes'"):
+            ck.progress = "yes"  # type: ignore[assignment]
+        with pytest.raises(AttributeError):
+            ck.last_save_stats = None  # type: ignore[misc]
+        ck.progress = True
+        ck.save(1, {"w": torch.ones(2)})
+        assert ck.progress and not hasattr(ck, "keep_lst") and ck.last_save_stats is not None
