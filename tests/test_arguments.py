@@ -4,6 +4,7 @@ takes effect (or is refused); a template that does not fit the checkpoint is nam
 from __future__ import annotations
 
 import logging
+import re
 from pathlib import Path
 from typing import Any
 
@@ -28,10 +29,14 @@ from ckptguard import Checkpointer, TemplateMismatchError
     ({"collective_timeout_s": float("inf")}, ValueError, "collective_timeout_s"),
     ({"async_budget_bytes": -1}, ValueError, "async_budget_bytes must be >= 0"),
     ({"read_only": "yes"}, TypeError, "read_only must be True or False"),
+    ({"process_group": "locl"}, TypeError, "process_group must be None (all ranks), \"local\" (this rank alone) "
+                                           "or a torch.distributed ProcessGroup, got 'locl' (str)"),
+    ({"process_group": 3}, TypeError, "process_group must be None"),
+    ({"process_group": [0, 1]}, TypeError, "got [0, 1] (list) (a list of ranks? pass torch.distributed.new_group"),
 ])
 def test_bad_arguments_are_refused_naming_the_argument_and_nothing_is_created(
         tmp_path: Path, kwargs: dict[str, Any], error: type[Exception], words: str) -> None:
-    with pytest.raises(error, match=words.replace("(", r"\(").replace(")", r"\)").replace(".", r"\.")):
+    with pytest.raises(error, match=re.escape(words)):
         Checkpointer(tmp_path / "ck", **kwargs)
     assert not (tmp_path / "ck").exists()
 

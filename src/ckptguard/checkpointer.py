@@ -105,6 +105,7 @@ class Checkpointer:
                 raise TypeError(f"{flag} must be True or False, got {value!r}")
         if job_id is not None and not isinstance(job_id, str):
             raise TypeError(f"job_id must be a str or None, got {job_id!r}")
+        _check_process_group(process_group)
         if not isinstance(root, (str, os.PathLike)):
             raise TypeError(f"root must be a path or a URL (str or os.PathLike), got {type(root).__name__}")
         storage = open_storage(root, storage_options)  # refuses unknown URL schemes before any collective
@@ -525,6 +526,21 @@ def _count(name: str, value: Any, minimum: int, why: str = "", *, optional: bool
     if number < minimum:
         raise ValueError(f"{name} must be >= {minimum}" + (f" ({why})" if why else "") + f", got {number}")
     return number
+
+
+def _check_process_group(group: Any) -> None:
+    """None, "local" or a torch ProcessGroup; anything else (a typo "locl", a list of ranks) would
+    otherwise quietly give a Checkpointer over the whole world."""
+    if group is None or (isinstance(group, str) and group == "local"):
+        return
+    import torch.distributed as dist
+
+    if dist.is_available() and isinstance(group, dist.ProcessGroup):
+        return
+    hint = " (a list of ranks? pass torch.distributed.new_group(ranks, backend='gloo'))" \
+        if isinstance(group, (list, tuple, range)) else ""
+    raise TypeError(f"process_group must be None (all ranks), \"local\" (this rank alone) or a "
+                    f"torch.distributed ProcessGroup, got {group!r} ({type(group).__name__}){hint}")
 
 
 def _required(value: int | None) -> int:
