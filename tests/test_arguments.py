@@ -132,3 +132,14 @@ def test_only_the_documented_settings_may_be_assigned_and_each_is_validated(tmp_
         ck.progress = True
         ck.save(1, {"w": torch.ones(2)})
         assert ck.progress and not hasattr(ck, "keep_lst") and ck.last_save_stats is not None
+
+
+def test_save_arguments_of_the_wrong_type_are_named(tmp_path: Path) -> None:
+    with Checkpointer(tmp_path / "ck") as ck:
+        with pytest.raises(TypeError, match=r"metadata must be a mapping of str to JSON values .*got 'loss=1' \(str\)"):
+            ck.save(1, {"w": torch.ones(1)}, metadata="loss=1")  # type: ignore[arg-type]
+        with pytest.raises(TypeError, match=r"files must be a mapping of a key to a local path .*got '/tmp' \(str\)"):
+            ck.save(1, {"w": torch.ones(1)}, files="/tmp")  # type: ignore[arg-type]
+        with pytest.raises(TypeError, match=r"rank 0: files\['x'\] must be a local path .*got 3 \(int\)"):
+            ck.save(1, {"w": torch.ones(1)}, files={"x": 3})  # type: ignore[dict-item]
+        assert ck.steps() == []

@@ -566,6 +566,9 @@ def _checksum(value: Any) -> str:
 def _json_object(metadata: Mapping[str, Any] | None) -> dict[str, Any]:
     if metadata is None:
         return {}
+    if not isinstance(metadata, Mapping):
+        raise TypeError(f"metadata must be a mapping of str to JSON values (metadata={{'loss': 1.5}}), got "
+                        f"{metadata!r} ({type(metadata).__name__})")
     try:
         text = json.dumps(dict(metadata), allow_nan=False)
     except (TypeError, ValueError, RecursionError) as e:

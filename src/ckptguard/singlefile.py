@@ -54,6 +54,12 @@ def _seal(data: bytes, algorithm: str) -> bytes:
 def _unseal(data: bytes, path: str) -> bytes:
     """The verified archive, or CorruptCheckpointError naming what is wrong."""
     m = _TAG.search(data[-80:])
+    if m is None and data[-22:-18] == _EOCD and data[-2:] == b"\x00\x00":  # a zip without save_file's tag
+        raise CheckpointError(
+            f"{path} is a torch.save file without ckptguard's checksum (not written by ckptguard.save_file), so "
+            "it cannot be verified. If you trust it, load it with torch.load(path, weights_only=True), or "
+            "write a verified copy with ckptguard.save_file(torch.load(path, weights_only=True), new_path).",
+            path=path)
     if m is None:
         raise CorruptCheckpointError(
             f"{path} carries no ckptguard checksum: it was not written by ckptguard.save_file, or its end "
@@ -101,6 +107,7 @@ def save_file(obj: Any, path: str | os.PathLike[str], *, group: Any = None, proc
     ``s3://bucket/key`` paths work too (an object PUT replaces atomically; with ``group=``,
     rank 0 writes: every rank reaches the same bucket).
     """
+    _check_path("save_file", path)
     group = group if group is not None else process_group
     if is_s3_url(path):
         comm = Comm(LocalTransport()) if group is None else _world_comm() if group is True else default_comm(group)
@@ -157,11 +164,17 @@ def load_file(path: str | os.PathLike[str], *, map_location: Any = "cpu", format
 
     A ``.safetensors`` file (or ``format="safetensors"``) comes back as a dict of tensors.
     """
+    _check_path("load_file", path)
     if is_s3_url(path):
         path = os.fspath(path)
         data = _read_object(path)
     else:
         path = local_path(path)
+        if os.path.isdir(path):
+            raise CheckpointError(
+                f"{path} is a directory: load_file reads one file written by save_file. A checkpoint root is "
+                f"loaded with Checkpointer({path!r}, read_only=True).load(state); a DCP directory with "
+                "ckptguard.DCPReader", path=path)
         try:
             fd = open_regular(path)
             with os.fdopen(fd, "rb") as f:
@@ -182,6 +195,13 @@ def load_file(path: str | os.PathLike[str], *, map_location: Any = "cpu", format
 
 
 FORMATS = ("torch", "safetensors")
+
+
+def _check_path(function: str, path: Any) -> None:
+    """A str or os.PathLike path (bytes and anything else refused naming the argument)."""
+    if not isinstance(path, (str, os.PathLike)) or not isinstance(os.fspath(path), str):
+        raise TypeError(f"{function}: path must be a local path or an s3:// URL (str or os.PathLike), got "
+                        f"{path!r} ({type(path).__name__})")
 
 
 def _format(path: str, format: str | None) -> str:
