@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from ckptguard import Checkpointer, TemplateMismatchError
+from ckptguard import Checkpointer, CheckpointError, TemplateMismatchError
 
 
 @pytest.mark.parametrize("kwargs,error,words", [
@@ -143,3 +143,15 @@ def test_save_arguments_of_the_wrong_type_are_named(tmp_path: Path) -> None:
         with pytest.raises(TypeError, match=r"rank 0: files\['x'\] must be a local path .*got 3 \(int\)"):
             ck.save(1, {"w": torch.ones(1)}, files={"x": 3})  # type: ignore[dict-item]
         assert ck.steps() == []
+
+
+@pytest.mark.parametrize("read_only", [True, False])
+def test_a_root_that_is_a_regular_file_is_refused_saying_so(tmp_path: Path, read_only: bool,
+                                                             caplog: pytest.LogCaptureFixture) -> None:
+    path = tmp_path / "model.pt"
+    path.write_bytes(b"not a directory")
+    with caplog.at_level(logging.WARNING, logger="ckptguard"), \
+            pytest.raises(CheckpointError, match=rf"the root {path} is a file, not a directory"):
+        Checkpointer(path, read_only=read_only)
+    assert not any("does not exist" in r.getMessage() for r in caplog.records)
+    assert path.read_bytes() == b"not a directory"

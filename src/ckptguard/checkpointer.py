@@ -112,6 +112,11 @@ class Checkpointer:
         if checksum is None:  # object stores check CRC32C on arrival: the manifest records the same
             checksum = DEFAULT_ALGORITHM if storage.has_directories else "crc32c"
         checksum = _checksum(checksum)
+        if storage.has_directories and os.path.exists(storage.root) and not os.path.isdir(storage.root):
+            raise CheckpointError(f"the root {storage.root} is a file, not a directory: a checkpoint root is a "
+                                  "directory (a new one is created where nothing exists yet). Give the directory "
+                                  "the checkpoints are in, or load a single file with ckptguard.load_file",
+                                  path=storage.root)
         if read_only and storage.has_directories and not os.path.isdir(storage.root):
             log.warning("ckptguard: the read_only root %s does not exist: there is nothing to load or list "
                         "(a typo in the path?)", storage.root)
