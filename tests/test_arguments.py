@@ -4,6 +4,7 @@ takes effect (or is refused); a template that does not fit the checkpoint is nam
 from __future__ import annotations
 
 import logging
+import re
 from pathlib import Path
 from typing import Any
 
@@ -11,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from ckptguard import Checkpointer, TemplateMismatchError
+from ckptguard import Checkpointer, CheckpointError, TemplateMismatchError
 
 
 @pytest.mark.parametrize("kwargs,error,words", [
@@ -28,10 +29,14 @@ from ckptguard import Checkpointer, TemplateMismatchError
     ({"collective_timeout_s": float("inf")}, ValueError, "collective_timeout_s"),
     ({"async_budget_bytes": -1}, ValueError, "async_budget_bytes must be >= 0"),
     ({"read_only": "yes"}, TypeError, "read_only must be True or False"),
+    ({"process_group": "locl"}, TypeError, "process_group must be None (all ranks), \"local\" (this rank alone) "
+                                           "or a torch.distributed ProcessGroup, got 'locl' (str)"),
+    ({"process_group": 3}, TypeError, "process_group must be None"),
+    ({"process_group": [0, 1]}, TypeError, "got [0, 1] (list) (a list of ranks? pass torch.distributed.new_group"),
 ])
 def test_bad_arguments_are_refused_naming_the_argument_and_nothing_is_created(
         tmp_path: Path, kwargs: dict[str, Any], error: type[Exception], words: str) -> None:
-    with pytest.raises(error, match=words.replace("(", r"\(").replace(")", r"\)").replace(".", r"\.")):
+    with pytest.raises(error, match=re.escape(words)):
         Checkpointer(tmp_path / "ck", **kwargs)
     assert not (tmp_path / "ck").exists()
 
@@ -78,3 +83,75 @@ def test_a_template_that_does_not_fit_is_named_key_by_key_before_anything_is_rea
         assert isinstance(err.value, ValueError) and template["n"] == 0 and not template["model"]["w"].any()
         template["model"]["w"] = torch.zeros(4, 3)
         assert ck.load(template, strict=False) == 2 and template["n"] == 2
+
+
+def test_a_template_of_another_dtype_is_refused_unless_the_cast_is_lossless(tmp_path: Path) -> None:
+    with Checkpointer(tmp_path / "ck") as ck:
+        ck.save(1, {"w": torch.tensor([1.7, -2.9, 100000.5], dtype=torch.float64)})
+        for dtype in (torch.int8, torch.float16, torch.float32):
+            template = {"w": torch.zeros(3, dtype=dtype)}
+            with pytest.raises(TemplateMismatchError,
+                               match=rf"w: checkpoint: shape \[3\] torch.float64, template: shape \[3\] {dtype}"):
+                ck.load(template)
+            assert not template["w"].any()
+        same = {"w": torch.zeros(3, dtype=torch.float64)}
+        assert ck.load(same) == 1 and same["w"][2] == 100000.5
+        ck.save(2, {"h": torch.tensor([1.5, -65536.0], dtype=torch.bfloat16), "i": torch.tensor([-128], dtype=torch.int8)})
+        wider = {"h": torch.zeros(2), "i": torch.zeros(1, dtype=torch.int32)}  # lossless widenings are made
+        assert ck.load(wider) == 2 and wider["h"].tolist() == [1.5, -65536.0] and wider["i"].tolist() == [-128]
+        with pytest.raises(TemplateMismatchError, match=r"i: checkpoint: shape \[1\] torch.int8, template: shape "
+                                                         r"\[1\] torch.uint8"):
+            ck.load({"h": torch.zeros(2), "i": torch.zeros(1, dtype=torch.uint8)})
+
+
+@pytest.mark.parametrize("value", [3, [0.0] * 6, None, "w"])
+def test_a_plain_value_where_a_tensor_was_saved_is_a_template_mismatch(tmp_path: Path, value: object) -> None:
+    with Checkpointer(tmp_path / "ck") as ck:
+        ck.save(1, {"w": torch.ones(2, 3), "n": 5})
+        with pytest.raises(TemplateMismatchError, match=r"w: checkpoint: a tensor of shape \[2, 3\] torch.float32, "
+                                                         rf"template: a non-tensor value \({type(value).__name__}\)"):
+            ck.load({"w": value, "n": 0})
+        with pytest.raises(TemplateMismatchError, match=r"n: checkpoint: a non-tensor value, template: shape \[2\]"):
+            ck.load({"w": torch.zeros(2, 3), "n": torch.zeros(2)})
+
+
+def test_only_the_documented_settings_may_be_assigned_and_each_is_validated(tmp_path: Path) -> None:
+    with Checkpointer(tmp_path / "ck") as ck:
+        for name in ("collective_timeout_s", "async_budget_bytes", "lease_ttl_s"):
+            with pytest.raises(AttributeError, match=rf"{name} is fixed when a Checkpointer is opened: open a new "
+                                                     rf"Checkpointer\(.*{name}=\.\.\.\); the settings that may be "
+                                                     r"assigned are keep_last, keep_every, .*progress"):
+                setattr(ck, name, -1)
+        with pytest.raises(AttributeError, match=r"no setting 'keep_lst'; the settings that may be assigned are "
+                                                 r"keep_last"):
+            ck.keep_lst = 1  # type: ignore[attr-defined]
+        with pytest.raises(TypeError, match="progress must be True or False, got 'yes'"):
+            ck.progress = "yes"  # type: ignore[assignment]
+        with pytest.raises(AttributeError):
+            ck.last_save_stats = None  # type: ignore[misc]
+        ck.progress = True
+        ck.save(1, {"w": torch.ones(2)})
+        assert ck.progress and not hasattr(ck, "keep_lst") and ck.last_save_stats is not None
+
+
+def test_save_arguments_of_the_wrong_type_are_named(tmp_path: Path) -> None:
+    with Checkpointer(tmp_path / "ck") as ck:
+        with pytest.raises(TypeError, match=r"metadata must be a mapping of str to JSON values .*got 'loss=1' \(str\)"):
+            ck.save(1, {"w": torch.ones(1)}, metadata="loss=1")  # type: ignore[arg-type]
+        with pytest.raises(TypeError, match=r"files must be a mapping of a key to a local path .*got '/tmp' \(str\)"):
+            ck.save(1, {"w": torch.ones(1)}, files="/tmp")  # type: ignore[arg-type]
+        with pytest.raises(TypeError, match=r"rank 0: files\['x'\] must be a local path .*got 3 \(int\)"):
+            ck.save(1, {"w": torch.ones(1)}, files={"x": 3})  # type: ignore[dict-item]
+        assert ck.steps() == []
+
+
+@pytest.mark.parametrize("read_only", [True, False])
+def test_a_root_that_is_a_regular_file_is_refused_saying_so(tmp_path: Path, read_only: bool,
+                                                             caplog: pytest.LogCaptureFixture) -> None:
+    path = tmp_path / "model.pt"
+    path.write_bytes(b"not a directory")
+    with caplog.at_level(logging.WARNING, logger="ckptguard"), \
+            pytest.raises(CheckpointError, match=rf"the root {path} is a file, not a directory"):
+        Checkpointer(path, read_only=read_only)
+    assert not any("does not exist" in r.getMessage() for r in caplog.records)
+    assert path.read_bytes() == b"not a directory"

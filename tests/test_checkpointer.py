@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import pickle
 import subprocess
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -317,7 +319,28 @@ def test_save_file_round_trip_and_plain_torch_load(tmp_path: Path) -> None:
     assert os.listdir(path.parent) == ["model.pt"]
 
 
-@pytest.mark.parametrize("damage", ["truncate", "bitflip", "append", "plain_torch_save"])
+class _Opaque:
+    pass
+
+
+_Pair = collections.namedtuple("_Pair", "a b")
+
+
+@pytest.mark.parametrize("value,words", [
+    (Path("/x"), "pathlib"), (_Pair(1, 2), "namedtuple"), (_Opaque(), "_Opaque"),
+    (np.ones(2), "numpy"), (frozenset({1}), "frozenset"),
+])
+def test_save_file_refuses_what_load_file_could_not_give_back(tmp_path: Path, value: object, words: str) -> None:
+    path = tmp_path / "model.pt"
+    with pytest.raises(ckptguard.UnsupportedValueError, match=rf"{path}: cannot save \['v'\]: .*{words}"):
+        ckptguard.save_file({"v": value, "w": torch.ones(1)}, path)
+    assert not path.exists()
+    plain = {"v": {1: {3, 4}, (2, "b"): (torch.Size([2]), None)}, "w": torch.ones(1)}  # plain values still save
+    ckptguard.save_file(plain, path)
+    assert ckptguard.load_file(path)["v"] == plain["v"]
+
+
+@pytest.mark.parametrize("damage", ["truncate", "bitflip", "append"])
 def test_load_file_refuses_damaged_files(tmp_path: Path, damage: str) -> None:
     path = tmp_path / "model.pt"
     ckptguard.save_file({"w": torch.randn(100)}, path)
@@ -329,10 +352,28 @@ def test_load_file_refuses_damaged_files(tmp_path: Path, damage: str) -> None:
         path.write_bytes(bytes(data))
     elif damage == "append":
         path.write_bytes(bytes(data) + b"junk")
-    else:
-        torch.save({"w": torch.randn(100)}, path)
     with pytest.raises(CorruptCheckpointError, match=str(path)):
         ckptguard.load_file(path)
+
+
+def test_load_file_says_what_a_plain_torch_save_file_or_a_directory_is(tmp_path: Path) -> None:
+    path = tmp_path / "plain.pt"
+    torch.save({"w": torch.randn(100)}, path)
+    with pytest.raises(CheckpointError, match=rf"{path} is a torch.save file without ckptguard's checksum .*"
+                                              r"torch.load\(path, weights_only=True\)") as err:
+        ckptguard.load_file(path)
+    assert not isinstance(err.value, CorruptCheckpointError)
+    with pytest.raises(CheckpointError, match=rf"{tmp_path} is a directory: .*Checkpointer\(") as err:
+        ckptguard.load_file(tmp_path)
+    assert not isinstance(err.value, CorruptCheckpointError)
+
+
+@pytest.mark.parametrize("path", [None, 3, b"/tmp/x.pt"])
+def test_save_file_and_load_file_name_a_path_of_the_wrong_type(tmp_path: Path, path: object) -> None:
+    for function in (ckptguard.save_file, ckptguard.load_file):
+        args = ({"w": torch.ones(1)}, path) if function is ckptguard.save_file else (path,)
+        with pytest.raises(TypeError, match=rf"{function.__name__}: path must be a local path or an s3:// URL"):
+            function(*args)  # type: ignore[operator]
 
 
 def test_save_file_on_a_full_disk_keeps_the_old_file_and_leaves_no_temporary_file() -> None:

@@ -68,7 +68,8 @@ def test_two_hosts_restoring_into_one_shared_path_are_refused(tmp_path: Path, mo
             own = tmp_path / f"src{comm.rank}"
             own.mkdir()
             (own / "shard").write_bytes(b"x")
-            targets = artifacts.normalize({"off": own}, comm.rank, f"host-rank{comm.rank}", must_exist=True)
+            targets = artifacts.normalize({"off": own}, comm.rank, f"host-rank{comm.rank}", True,
+                                          session.storage)
             save_protocol.save(session, save_protocol.SaveRequest(1, {"w": torch.ones(4)}, targets, targets, False,
                                                                   {}, None), PhaseTimer())
             return load_protocol.load_one(session, CheckpointName(1), None, {"w": torch.zeros(4)}, {"off": shared},
@@ -81,3 +82,26 @@ def test_two_hosts_restoring_into_one_shared_path_are_refused(tmp_path: Path, mo
     assert all(isinstance(e, PathCollisionError) for e in out), out
     assert "storage both hosts share" in str(out[0])
     assert not shared.exists()
+
+
+def test_files_that_are_contain_or_lie_inside_the_root_are_refused_at_save_and_at_load(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    root = run / "ckpts"
+    off = tmp_path / "offload"
+    off.mkdir()
+    (off / "state.bin").write_bytes(b"v1")
+    (tmp_path / "link").symlink_to(run)
+    with Checkpointer(root) as ck:
+        ck.save(1, {"w": torch.ones(2)}, files={"x": off})
+        ck.save(2, {"w": torch.ones(2)})
+        before = listing(root)
+        for bad, how in ((root, "is the checkpoint root"), (run, "contains the checkpoint root"),
+                         (tmp_path / "link", "contains the checkpoint root"),
+                         (root / "step-00000001", "lies inside the checkpoint root")):
+            with pytest.raises(PathCollisionError, match=f"rank 0: files\\['x'\\] = {run if 'link' in str(bad) else bad}"
+                                                         f" {how}") as err:
+                ck.save(3, {"w": torch.ones(2)}, files={"x": bad})
+            assert err.value.rank == 0
+            with pytest.raises(PathCollisionError, match=how):
+                ck.load({"w": torch.zeros(2)}, step=1, files={"x": bad})
+        assert ck.steps(refresh=True) == [1, 2] and listing(root) == before

@@ -105,16 +105,22 @@ class Checkpointer:
                 raise TypeError(f"{flag} must be True or False, got {value!r}")
         if job_id is not None and not isinstance(job_id, str):
             raise TypeError(f"job_id must be a str or None, got {job_id!r}")
+        _check_process_group(process_group)
         if not isinstance(root, (str, os.PathLike)):
             raise TypeError(f"root must be a path or a URL (str or os.PathLike), got {type(root).__name__}")
         storage = open_storage(root, storage_options)  # refuses unknown URL schemes before any collective
         if checksum is None:  # object stores check CRC32C on arrival: the manifest records the same
             checksum = DEFAULT_ALGORITHM if storage.has_directories else "crc32c"
         checksum = _checksum(checksum)
+        if storage.has_directories and os.path.exists(storage.root) and not os.path.isdir(storage.root):
+            raise CheckpointError(f"the root {storage.root} is a file, not a directory: a checkpoint root is a "
+                                  "directory (a new one is created where nothing exists yet). Give the directory "
+                                  "the checkpoints are in, or load a single file with ckptguard.load_file",
+                                  path=storage.root)
         if read_only and storage.has_directories and not os.path.isdir(storage.root):
             log.warning("ckptguard: the read_only root %s does not exist: there is nothing to load or list "
                         "(a typo in the path?)", storage.root)
-        self.progress = progress
+        self._progress = progress
         self._read_only = read_only
         options = Options(keep_last, keep_every, io_threads, checksum, visibility_timeout_s, load_memory_bytes)
         comm = Comm(LocalTransport()) if isinstance(process_group, str) and process_group == "local" \
@@ -132,8 +138,8 @@ class Checkpointer:
         self._background = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckptguard-save")
         self._inflight: Future[None] | None = None
         self._stager = HostStager(async_budget_bytes)
-        self.last_save_stats: PhaseTimer | None = None
-        self.last_load_stats: PhaseTimer | None = None
+        self._last_save_stats: PhaseTimer | None = None
+        self._last_load_stats: PhaseTimer | None = None
         self._committed: Listing = save_protocol.agreed_current(self._session)
         self._tags: manage.Tags = manage.read_tags(self._session)
         inflight.track(self)
@@ -206,6 +212,39 @@ class Checkpointer:
         raise AttributeError(f"read_only is fixed when a Checkpointer is opened (it decides whether the root's "
                              f"lease is taken): open a new Checkpointer({self.root!r}, read_only={value!r})")
 
+    @property
+    def progress(self) -> bool:
+        """Whether save and load show a progress bar on rank 0 (unless given ``progress=`` themselves)."""
+        return self._progress
+
+    @progress.setter
+    def progress(self, value: bool) -> None:
+        if not isinstance(value, bool):
+            raise TypeError(f"progress must be True or False, got {value!r}")
+        self._progress = value
+
+    @property
+    def last_save_stats(self) -> PhaseTimer | None:
+        """The time of each phase of the last save (None before the first)."""
+        return self._last_save_stats
+
+    @property
+    def last_load_stats(self) -> PhaseTimer | None:
+        """The time of each phase of the last load (None before the first)."""
+        return self._last_load_stats
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        # Only the settings above may be assigned: a typo (ck.keep_lst = 1) or a setting fixed at
+        # construction (collective_timeout_s, async_budget_bytes) would otherwise be silently ignored.
+        if name.startswith("_") or isinstance(getattr(type(self), name, None), property):
+            object.__setattr__(self, name, value)  # a property without a setter raises AttributeError
+            return
+        fixed = ("job_id", "lease_ttl_s", "lease_wait_s", "async_budget_bytes", "collective_timeout_s",
+                 "process_group", "storage_options")
+        how = (f"{name} is fixed when a Checkpointer is opened: open a new Checkpointer({self.root!r}, "
+               f"{name}=...)" if name in fixed else f"Checkpointer has no setting {name!r}")
+        raise AttributeError(f"{how}; the settings that may be assigned are {', '.join(_SETTABLE)}")
+
     def _set_option(self, **change: Any) -> None:
         self._session.options = replace(self._session.options, **change)
 
@@ -268,7 +307,7 @@ class Checkpointer:
         started = time.perf_counter()
         fault_point(FaultPhase.SAVE_START, self._comm.rank)
         show = (self.progress if progress is None else progress) and self._comm.rank == 0
-        stats = self.last_save_stats = PhaseTimer(show)
+        stats = self._last_save_stats = PhaseTimer(show)
         with stats.phase("state_dict"):
             prepared = prepare_state(state, self._comm.rank)
         # A local problem (a files= path missing on this rank) must not skip the collectives
@@ -276,7 +315,7 @@ class Checkpointer:
         local_error: BaseException | None = None
         targets: list[ArtifactTarget] = []
         try:
-            targets = artifacts.normalize(files, self._comm.rank, hostname(), must_exist=True)
+            targets = artifacts.normalize(files, self._comm.rank, hostname(), True, self._session.storage)
         except Exception as e:  # reported in the plan's agreement
             local_error = e
         if not blocking:
@@ -345,7 +384,7 @@ class Checkpointer:
             loaded, stats, current = load_protocol.load(self._session, step, state, files, strict, show)
         self._committed = current
         if stats is not None:
-            self.last_load_stats = stats
+            self._last_load_stats = stats
         return loaded
 
     def read(self, step: int | None = None, *, tag: str | None = None,
@@ -473,6 +512,10 @@ class Checkpointer:
             raise CheckpointError(f"this Checkpointer on {self.root} was opened read_only=True")
 
 
+_SETTABLE = tuple(name for name, attr in vars(Checkpointer).items()
+                  if isinstance(attr, property) and attr.fset is not None and name != "read_only")
+
+
 def _count(name: str, value: Any, minimum: int, why: str = "", *, optional: bool = False) -> int | None:
     """``value`` checked to be an int >= ``minimum`` (or None where ``optional``): refused at the door,
     naming the argument, rather than failing later in a comparison (``keep_last='3'``)."""
@@ -488,6 +531,21 @@ def _count(name: str, value: Any, minimum: int, why: str = "", *, optional: bool
     if number < minimum:
         raise ValueError(f"{name} must be >= {minimum}" + (f" ({why})" if why else "") + f", got {number}")
     return number
+
+
+def _check_process_group(group: Any) -> None:
+    """None, "local" or a torch ProcessGroup; anything else (a typo "locl", a list of ranks) would
+    otherwise quietly give a Checkpointer over the whole world."""
+    if group is None or (isinstance(group, str) and group == "local"):
+        return
+    import torch.distributed as dist
+
+    if dist.is_available() and isinstance(group, dist.ProcessGroup):
+        return
+    hint = " (a list of ranks? pass torch.distributed.new_group(ranks, backend='gloo'))" \
+        if isinstance(group, (list, tuple, range)) else ""
+    raise TypeError(f"process_group must be None (all ranks), \"local\" (this rank alone) or a "
+                    f"torch.distributed ProcessGroup, got {group!r} ({type(group).__name__}){hint}")
 
 
 def _required(value: int | None) -> int:
@@ -513,6 +571,9 @@ def _checksum(value: Any) -> str:
 def _json_object(metadata: Mapping[str, Any] | None) -> dict[str, Any]:
     if metadata is None:
         return {}
+    if not isinstance(metadata, Mapping):
+        raise TypeError(f"metadata must be a mapping of str to JSON values (metadata={{'loss': 1.5}}), got "
+                        f"{metadata!r} ({type(metadata).__name__})")
     try:
         text = json.dumps(dict(metadata), allow_nan=False)
     except (TypeError, ValueError, RecursionError) as e:

@@ -25,6 +25,7 @@ from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystem
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
 
+from ckptguard.checksum import DEFAULT_ALGORITHM
 from ckptguard.dcp.codec import check_depth, decode_value, metadata_from_json, unflatten
 from ckptguard.dcp.drive import read_locally
 from ckptguard.dcp.planners import SafeLoadPlanner
@@ -151,7 +152,7 @@ def export_checkpoint(path: str | os.PathLike[str], out: str | os.PathLike[str],
     (non-tensor values are left out and returned); ``dcp`` is a plain DCP directory
     (``.metadata`` + ``.distcp``) that ``dcp.load`` and ``dcp_to_torch_save`` read.
     """
-    from ckptguard.singlefile import save_file
+    from ckptguard.singlefile import save_file, save_local
 
     if to not in EXPORT_FORMATS:
         raise ValueError(f"to must be one of {EXPORT_FORMATS}, not {to!r}")
@@ -161,8 +162,8 @@ def export_checkpoint(path: str | os.PathLike[str], out: str | os.PathLike[str],
             raise KeyError(f"no {key!r} in the checkpoint; its keys: {sorted(state)}")
         state = state[key] if isinstance(state[key], dict) else {key: state[key]}
     out = os.path.abspath(local_path(out))
-    if to == "torch":
-        save_file(state, out, format="torch")
+    if to == "torch":  # for plain torch.load: numpy values stay numpy, as saved
+        save_local(state, out, "torch", DEFAULT_ALGORITHM, loadable=False)
         return []
     if to == "safetensors":
         tensors, skipped = flatten_tensors(state)

@@ -23,11 +23,13 @@ import torch
 
 from ckptguard.checksum import DEFAULT_ALGORITHM, checksum
 from ckptguard.comm import Comm, LocalTransport, default_comm
+from ckptguard.dcp.codec import encode_value
 from ckptguard.errors import (
     CheckpointError,
     CorruptCheckpointError,
     MalformedRecordError,
     UnsafeObjectError,
+    UnsupportedValueError,
     from_os_error,
 )
 from ckptguard.protocol.records import parse_json
@@ -52,6 +54,12 @@ def _seal(data: bytes, algorithm: str) -> bytes:
 def _unseal(data: bytes, path: str) -> bytes:
     """The verified archive, or CorruptCheckpointError naming what is wrong."""
     m = _TAG.search(data[-80:])
+    if m is None and data[-22:-18] == _EOCD and data[-2:] == b"\x00\x00":  # a zip without save_file's tag
+        raise CheckpointError(
+            f"{path} is a torch.save file without ckptguard's checksum (not written by ckptguard.save_file), so "
+            "it cannot be verified. If you trust it, load it with torch.load(path, weights_only=True), or "
+            "write a verified copy with ckptguard.save_file(torch.load(path, weights_only=True), new_path).",
+            path=path)
     if m is None:
         raise CorruptCheckpointError(
             f"{path} carries no ckptguard checksum: it was not written by ckptguard.save_file, or its end "
@@ -99,6 +107,7 @@ def save_file(obj: Any, path: str | os.PathLike[str], *, group: Any = None, proc
     ``s3://bucket/key`` paths work too (an object PUT replaces atomically; with ``group=``,
     rank 0 writes: every rank reaches the same bucket).
     """
+    _check_path("save_file", path)
     group = group if group is not None else process_group
     if is_s3_url(path):
         comm = Comm(LocalTransport()) if group is None else _world_comm() if group is True else default_comm(group)
@@ -108,16 +117,7 @@ def save_file(obj: Any, path: str | os.PathLike[str], *, group: Any = None, proc
     directory = os.path.dirname(path)
     fmt = _format(path, format)
     if group is None:
-        try:
-            makedirs_durable(directory)
-        except OSError as e:
-            raise from_os_error(e, directory) from e
-        data = _serialize(obj, fmt, checksum_algorithm, path)
-        with _WriterLock(path, lock_timeout_s):
-            try:
-                replace_file(path, data)
-            except OSError as e:  # the temporary file's own name would only confuse
-                raise from_os_error(e, path, root=directory) from e
+        save_local(obj, path, fmt, checksum_algorithm, lock_timeout_s)
         return
     comm = _world_comm() if group is True else default_comm(group)
     try:
@@ -142,16 +142,39 @@ def save_file(obj: Any, path: str | os.PathLike[str], *, group: Any = None, proc
     comm.step(f"save {path}", write, where=directory)
 
 
+def save_local(obj: Any, path: str, fmt: str, algorithm: str, lock_timeout_s: float = 60.0, *,
+               loadable: bool = True) -> None:
+    """``save_file`` to a local path, by this process alone. ``loadable=False`` (``ckptguard export --to
+    torch``, whose file is for plain ``torch.load``) skips the refusal of what ``load_file`` could not read."""
+    directory = os.path.dirname(path)
+    try:
+        makedirs_durable(directory)
+    except OSError as e:
+        raise from_os_error(e, directory) from e
+    data = _serialize(obj, fmt, algorithm, path, loadable=loadable)
+    with _WriterLock(path, lock_timeout_s):
+        try:
+            replace_file(path, data)
+        except OSError as e:  # the temporary file's own name would only confuse
+            raise from_os_error(e, path, root=directory) from e
+
+
 def load_file(path: str | os.PathLike[str], *, map_location: Any = "cpu", format: str | None = None) -> Any:
     """Load a file written by ``save_file``, after checking its checksum; objects via weights_only.
 
     A ``.safetensors`` file (or ``format="safetensors"``) comes back as a dict of tensors.
     """
+    _check_path("load_file", path)
     if is_s3_url(path):
         path = os.fspath(path)
         data = _read_object(path)
     else:
         path = local_path(path)
+        if os.path.isdir(path):
+            raise CheckpointError(
+                f"{path} is a directory: load_file reads one file written by save_file. A checkpoint root is "
+                f"loaded with Checkpointer({path!r}, read_only=True).load(state); a DCP directory with "
+                "ckptguard.DCPReader", path=path)
         try:
             fd = open_regular(path)
             with os.fdopen(fd, "rb") as f:
@@ -174,6 +197,13 @@ def load_file(path: str | os.PathLike[str], *, map_location: Any = "cpu", format
 FORMATS = ("torch", "safetensors")
 
 
+def _check_path(function: str, path: Any) -> None:
+    """A str or os.PathLike path (bytes and anything else refused naming the argument)."""
+    if not isinstance(path, (str, os.PathLike)) or not isinstance(os.fspath(path), str):
+        raise TypeError(f"{function}: path must be a local path or an s3:// URL (str or os.PathLike), got "
+                        f"{path!r} ({type(path).__name__})")
+
+
 def _format(path: str, format: str | None) -> str:
     if format is None:
         return "safetensors" if path.endswith(".safetensors") else "torch"
@@ -182,9 +212,14 @@ def _format(path: str, format: str | None) -> str:
     return format
 
 
-def _serialize(obj: Any, fmt: str, algorithm: str, path: str) -> bytes:
+def _serialize(obj: Any, fmt: str, algorithm: str, path: str, *, loadable: bool = True) -> bytes:
     if fmt == "safetensors":
         return _seal_safetensors(obj, algorithm, path)
+    try:  # what load_file could not give back is refused here, as Checkpointer.save refuses it
+        if loadable:
+            encode_value(obj, plain_torch_load=True)
+    except UnsupportedValueError as e:
+        raise UnsupportedValueError(f"{path}: {e}", path=path) from None
     buf = io.BytesIO()
     torch.save(obj, buf)
     return _seal(buf.getvalue(), algorithm)
@@ -211,8 +246,6 @@ def _seal_safetensors(obj: Any, algorithm: str, path: str) -> bytes:
     except ImportError:
         raise CheckpointError("saving .safetensors needs the safetensors package: pip install "
                               "'ckptguard[safetensors]'", path=path) from None
-    from ckptguard.errors import UnsupportedValueError
-
     if not isinstance(obj, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in obj.items()):
         raise UnsupportedValueError(
             f"{path}: safetensors stores a flat dict of str names to tensors (e.g. model.state_dict()); "

@@ -358,10 +358,12 @@ def _decode_ndarray(obj: dict[str, Any]) -> Any:
     return arr[()] if obj["<scalar>"] else arr
 
 
-def encode_value(value: Any, path: tuple[Any, ...] = ()) -> Any:
+def encode_value(value: Any, path: tuple[Any, ...] = (), *, plain_torch_load: bool = False) -> Any:
     """``value`` as DCP stores it exactly (see above); the same object where nothing changes.
 
     Raises UnsupportedValueError naming the place of a value that cannot round-trip.
+    ``plain_torch_load=True`` also refuses what only the encoding makes loadable (numpy values, frozensets):
+    the check for a value stored by torch.save as it is and read back by torch.load(weights_only=True).
     """
     if isinstance(value, torch.Tensor) or type(value) in _PLAIN_LEAVES:
         return value
@@ -372,26 +374,33 @@ def encode_value(value: Any, path: tuple[Any, ...] = ()) -> Any:
         changed = type(value) not in (dict, OrderedDict)
         for k, v in value.items():
             ek = encode_key(k, path)
-            ev = encode_value(v, (*path, k))
+            ev = encode_value(v, (*path, k), plain_torch_load=plain_torch_load)
             changed = changed or ek is not k or ev is not v
             out[ek] = ev
         return out if changed else value
     if type(value) is list:
-        items = [encode_value(v, (*path, i)) for i, v in enumerate(value)]
+        items = [encode_value(v, (*path, i), plain_torch_load=plain_torch_load) for i, v in enumerate(value)]
         return items if any(a is not b for a, b in zip(items, value, strict=True)) else value
     if type(value) is torch.Size:  # a tuple to DCP's host staging: tagged, to come back a Size
         return {"<size>": list(value)}
     if type(value) is tuple:
         if _plain(value):
             return value
-        return {"<tuple>": [encode_value(v, (*path, i)) for i, v in enumerate(value)]}
+        return {"<tuple>": [encode_value(v, (*path, i), plain_torch_load=plain_torch_load)
+                            for i, v in enumerate(value)]}
+    if plain_torch_load and type(value) is frozenset:
+        raise _refuse(value, path, "torch.load(weights_only=True) cannot load a frozenset; store a set or a tuple")
     if type(value) in (set, frozenset):
         if type(value) is set and _plain(value):
             return value
         tag = "<set>" if type(value) is set else "<frozenset>"
-        return {tag: [encode_value(v, (*path, "<item>")) for v in value]}
+        return {tag: [encode_value(v, (*path, "<item>"), plain_torch_load=plain_torch_load) for v in value]}
     import numpy as np
 
+    if plain_torch_load and isinstance(value, np.ndarray | np.generic):
+        raise _refuse(value, path, "torch.load(weights_only=True) cannot load a numpy value; store "
+                                   "torch.from_numpy(a) or a.tolist() (or save it with a Checkpointer, which "
+                                   "stores numpy values exactly)")
     if isinstance(value, np.ndarray) and type(value) is np.ndarray:
         return _encode_ndarray(value, False, path)
     if isinstance(value, np.generic):

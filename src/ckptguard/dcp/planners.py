@@ -5,6 +5,7 @@ objects loaded without running code.
 from __future__ import annotations
 
 import io
+import math
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import replace
@@ -163,7 +164,13 @@ class SafeLoadPlanner(DefaultLoadPlanner):
                                        storage_index=index, storage_offsets=zero, lengths=md.size))
             else:
                 rest[fqn] = obj
-        general = create_default_local_load_plan(rest, self.metadata, not self.allow_partial_load)
+        try:
+            general = create_default_local_load_plan(rest, self.metadata, not self.allow_partial_load)
+        except (ValueError, RuntimeError, KeyError, TypeError) as e:
+            # Whatever else DCP finds the template and the checkpoint disagree on (nothing was read yet).
+            raise TemplateMismatchError(
+                f"the state given to load does not match the checkpoint: {e}. Build the state like the one "
+                "saved (same model config, same optimizer); nothing was read or changed") from None
         return LoadPlan(direct + general.items)
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
@@ -179,7 +186,8 @@ class SafeLoadPlanner(DefaultLoadPlanner):
 
 def refuse_mismatches(state_dict: dict[str, Any], stored: dict[str, Any], *, strict: bool) -> None:
     """Raise TemplateMismatchError naming every key of the template that the checkpoint cannot fill (a
-    tensor of another shape, a tensor stored as an object, a key it lacks unless ``strict=False``),
+    tensor of another shape or dtype, a tensor where an object is stored or the other way round, a key
+    it lacks unless ``strict=False``),
     rather than DCP's error about the first one, and before any byte is read."""
     problems = []
     for fqn, obj in state_dict.items():
@@ -190,15 +198,43 @@ def refuse_mismatches(state_dict: dict[str, Any], stored: dict[str, Any], *, str
         elif isinstance(obj, torch.Tensor):
             if not isinstance(md, TensorStorageMetadata):
                 problems.append(f"{fqn}: checkpoint: a non-tensor value, template: {_describe(obj)}")
-            elif tuple(md.size) != tuple(obj.size()):
+            elif tuple(md.size) != tuple(obj.size()) or not widens(md.properties.dtype, obj.dtype):
+                # Only a cast that keeps every value exactly is made: a narrowing one may round, overflow
+                # or wrap silently.
                 problems.append(f"{fqn}: checkpoint: shape {list(md.size)} {md.properties.dtype}, "
                                 f"template: shape {list(obj.size())} {obj.dtype}")
+        elif isinstance(md, TensorStorageMetadata):
+            problems.append(f"{fqn}: checkpoint: a tensor of shape {list(md.size)} {md.properties.dtype}, "
+                            f"template: a non-tensor value ({_describe(obj)})")
     if problems:
         shown = "; ".join(problems[:50]) + (f"; ... and {len(problems) - 50} more" if len(problems) > 50 else "")
         raise TemplateMismatchError(
             f"the state given to load does not match the checkpoint ({len(problems)} key(s)): {shown}. Build the "
             "state like the one saved (same model config, same optimizer), or pass strict=False to leave keys "
             "the checkpoint lacks as they are; nothing was read or changed")
+
+
+def widens(stored: torch.dtype, template: torch.dtype) -> bool:
+    """Whether every value of ``stored`` is exactly a value of ``template`` (the same dtype, or a lossless
+    widening such as bfloat16 -> float32, int8 -> int32, int16 -> float32): the only casts a load makes."""
+    if stored == template or stored == torch.bool:
+        return stored == template or template != torch.bool
+    try:
+        if template.is_complex or stored.is_complex:
+            return stored.is_complex and template.is_complex and stored.itemsize < template.itemsize
+        if stored.is_floating_point:
+            if not template.is_floating_point:
+                return False
+            s, t = torch.finfo(stored), torch.finfo(template)
+            return t.eps <= s.eps and t.max >= s.max and t.smallest_normal * t.eps <= s.smallest_normal * s.eps
+        si = torch.iinfo(stored)
+        if template.is_floating_point:
+            magnitude_bits = si.bits - (1 if si.min < 0 else 0)
+            return -math.log2(torch.finfo(template).eps) + 1 >= magnitude_bits
+        ti = torch.iinfo(template)
+        return ti.min <= si.min and ti.max >= si.max
+    except TypeError:  # a dtype without finfo/iinfo (quantized, bits): only the same dtype
+        return False
 
 
 def _describe(obj: Any) -> str:

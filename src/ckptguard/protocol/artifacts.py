@@ -38,15 +38,33 @@ class ArtifactTarget:
 
 
 def normalize(files: Mapping[str, str | os.PathLike[str]] | None, rank: int, host: str,
-              must_exist: bool) -> list[ArtifactTarget]:
-    if not files:
+              must_exist: bool, storage: StorageBackend) -> list[ArtifactTarget]:
+    """This rank's ``files=`` as absolute real paths, refused where one is, contains or lies inside the
+    checkpoint root: restoring it would replace the root's own checkpoints (or copy them into themselves)."""
+    if files is None:
         return []
+    if not isinstance(files, Mapping):
+        raise TypeError(f"files must be a mapping of a key to a local path (files={{'offload': '/path'}}), "
+                        f"got {files!r} ({type(files).__name__})")
+    root = os.path.realpath(storage.root) if storage.has_directories else None  # an object store: no overlap
     out = []
     for key, p in files.items():
         if not isinstance(key, str) or not _KEY_RE.match(key):
             raise CheckpointError(f"rank {rank}: files key {key!r} must be 1-128 letters, digits, '.', '_' or '-'",
                                   rank=rank)
+        if not isinstance(p, (str, os.PathLike)):
+            raise TypeError(f"rank {rank}: files[{key!r}] must be a local path (str or os.PathLike), "
+                            f"got {p!r} ({type(p).__name__})")
         path = os.path.realpath(os.fspath(p))
+        if root is not None and _nested(path, root):
+            how = ("is the checkpoint root" if path == root else
+                   "contains the checkpoint root" if root.startswith(path.rstrip("/") + "/") else
+                   "lies inside the checkpoint root")
+            raise PathCollisionError(
+                f"rank {rank}: files[{key!r}] = {path} {how} {root}: restoring it would replace the root's "
+                "own checkpoints. Name a directory outside the checkpoint root (e.g. the offload directory "
+                "itself, not the run directory that holds the root); nothing was written or replaced.",
+                rank=rank, path=path)
         if must_exist and not os.path.exists(path):
             raise CheckpointError(f"rank {rank}: files[{key!r}] = {path} does not exist", rank=rank, path=path)
         out.append(ArtifactTarget(rank, host, key, path))
