@@ -13,15 +13,13 @@ from __future__ import annotations
 import datetime
 import json
 import os
-import sys
 from typing import Annotated, Any
 
 import typer
 from rich.console import Console
-from rich.markup import escape
 from rich.table import Table
 
-from ckptguard.cli import app, debugging
+from ckptguard.cli import app, fail
 from ckptguard.cli.output import console
 from ckptguard.progress import ByteProgress
 
@@ -48,10 +46,7 @@ def _when(ts: float | None) -> str:
 
 
 def _usage_error(message: str) -> typer.Exit:
-    if debugging() and sys.exc_info()[1] is not None:
-        raise  # the error being handled, with its traceback
-    console(stderr=True).print(f"[red]error:[/red] {escape(message)}", highlight=False)
-    return typer.Exit(2)
+    return fail(message, 2)
 
 
 NO_ROOT_EXIT = 3
@@ -63,11 +58,15 @@ def _roots(path: str, json_out: bool) -> tuple[list[Any], bool]:
     from ckptguard.errors import CheckpointError
     from ckptguard.storage import open_storage
 
+    unreadable: list[str] = []
     try:
-        roots = find_roots(path)
+        roots = find_roots(path, unreadable=unreadable)
         given = open_storage(path).root
     except CheckpointError as e:
         raise _usage_error(str(e)) from None
+    for skipped in unreadable:
+        console(stderr=True).print(f"note: skipped {skipped}: permission denied (not searched for checkpoint roots)",
+                                   highlight=False, markup=False, soft_wrap=True)
     if not roots:
         if json_out:
             typer.echo(json.dumps({"schema_version": 1, "path": given, "roots": []}, indent=2))
