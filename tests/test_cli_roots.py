@@ -188,3 +188,16 @@ def test_an_unreadable_subdirectory_is_skipped_with_a_note(tmp_path: Path) -> No
             assert f"skipped {tmp_path / 'lost+found'}: permission denied" in out.stderr and "run1" in out.stdout
     finally:
         (tmp_path / "lost+found").chmod(0o755)
+
+
+@pytest.mark.parametrize("integration,framework", [("hf", "transformers"), ("accelerate", "accelerate"),
+                                                   ("deepspeed", "deepspeed"), ("lightning", "lightning"),
+                                                   ("torchtitan", "torchtitan")])
+def test_an_integration_without_its_framework_names_the_install_line(integration: str, framework: str) -> None:
+    code = (f"import sys; sys.modules[{framework!r}] = None\n"
+            f"try:\n    import ckptguard.integrations.{integration}\n"
+            "except ImportError as e:\n    print(type(e).__name__, e)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.startswith("ImportError "), (out.stdout, out.stderr)
+    assert f"ckptguard.integrations.{integration} needs" in out.stdout
+    assert f"pip install 'ckptguard[{framework}]'" in out.stdout

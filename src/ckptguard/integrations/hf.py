@@ -49,8 +49,14 @@ import tempfile
 import uuid
 from typing import Any
 
-from transformers import Trainer
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, TrainOutput, get_last_checkpoint
+from ckptguard.integrations._extra import missing_extra
+
+try:
+    from transformers import Trainer
+    from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, TrainOutput, get_last_checkpoint
+except ImportError as e:  # the framework is an extra
+    raise missing_extra("hf", "transformers", e) from e
+
 
 from ckptguard.checkpointer import Checkpointer
 from ckptguard.comm import world_broadcast
