@@ -201,3 +201,18 @@ def test_an_integration_without_its_framework_names_the_install_line(integration
     assert out.returncode == 0 and out.stdout.startswith("ImportError "), (out.stdout, out.stderr)
     assert f"ckptguard.integrations.{integration} needs" in out.stdout
     assert f"pip install 'ckptguard[{framework}]'" in out.stdout
+
+
+def test_verify_says_which_roots_lack_a_step_hints_at_the_root_and_json_always_has_intact(tmp_path: Path) -> None:
+    _root(tmp_path / "runs" / "a", (1, 2))
+    _root(tmp_path / "runs" / "b", (1,))
+    out = cli("verify", str(tmp_path / "runs"), "--step", "2")
+    assert out.returncode == 0, out.stderr
+    assert f"step 2 is not a committed checkpoint in {tmp_path / 'runs' / 'b'}; committed: [1]" in out.stdout
+    assert "no committed checkpoint to verify" not in out.stdout
+    step_dir = cli("verify", str(tmp_path / "runs" / "a" / "step-00000001"))
+    assert step_dir.returncode == 3
+    assert f"ckptguard verify {tmp_path / 'runs' / 'a'} --step 1" in step_dir.stderr
+    (tmp_path / "empty").mkdir()
+    empty = cli("verify", str(tmp_path / "empty"), "--json")
+    assert empty.returncode == 3 and json.loads(empty.stdout)["intact"] is False
