@@ -63,6 +63,10 @@ def require_s3_extra(text: str) -> None:
 def _file_url_path(text: str, rest: str) -> str:
     """The path of a ``file://`` URL (RFC 8089): an authority other than empty or ``localhost`` is another
     host, which this process cannot write to, so it is refused rather than read as ``./host/...``."""
+    if not rest:
+        raise UnsupportedStorageError(
+            f"{text}: a file:// URL with no path (it would be the filesystem root) is not a checkpoint root; "
+            "write file:///path/to/ckpts (nothing was created)", path=text)
     authority, slash, path = rest.partition("/")
     if authority.lower() not in ("", "localhost"):
         raise UnsupportedStorageError(
