@@ -139,15 +139,14 @@ def test_refused_commands_create_nothing(tmp_path: Path, monkeypatch: pytest.Mon
     torch.save({"w": torch.ones(2)}, tmp_path / "plain.pt")
     _root(tmp_path / "r", (1,))
     before = sorted(str(p) for p in tmp_path.rglob("*"))
-    for args in (("import", "plain.pt", "new", "--step", "-5"), ("import", "plain.pt", "new", "--step", "x"),
-                 ("import", "absent.pt", "new", "--step", "1"), ("export", "r", "out.pt", "--to", "bogus"),
-                 ("export", "r", "out.pt", "--key", "nope"), ("export", "r", "out.pt", "--step", "9"),
-                 ("import", "plain.pt", "", "--step", "1"), ("import", "plain.pt", "file://host/x", "--step", "1"),
-                 ("ls", "file://"), ("verify", "")):
+    for args, says in ((("import", "plain.pt", "new", "--step", "-5"), "step must be a non-negative int"),
+                       (("import", "plain.pt", "file://host/x", "--step", "1"), "on host 'host'"),
+                       (("export", "r", "out.pt", "--to", "bogus"), "to must be one of"),
+                       (("export", "r", "out.pt", "--key", "nope"), "error: no 'nope' in the checkpoint"),
+                       (("ls", "file://"), "filesystem root")):
         out = cli(*args)
-        assert out.returncode == 2 and out.stderr.count("\n") == 1, (args, out.stderr)
+        assert out.returncode == 2 and out.stderr.count("\n") == 1 and says in out.stderr, (args, out.stderr)
         assert sorted(str(p) for p in tmp_path.rglob("*")) == before, args
-    assert "error: no 'nope' in the checkpoint" in cli("export", "r", "out.pt", "--key", "nope").stderr
 
 
 @pytest.mark.parametrize("root", ["", "file://", "file:///", "/", "file://host/x", "file://example.com/ckpts"])
@@ -156,9 +155,8 @@ def test_an_empty_root_filesystem_root_or_other_host_is_refused_by_api_and_cli(
     monkeypatch.chdir(tmp_path)
     with pytest.raises(UnsupportedStorageError, match="nothing was created"):
         Checkpointer(root, process_group="local")
-    for cmd in ("ls", "verify"):
-        out = cli(cmd, root)
-        assert out.returncode == 2 and "nothing was created" in out.stderr and "Traceback" not in out.stderr
+    out = cli("verify", root)
+    assert out.returncode == 2 and "nothing was created" in out.stderr and "Traceback" not in out.stderr
     assert os.listdir(tmp_path) == [] and not os.path.exists("/.ckptguard")
 
 
