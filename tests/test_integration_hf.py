@@ -152,3 +152,45 @@ def test_trainer_default_resumes_from_a_checkpoint_missing_a_rank_file_ckptguard
     assert resumed.returncode == 0, tail(resumed)
     assert [r["step"] for r in records(tmp_path / "res", 1) if r["kind"] == "loaded"] == [4]
     assert_reproduces(tmp_path / "res", reference, 5)
+
+
+def test_switching_a_plain_trainer_run_to_ckptguard_resumes_it_and_keeps_its_checkpoints(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A run saved by plain ``Trainer`` and restarted as ``CkptguardTrainer`` with ``resume_from_checkpoint=True``
+    continues from its newest plain checkpoint (not from scratch), and ckptguard's rotation never deletes the
+    plain ``checkpoint-N`` directories it did not write."""
+    sys.path.insert(0, str(WORKER.parent))
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    import hf_job
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+
+    from ckptguard import Checkpointer
+    from ckptguard.integrations.hf import CkptguardTrainer
+
+    out = tmp_path / "out"
+
+    class Steps(TrainerCallback):
+        ran = 0
+
+        def on_step_end(self, *args: object, **kwargs: object) -> None:
+            Steps.ran += 1
+
+    def make(cls: type, max_steps: int) -> Trainer:
+        args = TrainingArguments(output_dir=str(out), max_steps=max_steps, per_device_train_batch_size=4,
+                                 save_strategy="steps", save_steps=2, save_total_limit=2, report_to=[],
+                                 use_cpu=True, seed=0, disable_tqdm=True)
+        return cls(model=hf_job.TinyModel(hf_job.TinyConfig()), args=args, train_dataset=hf_job.Data(),
+                   callbacks=[Steps()])
+
+    make(Trainer, 4).train()
+    plain = {p.name: (p / "trainer_state.json").read_bytes() for p in out.glob("checkpoint-*")}
+    assert sorted(plain) == ["checkpoint-2", "checkpoint-4"]
+    Steps.ran = 0
+    t = make(CkptguardTrainer, 8)
+    t.train(resume_from_checkpoint=True)
+    assert Steps.ran == 4 and t.state.global_step == 8  # continued from step 4, not from scratch
+    assert {n: (out / n / "trainer_state.json").read_bytes() for n in plain} == plain  # untouched
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-4", "checkpoint-6",
+                                                                 "checkpoint-8"]
+    with Checkpointer(out / ".ckptguard-hf", read_only=True) as ck:
+        assert ck.steps() == [6, 8]

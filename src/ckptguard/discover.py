@@ -44,14 +44,17 @@ class FoundRoot:
     framework: str | None
 
 
-def find_roots(path: str | os.PathLike[str], storage_options: Mapping[str, Any] | None = None) -> list[FoundRoot]:
+def find_roots(path: str | os.PathLike[str], storage_options: Mapping[str, Any] | None = None,
+               unreadable: list[str] | None = None) -> list[FoundRoot]:
     """The ckptguard roots at or under ``path``, in path order; ``[]`` if there is none.
 
     ``path`` itself if it is a root; otherwise every root found in it and in its subdirectories
     (two levels; on object stores one, each level costs a listing), not looking inside a root. For a
     ``.../checkpoints`` directory of Accelerate's automatic naming, the root beside it in
     ``project_dir``. Raises ``CheckpointError`` if ``path`` cannot be read (a usage error: not a
-    directory, an unsupported URL, a missing bucket).
+    directory, an unsupported URL, a missing bucket). A subdirectory that cannot be read (a mode 000
+    ``lost+found`` beside the runs) is skipped, and appended to ``unreadable`` if given: one such
+    directory must not hide the roots beside it.
     """
     text = os.fspath(path)
     storage = open_storage(text, storage_options)
@@ -61,7 +64,7 @@ def find_roots(path: str | os.PathLike[str], storage_options: Mapping[str, Any] 
     if _is_root(storage, storage.root):
         return [FoundRoot(storage.root, _framework_of(storage, storage.root, storage_options))]
     depth = _SEARCH_DEPTH if storage.has_directories else 1
-    _search(storage, storage.root, depth, found, storage_options)
+    _search(storage, storage.root, depth, found, storage_options, [] if unreadable is None else unreadable)
     if not found and os.path.basename(os.path.normpath(storage.root)) == "checkpoints":
         beside = _join(storage, _parent(storage, storage.root), ACCELERATE_ROOT)
         if _is_root(storage, beside):
@@ -70,21 +73,29 @@ def find_roots(path: str | os.PathLike[str], storage_options: Mapping[str, Any] 
 
 
 def _search(storage: StorageBackend, directory: str, depth: int, found: list[FoundRoot],
-            options: Mapping[str, Any] | None) -> None:
+            options: Mapping[str, Any] | None, unreadable: list[str]) -> None:
     for name in sorted(storage.listdir(directory)):
         child = _join(storage, directory, name)
-        if storage.has_directories and not os.path.isdir(child):
-            continue
-        if name in FRAMEWORK_ROOTS:
-            if _is_root(storage, child):
-                found.append(FoundRoot(child, FRAMEWORK_ROOTS[name]))
-            continue
-        if name.startswith("."):  # staging directories, .git, caches: never a user's run
-            continue
+        try:
+            _visit(storage, child, name, depth, found, options, unreadable)
+        except PermissionError:
+            unreadable.append(child)
+
+
+def _visit(storage: StorageBackend, child: str, name: str, depth: int, found: list[FoundRoot],
+           options: Mapping[str, Any] | None, unreadable: list[str]) -> None:
+    if storage.has_directories and not os.path.isdir(child):
+        return
+    if name in FRAMEWORK_ROOTS:
         if _is_root(storage, child):
-            found.append(FoundRoot(child, _framework_of(storage, child, options)))
-        elif depth > 1:
-            _search(storage, child, depth - 1, found, options)
+            found.append(FoundRoot(child, FRAMEWORK_ROOTS[name]))
+        return
+    if name.startswith("."):  # staging directories, .git, caches: never a user's run
+        return
+    if _is_root(storage, child):
+        found.append(FoundRoot(child, _framework_of(storage, child, options)))
+    elif depth > 1:
+        _search(storage, child, depth - 1, found, options, unreadable)
 
 
 def _is_root(storage: StorageBackend, directory: str) -> bool:

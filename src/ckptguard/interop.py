@@ -298,6 +298,8 @@ def import_checkpoint(source: str | os.PathLike[str], root: str | os.PathLike[st
     """Commit a DCP directory or a ``torch.save`` file as ``step`` of the ckptguard root; its top-level keys."""
     from ckptguard.checkpointer import Checkpointer
 
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:  # before anything is read or created
+        raise ValueError(f"step must be a non-negative int, got {step!r} (nothing was created)")
     source = os.path.abspath(local_path(source))
     state: Any
     if os.path.isdir(source):

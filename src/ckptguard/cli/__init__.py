@@ -2,13 +2,15 @@
 
 Each group of commands lives in its own module and registers itself on ``app``;
 commands import the heavy parts (torch) lazily so that `diagnose` starts fast.
-An error a command does not handle itself ends the process with one line on stderr and
-exit status 2, never a traceback; ``ckptguard --debug ...`` shows the traceback instead.
+A usage error (a bad option or argument, an error a command does not handle itself) ends the
+process with one line on stderr and exit status 2, never a traceback; ``ckptguard --debug ...``
+prints the traceback to stderr as well, with the same exit status.
 """
 
 from __future__ import annotations
 
 import sys
+import traceback
 
 import typer
 
@@ -52,24 +54,61 @@ def _register() -> None:
 
 
 def main() -> None:
-    import sys
-
     if sys.argv[1:2] == ["run"]:  # before typer: see cli/run_cmd.py
         from ckptguard.cli.run_cmd import main as run_main
 
         sys.exit(run_main(sys.argv[2:]))
     _register()
+    from typer._click.exceptions import ClickException, NoArgsIsHelpError
+    from typer.exceptions import Abort
+
     try:
-        app()
-    except Exception as e:  # Click handles its own usage errors (exit 2); this is everything else
+        code = app(standalone_mode=False)
+    except NoArgsIsHelpError as e:
+        typer.echo(e.ctx.get_help() if e.ctx is not None else str(e), err=True)
+        code = USAGE_EXIT
+    except ClickException as e:  # a bad option or argument: one line, as for every other usage error
         if debugging():
-            raise
-        sys.stderr.write(f"error: {_one_line(e)} (ckptguard --debug ... shows the traceback)\n")
-        sys.exit(USAGE_EXIT)
+            traceback.print_exc()
+        ctx = getattr(e, "ctx", None)
+        where = f"; see {ctx.command_path} --help" if ctx is not None else ""
+        sys.stderr.write(f"error: {_one_line_text(e.format_message())}{where}\n")
+        code = e.exit_code
+    except Abort:
+        sys.stderr.write("aborted\n")
+        code = 1
+    except Exception as e:  # an error no command handles itself
+        if debugging():
+            traceback.print_exc()
+        sys.stderr.write(f"error: {_one_line(e)}" + ("" if debugging() else " (ckptguard --debug ... shows the traceback)")
+                         + "\n")
+        code = USAGE_EXIT
+    sys.exit(code if isinstance(code, int) else 0)
+
+
+def fail(message: str, code: int = USAGE_EXIT) -> typer.Exit:
+    """Print ``message`` as one ``error:`` line on stderr and return the exit to raise. With ``--debug`` the
+    traceback (of the error being handled, or of this call) is printed first; the exit code stays the same."""
+    from rich.markup import escape
+
+    from ckptguard.cli.output import console
+
+    if debugging():
+        if sys.exc_info()[1] is not None:
+            traceback.print_exc()
+        else:  # refused by the command itself: where it was refused
+            sys.stderr.write("Traceback (most recent call last):\n")
+            traceback.print_stack(sys._getframe(1))
+    console(stderr=True).print(f"[red]error:[/red] {escape(message)}", highlight=False, soft_wrap=True)
+    return typer.Exit(code)
+
+
+def _one_line_text(text: str) -> str:
+    return " ".join(text.split()) or "(no message)"
 
 
 def _one_line(e: BaseException) -> str:
     from ckptguard.errors import CheckpointError
 
-    text = " ".join(str(e).split()) or "(no message)"
+    text = _one_line_text(str(e))
     return text if isinstance(e, CheckpointError) else f"{type(e).__name__}: {text}"

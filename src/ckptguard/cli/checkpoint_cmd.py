@@ -13,15 +13,13 @@ from __future__ import annotations
 import datetime
 import json
 import os
-import sys
 from typing import Annotated, Any
 
 import typer
 from rich.console import Console
-from rich.markup import escape
 from rich.table import Table
 
-from ckptguard.cli import app, debugging
+from ckptguard.cli import app, fail
 from ckptguard.cli.output import console
 from ckptguard.progress import ByteProgress
 
@@ -48,35 +46,51 @@ def _when(ts: float | None) -> str:
 
 
 def _usage_error(message: str) -> typer.Exit:
-    if debugging() and sys.exc_info()[1] is not None:
-        raise  # the error being handled, with its traceback
-    console(stderr=True).print(f"[red]error:[/red] {escape(message)}", highlight=False)
-    return typer.Exit(2)
+    return fail(message, 2)
 
 
 NO_ROOT_EXIT = 3
 
 
-def _roots(path: str, json_out: bool) -> tuple[list[Any], bool]:
+def _roots(path: str, json_out: bool, verifying: bool = False) -> tuple[list[Any], bool]:
     """The roots at or under ``path``, and whether ``path`` is itself the one root; exit 3 if none."""
     from ckptguard.discover import find_roots
     from ckptguard.errors import CheckpointError
     from ckptguard.storage import open_storage
 
+    unreadable: list[str] = []
     try:
-        roots = find_roots(path)
+        roots = find_roots(path, unreadable=unreadable)
         given = open_storage(path).root
     except CheckpointError as e:
         raise _usage_error(str(e)) from None
+    for skipped in unreadable:
+        console(stderr=True).print(f"note: skipped {skipped}: permission denied (not searched for checkpoint roots)",
+                                   highlight=False, markup=False, soft_wrap=True)
     if not roots:
         if json_out:
-            typer.echo(json.dumps({"schema_version": 1, "path": given, "roots": []}, indent=2))
+            doc: dict[str, Any] = {"schema_version": 1, "path": given, "roots": []}
+            if verifying:
+                doc["intact"] = False  # nothing was verified: never reported as intact
+            typer.echo(json.dumps(doc, indent=2))
         console(stderr=True).print(
             f"{given} holds no ckptguard checkpoint root (looked at it and below it, including the "
             ".ckptguard-hf, .ckptguard-lightning, .ckptguard-accelerate and .ckptguard-deepspeed directories "
-            "the integrations write)", highlight=False, markup=False, soft_wrap=True)
+            f"the integrations write){_step_dir_hint(given)}", highlight=False, markup=False, soft_wrap=True)
         raise typer.Exit(NO_ROOT_EXIT)
     return roots, len(roots) == 1 and roots[0].path == given
+
+
+def _step_dir_hint(given: str) -> str:
+    """For a checkpoint's own directory (``ROOT/step-00000001``): the command on its root that was meant."""
+    from ckptguard.protocol.layout import CheckpointName
+
+    name = CheckpointName.parse(os.path.basename(os.path.normpath(given)))
+    if name is None:
+        return ""
+    parent = os.path.dirname(os.path.normpath(given))
+    return (f"; {given} is one checkpoint of the root {parent}: give the root, e.g. "
+            f"ckptguard verify {parent} --step {name.step}")
 
 
 def _listing(path: str) -> Any:
@@ -150,7 +164,7 @@ def verify_command(
     from ckptguard.protocol.layout import CheckpointName
     from ckptguard.verify import SCHEMA_VERSION, checkpoint_bytes, verify_checkpoint
 
-    roots, direct = _roots(path, json_out)
+    roots, direct = _roots(path, json_out, verifying=True)
     plans = []
     for found in roots:
         listing = _listing(found.path)
@@ -175,7 +189,7 @@ def verify_command(
         typer.echo(json.dumps(doc, indent=2))
         raise typer.Exit(0 if ok else 1)
     for found, listing, results in checked:
-        _print_verify(found.framework, listing, results, step is None)
+        _print_verify(found.framework, listing, results, step)
     raise typer.Exit(0 if ok else 1)
 
 
@@ -193,7 +207,7 @@ def _verify_json(schema: int, framework: str | None, listing: Any, results: list
             "latest_error": listing.latest_error}
 
 
-def _print_verify(framework: str | None, listing: Any, results: list[Any], every_step: bool) -> None:
+def _print_verify(framework: str | None, listing: Any, results: list[Any], step: int | None) -> None:
     con = console()
     table = Table(title=_title("verify", listing.root, framework), title_justify="left")
     for col in ("step", "dir", "result", "files", "size", "seconds"):
@@ -208,11 +222,15 @@ def _print_verify(framework: str | None, listing: Any, results: list[Any], every
                           highlight=False, soft_wrap=True)
         if len(r.problems) > 20:
             con.print(f"step {r.step}: ... and {len(r.problems) - 20} more problems")
-    if not results:
+    if not results and step is not None:
+        committed = sorted({c.step for c in listing.checkpoints if c.current})
+        con.print(f"step {step} is not a committed checkpoint in {listing.root}; committed: {committed or 'none'}",
+                  highlight=False, soft_wrap=True)
+    elif not results:
         con.print("no committed checkpoint to verify")
     for a in listing.attempts:
         con.print(f"note: attempt {a.state} for step {a.step} in {a.dir} (never counts as a checkpoint)")
     _latest_note(con, listing)
-    if every_step:
+    if step is None:
         safe = _safe_to_resume(results)
         con.print(f"safe to resume from: step {safe}" if safe is not None else "no intact checkpoint to resume from")

@@ -8,15 +8,13 @@ from __future__ import annotations
 from typing import Annotated
 
 import typer
-from rich.markup import escape
 
-from ckptguard.cli import app
+from ckptguard.cli import app, fail
 from ckptguard.cli.output import console
 
 
 def _fail(message: str, code: int) -> typer.Exit:
-    console(stderr=True).print(f"[red]error:[/red] {escape(message)}", highlight=False)
-    return typer.Exit(code)
+    return fail(message, code)
 
 
 @app.command("export")
@@ -38,7 +36,9 @@ def export_command(
 
     try:
         skipped = export_checkpoint(root, out, to, step=step, key=key)
-    except (ValueError, KeyError, StepNotFoundError) as e:
+    except KeyError as e:
+        raise _fail(str(e.args[0]) if e.args else str(e), 2) from None
+    except (ValueError, StepNotFoundError) as e:
         raise _fail(str(e), 2) from None
     except (CorruptCheckpointError, UnsafeObjectError) as e:
         raise _fail(str(e), 1) from None
@@ -63,6 +63,8 @@ def import_command(
 
     try:
         keys = import_checkpoint(source, root, step, overwrite=overwrite)
+    except ValueError as e:
+        raise _fail(str(e), 2) from None
     except (CorruptCheckpointError, UnsafeObjectError) as e:
         raise _fail(str(e), 1) from None
     except CheckpointError as e:

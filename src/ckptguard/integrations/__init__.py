@@ -6,5 +6,7 @@
 - ``ckptguard.integrations.deepspeed``: ``install(engine)``, ``CkptguardCheckpointEngine`` (deepspeed 0.19.8)
 - ``ckptguard.integrations.torchtitan``: ``CkptguardCheckpointManager`` (torchtitan 0.3.0)
 
-Importing a module here imports its framework; ``ckptguard`` itself never does.
+Importing a module here imports its framework; ``ckptguard`` itself never does. Imported without its
+framework, each raises one ``ImportError`` naming the line that installs it
+(``pip install 'ckptguard[<extra>]'``, see ``_extra.py``).
 """

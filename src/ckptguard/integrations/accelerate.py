@@ -47,7 +47,13 @@ import tempfile
 import uuid
 from typing import Any
 
-from accelerate import Accelerator  # type: ignore[import-untyped]
+from ckptguard.integrations._extra import missing_extra
+
+try:
+    from accelerate import Accelerator  # type: ignore[import-untyped]
+except ImportError as e:  # the framework is an extra
+    raise missing_extra("accelerate", "accelerate", e) from e
+
 
 from ckptguard.checkpointer import Checkpointer
 from ckptguard.comm import world_broadcast

@@ -65,10 +65,17 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from deepspeed.runtime.checkpoint_engine.checkpoint_engine import (  # type: ignore[import-untyped]
-    CheckpointCommitInfo,
-    CheckpointEngine,
-)
+
+from ckptguard.integrations._extra import missing_extra
+
+try:
+    from deepspeed.runtime.checkpoint_engine.checkpoint_engine import (  # type: ignore[import-untyped]
+        CheckpointCommitInfo,
+        CheckpointEngine,
+    )
+except ImportError as e:  # the framework is an extra
+    raise missing_extra("deepspeed", "deepspeed", e) from e
+
 
 from ckptguard.checkpointer import Checkpointer
 from ckptguard.comm import world_all_gather, world_barrier, world_broadcast

@@ -20,7 +20,10 @@ already written into ``checkpoint-N`` and rotated). What changes, per save:
    the visible directory first, then the committed step.
 
 Resume (``train(resume_from_checkpoint=True)``) picks the newest *committed* step (an older one,
-with a warning, if its bytes do not verify), never a directory by its name: the main process
+with a warning, if its bytes do not verify), never a directory by its name (except on the first start of
+a run switching from plain ``Trainer``: no ckptguard root yet and plain ``checkpoint-N`` directories
+present, it resumes from the newest of those, as plain Trainer would, with a warning; rotation only
+ever deletes steps ckptguard committed, so the plain ones stay): the main process
 decides, every rank restores that step's files, verified, into a private temporary directory
 (``restore_dir``, default the system's), and Trainer's own loaders read them from there.
 ``resume_from_checkpoint="output_dir/checkpoint-N"`` loads committed step N (or raises); a
@@ -46,8 +49,14 @@ import tempfile
 import uuid
 from typing import Any
 
-from transformers import Trainer
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, TrainOutput
+from ckptguard.integrations._extra import missing_extra
+
+try:
+    from transformers import Trainer
+    from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, TrainOutput, get_last_checkpoint
+except ImportError as e:  # the framework is an extra
+    raise missing_extra("hf", "transformers", e) from e
+
 
 from ckptguard.checkpointer import Checkpointer
 from ckptguard.comm import world_broadcast
@@ -133,12 +142,19 @@ class CkptguardTrainer(Trainer):
         self.accelerator.wait_for_everyone()  # every rank's files are in staging
         if self._is_main():
             ck = self._writer(run_dir)
+            ours = step in ck.steps()
+            visible = os.path.join(run_dir, folder)
+            # A complete checkpoint plain Trainer wrote (a run switched to ckptguard) is the user's: never replaced.
+            theirs = not ours and os.path.isfile(os.path.join(visible, "trainer_state.json"))
             ck.save(step, {"hf": {"folder": folder, "world_size": int(self.args.world_size)}},
-                    files={_dirs.FILES_KEY: staging}, overwrite=step in ck.steps(),
+                    files={_dirs.FILES_KEY: staging}, overwrite=ours,
                     metadata={FRAMEWORK_KEY: "transformers", "folder": folder, "global_step": step,
                               **({"epoch": float(self.state.epoch)} if self.state.epoch is not None else {})})
             # Committed: now Trainer and the user may see it, and only now may old ones go.
-            if self.ckptguard_publish:
+            if theirs:
+                log.warning("ckptguard: %s was written by plain Trainer, not ckptguard: kept as it is; step %d is "
+                            "committed in %s but not published over it", visible, step, self.ckptguard_root(run_dir))
+            elif self.ckptguard_publish:
                 _dirs.publish(run_dir, staging, folder, os.path.join(run_dir, STAGING_NAME))
             self._rotate_committed(run_dir)
             _dirs.clear_staging(os.path.join(run_dir, STAGING_NAME))
@@ -189,6 +205,14 @@ class CkptguardTrainer(Trainer):
             restored = _dirs.restore_on_every_rank(root, tmp, self._is_main(), self._broadcast, restore_on_main,
                                                    what="resume from")
             if restored is None:
+                if wanted is None and not os.path.isdir(root):
+                    plain = self._broadcast(get_last_checkpoint(run_dir) if self._is_main() else None)  # type: ignore[no-untyped-call]
+                    if plain is not None:  # a run switching to ckptguard: continue it, as plain Trainer would
+                        log.warning("ckptguard: no ckptguard checkpoint yet in %s: resuming from %s, a checkpoint "
+                                    "plain Trainer wrote (not verified); from now on checkpoints are committed "
+                                    "through ckptguard, and the plain ones are never deleted by it", run_dir, plain)
+                        shutil.rmtree(tmp, ignore_errors=True)
+                        return None, plain
                 if wanted is None:  # resume_from_checkpoint=True on a fresh start: train from scratch
                     log.warning("ckptguard: no committed checkpoint in %s: training from scratch", root)
                     shutil.rmtree(tmp, ignore_errors=True)

@@ -41,8 +41,14 @@ import uuid
 from collections.abc import Mapping
 from typing import Any
 
-from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
-from lightning.pytorch.strategies import ModelParallelStrategy
+from ckptguard.integrations._extra import missing_extra
+
+try:
+    from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
+    from lightning.pytorch.strategies import ModelParallelStrategy
+except ImportError as e:  # the framework is an extra
+    raise missing_extra("lightning", "lightning", e) from e
+
 
 from ckptguard.checkpointer import Checkpointer
 from ckptguard.comm import world_broadcast

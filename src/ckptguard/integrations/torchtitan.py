@@ -50,16 +50,23 @@ from typing import Any, Literal
 
 import torch
 from torch.distributed.checkpoint.stateful import Stateful
-from torchtitan.components.checkpointer import (  # type: ignore[import-untyped]
-    DATALOADER,
-    LR_SCHEDULER,
-    MODEL,
-    OPTIMIZER,
-    BaseCheckpointManager,
-    ModelWrapper,
-)
-from torchtitan.config import TORCH_DTYPE_MAP  # type: ignore[import-untyped]
-from torchtitan.tools import filesystem  # type: ignore[import-untyped]
+
+from ckptguard.integrations._extra import missing_extra
+
+try:
+    from torchtitan.components.checkpointer import (  # type: ignore[import-untyped]
+        DATALOADER,
+        LR_SCHEDULER,
+        MODEL,
+        OPTIMIZER,
+        BaseCheckpointManager,
+        ModelWrapper,
+    )
+    from torchtitan.config import TORCH_DTYPE_MAP  # type: ignore[import-untyped]
+    from torchtitan.tools import filesystem  # type: ignore[import-untyped]
+except ImportError as e:  # the framework is an extra
+    raise missing_extra("torchtitan", "torchtitan", e) from e
+
 
 from ckptguard.checkpointer import Checkpointer
 from ckptguard.discover import FRAMEWORK_KEY

@@ -60,15 +60,56 @@ def require_s3_extra(text: str) -> None:
             f"installed: {S3_EXTRA}  ({e})", path=text) from None
 
 
+def _file_url_path(text: str, rest: str) -> str:
+    """The path of a ``file://`` URL (RFC 8089): an authority other than empty or ``localhost`` is another
+    host, which this process cannot write to, so it is refused rather than read as ``./host/...``."""
+    if not rest:
+        raise UnsupportedStorageError(
+            f"{text}: a file:// URL with no path (it would be the filesystem root) is not a checkpoint root; "
+            "write file:///path/to/ckpts (nothing was created)", path=text)
+    authority, slash, path = rest.partition("/")
+    if authority.lower() not in ("", "localhost"):
+        raise UnsupportedStorageError(
+            f"{text}: a file:// URL names a path on host {authority!r}; ckptguard only writes to this machine. "
+            f"For a local path write file:///{rest} or the path itself (nothing was created).", path=text)
+    return slash + path
+
+
+def _checked_local(path: str, text: str) -> str:
+    """``path`` with ``~`` expanded as a shell would; an empty path or the filesystem root is refused: both
+    are almost always a mistake (an unset variable, ``file://`` with no path) that would write checkpoints
+    into the working directory or ``/``."""
+    if path.startswith("~"):
+        expanded = os.path.expanduser(path)
+        if expanded.startswith("~"):
+            raise UnsupportedStorageError(
+                f"{text}: cannot expand {path.split(os.sep)[0]!r} (no such user or no HOME); give the full "
+                "path (nothing was created)", path=text)
+        path = expanded
+    if not path:
+        raise UnsupportedStorageError(
+            f"{text!r}: an empty path is not a checkpoint root (an unset variable?); give a directory, "
+            "e.g. ./ckpts for one in the working directory (nothing was created)", path=text)
+    if os.path.abspath(path) == os.path.abspath(os.sep):
+        raise UnsupportedStorageError(
+            f"{text}: the filesystem root is not a checkpoint root; give a directory below it "
+            "(nothing was created)", path=text)
+    return path
+
+
 def local_path(root: str | os.PathLike[str]) -> str:
-    """``root`` as a local filesystem path; a URL of any other scheme, or a malformed one, is refused."""
+    """``root`` as a local filesystem path; a URL of any other scheme, or a malformed one, is refused.
+
+    ``~`` and ``~user`` are expanded as a shell would. Refused too: an empty path, the filesystem root
+    (``/``, ``file://``, ``file:///``) and a ``file://`` URL naming another host.
+    """
     text = os.fspath(root)
     m = _URL.match(text)
     if m is None:
         _refuse_malformed(text)
-        return text
+        return _checked_local(text, text)
     if m.group(1).lower() == "file":
-        return m.group(2) or "/"
+        return _checked_local(_file_url_path(text, m.group(2)), text)
     if m.group(1).lower() == "s3":
         raise UnsupportedStorageError(f"{text} is an object store URL; this operation needs a local path",
                                       path=text)
