@@ -138,6 +138,14 @@ class ProxyStats:
     log: list[tuple[str, str, str, int]] = field(default_factory=list)
 
 
+class _Server(ThreadingHTTPServer):
+    """The proxy's listener: a backlog as deep as moto's own (the default 5 overflows when a loaded
+    machine delays the accept thread while 16 parts per process connect at once)."""
+
+    request_queue_size = 128
+    daemon_threads = True
+
+
 class FaultProxy:
     """A threaded HTTP proxy in front of an S3 endpoint (see the module docstring)."""
 
@@ -210,8 +218,7 @@ class FaultProxy:
 
             do_PUT = do_POST = do_DELETE = do_HEAD = do_GET
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.server.daemon_threads = True
+        self.server = _Server(("127.0.0.1", 0), Handler)
         self.port = self.server.server_address[1]
         threading.Thread(target=self.server.serve_forever, name="s3-fault-proxy", daemon=True).start()
 
