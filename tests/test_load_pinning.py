@@ -115,24 +115,13 @@ def test_files_beyond_the_descriptor_limit_are_read_again_from_the_spill(tmp_pat
 boto3 = pytest.importorskip("boto3")
 pytest.importorskip("moto")
 
-from tests.support.beds.s3 import S3Bed, s3_bed  # noqa: E402
+from tests.support.beds.s3 import S3Bed, s3_bed_in_env  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def bed() -> Iterator[S3Bed]:
-    keys = ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION",
-            "AWS_EC2_METADATA_DISABLED", "AWS_CONFIG_FILE", "AWS_SHARED_CREDENTIALS_FILE")
-    saved = {k: os.environ.get(k) for k in keys}
-    with s3_bed(seed=22) as b:
-        os.environ.update(b.env())
-        try:
-            yield b
-        finally:
-            for k, v in saved.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
+    with s3_bed_in_env(seed=22) as b:
+        yield b
 
 
 def test_s3_retention_between_the_passes_never_reads_the_deleted_objects(bed: S3Bed) -> None:

@@ -46,9 +46,9 @@ from tests.support.beds.s3 import (
     S3Bed,
     canned_denied,
     canned_wrong_region,
-    s3_bed,
+    s3_bed_in_env,
 )
-from tests.support.jobs import JobResult, run_job
+from tests.support.jobs import JobResult, free_port, run_job
 from tests.support.results import job_results
 
 REPO = Path(__file__).resolve().parent.parent
@@ -58,19 +58,8 @@ SMALL = {"part_size": 5 << 20}
 
 @pytest.fixture(scope="module")
 def bed() -> Iterator[S3Bed]:
-    saved = {k: os.environ.get(k) for k in ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY",
-                                            "AWS_DEFAULT_REGION", "AWS_EC2_METADATA_DISABLED", "AWS_CONFIG_FILE",
-                                            "AWS_SHARED_CREDENTIALS_FILE")}
-    with s3_bed(seed=13) as b:
-        os.environ.update(b.env())
-        try:
-            yield b
-        finally:
-            for k, v in saved.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
+    with s3_bed_in_env(seed=13) as b:
+        yield b
 
 
 @pytest.fixture
@@ -291,6 +280,18 @@ def test_a_store_that_ignores_conditional_writes_is_refused(bed: S3Bed, bucket: 
         assert not [k for k in bed.keys(bucket) if "step-" in k]
     finally:
         _Clients.ready.clear()
+
+
+def test_a_process_that_points_aws_endpoint_url_elsewhere_reaches_the_new_endpoint(
+        bed: S3Bed, bucket: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A client made while AWS_ENDPOINT_URL named a dead port must not be reused once it names the store.
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{free_port()}")
+    with pytest.raises(CheckpointError):
+        Checkpointer(f"s3://{bucket}/moved", storage_options={"control_max_attempts": 1, "max_attempts": 1})
+    monkeypatch.setenv("AWS_ENDPOINT_URL", bed.endpoint)
+    with Checkpointer(f"s3://{bucket}/moved", storage_options={"control_max_attempts": 1, "max_attempts": 1}) as ck:
+        ck.save(1, _state(1, n=10))
+        assert ck.steps() == [1]
 
 
 def test_missing_bucket_access_denied_and_wrong_region_are_typed(bed: S3Bed, bucket: str) -> None:

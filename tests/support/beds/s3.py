@@ -440,5 +440,22 @@ def s3_bed(seed: int = 0) -> Iterator[S3Bed]:
         moto.stop()
 
 
+@contextlib.contextmanager
+def s3_bed_in_env(seed: int = 0) -> Iterator[S3Bed]:
+    """A bed whose endpoint and test credentials are this process's AWS settings while it lives."""
+    with s3_bed(seed) as bed:
+        new = bed.env()
+        saved = {k: os.environ.get(k) for k in new}
+        os.environ.update(new)
+        try:
+            yield bed
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+
+
 def key_matches(pattern: str, key: str) -> bool:
     return re.search(pattern, key) is not None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import logging
+import os
 import threading
 from dataclasses import dataclass, fields, replace
 from typing import TYPE_CHECKING, Any, ClassVar, cast
@@ -32,6 +33,10 @@ _REGION_CODES = {"PermanentRedirect", "AuthorizationHeaderMalformed", "IllegalLo
 _MISSING_CODES = {"NoSuchKey", "404", "NotFound"}
 _PRECONDITION_CODES = {"PreconditionFailed", "412"}
 _CONFLICT_CODES = {"ConditionalRequestConflict", "409", "OperationAborted"}
+# The environment boto3 consults when a client is made (the keys by name only: a rotated key is a new client).
+_ENV_SETTINGS = ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_REGION", "AWS_DEFAULT_REGION", "AWS_PROFILE",
+                 "AWS_ACCESS_KEY_ID", "AWS_CONFIG_FILE", "AWS_SHARED_CREDENTIALS_FILE",
+                 "AWS_IGNORE_CONFIGURED_ENDPOINT_URLS")
 
 
 @dataclass(frozen=True)
@@ -126,8 +131,11 @@ class _Clients:
         if control:
             opts = replace(opts, max_attempts=opts.control_max_attempts, connect_timeout_s=opts.control_connect_timeout_s,
                            read_timeout_s=opts.control_read_timeout_s)
+        # boto3 reads unset values from the environment when the client is made: a process that points
+        # AWS_ENDPOINT_URL (or the region, profile, keys) elsewhere must get a new client, not the old one.
+        env = tuple(os.environ.get(k) for k in _ENV_SETTINGS)
         key = (opts.endpoint_url, opts.region_name, opts.profile_name, opts.max_concurrency, opts.max_attempts,
-               opts.connect_timeout_s, opts.read_timeout_s)
+               opts.connect_timeout_s, opts.read_timeout_s, env)
         with cls.lock:
             client = cls.cache.get(key)
             if client is None:
