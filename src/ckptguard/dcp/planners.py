@@ -7,7 +7,7 @@ from __future__ import annotations
 import io
 import math
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -28,7 +28,8 @@ from torch.distributed.checkpoint.planner import (
 
 from ckptguard.checksum import checksum
 from ckptguard.dcp import _torch_private
-from ckptguard.dcp.codec import check_depth, is_per_rank_key, tensor_bytes
+from ckptguard.dcp.codec import check_depth, is_per_rank_key, metadata_to_json, tensor_bytes
+from ckptguard.dcp.records import StoredItem
 from ckptguard.errors import TemplateMismatchError, UnsafeObjectError
 
 
@@ -53,9 +54,14 @@ class DomainSavePlanner(_torch_private.CachingSavePlanner):
         self.local_plan = self.plan  # the full plan, even when caching sends an empty one
         return sent
 
-    def replicated_digests(self) -> dict[str, str]:
-        """See replicated_digests(); computed from this rank's plan before deduplication."""
-        return replicated_digests(self.local_plan, self.state_dict)
+    def replicated_digests(self, written: Sequence[StoredItem] = (), algorithm: str = "") -> dict[str, str]:
+        """See replicated_digests(); computed from this rank's plan before deduplication. Nothing to
+        compare in a job of one rank. ``written``: what this rank stored with checksum ``algorithm``,
+        whose xxh3-64 digests are reused instead of hashing those bytes again."""
+        if len(self.domain_of_rank) <= 1:
+            return {}
+        known = {i.fqn: i.checksum for i in written if i.dtype is not None} if algorithm == "xxh3-64" else {}
+        return replicated_digests(self.local_plan, self.state_dict, known)
 
     def adjust_global_plan(self, all_plans: list[SavePlan], global_plan: list[SavePlan], metadata: Metadata
                            ) -> tuple[list[SavePlan], Metadata]:
@@ -83,31 +89,55 @@ def plan_cache_key(instance: str) -> str:
     return f"ckptguard:{instance}"
 
 
+#: Per Checkpointer: the global Metadata DCP's plan cache handed out last, and its JSON form.
+_METADATA_JSON: dict[str, tuple[Metadata, dict[str, Any]]] = {}
+
+
+def metadata_json(instance: str, metadata: Metadata) -> dict[str, Any]:
+    """``metadata_to_json(metadata)``, reused while DCP's plan cache hands out the very same Metadata
+    object (it builds a new one whenever any rank's plan changed: a shape, dtype, key, world size or
+    sharding). The JSON is never modified by its users."""
+    cached = _METADATA_JSON.get(instance)
+    if cached is not None and cached[0] is metadata:
+        return cached[1]
+    out = metadata_to_json(metadata)
+    _METADATA_JSON[instance] = (metadata, out)
+    return out
+
+
 def forget_cached_plans(instance: str) -> None:
-    """Drop DCP's class-level cached plans of one Checkpointer (after a failed save, and at close)."""
+    """Drop DCP's class-level cached plans of one Checkpointer, and what was derived from them (after
+    a failed save, and at close)."""
     _torch_private.forget_cached_plans(plan_cache_key(instance))
+    _METADATA_JSON.pop(instance, None)
 
 
-def replicated_digests(plan: SavePlan, state_dict: dict[str, Any]) -> dict[str, str]:
+def replicated_digests(plan: SavePlan, state_dict: dict[str, Any], known: Mapping[str, str] | None = None
+                       ) -> dict[str, str]:
     """Checksums of this rank's non-sharded values (every size), to catch values that differ across ranks.
 
     DCP treats every plain tensor and object as replicated and keeps one rank's
     copy: a per-rank value (an RNG state, a data-loader position, a buffer of
-    any size) saved that way silently comes back as another rank's.
+    any size) saved that way silently comes back as another rank's. ``known``:
+    xxh3-64 digests of whole tensors already computed (by the write).
     """
     out: dict[str, str] = {}
+    known = known or {}
     for item in plan.items:
         if item.type == WriteItemType.SHARD or is_per_rank_key(item.index.fqn):
             continue
-        obj = state_dict.get(item.index.fqn)
+        fqn = item.index.fqn
+        obj = state_dict.get(fqn)
         if isinstance(obj, torch.Tensor):
-            if type(obj) is torch.Tensor:
+            if type(obj) is torch.Tensor and fqn in known:
+                out[fqn] = known[fqn]
+            elif type(obj) is torch.Tensor:
                 mv, _ = tensor_bytes(obj)
-                out[item.index.fqn] = checksum("xxh3-64", mv)
+                out[fqn] = checksum("xxh3-64", mv)
         elif item.type == WriteItemType.BYTE_IO:
             buf = io.BytesIO()
             torch.save(obj, buf)
-            out[item.index.fqn] = checksum("xxh3-64", buf.getbuffer())
+            out[fqn] = checksum("xxh3-64", buf.getbuffer())
     return out
 
 
@@ -153,15 +183,20 @@ class SafeLoadPlanner(DefaultLoadPlanner):
         stored = self.metadata.state_dict_metadata
         refuse_mismatches(self.state_dict, stored, strict=not self.allow_partial_load)
         direct: list[ReadItem] = []
+        self._direct_targets: dict[int, tuple[ReadItem, torch.Tensor]] = {}
         rest: dict[str, Any] = {}
+        # The storage keys of whole tensors, reused as read items' indices (one MetadataIndex less per item).
+        whole = {k.fqn: k for k in self.metadata.storage_data if k.offset is not None and not any(k.offset)}
         for fqn, obj in self.state_dict.items():
             md = stored.get(fqn)
             if (type(obj) is torch.Tensor and isinstance(md, TensorStorageMetadata) and len(md.chunks) == 1
                     and md.chunks[0].sizes == md.size == obj.size() and not any(md.chunks[0].offsets)):
                 zero = md.chunks[0].offsets
-                index = MetadataIndex(fqn, zero)
-                direct.append(ReadItem(type=LoadItemType.TENSOR, dest_index=index, dest_offsets=zero,
-                                       storage_index=index, storage_offsets=zero, lengths=md.size))
+                index = whole.get(fqn) or MetadataIndex(fqn, zero)
+                item = ReadItem(type=LoadItemType.TENSOR, dest_index=index, dest_offsets=zero,
+                                storage_index=index, storage_offsets=zero, lengths=md.size)
+                direct.append(item)
+                self._direct_targets[id(item)] = (item, obj)  # the whole tensor: what DCP would narrow to
             else:
                 rest[fqn] = obj
         try:
@@ -172,6 +207,13 @@ class SafeLoadPlanner(DefaultLoadPlanner):
                 f"the state given to load does not match the checkpoint: {e}. Build the state like the one "
                 "saved (same model config, same optimizer); nothing was read or changed") from None
         return LoadPlan(direct + general.items)
+
+    def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:
+        """The destination of a read item; a whole plain tensor without DCP's lookup and narrowing."""
+        known = getattr(self, "_direct_targets", {}).get(id(read_item))
+        if known is not None and known[0] is read_item:
+            return known[1]
+        return super().resolve_tensor(read_item)
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
         self.place_object(read_item, decode_object(read_item.dest_index.fqn, value))

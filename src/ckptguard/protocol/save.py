@@ -27,13 +27,13 @@ from typing import Any
 
 from ckptguard._faults import FaultPhase, fault_point
 from ckptguard.comm import agreed_failures
-from ckptguard.dcp.codec import metadata_to_json
 from ckptguard.dcp.drive import plan_collectively
 from ckptguard.dcp.planners import (
     DomainSavePlanner,
     combined_digest,
     divergence_message,
     forget_cached_plans,
+    metadata_json,
     ranks_differing,
 )
 from ckptguard.dcp.writer import GuardedWriter
@@ -119,8 +119,8 @@ def save(session: Session, request: SaveRequest, stats: PhaseTimer) -> SaveOutco
     with stats.phase("stage"):
         _stage(session, plan)
     try:
-        with stats.phase("write"), ByteProgress(stats.show_progress, f"saving step {plan.step}",
-                                                state_nbytes(request.state_dict)) as bar:
+        total = state_nbytes(request.state_dict) if stats.show_progress else None  # a walk of the whole state
+        with stats.phase("write"), ByteProgress(stats.show_progress, f"saving step {plan.step}", total) as bar:
             writer = _write(session, plan, request, bar.callback)
         stats.bytes = sum(f.size for f in writer.outcome.files)
         with stats.phase("commit"):
@@ -189,7 +189,7 @@ def _write(session: Session, plan: SavePlan, request: SaveRequest,
     plan_collectively(request.state_dict, writer, planner, comm, suffix=plan.intact, what=f"plan step {plan.step}")
     try:
         writer.write_planned(planner)
-        writer.digests = planner.replicated_digests()
+        writer.digests = planner.replicated_digests(writer.stored, options.checksum)
     except BaseException as e:  # reported in the commit's first agreement
         writer.error = e
     return writer
@@ -218,7 +218,7 @@ def _commit(session: Session, plan: SavePlan, writer: GuardedWriter, user_metada
     def manifests(writes: list[RankWrites]) -> list[Manifest | None]:
         assert writer.metadata is not None
         built = build_manifests(topo, plan.name, plan.attempt, options.checksum, writes, user_metadata,
-                                metadata_to_json(writer.metadata), plan.seq)
+                                metadata_json(session.instance, writer.metadata), plan.seq)
         return [built.get(r) for r in range(comm.world_size)]
 
     mine: Manifest | None = comm.step(f"report its part of step {plan.step}", report_writes, manifests,
