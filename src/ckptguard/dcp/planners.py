@@ -210,10 +210,12 @@ class SafeLoadPlanner(DefaultLoadPlanner):
 
     def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:
         """The destination of a read item; a whole plain tensor without DCP's lookup and narrowing."""
-        known = getattr(self, "_direct_targets", {}).get(id(read_item))
+        targets: dict[int, tuple[ReadItem, torch.Tensor]] = getattr(self, "_direct_targets", {})
+        known = targets.get(id(read_item))
         if known is not None and known[0] is read_item:
             return known[1]
-        return super().resolve_tensor(read_item)
+        resolved: torch.Tensor = super().resolve_tensor(read_item)
+        return resolved
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
         self.place_object(read_item, decode_object(read_item.dest_index.fqn, value))
