@@ -34,8 +34,13 @@ _NUMPY_DTYPES = {torch.float64, torch.float32, torch.float16, torch.int64, torch
                  torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128}
 
 
+_DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in _DTYPES.items()}
+
+
 def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
+    """"float32" of torch.float32 (a lookup: it runs for every item of every save and load)."""
+    name = _DTYPE_NAMES.get(dtype)
+    return name if name is not None else str(dtype).removeprefix("torch.")
 
 
 def dtype_from_name(name: str) -> torch.dtype:

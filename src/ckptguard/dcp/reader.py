@@ -143,7 +143,9 @@ class GuardedReader(StorageReader):
         return fut
 
     def _plan_jobs(self, plan: LoadPlan, planner: LoadPlanner) -> list[_ReadJob]:
-        by_item: dict[StoredItem, list[ReadItem]] = defaultdict(list)
+        # Grouped by the stored item's identity (one object per item of the metadata): cheaper than
+        # hashing every field of it.
+        by_item: dict[int, tuple[StoredItem, list[ReadItem]]] = {}
         for req in plan.items:
             stored = self.storage_data.get(req.storage_index)
             if stored is None:
@@ -153,11 +155,15 @@ class GuardedReader(StorageReader):
                     "a rank can only read what its own node wrote: load at the same world size and layout, "
                     "or copy the checkpoint to shared storage to reshard it."
                 )
-            by_item[stored].append(req)
+            group = by_item.get(id(stored))
+            if group is None:
+                by_item[id(stored)] = (stored, [req])
+            else:
+                group[1].append(req)
         # Resolve destinations on this thread (the planner is not ours to call concurrently); resolving
         # only returns views of the caller's tensors.
         jobs: list[_ReadJob] = []
-        for stored, reqs in sorted(by_item.items(), key=lambda kv: (kv[0].file, kv[0].offset)):
+        for stored, reqs in sorted(by_item.values(), key=lambda kv: (kv[0].file, kv[0].offset)):
             if reqs[0].type == LoadItemType.BYTE_IO:
                 job = _ReadJob(stored, reqs, [], mode=_STAGED)  # objects are decoded (and checked) now
             else:
