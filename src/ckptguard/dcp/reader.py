@@ -60,12 +60,15 @@ _CHUNK = 8 << 20  # verified-only items are checked in chunks of this size
 _ALIGN = 64  # scratch slots in the arena start at this alignment (any dtype, vector loads)
 _FD_MARGIN = 256  # descriptors left to the rest of the process when files are kept open for a load
 
-#: Share of MemAvailable a load may hold per rank of this host when ``memory_bytes`` is None: a state
-#: that fits is read once (a second pass would read the disk again once the page cache no longer
-#: holds the state, and a local spill on object stores).
+#: Share of MemAvailable a load may hold per rank of this host when ``memory_bytes`` is None, on
+#: storage where a second read is not cheap (object stores: a spill to local disk).
 MEMORY_SHARE = 0.5
 #: What a load holds per rank when MemAvailable cannot be read.
 FALLBACK_MEMORY_BYTES = 256 << 20
+#: What a load holds per rank by default on POSIX storage. Measured here (docs/performance.md),
+#: holding bytes in fresh host memory (scratch, or the old bytes of items read in place) cost more
+#: than a second read from the page cache through the files kept open: only small states are held.
+POSIX_MEMORY_BYTES = 256 << 20
 
 
 def auto_memory_bytes(local_ranks: int) -> int:
@@ -82,9 +85,9 @@ def auto_memory_bytes(local_ranks: int) -> int:
 
 
 class GuardedReader(StorageReader):
-    """``memory_bytes`` None: :func:`auto_memory_bytes` of ``local_ranks`` (what is held is at most
-    the bytes this rank reads). ``backup=False`` when the destinations are fresh buffers of the
-    reader's caller (nothing to put back on failure)."""
+    """``memory_bytes`` None: ``POSIX_MEMORY_BYTES`` on POSIX storage, else :func:`auto_memory_bytes`
+    of ``local_ranks``. ``backup=False`` when the destinations are fresh buffers of the reader's
+    caller (nothing to put back on failure)."""
 
     def __init__(self, storage: StorageBackend, checkpoint_dir: str, metadata: Metadata, algorithm: str,
                  rank: int, io_threads: int = 4, on_bytes: Callable[[int], None] | None = None,
@@ -98,7 +101,7 @@ class GuardedReader(StorageReader):
         self.rank = rank
         self.io_threads = max(1, io_threads)
         if memory_bytes is None:
-            memory_bytes = auto_memory_bytes(local_ranks)
+            memory_bytes = POSIX_MEMORY_BYTES if storage.has_directories else auto_memory_bytes(local_ranks)
         self.memory_bytes = memory_bytes
         self.backup = backup
         self.storage_data: dict[MetadataIndex, StoredItem] = metadata.storage_data
