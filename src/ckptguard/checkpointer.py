@@ -62,8 +62,8 @@ class Checkpointer:
     ``CheckpointIO``); the lease still keeps a second writer out of the root.
     ``collective_timeout_s`` bounds how long ranks wait for a rank that died or
     stalled, on the group ckptguard creates (a group passed in keeps its own).
-    ``load_memory_bytes`` (per rank; default None: half of MemAvailable shared
-    by the host's ranks) is how much of a load is read once, verified, and held
+    ``load_memory_bytes`` (per rank; default None: 256 MiB on filesystems, half
+    of MemAvailable shared by the host's ranks on object stores) is how much of a load is read once, verified, and held
     (scratch, or the old bytes of tensors read in place) until every rank agreed;
     the rest is verified in a first pass and read into place in a second from
     the files kept open or a local spill (docs/performance.md).
