@@ -381,3 +381,18 @@ def test_a_manifest_attempt_that_is_not_hex_is_corrupt(root: Path) -> None:
     path.write_bytes(dataclasses.replace(m, attempt="../../elsewhere").to_json())  # a path part on object stores
     with Checkpointer(root, read_only=True) as ck, pytest.raises(CorruptCheckpointError, match="hex digits"):
         ck.read(1)
+
+
+# -- a `ckptguard run` log directory handed to diagnose ------------------------------------------
+
+@pytest.mark.parametrize("kind", ["deep", "fifo"])
+def test_diagnose_of_a_run_directory_with_a_hostile_run_json_is_no_crash_and_no_hang(tmp_path: Path,
+                                                                                       kind: str) -> None:
+    run = tmp_path / "logs" / "host-run"
+    run.mkdir(parents=True)
+    (run / "rank0.log").write_text("[rank0]: RuntimeError: CUDA error: an illegal memory access was encountered\n")
+    if kind == "deep":
+        (run / "run.json").write_text(DEEP)
+    else:
+        os.mkfifo(run / "run.json")
+    cli("diagnose", str(run))  # before: RecursionError escaped; a FIFO blocked in open() forever
