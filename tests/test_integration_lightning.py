@@ -116,6 +116,24 @@ def test_a_crash_between_the_tag_and_the_pointer_leaves_the_old_checkpoint_loada
     assert got["global_step"] == 2 and torch.equal(got["w"], torch.ones(2))
 
 
+@pytest.mark.parametrize(("field", "value"), [("step", "twelve"), ("step", None), ("root", 7)])
+def test_a_pointer_with_a_hostile_field_is_corrupt_naming_it(tmp_path: Path, field: str, value: object) -> None:
+    """The pointer file is bytes anyone may have written: each field is checked before it is a path or a step."""
+    import json
+
+    from ckptguard import CorruptCheckpointError
+
+    path = tmp_path / "last.ckpt"
+    io = CkptguardCheckpointIO()
+    io.save_checkpoint({"global_step": 2, "w": torch.ones(2)}, path)
+    io.teardown()
+    pointer = read_pointer(str(path))
+    assert pointer is not None
+    path.write_text(json.dumps({**pointer, field: value}))
+    with pytest.raises(CorruptCheckpointError, match=f"pointer's '{field}'"):  # before: ValueError, TypeError
+        CkptguardCheckpointIO().load_checkpoint(path)
+
+
 def test_removing_a_link_to_a_checkpoint_keeps_the_checkpoint(tmp_path: Path) -> None:
     """ModelCheckpoint(save_last="link") makes last.ckpt a symlink to the newest top-k pointer."""
     io = CkptguardCheckpointIO()

@@ -222,6 +222,50 @@ def test_import_refuses_a_tensor_larger_than_its_data(tmp_path: Path) -> None:
     assert code == 1 and "larger than every data file" in out
 
 
+@pytest.mark.parametrize("path", [("w", 10**9), ("w", -1), (), "w"])
+def test_import_refuses_a_planner_path_out_of_bounds(tmp_path: Path, path: object) -> None:
+    """DCP's planner_data rebuilds lists by index: an index from the imported file is bounded first."""
+    import pickle
+
+    src = _dcp_dir(tmp_path / "src")
+    md = pickle.loads((src / ".metadata").read_bytes())
+    md.planner_data = {"w": path}
+    (src / ".metadata").write_bytes(pickle.dumps(md))
+    code, out = _import(src, tmp_path / "root")  # before: MemoryError / IndexError / a state of chars
+    assert code == 1 and "planner path" in out and not (tmp_path / "root" / "step-00000001").exists()
+
+
+def _add_copies_of_w(src: Path, n: int, with_data: bool) -> None:
+    """``n`` more tensors like ``w`` in DCP's .metadata; ``with_data``: each names w's bytes as its own."""
+    import copy
+    import dataclasses
+    import pickle
+
+    md = pickle.loads((src / ".metadata").read_bytes())
+    (index, info), = [(i, v) for i, v in md.storage_data.items() if i.fqn == "w"]
+    for i in range(n):
+        md.state_dict_metadata[f"w{i}"] = copy.deepcopy(md.state_dict_metadata["w"])
+        if with_data:
+            md.storage_data[dataclasses.replace(index, fqn=f"w{i}")] = info
+    (src / ".metadata").write_bytes(pickle.dumps(md))
+
+
+def test_import_refuses_tensors_larger_together_than_their_data(tmp_path: Path) -> None:
+    """Each tensor no larger than the data files is not enough: every tensor is allocated before any is read."""
+    src = _dcp_dir(tmp_path / "src")
+    stored = sum(f.stat().st_size for f in src.glob("*.distcp"))
+    _add_copies_of_w(src, stored // 16 + 1, with_data=True)  # w: 4 floats, 16 bytes
+    code, out = _import(src, tmp_path / "root")  # before: imported, every copy allocated
+    assert code == 1 and "larger than every data file" in out and not (tmp_path / "root" / "step-00000001").exists()
+
+
+def test_import_refuses_a_tensor_whose_chunk_has_no_data_entry(tmp_path: Path) -> None:
+    src = _dcp_dir(tmp_path / "src")
+    _add_copies_of_w(src, 1, with_data=False)
+    code, out = _import(src, tmp_path / "root")  # before: a raw KeyError from DCP's reader
+    assert code == 1 and "has no data file entry" in out and not (tmp_path / "root" / "step-00000001").exists()
+
+
 def test_import_refuses_a_deeply_nested_torch_save_file(tmp_path: Path) -> None:
     import sys
 
@@ -337,3 +381,18 @@ def test_a_manifest_attempt_that_is_not_hex_is_corrupt(root: Path) -> None:
     path.write_bytes(dataclasses.replace(m, attempt="../../elsewhere").to_json())  # a path part on object stores
     with Checkpointer(root, read_only=True) as ck, pytest.raises(CorruptCheckpointError, match="hex digits"):
         ck.read(1)
+
+
+# -- a `ckptguard run` log directory handed to diagnose ------------------------------------------
+
+@pytest.mark.parametrize("kind", ["deep", "fifo"])
+def test_diagnose_of_a_run_directory_with_a_hostile_run_json_is_no_crash_and_no_hang(tmp_path: Path,
+                                                                                       kind: str) -> None:
+    run = tmp_path / "logs" / "host-run"
+    run.mkdir(parents=True)
+    (run / "rank0.log").write_text("[rank0]: RuntimeError: CUDA error: an illegal memory access was encountered\n")
+    if kind == "deep":
+        (run / "run.json").write_text(DEEP)
+    else:
+        os.mkfifo(run / "run.json")
+    cli("diagnose", str(run))  # before: RecursionError escaped; a FIFO blocked in open() forever

@@ -22,11 +22,22 @@ from typing import Any
 
 import torch
 from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import (
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorStorageMetadata,
+)
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
 
 from ckptguard.checksum import DEFAULT_ALGORITHM
-from ckptguard.dcp.codec import check_depth, decode_value, metadata_from_json, unflatten
+from ckptguard.dcp.codec import (
+    MAX_VALUE_DEPTH,
+    check_depth,
+    decode_value,
+    metadata_from_json,
+    unflatten,
+)
 from ckptguard.dcp.drive import read_locally
 from ckptguard.dcp.planners import SafeLoadPlanner
 from ckptguard.dcp.reader import GuardedReader
@@ -266,13 +277,40 @@ def _check_dcp_metadata(md: Metadata, directory: str, path: str) -> None:
             raise CorruptCheckpointError(f"{path}: {fqn!r} claims bytes {offset}..+{length} of {rel}, "
                                          f"which has {sizes[rel]}", path=path)
     total = sum(sizes.values())
+    declared = 0  # every tensor is allocated before any is read: their sum is bounded, not each alone
     for fqn, entry in md.state_dict_metadata.items():
         if isinstance(entry, TensorStorageMetadata):
             dims = list(entry.size)
-            if any(type(d) is not int or d < 0 for d in dims) or \
-                    math.prod(dims) * entry.properties.dtype.itemsize > total:
-                raise CorruptCheckpointError(f"{path}: tensor {fqn!r} of size {dims[:8]} is larger than every "
-                                             f"data file together ({total} bytes)", path=path)
+            if any(type(d) is not int or d < 0 for d in dims):
+                raise CorruptCheckpointError(f"{path}: tensor {fqn!r} has size {dims[:8]}, not integers >= 0",
+                                             path=path)
+            for chunk in entry.chunks:  # DCP reads each chunk by its index into storage_data, then narrows
+                offsets, extent = list(chunk.offsets), list(chunk.sizes)
+                if len(offsets) != len(dims) or len(extent) != len(dims) or not all(
+                        type(o) is int and type(n) is int and o >= 0 and n >= 0 and o + n <= d
+                        for o, n, d in zip(offsets, extent, dims, strict=True)):
+                    raise CorruptCheckpointError(f"{path}: a chunk of tensor {fqn!r} at {offsets[:8]} of size "
+                                                 f"{extent[:8]} is not inside its size {dims[:8]}", path=path)
+                if MetadataIndex(fqn, chunk.offsets) not in storage:
+                    raise CorruptCheckpointError(f"{path}: the chunk of tensor {fqn!r} at {offsets[:8]} has no "
+                                                 "data file entry", path=path)
+            declared += math.prod(dims) * entry.properties.dtype.itemsize
+            if declared > total:
+                raise CorruptCheckpointError(f"{path}: tensor {fqn!r} of size {dims[:8]} makes the tensors larger "
+                                             f"than every data file together ({total} bytes)", path=path)
+        elif MetadataIndex(fqn) not in storage:
+            raise CorruptCheckpointError(f"{path}: object {fqn!r} has no data file entry", path=path)
+    # Lists are rebuilt by index from planner_data (codec.unflatten): each index below the number of
+    # entries, each path a non-empty sequence no deeper than a stored value may nest.
+    planner = md.planner_data if md.planner_data is not None else {}
+    if not isinstance(planner, dict):
+        raise CorruptCheckpointError(f"{path}: planner_data is a {type(planner).__name__}, not a dict", path=path)
+    entries = len(md.state_dict_metadata)
+    for fqn, where in planner.items():
+        if not isinstance(where, tuple | list) or not 0 < len(where) <= MAX_VALUE_DEPTH or not all(
+                type(p) is str or (type(p) is int and 0 <= p < entries) for p in where):
+            raise CorruptCheckpointError(f"{path}: bad planner path for {str(fqn)[:100]!r}: {str(where)[:100]}",
+                                         path=path)
 
 
 class _SafeFileSystemReader(FileSystemReader):

@@ -99,9 +99,17 @@ def pointer_at(path: str, *, follow: bool = True) -> dict[str, Any] | None:
 
 
 def pointed(path: str, pointer: Mapping[str, Any]) -> tuple[str, str, int]:
-    """(root, tag, step) that the pointer at ``path`` names."""
-    root = os.path.normpath(os.path.join(os.path.dirname(path), pointer["root"]))
-    return root, str(pointer["tag"]), int(pointer["step"])
+    """(root, tag, step) that the pointer at ``path`` names; CorruptCheckpointError naming the field
+    where the file holds something no save wrote there."""
+    root, tag, step = pointer.get("root"), pointer.get("tag"), pointer.get("step")
+    for field, ok in (("root", isinstance(root, str) and root != ""), ("tag", isinstance(tag, str)),
+                      ("step", type(step) is int and step >= 0)):
+        if not ok:
+            raise CorruptCheckpointError(f"{path}: the checkpoint pointer's {field!r} is "
+                                         f"{str(pointer.get(field))[:100]!r}, not what a save writes there: "
+                                         "the file was modified by hand or by another tool", path=path)
+    assert isinstance(root, str) and isinstance(tag, str) and isinstance(step, int)
+    return os.path.normpath(os.path.join(os.path.dirname(path), root)), tag, step
 
 
 def commit(ck: Checkpointer, path: str, state: Mapping[str, Any], *, publish: bool,

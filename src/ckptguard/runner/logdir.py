@@ -21,6 +21,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from ckptguard.errors import CheckpointError
+from ckptguard.protocol.records import MAX_CONTROL_DEPTH, parse_json
+from ckptguard.storage.fileio import open_regular
+
 RUN_FILE = "run.json"
 #: ``exit.log``: what the runner itself saw of the child's end (a death by signal), written as a
 #: launcher's exit line that the diagnosis engine reads like any other.
@@ -118,11 +122,19 @@ def finish(run: HostRun, **fields: Any) -> None:
         _write_json(os.path.join(run.dir, RUN_FILE), run.record)
 
 
+#: A run.json is a few hundred bytes; one handed to `diagnose` may come from anywhere.
+MAX_RUN_FILE_BYTES = 1 << 20
+
+
 def read(path: str) -> HostRun | None:
+    """The run recorded in ``path``, or None where there is none or it is unreadable (never blocks on a
+    FIFO, never recurses without bound: through the bounded JSON parser of control files)."""
+    run_file = os.path.join(path, RUN_FILE)
     try:
-        with open(os.path.join(path, RUN_FILE), encoding="utf-8") as f:
-            record = json.load(f)
-    except (OSError, ValueError):
+        with os.fdopen(open_regular(run_file), "rb") as f:
+            data = f.read(MAX_RUN_FILE_BYTES + 1)
+        record = parse_json(data, run_file, "run record", max_bytes=MAX_RUN_FILE_BYTES, max_depth=MAX_CONTROL_DEPTH)
+    except (OSError, CheckpointError):
         return None
     return HostRun(path, record) if isinstance(record, dict) else None
 

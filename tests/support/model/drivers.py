@@ -9,21 +9,23 @@ driver's process that checks the root against the model. On S3 the auditor talks
 directly, past the fault proxy, so an injected fault never blurs what the root holds.
 
 S3 faults are named kinds in :data:`S3_FAULTS`, each a function that sets the proxy up and
-returns the function that undoes it: a kind the proxy grows later (a frozen request, a drop by
-predicate) is one more entry, and the state machine draws from the table.
+returns the function that undoes it (5xx answers, lost replies, stale listings, frozen requests,
+dropped and reset connections); the state machine draws from the table.
 """
 
 from __future__ import annotations
 
 import multiprocessing
 import os
+import random
+import re
 import signal
 import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, ClassVar
 
-from tests.support.beds.s3 import FaultProxy, S3Bed
+from tests.support.beds.s3 import FaultProxy, Request, S3Bed
 
 
 class WorkerDied(RuntimeError):
@@ -176,6 +178,54 @@ def _hidden_listing(proxy: FaultProxy) -> Undo:
     return undo
 
 
+# Which requests a rule picks. Control objects are the small ones every decision reads or swaps: the
+# lease, the index, `latest`, tags, and the commit objects (a step's MANIFEST.json); data objects are an
+# attempt's tensors under the staging prefix.
+_CONTROL = re.compile(r"/(\.ckptguard/(index|lease)\.json|latest|tags/[^/]+|step-\d+(\.v\d+)?/MANIFEST\.json)$")
+
+
+def is_control(r: Request) -> bool:
+    return _CONTROL.search(r.path) is not None
+
+
+def is_data(r: Request) -> bool:
+    return "/.ckptguard/staging/" in r.path
+
+
+def is_commit_put(r: Request) -> bool:
+    """The create of a commit object (or of the tombstone that settles an unanswered one: same key)."""
+    return r.method == "PUT" and r.path.endswith("/MANIFEST.json")
+
+
+def _rule(match: Callable[[Request], bool], action: str, times: int | None = None,
+          rate: float = 1.0) -> Callable[[FaultProxy], Undo]:
+    """A proxy rule for as long as the fault lasts; undoing it thaws what it froze (those requests land
+    now, late: after the client gave up on them and perhaps after its retries did)."""
+
+    def apply(proxy: FaultProxy) -> Undo:
+        pick = match
+        if rate < 1.0:
+            with proxy.lock:
+                rng = random.Random(proxy.rng.random())
+
+            def pick(r: Request) -> bool:
+                return match(r) and rng.random() < rate
+
+        rule = proxy.add_rule(pick, action, times=times)
+
+        def undo() -> None:
+            with proxy.lock:
+                if rule in proxy.rules:
+                    proxy.rules.remove(rule)
+            if action == "freeze":
+                proxy.thaw()
+                proxy.settled()
+
+        return undo
+
+    return apply
+
+
 S3_FAULTS: dict[str, Callable[[FaultProxy], Undo]] = {
     "5xx": _proxy_faults(0.3, ["500", "503"]),              # retried by botocore, mostly absorbed
     "outage": _proxy_faults(1.0, ["500", "503"]),           # every request refused: operations fail
@@ -183,12 +233,27 @@ S3_FAULTS: dict[str, Callable[[FaultProxy], Undo]] = {
     "lost-all-replies": _proxy_faults(1.0, ["500-after"]),  # applied, and every retry's reply lost too
     "slow": _proxy_faults(0.5, ["slow"]),
     "hidden-listing": _hidden_listing,                      # listings omit keys written in the last 30 s
+    # Frozen requests: held unanswered and not forwarded until the fault ends, then forwarded (they land
+    # late, after the client's read timeout gave up on them). The first two, so that a retry gets through
+    # and the frozen try lands behind it; or every commit create (and the tombstone that would settle it):
+    # a commit whose outcome the writer cannot learn, decided only when the frozen creates land.
+    "freeze-control": _rule(is_control, "freeze", times=2),
+    "freeze-data": _rule(is_data, "freeze", times=2),
+    "freeze-commit": _rule(is_commit_put, "freeze"),
+    # Dropped connections: the request is applied upstream, then the connection closes with no answer
+    # (30 % of all requests, or every commit create: a commit that landed and whose every reply is lost);
+    # reset: the connection closes at once, nothing forwarded.
+    "drop": _rule(lambda r: True, "drop", rate=0.3),
+    "drop-commit": _rule(is_commit_put, "drop"),
+    "reset": _rule(lambda r: True, "reset", rate=0.3),
 }
 
 
 # -- backends --------------------------------------------------------------------------------------
+# Control requests time out after 3 s (of the library's 10 s default), so that a frozen one costs
+# seconds of the test's time, not half a minute.
 WRITER_OPTIONS_S3 = {"part_size": 5 << 20, "max_attempts": 3, "connect_timeout_s": 2.0, "read_timeout_s": 10.0,
-                     "max_concurrency": 4}
+                     "control_read_timeout_s": 3.0, "max_concurrency": 4}
 
 
 class Backend:
@@ -223,6 +288,12 @@ class Backend:
     def fault_active(self) -> bool:
         return self._undo is not None
 
+    @property
+    def settling(self) -> bool:
+        """Requests are held by the store's path and may still land (frozen ones): the root may change
+        with no client acting, so what it shows now decides nothing."""
+        return False
+
     def remove_root(self, root: str) -> None:
         import shutil
 
@@ -251,6 +322,12 @@ class S3Backend(Backend):
 
         return Checkpointer(root, process_group="local", read_only=True,
                             storage_options={"endpoint_url": self.bed.moto.url, "part_size": 5 << 20})
+
+    @property
+    def settling(self) -> bool:
+        proxy = self.bed.proxy
+        with proxy.lock:
+            return proxy.frozen > 0 or proxy.landing > 0
 
     def fault_on(self, kind: str) -> None:
         self.fault_off()
