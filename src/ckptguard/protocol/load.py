@@ -220,7 +220,7 @@ def _load_from_manifest(session: Session, name: CheckpointName, seq: int | None,
     targets: list[ArtifactTarget] = []
 
     def destinations() -> list[ArtifactTarget]:
-        targets.extend(artifacts.normalize(files, comm.rank, hostname(), False, session.storage))
+        targets.extend(artifacts.normalize(files, comm.rank, hostname(), False, root.local_dir()))
         if targets and manifest.world_size != comm.world_size:
             raise CheckpointError(
                 f"step {name.step} was saved by {manifest.world_size} ranks and this job has "

@@ -56,7 +56,8 @@ def read_stored(session: Session, name: CheckpointName, manifest: Manifest, rank
                 is_coordinator: bool = True, keep: Callable[[str], bool] | None = None,
                 metadata: Metadata | None = None) -> dict[str, Any]:
     """This rank's view of the stored state dict (local: no agreement); ``metadata``: the manifest's
-    DCP metadata, if already parsed."""
+    DCP metadata, if already parsed. (Three of its seven parameters are keyword-only options with
+    defaults: interop's offline reader calls it without a session's agreement.)"""
     if metadata is None:
         metadata = metadata_from_json(manifest.dcp, manifest.items, session.root.dir(name),
                                       domain_count=manifest.domain_count)
