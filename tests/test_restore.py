@@ -72,8 +72,8 @@ def test_two_hosts_restoring_into_one_shared_path_are_refused(tmp_path: Path, mo
                                           session.root.local_dir())
             save_protocol.save(session, save_protocol.SaveRequest(1, {"w": torch.ones(4)}, targets, targets, False,
                                                                   {}, None), PhaseTimer())
-            return load_protocol.load_one(session, CheckpointName(1), None, {"w": torch.zeros(4)}, {"off": shared},
-                                          True, PhaseTimer())
+            request = load_protocol.LoadRequest({"w": torch.zeros(4)}, {"off": shared}, True)
+            return load_protocol.load_one(session, CheckpointName(1), None, request, PhaseTimer())
         finally:
             if session.lease is not None:
                 session.lease.release()

@@ -39,8 +39,7 @@ def read(session: Session, step: int | None, keep: Callable[[str], bool] | None 
 
 def read_one(session: Session, name: CheckpointName, seq: int | None,
              keep: Callable[[str], bool] | None = None) -> dict[str, Any]:
-    raw, read_error = share_manifest_bytes(session, name)
-    manifest, metadata = agree_on_manifest(session, name, seq, raw, read_error)
+    manifest, metadata = agree_on_manifest(session, name, seq, share_manifest_bytes(session, name))
     comm = session.comm
     out: dict[str, Any] = {}
 
