@@ -57,7 +57,7 @@ from ckptguard.protocol.decisions import (
 )
 from ckptguard.protocol.layout import CheckpointName
 from ckptguard.protocol.manifest import FileEntry, StoredItem
-from ckptguard.protocol.root import CheckpointRoot
+from ckptguard.protocol.root import PosixRoot
 from ckptguard.protocol.timing import gc_paused
 from ckptguard.protocol.topology import Topology, _decide, to_ranges
 from ckptguard.storage.posix import PosixStorage
@@ -96,7 +96,7 @@ def inputs(n: int, k: int) -> dict[str, Any]:
 
 def leader_work(data: dict[str, Any], n: int, root: Path, staging: Path) -> tuple[dict[str, float], int]:
     """Everything rank 0 does that grows with the number of ranks; returns timings and manifest bytes."""
-    croot = CheckpointRoot(PosixStorage(str(root)))
+    croot = PosixRoot(PosixStorage(str(root)))
     timings: dict[str, float] = {}
     t = time.perf_counter()
     domains, problem = _decide(data["probe"], data["hosts"], data["host_first"])
@@ -120,8 +120,7 @@ def leader_work(data: dict[str, Any], n: int, root: Path, staging: Path) -> tupl
     timings["commit: every file visible with its size"] = time.perf_counter() - t
 
     t = time.perf_counter()
-    croot.write_manifest(str(staging), manifest)  # encodes, writes, fsyncs
-    croot.publish(str(staging), CheckpointName(3))
+    croot.commit(str(staging), manifest, lambda: None)  # encodes, writes, fsyncs, publishes
     timings["commit: write manifest, fsync, publish"] = time.perf_counter() - t
     manifest_bytes = os.path.getsize(os.path.join(croot.dir(CheckpointName(3)), layout.MANIFEST))
 

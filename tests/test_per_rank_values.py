@@ -10,17 +10,17 @@ import torch
 from ckptguard import PerRank, ReplicatedValueError
 from ckptguard.comm import Comm, run_ranks
 from ckptguard.protocol import save as save_protocol
+from ckptguard.protocol.root import open_root
 from ckptguard.protocol.session import Options, open_session
 from ckptguard.protocol.timing import PhaseTimer
 from ckptguard.state import prepare_state
-from ckptguard.storage import PosixStorage
 
 
 def save_on_thread_ranks(root: Path, world: int, state_of_rank: object) -> list[object]:
     """A real save, by ``world`` ranks simulated by threads sharing one root."""
 
     def body(comm: Comm) -> object:
-        session = open_session(comm, PosixStorage(str(root)), Options(None, None, 1, "xxh3-64", 10.0),
+        session = open_session(comm, open_root(str(root)), Options(None, None, 1, "xxh3-64", 10.0),
                                read_only=False, job_id="test", lease_ttl_s=30, lease_wait_s=1)
         try:
             state = prepare_state(state_of_rank(comm.rank), comm.rank).state_dict  # type: ignore[operator]

@@ -15,9 +15,9 @@ from ckptguard.protocol import artifacts
 from ckptguard.protocol import load as load_protocol
 from ckptguard.protocol import save as save_protocol
 from ckptguard.protocol.layout import CheckpointName
+from ckptguard.protocol.root import open_root
 from ckptguard.protocol.session import Options, open_session
 from ckptguard.protocol.timing import PhaseTimer
-from ckptguard.storage import PosixStorage
 
 
 def listing(d: Path) -> dict[str, bytes]:
@@ -62,18 +62,18 @@ def test_two_hosts_restoring_into_one_shared_path_are_refused(tmp_path: Path, mo
     shared = tmp_path / "shared-offload"
 
     def body(comm: Comm) -> object:
-        session = open_session(comm, PosixStorage(str(tmp_path / "ck")), Options(None, None, 1, "xxh3-64", 10.0),
+        session = open_session(comm, open_root(str(tmp_path / "ck")), Options(None, None, 1, "xxh3-64", 10.0),
                                read_only=False, job_id="t", lease_ttl_s=30, lease_wait_s=1)
         try:
             own = tmp_path / f"src{comm.rank}"
             own.mkdir()
             (own / "shard").write_bytes(b"x")
             targets = artifacts.normalize({"off": own}, comm.rank, f"host-rank{comm.rank}", True,
-                                          session.storage)
+                                          session.root.local_dir())
             save_protocol.save(session, save_protocol.SaveRequest(1, {"w": torch.ones(4)}, targets, targets, False,
                                                                   {}, None), PhaseTimer())
-            return load_protocol.load_one(session, CheckpointName(1), None, {"w": torch.zeros(4)}, {"off": shared},
-                                          True, PhaseTimer())
+            request = load_protocol.LoadRequest({"w": torch.zeros(4)}, {"off": shared}, True)
+            return load_protocol.load_one(session, CheckpointName(1), None, request, PhaseTimer())
         finally:
             if session.lease is not None:
                 session.lease.release()

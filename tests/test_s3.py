@@ -34,9 +34,9 @@ from ckptguard import (
     UnsupportedStorageError,
     WrongRegionError,
 )
-from ckptguard.protocol.layout import CheckpointName
+from ckptguard.protocol.layout import INDEX, CheckpointName
 from ckptguard.protocol.manifest import Manifest
-from ckptguard.protocol.objstore import INDEX, ObjectStoreRoot
+from ckptguard.protocol.objstore import ObjectStoreRoot
 from ckptguard.storage import open_storage
 from ckptguard.storage.s3 import S3Storage, _Clients
 
@@ -338,19 +338,19 @@ def test_a_takeover_aborts_a_stalled_attempt_or_adopts_its_commit(bed: S3Bed, bu
     first, second, third = (ObjectStoreRoot(open_storage(url)) for _ in range(3))
     first.after_lease()
     # job 1 recorded its intent for step 6 and created the commit object, then stalled before indexing it
-    first.write_manifest("", _manifest(6, 1, "a" * 32))
-    assert first.storage.create_exclusive(first.commit_path(CheckpointName(6)), first._to_publish[CheckpointName(6)])
+    six = first._record_intent(CheckpointName(6), _manifest(6, 1, "a" * 32))
+    assert first.storage.create_exclusive(first.commit_path(CheckpointName(6)), six)
     second.after_lease()  # takes over: adopts step 6 (committed: nothing is lost)
     assert second.committed() == [CheckpointName(6)]
     # job 2 recorded its intent for step 7 and stalled before creating the commit object
-    second.write_manifest("", _manifest(7, 1, "b" * 32))
+    seven = second._record_intent(CheckpointName(7), _manifest(7, 1, "b" * 32))
     third.after_lease()  # takes over: a tombstone takes step 7's commit key
     assert third.committed() == [CheckpointName(6)]
     assert third.taken_versions(7) == [1]  # taken: a new save of step 7 uses version 2
     with pytest.raises(LeaseLostError, match="aborted this attempt"):
-        second.publish("", CheckpointName(7))  # resumed: its conditional create finds the tombstone
+        second._publish(CheckpointName(7), seven)  # resumed: its conditional create finds the tombstone
     with pytest.raises(LeaseLostError, match="another job took over"):
-        first.write_manifest("", _manifest(8, 1, "c" * 32))
+        first.commit("", _manifest(8, 1, "c" * 32), lambda: None)
     with pytest.raises(LeaseLostError):
         second.retire(second.dir(CheckpointName(6)))
     assert third.committed() == [CheckpointName(6)]

@@ -24,7 +24,7 @@ from typing import Any
 
 from ckptguard import inflight
 from ckptguard._faults import FaultPhase, fault_point
-from ckptguard.checksum import ALGORITHMS, DEFAULT_ALGORITHM
+from ckptguard.checksum import ALGORITHMS
 from ckptguard.comm import DEFAULT_TIMEOUT_S, Comm, LocalTransport, default_comm, hostname
 from ckptguard.dcp.planners import forget_cached_plans
 from ckptguard.errors import CheckpointError
@@ -35,12 +35,12 @@ from ckptguard.protocol import save as save_protocol
 from ckptguard.protocol.artifacts import ArtifactTarget
 from ckptguard.protocol.decisions import Listing, commit_order
 from ckptguard.protocol.layout import CheckpointName
+from ckptguard.protocol.root import open_root
 from ckptguard.protocol.session import Options, Session, open_session
 from ckptguard.protocol.timing import PhaseTimer, gc_paused
 from ckptguard.protocol.topology import Topology
 from ckptguard.staging import HostStager
 from ckptguard.state import prepare_state
-from ckptguard.storage import open_storage
 
 log = logging.getLogger("ckptguard")
 
@@ -107,16 +107,16 @@ class Checkpointer:
         _check_process_group(process_group)
         if not isinstance(root, (str, os.PathLike)):
             raise TypeError(f"root must be a path or a URL (str or os.PathLike), got {type(root).__name__}")
-        storage = open_storage(root, storage_options)  # refuses unknown URL schemes before any collective
-        if checksum is None:  # object stores check CRC32C on arrival: the manifest records the same
-            checksum = DEFAULT_ALGORITHM if storage.has_directories else "crc32c"
-        checksum = _checksum(checksum)
-        if storage.has_directories and os.path.exists(storage.root) and not os.path.isdir(storage.root):
+        croot = open_root(root, storage_options)  # refuses unknown URL schemes before any collective
+        storage = croot.storage
+        checksum = _checksum(checksum if checksum is not None else croot.default_checksum)
+        location = croot.location()
+        if location == "not a directory":
             raise CheckpointError(f"the root {storage.root} is a file, not a directory: a checkpoint root is a "
                                   "directory (a new one is created where nothing exists yet). Give the directory "
                                   "the checkpoints are in, or load a single file with ckptguard.load_file",
                                   path=storage.root)
-        if read_only and storage.has_directories and not os.path.isdir(storage.root):
+        if read_only and location == "missing":
             log.warning("ckptguard: the read_only root %s does not exist: there is nothing to load or list "
                         "(a typo in the path?)", storage.root)
         self._progress = progress
@@ -124,7 +124,7 @@ class Checkpointer:
         options = Options(keep_last, keep_every, io_threads, checksum, visibility_timeout_s, load_memory_bytes)
         comm = Comm(LocalTransport()) if isinstance(process_group, str) and process_group == "local" \
             else default_comm(process_group, collective_timeout_s)
-        self._session: Session = open_session(comm, storage, options, read_only=read_only, job_id=job_id,
+        self._session: Session = open_session(comm, croot, options, read_only=read_only, job_id=job_id,
                                               lease_ttl_s=lease_ttl_s, lease_wait_s=lease_wait_s)
         self._comm = self._session.comm
         if self._session.lease is not None:
@@ -314,7 +314,7 @@ class Checkpointer:
         local_error: BaseException | None = None
         targets: list[ArtifactTarget] = []
         try:
-            targets = artifacts.normalize(files, self._comm.rank, hostname(), True, self._session.storage)
+            targets = artifacts.normalize(files, self._comm.rank, hostname(), True, self._session.root.local_dir())
         except Exception as e:  # reported in the plan's agreement
             local_error = e
         if not blocking:

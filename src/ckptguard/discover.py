@@ -107,7 +107,7 @@ def _is_root(storage: StorageBackend, directory: str) -> bool:
 
 def _framework_of(storage: StorageBackend, directory: str, options: Mapping[str, Any] | None) -> str | None:
     """The framework named in the metadata of the root's newest checkpoint (torchtitan's folder)."""
-    from ckptguard.protocol.objstore import open_root
+    from ckptguard.protocol.root import open_root
 
     with contextlib.suppress(CheckpointError, OSError, ValueError):
         root = open_root(storage if directory == storage.root else open_storage(directory, options))

@@ -50,22 +50,22 @@ from ckptguard.errors import (
 from ckptguard.protocol import layout
 from ckptguard.protocol.layout import CheckpointName
 from ckptguard.protocol.manifest import Manifest
-from ckptguard.protocol.root import CheckpointRoot
+from ckptguard.protocol.root import PosixRoot
 from ckptguard.storage import PosixStorage, local_path
 from ckptguard.storage.fileio import open_regular
 
 EXPORT_FORMATS = ("torch", "safetensors", "dcp")
 
 
-def resolve_checkpoint(path: str | os.PathLike[str], step: int | None = None) -> tuple[CheckpointRoot, CheckpointName]:
+def resolve_checkpoint(path: str | os.PathLike[str], step: int | None = None) -> tuple[PosixRoot, CheckpointName]:
     """A committed checkpoint from its own directory, or from a root (``step``, else the newest)."""
     path = os.path.abspath(local_path(path))
     name = CheckpointName.parse(os.path.basename(path))
     if name is not None and os.path.isfile(os.path.join(path, layout.MANIFEST)):
         if step is not None and step != name.step:
             raise ValueError(f"{path} is step {name.step}, not step {step}")
-        return CheckpointRoot(PosixStorage(os.path.dirname(path))), name
-    root = CheckpointRoot(PosixStorage(path))
+        return PosixRoot(PosixStorage(os.path.dirname(path))), name
+    root = PosixRoot(PosixStorage(path))
     current = root.current()
     if not current:
         raise StepNotFoundError(f"{path} holds no committed ckptguard checkpoint", path=path)

@@ -20,7 +20,7 @@ from typing import Any
 from ckptguard.discover import find_roots
 from ckptguard.errors import CheckpointError
 from ckptguard.protocol.layout import CheckpointName
-from ckptguard.protocol.objstore import open_root
+from ckptguard.protocol.root import open_root
 from ckptguard.storage import open_storage
 from ckptguard.verify import CheckpointInfo, RootListing, list_root, verify_checkpoint
 
@@ -83,8 +83,8 @@ def _quick_problem(root: str, info: CheckpointInfo) -> str | None:
     """What the quick checks find wrong with one committed checkpoint (None: nothing)."""
     if info.manifest_error:
         return f"bad manifest: {info.manifest_error}"
-    storage = open_storage(root)
-    croot = open_root(storage)
+    croot = open_root(root)
+    storage = croot.storage
     name = CheckpointName(info.step, info.version)
     try:
         manifest = croot.read_manifest(name)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import stat
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -19,13 +18,13 @@ from typing import Any
 
 from ckptguard.checksum import Hasher
 from ckptguard.errors import CheckpointError
-from ckptguard.protocol import layout, records
+from ckptguard.protocol import latest, layout
 from ckptguard.protocol.decisions import Committed, abandoned, order_key
 from ckptguard.protocol.layout import CheckpointName
 from ckptguard.protocol.lease import LeaseRecord
 from ckptguard.protocol.manifest import Manifest, StoredItem
-from ckptguard.protocol.objstore import open_root
-from ckptguard.storage import StorageBackend, open_storage
+from ckptguard.protocol.root import Root, open_root
+from ckptguard.protocol.rootkit import NOT_A_FILE
 
 SCHEMA_VERSION = 1
 CHUNK_BYTES = 8 << 20
@@ -95,53 +94,16 @@ class VerifyResult:
     problems: list[Problem] = field(default_factory=list)
 
 
-#: What _walk gives for an entry that is neither a regular file nor a directory (a symbolic link,
-#: a FIFO, a device): listed as a problem, never followed or opened.
-NOT_A_FILE = -1
-
-
-def _walk(storage: StorageBackend, path: str, rel: str = "", depth: int = 0) -> list[tuple[str, int]]:
-    """(path relative to ``path``, size or NOT_A_FILE) of every entry under ``path``.
-
-    Directory symlinks are not followed (a loop would never end, a link to elsewhere would
-    list files outside the root) and the walk stops at MAX_WALK_DEPTH levels.
-    """
-    out: list[tuple[str, int]] = []
-    for name, size in storage.sizes_in(path).items():
-        out.append((f"{rel}{name}", size))
-    files = {n for n, _ in out}
-    for name in storage.listdir(path):
-        if f"{rel}{name}" in files:
-            continue
-        full = os.path.join(path, name)
-        if (storage.has_directories and not _real_dir(full)) or depth >= MAX_WALK_DEPTH:
-            out.append((f"{rel}{name}", NOT_A_FILE))
-        else:
-            out.extend(_walk(storage, full, f"{rel}{name}/", depth + 1))
-    return out
-
-
-#: A checkpoint directory is 3 levels deep (files/rankNNNNN/key/...) plus what a files= artifact holds.
-MAX_WALK_DEPTH = 64
-
-
-def _real_dir(path: str) -> bool:
-    try:
-        return stat.S_ISDIR(os.lstat(path).st_mode)
-    except OSError:
-        return False
-
-
-def _dir_bytes(storage: StorageBackend, path: str) -> int:
-    return sum(size for _, size in _walk(storage, path) if size != NOT_A_FILE)
+def _dir_bytes(root: Root, path: str) -> int:
+    return sum(size for _, size in root.walk(path) if size != NOT_A_FILE)
 
 
 def list_root(path: str) -> RootListing:
     """What is in a root. Raises CheckpointError if ``path`` is not a checkpoint root one can read."""
-    storage = open_storage(path)
-    if storage.has_directories and not os.path.isdir(storage.root):
+    root = open_root(path)
+    if root.location() != "ok":
         raise CheckpointError(f"{path} is not a directory", path=path)
-    root = open_root(storage)
+    storage = root.storage
     current = root.current()
     pointer = root.read_latest()
     lease_rec = None
@@ -153,7 +115,7 @@ def list_root(path: str) -> RootListing:
     committed_attempts: set[str] = set()  # on object stores a committed checkpoint's data stays in its attempt
     for name in root.committed():
         info = CheckpointInfo(name.step, name.version, name.dirname, current[name.step] == name,
-                              pointer is not None and pointer.get("dir") == name.dirname)
+                              latest.names(pointer, name))
         try:
             m = root.read_manifest(name)
             committed_attempts.add(m.attempt)
@@ -181,23 +143,12 @@ def list_root(path: str) -> RootListing:
         age = now - mtime
         state = "in progress" if lease_live and lease_rec is not None and age <= lease_rec.ttl_s else "abandoned"
         attempts.append(AttemptInfo(parsed[0] if parsed else None, parsed[1] if parsed else entry, full, state,
-                                    round(age, 1), _dir_bytes(storage, full)))
+                                    round(age, 1), _dir_bytes(root, full)))
     trash = [os.path.join(storage.path(layout.TRASH), e) for e in sorted(storage.listdir(storage.path(layout.TRASH)))]
     lease = None
     if lease_rec is not None:
         lease = {**asdict(lease_rec), "live": lease_live}
-    return RootListing(storage.root, checkpoints, attempts, trash, lease, _latest_error(storage))
-
-
-def _latest_error(storage: StorageBackend) -> str | None:
-    path = storage.path(layout.LATEST)
-    try:
-        records.decode(storage.read_bytes(path, records.MAX_CONTROL_BYTES), records.LatestRecord, path)
-    except FileNotFoundError:
-        return None
-    except (OSError, CheckpointError) as e:
-        return str(e)
-    return None
+    return RootListing(storage.root, checkpoints, attempts, trash, lease, root.latest_problem())
 
 
 def _tiling_problems(manifest: Manifest, base: str) -> list[Problem]:
@@ -229,8 +180,8 @@ def verify_checkpoint(root_path: str, name: CheckpointName, *, threads: int = 4,
                       on_bytes: Callable[[int], None] | None = None) -> VerifyResult:
     """Re-read every byte of one checkpoint and compare with its manifest."""
     started = time.monotonic()
-    storage = open_storage(root_path)
-    root = open_root(storage)
+    root = open_root(root_path)
+    storage = root.storage
     result = VerifyResult(name.step, name.version, name.dirname, intact=False)
     try:
         manifest = root.read_manifest(name)
@@ -241,7 +192,7 @@ def verify_checkpoint(root_path: str, name: CheckpointName, *, threads: int = 4,
     base = root.data_dir(name, manifest)
     result.problems.extend(_tiling_problems(manifest, base))
     listed = {f.path for f in manifest.files} | {layout.MANIFEST}
-    for rel, size in _walk(storage, base):
+    for rel, size in root.walk(base):
         if size == NOT_A_FILE:
             result.problems.append(Problem(os.path.join(base, rel), "extra", "not a regular file or directory "
                                            "(a symbolic link, FIFO or device): not followed, added after the commit"))
@@ -307,6 +258,6 @@ def verify_checkpoint(root_path: str, name: CheckpointName, *, threads: int = 4,
 
 def checkpoint_bytes(root_path: str, name: CheckpointName) -> int:
     try:
-        return open_root(open_storage(root_path)).read_manifest(name).total_bytes
+        return open_root(root_path).read_manifest(name).total_bytes
     except CheckpointError:
         return 0

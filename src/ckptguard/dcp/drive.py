@@ -42,7 +42,7 @@ def read_locally(state_dict: dict[str, Any], reader: GuardedReader, planner: Loa
         reader.read_data(plan, planner).wait()
 
 
-def plan_collectively(state_dict: dict[str, Any], writer: GuardedWriter, planner: DomainSavePlanner,
+def plan_collectively(state_dict: dict[str, Any], writer: GuardedWriter[Any], planner: DomainSavePlanner,
                       comm: Comm, what: str, suffix: str = "") -> None:
     """DCP's save planning (deduplication, global metadata, plan caching), with our collectives.
 

@@ -12,8 +12,8 @@ import os
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
 
 import torch
 from torch.distributed.checkpoint.metadata import Metadata
@@ -27,18 +27,23 @@ from ckptguard.dcp.records import FileEntry, StoredItem
 from ckptguard.errors import from_os_error
 from ckptguard.storage import StorageBackend, WriteStream
 
-
-@dataclass
-class WriteOutcome:
-    """What this rank wrote, for the commit (filled by write_data)."""
-
-    files: list[FileEntry] = field(default_factory=list)
-    extra: Any = None  # what the pre-write hook returned (artifacts)
+H = TypeVar("H")  # what the pre-write hook returns
 
 
-class GuardedWriter(StorageWriter):
+@dataclass(frozen=True)
+class WriteOutcome(Generic[H]):
+    """What this rank wrote, for the commit (made by write_data once every file is written)."""
+
+    files: tuple[FileEntry, ...] = ()
+    before_write: H | None = None  # what the pre-write hook returned (None: no hook)
+
+
+class GuardedWriter(StorageWriter, Generic[H]):
     """Writes this rank's part into ``staging_dir``: file ``index`` of this rank is at
-    ``data_file(index)`` (a path relative to ``staging_dir``; every file of one rank in one directory)."""
+    ``data_file(index)`` (a path relative to ``staging_dir``; every file of one rank in one directory).
+
+    ``before_write`` runs once, before the first byte (the caller stores what belongs next to the
+    data); what it returns is in ``outcome.before_write``."""
 
     def __init__(
         self,
@@ -48,7 +53,7 @@ class GuardedWriter(StorageWriter):
         rank: int,
         algorithm: str,
         io_threads: int = 4,
-        before_write: Callable[[], Any] | None = None,
+        before_write: Callable[[], H] | None = None,
         error_root: str | None = None,
         on_bytes: Callable[[int], None] | None = None,
     ) -> None:
@@ -62,7 +67,7 @@ class GuardedWriter(StorageWriter):
         self.algorithm = algorithm
         self.io_threads = max(1, io_threads)
         self.before_write = before_write
-        self.outcome = WriteOutcome()
+        self.outcome: WriteOutcome[H] = WriteOutcome()
         self.metadata: Metadata | None = None  # rank 0, after planning
         self.digests: dict[str, str] = {}
         self.plan: SavePlan | None = None  # this rank's part of the global plan
@@ -90,8 +95,7 @@ class GuardedWriter(StorageWriter):
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> torch.futures.Future[list[WriteResult]]:
         fault_point(FaultPhase.BEFORE_WRITE, self.rank)
-        if self.before_write is not None:
-            self.outcome.extra = self.before_write()
+        hooked = self.before_write() if self.before_write is not None else None
         buffers: list[tuple[WriteItem, memoryview, Any]] = []
         for item in plan.items:
             data = planner.resolve_data(item)
@@ -162,7 +166,7 @@ class GuardedWriter(StorageWriter):
         except OSError as e:  # with what this rank needed, which the disk-full message reports
             raise from_os_error(e, self.staging_dir, self.rank, needed_bytes=total, root=self.error_root) from e
         fault_point(FaultPhase.AFTER_WRITE, self.rank)
-        self.outcome.files = sorted(files, key=lambda f: f.path)
+        self.outcome = WriteOutcome(tuple(sorted(files, key=lambda f: f.path)), hooked)
         fut: torch.futures.Future[list[WriteResult]] = torch.futures.Future()
         fut.set_result(results)
         return fut

@@ -4,7 +4,9 @@
     save.py       plan, stage, write, commit, finish
     load.py       manifest, targets, read, restore, apply; fallback to an older checkpoint
     decisions.py  rank 0's decisions as pure functions
-    root.py       one root as a rank sees it: listing, manifests, staging, `latest`
+    root.py       the Root protocol (one root's control plane) and open_root, one root per URL scheme
+    posixroot.py  PosixRoot: commit by rename          objstore.py  ObjectStoreRoot: by conditional create
+    rootkit.py    what the two roots share             latest.py    the `latest` pointer
     lease.py      one writing job per root (fencing)
     topology.py   which ranks share storage: probed, never assumed
     artifacts.py  per-rank files= artifacts, and their collision check

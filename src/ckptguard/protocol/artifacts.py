@@ -38,15 +38,16 @@ class ArtifactTarget:
 
 
 def normalize(files: Mapping[str, str | os.PathLike[str]] | None, rank: int, host: str,
-              must_exist: bool, storage: StorageBackend) -> list[ArtifactTarget]:
+              must_exist: bool, local_root: str | None) -> list[ArtifactTarget]:
     """This rank's ``files=`` as absolute real paths, refused where one is, contains or lies inside the
-    checkpoint root: restoring it would replace the root's own checkpoints (or copy them into themselves)."""
+    checkpoint root ``local_root`` (its real path; None: not on a local filesystem, so no overlap):
+    restoring it would replace the root's own checkpoints (or copy them into themselves)."""
     if files is None:
         return []
     if not isinstance(files, Mapping):
         raise TypeError(f"files must be a mapping of a key to a local path (files={{'offload': '/path'}}), "
                         f"got {files!r} ({type(files).__name__})")
-    root = os.path.realpath(storage.root) if storage.has_directories else None  # an object store: no overlap
+    root = local_root
     out = []
     for key, p in files.items():
         if not isinstance(key, str) or not _KEY_RE.match(key):

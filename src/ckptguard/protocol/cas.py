@@ -62,7 +62,8 @@ def swap(storage: StorageBackend, path: str, *, decode: Callable[[bytes], R], en
     when there is no record); ``decide`` may raise to refuse the change, and must
     be idempotent (a write retried after a lost reply may already have landed).
     ``fence`` raises (LeaseLostError) when this job no longer holds the root; it
-    runs before every write.
+    runs before every write. (Every parameter after ``path`` is keyword-only: each pointer names
+    its record's codec, its decision and its fence at the call, which is the point of one loop.)
     """
     for attempt in range(rounds):
         current = storage.read_versioned(path)

@@ -190,6 +190,8 @@ def build_manifests(
 
     Each domain's manifest lists only the files its ranks wrote (replicated
     tensors were written once per domain), with DCP's metadata shared by all.
+    (Eight parameters: each is one field of the manifest from a different phase of the save; a pure
+    function, so the bench and the unit tests call it with plain values.)
     """
     now = time.time()
     out: dict[int, Manifest] = {}

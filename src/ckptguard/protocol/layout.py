@@ -7,8 +7,10 @@
         files/rank00003/<key>/   rank 3's private artifacts (files=)
       step-00000100.v2/          the same step saved again with overwrite=True (newest version wins)
       latest                     JSON pointer to the newest committed checkpoint (a hint for tools)
+      tags/<name>                JSON: a name pinned to a committed step
       .ckptguard/
         lease.json               which job may write to this root (fencing)
+        index.json               object stores: every attempt and its state (the catalog; epoch = fence)
         staging/step-00000100.<attempt>/   attempts in progress or abandoned
         trash/                   checkpoints being deleted (invalidated first, then removed)
         probe/                   storage-domain probes
@@ -26,6 +28,8 @@ STAGING = f"{CONTROL}/staging"
 TRASH = f"{CONTROL}/trash"
 PROBE = f"{CONTROL}/probe"
 LEASE = f"{CONTROL}/lease.json"
+INDEX = f"{CONTROL}/index.json"
+TAGS = "tags"
 DATA_DIR = "data"
 FILES_DIR = "files"
 

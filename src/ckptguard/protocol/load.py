@@ -24,6 +24,7 @@ import time
 import uuid
 import warnings
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from torch.distributed.checkpoint.metadata import Metadata
@@ -55,6 +56,33 @@ log = logging.getLogger("ckptguard")
 T = TypeVar("T")
 
 
+@dataclass(frozen=True)
+class LoadRequest:
+    """What the caller asked a load to fill: its state, its files= destinations, whether every key must be
+    in the checkpoint."""
+
+    state: Mapping[str, Any]
+    files: Mapping[str, Any] | None
+    strict: bool
+
+
+@dataclass(frozen=True)
+class SharedManifest:
+    """A manifest's bytes as the domain's leader read them, shared with its domain; or the leader's error."""
+
+    raw: bytes | None
+    read_error: BaseException | None
+
+
+@dataclass(frozen=True)
+class AgreedManifest:
+    """A checkpoint every rank parsed and checked the same manifest of."""
+
+    name: CheckpointName
+    manifest: Manifest
+    metadata: Metadata
+
+
 def falls_back(err: BaseException) -> bool:
     """Whether a failed load may try an older checkpoint: decided from what every rank agreed on,
     so that all ranks take the same branch (never on an interrupt)."""
@@ -78,7 +106,7 @@ def load(session: Session, step: int | None, state: Mapping[str, Any], files: Ma
 
     def attempt(name: CheckpointName, seq: int | None) -> PhaseTimer:
         stats = PhaseTimer(show_progress)
-        load_one(session, name, seq, state, files, strict, stats)
+        load_one(session, name, seq, LoadRequest(state, files, strict), stats)
         return stats
 
     return first_intact(session, step, attempt)
@@ -155,27 +183,31 @@ def _was_retired(session: Session, name: CheckpointName, seq: int | None) -> boo
     return gone
 
 
-def load_one(session: Session, name: CheckpointName, seq: int | None, state: Mapping[str, Any],
-             files: Mapping[str, Any] | None, strict: bool, stats: PhaseTimer) -> None:
+def load_one(session: Session, name: CheckpointName, seq: int | None, request: LoadRequest,
+             stats: PhaseTimer) -> None:
+    """Load the checkpoint ``name``, listed with commit sequence number ``seq`` (collective)."""
     comm, root = session.comm, session.root
     started = time.perf_counter()
-    raw, read_error = share_manifest_bytes(session, name)
+    shared = share_manifest_bytes(session, name)
     stop_prefetch: Callable[[], None] | None = None
-    if raw is not None:
+    if shared.raw is not None:
         # A rank mostly reads what the rank of its number wrote: warm those files while the manifest
         # is checked and the load planned, and stop once the real reads start.
         prefix = layout.data_file_prefix(comm.rank)
         stop_prefetch = session.storage.prefetch(os.path.join(root.dir(name), os.path.dirname(prefix)),
                                                  os.path.basename(prefix))
     try:
-        _load_from_manifest(session, name, seq, raw, read_error, state, files, strict, stats, started,
-                            stop_prefetch)
+        manifest, metadata = agree_on_manifest(session, name, seq, shared)
+        targets = _restore_targets(session, name, manifest, request.files)
+        stats.seconds["manifest"] = time.perf_counter() - started
+        _read_and_place(session, AgreedManifest(name, manifest, metadata), targets, request, stats,
+                        stop_prefetch)
     finally:
         if stop_prefetch is not None:
             stop_prefetch()
 
 
-def share_manifest_bytes(session: Session, name: CheckpointName) -> tuple[bytes | None, BaseException | None]:
+def share_manifest_bytes(session: Session, name: CheckpointName) -> SharedManifest:
     """The manifest's bytes, read by the domain's leader and shared with every rank of the domain
     (bytes travel far faster than a pickled object graph of one entry per tensor chunk); the leader's
     read error, if any, to be reported at the agreement of :func:`agree_on_manifest`."""
@@ -187,19 +219,19 @@ def share_manifest_bytes(session: Session, name: CheckpointName) -> tuple[bytes 
         except BaseException as e:  # reported at the next agreement, once every rank of the domain has the bytes
             read_error = e
     shared: bytes | None = session.comm.share_in_domain(raw, list(session.topo.domain))
-    return shared, read_error
+    return SharedManifest(shared, read_error)
 
 
-def agree_on_manifest(session: Session, name: CheckpointName, seq: int | None, raw: bytes | None,
-                      read_error: BaseException | None) -> tuple[Manifest, Metadata]:
+def agree_on_manifest(session: Session, name: CheckpointName, seq: int | None, shared: SharedManifest
+                      ) -> tuple[Manifest, Metadata]:
     """Every rank parses and checks the shared bytes, the leaders check the files' sizes (collective)."""
     topo, root = session.topo, session.root
 
     def parse() -> tuple[Manifest, Metadata]:
-        if read_error is not None:
-            raise read_error
-        assert raw is not None
-        manifest = root.parse_manifest(name, raw, seq)
+        if shared.read_error is not None:
+            raise shared.read_error
+        assert shared.raw is not None
+        manifest = root.parse_manifest(name, shared.raw, seq)
         if topo.is_leader:
             root.check_files(name, manifest)
         return manifest, metadata_from_json(manifest.dcp, manifest.items, root.dir(name),
@@ -210,17 +242,14 @@ def agree_on_manifest(session: Session, name: CheckpointName, seq: int | None, r
     return agreed
 
 
-def _load_from_manifest(session: Session, name: CheckpointName, seq: int | None, raw: bytes | None,
-                        read_error: BaseException | None,
-                        state: Mapping[str, Any], files: Mapping[str, Any] | None, strict: bool, stats: PhaseTimer,
-                        started: float, on_planned: Callable[[], None] | None) -> None:
+def _restore_targets(session: Session, name: CheckpointName, manifest: Manifest, files: Mapping[str, Any] | None
+                     ) -> list[ArtifactTarget]:
+    """This rank's files= destinations, once no two ranks' collide (collective)."""
     comm, root = session.comm, session.root
-    manifest, metadata = agree_on_manifest(session, name, seq, raw, read_error)
-
     targets: list[ArtifactTarget] = []
 
     def destinations() -> list[ArtifactTarget]:
-        targets.extend(artifacts.normalize(files, comm.rank, hostname(), False, session.storage))
+        targets.extend(artifacts.normalize(files, comm.rank, hostname(), False, root.local_dir()))
         if targets and manifest.world_size != comm.world_size:
             raise CheckpointError(
                 f"step {name.step} was saved by {manifest.world_size} ranks and this job has "
@@ -236,10 +265,20 @@ def _load_from_manifest(session: Session, name: CheckpointName, seq: int | None,
     uncertain, nonce = comm.step(f"load step {name.step}", destinations, refuse_collisions)
     if uncertain:  # the same path on two hosts: refused if it is on storage they share
         artifacts.probe_shared_paths(comm, uncertain, nonce, where="on restore")
-    stats.seconds["manifest"] = time.perf_counter() - started
+    return targets
+
+
+def _read_and_place(session: Session, agreed: AgreedManifest, targets: list[ArtifactTarget], request: LoadRequest,
+                    stats: PhaseTimer, on_planned: Callable[[], None] | None) -> None:
+    """Read and verify every byte, then (every rank verified) change the caller's state and files (collective).
+
+    One function, longer than most: its steps share the reader, the staged files and the caller's
+    prepared state, and the try/finally blocks that undo a half-done restore span them."""
+    comm, root = session.comm, session.root
+    name, manifest, metadata = agreed.name, agreed.manifest, agreed.metadata
     with stats.phase("metadata"):
-        prepared = prepare_state(state, comm.rank)
-    planner = SafeLoadPlanner(allow_partial_load=not strict)
+        prepared = prepare_state(request.state, comm.rank)
+    planner = SafeLoadPlanner(allow_partial_load=not request.strict)
     data_dir = root.data_dir(name, manifest)
     topo = session.topo
     reader = GuardedReader(session.storage, data_dir, metadata, manifest.checksum_algorithm, comm.rank,

@@ -12,28 +12,18 @@ pointed at the deleted one, and then removes the bytes.
 
 from __future__ import annotations
 
-import json
 import re
 import time
 from typing import Any
 
-import msgspec
-
 from ckptguard.errors import CheckpointError, MalformedRecordError, StepNotFoundError
 from ckptguard.protocol import layout, records
 from ckptguard.protocol.cas import Keep, Put, Remove, swap
-from ckptguard.protocol.decisions import (
-    Committed,
-    DomainListing,
-    Listing,
-    agreed_listing,
-    commit_order,
-)
+from ckptguard.protocol.decisions import DomainListing, Listing, agreed_listing
 from ckptguard.protocol.layout import CheckpointName
-from ckptguard.protocol.root import encode_latest, high_seq, latest_body
+from ckptguard.protocol.records import TagRecord
 from ckptguard.protocol.session import Session
 
-TAGS_DIR = "tags"
 _TAG_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.=-]{0,127}$")
 
 Tags = dict[str, int]
@@ -47,7 +37,7 @@ def check_tag_name(name: str) -> str:
 
 
 def _tag_path(session: Session, name: str) -> str:
-    return session.storage.path(TAGS_DIR, name)
+    return session.storage.path(layout.TAGS, name)
 
 
 def leader_tags(session: Session) -> Tags | None:
@@ -56,12 +46,12 @@ def leader_tags(session: Session) -> Tags | None:
         return None
     storage = session.storage
     out: Tags = {}
-    for entry in storage.listdir(storage.path(TAGS_DIR)):
+    for entry in storage.listdir(storage.path(layout.TAGS)):
         if not _TAG_NAME.match(entry):
             continue
         path = _tag_path(session, entry)
         try:
-            out[entry] = records.decode(storage.read_bytes(path), records.TagRecord, path).step
+            out[entry] = records.decode(storage.read_bytes(path), TagRecord, path).step
         except (OSError, CheckpointError):
             continue  # unreadable: not a tag (ls and verify say so)
     return out
@@ -98,27 +88,25 @@ def set_tag(session: Session, name: str, step: int | None, committed: Listing,
     storage = session.storage
     path = _tag_path(session, name)
 
-    def decide(current: dict[str, Any] | None) -> Put[dict[str, Any], int | None] | Remove[int | None] | \
-            Keep[int | None]:
-        step_now = current.get("step") if current is not None else None
-        before = step_now if isinstance(step_now, int) and not isinstance(step_now, bool) else None
+    def decide(current: TagRecord | None) -> Put[TagRecord, int | None] | Remove[int | None] | Keep[int | None]:
+        before = current.step if current is not None and current.step >= 0 else None
         if expect is not ... and before != expect:
             raise CheckpointError(f"tag {name!r} in {session.url} points at step {before}, not {expect}: "
                                   "another writer moved it", path=path)
         if step is None:
             return Remove(before) if current is not None else Keep(before)
-        return Put({"tag": name, "step": step, "dir": CheckpointName(step, committed[step].version).dirname,
-                    "updated_at": time.time()}, before)
+        return Put(TagRecord(step=step, tag=name, dir=CheckpointName(step, committed[step].version).dirname,
+                             updated_at=time.time()), before)
 
     def move() -> int | None:
         if not session.topo.is_leader:
             return None
         assert session.lease is not None
         session.lease.check()
-        storage.makedirs(storage.path(TAGS_DIR))
+        storage.makedirs(storage.path(layout.TAGS))
         # The fence is checked before every swap, the retries after a conflict included: a job that lost
         # the root between two tries moves nothing.
-        moved: int | None = swap(storage, path, decode=_tag_body, encode=_encode, decide=decide,
+        moved: int | None = swap(storage, path, decode=_tag_record, encode=records.encode, decide=decide,
                                  fence=lambda: session.root.guard(f"move tag {name!r}"), what=f"move tag {name!r}")
         return moved
 
@@ -154,45 +142,18 @@ def delete_step(session: Session, step: int, committed: Listing, tags: Tags) -> 
                 if path is not None:
                     retired.append(path)
         left = root.listing()
-        _point_latest_at_newest(session, step, left)
+        root.latest_after_delete(step, left)
         return left
 
     listing: Listing = session.comm.step(f"delete step {step}", retire, agreed_listing, where=session.url)
     return listing, retired
 
 
-def _point_latest_at_newest(session: Session, deleted: int, left: DomainListing) -> None:
-    """If `latest` names the deleted step, point it at the checkpoint committed last of those left
-    (or remove it)."""
-    storage = session.storage
-
-    def decide(body: dict[str, Any] | None) -> Put[dict[str, object], None] | Remove[None] | Keep[None]:
-        if body is None or body.get("step") != deleted:
-            return Keep(None)  # absent, unreadable (the next commit replaces it), or naming another step
-        agreed = {st: Committed(max(vs), vs[max(vs)]) for st, vs in left.items() if vs}
-        if not agreed:
-            return Remove(None)
-        last = commit_order(agreed)[-1]
-        new: dict[str, object] = {"step": last, "dir": CheckpointName(last, agreed[last].version).dirname,
-                                  "updated_at": time.time()}
-        if agreed[last].seq is not None:
-            new["seq"] = agreed[last].seq
-        new["high_seq"] = high_seq(body)  # the deleted step's number is never handed out again
-        return Put(new, None)
-
-    swap(storage, storage.path(layout.LATEST), decode=latest_body, encode=encode_latest, decide=decide,
-         fence=lambda: session.root.guard("move `latest`"), what="move `latest`")
-
-
-def _tag_body(data: bytes) -> dict[str, Any]:
+def _tag_record(data: bytes) -> TagRecord:
     try:
-        return msgspec.structs.asdict(records.decode(data, records.TagRecord, TAGS_DIR))
+        return records.decode(data, TagRecord, layout.TAGS)
     except MalformedRecordError:
-        return {}  # unreadable: a tag naming no step, which untag removes
-
-
-def _encode(body: dict[str, Any]) -> bytes:
-    return (json.dumps(body) + "\n").encode()
+        return TagRecord(step=-1)  # unreadable: a tag naming no step, which untag removes
 
 
 def tagged_step(session: Session, tag: str | None, step: int | None, tags: Tags) -> tuple[int | None, Tags]:

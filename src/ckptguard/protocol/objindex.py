@@ -9,10 +9,9 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field
 
-from ckptguard.protocol import layout, records
+from ckptguard.protocol import records
 from ckptguard.protocol.layout import CheckpointName
 
-INDEX = f"{layout.CONTROL}/index.json"
 INDEX_FORMAT = "ckptguard-index"
 
 

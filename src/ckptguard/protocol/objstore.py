@@ -29,12 +29,11 @@ takeover commits nothing.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, Literal, cast
 
 from ckptguard.errors import (
     CheckpointError,
@@ -43,33 +42,66 @@ from ckptguard.errors import (
     LeaseLostError,
     NotVisibleError,
 )
-from ckptguard.protocol import layout, records
+from ckptguard.protocol import latest, layout, records, rootkit
 from ckptguard.protocol.cas import Keep, Put, swap
 from ckptguard.protocol.decisions import DomainListing
 from ckptguard.protocol.layout import CheckpointName
 from ckptguard.protocol.manifest import FileEntry, Manifest
-from ckptguard.protocol.objindex import INDEX, Index, IndexEntry
-from ckptguard.protocol.root import CheckpointRoot, Garbage
+from ckptguard.protocol.objindex import Index, IndexEntry
+from ckptguard.protocol.records import LatestRecord
+from ckptguard.protocol.rootkit import Garbage
+from ckptguard.protocol.topology import Topology, probe_object_store
 from ckptguard.storage import StorageBackend
 from ckptguard.storage.base import ObjectStore
 
 if TYPE_CHECKING:
     from collections.abc import Callable
 
+    from ckptguard.comm import Comm
+
 log = logging.getLogger("ckptguard")
 
-TOMBSTONE_FORMAT = "ckptguard-tombstone"
 _HEAD_THREADS = 16
 
 
-class ObjectStoreRoot(CheckpointRoot):
+class ObjectStoreRoot:
     """One checkpoint root on an object store (see the module docstring)."""
 
+    #: what the store itself checks on arrival (S3 CRC32C): the manifest records the same
+    default_checksum = "crc32c"
+
     def __init__(self, storage: StorageBackend) -> None:
-        super().__init__(storage)
-        self.index_path = storage.path(INDEX)
+        self.storage = storage
+        self._fence = rootkit.Fence()
+        self.index_path = storage.path(layout.INDEX)
         self.epoch: int | None = None  # the index epoch this job took with the lease (writers only)
-        self._to_publish: dict[CheckpointName, bytes] = {}
+
+    # -- where things are ---------------------------------------------------------------
+    @property
+    def path(self) -> str:
+        return self.storage.root
+
+    def location(self) -> Literal["ok", "missing", "not a directory"]:
+        """Always "ok": a prefix exists once something is written under it."""
+        return "ok"
+
+    def local_dir(self) -> str | None:
+        """None: an object store is no directory here (a files= path cannot lie inside it)."""
+        return None
+
+    def dir(self, name: CheckpointName) -> str:
+        return rootkit.checkpoint_dir(self.storage, name)
+
+    def staging_dir(self, step: int, attempt: str) -> str:
+        return rootkit.staging_dir(self.storage, step, attempt)
+
+    def probe_domains(self, comm: Comm, *, write: bool) -> Topology:
+        """One domain (every rank reaches the same store), checked by a probe object when writing."""
+        return probe_object_store(comm, self.storage, write=write)
+
+    def set_fence(self, fence: Callable[[str], None]) -> None:
+        """``fence(acting)`` raises LeaseLostError once this job no longer holds the root's lease."""
+        self._fence.set(fence)
 
     # -- the index ---------------------------------------------------------------------
     def read_index(self) -> tuple[Index, str | None]:
@@ -100,7 +132,7 @@ class ObjectStoreRoot(CheckpointRoot):
 
     def guard(self, acting: str) -> None:
         """The lease, and the index epoch: a job that took the root over bumped it."""
-        super().guard(acting)
+        self._fence.check(acting)
         if self.epoch is not None:
             self._check_epoch(self.read_index()[0], acting)
 
@@ -136,8 +168,7 @@ class ObjectStoreRoot(CheckpointRoot):
         """A pending attempt (not in flight: it belongs to a job fenced off, or to an earlier failed save of
         this one): adopt it if its commit object exists, else make sure it never will (tombstone)."""
         commit = self.commit_path(entry.name)
-        tombstone = (json.dumps({"format": TOMBSTONE_FORMAT, "attempt": entry.attempt, "epoch": index.epoch,
-                                 "at": time.time()}) + "\n").encode()
+        tombstone = _tombstone(entry.attempt, index.epoch)
         if self.storage.create_exclusive(commit, tombstone) or self._is_tombstone(commit):
             entry.state = "aborted"
             return f"{entry.name.dirname} ({entry.attempt}) aborted"
@@ -163,6 +194,15 @@ class ObjectStoreRoot(CheckpointRoot):
         manifest = self._commit_manifest(name)
         return manifest.attempt if manifest is not None else None
 
+    def read_manifest(self, name: CheckpointName) -> Manifest:
+        return self.parse_manifest(name, self.read_manifest_bytes(name))
+
+    def read_manifest_bytes(self, name: CheckpointName) -> bytes:
+        return rootkit.read_manifest_bytes(self.storage, name)
+
+    def parse_manifest(self, name: CheckpointName, data: bytes, seq: int | None = None) -> Manifest:
+        return rootkit.parse_manifest(self.storage, name, data, seq)
+
     def _commit_manifest(self, name: CheckpointName) -> Manifest | None:
         try:
             return self.parse_manifest(name, self.read_manifest_bytes(name))
@@ -171,7 +211,7 @@ class ObjectStoreRoot(CheckpointRoot):
 
     # -- reading -------------------------------------------------------------------------
     def commit_path(self, name: CheckpointName) -> str:
-        return os.path.join(self.dir(name), layout.MANIFEST)
+        return rootkit.manifest_path(self.storage, name)
 
     def data_dir(self, name: CheckpointName, manifest: Manifest) -> str:
         return self.staging_dir(manifest.step, manifest.attempt)
@@ -198,9 +238,27 @@ class ObjectStoreRoot(CheckpointRoot):
                 out.setdefault(e.step, {})[e.version] = e.seq
         return out
 
+    def current(self) -> dict[int, CheckpointName]:
+        """The newest version of each committed step (tools)."""
+        return layout.newest_versions(self.committed())
+
+    def still_committed(self, name: CheckpointName, seq: int | None) -> bool:
+        return rootkit.still_committed(self.storage, name, seq)
+
     def latest_seq(self) -> int:
-        """Also every number the index handed out (a step deleted and saved again gets a new one)."""
-        return max(super().latest_seq(), self.read_index()[0].next_seq - 1)
+        """The highest commit sequence number `latest` knows, and every number the index handed out (a
+        step deleted and saved again gets a new one)."""
+        return max(latest.high_seq(self.read_latest()), self.read_index()[0].next_seq - 1)
+
+    def read_latest(self) -> LatestRecord | None:
+        return latest.read(self.storage)
+
+    def latest_problem(self) -> str | None:
+        return latest.problem(self.storage)
+
+    def walk(self, path: str) -> list[tuple[str, int]]:
+        """Every object under ``path`` with its size (a prefix holds nothing but objects)."""
+        return rootkit.walk(self.storage, path, lambda _: True)
 
     def taken_versions(self, step: int) -> list[int]:
         """Versions of ``step`` already used: committed, pending or aborted (their keys are taken)."""
@@ -244,10 +302,20 @@ class ObjectStoreRoot(CheckpointRoot):
             time.sleep(delay)
             delay = min(delay * 2, 1.0)
 
-    def write_manifest(self, staging: str, manifest: Manifest) -> None:
-        """Record the intent to commit (in the index, under this job's epoch); the manifest itself is the
-        commit object, created by publish()."""
+    def commit(self, staging: str, manifest: Manifest, last_check: Callable[[], None]) -> CheckpointName:
+        """Record the intent to commit in the index, run ``last_check`` (it raises to stop the commit),
+        and create the manifest at its step's key: the commit point. The checkpoint committed.
+
+        The order is the protocol's: an intent the index does not hold could not be
+        settled by a job that takes the root over (see the module docstring)."""
         name = CheckpointName(manifest.step, manifest.version)
+        data = self._record_intent(name, manifest)
+        last_check()
+        self._publish(name, data)
+        return name
+
+    def _record_intent(self, name: CheckpointName, manifest: Manifest) -> bytes:
+        """Record the intent to commit (in the index, under this job's epoch); the manifest's bytes."""
         entry = IndexEntry(manifest.step, manifest.version, manifest.attempt, "pending", self.epoch or 0,
                            manifest.commit_seq)
 
@@ -265,9 +333,9 @@ class ObjectStoreRoot(CheckpointRoot):
             return True
 
         self.update_index(intend, f"record the commit of {name.dirname}")
-        self._to_publish[name] = manifest.to_json()
+        return manifest.to_json()
 
-    def publish(self, staging: str, name: CheckpointName) -> None:
+    def _publish(self, name: CheckpointName, data: bytes) -> None:
         """The commit point: the manifest created at its step's key only if nothing is there yet.
 
         A create whose answer is lost (and whose retries got no answer either) may
@@ -275,7 +343,6 @@ class ObjectStoreRoot(CheckpointRoot):
         Once the commit object is ours the step is committed, whatever happens to
         the index update after it.
         """
-        data = self._to_publish.pop(name)
         commit = self.commit_path(name)
         attempt = self._attempt_of(data)
         try:
@@ -322,8 +389,7 @@ class ObjectStoreRoot(CheckpointRoot):
         makes sure it never lands late: nothing is committed); CommitOutcomeUnknownError if that cannot
         be learned."""
         commit = self.commit_path(name)
-        tombstone = (json.dumps({"format": TOMBSTONE_FORMAT, "attempt": attempt, "epoch": self.epoch or 0,
-                                 "at": time.time()}) + "\n").encode()
+        tombstone = _tombstone(attempt, self.epoch or 0)
         try:
             created = self.storage.create_exclusive(commit, tombstone)
             if not created:
@@ -341,7 +407,16 @@ class ObjectStoreRoot(CheckpointRoot):
         return Manifest.from_json(manifest_bytes, "MANIFEST.json").attempt
 
     def fence_staging(self) -> None:
-        pass  # object stores fence through the index epoch, after the lease is taken (after_lease)
+        """Nothing: object stores fence through the index epoch, after the lease is taken (after_lease)."""
+
+    def move_latest(self, name: CheckpointName, seq: int | None) -> bool:
+        """Point `latest` at ``name`` unless it names a checkpoint committed later (:func:`latest.move`)."""
+        return latest.move(self.storage, name, seq, fence=lambda: self.guard("move `latest`"),
+                           committed=lambda n: self.storage.exists(self.commit_path(n)))
+
+    def latest_after_delete(self, deleted: int, left: DomainListing) -> None:
+        """`latest` off the deleted step ``deleted`` (:func:`latest.after_delete`)."""
+        latest.after_delete(self.storage, deleted, left, fence=lambda: self.guard("move `latest`"))
 
     def retire(self, path: str) -> str | None:
         """A committed checkpoint: out of the index first, then its commit object; its data prefix is
@@ -384,6 +459,11 @@ class ObjectStoreRoot(CheckpointRoot):
         retired = self.retire(path)
         if retired is not None:
             self.remove_retired(retired)
+
+    def remove_retired(self, path: str) -> None:
+        """Remove the objects under a prefix :meth:`retire` returned (under the fence)."""
+        self.guard(f"remove {path}")
+        self.storage.remove_tree(path)
 
     def discard_attempt(self, staging: str, name: CheckpointName, attempt: str) -> None:
         """Remove the data of a save that failed, unless it may be committed after all: an attempt the
@@ -433,8 +513,7 @@ class ObjectStoreRoot(CheckpointRoot):
                 parsed = layout.parse_staging(_attempt_dir(upload_path, staging_root))
                 if parsed is not None and parsed[1] in live and parsed[1] not in keep_attempts:
                     store.abort_upload(upload_path, upload_id)
-        base = super().garbage(keep_attempts=frozenset(), min_probe_age_s=min_probe_age_s)
-        return Garbage(staging, [], base.probes)
+        return Garbage(staging, [], rootkit.old_probes(self.storage, min_probe_age_s))
 
 
 def _rel(path: str, base: str) -> str | None:
@@ -454,9 +533,9 @@ def _as_object_store(storage: StorageBackend) -> ObjectStore | None:
     return cast("ObjectStore", storage) if _is_object_store(storage) else None
 
 
-def open_root(storage: StorageBackend) -> CheckpointRoot:
-    """The root for a backend: commit by rename where there are directories, by conditional create elsewhere."""
-    return CheckpointRoot(storage) if storage.has_directories else ObjectStoreRoot(storage)
+def _tombstone(attempt: str, epoch: int) -> bytes:
+    """What holds the commit key of an attempt that must never commit."""
+    return records.encode(records.TombstoneRecord("ckptguard-tombstone", attempt, epoch, time.time()))
 
 
 def _commit_seq_of(manifest_bytes: bytes) -> int | None:

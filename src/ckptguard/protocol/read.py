@@ -39,8 +39,7 @@ def read(session: Session, step: int | None, keep: Callable[[str], bool] | None 
 
 def read_one(session: Session, name: CheckpointName, seq: int | None,
              keep: Callable[[str], bool] | None = None) -> dict[str, Any]:
-    raw, read_error = share_manifest_bytes(session, name)
-    manifest, metadata = agree_on_manifest(session, name, seq, raw, read_error)
+    manifest, metadata = agree_on_manifest(session, name, seq, share_manifest_bytes(session, name))
     comm = session.comm
     out: dict[str, Any] = {}
 
@@ -56,7 +55,8 @@ def read_stored(session: Session, name: CheckpointName, manifest: Manifest, rank
                 is_coordinator: bool = True, keep: Callable[[str], bool] | None = None,
                 metadata: Metadata | None = None) -> dict[str, Any]:
     """This rank's view of the stored state dict (local: no agreement); ``metadata``: the manifest's
-    DCP metadata, if already parsed."""
+    DCP metadata, if already parsed. (Three of its seven parameters are keyword-only options with
+    defaults: interop's offline reader calls it without a session's agreement.)"""
     if metadata is None:
         metadata = metadata_from_json(manifest.dcp, manifest.items, session.root.dir(name),
                                       domain_count=manifest.domain_count)

@@ -50,8 +50,10 @@ ATTEMPT_PATTERN = "^[0-9a-f]{16,64}$"
 Attempt = Annotated[str, msgspec.Meta(pattern=ATTEMPT_PATTERN)]
 
 
-class LatestRecord(msgspec.Struct, frozen=True):
-    """``latest``: the checkpoint committed last (a hint for tools; loads list the root instead)."""
+class LatestRecord(msgspec.Struct, frozen=True, omit_defaults=True):
+    """``latest``: the checkpoint committed last (a hint for tools; loads list the root instead).
+
+    Written by :mod:`ckptguard.protocol.latest` only; fields left unset are not written."""
 
     step: NonNegative
     dir: Name | None = None
@@ -60,7 +62,7 @@ class LatestRecord(msgspec.Struct, frozen=True):
     high_seq: Positive | None = None  # the highest sequence number ever handed out here
 
 
-class TagRecord(msgspec.Struct, frozen=True):
+class TagRecord(msgspec.Struct, frozen=True, omit_defaults=True):
     """``tags/NAME``: a name pinned to a committed step."""
 
     step: NonNegative
@@ -107,6 +109,8 @@ class TombstoneRecord(msgspec.Struct, frozen=True):
 
     format: Literal["ckptguard-tombstone"]
     attempt: Name = ""
+    epoch: NonNegative = 0  # the index epoch of the job that wrote it
+    at: float = 0.0
 
 
 T = TypeVar("T")

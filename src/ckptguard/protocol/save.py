@@ -55,12 +55,15 @@ from ckptguard.protocol.decisions import (
     stray_versions,
 )
 from ckptguard.protocol.layout import CheckpointName
-from ckptguard.protocol.manifest import Manifest
+from ckptguard.protocol.manifest import Artifact, FileEntry, Manifest
 from ckptguard.protocol.session import Session
 from ckptguard.protocol.timing import PhaseTimer
 from ckptguard.state import state_nbytes
 
 log = logging.getLogger("ckptguard")
+
+#: What a rank's files= artifacts became in the attempt: their records, and their files.
+StoredArtifacts = tuple[list[Artifact], list[FileEntry]]
 
 
 @dataclass(frozen=True)
@@ -172,11 +175,11 @@ def _stage(session: Session, plan: SavePlan) -> None:
 
 
 def _write(session: Session, plan: SavePlan, request: SaveRequest,
-           on_bytes: Callable[[int], None] | None) -> GuardedWriter:
+           on_bytes: Callable[[int], None] | None) -> GuardedWriter[StoredArtifacts]:
     """Plan (agreed) and write this rank's part; a write failure is reported at the commit's agreement."""
     comm, options, storage = session.comm, session.options, session.storage
 
-    def before_write() -> Any:
+    def before_write() -> StoredArtifacts:
         # The leader created the attempt directory; on NFS another node may not see it yet.
         storage.wait_visible(os.path.join(plan.staging, layout.DATA_DIR), timeout=options.visibility_timeout_s)
         return artifacts.store(storage, request.file_items, plan.staging, options.checksum)
@@ -195,8 +198,12 @@ def _write(session: Session, plan: SavePlan, request: SaveRequest,
     return writer
 
 
-def _commit(session: Session, plan: SavePlan, writer: GuardedWriter, user_metadata: dict[str, Any],
+def _commit(session: Session, plan: SavePlan, writer: GuardedWriter[StoredArtifacts], user_metadata: dict[str, Any],
             keep: frozenset[int] = frozenset()) -> SaveOutcome:
+    """Agree that every rank wrote its part, commit one manifest per storage domain, finish (collective).
+
+    Longer than most: its four agreements share the writer's results and whether this leader has
+    published, which the rollback of a commit another domain failed needs."""
     comm, topo, options = session.comm, session.topo, session.options
 
     def report_written() -> str:
@@ -212,8 +219,8 @@ def _commit(session: Session, plan: SavePlan, writer: GuardedWriter, user_metada
         _refuse_divergence(session, plan, writer.digests, differing)
 
     def report_writes() -> RankWrites:
-        arts, art_files = writer.outcome.extra or ([], [])
-        return RankWrites(writer.outcome.files + art_files, arts, writer.stored)
+        arts, art_files = writer.outcome.before_write or ([], [])
+        return RankWrites([*writer.outcome.files, *art_files], arts, writer.stored)
 
     def manifests(writes: list[RankWrites]) -> list[Manifest | None]:
         assert writer.metadata is not None
@@ -232,11 +239,14 @@ def _commit(session: Session, plan: SavePlan, writer: GuardedWriter, user_metada
             return None
         assert mine is not None and session.lease is not None
         session.lease.check()
+        lease = session.lease
         session.root.wait_files_visible(plan.staging, mine.files, options.visibility_timeout_s)
-        session.root.write_manifest(plan.staging, mine)
-        fault_point(FaultPhase.BEFORE_PUBLISH, comm.rank)
-        session.lease.check(renew=False)  # as close to the rename as it gets (the manifest write may have stalled)
-        session.root.publish(plan.staging, plan.name)
+
+        def last_check() -> None:
+            fault_point(FaultPhase.BEFORE_PUBLISH, comm.rank)
+            lease.check(renew=False)  # as close to the commit point as it gets (the manifest write may have stalled)
+
+        session.root.commit(plan.staging, mine, last_check)
         published = True
         # A stall between that check and the rename (a frozen VM; on NFS, a handle to the staging
         # directory the new holder moved away still works) published into a root another job owns

@@ -14,14 +14,8 @@ from ckptguard.comm import Comm
 from ckptguard.errors import CheckpointError, LeaseLostError
 from ckptguard.protocol import layout
 from ckptguard.protocol.lease import Lease, LeaseRecord, job_identity, new_holder_id
-from ckptguard.protocol.objstore import open_root
-from ckptguard.protocol.root import CheckpointRoot
-from ckptguard.protocol.topology import (
-    Topology,
-    host_domains,
-    probe_object_store,
-    probe_storage_domains,
-)
+from ckptguard.protocol.root import Root
+from ckptguard.protocol.topology import Topology
 from ckptguard.storage import StorageBackend
 
 
@@ -41,7 +35,7 @@ class Options:
 class Session:
     comm: Comm
     storage: StorageBackend
-    root: CheckpointRoot
+    root: Root
     topo: Topology
     options: Options
     instance: str  # identical on every rank: keys DCP's plan cache
@@ -72,16 +66,15 @@ class Session:
         return fenced
 
 
-def open_session(comm: Comm, storage: StorageBackend, options: Options, *, read_only: bool,
+def open_session(comm: Comm, root: Root, options: Options, *, read_only: bool,
                  job_id: str | None, lease_ttl_s: float, lease_wait_s: float | None) -> Session:
-    """Probe which ranks share the root, agree on ids, and take the lease (collective)."""
-    root: CheckpointRoot = open_root(storage)
-    if read_only:
-        topo = host_domains(comm) if storage.has_directories else probe_object_store(comm, storage, write=False)
-    else:
+    """Probe which ranks share the root, agree on ids, and take the lease (collective). (The four
+    keyword-only parameters are the Checkpointer's own arguments, passed through unchanged.)"""
+    storage = root.storage
+    if not read_only:
         comm.step(f"create the checkpoint root {storage.root}", lambda: storage.makedirs(
             storage.path(layout.CONTROL)), where=storage.root)
-        topo = probe_storage_domains(comm, storage) if storage.has_directories else probe_object_store(comm, storage)
+    topo = root.probe_domains(comm, write=not read_only)
     comm.set_domains([list(d) for d in topo.domains])
     # Identical on every rank (DCP's plan cache must be hit or missed by all ranks alike).
     instance, holder = comm.step("agree on this Checkpointer's ids",

@@ -20,7 +20,7 @@ from ckptguard.storage.base import ObjectStore, ReadHandle, StorageBackend, Writ
 from ckptguard.storage.posix import PosixStorage
 
 __all__ = ["ObjectStore", "PosixStorage", "ReadHandle", "StorageBackend", "WriteStream", "is_s3_url", "local_path",
-           "open_storage", "require_s3_extra"]
+           "open_storage", "require_s3_extra", "url_scheme"]
 
 _URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://(.*)$", re.DOTALL)
 SUPPORTED = "local paths, file:// URLs and s3:// URLs (S3 and S3-compatible stores)"
@@ -35,6 +35,11 @@ S3_EXTRA = "pip install 'ckptguard[s3]'"
 def is_s3_url(root: str | os.PathLike[str]) -> bool:
     m = _URL.match(os.fspath(root))
     return m is not None and m.group(1).lower() == "s3"
+
+
+def url_scheme(root: str | os.PathLike[str]) -> str:
+    """The scheme of a root a backend was opened for: "s3", or "file" for a local path."""
+    return "s3" if is_s3_url(root) else "file"
 
 
 def _refuse_malformed(text: str) -> None:

@@ -1,0 +1,317 @@
+"""A checkpoint root on a filesystem (local disk, NFS, Lustre, FUSE): commit by renaming a directory.
+
+    .ckptguard/staging/step-N.<attempt>/   every rank's files, then MANIFEST.json
+    step-0000000N/                         the attempt renamed into place: the commit point
+    latest                                 moved by compare-and-swap, never backwards
+
+A listing is the catalog (a directory is committed once its manifest is in it);
+the fence is the lease, and moving the staging directory away before taking it
+(a stalled job's rename then finds no source).
+
+Only domain leaders call the listing and mutating methods (one rank per storage
+domain evaluates every predicate that steers control flow; the others follow
+what it broadcasts).
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+import time
+from collections.abc import Callable
+from typing import Literal
+
+from ckptguard.checksum import DEFAULT_ALGORITHM
+from ckptguard.comm import Comm
+from ckptguard.errors import CheckpointError, CorruptCheckpointError, NotVisibleError
+from ckptguard.protocol import latest, layout, rootkit
+from ckptguard.protocol.decisions import DomainListing
+from ckptguard.protocol.layout import CheckpointName
+from ckptguard.protocol.manifest import FileEntry, Manifest
+from ckptguard.protocol.records import LatestRecord
+from ckptguard.protocol.rootkit import Garbage
+from ckptguard.protocol.topology import Topology, host_domains, probe_storage_domains
+from ckptguard.storage import StorageBackend
+
+
+class PosixRoot:
+    """One checkpoint root on a filesystem, as this rank sees it (see the module docstring)."""
+
+    #: checksummed by ckptguard while written (the filesystem checks nothing on arrival)
+    default_checksum = DEFAULT_ALGORITHM
+
+    def __init__(self, storage: StorageBackend) -> None:
+        self.storage = storage
+        self._fence = rootkit.Fence()
+
+    # -- where things are ---------------------------------------------------------------
+    @property
+    def path(self) -> str:
+        return self.storage.root
+
+    def location(self) -> Literal["ok", "missing", "not a directory"]:
+        if os.path.isdir(self.path):
+            return "ok"
+        return "not a directory" if os.path.exists(self.path) else "missing"
+
+    def local_dir(self) -> str | None:
+        """The root's real path on this machine's filesystem."""
+        return os.path.realpath(self.path)
+
+    def dir(self, name: CheckpointName) -> str:
+        return rootkit.checkpoint_dir(self.storage, name)
+
+    def staging_dir(self, step: int, attempt: str) -> str:
+        return rootkit.staging_dir(self.storage, step, attempt)
+
+    def data_dir(self, name: CheckpointName, manifest: Manifest) -> str:
+        """Where the files of a committed checkpoint are: its directory."""
+        return self.dir(name)
+
+    def probe_domains(self, comm: Comm, *, write: bool) -> Topology:
+        """Which ranks share this root: by probe files when writing, by host when only reading."""
+        return probe_storage_domains(comm, self.storage) if write else host_domains(comm)
+
+    # -- the fence ----------------------------------------------------------------------
+    def set_fence(self, fence: Callable[[str], None]) -> None:
+        """``fence(acting)`` raises LeaseLostError once this job no longer holds the root."""
+        self._fence.set(fence)
+
+    def guard(self, acting: str) -> None:
+        """Raise LeaseLostError unless this job still holds the root: called immediately before every
+        change to shared state (a pointer move, a retirement, a removal), so a job that stalled while
+        another took the root over changes nothing of the new holder's."""
+        self._fence.check(acting)
+
+    def fence_staging(self) -> None:
+        """Move the whole staging directory away (before taking the root's lease).
+
+        Whatever attempt a previous holder still has in flight (a stalled job, a
+        frozen VM) now has no source for its publishing rename: it fails instead
+        of committing into a root another job owns. Rename is atomic, so a stalled
+        publish either landed before this (while no one else held the root) or
+        fails after it.
+        """
+        staging = self.storage.path(layout.STAGING)
+        if self.storage.exists(staging):
+            self._to_trash(staging)  # before the lease is ours: no fence to check yet
+
+    def after_lease(self) -> None:
+        """Nothing: this root fences before the lease is taken (:meth:`fence_staging`)."""
+
+    # -- reading ----------------------------------------------------------------------
+    def committed(self) -> list[CheckpointName]:
+        """Every committed checkpoint directory (all versions), oldest first."""
+        names = []
+        for entry in self.storage.listdir(self.path):
+            name = CheckpointName.parse(entry)
+            if name is not None and self.storage.exists(rootkit.manifest_path(self.storage, name)):
+                names.append(name)
+        return sorted(names)
+
+    def current(self) -> dict[int, CheckpointName]:
+        """The newest version of each committed step in this domain (tools; the protocol agrees on
+        versions across domains with :meth:`listing`)."""
+        return layout.newest_versions(self.committed())
+
+    def listing(self) -> DomainListing:
+        """Every committed checkpoint of this domain: step -> {version: commit sequence number}."""
+        out: DomainListing = {}
+        for entry in self.storage.listdir(self.path):
+            name = CheckpointName.parse(entry)
+            if name is None:
+                continue
+            found, seq = rootkit.commit_seq(self.storage, name)
+            if found:
+                out.setdefault(name.step, {})[name.version] = seq
+        return out
+
+    def still_committed(self, name: CheckpointName, seq: int | None) -> bool:
+        return rootkit.still_committed(self.storage, name, seq)
+
+    def taken_versions(self, step: int) -> list[int]:
+        """Versions of ``step`` a new save must not reuse beyond those :meth:`listing` shows: none."""
+        return []
+
+    def latest_seq(self) -> int:
+        """The highest commit sequence number handed out in this root as far as `latest` knows (0 if
+        none): the one it names, or a higher one it remembers from a step deleted since. A new commit
+        is numbered above it, so a step deleted and saved again never gets its old number back (a
+        reader holding the old manifest tells the two apart by it)."""
+        return latest.high_seq(self.read_latest())
+
+    def read_latest(self) -> LatestRecord | None:
+        return latest.read(self.storage)
+
+    def latest_problem(self) -> str | None:
+        return latest.problem(self.storage)
+
+    def read_manifest(self, name: CheckpointName) -> Manifest:
+        return self.parse_manifest(name, self.read_manifest_bytes(name))
+
+    def read_manifest_bytes(self, name: CheckpointName) -> bytes:
+        return rootkit.read_manifest_bytes(self.storage, name)
+
+    def parse_manifest(self, name: CheckpointName, data: bytes, seq: int | None = None) -> Manifest:
+        return rootkit.parse_manifest(self.storage, name, data, seq)
+
+    def check_files(self, name: CheckpointName, manifest: Manifest) -> None:
+        """Every file present with its recorded size (cheap: stat only; checksums are checked on read)."""
+        base = self.dir(name)
+        for f in manifest.files:
+            path = os.path.join(base, f.path)
+            size = self.storage.size(path)
+            if size is None:
+                if self.storage.exists(path):
+                    raise CorruptCheckpointError(f"{path} is not a regular file (a symbolic link, a FIFO, a "
+                                                 "directory?): refusing to read it", path=path)
+                raise CorruptCheckpointError(f"{path} is missing: the checkpoint is incomplete", path=path)
+            if size != f.size:
+                raise CorruptCheckpointError(f"{path} has {size} bytes, the manifest says {f.size}: the "
+                                             "checkpoint is corrupt", path=path)
+
+    def walk(self, path: str) -> list[tuple[str, int]]:
+        """Every entry under ``path`` with its size (rootkit.NOT_A_FILE: a symbolic link, FIFO, device)."""
+        return rootkit.walk(self.storage, path, _real_dir)
+
+    def garbage(self, keep_attempts: frozenset[str] = frozenset(), min_probe_age_s: float = 600.0) -> Garbage:
+        staging = []
+        for entry in self.storage.listdir(self.storage.path(layout.STAGING)):
+            parsed = layout.parse_staging(entry)
+            if parsed is None or parsed[1] not in keep_attempts:
+                staging.append(self.storage.path(layout.STAGING, entry))
+        trash = [self.storage.path(layout.TRASH, e) for e in self.storage.listdir(self.storage.path(layout.TRASH))]
+        return Garbage(staging, trash, rootkit.old_probes(self.storage, min_probe_age_s))
+
+    # -- writing (leaders only, under the lease) ----------------------------------------
+    def make_staging(self, step: int, attempt: str) -> str:
+        path = self.staging_dir(step, attempt)
+        self.storage.makedirs(os.path.dirname(path))
+        self.storage.make_dir_durable(path)
+        for sub in (layout.DATA_DIR, layout.FILES_DIR):
+            self.storage.makedirs(os.path.join(path, sub))
+        self.storage.sync_dir(path)
+        return path
+
+    def wait_files_visible(self, base: str, files: list[FileEntry], timeout: float) -> None:
+        """Wait until every file is visible under ``base`` with its size (all parts visible).
+
+        One directory listing per directory and round, not one lookup per file:
+        at thousands of ranks, per-file lookups on NFS cost a round trip each,
+        while a listing returns many entries (and, with READDIRPLUS, their
+        attributes) at once.
+        """
+        pending: dict[str, dict[str, int]] = {}
+        for f in files:
+            d, _, name = f.path.rpartition("/")
+            pending.setdefault(d, {})[name] = f.size
+        deadline = time.monotonic() + timeout
+        delay = 0.02
+        while True:
+            for d in list(pending):
+                want = pending[d]
+                for entry, seen in self.storage.sizes_in(os.path.join(base, d)).items():
+                    if want.get(entry) == seen:
+                        del want[entry]
+                if not want:
+                    del pending[d]
+            if not pending:
+                return
+            if time.monotonic() >= deadline:
+                missing = [os.path.join(base, d, n) for d, names in pending.items() for n in names]
+                raise NotVisibleError(
+                    f"{len(missing)} file(s) of this checkpoint are not visible with the right size after "
+                    f"{timeout:.0f} s, e.g. {missing[0]}: a writer failed, or this node's view of the shared "
+                    "filesystem is stale for longer than visibility_timeout_s.", path=missing[0])
+            time.sleep(delay)
+            delay = min(delay * 2, 1.0)
+
+    def commit(self, staging: str, manifest: Manifest, last_check: Callable[[], None]) -> CheckpointName:
+        """Write the manifest into the attempt, run ``last_check`` (it raises to stop the commit), and
+        rename the attempt into place: the commit point. The checkpoint committed.
+
+        A rename that reports an error may still have landed (NFS retransmits a
+        rename whose reply was lost, and the retry fails with ENOENT): the outcome
+        is settled by looking, and a rename that landed is a commit.
+        """
+        name = CheckpointName(manifest.step, manifest.version)
+        self.storage.replace(os.path.join(staging, layout.MANIFEST), manifest.to_json())
+        last_check()
+        try:
+            self.storage.publish(staging, self.dir(name))
+        except FileExistsError:
+            if self._landed(staging, name):
+                return name
+            raise CheckpointError(
+                f"{self.dir(name)} appeared while this save was in progress: another writer is active on "
+                f"{self.path}", path=self.dir(name)) from None
+        except OSError:
+            if self._landed(staging, name):
+                return name
+            raise
+        return name
+
+    def _landed(self, staging: str, name: CheckpointName) -> bool:
+        """Whether the attempt ``staging`` is now the checkpoint ``name`` (its source is gone and the
+        manifest in place names that attempt)."""
+        parsed = layout.parse_staging(os.path.basename(staging))
+        if parsed is None or self.storage.exists(staging):
+            return False
+        try:
+            return self.read_manifest(name).attempt == parsed[1]
+        except (OSError, CheckpointError):
+            return False
+
+    def move_latest(self, name: CheckpointName, seq: int | None) -> bool:
+        """Point `latest` at ``name`` unless it names a checkpoint committed later (:func:`latest.move`)."""
+        return latest.move(self.storage, name, seq, fence=lambda: self.guard("move `latest`"),
+                           committed=lambda n: self.storage.exists(rootkit.manifest_path(self.storage, n)))
+
+    def latest_after_delete(self, deleted: int, left: DomainListing) -> None:
+        """`latest` off the deleted step ``deleted`` (:func:`latest.after_delete`)."""
+        latest.after_delete(self.storage, deleted, left, fence=lambda: self.guard("move `latest`"))
+
+    def retire(self, path: str) -> str | None:
+        """Take a checkpoint or leftover out of sight atomically (rename into trash); the trash path."""
+        self.guard(f"retire {path}")
+        return self._to_trash(path)
+
+    def _to_trash(self, path: str) -> str | None:
+        trash_root = self.storage.path(layout.TRASH)
+        if os.path.dirname(path) == trash_root:
+            return path
+        self.storage.makedirs(trash_root)
+        target = os.path.join(trash_root, f"{os.path.basename(path)}.{os.urandom(6).hex()}")
+        try:
+            self.storage.publish(path, target)
+        except FileNotFoundError:
+            return None
+        return target
+
+    def invalidate(self, path: str) -> None:
+        """Delete a checkpoint or leftover: first rename it out of sight (atomic), then remove it."""
+        retired = self.retire(path)
+        if retired is not None:
+            self.remove_retired(retired)
+
+    def remove_retired(self, path: str) -> None:
+        """Remove the bytes of something :meth:`retire` took out of sight (under the fence)."""
+        self.guard(f"remove {path}")
+        self.storage.remove_tree(path)
+
+    def discard_attempt(self, staging: str, name: CheckpointName, attempt: str) -> None:
+        """Remove the data of a save that failed, unless it may be committed after all.
+
+        The commit is the rename of ``staging``: once it landed there is no
+        ``staging`` left to remove, so what is left is certainly not committed.
+        A job that lost the root removes nothing (the new holder clears leftovers).
+        """
+        self.invalidate(staging)
+
+
+def _real_dir(path: str) -> bool:
+    """A directory, not a symbolic link to one (a loop would never end, a link elsewhere leaves the root)."""
+    try:
+        return stat.S_ISDIR(os.lstat(path).st_mode)
+    except OSError:
+        return False

@@ -1,0 +1,159 @@
+"""What the two roots share, as plain functions over a storage backend (no base class to override).
+
+:class:`~ckptguard.protocol.posixroot.PosixRoot` and
+:class:`~ckptguard.protocol.objstore.ObjectStoreRoot` each call these where their
+behaviour is the same: the fence, manifests, old probes, walking a directory.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from ckptguard.errors import CorruptCheckpointError
+from ckptguard.protocol import layout
+from ckptguard.protocol.layout import CheckpointName
+from ckptguard.protocol.manifest import HEAD_BYTES, Manifest, commit_seq_from_head
+from ckptguard.storage import StorageBackend
+
+#: The size :func:`walk` reports for an entry that is neither a regular file nor a directory it follows.
+NOT_A_FILE = -1
+#: A checkpoint directory is 3 levels deep (files/rankNNNNN/key/...) plus what a files= artifact holds.
+MAX_WALK_DEPTH = 64
+
+
+@dataclass(frozen=True)
+class Garbage:
+    """Leftovers a crash can leave: attempts never published, checkpoints half-deleted, old probes.
+
+    (Versions of a step that are not the one every domain agrees on are found from the
+    agreed listing: :func:`ckptguard.protocol.decisions.stray_versions`.)
+    """
+
+    staging: list[str]
+    trash: list[str]
+    probes: list[str]
+
+
+class Fence:
+    """Whether this job still holds the root: ``check(acting)`` raises LeaseLostError once it does not.
+
+    Set by the session once the lease is taken; a root without one is a tool's, or a reader's.
+    """
+
+    def __init__(self) -> None:
+        self._check: Callable[[str], None] | None = None
+
+    def set(self, check: Callable[[str], None]) -> None:
+        self._check = check
+
+    def check(self, acting: str) -> None:
+        if self._check is not None:
+            self._check(acting)
+
+
+def checkpoint_dir(storage: StorageBackend, name: CheckpointName) -> str:
+    return storage.path(name.dirname)
+
+
+def staging_dir(storage: StorageBackend, step: int, attempt: str) -> str:
+    return storage.path(layout.STAGING, layout.staging_dirname(step, attempt))
+
+
+def manifest_path(storage: StorageBackend, name: CheckpointName) -> str:
+    return os.path.join(checkpoint_dir(storage, name), layout.MANIFEST)
+
+
+def read_manifest_bytes(storage: StorageBackend, name: CheckpointName) -> bytes:
+    path = manifest_path(storage, name)
+    try:
+        return storage.read_bytes(path)
+    except FileNotFoundError:
+        raise CorruptCheckpointError(f"{path} is missing", path=path) from None
+
+
+def parse_manifest(storage: StorageBackend, name: CheckpointName, data: bytes, seq: int | None = None) -> Manifest:
+    """Parse and check a manifest; ``seq``: the commit sequence number it was listed with."""
+    path = manifest_path(storage, name)
+    m = Manifest.from_json(data, path)
+    if m.step != name.step or m.version != name.version:
+        raise CorruptCheckpointError(
+            f"{path} describes step {m.step} v{m.version} but sits in {name.dirname}: "
+            "the directory was renamed or copied by hand", path=path)
+    if seq is not None and m.commit_seq != seq:
+        raise CorruptCheckpointError(
+            f"{path} records commit sequence number {m.commit_seq}, its head said {seq}: the manifest is "
+            "corrupt", path=path)
+    return m
+
+
+def commit_seq(storage: StorageBackend, name: CheckpointName) -> tuple[bool, int | None]:
+    """(committed?, its commit sequence number) from the head of its manifest.
+
+    A manifest without a sequence number in its head (an older ckptguard, or a
+    damaged head) is read whole; one that does not parse still counts as committed
+    (a load will report it corrupt), without a sequence number.
+    """
+    path = manifest_path(storage, name)
+    try:
+        handle = storage.open_read(path)
+    except CorruptCheckpointError:  # missing (not committed), or not a regular file
+        return storage.exists(path), None
+    try:
+        head = bytearray(min(HEAD_BYTES, handle.size()))
+        handle.read_into([memoryview(head)], 0)
+    finally:
+        handle.close()
+    seq = commit_seq_from_head(bytes(head))
+    if seq is None:
+        try:
+            seq = parse_manifest(storage, name, read_manifest_bytes(storage, name)).commit_seq
+        except CorruptCheckpointError:
+            seq = None
+    return True, seq
+
+
+def still_committed(storage: StorageBackend, name: CheckpointName, seq: int | None) -> bool:
+    """Whether ``name`` is still the checkpoint that was listed with commit sequence number ``seq``.
+
+    False when it was retired, and also when it was retired and saved again
+    under the same name (a step deleted and saved anew): a reader holding the
+    old manifest must list again, not call the new one corrupt.
+    """
+    found, now = commit_seq(storage, name)
+    return found and (seq is None or now is None or now == seq)
+
+
+def old_probes(storage: StorageBackend, min_age_s: float) -> list[str]:
+    """Storage-domain probes older than ``min_age_s`` (a probe in use is seconds old)."""
+    probes = []
+    now = time.time()
+    for entry in storage.listdir(storage.path(layout.PROBE)):
+        p = storage.path(layout.PROBE, entry)
+        mtime = storage.mtime(p)
+        if mtime is not None and now - mtime > min_age_s:
+            probes.append(p)
+    return probes
+
+
+def walk(storage: StorageBackend, path: str, follow: Callable[[str], bool], rel: str = "",
+         depth: int = 0) -> list[tuple[str, int]]:
+    """(path relative to ``path``, size or NOT_A_FILE) of every entry under ``path``.
+
+    ``follow(full_path)`` says whether an entry that is not a file may be descended into (a
+    symbolic link to a directory is not: a loop would never end, a link elsewhere would list
+    files outside the root); the walk stops at MAX_WALK_DEPTH levels.
+    """
+    out: list[tuple[str, int]] = [(f"{rel}{name}", size) for name, size in storage.sizes_in(path).items()]
+    files = {n for n, _ in out}
+    for name in storage.listdir(path):
+        if f"{rel}{name}" in files:
+            continue
+        full = os.path.join(path, name)
+        if depth >= MAX_WALK_DEPTH or not follow(full):
+            out.append((f"{rel}{name}", NOT_A_FILE))
+        else:
+            out.extend(walk(storage, full, follow, f"{rel}{name}/", depth + 1))
+    return out

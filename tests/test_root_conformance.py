@@ -1,0 +1,230 @@
+"""What every Root must do, whatever the storage under it: one set of tests, run for each root.
+
+A root is the control plane of one checkpoint root (protocol/root.py). These tests drive it the way the
+protocol does (stage, commit, move `latest`, retire, take the root over) and check only what the
+protocol relies on, so a new backend passes them or is not done (docs/architecture.md, "Adding a
+backend"). POSIX runs on a temporary directory, S3 on moto behind the loopback fault proxy.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from ckptguard.errors import CorruptCheckpointError, LeaseLostError
+from ckptguard.protocol import layout
+from ckptguard.protocol.layout import CheckpointName
+from ckptguard.protocol.manifest import FileEntry, Manifest
+from ckptguard.protocol.root import Root, open_root
+
+from tests.support.beds.s3 import S3Bed, s3_bed_in_env
+
+ROOTS = ["posix", "s3"]
+
+
+@pytest.fixture(scope="module")
+def s3() -> Iterator[S3Bed]:
+    with s3_bed_in_env(seed=7) as bed:
+        yield bed
+
+
+@pytest.fixture(params=ROOTS)
+def url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """A fresh, empty root of each kind."""
+    if request.param == "posix":
+        return str(tmp_path / "root")
+    bed: S3Bed = request.getfixturevalue("s3")
+    bed.reset_faults()
+    return f"s3://{bed.make_bucket(f'conf-{uuid.uuid4().hex[:12]}')}/root"
+
+
+class Job:
+    """One writing job's view of the root: its Root, fenced by a lease the test can take away."""
+
+    def __init__(self, url: str) -> None:
+        self.root: Root = open_root(url)
+        self.root.storage.makedirs(self.root.storage.path(layout.CONTROL))
+        self.lost = False
+        self.root.fence_staging()
+        self.root.set_fence(self._check)
+        self.root.after_lease()
+
+    def _check(self, acting: str) -> None:
+        if self.lost:
+            raise LeaseLostError(f"refusing to {acting}: the lease was taken over")
+
+    def stage(self, step: int, payload: bytes = b"x" * 100) -> tuple[str, str, list[FileEntry]]:
+        """An attempt with one data file written: (attempt, staging dir, its files)."""
+        attempt = uuid.uuid4().hex
+        staging = self.root.make_staging(step, attempt)
+        rel = layout.data_file(0, 0)
+        stream = self.root.storage.open_new(f"{staging}/{rel}")
+        stream.write([memoryview(payload)])
+        stream.sync()
+        stream.close()
+        return attempt, staging, [FileEntry(rel, len(payload), 0)]
+
+    def save(self, step: int, seq: int, version: int = 1, last_check: Callable[[], None] | None = None
+             ) -> CheckpointName:
+        attempt, staging, files = self.stage(step)
+        self.root.wait_files_visible(staging, files, 30)
+        manifest = _manifest(step, version, attempt, files, seq)
+        return self.root.commit(staging, manifest, last_check or (lambda: self.root.guard("commit")))
+
+
+def _manifest(step: int, version: int, attempt: str, files: list[FileEntry], seq: int) -> Manifest:
+    return Manifest(step=step, version=version, attempt=attempt, created_at=time.time(), world_size=1,
+                    domain_index=0, domain_count=1, domain_ranks=[0], hosts=["h"], checksum_algorithm="crc32c",
+                    dcp={}, files=files, items=[], commit_seq=seq)
+
+
+def test_a_commit_makes_the_attempt_a_checkpoint_every_reader_finds(url: str) -> None:
+    job = Job(url)
+    assert job.root.committed() == [] and job.root.listing() == {}
+    name = job.save(5, seq=1)
+    assert name == CheckpointName(5)
+    reader = open_root(url)  # a reader that never held the lease
+    assert reader.committed() == [name] and reader.current() == {5: name}
+    assert reader.listing() == {5: {1: 1}}
+    manifest = reader.read_manifest(name)
+    reader.check_files(name, manifest)
+    assert [rel for rel, _ in reader.walk(reader.data_dir(name, manifest)) if rel.startswith("data/")] == \
+        [layout.data_file(0, 0)]
+    assert reader.still_committed(name, 1) and not reader.still_committed(name, 2)
+
+
+def test_an_error_before_the_commit_point_commits_nothing_and_a_new_attempt_commits(url: str) -> None:
+    job = Job(url)
+
+    def crash() -> None:
+        raise RuntimeError("killed between the manifest and the commit point")
+
+    attempt, staging, files = job.stage(3)
+    with pytest.raises(RuntimeError, match="killed"):
+        job.root.commit(staging, _manifest(3, 1, attempt, files, 1), crash)
+    assert job.root.committed() == []
+    job.root.discard_attempt(staging, CheckpointName(3), attempt)
+    assert job.root.committed() == []
+    # the next save of step 3 uses a version neither listed nor taken by the failed attempt
+    taken = set(job.root.listing().get(3, {})) | set(job.root.taken_versions(3))
+    version = max(taken, default=0) + 1
+    name = job.save(3, seq=2, version=version)
+    assert open_root(url).committed() == [name]
+
+
+def test_a_commit_that_passed_its_commit_point_is_found_by_the_next_job(url: str) -> None:
+    first = Job(url)
+    name = first.save(8, seq=1)
+    first.lost = True  # the job dies right after its commit point
+    second = Job(url)
+    assert second.root.committed() == [name] and second.root.listing() == {8: {1: 1}}
+
+
+def test_latest_moves_by_commit_order_never_backwards(url: str) -> None:
+    job = Job(url)
+    high = job.save(300, seq=1)
+    low = job.save(100, seq=2)  # committed after 300 (a rollback): the newer one
+    assert job.root.move_latest(high, 1)
+    assert job.root.move_latest(low, 2)
+    assert not job.root.move_latest(high, 1)  # a stalled writer's older commit does not move it back
+    pointer = open_root(url).read_latest()
+    assert pointer is not None and pointer.dir == low.dirname and pointer.seq == 2
+    assert job.root.latest_seq() >= 2 and job.root.latest_problem() is None
+
+
+def test_racing_pointer_moves_end_at_the_commit_made_last(url: str) -> None:
+    job = Job(url)
+    names = [job.save(step, seq=step) for step in range(1, 7)]
+    ready = threading.Barrier(len(names))
+    errors: list[BaseException] = []
+
+    def move(name: CheckpointName) -> None:
+        try:
+            ready.wait()
+            open_root(url).move_latest(name, name.step)
+        except BaseException as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=move, args=(n,)) for n in reversed(names)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors
+    pointer = job.root.read_latest()
+    assert pointer is not None and pointer.dir == names[-1].dirname
+
+
+def test_deleting_the_step_latest_names_moves_it_back_and_keeps_its_number(url: str) -> None:
+    job = Job(url)
+    first, second = job.save(1, seq=1), job.save(2, seq=2)
+    job.root.move_latest(second, 2)
+    retired = job.root.retire(job.root.dir(second))
+    assert retired is not None
+    job.root.remove_retired(retired)
+    assert job.root.committed() == [first] and not job.root.still_committed(second, 2)
+    job.root.latest_after_delete(2, job.root.listing())
+    pointer = job.root.read_latest()
+    assert pointer is not None and pointer.dir == first.dirname
+    assert job.root.latest_seq() >= 2  # step 2's number is never handed out again
+    again = job.save(2, seq=3)
+    assert job.root.still_committed(again, 3) and not job.root.still_committed(again, 2)
+
+
+def test_garbage_is_what_no_commit_needs(url: str) -> None:
+    job = Job(url)
+    kept = job.save(1, seq=1)
+    _, abandoned_dir, _ = job.stage(2)
+    in_flight, in_flight_dir, _ = job.stage(3)
+    garbage = job.root.garbage(keep_attempts=frozenset({in_flight}))
+    assert abandoned_dir in garbage.staging and in_flight_dir not in garbage.staging
+    manifest = job.root.read_manifest(kept)
+    assert job.root.data_dir(kept, manifest) not in garbage.staging  # a commit's data is never garbage
+    for path in garbage.staging:
+        retired = job.root.retire(path)
+        if retired is not None:
+            job.root.remove_retired(retired)
+    job.root.check_files(kept, job.root.read_manifest(kept))
+    assert job.root.garbage(keep_attempts=frozenset({in_flight})).staging == []
+
+
+def test_a_job_that_lost_the_root_changes_nothing(url: str) -> None:
+    old = Job(url)
+    kept = old.save(1, seq=1)
+    old.root.move_latest(kept, 1)
+    attempt, staging, files = old.stage(2)  # in flight when the lease is taken over
+    old.lost = True
+    new = Job(url)
+    # Refused by the fence; or, where the takeover moved the attempt away (POSIX), by finding no source
+    # (the session reports that as the lease lost).
+    with pytest.raises((LeaseLostError, FileNotFoundError)):
+        old.root.commit(staging, _manifest(2, 1, attempt, files, 2), lambda: old.root.guard("commit"))
+    with pytest.raises(LeaseLostError):
+        old.root.move_latest(CheckpointName(1), 5)
+    with pytest.raises(LeaseLostError):
+        old.root.retire(old.root.dir(kept))
+    with pytest.raises(LeaseLostError):
+        old.root.remove_retired(old.root.dir(kept))
+    assert new.root.committed() == [kept]
+    pointer = new.root.read_latest()
+    assert pointer is not None and pointer.seq == 1
+    new.root.check_files(kept, new.root.read_manifest(kept))
+
+
+def test_a_manifest_that_does_not_match_its_place_or_its_files_is_corrupt(url: str) -> None:
+    job = Job(url)
+    name = job.save(4, seq=1)
+    data = job.root.read_manifest_bytes(name)
+    with pytest.raises(CorruptCheckpointError, match="describes step 4"):
+        job.root.parse_manifest(CheckpointName(9), data)
+    with pytest.raises(CorruptCheckpointError, match="commit sequence number"):
+        job.root.parse_manifest(name, data, seq=7)
+    manifest = job.root.read_manifest(name)
+    job.root.storage.delete(f"{job.root.data_dir(name, manifest)}/{manifest.files[0].path}")
+    with pytest.raises(CorruptCheckpointError, match="missing"):
+        job.root.check_files(name, manifest)
