@@ -444,11 +444,9 @@ def _save_object(obj: Any, path: str, comm: Comm, fmt: str, algorithm: str) -> N
     if comm.world_size > 1:
         comm.step(f"finish reading the previous version of {path}")
 
-    def write() -> None:
-        if comm.rank == 0:  # one namespace for every rank: one writer
-            storage.replace(target, _serialize(obj, fmt, algorithm, path))
-
-    comm.step(f"save {path}", write, where=path)
+    # One namespace for every rank: rank 0 writes, every rank gets its outcome, an error as the same class.
+    comm.one_rank_acts(f"save {path}", lambda: storage.replace(target, _serialize(obj, fmt, algorithm, path)),
+                       where=path)
 
 
 def _read_object(path: str) -> bytes:
