@@ -3,7 +3,7 @@
 Real torchrun jobs get real faults: SIGKILL of a rank at every phase of a save, at random
 moments and in the middle of a load; a 2-node job on two stale-caching sshfs mounts; a
 checkpoint damaged after commit; a filesystem that fills mid-save; two jobs on one root;
-a stalled job whose lease is taken over; and the kinds of issue 10: kills during overwrite and
+a stalled job whose lease is taken over; kills during overwrite and
 rollback saves on two storage domains, SIGSTOP in latest/retention/lease renewal/release with a
 takeover meanwhile, readers during retention, the caller's state after failed loads, restores
 into non-empty and shared directories, per-rank values, exits with a background save in flight,

@@ -1,4 +1,4 @@
-"""DeepSpeed through ckptguard's checkpoint engine (issue 14), against the real deepspeed 0.19.8 wheel.
+"""DeepSpeed through ckptguard's checkpoint engine, against the real deepspeed 0.19.8 wheel.
 
 A real 2-rank ZeRO-2 job on CPU (DS_ACCELERATOR=cpu, gloo, torch Adam), a model with dropout, a
 checkpoint every 2 steps of 8. Rank 1 is killed inside the 3rd save, before writing its ZeRO

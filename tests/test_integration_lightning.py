@@ -1,4 +1,4 @@
-"""Lightning through ckptguard (issue 14), against the real lightning wheel.
+"""Lightning through ckptguard, against the real lightning wheel.
 
 Real 2-rank training on CPU (torchrun, gloo), DDP through CkptguardCheckpointIO and FSDP2
 (ModelParallelStrategy, fully_shard) through CkptguardModelParallelStrategy: train, checkpoint
