@@ -13,6 +13,7 @@ killed save's shards with the previous save's loops and step counters.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 from pathlib import Path
@@ -114,6 +115,24 @@ def test_a_crash_between_the_tag_and_the_pointer_leaves_the_old_checkpoint_loada
     monkeypatch.undo()
     got = CkptguardCheckpointIO().load_checkpoint(path)
     assert got["global_step"] == 2 and torch.equal(got["w"], torch.ones(2))
+
+
+def test_a_pointer_is_read_by_its_schema_and_other_json_is_not_one(tmp_path: Path) -> None:
+    from ckptguard import MalformedRecordError
+
+    io = CkptguardCheckpointIO()
+    path = tmp_path / "last.ckpt"
+    io.save_checkpoint({"state_dict": {"w": torch.ones(2)}, "global_step": 3}, path)
+    assert read_pointer(str(path))["step"] == 0
+    other = tmp_path / "other.json"
+    other.write_text('{"format": "someone-else", "step": "x"}')
+    assert read_pointer(str(other)) is None  # JSON of another format: not a pointer
+    body = json.loads(path.read_text())
+    path.write_text(json.dumps({**body, "step": "seven"}))
+    with pytest.raises(MalformedRecordError, match=r"last\.ckpt") as bad:
+        io.load_checkpoint(path)
+    assert bad.value.field == "step"
+    io.teardown()
 
 
 def test_removing_a_link_to_a_checkpoint_keeps_the_checkpoint(tmp_path: Path) -> None:
