@@ -1,4 +1,4 @@
-"""What frameworks need from the core (issue 14): save_file without collectives, a rank-local
+"""What frameworks need from the core: save_file without collectives, a rank-local
 Checkpointer, delete, the path of a step, tags, the RNG-state helper, safetensors files."""
 
 from __future__ import annotations

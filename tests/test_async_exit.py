@@ -1,4 +1,4 @@
-"""Saves in flight are never lost without a word (issue 10, hole 7).
+"""Saves in flight are never lost without a word.
 
 - a process that exits without wait() while its background save fails exits non-zero;
 - destroy_process_group() right after save(blocking=False) finishes the save first;

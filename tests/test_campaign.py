@@ -3,7 +3,7 @@
 Real torchrun jobs get real faults: SIGKILL of a rank at every phase of a save, at random
 moments and in the middle of a load; a 2-node job on two stale-caching sshfs mounts; a
 checkpoint damaged after commit; a filesystem that fills mid-save; two jobs on one root;
-a stalled job whose lease is taken over; and the kinds of issue 10: kills during overwrite and
+a stalled job whose lease is taken over; kills during overwrite and
 rollback saves on two storage domains, SIGSTOP in latest/retention/lease renewal/release with a
 takeover meanwhile, readers during retention, the caller's state after failed loads, restores
 into non-empty and shared directories, per-rank values, exits with a background save in flight,
@@ -11,8 +11,7 @@ hostile checkpoints (tests/support/campaign_kinds.py). After each fault the rest
 newest committed checkpoint bitwise, no committed checkpoint may be lost and no staging
 garbage may survive the next successful save (docs/crash-consistency.md).
 
-The tests at the end are the smallest reproductions of the four library bugs the campaign
-found (fixed in 0afc105); they stay as regression tests.
+The tests at the end are the smallest reproductions of library bugs the campaign found.
 """
 
 from __future__ import annotations
@@ -123,8 +122,8 @@ def test_kills_during_overwrite_and_rollback_saves_on_two_storage_domains(tmp_pa
 
 @pytest.mark.slow
 def test_a_resumed_campaign_in_the_same_workdir_starts_on_fresh_roots(tmp_path: Path) -> None:
-    """Found by the long run: the first round's kinds used fixed root names, so a later run with the
-    same --workdir restarted its kill chain on the earlier run's committed steps ("steps [21, 22] are
+    """Every campaign run works on roots of its own: with fixed root names a later run with the same
+    --workdir would restart its kill chain on the earlier run's committed steps ("steps [21, 22] are
     committed but no job ever saved them") and its corruption job on the earlier run's damaged
     checkpoints. Two runs, one workdir: the second must see nothing of the first."""
     plan = {"kill_phase": 1, "corruption": 2}

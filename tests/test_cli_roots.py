@@ -35,7 +35,7 @@ def test_ls_and_verify_find_every_framework_root_inside_a_directory(tmp_path: Pa
     runs = tmp_path / "runs"
     _root(runs / "hf-out" / ".ckptguard-hf", (5, 10), {"folder": "checkpoint-10", "global_step": 10})
     _root(runs / "lightning" / ".ckptguard-lightning", (0,), {"global_step": 8, "epoch": 3})
-    _root(runs / "titan" / "checkpoint", (20,), {"torchtitan": {"model_only": False}, "step": 20})
+    _root(runs / "titan" / "checkpoint", (20,), {"torchtitan": {"model_only": False}, "framework": "torchtitan"})
     (runs / "hf-out" / "checkpoint-10").mkdir()  # the framework's own files beside the root
     (runs / "notes").mkdir()
     assert find_roots(runs / "hf-out") == [FoundRoot(str(runs / "hf-out" / ".ckptguard-hf"), "transformers")]

@@ -135,6 +135,49 @@ def test_the_earliest_failure_is_named_and_the_others_listed() -> None:
     assert str(out[1]).endswith("Nothing was committed.")  # own errors carry the suffix too
 
 
+def test_one_rank_acts_gives_every_rank_its_result_and_runs_it_once() -> None:
+    calls: list[int] = []
+
+    def body(comm: Comm) -> object:
+        def act() -> dict[str, int]:
+            calls.append(comm.rank)
+            return {"step": 7}
+
+        return comm.one_rank_acts("pick a step", act)
+
+    assert run_ranks(3, body) == [{"step": 7}] * 3 and calls == [0]
+
+
+@pytest.mark.parametrize("raised, expected", [
+    (CorruptCheckpointError("step-3/data: checksum mismatch", path="step-3/data"), CorruptCheckpointError),
+    (PermissionError(13, "Permission denied", "/ckpt/latest"), StoragePermissionError),
+    (KeyError("layout"), PeerError),
+])
+def test_one_rank_acts_raises_rank_0s_failure_as_its_class_on_every_rank(raised: BaseException,
+                                                                        expected: type) -> None:
+    def body(comm: Comm) -> object:
+        def act() -> None:
+            raise raised
+
+        return comm.one_rank_acts("read the pointer", act, where="/ckpt")
+
+    out = run_ranks(3, body, timeout_s=10)
+    assert isinstance(out[1], expected) and isinstance(out[2], expected)
+    assert "rank 0" in str(out[1]) and "read the pointer" in str(out[1])
+    assert out[0] is raised or isinstance(out[0], expected)  # rank 0: its own, an OSError typed
+
+
+def test_one_rank_acts_interrupted_on_rank_0_leaves_no_rank_waiting() -> None:
+    def body(comm: Comm) -> object:
+        def act() -> None:
+            raise KeyboardInterrupt
+
+        return comm.one_rank_acts("commit", act)
+
+    out = run_ranks(2, body, timeout_s=10)
+    assert isinstance(out[0], KeyboardInterrupt) and isinstance(out[1], PeerError) and "interrupted" in str(out[1])
+
+
 def test_share_in_domain_reaches_only_the_domain() -> None:
     def body(comm: Comm) -> object:
         domain = [0, 1] if comm.rank < 2 else [2, 3]

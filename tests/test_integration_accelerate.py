@@ -1,4 +1,4 @@
-"""Accelerate through ckptguard (issue 14), against the real accelerate wheel.
+"""Accelerate through ckptguard, against the real accelerate wheel.
 
 Real 2-process training on CPU (torchrun, ``Accelerator(cpu=True)``, gloo), a model with dropout
 (so the run depends on every process's RNG), ``ProjectConfiguration(automatic_checkpoint_naming=True,
@@ -10,11 +10,14 @@ total_limit=2)``, ``save_state()`` every 2 steps of 8:
   run's losses on both processes;
 - Accelerate's own ``save_state``, the same kill: it deleted ``checkpoint_0`` before writing
   ``checkpoint_2``, so one intact checkpoint is left, and its ``load_state()`` takes the torn
-  ``checkpoint_2`` and dies in ``torch.load``.
+  ``checkpoint_2`` and dies in ``torch.load``;
+- every committed checkpoint corrupt: ``load_state()`` raises ``CorruptCheckpointError`` on both
+  processes (the main process finds it, the other learns it as the same class).
 """
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -47,7 +50,7 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> dict:
 
     with Checkpointer(d / "p" / ".ckptguard-accelerate", read_only=True) as ck:
         assert ck.steps() == [2, 3]
-    return {"losses": [losses(d / "ref", r) for r in (0, 1)],
+    return {"project": d / "p", "losses": [losses(d / "ref", r) for r in (0, 1)],
             "saved": {x["step"]: x["digest"] for x in records(d / "ref", 0) if x["kind"] == "save"}}
 
 
@@ -126,3 +129,24 @@ def test_accelerate_default_deletes_the_oldest_first_and_resumes_from_the_torn_o
     # load_state() took the highest-numbered folder, the torn one
     assert resumed.returncode != 0
     assert "load_state" in resumed.stderr and "PytorchStreamReader failed" in resumed.stderr, tail(resumed)
+
+
+def test_every_committed_checkpoint_corrupt_is_a_corrupt_checkpoint_error_on_both_processes(
+        reference: dict, tmp_path: Path) -> None:
+    """The main process finds the corruption; the other one raises the same class, not a generic error,
+    so that code catching CorruptCheckpointError takes the same branch on every process."""
+    from ckptguard import Checkpointer
+
+    project = tmp_path / "p"
+    shutil.copytree(reference["project"], project)
+    with Checkpointer(project / ".ckptguard-accelerate", read_only=True) as ck:
+        for step in ck.steps():
+            data = max((p for p in Path(ck.path(step)).rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+            raw = bytearray(data.read_bytes())
+            raw[len(raw) // 2] ^= 0xFF
+            data.write_bytes(bytes(raw))
+    r = run(project, tmp_path / "rec", "--resume", "--record-load-error")
+    assert r.returncode == 0, tail(r)
+    got = [next(x for x in records(tmp_path / "rec", rank) if x["kind"] == "load_error") for rank in (0, 1)]
+    assert [g["error"] for g in got] == ["CorruptCheckpointError", "CorruptCheckpointError"]
+    assert "every committed checkpoint" in got[1]["message"] and "rank 0" in got[1]["message"]

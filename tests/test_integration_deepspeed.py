@@ -1,4 +1,4 @@
-"""DeepSpeed through ckptguard's checkpoint engine (issue 14), against the real deepspeed 0.19.8 wheel.
+"""DeepSpeed through ckptguard's checkpoint engine, against the real deepspeed 0.19.8 wheel.
 
 A real 2-rank ZeRO-2 job on CPU (DS_ACCELERATOR=cpu, gloo, torch Adam), a model with dropout, a
 checkpoint every 2 steps of 8. Rank 1 is killed inside the 3rd save, before writing its ZeRO
@@ -40,8 +40,8 @@ ZeRO-2 engine gets a stand-in (the worker's ``StandInSwapper``) and DeepSpeed's 
   shared save_dir): DeepSpeed's own engine has both nodes copy into ``offloaded_tensors/rank00``; the second
   ``copytree`` fails with ``FileExistsError`` and the tag holds the first node's bytes only (in ZeRO-2 both nodes
   also write ``mp_rank_00_model_states.pt``, one replacing the other). ckptguard's ``install`` refuses it on every
-  rank with ``PathCollisionError`` before anything is written (before the fix: ``FileExistsError`` on one node
-  with ZeRO-3, ``PathCollisionError`` for ``mp_rank_00_model_states.pt`` on one node with ZeRO-2). DeepSpeed's own
+  rank with ``PathCollisionError`` before anything is written (without that check: ``FileExistsError`` on one
+  node with ZeRO-3, ``PathCollisionError`` for ``mp_rank_00_model_states.pt`` on one node with ZeRO-2). DeepSpeed's own
   engine is run with the stand-in only (real ZeRO-3 did the same by hand, FileExistsError on node 1 or node 0).
 """
 

@@ -1,4 +1,4 @@
-"""Hugging Face Trainer through ckptguard's CkptguardTrainer (issue 14), against the real transformers wheel.
+"""Hugging Face Trainer through ckptguard's CkptguardTrainer, against the real transformers wheel.
 
 Real 2-rank DDP training on CPU (torchrun, gloo), a tiny PreTrainedModel built from code (with dropout,
 so the run depends on every rank's RNG), a checkpoint every 2 steps, save_total_limit=2:

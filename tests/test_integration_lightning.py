@@ -1,4 +1,4 @@
-"""Lightning through ckptguard (issue 14), against the real lightning wheel.
+"""Lightning through ckptguard, against the real lightning wheel.
 
 Real 2-rank training on CPU (torchrun, gloo), DDP through CkptguardCheckpointIO and FSDP2
 (ModelParallelStrategy, fully_shard) through CkptguardModelParallelStrategy: train, checkpoint
@@ -13,6 +13,7 @@ killed save's shards with the previous save's loops and step counters.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 from pathlib import Path
@@ -119,7 +120,6 @@ def test_a_crash_between_the_tag_and_the_pointer_leaves_the_old_checkpoint_loada
 @pytest.mark.parametrize(("field", "value"), [("step", "twelve"), ("step", None), ("root", 7)])
 def test_a_pointer_with_a_hostile_field_is_corrupt_naming_it(tmp_path: Path, field: str, value: object) -> None:
     """The pointer file is bytes anyone may have written: each field is checked before it is a path or a step."""
-    import json
 
     from ckptguard import CorruptCheckpointError
 
@@ -130,8 +130,27 @@ def test_a_pointer_with_a_hostile_field_is_corrupt_naming_it(tmp_path: Path, fie
     pointer = read_pointer(str(path))
     assert pointer is not None
     path.write_text(json.dumps({**pointer, field: value}))
-    with pytest.raises(CorruptCheckpointError, match=f"pointer's '{field}'"):  # before: ValueError, TypeError
+    with pytest.raises(CorruptCheckpointError) as bad:  # before: ValueError, TypeError
         CkptguardCheckpointIO().load_checkpoint(path)
+    assert field in str(bad.value) and "last.ckpt" in str(bad.value)
+
+
+def test_a_pointer_is_read_by_its_schema_and_other_json_is_not_one(tmp_path: Path) -> None:
+    from ckptguard import MalformedRecordError
+
+    io = CkptguardCheckpointIO()
+    path = tmp_path / "last.ckpt"
+    io.save_checkpoint({"state_dict": {"w": torch.ones(2)}, "global_step": 3}, path)
+    assert read_pointer(str(path))["step"] == 0
+    other = tmp_path / "other.json"
+    other.write_text('{"format": "someone-else", "step": "x"}')
+    assert read_pointer(str(other)) is None  # JSON of another format: not a pointer
+    body = json.loads(path.read_text())
+    path.write_text(json.dumps({**body, "step": "seven"}))
+    with pytest.raises(MalformedRecordError, match=r"last\.ckpt") as bad:
+        io.load_checkpoint(path)
+    assert bad.value.field == "step"
+    io.teardown()
 
 
 def test_removing_a_link_to_a_checkpoint_keeps_the_checkpoint(tmp_path: Path) -> None:

@@ -1,4 +1,4 @@
-"""torchtitan through ckptguard (issue 14), against the real torchtitan 0.3.0 wheel.
+"""torchtitan through ckptguard, against the real torchtitan 0.3.0 wheel.
 
 In-process (one process, no process group): ``CkptguardCheckpointManager`` built from its ``Config``
 with torchtitan's real ``OptimizersContainer`` / ``LRSchedulersContainer`` keeps torchtitan's save

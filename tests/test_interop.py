@@ -1,4 +1,4 @@
-"""Interop (issue 14): DCP reads ckptguard checkpoints, export to torch/safetensors/DCP, import of DCP
+"""Interop: DCP reads ckptguard checkpoints, export to torch/safetensors/DCP, import of DCP
 directories and torch.save files without running code from them."""
 
 from __future__ import annotations

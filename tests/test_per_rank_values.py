@@ -1,4 +1,4 @@
-"""A plain value that differs across ranks is refused whatever its size (issue 10, hole 4)."""
+"""A plain value that differs across ranks is refused whatever its size."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Power loss: every crash state of the disk loads the old or the new checkpoint (issue 12).
+"""Power loss: every crash state of the disk loads the old or the new checkpoint.
 
 A real 2-rank save runs on the recording FUSE file system (tests/support/beds/powerloss); its
 operations are replayed into the disk states a power cut may leave, under crash models A

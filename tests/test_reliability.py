@@ -1,4 +1,4 @@
-"""Issue 10, holes 1, 2, 3, 8 and 10: committed checkpoints are never lost, loads never tear the caller's
+"""Committed checkpoints are never lost, loads never tear the caller's
 state, a stalled job cannot touch a root another job took over, and a reader is never told that a
 retired checkpoint is corrupt. Each test failed before its fix."""
 
@@ -38,7 +38,7 @@ def dirs(root: Path) -> list[str]:
     return sorted(p.name for p in root.iterdir() if p.name.startswith("step-"))
 
 
-# -- hole 1: an overwrite that crashed in one storage domain ---------------------------------------
+# -- an overwrite that crashed in one storage domain -----------------------------------------------
 
 
 def test_overwrite_killed_in_one_domain_keeps_the_committed_step(tmp_path: Path) -> None:
@@ -64,7 +64,7 @@ def test_overwrite_killed_in_one_domain_keeps_the_committed_step(tmp_path: Path)
         assert os.listdir(root / ".ckptguard" / "staging") == []
 
 
-# -- hole 2: commit order, not step order ----------------------------------------------------------
+# -- commit order, not step order ------------------------------------------------------------------
 
 
 def _w(step: int) -> dict[str, torch.Tensor]:
@@ -152,7 +152,7 @@ def test_latest_never_moves_backwards_in_commit_order(tmp_path: Path) -> None:
         assert ck.latest() == 100
 
 
-# -- hole 3: a failed load leaves the caller's state as it was --------------------------------------
+# -- a failed load leaves the caller's state as it was ----------------------------------------------
 
 
 def _flip_item(root: Path, step: int, fqn: str) -> None:
@@ -234,7 +234,7 @@ def test_a_load_larger_than_the_memory_cap_still_verifies_before_it_writes(tmp_p
         assert not state["a"].any() and not state["b"].any()
 
 
-# -- hole 10: retention under a concurrent reader ----------------------------------------------------
+# -- retention under a concurrent reader -------------------------------------------------------------
 
 
 def _retire_while_reading(monkeypatch: pytest.MonkeyPatch, reader: Checkpointer, writer: Checkpointer,
@@ -304,7 +304,7 @@ def test_a_reader_whose_step_is_deleted_and_saved_again_loads_the_new_one(tmp_pa
     reader.close()
 
 
-# -- hole 8: a stalled job cannot touch a root another job took over --------------------------------
+# -- a stalled job cannot touch a root another job took over ----------------------------------------
 
 
 def _start(scenario: str, root: Path, *args: str) -> subprocess.Popen[str]:

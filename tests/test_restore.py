@@ -1,5 +1,5 @@
 """files= restores give back exactly what was saved, never touch user files before the load succeeded,
-and refuse two hosts restoring into one shared path (issue 10, hole 6)."""
+and refuse two hosts restoring into one shared path."""
 
 from __future__ import annotations
 

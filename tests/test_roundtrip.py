@@ -1,4 +1,4 @@
-"""Issue 10, hole 5: every value save accepts loads back equal, with or without a template.
+"""Every value save accepts loads back equal, with or without a template.
 
 Integer and tuple keys, tuples, numpy arrays and scalars, the numpy / Python / torch RNG
 states, empty containers, inside plain values and inside PerRank(...); anything else is

@@ -132,7 +132,7 @@ def test_of_two_jobs_taking_over_an_expired_lease_one_wins(tmp_path: Path) -> No
 
 def test_a_lease_taken_by_another_leader_of_the_same_job_says_so(tmp_path: Path) -> None:
     """A probe that wrongly split one shared root into two domains makes two leaders of one job take
-    the lease: the loser is told it is its own job, not 'another job' (issue 10, hole 11)."""
+    the lease: the loser is told it is its own job, not 'another job'."""
     storage = PosixStorage(str(tmp_path))
     storage.makedirs(storage.path(".ckptguard"))
     first, second = Lease(storage, "job-a", None, ttl_s=30), Lease(storage, "job-a", None, ttl_s=30)

@@ -130,9 +130,9 @@ def cumulative_table(records: list[dict[str, Any]], excluded: dict[str, str] | N
         sel = [rows[k] for k in keys if kinds is None or k[0] in kinds]
         return {c: sum(r[c] for r in sel) for c in cols}
 
-    new = total(set(campaign.NEW_KINDS))
+    lifecycle = total(set(campaign.LIFECYCLE_KINDS))
     everything = total(None)
-    lines.append("| **new kinds (issue 10)** | | " + " | ".join(f"{new[c]:.0f}" for c in cols) + " |")
+    lines.append("| **lifecycle kinds** | | " + " | ".join(f"{lifecycle[c]:.0f}" for c in cols) + " |")
     lines.append("| **TOTAL** | | " + " | ".join(f"{everything[c]:.0f}" for c in cols) + " |")
     runs = sorted({r["run"] for r in records})
     commits = sorted({r["commit"] for r in records if r.get("commit")})
@@ -150,7 +150,7 @@ def cumulative_table(records: list[dict[str, Any]], excluded: dict[str, str] | N
     lines.append("")
     lines.append(f"{len(records)} trials in {len(runs)} run(s), commits {', '.join(commits) or '?'}; "
                  f"{everything['faults']:.0f} injected faults, {everything['kills'] + everything['stops']:.0f} of them "
-                 f"SIGKILLs/SIGSTOPs, {new['kills'] + new['stops']:.0f} of these in the new kinds; {everything['failures']:.0f} failures, "
+                 f"SIGKILLs/SIGSTOPs, {lifecycle['kills'] + lifecycle['stops']:.0f} of these in the lifecycle kinds; {everything['failures']:.0f} failures, "
                  f"{everything['torn']:.0f} torn, {everything['lost']:.0f} lost.")
     for run, why in excluded.items():
         rs = [r for r in left_out if r["run"] == run]

@@ -323,13 +323,7 @@ class Comm:
 
     def _typed(self, err: BaseException, where: str | None,
                on_error: Callable[[BaseException], BaseException] | None) -> BaseException:
-        if isinstance(err, OSError):
-            translated = from_os_error(err, getattr(err, "filename", None) or where or "?", self.rank, root=where)
-            translated.__cause__ = err
-            err = translated
-        if on_error is not None and isinstance(err, Exception):
-            err = on_error(err)
-        return err
+        return typed_failure(err, self.rank, where, on_error)
 
     def _decision_record(self, err: BaseException) -> FailureRecord:
         record = self._record(err)
@@ -338,14 +332,63 @@ class Comm:
         return replace(record, rank=rank, decision=True)
 
     def _record(self, err: BaseException | None) -> FailureRecord | None:
-        if err is None:
-            return None
-        if isinstance(err, CheckpointError):
-            message, path = str(err), err.path
-        else:
-            message, path = str(err) or type(err).__name__, None
-        return FailureRecord(self.rank, hostname(), type(err).__name__, message, path, time.time(),
-                             interrupted=not isinstance(err, Exception))
+        return failure_record(err, self.rank)
+
+    def one_rank_acts(self, what: str, act: Callable[[], T], *, where: str | None = None) -> T:
+        """Rank 0 runs ``act``; every rank gets its result, or raises its failure as the same class; collective.
+
+        One broadcast (no gather: the other ranks have nothing to report). ``what`` completes
+        "rank 0 could not ..."; ``where`` names the root for an OSError's message.
+        """
+
+        def broadcast(verdict: Any) -> Any:
+            with self._transport_failures(what):
+                return self._t.broadcast(verdict)
+
+        return rank0_outcome(self.rank, broadcast, what, act, where)
+
+
+def typed_failure(err: BaseException, rank: int, where: str | None = None,
+                  on_error: Callable[[BaseException], BaseException] | None = None) -> BaseException:
+    """``err`` as it crosses ranks: an OSError becomes a typed error here (:func:`from_os_error`)."""
+    if isinstance(err, OSError):
+        translated = from_os_error(err, getattr(err, "filename", None) or where or "?", rank, root=where)
+        translated.__cause__ = err
+        err = translated
+    if on_error is not None and isinstance(err, Exception):
+        err = on_error(err)
+    return err
+
+
+def failure_record(err: BaseException | None, rank: int) -> FailureRecord | None:
+    """What crosses ranks of ``err`` (None: no failure)."""
+    if err is None:
+        return None
+    if isinstance(err, CheckpointError):
+        message, path = str(err), err.path
+    else:
+        message, path = str(err) or type(err).__name__, None
+    return FailureRecord(rank, hostname(), type(err).__name__, message, path, time.time(),
+                         interrupted=not isinstance(err, Exception))
+
+
+def rank0_outcome(rank: int, broadcast: Callable[[Any], Any], what: str, act: Callable[[], T],
+                  where: str | None = None) -> T:
+    """Rank 0 runs ``act`` and ``broadcast`` shares the outcome: its result on every rank, or its failure,
+    raised on rank 0 as itself and on the others rebuilt as the same class (:func:`raise_agreed`)."""
+    own: BaseException | None = None
+    verdict: Any = None
+    if rank == 0:
+        try:
+            verdict = ("ok", act())
+        except BaseException as e:  # every rank must learn of it, or the others wait for a result
+            own = typed_failure(e, rank, where)
+            verdict = ("failed", [failure_record(own, rank)])
+    kind, payload = broadcast(verdict)
+    if kind == "failed":
+        raise_agreed(payload, own, what, rank=rank)
+    result: T = payload
+    return result
 
 
 def ordered_failures(records: Sequence[FailureRecord | None]) -> list[FailureRecord]:
@@ -454,6 +497,15 @@ def world_broadcast(value: Any) -> Any:
     box = [value]
     dist.broadcast_object_list(box, src=0)
     return box[0]
+
+
+def world_one_rank_acts(what: str, act: Callable[[], T], *, where: str | None = None) -> T:
+    """Rank 0 of the default process group runs ``act``; every rank gets its result, or raises its
+    failure as the same class (``act()`` alone without a process group); collective."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    return rank0_outcome(rank, world_broadcast, what, act, where)
 
 
 def world_all_gather(value: Any) -> list[Any]:

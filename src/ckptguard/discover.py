@@ -32,7 +32,6 @@ HF_ROOT, LIGHTNING_ROOT, ACCELERATE_ROOT, DEEPSPEED_ROOT = FRAMEWORK_ROOTS
 # The key of a checkpoint's ``metadata=`` that names the framework that saved it; torchtitan's root is
 # the folder itself (no hidden name), so this is how it is recognised.
 FRAMEWORK_KEY = "framework"
-_LEGACY_KEYS = ("torchtitan",)  # metadata written before FRAMEWORK_KEY existed
 _SEARCH_DEPTH = 2  # the given directory's children and grandchildren (a directory of runs)
 
 
@@ -118,9 +117,6 @@ def _framework_of(storage: StorageBackend, directory: str, options: Mapping[str,
         named = meta.get(FRAMEWORK_KEY)
         if isinstance(named, str):
             return named
-        for key in _LEGACY_KEYS:
-            if key in meta:
-                return key
     return None
 
 

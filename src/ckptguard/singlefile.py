@@ -99,10 +99,11 @@ def save_file(obj: Any, path: str | os.PathLike[str], *, group: Any = None, proc
     ``format`` is ``"torch"`` (a ``torch.save`` zip; ``torch.load`` still reads it) or
     ``"safetensors"`` (a flat dict of tensors; the default for a ``.safetensors`` path).
 
-    With ``group=`` (a process group, or ``True`` for all ranks) it is collective, as in
-    earlier releases: every rank of the group calls it with the same path and the lowest
-    rank of each set of ranks sharing the directory writes, after a barrier (so the file
-    is never replaced while another rank still reads the previous version).
+    With ``group=`` (a process group, or ``True`` for all ranks) it is collective: every
+    rank of the group calls it with the same path and the lowest rank of each set of ranks
+    sharing the directory writes, after a barrier (so the file is never replaced while
+    another rank still reads the previous version); a failure is raised on every rank as
+    the same class.
 
     ``s3://bucket/key`` paths work too (an object PUT replaces atomically; with ``group=``,
     rank 0 writes: every rank reaches the same bucket).
@@ -444,11 +445,9 @@ def _save_object(obj: Any, path: str, comm: Comm, fmt: str, algorithm: str) -> N
     if comm.world_size > 1:
         comm.step(f"finish reading the previous version of {path}")
 
-    def write() -> None:
-        if comm.rank == 0:  # one namespace for every rank: one writer
-            storage.replace(target, _serialize(obj, fmt, algorithm, path))
-
-    comm.step(f"save {path}", write, where=path)
+    # One namespace for every rank: rank 0 writes, every rank gets its outcome, an error as the same class.
+    comm.one_rank_acts(f"save {path}", lambda: storage.replace(target, _serialize(obj, fmt, algorithm, path)),
+                       where=path)
 
 
 def _read_object(path: str) -> bytes:

@@ -64,11 +64,12 @@ LEADER_PHASES = frozenset({FaultPhase.BEFORE_PUBLISH, FaultPhase.AFTER_PUBLISH, 
 DAMAGES = ("bitflip", "truncate", "zeros", "delete", "extra")
 KINDS = ("kill_phase", "kill_random", "kill_load", "stale_cache", "corruption", "disk_full",
          "two_jobs", "takeover",
-         # issue 10 (tests/support/campaign_kinds.py)
+         # the lifecycle kinds (tests/support/campaign_kinds.py)
          "kill_overwrite", "kill_rollback", "stop", "reader", "load_state", "restore", "per_rank",
          "async_exit", "hostile")
-#: The kinds issue 10 added; kills and SIGSTOPs among them are counted apart (tools/campaign.py --report).
-NEW_KINDS = KINDS[8:]
+#: Kinds that fault a checkpoint's life beyond one save (overwrite, rollback, stalls, readers, loads, restores,
+#: exits, hostile input); kills and SIGSTOPs among them are counted apart (tools/campaign.py --report).
+LIFECYCLE_KINDS = KINDS[8:]
 KEEP_LAST = 3
 
 _SIGKILLED = re.compile(r"exitcode\s*:\s*-9|Signal 9 \(SIGKILL\)")
@@ -389,9 +390,9 @@ class Campaign:
             self.two_jobs(plan["two_jobs"])
         if plan.get("takeover"):
             self.takeover(plan["takeover"])
-        from . import campaign_kinds as more  # issue 10's kinds (they import this module)
+        from . import campaign_kinds as more  # the lifecycle kinds (they import this module)
 
-        more.run_new_kinds(self, plan)
+        more.run_lifecycle_kinds(self, plan)
         self.report.seconds = time.monotonic() - t0 - self.paused_s
         return self.report
 

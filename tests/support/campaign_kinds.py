@@ -1,4 +1,4 @@
-"""The campaign's fault kinds of issue 10 (the engine's other half; ``campaign.py`` dispatches here).
+"""The campaign's fault kinds beyond kills at save phases (the engine's other half; ``campaign.py`` dispatches here).
 
     kill_overwrite  SIGKILL during ``save(..., overwrite=True)`` on node-local roots (two storage
                     domains): at a named phase (the leader phases aimed at either domain's leader)
@@ -437,8 +437,8 @@ def _tmp(c: Campaign, prefix: str) -> Path:
 _ = FaultPhase  # the stop points above are its values
 
 
-def run_new_kinds(c: Campaign, plan: dict[str, int]) -> None:
-    """Run the issue-10 kinds of ``plan`` (``Campaign.run`` calls this after the older kinds)."""
+def run_lifecycle_kinds(c: Campaign, plan: dict[str, int]) -> None:
+    """Run the lifecycle kinds of ``plan`` (``Campaign.run`` calls this after the kills at save phases)."""
     if plan.get("kill_overwrite") or plan.get("kill_rollback"):
         ordered_chains(c, plan)
     if plan.get("stop"):

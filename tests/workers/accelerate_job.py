@@ -1,7 +1,7 @@
 """A 2-process Accelerate training run on CPU (DDP over gloo), checkpointed through ckptguard or by Accelerate.
 
     torchrun --nproc-per-node 2 accelerate_job.py --project DIR --record PREFIX [--resume] [--default]
-             [--crash-at-save N] [--crash-at-commit N]
+             [--crash-at-save N] [--crash-at-commit N] [--record-load-error]
 
 ProjectConfiguration(automatic_checkpoint_naming=True, total_limit=2); a save every 2 steps of 8.
 Every process appends JSON lines to PREFIX.rank<R>.jsonl: its loss at every step, a digest of
@@ -62,6 +62,8 @@ def main() -> None:
     p.add_argument("--default", action="store_true", help="Accelerate's own save_state/load_state")
     p.add_argument("--crash-at-save", type=int, default=0, help="rank 0 dies writing optimizer.bin of save N")
     p.add_argument("--crash-at-commit", type=int, default=0, help="rank 0 dies inside ckptguard's commit of save N")
+    p.add_argument("--record-load-error", action="store_true",
+                   help="a resume whose load_state raises records the exception's class and message, and stops")
     a = p.parse_args()
     config = ProjectConfiguration(project_dir=a.project, automatic_checkpoint_naming=True, total_limit=2)
     cls = Accelerator if a.default else CkptguardAccelerator
@@ -82,7 +84,13 @@ def main() -> None:
 
     start = 0
     if a.resume:
-        iteration = accelerator.load_state()  # default: the highest-numbered folder; ckptguard: newest committed
+        try:
+            iteration = accelerator.load_state()  # default: the highest-numbered folder; ckptguard: newest committed
+        except Exception as e:
+            if not a.record_load_error:
+                raise
+            record(kind="load_error", error=type(e).__name__, message=str(e))
+            return
         if iteration is None:  # Accelerate's own returns nothing: it loaded the folder before save_iteration
             iteration = int(sorted(os.listdir(os.path.join(a.project, "checkpoints")),
                                    key=lambda n: int(n.split("_")[-1]))[-1].split("_")[-1])

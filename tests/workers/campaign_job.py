@@ -201,7 +201,7 @@ def load_and_check(ck: Checkpointer, st: State, step: int | None, what: str, **t
         try:
             got = ck.load(state, step=step, files=files)
         except CheckpointError as e:
-            # Every failed load, in every scenario: the caller's state must be as it was (issue 10).
+            # Every failed load, in every scenario: the caller's state must be as it was.
             result(event="failed-load", what=what, step=step, error=type(e).__name__,
                    untouched=_digest_state(state, files) == before, **tags)
             raise
@@ -683,7 +683,7 @@ def scenario_recreate(args: argparse.Namespace) -> None:
     ck.close()
 
 
-# -- issue 10's fault kinds ------------------------------------------------------------------------
+# -- the lifecycle fault kinds (tests/support/campaign_kinds.py) ----------------------------------
 
 
 def restart_ordered(ck: Checkpointer, st: State, gen: int) -> int:

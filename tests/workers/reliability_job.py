@@ -1,4 +1,4 @@
-"""Worker for tests/test_reliability.py: the scenarios of issue 10 that need real processes.
+"""Worker for tests/test_reliability.py: the scenarios that need real processes.
 
 Runs under torchrun (multi-domain scenarios) or as a plain single-process job
 (the lease scenarios: one job = one process, SIGSTOPped by the fault hook).
@@ -43,7 +43,7 @@ def dirs(root: str) -> list[str]:
 
 
 def scenario_overwrite_crash(args: argparse.Namespace) -> None:
-    """Hole 1, first job: committed {90, 100}, then save(100, overwrite=True) with a fault armed."""
+    """Overwrite crash, first job: committed {90, 100}, then save(100, overwrite=True) with a fault armed."""
     ck = ckptguard.Checkpointer(args.root)
     ck.save(90, state_of(90))
     ck.save(100, state_of(100))
@@ -55,7 +55,7 @@ def scenario_overwrite_crash(args: argparse.Namespace) -> None:
 
 
 def scenario_overwrite_resume(args: argparse.Namespace) -> None:
-    """Hole 1, the restart: step 100 must load (the old version), and the next save cleans up."""
+    """Overwrite crash, the restart: step 100 must load (the old version), and the next save cleans up."""
     ck = ckptguard.Checkpointer(args.root)
     steps_at_start = ck.steps()
     out = {"w": torch.zeros(64), "v": torch.zeros(8, dtype=torch.long)}
@@ -68,7 +68,7 @@ def scenario_overwrite_resume(args: argparse.Namespace) -> None:
 
 
 def scenario_stall_holder(args: argparse.Namespace) -> None:
-    """Hole 8, job A: commits, then stalls (SIGSTOP) at the armed phase; resumed after a takeover."""
+    """Stalled job, job A: commits, then stalls (SIGSTOP) at the armed phase; resumed after a takeover."""
     ck = ckptguard.Checkpointer(args.root, keep_last=1, lease_ttl_s=args.lease_ttl)
     ck.save(1, state_of(1))
     ck.save(2, state_of(2))
@@ -87,7 +87,7 @@ def scenario_stall_holder(args: argparse.Namespace) -> None:
 
 
 def scenario_taker(args: argparse.Namespace) -> None:
-    """Hole 8, job B: takes the root over from the stalled job, commits, then stalls inside a save."""
+    """Stalled job, job B: takes the root over from the stalled job, commits, then stalls inside a save."""
     ck = ckptguard.Checkpointer(args.root, keep_last=2, lease_ttl_s=args.lease_ttl, lease_wait_s=60)
     out = {"w": torch.zeros(64), "v": torch.zeros(8, dtype=torch.long)}
     loaded = ck.load(out)

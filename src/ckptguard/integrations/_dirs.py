@@ -17,11 +17,11 @@ import os
 import shutil
 import uuid
 from collections.abc import Callable
-from typing import Any
 
 from ckptguard.checkpointer import Checkpointer
-from ckptguard.errors import CheckpointError, StepNotFoundError
-from ckptguard.storage.fileio import fsync_dir, makedirs_durable
+from ckptguard.errors import StepNotFoundError
+from ckptguard.files import fsync_dir, makedirs_durable
+from ckptguard.ranks import one_rank_acts
 
 FILES_KEY = "checkpoint"
 
@@ -91,28 +91,19 @@ def restore_step(root: str, wanted: int | None, target: str) -> int | None:
         return ck.load({}, step=wanted, files={FILES_KEY: target})
 
 
-def restore_on_every_rank(root: str, tmp: str, is_main: bool, broadcast: Callable[[Any], Any],
+def restore_on_every_rank(root: str, tmp: str, is_main: bool,
                           restore_on_main: Callable[[str], tuple[int, str] | None],
                           what: str = "load from") -> tuple[int, str] | None:
     """Restore one committed step into ``tmp/<name>`` on every rank; (step, that directory), or None
-    if the root holds none.
+    if the root holds none. Collective over the default process group; ``is_main``: this is its rank 0.
 
     The main process decides: ``restore_on_main(dest)`` restores into ``dest`` and returns the step
     and the directory name the framework expects (falling back past a corrupt newest step). Every
-    rank learns the decision (or the main process's error, raised by all), the main process
-    renames its copy, the others restore the same step, verified.
+    rank learns the decision, or raises the main process's error as the same class; the main
+    process renames its copy, the others restore the same step, verified.
     """
-    found: tuple[int, str] | None = None
-    error: str | None = None
     main_copy = os.path.join(tmp, "main")
-    if is_main:
-        try:
-            found = restore_on_main(main_copy)
-        except Exception as e:  # every rank raises it
-            error = f"{type(e).__name__}: {e}"
-    found, error = broadcast((found, error))
-    if error is not None:
-        raise CheckpointError(f"cannot {what} {root}: {error}", path=root)
+    found = one_rank_acts(f"{what} {root}", lambda: restore_on_main(main_copy), where=root)
     if found is None:
         return None
     step, name = found

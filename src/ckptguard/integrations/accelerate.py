@@ -56,10 +56,9 @@ except ImportError as e:  # the framework is an extra
 
 
 from ckptguard.checkpointer import Checkpointer
-from ckptguard.comm import world_broadcast
 from ckptguard.discover import ACCELERATE_ROOT, FRAMEWORK_KEY
-from ckptguard.errors import CheckpointError
 from ckptguard.integrations import _dirs
+from ckptguard.ranks import broadcast, one_rank_acts
 
 log = logging.getLogger(__name__)
 
@@ -69,12 +68,6 @@ _NUMBER_AT_END = re.compile(r"(\d+)$")
 
 # One rank-local writer per (accelerator, root): the lease is taken once per job, not per save.
 _WRITERS: dict[tuple[int, str], Checkpointer] = {}
-
-
-def _broadcast(accelerator: Accelerator, value: Any) -> Any:
-    if accelerator.num_processes <= 1:
-        return value
-    return world_broadcast(value)
 
 
 def _where(accelerator: Accelerator, output_dir: str | os.PathLike[str] | None,
@@ -134,7 +127,7 @@ def save_state(accelerator: Accelerator, output_dir: str | os.PathLike[str] | No
     """
     base, name, s, home = _where(accelerator, output_dir, step)
     staging_root = os.path.join(home, STAGING_NAME)
-    attempt = _broadcast(accelerator, uuid.uuid4().hex[:12])
+    attempt = broadcast(uuid.uuid4().hex[:12])
     staging = os.path.join(staging_root, f"{name}.{attempt}", name)
     pc = accelerator.project_configuration
     automatic = pc.automatic_checkpoint_naming
@@ -144,26 +137,20 @@ def save_state(accelerator: Accelerator, output_dir: str | os.PathLike[str] | No
     finally:
         pc.automatic_checkpoint_naming = automatic
     accelerator.wait_for_everyone()  # every process's files are in staging
-    error: str | None = None
-    if accelerator.is_main_process:
-        try:
-            ck = _writer(accelerator, home, dict(checkpointer_options or {}))
-            ck.save(s, {"accelerate": {"folder": name}}, files={_dirs.FILES_KEY: staging},
-                    overwrite=s in ck.steps(),
-                    metadata={FRAMEWORK_KEY: "accelerate", "folder": name})  # the step is Accelerate's iteration
-            if publish:
-                _dirs.publish(base, staging, name, staging_root)
-            if automatic:  # Accelerate's total_limit, after the commit
-                _dirs.rotate(ck, pc.total_limit, set(), base, {x: f"checkpoint_{x}" for x in ck.steps()},
-                             staging_root)
-            _dirs.clear_staging(staging_root)
-        except Exception as e:
-            error = f"{type(e).__name__}: {e}"
-            log.exception("ckptguard: committing %s failed", name)
-    error = _broadcast(accelerator, error)
-    if error is not None:
-        raise CheckpointError(f"saving {name} to {checkpoint_root(home)} failed on the main process: {error}",
-                              path=checkpoint_root(home))
+
+    def commit() -> None:
+        ck = _writer(accelerator, home, dict(checkpointer_options or {}))
+        ck.save(s, {"accelerate": {"folder": name}}, files={_dirs.FILES_KEY: staging},
+                overwrite=s in ck.steps(),
+                metadata={FRAMEWORK_KEY: "accelerate", "folder": name})  # the step is Accelerate's iteration
+        if publish:
+            _dirs.publish(base, staging, name, staging_root)
+        if automatic:  # Accelerate's total_limit, after the commit
+            _dirs.rotate(ck, pc.total_limit, set(), base, {x: f"checkpoint_{x}" for x in ck.steps()},
+                         staging_root)
+        _dirs.clear_staging(staging_root)
+
+    one_rank_acts(f"save {name} to {checkpoint_root(home)}", commit, where=checkpoint_root(home))
     return os.path.join(base, name)
 
 
@@ -201,8 +188,7 @@ def load_state(accelerator: Accelerator, input_dir: str | os.PathLike[str] | Non
             got = _dirs.restore_step(root, wanted, dest)
             return (got, "checkpoint") if got is not None else None
 
-        restored = _dirs.restore_on_every_rank(root, tmp, accelerator.is_main_process,
-                                               lambda v: _broadcast(accelerator, v), restore_on_main)
+        restored = _dirs.restore_on_every_rank(root, tmp, accelerator.is_main_process, restore_on_main)
         if restored is None:
             if wanted is not None:
                 raise ValueError(f"no committed checkpoint in {root}")

@@ -78,11 +78,11 @@ except ImportError as e:  # the framework is an extra
 
 
 from ckptguard.checkpointer import Checkpointer
-from ckptguard.comm import world_all_gather, world_barrier, world_broadcast
 from ckptguard.discover import DEEPSPEED_ROOT, FRAMEWORK_KEY
 from ckptguard.errors import CheckpointError, PathCollisionError
+from ckptguard.files import replace_file, replacing
 from ckptguard.integrations import _dirs
-from ckptguard.storage.fileio import fsync_dir, replace_file, unique_tmp_name, unlink_quietly
+from ckptguard.ranks import all_gather, barrier, broadcast, one_rank_acts
 
 log = logging.getLogger(__name__)
 
@@ -93,14 +93,6 @@ _NUMBER_AT_END = re.compile(r"(\d+)$")
 
 def _rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-
-
-def _broadcast(value: Any) -> Any:
-    return world_broadcast(value)
-
-
-def _barrier() -> None:
-    world_barrier()
 
 
 class CkptguardCheckpointEngine(CheckpointEngine):  # type: ignore[misc]
@@ -145,7 +137,7 @@ class CkptguardCheckpointEngine(CheckpointEngine):  # type: ignore[misc]
         ``save_checkpoint`` as its ``save_dir``, so that everything DeepSpeed writes for the tag lands in
         ``<attempt>/<tag>``, its NVMe-offload copy too (a ``copytree`` that bypasses the engine)."""
         save_dir = os.path.abspath(save_dir)
-        attempt = os.path.join(save_dir, STAGING_NAME, f"{tag}.{_broadcast(uuid.uuid4().hex[:12])}")
+        attempt = os.path.join(save_dir, STAGING_NAME, f"{tag}.{broadcast(uuid.uuid4().hex[:12])}")
         self._begun = (save_dir, tag, attempt)
         return attempt
 
@@ -156,7 +148,7 @@ class CkptguardCheckpointEngine(CheckpointEngine):  # type: ignore[misc]
             save_dir, tag, attempt = begun
         else:  # DeepSpeed's own call (save_16bit_model) or its save_checkpoint without install's wrapper
             save_dir, tag = os.path.abspath(info.save_dir), str(info.tag)
-            attempt = os.path.join(save_dir, STAGING_NAME, f"{tag}.{_broadcast(uuid.uuid4().hex[:12])}")
+            attempt = os.path.join(save_dir, STAGING_NAME, f"{tag}.{broadcast(uuid.uuid4().hex[:12])}")
         self._save_dir, self._tag, self._staging = save_dir, tag, os.path.join(attempt, tag)
         os.makedirs(self._staging, exist_ok=True)
 
@@ -198,18 +190,9 @@ class CkptguardCheckpointEngine(CheckpointEngine):  # type: ignore[misc]
         if save_dir is None or tag is None or staging is None:
             raise CheckpointError("commit without create: the checkpoint engine was installed mid-save")
         try:
-            _barrier()  # every rank's files are in staging
-            error: str | None = None
-            if _rank() == 0:
-                try:
-                    self._commit_on_rank0(save_dir, tag, staging)
-                except Exception as e:  # every rank raises it
-                    error = f"{type(e).__name__}: {e}"
-                    log.exception("ckptguard: committing tag %s failed", tag)
-            error = _broadcast(error)
-            if error is not None:
-                raise CheckpointError(f"committing DeepSpeed tag {tag} to {os.path.join(save_dir, ROOT_NAME)} "
-                                      f"failed on rank 0: {error}", path=save_dir)
+            barrier()  # every rank's files are in staging
+            one_rank_acts(f"commit DeepSpeed tag {tag} to {os.path.join(save_dir, ROOT_NAME)}",
+                          lambda: self._commit_on_rank0(save_dir, tag, staging), where=save_dir)
             return True
         finally:
             self._save_dir = self._tag = self._staging = None
@@ -251,17 +234,8 @@ class CkptguardCheckpointEngine(CheckpointEngine):  # type: ignore[misc]
 def _save_replacing(state_dict: Any, path: str) -> None:
     """torch.save to a temporary file beside ``path``, fsync, then rename over it: readers see the old
     file or the new one, never a torn one."""
-    tmp = unique_tmp_name(path)
-    try:
-        with open(tmp, "xb") as f:
-            torch.save(state_dict, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        unlink_quietly(tmp)
-        raise
-    fsync_dir(os.path.dirname(os.path.abspath(path)))
+    with replacing(path) as f:
+        torch.save(state_dict, f)
 
 
 def _step_of_tag(ck: Checkpointer, tag: str) -> int | None:
@@ -301,7 +275,7 @@ def _refuse_shared_offload_dirs(engine: Any, tag: str) -> None:
     from deepspeed.checkpoint.ds_to_universal import dp_index_to_str  # type: ignore[import-untyped]
 
     rank = engine.local_rank if engine.use_node_local_storage() else engine.global_rank
-    names = world_all_gather("rank" + dp_index_to_str(rank))
+    names = all_gather("rank" + dp_index_to_str(rank))
     for name in sorted(set(names)):
         ranks = [r for r, n in enumerate(names) if n == name]
         if len(ranks) > 1:
@@ -341,13 +315,13 @@ def install(engine: Any, *, publish: bool = True, restore_dir: str | None = None
         try:
             tag_name = None if tag is None else str(tag)
             restored = _dirs.restore_on_every_rank(
-                root, tmp, _rank() == 0, _broadcast, lambda dest: _restore_on_rank0(root, tag_name, dest))
+                root, tmp, _rank() == 0, lambda dest: _restore_on_rank0(root, tag_name, dest))
             if restored is None:
                 log.warning("ckptguard: no committed checkpoint in %s", root)
                 return None, None
             found_tag = os.path.basename(restored[1])
             path, client_state = load_checkpoint(tmp, tag=found_tag, **kwargs)
-            _barrier()
+            barrier()
             if path is not None:  # where DeepSpeed read it -> where the user sees it
                 path = os.path.join(load_dir, os.path.relpath(path, tmp))
             return path, client_state

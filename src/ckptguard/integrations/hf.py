@@ -59,9 +59,9 @@ except ImportError as e:  # the framework is an extra
 
 
 from ckptguard.checkpointer import Checkpointer
-from ckptguard.comm import world_broadcast
 from ckptguard.discover import FRAMEWORK_KEY, HF_ROOT
 from ckptguard.integrations import _dirs
+from ckptguard.ranks import broadcast, one_rank_acts
 
 log = logging.getLogger(__name__)
 
@@ -105,11 +105,6 @@ class CkptguardTrainer(Trainer):
     def _is_main(self) -> bool:
         return bool(self.args.process_index == 0)
 
-    def _broadcast(self, value: Any) -> Any:
-        if self.args.world_size <= 1:
-            return value
-        return world_broadcast(value)
-
     def _writer(self, run_dir: str) -> Checkpointer:
         root = self.ckptguard_root(run_dir)
         ck = self._ckptguard_writer
@@ -124,7 +119,7 @@ class CkptguardTrainer(Trainer):
         run_dir = self._get_output_dir(trial)
         step = int(self.state.global_step)
         folder = f"{PREFIX_CHECKPOINT_DIR}-{step}"
-        attempt = self._broadcast(uuid.uuid4().hex[:12])  # one staging name for all ranks
+        attempt = broadcast(uuid.uuid4().hex[:12])  # one staging name for all ranks
         staging_run_dir = os.path.join(run_dir, STAGING_NAME, f"{folder}.{attempt}")
         staging = os.path.join(staging_run_dir, folder)
         # Trainer's own save, into staging. Its rotation runs there too, over that one directory: a no-op.
@@ -140,25 +135,28 @@ class CkptguardTrainer(Trainer):
                 self.state.best_model_checkpoint = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{best}")
                 self.state.save_to_json(os.path.join(staging, "trainer_state.json"))
         self.accelerator.wait_for_everyone()  # every rank's files are in staging
-        if self._is_main():
-            ck = self._writer(run_dir)
-            ours = step in ck.steps()
-            visible = os.path.join(run_dir, folder)
-            # A complete checkpoint plain Trainer wrote (a run switched to ckptguard) is the user's: never replaced.
-            theirs = not ours and os.path.isfile(os.path.join(visible, "trainer_state.json"))
-            ck.save(step, {"hf": {"folder": folder, "world_size": int(self.args.world_size)}},
-                    files={_dirs.FILES_KEY: staging}, overwrite=ours,
-                    metadata={FRAMEWORK_KEY: "transformers", "folder": folder, "global_step": step,
-                              **({"epoch": float(self.state.epoch)} if self.state.epoch is not None else {})})
-            # Committed: now Trainer and the user may see it, and only now may old ones go.
-            if theirs:
-                log.warning("ckptguard: %s was written by plain Trainer, not ckptguard: kept as it is; step %d is "
-                            "committed in %s but not published over it", visible, step, self.ckptguard_root(run_dir))
-            elif self.ckptguard_publish:
-                _dirs.publish(run_dir, staging, folder, os.path.join(run_dir, STAGING_NAME))
-            self._rotate_committed(run_dir)
-            _dirs.clear_staging(os.path.join(run_dir, STAGING_NAME))
-        self.accelerator.wait_for_everyone()
+        one_rank_acts(f"commit {folder} to {self.ckptguard_root(run_dir)}",
+                      lambda: self._commit_on_main(run_dir, step, folder, staging), where=run_dir)
+
+    def _commit_on_main(self, run_dir: str, step: int, folder: str, staging: str) -> None:
+        """Commit the staged checkpoint as ``step``, then publish it and rotate old ones out (the main process)."""
+        ck = self._writer(run_dir)
+        ours = step in ck.steps()
+        visible = os.path.join(run_dir, folder)
+        # A complete checkpoint plain Trainer wrote (a run switched to ckptguard) is the user's: never replaced.
+        theirs = not ours and os.path.isfile(os.path.join(visible, "trainer_state.json"))
+        ck.save(step, {"hf": {"folder": folder, "world_size": int(self.args.world_size)}},
+                files={_dirs.FILES_KEY: staging}, overwrite=ours,
+                metadata={FRAMEWORK_KEY: "transformers", "folder": folder, "global_step": step,
+                          **({"epoch": float(self.state.epoch)} if self.state.epoch is not None else {})})
+        # Committed: now Trainer and the user may see it, and only now may old ones go.
+        if theirs:
+            log.warning("ckptguard: %s was written by plain Trainer, not ckptguard: kept as it is; step %d is "
+                        "committed in %s but not published over it", visible, step, self.ckptguard_root(run_dir))
+        elif self.ckptguard_publish:
+            _dirs.publish(run_dir, staging, folder, os.path.join(run_dir, STAGING_NAME))
+        self._rotate_committed(run_dir)
+        _dirs.clear_staging(os.path.join(run_dir, STAGING_NAME))
 
     def _rotate_committed(self, run_dir: str) -> None:
         ck = self._writer(run_dir)
@@ -202,11 +200,12 @@ class CkptguardTrainer(Trainer):
                 got = _dirs.restore_step(root, wanted, dest)
                 return (got, f"{PREFIX_CHECKPOINT_DIR}-{got}") if got is not None else None
 
-            restored = _dirs.restore_on_every_rank(root, tmp, self._is_main(), self._broadcast, restore_on_main,
+            restored = _dirs.restore_on_every_rank(root, tmp, self._is_main(), restore_on_main,
                                                    what="resume from")
             if restored is None:
                 if wanted is None and not os.path.isdir(root):
-                    plain = self._broadcast(get_last_checkpoint(run_dir) if self._is_main() else None)  # type: ignore[no-untyped-call]
+                    plain = one_rank_acts(f"look for a plain Trainer checkpoint in {run_dir}",
+                                          lambda: get_last_checkpoint(run_dir))  # type: ignore[no-untyped-call]
                     if plain is not None:  # a run switching to ckptguard: continue it, as plain Trainer would
                         log.warning("ckptguard: no ckptguard checkpoint yet in %s: resuming from %s, a checkpoint "
                                     "plain Trainer wrote (not verified); from now on checkpoints are committed "

@@ -32,14 +32,15 @@ Tested with lightning 2.6.6 (``pip install 'ckptguard[lightning]'``).
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import re
 import shutil
 import threading
 import uuid
 from collections.abc import Mapping
-from typing import Any
+from typing import Annotated, Any
+
+import msgspec
 
 from ckptguard.integrations._extra import missing_extra
 
@@ -51,10 +52,10 @@ except ImportError as e:  # the framework is an extra
 
 
 from ckptguard.checkpointer import Checkpointer
-from ckptguard.comm import world_broadcast
 from ckptguard.discover import FRAMEWORK_KEY, LIGHTNING_ROOT
 from ckptguard.errors import CheckpointError, CorruptCheckpointError
-from ckptguard.storage.fileio import fsync_dir, replace_file
+from ckptguard.files import decode_record, fsync_dir, replace_file
+from ckptguard.ranks import one_rank_acts
 
 ROOT_NAME = LIGHTNING_ROOT
 POINTER_FORMAT = "ckptguard-lightning-pointer"
@@ -74,20 +75,46 @@ def root_for(path: str, root_name: str = ROOT_NAME) -> str:
     return os.path.join(os.path.dirname(os.path.abspath(path)), root_name)
 
 
+#: A pointer is one line of a few short fields; a file bigger than this is not one.
+POINTER_MAX_BYTES = 4096
+
+
+class _Format(msgspec.Struct, frozen=True):
+    """Only the ``format`` field: whether a JSON file is a pointer at all."""
+
+    format: str = ""
+
+
+class Pointer(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
+    """``dirpath/<name>.ckpt``: which step of which root holds the checkpoint of that name."""
+
+    format: str
+    root: str
+    tag: str
+    step: Annotated[int, msgspec.Meta(ge=0)]
+    name: str
+    layout: str | None = None
+
+
 def read_pointer(path: str) -> dict[str, Any] | None:
-    """The pointer at ``path``, or None if ``path`` is not one (e.g. a torch.save file)."""
+    """The pointer at ``path``, or None if ``path`` is not one (e.g. a torch.save file, or JSON of another
+    format). A file of the pointer's format with a field missing or of the wrong type raises
+    MalformedRecordError naming the file and the field."""
     try:
         with open(path, "rb") as f:
-            head = f.read(4096)
+            head = f.read(POINTER_MAX_BYTES + 1)
     except (IsADirectoryError, FileNotFoundError):
         return None
     if not head.startswith(b"{"):
         return None
     try:
-        body = json.loads(head)
-    except (ValueError, RecursionError):  # 4096 bytes at most: the decoder's own limit ends it
+        kind = decode_record(head, _Format, path, max_bytes=POINTER_MAX_BYTES)
+    except CheckpointError:  # not JSON, or too big or too deep for a pointer
         return None
-    return body if isinstance(body, dict) and body.get("format") == POINTER_FORMAT else None
+    if kind.format != POINTER_FORMAT:
+        return None
+    pointer = decode_record(head, Pointer, path, max_bytes=POINTER_MAX_BYTES)
+    return {k: v for k, v in msgspec.structs.asdict(pointer).items() if v is not None}
 
 
 def pointer_at(path: str, *, follow: bool = True) -> dict[str, Any] | None:
@@ -123,13 +150,11 @@ def commit(ck: Checkpointer, path: str, state: Mapping[str, Any], *, publish: bo
     ck.save(step, state, metadata=framework_metadata(name, state))
     before = ck.tag(tag, step)
     if publish:
-        pointer: dict[str, Any] = {"format": POINTER_FORMAT, "root": os.path.relpath(ck.root, os.path.dirname(path)),
-                                   "tag": tag, "step": step, "name": name}
-        if layout is not None:
-            pointer["layout"] = layout
+        pointer = Pointer(format=POINTER_FORMAT, root=os.path.relpath(ck.root, os.path.dirname(path)), tag=tag,
+                          step=step, name=name, layout=layout)
         # The commit point Lightning sees: the pointer appears or changes atomically, once the
         # checkpoint is committed.
-        _publish(path, (json.dumps(pointer) + "\n").encode())
+        _publish(path, msgspec.json.encode(pointer) + b"\n")
     if before is not None and before != step:
         _drop_if_untagged(ck, before)
     return step
@@ -297,12 +322,12 @@ class CkptguardModelParallelStrategy(ModelParallelStrategy):
 
     def _rank0_view(self, filepath: Any, *, follow: bool = True) -> tuple[str, dict[str, Any] | None]:
         """Rank 0's absolute path and the pointer it finds there (``pointer_at``), on every rank."""
-        mine = None
-        if self.is_global_zero:
+
+        def look() -> tuple[str, dict[str, Any] | None]:
             path = os.path.abspath(os.fspath(filepath))
-            mine = (path, pointer_at(path, follow=follow))
-        found: tuple[str, dict[str, Any] | None] = world_broadcast(mine)
-        return found
+            return path, pointer_at(path, follow=follow)
+
+        return one_rank_acts(f"read the checkpoint pointer {filepath}", look)
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
         if storage_options is not None:
@@ -310,7 +335,7 @@ class CkptguardModelParallelStrategy(ModelParallelStrategy):
         rest = {k: v for k, v in checkpoint.items() if k not in _SHARDED_KEYS}
         # One copy of the unsharded rest, rank 0's (Lightning's meta.pt is rank 0's too): a value that
         # differs between ranks (a callback's own state) is not refused as diverging.
-        path, meta = world_broadcast((os.path.abspath(os.fspath(filepath)), rest) if self.is_global_zero else None)
+        path, meta = one_rank_acts(f"save {filepath}", lambda: (os.path.abspath(os.fspath(filepath)), rest))
         state: dict[str, Any] = {"state_dict": checkpoint["state_dict"], "meta": meta}
         for i, optim_state in enumerate(checkpoint.get("optimizer_states", [])):
             state[f"optimizer_{i}"] = optim_state

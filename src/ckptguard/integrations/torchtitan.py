@@ -71,7 +71,7 @@ except ImportError as e:  # the framework is an extra
 from ckptguard.checkpointer import Checkpointer
 from ckptguard.discover import FRAMEWORK_KEY
 from ckptguard.errors import CheckpointError, CorruptCheckpointError
-from ckptguard.protocol.load import falls_back
+from ckptguard.ranks import falls_back
 
 log = logging.getLogger(__name__)
 

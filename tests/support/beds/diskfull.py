@@ -1,7 +1,7 @@
 """A small filesystem that fills up: a size-limited tmpfs mounted in a temp dir.
 
 Why: a checkpoint save that hits ENOSPC halfway must fail cleanly and leave the previous
-checkpoint intact (invariant I6). A tmpfs of a few MiB reaches ENOSPC after a few
+checkpoint intact (the invariant *two-phase commit*, docs/protocol.md). A tmpfs of a few MiB reaches ENOSPC after a few
 writes, is fast and needs no loop device. Needs root (or CAP_SYS_ADMIN); where mounting
 is not permitted the bed is unavailable and tests skip.
 """

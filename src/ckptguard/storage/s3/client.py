@@ -6,8 +6,10 @@ import base64
 import logging
 import os
 import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, fields, replace
-from typing import TYPE_CHECKING, Any, ClassVar, cast
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, cast
 
 import crc32c
 
@@ -157,3 +159,28 @@ class _Clients:
                                         config=config)
                 cls.cache[key] = client
             return client
+
+
+class Bucket(Protocol):
+    """What the write and read streams and the conditional-write probe use of the storage they belong to
+    (:class:`~ckptguard.storage.s3.backend.S3Storage` is the one implementation): they are parts of it,
+    written apart, so its underscored members are theirs too."""
+
+    options: S3Options
+    bucket: str
+    root: str
+    _slots: threading.BoundedSemaphore
+
+    @property
+    def client(self) -> S3Client: ...
+    @property
+    def endpoint(self) -> str: ...
+    def pool(self) -> ThreadPoolExecutor: ...
+    def key(self, path: str) -> str: ...
+    def url(self, key: str) -> str: ...
+    def path(self, *parts: str) -> str: ...
+    def call(self, what: str, path: str, fn: Callable[[], Any]) -> Any: ...
+    def _call(self, what: str, path: str, fn: Callable[[], Any]) -> Any: ...
+    def _translate(self, err: Exception, what: str, path: str) -> BaseException: ...
+    def _head(self, path: str) -> dict[str, Any] | None: ...
+    def abort_upload(self, path: str, upload_id: str) -> None: ...

@@ -7,18 +7,21 @@ from __future__ import annotations
 import logging
 import uuid
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ckptguard.errors import CheckpointError, UnsupportedStorageError
-from ckptguard.storage.s3.client import _PRECONDITION_CODES, _code, _crc32c_b64, _is_client_error
-
-if TYPE_CHECKING:
-    from ckptguard.storage.s3.backend import S3Storage
+from ckptguard.storage.s3.client import (
+    _PRECONDITION_CODES,
+    Bucket,
+    _code,
+    _crc32c_b64,
+    _is_client_error,
+)
 
 log = logging.getLogger("ckptguard")
 
 
-def probe_conditional_writes(storage: S3Storage) -> BaseException | None:
+def probe_conditional_writes(storage: Bucket) -> BaseException | None:
     """Does this store honour If-None-Match and If-Match on PUT and If-None-Match on completion?"""
     key = storage.key(storage.path(".ckptguard", "probe", f"conditional-{uuid.uuid4().hex}"))
     c = storage.client

@@ -27,6 +27,7 @@ from ckptguard.storage.s3.client import (
     _MAX_PARTS,
     _PRECONDITION_CODES,
     _WRITER_META,
+    Bucket,
     _body,
     _code,
     _crc32c_b64,
@@ -34,10 +35,6 @@ from ckptguard.storage.s3.client import (
 )
 
 log = logging.getLogger("ckptguard")
-
-
-if TYPE_CHECKING:
-    from ckptguard.storage.s3.backend import S3Storage
 
 
 class S3WriteStream:
@@ -48,7 +45,7 @@ class S3WriteStream:
     memory at once: ``write`` waits for a free slot.
     """
 
-    def __init__(self, storage: S3Storage, path: str, exclusive: bool) -> None:
+    def __init__(self, storage: Bucket, path: str, exclusive: bool) -> None:
         self.storage = storage
         self.path = path
         self.key = storage.key(path)
@@ -205,7 +202,7 @@ class S3WriteStream:
 class S3ReadHandle:
     """An object read by ranges: large reads are split and fetched in parallel into the caller's buffers."""
 
-    def __init__(self, storage: S3Storage, path: str, size: int) -> None:
+    def __init__(self, storage: Bucket, path: str, size: int) -> None:
         self.storage = storage
         self.path = path
         self._size = size
