@@ -72,7 +72,7 @@ def agreed_listing(listings: list[DomainListing | None]) -> Listing:
 
     For each step, the newest version present in *every* domain: an overwrite that
     published in some domains and crashed before publishing in the others leaves the
-    old version agreed (hole 1 of issue 10), never the step dropped.
+    old version agreed, never the step dropped (*committed is immutable*).
     """
     views = [x for x in listings if x is not None]
     if not views:
