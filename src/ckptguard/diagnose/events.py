@@ -36,6 +36,8 @@ MAX_FRAMES = 12
 MAX_FINGERPRINTS = 4096
 TRACEBACK_FORCE = 60  # lines read unconditionally after a traceback line
 OWNER_LINES = 400  # how far a launcher's "process N terminated with the following error" reaches
+ANNOUNCE_LINES = 60  # how far before a cut traceback a line announcing its operation counts
+_WINDOWS_PATH = re.compile(r"^[A-Za-z]:\\")
 
 _NCCL_RE = re.compile(r"^(?P<host>[\w.\-]+):(?P<pid>\d+):(?P<tid>\d+) \[(?P<dev>\d+)\] (?:[\w/.\-]+:\d+ )?NCCL (?P<lvl>[A-Z]+) ?(?P<msg>.*)$")
 _NCCL_TRACE_RE = re.compile(r":\d+ -> [1-9]\d*\s*$")  # NCCL's error trace: file:line -> non-zero code
@@ -85,7 +87,8 @@ def _clip(text: str) -> str:
 
 def _op_lines(op: Operation, lines: list[tuple[str, Evidence]]) -> list[Evidence]:
     """The frame and source lines that show the operation (the innermost two), for evidence."""
-    hits = [ev for text, ev in lines if op.frames.search(text)]
+    frames = op.frames
+    hits = [ev for text, ev in lines if frames is not None and frames.search(text)]
     if not hits:  # a rule that needs several lines together: the innermost source line
         hits = [ev for text, ev in lines if ":" not in text or " " in text][-1:]
     return hits[-2:]
@@ -137,6 +140,10 @@ class Extractor(LauncherLines):
         self._pending: _Pending | None = None
         self._lineno = 0
         self._owner: dict[tuple[int | None, int | None], tuple[int, int]] = {}  # key -> (rank, until line)
+        self.latest_ts: float | None = None  # the log's latest own date
+        self._announced: tuple[Operation, int, int, Evidence] | None = None  # op, source, line, evidence
+        self.memory_line: tuple[int, int] | None = None  # (source, line) of the last memory figures
+        self.deliberate = False  # the log shows a deliberate stop (Ctrl-C, SIGTERM first, a timeout)
 
     # ---- per source ---------------------------------------------------------------------
     def begin_source(self, source: Source) -> None:
@@ -191,6 +198,8 @@ class Extractor(LauncherLines):
         ts, self._year = parse_timestamp(prefix.lead + rest, self._year)
         if ts is not None:
             self._last_ts[key] = ts
+            if self.latest_ts is None or ts > self.latest_ts:
+                self.latest_ts = ts
         ev = Evidence(self._src, lineno, _clip(text), rank)
         if self._pending is not None and self._flush_pending(rest):
             return self._pending_force()
@@ -274,6 +283,17 @@ class Extractor(LauncherLines):
 
     def _facts(self, rest: str, rank: int | None, ev: Evidence) -> None:
         """Facts for the cross-rank rules: checkpoint paths, world size, fingerprints, reports."""
+        for op in self.rules.operations:
+            if op.announce is not None and any(a in rest for a in op.announce_anchors) \
+                    and op.announce.search(rest):
+                self._announced = (op, self._src, ev.line, ev)
+                break
+        silent = self.rules.silent_exit
+        if silent is not None:
+            if any(a in rest for a in silent.memory_anchors) and silent.memory.search(rest):
+                self.memory_line = (self._src, ev.line)
+            if any(a in rest for a in silent.deliberate_anchors) and silent.deliberate.search(rest):
+                self.deliberate = True
         race = self.rules.race
         if rank is not None and len(self.saves) < 10_000:
             sm = race.announce.search(rest)
@@ -422,12 +442,27 @@ class Extractor(LauncherLines):
         op = self._operation(frames, code)
         if op is not None:
             evidence += [e for e in _op_lines(op, list(tb.lines)) if e not in evidence]
+        basis = []
+        if op is None and self._announced is not None:
+            # the frames show nothing known: the operation the log announced just before
+            aop, asrc, aline, aev = self._announced
+            if asrc == self._src and 0 <= tb.start.line - aline <= ANNOUNCE_LINES:
+                op = aop
+                evidence.append(aev)
+                basis.append(f"line {aline} announced it")
         if rank is None:
             rank, via = self._spawn_rank(key, via)
-        match = Match(op.class_for(rank), op.weight) if op else Match("python_exception", 0.3)
-        self._emit(EventKind.CUT, [match], evidence, rank, via, ts_key=key,
-                   exc_type="traceback cut before its exception line", frames=frames,
-                   code=code, operation=op.name if op else None)
+        match = Match("python_exception", 0.3)
+        if op is not None:
+            cls, why = op.decide(rank, latest=self.latest_ts,
+                                 windows=any(_WINDOWS_PATH.match(f) for f in frames))
+            match = Match(cls, op.weight)
+            basis += [why] if why else []
+        event = self._emit(EventKind.CUT, [match], evidence, rank, via, ts_key=key,
+                           exc_type="traceback cut before its exception line", frames=frames,
+                           code=code, operation=op.name if op else None)
+        if event is not None:
+            event.operation_basis = "; ".join(basis)
 
     def _spawn_rank(self, key: tuple[int | None, int | None], via: RankSource) -> tuple[int | None, RankSource]:
         """The process that a launcher named as the owner of the traceback that followed."""
@@ -484,7 +519,7 @@ class Extractor(LauncherLines):
             # nothing specific: what was being done decides
             op = self._operation(frames, code, exc=f"{etype}: {msg}")
             if op is not None:
-                cls = op.class_for(rank)
+                cls = op.class_for(rank, windows=any(_WINDOWS_PATH.match(f) for f in frames))
                 best = {c: min(w, op.weight * 0.9) for c, w in best.items()}  # kept as alternatives
                 best[cls] = op.weight
                 op_name = op.name

@@ -112,6 +112,7 @@ class Event:
     frames: list[str] = field(default_factory=list)
     code: list[str] = field(default_factory=list)
     operation: str | None = None  # what the frames show was being done, when that decided the class
+    operation_basis: str = ""  # why that operation's failure is this class, beyond its frames
     blames: int | None = None  # the rank that this error's own message says failed first
 
     @property
