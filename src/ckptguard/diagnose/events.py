@@ -543,6 +543,8 @@ class Extractor(LauncherLines):
             return None
         if rank is None:
             rank, via = self._rank_hint(message or evidence[0].text, via)
+        if rank is None and message:  # the record around an embedded exception names its writer
+            rank, via = self._rank_hint(evidence[0].text, via)
         best = matches[0]
         ck = (rank, best.class_id)
         self.counts[ck] = self.counts.get(ck, 0) + 1

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import re
 import tomllib
+from collections.abc import Container
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from ckptguard.diagnose.ingest import parse_timestamp
-from ckptguard.diagnose.kb import KBError, KnowledgeBase
+from ckptguard.diagnose.schema import KBError
 
 
 @dataclass(frozen=True)
@@ -225,14 +226,14 @@ def _date(value: object, where: str) -> float:
     return ts
 
 
-def _need(kb: KnowledgeBase, cls: str, where: str) -> str:
+def _need(kb: Container[str], cls: str, where: str) -> str:
     if cls not in kb:
         raise KBError(f"_rules.toml {where}: unknown class {cls!r}")
     return cls
 
 
-def parse_rules(data: dict[str, object], kb: KnowledgeBase) -> Rules:
-    """Validate the rules against the KB's classes and compile their regexes."""
+def parse_rules(data: dict[str, object], kb: Container[str]) -> Rules:
+    """Validate the rules against the KB's class ids and compile their regexes."""
     d: dict = data  # type: ignore[type-arg]
     try:
         signals = {}
@@ -315,7 +316,7 @@ def parse_rules(data: dict[str, object], kb: KnowledgeBase) -> Rules:
         raise KBError(f"_rules.toml: missing or malformed entry: {exc!r}") from exc
 
 
-def load_rules(path: Path, kb: KnowledgeBase) -> Rules:
+def load_rules(path: Path, kb: Container[str]) -> Rules:
     """Read and validate ``_rules.toml``."""
     with path.open("rb") as f:
         try:
