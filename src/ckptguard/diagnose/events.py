@@ -307,6 +307,9 @@ class Extractor(LauncherLines):
             if fm:
                 self.fingerprints.append(({k: v for k, v in fm.groupdict().items() if v}, ev))
         prog = self.rules.progress
+        if prog is not None and self._announced is not None and any(a in rest for a in self.rules.progress_anchors) \
+                and prog.search(rest):
+            self._announced = None  # steps are running: the announced operation is over
         if prog is not None and len(self.progress) < MAX_FINGERPRINTS and any(a in rest for a in self.rules.progress_anchors):
             for pm in prog.finditer(rest):
                 cur, total = int(pm.group("cur")), int(pm.group("total"))
