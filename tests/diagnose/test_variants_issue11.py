@@ -28,6 +28,8 @@ def test_variant(name: str) -> None:
         assert (d.failure_class, d.initiating_rank) == (want["class"], None if rank == -1 else rank), \
             (d.failure_class, d.initiating_rank, d.rank_attribution)
         assert d.evidence and d.root_cause and d.fix
+    if "kind" in want:
+        assert d.kind == want["kind"], (d.failure_class, d.kind)
     if "operation" in want:
         assert any(f"was being done: {want['operation']}." in n for n in d.notes), d.notes
     if "max_confidence" in want:

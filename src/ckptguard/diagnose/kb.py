@@ -70,6 +70,15 @@ class FailureClass:
     references: tuple[str, ...] = ()
     signatures: tuple[Signature, ...] = field(default=(), repr=False)
     unproven: Unproven | None = None
+    #: The class of the users' taxonomy that this finer class belongs to (None: its own family).
+    #: Users file an argparse error or a missing module under the generic exception, a lost peer
+    #: under the network error: the report answers the family and keeps this class as its kind.
+    family: str | None = None
+
+    @property
+    def family_id(self) -> str:
+        """The class the report answers for this one (itself unless it declares a family)."""
+        return self.family or self.id
 
     def as_dict(self) -> dict[str, object]:
         """The entry as plain data (for `explain --json`)."""
@@ -81,7 +90,7 @@ class FailureClass:
             "affected": list(self.affected), "confirm": list(self.confirm),
             "fix": self.fix.strip(), "prevention": list(self.prevention),
             "verify_command": self.verify_command, "related": list(self.related),
-            "references": list(self.references),
+            "references": list(self.references), "family": self.family_id,
             "signatures": [
                 {"on": s.on, "pattern": s.pattern.pattern, "anchor": s.anchor, "weight": s.weight,
                  "context": s.context.pattern if s.context else None}
@@ -116,6 +125,10 @@ class KnowledgeBase:
 
     def __contains__(self, class_id: object) -> bool:
         return class_id in self.classes
+
+    def family(self, class_id: str) -> str:
+        """The users' class that ``class_id`` is answered as (see ``FailureClass.family``)."""
+        return self.classes[class_id].family_id
 
     @property
     def rules(self) -> Rules:
@@ -186,6 +199,7 @@ def parse_class(data: dict[str, object] | ClassEntry, where: str) -> FailureClas
         fix=entry.fix, prevention=tuple(entry.prevention), verify_command=entry.verify_command,
         related=tuple(entry.related), weak=entry.weak, checkpointer_prevents=entry.checkpointer_prevents,
         references=tuple(entry.references), signatures=tuple(sigs), unproven=unproven,
+        family=entry.family,
     )
 
 
@@ -203,6 +217,11 @@ def load_kb_dir(directory: Path) -> KnowledgeBase:
         unknown = [r for r in fc.related if r not in classes]
         if unknown:
             raise KBError(f"{fc.id}.toml: related classes {unknown} do not exist")
+        if fc.family is not None:
+            fam = classes.get(fc.family)
+            if fam is None or fam.family is not None or fam.id == fc.id:
+                raise KBError(f"{fc.id}.toml: family {fc.family!r} must be another class of the KB that "
+                              "declares no family of its own")
     if "python_exception" not in classes:
         raise KBError("the KB needs the fallback class python_exception")
     rules_path = directory / "_rules.toml"

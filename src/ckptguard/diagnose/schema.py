@@ -60,6 +60,7 @@ class ClassEntry(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     related: list[str]
     weak: bool = False
     checkpointer_prevents: bool = False
+    family: str | None = None
     references: list[str] = []
     signatures: list[SignatureEntry] = []
     unproven: UnprovenEntry | None = None
