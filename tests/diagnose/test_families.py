@@ -52,7 +52,7 @@ def test_a_family_must_be_a_class_without_family(tmp_path: Path, family: str) ->
     shutil.copytree(KB_DIR, kb_dir)
     target = kb_dir / "config_error.toml"
     target.write_text(target.read_text().replace('family = "python_exception"', f'family = "{family}"'))
-    with pytest.raises(KBError, match="config_error.toml: family"):
+    with pytest.raises(KBError, match=r"config_error\.toml: family"):
         load_kb_dir(kb_dir)
 
 

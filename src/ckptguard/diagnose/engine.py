@@ -104,20 +104,22 @@ def attribute(ex: Extractor, kb: KnowledgeBase) -> Diagnosis:
 
 def _as_families(diag: Diagnosis, kb: KnowledgeBase) -> None:
     """Answer in the users' taxonomy: each class is reported as its family (``family`` in its KB
-    file), the finer class kept as ``kind`` with its own title, root cause and fix. Competing
-    hypotheses of the answer's own family are the same answer; one per family is kept."""
+    file), the finer class kept as ``kind`` with its own title, root cause and fix. A competing
+    hypothesis that is the answer's family itself is the same answer, less specific: dropped;
+    one per (family, kind) is kept."""
     if diag.failure_class is None:
         return
     diag.kind = diag.failure_class
     diag.failure_class = kb.family(diag.kind)
-    best: dict[str, Hypothesis] = {}
+    best: dict[tuple[str, str], Hypothesis] = {}
     for a in diag.alternatives:
         fam = kb.family(a.failure_class) if a.failure_class in kb else a.failure_class
-        if fam == diag.failure_class:
+        if a.failure_class in (diag.failure_class, diag.kind):
             continue
         a.kind, a.failure_class = a.failure_class, fam
-        if fam not in best or best[fam].score < a.score:
-            best[fam] = a
+        key = (fam, a.kind)
+        if key not in best or best[key].score < a.score:
+            best[key] = a
     diag.alternatives = sorted(best.values(), key=lambda h: -h.score)
     for t in diag.timeline:
         t.kind, t.failure_class = t.failure_class, kb.family(t.failure_class)
