@@ -30,6 +30,8 @@ def test_variant(name: str) -> None:
         assert d.evidence and d.root_cause and d.fix
     if "kind" in want:
         assert d.kind == want["kind"], (d.failure_class, d.kind)
+    if "evidence" in want:
+        assert any(str(want["evidence"]) in e.text for e in d.evidence), [e.text for e in d.evidence]
     if "operation" in want:
         assert any(f"was being done: {want['operation']}." in n for n in d.notes), d.notes
     if "max_confidence" in want:

@@ -188,6 +188,7 @@ class Rules:
     confidence: dict[str, float] = field(default_factory=dict)
     rank_factor: dict[str, float] = field(default_factory=dict)
     ordering_factor: dict[str, float] = field(default_factory=dict)
+    same_failure_factor: dict[str, float] = field(default_factory=dict)
 
     def signal_by_name(self, name: str) -> int | None:
         """SIGKILL -> 9 (None for a name the table does not know)."""
@@ -309,6 +310,7 @@ def parse_rules(data: dict[str, object], kb: Container[str]) -> Rules:
             confidence={k: float(v) for k, v in conf.items() if not isinstance(v, dict)},
             rank_factor={k: float(v) for k, v in conf["rank_source"].items()},
             ordering_factor={k: float(v) for k, v in conf["ordering"].items()},
+            same_failure_factor={k: float(v) for k, v in conf.get("same_failure_ordering", {}).items()},
         )
     except (KeyError, TypeError, ValueError) as exc:
         if isinstance(exc, KBError):

@@ -124,6 +124,9 @@ def confidence(att: Attribution, v: Verdict, kb: KnowledgeBase) -> float:
     other = {att.firsts[r].class_id for r in att.also if r in att.firsts} - {init.class_id}
     if other:
         conf *= kb.rules.ordering_factor.get(att.basis.name, 0.8)
+    elif any(att.firsts[r].class_id == init.class_id for r in att.also if r in att.firsts):
+        # several ranks raised the same error: which was first is only as sure as their order
+        conf *= kb.rules.same_failure_factor.get(att.basis.name, 1.0)
     if init.kind == EventKind.EXIT and v.rule == "":
         conf = min(conf, init.weight)
     return round(min(conf, v.cap), 2)
