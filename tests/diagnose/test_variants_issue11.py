@@ -34,6 +34,8 @@ def test_variant(name: str) -> None:
         assert any(str(want["evidence"]) in e.text for e in d.evidence), [e.text for e in d.evidence]
     if "operation" in want:
         assert any(f"was being done: {want['operation']}." in n for n in d.notes), d.notes
+    if "min_confidence" in want:
+        assert d.confidence >= float(want["min_confidence"]), (d.failure_class, d.confidence)  # type: ignore[arg-type]
     if "max_confidence" in want:
         assert not d.found or d.confidence <= float(want["max_confidence"]), (d.failure_class, d.confidence)  # type: ignore[arg-type]
 

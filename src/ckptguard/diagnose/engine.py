@@ -194,6 +194,8 @@ def _collateral_only(diag: Diagnosis, att: Attribution, ex: Extractor, kb: Knowl
                                     c["upgrade_cap"]), 2)
     elif via == RankSource.INFERRED and "only rank" in why:
         diag.confidence = c["single_reporter"]
+    elif via == RankSource.INFERRED and why.startswith("every other rank") and len(reporters.get(seen, ())) >= 3:
+        diag.confidence = c.get("absent_rank", c["collateral_inferred"])
     elif rank is not None:
         diag.confidence = c["collateral_inferred"]
     else:
