@@ -30,6 +30,7 @@ STRUCTURAL_ANCHORS = (
 GENERIC_CLASSES = frozenset({"python_exception", "unclassified_error"})
 _RAISE_NEW = re.compile(r"raise\s+([\w.]+)\(")
 EVIDENCE_CHARS = 400
+REPEAT_LINES = 3  # lines between copies of one announcement printed by several processes
 KEEP_PER_RANK_CLASS = 3
 KEEP_UNATTRIBUTED_PER_CLASS = 20
 MAX_FRAMES = 12
@@ -122,6 +123,9 @@ class Extractor(LauncherLines):
         self.launcher: list[LauncherFailure] = []
         self.sigterm: list[tuple[int, Evidence]] = []
         self.saves: dict[str, dict[int, Evidence]] = {}
+        # an announcement printed again at once with no rank prefix: one per process of the job
+        self.repeated_saves: dict[str, list[Evidence]] = {}
+        self._last_save: tuple[tuple[int, str], int, Evidence] | None = None
         self.fingerprints: list[tuple[dict[str, str], Evidence]] = []
         self.reported_ranks: list[tuple[int, Evidence]] = []
         self.progress: dict[int, dict[int, Evidence]] = {}  # step reached -> total -> first line
@@ -295,10 +299,12 @@ class Extractor(LauncherLines):
             if any(a in rest for a in silent.deliberate_anchors) and silent.deliberate.search(rest):
                 self.deliberate = True
         race = self.rules.race
-        if rank is not None and len(self.saves) < 10_000:
+        if len(self.saves) < 10_000 and (rank is not None or any(a in rest for a in race.anchors)):
             sm = race.announce.search(rest)
-            if sm:
+            if sm and rank is not None:
                 self.saves.setdefault(sm.group("path"), {}).setdefault(rank, ev)
+            elif sm and len(self.repeated_saves) < 10_000:
+                self._repeated_save(sm.group("path"), rest[sm.start():], ev)
         wm = _WORLD_RE.search(rest)
         if wm:
             self.world_size = max(self.world_size, int(wm.group(1)))
@@ -466,6 +472,15 @@ class Extractor(LauncherLines):
                            code=code, operation=op.name if op else None)
         if event is not None:
             event.operation_basis = "; ".join(basis)
+
+    def _repeated_save(self, path: str, said: str, ev: Evidence) -> None:
+        """The same unprefixed announcement again within a few lines: another process saying it
+        (a process announces one save once), so N copies are N writers of that path."""
+        key = (self._src, said)
+        last = self._last_save
+        if last is not None and last[0] == key and 0 < ev.line - last[1] <= REPEAT_LINES:
+            self.repeated_saves.setdefault(path, [last[2]]).append(ev)
+        self._last_save = (key, ev.line, ev)
 
     def _spawn_rank(self, key: tuple[int | None, int | None], via: RankSource) -> tuple[int | None, RankSource]:
         """The process that a launcher named as the owner of the traceback that followed."""

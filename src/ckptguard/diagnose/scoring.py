@@ -73,6 +73,9 @@ def _race(att: Attribution, ex: Extractor, kb: KnowledgeBase, init: Event) -> li
     for path, ranks in ex.saves.items():
         if len(ranks) >= rule.min_ranks and (path in text or os.path.basename(path.rstrip("/")) in text):
             return list(ranks.values())
+    for path, copies in ex.repeated_saves.items():
+        if len(copies) >= rule.min_ranks and (path in text or os.path.basename(path.rstrip("/")) in text):
+            return copies[:8]
     by_path: dict[str, dict[int, Evidence]] = {}
     for e in att.events:
         if e.kind != EventKind.EXCEPTION or e.rank is None:
