@@ -139,7 +139,7 @@ def test_hang_ended_by_the_collective_timeout(tmp_path: Path, job_marker: str) -
     assert res.returncode == 1, res.stderr
     assert time.monotonic() - started < 200
     # A collective that timed out: rank 1 hung and printed nothing; rank 0 waited for it.
-    assert rep["failure_class"] in {"nccl_watchdog_timeout", "peer_connection_lost"}, rep
+    assert rep["failure_class"] in {"nccl_watchdog_timeout", "nccl_network_error"}, rep
     assert rep["initiating_rank"] == 1 and rep["collateral_ranks"] == [0], rep
     assert "PeerError" in json.dumps(rep["evidence"]) or "PeerError" in json.dumps(rep["timeline"])
     assert rep["resume"]["step"] == 1
@@ -532,3 +532,5 @@ def test_what_run_saw_of_the_end_is_evidence_kill9_and_forwarded_sigint(tmp_path
     assert proc.returncode == 128 + signal.SIGINT
     assert "Interrupted: ckptguard run on" in err and "forwarded SIGINT" in err, err
     assert "python_exception" not in err.split("failure", 1)[1].splitlines()[0]
+    # answered in the users' taxonomy: stopped from outside, the launcher's SIGTERM class as the kind
+    assert "failure      scheduler_time_limit (launcher sigterm): Interrupted" in err, err

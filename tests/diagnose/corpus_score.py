@@ -64,7 +64,7 @@ def load_labels(corpus: Path = CORPUS) -> list[Label]:
         if raw.strip():
             d = json.loads(raw)
             out.append(Label(d["file"], d["failure_class"], d["initiating_rank"],
-                             tuple(d["evidence_lines"])))
+                             tuple(d.get("evidence_lines", ()))))
     return out
 
 

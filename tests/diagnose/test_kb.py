@@ -46,3 +46,24 @@ def test_bad_kb_is_refused(tmp_path: Path) -> None:
     (tmp_path / "python_exception.toml").write_text('id = "python_exception"\ntitle = "x"\n')
     with pytest.raises(KBError):
         load_kb_dir(tmp_path)
+
+
+def test_misspelt_key_is_refused_naming_file_and_field(tmp_path: Path) -> None:
+    """A KB file is edited by hand: a misspelt key must stop the engine, not read as a default."""
+    import shutil
+
+    import ckptguard.diagnose
+
+    kb_dir = tmp_path / "kb"
+    shutil.copytree(Path(ckptguard.diagnose.__file__).parent / "kb", kb_dir)
+    target = kb_dir / "python_exception.toml"
+    good = target.read_text()
+    assert "weight = 0.5" in good and "collateral = false" in good
+    target.write_text(good.replace("weight = 0.5", "weigth = 0.5", 1))
+    with pytest.raises(KBError, match=r"python_exception\.toml.*weigth"):
+        load_kb_dir(kb_dir)
+    target.write_text(good.replace("collateral = false", 'collateral = "no"'))
+    with pytest.raises(KBError, match=r"python_exception\.toml.*collateral"):
+        load_kb_dir(kb_dir)
+    target.write_text(good)
+    assert "python_exception" in load_kb_dir(kb_dir)

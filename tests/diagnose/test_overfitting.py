@@ -48,6 +48,9 @@ def rule_texts() -> list[tuple[str, str]]:
                 out.append((f"{fc.id} anchor", s.anchor))
     r = kb.rules
     out += [(f"launcher {x.name}", x.pattern.pattern) for x in r.launchers]
+    if r.silent_exit is not None:
+        out += [("silent exit memory", r.silent_exit.memory.pattern),
+                ("silent exit deliberate", r.silent_exit.deliberate.pattern)]
     out += [("rank hint", x.pattern.pattern) for x in r.rank_hints]
     out += [("rank report", x.pattern.pattern) for x in r.rank_reports]
     out += [("traceback owner", x.pattern) for x in r.traceback_owners]
@@ -57,7 +60,10 @@ def rule_texts() -> list[tuple[str, str]]:
     if r.progress is not None:
         out.append(("desync progress", r.progress.pattern))
     for op in r.operations:
-        out.append((f"operation {op.name}", op.frames.pattern))
+        if op.frames is not None:
+            out.append((f"operation {op.name}", op.frames.pattern))
+        if op.announce is not None:
+            out.append((f"operation {op.name} announce", op.announce.pattern))
         if op.errors is not None:
             out.append((f"operation {op.name} errors", op.errors.pattern))
     return out

@@ -28,8 +28,14 @@ def test_variant(name: str) -> None:
         assert (d.failure_class, d.initiating_rank) == (want["class"], None if rank == -1 else rank), \
             (d.failure_class, d.initiating_rank, d.rank_attribution)
         assert d.evidence and d.root_cause and d.fix
+    if "kind" in want:
+        assert d.kind == want["kind"], (d.failure_class, d.kind)
+    if "evidence" in want:
+        assert any(str(want["evidence"]) in e.text for e in d.evidence), [e.text for e in d.evidence]
     if "operation" in want:
         assert any(f"was being done: {want['operation']}." in n for n in d.notes), d.notes
+    if "min_confidence" in want:
+        assert d.confidence >= float(want["min_confidence"]), (d.failure_class, d.confidence)  # type: ignore[arg-type]
     if "max_confidence" in want:
         assert not d.found or d.confidence <= float(want["max_confidence"]), (d.failure_class, d.confidence)  # type: ignore[arg-type]
 

@@ -179,7 +179,9 @@ def notes(diag: Diagnosis, att: Attribution) -> None:
     if init.kind == EventKind.CUT:
         diag.notes.append("The log is cut before the exception line of this traceback."
                           + (f" The class rests on what its frames show was being done: {init.operation}."
-                             if init.operation else ""))
+                             if init.operation else "")
+                          + (f" ({init.operation_basis}.) It is the most likely failure of that"
+                             " operation, not one the log shows." if init.operation_basis else ""))
     elif init.operation:
         diag.notes.append(f"The exception names no cause of its own; the class rests on what its frames "
                           f"show was being done: {init.operation}.")

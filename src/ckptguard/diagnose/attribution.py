@@ -238,9 +238,15 @@ def _bind(events: list[Event], launcher: list[LauncherFailure], kb: KnowledgeBas
 def exit_event(lf: LauncherFailure, kb: KnowledgeBase) -> Event | None:
     """A process exit as an event: signals map to classes (KB data), plain codes are weak."""
     rules = kb.rules
-    if lf.exitcode is None or lf.exitcode == 0 or (lf.rank is None and lf.rank_reliable):
+    if lf.exitcode == 0 or (lf.exitcode is None and lf.class_id is None) or (lf.rank is None and lf.rank_reliable):
         return None
     code = lf.exitcode
+    if code is None:  # the report is cut before the code; the launcher's words decided the class
+        cls, w = lf.class_id or rules.nonzero_exit[0], lf.weight or 0.5
+        via = RankSource.LAUNCHER if lf.rank is not None else RankSource.NONE
+        return Event(EXIT_SEQ + lf.evidence.line, EventKind.EXIT, cls, w, [Match(cls, w)], [lf.evidence],
+                     lf.rank, via, pid=lf.pid, host=lf.host, ts=lf.time, ts_own=False,
+                     exc_type="exit code cut from the launcher's report", message=lf.signal_note)
     sig = -code if code < 0 else (code - 128 if 128 < code < 160 else None)
     if lf.class_id is not None:
         cls, w = lf.class_id, lf.weight or 0.5

@@ -97,9 +97,32 @@ def attribute(ex: Extractor, kb: KnowledgeBase) -> Diagnosis:
         att.init = max(att.hints, key=lambda h: (h.weight, -h.seq))
         att.init_rank = att.init.rank
         att.basis = OrderingBasis.UNATTRIBUTED
-    if att.init is None:
-        return _collateral_only(diag, att, ex, kb, names)
-    return _answer(diag, att, ex, kb, names)
+    diag = _collateral_only(diag, att, ex, kb, names) if att.init is None else _answer(diag, att, ex, kb, names)
+    _as_families(diag, kb)
+    return diag
+
+
+def _as_families(diag: Diagnosis, kb: KnowledgeBase) -> None:
+    """Answer in the users' taxonomy: each class is reported as its family (``family`` in its KB
+    file), the finer class kept as ``kind`` with its own title, root cause and fix. A competing
+    hypothesis that is the answer's family itself is the same answer, less specific: dropped;
+    one per (family, kind) is kept."""
+    if diag.failure_class is None:
+        return
+    diag.kind = diag.failure_class
+    diag.failure_class = kb.family(diag.kind)
+    best: dict[tuple[str, str], Hypothesis] = {}
+    for a in diag.alternatives:
+        fam = kb.family(a.failure_class) if a.failure_class in kb else a.failure_class
+        if a.failure_class in (diag.failure_class, diag.kind):
+            continue
+        a.kind, a.failure_class = a.failure_class, fam
+        key = (fam, a.kind)
+        if key not in best or best[key].score < a.score:
+            best[key] = a
+    diag.alternatives = sorted(best.values(), key=lambda h: -h.score)
+    for t in diag.timeline:
+        t.kind, t.failure_class = t.failure_class, kb.family(t.failure_class)
 
 
 def _answer(diag: Diagnosis, att: Attribution, ex: Extractor, kb: KnowledgeBase,
@@ -171,6 +194,8 @@ def _collateral_only(diag: Diagnosis, att: Attribution, ex: Extractor, kb: Knowl
                                     c["upgrade_cap"]), 2)
     elif via == RankSource.INFERRED and "only rank" in why:
         diag.confidence = c["single_reporter"]
+    elif via == RankSource.INFERRED and why.startswith("every other rank") and len(reporters.get(seen, ())) >= 3:
+        diag.confidence = c.get("absent_rank", c["collateral_inferred"])
     elif rank is not None:
         diag.confidence = c["collateral_inferred"]
     else:

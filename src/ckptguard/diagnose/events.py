@@ -30,12 +30,15 @@ STRUCTURAL_ANCHORS = (
 GENERIC_CLASSES = frozenset({"python_exception", "unclassified_error"})
 _RAISE_NEW = re.compile(r"raise\s+([\w.]+)\(")
 EVIDENCE_CHARS = 400
+REPEAT_LINES = 3  # lines between copies of one announcement printed by several processes
 KEEP_PER_RANK_CLASS = 3
 KEEP_UNATTRIBUTED_PER_CLASS = 20
 MAX_FRAMES = 12
 MAX_FINGERPRINTS = 4096
 TRACEBACK_FORCE = 60  # lines read unconditionally after a traceback line
 OWNER_LINES = 400  # how far a launcher's "process N terminated with the following error" reaches
+ANNOUNCE_LINES = 60  # how far before a cut traceback a line announcing its operation counts
+_WINDOWS_PATH = re.compile(r"^[A-Za-z]:\\")
 
 _NCCL_RE = re.compile(r"^(?P<host>[\w.\-]+):(?P<pid>\d+):(?P<tid>\d+) \[(?P<dev>\d+)\] (?:[\w/.\-]+:\d+ )?NCCL (?P<lvl>[A-Z]+) ?(?P<msg>.*)$")
 _NCCL_TRACE_RE = re.compile(r":\d+ -> [1-9]\d*\s*$")  # NCCL's error trace: file:line -> non-zero code
@@ -85,7 +88,8 @@ def _clip(text: str) -> str:
 
 def _op_lines(op: Operation, lines: list[tuple[str, Evidence]]) -> list[Evidence]:
     """The frame and source lines that show the operation (the innermost two), for evidence."""
-    hits = [ev for text, ev in lines if op.frames.search(text)]
+    frames = op.frames
+    hits = [ev for text, ev in lines if frames is not None and frames.search(text)]
     if not hits:  # a rule that needs several lines together: the innermost source line
         hits = [ev for text, ev in lines if ":" not in text or " " in text][-1:]
     return hits[-2:]
@@ -119,6 +123,9 @@ class Extractor(LauncherLines):
         self.launcher: list[LauncherFailure] = []
         self.sigterm: list[tuple[int, Evidence]] = []
         self.saves: dict[str, dict[int, Evidence]] = {}
+        # an announcement printed again at once with no rank prefix: one per process of the job
+        self.repeated_saves: dict[str, list[Evidence]] = {}
+        self._last_save: tuple[tuple[int, str], int, Evidence] | None = None
         self.fingerprints: list[tuple[dict[str, str], Evidence]] = []
         self.reported_ranks: list[tuple[int, Evidence]] = []
         self.progress: dict[int, dict[int, Evidence]] = {}  # step reached -> total -> first line
@@ -137,6 +144,10 @@ class Extractor(LauncherLines):
         self._pending: _Pending | None = None
         self._lineno = 0
         self._owner: dict[tuple[int | None, int | None], tuple[int, int]] = {}  # key -> (rank, until line)
+        self.latest_ts: float | None = None  # the log's latest own date
+        self._announced: tuple[Operation, int, int, Evidence] | None = None  # op, source, line, evidence
+        self.memory_line: tuple[int, int] | None = None  # (source, line) of the last memory figures
+        self.deliberate = False  # the log shows a deliberate stop (Ctrl-C, SIGTERM first, a timeout)
 
     # ---- per source ---------------------------------------------------------------------
     def begin_source(self, source: Source) -> None:
@@ -191,6 +202,8 @@ class Extractor(LauncherLines):
         ts, self._year = parse_timestamp(prefix.lead + rest, self._year)
         if ts is not None:
             self._last_ts[key] = ts
+            if self.latest_ts is None or ts > self.latest_ts:
+                self.latest_ts = ts
         ev = Evidence(self._src, lineno, _clip(text), rank)
         if self._pending is not None and self._flush_pending(rest):
             return self._pending_force()
@@ -274,11 +287,24 @@ class Extractor(LauncherLines):
 
     def _facts(self, rest: str, rank: int | None, ev: Evidence) -> None:
         """Facts for the cross-rank rules: checkpoint paths, world size, fingerprints, reports."""
+        for op in self.rules.operations:
+            if op.announce is not None and any(a in rest for a in op.announce_anchors) \
+                    and op.announce.search(rest):
+                self._announced = (op, self._src, ev.line, ev)
+                break
+        silent = self.rules.silent_exit
+        if silent is not None:
+            if any(a in rest for a in silent.memory_anchors) and silent.memory.search(rest):
+                self.memory_line = (self._src, ev.line)
+            if any(a in rest for a in silent.deliberate_anchors) and silent.deliberate.search(rest):
+                self.deliberate = True
         race = self.rules.race
-        if rank is not None and len(self.saves) < 10_000:
+        if len(self.saves) < 10_000 and (rank is not None or any(a in rest for a in race.anchors)):
             sm = race.announce.search(rest)
-            if sm:
+            if sm and rank is not None:
                 self.saves.setdefault(sm.group("path"), {}).setdefault(rank, ev)
+            elif sm and len(self.repeated_saves) < 10_000:
+                self._repeated_save(sm.group("path"), rest[sm.start():], ev)
         wm = _WORLD_RE.search(rest)
         if wm:
             self.world_size = max(self.world_size, int(wm.group(1)))
@@ -287,6 +313,9 @@ class Extractor(LauncherLines):
             if fm:
                 self.fingerprints.append(({k: v for k, v in fm.groupdict().items() if v}, ev))
         prog = self.rules.progress
+        if prog is not None and self._announced is not None and any(a in rest for a in self.rules.progress_anchors) \
+                and prog.search(rest):
+            self._announced = None  # steps are running: the announced operation is over
         if prog is not None and len(self.progress) < MAX_FINGERPRINTS and any(a in rest for a in self.rules.progress_anchors):
             for pm in prog.finditer(rest):
                 cur, total = int(pm.group("cur")), int(pm.group("total"))
@@ -422,12 +451,36 @@ class Extractor(LauncherLines):
         op = self._operation(frames, code)
         if op is not None:
             evidence += [e for e in _op_lines(op, list(tb.lines)) if e not in evidence]
+        basis = []
+        if op is None and self._announced is not None:
+            # the frames show nothing known: the operation the log announced just before
+            aop, asrc, aline, aev = self._announced
+            if asrc == self._src and 0 <= tb.start.line - aline <= ANNOUNCE_LINES:
+                op = aop
+                evidence.append(aev)
+                basis.append(f"line {aline} announced it")
         if rank is None:
             rank, via = self._spawn_rank(key, via)
-        match = Match(op.class_for(rank), op.weight) if op else Match("python_exception", 0.3)
-        self._emit(EventKind.CUT, [match], evidence, rank, via, ts_key=key,
-                   exc_type="traceback cut before its exception line", frames=frames,
-                   code=code, operation=op.name if op else None)
+        match = Match("python_exception", 0.3)
+        if op is not None:
+            cls, why = op.decide(rank, latest=self.latest_ts,
+                                 windows=any(_WINDOWS_PATH.match(f) for f in frames))
+            match = Match(cls, op.weight)
+            basis += [why] if why else []
+        event = self._emit(EventKind.CUT, [match], evidence, rank, via, ts_key=key,
+                           exc_type="traceback cut before its exception line", frames=frames,
+                           code=code, operation=op.name if op else None)
+        if event is not None:
+            event.operation_basis = "; ".join(basis)
+
+    def _repeated_save(self, path: str, said: str, ev: Evidence) -> None:
+        """The same unprefixed announcement again within a few lines: another process saying it
+        (a process announces one save once), so N copies are N writers of that path."""
+        key = (self._src, said)
+        last = self._last_save
+        if last is not None and last[0] == key and 0 < ev.line - last[1] <= REPEAT_LINES:
+            self.repeated_saves.setdefault(path, [last[2]]).append(ev)
+        self._last_save = (key, ev.line, ev)
 
     def _spawn_rank(self, key: tuple[int | None, int | None], via: RankSource) -> tuple[int | None, RankSource]:
         """The process that a launcher named as the owner of the traceback that followed."""
@@ -484,7 +537,7 @@ class Extractor(LauncherLines):
             # nothing specific: what was being done decides
             op = self._operation(frames, code, exc=f"{etype}: {msg}")
             if op is not None:
-                cls = op.class_for(rank)
+                cls = op.class_for(rank, windows=any(_WINDOWS_PATH.match(f) for f in frames))
                 best = {c: min(w, op.weight * 0.9) for c, w in best.items()}  # kept as alternatives
                 best[cls] = op.weight
                 op_name = op.name
@@ -508,6 +561,8 @@ class Extractor(LauncherLines):
             return None
         if rank is None:
             rank, via = self._rank_hint(message or evidence[0].text, via)
+        if rank is None and message:  # the record around an embedded exception names its writer
+            rank, via = self._rank_hint(evidence[0].text, via)
         best = matches[0]
         ck = (rank, best.class_id)
         self.counts[ck] = self.counts.get(ck, 0) + 1

@@ -384,6 +384,8 @@ _PREFIX_RE = re.compile(
     r"""
       \[(?P<role>[A-Za-z_][A-Za-z_\-]*?)(?P<num>\d{1,6})\]:[ ]?      # [rank3]: / [default3]:
     | \[rank:[ ]?(?P<lit>\d{1,6})\][ ]                              # Lightning: [rank: 3]
+    | \[[Rr]ank[ ]?(?P<sp>\d{1,6})\]:?[ ]                            # print hooks: [rank3] / [Rank 3]
+    | rank(?P<lc>\d{1,6}):[ ]                                       # `rank3: `
     | \[\d+,(?P<mpi>\d{1,6})\]<(?:stdout|stderr)>:[ ]?             # mpirun --tag-output
     | [ ]{0,5}(?P<srun>\d{1,6}):[ ]                                 # srun --label
     | (?P<pdsh>[a-z][a-z0-9\-]*\d[a-z0-9.\-]*):[ ](?=\S)             # pdsh / deepspeed: host:
@@ -437,8 +439,8 @@ def strip_prefixes(text: str) -> tuple[Prefix, str]:
                 info.local_rank = n
         elif m.group("mpi") is not None:
             info.rank = int(m.group("mpi"))
-        elif m.group("lit") is not None:
-            info.rank = int(m.group("lit"))
+        elif m.group("lit") is not None or m.group("sp") is not None or m.group("lc") is not None:
+            info.rank = int(m.group("lit") or m.group("sp") or m.group("lc"))
         elif m.group("srun") is not None:
             if info.rank is None:
                 info.rank = int(m.group("srun"))

@@ -8,25 +8,16 @@ advice that the report prints.
 from __future__ import annotations
 
 import re
-import tomllib
 from dataclasses import dataclass, field
 from functools import lru_cache
 from importlib import resources
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from ckptguard.diagnose.rules import Rules
+from ckptguard.diagnose.rules import Rules, load_rules
+from ckptguard.diagnose.schema import ClassEntry, KBError, convert_class, decode_class
 
-REQUIRED = (
-    "id", "title", "category", "collateral", "summary", "root_cause", "mechanism", "symptoms",
-    "affected", "confirm", "fix", "prevention", "verify_command", "related",
-)
-ON_VALUES = ("exception", "line", "any")
-
-
-class KBError(ValueError):
-    """A knowledge-base file is malformed: the engine refuses to run on a broken KB."""
+__all__ = ["FailureClass", "KBError", "KnowledgeBase", "Match", "Signature", "Unproven", "load_kb",
+           "load_kb_dir", "parse_class"]
 
 
 @dataclass(frozen=True)
@@ -79,6 +70,15 @@ class FailureClass:
     references: tuple[str, ...] = ()
     signatures: tuple[Signature, ...] = field(default=(), repr=False)
     unproven: Unproven | None = None
+    #: The class of the users' taxonomy that this finer class belongs to (None: its own family).
+    #: Users file an argparse error or a missing module under the generic exception, a lost peer
+    #: under the network error: the report answers the family and keeps this class as its kind.
+    family: str | None = None
+
+    @property
+    def family_id(self) -> str:
+        """The class the report answers for this one (itself unless it declares a family)."""
+        return self.family or self.id
 
     def as_dict(self) -> dict[str, object]:
         """The entry as plain data (for `explain --json`)."""
@@ -90,7 +90,7 @@ class FailureClass:
             "affected": list(self.affected), "confirm": list(self.confirm),
             "fix": self.fix.strip(), "prevention": list(self.prevention),
             "verify_command": self.verify_command, "related": list(self.related),
-            "references": list(self.references),
+            "references": list(self.references), "family": self.family_id,
             "signatures": [
                 {"on": s.on, "pattern": s.pattern.pattern, "anchor": s.anchor, "weight": s.weight,
                  "context": s.context.pattern if s.context else None}
@@ -110,9 +110,9 @@ class Match:
 class KnowledgeBase:
     """All failure classes, plus fast matching of texts against their signatures."""
 
-    def __init__(self, classes: dict[str, FailureClass]) -> None:
+    def __init__(self, classes: dict[str, FailureClass], rules: Rules | None = None) -> None:
         self.classes = classes
-        self._rules: Rules | None = None
+        self._rules = rules
         by_anchor: dict[str | None, list[Signature]] = {}
         for fc in classes.values():
             for sig in fc.signatures:
@@ -125,6 +125,10 @@ class KnowledgeBase:
 
     def __contains__(self, class_id: object) -> bool:
         return class_id in self.classes
+
+    def family(self, class_id: str) -> str:
+        """The users' class that ``class_id`` is answered as (see ``FailureClass.family``)."""
+        return self.classes[class_id].family_id
 
     @property
     def rules(self) -> Rules:
@@ -161,69 +165,41 @@ class KnowledgeBase:
         return sorted((Match(c, w) for c, w in best.items()), key=lambda m: -m.weight)
 
 
-def _tuple(data: dict[str, object], key: str, where: str) -> tuple[str, ...]:
-    value = data.get(key, [])
-    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-        raise KBError(f"{where}: '{key}' must be a list of strings")
-    return tuple(value)
-
-
-def _compile(pattern: object, where: str) -> re.Pattern[str]:
-    if not isinstance(pattern, str):
-        raise KBError(f"{where}: pattern must be a string")
+def _compile(pattern: str, where: str) -> re.Pattern[str]:
     try:
         return re.compile(pattern)
     except re.error as exc:
         raise KBError(f"{where}: bad regex {pattern!r}: {exc}") from exc
 
 
-def parse_class(data: dict[str, object], where: str) -> FailureClass:
-    """Validate one KB entry and compile its signatures."""
-    missing = [k for k in REQUIRED if k not in data]
-    if missing:
-        raise KBError(f"{where}: missing keys {missing}")
-    cid = str(data["id"])
+def parse_class(data: dict[str, object] | ClassEntry, where: str) -> FailureClass:
+    """Validate one KB entry (against the schema, then what a type cannot say) and compile its
+    signatures."""
+    entry = data if isinstance(data, ClassEntry) else convert_class(data, where)
+    cid = entry.id
     if not re.fullmatch(r"[a-z][a-z0-9_]*", cid):
         raise KBError(f"{where}: id {cid!r} is not snake_case")
     sigs = []
-    raw_sigs = data.get("signatures", [])
-    if not isinstance(raw_sigs, list):
-        raise KBError(f"{where}: signatures must be an array of tables")
-    for i, raw in enumerate(raw_sigs):
+    for i, raw in enumerate(entry.signatures):
         swhere = f"{where} signature {i}"
-        if not isinstance(raw, dict):
-            raise KBError(f"{swhere}: not a table")
-        on = raw.get("on", "any")
-        if on not in ON_VALUES:
-            raise KBError(f"{swhere}: 'on' must be one of {ON_VALUES}")
-        weight = float(raw.get("weight", 0.5))
-        if not 0.0 < weight <= 1.0:
+        if not 0.0 < raw.weight <= 1.0:
             raise KBError(f"{swhere}: weight must be in (0, 1]")
-        anchor = raw.get("anchor")
-        pattern = _compile(raw.get("pattern"), swhere)
-        context = _compile(raw["context"], swhere) if "context" in raw else None
-        sigs.append(Signature(cid, pattern, on, weight, anchor or None, context,
-                              bool(raw.get("prefilter", False))))
+        sigs.append(Signature(cid, _compile(raw.pattern, swhere), raw.on, raw.weight, raw.anchor or None,
+                              _compile(raw.context, swhere) if raw.context is not None else None,
+                              raw.prefilter))
     if not sigs:
         raise KBError(f"{where}: a class needs at least one signature")
-    unproven = None
-    raw_u = data.get("unproven")
-    if raw_u is not None:
-        if not isinstance(raw_u, dict) or not {"proof_weight", "title", "root_cause", "confidence_cap"} <= set(raw_u):
-            raise KBError(f"{where}: [unproven] needs proof_weight, title, root_cause and confidence_cap")
-        unproven = Unproven(float(raw_u["proof_weight"]), str(raw_u["title"]), str(raw_u["root_cause"]),
-                            _tuple(raw_u, "confirm", where), float(raw_u["confidence_cap"]),
-                            str(raw_u.get("fix", "")))
+    u = entry.unproven
+    unproven = (Unproven(u.proof_weight, u.title, u.root_cause, tuple(u.confirm), u.confidence_cap, u.fix)
+                if u is not None else None)
     return FailureClass(
-        id=cid, title=str(data["title"]), category=str(data["category"]),
-        collateral=bool(data["collateral"]), summary=str(data["summary"]),
-        root_cause=str(data["root_cause"]), mechanism=str(data["mechanism"]),
-        symptoms=_tuple(data, "symptoms", where), affected=_tuple(data, "affected", where),
-        confirm=_tuple(data, "confirm", where), fix=str(data["fix"]),
-        prevention=_tuple(data, "prevention", where), verify_command=str(data["verify_command"]),
-        related=_tuple(data, "related", where), weak=bool(data.get("weak", False)),
-        checkpointer_prevents=bool(data.get("checkpointer_prevents", False)),
-        references=_tuple(data, "references", where), signatures=tuple(sigs), unproven=unproven,
+        id=cid, title=entry.title, category=entry.category, collateral=entry.collateral,
+        summary=entry.summary, root_cause=entry.root_cause, mechanism=entry.mechanism,
+        symptoms=tuple(entry.symptoms), affected=tuple(entry.affected), confirm=tuple(entry.confirm),
+        fix=entry.fix, prevention=tuple(entry.prevention), verify_command=entry.verify_command,
+        related=tuple(entry.related), weak=entry.weak, checkpointer_prevents=entry.checkpointer_prevents,
+        references=tuple(entry.references), signatures=tuple(sigs), unproven=unproven,
+        family=entry.family,
     )
 
 
@@ -233,12 +209,7 @@ def load_kb_dir(directory: Path) -> KnowledgeBase:
     for path in sorted(directory.glob("*.toml")):
         if path.name.startswith("_"):
             continue  # engine rules, not a class
-        with path.open("rb") as f:
-            try:
-                data = tomllib.load(f)
-            except tomllib.TOMLDecodeError as exc:
-                raise KBError(f"{path.name}: {exc}") from exc
-        fc = parse_class(data, path.name)
+        fc = parse_class(decode_class(path.read_bytes(), path.name), path.name)
         if fc.id != path.stem:
             raise KBError(f"{path.name}: id {fc.id!r} must match the file name")
         classes[fc.id] = fc
@@ -246,15 +217,15 @@ def load_kb_dir(directory: Path) -> KnowledgeBase:
         unknown = [r for r in fc.related if r not in classes]
         if unknown:
             raise KBError(f"{fc.id}.toml: related classes {unknown} do not exist")
+        if fc.family is not None:
+            fam = classes.get(fc.family)
+            if fam is None or fam.family is not None or fam.id == fc.id:
+                raise KBError(f"{fc.id}.toml: family {fc.family!r} must be another class of the KB that "
+                              "declares no family of its own")
     if "python_exception" not in classes:
         raise KBError("the KB needs the fallback class python_exception")
-    kb = KnowledgeBase(classes)
     rules_path = directory / "_rules.toml"
-    if rules_path.exists():
-        from ckptguard.diagnose.rules import load_rules
-
-        kb._rules = load_rules(rules_path, kb)
-    return kb
+    return KnowledgeBase(classes, load_rules(rules_path, set(classes)) if rules_path.exists() else None)
 
 
 @lru_cache(maxsize=1)

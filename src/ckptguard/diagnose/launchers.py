@@ -55,6 +55,8 @@ class LauncherLines:
     ranks_seen: set[int]
     _block: Block | None
     _year: int
+    memory_line: tuple[int, int] | None
+    deliberate: bool
 
     def _map_pid(self, pid: int, rank: int, priority: int) -> None:  # provided by the extractor
         raise NotImplementedError
@@ -78,19 +80,35 @@ class LauncherLines:
                 self.masker.learn_host(host)
             pid = int(g["pid"]) if g.get("pid") else None
             local = int(g["local"]) if g.get("local") else None
+            reliable = fmt.rank_reliable or (fmt.last_local and local == 0)
             ranks: list[int | None] = [int(g["rank"])] if g.get("rank") else [None]
             if g.get("tasks"):
                 ranks = list(expand_tasks(g["tasks"]))
+            if code is None and fmt.code_cut:
+                code, cls, weight = self._silent_exit(ev)
+                if cls is None:
+                    return False  # no cause to tell: the line is left to the signatures
             for rank in ranks:
                 if rank is not None and host:
                     self.rank_host.setdefault(rank, host)
                 self.launcher.append(LauncherFailure(
-                    rank if fmt.rank_reliable else None, local if fmt.rank_reliable else None,
-                    pid, code, host, ts, False, ev, rank_reliable=fmt.rank_reliable,
+                    rank if reliable else None, local if reliable else None,
+                    pid, code, host, ts, False, ev, rank_reliable=reliable,
                     launcher=fmt.name, class_id=cls, weight=weight))
             # srun's "error:" lines that say nothing about an exit are left to the signatures
-            return code is not None or "rror" not in rest
+            return code is not None or cls is not None or "rror" not in rest
         return False
+
+    def _silent_exit(self, ev: Evidence) -> tuple[int | None, str | None, float | None]:
+        """A launcher's report cut before the exit code, from a worker that printed nothing of its
+        own: after memory figures (and no deliberate stop), the memory killer's SIGKILL; else an
+        exit of unknown cause."""
+        silent = self.rules.silent_exit
+        mem = self.memory_line
+        if silent is None or self.deliberate or mem is None or mem[0] != ev.source \
+                or not 0 <= ev.line - mem[1] <= silent.within:
+            return None, None, None
+        return None, silent.class_id, silent.weight
 
     def _exit_code(self, g: dict[str, str | None]) -> tuple[int | None, str | None, float | None]:
         """Exit code (negative for a signal) and, where the launcher's words say it, the class."""

@@ -112,6 +112,7 @@ class Event:
     frames: list[str] = field(default_factory=list)
     code: list[str] = field(default_factory=list)
     operation: str | None = None  # what the frames show was being done, when that decided the class
+    operation_basis: str = ""  # why that operation's failure is this class, beyond its frames
     blames: int | None = None  # the rank that this error's own message says failed first
 
     @property
@@ -173,9 +174,11 @@ class Hypothesis:
     ranks: list[int]
     evidence: list[EvidenceLine]
     why_not: str
+    kind: str | None = None  # the finer KB class, when failure_class is its family
 
     def as_dict(self) -> dict[str, object]:
-        return {"failure_class": self.failure_class, "title": self.title, "score": self.score,
+        return {"failure_class": self.failure_class, "kind": self.kind or self.failure_class,
+                "title": self.title, "score": self.score,
                 "ranks": self.ranks, "evidence": [e.as_dict() for e in self.evidence],
                 "why_not": self.why_not}
 
@@ -192,6 +195,7 @@ class TimelineEvent:
     file: str
     line: int
     text: str
+    kind: str | None = None  # the finer KB class, when failure_class is its family
 
 
 @dataclass
@@ -200,6 +204,7 @@ class Diagnosis:
 
     found: bool
     failure_class: str | None = None
+    kind: str | None = None  # the KB class that matched; failure_class is its family (users' class)
     title: str = ""
     category: str = ""
     confidence: float = 0.0
@@ -234,6 +239,7 @@ class Diagnosis:
             "schema_version": SCHEMA_VERSION,
             "found": self.found,
             "failure_class": self.failure_class,
+            "kind": self.kind,
             "title": self.title,
             "category": self.category,
             "confidence": self.confidence,
@@ -257,7 +263,8 @@ class Diagnosis:
             "notes": self.notes,
             "timeline": [
                 {"rank": t.rank, "t": t.t, "order": t.order, "failure_class": t.failure_class,
-                 "collateral": t.collateral, "file": t.file, "line": t.line, "text": t.text}
+                 "kind": t.kind or t.failure_class, "collateral": t.collateral, "file": t.file,
+                 "line": t.line, "text": t.text}
                 for t in self.timeline
             ],
             "sources": self.sources,

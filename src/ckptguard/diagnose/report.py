@@ -32,7 +32,7 @@ def render_text(diag: Diagnosis, console: Console) -> None:
         p(f"Read {diag.stats.get('lines', 0)} lines from {len(diag.sources)} file(s).")
         return
     p(f"[bold red]{escape(diag.title)}[/bold red]")
-    p(f"  class        [bold]{diag.failure_class}[/bold] ({diag.category})   confidence "
+    p(f"  class        [bold]{diag.failure_class}[/bold] ({escape(class_detail(diag))})   confidence "
       f"{diag.confidence:.2f} ({diag.confidence_label})")
     if diag.initiating_rank is not None:
         host = f" on {escape(diag.initiating_host)}" if diag.initiating_host else ""
@@ -75,7 +75,8 @@ def render_text(diag: Diagnosis, console: Console) -> None:
         p("\n[bold]Competing hypotheses[/bold]")
         for a in diag.alternatives:
             ranks = f" ranks {_ranges(a.ranks)}" if a.ranks else ""
-            p(f"  - {a.failure_class} (score {a.score:.2f}){ranks}: {escape(a.why_not)}")
+            kind = f" ({a.kind.replace('_', ' ')})" if a.kind and a.kind != a.failure_class else ""
+            p(f"  - {a.failure_class}{kind} (score {a.score:.2f}){ranks}: {escape(a.why_not)}")
             for e in a.evidence[:2]:
                 p(f"      [dim]{escape(e.file)}:{e.line}[/dim] {escape(e.text[:200])}", soft_wrap=True)
     if diag.notes:
@@ -85,7 +86,16 @@ def render_text(diag: Diagnosis, console: Console) -> None:
     st = diag.stats
     p(f"\n[dim]{len(diag.sources)} file(s), {st.get('lines', 0)} lines, "
       f"{st.get('bytes', 0) / 1e6:.1f} MB in {st.get('seconds', 0)} s. "
-      f"Explain the class: ckptguard explain {diag.failure_class}[/dim]")
+      f"Explain the class: ckptguard explain {diag.kind or diag.failure_class}[/dim]")
+
+
+def class_detail(diag: Diagnosis) -> str:
+    """What the class line adds to the family: the finer kind and its title when the KB class is
+    a split of the family ("config error: Configuration or launch-argument error"), else the
+    category."""
+    if diag.kind and diag.kind != diag.failure_class:
+        return f"{diag.kind.replace('_', ' ')}: {diag.title}"
+    return diag.category
 
 
 def _role_style(role: str) -> str:
@@ -96,8 +106,9 @@ def _role_style(role: str) -> str:
 def render_explain(fc: FailureClass, console: Console) -> None:
     """A KB entry for `ckptguard explain`."""
     p = console.print
+    family = f", reported as {fc.family_id}" if fc.family else ""
     p(f"[bold]{escape(fc.title)}[/bold]  ({fc.id}, {fc.category}"
-      f"{', usually collateral' if fc.collateral else ''})")
+      f"{', usually collateral' if fc.collateral else ''}{family})")
     p("  " + escape(fc.summary))
     sections: list[tuple[str, list[str] | str]] = [
         ("Mechanism", fc.mechanism.strip()), ("Symptoms", list(fc.symptoms)),
@@ -137,7 +148,7 @@ def render_html(diag: Diagnosis) -> str:
     switch = (f"<p>ckptguard's Checkpointer prevents this class. Switch with two lines:</p>"
               f"<pre class=code>{e(d.checkpointer_switch)}</pre>") if d.checkpointer_switch else ""
     head = (f"<h1>{e(d.title) if d.found else 'No failure found'}</h1>" +
-            (f"<table class=kv><tr><th>class</th><td><b>{e(str(d.failure_class))}</b> ({e(d.category)})</td></tr>"
+            (f"<table class=kv><tr><th>class</th><td><b>{e(str(d.failure_class))}</b> ({e(class_detail(d))})</td></tr>"
              f"<tr><th>confidence</th><td>{d.confidence:.2f} ({d.confidence_label})</td></tr>"
              f"<tr><th>initiating rank</th><td><b>{'unknown' if d.initiating_rank is None else d.initiating_rank}</b>"
              f"{' on ' + e(d.initiating_host) if d.initiating_host else ''}<br><small>{e(d.rank_attribution)}</small></td></tr>"

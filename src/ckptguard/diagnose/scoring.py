@@ -73,6 +73,9 @@ def _race(att: Attribution, ex: Extractor, kb: KnowledgeBase, init: Event) -> li
     for path, ranks in ex.saves.items():
         if len(ranks) >= rule.min_ranks and (path in text or os.path.basename(path.rstrip("/")) in text):
             return list(ranks.values())
+    for path, copies in ex.repeated_saves.items():
+        if len(copies) >= rule.min_ranks and (path in text or os.path.basename(path.rstrip("/")) in text):
+            return copies[:8]
     by_path: dict[str, dict[int, Evidence]] = {}
     for e in att.events:
         if e.kind != EventKind.EXCEPTION or e.rank is None:
@@ -124,6 +127,9 @@ def confidence(att: Attribution, v: Verdict, kb: KnowledgeBase) -> float:
     other = {att.firsts[r].class_id for r in att.also if r in att.firsts} - {init.class_id}
     if other:
         conf *= kb.rules.ordering_factor.get(att.basis.name, 0.8)
+    elif any(att.firsts[r].class_id == init.class_id for r in att.also if r in att.firsts):
+        # several ranks raised the same error: which was first is only as sure as their order
+        conf *= kb.rules.same_failure_factor.get(att.basis.name, 1.0)
     if init.kind == EventKind.EXIT and v.rule == "":
         conf = min(conf, init.weight)
     return round(min(conf, v.cap), 2)

@@ -51,10 +51,13 @@ def _interrupted(diag: Diagnosis, runs: Sequence[HostRun]) -> None:
             continue
         what = _INTERRUPTS[sent[0]]
         host = r.host
-        if diag.found and diag.failure_class and diag.failure_class != "launcher_sigterm":
+        from ckptguard.diagnose.kb import load_kb
+
+        if diag.found and diag.failure_class and diag.kind != "launcher_sigterm":
             diag.notes.append(f"Before: {diag.failure_class}: {diag.title} (the job's reaction to the interruption).")
         diag.found = True
-        diag.failure_class = "launcher_sigterm"
+        diag.kind = "launcher_sigterm"
+        diag.failure_class = load_kb().family(diag.kind)
         diag.category = "launcher"
         diag.title = f"Interrupted: ckptguard run on {host} forwarded {what} to the command"
         diag.confidence = 0.95
@@ -191,7 +194,8 @@ def summary(diag: Diagnosis, resume: ResumeInfo | None, status: int, runs: Seque
     lines = [f"ckptguard run: the command failed (exit status {status}); diagnosis of the logs of "
              f"{len(runs)} host run(s) ({hosts}):"]
     if diag.found:
-        lines.append(f"  failure      {diag.failure_class}: {diag.title} (confidence {diag.confidence:.2f}, "
+        kind = f" ({diag.kind.replace('_', ' ')})" if diag.kind and diag.kind != diag.failure_class else ""
+        lines.append(f"  failure      {diag.failure_class}{kind}: {diag.title} (confidence {diag.confidence:.2f}, "
                      f"{diag.confidence_label})")
         first = "unknown" if diag.initiating_rank is None else f"rank {diag.initiating_rank}"
         if diag.initiating_host:
