@@ -222,23 +222,60 @@ def test_import_refuses_a_tensor_larger_than_its_data(tmp_path: Path) -> None:
     assert code == 1 and "larger than every data file" in out
 
 
-def test_import_refuses_a_deeply_nested_torch_save_file(tmp_path: Path) -> None:
+def _save_deep(path: Path, depth: int, sealed: bool = False) -> None:
+    """A torch.save file holding lists nested ``depth`` deep (sealed as save_file's, if asked)."""
     import sys
+
+    from ckptguard.singlefile import save_local
 
     deep: list[object] = []
     cur = deep
-    for _ in range(3000):
+    for _ in range(depth):
         nxt: list[object] = []
         cur.append(nxt)
         cur = nxt
     limit = sys.getrecursionlimit()
     sys.setrecursionlimit(20_000)
     try:
-        torch.save({"a": deep}, tmp_path / "deep.pt")
+        if sealed:
+            save_local({"a": deep}, str(path), "torch", "xxh3-64", loadable=False)
+        else:
+            torch.save({"a": deep}, path)
     finally:
         sys.setrecursionlimit(limit)
+
+
+def test_import_refuses_a_deeply_nested_torch_save_file(tmp_path: Path) -> None:
+    _save_deep(tmp_path / "deep.pt", 3000)
     code, out = _import(tmp_path / "deep.pt", tmp_path / "root")
     assert code == 1 and "nests more than" in out
+
+
+def test_load_file_holds_unpickled_values_to_the_import_depth_bound(tmp_path: Path) -> None:
+    from ckptguard.dcp.codec import MAX_VALUE_DEPTH
+
+    _save_deep(tmp_path / "ok.pt", MAX_VALUE_DEPTH - 2, sealed=True)
+    assert isinstance(load_file(tmp_path / "ok.pt")["a"], list)
+    path = tmp_path / "deep.pt"
+    _save_deep(path, 3000, sealed=True)
+    with pytest.raises(CorruptCheckpointError, match="nests more than 100 deep") as info:
+        load_file(path)
+    assert info.value.path == str(path) and str(path) in str(info.value)
+
+
+def test_import_refusal_of_a_hostile_dcp_metadata_pickle_names_the_file(tmp_path: Path) -> None:
+    import pickle
+
+    src = _dcp_dir(tmp_path / "src")
+    ran = tmp_path / "ran"
+
+    class Evil:
+        def __reduce__(self) -> tuple[object, tuple[str]]:
+            return os.system, (f"touch {ran}",)
+
+    (src / ".metadata").write_bytes(pickle.dumps(Evil()))
+    code, out = _import(src, tmp_path / "root")
+    assert code == 1 and str(src / ".metadata") in out and "refusing to unpickle" in out and not ran.exists()
 
 
 @pytest.mark.parametrize("where", ["source", "metadata", "data"])

@@ -23,7 +23,7 @@ import torch
 
 from ckptguard.checksum import DEFAULT_ALGORITHM, checksum
 from ckptguard.comm import Comm, LocalTransport, default_comm
-from ckptguard.dcp.codec import encode_value
+from ckptguard.dcp.codec import encode_value, load_bounded
 from ckptguard.errors import (
     CheckpointError,
     CorruptCheckpointError,
@@ -188,7 +188,9 @@ def load_file(path: str | os.PathLike[str], *, map_location: Any = "cpu", format
         return _load_safetensors(data, path, map_location)
     body = _unseal(data, path)
     try:
-        return torch.load(io.BytesIO(body), map_location=map_location, weights_only=True)
+        return load_bounded(io.BytesIO(body), path, path, map_location)
+    except CheckpointError:
+        raise
     except Exception as e:
         raise UnsafeObjectError(f"{path}: verified, but torch.load(weights_only=True) refused it: {e}",
                                 path=path) from None
