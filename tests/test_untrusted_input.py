@@ -345,8 +345,38 @@ def test_deep_json_in_the_s3_index_and_latest_is_a_typed_error_not_a_crash(monke
         with pytest.raises(MalformedRecordError) as info:
             Checkpointer(root, read_only=True).steps()
         assert info.value.path is not None and info.value.path.endswith("index.json")
-        code, out = cli("ls", root)
-        assert code == 2 and "index.json" in out and "nested" in out
+        for command in ("ls", "verify"):  # a damaged record of the root: not intact, not a usage error
+            code, out = cli(command, root)
+            assert code == 1 and "index.json" in out and "nested" in out and "NOT INTACT" in out, (command, out)
+        bed.client().put_object(Bucket=bucket, Key="run/.ckptguard/index.json", Body=b"\xff\x00garbage")
+        code, out = cli("verify", root, "--json")
+        doc = json.loads(out[out.index("{"):])
+        assert code == 1 and doc["intact"] is False and "index.json" in doc["error"]
+
+
+@pytest.mark.parametrize("kind", ["fifo", "file"])
+def test_a_control_entry_that_is_not_a_directory_is_skipped_beside_intact_roots(tmp_path: Path, kind: str) -> None:
+    with Checkpointer(tmp_path / "run1") as ck:
+        ck.save(1, {"w": torch.arange(4.0)})
+    stray = tmp_path / "other" / ".ckptguard"
+    stray.parent.mkdir()
+    if kind == "fifo":
+        os.mkfifo(stray)  # opened, it would block the command forever
+    else:
+        stray.write_text("not a directory\n")
+    for command in ("verify", "ls"):
+        code, out = cli(command, str(tmp_path))
+        assert code == 0 and "run1" in out and f"skipped {stray}" in out, (command, out)
+
+
+def test_a_root_whose_control_directory_is_a_file_is_not_intact_not_a_usage_error(root: Path) -> None:
+    import shutil
+
+    shutil.rmtree(root / ".ckptguard")
+    (root / ".ckptguard").write_text("not a directory\n")
+    for command in ("verify", "ls"):
+        code, out = cli(command, str(root))
+        assert code == 1 and "NOT INTACT" in out and ".ckptguard" in out, (command, out)
 
 
 def test_a_lease_naming_an_impossible_pid_is_garbage_not_an_overflow(root: Path) -> None:
