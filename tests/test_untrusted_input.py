@@ -127,6 +127,51 @@ def test_an_abandoned_empty_lock_is_broken(tmp_path: Path) -> None:
         save_file({"w": torch.ones(4)}, target, lock_timeout_s=0.2)
 
 
+@pytest.mark.parametrize("token", [b"garbage", b"\xff" * 600, b"not-a-host not-a-pid\n"])
+def test_an_old_lock_whose_token_names_no_writer_is_broken(tmp_path: Path, token: bytes) -> None:
+    lock = tmp_path / "model.pt.lock"
+    lock.write_bytes(token)
+    old = time.time() - 3600
+    os.utime(lock, (old, old))
+    save_file({"w": torch.ones(4)}, tmp_path / "model.pt", lock_timeout_s=5)  # before: waited, then refused
+    assert torch.equal(load_file(tmp_path / "model.pt")["w"], torch.ones(4)) and not lock.exists()
+
+
+def test_a_directory_where_the_lock_goes_is_refused_by_name_and_left_alone(tmp_path: Path) -> None:
+    from ckptguard import PathCollisionError
+
+    lock = tmp_path / "model.pt.lock"
+    lock.mkdir()
+    (lock / "mine.txt").write_text("the user's")
+    old = time.time() - 3600
+    os.utime(lock, (old, old))
+    with pytest.raises(PathCollisionError) as info:
+        save_file({"w": torch.ones(4)}, tmp_path / "model.pt", lock_timeout_s=1)
+    assert info.value.path == str(lock) and str(lock) in str(info.value)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.pt.lock"] and (lock / "mine.txt").exists()
+
+
+def test_the_next_save_file_removes_what_a_killed_writer_left(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    target = tmp_path / "model.pt"
+    save_file({"w": torch.zeros(4)}, target)
+    # A writer killed after writing its temporary file, before renaming it over the target.
+    killed = subprocess.run([sys.executable, "-c", (
+        "import os, torch, ckptguard\n"
+        "os.replace = lambda *a, **k: os._exit(9)\n"
+        f"ckptguard.save_file({{'w': torch.ones(4)}}, {str(target)!r})\n")], capture_output=True, text=True)
+    assert killed.returncode == 9, killed.stderr
+    left = [p.name for p in tmp_path.iterdir() if ".tmp-" in p.name]
+    assert len(left) == 1
+    mine = tmp_path / ".model.pt.tmp-notmine"  # not a name save_file makes: never touched
+    mine.write_text("x")
+    save_file({"w": torch.full((4,), 2.0)}, target)
+    assert [p.name for p in tmp_path.iterdir() if ".tmp-" in p.name] == [mine.name]
+    assert torch.equal(load_file(target)["w"], torch.full((4,), 2.0))
+
+
 def _safetensors(path: Path, header: object, data: bytes = b"\0" * 16) -> Path:
     text = json.dumps(header).encode() if not isinstance(header, bytes) else header
     path.write_bytes(struct.pack("<Q", len(text)) + text + data)
