@@ -371,6 +371,28 @@ def test_read_and_export_of_a_hostile_manifest_are_corrupt_not_a_crash(root: Pat
     assert code != 0 and says in out
 
 
+@pytest.mark.parametrize(("change", "says"), [
+    (lambda d: d["state_dict"]["w"].update({"dtype": "int8"}), "disagree on the dtype"),
+    (lambda d: d["state_dict"]["w"].update({"size": [2, 4], "chunks": [0, 0, 2, 4]}), "disagree on the number of dim"),
+    (lambda d: d["state_dict"]["w"].update({"size": [4], "chunks": [0, 4]}), "disagree on the size"),
+    (lambda d: d["state_dict"].update({"w": {"type": "bytes"}}), "tensor row for an object entry"),
+])
+def test_a_manifest_whose_dcp_metadata_disagrees_with_its_items_is_corrupt_everywhere(
+        root: Path, change: object, says: str) -> None:
+    _reseal_dcp(root, change)
+    manifest = str(root / "step-00000001" / "MANIFEST.json")
+    code, out = cli("verify", str(root))
+    assert code == 1 and says in out and "MANIFEST.json" in out
+    with Checkpointer(root, read_only=True) as ck:
+        with pytest.raises(CorruptCheckpointError, match=says) as info:
+            ck.read(1)
+        assert info.value.path == manifest
+        state = {"w": torch.zeros(8)}
+        with pytest.raises(CorruptCheckpointError, match=says), pytest.warns(UserWarning):
+            ck.load(state)
+        assert torch.equal(state["w"], torch.zeros(8))
+
+
 # -- the object store's control records ----------------------------------------------------------
 
 def test_deep_json_in_the_s3_index_and_latest_is_a_typed_error_not_a_crash(monkeypatch: pytest.MonkeyPatch) -> None:
