@@ -275,7 +275,7 @@ def _check_dcp_agrees_with_items(dcp: dict[str, Any], items: list[StoredItem]) -
         _expect(entry.get("type") == "tensor", f"{where} disagree: a tensor row for an object entry")
         _expect(entry.get("dtype") == item.dtype,
                 f"{where} disagree on the dtype ({item.dtype} vs {str(entry.get('dtype'))[:40]})")
-        size = entry.get("size")
+        size: Any = entry.get("size")
         _expect(type(size) is list and len(size) == len(item.shape),
                 f"{where} disagree on the number of dimensions ({len(item.shape)} vs {str(size)[:80]})")
         offsets = item.offsets if item.offsets is not None else (0,) * len(item.shape)
