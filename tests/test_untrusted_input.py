@@ -127,6 +127,51 @@ def test_an_abandoned_empty_lock_is_broken(tmp_path: Path) -> None:
         save_file({"w": torch.ones(4)}, target, lock_timeout_s=0.2)
 
 
+@pytest.mark.parametrize("token", [b"garbage", b"\xff" * 600, b"not-a-host not-a-pid\n"])
+def test_an_old_lock_whose_token_names_no_writer_is_broken(tmp_path: Path, token: bytes) -> None:
+    lock = tmp_path / "model.pt.lock"
+    lock.write_bytes(token)
+    old = time.time() - 3600
+    os.utime(lock, (old, old))
+    save_file({"w": torch.ones(4)}, tmp_path / "model.pt", lock_timeout_s=5)  # before: waited, then refused
+    assert torch.equal(load_file(tmp_path / "model.pt")["w"], torch.ones(4)) and not lock.exists()
+
+
+def test_a_directory_where_the_lock_goes_is_refused_by_name_and_left_alone(tmp_path: Path) -> None:
+    from ckptguard import PathCollisionError
+
+    lock = tmp_path / "model.pt.lock"
+    lock.mkdir()
+    (lock / "mine.txt").write_text("the user's")
+    old = time.time() - 3600
+    os.utime(lock, (old, old))
+    with pytest.raises(PathCollisionError) as info:
+        save_file({"w": torch.ones(4)}, tmp_path / "model.pt", lock_timeout_s=1)
+    assert info.value.path == str(lock) and str(lock) in str(info.value)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.pt.lock"] and (lock / "mine.txt").exists()
+
+
+def test_the_next_save_file_removes_what_a_killed_writer_left(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    target = tmp_path / "model.pt"
+    save_file({"w": torch.zeros(4)}, target)
+    # A writer killed after writing its temporary file, before renaming it over the target.
+    killed = subprocess.run([sys.executable, "-c", (
+        "import os, torch, ckptguard\n"
+        "os.replace = lambda *a, **k: os._exit(9)\n"
+        f"ckptguard.save_file({{'w': torch.ones(4)}}, {str(target)!r})\n")], capture_output=True, text=True)
+    assert killed.returncode == 9, killed.stderr
+    left = [p.name for p in tmp_path.iterdir() if ".tmp-" in p.name]
+    assert len(left) == 1
+    mine = tmp_path / ".model.pt.tmp-notmine"  # not a name save_file makes: never touched
+    mine.write_text("x")
+    save_file({"w": torch.full((4,), 2.0)}, target)
+    assert [p.name for p in tmp_path.iterdir() if ".tmp-" in p.name] == [mine.name]
+    assert torch.equal(load_file(target)["w"], torch.full((4,), 2.0))
+
+
 def _safetensors(path: Path, header: object, data: bytes = b"\0" * 16) -> Path:
     text = json.dumps(header).encode() if not isinstance(header, bytes) else header
     path.write_bytes(struct.pack("<Q", len(text)) + text + data)
@@ -266,23 +311,60 @@ def test_import_refuses_a_tensor_whose_chunk_has_no_data_entry(tmp_path: Path) -
     assert code == 1 and "has no data file entry" in out and not (tmp_path / "root" / "step-00000001").exists()
 
 
-def test_import_refuses_a_deeply_nested_torch_save_file(tmp_path: Path) -> None:
+def _save_deep(path: Path, depth: int, sealed: bool = False) -> None:
+    """A torch.save file holding lists nested ``depth`` deep (sealed as save_file's, if asked)."""
     import sys
+
+    from ckptguard.singlefile import save_local
 
     deep: list[object] = []
     cur = deep
-    for _ in range(3000):
+    for _ in range(depth):
         nxt: list[object] = []
         cur.append(nxt)
         cur = nxt
     limit = sys.getrecursionlimit()
     sys.setrecursionlimit(20_000)
     try:
-        torch.save({"a": deep}, tmp_path / "deep.pt")
+        if sealed:
+            save_local({"a": deep}, str(path), "torch", "xxh3-64", loadable=False)
+        else:
+            torch.save({"a": deep}, path)
     finally:
         sys.setrecursionlimit(limit)
+
+
+def test_import_refuses_a_deeply_nested_torch_save_file(tmp_path: Path) -> None:
+    _save_deep(tmp_path / "deep.pt", 3000)
     code, out = _import(tmp_path / "deep.pt", tmp_path / "root")
     assert code == 1 and "nests more than" in out
+
+
+def test_load_file_holds_unpickled_values_to_the_import_depth_bound(tmp_path: Path) -> None:
+    from ckptguard.dcp.codec import MAX_VALUE_DEPTH
+
+    _save_deep(tmp_path / "ok.pt", MAX_VALUE_DEPTH - 2, sealed=True)
+    assert isinstance(load_file(tmp_path / "ok.pt")["a"], list)
+    path = tmp_path / "deep.pt"
+    _save_deep(path, 3000, sealed=True)
+    with pytest.raises(CorruptCheckpointError, match="nests more than 100 deep") as info:
+        load_file(path)
+    assert info.value.path == str(path) and str(path) in str(info.value)
+
+
+def test_import_refusal_of_a_hostile_dcp_metadata_pickle_names_the_file(tmp_path: Path) -> None:
+    import pickle
+
+    src = _dcp_dir(tmp_path / "src")
+    ran = tmp_path / "ran"
+
+    class Evil:
+        def __reduce__(self) -> tuple[object, tuple[str]]:
+            return os.system, (f"touch {ran}",)
+
+    (src / ".metadata").write_bytes(pickle.dumps(Evil()))
+    code, out = _import(src, tmp_path / "root")
+    assert code == 1 and str(src / ".metadata") in out and "refusing to unpickle" in out and not ran.exists()
 
 
 @pytest.mark.parametrize("where", ["source", "metadata", "data"])
@@ -333,6 +415,28 @@ def test_read_and_export_of_a_hostile_manifest_are_corrupt_not_a_crash(root: Pat
     assert code != 0 and says in out
 
 
+@pytest.mark.parametrize(("change", "says"), [
+    (lambda d: d["state_dict"]["w"].update({"dtype": "int8"}), "disagree on the dtype"),
+    (lambda d: d["state_dict"]["w"].update({"size": [2, 4], "chunks": [0, 0, 2, 4]}), "disagree on the number of dim"),
+    (lambda d: d["state_dict"]["w"].update({"size": [4], "chunks": [0, 4]}), "disagree on the size"),
+    (lambda d: d["state_dict"].update({"w": {"type": "bytes"}}), "tensor row for an object entry"),
+])
+def test_a_manifest_whose_dcp_metadata_disagrees_with_its_items_is_corrupt_everywhere(
+        root: Path, change: object, says: str) -> None:
+    _reseal_dcp(root, change)
+    manifest = str(root / "step-00000001" / "MANIFEST.json")
+    code, out = cli("verify", str(root))
+    assert code == 1 and says in out and "MANIFEST.json" in out
+    with Checkpointer(root, read_only=True) as ck:
+        with pytest.raises(CorruptCheckpointError, match=says) as info:
+            ck.read(1)
+        assert info.value.path == manifest
+        state = {"w": torch.zeros(8)}
+        with pytest.raises(CorruptCheckpointError, match=says), pytest.warns(UserWarning):
+            ck.load(state)
+        assert torch.equal(state["w"], torch.zeros(8))
+
+
 # -- the object store's control records ----------------------------------------------------------
 
 def test_deep_json_in_the_s3_index_and_latest_is_a_typed_error_not_a_crash(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -352,8 +456,38 @@ def test_deep_json_in_the_s3_index_and_latest_is_a_typed_error_not_a_crash(monke
         with pytest.raises(MalformedRecordError) as info:
             Checkpointer(root, read_only=True).steps()
         assert info.value.path is not None and info.value.path.endswith("index.json")
-        code, out = cli("ls", root)
-        assert code == 2 and "index.json" in out and "nested" in out
+        for command in ("ls", "verify"):  # a damaged record of the root: not intact, not a usage error
+            code, out = cli(command, root)
+            assert code == 1 and "index.json" in out and "nested" in out and "NOT INTACT" in out, (command, out)
+        bed.client().put_object(Bucket=bucket, Key="run/.ckptguard/index.json", Body=b"\xff\x00garbage")
+        code, out = cli("verify", root, "--json")
+        doc = json.loads(out[out.index("{"):])
+        assert code == 1 and doc["intact"] is False and "index.json" in doc["error"]
+
+
+@pytest.mark.parametrize("kind", ["fifo", "file"])
+def test_a_control_entry_that_is_not_a_directory_is_skipped_beside_intact_roots(tmp_path: Path, kind: str) -> None:
+    with Checkpointer(tmp_path / "run1") as ck:
+        ck.save(1, {"w": torch.arange(4.0)})
+    stray = tmp_path / "other" / ".ckptguard"
+    stray.parent.mkdir()
+    if kind == "fifo":
+        os.mkfifo(stray)  # opened, it would block the command forever
+    else:
+        stray.write_text("not a directory\n")
+    for command in ("verify", "ls"):
+        code, out = cli(command, str(tmp_path))
+        assert code == 0 and "run1" in out and f"skipped {stray}" in out, (command, out)
+
+
+def test_a_root_whose_control_directory_is_a_file_is_not_intact_not_a_usage_error(root: Path) -> None:
+    import shutil
+
+    shutil.rmtree(root / ".ckptguard")
+    (root / ".ckptguard").write_text("not a directory\n")
+    for command in ("verify", "ls"):
+        code, out = cli(command, str(root))
+        assert code == 1 and "NOT INTACT" in out and ".ckptguard" in out, (command, out)
 
 
 def test_a_lease_naming_an_impossible_pid_is_garbage_not_an_overflow(root: Path) -> None:

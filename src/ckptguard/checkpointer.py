@@ -11,13 +11,14 @@ rank agreed is committed.
 from __future__ import annotations
 
 import atexit
+import functools
 import json
 import logging
 import math
 import operator
 import os
 import time
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
 from typing import Any
@@ -35,6 +36,7 @@ from ckptguard.protocol import save as save_protocol
 from ckptguard.protocol.artifacts import ArtifactTarget
 from ckptguard.protocol.decisions import Listing, commit_order
 from ckptguard.protocol.layout import CheckpointName
+from ckptguard.protocol.lease import release_at_exit
 from ckptguard.protocol.root import open_root
 from ckptguard.protocol.session import Options, Session, open_session
 from ckptguard.protocol.timing import PhaseTimer, gc_paused
@@ -127,9 +129,11 @@ class Checkpointer:
         self._session: Session = open_session(comm, croot, options, read_only=read_only, job_id=job_id,
                                               lease_ttl_s=lease_ttl_s, lease_wait_s=lease_wait_s)
         self._comm = self._session.comm
+        self._exit_release: Callable[[], None] | None = None
         if self._session.lease is not None:
-            # A job that ends without close() still hands the root over at once.
-            atexit.register(self._session.lease.release)
+            # A job that ends without close() still hands the root over at once (bounded: see lease).
+            self._exit_release = functools.partial(release_at_exit, self._session.lease)
+            atexit.register(self._exit_release)
         self._closed = False
         self._cleaner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckptguard-cleanup")
         self._cleanup: Future[None] | None = None
@@ -472,7 +476,8 @@ class Checkpointer:
             lease = self._session.lease
             if lease is not None:
                 lease.release()
-                atexit.unregister(lease.release)
+            if self._exit_release is not None:
+                atexit.unregister(self._exit_release)
 
     def __enter__(self) -> Checkpointer:
         return self

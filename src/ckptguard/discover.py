@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import os
 import posixpath
+import stat
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -44,7 +45,7 @@ class FoundRoot:
 
 
 def find_roots(path: str | os.PathLike[str], storage_options: Mapping[str, Any] | None = None,
-               unreadable: list[str] | None = None) -> list[FoundRoot]:
+               unreadable: list[str] | None = None, strays: list[str] | None = None) -> list[FoundRoot]:
     """The ckptguard roots at or under ``path``, in path order; ``[]`` if there is none.
 
     ``path`` itself if it is a root; otherwise every root found in it and in its subdirectories
@@ -53,55 +54,73 @@ def find_roots(path: str | os.PathLike[str], storage_options: Mapping[str, Any] 
     ``project_dir``. Raises ``CheckpointError`` if ``path`` cannot be read (a usage error: not a
     directory, an unsupported URL, a missing bucket). A subdirectory that cannot be read (a mode 000
     ``lost+found`` beside the runs) is skipped, and appended to ``unreadable`` if given: one such
-    directory must not hide the roots beside it.
+    directory must not hide the roots beside it. A ``.ckptguard`` that is not a directory (a file, a
+    FIFO, a link) makes no root: it is never opened, and its path is appended to ``strays`` if given.
     """
     text = os.fspath(path)
     storage = open_storage(text, storage_options)
     if storage.has_directories and not os.path.isdir(storage.root):
         raise CheckpointError(f"{text} is not a directory", path=text)
     found: list[FoundRoot] = []
-    if _is_root(storage, storage.root):
+    strays = [] if strays is None else strays
+    if _is_root(storage, storage.root, strays):
         return [FoundRoot(storage.root, _framework_of(storage, storage.root, storage_options))]
     depth = _SEARCH_DEPTH if storage.has_directories else 1
-    _search(storage, storage.root, depth, found, storage_options, [] if unreadable is None else unreadable)
+    _search(storage, storage.root, depth, found, storage_options, [] if unreadable is None else unreadable, strays)
     if not found and os.path.basename(os.path.normpath(storage.root)) == "checkpoints":
         beside = _join(storage, _parent(storage, storage.root), ACCELERATE_ROOT)
-        if _is_root(storage, beside):
+        if _is_root(storage, beside, strays):
             found.append(FoundRoot(beside, "accelerate"))
     return found
 
 
 def _search(storage: StorageBackend, directory: str, depth: int, found: list[FoundRoot],
-            options: Mapping[str, Any] | None, unreadable: list[str]) -> None:
+            options: Mapping[str, Any] | None, unreadable: list[str], strays: list[str]) -> None:
     for name in sorted(storage.listdir(directory)):
         child = _join(storage, directory, name)
         try:
-            _visit(storage, child, name, depth, found, options, unreadable)
+            _visit(storage, child, name, depth, found, options, unreadable, strays)
         except PermissionError:
             unreadable.append(child)
 
 
 def _visit(storage: StorageBackend, child: str, name: str, depth: int, found: list[FoundRoot],
-           options: Mapping[str, Any] | None, unreadable: list[str]) -> None:
+           options: Mapping[str, Any] | None, unreadable: list[str], strays: list[str]) -> None:
     if storage.has_directories and not os.path.isdir(child):
         return
     if name in FRAMEWORK_ROOTS:
-        if _is_root(storage, child):
+        if _is_root(storage, child, strays):
             found.append(FoundRoot(child, FRAMEWORK_ROOTS[name]))
         return
     if name.startswith("."):  # staging directories, .git, caches: never a user's run
         return
-    if _is_root(storage, child):
+    if _is_root(storage, child, strays):
         found.append(FoundRoot(child, _framework_of(storage, child, options)))
     elif depth > 1:
-        _search(storage, child, depth - 1, found, options, unreadable)
+        _search(storage, child, depth - 1, found, options, unreadable, strays)
 
 
-def _is_root(storage: StorageBackend, directory: str) -> bool:
+def _is_root(storage: StorageBackend, directory: str, strays: list[str]) -> bool:
     """A root has its control directory (made when a Checkpointer first opens it for writing) or a
-    committed checkpoint; a framework's own ``latest`` file (DeepSpeed's) is not enough."""
+    committed checkpoint; a framework's own ``latest`` file (DeepSpeed's) is not enough. The control
+    entry counts only as a real directory (lstat: a FIFO is never opened, a link never followed)."""
     names = storage.listdir(directory)
-    return layout.CONTROL in names or any(layout.CheckpointName.parse(n) is not None for n in names)
+    if any(layout.CheckpointName.parse(n) is not None for n in names):
+        return True
+    if layout.CONTROL not in names:
+        return False
+    control = _join(storage, directory, layout.CONTROL)
+    if storage.has_directories and not _real_dir(control):
+        strays.append(control)
+        return False
+    return True
+
+
+def _real_dir(path: str) -> bool:
+    try:
+        return stat.S_ISDIR(os.lstat(path).st_mode)
+    except OSError:
+        return False
 
 
 def _framework_of(storage: StorageBackend, directory: str, options: Mapping[str, Any] | None) -> str | None:

@@ -35,6 +35,7 @@ from ckptguard.dcp.codec import (
     MAX_VALUE_DEPTH,
     check_depth,
     decode_value,
+    load_bounded,
     metadata_from_json,
     unflatten,
 )
@@ -46,6 +47,7 @@ from ckptguard.errors import (
     CorruptCheckpointError,
     StepNotFoundError,
     UnsafeObjectError,
+    from_os_error,
 )
 from ckptguard.protocol import layout
 from ckptguard.protocol.layout import CheckpointName
@@ -207,22 +209,28 @@ _DCP_METADATA_CLASSES = {
 class _MetadataUnpickler(pickle.Unpickler):
     """Admits DCP's metadata classes (and torch dtypes, Size, layouts), nothing else: no code runs."""
 
+    def __init__(self, data: bytes, path: str) -> None:
+        super().__init__(io.BytesIO(data))
+        self.path = path  # named in the refusal
+
     def find_class(self, module: str, name: str) -> Any:
         if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
             return getattr(torch, name)
         if name in _DCP_METADATA_CLASSES.get(module, ()):
             return getattr(importlib.import_module(module), name)
-        raise UnsafeObjectError(f"DCP .metadata refers to {module}.{name}, which is not one of DCP's metadata "
-                                "classes: refusing to unpickle it (it could run code)")
+        raise UnsafeObjectError(f"{self.path} refers to {module}.{name}, which is not one of DCP's metadata "
+                                "classes: refusing to unpickle it (it could run code)", path=self.path)
 
 
 def read_dcp_metadata(directory: str | os.PathLike[str]) -> Metadata:
     """DCP's ``.metadata`` of ``directory``, unpickled with only DCP's metadata classes admitted."""
     path = os.path.join(local_path(directory), ".metadata")
     try:
-        md = _MetadataUnpickler(io.BytesIO(_read_regular(path, MAX_METADATA_BYTES))).load()
+        md = _MetadataUnpickler(_read_regular(path, MAX_METADATA_BYTES), path).load()
     except FileNotFoundError:
         raise CheckpointError(f"{directory} is not a DCP checkpoint: it has no .metadata", path=path) from None
+    except OSError as e:
+        raise from_os_error(e, path) from None
     except (pickle.UnpicklingError, EOFError, AttributeError, TypeError, ValueError) as e:
         raise CorruptCheckpointError(f"{path} is not a readable DCP metadata file: {e}", path=path) from None
     if not isinstance(md, Metadata):
@@ -345,7 +353,7 @@ def import_checkpoint(source: str | os.PathLike[str], root: str | os.PathLike[st
     else:
         try:
             with os.fdopen(open_regular(source), "rb") as f:  # a FIFO is refused, never waited on
-                state = torch.load(f, map_location="cpu", weights_only=True)
+                state = load_bounded(f, source, source, "cpu")
         except pickle.UnpicklingError as e:
             raise UnsafeObjectError(f"{source}: torch.load(weights_only=True) refused it ({str(e).splitlines()[0]}); "
                                     "ckptguard imports only files that load without running code", path=source) from None
@@ -353,7 +361,7 @@ def import_checkpoint(source: str | os.PathLike[str], root: str | os.PathLike[st
             raise
         except (OSError, RuntimeError) as e:
             raise CheckpointError(f"{source} is not a DCP directory or a torch.save file: {e}", path=source) from None
-    check_depth(state, source, source)
+    check_depth(state, source, source)  # a DCP directory's values, as read_dcp gives them
     if not isinstance(state, dict) or not all(isinstance(k, str) and k for k in state):
         state = {"state": state}
     with Checkpointer(root, process_group="local") as ck:

@@ -14,6 +14,7 @@ import math
 import os
 import re
 import socket
+import stat
 import struct
 import time
 from contextlib import suppress
@@ -23,7 +24,7 @@ import torch
 
 from ckptguard.checksum import DEFAULT_ALGORITHM, checksum
 from ckptguard.comm import Comm, LocalTransport, default_comm
-from ckptguard.dcp.codec import encode_value
+from ckptguard.dcp.codec import encode_value, load_bounded
 from ckptguard.errors import (
     CheckpointError,
     CorruptCheckpointError,
@@ -35,7 +36,14 @@ from ckptguard.errors import (
 from ckptguard.protocol.records import parse_json
 from ckptguard.protocol.topology import Topology, probe_storage_domains
 from ckptguard.storage import PosixStorage, StorageBackend, is_s3_url, local_path, open_storage
-from ckptguard.storage.fileio import makedirs_durable, open_regular, replace_file, unlink_quietly
+from ckptguard.storage.fileio import (
+    fsync_dir,
+    makedirs_durable,
+    open_regular,
+    retry_stale,
+    unlink_quietly,
+    write_new_file,
+)
 
 _EOCD = b"PK\x05\x06"
 _TAG = re.compile(rb"ckptguard:1:(xxh3-64|crc32c):([0-9a-f]{8,16}):(\d+)$")
@@ -136,7 +144,7 @@ def save_file(obj: Any, path: str | os.PathLike[str], *, group: Any = None, proc
             data = _serialize(obj, fmt, checksum_algorithm, path)
             with _WriterLock(path, lock_timeout_s):
                 try:
-                    replace_file(path, data)
+                    _replace_locked(path, data)
                 except OSError as e:  # the temporary file's own name would only confuse
                     raise from_os_error(e, path, comm.rank, root=directory) from e
 
@@ -155,7 +163,7 @@ def save_local(obj: Any, path: str, fmt: str, algorithm: str, lock_timeout_s: fl
     data = _serialize(obj, fmt, algorithm, path, loadable=loadable)
     with _WriterLock(path, lock_timeout_s):
         try:
-            replace_file(path, data)
+            _replace_locked(path, data)
         except OSError as e:  # the temporary file's own name would only confuse
             raise from_os_error(e, path, root=directory) from e
 
@@ -189,7 +197,9 @@ def load_file(path: str | os.PathLike[str], *, map_location: Any = "cpu", format
         return _load_safetensors(data, path, map_location)
     body = _unseal(data, path)
     try:
-        return torch.load(io.BytesIO(body), map_location=map_location, weights_only=True)
+        return load_bounded(io.BytesIO(body), path, path, map_location)
+    except CheckpointError:
+        raise
     except Exception as e:
         raise UnsafeObjectError(f"{path}: verified, but torch.load(weights_only=True) refused it: {e}",
                                 path=path) from None
@@ -338,6 +348,59 @@ def _load_safetensors(data: bytes, path: str, map_location: Any) -> dict[str, to
 EMPTY_LOCK_S = 10.0
 
 
+def _tmp_prefix(path: str) -> str:
+    head, tail = os.path.split(path)
+    return os.path.join(head, f".{tail}.tmp-")
+
+
+def _host_tag() -> str:
+    """This host, as a file-name-safe tag (a hostname may hold any character)."""
+    return checksum("xxh3-64", socket.gethostname().encode())[:8]
+
+
+_TMP_NAME = re.compile(r"([0-9a-f]{8})-(\d{1,9})-[0-9a-f]{12}")
+
+
+def _replace_locked(path: str, data: bytes) -> None:
+    """Replace ``path`` atomically (temporary file, fsync, rename, fsync of the directory), holding its
+    writer lock. The temporary file names its writer (host tag, pid) so that the next writer removes
+    those a killed writer left; nothing else beside ``path`` is touched."""
+    _remove_dead_writers_tmp(path)
+    tmp = f"{_tmp_prefix(path)}{_host_tag()}-{os.getpid()}-{os.urandom(6).hex()}"
+    write_new_file(tmp, data)
+    try:
+        retry_stale(lambda: os.replace(tmp, path), "replace", path)
+    except BaseException:
+        unlink_quietly(tmp)
+        raise
+    fsync_dir(os.path.dirname(path) or ".")
+
+
+def _remove_dead_writers_tmp(path: str) -> None:
+    """``.NAME.tmp-HOST-PID-*`` regular files of writers on this host whose process is gone."""
+    prefix = _tmp_prefix(path)
+    directory, start = os.path.split(prefix)
+    with suppress(OSError):
+        for name in os.listdir(directory or "."):
+            m = _TMP_NAME.fullmatch(name[len(start):]) if name.startswith(start) else None
+            if m is None or m.group(1) != _host_tag() or not _pid_dead(int(m.group(2))):
+                continue
+            full = os.path.join(directory, name)
+            with suppress(OSError):
+                if stat.S_ISREG(os.lstat(full).st_mode):
+                    os.unlink(full)
+
+
+def _pid_dead(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except (PermissionError, OverflowError):
+        return False
+    return False
+
+
 class _WriterLock:
     """``path + ".lock"``, created exclusively: one writer of ``path`` at a time, across processes and hosts.
 
@@ -357,8 +420,10 @@ class _WriterLock:
             try:
                 fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
             except FileExistsError:
+                self._refuse_if_not_a_file()
                 holder = self._holder()
-                if (holder is not None and self._dead(holder)) or (holder is None and self._abandoned_empty()):
+                if (holder is not None and self._dead(holder)) or \
+                        ((holder is None or not self._parses(holder)) and self._abandoned_empty()):
                     self._break(holder or "")
                     continue
                 if time.monotonic() >= deadline:
@@ -388,6 +453,28 @@ class _WriterLock:
     def _holder(self) -> str | None:
         return _read_token(self.path)
 
+    def _refuse_if_not_a_file(self) -> None:
+        """A directory, FIFO or link where the lock goes is the user's, not a lock: never broken (renamed)."""
+        try:
+            mode = os.lstat(self.path).st_mode
+        except FileNotFoundError:
+            return
+        except OSError as e:
+            raise from_os_error(e, self.path) from e
+        if not stat.S_ISREG(mode):
+            from ckptguard.errors import PathCollisionError
+
+            raise PathCollisionError(
+                f"{self.path} is not a lock file (a directory, FIFO or link is there): save_file of "
+                f"{self.path[:-5]} needs that name for its writer lock. Move it away, or save under another name.",
+                path=self.path)
+
+    @staticmethod
+    def _parses(holder: str) -> bool:
+        """Whether a token names a host and a pid, as every token ckptguard writes does."""
+        parts = holder.split()
+        return len(parts) >= 2 and parts[1].isdigit() and len(parts[1]) <= 9
+
     def _abandoned_empty(self) -> bool:
         """An empty (or unreadable) lock older than EMPTY_LOCK_S: its creator never wrote its token."""
         try:
@@ -416,6 +503,9 @@ class _WriterLock:
             os.rename(self.path, aside)
         except FileNotFoundError:
             return
+        if not stat.S_ISREG(os.lstat(aside).st_mode):  # replaced by a directory meanwhile: the user's
+            os.rename(aside, self.path)
+            self._refuse_if_not_a_file()
         try:
             if (_read_token(aside) or "") != holder:  # someone else's fresh lock: put it back if we can
                 with suppress(OSError):

@@ -67,12 +67,20 @@ class RootListing:
     #: Why `latest` could not be read, if it could not. `latest` is a hint for tools: loads and
     #: verify list the checkpoints themselves, so an unreadable pointer makes nothing "not intact".
     latest_error: str | None = None
+    #: Why the root's checkpoints could not be listed: a control record that says what is committed
+    #: (the object-store index) is damaged. Such a root is "not intact" (exit 1), not a usage error.
+    error: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {"schema_version": SCHEMA_VERSION, "root": self.root,
                 "checkpoints": [asdict(c) for c in self.checkpoints],
                 "attempts": [asdict(a) for a in self.attempts], "trash": self.trash, "lease": self.lease,
-                "latest_error": self.latest_error}
+                "latest_error": self.latest_error, "error": self.error}
+
+
+def damaged_root(path: str, error: CheckpointError) -> RootListing:
+    """The listing of a root whose control records cannot be read: nothing listed, the reason kept."""
+    return RootListing(open_root(path).storage.root, [], [], [], None, None, str(error))
 
 
 @dataclass

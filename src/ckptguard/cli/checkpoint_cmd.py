@@ -59,14 +59,19 @@ def _roots(path: str, json_out: bool, verifying: bool = False) -> tuple[list[Any
     from ckptguard.storage import open_storage
 
     unreadable: list[str] = []
+    strays: list[str] = []
     try:
-        roots = find_roots(path, unreadable=unreadable)
+        roots = find_roots(path, unreadable=unreadable, strays=strays)
         given = open_storage(path).root
     except CheckpointError as e:
         raise _usage_error(str(e)) from None
     for skipped in unreadable:
         console(stderr=True).print(f"note: skipped {skipped}: permission denied (not searched for checkpoint roots)",
                                    highlight=False, markup=False, soft_wrap=True)
+    for stray in strays:
+        console(stderr=True).print(f"note: skipped {stray}: not a directory (a file, FIFO or link named like a "
+                                   "root's control directory; not opened)", highlight=False, markup=False,
+                                   soft_wrap=True)
     if not roots:
         if json_out:
             doc: dict[str, Any] = {"schema_version": 1, "path": given, "roots": []}
@@ -94,13 +99,26 @@ def _step_dir_hint(given: str) -> str:
 
 
 def _listing(path: str) -> Any:
-    from ckptguard.errors import CheckpointError
-    from ckptguard.verify import list_root
+    """The root's listing; a damaged control record makes a listing with ``error`` set (exit 1, "not
+    intact"): the damage is in the root, not in how the command was used."""
+    from ckptguard.errors import CheckpointError, CorruptCheckpointError, from_os_error
+    from ckptguard.verify import damaged_root, list_root
 
     try:
         return list_root(path)
+    except CorruptCheckpointError as e:
+        return damaged_root(path, e)
     except CheckpointError as e:
         raise _usage_error(str(e)) from None
+    except OSError as e:  # a control entry of the root that is not what it must be (a file for a directory)
+        return damaged_root(path, from_os_error(e, e.filename if isinstance(e.filename, str) else path))
+
+
+def _damage_note(listing: Any) -> None:
+    if listing.error:
+        console(stderr=True).print(f"{listing.root}: NOT INTACT: its control records cannot be read ({listing.error}); "
+                                   "no checkpoint of it can be listed or loaded until they are repaired",
+                                   highlight=False, markup=False, soft_wrap=True)
 
 
 def _title(what: str, root: str, framework: str | None) -> str:
@@ -116,12 +134,17 @@ def ls_command(path: PathArg, json_out: JsonOpt = False) -> None:
         docs = [{**listing.to_json(), "framework": framework} for listing, framework in listings]
         doc = docs[0] if direct else {"schema_version": 1, "path": path, "roots": docs}
         typer.echo(json.dumps(doc, indent=2))
-        return
-    for listing, framework in listings:
-        _print_listing(listing, framework)
+    else:
+        for listing, framework in listings:
+            _print_listing(listing, framework)
+    if any(listing.error for listing, _ in listings):
+        raise typer.Exit(1)
 
 
 def _print_listing(listing: Any, framework: str | None) -> None:
+    if listing.error:
+        _damage_note(listing)
+        return
     con = console()
     table = Table(title=_title("checkpoints in", listing.root, framework), title_justify="left")
     for col in ("#", "step", "dir", "state", "created", "size", "metadata"):
@@ -172,7 +195,7 @@ def verify_command(
         if step is not None:
             current = [c for c in current if c.step == step]
         plans.append((found, listing, [CheckpointName(c.step, c.version) for c in current]))
-    if step is not None and not any(names for _, _, names in plans):
+    if step is not None and not any(names for _, _, names in plans) and not any(lst.error for _, lst, _ in plans):
         committed = sorted({c.step for _, listing, _ in plans for c in listing.checkpoints if c.current})
         where = plans[0][1].root if len(plans) == 1 else f"any of the {len(plans)} roots under {path}"
         raise _usage_error(f"step {step} is not a committed checkpoint in {where}; committed: {committed or 'none'}")
@@ -182,7 +205,7 @@ def verify_command(
         for found, listing, names in plans:
             results = [verify_checkpoint(listing.root, n, threads=threads, on_bytes=bar.callback) for n in names]
             checked.append((found, listing, results))
-    ok = all(r.intact for _, _, results in checked for r in results)
+    ok = all(r.intact for _, _, results in checked for r in results) and not any(lst.error for _, lst, _ in checked)
     if json_out:
         docs = [_verify_json(SCHEMA_VERSION, found.framework, listing, results) for found, listing, results in checked]
         doc = docs[0] if direct else {"schema_version": SCHEMA_VERSION, "path": path, "intact": ok, "roots": docs}
@@ -202,12 +225,15 @@ def _verify_json(schema: int, framework: str | None, listing: Any, results: list
     from dataclasses import asdict
 
     return {"schema_version": schema, "root": listing.root, "framework": framework,
-            "intact": all(r.intact for r in results), "safe_to_resume": _safe_to_resume(results),
+            "intact": not listing.error and all(r.intact for r in results), "safe_to_resume": _safe_to_resume(results),
             "checked": [asdict(r) for r in results], "attempts": [asdict(a) for a in listing.attempts],
-            "latest_error": listing.latest_error}
+            "latest_error": listing.latest_error, "error": listing.error}
 
 
 def _print_verify(framework: str | None, listing: Any, results: list[Any], step: int | None) -> None:
+    if listing.error:
+        _damage_note(listing)
+        return
     con = console()
     table = Table(title=_title("verify", listing.root, framework), title_justify="left")
     for col in ("step", "dir", "result", "files", "size", "seconds"):

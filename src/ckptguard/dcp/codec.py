@@ -210,6 +210,16 @@ def check_depth(value: Any, what: str, path: str | None = None) -> None:
         stack.extend((c, depth + 1) for c in children)
 
 
+def load_bounded(source: Any, what: str, path: str | None = None, map_location: Any = None) -> Any:
+    """``torch.load(weights_only=True)`` and then the nesting bound (MAX_VALUE_DEPTH): the one way
+    ckptguard unpickles a value from a checkpoint, a ``save_file`` file or an import, so that no path
+    hands back a value that recursing code (decoding, saving, printing) cannot walk. torch.load's own
+    refusals propagate for the caller to name; too deep is a CorruptCheckpointError naming ``what``."""
+    value = torch.load(source, map_location=map_location, weights_only=True)
+    check_depth(value, what, path)
+    return value
+
+
 def item_index(item: StoredItem) -> MetadataIndex:
     return MetadataIndex(item.fqn, torch.Size(item.offsets) if item.offsets is not None else None)
 

@@ -28,9 +28,14 @@ from torch.distributed.checkpoint.planner import (
 
 from ckptguard.checksum import checksum
 from ckptguard.dcp import _torch_private
-from ckptguard.dcp.codec import check_depth, is_per_rank_key, metadata_to_json, tensor_bytes
+from ckptguard.dcp.codec import (
+    is_per_rank_key,
+    load_bounded,
+    metadata_to_json,
+    tensor_bytes,
+)
 from ckptguard.dcp.records import StoredItem
-from ckptguard.errors import TemplateMismatchError, UnsafeObjectError
+from ckptguard.errors import CheckpointError, TemplateMismatchError, UnsafeObjectError
 
 
 class DomainSavePlanner(_torch_private.CachingSavePlanner):
@@ -290,7 +295,9 @@ def _describe(obj: Any) -> str:
 def decode_object(fqn: str, value: io.BytesIO) -> Any:
     """A stored object, by torch.load(weights_only=True): nothing from the checkpoint runs."""
     try:
-        obj = torch.load(value, weights_only=True)
+        obj = load_bounded(value, f"stored object {fqn!r}")  # decode_value recurses into it
+    except CheckpointError:
+        raise
     except Exception as e:
         raise UnsafeObjectError(
             f"refusing to load object {fqn!r}: it is not a tensor or plain "
@@ -298,5 +305,4 @@ def decode_object(fqn: str, value: io.BytesIO) -> Any:
             "ckptguard never unpickles arbitrary objects from a checkpoint; register classes you "
             "trust with torch.serialization.add_safe_globals([...]) or store their state_dict()."
         ) from None
-    check_depth(obj, f"stored object {fqn!r}")  # decode_value recurses into it
     return obj

@@ -141,6 +141,13 @@ class LeaseRecord:
         return f"{job} on host {self.host} (pid {self.pid}), lease renewed {age:.0f} s ago, TTL {self.ttl_s:.0f} s"
 
 
+#: How long release() waits for the storage before it leaves the lease to expire.
+RELEASE_TIMEOUT_S = 4.0
+#: The same wait at interpreter exit (a job that never called close()): the process must be gone within
+#: 5 s whatever the endpoint does, and finalizing an interpreter with torch loaded takes about a second more.
+EXIT_RELEASE_TIMEOUT_S = 2.0
+
+
 class Lease:
     """The lease on one root, held by this rank on behalf of its job (domain leaders only)."""
 
@@ -322,9 +329,9 @@ class Lease:
                 path=self.path,
             )
 
-    def release(self) -> None:
+    def release(self, timeout_s: float = RELEASE_TIMEOUT_S) -> None:
         """Hand the root back: delete the record if it is still ours. Bounded (at exit too): if the
-        storage does not answer within RELEASE_TIMEOUT_S, the lease is left to expire after its TTL.
+        storage does not answer within ``timeout_s``, the lease is left to expire after its TTL.
         Never raises."""
         self._stop.set()
         self._thread = None  # a renewal stalled in a storage call ends on its own (a daemon thread)
@@ -340,9 +347,9 @@ class Lease:
                 done.set()
 
         threading.Thread(target=run, name="ckptguard-lease-release", daemon=True).start()
-        if not done.wait(RELEASE_TIMEOUT_S):
-            log.warning("ckptguard: releasing the lease on %s got no answer from the storage within %.0f s; it "
-                        "expires %.0f s after its last renewal", self.storage.root, RELEASE_TIMEOUT_S, self.ttl_s)
+        if not done.wait(timeout_s):
+            log.warning("ckptguard: releasing the lease on %s got no answer from the storage within %.1f s; it "
+                        "expires %.0f s after its last renewal", self.storage.root, timeout_s, self.ttl_s)
 
     def _delete_record(self) -> None:
         def decide(rec: LeaseRecord | None) -> Remove[None] | Keep[None]:
@@ -356,8 +363,11 @@ class Lease:
                  decide=decide, fence=None, what="release the lease", rounds=3, pause_s=0.0)
 
 
-#: How long release() waits for the storage before it leaves the lease to expire.
-RELEASE_TIMEOUT_S = 4.0
+
+
+def release_at_exit(lease: Lease) -> None:
+    """The atexit hook of a job's lease (one bounded release; never raises)."""
+    lease.release(EXIT_RELEASE_TIMEOUT_S)
 
 
 def new_holder_id() -> str:

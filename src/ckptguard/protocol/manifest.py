@@ -266,6 +266,7 @@ def _parse(data: bytes, path: str) -> Manifest:
     _expect(isinstance(versions, dict), "versions must be an object")
     seq = b.get("commit_seq")
     commit_seq = None if seq is None else _int(seq, "commit_seq", 1)
+    _check_dcp_agrees_with_items(b["dcp"], items)
     return Manifest(
         step=_int(b["step"], "step"),
         version=_int(b["version"], "version", 1),
@@ -285,6 +286,34 @@ def _parse(data: bytes, path: str) -> Manifest:
         versions={str(k): str(v) for k, v in versions.items()},
         commit_seq=commit_seq,
     )
+
+
+def _check_dcp_agrees_with_items(dcp: dict[str, Any], items: list[StoredItem]) -> None:
+    """The DCP metadata and the item rows describe one tensor twice (``load`` trusts the first, ``read``
+    and ``export`` the second): every item row with a dtype must agree with its DCP entry on the dtype,
+    the number of dimensions, and lie inside its size; an object entry has no tensor rows. The checksum
+    is no signature, so a manifest that says two things is refused here, once, at parse time."""
+    entries = dcp.get("state_dict")
+    if not isinstance(entries, dict):
+        return  # malformed: refused where the DCP metadata is decoded (codec.metadata_from_json)
+    for item in items:
+        if item.dtype is None or item.shape is None:
+            continue
+        entry = entries.get(item.fqn)
+        if not isinstance(entry, dict):
+            continue
+        where = f"item {item.fqn[:100]!r} and dcp.state_dict[{item.fqn[:100]!r}]"
+        _expect(entry.get("type") == "tensor", f"{where} disagree: a tensor row for an object entry")
+        _expect(entry.get("dtype") == item.dtype,
+                f"{where} disagree on the dtype ({item.dtype} vs {str(entry.get('dtype'))[:40]})")
+        size: Any = entry.get("size")
+        _expect(type(size) is list and len(size) == len(item.shape),
+                f"{where} disagree on the number of dimensions ({len(item.shape)} vs {str(size)[:80]})")
+        offsets = item.offsets if item.offsets is not None else (0,) * len(item.shape)
+        _expect(len(offsets) == len(item.shape) and all(  # a negative size: refused by metadata_from_json
+                    type(n) is int and (n < 0 or o + k <= n) for o, k, n in zip(offsets, item.shape, size, strict=True)),
+                f"{where} disagree on the size: the chunk at {list(offsets)[:8]} of shape "
+                f"{list(item.shape)[:8]} is not inside {str(size)[:80]}")
 
 
 #: How a manifest with a commit sequence number starts (to_json writes it first in the body).
