@@ -325,7 +325,8 @@ def bench_state(kind: str, rank: int, args: argparse.Namespace) -> dict[str, Any
         for rep in range(args.torch_save_reps):
             if rank == 0:
                 subprocess.run(["sync"], check=False)
-            times["gather+torch.save"].append(timed(lambda r=rep: gather_torch_save(state, work / f"torch{r}.pt", rank)))
+            times["gather+torch.save"].append(
+                timed(lambda r=rep: gather_torch_save(state, work / f"torch{r}.pt", rank)))
             gc.collect()
             dist.barrier()
             if rank == 0:

@@ -39,12 +39,14 @@ def _noise_block(rng: random.Random, ranks: int, step0: int, nlines: int) -> byt
         ts = f"2024-05-01 10:{(step // 60) % 60:02d}:{step % 60:02d},{rng.randrange(1000):03d}"
         if k < 0.86:
             out.append(f"[rank{r}]:{ts} INFO trainer: step {step} loss {2 + rng.random():.4f} "
-                       f"lr 3.0e-04 grad_norm {rng.random():.3f} tok/s {rng.randrange(90000, 120000)} mfu 41.{r % 10}%\n")
+                       f"lr 3.0e-04 grad_norm {rng.random():.3f} tok/s {rng.randrange(90000, 120000)} "
+                       f"mfu 41.{r % 10}%\n")
         elif k < 0.93:
             out.append(f"gpu-{r // 8:03d}:{100000 + r}:{200000 + r} [{r % 8}] NCCL INFO Channel {i % 32:02d}/32 : "
                        f"{r}[{r % 8}] -> {(r + 1) % ranks}[{(r + 1) % 8}] via P2P/CUMEM/read\n")
         elif k < 0.97:
-            out.append(f"[rank{r}]:{ts} INFO data: shard {rng.randrange(4096)} opened, {rng.randrange(10**6)} samples, prefetch 4\n")
+            out.append(f"[rank{r}]:{ts} INFO data: shard {rng.randrange(4096)} opened, "
+                       f"{rng.randrange(10**6)} samples, prefetch 4\n")
         else:
             out.append(f"[rank{r}]:/opt/conda/lib/python3.11/site-packages/torch/utils/data/dataloader.py:558: "
                        f"UserWarning: This DataLoader will create 8 worker processes in total.\n")
@@ -57,7 +59,8 @@ def _init_lines(ranks: int) -> bytes:
         h, pid = f"gpu-{r // 8:03d}", 100000 + r
         out.append(f"{h}:{pid}:{pid + 50} [{r % 8}] NCCL INFO comm 0x7f{r:04x} rank {r} nranks {ranks} "
                    f"cudaDev {r % 8} nvmlDev {r % 8} busId {r % 8}0000 commId 0xabc - Init COMPLETE\n")
-        out.append(f"{h}:{pid}:{pid + 50} [{r % 8}] NCCL INFO Trees [0] {(r + 1) % ranks}/-1/-1->{r}->{(r - 1) % ranks}\n")
+        out.append(f"{h}:{pid}:{pid + 50} [{r % 8}] NCCL INFO Trees [0] "
+                   f"{(r + 1) % ranks}/-1/-1->{r}->{(r - 1) % ranks}\n")
     return "".join(out).encode()
 
 
@@ -158,7 +161,8 @@ def main() -> None:
             print(f"{label:32s} {mb:7.0f} {dt:8.2f} {rate:8.0f} {rss:13.0f}  {result}")
         for label, ratio, grep_rate in ratios:
             print(f"ratio {label} / grep -c (run just before it, {grep_rate:.0f} MB/s): {ratio:.3f}")
-        print(f"\n(one core via {'taskset -c 0' if one_core else 'no taskset: unpinned'}; python {sys.version.split()[0]}; "
+        print(f"\n(one core via {'taskset -c 0' if one_core else 'no taskset: unpinned'}; "
+              f"python {sys.version.split()[0]}; "
               f"page cache warm; peak RSS is each process's own ru_maxrss, Python interpreter included)")
     finally:
         if args.keep:

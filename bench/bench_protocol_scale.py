@@ -72,7 +72,8 @@ def inputs(n: int, k: int) -> dict[str, Any]:
     probe = [{"lister": True, "seen": to_ranges(list(range(n)))} if host_first[hosts[r]] == r
              else {"lister": False, "sees_host_first": True} for r in range(n)]
     plan_reports = [PlanReport([ArtifactTarget(r, hosts[r], "offloaded", f"/local/offload/rank{r:05d}")],
-                               LeaderView([], {s: {1: s + 1} for s in range(3)}, 3) if r == 0 else None) for r in range(n)]
+                               LeaderView([], {s: {1: s + 1} for s in range(3)}, 3) if r == 0 else None)
+                    for r in range(n)]
     shard = 1 << 20  # elements per chunk (4 MiB of float32)
     md = Metadata(state_dict_metadata={
         f"model.layer{t}.flat_param": TensorStorageMetadata(

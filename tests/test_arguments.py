@@ -96,7 +96,8 @@ def test_a_template_of_another_dtype_is_refused_unless_the_cast_is_lossless(tmp_
             assert not template["w"].any()
         same = {"w": torch.zeros(3, dtype=torch.float64)}
         assert ck.load(same) == 1 and same["w"][2] == 100000.5
-        ck.save(2, {"h": torch.tensor([1.5, -65536.0], dtype=torch.bfloat16), "i": torch.tensor([-128], dtype=torch.int8)})
+        ck.save(2, {"h": torch.tensor([1.5, -65536.0], dtype=torch.bfloat16),
+                    "i": torch.tensor([-128], dtype=torch.int8)})
         wider = {"h": torch.zeros(2), "i": torch.zeros(1, dtype=torch.int32)}  # lossless widenings are made
         assert ck.load(wider) == 2 and wider["h"].tolist() == [1.5, -65536.0] and wider["i"].tolist() == [-128]
         with pytest.raises(TemplateMismatchError, match=r"i: checkpoint: shape \[1\] torch.int8, template: shape "

@@ -119,8 +119,8 @@ def test_an_error_a_command_does_not_handle_is_one_line_and_debug_shows_the_trac
 
 def test_debug_keeps_the_exit_code_and_prints_the_traceback(tmp_path: Path) -> None:
     Checkpointer(tmp_path / "r", process_group="local").close()
-    for args in (("verify", str(tmp_path / "missing")), ("ls", "gs://x"), ("verify", str(tmp_path / "r"), "--step", "77"),
-                 ("verify", str(tmp_path / "r"), "--bogus")):
+    for args in (("verify", str(tmp_path / "missing")), ("ls", "gs://x"),
+                 ("verify", str(tmp_path / "r"), "--step", "77"), ("verify", str(tmp_path / "r"), "--bogus")):
         plain, debug = cli(*args), cli("--debug", *args)
         assert plain.returncode == debug.returncode == 2, (args, plain.stderr, debug.stderr)
         assert "Traceback" not in plain.stderr and "Traceback" in debug.stderr, (args, debug.stderr)

@@ -24,8 +24,9 @@ runs without swapping (``engine.zero_nvme_offload_optimizer()`` is False: ZeRO-2
 offload). After ``apt-get install libaio-dev`` the op JIT-builds (12 min on 2 cores, cached in
 ``~/.cache/torch_extensions``) and ZeRO-3 swaps to NVMe for real on CPU; the ``[real]`` tests run then, with
 ``CKPTGUARD_DEEPSPEED_NVME=1`` (opt-in: torch's JIT loader rebuilds the op wherever its build command differs,
-e.g. from a venv at another path, as in CI's fresh clone), and skip otherwise (``aio_op_missing``). The ``[emulated]`` ones emulate only the failing stage, the swapper: a real
-ZeRO-2 engine gets a stand-in (the worker's ``StandInSwapper``) and DeepSpeed's own save/load code runs unchanged.
+e.g. from a venv at another path, as in CI's fresh clone), and skip otherwise (``aio_op_missing``). The
+``[emulated]`` ones emulate only the failing stage, the swapper: a real ZeRO-2 engine gets a stand-in (the worker's
+``StandInSwapper``) and DeepSpeed's own save/load code runs unchanged.
 
 - ``test_nvme_offload_kill_after_the_copy_then_resume[emulated|real]``: rank 1 SIGKILLed inside the 3rd save,
   right after DeepSpeed copied its swap folder (when it calls the engine's ``commit``). ``global_step6`` never

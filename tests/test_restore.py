@@ -98,8 +98,9 @@ def test_files_that_are_contain_or_lie_inside_the_root_are_refused_at_save_and_a
         for bad, how in ((root, "is the checkpoint root"), (run, "contains the checkpoint root"),
                          (tmp_path / "link", "contains the checkpoint root"),
                          (root / "step-00000001", "lies inside the checkpoint root")):
-            with pytest.raises(PathCollisionError, match=f"rank 0: files\\['x'\\] = {run if 'link' in str(bad) else bad}"
-                                                         f" {how}") as err:
+            with pytest.raises(PathCollisionError,
+                               match=f"rank 0: files\\['x'\\] = {run if 'link' in str(bad) else bad}"
+                                     f" {how}") as err:
                 ck.save(3, {"w": torch.ones(2)}, files={"x": bad})
             assert err.value.rank == 0
             with pytest.raises(PathCollisionError, match=how):

@@ -71,14 +71,16 @@ def _can_unshare_uts() -> bool:
 
 
 @pytest.mark.skipif(not _can_unshare_uts(), reason="needs unshare --uts (root) for a hostname per node")
-def test_two_node_job_failure_is_diagnosed_on_each_node_with_the_step_to_resume(tmp_path: Path, job_marker: str) -> None:
+def test_two_node_job_failure_is_diagnosed_on_each_node_with_the_step_to_resume(
+        tmp_path: Path, job_marker: str) -> None:
     logs, root = tmp_path / "logs", tmp_path / "ckpt"
     port = free_port()
     env = _env(**{MARKER: job_marker})
     procs = []
     for node in (0, 1):
         cmd = [*RUN, "--logs", str(logs), "--checkpoints", str(root), "--",
-               *_torchrun(2, node, port, "--root", str(root), "--fail", "raise", "--fail-rank", "3", "--fail-step", "3")]
+               *_torchrun(2, node, port, "--root", str(root), "--fail", "raise", "--fail-rank", "3",
+                          "--fail-step", "3")]
         script = f"hostname node{node} && exec \"$@\""
         procs.append(subprocess.Popen(["unshare", "--uts", "sh", "-c", script, "sh", *cmd], env=env, cwd=tmp_path,
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE))
@@ -102,7 +104,8 @@ def test_two_node_job_failure_is_diagnosed_on_each_node_with_the_step_to_resume(
     after = subprocess.run([sys.executable, "-m", "ckptguard", "diagnose", str(logs), "--json", "--checkpoints",
                             str(root)], env=_env(), capture_output=True, text=True, timeout=60)
     got = json.loads(after.stdout)
-    assert (got["initiating_rank"], got["initiating_host"], got["failure_class"]) == (3, "node1", reports[0]["failure_class"])
+    assert (got["initiating_rank"], got["initiating_host"], got["failure_class"]) == (
+        3, "node1", reports[0]["failure_class"])
     assert got["resume"]["step"] == 2
     # The step named loads.
     import torch
@@ -113,7 +116,8 @@ def test_two_node_job_failure_is_diagnosed_on_each_node_with_the_step_to_resume(
     assert torch.equal(state["w"], torch.full((64,), 2.0))
 
 
-def _single_node(tmp_path: Path, marker: str, *job_args: str) -> tuple[subprocess.CompletedProcess[str], dict[str, Any]]:
+def _single_node(tmp_path: Path, marker: str,
+                 *job_args: str) -> tuple[subprocess.CompletedProcess[str], dict[str, Any]]:
     logs = tmp_path / "logs"
     cmd = [*RUN, "--logs", str(logs), "--checkpoints", str(tmp_path / "ckpt"), "--grace", "0", "--",
            *_torchrun(1, 0, free_port(), "--root", str(tmp_path / "ckpt"), *job_args)]
@@ -221,9 +225,11 @@ def test_success_through_a_terminal_child_sees_a_terminal_and_bytes_are_identica
 
 
 def test_signals_reach_the_child_and_the_status_is_the_childs(tmp_path: Path) -> None:
-    for sig, status, said in ((signal.SIGTERM, 7, "child got signal 15"), (signal.SIGINT, 128 + signal.SIGINT, "cleanup ran")):
+    for sig, status, said in ((signal.SIGTERM, 7, "child got signal 15"),
+                              (signal.SIGINT, 128 + signal.SIGINT, "cleanup ran")):
         logs = tmp_path / f"logs-{sig.name}"
-        proc = subprocess.Popen([*RUN, "--logs", str(logs), "--grace", "0", "--", sys.executable, str(CHILD), "signals"],
+        proc = subprocess.Popen([*RUN, "--logs", str(logs), "--grace", "0", "--",
+                                 sys.executable, str(CHILD), "signals"],
                                 env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         assert proc.stdout is not None
         assert proc.stdout.readline() == b"ready\n"
@@ -239,7 +245,8 @@ def test_on_failure_runs_once_with_the_report_paths(tmp_path: Path) -> None:
     hook = tmp_path / "hook.txt"
     logs = tmp_path / "logs"
     res = subprocess.run([*RUN, "--logs", str(logs), "--grace", "0", "--on-failure",
-                          f'echo "$CKPTGUARD_EXIT_STATUS $CKPTGUARD_REPORT_JSON $CKPTGUARD_REPORT_HTML" >> {hook}', "--",
+                          f'echo "$CKPTGUARD_EXIT_STATUS $CKPTGUARD_REPORT_JSON $CKPTGUARD_REPORT_HTML" >> {hook}',
+                          "--",
                           sys.executable, "-c", "raise RuntimeError('training diverged')"],
                          env=_env(), capture_output=True, text=True, timeout=120)
     assert res.returncode == 1
@@ -458,7 +465,8 @@ def test_non_utf8_argument_still_gives_valid_reports(tmp_path: Path) -> None:
 def test_all_nodes_hint_reads_this_job_when_jobs_share_the_log_dir(tmp_path: Path) -> None:
     logs = tmp_path / "my logs"
     b = subprocess.Popen([*RUN, "--logs", str(logs), "--grace", "0", "--job-id", "B", "--", "sh", "-c",
-                          'sleep 2; echo "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB" >&2; exit 1'],
+                          'sleep 2; echo "torch.OutOfMemoryError: CUDA out of memory. '
+                          'Tried to allocate 2.00 GiB" >&2; exit 1'],
                          env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     time.sleep(0.5)
     a = subprocess.run([*RUN, "--logs", str(logs), "--grace", "0", "--job-id", "A", "--", "sh", "-c",

@@ -62,7 +62,8 @@ def test_small_reads_refuse_fifos_symlinks_and_oversized_files(tmp_path: Path) -
 def test_compare_and_swap_lets_exactly_one_of_many_writers_win(tmp_path: Path) -> None:
     storage = open_storage(tmp_path)
     path = storage.path("pointer")
-    assert storage.compare_and_swap(path, b"initial", None)  # not any writer's "v{i}" (a content token would not see that ABA)
+    # not any writer's "v{i}" (a content token would not see that ABA)
+    assert storage.compare_and_swap(path, b"initial", None)
     assert not storage.compare_and_swap(path, b"again", None)  # None: only if absent
     _, token = storage.read_versioned(path) or (b"", "")
     wins: list[int] = []
@@ -213,7 +214,8 @@ def test_a_holder_frozen_inside_compare_and_swap_cannot_overwrite_the_swap_that_
             freeze()
 
         monkeypatch.setattr(posix, "write_new_file", write_then_freeze)
-        monkeypatch.setattr(posix, "replace_file", lambda p, d: (write_then_freeze(p + ".t", d), os.replace(p + ".t", p)))
+        monkeypatch.setattr(posix, "replace_file",
+                            lambda p, d: (write_then_freeze(p + ".t", d), os.replace(p + ".t", p)))
     outcome: list[bool] = []
     a = threading.Thread(target=lambda: outcome.append(frozen.compare_and_swap(path, b"holder A renewed", token_a)))
     a.start()

@@ -150,12 +150,14 @@ def cumulative_table(records: list[dict[str, Any]], excluded: dict[str, str] | N
     lines.append("")
     lines.append(f"{len(records)} trials in {len(runs)} run(s), commits {', '.join(commits) or '?'}; "
                  f"{everything['faults']:.0f} injected faults, {everything['kills'] + everything['stops']:.0f} of them "
-                 f"SIGKILLs/SIGSTOPs, {lifecycle['kills'] + lifecycle['stops']:.0f} of these in the lifecycle kinds; {everything['failures']:.0f} failures, "
+                 f"SIGKILLs/SIGSTOPs, {lifecycle['kills'] + lifecycle['stops']:.0f} of these in the lifecycle kinds; "
+                 f"{everything['failures']:.0f} failures, "
                  f"{everything['torn']:.0f} torn, {everything['lost']:.0f} lost.")
     for run, why in excluded.items():
         rs = [r for r in left_out if r["run"] == run]
         lines.append("")
-        lines.append(f"Not counted above: run {run} ({len(rs)} trials, {sum(r['injected'] for r in rs)} injected faults, "
+        lines.append(f"Not counted above: run {run} ({len(rs)} trials, "
+                     f"{sum(r['injected'] for r in rs)} injected faults, "
                      f"{sum(r['outcome'] != 'ok' for r in rs)} failures, {sum(r['torn'] for r in rs)} torn, "
                      f"{sum(r['lost'] for r in rs)} lost): {why}")
     return "\n".join(lines)
@@ -220,7 +222,8 @@ def main(argv: list[str] | None = None) -> int:
     for prob in report.problems[:50]:
         print("PROBLEM", prob)
     if args.json_out:
-        doc = {"seed": seed, "plan": plan, "command": " ".join(["python", "tools/campaign.py", *(argv or sys.argv[1:])]),
+        doc = {"seed": seed, "plan": plan,
+               "command": " ".join(["python", "tools/campaign.py", *(argv or sys.argv[1:])]),
                **report.to_json()}
         Path(args.json_out).write_text(json.dumps(doc, indent=2) + "\n")
     return 0 if report.total("failures") == 0 else 1

@@ -94,8 +94,8 @@ class DCPReader(GuardedReader):
         metadata = metadata_from_json(self.manifest.dcp, self.manifest.items, root.dir(name),
                                       domain_count=self.manifest.domain_count)
         metadata.storage_meta = StorageMeta()
-        super().__init__(root.storage, root.data_dir(name, self.manifest), metadata, self.manifest.checksum_algorithm, rank=0,
-                         io_threads=io_threads)
+        super().__init__(root.storage, root.data_dir(name, self.manifest), metadata, self.manifest.checksum_algorithm,
+                         rank=0, io_threads=io_threads)
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
@@ -356,7 +356,8 @@ def import_checkpoint(source: str | os.PathLike[str], root: str | os.PathLike[st
                 state = load_bounded(f, source, source, "cpu")
         except pickle.UnpicklingError as e:
             raise UnsafeObjectError(f"{source}: torch.load(weights_only=True) refused it ({str(e).splitlines()[0]}); "
-                                    "ckptguard imports only files that load without running code", path=source) from None
+                                    "ckptguard imports only files that load without running code",
+                                    path=source) from None
         except CheckpointError:
             raise
         except (OSError, RuntimeError) as e:

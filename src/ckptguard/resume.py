@@ -147,7 +147,8 @@ def resume_info(root: str, *, deep: bool = False) -> ResumeInfo:
     ck_root, framework = _framework_root(root)
     info = ResumeInfo(None, root, checked="deep" if deep else "quick", framework=framework)
     if not _is_remote(root) and not os.path.exists(root):
-        info.resume_hint = f"no answer: {root} does not exist (the job saved no checkpoint there); it starts from scratch"
+        info.resume_hint = (f"no answer: {root} does not exist (the job saved no checkpoint there); "
+                            "it starts from scratch")
         return info
     try:
         listing: RootListing = list_root(ck_root)

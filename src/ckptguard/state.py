@@ -122,7 +122,8 @@ def _per_rank_later(holder: PerRank, sd: dict[str, Any], key: str) -> Callable[[
 
 def prepare_state(state: Mapping[str, Any], rank: int = 0) -> PreparedState:
     if not isinstance(state, Mapping):
-        raise TypeError(f"state must be a mapping of names to modules, optimizers or values, not {type(state).__name__}")
+        raise TypeError("state must be a mapping of names to modules, optimizers or values, "
+                        f"not {type(state).__name__}")
     modules = {k: v for k, v in state.items() if isinstance(v, nn.Module)}
     sd: dict[str, Any] = {}
     appliers: list[Callable[[], object]] = []

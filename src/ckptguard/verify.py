@@ -168,7 +168,8 @@ def _tiling_problems(manifest: Manifest, base: str) -> list[Problem]:
     sizes = {f.path: f.size for f in manifest.files}
     for rel, items in by_file.items():
         if rel not in sizes:
-            problems.append(Problem(os.path.join(base, rel), "manifest", "items point into a file the manifest does not list"))
+            problems.append(Problem(os.path.join(base, rel), "manifest",
+                                    "items point into a file the manifest does not list"))
             continue
         pos = 0
         for item in sorted(items, key=lambda i: i.offset):

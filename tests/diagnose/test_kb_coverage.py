@@ -1,7 +1,7 @@
 """A knowledge-base rule must be a failure's signature, not one file's.
 
-A signature that matches exactly one log of the corpora (diagnose-dev, diagnose-dev2) and none of the project's own fixtures
-(tests/diagnose/fixtures, tests/diagnose/variants) was most likely written for that one file:
+A signature that matches exactly one log of the corpora (diagnose-dev, diagnose-dev2) and none of the project's
+own fixtures (tests/diagnose/fixtures, tests/diagnose/variants) was most likely written for that one file:
 the same diagnosis is scored on real logs that nobody here has, where such a rule gains nothing.
 Every rule needs a second, independent example among the fixtures.
 """

@@ -19,14 +19,19 @@ def run(tmp_path: Path, text: str, name: str = "job.log"):
     return diagnose([str(p)])
 
 
-CUDA_OOM = """\
-[rank5]: Traceback (most recent call last):
-[rank5]:   File "train.py", line 90, in <module>
-[rank5]:     loss.backward()
-[rank5]: torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB. GPU 5 has a total capacity of 79.15 GiB of which 1.2 GiB is free.
-[rank2]:[E1102 10:01:05.123456 ProcessGroupNCCL.cpp:616] [Rank 2] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=812, OpType=ALLREDUCE, NumelIn=1, NumelOut=1, Timeout(ms)=600000) ran for 600012 milliseconds before timing out.
-[rank3]:[E1102 10:01:05.223456 ProcessGroupNCCL.cpp:616] [Rank 3] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=812, OpType=ALLREDUCE, NumelIn=1, NumelOut=1, Timeout(ms)=600000) ran for 600010 milliseconds before timing out.
-"""
+CUDA_OOM = (
+    "[rank5]: Traceback (most recent call last):\n"
+    '[rank5]:   File "train.py", line 90, in <module>\n'
+    "[rank5]:     loss.backward()\n"
+    "[rank5]: torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB. "
+    "GPU 5 has a total capacity of 79.15 GiB of which 1.2 GiB is free.\n"
+    "[rank2]:[E1102 10:01:05.123456 ProcessGroupNCCL.cpp:616] [Rank 2] Watchdog caught collective operation timeout: "
+    "WorkNCCL(SeqNum=812, OpType=ALLREDUCE, NumelIn=1, NumelOut=1, Timeout(ms)=600000) "
+    "ran for 600012 milliseconds before timing out.\n"
+    "[rank3]:[E1102 10:01:05.223456 ProcessGroupNCCL.cpp:616] [Rank 3] Watchdog caught collective operation timeout: "
+    "WorkNCCL(SeqNum=812, OpType=ALLREDUCE, NumelIn=1, NumelOut=1, Timeout(ms)=600000) "
+    "ran for 600010 milliseconds before timing out.\n"
+)
 
 
 def test_cuda_oom_with_watchdog_collateral(tmp_path: Path) -> None:
@@ -42,21 +47,32 @@ FAMILY = {"ddp_unused_parameters": "python_exception", "config_error": "python_e
     ("RuntimeError: CUDA error: an illegal memory access was encountered", "cuda_illegal_memory_access"),
     ("RuntimeError: CUDA error: device-side assert triggered", "cuda_device_side_assert"),
     ("OSError: [Errno 116] Stale file handle: '/nfs/ckpt/step100'", "stale_nfs_handle"),
-    ("RuntimeError: NCCL error in: ProcessGroupNCCL.cpp:1970, unhandled system error (run with NCCL_DEBUG=INFO for details), NCCL version 2.19.3", "nccl_network_error"),
+    ("RuntimeError: NCCL error in: ProcessGroupNCCL.cpp:1970, unhandled system error "
+     "(run with NCCL_DEBUG=INFO for details), NCCL version 2.19.3", "nccl_network_error"),
     ("OSError: [Errno 28] No space left on device: '/ckpt/step5/optim.pt'", "disk_full_enospc"),
-    ("_pickle.UnpicklingError: Weights only load failed. Re-running `torch.load` with `weights_only` set to `False` will likely succeed", "unsafe_weights_only_load"),
-    ("RuntimeError: Error(s) in loading state_dict for GPT: Missing key(s) in state_dict: \"lm_head.weight\".", "state_dict_mismatch"),
-    ("RuntimeError: Expected to have finished reduction in the prior iteration before starting a new one.", "ddp_unused_parameters"),
-    ("RuntimeError: Detected mismatch between collectives on ranks. Rank 1 is running collective: CollectiveFingerPrint(SequenceNumber=3, OpType=BROADCAST)", "collective_mismatch_desync"),
+    ("_pickle.UnpicklingError: Weights only load failed. "
+     "Re-running `torch.load` with `weights_only` set to `False` will likely succeed", "unsafe_weights_only_load"),
+    ("RuntimeError: Error(s) in loading state_dict for GPT: Missing key(s) in state_dict: \"lm_head.weight\".",
+     "state_dict_mismatch"),
+    ("RuntimeError: Expected to have finished reduction in the prior iteration before starting a new one.",
+     "ddp_unused_parameters"),
+    ("RuntimeError: Detected mismatch between collectives on ranks. "
+     "Rank 1 is running collective: CollectiveFingerPrint(SequenceNumber=3, OpType=BROADCAST)",
+     "collective_mismatch_desync"),
     ("OSError: [Errno 24] Too many open files", "too_many_open_files"),
     ("RuntimeError: CUDA error: uncorrectable ECC error encountered", "gpu_hardware_fault"),
-    ("ValueError: Error initializing torch.distributed using env:// rendezvous: environment variable RANK expected, but not set", "config_error"),
-    ("FileExistsError: [Errno 17] File exists: '/shared/ckpt/global_step100/offloaded_tensors'", "checkpoint_write_race"),
-    ("OSError: [Errno 39] Directory not empty: '/mnt/ckpt/step200-tmp' -> '/mnt/ckpt/step200'", "checkpoint_write_race"),
-    ("RuntimeError: PytorchStreamReader failed reading zip archive: failed finding central directory", "checkpoint_corrupt_load"),
+    ("ValueError: Error initializing torch.distributed using env:// rendezvous: "
+     "environment variable RANK expected, but not set", "config_error"),
+    ("FileExistsError: [Errno 17] File exists: '/shared/ckpt/global_step100/offloaded_tensors'",
+     "checkpoint_write_race"),
+    ("OSError: [Errno 39] Directory not empty: '/mnt/ckpt/step200-tmp' -> '/mnt/ckpt/step200'",
+     "checkpoint_write_race"),
+    ("RuntimeError: PytorchStreamReader failed reading zip archive: failed finding central directory",
+     "checkpoint_corrupt_load"),
 ])
 def test_exception_signatures(tmp_path: Path, line: str, cls: str) -> None:
-    text = f"[rank1]: Traceback (most recent call last):\n[rank1]:   File \"t.py\", line 1, in <module>\n[rank1]: {line}\n"
+    text = ("[rank1]: Traceback (most recent call last):\n[rank1]:   File \"t.py\", line 1, in <module>\n"
+            f"[rank1]: {line}\n")
     text += "[rank0]: RuntimeError: [../gloo/transport/tcp/pair.cc:598] Connection closed by peer [10.0.0.2]:4321\n"
     d = run(tmp_path, text)
     assert (d.kind, d.failure_class, d.initiating_rank, d.collateral_ranks) == (cls, FAMILY.get(cls, cls), 1, [0])
@@ -66,7 +82,8 @@ def test_timestamps_order_ranks(tmp_path: Path) -> None:
     """Two ranks fail for different reasons: the earlier timestamp wins, not the earlier line."""
     text = (
         "[rank4]: 2024-03-01 12:00:09,000 ERROR RuntimeError: CUDA error: an illegal memory access was encountered\n"
-        "[rank6]: 2024-03-01 12:00:02,500 ERROR torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 20.00 MiB\n"
+        "[rank6]: 2024-03-01 12:00:02,500 ERROR torch.OutOfMemoryError: "
+        "CUDA out of memory. Tried to allocate 20.00 MiB\n"
         "[rank1]: 2024-03-01 12:00:10,000 ERROR RuntimeError: Connection reset by peer\n"
     )
     d = run(tmp_path, text)
@@ -80,7 +97,8 @@ def test_srun_label_and_slurm_oom(tmp_path: Path) -> None:
     text = (
         "0: step 10 loss 2.1\n"
         "3: step 10 loss 2.1\n"
-        "slurmstepd: error: Detected 1 oom_kill event in StepId=4242.0. Some of your processes may have been killed by the cgroup out-of-memory handler.\n"
+        "slurmstepd: error: Detected 1 oom_kill event in StepId=4242.0. "
+        "Some of your processes may have been killed by the cgroup out-of-memory handler.\n"
         "srun: error: gpu-node-07: task 3: Out Of Memory\n"
         "0: RuntimeError: [../gloo/transport/tcp/pair.cc:598] Connection closed by peer [10.1.1.7]:2034\n"
         "srun: error: gpu-node-01: task 0: Exited with exit code 1\n"
@@ -100,7 +118,8 @@ def test_mpirun_prefix(tmp_path: Path) -> None:
         "[1,1]<stderr>:RuntimeError: Connection reset by peer\n"
     )
     d = run(tmp_path, text)
-    assert (d.failure_class, d.kind, d.initiating_rank, d.collateral_ranks) == ("python_exception", "import_error", 2, [1])
+    assert (d.failure_class, d.kind, d.initiating_rank, d.collateral_ranks) == (
+        "python_exception", "import_error", 2, [1])
     assert d.verify_command == 'python -c "import apex"'
 
 
@@ -110,8 +129,10 @@ def test_nccl_pid_map_attributes_launcher_kill(tmp_path: Path) -> None:
         "node-b:4001:4101 [0] NCCL INFO comm 0x55 rank 8 nranks 16 cudaDev 0 busId 1000 - Init COMPLETE\n"
         "node-b:4002:4102 [1] NCCL INFO comm 0x56 rank 9 nranks 16 cudaDev 1 busId 2000 - Init COMPLETE\n"
         "node-b:4002:4102 [1] NCCL INFO Channel 00/1 : 9[1] -> 0[0] [send] via NET/Socket/0\n"
-        "E0301 12:00:03.000000 4000 torch/distributed/elastic/multiprocessing/api.py:869] failed (exitcode: -9) local_rank: 1 (pid: 4002) of binary: /usr/bin/python\n"
-        "W0301 12:00:02.000000 4000 torch/distributed/elastic/multiprocessing/api.py:897] Sending process 4001 closing signal SIGTERM\n"
+        "E0301 12:00:03.000000 4000 torch/distributed/elastic/multiprocessing/api.py:869] "
+        "failed (exitcode: -9) local_rank: 1 (pid: 4002) of binary: /usr/bin/python\n"
+        "W0301 12:00:02.000000 4000 torch/distributed/elastic/multiprocessing/api.py:897] "
+        "Sending process 4001 closing signal SIGTERM\n"
     )
     d = run(tmp_path, text)
     assert (d.failure_class, d.initiating_rank, d.collateral_ranks) == ("host_oom_sigkill", 9, [8])
@@ -132,7 +153,9 @@ def test_per_rank_files_by_name(tmp_path: Path) -> None:
 
 def test_only_timeouts_without_a_silent_rank_says_unknown(tmp_path: Path) -> None:
     text = "".join(
-        f"[rank{r}]:[E1102 10:01:05.1 ProcessGroupNCCL.cpp:616] [Rank {r}] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=9, OpType=ALLREDUCE) ran for 600000 milliseconds before timing out.\n"
+        f"[rank{r}]:[E1102 10:01:05.1 ProcessGroupNCCL.cpp:616] [Rank {r}] "
+        "Watchdog caught collective operation timeout: "
+        "WorkNCCL(SeqNum=9, OpType=ALLREDUCE) ran for 600000 milliseconds before timing out.\n"
         for r in range(4))
     d = run(tmp_path, text)
     assert d.failure_class == "nccl_watchdog_timeout"

@@ -2,8 +2,8 @@
 
 ``--fail raise|kill|hang`` makes rank ``--fail-rank`` raise (its data loader's ``state_dict``
 fails), SIGKILL itself, or hang inside the save of step ``--fail-step``; the other ranks then fail
-as collateral (PeerError, or the launcher's SIGTERM). ``--fail none`` finishes. The entry point is decorated with torchrun's
-``@record``, so the agent keeps the failing worker's error file.
+as collateral (PeerError, or the launcher's SIGTERM). ``--fail none`` finishes. The entry point is
+decorated with torchrun's ``@record``, so the agent keeps the failing worker's error file.
 """
 
 from __future__ import annotations

@@ -80,7 +80,8 @@ def main() -> None:
     except Exception as e:  # an error no command handles itself
         if debugging():
             traceback.print_exc()
-        sys.stderr.write(f"error: {_one_line(e)}" + ("" if debugging() else " (ckptguard --debug ... shows the traceback)")
+        sys.stderr.write(f"error: {_one_line(e)}"
+                         + ("" if debugging() else " (ckptguard --debug ... shows the traceback)")
                          + "\n")
         code = USAGE_EXIT
     sys.exit(code if isinstance(code, int) else 0)

@@ -179,7 +179,8 @@ def _latest_note(con: Console, listing: Any) -> None:
 @app.command("verify")
 def verify_command(
     path: PathArg,
-    step: Annotated[int | None, typer.Option("--step", help="Verify only this step (default: every committed one).")] = None,
+    step: Annotated[int | None,
+                    typer.Option("--step", help="Verify only this step (default: every committed one).")] = None,
     json_out: JsonOpt = False,
     threads: Annotated[int, typer.Option("--threads", min=1, max=64, help="Files read in parallel.")] = 4,
 ) -> None:

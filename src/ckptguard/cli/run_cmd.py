@@ -28,13 +28,15 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--logs", default="ckptguard-logs",
                    help="log directory (may be shared by all nodes); one subdirectory per host and run "
                         "(default: %(default)s)")
-    p.add_argument("--checkpoints", metavar="ROOT", help="checkpoint root (path or s3://): name the step to resume from")
+    p.add_argument("--checkpoints", metavar="ROOT",
+                   help="checkpoint root (path or s3://): name the step to resume from")
     p.add_argument("--deep", action="store_true", help="with --checkpoints: checksum every byte")
     p.add_argument("--on-failure", metavar="CMD",
                    help="shell command run once after a failure, with CKPTGUARD_REPORT_JSON etc. set")
     p.add_argument("--grace", type=float, default=10.0,
                    help="seconds (0-10) to wait for the other nodes' runs in --logs to end (default: 10)")
-    p.add_argument("--job-id", help="which runs in --logs are one job (default: SLURM_JOB_ID etc., else overlap in time)")
+    p.add_argument("--job-id",
+                   help="which runs in --logs are one job (default: SLURM_JOB_ID etc., else overlap in time)")
     p.add_argument("--max-log-bytes", type=int, default=256 << 20,
                    help="cap per stream; the head and the tail are kept (default: 256 MiB)")
     p.add_argument("command", nargs=argparse.REMAINDER, help="the command and its arguments, after --")

@@ -141,7 +141,8 @@ def alternatives(diag: Diagnosis, att: Attribution, kb: KnowledgeBase, ex: Extra
     for e in unattr.primary if unattr else []:
         if e is not init and tier(kb, e) == 3:
             add(e.class_id, e.weight * 0.7, [], [evline(e.evidence[0], names, "context", None)],
-                "also in the log, on a rank that the log does not name; the answer's evidence came first or is more specific")
+                "also in the log, on a rank that the log does not name; "
+                "the answer's evidence came first or is more specific")
     for hint in att.hints:
         add(hint.class_id, hint.weight * 0.5, [hint.rank] if hint.rank is not None else [],
             [evline(hint.evidence[0], names, "context", hint.rank)],

@@ -287,7 +287,8 @@ def collateral_rank(att: Attribution, kb: KnowledgeBase, cls: str) -> tuple[int 
     if len(reporters) == 1 and att.shown <= reporters:
         (r,) = reporters
         return r, RankSource.ONLY_RANK, (
-            f"the only rank that the log shows, and the first whose {cls} fired; the rank it waited for is not in the log")
+            f"the only rank that the log shows, and the first whose {cls} fired; "
+            "the rank it waited for is not in the log")
     if len(reporters) == 1 and cls in rules.single_reporter and att.sigterm_lines:
         (r,) = reporters
         return r, RankSource.INFERRED, (

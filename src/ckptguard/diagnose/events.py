@@ -40,20 +40,23 @@ OWNER_LINES = 400  # how far a launcher's "process N terminated with the followi
 ANNOUNCE_LINES = 60  # how far before a cut traceback a line announcing its operation counts
 _WINDOWS_PATH = re.compile(r"^[A-Za-z]:\\")
 
-_NCCL_RE = re.compile(r"^(?P<host>[\w.\-]+):(?P<pid>\d+):(?P<tid>\d+) \[(?P<dev>\d+)\] (?:[\w/.\-]+:\d+ )?NCCL (?P<lvl>[A-Z]+) ?(?P<msg>.*)$")
+_NCCL_RE = re.compile(r"^(?P<host>[\w.\-]+):(?P<pid>\d+):(?P<tid>\d+) \[(?P<dev>\d+)\] "
+                      r"(?:[\w/.\-]+:\d+ )?NCCL (?P<lvl>[A-Z]+) ?(?P<msg>.*)$")
 _NCCL_TRACE_RE = re.compile(r":\d+ -> [1-9]\d*\s*$")  # NCCL's error trace: file:line -> non-zero code
 _COMM_RE = re.compile(r"\brank (\d+) nranks (\d+)\b")
 _CHANNEL_RE = re.compile(r"Channel \d+/\d+ : (\d+)\[(\d+)\] -> (\d+)\[(\d+)\](?: \[(send|receive)\])?")
 _TREES_RE = re.compile(r"Trees \[\d+\] [-\d/]+->(\d+)->")
 _FRAME_RE = re.compile(r'^\s*File "(?P<file>[^"]+)", line (?P<line>\d+)(?:,? in (?P<func>\S+))?')
 _EXC_RE = re.compile(
-    r"^ ?(?P<type>(?:[A-Za-z_][\w]*\.)*(?:[A-Z]\w*(?:Error|Exception|Interrupt|Exit|Failure)|Exception|StopIteration|KeyboardInterrupt|SystemExit))"
+    r"^ ?(?P<type>(?:[A-Za-z_][\w]*\.)*(?:[A-Z]\w*(?:Error|Exception|Interrupt|Exit|Failure)"
+    r"|Exception|StopIteration|KeyboardInterrupt|SystemExit))"
     r"(?::[ ]?(?P<msg>.*))?$"
 )
 _EMBEDDED_EXC_RE = re.compile(r"\b(?P<type>(?:[A-Za-z_]\w*\.)*[A-Z]\w*(?:Error|Exception)): (?P<msg>\S.*)$")
 _WORLD_RE = re.compile(r"\b(?:world[_ ]size|WORLD_SIZE)\s*[=:]\s*(\d{1,7})\b")
 _CHAIN_MARKERS = ("During handling of the above exception", "The above exception was the direct cause")
-_EXCERPT_RE = re.compile(r"^\s*(?:\[\s*(?:\.\.\.|…)\s*\]|\.\.\.\.+|<\s*truncated lines? [\d\-– ]+>|\[\s*truncated.*\])\s*$")
+_EXCERPT_RE = re.compile(r"^\s*(?:\[\s*(?:\.\.\.|…)\s*\]|\.\.\.\.+|<\s*truncated lines? [\d\-– ]+>"
+                         r"|\[\s*truncated.*\])\s*$")
 
 
 @dataclass
@@ -316,7 +319,8 @@ class Extractor(LauncherLines):
         if prog is not None and self._announced is not None and any(a in rest for a in self.rules.progress_anchors) \
                 and prog.search(rest):
             self._announced = None  # steps are running: the announced operation is over
-        if prog is not None and len(self.progress) < MAX_FINGERPRINTS and any(a in rest for a in self.rules.progress_anchors):
+        if (prog is not None and len(self.progress) < MAX_FINGERPRINTS
+                and any(a in rest for a in self.rules.progress_anchors)):
             for pm in prog.finditer(rest):
                 cur, total = int(pm.group("cur")), int(pm.group("total"))
                 if cur < total:  # a bar that finished says nothing about where the ranks stopped

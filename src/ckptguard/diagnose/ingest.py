@@ -406,7 +406,8 @@ class Prefix:
 
 # What may stand before a rank tag: timestamps, CI step names, a host or container tag, a stream
 # tag (`[stderr]`), a quote marker (`> ` of a pasted reply).
-_LEAD_RE = re.compile(r"(?:[\w\s.:,/+\-()=|>]|\[(?:std)?(?:out|err)\]){1,64}?(?=\[(?:rank|default|local_rank|[A-Za-z_]+)\d{1,6}\]:)")
+_LEAD_RE = re.compile(r"(?:[\w\s.:,/+\-()=|>]|\[(?:std)?(?:out|err)\]){1,64}?"
+                      r"(?=\[(?:rank|default|local_rank|[A-Za-z_]+)\d{1,6}\]:)")
 _RANK_TAG = re.compile(r"\[[A-Za-z_][A-Za-z_\-]*?\d{1,6}\]:")
 _WORD_COLON = re.compile(r"[A-Za-z]{2,}: ")
 

@@ -22,7 +22,8 @@ _SECRET_RE = re.compile(
     | (?P<jwt>\beyJ[A-Za-z0-9_\-]{8,}\.[A-Za-z0-9_\-]{8,}\.[A-Za-z0-9_\-]{8,})
     | (?P<bearer>\b(?:[Bb]earer|[Bb]asic|[Tt]oken)\s+)(?P<bearer_v>[A-Za-z0-9\-._~+/]{12,}=*)
     | (?P<urlcred>\b[a-zA-Z][a-zA-Z0-9+.\-]*://[^\s/:@'"]+:)(?P<urlcred_v>[^\s/@'"]+)(?=@)
-    | (?P<kv>(?i:\b[\w.\-]*(?:api[_\-]?key|apikey|access[_\-]?key|secret[_\-]?key|secret|token|passw(?:or)?d|pwd|auth|credential|accountkey|sig)\b["']?\s*[:=]\s*["']?))(?P<kv_v>[^\s"',;&]{6,})
+    | (?P<kv>(?i:\b[\w.\-]*(?:api[_\-]?key|apikey|access[_\-]?key|secret[_\-]?key|secret|token|passw(?:or)?d
+                              |pwd|auth|credential|accountkey|sig)\b["']?\s*[:=]\s*["']?))(?P<kv_v>[^\s"',;&]{6,})
     | (?P<email>\b[A-Za-z0-9._%+\-]+@[A-Za-z0-9\-]+(?:\.[A-Za-z0-9\-]+)*\.[A-Za-z]{2,}\b)
     """,
     re.X,

@@ -55,8 +55,10 @@ _RANK_TEXT = {
     RankSource.MESSAGE: "from the rank that the failing message names as its own ([Rank N])",
     RankSource.PID: "from the pid of the failing process, mapped to its rank by NCCL/launcher lines",
     RankSource.LAUNCHER: "from the launcher's failure summary",
-    RankSource.LAUNCHER_ROOT_CAUSE: "the traceback has no rank prefix; torchrun's Root Cause block names this rank as the first failure with a non-signal exit code",
-    RankSource.ONLY_FAILING_RANK: "the failing lines have no rank prefix; this is the only rank that failed (its own traceback, or the launcher's report)",
+    RankSource.LAUNCHER_ROOT_CAUSE: "the traceback has no rank prefix; torchrun's Root Cause block names this rank "
+                                    "as the first failure with a non-signal exit code",
+    RankSource.ONLY_FAILING_RANK: "the failing lines have no rank prefix; this is the only rank that failed "
+                                  "(its own traceback, or the launcher's report)",
     RankSource.LOCAL_PREFIX: "from a local-rank prefix ([defaultN]:), taken as the global rank",
     RankSource.DEVICE: "from the GPU index in the message (one GPU per process, GPU N = rank N assumed)",
     RankSource.REPORT: "from a report that names the failing rank (torch's lagging-rank report, another rank's error)",

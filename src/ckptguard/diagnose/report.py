@@ -141,7 +141,8 @@ def render_html(diag: Diagnosis) -> str:
                     f"<td><code>{e(ev.file)}:{ev.line}</code></td><td><pre>{e(ev.text)}</pre></td></tr>")
     alts = "".join(
         f"<li><b>{e(a.failure_class)}</b> (score {a.score:.2f}{', ranks ' + e(_ranges(a.ranks)) if a.ranks else ''})"
-        f": {e(a.why_not)}<ul>{''.join(f'<li><code>{e(x.file)}:{x.line}</code> {e(x.text[:200])}</li>' for x in a.evidence)}</ul></li>"
+        f": {e(a.why_not)}<ul>"
+        f"{''.join(f'<li><code>{e(x.file)}:{x.line}</code> {e(x.text[:200])}</li>' for x in a.evidence)}</ul></li>"
         for a in d.alternatives)
     lists = {k: "".join(f"<li>{e(x)}</li>" for x in v) for k, v in
              (("prevention", d.prevention), ("confirm", d.confirm), ("notes", d.notes))}
@@ -151,7 +152,8 @@ def render_html(diag: Diagnosis) -> str:
             (f"<table class=kv><tr><th>class</th><td><b>{e(str(d.failure_class))}</b> ({e(class_detail(d))})</td></tr>"
              f"<tr><th>confidence</th><td>{d.confidence:.2f} ({d.confidence_label})</td></tr>"
              f"<tr><th>initiating rank</th><td><b>{'unknown' if d.initiating_rank is None else d.initiating_rank}</b>"
-             f"{' on ' + e(d.initiating_host) if d.initiating_host else ''}<br><small>{e(d.rank_attribution)}</small></td></tr>"
+             f"{' on ' + e(d.initiating_host) if d.initiating_host else ''}"
+             f"<br><small>{e(d.rank_attribution)}</small></td></tr>"
              f"<tr><th>collateral ranks</th><td>{e(_ranks(d.collateral_ranks))}</td></tr>"
              f"<tr><th>also failed</th><td>{e(_ranks(d.also_failed_ranks))}</td></tr></table>"
              if d.found else ""))
@@ -174,7 +176,8 @@ table.kv th{{background:#f6f6f6}} pre{{white-space:pre-wrap;margin:0;font-size:1
 pre.code{{background:#f4f4f4;padding:8px}} small{{color:#666}} svg text{{font-size:11px;font-family:monospace}}
 </style></head><body>
 {head}{body}
-<p><small>schema_version 1; {len(d.sources)} file(s), {d.stats.get('lines', 0)} lines. Generated offline by ckptguard diagnose.</small></p>
+<p><small>schema_version 1; {len(d.sources)} file(s), {d.stats.get('lines', 0)} lines. \
+Generated offline by ckptguard diagnose.</small></p>
 </body></html>
 """
 
@@ -215,6 +218,7 @@ def _timeline_svg(d: Diagnosis, max_rows: int = 64) -> str:
                      f'{e(t.failure_class)} at {e(t.file)}:{t.line}\n{e(t.text)}</title></circle>')
     axis = "time (s, from the first event)" if use_time else "order of appearance in the log"
     parts.append(f'<text x="{left}" y="{height - 4}">{e(axis)}; red = primary failure, grey = collateral'
-                 f'{"; " + str(len(ranks) - len(shown)) + " more ranks not drawn" if len(ranks) > len(shown) else ""}</text>')
+                 f'{"; " + str(len(ranks) - len(shown)) + " more ranks not drawn" if len(ranks) > len(shown) else ""}'
+                 '</text>')
     parts.append("</svg>")
     return "".join(parts)

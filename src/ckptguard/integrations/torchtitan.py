@@ -202,7 +202,8 @@ class CkptguardCheckpointManager(BaseCheckpointManager):  # type: ignore[misc]
         blocking = last_step or self.async_mode == "disabled"
         with torch.no_grad():
             self.checkpointer.save(curr_step, state, overwrite=curr_step in self.checkpointer.steps(),
-                                   metadata={META_KEY: {"model_only": model_only}, FRAMEWORK_KEY: "torchtitan"}, blocking=blocking)
+                                   metadata={META_KEY: {"model_only": model_only}, FRAMEWORK_KEY: "torchtitan"},
+                                   blocking=blocking)
         self.save_future = None if blocking else self.checkpointer.pending_save()
         log.info("ckptguard: %s step %d%s", "committed" if blocking else "saving", curr_step,
                  " (model only)" if model_only else "")
@@ -248,7 +249,8 @@ class CkptguardCheckpointManager(BaseCheckpointManager):  # type: ignore[misc]
     def _load_step(self, step: int, model_only: bool) -> None:
         with torch.no_grad():
             self.checkpointer.load(self._state_to_load(model_only), step=step)
-        log.info("ckptguard: loaded step %d of %s%s", step, self.checkpointer.root, " (model only)" if model_only else "")
+        log.info("ckptguard: loaded step %d of %s%s", step, self.checkpointer.root,
+                 " (model only)" if model_only else "")
 
     def _model_only_steps(self) -> set[int]:
         """The committed steps saved model-only, from their metadata (each read is agreed by every

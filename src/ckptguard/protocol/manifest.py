@@ -215,7 +215,8 @@ def _parse(data: bytes, path: str) -> Manifest:
     body = records.decode(raw_body, ManifestBody, path, max_bytes=len(raw_body), max_depth=MAX_MANIFEST_DEPTH)
     _expect(body.format == FORMAT, "wrong format tag")
     _expect(body.format_version == FORMAT_VERSION,
-            f"format_version {body.format_version!r} is not supported by this ckptguard (expects {FORMAT_VERSION}); upgrade ckptguard")
+            f"format_version {body.format_version!r} is not supported by this ckptguard "
+            f"(expects {FORMAT_VERSION}); upgrade ckptguard")
     b: dict[str, Any] = {"checksum_algorithm": body.checksum_algorithm, "artifacts": body.artifacts,
                          "domain": body.domain, "hosts": body.hosts, "dcp": body.dcp,
                          "user_metadata": body.user_metadata, "versions": body.versions,

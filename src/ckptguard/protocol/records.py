@@ -203,6 +203,6 @@ def parse_json(data: bytes | str, path: str, what: str, *, max_bytes: int | None
 
 __all__ = [
     "MAX_CONTROL_BYTES", "MAX_CONTROL_DEPTH", "MAX_INDEX_BYTES", "MAX_MANIFEST_DEPTH", "IndexBody",
-    "IndexEntryBody", "LatestRecord", "LeaseBody", "MalformedRecordError", "TagRecord", "TombstoneRecord", "check_bounds",
-    "decode", "encode", "nesting_depth", "parse_json",
+    "IndexEntryBody", "LatestRecord", "LeaseBody", "MalformedRecordError", "TagRecord", "TombstoneRecord",
+    "check_bounds", "decode", "encode", "nesting_depth", "parse_json",
 ]

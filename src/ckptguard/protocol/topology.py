@@ -1,4 +1,5 @@
-"""Which ranks share the checkpoint storage: discovered by a probe, never assumed (*one leader per storage domain, discovered*).
+"""Which ranks share the checkpoint storage: discovered by a probe, never assumed
+(*one leader per storage domain, discovered*).
 
 Every rank creates a uniquely named file in a fresh probe directory; after a
 barrier, ranks look for each other's files. Ranks that see each other share a

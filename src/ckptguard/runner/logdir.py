@@ -153,8 +153,10 @@ def host_runs(base: str) -> list[HostRun]:
 def _same_job(a: HostRun, b: HostRun, now: float) -> bool:
     if a.job_id is not None and b.job_id is not None:
         return a.job_id == b.job_id
-    a_end = a.ended if a.ended is not None else max(now if now - a.last_activity() < STALE_S else a.last_activity(), a.started)
-    b_end = b.ended if b.ended is not None else max(now if now - b.last_activity() < STALE_S else b.last_activity(), b.started)
+    a_end = a.ended if a.ended is not None else max(
+        now if now - a.last_activity() < STALE_S else a.last_activity(), a.started)
+    b_end = b.ended if b.ended is not None else max(
+        now if now - b.last_activity() < STALE_S else b.last_activity(), b.started)
     return a.started <= b_end and b.started <= a_end
 
 

@@ -98,7 +98,8 @@ def _runs_json(runs: Sequence[HostRun]) -> list[dict[str, Any]]:
 
 def resume_lines(resume: ResumeInfo) -> list[str]:
     """The resume section as plain lines (the same in the terminal summary and `diagnose`)."""
-    checks = "every byte checksummed" if resume.checked == "deep" else "quick checks: manifest and file sizes; --deep checksums every byte"
+    checks = ("every byte checksummed" if resume.checked == "deep"
+              else "quick checks: manifest and file sizes; --deep checksums every byte")
     lines = []
     if resume.step is not None:
         lines.append(f"resume from  step {resume.step} of {resume.root} (committed last and intact; {checks})")
@@ -180,7 +181,8 @@ def write_reports(directory: str, diag: Diagnosis | None, resume: ResumeInfo | N
 
 def _runs_html(runs: Sequence[HostRun]) -> str:
     e = html.escape
-    rows = "".join(f"<tr><td>{e(r.host)}</td><td>{e(str(r.record.get('exit_status')))}</td><td><code>{e(r.dir)}</code></td></tr>"
+    rows = "".join(f"<tr><td>{e(r.host)}</td><td>{e(str(r.record.get('exit_status')))}</td>"
+                   f"<td><code>{e(r.dir)}</code></td></tr>"
                    for r in runs)
     return f"<h2>Hosts read</h2><table><tr><th>host</th><th>exit status</th><th>logs</th></tr>{rows}</table>"
 

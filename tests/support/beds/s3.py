@@ -351,7 +351,8 @@ class FaultProxy:
         bucket = root.findtext(f"{_NS}Name") or ""
         now = time.time()
         with self.lock:
-            recent = [k for k, t in self.written.items() if now - t < self.hide_listing_s and k.startswith(bucket + "/")]
+            recent = [k for k, t in self.written.items()
+                      if now - t < self.hide_listing_s and k.startswith(bucket + "/")]
         recent_keys = {k[len(bucket) + 1:] for k in recent}
         for c in list(root.findall(f"{_NS}Contents")):
             if c.findtext(f"{_NS}Key") in recent_keys:

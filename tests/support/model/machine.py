@@ -51,7 +51,8 @@ IDX = st.integers(min_value=0, max_value=2)  # which of the workers a rule may a
 # The proxy fault an operation meets (S3 only; None half the time): drawn with each operation, so
 # that faults come with the operations they hit.
 FAULT = st.sampled_from([*[None] * len(S3_FAULTS), *sorted(S3_FAULTS)]).flatmap(
-    lambda kind: st.none() if kind is None else st.tuples(st.just(kind), st.sampled_from([0, 0, 10, 30, 80, 200, 400, 800])))
+    lambda kind: st.none() if kind is None
+    else st.tuples(st.just(kind), st.sampled_from([0, 0, 10, 30, 80, 200, 400, 800])))
 # What befalls the worker right after it starts an operation (None mostly): SIGKILL or SIGSTOP
 # after so many milliseconds, at a random point of the operation.
 DISRUPT = st.sampled_from([None, None, None, None, "kill", "stall"]).flatmap(
@@ -273,8 +274,8 @@ class ModelMachine(RuleBasedStateMachine):
     @rule(i=IDX, step=st.none() | STEPS, tag=st.none() | TAGS, read=st.booleans(), wait=st.booleans(), fault=FAULT,
           disrupt=DISRUPT)
     @_timed
-    def start_load(self, i: int, step: int | None, tag: str | None, read: bool, wait: bool, fault: tuple[str, int] | None,
-                   disrupt: tuple[str, int] | None) -> None:
+    def start_load(self, i: int, step: int | None, tag: str | None, read: bool, wait: bool,
+                   fault: tuple[str, int] | None, disrupt: tuple[str, int] | None) -> None:
         w = self.pick(i, SLOTS, self.ready)
         if w is None:
             return

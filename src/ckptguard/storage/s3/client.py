@@ -131,7 +131,8 @@ class _Clients:
     def get(cls, opts: S3Options, control: bool = False) -> S3Client:
         """The client for data (parts, ranges, listings) or, ``control``, for small control objects."""
         if control:
-            opts = replace(opts, max_attempts=opts.control_max_attempts, connect_timeout_s=opts.control_connect_timeout_s,
+            opts = replace(opts, max_attempts=opts.control_max_attempts,
+                           connect_timeout_s=opts.control_connect_timeout_s,
                            read_timeout_s=opts.control_read_timeout_s)
         # boto3 reads unset values from the environment when the client is made: a process that points
         # AWS_ENDPOINT_URL (or the region, profile, keys) elsewhere must get a new client, not the old one.
