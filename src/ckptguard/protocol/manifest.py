@@ -311,8 +311,9 @@ def _check_dcp_agrees_with_items(dcp: dict[str, Any], items: list[StoredItem]) -
         _expect(type(size) is list and len(size) == len(item.shape),
                 f"{where} disagree on the number of dimensions ({len(item.shape)} vs {str(size)[:80]})")
         offsets = item.offsets if item.offsets is not None else (0,) * len(item.shape)
-        _expect(len(offsets) == len(item.shape) and all(  # a negative size: refused by metadata_from_json
-                    type(n) is int and (n < 0 or o + k <= n) for o, k, n in zip(offsets, item.shape, size, strict=True)),
+        inside = len(offsets) == len(item.shape) and all(  # a negative size: refused by metadata_from_json
+            type(n) is int and (n < 0 or o + k <= n) for o, k, n in zip(offsets, item.shape, size, strict=True))
+        _expect(inside,
                 f"{where} disagree on the size: the chunk at {list(offsets)[:8]} of shape "
                 f"{list(item.shape)[:8]} is not inside {str(size)[:80]}")
 
