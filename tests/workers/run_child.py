@@ -48,8 +48,8 @@ def signals() -> None:
         sys.exit(7)
 
     signal.signal(signal.SIGTERM, on_term)
-    print("ready", flush=True)
-    try:
+    try:  # "ready" inside the try: a signal right after it still finds the cleanup armed
+        print("ready", flush=True)
         time.sleep(120)
     finally:
         print("cleanup ran", flush=True)
