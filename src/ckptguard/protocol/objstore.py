@@ -257,6 +257,16 @@ class ObjectStoreRoot:
         return layout.newest_versions(self.committed())
 
     def still_committed(self, name: CheckpointName, seq: int | None) -> bool:
+        """Retention takes a checkpoint out of the index before it deletes its commit object, so one the
+        index still holds as committed (with the same sequence number) was not retired: if its commit
+        object is gone, the checkpoint is damaged, not retired."""
+        entry = self.read_index()[0].find(name)
+        if entry is None or entry.state == "aborted":
+            return False
+        if seq is not None and entry.seq is not None and entry.seq != seq:
+            return False  # retired and saved again under the same name
+        if entry.state == "committed":
+            return True
         return rootkit.still_committed(self.storage, name, seq)
 
     def latest_seq(self) -> int:
