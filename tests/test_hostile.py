@@ -83,6 +83,23 @@ def test_a_symlinked_data_file_is_not_followed(tmp_path: Path) -> None:
     assert cli("verify", str(root)).returncode == 1
 
 
+@pytest.mark.parametrize("linked", [STEP_DIR, f"{STEP_DIR}/data", f"{STEP_DIR}/files/rank00000"])
+def test_a_symlinked_directory_in_a_checkpoint_is_refused_by_load_and_verify(tmp_path: Path, linked: str) -> None:
+    root = tmp_path / "ck"
+    art = tmp_path / "art"
+    art.mkdir()
+    (art / "f.txt").write_text("hello")
+    with Checkpointer(root) as ck:
+        ck.save(1, {"w": torch.arange(256.0)}, files={"k": art})
+    real, outside = root / linked, tmp_path / "outside"
+    real.rename(outside)  # the same bytes, outside the checkpoint
+    os.symlink(outside, real)
+    with Checkpointer(root, read_only=True) as ck, pytest.raises(CorruptCheckpointError, match="not a real directory"):
+        ck.load({"w": torch.zeros(256)}, step=1, files={"k": tmp_path / "restore"})
+    proc = cli("verify", str(root))
+    assert proc.returncode == 1 and "not a real directory" in proc.stdout + proc.stderr, proc.stdout + proc.stderr
+
+
 def test_a_deeply_nested_manifest_is_corrupt_not_a_crash(tmp_path: Path) -> None:
     root = committed(tmp_path)
     path = root / STEP_DIR / "MANIFEST.json"

@@ -271,6 +271,40 @@ def test_a_stale_listing_changes_no_load_or_commit_decision(bed: S3Bed, bucket: 
         assert [k for k in bed.keys(bucket, "stale/.ckptguard/staging/") if f"step-0000000{step}." in k]
 
 
+def test_a_lost_index_with_commit_objects_left_is_a_damaged_root_and_nothing_is_deleted(
+        bed: S3Bed, bucket: str) -> None:
+    root = f"s3://{bucket}/noindex"
+    with Checkpointer(root, storage_options=SMALL) as ck:
+        ck.save(1, _state(1, 1000))
+        ck.save(2, _state(2, 1000))
+    bed.client().delete_object(Bucket=bucket, Key=f"noindex/{INDEX}")
+    data = sorted(bed.keys(bucket, "noindex/.ckptguard/staging/"))
+    with pytest.raises(ckptguard.CorruptCheckpointError, match=r"index\.json"):
+        Checkpointer(root, keep_last=1, storage_options=SMALL)
+    with pytest.raises(ckptguard.CorruptCheckpointError, match=r"index\.json"), \
+            Checkpointer(root, read_only=True) as reader:
+        reader.load(_empty(1000))
+    assert sorted(bed.keys(bucket, "noindex/.ckptguard/staging/")) == data
+    verify = _cli(bed, "verify", root)
+    assert verify.returncode == 1 and "index.json" in verify.stdout + verify.stderr, verify
+
+
+def test_an_indexed_step_whose_commit_object_is_missing_is_corrupt_not_retired(bed: S3Bed, bucket: str) -> None:
+    root = f"s3://{bucket}/nocommit"
+    with Checkpointer(root, storage_options=SMALL) as ck:
+        ck.save(1, _state(1, 1000))
+        ck.save(2, _state(2, 1000))
+    bed.client().delete_object(Bucket=bucket, Key="nocommit/step-00000002/MANIFEST.json")
+    with Checkpointer(root, read_only=True) as ck:
+        out = _empty(1000)
+        with pytest.warns(UserWarning, match="falling back"):
+            assert ck.load(out) == 1
+        assert out["step"] == 1
+        with pytest.raises(ckptguard.CorruptCheckpointError, match=r"MANIFEST\.json") as err:
+            ck.load(_empty(1000), step=2)
+        assert not isinstance(err.value, ckptguard.StepRetiredError)
+
+
 def test_a_store_that_ignores_conditional_writes_is_refused(bed: S3Bed, bucket: str) -> None:
     bed.proxy.strip_conditions = True
     _Clients.ready.clear()

@@ -107,8 +107,20 @@ class ObjectStoreRoot:
     def read_index(self) -> tuple[Index, str | None]:
         got = self.storage.read_versioned(self.index_path)
         if got is None:
+            self._check_no_commits()
             return Index(), None
         return Index.from_bytes(got[0], self.index_path), got[1]
+
+    def _check_no_commits(self) -> None:
+        """An absent index is a fresh root only where no commit object exists: otherwise the index was
+        lost, and treating the root as empty would hide committed steps and offer their data as garbage."""
+        for entry in self.storage.listdir(self.storage.path()):
+            name = CheckpointName.parse(entry)
+            if name is not None and self.storage.exists(self.commit_path(name)):
+                raise CorruptCheckpointError(
+                    f"{self.index_path} is missing but the commit object {self.commit_path(name)} exists: the "
+                    "index of this root was deleted. Nothing was changed; restore index.json (e.g. from a "
+                    "bucket version) before loading or saving here.", path=self.index_path)
 
     def update_index(self, change: Callable[[Index], bool], what: str, fencing: bool = False) -> Index:
         """Apply ``change`` to the index by compare-and-swap (re-read and re-applied on a race).
@@ -118,6 +130,8 @@ class ObjectStoreRoot:
         Unless ``fencing``, the update is refused once a newer job took the root.
         """
         def decide(found: Index | None) -> Put[Index, Index] | Keep[Index]:
+            if found is None:
+                self._check_no_commits()
             index = found if found is not None else Index()
             if not fencing:  # the fence: checked on the very version the swap replaces
                 self._check_epoch(index, what)
@@ -243,6 +257,16 @@ class ObjectStoreRoot:
         return layout.newest_versions(self.committed())
 
     def still_committed(self, name: CheckpointName, seq: int | None) -> bool:
+        """Retention takes a checkpoint out of the index before it deletes its commit object, so one the
+        index still holds as committed (with the same sequence number) was not retired: if its commit
+        object is gone, the checkpoint is damaged, not retired."""
+        entry = self.read_index()[0].find(name)
+        if entry is None or entry.state == "aborted":
+            return False
+        if seq is not None and entry.seq is not None and entry.seq != seq:
+            return False  # retired and saved again under the same name
+        if entry.state == "committed":
+            return True
         return rootkit.still_committed(self.storage, name, seq)
 
     def latest_seq(self) -> int:

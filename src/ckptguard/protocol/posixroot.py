@@ -153,7 +153,33 @@ class PosixRoot:
         return rootkit.read_manifest_bytes(self.storage, name)
 
     def parse_manifest(self, name: CheckpointName, data: bytes, seq: int | None = None) -> Manifest:
-        return rootkit.parse_manifest(self.storage, name, data, seq)
+        manifest = rootkit.parse_manifest(self.storage, name, data, seq)
+        self._check_real_dirs(name, manifest)
+        return manifest
+
+    def _check_real_dirs(self, name: CheckpointName, manifest: Manifest) -> None:
+        """The step directory and every directory holding a file of the manifest are real directories:
+        file opens refuse a link only in the last component, so a linked directory would lead reads out
+        of the checkpoint (load and verify both read through here)."""
+        base = self.dir(name)
+        dirs = {base}
+        for f in manifest.files:
+            parent = os.path.dirname(f.path)
+            while parent:
+                dirs.add(os.path.join(base, parent))
+                parent = os.path.dirname(parent)
+        for path in sorted(dirs):
+            try:
+                mode = os.lstat(path).st_mode
+            except FileNotFoundError:
+                continue  # its files are missing: check_files and verify name them
+            except OSError as e:
+                raise CorruptCheckpointError(f"cannot inspect {path}: {e}", path=path) from e
+            if not stat.S_ISDIR(mode):
+                raise CorruptCheckpointError(
+                    f"{path} is not a real directory (a symbolic link?) inside checkpoint {name.dirname}: "
+                    "refusing to follow it out of the checkpoint; restore the directory or delete the step",
+                    path=path)
 
     def check_files(self, name: CheckpointName, manifest: Manifest) -> None:
         """Every file present with its recorded size (cheap: stat only; checksums are checked on read)."""
