@@ -10,6 +10,7 @@ tested with when one has moved, instead of failing deep inside a save.
 
 from __future__ import annotations
 
+import zlib
 from typing import Any
 
 import torch
@@ -77,6 +78,13 @@ class CachingSavePlanner(DefaultSavePlanner):
         super().__init__(dedup_save_to_lowest_rank=False, enable_plan_caching=True)
         self._cached_plans_key = cache_key
 
+    def set_up_planner(self, state_dict: Any, *args: Any, **kwargs: Any) -> None:
+        super().set_up_planner(state_dict, *args, **kwargs)
+        # DCP's cache compares plans without the tensors' dtypes, so a dtype change reused a global
+        # Metadata naming the old dtype: the dtypes are part of the key.
+        dtypes = sorted((str(k), str(v.dtype)) for k, v in self.state_dict.items() if hasattr(v, "dtype"))
+        self._cached_plans_key = f"{self._cached_plans_key}#{zlib.crc32(repr(dtypes).encode()):08x}"
+
     def adjust_global_plan(self, all_plans: list[SavePlan], global_plan: list[SavePlan], metadata: Metadata
                            ) -> tuple[list[SavePlan], Metadata]:
         """Subclasses change DCP's global plan here (every rank's local plan at hand)."""
@@ -92,7 +100,8 @@ def forget_cached_plans(key: str) -> None:
     for name in _CACHE_ATTRS:
         cache = getattr(SavePlanner, name, None)
         if isinstance(cache, dict):
-            cache.pop(key, None)
+            for k in [k for k in cache if k == key or (isinstance(k, str) and k.startswith(key + "#"))]:
+                cache.pop(k, None)
 
 
 def set_nested_element(root: Any, path: Any, value: Any) -> None:

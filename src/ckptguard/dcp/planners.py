@@ -94,27 +94,18 @@ def plan_cache_key(instance: str) -> str:
     return f"ckptguard:{instance}"
 
 
-#: Per Checkpointer: the global Metadata DCP's plan cache handed out last, and its JSON form.
-_METADATA_JSON: dict[str, tuple[Metadata, dict[str, Any]]] = {}
-
-
 def metadata_json(instance: str, metadata: Metadata) -> dict[str, Any]:
-    """``metadata_to_json(metadata)``, reused while DCP's plan cache hands out the very same Metadata
-    object (it builds a new one whenever any rank's plan changed: a shape, dtype, key, world size or
-    sharding). The JSON is never modified by its users."""
-    cached = _METADATA_JSON.get(instance)
-    if cached is not None and cached[0] is metadata:
-        return cached[1]
-    out = metadata_to_json(metadata)
-    _METADATA_JSON[instance] = (metadata, out)
-    return out
+    """``metadata_to_json(metadata)``, built for every save: DCP's plan cache can hand out the same
+    Metadata object after a dtype change (a memo keyed by its identity wrote a stale dtype into the
+    manifest), so nothing derived from it is kept across saves."""
+    del instance
+    return metadata_to_json(metadata)
 
 
 def forget_cached_plans(instance: str) -> None:
     """Drop DCP's class-level cached plans of one Checkpointer, and what was derived from them (after
     a failed save, and at close)."""
     _torch_private.forget_cached_plans(plan_cache_key(instance))
-    _METADATA_JSON.pop(instance, None)
 
 
 def replicated_digests(plan: SavePlan, state_dict: dict[str, Any], known: Mapping[str, str] | None = None
