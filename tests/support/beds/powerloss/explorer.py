@@ -267,7 +267,7 @@ def check_built(sc: Scenario, cm: CrashModel, state: State, checker: Checker | N
         assert checker is not None
         facts = checker.check(root, files=sc.files)
         verify = run_verify(root) if do_verify else None
-        if verify is not None and "error" in verify:
+        if verify is not None and verify.get("error"):
             return [f"ckptguard verify failed: {verify['error']}"]
         return judge_checkpoint(sc, done, facts, state, verify)
     finally:
