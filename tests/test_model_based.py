@@ -21,6 +21,7 @@ from hypothesis.stateful import get_state_machine_test
 from tests.support.beds.s3 import CREDENTIALS, S3Bed
 from tests.support.model.drivers import Backend, S3Backend, WorkerPool
 from tests.support.model.machine import MACHINES, PosixModelMachine, S3ModelMachine, use_harness
+from tests.support.model.model import Model
 
 CI_SEED = 20
 # Regression tests pasted from tools/model_run.py name these (and `replay`, `pool`, `s3` below).
@@ -98,3 +99,154 @@ def test_model_catches_a_library_that_loses_data(pool: WorkerPool, tmp_path: Pat
         with pytest.raises(BaseException):  # noqa: B017 - hypothesis wraps it (flaky replays too)
             seed(CI_SEED)(test)()
     assert any("does not load as saved" in v or "unreadable" in v for v in h.violations), h.violations
+
+
+def test_model_claim_of_a_fenced_save_yields_to_a_later_holder_write() -> None:
+    """A job fenced while its save was in flight reports success: the step must hold its state at the
+    next audit, unless the new holder wrote the step in between (here: overwrote it), which it may."""
+    saved, overwritten = "b" * 64, "a" * 64
+
+    def fenced_save_then(root: dict[int, str], *writes: str) -> list[str]:
+        model = Model()
+        model.unsure(3, saved)  # job B, the holder when it sent the save
+        mark = model.writes(3)
+        for d in writes:  # job A took over meanwhile and saved step 3 with overwrite=True
+            model.unsure(3, d)
+            model.commit(3, d)
+        model.claim(3, saved, "B's save", mark)  # B's success reply, collected late
+        return model.audit(sorted(root), {}, root.get)
+
+    assert fenced_save_then({3: overwritten}, overwritten) == []
+    assert fenced_save_then({3: saved}) == []
+    assert any("B's save reported success" in v for v in fenced_save_then({}))
+
+
+# found by tools/model_run.py --backend posix --seed 20000032
+# violation: "{'op': 'save', 'step': 3, 'nonce': 5, 'overwrite': False} by job B (fenced meanwhile) reported
+# success, but step 3 does not hold what it saved ({c84863d4b1d6})": a model mistake. B committed step 3
+# (nonce 5) before A took the root over; A then saved step 3 again with overwrite=True (nonce 8, as it
+# may) before B's reply was collected. A fenced job's claim now yields to a holder write since it sent.
+def test_model_posix_seed_20000032(pool: WorkerPool, tmp_path: Path) -> None:
+    with replay(Backend(tmp_path), pool):
+        state = PosixModelMachine()
+        state.audit()
+        state.job_event(delay_ms=0, event='resume', i=0)
+        state.audit()
+        state.audit()
+        state.start_save(disrupt=('stall', 119), fault=None, i=0, overwrite=True, step=1, wait=False)
+        state.audit()
+        state.audit()
+        state.job_event(delay_ms=0, event='resume', i=0)
+        state.audit()
+        state.audit()
+        state.start_load(disrupt=None, fault=None, i=0, read=False, step=None, tag=None, wait=False)
+        state.audit()
+        state.audit()
+        state.finish(i=0)
+        state.audit()
+        state.audit()
+        state.job_event(delay_ms=8, event='open', i=2)
+        state.audit()
+        state.audit()
+        state.job_event(delay_ms=110, event='resume', i=2)
+        state.audit()
+        state.audit()
+        state.start_load(disrupt=None, fault=None, i=1, read=True, step=None, tag='good', wait=True)
+        state.audit()
+        state.audit()
+        state.start_save(disrupt=None, fault=None, i=2, overwrite=True, step=4, wait=True)
+        state.audit()
+        state.audit()
+        state.finish(i=2)
+        state.audit()
+        state.audit()
+        state.start_load(disrupt=None, fault=None, i=0, read=True, step=1, tag=None, wait=True)
+        state.audit()
+        state.audit()
+        state.start_save(disrupt=None, fault=('lost-replies', 30), i=2, overwrite=False, step=5, wait=True)
+        state.audit()
+        state.audit()
+        state.start_save(disrupt=None, fault=None, i=1, overwrite=True, step=2, wait=True)
+        state.audit()
+        state.audit()
+        state.job_event(delay_ms=117, event='close', i=2)
+        state.audit()
+        state.audit()
+        state.job_event(delay_ms=14, event='kill', i=1)
+        state.audit()
+        state.audit()
+        state.start_save(disrupt=None, fault=None, i=2, overwrite=False, step=3, wait=False)
+        state.audit()
+        state.audit()
+        state.start_load(disrupt=None, fault=('freeze-data', 10), i=0, read=False, step=2, tag='good', wait=True)
+        state.audit()
+        state.audit()
+        state.job_event(delay_ms=62, event='stall', i=1)
+        state.audit()
+        state.audit()
+        state.job_event(delay_ms=91, event='open', i=2)
+        state.audit()
+        state.audit()
+        state.start_save(disrupt=None, fault=None, i=0, overwrite=False, step=1, wait=True)
+        state.audit()
+        state.audit()
+        state.start_load(disrupt=None, fault=None, i=1, read=True, step=None, tag=None, wait=False)
+        state.audit()
+        state.audit()
+        state.start_save(disrupt=('kill', 133), fault=None, i=1, overwrite=True, step=4, wait=False)
+        state.audit()
+        state.audit()
+        state.job_event(delay_ms=52, event='kill', i=0)
+        state.audit()
+        state.audit()
+        state.start_load(disrupt=('kill', 45), fault=('freeze-control', 30), i=2, read=True, step=5, tag=None,
+                         wait=False)
+        state.audit()
+        state.audit()
+        state.start_save(disrupt=None, fault=('reset', 800), i=1, overwrite=True, step=3, wait=True)
+        state.audit()
+        state.audit()
+        state.start_load(disrupt=None, fault=None, i=0, read=False, step=1, tag=None, wait=False)
+        state.audit()
+        state.audit()
+        state.job_event(delay_ms=16, event='stall', i=0)
+        state.audit()
+        state.audit()
+        state.job_event(delay_ms=91, event='close', i=1)
+        state.audit()
+        state.audit()
+        state.finish(i=1)
+        state.audit()
+        state.audit()
+        state.start_load(disrupt=('stall', 64), fault=('drop-commit', 400), i=0, read=False, step=1, tag=None,
+                         wait=False)
+        state.audit()
+        state.audit()
+        state.job_event(delay_ms=84, event='resume', i=2)
+        state.audit()
+        state.audit()
+        state.job_event(delay_ms=117, event='open', i=1)
+        state.audit()
+        state.audit()
+        state.finish(i=2)
+        state.audit()
+        state.audit()
+        state.job_event(delay_ms=37, event='close', i=1)
+        state.audit()
+        state.audit()
+        state.job_event(delay_ms=31, event='stall', i=1)
+        state.audit()
+        state.audit()
+        state.job_event(delay_ms=28, event='close', i=0)
+        state.audit()
+        state.audit()
+        state.finish(i=2)
+        state.audit()
+        state.audit()
+        state.start_load(disrupt=('kill', 46), fault=None, i=0, read=True, step=5, tag=None, wait=True)
+        state.audit()
+        state.audit()
+        state.finish(i=2)
+        state.audit()
+        state.audit()
+        state.teardown()

@@ -120,6 +120,7 @@ class Op:
     troubled: bool = False  # a fault or a stall overlapped it: an error is no violation
     quiet: bool = False  # no holder write in flight and the model certain when it was sent
     live_before: dict[int, str] = field(default_factory=dict)
+    writes: int = 0  # a holder's save: its step's write count once the model took it in (Model.claim)
 
 
 @dataclass
@@ -268,6 +269,7 @@ class ModelMachine(RuleBasedStateMachine):
             self.model.unsure(step, digest)
             self.model.retire_candidates(step, KEEP_LAST)
             self.model.retention_floor = None
+            op.writes = self.model.writes(step)
         self._then(w, wait, disrupt)
 
     @precondition(lambda self: any(self.ready(n) for n in SLOTS))
@@ -388,7 +390,7 @@ class ModelMachine(RuleBasedStateMachine):
         if fenced_now:  # fenced while in flight: it may have acted before the takeover; the audit decides
             if out["ok"] and cmd["op"] == "save":
                 assert op.digest is not None
-                self.model.claims.append((cmd["step"], op.digest, f"{cmd} by job {s.name} (fenced meanwhile)"))
+                self.model.claim(cmd["step"], op.digest, f"{cmd} by job {s.name} (fenced meanwhile)", op.writes)
             return
         if out["ok"]:
             self._apply(s, op, out)

@@ -24,7 +24,10 @@ class Model:
     tags: dict[str, int] = field(default_factory=dict)
     tags_unknown: set[str] = field(default_factory=set)
     retention_floor: int | None = None  # retention keeps at least this many listed steps
-    claims: list[tuple[int, str, str]] = field(default_factory=list)  # (step, digest, who): must be live
+    # (step, digest, who, writes): a fenced job's save that reported success must be live, unless the
+    # holder wrote the step since (writes(step) moved on: an overwrite, a delete, a retention may replace it)
+    claims: list[tuple[int, str, str, int]] = field(default_factory=list)
+    _writes: dict[int, int] = field(default_factory=dict)  # per step: how many holder writes touched it
 
     # -- what may be there ---------------------------------------------------------------------
     def possible(self, step: int) -> set[str | None]:
@@ -42,8 +45,21 @@ class Model:
     def tagged(self) -> set[int]:
         return set(self.tags.values())
 
+    def writes(self, step: int) -> int:
+        """How many holder writes have touched ``step`` so far (a claim compares it with its own)."""
+        return self._writes.get(step, 0)
+
+    def claim(self, step: int, digest: str, who: str, writes: int) -> None:
+        """``who`` reported success saving ``digest`` as ``step`` when the step's write count was
+        ``writes``: the next audit checks it, unless a holder write touched the step since."""
+        self.claims.append((step, digest, who, writes))
+
+    def _touch(self, step: int) -> None:
+        self._writes[step] = self.writes(step) + 1
+
     # -- effects ---------------------------------------------------------------------------------
     def commit(self, step: int, digest: str) -> None:
+        self._touch(step)
         self.maybe.pop(step, None)
         self.live[step] = digest
         self.history.setdefault(step, set()).add(digest)
@@ -54,6 +70,7 @@ class Model:
     def unsure(self, step: int, *outcomes: str | None) -> None:
         """``step`` may now hold any of ``outcomes`` besides what it may hold already."""
         allowed = self.possible(step) | set(outcomes)
+        self._touch(step)
         self.live.pop(step, None)
         self.maybe[step] = allowed
         for d in outcomes:
@@ -71,6 +88,7 @@ class Model:
         self.retention_floor = min(keep_last, certain_before)
 
     def delete(self, step: int) -> None:
+        self._touch(step)
         self.live.pop(step, None)
         self.maybe.pop(step, None)
         if step in self.order:
@@ -124,8 +142,8 @@ class Model:
         for name, step in tags.items():
             if step not in listed_set:
                 bad.append(f"tag {name!r} names step {step}, which is not listed {listed}")
-        for step, digest, who in self.claims:
-            if self.live.get(step) != digest:
+        for step, digest, who, writes in self.claims:
+            if self.writes(step) == writes and self.live.get(step) != digest:
                 bad.append(f"{who} reported success, but step {step} does not hold what it saved "
                            f"({_names(self.possible(step))})")
         self.claims.clear()
