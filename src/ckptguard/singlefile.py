@@ -37,12 +37,10 @@ from ckptguard.protocol.records import parse_json
 from ckptguard.protocol.topology import Topology, probe_storage_domains
 from ckptguard.storage import PosixStorage, StorageBackend, is_s3_url, local_path, open_storage
 from ckptguard.storage.fileio import (
-    fsync_dir,
     makedirs_durable,
     open_regular,
-    retry_stale,
+    replace_file,
     unlink_quietly,
-    write_new_file,
 )
 
 _EOCD = b"PK\x05\x06"
@@ -366,14 +364,7 @@ def _replace_locked(path: str, data: bytes) -> None:
     writer lock. The temporary file names its writer (host tag, pid) so that the next writer removes
     those a killed writer left; nothing else beside ``path`` is touched."""
     _remove_dead_writers_tmp(path)
-    tmp = f"{_tmp_prefix(path)}{_host_tag()}-{os.getpid()}-{os.urandom(6).hex()}"
-    write_new_file(tmp, data)
-    try:
-        retry_stale(lambda: os.replace(tmp, path), "replace", path)
-    except BaseException:
-        unlink_quietly(tmp)
-        raise
-    fsync_dir(os.path.dirname(path) or ".")
+    replace_file(path, data, tmp=f"{_tmp_prefix(path)}{_host_tag()}-{os.getpid()}-{os.urandom(6).hex()}")
 
 
 def _remove_dead_writers_tmp(path: str) -> None:

@@ -155,10 +155,11 @@ def write_new_file(path: str, data: bytes | bytearray | memoryview) -> None:
     os.close(fd)
 
 
-def replace_file(path: str, data: bytes | bytearray | memoryview) -> None:
-    """Replace ``path`` with ``data`` atomically: temp file, fsync, rename, fsync of the directory.
-    Readers see the old or the new content; a failure leaves the old file and no temp file."""
-    tmp = unique_tmp_name(path)
+def replace_file(path: str, data: bytes | bytearray | memoryview, tmp: str | None = None) -> None:
+    """Replace ``path`` with ``data`` atomically: temp file (``tmp``, or a unique name beside it),
+    fsync, rename, fsync of the directory. Readers see the old or the new content; a failure leaves
+    the old file and no temp file."""
+    tmp = tmp or unique_tmp_name(path)
     write_new_file(tmp, data)
     try:
         retry_stale(lambda: os.replace(tmp, path), "replace", path)
