@@ -460,6 +460,21 @@ class Checkpointer:
             self._tags = manage.read_tags(self._session)
         return dict(sorted(self._tags.items()))
 
+    def check_lease(self, acting: str = "change the root") -> None:
+        """Raise LeaseLostError (as a fenced save does) unless this job still holds the root's lease.
+
+        For code that changes what sits beside the root (an integration removing or replacing the
+        visible copy of a checkpoint, clearing its staging directory): call it right before each such
+        step, so that a job that stalled while another job took the root over removes nothing the new
+        holder can see. ``acting`` completes the message ("refusing to <acting>"). Not collective;
+        on a rank that is not its storage domain's leader (which holds the lease) it checks nothing.
+        A read_only or closed Checkpointer raises CheckpointError.
+        """
+        self._check_usable(writing=True)
+        lease = self._session.lease
+        if lease is not None:
+            lease.check(acting=acting, renew=False)
+
     def close(self) -> None:
         """Release the root's lease. The Checkpointer cannot save afterwards."""
         if self._closed:

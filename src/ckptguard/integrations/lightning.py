@@ -154,7 +154,7 @@ def commit(ck: Checkpointer, path: str, state: Mapping[str, Any], *, publish: bo
                           step=step, name=name, layout=layout)
         # The commit point Lightning sees: the pointer appears or changes atomically, once the
         # checkpoint is committed.
-        _publish(path, msgspec.json.encode(pointer) + b"\n")
+        _publish(ck, path, msgspec.json.encode(pointer) + b"\n")
     if before is not None and before != step:
         _drop_if_untagged(ck, before)
     return step
@@ -173,7 +173,10 @@ def framework_metadata(name: str, state: Mapping[str, Any]) -> dict[str, Any]:
     return meta
 
 
-def _publish(path: str, data: bytes) -> None:
+def _publish(ck: Checkpointer, path: str, data: bytes) -> None:
+    # Replacing what a reader sees at ``path``: only while this job holds the root (a job that lost it
+    # would overwrite the new holder's pointer).
+    ck.check_lease(f"replace the checkpoint pointer {path}")
     if os.path.isdir(path) and not os.path.islink(path):
         # A sharded checkpoint Lightning wrote itself under this name (a run that switched to ckptguard):
         # out of the way by one rename, so that the path never names a half-deleted directory. A crash
@@ -185,6 +188,13 @@ def _publish(path: str, data: bytes) -> None:
         shutil.rmtree(aside, ignore_errors=True)
         return
     replace_file(path, data)
+
+
+def _unlink_pointer(ck: Checkpointer, path: str) -> None:
+    """Remove the pointer at ``path``, only while ``ck`` holds the root's lease: a job that lost the root
+    to another job must not delete a checkpoint the new holder published under that name."""
+    ck.check_lease(f"remove the checkpoint pointer {path}")
+    os.unlink(path)
 
 
 def forget(ck: Checkpointer, pointer: Mapping[str, Any]) -> None:
@@ -270,8 +280,9 @@ class CkptguardCheckpointIO(CheckpointIO):
                 os.unlink(path)
             return
         with self._lock:
-            os.unlink(path)  # gone for Lightning first; the data follows
-            forget(self._writer(pointed(path, pointer)[0]), pointer)
+            ck = self._writer(pointed(path, pointer)[0])
+            _unlink_pointer(ck, path)  # gone for Lightning first; the data follows
+            forget(ck, pointer)
 
     def teardown(self) -> None:
         with self._lock:
@@ -374,9 +385,10 @@ class CkptguardModelParallelStrategy(ModelParallelStrategy):
         if pointer is None:
             super().remove_checkpoint(path)
             return
-        if self.is_global_zero:
-            os.unlink(path)  # gone for Lightning first; the data follows
-        forget(self._writer(pointed(path, pointer)[0]), pointer)
+        ck = self._writer(pointed(path, pointer)[0])
+        # Gone for Lightning first (rank 0, under the lease; every rank learns its failure); the data follows.
+        one_rank_acts(f"remove the checkpoint pointer {path}", lambda: _unlink_pointer(ck, path), where=path)
+        forget(ck, pointer)
 
     def teardown(self) -> None:
         try:
