@@ -560,3 +560,37 @@ def test_accelerate_rotation_by_a_job_that_lost_the_root_deletes_nothing_visible
         _stop_all(a)
         if b is not None:
             b.close()
+
+
+def test_a_save_fenced_after_its_commit_point_says_the_step_is_committed(tmp_path: Path, monkeypatch) -> None:
+    """The leader's rename lands, then (a stall) another job takes the root over before the leader looks
+    at the lease again: the save raises LeaseLostError, and its message must say what is true (the step
+    is listed: committed, the new holder keeps it), never "Nothing was committed"."""
+    from ckptguard.protocol.posixroot import PosixRoot
+
+    ck = Checkpointer(tmp_path / "ckpt", lease_ttl_s=30)
+    ck.save(1, {"w": torch.ones(4)})
+    lease_path = Path(ck._session.lease.path)
+    storage = ck._session.lease.storage
+    publish = PosixRoot.commit
+
+    def publish_then_taken_over(self, *args, **kwargs):  # a takeover right after the commit point
+        name = publish(self, *args, **kwargs)
+        versioned = storage.read_versioned(str(lease_path))
+        record = json.loads(versioned[0])
+        record.update(holder="another-job", epoch=record["epoch"] + 1)
+        assert storage.compare_and_swap(str(lease_path), json.dumps(record).encode(), versioned[1])
+        return name
+
+    monkeypatch.setattr(PosixRoot, "commit", publish_then_taken_over)
+    with pytest.raises(ckptguard.LeaseLostError) as raised:
+        ck.save(2, {"w": torch.full((4,), 2.0)})
+    monkeypatch.undo()
+    message = str(raised.value)
+    assert "Nothing was committed" not in message and "nothing of this save" not in message, message
+    assert "is listed" in message and "it is committed" in message, message
+    with Checkpointer(tmp_path / "ckpt", read_only=True) as reader:
+        assert reader.steps() == [1, 2]
+        got = {"w": torch.zeros(4)}
+        assert reader.load(got, step=2) == 2 and torch.equal(got["w"], torch.full((4,), 2.0))
+    ck.close()
