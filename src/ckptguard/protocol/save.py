@@ -82,6 +82,11 @@ class SavePlan:
             return " Nothing was committed."
         return f" Nothing was committed; the previous checkpoint, step {self.previous}, is intact."
 
+    def kept_after_failure(self, url: str) -> str:
+        """What is true when this leader published the step and could not take it back."""
+        return (f" Step {self.step} was published in {url} and could not be taken back: it may be committed; "
+                f"`ckptguard ls {url}` lists it if it is, `ckptguard verify {url}` checks it.")
+
     def fenced_during_commit(self, url: str) -> str:
         """What is true of the step when this job lost the root during its commit: a leader may have
         published it first (then it is committed, and that leader's message says so)."""
@@ -273,18 +278,21 @@ def _commit(session: Session, plan: SavePlan, writer: GuardedWriter[StoredArtifa
 
     try:
         # No suffix here: whether "nothing was committed" is true depends on the failure (below).
-        doomed, agreed = comm.step(f"commit step {plan.step}", publish, after_publish,
-                                   where=session.url, on_error=session.fenced)
+        # (session.fenced says "nothing was committed": only true before this leader's commit point.)
+        doomed, agreed = comm.step(f"commit step {plan.step}", publish, after_publish, where=session.url,
+                                   on_error=lambda err: err if published else session.fenced(err))
     except BaseException as e:
+        kept = published  # this leader's publish stands unless it is taken back here
         if published and agreed_failures(e):  # another domain failed: not committed anywhere, roll back
             try:  # under the fence, like every removal: a job that lost the root takes nothing back
                 session.root.invalidate(session.root.dir(plan.name))
+                kept = False
             except (OSError, CheckpointError) as rollback:
                 log.warning("ckptguard: could not roll back %s: %s", session.root.dir(plan.name), rollback)
-        if not isinstance(e, LeaseLostError):
-            _tell(e, plan.intact)  # this job still holds the root: what it published is rolled back
-        elif not published:  # a leader that published found the outcome and said it in its own message
-            _tell(e, plan.fenced_during_commit(session.url))
+        if kept and not isinstance(e, LeaseLostError):
+            _tell(e, plan.kept_after_failure(session.url))
+        elif not kept:  # (a leader that published and lost the root said what became of it in its message)
+            _tell(e, plan.fenced_during_commit(session.url) if isinstance(e, LeaseLostError) else plan.intact)
         raise
     lost: LeaseLostError | None = None
     retired: list[str] = []
