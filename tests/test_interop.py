@@ -194,3 +194,22 @@ def test_import_of_a_dcp_file_cut_short_while_read_fails_typed_and_imports_nothi
         ckptguard.import_checkpoint(src, tmp_path / "root", 5)
     monkeypatch.undo()
     assert not (tmp_path / "root").exists() or Checkpointer(tmp_path / "root", read_only=True).steps() == []
+
+
+def test_dcp_reader_of_a_step_retired_before_its_read_says_retired_and_leaves_the_state(tmp_path: Path) -> None:
+    """The reader is made (manifest read), then the writer's retention deletes the step, then dcp.load reads:
+    StepRetiredError (it was intact, and is gone), not "the checkpoint is incomplete"; nothing placed."""
+    with Checkpointer(tmp_path / "root") as ck:
+        ck.save(1, {"w": torch.ones(8)})
+        ck.save(2, {"w": torch.full((8,), 2.0)})
+        reader = ckptguard.DCPReader(tmp_path / "root", 1)
+        ck.delete(1)
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    state = {"w": torch.full((8,), 7.0)}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(CheckpointException) as raised:  # DCP wraps the reader's error
+            dcp.load(state, storage_reader=reader)
+    assert "StepRetiredError: step 1" in str(raised.value) and "incomplete" not in str(raised.value), raised.value
+    assert torch.equal(state["w"], torch.full((8,), 7.0))

@@ -49,6 +49,7 @@ from ckptguard.errors import (
     CheckpointError,
     CorruptCheckpointError,
     StepNotFoundError,
+    StepRetiredError,
     UnsafeObjectError,
     from_os_error,
 )
@@ -92,6 +93,7 @@ class DCPReader(GuardedReader):
 
     def __init__(self, path: str | os.PathLike[str], step: int | None = None, *, io_threads: int = 4) -> None:
         root, name = resolve_checkpoint(path, step)
+        self._root, self._name = root, name
         self.manifest: Manifest = root.read_manifest(name)
         root.check_files(name, self.manifest)
         metadata = metadata_from_json(self.manifest.dcp, self.manifest.items, root.dir(name),
@@ -110,6 +112,14 @@ class DCPReader(GuardedReader):
         try:
             super().read_data(plan, planner).wait()
             self.apply(planner)
+        except CorruptCheckpointError as e:
+            # Its files are read by path after the manifest: a step retired (retention, delete) since is
+            # gone, not corrupt. Nothing was placed: the caller's state is as it was.
+            if self._root.still_committed(self._name, self.manifest.commit_seq):
+                raise
+            raise StepRetiredError(f"step {self._name.step} of {self._root.path} was retired (retention or a "
+                                   "delete) while it was being read; nothing of it was loaded",
+                                   path=self._root.dir(self._name)) from e
         finally:
             self.close()
         fut: torch.futures.Future[None] = torch.futures.Future()
