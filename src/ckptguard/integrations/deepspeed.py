@@ -199,12 +199,13 @@ class CkptguardCheckpointEngine(CheckpointEngine):  # type: ignore[misc]
 
     def _commit_on_rank0(self, save_dir: str, tag: str, staging: str) -> None:
         staging_root = os.path.join(save_dir, STAGING_NAME)
-        ck = self._writer(save_dir)
         if not any(files for _, _, files in os.walk(staging)):
             # Nothing of the tag was written (save_16bit_model: its export lies beside the tags), so there is
             # no checkpoint to commit: committing it would replace a real tag of the same step by an empty one.
-            _dirs.clear_staging(ck, staging_root)
+            # Only this save's own (empty) attempt goes: the rest of staging is cleared under the lease.
+            shutil.rmtree(os.path.dirname(staging), ignore_errors=True)
             return
+        ck = self._writer(save_dir)
         m = _NUMBER_AT_END.search(tag)
         existing = _step_of_tag(ck, tag)
         if existing is not None:
