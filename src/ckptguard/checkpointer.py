@@ -327,7 +327,10 @@ class Checkpointer:
             if staged is not None:
                 request = save_protocol.SaveRequest(step, staged[0], targets, staged[1], overwrite, user_metadata,
                                                     local_error, frozenset(self._tags.values()))
-                self._inflight = self._background.submit(self._save_now, request, stats)
+                try:
+                    self._inflight = self._background.submit(self._save_now, request, stats)
+                except RuntimeError:  # the interpreter is exiting (a thread that outlived the main one): now
+                    self._save_now(request, stats)
                 stats.blocked = time.perf_counter() - started
                 return
         request = save_protocol.SaveRequest(step, prepared.state_dict, targets, targets, overwrite, user_metadata,
