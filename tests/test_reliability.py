@@ -594,3 +594,21 @@ def test_a_save_fenced_after_its_commit_point_says_the_step_is_committed(tmp_pat
         got = {"w": torch.zeros(4)}
         assert reader.load(got, step=2) == 2 and torch.equal(got["w"], torch.full((4,), 2.0))
     ck.close()
+
+
+def test_check_lease_passes_for_the_holder_and_refuses_a_reader_a_closed_one_and_a_fenced_one(
+        tmp_path: Path) -> None:
+    ck = Checkpointer(tmp_path / "ckpt", lease_ttl_s=30)
+    ck.check_lease("remove a folder")  # the holder: nothing raised
+    with Checkpointer(tmp_path / "ckpt", read_only=True) as reader, \
+            pytest.raises(ckptguard.CheckpointError, match="read_only"):
+        reader.check_lease()
+    lease = Path(ck.root) / ".ckptguard" / "lease.json"
+    record = json.loads(lease.read_text())
+    record.update(holder="another-job", epoch=record["epoch"] + 1)
+    lease.write_text(json.dumps(record))
+    with pytest.raises(ckptguard.LeaseLostError, match="refusing to remove a folder"):
+        ck.check_lease("remove a folder")
+    ck.close()
+    with pytest.raises(ckptguard.CheckpointError, match="closed"):
+        ck.check_lease()

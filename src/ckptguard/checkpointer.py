@@ -473,7 +473,10 @@ class Checkpointer:
         on a rank that is not its storage domain's leader (which holds the lease) it checks nothing.
         A read_only or closed Checkpointer raises CheckpointError.
         """
-        self._check_usable(writing=True)
+        if self._closed:  # (not _check_usable: the removal of retired steps may go on meanwhile)
+            raise CheckpointError("this Checkpointer is closed")
+        if self.read_only:
+            raise CheckpointError(f"this Checkpointer on {self.root} was opened read_only=True: it holds no lease")
         lease = self._session.lease
         if lease is not None:
             lease.check(acting=acting, renew=False)
