@@ -139,22 +139,25 @@ def pointed(path: str, pointer: Mapping[str, Any]) -> tuple[str, str, int]:
     return os.path.normpath(os.path.join(os.path.dirname(path), root)), tag, step
 
 
-def commit(ck: Checkpointer, path: str, state: Mapping[str, Any], *, publish: bool,
+def commit(ck: Checkpointer, path: str, state: Mapping[str, Any], *, collective: bool = False,
            layout: str | None = None) -> int:
-    """Save ``state`` as the next step of ``ck``, tag it with the file name, then (``publish``: the
-    process that writes) point ``path`` at it; the step the tag named before is deleted last.
-    Collective exactly when ``ck`` is. Returns the step."""
+    """Save ``state`` as the next step of ``ck``, tag it with the file name, then point ``path`` at it
+    (``collective``: rank 0 does, and every rank learns its failure); the step the tag named before is
+    deleted last. Collective exactly when ``ck`` is. Returns the step."""
     name = os.path.basename(path)
     tag = _tag_for(name)
     step = max(ck.steps(), default=-1) + 1
     ck.save(step, state, metadata=framework_metadata(name, state))
     before = ck.tag(tag, step)
-    if publish:
-        pointer = Pointer(format=POINTER_FORMAT, root=os.path.relpath(ck.root, os.path.dirname(path)), tag=tag,
-                          step=step, name=name, layout=layout)
-        # The commit point Lightning sees: the pointer appears or changes atomically, once the
-        # checkpoint is committed.
-        _publish(ck, path, msgspec.json.encode(pointer) + b"\n")
+    pointer = Pointer(format=POINTER_FORMAT, root=os.path.relpath(ck.root, os.path.dirname(path)), tag=tag,
+                      step=step, name=name, layout=layout)
+    # The commit point Lightning sees: the pointer appears or changes atomically, once the
+    # checkpoint is committed.
+    data = msgspec.json.encode(pointer) + b"\n"
+    if collective:
+        one_rank_acts(f"publish the checkpoint pointer {path}", lambda: _publish(ck, path, data), where=path)
+    else:
+        _publish(ck, path, data)
     if before is not None and before != step:
         _drop_if_untagged(ck, before)
     return step
@@ -238,7 +241,7 @@ class CkptguardCheckpointIO(CheckpointIO):
             raise TypeError(f"{type(self).__name__} does not take storage_options")
         path = os.path.abspath(os.fspath(path))
         with self._lock:
-            commit(self._writer(root_for(path, self.root_name)), path, checkpoint, publish=True)
+            commit(self._writer(root_for(path, self.root_name)), path, checkpoint)
 
     def load_checkpoint(self, path: Any, map_location: Any | None = None,
                         weights_only: bool | None = None) -> dict[str, Any]:
@@ -351,7 +354,7 @@ class CkptguardModelParallelStrategy(ModelParallelStrategy):
         for i, optim_state in enumerate(checkpoint.get("optimizer_states", [])):
             state[f"optimizer_{i}"] = optim_state
         ck = self._writer(root_for(path, self.root_name))
-        commit(ck, path, state, publish=self.is_global_zero, layout=SHARDED)
+        commit(ck, path, state, collective=True, layout=SHARDED)
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         path, pointer = self._rank0_view(checkpoint_path)
