@@ -88,3 +88,32 @@ def test_a_script_that_never_destroys_its_gloo_group_exits_cleanly(tmp_path: Pat
         assert by_rank(job, "initialized_after_exit_handlers") == {0: False, 1: False}
         with Checkpointer(tmp_path / mode, read_only=True) as ck:
             assert ck.steps() == [1]
+
+
+def test_exit_while_a_load_and_a_background_save_run_in_unclosed_checkpointers(tmp_path: Path) -> None:
+    """The main thread returns while another thread loads (then saves with blocking=False) and a background
+    save writes (neither Checkpointer closed): all finish, the process exits 0 without a traceback. Before,
+    the background save and the load's read pool died with "cannot schedule new futures after interpreter
+    shutdown" (the save lost, exit status 1; an "Exception in thread" traceback)."""
+    script = textwrap.dedent(f"""
+        import threading, torch, ckptguard
+        big = {{f"w{{i}}": torch.full((5 << 20,), float(i)) for i in range(2)}}  # two data files: a write pool
+        reader = ckptguard.Checkpointer({str(tmp_path / 'a')!r})
+        reader.save(1, big)
+        into = {{k: torch.zeros_like(v) for k, v in big.items()}}
+
+        def load():
+            print("loaded", reader.load(into), all(torch.equal(into[k], v) for k, v in big.items()), flush=True)
+            reader.save(3, into, blocking=False)  # the main thread is gone: the interpreter is exiting
+            reader.wait()
+            print("saved", reader.steps(), flush=True)
+
+        threading.Thread(target=load).start()
+        ckptguard.Checkpointer({str(tmp_path / 'b')!r}).save(2, big, blocking=False)
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr and "Exception" not in proc.stderr, proc.stderr[-3000:]
+    assert "loaded 1 True" in proc.stdout and "saved [1, 3]" in proc.stdout, (proc.stdout, proc.stderr[-3000:])
+    with Checkpointer(tmp_path / "b", read_only=True) as ck:
+        assert ck.steps() == [2]

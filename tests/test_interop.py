@@ -146,3 +146,70 @@ def test_version_and_python_m() -> None:
     r = subprocess.run([sys.executable, "-m", "ckptguard", "--version"], capture_output=True, text=True,
                        env={**os.environ, "PYTHONPATH": SRC}, timeout=120)
     assert r.returncode == 0 and r.stdout.strip() == f"ckptguard {ckptguard.__version__}"
+
+
+def _rotate_away_before_the_read(monkeypatch: pytest.MonkeyPatch, act) -> None:
+    """Run ``act`` once, after the DCP metadata was read and checked and before any data file is read:
+    the training job that wrote the directory rotating it out (or rewriting it) in between."""
+    from torch.distributed.checkpoint.filesystem import FileSystemReader
+
+    set_up = FileSystemReader.set_up_storage_reader
+    done: list[bool] = []
+
+    def set_up_then_act(self, *args, **kwargs):
+        if not done:
+            done.append(True)
+            act()
+        return set_up(self, *args, **kwargs)
+
+    monkeypatch.setattr(FileSystemReader, "set_up_storage_reader", set_up_then_act)
+
+
+def test_import_of_a_dcp_directory_deleted_between_check_and_read_imports_what_was_checked(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import shutil
+
+    src = tmp_path / "dcp"
+    saved = {"w": torch.arange(64, dtype=torch.float32), "b": torch.ones(3, 5)}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save({k: v.clone() for k, v in saved.items()}, checkpoint_id=str(src))
+    _rotate_away_before_the_read(monkeypatch, lambda: shutil.rmtree(src))
+    assert ckptguard.import_checkpoint(src, tmp_path / "root", 5) == ["b", "w"]
+    monkeypatch.undo()
+    with Checkpointer(tmp_path / "root", read_only=True) as ck:
+        got = ck.read(5)
+    assert got is not None and all(torch.equal(got[k], v) for k, v in saved.items())
+
+
+def test_import_of_a_dcp_file_cut_short_while_read_fails_typed_and_imports_nothing(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    src = tmp_path / "dcp"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save({"w": torch.arange(4096, dtype=torch.float32)}, checkpoint_id=str(src))
+    data = next(p for p in src.iterdir() if p.suffix == ".distcp")
+    _rotate_away_before_the_read(monkeypatch, lambda: os.truncate(data, 100))
+    with pytest.raises(ckptguard.CorruptCheckpointError, match="changed while it was being read"):
+        ckptguard.import_checkpoint(src, tmp_path / "root", 5)
+    monkeypatch.undo()
+    assert not (tmp_path / "root").exists() or Checkpointer(tmp_path / "root", read_only=True).steps() == []
+
+
+def test_dcp_reader_of_a_step_retired_before_its_read_says_retired_and_leaves_the_state(tmp_path: Path) -> None:
+    """The reader is made (manifest read), then the writer's retention deletes the step, then dcp.load reads:
+    StepRetiredError (it was intact, and is gone), not "the checkpoint is incomplete"; nothing placed."""
+    with Checkpointer(tmp_path / "root") as ck:
+        ck.save(1, {"w": torch.ones(8)})
+        ck.save(2, {"w": torch.full((8,), 2.0)})
+        reader = ckptguard.DCPReader(tmp_path / "root", 1)
+        ck.delete(1)
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    state = {"w": torch.full((8,), 7.0)}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(CheckpointException) as raised:  # DCP wraps the reader's error
+            dcp.load(state, storage_reader=reader)
+    assert "StepRetiredError: step 1" in str(raised.value) and "incomplete" not in str(raised.value), raised.value
+    assert torch.equal(state["w"], torch.full((8,), 7.0))

@@ -438,3 +438,177 @@ def test_release_never_deletes_a_lease_taken_over_meanwhile(tmp_path: Path) -> N
     assert not storage.delete_if_version(str(path), versioned[1])
     ck.close()
     assert json.loads(path.read_text())["holder"] == "someone-else"
+
+
+# -- an integration's job that lost the root removes nothing the new holder can see -----------------
+
+
+def _start_script(script: str, *args: str) -> subprocess.Popen[str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
+                                                             "MASTER_PORT", "TORCHELASTIC_RUN_ID", "SLURM_JOB_ID")}
+    return subprocess.Popen([sys.executable, "-c", script, *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env={**env, "PYTHONUNBUFFERED": "1"})
+
+
+def _resume(p: subprocess.Popen[str]) -> str:
+    os.kill(p.pid, signal.SIGCONT)
+    out = p.communicate(timeout=120)[0]
+    assert p.returncode == 0, out
+    return out
+
+
+def _stop_all(*procs: subprocess.Popen[str] | None) -> None:
+    for p in procs:
+        if p is not None and p.poll() is None:
+            os.kill(p.pid, signal.SIGCONT)
+            p.kill()
+            p.wait()
+
+
+_LIGHTNING_A = """
+import json, os, signal, sys, torch
+from ckptguard.integrations.lightning import CkptguardCheckpointIO
+d = sys.argv[1]
+io = CkptguardCheckpointIO(lease_ttl_s=1.0)
+io.save_checkpoint({"w": torch.ones(4)}, os.path.join(d, "a.ckpt"))
+os.kill(os.getpid(), signal.SIGSTOP)  # a frozen job: another job takes the root over meanwhile
+try:
+    io.remove_checkpoint(os.path.join(d, "a.ckpt"))
+    result = {"remove": "ok"}
+except Exception as e:
+    result = {"remove": type(e).__name__, "message": str(e)}
+print("RESULT " + json.dumps(result), flush=True)
+io.teardown()
+"""
+
+
+def test_lightning_remove_by_a_job_that_lost_the_root_deletes_nothing_of_the_new_holder(tmp_path: Path) -> None:
+    """Job A saved ``a.ckpt`` and froze; job B took the root over and saved its own ``a.ckpt``. A resumes
+    and Lightning's top-k asks it to remove ``a.ckpt``: it must raise LeaseLostError, and B's pointer and
+    data stay (before the fix A unlinked B's pointer, then failed at the fenced untag)."""
+    pytest.importorskip("lightning")
+    from ckptguard.integrations.lightning import CkptguardCheckpointIO
+
+    a = _start_script(_LIGHTNING_A, str(tmp_path))
+    io_b = None
+    try:
+        _wait_stopped(a)
+        io_b = CkptguardCheckpointIO(lease_ttl_s=1.0, lease_wait_s=60)
+        io_b.save_checkpoint({"w": torch.full((4,), 2.0)}, str(tmp_path / "a.ckpt"))
+        pointer = (tmp_path / "a.ckpt").read_bytes()
+        res = _results(_resume(a))
+        assert res["remove"] == "LeaseLostError", res
+        assert (tmp_path / "a.ckpt").read_bytes() == pointer
+        assert torch.equal(io_b.load_checkpoint(str(tmp_path / "a.ckpt"))["w"], torch.full((4,), 2.0))
+    finally:
+        _stop_all(a)
+        if io_b is not None:
+            io_b.teardown()
+
+
+_ACCELERATE_A = """
+import json, os, signal, sys, torch
+from accelerate import Accelerator
+from accelerate.utils import ProjectConfiguration
+from ckptguard import Checkpointer
+from ckptguard.integrations.accelerate import save_state
+acc = Accelerator(cpu=True, project_config=ProjectConfiguration(
+    project_dir=sys.argv[1], automatic_checkpoint_naming=True, total_limit=1))
+model = acc.prepare(torch.nn.Linear(3, 2))
+save_state(acc, checkpointer_options={"lease_ttl_s": 1.0})
+commit = Checkpointer.save
+
+def commit_then_freeze(self, *args, **kwargs):
+    # The window between the commit and the visible folder, the rotation and the staging clean-up.
+    commit(self, *args, **kwargs)
+    os.kill(os.getpid(), signal.SIGSTOP)
+
+Checkpointer.save = commit_then_freeze
+try:
+    save_state(acc, checkpointer_options={"lease_ttl_s": 1.0})
+    result = {"save": "ok"}
+except Exception as e:
+    result = {"save": type(e).__name__, "message": str(e)}
+print("RESULT " + json.dumps(result), flush=True)
+"""
+
+
+def _visible(project: Path) -> list[str]:
+    """What is under the project directory but the root's control files (the lease, which B renews)."""
+    return sorted(str(p.relative_to(project)) for p in project.rglob("*")
+                  if ".ckptguard-accelerate/.ckptguard" not in str(p))
+
+
+def test_accelerate_rotation_by_a_job_that_lost_the_root_deletes_nothing_visible(tmp_path: Path) -> None:
+    """Job A (total_limit=1) committed step 1 and froze before publishing it and rotating step 0 out;
+    job B took the root over (and resumes from what it sees). A resumes: it must raise LeaseLostError
+    and leave ``checkpoints/checkpoint_0`` and the root as B sees them (before the fix A published its
+    folder and removed B's ``checkpoint_0``)."""
+    pytest.importorskip("accelerate")
+    a = _start_script(_ACCELERATE_A, str(tmp_path))
+    b = None
+    try:
+        _wait_stopped(a, timeout=300)
+        b = Checkpointer(tmp_path / ".ckptguard-accelerate", lease_ttl_s=1.0, lease_wait_s=60)
+        before = _visible(tmp_path)
+        assert "checkpoints/checkpoint_0/model.safetensors" in before, before
+        res = _results(_resume(a))
+        assert res["save"] == "LeaseLostError", res
+        assert _visible(tmp_path) == before
+        assert b.steps(refresh=True) == [0, 1]
+    finally:
+        _stop_all(a)
+        if b is not None:
+            b.close()
+
+
+def test_a_save_fenced_after_its_commit_point_says_the_step_is_committed(tmp_path: Path, monkeypatch) -> None:
+    """The leader's rename lands, then (a stall) another job takes the root over before the leader looks
+    at the lease again: the save raises LeaseLostError, and its message must say what is true (the step
+    is listed: committed, the new holder keeps it), never "Nothing was committed"."""
+    from ckptguard.protocol.posixroot import PosixRoot
+
+    ck = Checkpointer(tmp_path / "ckpt", lease_ttl_s=30)
+    ck.save(1, {"w": torch.ones(4)})
+    lease_path = Path(ck._session.lease.path)
+    storage = ck._session.lease.storage
+    publish = PosixRoot.commit
+
+    def publish_then_taken_over(self, *args, **kwargs):  # a takeover right after the commit point
+        name = publish(self, *args, **kwargs)
+        versioned = storage.read_versioned(str(lease_path))
+        record = json.loads(versioned[0])
+        record.update(holder="another-job", epoch=record["epoch"] + 1)
+        assert storage.compare_and_swap(str(lease_path), json.dumps(record).encode(), versioned[1])
+        return name
+
+    monkeypatch.setattr(PosixRoot, "commit", publish_then_taken_over)
+    with pytest.raises(ckptguard.LeaseLostError) as raised:
+        ck.save(2, {"w": torch.full((4,), 2.0)})
+    monkeypatch.undo()
+    message = str(raised.value)
+    assert "Nothing was committed" not in message and "nothing of this save" not in message, message
+    assert "is listed" in message and "it is committed" in message, message
+    with Checkpointer(tmp_path / "ckpt", read_only=True) as reader:
+        assert reader.steps() == [1, 2]
+        got = {"w": torch.zeros(4)}
+        assert reader.load(got, step=2) == 2 and torch.equal(got["w"], torch.full((4,), 2.0))
+    ck.close()
+
+
+def test_check_lease_passes_for_the_holder_and_refuses_a_reader_a_closed_one_and_a_fenced_one(
+        tmp_path: Path) -> None:
+    ck = Checkpointer(tmp_path / "ckpt", lease_ttl_s=30)
+    ck.check_lease("remove a folder")  # the holder: nothing raised
+    with Checkpointer(tmp_path / "ckpt", read_only=True) as reader, \
+            pytest.raises(ckptguard.CheckpointError, match="read_only"):
+        reader.check_lease()
+    lease = Path(ck.root) / ".ckptguard" / "lease.json"
+    record = json.loads(lease.read_text())
+    record.update(holder="another-job", epoch=record["epoch"] + 1)
+    lease.write_text(json.dumps(record))
+    with pytest.raises(ckptguard.LeaseLostError, match="refusing to remove a folder"):
+        ck.check_lease("remove a folder")
+    ck.close()
+    with pytest.raises(ckptguard.CheckpointError, match="closed"):
+        ck.check_lease()

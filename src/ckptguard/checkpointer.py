@@ -327,7 +327,10 @@ class Checkpointer:
             if staged is not None:
                 request = save_protocol.SaveRequest(step, staged[0], targets, staged[1], overwrite, user_metadata,
                                                     local_error, frozenset(self._tags.values()))
-                self._inflight = self._background.submit(self._save_now, request, stats)
+                try:
+                    self._inflight = self._background.submit(self._save_now, request, stats)
+                except RuntimeError:  # the interpreter is exiting (a thread that outlived the main one): now
+                    self._save_now(request, stats)
                 stats.blocked = time.perf_counter() - started
                 return
         request = save_protocol.SaveRequest(step, prepared.state_dict, targets, targets, overwrite, user_metadata,
@@ -459,6 +462,24 @@ class Checkpointer:
             self.wait()
             self._tags = manage.read_tags(self._session)
         return dict(sorted(self._tags.items()))
+
+    def check_lease(self, acting: str = "change the root") -> None:
+        """Raise LeaseLostError (as a fenced save does) unless this job still holds the root's lease.
+
+        For code that changes what sits beside the root (an integration removing or replacing the
+        visible copy of a checkpoint, clearing its staging directory): call it right before each such
+        step, so that a job that stalled while another job took the root over removes nothing the new
+        holder can see. ``acting`` completes the message ("refusing to <acting>"). Not collective;
+        on a rank that is not its storage domain's leader (which holds the lease) it checks nothing.
+        A read_only or closed Checkpointer raises CheckpointError.
+        """
+        if self._closed:  # (not _check_usable: the removal of retired steps may go on meanwhile)
+            raise CheckpointError("this Checkpointer is closed")
+        if self.read_only:
+            raise CheckpointError(f"this Checkpointer on {self.root} was opened read_only=True: it holds no lease")
+        lease = self._session.lease
+        if lease is not None:
+            lease.check(acting=acting, renew=False)
 
     def close(self) -> None:
         """Release the root's lease. The Checkpointer cannot save afterwards."""

@@ -12,16 +12,19 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import io
 import math
 import os
 import pickle
 import stat
+from collections.abc import Generator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.metadata import (
     Metadata,
     MetadataIndex,
@@ -46,6 +49,7 @@ from ckptguard.errors import (
     CheckpointError,
     CorruptCheckpointError,
     StepNotFoundError,
+    StepRetiredError,
     UnsafeObjectError,
     from_os_error,
 )
@@ -89,6 +93,7 @@ class DCPReader(GuardedReader):
 
     def __init__(self, path: str | os.PathLike[str], step: int | None = None, *, io_threads: int = 4) -> None:
         root, name = resolve_checkpoint(path, step)
+        self._root, self._name = root, name
         self.manifest: Manifest = root.read_manifest(name)
         root.check_files(name, self.manifest)
         metadata = metadata_from_json(self.manifest.dcp, self.manifest.items, root.dir(name),
@@ -107,6 +112,14 @@ class DCPReader(GuardedReader):
         try:
             super().read_data(plan, planner).wait()
             self.apply(planner)
+        except CorruptCheckpointError as e:
+            # Its files are read by path after the manifest: a step retired (retention, delete) since is
+            # gone, not corrupt. Nothing was placed: the caller's state is as it was.
+            if self._root.still_committed(self._name, self.manifest.commit_seq):
+                raise
+            raise StepRetiredError(f"step {self._name.step} of {self._root.path} was retired (retention or a "
+                                   "delete) while it was being read; nothing of it was loaded",
+                                   path=self._root.dir(self._name)) from e
         finally:
             self.close()
         fut: torch.futures.Future[None] = torch.futures.Future()
@@ -222,8 +235,9 @@ class _MetadataUnpickler(pickle.Unpickler):
                                 "classes: refusing to unpickle it (it could run code)", path=self.path)
 
 
-def read_dcp_metadata(directory: str | os.PathLike[str]) -> Metadata:
-    """DCP's ``.metadata`` of ``directory``, unpickled with only DCP's metadata classes admitted."""
+def read_dcp_metadata(directory: str | os.PathLike[str], pins: dict[str, _Pinned] | None = None) -> Metadata:
+    """DCP's ``.metadata`` of ``directory``, unpickled with only DCP's metadata classes admitted.
+    ``pins``: every data file it names is opened once, here, and kept open in it (by name)."""
     path = os.path.join(local_path(directory), ".metadata")
     try:
         md = _MetadataUnpickler(_read_regular(path, MAX_METADATA_BYTES), path).load()
@@ -236,7 +250,7 @@ def read_dcp_metadata(directory: str | os.PathLike[str]) -> Metadata:
     if not isinstance(md, Metadata):
         raise CorruptCheckpointError(f"{path} holds a {type(md).__name__}, not DCP Metadata", path=path)
     try:
-        _check_dcp_metadata(md, local_path(directory), path)
+        _check_dcp_metadata(md, local_path(directory), path, pins)
     except (AttributeError, TypeError, ValueError) as e:  # DCP's classes, with fields of any type
         raise CorruptCheckpointError(f"{path}: malformed DCP metadata ({type(e).__name__}: {e})",
                                      path=path) from None
@@ -257,10 +271,32 @@ def _read_regular(path: str, limit: int) -> bytes:
         return f.read()
 
 
-def _check_dcp_metadata(md: Metadata, directory: str, path: str) -> None:
+@dataclass
+class _Pinned:
+    """A data file of a DCP directory, opened once: read through this fd, never reopened by path, so that
+    a file deleted or replaced meanwhile (the source job's rotation) is still the file that was checked."""
+
+    fd: int
+    size: int
+    mtime_ns: int
+
+
+def _pin(full: str) -> _Pinned:
+    try:
+        fd = open_regular(full)
+    except FileNotFoundError:
+        raise CorruptCheckpointError(f"{full} is missing (deleted while it was being opened?)", path=full) from None
+    except OSError as e:  # ELOOP: replaced by a symbolic link since it was looked at
+        raise CorruptCheckpointError(f"{full} is not a regular file: refusing to read it ({e})", path=full) from None
+    st = os.fstat(fd)
+    return _Pinned(fd, st.st_size, st.st_mtime_ns)
+
+
+def _check_dcp_metadata(md: Metadata, directory: str, path: str, pins: dict[str, _Pinned] | None = None) -> None:
     """Every data file DCP's metadata names: a plain name in ``directory``, a regular file, each
     range inside it; every tensor no larger than the bytes stored. Checked before anything is
-    opened by path or allocated (DCP's reader trusts all of it)."""
+    opened by path or allocated (DCP's reader trusts all of it). With ``pins``, each file is opened
+    here and its size is that of the file opened."""
     storage = md.storage_data if isinstance(md.storage_data, dict) else {}
     sizes: dict[str, int] = {}
     for index, info in storage.items():
@@ -280,6 +316,9 @@ def _check_dcp_metadata(md: Metadata, directory: str, path: str) -> None:
                 raise CorruptCheckpointError(f"{full} is not a regular file (a link, FIFO or device): refusing "
                                              "to read it", path=full)
             sizes[rel] = st.st_size
+            if pins is not None:
+                pins[rel] = _pin(full)
+                sizes[rel] = pins[rel].size
         if not (type(offset) is int and type(length) is int and offset >= 0 and length >= 0
                 and offset + length <= sizes[rel]):
             raise CorruptCheckpointError(f"{path}: {fqn!r} claims bytes {offset}..+{length} of {rel}, "
@@ -321,22 +360,66 @@ def _check_dcp_metadata(md: Metadata, directory: str, path: str) -> None:
                                          path=path)
 
 
-class _SafeFileSystemReader(FileSystemReader):
-    """DCP's FileSystemReader, with its ``.metadata`` read by the restricted unpickler."""
+class _PinnedFileSystem(FileSystem):
+    """DCP's file system for a reader: a data file is read through the fd opened when the metadata was
+    checked (:class:`_Pinned`); a name that was not checked is refused."""
 
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        md = read_dcp_metadata(str(self.path))
-        if getattr(md, "storage_meta", None) is None:
-            md.storage_meta = StorageMeta()
-        return md
+    def __init__(self, directory: str, pins: dict[str, _Pinned]) -> None:
+        self.directory = directory
+        self.pins = pins
+
+    @contextlib.contextmanager
+    def create_stream(self, path: str | os.PathLike[str], mode: str) -> Generator[io.IOBase, None, None]:
+        pinned = self.pins.get(os.path.basename(os.fspath(path)))
+        if mode != "rb" or pinned is None or os.path.dirname(os.fspath(path)) != self.directory:
+            raise CorruptCheckpointError(f"{path} is not a data file the checkpoint's metadata names",
+                                         path=os.fspath(path))
+        with os.fdopen(os.dup(pinned.fd), "rb") as f:  # DCP closes the stream; the pin stays open
+            f.seek(0)
+            yield f
 
 
 def read_dcp(directory: str | os.PathLike[str]) -> dict[str, Any]:
-    """A DCP checkpoint directory's whole state dict, nested, without running code from it."""
-    reader = _SafeFileSystemReader(local_path(directory))
-    md = reader.read_metadata()
-    reader.set_up_storage_reader(md, True)
-    return _read_all(reader, md, decode=False)
+    """A DCP checkpoint directory's whole state dict, nested, without running code from it.
+
+    Every data file is opened once, when the metadata is checked, and read through that handle: a
+    file deleted or replaced meanwhile (the training job that wrote it rotating it out) is still read
+    whole; one changed in place (size or time) fails with CorruptCheckpointError."""
+    directory = os.path.abspath(local_path(directory))
+    pins: dict[str, _Pinned] = {}
+    try:
+        md = read_dcp_metadata(directory, pins)
+        if getattr(md, "storage_meta", None) is None:
+            md.storage_meta = StorageMeta()
+        reader = FileSystemReader(directory)
+        reader.fs = _PinnedFileSystem(os.fspath(reader.path), pins)
+        reader.set_up_storage_reader(md, True)
+        try:
+            state = _read_all(reader, md, decode=False)
+        except Exception as e:  # a file cut short while read fails in DCP's or torch's code: say why
+            changed = _changed(directory, pins)
+            if changed is None:
+                raise
+            raise changed from e
+        changed = _changed(directory, pins)
+        if changed is not None:
+            raise changed
+        return state
+    finally:
+        for pinned in pins.values():
+            os.close(pinned.fd)
+
+
+def _changed(directory: str, pins: dict[str, _Pinned]) -> CorruptCheckpointError | None:
+    """The error for a pinned data file written to since it was checked, if one was."""
+    for rel, pinned in pins.items():
+        st = os.fstat(pinned.fd)
+        if (st.st_size, st.st_mtime_ns) != (pinned.size, pinned.mtime_ns):
+            full = os.path.join(directory, rel)
+            return CorruptCheckpointError(f"{full} changed while it was being read ({pinned.size:,} bytes before, "
+                                          f"{st.st_size:,} after): nothing was read from it; read it again once "
+                                          "the job writing it is done", path=full)
+    return None
 
 
 def import_checkpoint(source: str | os.PathLike[str], root: str | os.PathLike[str], step: int, *,

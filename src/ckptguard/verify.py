@@ -12,10 +12,10 @@ import contextlib
 import os
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from ckptguard._pool import ExitSafePool
 from ckptguard.checksum import Hasher
 from ckptguard.errors import CheckpointError
 from ckptguard.protocol import latest, layout
@@ -254,7 +254,7 @@ def verify_checkpoint(root_path: str, name: CheckpointName, *, threads: int = 4,
             handle.close()
         return found
 
-    with ThreadPoolExecutor(max(1, threads), thread_name_prefix="ckptguard-verify") as pool:
+    with ExitSafePool(max(1, threads), thread_name_prefix="ckptguard-verify") as pool:
         futures = [pool.submit(check_file, f.path, f.size, f.checksum) for f in manifest.files]
         for fut in futures:
             result.problems.extend(fut.result())

@@ -38,7 +38,6 @@ import tempfile
 import threading
 from collections import defaultdict
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -48,6 +47,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.storage import StorageReader
 
 from ckptguard._faults import FaultPhase, fault_point
+from ckptguard._pool import ExitSafePool
 from ckptguard.checksum import Hasher, checksum
 from ckptguard.dcp.codec import _NUMPY_DTYPES, dtype_from_name, dtype_name, narrow, tensor_bytes
 from ckptguard.dcp.planners import decode_object
@@ -235,7 +235,7 @@ class GuardedReader(StorageReader):
             for rel, fj in files:
                 read_file(rel, fj)
         else:
-            with ThreadPoolExecutor(min(self.io_threads, len(files)), thread_name_prefix="ckptguard-read") as pool:
+            with ExitSafePool(min(self.io_threads, len(files)), thread_name_prefix="ckptguard-read") as pool:
                 futures = [pool.submit(read_file, rel, fj) for rel, fj in files]
                 try:
                     for f in futures:

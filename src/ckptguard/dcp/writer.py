@@ -11,7 +11,6 @@ import io
 import os
 import threading
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
@@ -21,6 +20,7 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 
 from ckptguard._faults import FaultPhase, fault_point
+from ckptguard._pool import ExitSafePool
 from ckptguard.checksum import checksum
 from ckptguard.dcp.codec import dtype_name, tensor_bytes
 from ckptguard.dcp.records import FileEntry, StoredItem
@@ -158,7 +158,7 @@ class GuardedWriter(StorageWriter, Generic[H]):
                 for b in buckets:
                     write_bucket(0, b)
             else:
-                with ThreadPoolExecutor(len(buckets), thread_name_prefix="ckptguard-write") as pool:
+                with ExitSafePool(len(buckets), thread_name_prefix="ckptguard-write") as pool:
                     for f in [pool.submit(write_bucket, i, b) for i, b in enumerate(buckets)]:
                         f.result()
             if buckets:

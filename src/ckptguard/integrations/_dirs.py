@@ -8,6 +8,11 @@ A framework writes a checkpoint *directory* with its own code; ckptguard commits
 3. only then ``<base>/<name>`` appears, by one rename (for the framework's and the user's tools),
    and only then are old checkpoints rotated out: the visible directory first, then the step.
 
+Every step here that removes or replaces something a reader can see (a visible directory, a staging
+leftover) first checks that the job still holds the root's lease (``Checkpointer.check_lease``): a
+job that stalled after its commit while another job took the root over raises LeaseLostError and
+removes nothing of the new holder's.
+
 Resume restores a committed step's files, verified, into a private directory per rank.
 """
 
@@ -26,9 +31,10 @@ from ckptguard.ranks import one_rank_acts
 FILES_KEY = "checkpoint"
 
 
-def remove_visible(base: str, path: str, staging_root: str) -> None:
+def remove_visible(ck: Checkpointer, base: str, path: str, staging_root: str) -> None:
     """Remove a visible checkpoint directory: gone for every reader at once (a rename into
-    ``staging_root``, on the same filesystem), then deleted."""
+    ``staging_root``, on the same filesystem), then deleted; only while ``ck`` holds the lease."""
+    ck.check_lease(f"remove {path}")
     trash = os.path.join(staging_root, f".trash-{os.path.basename(path)}.{uuid.uuid4().hex[:8]}")
     makedirs_durable(os.path.dirname(trash))
     os.rename(path, trash)
@@ -36,20 +42,24 @@ def remove_visible(base: str, path: str, staging_root: str) -> None:
     shutil.rmtree(trash, ignore_errors=True)
 
 
-def publish(base: str, staging: str, name: str, staging_root: str) -> str:
+def publish(ck: Checkpointer, base: str, staging: str, name: str, staging_root: str) -> str:
     """Rename committed ``staging`` to ``base/name`` (replacing a directory of that name: one left by a
-    save that never committed, or an older version of the step)."""
+    save that never committed, or an older version of the step); only while ``ck`` holds the lease."""
     final = os.path.join(base, name)
     makedirs_durable(base)
     if os.path.lexists(final):
-        remove_visible(base, final, staging_root)
+        remove_visible(ck, base, final, staging_root)
+    ck.check_lease(f"publish {final}")
     os.rename(staging, final)
     fsync_dir(base)
     return final
 
 
-def clear_staging(staging_root: str) -> None:
-    """Remove every staging leftover (the caller holds the root's lease: no other save is in flight)."""
+def clear_staging(ck: Checkpointer, staging_root: str) -> None:
+    """Remove every staging leftover: only while ``ck`` holds the root's lease (then no other save is
+    in flight; a job that lost it would remove the new holder's save in progress)."""
+    if os.path.isdir(staging_root) and os.listdir(staging_root):
+        ck.check_lease(f"clear {staging_root}")
     for entry in os.listdir(staging_root) if os.path.isdir(staging_root) else ():
         shutil.rmtree(os.path.join(staging_root, entry), ignore_errors=True)
 
@@ -73,7 +83,7 @@ def rotate(ck: Checkpointer, limit: int | None, protected: set[int], base: str, 
             continue
         visible = os.path.join(base, name_of.get(s, ""))
         if s in name_of and os.path.lexists(visible):
-            remove_visible(base, visible, staging_root)
+            remove_visible(ck, base, visible, staging_root)
         ck.delete(s)
         deleted.append(s)
         excess -= 1

@@ -144,11 +144,11 @@ def save_state(accelerator: Accelerator, output_dir: str | os.PathLike[str] | No
                 overwrite=s in ck.steps(),
                 metadata={FRAMEWORK_KEY: "accelerate", "folder": name})  # the step is Accelerate's iteration
         if publish:
-            _dirs.publish(base, staging, name, staging_root)
+            _dirs.publish(ck, base, staging, name, staging_root)
         if automatic:  # Accelerate's total_limit, after the commit
             _dirs.rotate(ck, pc.total_limit, set(), base, {x: f"checkpoint_{x}" for x in ck.steps()},
                          staging_root)
-        _dirs.clear_staging(staging_root)
+        _dirs.clear_staging(ck, staging_root)
 
     one_rank_acts(f"save {name} to {checkpoint_root(home)}", commit, where=checkpoint_root(home))
     return os.path.join(base, name)

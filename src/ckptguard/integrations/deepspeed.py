@@ -202,7 +202,8 @@ class CkptguardCheckpointEngine(CheckpointEngine):  # type: ignore[misc]
         if not any(files for _, _, files in os.walk(staging)):
             # Nothing of the tag was written (save_16bit_model: its export lies beside the tags), so there is
             # no checkpoint to commit: committing it would replace a real tag of the same step by an empty one.
-            _dirs.clear_staging(staging_root)
+            # Only this save's own (empty) attempt goes: the rest of staging is cleared under the lease.
+            shutil.rmtree(os.path.dirname(staging), ignore_errors=True)
             return
         ck = self._writer(save_dir)
         m = _NUMBER_AT_END.search(tag)
@@ -218,12 +219,14 @@ class CkptguardCheckpointEngine(CheckpointEngine):  # type: ignore[misc]
         attempt = os.path.dirname(staging)  # DeepSpeed's save_dir: its zero_to_fp32.py & co. belong in save_dir
         for name in os.listdir(attempt):
             if name != tag and os.path.isfile(os.path.join(attempt, name)):
+                ck.check_lease(f"replace {os.path.join(save_dir, name)}")
                 os.replace(os.path.join(attempt, name), os.path.join(save_dir, name))
         if self.publish:
-            _dirs.publish(save_dir, staging, tag, staging_root)
+            _dirs.publish(ck, save_dir, staging, tag, staging_root)
         if self.want_latest:
+            ck.check_lease(f"move {os.path.join(save_dir, 'latest')}")
             replace_file(os.path.join(save_dir, "latest"), tag.encode())
-        _dirs.clear_staging(staging_root)
+        _dirs.clear_staging(ck, staging_root)
 
     def cleanup(self) -> None:
         writers, self._writers = self._writers, {}

@@ -154,9 +154,9 @@ class CkptguardTrainer(Trainer):
             log.warning("ckptguard: %s was written by plain Trainer, not ckptguard: kept as it is; step %d is "
                         "committed in %s but not published over it", visible, step, self.ckptguard_root(run_dir))
         elif self.ckptguard_publish:
-            _dirs.publish(run_dir, staging, folder, os.path.join(run_dir, STAGING_NAME))
+            _dirs.publish(ck, run_dir, staging, folder, os.path.join(run_dir, STAGING_NAME))
         self._rotate_committed(run_dir)
-        _dirs.clear_staging(os.path.join(run_dir, STAGING_NAME))
+        _dirs.clear_staging(ck, os.path.join(run_dir, STAGING_NAME))
 
     def _rotate_committed(self, run_dir: str) -> None:
         ck = self._writer(run_dir)

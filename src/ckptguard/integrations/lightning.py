@@ -139,22 +139,25 @@ def pointed(path: str, pointer: Mapping[str, Any]) -> tuple[str, str, int]:
     return os.path.normpath(os.path.join(os.path.dirname(path), root)), tag, step
 
 
-def commit(ck: Checkpointer, path: str, state: Mapping[str, Any], *, publish: bool,
+def commit(ck: Checkpointer, path: str, state: Mapping[str, Any], *, collective: bool = False,
            layout: str | None = None) -> int:
-    """Save ``state`` as the next step of ``ck``, tag it with the file name, then (``publish``: the
-    process that writes) point ``path`` at it; the step the tag named before is deleted last.
-    Collective exactly when ``ck`` is. Returns the step."""
+    """Save ``state`` as the next step of ``ck``, tag it with the file name, then point ``path`` at it
+    (``collective``: rank 0 does, and every rank learns its failure); the step the tag named before is
+    deleted last. Collective exactly when ``ck`` is. Returns the step."""
     name = os.path.basename(path)
     tag = _tag_for(name)
     step = max(ck.steps(), default=-1) + 1
     ck.save(step, state, metadata=framework_metadata(name, state))
     before = ck.tag(tag, step)
-    if publish:
-        pointer = Pointer(format=POINTER_FORMAT, root=os.path.relpath(ck.root, os.path.dirname(path)), tag=tag,
-                          step=step, name=name, layout=layout)
-        # The commit point Lightning sees: the pointer appears or changes atomically, once the
-        # checkpoint is committed.
-        _publish(path, msgspec.json.encode(pointer) + b"\n")
+    pointer = Pointer(format=POINTER_FORMAT, root=os.path.relpath(ck.root, os.path.dirname(path)), tag=tag,
+                      step=step, name=name, layout=layout)
+    # The commit point Lightning sees: the pointer appears or changes atomically, once the
+    # checkpoint is committed.
+    data = msgspec.json.encode(pointer) + b"\n"
+    if collective:
+        one_rank_acts(f"publish the checkpoint pointer {path}", lambda: _publish(ck, path, data), where=path)
+    else:
+        _publish(ck, path, data)
     if before is not None and before != step:
         _drop_if_untagged(ck, before)
     return step
@@ -173,7 +176,10 @@ def framework_metadata(name: str, state: Mapping[str, Any]) -> dict[str, Any]:
     return meta
 
 
-def _publish(path: str, data: bytes) -> None:
+def _publish(ck: Checkpointer, path: str, data: bytes) -> None:
+    # Replacing what a reader sees at ``path``: only while this job holds the root (a job that lost it
+    # would overwrite the new holder's pointer).
+    ck.check_lease(f"replace the checkpoint pointer {path}")
     if os.path.isdir(path) and not os.path.islink(path):
         # A sharded checkpoint Lightning wrote itself under this name (a run that switched to ckptguard):
         # out of the way by one rename, so that the path never names a half-deleted directory. A crash
@@ -185,6 +191,13 @@ def _publish(path: str, data: bytes) -> None:
         shutil.rmtree(aside, ignore_errors=True)
         return
     replace_file(path, data)
+
+
+def _unlink_pointer(ck: Checkpointer, path: str) -> None:
+    """Remove the pointer at ``path``, only while ``ck`` holds the root's lease: a job that lost the root
+    to another job must not delete a checkpoint the new holder published under that name."""
+    ck.check_lease(f"remove the checkpoint pointer {path}")
+    os.unlink(path)
 
 
 def forget(ck: Checkpointer, pointer: Mapping[str, Any]) -> None:
@@ -228,7 +241,7 @@ class CkptguardCheckpointIO(CheckpointIO):
             raise TypeError(f"{type(self).__name__} does not take storage_options")
         path = os.path.abspath(os.fspath(path))
         with self._lock:
-            commit(self._writer(root_for(path, self.root_name)), path, checkpoint, publish=True)
+            commit(self._writer(root_for(path, self.root_name)), path, checkpoint)
 
     def load_checkpoint(self, path: Any, map_location: Any | None = None,
                         weights_only: bool | None = None) -> dict[str, Any]:
@@ -270,8 +283,9 @@ class CkptguardCheckpointIO(CheckpointIO):
                 os.unlink(path)
             return
         with self._lock:
-            os.unlink(path)  # gone for Lightning first; the data follows
-            forget(self._writer(pointed(path, pointer)[0]), pointer)
+            ck = self._writer(pointed(path, pointer)[0])
+            _unlink_pointer(ck, path)  # gone for Lightning first; the data follows
+            forget(ck, pointer)
 
     def teardown(self) -> None:
         with self._lock:
@@ -340,7 +354,7 @@ class CkptguardModelParallelStrategy(ModelParallelStrategy):
         for i, optim_state in enumerate(checkpoint.get("optimizer_states", [])):
             state[f"optimizer_{i}"] = optim_state
         ck = self._writer(root_for(path, self.root_name))
-        commit(ck, path, state, publish=self.is_global_zero, layout=SHARDED)
+        commit(ck, path, state, collective=True, layout=SHARDED)
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         path, pointer = self._rank0_view(checkpoint_path)
@@ -374,9 +388,10 @@ class CkptguardModelParallelStrategy(ModelParallelStrategy):
         if pointer is None:
             super().remove_checkpoint(path)
             return
-        if self.is_global_zero:
-            os.unlink(path)  # gone for Lightning first; the data follows
-        forget(self._writer(pointed(path, pointer)[0]), pointer)
+        ck = self._writer(pointed(path, pointer)[0])
+        # Gone for Lightning first (rank 0, under the lease; every rank learns its failure); the data follows.
+        one_rank_acts(f"remove the checkpoint pointer {path}", lambda: _unlink_pointer(ck, path), where=path)
+        forget(ck, pointer)
 
     def teardown(self) -> None:
         try:

@@ -32,9 +32,9 @@ from __future__ import annotations
 import logging
 import os
 import time
-from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Literal, cast
 
+from ckptguard._pool import ExitSafePool
 from ckptguard.errors import (
     CheckpointError,
     CommitOutcomeUnknownError,
@@ -293,7 +293,7 @@ class ObjectStoreRoot:
         """Each file's size by a HEAD (consistent; a listing may be stale), in parallel."""
         if not files:
             return []
-        with ThreadPoolExecutor(min(_HEAD_THREADS, len(files)), thread_name_prefix="ckptguard-head") as pool:
+        with ExitSafePool(min(_HEAD_THREADS, len(files)), thread_name_prefix="ckptguard-head") as pool:
             sizes = list(pool.map(lambda f: self.storage.size(os.path.join(base, f.path)), files))
         return list(zip(files, sizes, strict=True))
 

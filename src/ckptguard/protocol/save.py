@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ckptguard._faults import FaultPhase, fault_point
-from ckptguard.comm import agreed_failures
+from ckptguard.comm import agreed_failures, with_suffix
 from ckptguard.dcp.drive import plan_collectively
 from ckptguard.dcp.planners import (
     DomainSavePlanner,
@@ -81,6 +81,18 @@ class SavePlan:
         if self.previous is None:
             return " Nothing was committed."
         return f" Nothing was committed; the previous checkpoint, step {self.previous}, is intact."
+
+    def kept_after_failure(self, url: str) -> str:
+        """What is true when this leader published the step and could not take it back."""
+        return (f" Step {self.step} was published in {url} and could not be taken back: it may be committed; "
+                f"`ckptguard ls {url}` lists it if it is, `ckptguard verify {url}` checks it.")
+
+    def fenced_during_commit(self, url: str) -> str:
+        """What is true of the step when this job lost the root during its commit: a leader may have
+        published it first (then it is committed, and that leader's message says so)."""
+        return (f" This job lost the root while committing step {self.step}: unless a storage domain's leader "
+                f"says above that it had published it (then it is committed), nothing was committed; "
+                f"`ckptguard ls {url}` lists the step if it is.")
 
 
 @dataclass(frozen=True)
@@ -251,7 +263,10 @@ def _commit(session: Session, plan: SavePlan, writer: GuardedWriter[StoredArtifa
         # A stall between that check and the rename (a frozen VM; on NFS, a handle to the staging
         # directory the new holder moved away still works) published into a root another job owns
         # by now: look again, and take it back (rolled back below, as when another domain fails).
-        session.lease.check(acting="keep what it published", renew=False)
+        try:
+            session.lease.check(acting="keep what it published", renew=False)
+        except LeaseLostError as e:
+            raise _fenced_after_publish(session, plan, e) from e
         fault_point(FaultPhase.AFTER_PUBLISH, comm.rank)
         mine_after = session.root.listing()
         return mine_after
@@ -262,14 +277,22 @@ def _commit(session: Session, plan: SavePlan, writer: GuardedWriter[StoredArtifa
         return [s for s in doomed if s not in keep], agreed
 
     try:
-        doomed, agreed = comm.step(f"commit step {plan.step}", publish, after_publish, suffix=plan.intact,
-                                   where=session.url, on_error=session.fenced)
+        # No suffix here: whether "nothing was committed" is true depends on the failure (below).
+        # (session.fenced says "nothing was committed": only true before this leader's commit point.)
+        doomed, agreed = comm.step(f"commit step {plan.step}", publish, after_publish, where=session.url,
+                                   on_error=lambda err: err if published else session.fenced(err))
     except BaseException as e:
+        kept = published  # this leader's publish stands unless it is taken back here
         if published and agreed_failures(e):  # another domain failed: not committed anywhere, roll back
             try:  # under the fence, like every removal: a job that lost the root takes nothing back
                 session.root.invalidate(session.root.dir(plan.name))
+                kept = False
             except (OSError, CheckpointError) as rollback:
                 log.warning("ckptguard: could not roll back %s: %s", session.root.dir(plan.name), rollback)
+        if kept and not isinstance(e, LeaseLostError):
+            _tell(e, plan.kept_after_failure(session.url))
+        elif not kept:  # (a leader that published and lost the root said what became of it in its message)
+            _tell(e, plan.fenced_during_commit(session.url) if isinstance(e, LeaseLostError) else plan.intact)
         raise
     lost: LeaseLostError | None = None
     retired: list[str] = []
@@ -298,6 +321,34 @@ def _refuse_divergence(session: Session, plan: SavePlan, digests: dict[str, str]
             raise ReplicatedValueError(message + plan.intact)
 
     comm.step(f"compare its plain values of step {plan.step}", mine, refuse)
+
+
+def _fenced_after_publish(session: Session, plan: SavePlan, err: LeaseLostError) -> LeaseLostError:
+    """The takeover learned of after this leader's commit point. The job that took the root over
+    decides what becomes of the step (it keeps one it finds published): look, and say which."""
+    try:
+        listed: bool | None = plan.name.version in session.root.listing().get(plan.step, {})
+    except (OSError, CheckpointError):
+        listed = None
+    published = f"Step {plan.step} was published before this job learned that"
+    if listed:
+        outcome = (f"{published}, and it is listed in {session.url}: it is committed (the job that holds the root "
+                   "now keeps it, until its own retention or delete)")
+    elif listed is None:
+        outcome = (f"{published}; whether it is still listed could not be read: `ckptguard ls {session.url}` "
+                   f"lists it if it is committed, `ckptguard verify {session.url}` checks it")
+    else:
+        outcome = (f"{published}, but it is no longer listed in {session.url} (the job that holds the root now "
+                   "took it out): nothing of this save is committed")
+    return LeaseLostError(f"{err} {outcome}.", path=err.path)
+
+
+def _tell(err: BaseException, text: str) -> None:
+    """Append what became of the save to the error a commit raised (a note on a foreign exception)."""
+    if isinstance(err, CheckpointError):
+        err.args = (with_suffix(str(err), text), *err.args[1:])
+    elif isinstance(err, Exception):
+        err.add_note(text.strip())
 
 
 def _raise(err: BaseException | None) -> None:

@@ -11,9 +11,10 @@ import posixpath
 import threading
 import time
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Executor
 from typing import TYPE_CHECKING, Any
 
+from ckptguard._pool import ExitSafePool
 from ckptguard.errors import (
     BucketNotFoundError,
     CorruptCheckpointError,
@@ -64,7 +65,7 @@ class S3Storage:
         self._client: S3Client | None = None
         self._control: S3Client | None = None
         self._ready = False
-        self._pool: ThreadPoolExecutor | None = None
+        self._pool: ExitSafePool | None = None
         self._pool_lock = threading.Lock()
         self._slots = threading.BoundedSemaphore(self.options.max_concurrency + 2)
 
@@ -86,10 +87,10 @@ class S3Storage:
     def endpoint(self) -> str:
         return str(self.client.meta.endpoint_url)
 
-    def pool(self) -> ThreadPoolExecutor:
+    def pool(self) -> Executor:
         with self._pool_lock:
             if self._pool is None:
-                self._pool = ThreadPoolExecutor(self.options.max_concurrency, thread_name_prefix="ckptguard-s3")
+                self._pool = ExitSafePool(self.options.max_concurrency, thread_name_prefix="ckptguard-s3")
             return self._pool
 
     def key(self, path: str) -> str:
