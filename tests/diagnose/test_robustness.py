@@ -155,7 +155,7 @@ def test_diagnose_does_not_import_torch() -> None:
     subprocess.run([sys.executable, "-c", code, str(SEED)], check=True)
 
 
-# ---- issue 11: bad input always gets an answer or a clear message --------------------------
+# ---- bad input always gets an answer or a clear message --------------------------
 
 def _bad_inputs(tmp_path: Path) -> dict[str, Path]:
     """Empty, binary, a 50 MB line, mixed encodings, UTF-16, a damaged .gz, NULs and CRs."""
