@@ -49,7 +49,9 @@ _TREES_RE = re.compile(r"Trees \[\d+\] [-\d/]+->(\d+)->")
 _FRAME_RE = re.compile(r'^\s*File "(?P<file>[^"]+)", line (?P<line>\d+)(?:,? in (?P<func>\S+))?')
 _EXC_RE = re.compile(
     r"^ ?(?P<type>(?:[A-Za-z_][\w]*\.)*(?:[A-Z]\w*(?:Error|Exception|Interrupt|Exit|Failure)"
-    r"|Exception|StopIteration|KeyboardInterrupt|SystemExit))"
+    r"|Exception|StopIteration|KeyboardInterrupt|SystemExit"
+    # standard-library exceptions not named *Error: zipfile's, and modules' lower-case `error`
+    r"|Bad(?:Zip|Gzip)File|(?:[a-z_]\w*\.)+(?:error|timeout|gaierror)))"
     r"(?::[ ]?(?P<msg>.*))?$"
 )
 _EMBEDDED_EXC_RE = re.compile(r"\b(?P<type>(?:[A-Za-z_]\w*\.)*[A-Z]\w*(?:Error|Exception)): (?P<msg>\S.*)$")
