@@ -22,6 +22,7 @@ from ckptguard.diagnose.mask import Masker
 from ckptguard.diagnose.model import (
     SCHEMA_VERSION,
     Diagnosis,
+    Event,
     EvidenceLine,
     Hypothesis,
     OrderingBasis,
@@ -92,6 +93,8 @@ def attribute(ex: Extractor, kb: KnowledgeBase) -> Diagnosis:
     if not diag.found:
         diag.notes.append("No failure signature, traceback or abnormal exit was found in the input.")
         return diag
+    if not att.events:
+        return _warnings_only(diag, att, kb, names)
     choose(att, kb)
     if att.init is None and att.hints and not any(v.collateral for v in att.views.values()):
         att.init = max(att.hints, key=lambda h: (h.weight, -h.seq))
@@ -99,6 +102,30 @@ def attribute(ex: Extractor, kb: KnowledgeBase) -> Diagnosis:
         att.basis = OrderingBasis.UNATTRIBUTED
     diag = _collateral_only(diag, att, ex, kb, names) if att.init is None else _answer(diag, att, ex, kb, names)
     _as_families(diag, kb)
+    return diag
+
+
+def _warnings_only(diag: Diagnosis, att: Attribution, kb: KnowledgeBase,
+                   names: list[str]) -> Diagnosis:
+    """Warnings and retried errors are not failures on their own: a log with nothing else (a
+    finished run with loud warnings, an NCCL transport it worked around) has no failure. What
+    they name is listed, for a log that was cut before the failure they may have led to."""
+    diag.found = False
+    best: dict[str, Event] = {}
+    for h in att.hints:
+        fam = kb.family(h.class_id)
+        if fam not in best or h.weight > best[fam].weight:
+            best[fam] = h
+    diag.alternatives = [
+        Hypothesis(fam, kb[h.class_id].title, round(h.weight * kb.rules.confidence["hint_factor"], 2),
+                   [h.rank] if h.rank is not None else [], [advice.evline(ev, names, "context", h.rank)
+                                                            for ev in h.evidence[:2]],
+                   "only a warning or a retried error names it; nothing in the log failed",
+                   kind=h.class_id)
+        for fam, h in sorted(best.items(), key=lambda kv: -kv[1].weight)]
+    diag.notes.append("The log holds only warnings or retried errors ("
+                      + ", ".join(sorted(best)) + "), which the run went on after; if the log "
+                      "was cut before the job failed, they name what to check first.")
     return diag
 
 

@@ -122,6 +122,9 @@ class Extractor(LauncherLines):
         self.counts: dict[tuple[int | None, str], int] = {}
         self.pid_rank: dict[int, tuple[int, int]] = {}  # pid -> (rank, priority)
         self.pid_host: dict[int, str] = {}
+        # NCCL WARN lines of a process whose communicator is not (yet) initialised, by (host, pid)
+        self._nccl_init_warns: dict[tuple[str, int], list[Event]] = {}
+        self._nccl_up: set[tuple[str, int]] = set()  # processes that logged Init COMPLETE
         self.rank_host: dict[int, str] = {}
         self.ranks_seen: set[int] = set()
         self.world_size = 0
@@ -362,6 +365,12 @@ class Extractor(LauncherLines):
         if rank is not None and via == RankSource.PREFIX:
             self._map_pid(pid, rank, 10)
         cm = _COMM_RE.search(msg)
+        if cm and "Init COMPLETE" in msg:
+            # the process set its communicator up after all: what it warned about while doing so
+            # (an HCA it could not open, a plugin it did not find) was worked around
+            for e in self._nccl_init_warns.pop((host, pid), []):
+                e.kind = EventKind.HINT
+            self._nccl_up.add((host, pid))
         if cm:
             nranks = int(cm.group(2))
             self.world_size = max(self.world_size, nranks)
@@ -385,8 +394,10 @@ class Extractor(LauncherLines):
         if m.group("lvl") in ("WARN", "ERROR") or _NCCL_TRACE_RE.search(msg):
             matches = self.kb.match(m.group(0), exception=False)
             if matches:
-                self._emit(EventKind.LINE, matches, [ev], rank, via, pid=pid, host=host, ts=ts,
-                           message=msg)
+                event = self._emit(EventKind.LINE, matches, [ev], rank, via, pid=pid, host=host,
+                                   ts=ts, message=msg)
+                if event is not None and m.group("lvl") == "WARN" and (host, pid) not in self._nccl_up:
+                    self._nccl_init_warns.setdefault((host, pid), []).append(event)
         return self._pending_force()
 
     def _map_pid(self, pid: int, rank: int, priority: int) -> None:
