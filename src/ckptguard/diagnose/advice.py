@@ -7,7 +7,7 @@ import os
 import re
 
 from ckptguard.diagnose.attribution import Attribution, tier
-from ckptguard.diagnose.events import Extractor
+from ckptguard.diagnose.events import GENERIC_CLASSES, Extractor
 from ckptguard.diagnose.kb import FailureClass, KnowledgeBase, Unproven
 from ckptguard.diagnose.model import (
     Diagnosis,
@@ -57,6 +57,13 @@ def advise(diag: Diagnosis, fc: FailureClass, init: Event | None) -> None:
         "message": (init.message if init else None) or exc,
     }
     diag.root_cause = fmt(fc.root_cause, values)
+    if init is not None and init.kind == EventKind.EXIT and fc.id in GENERIC_CLASSES:
+        # only the launcher's report of the exit: no exception of the process's own to quote
+        how = init.exc_type if (init.exc_type or "").startswith("exit code") else (
+            "an error that its launcher reported")
+        diag.root_cause = (f"{values['rank_text']} ended with {how}; the log holds none of its own "
+                           "output that says why (its traceback is missing or cut before the "
+                           "exception line).")
     diag.mechanism = fc.mechanism.strip()
     diag.fix = " ".join(fc.fix.split())
     if fc.checkpointer_prevents:
