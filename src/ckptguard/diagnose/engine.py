@@ -15,7 +15,7 @@ from typing import BinaryIO
 
 from ckptguard.diagnose import advice, scoring
 from ckptguard.diagnose.attribution import Attribution, choose, collateral_rank, collect
-from ckptguard.diagnose.events import STRUCTURAL_ANCHORS, Extractor
+from ckptguard.diagnose.events import EMBEDDABLE_ANCHORS, STRUCTURAL_ANCHORS, Extractor
 from ckptguard.diagnose.ingest import GrepHits, Prefilter, UsageError, discover, scan, sniff_binary
 from ckptguard.diagnose.kb import FailureClass, KnowledgeBase, Unproven, load_kb
 from ckptguard.diagnose.mask import Masker
@@ -48,7 +48,7 @@ def diagnose(paths: Iterable[str], *, mask_hosts: bool = False, kb: KnowledgeBas
                          "text log" + (f" (and {len(binary) - 1} more)" if len(binary) > 1 else "")
                          + ": pass the job's console output or per-rank log files")
     sources = [src for src in sources if src.name not in binary]
-    prefilter = Prefilter(STRUCTURAL_ANCHORS, kb.anchors())
+    prefilter = Prefilter(STRUCTURAL_ANCHORS, kb.anchors(), embeddable=EMBEDDABLE_ANCHORS)
     ex = Extractor(kb, masker)
     t0 = time.perf_counter()
     nbytes = nlines = 0

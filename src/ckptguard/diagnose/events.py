@@ -27,6 +27,9 @@ STRUCTURAL_ANCHORS = (
     "NaN", "Killed", "nan", "nranks", "oss is", "[send]", "[receive]", "Errno", "[...]",
     'File "',
 )
+# Anchors that are fragments of common words: inside a snake_case name (`top1_error`,
+# `num_exceptions`, `early_exit`, `saving_steps`, `loss_nan`) they say nothing about a failure.
+EMBEDDABLE_ANCHORS = ("rror", "xception", "xit", "atchdog", "aving", "nan")
 GENERIC_CLASSES = frozenset({"python_exception", "unclassified_error"})
 _RAISE_NEW = re.compile(r"raise\s+([\w.]+)\(")
 EVIDENCE_CHARS = 400
