@@ -188,7 +188,7 @@ def _answer(diag: Diagnosis, att: Attribution, ex: Extractor, kb: KnowledgeBase,
             if e.class_id not in seen_cls:
                 seen_cls.add(e.class_id)
                 diag.evidence.append(advice.evline(e.evidence[0], names, "collateral", r))
-    advice.advise(diag, fc, init)
+    advice.advise(diag, fc, init, ex.announced_path)
     if unproven is not None:
         advice.unproven(diag, fc, unproven, init)
     advice.alternatives(diag, att, kb, ex, names, v.class_id)
@@ -238,7 +238,7 @@ def _collateral_only(diag: Diagnosis, att: Attribution, ex: Extractor, kb: Knowl
         for e in att.views[r].collateral[:1]:
             diag.evidence.append(advice.evline(e.evidence[0], names, "collateral", r))
     first = next((e for view in att.views.values() for e in view.collateral if e.class_id == seen), None)
-    advice.advise(diag, fc, first)
+    advice.advise(diag, fc, first, ex.announced_path)
     if cls != seen:
         diag.alternatives.append(Hypothesis(
             seen, kb[seen].title, round(diag.confidence * 0.8, 2), [],

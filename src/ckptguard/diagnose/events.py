@@ -134,6 +134,7 @@ class Extractor(LauncherLines):
         self.launcher: list[LauncherFailure] = []
         self.sigterm: list[tuple[int, Evidence]] = []
         self.saves: dict[str, dict[int, Evidence]] = {}
+        self.announced_path: str | None = None  # the last checkpoint path a line announced work on
         # an announcement printed again at once with no rank prefix: one per process of the job
         self.repeated_saves: dict[str, list[Evidence]] = {}
         self._last_save: tuple[tuple[int, str], int, Evidence] | None = None
@@ -312,6 +313,8 @@ class Extractor(LauncherLines):
         race = self.rules.race
         if len(self.saves) < 10_000 and (rank is not None or any(a in rest for a in race.anchors)):
             sm = race.announce.search(rest)
+            if sm:
+                self.announced_path = sm.group("path")
             if sm and rank is not None:
                 self.saves.setdefault(sm.group("path"), {}).setdefault(rank, ev)
             elif sm and len(self.repeated_saves) < 10_000:
