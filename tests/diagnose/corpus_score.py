@@ -109,7 +109,8 @@ def per_class(results: list[Scored]) -> list[tuple[str, int, int, int, int]]:
     """Per labelled class: (class, logs, class right, rank labelled, rank right)."""
     rows: dict[str, list[int]] = {}
     for r in results:
-        row = rows.setdefault(r.label.failure_class, [0, 0, 0, 0])
+        # a negative log (no failure in it) is labelled with no class
+        row = rows.setdefault(r.label.failure_class or "(no failure)", [0, 0, 0, 0])
         row[0] += 1
         row[1] += r.class_ok
         if r.rank_ok is not None:

@@ -64,7 +64,9 @@ NEGATIVES = Path(__file__).parent / "negatives"
 
 
 @pytest.mark.parametrize("path", [NEGATIVES / "finished_demo_run", NEGATIVES / "nginx_access.log",
-                                  Path(__file__).parent / "variants" / "clean_hf_trainer.log"],
+                                  Path(__file__).parent / "variants" / "clean_hf_trainer.log",
+                                  Path(__file__).parent / "variants" / "clean_warnings_retries.log",
+                                  Path(__file__).parent / "variants" / "clean_nccl_init_warn_recovered.log"],
                          ids=lambda p: p.name)
 def test_no_failure_in_a_clean_finished_or_foreign_log(runner: CliRunner, path: Path) -> None:
     code, d = cli_json(runner, str(path))

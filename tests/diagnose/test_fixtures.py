@@ -28,13 +28,13 @@ CASES: dict[str, tuple[str, int | None, list[int], list[int]]] = {
     "gloo_timeout.log": ("nccl_watchdog_timeout", 3, [0, 1, 2], []),
     "gloo_bad_ifname.log": ("nccl_network_error", 2, [], [0, 1, 3]),
     "dataloader_killed.log": ("dataloader_worker_killed", 2, [0, 1, 3], []),
-    # /dev/shm exhaustion is its own class (issue 11), whoever uses the segment
+    # /dev/shm exhaustion is its own class, whoever uses the segment
     "dataloader_shm_full.log": ("shm_exhausted", 1, [0, 2, 3], []),
     "loss_nan.log": ("loss_nan_divergence", 1, [0, 2, 3], []),
     # the users' class (family) is the generic exception; the KB's finer class stays the kind
     "import_error.log": ("python_exception", 3, [], [0, 1, 2]),
     "cuda_unavailable.log": ("python_exception", 0, [], [1, 2, 3]),
-    # issue 11 (tests/diagnose/make_fixtures_issue11.py)
+    # small inline jobs (tests/diagnose/make_small_job_fixtures.py)
     "empty_ckpt_load.log": ("checkpoint_corrupt_load", 0, [], [1]),
     "state_dict_size_mismatch.log": ("state_dict_mismatch", 0, [], [1]),
     "rename_not_empty.log": ("checkpoint_write_race", 1, [0], []),

@@ -4,7 +4,7 @@ A rule (class signature, context, anchor, launcher format, rank hint, operation,
 fails this test when it contains a filesystem path, a user name or project name taken from a
 corpus log, or a one-off identifier (a pid, a job or commit id, a hex address) that occurs in a
 corpus log. Frameworks whose own wording the KB knows (torch, Lightning, DeepSpeed, ...) are not
-"project names". Every operation also needs a reworded variant: test_variants_issue11.py.
+"project names". Every operation also needs a reworded variant: test_variant_logs.py.
 """
 
 from __future__ import annotations

@@ -155,7 +155,7 @@ def test_diagnose_does_not_import_torch() -> None:
     subprocess.run([sys.executable, "-c", code, str(SEED)], check=True)
 
 
-# ---- issue 11: bad input always gets an answer or a clear message --------------------------
+# ---- bad input always gets an answer or a clear message --------------------------
 
 def _bad_inputs(tmp_path: Path) -> dict[str, Path]:
     """Empty, binary, a 50 MB line, mixed encodings, UTF-16, a damaged .gz, NULs and CRs."""
@@ -240,6 +240,9 @@ def test_grep_prefilter_feeds_the_same_lines(tmp_path: Path) -> None:
     with big.open("wb") as f:
         for i in range(120_000):
             f.write(b"[rank%d]: step %d loss 1.0 tok/s 1000\n" % (i % 8, i))
+            if i % 7 == 0:  # a word fragment of an anchor inside a metric's name, and a real word
+                f.write(b"[rank2]: step %d top1_error=0.2 starting eval\n" % i if i % 2 else
+                        b"[rank2]: std::runtime_error after step %d\n" % i)
             if i % 9973 == 0:
                 f.write(b"[rank3]: RuntimeError: boom\nTraceback (most recent call last):\n  File \"x.py\"\n")
             if i % 31337 == 0:
@@ -249,3 +252,18 @@ def test_grep_prefilter_feeds_the_same_lines(tmp_path: Path) -> None:
     files = [big, *sorted(p for p in FIXTURES.rglob("*.log"))[:8]]
     for p in files:
         assert _fed(p, True) == _fed(p, False), p
+
+
+def test_a_metric_named_like_an_anchor_does_not_make_every_line_parsed(tmp_path: Path) -> None:
+    """A logger that prints `top1_error=` or `train/error_rate` on every step: the word inside
+    a snake_case name is not a failure's word, so those lines are not examined (they were all
+    parsed, at a fraction of a MB/s); a C++ `std::system_error` still is."""
+    log = tmp_path / "metrics.log"
+    with log.open("w") as f:
+        for i in range(20_000):
+            f.write(f"2024-05-01 10:00:00,001 INFO step={i} top1_error=0.21 train/error_rate=0.2 "
+                    f"num_exceptions=0 early_exit=False saving_steps=500 loss_nan=0\n")
+        f.write("terminate called after throwing an instance of 'std::system_error'\n")
+    d = diagnose([str(log)])
+    assert d.failure_class == "unclassified_error"
+    assert d.stats["lines_examined"] < 10, d.stats

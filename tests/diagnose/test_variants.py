@@ -163,3 +163,48 @@ def test_only_timeouts_without_a_silent_rank_says_unknown(tmp_path: Path) -> Non
     assert "not shown" in d.rank_attribution
     assert d.collateral_ranks == [0, 1, 2, 3]
     assert d.confidence < 0.5
+
+
+@pytest.mark.parametrize("text", [
+    "[2024-05-01 10:00:02,001] torch.distributed.elastic.multiprocessing.api: [ERROR] failed "
+    "(exitcode: 1) local_rank: 2 (pid: 4711) of binary: /usr/bin/python3\n",
+    "Traceback (most recent call last):\n"
+    '  File "/opt/venv/lib/python3.10/site-packages/torch/multiprocessing/spawn.py", line 158, in join\n'
+    "    raise ProcessRaisedException(msg, error_index, failed_process.pid)\n"
+    "torch.multiprocessing.spawn.ProcessRaisedException: \n\n"
+    "-- Process 2 terminated with the following error:\n"
+    "Traceback (most recent call last):\n",
+], ids=["torchrun_exit_code", "spawn_cut_after_header"])
+def test_an_exit_without_the_process_own_exception_is_not_quoted_as_one(tmp_path: Path, text: str) -> None:
+    """Only the launcher's report of an exit: the root cause says what the log does not show
+    instead of quoting the launcher's words as the process's exception."""
+    d = run(tmp_path, text)
+    assert (d.failure_class, d.initiating_rank) == ("python_exception", 2)
+    assert "raised" not in d.root_cause and "none of its own output" in d.root_cause, d.root_cause
+
+
+def test_verify_command_names_the_announced_checkpoint(tmp_path: Path) -> None:
+    """The failing line names no path, an earlier line announced the save: the command to check
+    the fix is filled with that checkpoint's directory rather than a placeholder."""
+    d = run(tmp_path,
+            "2024-02-01 10:00:00 INFO Saving checkpoint to /mnt/runs/exp7/checkpoint-3000\n"
+            "Traceback (most recent call last):\n"
+            '  File "/opt/app/train.py", line 40, in save\n'
+            "    torch.save(state, path)\n"
+            "OSError: [Errno 28] No space left on device\n")
+    assert d.failure_class == "disk_full_enospc"
+    assert "/mnt/runs/exp7/checkpoint-3000" in d.verify_command, d.verify_command
+
+
+def test_a_word_of_the_sentence_is_not_the_announced_path(tmp_path: Path) -> None:
+    """`Saving checkpoint to PATH` by two ranks, each its own path: not one path written by two
+    ranks (the announcement's `to` was read as the path), so the disk-full error stays itself."""
+    d = run(tmp_path,
+            "[rank0]: Saving checkpoint to /scratch/node0/ckpt/step_100.pt\n"
+            "[rank1]: Saving checkpoint to /scratch/node1/ckpt/step_100.pt\n"
+            "[rank1]: Traceback (most recent call last):\n"
+            '[rank1]:   File "/opt/app/train.py", line 88, in save\n'
+            "[rank1]:     torch.save(state, path)\n"
+            "[rank1]: OSError: [Errno 28] No space left on device\n")
+    assert (d.failure_class, d.initiating_rank) == ("disk_full_enospc", 1), d.rank_attribution
+    assert "/scratch/node1/ckpt" in d.verify_command, d.verify_command

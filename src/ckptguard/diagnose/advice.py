@@ -7,7 +7,7 @@ import os
 import re
 
 from ckptguard.diagnose.attribution import Attribution, tier
-from ckptguard.diagnose.events import Extractor
+from ckptguard.diagnose.events import GENERIC_CLASSES, Extractor
 from ckptguard.diagnose.kb import FailureClass, KnowledgeBase, Unproven
 from ckptguard.diagnose.model import (
     Diagnosis,
@@ -24,6 +24,7 @@ CHECKPOINTER_SNIPPET = (
     "from ckptguard import Checkpointer\n"
     'ck = Checkpointer("/shared/ckpts", keep_last=3)   # then ck.save(step, {"model": model, "optim": optim})'
 )
+_FILE_SUFFIX = re.compile(r"\.(?:pt|pth|bin|ckpt|safetensors|pkl|tar|npz|h5|json)$")
 _QUOTED_PATH = re.compile(r"""['"](/?[^'"\s]+/[^'"\s]*)['"]|(/[\w.\-]+(?:/[\w.\-]+)+)""")
 
 
@@ -41,7 +42,7 @@ def fmt(template: str, values: dict[str, str]) -> str:
     return re.sub(r"\{(\w+)\}", lambda m: values.get(m.group(1), m.group(0)), template)
 
 
-def advise(diag: Diagnosis, fc: FailureClass, init: Event | None) -> None:
+def advise(diag: Diagnosis, fc: FailureClass, init: Event | None, announced: str | None = None) -> None:
     """Root cause, mechanism, fix, prevention, confirmation and the verification command."""
     if init is not None:
         exc = f"{init.exc_type}: {init.message}" if init.exc_type and init.message else (
@@ -57,6 +58,13 @@ def advise(diag: Diagnosis, fc: FailureClass, init: Event | None) -> None:
         "message": (init.message if init else None) or exc,
     }
     diag.root_cause = fmt(fc.root_cause, values)
+    if init is not None and init.kind == EventKind.EXIT and fc.id in GENERIC_CLASSES:
+        # only the launcher's report of the exit: no exception of the process's own to quote
+        how = init.exc_type if (init.exc_type or "").startswith("exit code") else (
+            "an error that its launcher reported")
+        diag.root_cause = (f"{values['rank_text']} ended with {how}; the log holds none of its own "
+                           "output that says why (its traceback is missing or cut before the "
+                           "exception line).")
     diag.mechanism = fc.mechanism.strip()
     diag.fix = " ".join(fc.fix.split())
     if fc.checkpointer_prevents:
@@ -72,6 +80,9 @@ def advise(diag: Diagnosis, fc: FailureClass, init: Event | None) -> None:
     if pm:
         p = pm.group(1) or pm.group(2)
         ckpt_dir = os.path.dirname(p.rstrip("/")) or p
+    elif announced and "/" in announced:
+        # the failure names no path: the checkpoint that a line announced saving or removing
+        ckpt_dir = os.path.dirname(announced) if _FILE_SUFFIX.search(announced) else announced.rstrip("/")
     module = "<module>"
     mm = re.search(r"No module named '([\w.]+)'", text)
     if mm:

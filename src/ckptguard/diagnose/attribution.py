@@ -176,6 +176,13 @@ def _order(firsts: dict[int, Event], launcher: list[LauncherFailure]) -> tuple[l
     if all(e.ts_own and e.ts is not None for _, e in evs):
         evs.sort(key=lambda kv: (kv[1].ts, kv[1].seq))
         return [r for r, _ in evs], OrderingBasis.TIMESTAMPS
+    rc = sorted((lf for lf in launcher if lf.root_cause and lf.rank in firsts), key=lambda x: x.time or 0.0)
+    if rc and rc[0].rank is not None and all(e.kind == EventKind.EXIT for _, e in evs):
+        # only exits that torchrun's summary reports: it lists the other failures before its
+        # Root Cause, so their position says nothing; its first observed failure does
+        first = rc[0].rank
+        rest = sorted((r for r in firsts if r != first), key=lambda r: (firsts[r].ts or 0.0, firsts[r].seq))
+        return [first, *rest], OrderingBasis.ROOT_CAUSE
     if len({e.source for _, e in evs}) == 1:
         evs.sort(key=lambda kv: kv[1].seq)
         return [r for r, _ in evs], OrderingBasis.LOG_ORDER

@@ -15,13 +15,14 @@ from typing import BinaryIO
 
 from ckptguard.diagnose import advice, scoring
 from ckptguard.diagnose.attribution import Attribution, choose, collateral_rank, collect
-from ckptguard.diagnose.events import STRUCTURAL_ANCHORS, Extractor
+from ckptguard.diagnose.events import EMBEDDABLE_ANCHORS, STRUCTURAL_ANCHORS, Extractor
 from ckptguard.diagnose.ingest import GrepHits, Prefilter, UsageError, discover, scan, sniff_binary
 from ckptguard.diagnose.kb import FailureClass, KnowledgeBase, Unproven, load_kb
 from ckptguard.diagnose.mask import Masker
 from ckptguard.diagnose.model import (
     SCHEMA_VERSION,
     Diagnosis,
+    Event,
     EvidenceLine,
     Hypothesis,
     OrderingBasis,
@@ -47,7 +48,7 @@ def diagnose(paths: Iterable[str], *, mask_hosts: bool = False, kb: KnowledgeBas
                          "text log" + (f" (and {len(binary) - 1} more)" if len(binary) > 1 else "")
                          + ": pass the job's console output or per-rank log files")
     sources = [src for src in sources if src.name not in binary]
-    prefilter = Prefilter(STRUCTURAL_ANCHORS, kb.anchors())
+    prefilter = Prefilter(STRUCTURAL_ANCHORS, kb.anchors(), embeddable=EMBEDDABLE_ANCHORS)
     ex = Extractor(kb, masker)
     t0 = time.perf_counter()
     nbytes = nlines = 0
@@ -92,6 +93,8 @@ def attribute(ex: Extractor, kb: KnowledgeBase) -> Diagnosis:
     if not diag.found:
         diag.notes.append("No failure signature, traceback or abnormal exit was found in the input.")
         return diag
+    if not att.events:
+        return _warnings_only(diag, att, kb, names)
     choose(att, kb)
     if att.init is None and att.hints and not any(v.collateral for v in att.views.values()):
         att.init = max(att.hints, key=lambda h: (h.weight, -h.seq))
@@ -99,6 +102,30 @@ def attribute(ex: Extractor, kb: KnowledgeBase) -> Diagnosis:
         att.basis = OrderingBasis.UNATTRIBUTED
     diag = _collateral_only(diag, att, ex, kb, names) if att.init is None else _answer(diag, att, ex, kb, names)
     _as_families(diag, kb)
+    return diag
+
+
+def _warnings_only(diag: Diagnosis, att: Attribution, kb: KnowledgeBase,
+                   names: list[str]) -> Diagnosis:
+    """Warnings and retried errors are not failures on their own: a log with nothing else (a
+    finished run with loud warnings, an NCCL transport it worked around) has no failure. What
+    they name is listed, for a log that was cut before the failure they may have led to."""
+    diag.found = False
+    best: dict[str, Event] = {}
+    for h in att.hints:
+        fam = kb.family(h.class_id)
+        if fam not in best or h.weight > best[fam].weight:
+            best[fam] = h
+    diag.alternatives = [
+        Hypothesis(fam, kb[h.class_id].title, round(h.weight * kb.rules.confidence["hint_factor"], 2),
+                   [h.rank] if h.rank is not None else [], [advice.evline(ev, names, "context", h.rank)
+                                                            for ev in h.evidence[:2]],
+                   "only a warning or a retried error names it; nothing in the log failed",
+                   kind=h.class_id)
+        for fam, h in sorted(best.items(), key=lambda kv: -kv[1].weight)]
+    diag.notes.append("The log holds only warnings or retried errors ("
+                      + ", ".join(sorted(best)) + "), which the run went on after; if the log "
+                      "was cut before the job failed, they name what to check first.")
     return diag
 
 
@@ -161,7 +188,7 @@ def _answer(diag: Diagnosis, att: Attribution, ex: Extractor, kb: KnowledgeBase,
             if e.class_id not in seen_cls:
                 seen_cls.add(e.class_id)
                 diag.evidence.append(advice.evline(e.evidence[0], names, "collateral", r))
-    advice.advise(diag, fc, init)
+    advice.advise(diag, fc, init, ex.announced_path)
     if unproven is not None:
         advice.unproven(diag, fc, unproven, init)
     advice.alternatives(diag, att, kb, ex, names, v.class_id)
@@ -211,7 +238,7 @@ def _collateral_only(diag: Diagnosis, att: Attribution, ex: Extractor, kb: Knowl
         for e in att.views[r].collateral[:1]:
             diag.evidence.append(advice.evline(e.evidence[0], names, "collateral", r))
     first = next((e for view in att.views.values() for e in view.collateral if e.class_id == seen), None)
-    advice.advise(diag, fc, first)
+    advice.advise(diag, fc, first, ex.announced_path)
     if cls != seen:
         diag.alternatives.append(Hypothesis(
             seen, kb[seen].title, round(diag.confidence * 0.8, 2), [],

@@ -27,6 +27,9 @@ STRUCTURAL_ANCHORS = (
     "NaN", "Killed", "nan", "nranks", "oss is", "[send]", "[receive]", "Errno", "[...]",
     'File "',
 )
+# Anchors that are fragments of common words: inside a snake_case name (`top1_error`,
+# `num_exceptions`, `early_exit`, `saving_steps`, `loss_nan`) they say nothing about a failure.
+EMBEDDABLE_ANCHORS = ("rror", "xception", "xit", "atchdog", "aving", "nan")
 GENERIC_CLASSES = frozenset({"python_exception", "unclassified_error"})
 _RAISE_NEW = re.compile(r"raise\s+([\w.]+)\(")
 EVIDENCE_CHARS = 400
@@ -49,7 +52,9 @@ _TREES_RE = re.compile(r"Trees \[\d+\] [-\d/]+->(\d+)->")
 _FRAME_RE = re.compile(r'^\s*File "(?P<file>[^"]+)", line (?P<line>\d+)(?:,? in (?P<func>\S+))?')
 _EXC_RE = re.compile(
     r"^ ?(?P<type>(?:[A-Za-z_][\w]*\.)*(?:[A-Z]\w*(?:Error|Exception|Interrupt|Exit|Failure)"
-    r"|Exception|StopIteration|KeyboardInterrupt|SystemExit))"
+    r"|Exception|StopIteration|KeyboardInterrupt|SystemExit"
+    # standard-library exceptions not named *Error: zipfile's, and modules' lower-case `error`
+    r"|Bad(?:Zip|Gzip)File|(?:[a-z_]\w*\.)+(?:error|timeout|gaierror)))"
     r"(?::[ ]?(?P<msg>.*))?$"
 )
 _EMBEDDED_EXC_RE = re.compile(r"\b(?P<type>(?:[A-Za-z_]\w*\.)*[A-Z]\w*(?:Error|Exception)): (?P<msg>\S.*)$")
@@ -120,12 +125,16 @@ class Extractor(LauncherLines):
         self.counts: dict[tuple[int | None, str], int] = {}
         self.pid_rank: dict[int, tuple[int, int]] = {}  # pid -> (rank, priority)
         self.pid_host: dict[int, str] = {}
+        # NCCL WARN lines of a process whose communicator is not (yet) initialised, by (host, pid)
+        self._nccl_init_warns: dict[tuple[str, int], list[Event]] = {}
+        self._nccl_up: set[tuple[str, int]] = set()  # processes that logged Init COMPLETE
         self.rank_host: dict[int, str] = {}
         self.ranks_seen: set[int] = set()
         self.world_size = 0
         self.launcher: list[LauncherFailure] = []
         self.sigterm: list[tuple[int, Evidence]] = []
         self.saves: dict[str, dict[int, Evidence]] = {}
+        self.announced_path: str | None = None  # the last checkpoint path a line announced work on
         # an announcement printed again at once with no rank prefix: one per process of the job
         self.repeated_saves: dict[str, list[Evidence]] = {}
         self._last_save: tuple[tuple[int, str], int, Evidence] | None = None
@@ -304,6 +313,8 @@ class Extractor(LauncherLines):
         race = self.rules.race
         if len(self.saves) < 10_000 and (rank is not None or any(a in rest for a in race.anchors)):
             sm = race.announce.search(rest)
+            if sm:
+                self.announced_path = sm.group("path")
             if sm and rank is not None:
                 self.saves.setdefault(sm.group("path"), {}).setdefault(rank, ev)
             elif sm and len(self.repeated_saves) < 10_000:
@@ -360,6 +371,12 @@ class Extractor(LauncherLines):
         if rank is not None and via == RankSource.PREFIX:
             self._map_pid(pid, rank, 10)
         cm = _COMM_RE.search(msg)
+        if cm and "Init COMPLETE" in msg:
+            # the process set its communicator up after all: what it warned about while doing so
+            # (an HCA it could not open, a plugin it did not find) was worked around
+            for e in self._nccl_init_warns.pop((host, pid), []):
+                e.kind = EventKind.HINT
+            self._nccl_up.add((host, pid))
         if cm:
             nranks = int(cm.group(2))
             self.world_size = max(self.world_size, nranks)
@@ -383,8 +400,10 @@ class Extractor(LauncherLines):
         if m.group("lvl") in ("WARN", "ERROR") or _NCCL_TRACE_RE.search(msg):
             matches = self.kb.match(m.group(0), exception=False)
             if matches:
-                self._emit(EventKind.LINE, matches, [ev], rank, via, pid=pid, host=host, ts=ts,
-                           message=msg)
+                event = self._emit(EventKind.LINE, matches, [ev], rank, via, pid=pid, host=host,
+                                   ts=ts, message=msg)
+                if event is not None and m.group("lvl") == "WARN" and (host, pid) not in self._nccl_up:
+                    self._nccl_init_warns.setdefault((host, pid), []).append(event)
         return self._pending_force()
 
     def _map_pid(self, pid: int, rank: int, priority: int) -> None:

@@ -109,8 +109,21 @@ class Prefilter:
     too, so no line is lost. Only an anchor with no such suffix adds a pass.
     """
 
-    def __init__(self, core: Iterable[str], extra: Iterable[str] = (), min_len: int = 4) -> None:
+    def __init__(self, core: Iterable[str], extra: Iterable[str] = (), min_len: int = 4,
+                 embeddable: Iterable[str] = ()) -> None:
+        core = list(core)
+        extra = list(extra)
         core_b = {a.encode() for a in core if a}
+        # The anchors themselves, for the exact test of each candidate line (``wants``) and for
+        # grep, which finds any number of them in one pass: the re-keyed suffixes are only the
+        # Python passes' way to find candidates, and they match far more lines ("ting").
+        exact: list[bytes] = []
+        for a in sorted(core_b | {x.encode() for x in extra if x}, key=len):
+            if not any(k in a for k in exact):
+                exact.append(a)
+        self.exact = exact
+        self._exact_re = re.compile(b"|".join(re.escape(a) for a in sorted(exact, key=len, reverse=True)))
+        self._embeddable = frozenset(a.encode() for a in embeddable)
         keys = {a[0] for a in core_b}
         rekeyed = set(core_b)
         for a in sorted({a.encode() for a in extra if a}, key=lambda x: (-len(x), x)):
@@ -134,6 +147,23 @@ class Prefilter:
             alts = b"|".join(re.escape(r) for r in sorted(rests, key=len, reverse=True))
             head = re.escape(bytes([first]))
             self._res.append(re.compile(head + b"(?:" + alts + b")" if any(rests) else head))
+
+    def wants(self, line: bytes) -> bool:
+        """Whether a candidate line holds an anchor, not counting a word fragment inside a
+        snake_case name (``top1_error``, ``error_rate``, ``num_exceptions``: metrics and config
+        keys that a logger prints on every step, which would otherwise have every line parsed);
+        a C++ type (``std::runtime_error``) is a failure's word, not a metric's."""
+        for m in self._exact_re.finditer(line):
+            if m.group() not in self._embeddable:
+                return True
+            i, j = m.start(), m.end()
+            while i > 0 and (line[i - 1:i].isalnum() or line[i - 1] == 95):
+                i -= 1
+            while j < len(line) and (line[j:j + 1].isalnum() or line[j] == 95):
+                j += 1
+            if b"_" not in line[i:j] or line[i - 2:i] == b"::":  # C++ names: std::system_error
+                return True
+        return False
 
     def line_starts(self, block: bytes) -> list[int]:
         """Sorted offsets of the starts of lines that contain an anchor."""
@@ -181,7 +211,7 @@ class GrepHits:
             with source.path.open("rb") as f:
                 if _looks_utf16(f.read(4096)):
                     return None
-            pats = [x for a in prefilter.anchors for x in ("-e", a.decode("utf-8", "surrogateescape"))]
+            pats = [x for a in prefilter.exact for x in ("-e", a.decode("utf-8", "surrogateescape"))]
             proc = subprocess.Popen([grep, "-a", "-b", "-o", "-F", *pats, "--", str(source.path)],
                                     stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                                     env={**os.environ, "LC_ALL": "C"}, bufsize=1 << 16)
@@ -261,7 +291,7 @@ def scan(stream: BinaryIO, prefilter: Prefilter, on_line: LineHandler,
             continue
         block, carry = buf[: cut + 1], buf[cut + 1:]
         starts = hits.starts(block, buf_at) if hits is not None else prefilter.line_starts(block)
-        lineno, force = _scan_block(block, lineno, starts, on_line, force)
+        lineno, force = _scan_block(block, lineno, starts, on_line, force, prefilter.wants)
         if len(carry) > MAX_LINE:
             head = carry[:MAX_LINE]
             if force or _any_hit(prefilter, head):
@@ -339,11 +369,11 @@ def sniff_binary(source: Source) -> bool:
 
 
 def _any_hit(prefilter: Prefilter, text: bytes) -> bool:
-    return bool(prefilter.line_starts(text))
+    return bool(prefilter.line_starts(text)) and prefilter.wants(text)
 
 
 def _scan_block(block: bytes, lineno: int, starts: list[int], on_line: LineHandler,
-                force: int) -> tuple[int, int]:
+                force: int, wants: Callable[[bytes], bool]) -> tuple[int, int]:
     """Process one block of whole lines (``starts``: the lines the prefilter let through);
     returns the new line count and pending force."""
     n = len(block)
@@ -366,8 +396,8 @@ def _scan_block(block: bytes, lineno: int, starts: list[int], on_line: LineHandl
         base += count(b"\n", counted_to, ls)
         counted_to = ls
         line = block[ls: min(le, ls + MAX_LINE)]
-        want = on_line(line, base + 1)
-        force = max(force - 1, want)
+        if force > 0 or wants(line):
+            force = max(force - 1, on_line(line, base + 1))
         cur = le + 1
     base += count(b"\n", counted_to, n)
     return base, force

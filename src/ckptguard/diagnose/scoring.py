@@ -71,8 +71,19 @@ def _race(att: Attribution, ex: Extractor, kb: KnowledgeBase, init: Event) -> li
         return []
     text = init.text
     for path, ranks in ex.saves.items():
-        if len(ranks) >= rule.min_ranks and (path in text or os.path.basename(path.rstrip("/")) in text):
+        if len(ranks) >= rule.min_ranks and path in text:
             return list(ranks.values())
+    # the failure names the checkpoint by its last component only: every announcement of a path
+    # with that name (the ranks' prefixes of one shared path are often printed differently)
+    by_name: dict[str, dict[int, Evidence]] = {}
+    for path, ranks in ex.saves.items():
+        name = os.path.basename(path.rstrip("/"))
+        if name and name in text:
+            for r, ev in ranks.items():
+                by_name.setdefault(name, {}).setdefault(r, ev)
+    for ranks in by_name.values():
+        if len(ranks) >= rule.min_ranks:
+            return sorted(ranks.values(), key=lambda ev: (ev.source, ev.line))
     for path, copies in ex.repeated_saves.items():
         if len(copies) >= rule.min_ranks and (path in text or os.path.basename(path.rstrip("/")) in text):
             return copies[:8]

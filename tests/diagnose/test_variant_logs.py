@@ -1,5 +1,5 @@
 """Hand-written variants (tests/diagnose/variants/, expectations in expected.toml): one or more
-per rule added for issue 11, in other shapes than the dev-corpus log that showed the need, plus
+per engine rule or signature, in other shapes than the corpus log that showed the need, plus
 negative cases (healthy runs, benign NCCL WARN lines, warnings and retried errors)."""
 
 from __future__ import annotations

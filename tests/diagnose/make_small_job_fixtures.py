@@ -1,6 +1,6 @@
-"""Produce the real fixtures added for issue 11 (torch CPU, gloo on loopback, this machine).
+"""Produce the real fixtures that small inline jobs make (torch CPU, gloo on loopback, this machine).
 
-    PYTHONPATH=src python tests/diagnose/make_fixtures_issue11.py [NAME ...]
+    PYTHONPATH=src python tests/diagnose/make_small_job_fixtures.py [NAME ...]
 
 Each scenario is a small real job that fails in one way; its console (stdout and stderr
 together, as a user pastes it) is written to ``tests/diagnose/fixtures/NAME.log``. Exact pids,
