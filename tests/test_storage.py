@@ -59,6 +59,18 @@ def test_small_reads_refuse_fifos_symlinks_and_oversized_files(tmp_path: Path) -
     assert storage.size(str(tmp_path / "fifo")) is None
 
 
+def test_a_directory_is_one_only_when_it_is_one_and_a_link_to_one_only_when_links_are_followed(tmp_path: Path) -> None:
+    storage = PosixStorage(str(tmp_path))
+    (tmp_path / "d").mkdir()
+    os.symlink(tmp_path / "d", tmp_path / "to-d")
+    os.mkfifo(tmp_path / "fifo")
+    (tmp_path / "f").write_bytes(b"x")
+    assert storage.is_dir(storage.join(storage.root, "d"), follow_links=False)
+    assert storage.is_dir(str(tmp_path / "to-d")) and not storage.is_dir(str(tmp_path / "to-d"), follow_links=False)
+    assert not any(storage.is_dir(str(tmp_path / n)) for n in ("fifo", "f", "missing"))
+    assert storage.parent(str(tmp_path / "d") + "/") == str(tmp_path)
+
+
 def test_compare_and_swap_lets_exactly_one_of_many_writers_win(tmp_path: Path) -> None:
     storage = open_storage(tmp_path)
     path = storage.path("pointer")

@@ -35,7 +35,7 @@ from ckptguard.errors import (
 )
 from ckptguard.protocol.records import parse_json
 from ckptguard.protocol.topology import Topology, probe_storage_domains
-from ckptguard.storage import PosixStorage, StorageBackend, is_s3_url, local_path, open_storage
+from ckptguard.storage import PosixStorage, StorageBackend, filesystem_path, open_storage
 from ckptguard.storage.fileio import (
     makedirs_durable,
     open_regular,
@@ -116,11 +116,12 @@ def save_file(obj: Any, path: str | os.PathLike[str], *, group: Any = None, proc
     """
     _check_path("save_file", path)
     group = group if group is not None else process_group
-    if is_s3_url(path):
+    local = filesystem_path(path)
+    if local is None:
         comm = Comm(LocalTransport()) if group is None else _world_comm() if group is True else default_comm(group)
         _save_object(obj, os.fspath(path), comm, _format(os.fspath(path), format), checksum_algorithm)
         return
-    path = os.path.abspath(local_path(path))
+    path = os.path.abspath(local)
     directory = os.path.dirname(path)
     fmt = _format(path, format)
     if group is None:
@@ -172,11 +173,12 @@ def load_file(path: str | os.PathLike[str], *, map_location: Any = "cpu", format
     A ``.safetensors`` file (or ``format="safetensors"``) comes back as a dict of tensors.
     """
     _check_path("load_file", path)
-    if is_s3_url(path):
+    local = filesystem_path(path)
+    if local is None:
         path = os.fspath(path)
         data = _read_object(path)
     else:
-        path = local_path(path)
+        path = local
         if os.path.isdir(path):
             raise CheckpointError(
                 f"{path} is a directory: load_file reads one file written by save_file. A checkpoint root is "

@@ -85,9 +85,9 @@ def auto_memory_bytes(local_ranks: int) -> int:
 
 
 class GuardedReader(StorageReader):
-    """``memory_bytes`` None: ``POSIX_MEMORY_BYTES`` on POSIX storage, else :func:`auto_memory_bytes`
-    of ``local_ranks``. ``backup=False`` when the destinations are fresh buffers of the reader's
-    caller (nothing to put back on failure)."""
+    """``memory_bytes`` None: ``POSIX_MEMORY_BYTES`` on storage that keeps open files (POSIX), else
+    :func:`auto_memory_bytes` of ``local_ranks``. ``backup=False`` when the destinations are fresh
+    buffers of the reader's caller (nothing to put back on failure)."""
 
     def __init__(self, storage: StorageBackend, checkpoint_dir: str, metadata: Metadata, algorithm: str,
                  rank: int, io_threads: int = 4, on_bytes: Callable[[int], None] | None = None,
@@ -101,7 +101,7 @@ class GuardedReader(StorageReader):
         self.rank = rank
         self.io_threads = max(1, io_threads)
         if memory_bytes is None:
-            memory_bytes = POSIX_MEMORY_BYTES if storage.has_directories else auto_memory_bytes(local_ranks)
+            memory_bytes = POSIX_MEMORY_BYTES if storage.keeps_open_files else auto_memory_bytes(local_ranks)
         self.memory_bytes = memory_bytes
         self.backup = backup
         self.storage_data: dict[MetadataIndex, StoredItem] = metadata.storage_data
@@ -203,11 +203,11 @@ class GuardedReader(StorageReader):
         for job in jobs:
             by_file[job.stored.file].append(job)
         files = sorted(by_file.items())
-        # Files a second read comes from: kept open where an open handle keeps the bytes (POSIX: a
-        # rename or unlink by retention changes nothing for it), as many as the descriptor limit allows;
-        # the verified bytes of the others are spilled to a local temporary file.
+        # Files a second read comes from: kept open where an open handle keeps the bytes (a rename or
+        # unlink by retention changes nothing for it), as many as the descriptor limit allows; the
+        # verified bytes of the others are spilled to a local temporary file.
         second = [rel for rel, fj in files if any(j.mode == _VERIFIED for j in fj)]
-        keep = set(second[:_keepable(len(second))]) if self.storage.has_directories else set()
+        keep = set(second[:_keepable(len(second))]) if self.storage.keeps_open_files else set()
         if len(keep) < len(second):
             self._spill = _Spill()
             self.spilled_bytes = sum(j.stored.length for rel, fj in files if rel not in keep
