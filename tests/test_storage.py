@@ -14,6 +14,7 @@ import torch
 import ckptguard
 from ckptguard import Checkpointer, CorruptCheckpointError, UnsupportedStorageError
 from ckptguard.comm import Comm, run_ranks
+from ckptguard.protocol import layout
 from ckptguard.protocol.lease import Lease
 from ckptguard.protocol.topology import probe_storage_domains
 from ckptguard.storage import PosixStorage, open_storage
@@ -141,6 +142,33 @@ def test_of_two_jobs_taking_over_an_expired_lease_one_wins(tmp_path: Path) -> No
     finally:
         for t in takers:
             t.release()
+
+
+def test_a_takeover_whose_reply_is_lost_while_another_job_takes_the_root_names_that_job(tmp_path: Path) -> None:
+    """The takeover's swap fails with an I/O error (a timeout) after another job's takeover landed: the
+    lease is read back and judged again, so the job is refused naming the live holder, not with the
+    OSError of a request whose outcome is in fact known."""
+
+    class LosesTheReply(PosixStorage):
+        def compare_and_swap(self, path: str, data: bytes, token: str | None) -> bool:
+            if token is not None and path == self.path(layout.LEASE) and b'"late"' in data:
+                quick.acquire(wait_s=0)  # the other job wins meanwhile
+                raise TimeoutError("no reply")
+            return super().compare_and_swap(path, data, token)
+
+    storage = LosesTheReply(str(tmp_path))
+    storage.makedirs(storage.path(".ckptguard"))
+    old = Lease(PosixStorage(str(tmp_path)), "old", None, ttl_s=0.2)
+    old.acquire(wait_s=1)
+    old._stop.set()  # the old holder stalls: no more renewals
+    threading.Event().wait(0.5)
+    quick = Lease(PosixStorage(str(tmp_path)), "quick", "quick-job", ttl_s=30)
+    late = Lease(storage, "late", None, ttl_s=30)
+    try:
+        with pytest.raises(ckptguard.LeaseHeldError, match="job quick-job"):
+            late.acquire(wait_s=0)
+    finally:
+        quick.release()
 
 
 def test_a_lease_taken_by_another_leader_of_the_same_job_says_so(tmp_path: Path) -> None:
