@@ -159,6 +159,10 @@ def parse_manifest(storage: StorageBackend, name: CheckpointName, data: bytes, s
         raise CorruptCheckpointError(
             f"{path} describes step {m.step} v{m.version} but sits in {name.dirname}: "
             "the directory was renamed or copied by hand", path=path)
+    if m.commit_seq is None:
+        raise CorruptCheckpointError(
+            f"{path} records no commit sequence number (body.commit_seq; every ckptguard commit records one): "
+            "the manifest was edited or damaged", path=path)
     if seq is not None and m.commit_seq != seq:
         raise CorruptCheckpointError(
             f"{path} records commit sequence number {m.commit_seq}, its head said {seq}: the manifest is "
@@ -169,9 +173,9 @@ def parse_manifest(storage: StorageBackend, name: CheckpointName, data: bytes, s
 def commit_seq(storage: StorageBackend, name: CheckpointName) -> tuple[bool, int | None]:
     """(committed?, its commit sequence number) from the head of its manifest.
 
-    A manifest without a sequence number in its head (an older ckptguard, or a
-    damaged head) is read whole; one that does not parse still counts as committed
-    (a load will report it corrupt), without a sequence number.
+    A manifest whose head holds no sequence number (a damaged head) is read whole;
+    one that does not parse still counts as committed (a load will report it
+    corrupt), without a sequence number.
     """
     path = manifest_path(storage, name)
     try:
