@@ -20,7 +20,8 @@ import torch
 
 from ckptguard.checksum import DEFAULT_ALGORITHM, checksum
 from ckptguard.comm import Comm, LocalTransport, default_comm
-from ckptguard.dcp.codec import encode_value, load_bounded
+from ckptguard.dcp.codec import load_bounded
+from ckptguard.dcp.values import encode_value
 from ckptguard.errors import (
     CheckpointError,
     CorruptCheckpointError,
