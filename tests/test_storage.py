@@ -13,11 +13,12 @@ import torch
 
 import ckptguard
 from ckptguard import Checkpointer, CorruptCheckpointError, UnsupportedStorageError
-from ckptguard.comm import Comm, run_ranks
+from ckptguard.comm import Comm
 from ckptguard.protocol import layout
 from ckptguard.protocol.lease import Lease
 from ckptguard.protocol.topology import probe_storage_domains
 from ckptguard.storage import PosixStorage, open_storage
+from ckptguard.threadranks import run_ranks
 
 
 @pytest.mark.parametrize("url", ["gs://bucket/run", "hf://org/model", "GS://B/x"])
