@@ -122,7 +122,7 @@ class LeaseRecord:
     acquired_at: float
     renewed_at: float
     ttl_s: float
-    pid_ns: str = ""  # "" when unknown (a record of an older ckptguard): no dead-pid shortcut then
+    pid_ns: str = ""  # "" when unknown (no /proc/self/ns/pid on its host): no dead-pid shortcut then
 
     def to_bytes(self) -> bytes:
         return (json.dumps(asdict(self), sort_keys=True) + "\n").encode()

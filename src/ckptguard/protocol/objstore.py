@@ -171,8 +171,10 @@ class ObjectStoreRoot(rootkit.RootKit):
             return f"{entry.name.dirname} ({entry.attempt}) aborted"
         manifest = self._commit_manifest(entry.name)
         if manifest is not None and manifest.attempt == entry.attempt:
-            # The manifest's own sequence number, so that listing, `latest` and the manifest agree.
-            seq = manifest.commit_seq if manifest.commit_seq is not None else index.next_seq
+            # The manifest's own sequence number, so that listing, `latest` and the manifest agree (a
+            # parsed manifest always has one: rootkit.parse_manifest refuses one without).
+            seq = manifest.commit_seq
+            assert seq is not None
             entry.state, entry.seq = "committed", seq
             index.next_seq = max(index.next_seq, seq + 1)
             return f"{entry.name.dirname} ({entry.attempt}) committed"
@@ -355,7 +357,8 @@ class ObjectStoreRoot(rootkit.RootKit):
             if e.state == "committed":
                 return False  # adopted meanwhile, or our own retried update
             # The commit sequence number is the manifest's (decided by rank 0 at plan time, above any
-            # seen), so listing, `latest` and the manifest agree; next_seq stays for older indexes.
+            # seen), so listing, `latest` and the manifest agree; next_seq keeps the highest number
+            # handed out (latest_seq reads it: a step deleted and saved again gets a new one).
             e.state, e.seq = "committed", _commit_seq_of(data)
             index.next_seq = max(index.next_seq, (e.seq or 0) + 1)
             return True
