@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from ckptguard.comm import Comm, agreed_failures, run_ranks
+from ckptguard.comm import Comm, agreed_failures
 from ckptguard.errors import (
     CheckpointError,
     CorruptCheckpointError,
@@ -20,6 +20,7 @@ from ckptguard.errors import (
     StepExistsError,
     StoragePermissionError,
 )
+from ckptguard.threadranks import run_ranks
 
 SRC = Path(__file__).resolve().parent.parent / "src" / "ckptguard"
 

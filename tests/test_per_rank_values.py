@@ -8,12 +8,13 @@ import pytest
 import torch
 
 from ckptguard import PerRank, ReplicatedValueError
-from ckptguard.comm import Comm, run_ranks
+from ckptguard.comm import Comm
 from ckptguard.protocol import save as save_protocol
 from ckptguard.protocol.root import open_root
 from ckptguard.protocol.session import Options, open_session
 from ckptguard.protocol.timing import PhaseTimer
 from ckptguard.state import prepare_state
+from ckptguard.threadranks import run_ranks
 
 
 def save_on_thread_ranks(root: Path, world: int, state_of_rank: object) -> list[object]:

@@ -117,30 +117,22 @@ def test_commit_order_survives_a_restart_and_ls_shows_the_abandoned_branch(tmp_p
     assert out.returncode == 0 and "abandoned" in out.stdout, out.stdout + out.stderr
 
 
-def _strip_commit_seq(step_dir: Path) -> None:
-    """Rewrite a manifest as an older ckptguard wrote it: no commit sequence number."""
-    path = step_dir / "MANIFEST.json"
-    body = json.loads(path.read_text())["body"]
-    body.pop("commit_seq", None)
-    text = json.dumps(body, separators=(",", ":"))
-    path.write_text(f'{{"manifest_checksum":"{checksum("xxh3-64", text.encode())}","body":{text}}}\n')
-
-
-def test_manifests_without_a_commit_sequence_still_load_before_sequenced_ones(tmp_path: Path) -> None:
+def test_a_manifest_without_a_commit_sequence_number_is_corrupt_and_the_load_falls_back(tmp_path: Path) -> None:
     root = tmp_path / "ckpt"
     with Checkpointer(root) as ck:
         for s in (5, 7):
             ck.save(s, _w(s))
-    for s in (5, 7):
-        _strip_commit_seq(root / f"step-{s:08d}")
-    with Checkpointer(root) as ck:
-        assert ck.steps() == [5, 7]
+    path = root / "step-00000007" / "MANIFEST.json"
+    body = json.loads(path.read_text())["body"]
+    body.pop("commit_seq")
+    text = json.dumps(body, separators=(",", ":"))
+    path.write_text(f'{{"manifest_checksum":"{checksum("xxh3-64", text.encode())}","body":{text}}}\n')
+    with Checkpointer(root, read_only=True) as ck:
         out = {"w": torch.zeros(16)}
-        assert ck.load(out) == 7 and torch.equal(out["w"], _w(7)["w"])
-        ck.save(6, _w(6))  # sequenced: after every unsequenced checkpoint, whatever its step
-        assert ck.steps() == [5, 7, 6] and ck.latest() == 6
-    with Checkpointer(root) as ck:
-        assert ck.load({"w": torch.zeros(16)}) == 6
+        assert ck.load(out) == 5 and torch.equal(out["w"], _w(5)["w"])
+    report = subprocess.run([sys.executable, "-m", "ckptguard.cli", "verify", str(root), "--step", "7"],
+                            capture_output=True, text=True, timeout=120)
+    assert report.returncode != 0 and "commit sequence number" in report.stdout + report.stderr
 
 
 def test_latest_never_moves_backwards_in_commit_order(tmp_path: Path) -> None:

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from ckptguard import Checkpointer, CorruptCheckpointError, PathCollisionError
-from ckptguard.comm import Comm, run_ranks
+from ckptguard.comm import Comm
 from ckptguard.protocol import artifacts
 from ckptguard.protocol import load as load_protocol
 from ckptguard.protocol import save as save_protocol
@@ -18,6 +18,7 @@ from ckptguard.protocol.layout import CheckpointName
 from ckptguard.protocol.root import open_root
 from ckptguard.protocol.session import Options, open_session
 from ckptguard.protocol.timing import PhaseTimer
+from ckptguard.threadranks import run_ranks
 
 
 def listing(d: Path) -> dict[str, bytes]:

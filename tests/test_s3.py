@@ -364,7 +364,7 @@ def test_save_file_and_load_file_accept_s3_paths(bed: S3Bed, bucket: str) -> Non
 def _manifest(step: int, version: int, attempt: str) -> Manifest:
     return Manifest(step=step, version=version, attempt=attempt, created_at=time.time(), world_size=1,
                     domain_index=0, domain_count=1, domain_ranks=[0], hosts=["h"], checksum_algorithm="crc32c",
-                    dcp={}, files=[], items=[])
+                    dcp={}, files=[], items=[], commit_seq=step)
 
 
 def test_a_takeover_aborts_a_stalled_attempt_or_adopts_its_commit(bed: S3Bed, bucket: str) -> None:

@@ -13,10 +13,12 @@ import torch
 
 import ckptguard
 from ckptguard import Checkpointer, CorruptCheckpointError, UnsupportedStorageError
-from ckptguard.comm import Comm, run_ranks
+from ckptguard.comm import Comm
+from ckptguard.protocol import layout
 from ckptguard.protocol.lease import Lease
 from ckptguard.protocol.topology import probe_storage_domains
 from ckptguard.storage import PosixStorage, open_storage
+from ckptguard.threadranks import run_ranks
 
 
 @pytest.mark.parametrize("url", ["gs://bucket/run", "hf://org/model", "GS://B/x"])
@@ -57,6 +59,18 @@ def test_small_reads_refuse_fifos_symlinks_and_oversized_files(tmp_path: Path) -
     with pytest.raises(CorruptCheckpointError, match="more than"):
         storage.read_bytes(str(tmp_path / "real"), limit=10)
     assert storage.size(str(tmp_path / "fifo")) is None
+
+
+def test_a_directory_is_one_only_when_it_is_one_and_a_link_to_one_only_when_links_are_followed(tmp_path: Path) -> None:
+    storage = PosixStorage(str(tmp_path))
+    (tmp_path / "d").mkdir()
+    os.symlink(tmp_path / "d", tmp_path / "to-d")
+    os.mkfifo(tmp_path / "fifo")
+    (tmp_path / "f").write_bytes(b"x")
+    assert storage.is_dir(storage.join(storage.root, "d"), follow_links=False)
+    assert storage.is_dir(str(tmp_path / "to-d")) and not storage.is_dir(str(tmp_path / "to-d"), follow_links=False)
+    assert not any(storage.is_dir(str(tmp_path / n)) for n in ("fifo", "f", "missing"))
+    assert storage.parent(str(tmp_path / "d") + "/") == str(tmp_path)
 
 
 def test_compare_and_swap_lets_exactly_one_of_many_writers_win(tmp_path: Path) -> None:
@@ -129,6 +143,33 @@ def test_of_two_jobs_taking_over_an_expired_lease_one_wins(tmp_path: Path) -> No
     finally:
         for t in takers:
             t.release()
+
+
+def test_a_takeover_whose_reply_is_lost_while_another_job_takes_the_root_names_that_job(tmp_path: Path) -> None:
+    """The takeover's swap fails with an I/O error (a timeout) after another job's takeover landed: the
+    lease is read back and judged again, so the job is refused naming the live holder, not with the
+    OSError of a request whose outcome is in fact known."""
+
+    class LosesTheReply(PosixStorage):
+        def compare_and_swap(self, path: str, data: bytes, token: str | None) -> bool:
+            if token is not None and path == self.path(layout.LEASE) and b'"late"' in data:
+                quick.acquire(wait_s=0)  # the other job wins meanwhile
+                raise TimeoutError("no reply")
+            return super().compare_and_swap(path, data, token)
+
+    storage = LosesTheReply(str(tmp_path))
+    storage.makedirs(storage.path(".ckptguard"))
+    old = Lease(PosixStorage(str(tmp_path)), "old", None, ttl_s=0.2)
+    old.acquire(wait_s=1)
+    old._stop.set()  # the old holder stalls: no more renewals
+    threading.Event().wait(0.5)
+    quick = Lease(PosixStorage(str(tmp_path)), "quick", "quick-job", ttl_s=30)
+    late = Lease(storage, "late", None, ttl_s=30)
+    try:
+        with pytest.raises(ckptguard.LeaseHeldError, match="job quick-job"):
+            late.acquire(wait_s=0)
+    finally:
+        quick.release()
 
 
 def test_a_lease_taken_by_another_leader_of_the_same_job_says_so(tmp_path: Path) -> None:

@@ -3,7 +3,7 @@
 Every public method is collective when a process group is initialised: all
 ranks call it with the same arguments. The protocol itself lives in
 :mod:`ckptguard.protocol` (``save.py``, ``load.py``, rank 0's decisions in
-``decisions.py``); this module only validates arguments, prepares the state,
+``decisions.py``); this module only checks arguments (``arguments.py``), prepares the state,
 runs saves in the caller's thread or in the background, and keeps what every
 rank agreed is committed.
 """
@@ -12,24 +12,20 @@ from __future__ import annotations
 
 import atexit
 import functools
-import json
 import logging
-import math
-import operator
 import os
 import time
 from collections.abc import Callable, Collection, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import replace
 from typing import Any
 
 from ckptguard import inflight
 from ckptguard._faults import FaultPhase, fault_point
-from ckptguard.checksum import ALGORITHMS
+from ckptguard.arguments import Settings, check_kinds, checksum_name, count, json_object, required, seconds
 from ckptguard.comm import DEFAULT_TIMEOUT_S, Comm, LocalTransport, default_comm, hostname
 from ckptguard.dcp.planners import forget_cached_plans
 from ckptguard.errors import CheckpointError
-from ckptguard.protocol import artifacts, manage, records
+from ckptguard.protocol import artifacts, manage
 from ckptguard.protocol import load as load_protocol
 from ckptguard.protocol import read as read_protocol
 from ckptguard.protocol import save as save_protocol
@@ -47,7 +43,7 @@ from ckptguard.state import prepare_state
 log = logging.getLogger("ckptguard")
 
 
-class Checkpointer:
+class Checkpointer(Settings):
     """Race-free, crash-safe checkpoints in one root directory.
 
     ``Checkpointer("/shared/ckpts", keep_last=3)`` works with or without an
@@ -91,27 +87,20 @@ class Checkpointer:
         collective_timeout_s: float = DEFAULT_TIMEOUT_S,
         storage_options: Mapping[str, Any] | None = None,
     ) -> None:
-        keep_last = _count("keep_last", keep_last, 1, "the newest checkpoint is always kept", optional=True)
-        keep_every = _count("keep_every", keep_every, 1, optional=True)
-        io_threads = _required(_count("io_threads", io_threads, 1))
-        load_memory_bytes = _count("load_memory_bytes", load_memory_bytes, 0, optional=True)
-        async_budget_bytes = _count("async_budget_bytes", async_budget_bytes, 0, optional=True)
-        visibility_timeout_s = _seconds("visibility_timeout_s", visibility_timeout_s)
-        lease_ttl_s = _seconds("lease_ttl_s", lease_ttl_s)
-        collective_timeout_s = _seconds("collective_timeout_s", collective_timeout_s)
+        keep_last = count("keep_last", keep_last, 1, "the newest checkpoint is always kept", optional=True)
+        keep_every = count("keep_every", keep_every, 1, optional=True)
+        io_threads = required(count("io_threads", io_threads, 1))
+        load_memory_bytes = count("load_memory_bytes", load_memory_bytes, 0, optional=True)
+        async_budget_bytes = count("async_budget_bytes", async_budget_bytes, 0, optional=True)
+        visibility_timeout_s = seconds("visibility_timeout_s", visibility_timeout_s)
+        lease_ttl_s = seconds("lease_ttl_s", lease_ttl_s)
+        collective_timeout_s = seconds("collective_timeout_s", collective_timeout_s)
         if lease_wait_s is not None:
-            lease_wait_s = _seconds("lease_wait_s", lease_wait_s, allow_zero=True)
-        for flag, value in (("read_only", read_only), ("progress", progress)):
-            if not isinstance(value, bool):
-                raise TypeError(f"{flag} must be True or False, got {value!r}")
-        if job_id is not None and not isinstance(job_id, str):
-            raise TypeError(f"job_id must be a str or None, got {job_id!r}")
-        _check_process_group(process_group)
-        if not isinstance(root, (str, os.PathLike)):
-            raise TypeError(f"root must be a path or a URL (str or os.PathLike), got {type(root).__name__}")
+            lease_wait_s = seconds("lease_wait_s", lease_wait_s, allow_zero=True)
+        check_kinds(root, read_only=read_only, progress=progress, job_id=job_id, process_group=process_group)
         croot = open_root(root, storage_options)  # refuses unknown URL schemes before any collective
         storage = croot.storage
-        checksum = _checksum(checksum if checksum is not None else croot.default_checksum)
+        checksum = checksum_name(checksum if checksum is not None else croot.default_checksum)
         location = croot.location()
         if location == "not a directory":
             raise CheckpointError(f"the root {storage.root} is a file, not a directory: a checkpoint root is a "
@@ -148,84 +137,6 @@ class Checkpointer:
         inflight.track(self)
         log.debug("ckptguard %s: %s", self.root, self.topology.describe())
 
-    # -- configuration: what is read here is what the next save or load uses --------------------------
-    # Settable after construction (validated as in __init__); every rank must set the same value.
-    @property
-    def keep_last(self) -> int | None:
-        """How many committed checkpoints retention keeps (None: all); applied at the next save."""
-        return self._session.options.keep_last
-
-    @keep_last.setter
-    def keep_last(self, value: int | None) -> None:
-        self._set_option(keep_last=_count("keep_last", value, 1, "the newest checkpoint is always kept",
-                                          optional=True))
-
-    @property
-    def keep_every(self) -> int | None:
-        """Steps that are multiples of this are kept whatever ``keep_last`` says."""
-        return self._session.options.keep_every
-
-    @keep_every.setter
-    def keep_every(self, value: int | None) -> None:
-        self._set_option(keep_every=_count("keep_every", value, 1, optional=True))
-
-    @property
-    def io_threads(self) -> int:
-        """Files each rank writes or reads in parallel."""
-        return self._session.options.io_threads
-
-    @io_threads.setter
-    def io_threads(self, value: int) -> None:
-        self._set_option(io_threads=_required(_count("io_threads", value, 1)))
-
-    @property
-    def checksum(self) -> str:
-        """The checksum the next save records (a load uses the one each manifest names)."""
-        return self._session.options.checksum
-
-    @checksum.setter
-    def checksum(self, value: str) -> None:
-        self._set_option(checksum=_checksum(value))
-
-    @property
-    def visibility_timeout_s(self) -> float:
-        """How long the leader waits for another rank's files to become visible (NFS caches)."""
-        return self._session.options.visibility_timeout_s
-
-    @visibility_timeout_s.setter
-    def visibility_timeout_s(self, value: float) -> None:
-        self._set_option(visibility_timeout_s=_seconds("visibility_timeout_s", value))
-
-    @property
-    def load_memory_bytes(self) -> int | None:
-        """Per rank, how much of a load is verified in host memory before it is copied into place."""
-        return self._session.options.load_memory_bytes
-
-    @load_memory_bytes.setter
-    def load_memory_bytes(self, value: int | None) -> None:
-        self._set_option(load_memory_bytes=_count("load_memory_bytes", value, 0, optional=True))
-
-    @property
-    def read_only(self) -> bool:
-        """Opened to load and list only: no lease was taken, so it cannot be changed afterwards."""
-        return self._read_only
-
-    @read_only.setter
-    def read_only(self, value: bool) -> None:
-        raise AttributeError(f"read_only is fixed when a Checkpointer is opened (it decides whether the root's "
-                             f"lease is taken): open a new Checkpointer({self.root!r}, read_only={value!r})")
-
-    @property
-    def progress(self) -> bool:
-        """Whether save and load show a progress bar on rank 0 (unless given ``progress=`` themselves)."""
-        return self._progress
-
-    @progress.setter
-    def progress(self, value: bool) -> None:
-        if not isinstance(value, bool):
-            raise TypeError(f"progress must be True or False, got {value!r}")
-        self._progress = value
-
     @property
     def last_save_stats(self) -> PhaseTimer | None:
         """The time of each phase of the last save (None before the first)."""
@@ -236,26 +147,7 @@ class Checkpointer:
         """The time of each phase of the last load (None before the first)."""
         return self._last_load_stats
 
-    def __setattr__(self, name: str, value: Any) -> None:
-        # Only the settings above may be assigned: a typo (ck.keep_lst = 1) or a setting fixed at
-        # construction (collective_timeout_s, async_budget_bytes) would otherwise be silently ignored.
-        if name.startswith("_") or isinstance(getattr(type(self), name, None), property):
-            object.__setattr__(self, name, value)  # a property without a setter raises AttributeError
-            return
-        fixed = ("job_id", "lease_ttl_s", "lease_wait_s", "async_budget_bytes", "collective_timeout_s",
-                 "process_group", "storage_options")
-        how = (f"{name} is fixed when a Checkpointer is opened: open a new Checkpointer({self.root!r}, "
-               f"{name}=...)" if name in fixed else f"Checkpointer has no setting {name!r}")
-        raise AttributeError(f"{how}; the settings that may be assigned are {', '.join(_SETTABLE)}")
-
-    def _set_option(self, **change: Any) -> None:
-        self._session.options = replace(self._session.options, **change)
-
     # -- public API ---------------------------------------------------------------------
-    @property
-    def root(self) -> str:
-        return self._session.url
-
     @property
     def topology(self) -> Topology:
         return self._session.topo
@@ -306,7 +198,7 @@ class Checkpointer:
         self._check_usable(writing=True)
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"step must be a non-negative int, got {step!r}")
-        user_metadata = _json_object(metadata)
+        user_metadata = json_object(metadata)
         started = time.perf_counter()
         fault_point(FaultPhase.SAVE_START, self._comm.rank)
         show = (self.progress if progress is None else progress) and self._comm.rank == 0
@@ -535,75 +427,3 @@ class Checkpointer:
         self._wait_cleanup()
         if writing and self.read_only:
             raise CheckpointError(f"this Checkpointer on {self.root} was opened read_only=True")
-
-
-_SETTABLE = tuple(name for name, attr in vars(Checkpointer).items()
-                  if isinstance(attr, property) and attr.fset is not None and name != "read_only")
-
-
-def _count(name: str, value: Any, minimum: int, why: str = "", *, optional: bool = False) -> int | None:
-    """``value`` checked to be an int >= ``minimum`` (or None where ``optional``): refused at the door,
-    naming the argument, rather than failing later in a comparison (``keep_last='3'``)."""
-    if value is None and optional:
-        return None
-    try:
-        if isinstance(value, bool):
-            raise TypeError
-        number = operator.index(value)  # int, numpy integers; not float, str or bool
-    except TypeError:
-        allowed = f"an int >= {minimum}" + (" or None" if optional else "")
-        raise TypeError(f"{name} must be {allowed}, got {value!r} ({type(value).__name__})") from None
-    if number < minimum:
-        raise ValueError(f"{name} must be >= {minimum}" + (f" ({why})" if why else "") + f", got {number}")
-    return number
-
-
-def _check_process_group(group: Any) -> None:
-    """None, "local" or a torch ProcessGroup; anything else (a typo "locl", a list of ranks) would
-    otherwise quietly give a Checkpointer over the whole world."""
-    if group is None or (isinstance(group, str) and group == "local"):
-        return
-    import torch.distributed as dist
-
-    if dist.is_available() and isinstance(group, dist.ProcessGroup):
-        return
-    hint = " (a list of ranks? pass torch.distributed.new_group(ranks, backend='gloo'))" \
-        if isinstance(group, (list, tuple, range)) else ""
-    raise TypeError(f"process_group must be None (all ranks), \"local\" (this rank alone) or a "
-                    f"torch.distributed ProcessGroup, got {group!r} ({type(group).__name__}){hint}")
-
-
-def _required(value: int | None) -> int:
-    assert value is not None  # _count without optional=True never returns None
-    return value
-
-
-def _seconds(name: str, value: Any, *, allow_zero: bool = False) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{name} must be a number of seconds, got {value!r} ({type(value).__name__})")
-    if not math.isfinite(value) or value < 0 or (value == 0 and not allow_zero):
-        raise ValueError(f"{name} must be a finite number of seconds {'>= 0' if allow_zero else '> 0'}, "
-                         f"got {value}")
-    return float(value)
-
-
-def _checksum(value: Any) -> str:
-    if value not in ALGORITHMS:
-        raise ValueError(f"checksum must be one of {', '.join(ALGORITHMS)}, got {value!r}")
-    return str(value)
-
-
-def _json_object(metadata: Mapping[str, Any] | None) -> dict[str, Any]:
-    if metadata is None:
-        return {}
-    if not isinstance(metadata, Mapping):
-        raise TypeError(f"metadata must be a mapping of str to JSON values (metadata={{'loss': 1.5}}), got "
-                        f"{metadata!r} ({type(metadata).__name__})")
-    try:
-        text = json.dumps(dict(metadata), allow_nan=False)
-    except (TypeError, ValueError, RecursionError) as e:
-        raise ValueError(f"metadata must be JSON-serializable: {e}") from None
-    # Bounded as a load will bound it: a manifest that no load could read is never written.
-    result: dict[str, Any] = records.parse_json(text, "metadata=", "user metadata", max_bytes=None,
-                                                max_depth=records.MAX_MANIFEST_DEPTH - 2)
-    return result

@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import posixpath
-import stat
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -59,16 +57,16 @@ def find_roots(path: str | os.PathLike[str], storage_options: Mapping[str, Any] 
     """
     text = os.fspath(path)
     storage = open_storage(text, storage_options)
-    if storage.has_directories and not os.path.isdir(storage.root):
+    if not storage.is_dir(storage.root):
         raise CheckpointError(f"{text} is not a directory", path=text)
     found: list[FoundRoot] = []
     strays = [] if strays is None else strays
     if _is_root(storage, storage.root, strays):
         return [FoundRoot(storage.root, _framework_of(storage, storage.root, storage_options))]
-    depth = _SEARCH_DEPTH if storage.has_directories else 1
+    depth = _SEARCH_DEPTH if storage.cheap_listing else 1
     _search(storage, storage.root, depth, found, storage_options, [] if unreadable is None else unreadable, strays)
     if not found and os.path.basename(os.path.normpath(storage.root)) == "checkpoints":
-        beside = _join(storage, _parent(storage, storage.root), ACCELERATE_ROOT)
+        beside = storage.join(storage.parent(storage.root), ACCELERATE_ROOT)
         if _is_root(storage, beside, strays):
             found.append(FoundRoot(beside, "accelerate"))
     return found
@@ -77,7 +75,7 @@ def find_roots(path: str | os.PathLike[str], storage_options: Mapping[str, Any] 
 def _search(storage: StorageBackend, directory: str, depth: int, found: list[FoundRoot],
             options: Mapping[str, Any] | None, unreadable: list[str], strays: list[str]) -> None:
     for name in sorted(storage.listdir(directory)):
-        child = _join(storage, directory, name)
+        child = storage.join(directory, name)
         try:
             _visit(storage, child, name, depth, found, options, unreadable, strays)
         except PermissionError:
@@ -86,7 +84,7 @@ def _search(storage: StorageBackend, directory: str, depth: int, found: list[Fou
 
 def _visit(storage: StorageBackend, child: str, name: str, depth: int, found: list[FoundRoot],
            options: Mapping[str, Any] | None, unreadable: list[str], strays: list[str]) -> None:
-    if storage.has_directories and not os.path.isdir(child):
+    if not storage.is_dir(child):
         return
     if name in FRAMEWORK_ROOTS:
         if _is_root(storage, child, strays):
@@ -109,18 +107,11 @@ def _is_root(storage: StorageBackend, directory: str, strays: list[str]) -> bool
         return True
     if layout.CONTROL not in names:
         return False
-    control = _join(storage, directory, layout.CONTROL)
-    if storage.has_directories and not _real_dir(control):
+    control = storage.join(directory, layout.CONTROL)
+    if not storage.is_dir(control, follow_links=False):
         strays.append(control)
         return False
     return True
-
-
-def _real_dir(path: str) -> bool:
-    try:
-        return stat.S_ISDIR(os.lstat(path).st_mode)
-    except OSError:
-        return False
 
 
 def _framework_of(storage: StorageBackend, directory: str, options: Mapping[str, Any] | None) -> str | None:
@@ -137,12 +128,3 @@ def _framework_of(storage: StorageBackend, directory: str, options: Mapping[str,
         if isinstance(named, str):
             return named
     return None
-
-
-def _join(storage: StorageBackend, directory: str, name: str) -> str:
-    return os.path.join(directory, name) if storage.has_directories else posixpath.join(directory, name)
-
-
-def _parent(storage: StorageBackend, directory: str) -> str:
-    return os.path.dirname(os.path.normpath(directory)) if storage.has_directories \
-        else posixpath.dirname(directory.rstrip("/"))

@@ -34,17 +34,11 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
 
 from ckptguard.checksum import DEFAULT_ALGORITHM
-from ckptguard.dcp.codec import (
-    MAX_VALUE_DEPTH,
-    check_depth,
-    decode_value,
-    load_bounded,
-    metadata_from_json,
-    unflatten,
-)
+from ckptguard.dcp.codec import MAX_VALUE_DEPTH, check_depth, load_bounded, metadata_from_json
 from ckptguard.dcp.drive import read_locally
 from ckptguard.dcp.planners import SafeLoadPlanner
 from ckptguard.dcp.reader import GuardedReader
+from ckptguard.dcp.values import decode_value, unflatten
 from ckptguard.errors import (
     CheckpointError,
     CorruptCheckpointError,
@@ -87,7 +81,7 @@ class DCPReader(GuardedReader):
     """DCP ``StorageReader`` for a committed ckptguard checkpoint (its directory, or a root and ``step``).
 
     The names are DCP's (``model.fc.weight``); values ckptguard had to encode for an
-    exact round trip (int keys, numpy arrays, see ``codec.encode_value``) keep their
+    exact round trip (int keys, numpy arrays, see ``values.encode_value``) keep their
     encoded names here: use ``Checkpointer.read`` for those.
     """
 
@@ -347,7 +341,7 @@ def _check_dcp_metadata(md: Metadata, directory: str, path: str, pins: dict[str,
                                              f"than every data file together ({total} bytes)", path=path)
         elif MetadataIndex(fqn) not in storage:
             raise CorruptCheckpointError(f"{path}: object {fqn!r} has no data file entry", path=path)
-    # Lists are rebuilt by index from planner_data (codec.unflatten): each index below the number of
+    # Lists are rebuilt by index from planner_data (values.unflatten): each index below the number of
     # entries, each path a non-empty sequence no deeper than a stored value may nest.
     planner = md.planner_data if md.planner_data is not None else {}
     if not isinstance(planner, dict):

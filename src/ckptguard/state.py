@@ -23,7 +23,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor
 
-from ckptguard.dcp.codec import decode_value, encode_value, per_rank_key
+from ckptguard.dcp.values import decode_value, encode_value, per_rank_key
 from ckptguard.errors import CheckpointError
 
 
@@ -75,7 +75,7 @@ def state_nbytes(obj: Any) -> int:
 
 
 def _later(fn: Callable[[Any], object], sd: dict[str, Any], key: str) -> Callable[[], object]:
-    """``fn(what was loaded into sd[key])``, decoded (see ``codec.encode_value``), after a load."""
+    """``fn(what was loaded into sd[key])``, decoded (see ``values.encode_value``), after a load."""
     return lambda: fn(decode_value(sd[key]))
 
 

@@ -37,7 +37,7 @@ class CheckpointInfo:
     dir: str
     current: bool  # the newest version of its step (older versions are superseded leftovers)
     latest: bool  # what the `latest` pointer names
-    seq: int | None = None  # commit sequence number (None: an older ckptguard recorded none)
+    seq: int | None = None  # commit sequence number (None: the manifest could not be read)
     abandoned: bool = False  # rolled back past: a checkpoint of a lower step was committed after it
     created_at: float | None = None
     world_size: int | None = None
@@ -132,7 +132,7 @@ def list_root(path: str) -> RootListing:
         except CheckpointError as e:
             info.manifest_error = str(e)
         checkpoints.append(info)
-    # Commit order, as Checkpointer.steps(): unsequenced (older ckptguard) first by step, then by sequence.
+    # Commit order, as Checkpointer.steps(): unsequenced (unreadable manifest) first by step, then by sequence.
     listing = {c.step: Committed(c.version, c.seq) for c in checkpoints if c.current}
     rolled_back = abandoned(listing)
     for c in checkpoints:

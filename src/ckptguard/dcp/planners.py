@@ -28,13 +28,9 @@ from torch.distributed.checkpoint.planner import (
 
 from ckptguard.checksum import checksum
 from ckptguard.dcp import _torch_private
-from ckptguard.dcp.codec import (
-    is_per_rank_key,
-    load_bounded,
-    metadata_to_json,
-    tensor_bytes,
-)
+from ckptguard.dcp.codec import load_bounded, metadata_to_json, tensor_bytes
 from ckptguard.dcp.records import StoredItem
+from ckptguard.dcp.values import is_per_rank_key
 from ckptguard.errors import CheckpointError, TemplateMismatchError, UnsafeObjectError
 
 

@@ -29,16 +29,12 @@ disagree with the first if a checkpoint file was modified in place during the lo
 
 from __future__ import annotations
 
-import contextlib
 import io
-import mmap
 import os
 import resource
-import tempfile
 import threading
 from collections import defaultdict
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -48,9 +44,18 @@ from torch.distributed.checkpoint.storage import StorageReader
 
 from ckptguard._faults import FaultPhase, fault_point
 from ckptguard._pool import ExitSafePool
-from ckptguard.checksum import Hasher, checksum
-from ckptguard.dcp.codec import _NUMPY_DTYPES, dtype_from_name, dtype_name, narrow, tensor_bytes
 from ckptguard.dcp.planners import decode_object
+from ckptguard.dcp.readjob import (
+    IN_PLACE,
+    STAGED,
+    VERIFIED,
+    Arena,
+    ReadJob,
+    Spill,
+    follows,
+    follows_at,
+    no_in_place_for_aliases,
+)
 from ckptguard.dcp.records import StoredItem
 from ckptguard.errors import CheckpointError, CorruptCheckpointError, TornLoadError
 from ckptguard.storage import ReadHandle, StorageBackend
@@ -85,9 +90,9 @@ def auto_memory_bytes(local_ranks: int) -> int:
 
 
 class GuardedReader(StorageReader):
-    """``memory_bytes`` None: ``POSIX_MEMORY_BYTES`` on POSIX storage, else :func:`auto_memory_bytes`
-    of ``local_ranks``. ``backup=False`` when the destinations are fresh buffers of the reader's
-    caller (nothing to put back on failure)."""
+    """``memory_bytes`` None: ``POSIX_MEMORY_BYTES`` on storage that keeps open files (POSIX), else
+    :func:`auto_memory_bytes` of ``local_ranks``. ``backup=False`` when the destinations are fresh
+    buffers of the reader's caller (nothing to put back on failure)."""
 
     def __init__(self, storage: StorageBackend, checkpoint_dir: str, metadata: Metadata, algorithm: str,
                  rank: int, io_threads: int = 4, on_bytes: Callable[[int], None] | None = None,
@@ -101,14 +106,14 @@ class GuardedReader(StorageReader):
         self.rank = rank
         self.io_threads = max(1, io_threads)
         if memory_bytes is None:
-            memory_bytes = POSIX_MEMORY_BYTES if storage.has_directories else auto_memory_bytes(local_ranks)
+            memory_bytes = POSIX_MEMORY_BYTES if storage.keeps_open_files else auto_memory_bytes(local_ranks)
         self.memory_bytes = memory_bytes
         self.backup = backup
         self.storage_data: dict[MetadataIndex, StoredItem] = metadata.storage_data
-        self._jobs: list[_ReadJob] = []
+        self._jobs: list[ReadJob] = []
         self._open: dict[str, ReadHandle] = {}
-        self._arena: _Arena | None = None
-        self._spill: _Spill | None = None
+        self._arena: Arena | None = None
+        self._spill: Spill | None = None
         self._done = False
         self.staged_bytes = 0  # held in host memory between the phases (scratch, or old bytes of in-place items)
         self.verified_only_bytes = 0  # read twice: from storage, then from a pinned source
@@ -145,7 +150,7 @@ class GuardedReader(StorageReader):
         fut.set_result(None)
         return fut
 
-    def _plan_jobs(self, plan: LoadPlan, planner: LoadPlanner) -> list[_ReadJob]:
+    def _plan_jobs(self, plan: LoadPlan, planner: LoadPlanner) -> list[ReadJob]:
         # Grouped by the stored item's identity (one object per item of the metadata): cheaper than
         # hashing every field of it.
         by_item: dict[int, tuple[StoredItem, list[ReadItem]]] = {}
@@ -165,15 +170,15 @@ class GuardedReader(StorageReader):
                 group[1].append(req)
         # Resolve destinations on this thread (the planner is not ours to call concurrently); resolving
         # only returns views of the caller's tensors.
-        jobs: list[_ReadJob] = []
+        jobs: list[ReadJob] = []
         for stored, reqs in sorted(by_item.values(), key=lambda kv: (kv[0].file, kv[0].offset)):
             if reqs[0].type == LoadItemType.BYTE_IO:
-                job = _ReadJob(stored, reqs, [], mode=_STAGED)  # objects are decoded (and checked) now
+                job = ReadJob(stored, reqs, [], mode=STAGED)  # objects are decoded (and checked) now
             else:
-                job = _ReadJob(stored, reqs, [planner.resolve_tensor(r).detach() for r in reqs])
+                job = ReadJob(stored, reqs, [planner.resolve_tensor(r).detach() for r in reqs])
                 job.check_fits()
             jobs.append(job)
-        _no_in_place_for_aliases(jobs)
+        no_in_place_for_aliases(jobs)
         budget = self.memory_bytes
         arena_bytes = 0
         for job in jobs:
@@ -183,40 +188,40 @@ class GuardedReader(StorageReader):
                 self.staged_bytes += length
                 continue
             if job.direct is not None and not self.backup:
-                job.mode = _IN_PLACE  # fresh destinations: nothing to put back, nothing to hold
+                job.mode = IN_PLACE  # fresh destinations: nothing to put back, nothing to hold
                 continue
             if length <= budget:
-                job.mode = _IN_PLACE if job.direct is not None else _STAGED
+                job.mode = IN_PLACE if job.direct is not None else STAGED
                 budget -= length
                 self.staged_bytes += length
                 job.slot = arena_bytes
                 arena_bytes += -(-length // _ALIGN) * _ALIGN
             else:
-                job.mode = _VERIFIED
+                job.mode = VERIFIED
                 self.verified_only_bytes += length
-        self._arena = _Arena(arena_bytes)
+        self._arena = Arena(arena_bytes)
         self._jobs = jobs
         return jobs
 
-    def _read_and_verify(self, jobs: list[_ReadJob]) -> None:
-        by_file: dict[str, list[_ReadJob]] = defaultdict(list)
+    def _read_and_verify(self, jobs: list[ReadJob]) -> None:
+        by_file: dict[str, list[ReadJob]] = defaultdict(list)
         for job in jobs:
             by_file[job.stored.file].append(job)
         files = sorted(by_file.items())
-        # Files a second read comes from: kept open where an open handle keeps the bytes (POSIX: a
-        # rename or unlink by retention changes nothing for it), as many as the descriptor limit allows;
-        # the verified bytes of the others are spilled to a local temporary file.
-        second = [rel for rel, fj in files if any(j.mode == _VERIFIED for j in fj)]
-        keep = set(second[:_keepable(len(second))]) if self.storage.has_directories else set()
+        # Files a second read comes from: kept open where an open handle keeps the bytes (a rename or
+        # unlink by retention changes nothing for it), as many as the descriptor limit allows; the
+        # verified bytes of the others are spilled to a local temporary file.
+        second = [rel for rel, fj in files if any(j.mode == VERIFIED for j in fj)]
+        keep = set(second[:_keepable(len(second))]) if self.storage.keeps_open_files else set()
         if len(keep) < len(second):
-            self._spill = _Spill()
+            self._spill = Spill()
             self.spilled_bytes = sum(j.stored.length for rel, fj in files if rel not in keep
-                                     for j in fj if j.mode == _VERIFIED)
+                                     for j in fj if j.mode == VERIFIED)
         first = [True]
         lock = threading.Lock()
         stop = threading.Event()
 
-        def read_file(rel: str, file_jobs: list[_ReadJob]) -> None:
+        def read_file(rel: str, file_jobs: list[ReadJob]) -> None:
             if stop.is_set():
                 return
             path = os.path.join(self.checkpoint_dir, rel)
@@ -249,14 +254,14 @@ class GuardedReader(StorageReader):
                 job.obj = decode_object(job.reqs[0].dest_index.fqn, io.BytesIO(job.raw))
                 job.raw = None
 
-    def _read_file(self, fd: ReadHandle, path: str, file_jobs: list[_ReadJob], keep: bool, first: list[bool],
+    def _read_file(self, fd: ReadHandle, path: str, file_jobs: list[ReadJob], keep: bool, first: list[bool],
                    lock: threading.Lock, stop: threading.Event) -> bool:
         """Phase 1 for one file's items, in offset order; whether ``fd`` is kept for the second read."""
         arena = self._arena
         assert arena is not None
-        batch: list[tuple[_ReadJob, memoryview]] = []
+        batch: list[tuple[ReadJob, memoryview]] = []
         batch_bytes = 0
-        checks: list[_ReadJob] = []  # consecutive verified-only items, read together into `chunk`
+        checks: list[ReadJob] = []  # consecutive verified-only items, read together into `chunk`
         checks_bytes = 0
         chunk: memoryview | None = None
 
@@ -266,7 +271,7 @@ class GuardedReader(StorageReader):
                 raise _Stopped()
             if batch:
                 for job, _ in batch:
-                    if job.mode == _IN_PLACE and self.backup:
+                    if job.mode == IN_PLACE and self.backup:
                         job.save_old(arena)  # just before its bytes change: what close() puts back
                 fd.read_into([v for _, v in batch], batch[0][0].stored.offset)
                 for job, view in batch:
@@ -290,11 +295,11 @@ class GuardedReader(StorageReader):
                 checks, checks_bytes = [], 0
 
         for job in file_jobs:  # in offset order
-            if job.mode != _VERIFIED:
+            if job.mode != VERIFIED:
                 view = job.destination(arena)
                 # Consecutive items read into memory: one preadv() for many of them.
                 if checks or (batch and (len(batch) >= _MAX_IOV or batch_bytes >= 64 << 20 or
-                                         not _follows(batch[-1][0], job))):
+                                         not follows(batch[-1][0], job))):
                     flush()
                 batch.append((job, view))
                 batch_bytes += len(view)
@@ -302,7 +307,7 @@ class GuardedReader(StorageReader):
                 if chunk is None:
                     chunk = memoryview(bytearray(_CHUNK))
                 if batch or (checks and (checks_bytes + job.stored.length > _CHUNK
-                                         or not _follows(checks[-1], job))):
+                                         or not follows(checks[-1], job))):
                     flush()
                 if job.stored.length > _CHUNK:
                     job.verify_streaming(fd, path, self.algorithm, chunk, None if keep else self._spill)
@@ -337,9 +342,9 @@ class GuardedReader(StorageReader):
                             buf.seek(0)
                             planner.load_bytes(req, buf)
                     continue
-                if job.placed or job.mode == _IN_PLACE:
+                if job.placed or job.mode == IN_PLACE:
                     pass
-                elif job.mode == _VERIFIED:
+                elif job.mode == VERIFIED:
                     self._read_into_place(job)
                 else:
                     job.copy_into_place()
@@ -360,18 +365,18 @@ class GuardedReader(StorageReader):
 
     def _read_direct_into_place(self) -> None:
         """Verified-only items that go straight into their destinations: one preadv() for many."""
-        by_file: dict[str, list[tuple[_ReadJob, memoryview]]] = defaultdict(list)
+        by_file: dict[str, list[tuple[ReadJob, memoryview]]] = defaultdict(list)
         for job in self._jobs:
-            if job.mode == _VERIFIED and job.direct is not None:
+            if job.mode == VERIFIED and job.direct is not None:
                 by_file[job.stored.file].append((job, job.direct))
         for rel, items in by_file.items():
             path = os.path.join(self.checkpoint_dir, rel)
             fd, spilled = self._second_source(rel, path)
-            batches: list[list[tuple[_ReadJob, memoryview]]] = []
+            batches: list[list[tuple[ReadJob, memoryview]]] = []
             batch_bytes = 0
             for job, view in items:
                 if not batches or len(batches[-1]) >= _MAX_IOV or batch_bytes >= 64 << 20 \
-                        or not _follows_at(batches[-1][-1][0], job, spilled):
+                        or not follows_at(batches[-1][-1][0], job, spilled):
                     batches.append([])
                     batch_bytes = 0
                 batches[-1].append((job, view))
@@ -386,7 +391,7 @@ class GuardedReader(StorageReader):
                         raise _torn(e, self.rank, path) from None
                     job.placed = True
 
-    def _read_into_place(self, job: _ReadJob) -> None:
+    def _read_into_place(self, job: ReadJob) -> None:
         path = os.path.join(self.checkpoint_dir, job.stored.file)
         fd, spilled = self._second_source(job.stored.file, path)
         view = job.allocate_scratch()
@@ -442,245 +447,8 @@ def _keepable(wanted: int) -> int:
     return max(0, min(wanted, soft - in_use - _FD_MARGIN))
 
 
-def _no_in_place_for_aliases(jobs: list[_ReadJob]) -> None:
-    """Items whose destinations share memory with another item's (tied weights) are staged, not read
-    in place: their old bytes could not be told apart when put back. A destination read in place
-    spans its own bytes; any other, conservatively, its whole storage."""
-    spans: list[tuple[int, int, _ReadJob]] = []
-    for job in jobs:
-        if job.direct is not None:
-            t = job.targets[0]
-            spans.append((t.data_ptr(), t.data_ptr() + len(job.direct), job))
-            continue
-        for t in job.targets:
-            if t.is_cpu and t.numel():
-                storage = t.untyped_storage()
-                spans.append((storage.data_ptr(), storage.data_ptr() + storage.nbytes(), job))
-    spans.sort(key=lambda s: s[0])
-    end = -1
-    last: _ReadJob | None = None
-    for lo, hi, job in spans:
-        if lo < end and last is not None and last is not job:
-            job.direct = None
-            last.direct = None
-        if hi > end:
-            end, last = hi, job
-
-
-def _follows(prev: _ReadJob, job: _ReadJob) -> bool:
-    return prev.stored.offset + prev.stored.length == job.stored.offset
-
-
-def _follows_at(prev: _ReadJob, job: _ReadJob, spilled: bool) -> bool:
-    if spilled:
-        return prev.spill_at >= 0 and prev.spill_at + prev.stored.length == job.spill_at
-    return _follows(prev, job)
-
-
 def _torn(err: CorruptCheckpointError, rank: int, path: str) -> TornLoadError:
     return TornLoadError(
         f"{err} The same bytes were verified moments before, so the file was modified in place during "
         "this load (ckptguard never does that). Part of this checkpoint may already be in the state "
         "being loaded: load again.", rank=rank, path=path)
-
-
-class _Arena:
-    """The host memory of one load's staged items and saved old bytes: one anonymous mapping instead
-    of an allocation per item (a small tensor's allocation cost more than its copy)."""
-
-    def __init__(self, size: int) -> None:
-        self._map = mmap.mmap(-1, size) if size else None
-        self.view = memoryview(self._map) if self._map is not None else memoryview(bytearray())
-
-    def close(self) -> None:
-        self.view.release()
-        if self._map is not None:
-            with contextlib.suppress(BufferError):  # a scratch tensor still refers to it: it goes with the last
-                self._map.close()
-            self._map = None
-
-
-class _Spill:
-    """Verified bytes kept for the second read in an unlinked local temporary file (TMPDIR): what a
-    load re-reads instead of storage that retention may have changed since (objects; files beyond
-    the descriptor limit). It is the load's own: nothing else can delete or change it."""
-
-    path = "the load's spill file"
-
-    def __init__(self) -> None:
-        self._file = tempfile.TemporaryFile(prefix="ckptguard-load-")  # noqa: SIM115  # closed by close()
-        self.fd = self._file.fileno()
-        self._end = 0
-        self._lock = threading.Lock()
-
-    def append(self, data: memoryview) -> int:
-        """Write ``data`` at the end; where it starts."""
-        with self._lock:
-            at = self._end
-            self._end += len(data)
-        done = 0
-        while done < len(data):
-            done += os.pwrite(self.fd, data[done:], at + done)
-        return at
-
-    def size(self) -> int:
-        return self._end
-
-    def read_into(self, views: Sequence[memoryview], offset: int) -> None:
-        pending = [v for v in views if len(v)]
-        done = 0
-        while pending:
-            n = os.preadv(self.fd, pending[:1024], offset + done)
-            if n <= 0:
-                raise CorruptCheckpointError(f"{self.path} ended early at {offset + done}")
-            done += n
-            while pending and n >= len(pending[0]):
-                n -= len(pending[0])
-                pending.pop(0)
-            if n:
-                pending[0] = pending[0][n:]
-
-    def close(self) -> None:
-        self._file.close()
-
-
-_IN_PLACE, _STAGED, _VERIFIED = "in place", "staged", "verified only"
-
-
-@dataclass
-class _ReadJob:
-    stored: StoredItem
-    reqs: list[ReadItem]
-    targets: list[torch.Tensor]
-    mode: str = _STAGED
-    direct: memoryview | None = field(default=None, repr=False)  # the destination's bytes, if read straight there
-    slot: int = -1  # offset in the arena: scratch bytes (staged) or the old bytes (in place)
-    spill_at: int = -1  # offset in the spill file of a verified-only item
-    raw: bytearray | None = None  # an object's bytes, until decoded
-    obj: Any = None  # an object, decoded
-    scratch: torch.Tensor | None = field(default=None, repr=False)
-    scratch_view: memoryview | None = field(default=None, repr=False)
-    old: memoryview | None = field(default=None, repr=False)  # the destination's bytes before this load
-    placed: bool = False  # read straight into its destination in the apply phase
-
-    def __post_init__(self) -> None:
-        self.direct = self._direct_view()
-
-    def check_fits(self) -> None:
-        """Every destination can take its piece (checked before anything is copied)."""
-        s = self.stored
-        if s.shape is None:
-            raise CheckpointError(f"{s.fqn}: a tensor is expected where the checkpoint stores an object")
-        for req, target in zip(self.reqs, self.targets, strict=True):
-            if tuple(target.shape) != tuple(req.lengths):
-                raise CheckpointError(f"{s.fqn}: stored piece {list(req.lengths)} does not fit destination "
-                                      f"{list(target.shape)}")
-
-    def destination(self, arena: _Arena) -> memoryview:
-        """Where phase 1 reads this item: its destination (in place), an arena slot (staged tensor),
-        or fresh bytes (an object)."""
-        s = self.stored
-        if self.mode == _IN_PLACE:
-            assert self.direct is not None
-            return self.direct
-        if s.shape is None:
-            buf = bytearray(s.length)
-            self.raw = buf
-            return memoryview(buf)
-        view = arena.view[self.slot:self.slot + s.length] if self.slot >= 0 else None
-        return self._scratch(view)
-
-    def allocate_scratch(self) -> memoryview:
-        """Scratch memory for the second read of a verified-only item that cannot go straight into place."""
-        return self._scratch(None)
-
-    def _scratch(self, view: memoryview | None) -> memoryview:
-        s = self.stored
-        assert s.shape is not None
-        dtype = dtype_from_name(s.dtype or "")
-        numel = 1
-        for d in s.shape:
-            numel *= d
-        if view is None or not numel:
-            self.scratch = torch.empty(s.shape, dtype=dtype)
-        else:
-            self.scratch = torch.frombuffer(view, dtype=torch.uint8).view(dtype).view(s.shape)
-        got, _ = tensor_bytes(self.scratch) if numel else (memoryview(b""), self.scratch)
-        if len(got) != s.length:
-            raise CorruptCheckpointError(f"{s.fqn}: stored length {s.length} does not match its shape "
-                                         f"{list(s.shape)}")
-        self.scratch_view = got
-        return got
-
-    def save_old(self, arena: _Arena) -> None:
-        assert self.direct is not None and self.slot >= 0
-        old = arena.view[self.slot:self.slot + len(self.direct)]
-        old[:] = self.direct
-        self.old = old
-
-    def restore_old(self) -> None:
-        if self.old is not None and self.direct is not None:
-            self.direct[:] = self.old
-        self.old = None
-
-    def copy_into_place(self) -> None:
-        assert self.scratch is not None
-        direct = self.direct
-        if direct is not None and self.scratch_view is not None and len(self.scratch_view) == len(direct):
-            direct[:] = self.scratch_view  # a plain memcpy: far cheaper than a torch op per small tensor
-            return
-        for req, target in zip(self.reqs, self.targets, strict=True):
-            target.copy_(narrow(self.scratch, req.storage_offsets, req.lengths))
-
-    def release(self) -> None:
-        self.scratch = None
-        if self.scratch_view is not None:
-            self.scratch_view.release()
-        self.scratch_view = None
-        self.obj = None
-        self.old = None
-
-    def _direct_view(self) -> memoryview | None:
-        """The destination's own bytes, if the stored bytes can go straight into them (cheap checks
-        first: this runs for every item of every load)."""
-        if len(self.targets) != 1 or self.stored.shape is None:
-            return None
-        t, req = self.targets[0], self.reqs[0]
-        if (not t.is_contiguous() or t.is_cpu is False or tuple(t.shape) != self.stored.shape
-                or tuple(req.lengths) != self.stored.shape or any(req.storage_offsets) or not t.numel()
-                or dtype_name(t.dtype) != self.stored.dtype or t.is_conj() or t.is_neg()):
-            return None
-        if t.dtype in _NUMPY_DTYPES:
-            view = memoryview(t.numpy()).cast("B")  # type: ignore[arg-type]  # ndarray is a buffer
-        else:
-            view, _ = tensor_bytes(t)
-        return view if len(view) == self.stored.length else None
-
-    def verify_streaming(self, fd: ReadHandle, path: str, algorithm: str, chunk: memoryview,
-                         spill: _Spill | None) -> None:
-        """Check an item's checksum reading it in chunks (kept in ``spill`` if given)."""
-        s = self.stored
-        hasher = Hasher(algorithm)
-        pos = 0
-        while pos < s.length:
-            n = min(len(chunk), s.length - pos)
-            fd.read_into([chunk[:n]], s.offset + pos)
-            hasher.update(chunk[:n])
-            if spill is not None:
-                at = spill.append(chunk[:n])
-                if not pos:
-                    self.spill_at = at
-            pos += n
-        self._compare(hasher.hexdigest(), path)
-
-    def verify(self, view: memoryview, path: str, algorithm: str) -> None:
-        self._compare(checksum(algorithm, view), path)
-
-    def _compare(self, got: str, path: str) -> None:
-        if got != self.stored.checksum:
-            s = self.stored
-            raise CorruptCheckpointError(
-                f"checksum mismatch in {path}, bytes {s.offset}..{s.offset + s.length} ({s.fqn}): "
-                f"expected {s.checksum}, read {got}. The checkpoint is corrupt.",
-                path=path,
-            )

@@ -72,15 +72,17 @@ def swap(storage: StorageBackend, path: str, *, decode: Callable[[bytes], R], en
             return decision.result
         if fence is not None:
             fence()
-        if _write(storage, path, current, None if isinstance(decision, Remove) else encode(decision.record)):
+        if swap_once(storage, path, current, None if isinstance(decision, Remove) else encode(decision.record)):
             return decision.result
         if attempt + 1 < rounds and pause_s > 0:
             time.sleep(pause_s * min(8, attempt + 1))
     raise SwapConflictError(f"could not {what}: {path} kept changing under this job ({rounds} tries)", path=path)
 
 
-def _write(storage: StorageBackend, path: str, current: tuple[bytes, str] | None, data: bytes | None) -> bool:
-    """One swap (``data`` None: a compare-and-delete); whether it landed.
+def swap_once(storage: StorageBackend, path: str, current: tuple[bytes, str] | None, data: bytes | None) -> bool:
+    """One swap over the version ``current`` read (None: create only if absent; ``data`` None: a
+    compare-and-delete); whether it landed. The write of every round of :func:`swap`, and the lease's
+    takeover, which is one round judged by the acquiring loop (see ``Lease.acquire``).
 
     A swap whose answer was lost may have landed: it is settled by reading the
     record back (ours: landed; anything else: this round lost, and a late

@@ -22,7 +22,7 @@ from ckptguard.protocol.topology import Topology
 @dataclass(frozen=True)
 class Committed:
     """A committed checkpoint as every storage domain agrees on it: the step's current version, and
-    its commit sequence number (None: written by an older ckptguard, which recorded none)."""
+    its commit sequence number (None: its manifest is damaged, and a load reports it corrupt)."""
 
     version: int
     seq: int | None
@@ -91,7 +91,7 @@ def agreed_listing(listings: list[DomainListing | None]) -> Listing:
 
 
 def order_key(step: int, committed: Committed) -> tuple[int, int, int]:
-    """Commit order: checkpoints without a sequence number (older ckptguard) first, by step; then
+    """Commit order: checkpoints without a sequence number (a damaged manifest) first, by step; then
     every sequenced one by its sequence number."""
     if committed.seq is None:
         return (0, step, 0)

@@ -24,7 +24,6 @@ renewing it.
 from __future__ import annotations
 
 import contextlib
-import functools
 import json
 import logging
 import os
@@ -45,7 +44,7 @@ from ckptguard.errors import (
     MalformedRecordError,
 )
 from ckptguard.protocol import layout, records
-from ckptguard.protocol.cas import Keep, Put, Remove, SwapConflictError, swap
+from ckptguard.protocol.cas import Keep, Put, Remove, SwapConflictError, swap, swap_once
 from ckptguard.storage import StorageBackend
 
 log = logging.getLogger("ckptguard")
@@ -123,7 +122,7 @@ class LeaseRecord:
     acquired_at: float
     renewed_at: float
     ttl_s: float
-    pid_ns: str = ""  # "" when unknown (a record of an older ckptguard): no dead-pid shortcut then
+    pid_ns: str = ""  # "" when unknown (no /proc/self/ns/pid on its host): no dead-pid shortcut then
 
     def to_bytes(self) -> bytes:
         return (json.dumps(asdict(self), sort_keys=True) + "\n").encode()
@@ -204,8 +203,7 @@ class Lease:
             if not self.storage.exists(self.path):
                 if fence is not None:
                     fence()
-                create = functools.partial(self.storage.create_exclusive, self.path, self._record(1).to_bytes())
-                if self._settled(create, 1):
+                if swap_once(self.storage, self.path, None, self._record(1).to_bytes()):
                     self.epoch = 1
                     break
             versioned = self._read_versioned()
@@ -226,10 +224,12 @@ class Lease:
                     if again is None or again[1] != versioned[1]:
                         continue
                     fence()
-                # Compare-and-swap on the version read: of two jobs taking over at once, one wins.
-                swap_in = functools.partial(self.storage.compare_and_swap, self.path, self._record(epoch).to_bytes(),
-                                            versioned[1])
-                if self._settled(swap_in, epoch):
+                # Compare-and-swap on the version judged gone: of two jobs taking over at once, one wins. One
+                # round of swap_once, not cas.swap: cas.swap's fence asks whether this job still holds the
+                # root, which a taker does not yet; the fence that guards a takeover is the version judged
+                # gone (and ``fence`` above, run while it is still there); and a lost round is judged again
+                # by this loop, which waits for a live holder instead of swapping again at once.
+                if swap_once(self.storage, self.path, versioned, self._record(epoch).to_bytes()):
                     self.epoch = epoch
                     break
                 continue
@@ -244,17 +244,6 @@ class Lease:
                 )
             time.sleep(min(1.0, max(0.05, deadline - time.monotonic())))
         self._start_renewal()
-
-    def _settled(self, write: Callable[[], bool], epoch: int) -> bool:
-        """Whether ``write`` (taking the lease at ``epoch``) landed; one whose answer was lost is settled by
-        reading the record back, so a job never fails to start while the root's lease is in fact its own."""
-        try:
-            return write()
-        except OSError:
-            rec = self.read()  # if this fails too, the outcome is unknown: the OSError is raised
-            if rec is not None and rec.holder == self.holder and rec.epoch == epoch:
-                return True
-            raise
 
     def _start_renewal(self) -> None:
         self._stop.clear()

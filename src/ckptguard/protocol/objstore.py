@@ -32,7 +32,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from typing import TYPE_CHECKING, Literal, cast
+from typing import TYPE_CHECKING, Literal
 
 from ckptguard._pool import ExitSafePool
 from ckptguard.errors import (
@@ -42,17 +42,15 @@ from ckptguard.errors import (
     LeaseLostError,
     NotVisibleError,
 )
-from ckptguard.protocol import latest, layout, records, rootkit
+from ckptguard.protocol import latest, layout, objgarbage, records, rootkit
 from ckptguard.protocol.cas import Keep, Put, swap
 from ckptguard.protocol.decisions import DomainListing
 from ckptguard.protocol.layout import CheckpointName
 from ckptguard.protocol.manifest import FileEntry, Manifest
 from ckptguard.protocol.objindex import Index, IndexEntry
-from ckptguard.protocol.records import LatestRecord
 from ckptguard.protocol.rootkit import Garbage
 from ckptguard.protocol.topology import Topology, probe_object_store
 from ckptguard.storage import StorageBackend
-from ckptguard.storage.base import ObjectStore
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -64,23 +62,18 @@ log = logging.getLogger("ckptguard")
 _HEAD_THREADS = 16
 
 
-class ObjectStoreRoot:
+class ObjectStoreRoot(rootkit.RootKit):
     """One checkpoint root on an object store (see the module docstring)."""
 
     #: what the store itself checks on arrival (S3 CRC32C): the manifest records the same
     default_checksum = "crc32c"
 
     def __init__(self, storage: StorageBackend) -> None:
-        self.storage = storage
-        self._fence = rootkit.Fence()
+        super().__init__(storage)
         self.index_path = storage.path(layout.INDEX)
         self.epoch: int | None = None  # the index epoch this job took with the lease (writers only)
 
     # -- where things are ---------------------------------------------------------------
-    @property
-    def path(self) -> str:
-        return self.storage.root
-
     def location(self) -> Literal["ok", "missing", "not a directory"]:
         """Always "ok": a prefix exists once something is written under it."""
         return "ok"
@@ -89,19 +82,9 @@ class ObjectStoreRoot:
         """None: an object store is no directory here (a files= path cannot lie inside it)."""
         return None
 
-    def dir(self, name: CheckpointName) -> str:
-        return rootkit.checkpoint_dir(self.storage, name)
-
-    def staging_dir(self, step: int, attempt: str) -> str:
-        return rootkit.staging_dir(self.storage, step, attempt)
-
     def probe_domains(self, comm: Comm, *, write: bool) -> Topology:
         """One domain (every rank reaches the same store), checked by a probe object when writing."""
         return probe_object_store(comm, self.storage, write=write)
-
-    def set_fence(self, fence: Callable[[str], None]) -> None:
-        """``fence(acting)`` raises LeaseLostError once this job no longer holds the root's lease."""
-        self._fence.set(fence)
 
     # -- the index ---------------------------------------------------------------------
     def read_index(self) -> tuple[Index, str | None]:
@@ -188,8 +171,10 @@ class ObjectStoreRoot:
             return f"{entry.name.dirname} ({entry.attempt}) aborted"
         manifest = self._commit_manifest(entry.name)
         if manifest is not None and manifest.attempt == entry.attempt:
-            # The manifest's own sequence number, so that listing, `latest` and the manifest agree.
-            seq = manifest.commit_seq if manifest.commit_seq is not None else index.next_seq
+            # The manifest's own sequence number, so that listing, `latest` and the manifest agree (a
+            # parsed manifest always has one: rootkit.parse_manifest refuses one without).
+            seq = manifest.commit_seq
+            assert seq is not None
             entry.state, entry.seq = "committed", seq
             index.next_seq = max(index.next_seq, seq + 1)
             return f"{entry.name.dirname} ({entry.attempt}) committed"
@@ -207,12 +192,6 @@ class ObjectStoreRoot:
         """The attempt a commit object names (None: absent, a tombstone or not a manifest)."""
         manifest = self._commit_manifest(name)
         return manifest.attempt if manifest is not None else None
-
-    def read_manifest(self, name: CheckpointName) -> Manifest:
-        return self.parse_manifest(name, self.read_manifest_bytes(name))
-
-    def read_manifest_bytes(self, name: CheckpointName) -> bytes:
-        return rootkit.read_manifest_bytes(self.storage, name)
 
     def parse_manifest(self, name: CheckpointName, data: bytes, seq: int | None = None) -> Manifest:
         return rootkit.parse_manifest(self.storage, name, data, seq)
@@ -252,10 +231,6 @@ class ObjectStoreRoot:
                 out.setdefault(e.step, {})[e.version] = e.seq
         return out
 
-    def current(self) -> dict[int, CheckpointName]:
-        """The newest version of each committed step (tools)."""
-        return layout.newest_versions(self.committed())
-
     def still_committed(self, name: CheckpointName, seq: int | None) -> bool:
         """Retention takes a checkpoint out of the index before it deletes its commit object, so one the
         index still holds as committed (with the same sequence number) was not retired: if its commit
@@ -273,12 +248,6 @@ class ObjectStoreRoot:
         """The highest commit sequence number `latest` knows, and every number the index handed out (a
         step deleted and saved again gets a new one)."""
         return max(latest.high_seq(self.read_latest()), self.read_index()[0].next_seq - 1)
-
-    def read_latest(self) -> LatestRecord | None:
-        return latest.read(self.storage)
-
-    def latest_problem(self) -> str | None:
-        return latest.problem(self.storage)
 
     def walk(self, path: str) -> list[tuple[str, int]]:
         """Every object under ``path`` with its size (a prefix holds nothing but objects)."""
@@ -388,7 +357,8 @@ class ObjectStoreRoot:
             if e.state == "committed":
                 return False  # adopted meanwhile, or our own retried update
             # The commit sequence number is the manifest's (decided by rank 0 at plan time, above any
-            # seen), so listing, `latest` and the manifest agree; next_seq stays for older indexes.
+            # seen), so listing, `latest` and the manifest agree; next_seq keeps the highest number
+            # handed out (latest_seq reads it: a step deleted and saved again gets a new one).
             e.state, e.seq = "committed", _commit_seq_of(data)
             index.next_seq = max(index.next_seq, (e.seq or 0) + 1)
             return True
@@ -445,7 +415,7 @@ class ObjectStoreRoot:
     def retire(self, path: str) -> str | None:
         """A committed checkpoint: out of the index first, then its commit object; its data prefix is
         returned for removal. Anything else (an attempt's prefix) is returned as is."""
-        rel = _rel(path, self.path)
+        rel = rootkit.relative(path, self.path)
         name = CheckpointName.parse(rel) if rel is not None and "/" not in rel else None
         if name is None:
             self.guard(f"retire {path}")
@@ -479,16 +449,6 @@ class ObjectStoreRoot:
         except CheckpointError:
             return None
 
-    def invalidate(self, path: str) -> None:
-        retired = self.retire(path)
-        if retired is not None:
-            self.remove_retired(retired)
-
-    def remove_retired(self, path: str) -> None:
-        """Remove the objects under a prefix :meth:`retire` returned (under the fence)."""
-        self.guard(f"remove {path}")
-        self.storage.remove_tree(path)
-
     def discard_attempt(self, staging: str, name: CheckpointName, attempt: str) -> None:
         """Remove the data of a save that failed, unless it may be committed after all: an attempt the
         index records as pending is settled first (adopted if its commit object is ours, else aborted by a
@@ -513,48 +473,12 @@ class ObjectStoreRoot:
         self.remove_retired(staging)
 
     def garbage(self, keep_attempts: frozenset[str] = frozenset(), min_probe_age_s: float = 600.0) -> Garbage:
-        """Attempts no index entry names (a listing finds candidates; the index, read after the listing,
-        decides: a stale listing can only hide garbage, never offer a committed checkpoint's data),
-        attempts with multipart uploads left open, old probes, superseded versions."""
-        staging_root = self.storage.path(layout.STAGING)
-        candidates = set(self.storage.listdir(staging_root))
-        store = _as_object_store(self.storage)
-        uploads = store.uploads_in_progress(staging_root) if store is not None else []
-        for upload_path, _ in uploads:
-            candidates.add(_attempt_dir(upload_path, staging_root))
-        index, _ = self.read_index()
-        live = {e.attempt for e in index.entries if e.state != "aborted"} | set(keep_attempts)
-        staging = []
-        for entry in sorted(candidates):
-            parsed = layout.parse_staging(entry)
-            if parsed is None or parsed[1] not in live:
-                staging.append(self.storage.path(layout.STAGING, entry))
-        # Uploads left open inside live attempts (a retried completion, a killed writer): abort them too.
-        # A committed attempt's objects are complete; the current attempt has completed before this runs.
-        if store is not None and uploads:
-            self.guard("abort multipart uploads left open")
-            for upload_path, upload_id in uploads:
-                parsed = layout.parse_staging(_attempt_dir(upload_path, staging_root))
-                if parsed is not None and parsed[1] in live and parsed[1] not in keep_attempts:
-                    store.abort_upload(upload_path, upload_id)
+        """Attempts no index entry names, attempts with multipart uploads left open
+        (:func:`~ckptguard.protocol.objgarbage.staging_garbage`), old probes."""
+        staging = objgarbage.staging_garbage(
+            self.storage, lambda: {e.attempt for e in self.read_index()[0].entries if e.state != "aborted"},
+            keep_attempts, self.guard)
         return Garbage(staging, [], rootkit.old_probes(self.storage, min_probe_age_s))
-
-
-def _rel(path: str, base: str) -> str | None:
-    """``path`` relative to ``base`` (URLs are not normalised the way os.path would)."""
-    return path[len(base) + 1:] if path.startswith(base.rstrip("/") + "/") else None
-
-
-def _attempt_dir(path: str, staging_root: str) -> str:
-    return (_rel(path, staging_root) or "").split("/", 1)[0]
-
-
-def _is_object_store(storage: StorageBackend) -> bool:
-    return callable(getattr(storage, "uploads_in_progress", None))
-
-
-def _as_object_store(storage: StorageBackend) -> ObjectStore | None:
-    return cast("ObjectStore", storage) if _is_object_store(storage) else None
 
 
 def _tombstone(attempt: str, epoch: int) -> bytes:

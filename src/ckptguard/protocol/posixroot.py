@@ -28,27 +28,17 @@ from ckptguard.protocol import latest, layout, rootkit
 from ckptguard.protocol.decisions import DomainListing
 from ckptguard.protocol.layout import CheckpointName
 from ckptguard.protocol.manifest import FileEntry, Manifest
-from ckptguard.protocol.records import LatestRecord
 from ckptguard.protocol.rootkit import Garbage
 from ckptguard.protocol.topology import Topology, host_domains, probe_storage_domains
-from ckptguard.storage import StorageBackend
 
 
-class PosixRoot:
+class PosixRoot(rootkit.RootKit):
     """One checkpoint root on a filesystem, as this rank sees it (see the module docstring)."""
 
     #: checksummed by ckptguard while written (the filesystem checks nothing on arrival)
     default_checksum = DEFAULT_ALGORITHM
 
-    def __init__(self, storage: StorageBackend) -> None:
-        self.storage = storage
-        self._fence = rootkit.Fence()
-
     # -- where things are ---------------------------------------------------------------
-    @property
-    def path(self) -> str:
-        return self.storage.root
-
     def location(self) -> Literal["ok", "missing", "not a directory"]:
         if os.path.isdir(self.path):
             return "ok"
@@ -57,12 +47,6 @@ class PosixRoot:
     def local_dir(self) -> str | None:
         """The root's real path on this machine's filesystem."""
         return os.path.realpath(self.path)
-
-    def dir(self, name: CheckpointName) -> str:
-        return rootkit.checkpoint_dir(self.storage, name)
-
-    def staging_dir(self, step: int, attempt: str) -> str:
-        return rootkit.staging_dir(self.storage, step, attempt)
 
     def data_dir(self, name: CheckpointName, manifest: Manifest) -> str:
         """Where the files of a committed checkpoint are: its directory."""
@@ -73,10 +57,6 @@ class PosixRoot:
         return probe_storage_domains(comm, self.storage) if write else host_domains(comm)
 
     # -- the fence ----------------------------------------------------------------------
-    def set_fence(self, fence: Callable[[str], None]) -> None:
-        """``fence(acting)`` raises LeaseLostError once this job no longer holds the root."""
-        self._fence.set(fence)
-
     def guard(self, acting: str) -> None:
         """Raise LeaseLostError unless this job still holds the root: called immediately before every
         change to shared state (a pointer move, a retirement, a removal), so a job that stalled while
@@ -109,11 +89,6 @@ class PosixRoot:
                 names.append(name)
         return sorted(names)
 
-    def current(self) -> dict[int, CheckpointName]:
-        """The newest version of each committed step in this domain (tools; the protocol agrees on
-        versions across domains with :meth:`listing`)."""
-        return layout.newest_versions(self.committed())
-
     def listing(self) -> DomainListing:
         """Every committed checkpoint of this domain: step -> {version: commit sequence number}."""
         out: DomainListing = {}
@@ -139,18 +114,6 @@ class PosixRoot:
         is numbered above it, so a step deleted and saved again never gets its old number back (a
         reader holding the old manifest tells the two apart by it)."""
         return latest.high_seq(self.read_latest())
-
-    def read_latest(self) -> LatestRecord | None:
-        return latest.read(self.storage)
-
-    def latest_problem(self) -> str | None:
-        return latest.problem(self.storage)
-
-    def read_manifest(self, name: CheckpointName) -> Manifest:
-        return self.parse_manifest(name, self.read_manifest_bytes(name))
-
-    def read_manifest_bytes(self, name: CheckpointName) -> bytes:
-        return rootkit.read_manifest_bytes(self.storage, name)
 
     def parse_manifest(self, name: CheckpointName, data: bytes, seq: int | None = None) -> Manifest:
         manifest = rootkit.parse_manifest(self.storage, name, data, seq)
@@ -313,17 +276,6 @@ class PosixRoot:
         except FileNotFoundError:
             return None
         return target
-
-    def invalidate(self, path: str) -> None:
-        """Delete a checkpoint or leftover: first rename it out of sight (atomic), then remove it."""
-        retired = self.retire(path)
-        if retired is not None:
-            self.remove_retired(retired)
-
-    def remove_retired(self, path: str) -> None:
-        """Remove the bytes of something :meth:`retire` took out of sight (under the fence)."""
-        self.guard(f"remove {path}")
-        self.storage.remove_tree(path)
 
     def discard_attempt(self, staging: str, name: CheckpointName, attempt: str) -> None:
         """Remove the data of a save that failed, unless it may be committed after all.

@@ -2,7 +2,7 @@
 
 What a framework's ``load_checkpoint(path)`` needs: it has no modules to load into.
 Every tensor comes back whole (resharded from however it was saved) on the CPU, every
-value decoded (``codec.decode_value``); ``PerRank`` values come back under their key,
+value decoded (``values.decode_value``); ``PerRank`` values come back under their key,
 this rank's own. The bytes are verified as in a load; a corrupt newest checkpoint falls
 back to an older one, with a warning, when no step was asked for.
 
@@ -18,10 +18,11 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
-from ckptguard.dcp.codec import decode_value, metadata_from_json, split_per_rank_key, unflatten
+from ckptguard.dcp.codec import metadata_from_json
 from ckptguard.dcp.drive import read_locally
 from ckptguard.dcp.planners import SafeLoadPlanner
 from ckptguard.dcp.reader import GuardedReader
+from ckptguard.dcp.values import decode_value, split_per_rank_key, unflatten
 from ckptguard.errors import StepNotFoundError
 from ckptguard.protocol.decisions import Listing, commit_order
 from ckptguard.protocol.layout import CheckpointName

@@ -9,10 +9,10 @@ Two roots implement it, each complete on its own:
     PosixRoot        (protocol/posixroot.py)  commit by renaming the attempt directory
     ObjectStoreRoot  (protocol/objstore.py)   commit by a conditional create; a CAS'd index
 
-What they share is in protocol/rootkit.py (functions, not a base class). A new
-backend implements ``Root`` (or reuses one of the two with its StorageBackend),
-adds one line to ``_ROOTS``, and passes tests/test_root_conformance.py
-(docs/architecture.md, "Adding a backend").
+What they share is in protocol/rootkit.py: functions, and ``RootKit``, the methods that are the
+same word for word (neither root overrides any). A new backend implements ``Root`` (or reuses one
+of the two with its StorageBackend), adds one line to ``_ROOTS``, and passes
+tests/test_root_conformance.py (docs/architecture.md, "Adding a backend").
 """
 
 from __future__ import annotations

@@ -1,8 +1,10 @@
-"""What the two roots share, as plain functions over a storage backend (no base class to override).
+"""What the two roots share: plain functions over a storage backend, and :class:`RootKit`.
 
 :class:`~ckptguard.protocol.posixroot.PosixRoot` and
-:class:`~ckptguard.protocol.objstore.ObjectStoreRoot` each call these where their
-behaviour is the same: the fence, manifests, old probes, walking a directory.
+:class:`~ckptguard.protocol.objstore.ObjectStoreRoot` each call the functions where their
+behaviour is the same (manifests, old probes, walking a directory), and both take from
+:class:`RootKit` the methods that are the same word for word. ``RootKit`` holds only
+methods neither root overrides: what differs is written in each root, never overridden.
 """
 
 from __future__ import annotations
@@ -11,11 +13,13 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 from ckptguard.errors import CorruptCheckpointError
-from ckptguard.protocol import layout
+from ckptguard.protocol import latest, layout
 from ckptguard.protocol.layout import CheckpointName
 from ckptguard.protocol.manifest import HEAD_BYTES, Manifest, commit_seq_from_head
+from ckptguard.protocol.records import LatestRecord
 from ckptguard.storage import StorageBackend
 
 #: The size :func:`walk` reports for an entry that is neither a regular file nor a directory it follows.
@@ -54,6 +58,79 @@ class Fence:
             self._check(acting)
 
 
+class _Root(Protocol):
+    """What :class:`RootKit`'s methods use of the root they are part of."""
+
+    storage: StorageBackend
+
+    def guard(self, acting: str) -> None: ...
+
+    def committed(self) -> list[CheckpointName]: ...
+
+    def parse_manifest(self, name: CheckpointName, data: bytes, seq: int | None = None) -> Manifest: ...
+
+    def read_manifest_bytes(self, name: CheckpointName) -> bytes: ...
+
+    def retire(self, path: str) -> str | None: ...
+
+    def remove_retired(self, path: str) -> None: ...
+
+
+class RootKit:
+    """The methods of a :class:`~ckptguard.protocol.root.Root` that are the same on every backend."""
+
+    def __init__(self, storage: StorageBackend) -> None:
+        self.storage = storage
+        self._fence = Fence()
+
+    @property
+    def path(self) -> str:
+        return self.storage.root
+
+    def dir(self, name: CheckpointName) -> str:
+        return checkpoint_dir(self.storage, name)
+
+    def staging_dir(self, step: int, attempt: str) -> str:
+        return staging_dir(self.storage, step, attempt)
+
+    def set_fence(self, fence: Callable[[str], None]) -> None:
+        """``fence(acting)`` raises LeaseLostError once this job no longer holds the root."""
+        self._fence.set(fence)
+
+    def current(self: _Root) -> dict[int, CheckpointName]:
+        """The newest version of each committed step (tools; the protocol agrees on versions across
+        storage domains with ``listing``)."""
+        return layout.newest_versions(self.committed())
+
+    def read_latest(self) -> LatestRecord | None:
+        return latest.read(self.storage)
+
+    def latest_problem(self) -> str | None:
+        return latest.problem(self.storage)
+
+    def read_manifest(self: _Root, name: CheckpointName) -> Manifest:
+        return self.parse_manifest(name, self.read_manifest_bytes(name))
+
+    def read_manifest_bytes(self, name: CheckpointName) -> bytes:
+        return read_manifest_bytes(self.storage, name)
+
+    def invalidate(self: _Root, path: str) -> None:
+        """Delete a checkpoint or leftover: first take it out of sight (``retire``), then remove it."""
+        retired = self.retire(path)
+        if retired is not None:
+            self.remove_retired(retired)
+
+    def remove_retired(self: _Root, path: str) -> None:
+        """Remove what ``retire`` took out of sight (under the fence)."""
+        self.guard(f"remove {path}")
+        self.storage.remove_tree(path)
+
+
+def relative(path: str, base: str) -> str | None:
+    """``path`` relative to ``base``, None if it is not under it (URLs are not normalised as os.path would)."""
+    return path[len(base) + 1:] if path.startswith(base.rstrip("/") + "/") else None
+
+
 def checkpoint_dir(storage: StorageBackend, name: CheckpointName) -> str:
     return storage.path(name.dirname)
 
@@ -82,6 +159,10 @@ def parse_manifest(storage: StorageBackend, name: CheckpointName, data: bytes, s
         raise CorruptCheckpointError(
             f"{path} describes step {m.step} v{m.version} but sits in {name.dirname}: "
             "the directory was renamed or copied by hand", path=path)
+    if m.commit_seq is None:
+        raise CorruptCheckpointError(
+            f"{path} records no commit sequence number (body.commit_seq; every ckptguard commit records one): "
+            "the manifest was edited or damaged", path=path)
     if seq is not None and m.commit_seq != seq:
         raise CorruptCheckpointError(
             f"{path} records commit sequence number {m.commit_seq}, its head said {seq}: the manifest is "
@@ -92,9 +173,9 @@ def parse_manifest(storage: StorageBackend, name: CheckpointName, data: bytes, s
 def commit_seq(storage: StorageBackend, name: CheckpointName) -> tuple[bool, int | None]:
     """(committed?, its commit sequence number) from the head of its manifest.
 
-    A manifest without a sequence number in its head (an older ckptguard, or a
-    damaged head) is read whole; one that does not parse still counts as committed
-    (a load will report it corrupt), without a sequence number.
+    A manifest whose head holds no sequence number (a damaged head) is read whole;
+    one that does not parse still counts as committed (a load will report it
+    corrupt), without a sequence number.
     """
     path = manifest_path(storage, name)
     try:

@@ -19,8 +19,8 @@ from ckptguard.errors import UnsupportedStorageError
 from ckptguard.storage.base import ObjectStore, ReadHandle, StorageBackend, WriteStream
 from ckptguard.storage.posix import PosixStorage
 
-__all__ = ["ObjectStore", "PosixStorage", "ReadHandle", "StorageBackend", "WriteStream", "is_s3_url", "local_path",
-           "open_storage", "require_s3_extra", "url_scheme"]
+__all__ = ["ObjectStore", "PosixStorage", "ReadHandle", "StorageBackend", "WriteStream", "filesystem_path",
+           "is_s3_url", "local_path", "open_storage", "require_s3_extra", "url_scheme"]
 
 _URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://(.*)$", re.DOTALL)
 SUPPORTED = "local paths, file:// URLs and s3:// URLs (S3 and S3-compatible stores)"
@@ -121,6 +121,13 @@ def local_path(root: str | os.PathLike[str]) -> str:
     raise UnsupportedStorageError(
         f"{text}: no storage backend for {m.group(1)}:// URLs in this ckptguard (supported: {SUPPORTED}). "
         "It was not treated as a local directory.", path=text)
+
+
+def filesystem_path(path: str | os.PathLike[str]) -> str | None:
+    """``path`` as a path on a local filesystem (lock files, rename in place, ranks that may or may not share
+    it), or None where it names an object in a store every rank reaches (no locks, no rename: one PUT
+    replaces it). Refused as :func:`local_path` refuses: a malformed URL or a scheme without a backend."""
+    return None if is_s3_url(path) else local_path(path)
 
 
 def open_storage(root: str | os.PathLike[str], options: Mapping[str, Any] | None = None) -> StorageBackend:

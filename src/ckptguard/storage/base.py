@@ -61,11 +61,27 @@ class StorageBackend(Protocol):
 
     #: the root as the user gave it: a directory or a URL
     root: str
-    #: whether directory entries need an explicit sync to be durable (POSIX), or not (object stores)
-    has_directories: bool
+    #: whether an open :class:`ReadHandle` keeps reading the bytes it opened after the file is renamed or
+    #: unlinked (POSIX: an open descriptor does), so that a second pass over a file may reuse the handle
+    #: instead of holding the bytes in memory or spilling them to local disk
+    keeps_open_files: bool
+    #: whether listing a directory is cheap (local metadata) rather than a request per page to a remote
+    #: service: how far a search through a user's directories may go
+    cheap_listing: bool
 
     def path(self, *parts: str) -> str:
         """The path of ``parts`` under the root."""
+
+    def join(self, directory: str, name: str) -> str:
+        """The path of entry ``name`` of ``directory`` (any directory, not only under the root)."""
+
+    def parent(self, path: str) -> str:
+        """The directory holding ``path``."""
+
+    def is_dir(self, path: str, follow_links: bool = True) -> bool:
+        """Whether ``path`` is a directory that may hold entries (``follow_links=False``: itself one, not a
+        link to one; a FIFO or a file never is). A store without directories answers True for any name:
+        a listing tells whether it holds anything."""
 
     # -- namespace ---------------------------------------------------------------
     def makedirs(self, path: str) -> None: ...
@@ -133,7 +149,7 @@ class StorageBackend(Protocol):
 
 
 class ObjectStore(StorageBackend, Protocol):
-    """A backend without directories or rename (``has_directories`` is False): what else it offers."""
+    """A backend without directories or rename (an object store): what else it offers."""
 
     def uploads_in_progress(self, path: str) -> list[tuple[str, str]]:
         """(path, upload id) of the multipart uploads neither completed nor aborted under ``path``."""

@@ -40,13 +40,27 @@ from ckptguard.storage.fileio import (
 class PosixStorage:
     """A checkpoint root on a POSIX filesystem (see :class:`~ckptguard.storage.base.StorageBackend`)."""
 
-    has_directories = True
+    keeps_open_files = True
+    cheap_listing = True
 
     def __init__(self, root: str) -> None:
         self.root = os.path.abspath(os.fspath(root))
 
     def path(self, *parts: str) -> str:
         return os.path.join(self.root, *parts)
+
+    def join(self, directory: str, name: str) -> str:
+        return os.path.join(directory, name)
+
+    def parent(self, path: str) -> str:
+        return os.path.dirname(os.path.normpath(path))
+
+    def is_dir(self, path: str, follow_links: bool = True) -> bool:
+        try:
+            st = os.stat(path) if follow_links else os.lstat(path)
+        except OSError:
+            return False
+        return stat.S_ISDIR(st.st_mode)
 
     # -- namespace ----------------------------------------------------------------
     def makedirs(self, path: str) -> None:

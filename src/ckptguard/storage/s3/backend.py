@@ -55,7 +55,8 @@ log = logging.getLogger("ckptguard")
 class S3Storage:
     """A checkpoint root ``s3://bucket/prefix`` (see :class:`~ckptguard.storage.base.StorageBackend`)."""
 
-    has_directories = False
+    keeps_open_files = False  # a ranged GET after a delete finds nothing
+    cheap_listing = False  # every page of a listing is a request
 
     def __init__(self, url: str, options: S3Options | dict[str, Any] | None = None) -> None:
         self.options = options if isinstance(options, S3Options) else S3Options.from_mapping(options)
@@ -105,6 +106,15 @@ class S3Storage:
 
     def path(self, *parts: str) -> str:
         return posixpath.join(self.root, *parts)
+
+    def join(self, directory: str, name: str) -> str:
+        return posixpath.join(directory, name)
+
+    def parent(self, path: str) -> str:
+        return posixpath.dirname(path.rstrip("/"))
+
+    def is_dir(self, path: str, follow_links: bool = True) -> bool:
+        return True  # no directories: any name may be a prefix (its listing tells what it holds)
 
     def call(self, what: str, path: str, fn: Callable[[], Any]) -> Any:
         """Run one request (botocore retries it); its errors as OSErrors or typed CheckpointErrors."""

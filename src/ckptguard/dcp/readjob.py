@@ -1,0 +1,265 @@
+"""One item of a load, and where its bytes wait between verification and placement.
+
+A :class:`ReadJob` is one stored item and the destinations it fills: read in place
+(its old bytes saved in the :class:`Arena` to be put back), staged (scratch bytes in
+the arena), or verified only (checked in chunks, its source pinned for a second read:
+a file kept open, or the :class:`Spill`). The reader (dcp/reader.py) decides which
+and drives the phases; this module holds what one item does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import os
+import tempfile
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.planner import ReadItem
+
+from ckptguard.checksum import Hasher, checksum
+from ckptguard.dcp.codec import _NUMPY_DTYPES, dtype_from_name, dtype_name, narrow, tensor_bytes
+from ckptguard.dcp.records import StoredItem
+from ckptguard.errors import CheckpointError, CorruptCheckpointError
+from ckptguard.storage import ReadHandle
+
+
+def no_in_place_for_aliases(jobs: list[ReadJob]) -> None:
+    """Items whose destinations share memory with another item's (tied weights) are staged, not read
+    in place: their old bytes could not be told apart when put back. A destination read in place
+    spans its own bytes; any other, conservatively, its whole storage."""
+    spans: list[tuple[int, int, ReadJob]] = []
+    for job in jobs:
+        if job.direct is not None:
+            t = job.targets[0]
+            spans.append((t.data_ptr(), t.data_ptr() + len(job.direct), job))
+            continue
+        for t in job.targets:
+            if t.is_cpu and t.numel():
+                storage = t.untyped_storage()
+                spans.append((storage.data_ptr(), storage.data_ptr() + storage.nbytes(), job))
+    spans.sort(key=lambda s: s[0])
+    end = -1
+    last: ReadJob | None = None
+    for lo, hi, job in spans:
+        if lo < end and last is not None and last is not job:
+            job.direct = None
+            last.direct = None
+        if hi > end:
+            end, last = hi, job
+
+
+def follows(prev: ReadJob, job: ReadJob) -> bool:
+    return prev.stored.offset + prev.stored.length == job.stored.offset
+
+
+def follows_at(prev: ReadJob, job: ReadJob, spilled: bool) -> bool:
+    if spilled:
+        return prev.spill_at >= 0 and prev.spill_at + prev.stored.length == job.spill_at
+    return follows(prev, job)
+
+
+class Arena:
+    """The host memory of one load's staged items and saved old bytes: one anonymous mapping instead
+    of an allocation per item (a small tensor's allocation cost more than its copy)."""
+
+    def __init__(self, size: int) -> None:
+        self._map = mmap.mmap(-1, size) if size else None
+        self.view = memoryview(self._map) if self._map is not None else memoryview(bytearray())
+
+    def close(self) -> None:
+        self.view.release()
+        if self._map is not None:
+            with contextlib.suppress(BufferError):  # a scratch tensor still refers to it: it goes with the last
+                self._map.close()
+            self._map = None
+
+
+class Spill:
+    """Verified bytes kept for the second read in an unlinked local temporary file (TMPDIR): what a
+    load re-reads instead of storage that retention may have changed since (objects; files beyond
+    the descriptor limit). It is the load's own: nothing else can delete or change it."""
+
+    path = "the load's spill file"
+
+    def __init__(self) -> None:
+        self._file = tempfile.TemporaryFile(prefix="ckptguard-load-")  # noqa: SIM115  # closed by close()
+        self.fd = self._file.fileno()
+        self._end = 0
+        self._lock = threading.Lock()
+
+    def append(self, data: memoryview) -> int:
+        """Write ``data`` at the end; where it starts."""
+        with self._lock:
+            at = self._end
+            self._end += len(data)
+        done = 0
+        while done < len(data):
+            done += os.pwrite(self.fd, data[done:], at + done)
+        return at
+
+    def size(self) -> int:
+        return self._end
+
+    def read_into(self, views: Sequence[memoryview], offset: int) -> None:
+        pending = [v for v in views if len(v)]
+        done = 0
+        while pending:
+            n = os.preadv(self.fd, pending[:1024], offset + done)
+            if n <= 0:
+                raise CorruptCheckpointError(f"{self.path} ended early at {offset + done}")
+            done += n
+            while pending and n >= len(pending[0]):
+                n -= len(pending[0])
+                pending.pop(0)
+            if n:
+                pending[0] = pending[0][n:]
+
+    def close(self) -> None:
+        self._file.close()
+
+
+IN_PLACE, STAGED, VERIFIED = "in place", "staged", "verified only"
+
+
+@dataclass
+class ReadJob:
+    stored: StoredItem
+    reqs: list[ReadItem]
+    targets: list[torch.Tensor]
+    mode: str = STAGED
+    direct: memoryview | None = field(default=None, repr=False)  # the destination's bytes, if read straight there
+    slot: int = -1  # offset in the arena: scratch bytes (staged) or the old bytes (in place)
+    spill_at: int = -1  # offset in the spill file of a verified-only item
+    raw: bytearray | None = None  # an object's bytes, until decoded
+    obj: Any = None  # an object, decoded
+    scratch: torch.Tensor | None = field(default=None, repr=False)
+    scratch_view: memoryview | None = field(default=None, repr=False)
+    old: memoryview | None = field(default=None, repr=False)  # the destination's bytes before this load
+    placed: bool = False  # read straight into its destination in the apply phase
+
+    def __post_init__(self) -> None:
+        self.direct = self._direct_view()
+
+    def check_fits(self) -> None:
+        """Every destination can take its piece (checked before anything is copied)."""
+        s = self.stored
+        if s.shape is None:
+            raise CheckpointError(f"{s.fqn}: a tensor is expected where the checkpoint stores an object")
+        for req, target in zip(self.reqs, self.targets, strict=True):
+            if tuple(target.shape) != tuple(req.lengths):
+                raise CheckpointError(f"{s.fqn}: stored piece {list(req.lengths)} does not fit destination "
+                                      f"{list(target.shape)}")
+
+    def destination(self, arena: Arena) -> memoryview:
+        """Where phase 1 reads this item: its destination (in place), an arena slot (staged tensor),
+        or fresh bytes (an object)."""
+        s = self.stored
+        if self.mode == IN_PLACE:
+            assert self.direct is not None
+            return self.direct
+        if s.shape is None:
+            buf = bytearray(s.length)
+            self.raw = buf
+            return memoryview(buf)
+        view = arena.view[self.slot:self.slot + s.length] if self.slot >= 0 else None
+        return self._scratch(view)
+
+    def allocate_scratch(self) -> memoryview:
+        """Scratch memory for the second read of a verified-only item that cannot go straight into place."""
+        return self._scratch(None)
+
+    def _scratch(self, view: memoryview | None) -> memoryview:
+        s = self.stored
+        assert s.shape is not None
+        dtype = dtype_from_name(s.dtype or "")
+        numel = 1
+        for d in s.shape:
+            numel *= d
+        if view is None or not numel:
+            self.scratch = torch.empty(s.shape, dtype=dtype)
+        else:
+            self.scratch = torch.frombuffer(view, dtype=torch.uint8).view(dtype).view(s.shape)
+        got, _ = tensor_bytes(self.scratch) if numel else (memoryview(b""), self.scratch)
+        if len(got) != s.length:
+            raise CorruptCheckpointError(f"{s.fqn}: stored length {s.length} does not match its shape "
+                                         f"{list(s.shape)}")
+        self.scratch_view = got
+        return got
+
+    def save_old(self, arena: Arena) -> None:
+        assert self.direct is not None and self.slot >= 0
+        old = arena.view[self.slot:self.slot + len(self.direct)]
+        old[:] = self.direct
+        self.old = old
+
+    def restore_old(self) -> None:
+        if self.old is not None and self.direct is not None:
+            self.direct[:] = self.old
+        self.old = None
+
+    def copy_into_place(self) -> None:
+        assert self.scratch is not None
+        direct = self.direct
+        if direct is not None and self.scratch_view is not None and len(self.scratch_view) == len(direct):
+            direct[:] = self.scratch_view  # a plain memcpy: far cheaper than a torch op per small tensor
+            return
+        for req, target in zip(self.reqs, self.targets, strict=True):
+            target.copy_(narrow(self.scratch, req.storage_offsets, req.lengths))
+
+    def release(self) -> None:
+        self.scratch = None
+        if self.scratch_view is not None:
+            self.scratch_view.release()
+        self.scratch_view = None
+        self.obj = None
+        self.old = None
+
+    def _direct_view(self) -> memoryview | None:
+        """The destination's own bytes, if the stored bytes can go straight into them (cheap checks
+        first: this runs for every item of every load)."""
+        if len(self.targets) != 1 or self.stored.shape is None:
+            return None
+        t, req = self.targets[0], self.reqs[0]
+        if (not t.is_contiguous() or t.is_cpu is False or tuple(t.shape) != self.stored.shape
+                or tuple(req.lengths) != self.stored.shape or any(req.storage_offsets) or not t.numel()
+                or dtype_name(t.dtype) != self.stored.dtype or t.is_conj() or t.is_neg()):
+            return None
+        if t.dtype in _NUMPY_DTYPES:
+            view = memoryview(t.numpy()).cast("B")  # type: ignore[arg-type]  # ndarray is a buffer
+        else:
+            view, _ = tensor_bytes(t)
+        return view if len(view) == self.stored.length else None
+
+    def verify_streaming(self, fd: ReadHandle, path: str, algorithm: str, chunk: memoryview,
+                         spill: Spill | None) -> None:
+        """Check an item's checksum reading it in chunks (kept in ``spill`` if given)."""
+        s = self.stored
+        hasher = Hasher(algorithm)
+        pos = 0
+        while pos < s.length:
+            n = min(len(chunk), s.length - pos)
+            fd.read_into([chunk[:n]], s.offset + pos)
+            hasher.update(chunk[:n])
+            if spill is not None:
+                at = spill.append(chunk[:n])
+                if not pos:
+                    self.spill_at = at
+            pos += n
+        self._compare(hasher.hexdigest(), path)
+
+    def verify(self, view: memoryview, path: str, algorithm: str) -> None:
+        self._compare(checksum(algorithm, view), path)
+
+    def _compare(self, got: str, path: str) -> None:
+        if got != self.stored.checksum:
+            s = self.stored
+            raise CorruptCheckpointError(
+                f"checksum mismatch in {path}, bytes {s.offset}..{s.offset + s.length} ({s.fqn}): "
+                f"expected {s.checksum}, read {got}. The checkpoint is corrupt.",
+                path=path,
+            )
