@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import http.client
 import logging
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from ckptguard.errors import (
     CheckpointError,
@@ -290,9 +291,8 @@ class S3ReadHandle:
 
 
 def _read_body_into(body: Any, dest: list[memoryview]) -> int:
-    """Read an HTTP body straight into ``dest`` (urllib3's readinto: no intermediate bytes objects)."""
-    raw = getattr(body, "_raw_stream", None)
-    readinto = getattr(raw, "readinto", None)
+    """Read an HTTP body straight into ``dest``: no intermediate bytes objects."""
+    readinto = _body_readinto(body)
     got = 0
     for d in dest:
         at = 0
@@ -308,3 +308,17 @@ def _read_body_into(body: Any, dest: list[memoryview]) -> int:
             at += n
             got += n
     return got
+
+
+def _body_readinto(body: Any) -> Callable[[memoryview], int] | None:
+    """The socket-level ``readinto`` under botocore's body: http.client's, which receives into the
+    buffer given. urllib3's own ``readinto`` reads a bytes object of the whole length asked for and
+    copies it (a second buffer of every range in flight); it is used only when the body is encoded
+    (urllib3 decodes it) or http.client's response is not there."""
+    raw = getattr(body, "_raw_stream", None)
+    fp = getattr(raw, "_fp", None)
+    headers = getattr(raw, "headers", None)
+    if isinstance(fp, http.client.HTTPResponse) and headers is not None and not headers.get("content-encoding"):
+        return fp.readinto
+    readinto = getattr(raw, "readinto", None)
+    return cast("Callable[[memoryview], int] | None", readinto)
