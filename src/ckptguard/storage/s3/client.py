@@ -159,8 +159,12 @@ class ViewsBody(io.RawIOBase):
         return n
 
 
-def _views_body(views: Sequence[memoryview]) -> IO[bytes]:
-    """A body botocore streams from ``views`` (its stubs only name bytes and IO[bytes])."""
+def _views_body(views: Sequence[memoryview]) -> bytes | IO[bytes]:
+    """A body botocore sends from ``views``: the bytes object itself where one view is all of one
+    (a small object; sent as it is, without the 100-continue round trip botocore adds before a
+    streamed body), otherwise a stream over the views (botocore's stubs only name IO[bytes])."""
+    if len(views) == 1 and isinstance(views[0].obj, bytes | bytearray) and views[0].nbytes == len(views[0].obj):
+        return cast(bytes, views[0].obj)
     return cast(IO[bytes], ViewsBody(views))
 
 
