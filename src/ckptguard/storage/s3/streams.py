@@ -127,7 +127,7 @@ class S3WriteStream:
             checksum = _crc32c_b64(data)
             upload = self._upload
             assert upload is not None
-            # A new body per try: a retry of ours (not botocore's, which seeks back) starts at byte 0 too.
+            # botocore seeks the body back to its start before each retry: the same bytes, the same checksum.
             resp = s.call("upload a part", self.path, lambda: s.client.upload_part(
                 Bucket=s.bucket, Key=self.key, UploadId=upload, PartNumber=number, Body=_views_body(data),
                 ChecksumCRC32C=checksum))
