@@ -252,7 +252,7 @@ def test_s3_save_keeps_no_copy_of_the_state_and_load_no_second_copy(bed: S3Bed, 
     buffer per range in flight."""
     env = {**os.environ, **bed.env(), "PYTHONPATH": f"{REPO / 'src'}{os.pathsep}{REPO}"}
     proc = subprocess.run([sys.executable, str(REPO / "tests" / "workers" / "s3_memory_job.py"),
-                           f"s3://{bucket}/memory", "40", "5"], capture_output=True, text=True, timeout=300,
+                           f"s3://{bucket}/memory", "24", "5"], capture_output=True, text=True, timeout=300,
                           env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     (res,) = parse_results(proc.stdout)
