@@ -15,6 +15,11 @@ The endpoint is moto's server (`python -m moto.server`) on 127.0.0.1, shared by
 both: on this 2-core machine the server, not the network, is the bottleneck, so
 compare ratios from one run. Medians; the first repetition warms up and is not counted.
 
+Peak memory: around each operation the kernel's high-water mark of this process's
+resident set is reset (``/proc/self/clear_refs``) and read back after (``VmHWM``); the
+figure reported is that peak above the resident set at the start of the operation,
+which already holds the state and the preallocated load targets (their pages touched).
+
     python bench/bench_s3.py                 # 512 MiB, 4 repetitions (~3 minutes here)
     python bench/bench_s3.py --quick         # 64 MiB, 2 repetitions
 """
@@ -41,6 +46,25 @@ sys.path.insert(0, str(ROOT))  # tests.support
 from ckptguard import Checkpointer  # noqa: E402
 
 from tests.support.beds.s3 import CREDENTIALS, MotoServer  # noqa: E402
+
+
+def _status_kib(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise KeyError(field)
+
+
+class PeakRss:
+    """Peak resident memory above the start of a ``with`` block (Linux: VmHWM reset by clear_refs)."""
+
+    def __enter__(self) -> PeakRss:
+        Path("/proc/self/clear_refs").write_text("5")
+        self.start = _status_kib("VmRSS")
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.above = (_status_kib("VmHWM") - self.start) * 1024
 
 
 def main() -> None:
@@ -74,7 +98,7 @@ def run(args: argparse.Namespace, server: MotoServer) -> None:
     elems = args.tensor_mib << 18
     state = {"model": {f"t{i}": torch.randn(elems) for i in range(n)}}
     nbytes = n * elems * 4
-    target = {"model": {f"t{i}": torch.empty(elems) for i in range(n)}}
+    target = {"model": {f"t{i}": torch.zeros(elems) for i in range(n)}}  # zeros: pages resident
     options = {"part_size": args.part_mib << 20, "max_concurrency": args.concurrency}
     transfer = TransferConfig(multipart_threshold=args.part_mib << 20, multipart_chunksize=args.part_mib << 20,
                               max_concurrency=args.concurrency)
@@ -84,8 +108,9 @@ def run(args: argparse.Namespace, server: MotoServer) -> None:
     with open(src, "wb") as f:
         for t in state["model"].values():
             f.write(t.numpy().tobytes())
-    times: dict[str, list[float]] = {k: [] for k in ("ckptguard save", "ckptguard load", "boto3 upload_file",
-                                                     "boto3 download_file")}
+    names = ("ckptguard save", "ckptguard load", "boto3 upload_file", "boto3 download_file")
+    times: dict[str, list[float]] = {k: [] for k in names}
+    peaks: dict[str, list[int]] = {k: [] for k in names}
 
     def clear() -> None:
         for page in client.get_paginator("list_objects_v2").paginate(Bucket="bench"):
@@ -95,21 +120,29 @@ def run(args: argparse.Namespace, server: MotoServer) -> None:
 
     def ours(rep: int) -> None:
         with Checkpointer(f"s3://bench/ck{rep}", storage_options=options) as ck:
-            t = time.perf_counter()
-            ck.save(1, state)
-            times["ckptguard save"].append(time.perf_counter() - t)
-            t = time.perf_counter()
-            ck.load(target)
-            times["ckptguard load"].append(time.perf_counter() - t)
+            with PeakRss() as m:
+                t = time.perf_counter()
+                ck.save(1, state)
+                times["ckptguard save"].append(time.perf_counter() - t)
+            peaks["ckptguard save"].append(m.above)
+            with PeakRss() as m:
+                t = time.perf_counter()
+                ck.load(target)
+                times["ckptguard load"].append(time.perf_counter() - t)
+            peaks["ckptguard load"].append(m.above)
         assert all(torch.equal(state["model"][k], target["model"][k]) for k in state["model"])
 
     def theirs(rep: int) -> None:
-        t = time.perf_counter()
-        client.upload_file(str(src), "bench", f"plain{rep}.bin", Config=transfer)
-        times["boto3 upload_file"].append(time.perf_counter() - t)
-        t = time.perf_counter()
-        client.download_file("bench", f"plain{rep}.bin", str(dst), Config=transfer)
-        times["boto3 download_file"].append(time.perf_counter() - t)
+        with PeakRss() as m:
+            t = time.perf_counter()
+            client.upload_file(str(src), "bench", f"plain{rep}.bin", Config=transfer)
+            times["boto3 upload_file"].append(time.perf_counter() - t)
+        peaks["boto3 upload_file"].append(m.above)
+        with PeakRss() as m:
+            t = time.perf_counter()
+            client.download_file("bench", f"plain{rep}.bin", str(dst), Config=transfer)
+            times["boto3 download_file"].append(time.perf_counter() - t)
+        peaks["boto3 download_file"].append(m.above)
         dst.unlink()
 
     try:
@@ -121,6 +154,8 @@ def run(args: argparse.Namespace, server: MotoServer) -> None:
             if rep == 0:  # warm-up
                 for v in times.values():
                     v.clear()
+                for p in peaks.values():
+                    p.clear()
             print(f"rep {rep}: " + ", ".join(f"{k} {v[-1]:.2f}s" for k, v in times.items() if v), flush=True)
     finally:
         src.unlink(missing_ok=True)
@@ -131,9 +166,10 @@ def run(args: argparse.Namespace, server: MotoServer) -> None:
     load_ratio = med["boto3 download_file"] / med["ckptguard load"]
     print(f"\n{nbytes / 2**20:.0f} MiB in {n} tensors, part {args.part_mib} MiB, concurrency {args.concurrency}, "
           f"{args.reps} repetitions (medians), moto {server.url}")
-    print(f"{'':22} {'seconds':>8} {'GB/s':>6}")
+    peak = {k: max(v) for k, v in peaks.items()}
+    print(f"{'':22} {'seconds':>8} {'GB/s':>6} {'peak RSS above start, MiB (max)':>32}")
     for k in times:
-        print(f"{k:22} {med[k]:8.3f} {gbps[k]:6.3f}")
+        print(f"{k:22} {med[k]:8.3f} {gbps[k]:6.3f} {peak[k] / 2**20:32.1f}")
     print(f"\nsave: ckptguard / upload_file throughput = {save_ratio:.2f}x")
     print(f"load: ckptguard / download_file throughput = {load_ratio:.2f}x")
     out = Path(args.out)
@@ -141,7 +177,8 @@ def run(args: argparse.Namespace, server: MotoServer) -> None:
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     (out / f"s3-{stamp}.json").write_text(json.dumps({
         "bytes": nbytes, "tensors": n, "part_mib": args.part_mib, "concurrency": args.concurrency,
-        "reps": args.reps, "seconds": times, "median_s": med, "gbps": gbps, "save_ratio": save_ratio,
+        "reps": args.reps, "seconds": times, "median_s": med, "peak_rss_above_bytes": peaks,
+        "gbps": gbps, "save_ratio": save_ratio,
         "load_ratio": load_ratio, "machine": platform.platform(), "cpus": os.cpu_count(),
         "torch": torch.__version__}, indent=2))
 

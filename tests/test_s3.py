@@ -49,7 +49,7 @@ from tests.support.beds.s3 import (
     s3_bed_in_env,
 )
 from tests.support.jobs import JobResult, free_port, run_job
-from tests.support.results import job_results
+from tests.support.results import job_results, parse_results
 
 REPO = Path(__file__).resolve().parent.parent
 WORKER = REPO / "tests" / "workers" / "s3_job.py"
@@ -217,6 +217,49 @@ def test_save_load_retention_ls_and_verify_on_s3(bed: S3Bed, bucket: str) -> Non
     assert ver.returncode == 1 and json.loads(ver.stdout)["safe_to_resume"] == 2
     with Checkpointer(root, read_only=True) as ck, pytest.warns(UserWarning, match="corrupt"):
         assert ck.load(out) == 2 and out["step"] == 2
+
+
+def _many_tensors(seed: int) -> dict[str, torch.Tensor]:
+    """One tensor larger than a part and many small ones: parts start and end inside tensors and span
+    several of them."""
+    g = torch.Generator().manual_seed(seed)
+    state = {"big": torch.randn(3_000_001, generator=g)}
+    state.update({f"small{i}": torch.randn(1000 + 7919 * i, generator=g) for i in range(60)})
+    return state
+
+
+def test_parts_retried_after_5xx_resend_the_same_bytes_and_load_bitwise_equal(bed: S3Bed, bucket: str) -> None:
+    """Parts are sent from the tensors' memory: an UploadPart answered 500 (before or after moto applied
+    it) is sent again from the start of the same bytes, with the checksum the proxy checks."""
+    is_part = lambda r: r.method == "PUT" and "partNumber=" in r.query  # noqa: E731
+    failed = bed.proxy.add_rule(is_part, "fail", times=3)
+    failed_after = bed.proxy.add_rule(is_part, "fail-after", times=2)
+    checked = bed.proxy.stats.checksummed_puts
+    state = _many_tensors(1)
+    with Checkpointer(f"s3://{bucket}/retried", storage_options=SMALL) as ck:
+        ck.save(1, state)
+        assert failed.hits == 3 and failed_after.hits == 2
+        assert bed.proxy.stats.bad_digest == 0 and bed.proxy.stats.checksummed_puts - checked >= 8
+        out = {k: torch.zeros_like(v) for k, v in state.items()}
+        assert ck.load(out) == 1
+    assert all(torch.equal(out[k], state[k]) for k in state)
+    assert bed.open_uploads(bucket) == []
+
+
+def test_s3_save_keeps_no_copy_of_the_state_and_load_no_second_copy(bed: S3Bed, bucket: str) -> None:
+    """Resident memory above the state during a save: no part buffers (parts are the tensors' memory);
+    during a load: the all-or-nothing copy of the old bytes (within the verified-bytes budget), and no
+    buffer per range in flight."""
+    env = {**os.environ, **bed.env(), "PYTHONPATH": f"{REPO / 'src'}{os.pathsep}{REPO}"}
+    proc = subprocess.run([sys.executable, str(REPO / "tests" / "workers" / "s3_memory_job.py"),
+                           f"s3://{bucket}/memory", "24", "5"], capture_output=True, text=True, timeout=300,
+                          env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (res,) = parse_results(proc.stdout)
+    assert res["equal"]
+    state = res["state_bytes"]
+    assert res["save_above"] < state // 8, res
+    assert res["load_above"] < state + state // 8, res
 
 
 def test_background_saves_and_files_artifacts_on_s3(bed: S3Bed, bucket: str, tmp_path: Path) -> None:

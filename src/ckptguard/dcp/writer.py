@@ -190,7 +190,10 @@ def _sync_noting_errors(stream: WriteStream, errors: list[BaseException]) -> Non
 
 
 class _Batch:
-    """Small items go to the file in one writev() per batch; large ones straight through."""
+    """Small items go to the file in one writev() per batch; large ones straight through.
+
+    Written ``stable``: every item's bytes (the state's own memory, or a copy ``write_data`` holds)
+    stay alive and unchanged until the stream is synced, so an object store sends them from there."""
 
     MAX_IOV = 512
     MAX_BYTES = 8 << 20
@@ -203,7 +206,7 @@ class _Batch:
     def add(self, mv: memoryview) -> None:
         if len(mv) >= self.MAX_BYTES:
             self.flush()
-            self.stream.write([mv])
+            self.stream.write([mv], stable=True)
             return
         if not len(mv):
             return
@@ -214,7 +217,7 @@ class _Batch:
 
     def flush(self) -> None:
         if self.views:
-            self.stream.write(self.views)
+            self.stream.write(self.views, stable=True)
         self.views = []
         self.bytes = 0
 

@@ -33,8 +33,12 @@ class WriteStream(Protocol):
 
     path: str
 
-    def write(self, views: Sequence[memoryview]) -> None:
-        """Append every byte of ``views`` (a partial write is retried, never dropped)."""
+    def write(self, views: Sequence[memoryview], stable: bool = False) -> None:
+        """Append every byte of ``views`` (a partial write is retried, never dropped).
+
+        ``stable``: the caller keeps these bytes alive and unchanged until ``sync`` (or ``close``)
+        returns, so a backend that sends data later may send it from there instead of copying it;
+        otherwise the caller may reuse its buffers as soon as ``write`` returns."""
 
     def sync(self) -> None:
         """Make everything written so far durable."""

@@ -197,8 +197,8 @@ class PosixWriteStream:
         self.fd = retry_stale(lambda: os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644),
                               "create", path)
 
-    def write(self, views: Sequence[memoryview]) -> None:
-        write_all(self.fd, views)
+    def write(self, views: Sequence[memoryview], stable: bool = False) -> None:
+        write_all(self.fd, views)  # written before it returns: nothing is kept either way
 
     def sync(self) -> None:
         os.fsync(self.fd)

@@ -18,7 +18,8 @@
   - ``canned``: bucket name -> a fixed error answer (access denied, wrong region);
   - ``rules`` (:meth:`FaultProxy.add_rule`): chosen requests, picked by a predicate on the
     :class:`Request`, are DELAYED, DROPPED (forwarded and applied by moto, then the
-    connection is closed without an answer: a lost reply), FROZEN (held, unanswered
+    connection is closed without an answer: a lost reply), FAILED (answered 500 without
+    being forwarded), FAILED-AFTER (forwarded and applied by moto, then answered 500), FROZEN (held, unanswered
     and not forwarded, until :meth:`FaultProxy.thaw`; then forwarded: a stalled writer's
     request that lands late) or RESET (the connection closed at once, nothing forwarded:
     with :meth:`FaultProxy.stop`, an endpoint that refuses connections);
@@ -122,7 +123,7 @@ class Request:
 @dataclass
 class Rule:
     match: Callable[[Request], bool]
-    action: str  # "delay" | "drop" | "freeze" | "reset"
+    action: str  # "delay" | "drop" | "fail" | "fail-after" | "freeze" | "reset"
     delay_s: float = 0.0
     times: int | None = None  # how many matching requests it applies to (None: all)
     hits: int = 0
@@ -178,10 +179,10 @@ class FaultProxy:
 
     def add_rule(self, match: Callable[[Request], bool], action: str, delay_s: float = 0.0,
                  times: int | None = None) -> Rule:
-        """DELAY (``delay_s``), DROP (apply, then lose the reply), FREEZE (hold until thaw()) or RESET
-        (close the connection, forward nothing) the requests ``match`` picks, the first ``times`` of them
-        (all if None)."""
-        assert action in ("delay", "drop", "freeze", "reset"), action
+        """DELAY (``delay_s``), DROP (apply, then lose the reply), FAIL (answer 500, forward nothing),
+        FAIL-AFTER (apply, then answer 500), FREEZE (hold until thaw()) or RESET (close the connection,
+        forward nothing) the requests ``match`` picks, the first ``times`` of them (all if None)."""
+        assert action in ("delay", "drop", "fail", "fail-after", "freeze", "reset"), action
         rule = Rule(match, action, delay_s, times)
         with self.lock:
             if action == "freeze":
@@ -302,6 +303,8 @@ class FaultProxy:
                     self.landing += 1
                     thawed.append(True)
         inject = self.fail_rate > 0 and roll < self.fail_rate and not path.startswith("/moto-api")
+        if rule is not None and rule.action in ("fail", "fail-after"):
+            inject, kind = True, "500" if rule.action == "fail" else "500-after"
         if inject and kind in ("500", "503"):
             self.stats.injected += 1
             code = "InternalError" if kind == "500" else "SlowDown"

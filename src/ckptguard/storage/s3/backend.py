@@ -403,7 +403,7 @@ class S3Storage:
     def replace(self, path: str, data: bytes) -> None:
         stream = S3WriteStream(self, path, exclusive=False)
         try:
-            stream.write([memoryview(data)])
+            stream.write([memoryview(data)], stable=True)  # bytes: immutable, held until sync
             stream.sync()
         finally:
             stream.close()

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import base64
+import bisect
+import io
 import logging
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass, fields, replace
-from typing import TYPE_CHECKING, Any, ClassVar, Protocol, cast
+from typing import IO, TYPE_CHECKING, Any, ClassVar, Protocol, cast
 
 import crc32c
 
@@ -97,8 +99,73 @@ def _body(data: bytearray) -> bytes:
     return cast(bytes, data)
 
 
-def _crc32c_b64(data: bytes | bytearray | memoryview) -> str:
-    return base64.b64encode(crc32c.crc32c(data).to_bytes(4, "big")).decode()
+def _crc32c_b64(data: bytes | bytearray | memoryview | Sequence[memoryview]) -> str:
+    """The base64 CRC32C S3 expects, of a buffer or of several in order (computed where they are)."""
+    if isinstance(data, bytes | bytearray | memoryview):
+        value = crc32c.crc32c(data)
+    else:
+        value = 0
+        for v in data:
+            value = crc32c.crc32c(v, value)
+    return base64.b64encode(value.to_bytes(4, "big")).decode()
+
+
+class ViewsBody(io.RawIOBase):
+    """A request body read from the caller's memory: botocore hashes and sends what ``read`` returns,
+    here slices of the views themselves (a bytes-like body must be bytes or bytearray to pass
+    botocore's checks, and a memoryview copied into one costs a copy of every byte). Seekable, so a
+    retry resends the same bytes from the start."""
+
+    def __init__(self, views: Sequence[memoryview]) -> None:
+        super().__init__()
+        self._views = [v for v in views if len(v)]
+        self._starts: list[int] = []
+        at = 0
+        for v in self._views:
+            self._starts.append(at)
+            at += len(v)
+        self._size = at
+        self._pos = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._size}[whence]
+        self._pos = max(0, base + offset)
+        return self._pos
+
+    def read(self, size: int | None = -1) -> memoryview:
+        """At most ``size`` bytes, as a slice of one view (a short read: callers loop until empty)."""
+        if self._pos >= self._size:
+            return memoryview(b"")
+        i = bisect.bisect_right(self._starts, self._pos) - 1
+        view = self._views[i]
+        at = self._pos - self._starts[i]
+        n = len(view) - at if size is None or size < 0 else min(size, len(view) - at)
+        self._pos += n
+        return view[at:at + n]
+
+    def readinto(self, buffer: Any) -> int:
+        chunk = self.read(len(memoryview(buffer).cast("B")))
+        n = len(chunk)
+        memoryview(buffer).cast("B")[:n] = chunk
+        return n
+
+
+def _views_body(views: Sequence[memoryview]) -> bytes | IO[bytes]:
+    """A body botocore sends from ``views``: the bytes object itself where one view is all of one
+    (a small object; sent as it is, without the 100-continue round trip botocore adds before a
+    streamed body), otherwise a stream over the views (botocore's stubs only name IO[bytes])."""
+    if len(views) == 1 and isinstance(views[0].obj, bytes | bytearray) and views[0].nbytes == len(views[0].obj):
+        return cast(bytes, views[0].obj)
+    return cast(IO[bytes], ViewsBody(views))
 
 
 def _code(err: Exception) -> str:

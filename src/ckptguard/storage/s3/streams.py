@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import http.client
 import logging
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from ckptguard.errors import (
     CheckpointError,
@@ -28,21 +29,23 @@ from ckptguard.storage.s3.client import (
     _PRECONDITION_CODES,
     _WRITER_META,
     Bucket,
-    _body,
     _code,
     _crc32c_b64,
     _is_client_error,
+    _views_body,
 )
 
 log = logging.getLogger("ckptguard")
 
 
 class S3WriteStream:
-    """A new object written in order: buffered into parts, uploaded in parallel, completed by ``sync``.
+    """A new object written in order: cut into parts, uploaded in parallel, completed by ``sync``.
 
-    Bytes are copied into part buffers (callers may reuse their buffers once
-    ``write`` returns). At most ``max_concurrency + 2`` parts per process are in
-    memory at once: ``write`` waits for a free slot.
+    Views written ``stable`` (the caller keeps their bytes alive and unchanged until ``sync`` returns:
+    tensor memory during a save) are sent from where they are, each part a list of slices of them;
+    other views are copied first, since their caller may reuse its buffers once ``write`` returns.
+    At most ``max_concurrency + 2`` parts per process are queued or in flight at once: a full part
+    waits for a free slot, and so does copying into a new part.
     """
 
     def __init__(self, storage: Bucket, path: str, exclusive: bool) -> None:
@@ -52,7 +55,7 @@ class S3WriteStream:
         self.exclusive = exclusive
         self.token = uuid.uuid4().hex
         self.part_size = storage.options.part_size
-        self._buf: bytearray | None = None
+        self._pending: list[memoryview] = []  # the next part's bytes, in order
         self._fill = 0
         self._slot_held = False
         self._upload: str | None = None
@@ -60,23 +63,24 @@ class S3WriteStream:
         self._done = False
         self._size = 0
 
-    def write(self, views: Sequence[memoryview]) -> None:
+    def write(self, views: Sequence[memoryview], stable: bool = False) -> None:
         if self._done:
             raise ValueError(f"{self.path}: write after sync")
         for v in views:
             mv = v.cast("B") if v.format != "B" or v.ndim != 1 else v
             pos = 0
             while pos < len(mv):
-                if self._buf is None:
-                    self._take_slot()
-                    self._buf = bytearray(self.part_size)
-                    self._fill = 0
-                n = min(len(mv) - pos, len(self._buf) - self._fill)
-                self._buf[self._fill:self._fill + n] = mv[pos:pos + n]
+                n = min(len(mv) - pos, self.part_size - self._fill)
+                piece = mv[pos:pos + n]
+                if not stable:
+                    if not self._slot_held:
+                        self._take_slot()
+                    piece = memoryview(bytes(piece))
+                self._pending.append(piece)
                 self._fill += n
                 pos += n
                 self._size += n
-                if self._fill == len(self._buf):
+                if self._fill == self.part_size:
                     self._ship(final=False)
 
     def _take_slot(self) -> None:
@@ -84,19 +88,30 @@ class S3WriteStream:
         self._slot_held = True
 
     def _release_slot(self) -> None:
-        self.storage._slots.release()
+        if self._slot_held:
+            self._slot_held = False
+            self.storage._slots.release()
+
+    def _take_pending(self) -> list[memoryview]:
+        data, self._pending, self._fill = self._pending, [], 0
+        return data
 
     def _ship(self, final: bool) -> None:
-        assert self._buf is not None
-        data = self._buf if self._fill == len(self._buf) else self._buf[:self._fill]
-        self._buf = None
-        self._slot_held = False
-        if self._upload is None:
-            self._upload = self._start_upload()
-        number = len(self._parts) + 1
-        if number > _MAX_PARTS:
-            raise OSError(errno.EFBIG, f"more than {_MAX_PARTS} parts: raise storage_options part_size", self.path)
-        self._parts.append(self.storage.pool().submit(self._upload_part, number, data))
+        if not self._slot_held:
+            self._take_slot()
+        data = self._take_pending()
+        self._slot_held = False  # the part's upload releases it
+        try:
+            if self._upload is None:
+                self._upload = self._start_upload()
+            number = len(self._parts) + 1
+            if number > _MAX_PARTS:
+                raise OSError(errno.EFBIG, f"more than {_MAX_PARTS} parts: raise storage_options part_size",
+                              self.path)
+            self._parts.append(self.storage.pool().submit(self._upload_part, number, data))
+        except BaseException:
+            self.storage._slots.release()
+            raise
         if not final and len(self._parts) in (1000, 3000, 6000):
             self.part_size *= 2  # stay under S3's 10,000 parts whatever the object's size
 
@@ -106,18 +121,19 @@ class S3WriteStream:
             Bucket=s.bucket, Key=self.key, ChecksumAlgorithm="CRC32C", Metadata={_WRITER_META: self.token}))
         return str(resp["UploadId"])
 
-    def _upload_part(self, number: int, data: bytearray) -> CompletedPartTypeDef:
+    def _upload_part(self, number: int, data: list[memoryview]) -> CompletedPartTypeDef:
         s = self.storage
         try:
             checksum = _crc32c_b64(data)
             upload = self._upload
             assert upload is not None
+            # botocore seeks the body back to its start before each retry: the same bytes, the same checksum.
             resp = s.call("upload a part", self.path, lambda: s.client.upload_part(
-                Bucket=s.bucket, Key=self.key, UploadId=upload, PartNumber=number, Body=_body(data),
+                Bucket=s.bucket, Key=self.key, UploadId=upload, PartNumber=number, Body=_views_body(data),
                 ChecksumCRC32C=checksum))
             return {"PartNumber": number, "ETag": resp["ETag"], "ChecksumCRC32C": checksum}
         finally:
-            self._release_slot()
+            s._slots.release()
 
     def sync(self) -> None:
         """Complete the object (exclusively: FileExistsError if another writer created it first)."""
@@ -125,29 +141,28 @@ class S3WriteStream:
             return
         s = self.storage
         if self._upload is None:
-            data = self._buf[:self._fill] if self._buf is not None else bytearray()
-            if self._buf is not None:
-                self._buf = None
+            data = self._take_pending()
+            try:
+                self._put_whole(data)
+            finally:
                 self._release_slot()
-            self._put_whole(data)
         else:
-            if self._buf is not None and self._fill:
+            if self._fill:
                 self._ship(final=True)
-            elif self._buf is not None:
-                self._buf = None
+            else:
                 self._release_slot()
             parts = [f.result() for f in self._parts]
             self._complete(parts)
         self._done = True
         log.debug("ckptguard: wrote %s (%d bytes) to %s", self.path, self._size, s.endpoint)
 
-    def _put_whole(self, data: bytearray) -> None:
+    def _put_whole(self, data: list[memoryview]) -> None:
         s = self.storage
         cond = {"IfNoneMatch": "*"} if self.exclusive else {}
         checksum = _crc32c_b64(data)
         try:
             s.call("write", self.path, lambda: s.client.put_object(
-                Bucket=s.bucket, Key=self.key, Body=_body(data), ChecksumCRC32C=checksum,
+                Bucket=s.bucket, Key=self.key, Body=_views_body(data), ChecksumCRC32C=checksum,
                 Metadata={_WRITER_META: self.token}, **cond))  # type: ignore[arg-type]
         except OSError as e:
             self._settle_refusal(e)
@@ -182,9 +197,8 @@ class S3WriteStream:
 
     def close(self) -> None:
         """Without a completed ``sync`` the object is dropped (its upload aborted)."""
-        if self._buf is not None:
-            self._buf = None
-            self._release_slot()
+        self._take_pending()
+        self._release_slot()
         if not self._done:
             for f in self._parts:  # dropping the upload anyway: its parts' errors do not matter
                 with contextlib.suppress(BaseException):
@@ -277,9 +291,8 @@ class S3ReadHandle:
 
 
 def _read_body_into(body: Any, dest: list[memoryview]) -> int:
-    """Read an HTTP body straight into ``dest`` (urllib3's readinto: no intermediate bytes objects)."""
-    raw = getattr(body, "_raw_stream", None)
-    readinto = getattr(raw, "readinto", None)
+    """Read an HTTP body straight into ``dest``: no intermediate bytes objects."""
+    readinto = _body_readinto(body)
     got = 0
     for d in dest:
         at = 0
@@ -295,3 +308,17 @@ def _read_body_into(body: Any, dest: list[memoryview]) -> int:
             at += n
             got += n
     return got
+
+
+def _body_readinto(body: Any) -> Callable[[memoryview], int] | None:
+    """The socket-level ``readinto`` under botocore's body: http.client's, which receives into the
+    buffer given. urllib3's own ``readinto`` reads a bytes object of the whole length asked for and
+    copies it (a second buffer of every range in flight); it is used only when the body is encoded
+    (urllib3 decodes it) or http.client's response is not there."""
+    raw = getattr(body, "_raw_stream", None)
+    fp = getattr(raw, "_fp", None)
+    headers = getattr(raw, "headers", None)
+    if isinstance(fp, http.client.HTTPResponse) and headers is not None and not headers.get("content-encoding"):
+        return fp.readinto
+    readinto = getattr(raw, "readinto", None)
+    return cast("Callable[[memoryview], int] | None", readinto)
