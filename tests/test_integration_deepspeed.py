@@ -113,6 +113,7 @@ def test_zero2_kill_inside_a_save_then_resume_reproduces_the_run(tmp_path: Path,
 
 
 @pytest.mark.slow
+@pytest.mark.long  # the framework's own checkpointing failing: docs/integrations.md; CI keeps ckptguard's side
 def test_deepspeed_default_latest_names_an_incomplete_tag(tmp_path: Path) -> None:
     d = tmp_path / "ck"
     crashed = run(d, tmp_path / "crash", "--default", "--crash-at-save", "3")

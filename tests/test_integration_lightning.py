@@ -186,6 +186,7 @@ def test_ddp_kill_inside_a_save_then_resume_reproduces_the_run(tmp_path: Path, r
 
 
 @pytest.mark.slow
+@pytest.mark.long  # the framework's own checkpointing failing: docs/integrations.md; CI keeps ckptguard's side
 def test_lightning_default_io_resumes_from_a_torn_last_ckpt(tmp_path: Path) -> None:
     """The same kind of fault without ckptguard: TMPDIR on another filesystem (/dev/shm), rank 0 killed
     halfway through copying its 4th checkpoint (epoch 1's last.ckpt) into place."""
@@ -280,6 +281,7 @@ def test_fsdp2_kill_inside_a_sharded_save_then_resume_reproduces_the_run(
 
 
 @pytest.mark.slow
+@pytest.mark.long  # the framework's own checkpointing failing: docs/integrations.md; CI keeps ckptguard's side
 def test_lightning_own_sharded_save_killed_before_its_metadata_resumes_a_mixed_state(
         tmp_path: Path, fsdp_reference: dict[int, dict[int, float]]) -> None:
     """The same kill with Lightning's own ModelParallelStrategy save: rank 0 killed entering DCP's

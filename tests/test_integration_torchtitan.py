@@ -279,6 +279,7 @@ def test_ckptguard_manager_kill_restart_rollback_kill_restart(tmp_path: Path, re
 
 
 @pytest.mark.slow
+@pytest.mark.long  # the framework's own checkpointing failing: docs/integrations.md; CI keeps ckptguard's side
 def test_torchtitan_dcp_manager_same_kills(tmp_path: Path, reference: dict[str, Any]) -> None:
     s = story(tmp_path, "dcp", ["--kill-rank1-at", "6"])
     assert s["A"].returncode != 0 and s["A/listing"] == ["step-2", "step-4", "step-6"]

@@ -30,7 +30,7 @@ KEEP = 3
 
 @pytest.mark.slow
 @pytest.mark.sshfs
-@pytest.mark.parametrize("cache_timeout", [5, 15])
+@pytest.mark.parametrize("cache_timeout", [5, pytest.param(15, marks=pytest.mark.long)])
 def test_fifty_saves_in_a_row_two_nodes_on_two_stale_mounts(tmp_path: Path, cache_timeout: int) -> None:
     try:
         cm = stale_shared_storage(2, cache_timeout=cache_timeout)
