@@ -103,10 +103,9 @@ def test_a_symlinked_directory_in_a_checkpoint_is_refused_by_load_and_verify(tmp
 def test_a_deeply_nested_manifest_is_corrupt_not_a_crash(tmp_path: Path) -> None:
     root = committed(tmp_path)
     path = root / STEP_DIR / "MANIFEST.json"
-    from ckptguard.checksum import checksum
+    from ckptguard.protocol.manifest import seal
 
-    body = "[" * 100_000 + "]" * 100_000
-    path.write_bytes(f'{{"manifest_checksum":"{checksum("xxh3-64", body.encode())}","body":{body}}}\n'.encode())
+    path.write_bytes(seal(b"[" * 100_000 + b"]" * 100_000, b""))
     with Checkpointer(root, read_only=True) as ck, pytest.raises(CorruptCheckpointError):
         ck.load({"w": torch.zeros(256), "v": torch.zeros(16)}, step=1)
     proc = cli("verify", str(root))
