@@ -145,7 +145,7 @@ class ItemTable(Sequence[StoredItem]):
         text = raw.decode("ascii", "replace")
         try:  # hex checksums (every algorithm ckptguard has) stored as their bytes: half the size
             packed = bytes.fromhex(text)
-            binary = packed.hex() == text and len(raw) == 2 * len(packed)
+            binary = packed.hex() == text and len(raw) == 2 * len(packed) and self.checksum.dtype.itemsize % 2 == 0
         except ValueError:
             binary = False
         return EncodedItems(
@@ -166,7 +166,7 @@ class ItemTable(Sequence[StoredItem]):
         _bound(cols["offset"], MAX_FILE_BYTES + 1, "offset")
         _bound(cols["length"], MAX_FILE_BYTES + 1, "length")
         width = e.checksum_width
-        if not 1 <= width <= 128 or (e.checksum_binary and width % 2):
+        if n and (not 1 <= width <= 128 or (e.checksum_binary and width % 2)):
             raise TableError(f"checksum width {width} is not one a checksum has")
         raw = e.checksum.hex().encode() if e.checksum_binary else e.checksum
         if len(raw) != n * width:

@@ -93,8 +93,8 @@ class DcpEntry(msgspec.Struct, omit_defaults=True):
 class DcpBody(msgspec.Struct):
     """DCP's metadata (codec.metadata_to_json): per tensor, its chunks as one flat list of numbers."""
 
-    state_dict: dict[str, DcpEntry]
-    planner_data: dict[str, list[str | int]]
+    state_dict: dict[str, DcpEntry] = {}
+    planner_data: dict[str, list[str | int]] = {}
     version: str | None = None
 
 
