@@ -423,8 +423,9 @@ def _check_dcp_agrees(dcp: dict[str, Any], table: ItemTable) -> None:
 
 def _dcp_entries_agree(entries: dict[str, Any], table: ItemTable, rows: np.ndarray) -> bool:
     """Per distinct (name, dtype) of the tensor rows: a tensor entry of that dtype with a size."""
-    pairs = np.unique(np.stack([table.name[rows], table.dtype[rows]]), axis=1)
-    for ni, di in pairs.T.tolist():
+    seen = np.zeros(len(table.names) * len(table.dtypes), dtype=bool)
+    seen[table.name[rows] * len(table.dtypes) + table.dtype[rows]] = True
+    for ni, di in (divmod(int(p), len(table.dtypes)) for p in np.flatnonzero(seen)):
         e = entries[table.names[ni]]
         size = e.get("size")
         if not (e.get("type") == "tensor" and e.get("dtype") == table.dtypes[di] and type(size) is list
