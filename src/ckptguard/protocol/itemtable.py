@@ -139,6 +139,11 @@ class ItemTable(Sequence[StoredItem]):
         return cached
 
     # -- bytes ---------------------------------------------------------------------------------
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Sent between ranks as the manifest stores it (narrow columns, ~34 bytes a row), not as
+        int64 arrays with pickle's overhead per array."""
+        return _from_wire, (msgspec.msgpack.encode(self.encode()), self.paths)
+
     def encode(self) -> EncodedItems:
         """The table as the manifest stores it: each column as its narrowest little-endian array."""
         raw = self.checksum.tobytes()
@@ -207,6 +212,10 @@ class EncodedItems(msgspec.Struct, array_like=True):
     offsets: Column
     shape_ndim: Column
     shape: Column
+
+
+def _from_wire(blob: bytes, paths: list[str]) -> ItemTable:
+    return ItemTable.decode(msgspec.msgpack.decode(blob, type=EncodedItems), paths)
 
 
 def _empty(paths: list[str]) -> ItemTable:
