@@ -58,6 +58,9 @@ class ItemTable(Sequence[StoredItem]):
     offsets: np.ndarray
     shape_ndim: np.ndarray
     shape: np.ndarray
+    #: The seven per-row integer columns side by side (n x 7) when the table was made by ``_make``:
+    #: the columns above are views of it, and ``join`` concatenates it once instead of column by column.
+    packed: np.ndarray | None = None
 
     # -- building ------------------------------------------------------------------------------
     @staticmethod
@@ -76,38 +79,53 @@ class ItemTable(Sequence[StoredItem]):
             file_of = np.fromiter(map(index.__getitem__, file), _I64, n)
         except KeyError as e:
             raise ValueError(f"an item lies in {e.args[0]!r}, which is not among the files") from None
-        return ItemTable(
-            names, np.fromiter(map({k: i for i, k in enumerate(names)}.__getitem__, fqn), _I64, n),
-            dtypes, np.fromiter(map({k: i for i, k in enumerate(dtypes)}.__getitem__, dtype), _I64, n),
-            list(paths), file_of, np.array(offset, dtype=_I64), np.array(length, dtype=_I64),
-            np.array(digest, dtype=np.bytes_), *_ragged(offsets, n), *_ragged(shape, n))
+        offsets_ndim, offsets_flat = _ragged(offsets, n)
+        shape_ndim, shape_flat = _ragged(shape, n)
+        ints = np.stack([np.fromiter(map({k: i for i, k in enumerate(names)}.__getitem__, fqn), _I64, n),
+                         np.fromiter(map({k: i for i, k in enumerate(dtypes)}.__getitem__, dtype), _I64, n),
+                         file_of, np.array(offset, dtype=_I64), np.array(length, dtype=_I64), offsets_ndim,
+                         shape_ndim], axis=1)
+        return _make(names, dtypes, list(paths), ints, np.array(digest, dtype=np.bytes_), offsets_flat, shape_flat)
 
     @staticmethod
     def join(tables: Sequence[ItemTable]) -> ItemTable:
         """The rows of every table, in order; file indices shifted past the files of the tables before.
-        One ``np.concatenate`` per column: ranks that save the same structure send equal name and dtype
-        tables, which then need no remapping (others are remapped table by table)."""
+        One ``np.concatenate`` of the integer columns side by side (the per-array cost of 16,384 small
+        tables is what counts), one per other column; ranks that save the same structure send equal
+        name and dtype tables, which then need no remapping (others are remapped table by table)."""
         if not tables:
             return _empty([])
         first = tables[0]
         names, dtypes = list(first.names), list(first.dtypes)
+        lengths = np.array([len(t.name) for t in tables], dtype=_I64)
+        nfiles = np.array([len(t.paths) for t in tables], dtype=_I64)
+        width = max(t.checksum.dtype.itemsize for t in tables)
+        checksum = np.concatenate([t.checksum if t.checksum.dtype.itemsize == width else t.checksum.astype(f"S{width}")
+                                   for t in tables])
+        paths = list(chain.from_iterable(t.paths for t in tables))
+        offsets = np.concatenate([t.offsets for t in tables])
+        shape = np.concatenate([t.shape for t in tables])
+        packed = [t.packed for t in tables if t.packed is not None]
+        if len(packed) == len(tables):  # one concatenation of the integer columns
+            ints: np.ndarray = np.concatenate(packed)
+            if any(t.names != first.names for t in tables):
+                ints[:, 0] = np.concatenate([_remap(names, t.names)[t.name] for t in tables])
+            if any(t.dtypes != first.dtypes for t in tables):
+                ints[:, 1] = np.concatenate([_remap(dtypes, t.dtypes)[t.dtype] for t in tables])
+            ints[:, 2] += np.repeat(np.cumsum(nfiles) - nfiles, lengths)
+            return _make(names, dtypes, paths, ints, checksum, offsets, shape)
         name = np.concatenate([t.name for t in tables])
         dtype = np.concatenate([t.dtype for t in tables])
-        lengths = np.array([len(t.name) for t in tables], dtype=_I64)
         if any(t.names != first.names for t in tables):
             name = np.concatenate([_remap(names, t.names)[t.name] for t in tables])
         if any(t.dtypes != first.dtypes for t in tables):
             dtype = np.concatenate([_remap(dtypes, t.dtypes)[t.dtype] for t in tables])
-        nfiles = np.array([len(t.paths) for t in tables], dtype=_I64)
         file = np.concatenate([t.file for t in tables]) + np.repeat(np.cumsum(nfiles) - nfiles, lengths)
-        width = max(t.checksum.dtype.itemsize for t in tables)
-        checksum = np.concatenate([t.checksum if t.checksum.dtype.itemsize == width else t.checksum.astype(f"S{width}")
-                                   for t in tables])
         return ItemTable(
-            names, name, dtypes, dtype, list(chain.from_iterable(t.paths for t in tables)), file,
+            names, name, dtypes, dtype, paths, file,
             np.concatenate([t.offset for t in tables]), np.concatenate([t.length for t in tables]), checksum,
-            np.concatenate([t.offsets_ndim for t in tables]), np.concatenate([t.offsets for t in tables]),
-            np.concatenate([t.shape_ndim for t in tables]), np.concatenate([t.shape for t in tables]))
+            np.concatenate([t.offsets_ndim for t in tables]), offsets,
+            np.concatenate([t.shape_ndim for t in tables]), shape)
 
     # -- rows ----------------------------------------------------------------------------------
     def __len__(self) -> int:
@@ -182,9 +200,10 @@ class ItemTable(Sequence[StoredItem]):
             _bound(ndim + 1, MAX_NDIM + 2, f"{f} dimensions")
             values = _widen(getattr(e, f), f, int(np.clip(ndim, 0, None).sum()))
             ragged += [ndim, values]
-        return ItemTable(list(e.names), cols["name"], list(e.dtypes), cols["dtype"], paths, cols["file"],
-                         cols["offset"], cols["length"], np.frombuffer(raw, f"S{width}") if n else
-                         np.zeros(0, "S1"), *ragged)
+        ints = np.stack([cols["name"], cols["dtype"], cols["file"], cols["offset"], cols["length"], ragged[0],
+                         ragged[2]], axis=1)
+        return _make(list(e.names), list(e.dtypes), paths, ints,
+                     np.frombuffer(raw, f"S{width}") if n else np.zeros(0, "S1"), ragged[1], ragged[3])
 
 
 class Column(msgspec.Struct, array_like=True):
@@ -214,13 +233,21 @@ class EncodedItems(msgspec.Struct, array_like=True):
     shape: Column
 
 
+def _make(names: list[str], dtypes: list[str | None], paths: list[str], ints: np.ndarray, checksum: np.ndarray,
+          offsets: np.ndarray, shape: np.ndarray) -> ItemTable:
+    """A table whose seven integer columns (name, dtype, file, offset, length, offsets_ndim,
+    shape_ndim) are the columns of ``ints`` (n x 7)."""
+    return ItemTable(names, ints[:, 0], dtypes, ints[:, 1], paths, ints[:, 2], ints[:, 3], ints[:, 4], checksum,
+                     ints[:, 5], offsets, ints[:, 6], shape, ints)
+
+
 def _from_wire(blob: bytes, paths: list[str]) -> ItemTable:
     return ItemTable.decode(msgspec.msgpack.decode(blob, type=EncodedItems), paths)
 
 
 def _empty(paths: list[str]) -> ItemTable:
     z = np.zeros(0, _I64)
-    return ItemTable([], z, [], z, list(paths), z, z, z, np.zeros(0, "S1"), z, z, z, z)
+    return _make([], [], list(paths), np.zeros((0, 7), _I64), np.zeros(0, "S1"), z, z)
 
 
 def _remap(table: list[Any], local: list[Any]) -> np.ndarray:
