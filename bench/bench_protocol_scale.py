@@ -55,6 +55,7 @@ from ckptguard.protocol.decisions import (
     decide_plan,
     retention,
 )
+from ckptguard.protocol.itemtable import ItemTable
 from ckptguard.protocol.layout import CheckpointName
 from ckptguard.protocol.manifest import FileEntry, StoredItem
 from ckptguard.protocol.root import PosixRoot
@@ -87,7 +88,8 @@ def inputs(n: int, k: int) -> dict[str, Any]:
         rel = layout.data_file(r, 0)
         items = [StoredItem(f"model.layer{t}.flat_param", (r * shard,), rel, t * shard * 4, shard * 4,
                             f"{r * 1000 + t:016x}", "float32", (shard,)) for t in range(k)]
-        writes.append(RankWrites([FileEntry(rel, k * shard * 4, r)], [], items))
+        # Each rank sends its rows as columns (save.py's report_writes), built on the rank.
+        writes.append(RankWrites([FileEntry(rel, k * shard * 4, r)], [], ItemTable.from_items(items, [rel])))
     # What each rank sends for the check of plain values: one digest over all of them.
     plain = [combined_digest({f"optim.param_groups.0.{p}": "00000000deadbeef" for p in ("lr", "betas", "eps")})
              for _ in range(n)]

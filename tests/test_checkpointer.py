@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import dataclasses
 import json
 import os
 import pickle
@@ -16,6 +17,7 @@ from torch import nn
 
 import ckptguard
 from ckptguard import Checkpointer, CheckpointError, CorruptCheckpointError
+from ckptguard.protocol.manifest import Manifest
 
 from tests.support.beds.diskfull import small_filesystem
 from tests.support.beds.sshfs import BedUnavailable
@@ -62,8 +64,8 @@ def test_round_trip_bitwise_with_optimizer_and_extra_values(ck: Checkpointer) ->
     assert extra2 == {**extra, "rng": extra2["rng"]} and torch.equal(extra2["rng"], extra["rng"])
     s1, s2 = optim.state_dict()["state"], o2.state_dict()["state"]
     assert all(torch.equal(s1[k]["exp_avg_sq"], s2[k]["exp_avg_sq"]) for k in s1)
-    manifest = json.loads((Path(ck.root) / "step-00000003" / "MANIFEST.json").read_text())
-    assert manifest["body"]["user_metadata"] == {"loss": 0.25}
+    mpath = Path(ck.root) / "step-00000003" / "MANIFEST.json"
+    assert Manifest.from_json(mpath.read_bytes(), str(mpath)).user_metadata == {"loss": 0.25}
 
 
 def test_empty_root(ck: Checkpointer) -> None:
@@ -167,21 +169,19 @@ def test_pickle_payload_in_stored_object_never_runs(ck: Checkpointer, tmp_path: 
     ck.save(1, {"extra": {"note": "hello"}})
     root = Path(ck.root) / "step-00000001"
     mpath = root / "MANIFEST.json"
-    doc = json.loads(mpath.read_text())
-    body = doc["body"]
-    (row,) = [r for r in body["items"] if r[0] == "extra.note"]
+    m = Manifest.from_json(mpath.read_bytes(), str(mpath))
+    (row,) = [r for r in m.items if r.fqn == "extra.note"]
     payload = pickle.dumps(_Payload())
-    fpath = root / body["files"][row[2]][0]
+    fpath = root / row.file
     data = fpath.read_bytes()
-    new = data[: row[3]] + payload + data[row[3] + row[4]:]
+    new = data[: row.offset] + payload + data[row.offset + row.length:]
     fpath.write_bytes(new)
     from ckptguard.checksum import checksum
 
-    row[4] = len(payload)
-    row[5] = checksum(body["checksum_algorithm"], payload)
-    body["files"][row[2]][1] = len(new)
-    text = json.dumps(body, separators=(",", ":"), sort_keys=True)
-    mpath.write_text(f'{{"manifest_checksum":"{checksum("xxh3-64", text.encode())}","body":{text}}}\n')
+    fixed = row._replace(length=len(payload), checksum=checksum(m.checksum_algorithm, payload))
+    mpath.write_bytes(dataclasses.replace(
+        m, items=[fixed if i is row else i for i in m.items],
+        files=[f._replace(size=len(new)) if f.path == row.file else f for f in m.files]).to_json())
     with pytest.raises(CheckpointError, match=r"refusing to load object 'extra\.note'"):
         ck.load({"extra": {"note": ""}}, step=1)
     assert not sentinel.exists()

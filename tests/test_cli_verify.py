@@ -72,7 +72,7 @@ def test_verify_finds_each_kind_of_damage(root: Path, damage: str, kind: str) ->
         (root / "step-00000030" / "data" / "rank00009_0.bin").write_bytes(b"stray")
     else:
         m = root / "step-00000030" / "MANIFEST.json"
-        m.write_text(m.read_text().replace('"loss"', '"lost"'))
+        m.write_bytes(m.read_bytes().replace(b'"loss"', b'"lost"'))
     out = cli("verify", str(root), "--json")
     assert out.returncode == 1, out.stdout + out.stderr
     doc = json.loads(out.stdout)

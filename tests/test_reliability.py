@@ -4,6 +4,7 @@ retired checkpoint is corrupt. Each test failed before its fix."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -18,7 +19,7 @@ from torch import nn
 
 import ckptguard
 from ckptguard import Checkpointer, CorruptCheckpointError
-from ckptguard.checksum import checksum
+from ckptguard.protocol.manifest import Manifest
 from ckptguard.verify import list_root
 
 from tests.support.jobs import run_job
@@ -117,16 +118,18 @@ def test_commit_order_survives_a_restart_and_ls_shows_the_abandoned_branch(tmp_p
     assert out.returncode == 0 and "abandoned" in out.stdout, out.stdout + out.stderr
 
 
+def _strip_commit_seq(step_dir: Path) -> None:
+    """Rewrite a manifest (resealed, so only the field is wrong) without its commit sequence number."""
+    path = step_dir / "MANIFEST.json"
+    path.write_bytes(dataclasses.replace(Manifest.from_json(path.read_bytes(), str(path)), commit_seq=None).to_json())
+
+
 def test_a_manifest_without_a_commit_sequence_number_is_corrupt_and_the_load_falls_back(tmp_path: Path) -> None:
     root = tmp_path / "ckpt"
     with Checkpointer(root) as ck:
         for s in (5, 7):
             ck.save(s, _w(s))
-    path = root / "step-00000007" / "MANIFEST.json"
-    body = json.loads(path.read_text())["body"]
-    body.pop("commit_seq")
-    text = json.dumps(body, separators=(",", ":"))
-    path.write_text(f'{{"manifest_checksum":"{checksum("xxh3-64", text.encode())}","body":{text}}}\n')
+    _strip_commit_seq(root / "step-00000007")
     with Checkpointer(root, read_only=True) as ck:
         out = {"w": torch.zeros(16)}
         assert ck.load(out) == 5 and torch.equal(out["w"], _w(5)["w"])
@@ -149,11 +152,11 @@ def test_latest_never_moves_backwards_in_commit_order(tmp_path: Path) -> None:
 
 def _flip_item(root: Path, step: int, fqn: str) -> None:
     step_dir = root / f"step-{step:08d}"
-    body = json.loads((step_dir / "MANIFEST.json").read_text())["body"]
-    (row,) = [r for r in body["items"] if r[0] == fqn]
-    path = step_dir / body["files"][row[2]][0]
+    mpath = step_dir / "MANIFEST.json"
+    (row,) = [r for r in Manifest.from_json(mpath.read_bytes(), str(mpath)).items if r.fqn == fqn]
+    path = step_dir / row.file
     data = bytearray(path.read_bytes())
-    data[row[3] + row[4] - 1] ^= 0x01  # the last byte of the item
+    data[row.offset + row.length - 1] ^= 0x01  # the last byte of the item
     path.write_bytes(bytes(data))
 
 

@@ -1186,8 +1186,7 @@ def _hostile_change(root: str, step: int, what: str, rng: random.Random) -> None
     """Turn committed checkpoint ``step`` into a hostile one (the manifest re-sealed where needed)."""
     import dataclasses
 
-    from ckptguard.checksum import checksum
-    from ckptguard.protocol.manifest import Manifest
+    from ckptguard.protocol.manifest import Manifest, seal
 
     d = os.path.join(root, CheckpointName(step).dirname)
     manifest = os.path.join(d, "MANIFEST.json")
@@ -1237,9 +1236,8 @@ def _hostile_change(root: str, step: int, what: str, rng: random.Random) -> None
         reseal(misshape)
     elif what == "deep-nesting":
         depth = rng.choice((1000, 100_000, 1_000_000))
-        body = "[" * depth + "]" * depth
         with open(manifest, "wb") as f:
-            f.write(f'{{"manifest_checksum":"{checksum("xxh3-64", body.encode())}","body":{body}}}\n'.encode())
+            f.write(seal(b"[" * depth + b"]" * depth, b""))
     elif what == "huge-manifest":
         with open(manifest, "r+b") as f:  # sparse: claims gigabytes, costs nothing on disk
             f.truncate(rng.choice((1 << 31, 1 << 34)))

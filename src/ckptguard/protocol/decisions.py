@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from ckptguard.errors import StepExistsError
 from ckptguard.protocol import artifacts
 from ckptguard.protocol.artifacts import ArtifactTarget
+from ckptguard.protocol.itemtable import ItemTable
 from ckptguard.protocol.layout import CheckpointName
 from ckptguard.protocol.manifest import Artifact, FileEntry, Manifest, StoredItem
 from ckptguard.protocol.topology import Topology
@@ -64,7 +66,9 @@ class RankWrites:
 
     files: list[FileEntry] = field(default_factory=list)
     artifacts: list[Artifact] = field(default_factory=list)
-    items: list[StoredItem] = field(default_factory=list)  # where each of its items is stored
+    #: Where each of its items is stored: the rank sends them as an ItemTable (columns), which the
+    #: leader joins without a Python object per row.
+    items: Sequence[StoredItem] = field(default_factory=list)
 
 
 def agreed_listing(listings: list[DomainListing | None]) -> Listing:
@@ -196,13 +200,15 @@ def build_manifests(
     now = time.time()
     out: dict[int, Manifest] = {}
     for index, domain in enumerate(topo.domains):
-        items: list[StoredItem] = []
+        tables: list[ItemTable] = []
         files: list[FileEntry] = []
         arts: list[Artifact] = []
         for r in domain:
-            items.extend(writes[r].items)
-            files.extend(writes[r].files)
-            arts.extend(writes[r].artifacts)
+            w = writes[r]
+            tables.append(ItemTable.from_items(w.items, [f.path for f in w.files]))
+            files.extend(w.files)
+            arts.extend(w.artifacts)
+        items = ItemTable.join(tables)
         out[domain[0]] = Manifest(
             step=name.step, version=name.version, attempt=attempt, created_at=now,
             world_size=topo.world_size, domain_index=index, domain_count=len(topo.domains),

@@ -12,32 +12,47 @@ import json
 import math
 import platform
 import re
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Annotated, Any
 
 import msgspec
+import numpy as np
 
 from ckptguard._version import __version__
-from ckptguard.checksum import ALGORITHMS, checksum
+from ckptguard.checksum import ALGORITHMS, Hasher
 from ckptguard.dcp.records import ITEMSIZES, FileEntry, StoredItem
 from ckptguard.errors import CheckpointError, CorruptCheckpointError, MalformedRecordError
 from ckptguard.protocol import records
+from ckptguard.protocol.itemtable import MAX_FILE_BYTES, MAX_NDIM, EncodedItems, ItemTable, TableError
 from ckptguard.protocol.records import ATTEMPT_PATTERN, MAX_MANIFEST_DEPTH
 
 FORMAT = "ckptguard-checkpoint"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+#: How the binary section after the JSON head is encoded (``rows.encoding`` in the head).
+ROWS_ENCODING = "msgpack-columns"
+_PREFIX = b'{"manifest_checksum":"'
+_BODY_KEY = b'","body":'
 
 _Count = Annotated[int, msgspec.Meta(ge=0)]
-#: [path, size, rank, checksum|null]
-FileRow = tuple[str, _Count, _Count, str | None]
-#: [fqn, offsets|null, file index, offset, length, checksum, dtype|null, shape|null]
-ItemRow = tuple[str, tuple[_Count, ...] | None, _Count, _Count, _Count, str, str | None, tuple[_Count, ...] | None]
+#: Files are at most 2**62 bytes, so offsets and ends of items add up without overflowing int64.
+_Bytes = Annotated[int, msgspec.Meta(ge=0, le=MAX_FILE_BYTES)]
+_Dims = tuple[_Count, ...]
+
+
+class RowsHeader(msgspec.Struct):
+    """Where the binary row tables are: the bytes after the JSON head's newline."""
+
+    encoding: Any
+    bytes: _Count
+    files: _Count = 0
+    items: _Count = 0
 
 
 class ManifestBody(msgspec.Struct):
-    """The body of a manifest as the schema checks it: the row tables typed (one row per file and
-    per stored tensor chunk: millions at scale, so checked by the decoder, not in Python); the other
-    fields are checked by ``_parse``. Fields this release does not know are ignored."""
+    """The JSON head of a manifest as the schema checks it (what a person reads: step, sequence
+    number, world, attempt, checksum algorithm, versions); the other fields are checked by
+    ``_parse``. Fields this release does not know are ignored."""
 
     format: Any
     format_version: Any
@@ -51,11 +66,48 @@ class ManifestBody(msgspec.Struct):
     checksum_algorithm: Any
     versions: Any
     user_metadata: Any
-    files: list[FileRow]
-    items: list[ItemRow]
     artifacts: Any
-    dcp: Any
+    rows: RowsHeader
     commit_seq: Any = None
+
+
+class FileColumns(msgspec.Struct, array_like=True):
+    """One list per field of the files, one entry per file."""
+
+    path: list[str]
+    size: list[_Bytes]
+    rank: list[_Count]
+    checksum: list[str | None]
+
+
+class DcpEntry(msgspec.Struct, omit_defaults=True):
+    """One entry of DCP's metadata (codec.metadata_to_json): a tensor, or ``type: bytes``."""
+
+    type: str
+    dtype: str | None = None
+    requires_grad: bool | None = None
+    size: list[int] | None = None
+    chunks: list[int] | None = None
+
+
+class DcpBody(msgspec.Struct):
+    """DCP's metadata (codec.metadata_to_json): per tensor, its chunks as one flat list of numbers."""
+
+    state_dict: dict[str, DcpEntry] = {}
+    planner_data: dict[str, list[str | int]] = {}
+    version: str | None = None
+
+
+class Tables(msgspec.Struct, array_like=True):
+    """The binary section of a manifest (MessagePack): what grows with the number of chunks."""
+
+    files: FileColumns
+    items: EncodedItems
+    dcp: DcpBody
+
+
+_TABLES_DECODER = msgspec.msgpack.Decoder(Tables)
+_TABLES_ENCODER = msgspec.msgpack.Encoder()
 
 
 @dataclass(frozen=True)
@@ -82,7 +134,8 @@ class Manifest:
     checksum_algorithm: str
     dcp: dict[str, Any]
     files: list[FileEntry]
-    items: list[StoredItem]
+    #: The rows: an ItemTable (built by the leader, parsed from a manifest) or any list of them.
+    items: Sequence[StoredItem]
     artifacts: list[Artifact] = field(default_factory=list)
     user_metadata: dict[str, Any] = field(default_factory=dict)
     versions: dict[str, str] = field(default_factory=dict)
@@ -92,7 +145,12 @@ class Manifest:
 
     # -- serialization -------------------------------------------------------------
     def to_json(self) -> bytes:
-        file_index = {f.path: i for i, f in enumerate(self.files)}
+        """The manifest file: a JSON head on one line (what a person reads), then the row tables and
+        DCP's metadata as MessagePack columns (what grows with the number of chunks), one checksum over
+        both. docs/protocol.md, "The manifest", describes the layout."""
+        # A tuple encodes as Tables does (array_like), and the DCP dict as DcpBody does (a map).
+        table = ItemTable.from_items(self.items, [f.path for f in self.files])
+        tables = _TABLES_ENCODER.encode((_file_columns(self.files), table.encode(), self.dcp))
         body: dict[str, Any] = {}
         if self.commit_seq is not None:
             # First, so that listing a root reads only the head of each manifest (commit_seq_from_head).
@@ -110,24 +168,14 @@ class Manifest:
             "checksum_algorithm": self.checksum_algorithm,
             "versions": self.versions or _versions(),
             "user_metadata": self.user_metadata,
-            "files": [[f.path, f.size, f.rank, f.checksum] for f in self.files],
-            # Compact rows: [fqn, offsets|null, file index, offset, length, checksum, dtype|null, shape|null]
-            # (tuples encode as JSON arrays and cost less memory than lists at millions of rows)
-            "items": [
-                (i.fqn, i.offsets, file_index[i.file], i.offset, i.length, i.checksum, i.dtype, i.shape)
-                for i in self.items
-            ],
             "artifacts": [
                 {"rank": a.rank, "key": a.key, "kind": a.kind, "files": [list(p) for p in a.files]}
                 for a in self.artifacts
             ],
-            "dcp": self.dcp,
+            "rows": {"encoding": ROWS_ENCODING, "bytes": len(tables), "files": len(self.files),
+                     "items": len(self.items)},
         }
-        # Key order is irrelevant (the checksum covers the exact text written), and not sorting
-        # keeps encoding fast for manifests of millions of items.
-        text = json.dumps(body, separators=(",", ":"), allow_nan=False, check_circular=False)
-        digest = checksum("xxh3-64", text.encode())
-        return f'{{"manifest_checksum":"{digest}","body":{text}}}\n'.encode()
+        return seal(json.dumps(body, separators=(",", ":"), allow_nan=False, check_circular=False).encode(), tables)
 
     @staticmethod
     def from_json(data: bytes, path: str) -> Manifest:
@@ -154,6 +202,28 @@ class Manifest:
             if a.rank == rank and a.key == key:
                 return a
         return None
+
+
+
+def seal(body: bytes, tables: bytes) -> bytes:
+    """The manifest file from its JSON body and its binary section: ``{"manifest_checksum":"<xxh3-64 of
+    body, a newline and tables>","body":<body>}``, a newline, then ``tables``."""
+    return _PREFIX + _digest(body, tables).encode() + _BODY_KEY + body + b"}\n" + tables
+
+
+def _digest(head: bytes, tables: bytes | memoryview) -> str:
+    """The manifest's own checksum: over the JSON body, a newline, and the binary section."""
+    h = Hasher("xxh3-64")
+    h.update(head)
+    h.update(b"\n")
+    h.update(tables)
+    return h.hexdigest()
+
+
+def _file_columns(files: list[FileEntry]) -> tuple[Any, ...]:
+    if not files:
+        return ((), (), (), ())
+    return tuple(zip(*files, strict=True))
 
 
 def _versions() -> dict[str, str]:
@@ -198,57 +268,40 @@ def _relpath(v: Any, what: str) -> str:
 
 
 def _parse(data: bytes, path: str) -> Manifest:
-    text = data.decode("utf-8")
-    head = '{"manifest_checksum":"'
-    _expect(text.startswith(head), "missing manifest_checksum")
-    stored = text[len(head): len(head) + 16]
-    body_start = len(head) + 16 + len('","body":')
-    _expect(text[len(head) + 16: body_start] == '","body":', "malformed header")
-    body_text = text[body_start:].rstrip()
-    _expect(body_text.endswith("}"), "truncated")
-    body_text = body_text[:-1]
-    if checksum("xxh3-64", body_text.encode()) != stored:
+    _expect(data.startswith(_PREFIX), "missing manifest_checksum")
+    body_start = len(_PREFIX) + 16 + len(_BODY_KEY)
+    _expect(data[len(_PREFIX) + 16: body_start] == _BODY_KEY, "malformed header")
+    end = data.find(b"\n")  # JSON escapes newlines inside strings: the first one ends the head
+    _expect(end > body_start and data[end - 1: end] == b"}", "truncated head")
+    raw_body = data[body_start: end - 1]
+    tables = memoryview(data)[end + 1:]
+    if _digest(raw_body, tables) != data[len(_PREFIX): len(_PREFIX) + 16].decode("ascii", "replace"):
         raise CheckpointError("manifest checksum mismatch: the manifest itself is corrupt")
-    raw_body = body_text.encode()
-    # Size: bounded by the storage read. The row tables are typed by the schema (checked in C, one
-    # tuple per row); what relates fields to each other is checked below.
+    # Size: bounded by the storage read. The head's fields are checked below; the row tables are typed
+    # by their schema (checked in C, a list per column), and what relates fields to each other is
+    # checked on whole columns.
     body = records.decode(raw_body, ManifestBody, path, max_bytes=len(raw_body), max_depth=MAX_MANIFEST_DEPTH)
     _expect(body.format == FORMAT, "wrong format tag")
     _expect(body.format_version == FORMAT_VERSION,
             f"format_version {body.format_version!r} is not supported by this ckptguard "
             f"(expects {FORMAT_VERSION}); upgrade ckptguard")
-    b: dict[str, Any] = {"checksum_algorithm": body.checksum_algorithm, "artifacts": body.artifacts,
-                         "domain": body.domain, "hosts": body.hosts, "dcp": body.dcp,
-                         "user_metadata": body.user_metadata, "versions": body.versions,
-                         "commit_seq": body.commit_seq, "step": body.step, "version": body.version,
-                         "attempt": body.attempt, "created_at": body.created_at, "world_size": body.world_size}
-    algo = _str(b["checksum_algorithm"], "checksum_algorithm")
+    _expect(body.rows.encoding == ROWS_ENCODING, f"rows.encoding {str(body.rows.encoding)[:40]!r} is not "
+                                                 f"{ROWS_ENCODING!r}")
+    _expect(body.rows.bytes == len(tables), f"the row section has {len(tables)} bytes, the head says "
+                                            f"{body.rows.bytes} (truncated or appended to)")
+    t = records.decode_binary(tables, Tables, path, "manifest row section")
+    algo = _str(body.checksum_algorithm, "checksum_algorithm")
     _expect(algo in ALGORITHMS, f"unknown checksum algorithm {algo!r}")
-    files = [FileEntry(_relpath(p, "file path"), size, rank, digest) for p, size, rank, digest in body.files]
-    items: list[StoredItem] = []
-    paths = [f.path for f in files]
-    sizes = [f.size for f in files]
-    nfiles = len(paths)
-    # Hot loop (one row per tensor chunk; types already checked): only what relates the fields.
-    for fqn, offsets, fi, offset, length, digest, dtype, shape in body.items:
-        # A reader allocates what an item claims: never more than its file holds.
-        if fi >= nfiles or offset + length > sizes[fi]:
-            _expect(fi < nfiles, f"malformed item row for {fqn[:100]!r}: file index {fi} of {nfiles} files")
-            _expect(False, f"item {fqn[:100]!r} claims bytes {offset}..{offset + length} "
-                           f"of {paths[fi]}, which has {sizes[fi]}")
-        if shape is not None:
-            # A reader allocates the shape it is told: it must account for exactly the item's bytes.
-            itemsize = ITEMSIZES.get(dtype) if dtype is not None else None
-            if itemsize is None or math.prod(shape) * itemsize != length:
-                _expect(dtype is not None, "item shape without dtype")
-                _expect(itemsize is not None, f"item {fqn[:100]!r} has unknown dtype {str(dtype)[:40]!r}")
-                _expect(False, f"item {fqn[:100]!r}: shape {list(shape)[:8]} of {dtype} does not match its "
-                               f"{length} bytes")
-        elif dtype is not None:
-            _expect(False, "item dtype without shape")
-        items.append(StoredItem(fqn, offsets, paths[fi], offset, length, digest, dtype, shape))
+    files = _files(t.files)
+    try:
+        items = ItemTable.decode(t.items, [f.path for f in files])
+    except TableError as e:
+        raise MalformedRecordError(f"{path}: not a valid manifest row section: {e}", path=path,
+                                   field="items") from None
+    _items(items, files)
     artifacts: list[Artifact] = []
-    for a in b["artifacts"]:
+    _expect(isinstance(body.artifacts, list), "artifacts must be a list")
+    for a in body.artifacts:
         _expect(isinstance(a, dict), "artifact entries are objects")
         kind = _str(a["kind"], "artifact kind")
         _expect(kind in ("file", "dir"), "artifact kind must be file or dir")
@@ -257,39 +310,161 @@ def _parse(data: bytes, path: str) -> Manifest:
             _expect(isinstance(p, list) and len(p) == 2, "artifact file rows have 2 fields")
             pairs.append((_relpath(p[0], "artifact relative path"), _relpath(p[1], "artifact stored path")))
         artifacts.append(Artifact(_int(a["rank"], "artifact rank"), _str(a["key"], "artifact key"), kind, tuple(pairs)))
-    dom = b["domain"]
+    dom = body.domain
     _expect(isinstance(dom, dict), "domain must be an object")
-    hosts = b["hosts"]
+    hosts = body.hosts
     _expect(isinstance(hosts, list) and all(isinstance(h, str) for h in hosts), "hosts must be a list of strings")
-    _expect(isinstance(b["dcp"], dict), "dcp must be an object")
-    _expect(isinstance(b["user_metadata"], dict), "user_metadata must be an object")
-    versions = b["versions"]
+    _expect(isinstance(body.user_metadata, dict), "user_metadata must be an object")
+    versions = body.versions
     _expect(isinstance(versions, dict), "versions must be an object")
-    seq = b.get("commit_seq")
-    commit_seq = None if seq is None else _int(seq, "commit_seq", 1)
-    _check_dcp_agrees_with_items(b["dcp"], items)
+    commit_seq = None if body.commit_seq is None else _int(body.commit_seq, "commit_seq", 1)
+    dcp: dict[str, Any] = msgspec.to_builtins(t.dcp)
+    _check_dcp_agrees(dcp, items)
     return Manifest(
-        step=_int(b["step"], "step"),
-        version=_int(b["version"], "version", 1),
-        attempt=_attempt(b["attempt"]),
-        created_at=float(b["created_at"]),
-        world_size=_int(b["world_size"], "world_size", 1),
+        step=_int(body.step, "step"),
+        version=_int(body.version, "version", 1),
+        attempt=_attempt(body.attempt),
+        created_at=float(body.created_at),
+        world_size=_int(body.world_size, "world_size", 1),
         domain_index=_int(dom["index"], "domain index"),
         domain_count=_int(dom["count"], "domain count", 1),
         domain_ranks=list(_ints(dom["ranks"], "domain ranks")),
         hosts=list(hosts),
         checksum_algorithm=algo,
-        dcp=b["dcp"],
+        dcp=dcp,
         files=files,
         items=items,
         artifacts=artifacts,
-        user_metadata=b["user_metadata"],
+        user_metadata=body.user_metadata,
         versions={str(k): str(v) for k, v in versions.items()},
         commit_seq=commit_seq,
     )
 
 
-def _check_dcp_agrees_with_items(dcp: dict[str, Any], items: list[StoredItem]) -> None:
+def _files(c: FileColumns) -> list[FileEntry]:
+    n = len(c.path)
+    _expect(len(c.size) == n and len(c.rank) == n and len(c.checksum) == n,
+            "the file columns have different lengths")
+    for p in c.path:
+        _relpath(p, "file path")
+    return list(map(FileEntry._make, zip(c.path, c.size, c.rank, c.checksum, strict=True)))
+
+
+def _items(table: ItemTable, files: list[FileEntry]) -> None:
+    """Each item checked against its file, its dtype and its shape on whole columns (numpy); only a
+    manifest that fails is walked row by row, which names the first bad item."""
+    n = len(table)
+    if not n:
+        return
+    sizes = np.array([f.size for f in files], dtype=np.int64)  # each <= MAX_FILE_BYTES: sums fit
+    # A reader allocates what an item claims: never more than its file holds.
+    ok = bool(np.all(table.offset + table.length <= sizes[table.file]))
+    # A reader allocates the shape it is told: it must account for exactly the item's bytes.
+    has_shape = table.shape_ndim >= 0
+    has_dtype = np.array([d is not None for d in table.dtypes], dtype=bool)[table.dtype]
+    itemsize = np.array([ITEMSIZES.get(d, 0) if d is not None else 0 for d in table.dtypes], dtype=np.int64)
+    ok = ok and bool(np.array_equal(has_shape, has_dtype))
+    if ok:
+        rows = np.flatnonzero(has_shape)
+        size = itemsize[table.dtype[rows]]
+        length = table.length[rows]
+        ok = bool(np.all(size > 0)) and bool(np.all(
+            (length % np.maximum(size, 1) == 0) & (length // np.maximum(size, 1) == _products(table, rows))))
+    if not ok:
+        _check_items(table.rows(), files)
+
+
+def _products(table: ItemTable, rows: np.ndarray) -> np.ndarray:
+    """The number of elements of each row's shape (-1 where it is 2**62 or more: no item has that)."""
+    ndim = table.shape_ndim[rows]
+    counts = np.clip(table.shape_ndim, 0, None)
+    starts = (np.cumsum(counts) - counts)[rows]
+    out = np.ones(len(rows), dtype=np.int64)
+    positive = ndim > 0
+    if positive.any():
+        # Rows without values take none of the flat column: the values of the others are contiguous.
+        at = starts[positive]
+        floats = np.multiply.reduceat(table.shape.astype(np.float64), at)
+        ints = np.multiply.reduceat(table.shape, at)  # wraps only where floats says too big
+        out[positive] = np.where(floats < 2.0**62, ints, -1)
+    return out
+
+
+def _check_items(items: list[StoredItem], files: list[FileEntry]) -> None:
+    """Row by row, what ``_items`` checks on whole columns: raises naming the first bad item."""
+    sizes = {f.path: f.size for f in files}
+    for fqn, _, file, offset, length, _, dtype, shape in items:
+        _expect(offset + length <= sizes[file], f"item {fqn[:100]!r} claims bytes {offset}..{offset + length} "
+                                                f"of {file}, which has {sizes[file]}")
+        if shape is not None:
+            itemsize = ITEMSIZES.get(dtype) if dtype is not None else None
+            _expect(dtype is not None, "item shape without dtype")
+            _expect(itemsize is not None, f"item {fqn[:100]!r} has unknown dtype {str(dtype)[:40]!r}")
+            _expect(math.prod(shape) * (itemsize or 0) == length,
+                    f"item {fqn[:100]!r}: shape {list(shape)[:8]} of {dtype} does not match its {length} bytes")
+        else:
+            _expect(dtype is None, "item dtype without shape")
+
+
+def _check_dcp_agrees(dcp: dict[str, Any], table: ItemTable) -> None:
+    """``_check_dcp_agrees_with_items`` on whole columns; a manifest that fails is walked row by row."""
+    entries = dcp.get("state_dict")
+    if not isinstance(entries, dict) or not len(table):
+        return
+    named = np.array([isinstance(entries.get(nm), dict) for nm in table.names], dtype=bool)
+    rows = np.flatnonzero(table.shape_ndim >= 0)
+    rows = rows[named[table.name[rows]]]
+    if not len(rows):
+        return
+    ok = _dcp_entries_agree(entries, table, rows) and _chunks_inside(entries, table, rows)
+    if not ok:
+        _check_dcp_agrees_with_items(dcp, table.rows())
+
+
+def _dcp_entries_agree(entries: dict[str, Any], table: ItemTable, rows: np.ndarray) -> bool:
+    """Per distinct (name, dtype) of the tensor rows: a tensor entry of that dtype with a size."""
+    seen = np.zeros(len(table.names) * len(table.dtypes), dtype=bool)
+    seen[table.name[rows] * len(table.dtypes) + table.dtype[rows]] = True
+    for ni, di in (divmod(int(p), len(table.dtypes)) for p in np.flatnonzero(seen)):
+        e = entries[table.names[ni]]
+        size = e.get("size")
+        if not (e.get("type") == "tensor" and e.get("dtype") == table.dtypes[di] and type(size) is list
+                and len(size) <= MAX_NDIM and all(type(d) is int for d in size)):
+            return False
+    return True
+
+
+def _chunks_inside(entries: dict[str, Any], table: ItemTable, rows: np.ndarray) -> bool:
+    """Every tensor row has its entry's number of dimensions and lies inside its size (a negative size
+    is refused by metadata_from_json), on the flat columns: one element per row and dimension."""
+    ndim = table.shape_ndim[rows]
+    size_ndim = np.array([len(e["size"]) if isinstance(e := entries.get(nm), dict) and type(e.get("size")) is list
+                          else -2 for nm in table.names], dtype=np.int64)
+    off_ndim = table.offsets_ndim[rows]
+    if not (np.array_equal(size_ndim[table.name[rows]], ndim) and bool(np.all((off_ndim == ndim) | (off_ndim < 0)))):
+        return False
+    width = max(int(ndim.max()), 1)
+    size_of = np.full((len(table.names), width), -1, dtype=np.int64)
+    for i, nm in enumerate(table.names):
+        e = entries.get(nm)
+        if isinstance(e, dict) and type(e.get("size")) is list and 0 < len(e["size"]) <= width:
+            size_of[i, :len(e["size"])] = [min(max(d, -1), 1 << 62) for d in e["size"]]
+    total = int(ndim.sum())
+    if not total:
+        return True
+    row_of = np.repeat(np.arange(len(rows)), ndim)
+    dim = np.arange(total) - np.repeat(np.cumsum(ndim) - ndim, ndim)
+    counts = np.clip(table.shape_ndim, 0, None)
+    k = table.shape[(np.cumsum(counts) - counts)[rows][row_of] + dim]
+    ocounts = np.clip(table.offsets_ndim, 0, None)
+    has_off = (off_ndim >= 0)[row_of]
+    at = (np.cumsum(ocounts) - ocounts)[rows][row_of] + dim
+    o = np.where(has_off, table.offsets[np.where(has_off, at, 0)] if len(table.offsets) else 0, 0)
+    d = size_of[table.name[rows][row_of], dim]
+    return bool(np.all((d < 0) | ((k <= d) & (o <= d - k))))
+
+
+def _check_dcp_agrees_with_items(dcp: dict[str, Any], items: Sequence[StoredItem]) -> None:
     """The DCP metadata and the item rows describe one tensor twice (``load`` trusts the first, ``read``
     and ``export`` the second): every item row with a dtype must agree with its DCP entry on the dtype,
     the number of dimensions, and lie inside its size; an object entry has no tensor rows. The checksum
@@ -351,4 +526,4 @@ def manifest_summary(m: Manifest) -> dict[str, Any]:
     }
 
 
-__all__ = ["Artifact", "FileEntry", "Manifest", "StoredItem", "asdict", "manifest_summary"]
+__all__ = ["Artifact", "FileEntry", "Manifest", "StoredItem", "asdict", "manifest_summary", "seal"]

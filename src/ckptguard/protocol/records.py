@@ -16,7 +16,8 @@ Records and their bounds (docs/protocol.md, "Limits on untrusted input", lists t
     tags/NAME         TagRecord      MAX_CONTROL_BYTES   MAX_CONTROL_DEPTH
     .ckptguard/lease.json  LeaseBody MAX_CONTROL_BYTES   MAX_CONTROL_DEPTH
     .ckptguard/index.json  IndexBody MAX_INDEX_BYTES     MAX_CONTROL_DEPTH
-    MANIFEST.json     (manifest.py)  storage read limit  MAX_MANIFEST_DEPTH
+    MANIFEST.json     head: ManifestBody (manifest.py), storage read limit, MAX_MANIFEST_DEPTH;
+                      rows: Tables (MessagePack, decode_binary), typed throughout
 """
 
 from __future__ import annotations
@@ -185,6 +186,47 @@ def decode(data: bytes, schema: type[T], path: str, *, max_bytes: int = MAX_CONT
                                    field="(record)") from None
 
 
+def decode_binary(data: bytes | memoryview, schema: type[T], path: str, what: str) -> T:
+    """MessagePack ``data`` as a ``schema`` record (a manifest's row tables), or MalformedRecordError
+    naming ``path`` and the field. The schema has no untyped parts, so it bounds the nesting; every
+    length a header claims is checked against the bytes left before anything is allocated; the size
+    is bounded by the read that got ``data``."""
+    try:
+        return msgspec.msgpack.decode(data, type=schema)
+    except msgspec.ValidationError as e:
+        m = _FIELD.search(str(e))
+        field = _field_names(schema, m.group(1)) if m else "(record)"
+        raise MalformedRecordError(f"{path}: not a valid {what}: {e}; it was modified by hand or by another "
+                                   "tool", path=path, field=field) from None
+    except (msgspec.DecodeError, RecursionError) as e:
+        raise MalformedRecordError(f"{path}: not a valid {what} (not MessagePack of its schema: {e})", path=path,
+                                   field="(record)") from None
+
+
+_STEP = re.compile(r"\[(\d+)\]|\.(\w+)|\[[^]]*\]")
+
+
+def _field_names(schema: Any, where: str) -> str:
+    """``[1][3][5]`` of an array-like record as ``items.file[5]``: the field, by name."""
+    out: list[str] = []
+    current: Any = schema
+    for m in _STEP.finditer(where):
+        fields = msgspec.structs.fields(current) if isinstance(current, type) and issubclass(
+            current, msgspec.Struct) else None
+        if fields is not None and m.group(1) is not None and current.__struct_config__.array_like \
+                and int(m.group(1)) < len(fields):
+            f = fields[int(m.group(1))]
+            out.append(f.name)
+            current = f.type
+        elif fields is not None and m.group(2) is not None:
+            out.append(m.group(2))
+            current = next((f.type for f in fields if f.name == m.group(2)), None)
+        else:
+            out.append(m.group(0))
+            current = None
+    return ".".join(out).replace(".[", "[") or "(record)"
+
+
 def encode(record: msgspec.Struct) -> bytes:
     """A record as the one-line JSON that :func:`decode` reads back."""
     return msgspec.json.encode(record) + b"\n"
@@ -204,5 +246,5 @@ def parse_json(data: bytes | str, path: str, what: str, *, max_bytes: int | None
 __all__ = [
     "MAX_CONTROL_BYTES", "MAX_CONTROL_DEPTH", "MAX_INDEX_BYTES", "MAX_MANIFEST_DEPTH", "IndexBody",
     "IndexEntryBody", "LatestRecord", "LeaseBody", "MalformedRecordError", "TagRecord", "TombstoneRecord",
-    "check_bounds", "decode", "encode", "nesting_depth", "parse_json",
+    "check_bounds", "decode", "decode_binary", "encode", "nesting_depth", "parse_json",
 ]

@@ -54,6 +54,7 @@ from ckptguard.protocol.decisions import (
     retention,
     stray_versions,
 )
+from ckptguard.protocol.itemtable import ItemTable
 from ckptguard.protocol.layout import CheckpointName
 from ckptguard.protocol.manifest import Artifact, FileEntry, Manifest
 from ckptguard.protocol.session import Session
@@ -232,7 +233,8 @@ def _commit(session: Session, plan: SavePlan, writer: GuardedWriter[StoredArtifa
 
     def report_writes() -> RankWrites:
         arts, art_files = writer.outcome.before_write or ([], [])
-        return RankWrites([*writer.outcome.files, *art_files], arts, writer.stored)
+        files = [*writer.outcome.files, *art_files]
+        return RankWrites(files, arts, ItemTable.from_items(writer.stored, [f.path for f in files]))
 
     def manifests(writes: list[RankWrites]) -> list[Manifest | None]:
         assert writer.metadata is not None
