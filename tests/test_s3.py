@@ -401,6 +401,26 @@ def test_save_file_and_load_file_accept_s3_paths(bed: S3Bed, bucket: str) -> Non
         ckptguard.load_file(f"s3://{bucket}/files/nothing.pt")
 
 
+def test_export_and_dcp_reader_read_an_s3_checkpoint(bed: S3Bed, bucket: str, tmp_path: Path) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    with Checkpointer(f"s3://{bucket}/run", process_group="local") as ck:
+        for step in (1, 2):
+            ck.save(step, {"model": {"w": torch.arange(64.0) + step}, "epoch": step})
+    sd = {"model": {"w": torch.zeros(64)}}
+    dcp.load(sd, storage_reader=ckptguard.DCPReader(f"s3://{bucket}/run"), no_dist=True)
+    assert torch.equal(sd["model"]["w"], torch.arange(64.0) + 2)
+    sd = {"model": {"w": torch.zeros(64)}}
+    dcp.load(sd, storage_reader=ckptguard.DCPReader(f"s3://{bucket}/run/step-00000001"), no_dist=True)
+    assert torch.equal(sd["model"]["w"], torch.arange(64.0) + 1)
+    res = _cli(bed, "export", f"s3://{bucket}/run", str(tmp_path / "m.safetensors"), "--to", "safetensors",
+               "--step", "1")
+    assert res.returncode == 0, res.stderr
+    from safetensors.torch import load_file as load_safetensors
+
+    assert torch.equal(load_safetensors(str(tmp_path / "m.safetensors"))["model.w"], torch.arange(64.0) + 1)
+
+
 # -- fencing between jobs, at the level of the index ---------------------------------------------
 
 

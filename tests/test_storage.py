@@ -64,7 +64,7 @@ def test_a_backend_is_one_entry_in_the_registry(tmp_path: Path, monkeypatch: pyt
     monkeypatch.chdir(tmp_path)
     with pytest.raises(UnsupportedStorageError, match="did you mean memo://bucket"):
         open_storage("memo:/bucket")  # its slashes lost: refused, not a local directory
-    with pytest.raises(UnsupportedStorageError, match="memo:// URLs"):
+    with pytest.raises(UnsupportedStorageError, match="memo:// object store URL"):
         local_path("memo://bucket/run")
     assert filesystem_path("memo://bucket/m.pt") is None
     with pytest.raises(ValueError, match="unknown storage_options for memo:// \\['x'\\]; known: \\['k'\\]"):

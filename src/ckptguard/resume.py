@@ -85,7 +85,7 @@ def _quick_problem(root: str, info: CheckpointInfo) -> str | None:
         return f"bad manifest: {e}"
     base = croot.data_dir(name, manifest)
     for f in manifest.files:
-        path = os.path.join(base, f.path)
+        path = storage.join(base, f.path)
         actual = storage.size(path)
         if actual is None:
             return f"missing file {path}"

@@ -30,7 +30,6 @@ takeover commits nothing.
 from __future__ import annotations
 
 import logging
-import os
 import time
 from typing import TYPE_CHECKING, Literal
 
@@ -263,13 +262,13 @@ class ObjectStoreRoot(rootkit.RootKit):
         if not files:
             return []
         with ExitSafePool(min(_HEAD_THREADS, len(files)), thread_name_prefix="ckptguard-head") as pool:
-            sizes = list(pool.map(lambda f: self.storage.size(os.path.join(base, f.path)), files))
+            sizes = list(pool.map(lambda f: self.storage.size(self.storage.join(base, f.path)), files))
         return list(zip(files, sizes, strict=True))
 
     def check_files(self, name: CheckpointName, manifest: Manifest) -> None:
         base = self.data_dir(name, manifest)
         for f, size in self._head_all(base, manifest.files):
-            path = os.path.join(base, f.path)
+            path = self.storage.join(base, f.path)
             if size is None:
                 raise CorruptCheckpointError(f"{path} is missing: the checkpoint is incomplete", path=path)
             if size != f.size:
@@ -289,7 +288,7 @@ class ObjectStoreRoot(rootkit.RootKit):
             if not pending:
                 return
             if time.monotonic() >= deadline:
-                missing = os.path.join(base, pending[0].path)
+                missing = self.storage.join(base, pending[0].path)
                 raise NotVisibleError(f"{len(pending)} object(s) of this checkpoint are missing or have the wrong "
                                       f"size after {timeout:.0f} s, e.g. {missing}: a writer failed.", path=missing)
             time.sleep(delay)

@@ -199,7 +199,7 @@ def local_path(root: str | os.PathLike[str]) -> str:
     text = os.fspath(root)
     backend = backend_for(text)
     if not backend.filesystem:
-        raise UnsupportedStorageError(f"{text} is an object store URL ({backend.what}); this operation needs a "
+        raise UnsupportedStorageError(f"{text} is a {backend.scheme}:// object store URL; this operation needs a "
                                       "local path", path=text)
     m = _URL.match(text)
     if m is None:
