@@ -143,10 +143,13 @@ class ObjectStoreRoot(rootkit.RootKit):
                 path=self.index_path)
 
     def after_lease(self) -> None:
-        """Fence every older job out of the index and settle what they left pending (lease holder)."""
+        """Fence every older job out of the index and settle what they left pending (lease holder). The
+        lease is checked in every round, on the version the swap replaces: a job whose lease expired while
+        it got here must not bump the epoch of the job that took over, nor tombstone its commits."""
         settled: list[str] = []
 
         def take(index: Index) -> bool:
+            self._fence.check("take over the root")
             settled.clear()
             index.epoch += 1
             for e in index.entries:
