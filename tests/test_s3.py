@@ -348,6 +348,32 @@ def test_an_indexed_step_whose_commit_object_is_missing_is_corrupt_not_retired(b
         assert not isinstance(err.value, ckptguard.StepRetiredError)
 
 
+def test_a_commit_object_the_index_does_not_list_is_reported_and_its_data_never_garbage(
+        bed: S3Bed, bucket: str, tmp_path: Path) -> None:
+    from ckptguard.protocol.objindex import Index
+    from ckptguard.protocol.root import open_root
+
+    root = f"s3://{bucket}/unlisted"
+    with Checkpointer(root, storage_options=SMALL) as ck:
+        ck.save(1, _state(1, 1000))
+        ck.save(2, _state(2, 1000))
+    client = bed.client()
+    index = Index.from_bytes(client.get_object(Bucket=bucket, Key=f"unlisted/{INDEX}")["Body"].read(), INDEX)
+    (entry,) = [e for e in index.entries if e.step == 2]
+    index.entries.remove(entry)
+    client.put_object(Bucket=bucket, Key=f"unlisted/{INDEX}", Body=index.to_bytes())
+    garbage = open_root(root).garbage().staging
+    assert not any(entry.attempt in g for g in garbage), garbage
+    listed = json.loads(_cli(bed, "ls", root, "--json").stdout)
+    assert listed["unlisted"] == [f"{root}/step-00000002/MANIFEST.json"]
+    assert not any(a["attempt"] == entry.attempt for a in listed["attempts"])
+    shown = _cli(bed, "ls", root)
+    assert "step-00000002/MANIFEST.json is not listed by the root's index" in " ".join(shown.stdout.split()), shown
+    res = _cli(bed, "export", f"{root}/step-00000002", str(tmp_path / "s2.pt"))
+    assert res.returncode == 0, res.stderr
+    assert torch.load(tmp_path / "s2.pt", weights_only=False)["step"] == 2
+
+
 def test_a_store_that_ignores_conditional_writes_is_refused(bed: S3Bed, bucket: str) -> None:
     bed.proxy.strip_conditions = True
     _Clients.ready.clear()

@@ -222,6 +222,20 @@ class ObjectStoreRoot(rootkit.RootKit):
                 names.append(e.name)
         return sorted(set(names))
 
+    def unlisted_commits(self) -> dict[CheckpointName, str]:
+        """Manifests at step keys that the index does not list (read after them: a commit landing meanwhile
+        is listed, not reported)."""
+        found: dict[CheckpointName, str] = {}
+        for entry in self.storage.listdir(self.storage.path()):
+            name = CheckpointName.parse(entry)
+            manifest = self._commit_manifest(name) if name is not None else None
+            if name is not None and manifest is not None:
+                found[name] = manifest.attempt
+        if not found:
+            return {}
+        committed = set(self.committed())
+        return {name: attempt for name, attempt in found.items() if name not in committed}
+
     def listing(self) -> DomainListing:
         """From the index (never a LIST): step -> {version: commit sequence number} of every committed
         checkpoint, the sequence number being the one its manifest records."""
@@ -477,9 +491,11 @@ class ObjectStoreRoot(rootkit.RootKit):
     def garbage(self, keep_attempts: frozenset[str] = frozenset(), min_probe_age_s: float = 600.0) -> Garbage:
         """Attempts no index entry names, attempts with multipart uploads left open
         (:func:`~ckptguard.protocol.objgarbage.staging_garbage`), old probes."""
-        staging = objgarbage.staging_garbage(
-            self.storage, lambda: {e.attempt for e in self.read_index()[0].entries if e.state != "aborted"},
-            keep_attempts, self.guard)
+        def live() -> set[str]:
+            unlisted = set(self.unlisted_commits().values())  # a commit's data, whatever the index says
+            return unlisted | {e.attempt for e in self.read_index()[0].entries if e.state != "aborted"}
+
+        staging = objgarbage.staging_garbage(self.storage, live, keep_attempts, self.guard)
         return Garbage(staging, [], rootkit.old_probes(self.storage, min_probe_age_s))
 
 

@@ -113,6 +113,11 @@ class Root(Protocol):
 
     def garbage(self, keep_attempts: frozenset[str] = frozenset(), min_probe_age_s: float = 600.0) -> Garbage: ...
 
+    def unlisted_commits(self) -> dict[CheckpointName, str]:
+        """Commit objects the root's record of commits does not list, with the attempt each names (an
+        object store's manifest at a step's key that its index does not hold): a damaged root, or a
+        retention caught between its two deletes. Their data is never garbage; ``ls``/``verify`` name them."""
+
     # -- writing (leaders, under the lease)
     def make_staging(self, step: int, attempt: str) -> str: ...
 
