@@ -315,3 +315,25 @@ def test_a_holder_frozen_inside_compare_and_swap_cannot_overwrite_the_swap_that_
     a.join(30)
     assert outcome == [False]  # was: True, and the file said "holder A renewed"
     assert frozen.read_bytes(path) == b"holder B"
+
+
+def test_an_object_store_that_ignores_its_conditions_is_refused_before_a_job_writes(tmp_path: Path) -> None:
+    """The generic probe (for object stores that do not check their own conditional writes)."""
+    from ckptguard.protocol.objstore import ObjectStoreRoot
+
+    class IgnoresIfNoneMatch(PosixStorage):
+        def create_exclusive(self, path: str, data: bytes) -> bool:
+            self.replace(path, data)
+            return True
+
+    class IgnoresIfMatch(PosixStorage):
+        def compare_and_swap(self, path: str, data: bytes, token: str | None) -> bool:
+            self.replace(path, data)
+            return True
+
+    for broken, condition in ((IgnoresIfNoneMatch, "If-None-Match"), (IgnoresIfMatch, "If-Match")):
+        root = ObjectStoreRoot(broken(str(tmp_path / condition)))
+        with pytest.raises(UnsupportedStorageError, match=f"{condition} ignored"):
+            root.fence_staging()
+        assert os.listdir(tmp_path / condition / layout.PROBE) == []  # the probe object is removed
+    ObjectStoreRoot(PosixStorage(str(tmp_path / "honest"))).fence_staging()

@@ -49,7 +49,8 @@ from ckptguard.protocol.manifest import FileEntry, Manifest
 from ckptguard.protocol.objindex import Index, IndexEntry
 from ckptguard.protocol.rootkit import Garbage
 from ckptguard.protocol.topology import Topology, probe_object_store
-from ckptguard.storage import StorageBackend
+from ckptguard.storage import StorageBackend, backend_for
+from ckptguard.storage.condprobe import check_conditional_writes
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -417,7 +418,11 @@ class ObjectStoreRoot(rootkit.RootKit):
         return Manifest.from_json(manifest_bytes, "MANIFEST.json").attempt
 
     def fence_staging(self) -> None:
-        """Nothing: object stores fence through the index epoch, after the lease is taken (after_lease)."""
+        """Before a job takes the lease: a store that does not check its own conditional writes is probed
+        (:mod:`ckptguard.storage.condprobe`). Fencing is through the index epoch, after the lease is taken
+        (after_lease)."""
+        if not backend_for(self.storage.root).checks_own_writes:
+            check_conditional_writes(self.storage, self.storage.path(layout.PROBE))
 
     def move_latest(self, name: CheckpointName, seq: int | None) -> bool:
         """Point `latest` at ``name`` unless it names a checkpoint committed later (:func:`latest.move`)."""

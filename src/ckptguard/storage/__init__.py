@@ -53,6 +53,9 @@ class Backend:
     #: Options for one quick request before reading it (``diagnose --checkpoints``): an endpoint that
     #: cannot be reached is said in seconds, not after every request's retries.
     quick_options: Mapping[str, Any] = field(default_factory=dict)
+    #: An object store that checks its conditional writes itself (S3: per endpoint and bucket). Any other
+    #: object store is probed by ``storage/condprobe.py`` before a job writes to it.
+    checks_own_writes: bool = False
 
 
 def _open_file(text: str, options: Mapping[str, Any] | None) -> StorageBackend:
@@ -79,7 +82,7 @@ BACKENDS: Mapping[str, Backend] = {
     b.scheme: b for b in (
         Backend("file", "local paths and file:// URLs", _open_file, filesystem=True),
         Backend("s3", "s3:// URLs (S3 and S3-compatible stores)", _open_s3, filesystem=False,
-                option_names=_S3_OPTIONS,
+                option_names=_S3_OPTIONS, checks_own_writes=True,
                 quick_options={"max_attempts": 1, "connect_timeout_s": 3.0, "read_timeout_s": 10.0}),
     )
 }
