@@ -226,10 +226,11 @@ class ObjectStoreRoot(rootkit.RootKit):
     def unlisted_commits(self) -> dict[CheckpointName, str]:
         """Manifests at step keys that the index does not list (read after them: a commit landing meanwhile
         is listed, not reported)."""
+        listed = set(self.committed())  # only keys it does not list are read (a GET each)
         found: dict[CheckpointName, str] = {}
         for entry in self.storage.listdir(self.storage.path()):
             name = CheckpointName.parse(entry)
-            manifest = self._commit_manifest(name) if name is not None else None
+            manifest = self._commit_manifest(name) if name is not None and name not in listed else None
             if name is not None and manifest is not None:
                 found[name] = manifest.attempt
         if not found:
