@@ -396,6 +396,16 @@ def test_the_hint_names_the_root_found_under_the_directory_given_and_loads_the_s
     assert f'Checkpointer("{root}").load(state, step=2)' in res.stderr, res.stderr
 
 
+def test_a_directory_of_several_roots_gets_no_guess(tmp_path: Path) -> None:
+    log = tmp_path / "job.log"
+    log.write_text("ValueError: boom\n")
+    for run in ("a", "b"):
+        _root_with_steps(tmp_path / "runs" / run, 1)
+    got = _diagnose_resume(log, tmp_path / "runs")
+    assert got["step"] is None
+    assert "holds 2 checkpoint roots" in got["resume_hint"] and str(tmp_path / "runs" / "b") in got["resume_hint"]
+
+
 # ---- the runner never changes the job's fate -----------------------------------------------------
 
 

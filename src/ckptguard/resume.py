@@ -60,16 +60,16 @@ def _unreachable(root: str, backend: Backend) -> str | None:
     return None
 
 
-def _framework_root(root: str) -> tuple[str, str | None]:
-    """(the ckptguard root to read, the framework it belongs to or None): the root itself, or the one
-    a framework's directory holds (``ckptguard.discover``)."""
+def _framework_root(root: str) -> tuple[str, str | None, list[str]]:
+    """(the ckptguard root to read, the framework it belongs to or None, every root found): the root
+    itself, or the one a framework's directory (or a directory of runs) holds (``ckptguard.discover``)."""
     try:
         found = find_roots(root)
     except CheckpointError:
-        return root, None  # missing or unreadable: resume_info says so
+        return root, None, []  # missing or unreadable: resume_info says so
     if not found:
-        return root, None
-    return found[0].path, found[0].framework
+        return root, None, []
+    return found[0].path, found[0].framework, [f.path for f in found]
 
 
 def _quick_problem(root: str, info: CheckpointInfo) -> str | None:
@@ -144,8 +144,12 @@ def resume_info(root: str, *, deep: bool = False) -> ResumeInfo:
         unreachable = _unreachable(root, backend)
         if unreachable is not None:
             return ResumeInfo(None, root, checked=checked, resume_hint=f"no answer: cannot read {root}: {unreachable}")
-    ck_root, framework = _framework_root(root)
+    ck_root, framework, roots = _framework_root(root)
     info = ResumeInfo(None, root, checked=checked, framework=framework)
+    if len(roots) > 1:  # which one the job saved to is not ours to guess
+        info.resume_hint = (f"no answer: {root} holds {len(roots)} checkpoint roots ({', '.join(roots)}); give "
+                            "the one this job saved to with --checkpoints")
+        return info
     if local is not None and not os.path.exists(local):
         info.resume_hint = (f"no answer: {root} does not exist (the job saved no checkpoint there); "
                             "it starts from scratch")
