@@ -8,6 +8,7 @@ backend"). POSIX runs on a temporary directory, S3 on moto behind the loopback f
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 import uuid
@@ -16,15 +17,15 @@ from pathlib import Path
 
 import pytest
 
-from ckptguard.errors import CorruptCheckpointError, LeaseLostError
+from ckptguard.errors import CheckpointError, CorruptCheckpointError, LeaseHeldError, LeaseLostError
 from ckptguard.protocol import layout
+from ckptguard.protocol.cas import Put, swap
 from ckptguard.protocol.layout import CheckpointName
+from ckptguard.protocol.lease import Lease
 from ckptguard.protocol.manifest import FileEntry, Manifest
 from ckptguard.protocol.root import Root, open_root
 
 from tests.support.beds.s3 import S3Bed, s3_bed_in_env
-
-ROOTS = ["posix", "s3"]
 
 
 @pytest.fixture(scope="module")
@@ -33,14 +34,25 @@ def s3() -> Iterator[S3Bed]:
         yield bed
 
 
-@pytest.fixture(params=ROOTS)
-def url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
-    """A fresh, empty root of each kind."""
-    if request.param == "posix":
-        return str(tmp_path / "root")
+def _posix_root(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    return str(tmp_path / "root")
+
+
+def _s3_root(request: pytest.FixtureRequest, tmp_path: Path) -> str:
     bed: S3Bed = request.getfixturevalue("s3")
     bed.reset_faults()
     return f"s3://{bed.make_bucket(f'conf-{uuid.uuid4().hex[:12]}')}/root"
+
+
+#: Every root under test: name -> a fresh, empty root's URL (its bed started through ``request``).
+#: A new backend is one entry here.
+ROOTS: dict[str, Callable[[pytest.FixtureRequest, Path], str]] = {"posix": _posix_root, "s3": _s3_root}
+
+
+@pytest.fixture(params=list(ROOTS))
+def url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """A fresh, empty root of each kind."""
+    return ROOTS[request.param](request, tmp_path)
 
 
 class Job:
@@ -228,3 +240,143 @@ def test_a_manifest_that_does_not_match_its_place_or_its_files_is_corrupt(url: s
     job.root.storage.delete(f"{job.root.data_dir(name, manifest)}/{manifest.files[0].path}")
     with pytest.raises(CorruptCheckpointError, match="missing"):
         job.root.check_files(name, manifest)
+
+
+# -- the primitives under races: what a store that does not honour its conditions gets wrong ------------
+
+
+def _race(n: int, fn: Callable[[int], object]) -> tuple[list[object], list[BaseException]]:
+    """``fn(0..n-1)`` in ``n`` threads released at once: (results, errors)."""
+    ready = threading.Barrier(n)
+    out: list[object] = [None] * n
+    errors: list[BaseException] = []
+
+    def run(i: int) -> None:
+        try:
+            ready.wait()
+            out[i] = fn(i)
+        except BaseException as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    return out, errors
+
+
+def test_of_many_exclusive_creates_of_one_key_exactly_one_wins(url: str) -> None:
+    storages = [open_root(url).storage for _ in range(6)]  # one client each, as separate jobs
+    storages[0].makedirs(storages[0].path(layout.CONTROL))
+    for k in range(3):
+        path = storages[0].path(layout.CONTROL, f"race-{k}")
+        won, errors = _race(6, lambda i, path=path: storages[i].create_exclusive(path, f"writer {i}".encode()))
+        assert not errors, errors
+        winners = [i for i, w in enumerate(won) if w]
+        assert len(winners) == 1, f"{len(winners)} creates of {path} all reported success"
+        assert storages[0].read_bytes(path) == f"writer {winners[0]}".encode()
+
+
+def test_concurrent_compare_and_swaps_of_one_pointer_lose_no_update(url: str) -> None:
+    """Every pointer (`latest`, tags, the object-store index, the lease) moves by ``cas.swap``: writers
+    racing on one record each see their update applied exactly once."""
+    storages = [open_root(url).storage for _ in range(4)]
+    storages[0].makedirs(storages[0].path(layout.CONTROL))
+    path = storages[0].path(layout.CONTROL, "counter")
+
+    def bump(i: int) -> None:
+        for _ in range(5):
+            # each write distinct (a store may count a conditional write whose answer was lost as landed when
+            # the record holds what it wrote; two writers of equal bytes are not a lost update)
+            swap(storages[i], path, decode=lambda b: int(b.split()[0]), encode=lambda n: f"{n} {uuid.uuid4()}".encode(),
+                 decide=lambda n: Put((n or 0) + 1, None), fence=None, what="count", rounds=400, pause_s=0.002)
+
+    _, errors = _race(4, bump)
+    assert not errors, errors
+    assert int(storages[0].read_bytes(path).split()[0]) == 20, "a compare-and-swap overwrote a concurrent one"
+
+
+def test_of_jobs_taking_one_lease_at_once_exactly_one_holds_it_each_time_with_a_new_epoch(url: str) -> None:
+    storage = open_root(url).storage
+    storage.makedirs(storage.path(layout.CONTROL))
+    leases = [Lease(open_root(url).storage, uuid.uuid4().hex, uuid.uuid4().hex, 0.5) for _ in range(4)]
+    epochs: list[int] = []
+    try:
+        for _ in range(2):  # an absent lease, then the holder's expired one
+            waiting = [lease for lease in leases if lease.epoch == 0]
+            _, errors = _race(len(waiting), lambda i, waiting=waiting: waiting[i].acquire(0.2))
+            won = [lease for lease in waiting if lease.epoch]
+            assert len(won) == 1, f"{len(won)} jobs hold the lease at once"
+            assert all(isinstance(e, LeaseHeldError) for e in errors), errors
+            epochs.append(won[0].epoch)
+            won[0]._stop.set()  # the holder stalls: its lease expires
+            time.sleep(0.7)
+    finally:
+        for lease in leases:
+            lease._stop.set()
+    assert epochs[1] > epochs[0], epochs
+
+
+def test_a_commit_stalled_past_a_takeover_is_refused_or_listed_never_lost(url: str) -> None:
+    """The stalled job passed its last check, then another job took the root over before its commit point:
+    its commit must fail, or be one the new job lists; never reported committed yet not there."""
+    old = Job(url)
+    attempt, staging, files = old.stage(1)
+    jobs: list[Job] = []
+
+    def stall_then_take_over() -> None:
+        old.root.guard("commit")  # passes: the takeover happens after it
+        old.lost = True
+        jobs.append(Job(url))
+
+    try:
+        old.root.commit(staging, _manifest(1, 1, attempt, files, 1), stall_then_take_over)
+        told = "committed"
+    except (LeaseLostError, FileNotFoundError, CheckpointError) as e:
+        told = str(e)
+    listed = open_root(url).committed()
+    claimed = told == "committed" or "is committed" in told
+    assert (CheckpointName(1) in listed) == claimed, f"the old job was told {told!r}; the root lists {listed}"
+    jobs[0].root.guard("commit")  # the new job still holds the root
+
+
+def test_a_job_that_lost_the_lease_does_not_take_the_root_back(url: str) -> None:
+    old = Job(url)
+    old.lost = True
+    new = Job(url)
+    with contextlib.suppress(LeaseLostError):
+        old.root.after_lease()  # refused, or a no-op: never a second takeover under a lost lease
+    new.root.guard("commit")
+    assert new.save(2, seq=1) in open_root(url).committed()
+
+
+def test_data_reads_back_through_open_read_and_replace_is_atomic(url: str) -> None:
+    job = Job(url)
+    storage = job.root.storage
+    payload = bytes(range(256)) * 4096  # 1 MiB
+    _, staging, files = job.stage(1, payload)
+    handle = storage.open_read(f"{staging}/{files[0].path}")
+    try:
+        assert handle.size() == len(payload)
+        buf = bytearray(1000)
+        handle.read_into([memoryview(buf)[:400], memoryview(buf)[400:]], 123_456)
+        assert bytes(buf) == payload[123_456:124_456]
+    finally:
+        handle.close()
+    path = storage.path(layout.CONTROL, "replaced")
+    storage.replace(path, b"one")
+    storage.replace(path, b"two")
+    assert storage.read_bytes(path) == b"two"
+    seen: set[bytes] = set()
+
+    def replace_or_read(i: int) -> None:
+        for k in range(10):
+            if i == 0:
+                storage.replace(path, b"A" * 5000 if k % 2 else b"B" * 3000)
+            else:
+                seen.add(storage.read_bytes(path))
+
+    _, errors = _race(2, replace_or_read)
+    assert not errors, errors
+    assert seen <= {b"two", b"A" * 5000, b"B" * 3000}, "a reader saw a torn replace"

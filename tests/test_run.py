@@ -326,7 +326,7 @@ def _root_with_steps(root: Path, steps: int) -> None:
             ck.save(s, {"w": torch.full((1024,), float(s))})
 
 
-def _diagnose_resume(log: Path, root: Path, *flags: str) -> dict[str, Any]:
+def _diagnose_resume(log: Path, root: Path | str, *flags: str) -> dict[str, Any]:
     res = subprocess.run([sys.executable, "-m", "ckptguard", "diagnose", str(log), "--json", "--checkpoints", str(root),
                           *flags], env=_env(), capture_output=True, text=True, timeout=60)
     return json.loads(res.stdout)["resume"]
@@ -365,6 +365,45 @@ def test_framework_root_gets_the_frameworks_resume_call(tmp_path: Path) -> None:
     got = _diagnose_resume(log, out)
     assert got["step"] == 2
     assert got["resume_hint"] == f'trainer.train(resume_from_checkpoint="{out / "checkpoint-2"}")'
+
+
+def test_a_file_url_root_gets_an_answer_and_a_hint_naming_it(tmp_path: Path) -> None:
+    log = tmp_path / "job.log"
+    log.write_text("ValueError: boom\n")
+    root = tmp_path / "ckpt"
+    _root_with_steps(root, 2)
+    got = _diagnose_resume(log, f"file://{root}")
+    assert got["step"] == 2, got
+    assert got["resume_hint"] == f'Checkpointer("{root}").load(state, step=2)'
+
+
+def test_the_hint_names_the_root_found_under_the_directory_given_and_loads_the_step(tmp_path: Path) -> None:
+    """A directory of runs: the hint is a line that loads the step, so it names the root inside."""
+    log = tmp_path / "job.log"
+    log.write_text("ValueError: boom\n")
+    root = tmp_path / "runs" / "run"
+    _root_with_steps(root, 2)
+    got = _diagnose_resume(log, tmp_path / "runs")
+    assert got["step"] == 2, got
+    assert got["resume_hint"] == f'Checkpointer("{root}").load(state, step=2)'
+    prog = ("import torch, ckptguard\nstate = {'w': torch.zeros(1024)}\n"
+            f"ckptguard.{got['resume_hint']}\nassert float(state['w'][0]) == 2.0\n")
+    subprocess.run([sys.executable, "-c", prog], env=_env(), check=True, timeout=60)
+    res = subprocess.run([*RUN, "--logs", str(tmp_path / "logs"), "--grace", "0", "--checkpoints",
+                          str(tmp_path / "runs"), "--", sys.executable, "-c", "raise ValueError('boom')"],
+                         env=_env(), capture_output=True, text=True, timeout=60)
+    assert res.returncode == 1
+    assert f'Checkpointer("{root}").load(state, step=2)' in res.stderr, res.stderr
+
+
+def test_a_directory_of_several_roots_gets_no_guess(tmp_path: Path) -> None:
+    log = tmp_path / "job.log"
+    log.write_text("ValueError: boom\n")
+    for run in ("a", "b"):
+        _root_with_steps(tmp_path / "runs" / run, 1)
+    got = _diagnose_resume(log, tmp_path / "runs")
+    assert got["step"] is None
+    assert "holds 2 checkpoint roots" in got["resume_hint"] and str(tmp_path / "runs" / "b") in got["resume_hint"]
 
 
 # ---- the runner never changes the job's fate -----------------------------------------------------

@@ -348,6 +348,32 @@ def test_an_indexed_step_whose_commit_object_is_missing_is_corrupt_not_retired(b
         assert not isinstance(err.value, ckptguard.StepRetiredError)
 
 
+def test_a_commit_object_the_index_does_not_list_is_reported_and_its_data_never_garbage(
+        bed: S3Bed, bucket: str, tmp_path: Path) -> None:
+    from ckptguard.protocol.objindex import Index
+    from ckptguard.protocol.root import open_root
+
+    root = f"s3://{bucket}/unlisted"
+    with Checkpointer(root, storage_options=SMALL) as ck:
+        ck.save(1, _state(1, 1000))
+        ck.save(2, _state(2, 1000))
+    client = bed.client()
+    index = Index.from_bytes(client.get_object(Bucket=bucket, Key=f"unlisted/{INDEX}")["Body"].read(), INDEX)
+    (entry,) = [e for e in index.entries if e.step == 2]
+    index.entries.remove(entry)
+    client.put_object(Bucket=bucket, Key=f"unlisted/{INDEX}", Body=index.to_bytes())
+    garbage = open_root(root).garbage().staging
+    assert not any(entry.attempt in g for g in garbage), garbage
+    listed = json.loads(_cli(bed, "ls", root, "--json").stdout)
+    assert listed["unlisted"] == [f"{root}/step-00000002/MANIFEST.json"]
+    assert not any(a["attempt"] == entry.attempt for a in listed["attempts"])
+    shown = _cli(bed, "ls", root)
+    assert "step-00000002/MANIFEST.json is not listed by the root's index" in " ".join(shown.stdout.split()), shown
+    res = _cli(bed, "export", f"{root}/step-00000002", str(tmp_path / "s2.pt"))
+    assert res.returncode == 0, res.stderr
+    assert torch.load(tmp_path / "s2.pt", weights_only=False)["step"] == 2
+
+
 def test_a_store_that_ignores_conditional_writes_is_refused(bed: S3Bed, bucket: str) -> None:
     bed.proxy.strip_conditions = True
     _Clients.ready.clear()
@@ -399,6 +425,26 @@ def test_save_file_and_load_file_accept_s3_paths(bed: S3Bed, bucket: str) -> Non
         ckptguard.load_file(f"s3://{bucket}/files/model.pt")
     with pytest.raises(CheckpointError, match="does not exist"):
         ckptguard.load_file(f"s3://{bucket}/files/nothing.pt")
+
+
+def test_export_and_dcp_reader_read_an_s3_checkpoint(bed: S3Bed, bucket: str, tmp_path: Path) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    with Checkpointer(f"s3://{bucket}/run", process_group="local") as ck:
+        for step in (1, 2):
+            ck.save(step, {"model": {"w": torch.arange(64.0) + step}, "epoch": step})
+    sd = {"model": {"w": torch.zeros(64)}}
+    dcp.load(sd, storage_reader=ckptguard.DCPReader(f"s3://{bucket}/run"), no_dist=True)
+    assert torch.equal(sd["model"]["w"], torch.arange(64.0) + 2)
+    sd = {"model": {"w": torch.zeros(64)}}
+    dcp.load(sd, storage_reader=ckptguard.DCPReader(f"s3://{bucket}/run/step-00000001"), no_dist=True)
+    assert torch.equal(sd["model"]["w"], torch.arange(64.0) + 1)
+    res = _cli(bed, "export", f"s3://{bucket}/run", str(tmp_path / "m.safetensors"), "--to", "safetensors",
+               "--step", "1")
+    assert res.returncode == 0, res.stderr
+    from safetensors.torch import load_file as load_safetensors
+
+    assert torch.equal(load_safetensors(str(tmp_path / "m.safetensors"))["model.w"], torch.arange(64.0) + 1)
 
 
 # -- fencing between jobs, at the level of the index ---------------------------------------------

@@ -47,6 +47,55 @@ def test_cli_refuses_unknown_scheme() -> None:
     assert proc.returncode == 2 and "no storage backend" in proc.stderr
 
 
+def test_a_backend_is_one_entry_in_the_registry(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The typo check, the refusals, which root runs on it and its options all come from its entry."""
+    from ckptguard.protocol.objstore import ObjectStoreRoot
+    from ckptguard.protocol.root import open_root
+    from ckptguard.storage import BACKENDS, Backend, filesystem_path, local_path
+
+    opened: list[str] = []
+
+    def open_memo(text: str, options: object) -> PosixStorage:
+        opened.append(text)
+        return PosixStorage(str(tmp_path / "store"))
+
+    memo = Backend("memo", "memo:// URLs (a test store)", open_memo, filesystem=False, option_names=frozenset({"k"}))
+    monkeypatch.setitem(BACKENDS, "memo", memo)  # type: ignore[index]
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(UnsupportedStorageError, match="did you mean memo://bucket"):
+        open_storage("memo:/bucket")  # its slashes lost: refused, not a local directory
+    with pytest.raises(UnsupportedStorageError, match="memo:// object store URL"):
+        local_path("memo://bucket/run")
+    assert filesystem_path("memo://bucket/m.pt") is None
+    with pytest.raises(ValueError, match="unknown storage_options for memo:// \\['x'\\]; known: \\['k'\\]"):
+        open_storage("memo://bucket", {"x": 1})
+    assert opened == []
+    open_storage("memo://bucket", {"k": 1})
+    assert opened == ["memo://bucket"]
+    with pytest.raises(UnsupportedStorageError, match="memo:// URLs"):
+        open_storage("gs://bucket")  # the refusal names what is supported, the new one too
+    assert list(tmp_path.iterdir()) == []
+    from ckptguard.storage.base import StorageBackend
+
+    class Store(PosixStorage):
+        pass
+
+    store: StorageBackend = Store(str(tmp_path / "s"))
+    store.root = "memo://bucket"  # type: ignore[misc]
+    assert isinstance(open_root(store), ObjectStoreRoot)
+
+
+def test_the_s3_entry_names_every_s3_option_and_refuses_options_elsewhere(tmp_path: Path) -> None:
+    import dataclasses
+
+    from ckptguard.storage import BACKENDS
+    from ckptguard.storage.s3 import S3Options
+
+    assert BACKENDS["s3"].option_names == {f.name for f in dataclasses.fields(S3Options)}
+    with pytest.raises(ValueError, match="do not apply to"):
+        open_storage(str(tmp_path), {"endpoint_url": "http://x"})
+
+
 def test_small_reads_refuse_fifos_symlinks_and_oversized_files(tmp_path: Path) -> None:
     storage = PosixStorage(str(tmp_path))
     os.mkfifo(tmp_path / "fifo")
@@ -266,3 +315,25 @@ def test_a_holder_frozen_inside_compare_and_swap_cannot_overwrite_the_swap_that_
     a.join(30)
     assert outcome == [False]  # was: True, and the file said "holder A renewed"
     assert frozen.read_bytes(path) == b"holder B"
+
+
+def test_an_object_store_that_ignores_its_conditions_is_refused_before_a_job_writes(tmp_path: Path) -> None:
+    """The generic probe (for object stores that do not check their own conditional writes)."""
+    from ckptguard.protocol.objstore import ObjectStoreRoot
+
+    class IgnoresIfNoneMatch(PosixStorage):
+        def create_exclusive(self, path: str, data: bytes) -> bool:
+            self.replace(path, data)
+            return True
+
+    class IgnoresIfMatch(PosixStorage):
+        def compare_and_swap(self, path: str, data: bytes, token: str | None) -> bool:
+            self.replace(path, data)
+            return True
+
+    for broken, condition in ((IgnoresIfNoneMatch, "If-None-Match"), (IgnoresIfMatch, "If-Match")):
+        root = ObjectStoreRoot(broken(str(tmp_path / condition)))
+        with pytest.raises(UnsupportedStorageError, match=f"{condition} ignored"):
+            root.fence_staging()
+        assert os.listdir(tmp_path / condition / layout.PROBE) == []  # the probe object is removed
+    ObjectStoreRoot(PosixStorage(str(tmp_path / "honest"))).fence_staging()

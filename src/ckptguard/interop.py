@@ -19,7 +19,7 @@ import math
 import os
 import pickle
 import stat
-from collections.abc import Generator
+from collections.abc import Generator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,30 +50,33 @@ from ckptguard.errors import (
 from ckptguard.protocol import layout
 from ckptguard.protocol.layout import CheckpointName
 from ckptguard.protocol.manifest import Manifest
-from ckptguard.protocol.root import PosixRoot
-from ckptguard.storage import PosixStorage, local_path
+from ckptguard.protocol.root import Root, open_root
+from ckptguard.storage import local_path, open_storage
 from ckptguard.storage.fileio import open_regular
 
 EXPORT_FORMATS = ("torch", "safetensors", "dcp")
 
 
-def resolve_checkpoint(path: str | os.PathLike[str], step: int | None = None) -> tuple[PosixRoot, CheckpointName]:
-    """A committed checkpoint from its own directory, or from a root (``step``, else the newest)."""
-    path = os.path.abspath(local_path(path))
-    name = CheckpointName.parse(os.path.basename(path))
-    if name is not None and os.path.isfile(os.path.join(path, layout.MANIFEST)):
+def resolve_checkpoint(path: str | os.PathLike[str], step: int | None = None,
+                       storage_options: Mapping[str, Any] | None = None) -> tuple[Root, CheckpointName]:
+    """A committed checkpoint from its own directory, or from a root (``step``, else the newest), on any
+    backend (a local path, ``file://``, ``s3://``...)."""
+    storage = open_storage(path, storage_options)
+    where = storage.root
+    name = CheckpointName.parse(where.rstrip("/").rsplit("/", 1)[-1])
+    if name is not None and storage.size(storage.join(where, layout.MANIFEST)) is not None:
         if step is not None and step != name.step:
-            raise ValueError(f"{path} is step {name.step}, not step {step}")
-        return PosixRoot(PosixStorage(os.path.dirname(path))), name
-    root = PosixRoot(PosixStorage(path))
+            raise ValueError(f"{where} is step {name.step}, not step {step}")
+        return open_root(open_storage(storage.parent(where), storage_options)), name
+    root = open_root(storage)
     current = root.current()
     if not current:
-        raise StepNotFoundError(f"{path} holds no committed ckptguard checkpoint", path=path)
+        raise StepNotFoundError(f"{where} holds no committed ckptguard checkpoint", path=where)
     if step is None:
         step = max(current)
     if step not in current:
-        raise StepNotFoundError(f"step {step} is not a committed checkpoint in {path}; committed steps: "
-                                f"{sorted(current)}", path=path)
+        raise StepNotFoundError(f"step {step} is not a committed checkpoint in {where}; committed steps: "
+                                f"{sorted(current)}", path=where)
     return root, current[step]
 
 
@@ -85,8 +88,9 @@ class DCPReader(GuardedReader):
     encoded names here: use ``Checkpointer.read`` for those.
     """
 
-    def __init__(self, path: str | os.PathLike[str], step: int | None = None, *, io_threads: int = 4) -> None:
-        root, name = resolve_checkpoint(path, step)
+    def __init__(self, path: str | os.PathLike[str], step: int | None = None, *, io_threads: int = 4,
+                 storage_options: Mapping[str, Any] | None = None) -> None:
+        root, name = resolve_checkpoint(path, step, storage_options)
         self._root, self._name = root, name
         self.manifest: Manifest = root.read_manifest(name)
         root.check_files(name, self.manifest)
@@ -121,11 +125,11 @@ class DCPReader(GuardedReader):
         return fut
 
 
-def read_checkpoint(path: str | os.PathLike[str], step: int | None = None, *, decode: bool = True
-                    ) -> dict[str, Any]:
+def read_checkpoint(path: str | os.PathLike[str], step: int | None = None, *, decode: bool = True,
+                    storage_options: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """The whole stored state dict of a committed checkpoint, in this process (every rank's
     ``PerRank`` values under their ``key@rankNNNNN`` names). ``decode=False``: as DCP stores it."""
-    reader = DCPReader(path, step)
+    reader = DCPReader(path, step, storage_options=storage_options)
     return _read_all(reader, reader.metadata, decode)
 
 
@@ -164,7 +168,8 @@ def flatten_tensors(state: Any, prefix: str = "") -> tuple[dict[str, torch.Tenso
 
 
 def export_checkpoint(path: str | os.PathLike[str], out: str | os.PathLike[str], to: str, *,
-                      step: int | None = None, key: str | None = None) -> list[str]:
+                      step: int | None = None, key: str | None = None,
+                      storage_options: Mapping[str, Any] | None = None) -> list[str]:
     """Write one committed step as ``to`` ("torch", "safetensors" or "dcp") to ``out``; what was left out.
 
     ``key`` exports one entry of the state (e.g. ``"model"``). ``torch`` is a ``save_file``
@@ -176,7 +181,7 @@ def export_checkpoint(path: str | os.PathLike[str], out: str | os.PathLike[str],
 
     if to not in EXPORT_FORMATS:
         raise ValueError(f"to must be one of {EXPORT_FORMATS}, not {to!r}")
-    state = read_checkpoint(path, step, decode=to != "dcp")
+    state = read_checkpoint(path, step, decode=to != "dcp", storage_options=storage_options)
     if key is not None:
         if key not in state:
             raise KeyError(f"no {key!r} in the checkpoint; its keys: {sorted(state)}")

@@ -21,7 +21,7 @@ from ckptguard.discover import find_roots
 from ckptguard.errors import CheckpointError
 from ckptguard.protocol.layout import CheckpointName
 from ckptguard.protocol.root import open_root
-from ckptguard.storage import open_storage
+from ckptguard.storage import Backend, backend_for, local_path, open_storage
 from ckptguard.verify import CheckpointInfo, RootListing, list_root, verify_checkpoint
 
 
@@ -48,35 +48,28 @@ class ResumeInfo:
                 "resume_hint": self.resume_hint}
 
 
-def _is_remote(root: str) -> bool:
-    return "://" in root
-
-
-#: One quick request before reading an object store: an endpoint that cannot be reached is said
-#: in seconds, not after every request's retries (minutes).
-PROBE_OPTIONS: dict[str, Any] = {"max_attempts": 1, "connect_timeout_s": 3.0, "read_timeout_s": 10.0}
-
-
-def _unreachable(root: str) -> str | None:
-    """Why the object store holding ``root`` cannot be read (None: it answered)."""
+def _unreachable(root: str, backend: Backend) -> str | None:
+    """Why the object store holding ``root`` cannot be read (None: it answered), from one quick request
+    (the backend's ``quick_options``): an endpoint that cannot be reached is said in seconds, not after
+    every request's retries (minutes)."""
     try:
-        storage = open_storage(root, PROBE_OPTIONS)
+        storage = open_storage(root, backend.quick_options)
         storage.listdir(storage.root)
     except (OSError, CheckpointError, ValueError) as e:
         return str(e)
     return None
 
 
-def _framework_root(root: str) -> tuple[str, str | None]:
-    """(the ckptguard root to read, the framework it belongs to or None): the root itself, or the one
-    a framework's directory holds (``ckptguard.discover``)."""
+def _framework_root(root: str) -> tuple[str, str | None, list[str]]:
+    """(the ckptguard root to read, the framework it belongs to or None, every root found): the root
+    itself, or the one a framework's directory (or a directory of runs) holds (``ckptguard.discover``)."""
     try:
         found = find_roots(root)
     except CheckpointError:
-        return root, None  # missing or unreadable: resume_info says so
+        return root, None, []  # missing or unreadable: resume_info says so
     if not found:
-        return root, None
-    return found[0].path, found[0].framework
+        return root, None, []
+    return found[0].path, found[0].framework, [f.path for f in found]
 
 
 def _quick_problem(root: str, info: CheckpointInfo) -> str | None:
@@ -92,7 +85,7 @@ def _quick_problem(root: str, info: CheckpointInfo) -> str | None:
         return f"bad manifest: {e}"
     base = croot.data_dir(name, manifest)
     for f in manifest.files:
-        path = os.path.join(base, f.path)
+        path = storage.join(base, f.path)
         actual = storage.size(path)
         if actual is None:
             return f"missing file {path}"
@@ -119,7 +112,9 @@ def _deep_problem(root: str, info: CheckpointInfo) -> str | None:
     return f"corrupt file {p.path}: {p.kind}: {p.detail}{more}"
 
 
-def _hint(framework: str | None, shown_root: str, ck_root: str, step: int, info: CheckpointInfo) -> str:
+def _hint(framework: str | None, ck_root: str, step: int, info: CheckpointInfo) -> str:
+    """A line that resumes: it names the root that holds the step (``ck_root``, found under the directory
+    given), never the directory given, from which ``Checkpointer`` would load nothing."""
     base = os.path.dirname(os.path.normpath(ck_root))
     if framework == "transformers":
         return f'trainer.train(resume_from_checkpoint="{os.path.join(base, f"checkpoint-{step}")}")'
@@ -133,20 +128,29 @@ def _hint(framework: str | None, shown_root: str, ck_root: str, step: int, info:
         return f'engine.load_checkpoint("{base}"{tag_arg})'
     if framework == "torchtitan":
         return f"the torchtitan trainer loads the step committed last at start (step {step} of {ck_root})"
-    return f'Checkpointer("{shown_root}").load(state, step={step})'
+    return f'Checkpointer("{ck_root}").load(state, step={step})'
 
 
 def resume_info(root: str, *, deep: bool = False) -> ResumeInfo:
     """The step to resume from in ``root`` (POSIX path or s3:// URL). Never raises for a root that
     is missing, empty or unreadable: the answer is then ``step=None`` and the hint says why."""
-    if _is_remote(root):
-        unreachable = _unreachable(root)
+    checked = "deep" if deep else "quick"
+    try:
+        backend = backend_for(root)
+        local = local_path(root) if backend.filesystem else None
+    except CheckpointError as e:
+        return ResumeInfo(None, root, checked=checked, resume_hint=f"no answer: {e}")
+    if local is None:
+        unreachable = _unreachable(root, backend)
         if unreachable is not None:
-            return ResumeInfo(None, root, checked="deep" if deep else "quick",
-                              resume_hint=f"no answer: cannot read {root}: {unreachable}")
-    ck_root, framework = _framework_root(root)
-    info = ResumeInfo(None, root, checked="deep" if deep else "quick", framework=framework)
-    if not _is_remote(root) and not os.path.exists(root):
+            return ResumeInfo(None, root, checked=checked, resume_hint=f"no answer: cannot read {root}: {unreachable}")
+    ck_root, framework, roots = _framework_root(root)
+    info = ResumeInfo(None, root, checked=checked, framework=framework)
+    if len(roots) > 1:  # which one the job saved to is not ours to guess
+        info.resume_hint = (f"no answer: {root} holds {len(roots)} checkpoint roots ({', '.join(roots)}); give "
+                            "the one this job saved to with --checkpoints")
+        return info
+    if local is not None and not os.path.exists(local):
         info.resume_hint = (f"no answer: {root} does not exist (the job saved no checkpoint there); "
                             "it starts from scratch")
         return info
@@ -182,5 +186,5 @@ def resume_info(root: str, *, deep: bool = False) -> ResumeInfo:
             info.resume_hint = f"no answer: {root} holds no committed checkpoint; it starts from scratch"
         return info
     info.step = chosen.step
-    info.resume_hint = _hint(framework, root, ck_root, chosen.step, chosen)
+    info.resume_hint = _hint(framework, ck_root, chosen.step, chosen)
     return info

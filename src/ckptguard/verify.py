@@ -70,12 +70,14 @@ class RootListing:
     #: Why the root's checkpoints could not be listed: a control record that says what is committed
     #: (the object-store index) is damaged. Such a root is "not intact" (exit 1), not a usage error.
     error: str | None = None
+    #: Commit objects the root's index does not list (object stores): not loaded, never garbage.
+    unlisted: list[str] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
         return {"schema_version": SCHEMA_VERSION, "root": self.root,
                 "checkpoints": [asdict(c) for c in self.checkpoints],
                 "attempts": [asdict(a) for a in self.attempts], "trash": self.trash, "lease": self.lease,
-                "latest_error": self.latest_error, "error": self.error}
+                "latest_error": self.latest_error, "error": self.error, "unlisted": self.unlisted}
 
 
 def damaged_root(path: str, error: CheckpointError) -> RootListing:
@@ -138,6 +140,8 @@ def list_root(path: str) -> RootListing:
     for c in checkpoints:
         c.abandoned = c.current and c.step in rolled_back
     checkpoints.sort(key=lambda c: (*order_key(c.step, Committed(c.version, c.seq)), c.version))
+    unlisted = root.unlisted_commits()
+    committed_attempts.update(unlisted.values())  # their data is a commit's, not an abandoned attempt's
     attempts = []
     staging_root = storage.path(layout.STAGING)
     for entry in sorted(storage.listdir(staging_root)):
@@ -156,7 +160,8 @@ def list_root(path: str) -> RootListing:
     lease = None
     if lease_rec is not None:
         lease = {**asdict(lease_rec), "live": lease_live}
-    return RootListing(storage.root, checkpoints, attempts, trash, lease, root.latest_problem())
+    return RootListing(storage.root, checkpoints, attempts, trash, lease, root.latest_problem(),
+                       unlisted=[storage.join(root.dir(n), layout.MANIFEST) for n in sorted(unlisted)])
 
 
 def _tiling_problems(manifest: Manifest, base: str) -> list[Problem]:

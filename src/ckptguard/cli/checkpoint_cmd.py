@@ -170,6 +170,11 @@ def _print_listing(listing: Any, framework: str | None) -> None:
 
 
 def _latest_note(con: Console, listing: Any) -> None:
+    for path in listing.unlisted:
+        con.print(f"note: the commit object {path} is not listed by the root's index, so no load finds it (a "
+                  "retention or delete in progress, or a damaged index). Its data is kept, never collected as "
+                  "garbage; to load it, restore the index (e.g. from a bucket version) or export it with "
+                  "`ckptguard export` on its step directory.", highlight=False, soft_wrap=True)
     if listing.latest_error:
         con.print(f"note: the `latest` pointer is unreadable ({listing.latest_error}). It is a hint for other "
                   "tools; ckptguard lists the checkpoints themselves, so no checkpoint is affected. The next "
@@ -228,7 +233,7 @@ def _verify_json(schema: int, framework: str | None, listing: Any, results: list
     return {"schema_version": schema, "root": listing.root, "framework": framework,
             "intact": not listing.error and all(r.intact for r in results), "safe_to_resume": _safe_to_resume(results),
             "checked": [asdict(r) for r in results], "attempts": [asdict(a) for a in listing.attempts],
-            "latest_error": listing.latest_error, "error": listing.error}
+            "latest_error": listing.latest_error, "error": listing.error, "unlisted": listing.unlisted}
 
 
 def _print_verify(framework: str | None, listing: Any, results: list[Any], step: int | None) -> None:

@@ -52,4 +52,4 @@ def _attempt_dir(path: str, staging_root: str) -> str:
 
 def _as_object_store(storage: StorageBackend) -> ObjectStore | None:
     """The backend as an :class:`ObjectStore` where it has multipart uploads to list."""
-    return cast("ObjectStore", storage) if callable(getattr(storage, "uploads_in_progress", None)) else None
+    return cast("ObjectStore", storage) if storage.leaves_uploads else None

@@ -30,7 +30,6 @@ takeover commits nothing.
 from __future__ import annotations
 
 import logging
-import os
 import time
 from typing import TYPE_CHECKING, Literal
 
@@ -50,7 +49,8 @@ from ckptguard.protocol.manifest import FileEntry, Manifest
 from ckptguard.protocol.objindex import Index, IndexEntry
 from ckptguard.protocol.rootkit import Garbage
 from ckptguard.protocol.topology import Topology, probe_object_store
-from ckptguard.storage import StorageBackend
+from ckptguard.storage import StorageBackend, backend_for
+from ckptguard.storage.condprobe import check_conditional_writes
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -144,10 +144,13 @@ class ObjectStoreRoot(rootkit.RootKit):
                 path=self.index_path)
 
     def after_lease(self) -> None:
-        """Fence every older job out of the index and settle what they left pending (lease holder)."""
+        """Fence every older job out of the index and settle what they left pending (lease holder). The
+        lease is checked in every round, on the version the swap replaces: a job whose lease expired while
+        it got here must not bump the epoch of the job that took over, nor tombstone its commits."""
         settled: list[str] = []
 
         def take(index: Index) -> bool:
+            self._fence.check("take over the root")
             settled.clear()
             index.epoch += 1
             for e in index.entries:
@@ -220,6 +223,21 @@ class ObjectStoreRoot(rootkit.RootKit):
                 names.append(e.name)
         return sorted(set(names))
 
+    def unlisted_commits(self) -> dict[CheckpointName, str]:
+        """Manifests at step keys that the index does not list (read after them: a commit landing meanwhile
+        is listed, not reported)."""
+        listed = set(self.committed())  # only keys it does not list are read (a GET each)
+        found: dict[CheckpointName, str] = {}
+        for entry in self.storage.listdir(self.storage.path()):
+            name = CheckpointName.parse(entry)
+            manifest = self._commit_manifest(name) if name is not None and name not in listed else None
+            if name is not None and manifest is not None:
+                found[name] = manifest.attempt
+        if not found:
+            return {}
+        committed = set(self.committed())
+        return {name: attempt for name, attempt in found.items() if name not in committed}
+
     def listing(self) -> DomainListing:
         """From the index (never a LIST): step -> {version: commit sequence number} of every committed
         checkpoint, the sequence number being the one its manifest records."""
@@ -263,13 +281,13 @@ class ObjectStoreRoot(rootkit.RootKit):
         if not files:
             return []
         with ExitSafePool(min(_HEAD_THREADS, len(files)), thread_name_prefix="ckptguard-head") as pool:
-            sizes = list(pool.map(lambda f: self.storage.size(os.path.join(base, f.path)), files))
+            sizes = list(pool.map(lambda f: self.storage.size(self.storage.join(base, f.path)), files))
         return list(zip(files, sizes, strict=True))
 
     def check_files(self, name: CheckpointName, manifest: Manifest) -> None:
         base = self.data_dir(name, manifest)
         for f, size in self._head_all(base, manifest.files):
-            path = os.path.join(base, f.path)
+            path = self.storage.join(base, f.path)
             if size is None:
                 raise CorruptCheckpointError(f"{path} is missing: the checkpoint is incomplete", path=path)
             if size != f.size:
@@ -289,7 +307,7 @@ class ObjectStoreRoot(rootkit.RootKit):
             if not pending:
                 return
             if time.monotonic() >= deadline:
-                missing = os.path.join(base, pending[0].path)
+                missing = self.storage.join(base, pending[0].path)
                 raise NotVisibleError(f"{len(pending)} object(s) of this checkpoint are missing or have the wrong "
                                       f"size after {timeout:.0f} s, e.g. {missing}: a writer failed.", path=missing)
             time.sleep(delay)
@@ -401,7 +419,11 @@ class ObjectStoreRoot(rootkit.RootKit):
         return Manifest.from_json(manifest_bytes, "MANIFEST.json").attempt
 
     def fence_staging(self) -> None:
-        """Nothing: object stores fence through the index epoch, after the lease is taken (after_lease)."""
+        """Before a job takes the lease: a store that does not check its own conditional writes is probed
+        (:mod:`ckptguard.storage.condprobe`). Fencing is through the index epoch, after the lease is taken
+        (after_lease)."""
+        if not backend_for(self.storage.root).checks_own_writes:
+            check_conditional_writes(self.storage, self.storage.path(layout.PROBE))
 
     def move_latest(self, name: CheckpointName, seq: int | None) -> bool:
         """Point `latest` at ``name`` unless it names a checkpoint committed later (:func:`latest.move`)."""
@@ -475,9 +497,11 @@ class ObjectStoreRoot(rootkit.RootKit):
     def garbage(self, keep_attempts: frozenset[str] = frozenset(), min_probe_age_s: float = 600.0) -> Garbage:
         """Attempts no index entry names, attempts with multipart uploads left open
         (:func:`~ckptguard.protocol.objgarbage.staging_garbage`), old probes."""
-        staging = objgarbage.staging_garbage(
-            self.storage, lambda: {e.attempt for e in self.read_index()[0].entries if e.state != "aborted"},
-            keep_attempts, self.guard)
+        def live() -> set[str]:
+            unlisted = set(self.unlisted_commits().values())  # a commit's data, whatever the index says
+            return unlisted | {e.attempt for e in self.read_index()[0].entries if e.state != "aborted"}
+
+        staging = objgarbage.staging_garbage(self.storage, live, keep_attempts, self.guard)
         return Garbage(staging, [], rootkit.old_probes(self.storage, min_probe_age_s))
 
 

@@ -163,6 +163,10 @@ class PosixRoot(rootkit.RootKit):
         """Every entry under ``path`` with its size (rootkit.NOT_A_FILE: a symbolic link, FIFO, device)."""
         return rootkit.walk(self.storage, path, _real_dir)
 
+    def unlisted_commits(self) -> dict[CheckpointName, str]:
+        """None: a step directory holding its manifest is committed by being there."""
+        return {}
+
     def garbage(self, keep_attempts: frozenset[str] = frozenset(), min_probe_age_s: float = 600.0) -> Garbage:
         staging = []
         for entry in self.storage.listdir(self.storage.path(layout.STAGING)):

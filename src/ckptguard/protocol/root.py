@@ -30,7 +30,7 @@ from ckptguard.protocol.posixroot import PosixRoot
 from ckptguard.protocol.records import LatestRecord
 from ckptguard.protocol.rootkit import Garbage
 from ckptguard.protocol.topology import Topology
-from ckptguard.storage import StorageBackend, open_storage, url_scheme
+from ckptguard.storage import StorageBackend, backend_for, open_storage
 
 __all__ = ["Garbage", "ObjectStoreRoot", "PosixRoot", "Root", "open_root"]
 
@@ -113,6 +113,11 @@ class Root(Protocol):
 
     def garbage(self, keep_attempts: frozenset[str] = frozenset(), min_probe_age_s: float = 600.0) -> Garbage: ...
 
+    def unlisted_commits(self) -> dict[CheckpointName, str]:
+        """Commit objects the root's record of commits does not list, with the attempt each names (an
+        object store's manifest at a step's key that its index does not hold): a damaged root, or a
+        retention caught between its two deletes. Their data is never garbage; ``ls``/``verify`` name them."""
+
     # -- writing (leaders, under the lease)
     def make_staging(self, step: int, attempt: str) -> str: ...
 
@@ -137,11 +142,15 @@ class Root(Protocol):
         """Remove a failed save's data, unless it may be committed after all."""
 
 
-#: The root for each URL scheme :func:`ckptguard.storage.open_storage` has a backend for.
-_ROOTS: dict[str, Callable[[StorageBackend], Root]] = {"file": PosixRoot, "s3": ObjectStoreRoot}
+#: The root of each kind of backend (``Backend.filesystem`` in :data:`ckptguard.storage.BACKENDS`): a
+#: filesystem with an atomic no-replace rename, or an object store with conditional writes. A backend
+#: that is neither has a ``Root`` of its own in ``_ROOTS_BY_SCHEME``.
+_ROOTS: dict[bool, Callable[[StorageBackend], Root]] = {True: PosixRoot, False: ObjectStoreRoot}
+_ROOTS_BY_SCHEME: dict[str, Callable[[StorageBackend], Root]] = {}
 
 
 def open_root(root: str | os.PathLike[str] | StorageBackend, options: Mapping[str, Any] | None = None) -> Root:
     """The root for a directory or URL (or a backend already opened for one), chosen by its scheme."""
     storage = open_storage(root, options) if isinstance(root, (str, os.PathLike)) else root
-    return _ROOTS[url_scheme(storage.root)](storage)
+    backend = backend_for(storage.root)
+    return _ROOTS_BY_SCHEME.get(backend.scheme, _ROOTS[backend.filesystem])(storage)

@@ -72,6 +72,9 @@ class StorageBackend(Protocol):
     #: whether listing a directory is cheap (local metadata) rather than a request per page to a remote
     #: service: how far a search through a user's directories may go
     cheap_listing: bool
+    #: whether writes can leave uploads that are neither completed nor aborted (S3's multipart uploads),
+    #: to be listed and aborted by garbage collection: then it is an :class:`ObjectStore`
+    leaves_uploads: bool
 
     def path(self, *parts: str) -> str:
         """The path of ``parts`` under the root."""

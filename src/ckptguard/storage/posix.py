@@ -42,6 +42,7 @@ class PosixStorage:
 
     keeps_open_files = True
     cheap_listing = True
+    leaves_uploads = False
 
     def __init__(self, root: str) -> None:
         self.root = os.path.abspath(os.fspath(root))
