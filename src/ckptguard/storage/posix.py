@@ -164,6 +164,9 @@ class PosixStorage:
             created = True
         except FileExistsError:
             created = False
+        except FileNotFoundError:
+            _fenced_or_raise(fence)
+            raise
         except OSError as e:
             if e.errno not in _UNSUPPORTED:
                 raise
@@ -209,7 +212,11 @@ class PosixStorage:
                 return False
             if fence is not None:
                 fence()
-            retry_stale(lambda: os.replace(staged, path), "replace", path)
+            try:
+                retry_stale(lambda: os.replace(staged, path), "replace", path)
+            except FileNotFoundError:
+                _fenced_or_raise(fence)
+                raise
             tmp = None
             fsync_dir(os.path.dirname(path) or ".")
             return self._still_locked(fd, path)
@@ -328,6 +335,13 @@ class PosixStorage:
 
     def prefetch(self, directory: str, prefix: str) -> Callable[[], None]:
         return read_ahead(directory, prefix)
+
+
+def _fenced_or_raise(fence: Callable[[], None] | None) -> None:
+    """The staged file of a swap vanished before its link or rename: a job that took the root over
+    removed it (``PosixRoot.after_lease``); the fence then says so (LeaseLostError)."""
+    if fence is not None:
+        fence()
 
 
 def _create_excl_fallback(path: str, content: bytes) -> bool:
