@@ -6,7 +6,8 @@
 
 A listing is the catalog (a directory is committed once its manifest is in it);
 the fence is the lease, and moving the staging directory away before taking it
-(a stalled job's rename then finds no source).
+(a stalled job's rename then finds no source), and removing the `latest` and tag
+files a stalled job staged once it is taken (its link then finds no source).
 
 Only domain leaders call the listing and mutating methods (one rank per storage
 domain evaluates every predicate that steers control flow; the others follow
