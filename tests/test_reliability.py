@@ -591,6 +591,74 @@ def test_a_save_fenced_after_its_commit_point_says_the_step_is_committed(tmp_pat
     ck.close()
 
 
+@pytest.mark.parametrize("existing", [None, 1], ids=["new-tag", "moved-tag"])
+def test_a_tag_whose_holder_is_taken_over_while_it_stages_the_tag_file_writes_nothing(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, existing: int | None) -> None:
+    """The holder passed its fence check for tag('best', 2) and stalls while it writes and syncs the new
+    tag file (an fsync is the slow part); another job takes the root over meanwhile. When it resumes it
+    must raise LeaseLostError and leave the tag as the new holder sees it (it created or moved the tag
+    when the fence was checked only before the file was staged)."""
+    import ckptguard.storage.posix as posix_storage
+
+    ck = Checkpointer(tmp_path / "ckpt", lease_ttl_s=30)
+    ck.save(1, {"w": torch.ones(4)})
+    ck.save(2, {"w": torch.full((4,), 2.0)})
+    if existing is not None:
+        ck.tag("best", existing)
+    lease_path = Path(ck._session.lease.path)
+    storage = ck._session.lease.storage
+    write_new_file = posix_storage.write_new_file
+
+    def staged_then_taken_over(path: str, data: bytes) -> None:  # a takeover while the tag file is staged
+        write_new_file(path, data)
+        if "best" in os.path.basename(path):
+            versioned = storage.read_versioned(str(lease_path))
+            record = json.loads(versioned[0])
+            record.update(holder="another-job", epoch=record["epoch"] + 1)
+            assert storage.compare_and_swap(str(lease_path), json.dumps(record).encode(), versioned[1])
+
+    monkeypatch.setattr(posix_storage, "write_new_file", staged_then_taken_over)
+    with pytest.raises(ckptguard.LeaseLostError):
+        ck.tag("best", 2)
+    monkeypatch.undo()
+    with Checkpointer(tmp_path / "ckpt", read_only=True) as reader:
+        assert reader.tags() == ({} if existing is None else {"best": existing})
+    ck.close()
+
+
+@pytest.mark.parametrize("existing", [None, 1], ids=["new-tag", "moved-tag"])
+def test_a_tag_whose_holder_is_taken_over_after_its_last_fence_check_writes_nothing(
+        tmp_path: Path, existing: int | None) -> None:
+    """The holder's last fence check for tag('best', 2) passed, the tag file is staged; the job stalls
+    before the link or rename, and another job takes the root over (for real: the lease expires). When
+    it resumes it must raise LeaseLostError and leave the tags as the new holder sees them."""
+    ck = Checkpointer(tmp_path / "ckpt", lease_ttl_s=1.0)
+    ck.save(1, {"w": torch.ones(4)})
+    ck.save(2, {"w": torch.full((4,), 2.0)})
+    if existing is not None:
+        ck.tag("best", existing)
+    root = ck._session.root
+    guard = root.guard
+    taken_over: list[Checkpointer] = []
+
+    def guard_then_taken_over(acting: str) -> None:  # the stall right after the last check passed
+        guard(acting)
+        if not taken_over:
+            ck._session.lease._stop.set()  # a stalled job renews nothing
+            taken_over.append(Checkpointer(tmp_path / "ckpt", lease_ttl_s=30, lease_wait_s=20))
+
+    root.guard = guard_then_taken_over  # type: ignore[method-assign]
+    try:
+        with pytest.raises(ckptguard.LeaseLostError):
+            ck.tag("best", 2)
+        assert taken_over, "the tag never reached its fence"
+        assert taken_over[0].tags(refresh=True) == ({} if existing is None else {"best": existing})
+    finally:
+        for other in taken_over:
+            other.close()
+        ck.close()
+
+
 def test_check_lease_passes_for_the_holder_and_refuses_a_reader_a_closed_one_and_a_fenced_one(
         tmp_path: Path) -> None:
     ck = Checkpointer(tmp_path / "ckpt", lease_ttl_s=30)

@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -200,11 +201,12 @@ def test_a_takeover_whose_reply_is_lost_while_another_job_takes_the_root_names_t
     OSError of a request whose outcome is in fact known."""
 
     class LosesTheReply(PosixStorage):
-        def compare_and_swap(self, path: str, data: bytes, token: str | None) -> bool:
+        def compare_and_swap(self, path: str, data: bytes, token: str | None,
+                             fence: Callable[[], None] | None = None) -> bool:
             if token is not None and path == self.path(layout.LEASE) and b'"late"' in data:
                 quick.acquire(wait_s=0)  # the other job wins meanwhile
                 raise TimeoutError("no reply")
-            return super().compare_and_swap(path, data, token)
+            return super().compare_and_swap(path, data, token, fence)
 
     storage = LosesTheReply(str(tmp_path))
     storage.makedirs(storage.path(".ckptguard"))

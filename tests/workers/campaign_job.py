@@ -824,10 +824,11 @@ def _install_stop_points() -> None:
 
     compare_and_swap = PosixStorage.compare_and_swap
 
-    def cas_hook(self: Any, path: str, data: bytes, token: str | None) -> bool:
+    def cas_hook(self: Any, path: str, data: bytes, token: str | None,
+                 fence: Callable[[], None] | None = None) -> bool:
         _CAS.inside = True
         try:
-            return compare_and_swap(self, path, data, token)
+            return compare_and_swap(self, path, data, token, fence)
         finally:
             _CAS.inside = False
 

@@ -6,10 +6,13 @@ writer between the read and the write makes the swap fail, and the round starts
 again from a fresh read.
 
 The fence (this job still holds the root: its lease, its index epoch) is
-checked in every round, after the decision and immediately before the write,
-so a job that lost the root while it waited, stalled or met a conflict changes
-nothing: a check once before the loop would let the rounds after a conflict
-overwrite what the new holder wrote.
+checked in every round, after the decision, by the storage itself once the new
+content is staged and immediately before the step that makes it visible (the
+link or rename of a synced temp file; the conditional PUT): a job that lost the
+root while it waited, stalled, met a conflict or synced the new content changes
+nothing. A check once before the loop would let the rounds after a conflict
+overwrite what the new holder wrote; a check before staging would let a job
+stopped inside the fsync create or move a pointer after a takeover.
 """
 
 from __future__ import annotations
@@ -62,27 +65,29 @@ def swap(storage: StorageBackend, path: str, *, decode: Callable[[bytes], R], en
     when there is no record); ``decide`` may raise to refuse the change, and must
     be idempotent (a write retried after a lost reply may already have landed).
     ``fence`` raises (LeaseLostError) when this job no longer holds the root; it
-    runs before every write. (Every parameter after ``path`` is keyword-only: each pointer names
-    its record's codec, its decision and its fence at the call, which is the point of one loop.)
+    runs before every write, as late as the storage allows (see :func:`swap_once`).
+    (Every parameter after ``path`` is keyword-only: each pointer names its record's
+    codec, its decision and its fence at the call, which is the point of one loop.)
     """
     for attempt in range(rounds):
         current = storage.read_versioned(path)
         decision = decide(decode(current[0]) if current is not None else None)
         if isinstance(decision, Keep):
             return decision.result
-        if fence is not None:
-            fence()
-        if swap_once(storage, path, current, None if isinstance(decision, Remove) else encode(decision.record)):
+        if swap_once(storage, path, current, None if isinstance(decision, Remove) else encode(decision.record),
+                     fence=fence):
             return decision.result
         if attempt + 1 < rounds and pause_s > 0:
             time.sleep(pause_s * min(8, attempt + 1))
     raise SwapConflictError(f"could not {what}: {path} kept changing under this job ({rounds} tries)", path=path)
 
 
-def swap_once(storage: StorageBackend, path: str, current: tuple[bytes, str] | None, data: bytes | None) -> bool:
+def swap_once(storage: StorageBackend, path: str, current: tuple[bytes, str] | None, data: bytes | None, *,
+              fence: Callable[[], None] | None = None) -> bool:
     """One swap over the version ``current`` read (None: create only if absent; ``data`` None: a
     compare-and-delete); whether it landed. The write of every round of :func:`swap`, and the lease's
-    takeover, which is one round judged by the acquiring loop (see ``Lease.acquire``).
+    takeover, which is one round judged by the acquiring loop (see ``Lease.acquire``). ``fence`` runs
+    inside the storage's swap, after the new content is staged and right before it becomes visible.
 
     A swap whose answer was lost may have landed: it is settled by reading the
     record back (ours: landed; anything else: this round lost, and a late
@@ -91,8 +96,8 @@ def swap_once(storage: StorageBackend, path: str, current: tuple[bytes, str] | N
     """
     try:
         if data is None:
-            return current is None or storage.delete_if_version(path, current[1])
-        return storage.compare_and_swap(path, data, current[1] if current is not None else None)
+            return current is None or storage.delete_if_version(path, current[1], fence=fence)
+        return storage.compare_and_swap(path, data, current[1] if current is not None else None, fence=fence)
     except OSError:
         after = storage.read_versioned(path)
         if data is None:

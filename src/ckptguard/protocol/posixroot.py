@@ -6,7 +6,8 @@
 
 A listing is the catalog (a directory is committed once its manifest is in it);
 the fence is the lease, and moving the staging directory away before taking it
-(a stalled job's rename then finds no source).
+(a stalled job's rename then finds no source), and removing the `latest` and tag
+files a stalled job staged once it is taken (its link then finds no source).
 
 Only domain leaders call the listing and mutating methods (one rank per storage
 domain evaluates every predicate that steers control flow; the others follow
@@ -30,6 +31,7 @@ from ckptguard.protocol.layout import CheckpointName
 from ckptguard.protocol.manifest import FileEntry, Manifest
 from ckptguard.protocol.rootkit import Garbage
 from ckptguard.protocol.topology import Topology, host_domains, probe_storage_domains
+from ckptguard.storage.fileio import is_tmp_name_of
 
 
 class PosixRoot(rootkit.RootKit):
@@ -77,7 +79,18 @@ class PosixRoot(rootkit.RootKit):
             self._to_trash(staging)  # before the lease is ours: no fence to check yet
 
     def after_lease(self) -> None:
-        """Nothing: this root fences before the lease is taken (:meth:`fence_staging`)."""
+        """Remove the pointer files a previous holder staged and has not linked or renamed into place
+        yet (`latest`, tags: a compare-and-swap writes a temp file, checks the fence, then links it).
+
+        A holder stopped right after its last fence check passed (before this lease was written)
+        would otherwise move the pointer when it resumes; its link or rename now finds no source,
+        and its fence check then raises. A temp file staged after this cannot be linked: its
+        writer's fence check comes after it, and finds this lease.
+        """
+        for directory, tail in ((self.path, layout.LATEST), (self.storage.path(layout.TAGS), None)):
+            for entry in self.storage.listdir(directory):
+                if is_tmp_name_of(entry, tail):
+                    self.storage.delete(os.path.join(directory, entry))
 
     # -- reading ----------------------------------------------------------------------
     def committed(self) -> list[CheckpointName]:

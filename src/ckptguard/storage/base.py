@@ -124,14 +124,20 @@ class StorageBackend(Protocol):
     def replace(self, path: str, data: bytes) -> None:
         """Replace ``path`` with ``data`` atomically and durably (readers see old or new)."""
 
-    def compare_and_swap(self, path: str, data: bytes, token: str | None) -> bool:
-        """Replace ``path`` with ``data`` only if its version is still ``token`` (None: only if absent)."""
+    def compare_and_swap(self, path: str, data: bytes, token: str | None,
+                         fence: Callable[[], None] | None = None) -> bool:
+        """Replace ``path`` with ``data`` only if its version is still ``token`` (None: only if absent).
+
+        ``fence`` (raises when this job no longer holds the root) runs after the new content is
+        staged and immediately before the step that makes it visible: a job that stalls while it
+        stages (an fsync) and is taken over meanwhile writes nothing."""
 
     def delete(self, path: str) -> None:
         """Remove one object; absent is fine."""
 
-    def delete_if_version(self, path: str, token: str) -> bool:
-        """Remove ``path`` only if its version is still ``token``; True if this call removed it."""
+    def delete_if_version(self, path: str, token: str, fence: Callable[[], None] | None = None) -> bool:
+        """Remove ``path`` only if its version is still ``token``; True if this call removed it.
+        ``fence`` runs immediately before the removal (as for :meth:`compare_and_swap`)."""
 
     def publish(self, src: str, dst: str) -> None:
         """Make directory ``src`` appear as ``dst`` atomically; FileExistsError if ``dst`` exists."""

@@ -140,6 +140,14 @@ def unique_tmp_name(path: str) -> str:
     return os.path.join(head, f".{tail}.tmp-{uuid.uuid4().hex[:12]}")
 
 
+def is_tmp_name_of(entry: str, tail: str | None = None) -> bool:
+    """Whether directory entry ``entry`` is a name :func:`unique_tmp_name` gave (for a file named
+    ``tail``, or any file when ``tail`` is None)."""
+    if not entry.startswith(".") or len(entry) < 18 or entry[-17:-12] != ".tmp-":
+        return False
+    return (tail is None or entry[1:-17] == tail) and all(c in "0123456789abcdef" for c in entry[-12:])
+
+
 def write_new_file(path: str, data: bytes | bytearray | memoryview) -> None:
     """Create ``path`` (O_EXCL: never over someone else's file), write ``data``, fsync. A file
     this call created is removed again if writing it fails (a full disk keeps no half file)."""

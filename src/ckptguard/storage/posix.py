@@ -152,13 +152,22 @@ class PosixStorage:
         """The file appears complete or not at all: we write a private temp file and hard-link
         it into place (link(2) fails with EEXIST atomically, also over NFS and sshfs). Where
         hard links are unsupported we fall back to O_EXCL."""
+        return self._create_exclusive(path, data, None)
+
+    def _create_exclusive(self, path: str, data: bytes, fence: Callable[[], None] | None) -> bool:
+        """:meth:`create_exclusive`, with ``fence`` run between the temp file's fsync and the link."""
         tmp = unique_tmp_name(path)
         write_new_file(tmp, data)
         try:
+            if fence is not None:
+                fence()
             os.link(tmp, path)
             created = True
         except FileExistsError:
             created = False
+        except FileNotFoundError:
+            _fenced_or_raise(fence)
+            raise
         except OSError as e:
             if e.errno not in _UNSUPPORTED:
                 raise
@@ -172,7 +181,8 @@ class PosixStorage:
     def replace(self, path: str, data: bytes) -> None:
         replace_file(path, data)
 
-    def compare_and_swap(self, path: str, data: bytes, token: str | None) -> bool:
+    def compare_and_swap(self, path: str, data: bytes, token: str | None,
+                         fence: Callable[[], None] | None = None) -> bool:
         """Under an exclusive lock on a lock file of its own (flock; POSIX locks over NFSv4), so that
         two writers never both see the same version and both replace it.
 
@@ -185,10 +195,12 @@ class PosixStorage:
         (an fsync can hang for long: an NFS server failing over), and the lock is
         looked at after that, right before the rename: only a freeze between
         that look and the rename itself (two system calls) is left, and a swap
-        that finds its lock broken after the rename reports failure.
+        that finds its lock broken after the rename reports failure. ``fence``
+        runs there too, after the fsync: a job taken over while it staged (or
+        waited for the lock) raises from it and changes nothing.
         """
         if token is None:
-            return self.create_exclusive(path, data)
+            return self._create_exclusive(path, data, fence)
         fd = self._locked(path)
         tmp: str | None = None
         try:
@@ -199,7 +211,13 @@ class PosixStorage:
             write_new_file(staged, data)
             if not self._still_locked(fd, path):
                 return False
-            retry_stale(lambda: os.replace(staged, path), "replace", path)
+            if fence is not None:
+                fence()
+            try:
+                retry_stale(lambda: os.replace(staged, path), "replace", path)
+            except FileNotFoundError:
+                _fenced_or_raise(fence)
+                raise
             tmp = None
             fsync_dir(os.path.dirname(path) or ".")
             return self._still_locked(fd, path)
@@ -251,14 +269,16 @@ class PosixStorage:
     def delete(self, path: str) -> None:
         unlink_quietly(path)
 
-    def delete_if_version(self, path: str, token: str) -> bool:
+    def delete_if_version(self, path: str, token: str, fence: Callable[[], None] | None = None) -> bool:
         """Under the lock that compare_and_swap takes: a writer that replaced the file since the
-        caller read it keeps its version."""
+        caller read it keeps its version; ``fence`` runs last before the unlink."""
         fd = self._locked(path)
         try:
             current = self.read_versioned(path)
             if current is None or current[1] != token or not self._still_locked(fd, path):
                 return False
+            if fence is not None:
+                fence()
             unlink_quietly(path)
             fsync_dir(os.path.dirname(path))
             return True
@@ -316,6 +336,13 @@ class PosixStorage:
 
     def prefetch(self, directory: str, prefix: str) -> Callable[[], None]:
         return read_ahead(directory, prefix)
+
+
+def _fenced_or_raise(fence: Callable[[], None] | None) -> None:
+    """The staged file of a swap vanished before its link or rename: a job that took the root over
+    removed it (``PosixRoot.after_lease``); the fence then says so (LeaseLostError)."""
+    if fence is not None:
+        fence()
 
 
 def _create_excl_fallback(path: str, content: bytes) -> bool:

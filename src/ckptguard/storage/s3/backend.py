@@ -409,7 +409,11 @@ class S3Storage:
         finally:
             stream.close()
 
-    def compare_and_swap(self, path: str, data: bytes, token: str | None) -> bool:
+    def compare_and_swap(self, path: str, data: bytes, token: str | None,
+                         fence: Callable[[], None] | None = None) -> bool:
+        """A conditional PUT (If-None-Match / If-Match): one request, so ``fence`` runs right before it."""
+        if fence is not None:
+            fence()
         if token is None:
             return self.create_exclusive(path, data)
         return self._conditional_put(path, data, IfMatch=token)
@@ -419,13 +423,15 @@ class S3Storage:
         with contextlib.suppress(FileNotFoundError):
             self.call("delete", path, lambda: self.control.delete_object(Bucket=self.bucket, Key=key))
 
-    def delete_if_version(self, path: str, token: str) -> bool:
+    def delete_if_version(self, path: str, token: str, fence: Callable[[], None] | None = None) -> bool:
         """DELETE with If-Match on the ETag read: a writer that replaced the object since keeps it.
         (The version is checked first too, so a store that ignores If-Match on DELETE narrows the
         race to the one request.)"""
         current = self.read_versioned(path)
         if current is None or current[1] != token:
             return False
+        if fence is not None:
+            fence()
         key = self.key(path)
         try:
             self.call("delete", path, lambda: self.control.delete_object(Bucket=self.bucket, Key=key, IfMatch=token))
