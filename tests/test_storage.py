@@ -329,7 +329,8 @@ def test_an_object_store_that_ignores_its_conditions_is_refused_before_a_job_wri
             return True
 
     class IgnoresIfMatch(PosixStorage):
-        def compare_and_swap(self, path: str, data: bytes, token: str | None) -> bool:
+        def compare_and_swap(self, path: str, data: bytes, token: str | None,
+                             fence: Callable[[], None] | None = None) -> bool:
             self.replace(path, data)
             return True
 
