@@ -152,21 +152,8 @@ def test_latest_moves_by_commit_order_never_backwards(url: str) -> None:
 def test_racing_pointer_moves_end_at_the_commit_made_last(url: str) -> None:
     job = Job(url)
     names = [job.save(step, seq=step) for step in range(1, 7)]
-    ready = threading.Barrier(len(names))
-    errors: list[BaseException] = []
-
-    def move(name: CheckpointName) -> None:
-        try:
-            ready.wait()
-            open_root(url).move_latest(name, name.step)
-        except BaseException as e:
-            errors.append(e)
-
-    threads = [threading.Thread(target=move, args=(n,)) for n in reversed(names)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
+    newest_first = names[::-1]
+    _, errors = _race(len(names), lambda i: open_root(url).move_latest(newest_first[i], newest_first[i].step))
     assert not errors
     pointer = job.root.read_latest()
     assert pointer is not None and pointer.dir == names[-1].dirname
