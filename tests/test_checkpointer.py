@@ -437,6 +437,46 @@ def test_background_save_reuses_one_set_of_host_buffers(ck: Checkpointer) -> Non
     assert ck._stager.buffer_bytes == 256 * 256 * 4
 
 
+def test_background_saves_follow_every_change_of_the_state_between_them(ck: Checkpointer) -> None:
+    """The host buffers are reused only while every tensor still fits its buffer: a new shape, dtype,
+    key or nesting between saves reallocates them, and each step loads back what it held at its call."""
+    saved: dict[int, dict[str, object]] = {}
+    f64 = torch.float64
+    states = [
+        {"w": torch.arange(6.0), "opt": [torch.ones(2, 3), 7], "t": (torch.zeros(4, dtype=torch.int64), "a")},
+        {"w": torch.arange(6.0) + 1, "opt": [torch.ones(2, 3) * 2, 8], "t": (torch.ones(4, dtype=torch.int64), "b")},
+        {"w": torch.arange(8.0), "opt": [torch.ones(2, 3) * 3, 9], "t": (torch.ones(4, dtype=torch.int64), "c")},
+        {"w": torch.arange(8.0, dtype=f64), "opt": [torch.ones(2, 3), 1], "t": (torch.ones(4, dtype=torch.int64), "d")},
+        {"w": torch.arange(8.0, dtype=f64), "opt": [torch.ones(3, 2).t(), 2], "x": torch.ones(1)},
+        {"w": torch.arange(8.0, dtype=f64), "opt": [torch.ones(3, 2).t(), 2, torch.ones(1)], "x": torch.ones(1)},
+    ]
+    for step, state in enumerate(states):
+        saved[step] = {k: (v.clone() if isinstance(v, torch.Tensor) else
+                           type(v)(e.clone() if isinstance(e, torch.Tensor) else e for e in v))
+                       for k, v in state.items()}
+        ck.save(step, state, blocking=False)
+        for v in state.values():  # training changes every tensor and value right after save() returns
+            for t in (v if isinstance(v, list | tuple) else [v]):
+                if isinstance(t, torch.Tensor):
+                    t.add_(100)
+        state["opt"][1] = -1
+    ck.wait()
+    assert ck._stager.allocations == 5  # steps 0 and 1 share one set of buffers
+    for step, expected in saved.items():
+        out = {k: (torch.zeros_like(v) if isinstance(v, torch.Tensor) else
+                   type(v)(torch.zeros_like(e) if isinstance(e, torch.Tensor) else None for e in v))
+               for k, v in expected.items()}
+        ck.load(out, step=step)
+        for k, v in expected.items():
+            got = out[k]
+            if isinstance(v, torch.Tensor):
+                assert torch.equal(got, v) and got.dtype == v.dtype, (step, k)
+            else:
+                assert len(got) == len(v), (step, k)
+                for g, e in zip(got, v, strict=True):
+                    assert torch.equal(g, e) if isinstance(e, torch.Tensor) else g == e, (step, k)
+
+
 def test_background_failure_surfaces_at_wait_and_next_save(ck: Checkpointer) -> None:
     from ckptguard import _faults
 

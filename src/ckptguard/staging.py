@@ -9,29 +9,85 @@ the budget is not staged (the caller saves synchronously instead).
 
 from __future__ import annotations
 
+import copy
 import os
 import warnings
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch.distributed.tensor import DTensor
 
-from ckptguard.dcp._torch_private import copy_state_dict, create_cpu_state_dict
+from ckptguard.dcp._torch_private import create_cpu_state_dict
 from ckptguard.protocol.artifacts import ArtifactTarget, FileSnapshot, snapshot_files
 from ckptguard.state import state_nbytes
 
 
-def _signature(obj: Any) -> Any:
-    """What must match for buffers to be reused: structure, shapes, dtypes."""
-    if isinstance(obj, DTensor):
-        return ("D", tuple(obj.to_local().shape), obj.dtype)
-    if isinstance(obj, torch.Tensor):
-        return ("T", tuple(obj.shape), obj.dtype)
-    if isinstance(obj, dict):
-        return tuple((k, _signature(v)) for k, v in obj.items())
-    if isinstance(obj, list | tuple):
-        return tuple(_signature(v) for v in obj)
-    return None
+class _Reshaped(Exception):
+    """The state no longer matches the host buffers (structure, shape or dtype): allocate anew."""
+
+
+_PLAIN = (int, float, str, bytes, bool, type(None))
+
+
+def _twin(src: Any, buf: Any, srcs: list[torch.Tensor], dsts: list[torch.Tensor]) -> Any:
+    """The snapshot of ``src`` in its buffer twin ``buf``: collects the (source, buffer) tensor pairs to
+    copy and checks, in the same walk, that every tensor still fits its buffer (one pass over the state,
+    so that save() blocks for little more than the copy itself)."""
+    if isinstance(src, DTensor):
+        if not isinstance(buf, DTensor):
+            raise _Reshaped
+        local, into = src.to_local(), buf.to_local()
+        if local.shape != into.shape or local.dtype != into.dtype:
+            raise _Reshaped
+        if into is not local:  # DCP's buffers hold a 0-dim DTensor itself, not a copy
+            srcs.append(local)
+            dsts.append(into)
+        return buf
+    if isinstance(src, torch.Tensor):
+        if not isinstance(buf, torch.Tensor) or isinstance(buf, DTensor):
+            raise _Reshaped
+        if src.shape != buf.shape or src.dtype != buf.dtype:
+            raise _Reshaped
+        srcs.append(src)
+        dsts.append(buf)
+        return buf
+    if isinstance(src, dict):
+        if not isinstance(buf, dict) or len(buf) != len(src):
+            raise _Reshaped
+        try:
+            return {k: _twin(v, buf[k], srcs, dsts) for k, v in src.items()}
+        except KeyError:
+            raise _Reshaped from None
+    if isinstance(src, list | tuple):
+        if not isinstance(buf, list | tuple) or len(buf) != len(src):
+            raise _Reshaped
+        out = [_twin(v, b, srcs, dsts) for v, b in zip(src, buf, strict=True)]
+        return tuple(out) if isinstance(src, tuple) else out
+    if isinstance(src, _PLAIN):
+        return src
+    return copy.deepcopy(src)  # anything else is the caller's to change once save() returns
+
+
+def _copy(srcs: list[torch.Tensor], dsts: list[torch.Tensor], streams: dict[torch.device, Any]) -> None:
+    """Copy every pair in bulk (one dispatch per device, not one per tensor); device-to-host copies
+    run on a side stream of their device, which waits for the work queued so far and is then the only
+    thing waited for: training's later kernels keep running."""
+    by_device: dict[torch.device, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+    for s, d in zip(srcs, dsts, strict=True):
+        pair = by_device.setdefault(s.device, ([], []))
+        pair[0].append(s)
+        pair[1].append(d)
+    for device, (src_list, dst_list) in by_device.items():
+        if device.type == "cuda":
+            stream = streams.get(device)
+            if stream is None:
+                stream = streams[device] = torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]
+            stream.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(stream):
+                torch._foreach_copy_(dst_list, src_list, non_blocking=True)
+            stream.synchronize()
+        else:
+            torch._foreach_copy_(dst_list, src_list)
 
 
 class HostStager:
@@ -39,7 +95,7 @@ class HostStager:
         self.budget_bytes = budget_bytes
         self._warned_budget = False
         self._buffers: dict[str, Any] | None = None
-        self._signature: Any = None
+        self._streams: dict[torch.device, Any] = {}  # side streams of device-to-host copies
         self.allocations = 0  # how many times buffers had to be (re)allocated
 
     @property
@@ -53,16 +109,23 @@ class HostStager:
 
     def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
         """A snapshot of ``state_dict`` in host buffers; training may change the original right after."""
-        sig = _signature(state_dict)
-        if self._buffers is None or sig != self._signature:
+        srcs: list[torch.Tensor] = []
+        dsts: list[torch.Tensor] = []
+        snapshot = None
+        if self._buffers is not None:
+            try:
+                snapshot = _twin(state_dict, self._buffers, srcs, dsts)
+            except _Reshaped:
+                srcs.clear()
+                dsts.clear()
+        if snapshot is None:
             self._buffers = None  # free the old set before allocating the new one
             self._buffers = create_cpu_state_dict(state_dict, pin_memory=torch.cuda.is_available())
-            self._signature = sig
             self.allocations += 1
-        snapshot = copy_state_dict(state_dict, self._buffers)
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        return snapshot
+            snapshot = _twin(state_dict, self._buffers, srcs, dsts)
+        with torch.no_grad():
+            _copy(srcs, dsts, self._streams)
+        return cast(dict[str, Any], snapshot)
 
     def snapshot(self, state_dict: dict[str, Any], targets: list[ArtifactTarget] | None
                  ) -> tuple[dict[str, Any], list[Any]] | None:
@@ -81,7 +144,6 @@ class HostStager:
 
     def release(self) -> None:
         self._buffers = None
-        self._signature = None
 
 
 def stage_files(targets: list[ArtifactTarget]) -> list[FileSnapshot]:
