@@ -33,3 +33,11 @@ def test_diagnose_benchmark_runs_the_cli_and_finds_the_buried_failure() -> None:
     out = _run(["bench/bench_diagnose.py", "--size-mb", "8", "--ranks", "64"], timeout=300)
     rows = [line for line in out.splitlines() if line.startswith("ckptguard diagnose")]
     assert len(rows) == 2 and all("cuda_oom, rank 37, 63 collateral" in r for r in rows), out
+
+
+def test_gpu_benchmark_runs_its_code_paths_on_the_cpu(tmp_path: Path) -> None:
+    out = _run(["bench/bench_gpu.py", "--device", "cpu", "--size-gib", "0.002", "--tensors", "4", "--reps", "1",
+                "--dir", str(tmp_path / "w"), "--json", str(tmp_path / "r.json")], timeout=180)
+    result = json.loads((tmp_path / "r.json").read_text())
+    assert result["device"] == "cpu" and result["tensors"] == 4, out
+    assert set(result["figures"]) >= {"async blocked vs device-to-host copy", "async total vs dcp.async_save total"}
