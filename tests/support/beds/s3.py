@@ -19,11 +19,13 @@
   - ``rules`` (:meth:`FaultProxy.add_rule`): chosen requests, picked by a predicate on the
     :class:`Request`, are DELAYED, DROPPED (forwarded and applied by moto, then the
     connection is closed without an answer: a lost reply), FAILED (answered 500 without
-    being forwarded), FAILED-AFTER (forwarded and applied by moto, then answered 500), FROZEN (held, unanswered
+    being forwarded), SLOWDOWN (answered 503 SlowDown, S3's throttling error, without being
+    forwarded), FAILED-AFTER (forwarded and applied by moto, then answered 500), FROZEN (held, unanswered
     and not forwarded, until :meth:`FaultProxy.thaw`; then forwarded: a stalled writer's
     request that lands late) or RESET (the connection closed at once, nothing forwarded:
     with :meth:`FaultProxy.stop`, an endpoint that refuses connections);
-  - ``log``: (method, path, query, status) of every request, for assertions.
+  - ``log``: (method, path, query, status) of every request, for assertions;
+    :func:`request_kind` names the S3 operation of an entry (what :func:`count_requests` tallies).
 
 Several proxies may front one moto server (:meth:`S3Bed.add_proxy`): one per job, so
 that faults hit one job's requests and not another's.
@@ -123,7 +125,7 @@ class Request:
 @dataclass
 class Rule:
     match: Callable[[Request], bool]
-    action: str  # "delay" | "drop" | "fail" | "fail-after" | "freeze" | "reset"
+    action: str  # "delay" | "drop" | "fail" | "slowdown" | "fail-after" | "freeze" | "reset"
     delay_s: float = 0.0
     times: int | None = None  # how many matching requests it applies to (None: all)
     hits: int = 0
@@ -180,9 +182,10 @@ class FaultProxy:
     def add_rule(self, match: Callable[[Request], bool], action: str, delay_s: float = 0.0,
                  times: int | None = None) -> Rule:
         """DELAY (``delay_s``), DROP (apply, then lose the reply), FAIL (answer 500, forward nothing),
-        FAIL-AFTER (apply, then answer 500), FREEZE (hold until thaw()) or RESET (close the connection,
-        forward nothing) the requests ``match`` picks, the first ``times`` of them (all if None)."""
-        assert action in ("delay", "drop", "fail", "fail-after", "freeze", "reset"), action
+        SLOWDOWN (answer 503 SlowDown, forward nothing: S3 throttling the request), FAIL-AFTER (apply,
+        then answer 500), FREEZE (hold until thaw()) or RESET (close the connection, forward nothing) the
+        requests ``match`` picks, the first ``times`` of them (all if None)."""
+        assert action in ("delay", "drop", "fail", "slowdown", "fail-after", "freeze", "reset"), action
         rule = Rule(match, action, delay_s, times)
         with self.lock:
             if action == "freeze":
@@ -303,12 +306,13 @@ class FaultProxy:
                     self.landing += 1
                     thawed.append(True)
         inject = self.fail_rate > 0 and roll < self.fail_rate and not path.startswith("/moto-api")
-        if rule is not None and rule.action in ("fail", "fail-after"):
-            inject, kind = True, "500" if rule.action == "fail" else "500-after"
+        if rule is not None and rule.action in ("fail", "slowdown", "fail-after"):
+            inject, kind = True, {"fail": "500", "slowdown": "503", "fail-after": "500-after"}[rule.action]
         if inject and kind in ("500", "503"):
             self.stats.injected += 1
-            code = "InternalError" if kind == "500" else "SlowDown"
-            self._reply(h, int(kind), _error(code, "injected by the test proxy"), {}, path, parsed.query)
+            code, message = ("InternalError", "injected by the test proxy") if kind == "500" else \
+                ("SlowDown", "Please reduce your request rate.")
+            self._reply(h, int(kind), _error(code, message), {"Content-Type": "application/xml"}, path, parsed.query)
             return
         if inject and kind == "slow":
             self.stats.injected += 1
@@ -383,6 +387,38 @@ class FaultProxy:
         h.end_headers()
         if not head and data:
             h.wfile.write(data)
+
+
+def request_kind(method: str, path: str, query: str) -> str:
+    """The S3 operation of a request as the proxy logged it (path-style: /bucket/key)."""
+    params = urllib.parse.parse_qs(query, keep_blank_values=True)
+    has_key = "/" in path.lstrip("/")
+    if method == "PUT":
+        return "UploadPart" if "partNumber" in params else "PutObject" if has_key else "CreateBucket"
+    if method == "POST":
+        if "uploads" in params:
+            return "CreateMultipartUpload"
+        if "uploadId" in params:
+            return "CompleteMultipartUpload"
+        return "DeleteObjects" if "delete" in params else "POST"
+    if method == "DELETE":
+        return "AbortMultipartUpload" if "uploadId" in params else "DeleteObject"
+    if method == "HEAD":
+        return "HeadObject" if has_key else "HeadBucket"
+    if method == "GET" and not has_key:
+        return "ListMultipartUploads" if "uploads" in params else "ListObjectsV2"
+    return "GetObject" if method == "GET" else method
+
+
+def count_requests(log: list[tuple[str, str, str, int]], where: Callable[[str], bool] = lambda _: True
+                   ) -> dict[str, int]:
+    """How many requests of each S3 operation ``log`` holds, of those whose path ``where`` picks."""
+    out: dict[str, int] = {}
+    for method, path, query, _ in log:
+        if where(path):
+            kind = request_kind(method, path, query)
+            out[kind] = out.get(kind, 0) + 1
+    return out
 
 
 def _error(code: str, message: str) -> bytes:
