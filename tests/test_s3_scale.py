@@ -17,7 +17,7 @@ import torch
 pytest.importorskip("boto3")
 pytest.importorskip("moto")
 
-from ckptguard import PerRank
+from ckptguard import Checkpointer, PerRank
 from ckptguard.comm import Comm
 from ckptguard.protocol import load as load_protocol
 from ckptguard.protocol import save as save_protocol
@@ -25,6 +25,7 @@ from ckptguard.protocol.root import open_root
 from ckptguard.protocol.session import Options, open_session
 from ckptguard.protocol.timing import PhaseTimer
 from ckptguard.state import prepare_state
+from ckptguard.storage.s3 import S3Storage
 from ckptguard.threadranks import run_ranks
 
 from tests.support.beds.s3 import Request, S3Bed, count_requests, s3_bed_in_env
@@ -149,26 +150,48 @@ def test_a_burst_of_slowdown_is_retried_with_backoff_and_a_bounded_number_of_tim
 
     def arm(what: str) -> None:
         if what == "saved 1":
-            rules.extend([bed.proxy.add_rule(data_write, "slowdown", times=4),
+            rules.extend([bed.proxy.add_rule(data_write, "slowdown", times=3),
                           bed.proxy.add_rule(index_write, "slowdown", times=1)])
         elif what == "saved 2":
-            rules.append(bed.proxy.add_rule(data_read, "slowdown", times=3))
+            rules.append(bed.proxy.add_rule(data_read, "slowdown", times=2))
 
     try:
         marks, equal = _run(bed, 2, arm)
     finally:
         bed.proxy.clear_rules()
     assert all(equal)
-    assert [r.hits for r in rules] == [4, 1, 3]
+    assert [r.hits for r in rules] == [3, 1, 2]
     log = bed.proxy.stats.log
     save, load = log[marks[0]:marks[1]], log[marks[1]:marks[2]]
-    assert [sum(1 for e in phase if e[3] == 503) for phase in (save, load)] == [5, 3]
+    assert [sum(1 for e in phase if e[3] == 503) for phase in (save, load)] == [4, 2]
     # Each refusal costs one more request and nothing else: the model's count + the refusals.
     sim = _sim()
     items = [4 * ELEMS, 4 * SMALL]
     save_model, load_model = sim.save_requests(2, items, PART), sim.load_requests(2, items, PART)
-    assert sum(count_requests(save, _not_lease).values()) == save_model.count() + 5
+    assert sum(count_requests(save, _not_lease).values()) == save_model.count() + 4
     got = count_requests(load, _data)
     assert got["HeadObject"] == load_model.data()["HeadObject"]
-    assert load_model.data()["GetObject"] + 3 <= got["GetObject"] <= 2 * sim.most_gets_per_rank(items, PART) + 3
+    assert load_model.data()["GetObject"] + 2 <= got["GetObject"] <= 2 * sim.most_gets_per_rank(items, PART) + 2
     assert count_requests(load, _control) == load_model.control
+
+
+def test_adaptive_retries_pace_data_requests_through_slowdown_and_control_stays_standard(bed: S3Bed) -> None:
+    """``retry_mode="adaptive"``: a save and a load through a burst of SlowDown are bitwise; the data
+    client is adaptive (it paces its own rate after a throttle), the control client standard."""
+    url = f"s3://{bed.make_bucket(f'adaptive-{uuid.uuid4().hex[:10]}')}/run"
+    options = {**OPTIONS, "retry_mode": "adaptive"}
+    state = {"w": torch.randn(ELEMS, generator=torch.Generator().manual_seed(5))}
+    rule = bed.proxy.add_rule(lambda r: "/data/" in r.path and r.method in ("PUT", "GET"), "slowdown", times=2)
+    try:
+        with Checkpointer(url, process_group="local", storage_options=options) as ck:
+            ck.save(1, state)
+            out = {"w": torch.zeros(ELEMS)}
+            assert ck.load(out) == 1 and torch.equal(out["w"], state["w"])
+    finally:
+        bed.proxy.clear_rules()
+    assert rule.hits == 2
+    storage = S3Storage(url, options)
+    assert storage.client.meta.config.retries["mode"] == "adaptive"
+    assert storage.control.meta.config.retries["mode"] == "standard"
+    with pytest.raises(ValueError, match="retry_mode"):
+        S3Storage(url, {"retry_mode": "legacy"})

@@ -30,6 +30,7 @@ log = logging.getLogger("ckptguard")
 _WRITER_META = "ckptguard-writer"  # x-amz-meta-ckptguard-writer: which stream created a data object
 _MIN_PART = 5 << 20  # S3's smallest part (all but the last)
 _MAX_PARTS = 10_000
+_RETRY_MODES = {"standard", "adaptive"}
 _PERMISSION_CODES = {"AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "AllAccessDisabled",
                      "AccountProblem", "InvalidToken", "ExpiredToken", "403"}
 _REGION_CODES = {"PermanentRedirect", "AuthorizationHeaderMalformed", "IllegalLocationConstraintException",
@@ -58,6 +59,10 @@ class S3Options:
     part_size: int = 16 << 20  # bytes per multipart part (objects below it take one PutObject)
     max_concurrency: int = 16  # parts and ranges in flight per process
     max_attempts: int = 10  # per request, by botocore's standard retry mode (throttling, 5xx, resets)
+    # Data requests' retries: "standard" (exponential backoff with full jitter, 1 s base on 503 SlowDown)
+    # or "adaptive" (the same, and after a throttle each process paces its own request rate): at
+    # thousands of ranks, adaptive turns S3's SlowDown into a lower rate instead of waves of retries.
+    retry_mode: str = "standard"
     connect_timeout_s: float = 10.0
     read_timeout_s: float = 60.0
     # Control objects (lease, index, `latest`, tags, commit objects): small, so short timeouts and few
@@ -80,6 +85,9 @@ class S3Options:
             raise ValueError(f"storage_options part_size must be >= {_MIN_PART} (S3's smallest part)")
         if opts.max_concurrency < 1 or opts.max_attempts < 1 or opts.control_max_attempts < 1:
             raise ValueError("storage_options max_concurrency, max_attempts and control_max_attempts must be >= 1")
+        if opts.retry_mode not in _RETRY_MODES:
+            raise ValueError(f"storage_options retry_mode must be one of {sorted(_RETRY_MODES)}, not "
+                             f"{opts.retry_mode!r}")
         return opts
 
 
@@ -198,14 +206,16 @@ class _Clients:
     def get(cls, opts: S3Options, control: bool = False) -> S3Client:
         """The client for data (parts, ranges, listings) or, ``control``, for small control objects."""
         if control:
+            # Standard retries for control objects whatever retry_mode says: they are few and one at a
+            # time, and a rate limiter's wait must not delay the lease's bounded release at exit.
             opts = replace(opts, max_attempts=opts.control_max_attempts,
                            connect_timeout_s=opts.control_connect_timeout_s,
-                           read_timeout_s=opts.control_read_timeout_s)
+                           read_timeout_s=opts.control_read_timeout_s, retry_mode="standard")
         # boto3 reads unset values from the environment when the client is made: a process that points
         # AWS_ENDPOINT_URL (or the region, profile, keys) elsewhere must get a new client, not the old one.
         env = tuple(os.environ.get(k) for k in _ENV_SETTINGS)
         key = (opts.endpoint_url, opts.region_name, opts.profile_name, opts.max_concurrency, opts.max_attempts,
-               opts.connect_timeout_s, opts.read_timeout_s, env)
+               opts.retry_mode, opts.connect_timeout_s, opts.read_timeout_s, env)
         with cls.lock:
             client = cls.cache.get(key)
             if client is None:
@@ -214,7 +224,8 @@ class _Clients:
 
                 session = boto3.session.Session(profile_name=opts.profile_name)
                 config = Config(
-                    retries={"mode": "standard", "max_attempts": opts.max_attempts},
+                    retries={"mode": "adaptive" if opts.retry_mode == "adaptive" else "standard",
+                             "max_attempts": opts.max_attempts},
                     max_pool_connections=max(10, 2 * opts.max_concurrency + 8),
                     connect_timeout=opts.connect_timeout_s,
                     read_timeout=opts.read_timeout_s,
