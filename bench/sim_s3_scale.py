@@ -13,8 +13,10 @@ and :func:`load_requests`). The times are a model with the assumptions printed a
 from __future__ import annotations
 
 import argparse
+import heapq
 import json
 import math
+import random
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
@@ -22,6 +24,7 @@ MIB = 1 << 20
 GB = 10**9
 MIN_BYTES_PER_FILE = 32 * MIB  # dcp/writer.py: a rank's state is cut into more files only above this
 HEAD_THREADS = 16  # protocol/objstore.py: the leader's parallel HEADs of every data object
+THROTTLE_ROUNDS = 8  # storage/s3/client.py: rounds of botocore's retries a throttled data request gets
 
 # Control requests of one save and one load on an s3:// root whose index and lease exist (not the
 # first save), counted through the test proxy (tests/test_s3_scale.py checks them): the lease read
@@ -171,6 +174,51 @@ def row(model: str, total_bytes: float, ranks: int, config: Config, a: Assumptio
                round(load_s, 1))
 
 
+@dataclass(frozen=True)
+class Throttled:
+    writes: int
+    done_s: float  # when the last write landed (or gave up)
+    requests: int  # with the refused tries
+    refused: int  # 503 SlowDown answers
+    failed: int  # writes refused max_attempts times: the save fails
+
+
+def throttle(writes: int, rate: float, max_attempts: int = 10, rounds: int = THROTTLE_ROUNDS,
+             latency_s: float = 0.05, seed: int = 0) -> Throttled:
+    """``writes`` sent at once to one prefix that accepts ``rate`` per second (a token bucket holding a
+    tenth of a second's worth), each refused one retried as botocore's standard mode does: after
+    rand(0, 1) * min(2 ** (attempt - 1), 20) s (SlowDown is a throttling error: a 1 s base), at most
+    ``max_attempts`` tries; then, as storage/s3/client.py's ``call_throttled`` does, after
+    rand(0, 1) * min(2 ** round, 20) s, another round of botocore's tries, ``rounds`` more at most
+    (0: botocore's retries alone). Deterministic (seeded)."""
+    rng = random.Random(seed)
+    events = [(rng.random() * latency_s, 1, 0) for _ in range(writes)]  # (arrival, attempt, round)
+    heapq.heapify(events)
+    burst = rate / 10
+    tokens, last, done, requests, refused, failed = burst, 0.0, 0.0, 0, 0, 0
+    while events:
+        t, attempt, round_ = heapq.heappop(events)
+        tokens = min(burst, tokens + (t - last) * rate)
+        last = t
+        requests += 1
+        if tokens >= 1:
+            tokens -= 1
+            done = max(done, t + latency_s)
+            continue
+        refused += 1
+        if attempt == max_attempts and round_ == rounds:
+            failed += 1
+            done = max(done, t + latency_s)
+            continue
+        if attempt == max_attempts:
+            delay = rng.random() * min(2.0 ** round_, 20.0)
+            heapq.heappush(events, (t + latency_s + delay, 1, round_ + 1))
+        else:
+            delay = rng.random() * min(2.0 ** (attempt - 1), 20.0)
+            heapq.heappush(events, (t + latency_s + delay, attempt + 1, round_))
+    return Throttled(writes, round(done, 1), requests, refused, failed)
+
+
 def table(a: Assumptions) -> list[Row]:
     return [row(m, total, ranks, c, a) for m, total in MODELS.items() for ranks in (1_024, 16_384) for c in CONFIGS]
 
@@ -194,8 +242,10 @@ def main() -> None:
     a = Assumptions(prefixes=args.prefixes)
     rows = table(a)
     if args.json:
+        throttled = [asdict(throttle(n, a.put_per_prefix_s * a.prefixes, latency_s=a.write_latency_s))
+                     for n in sorted({r.save_writes for r in rows})]  # with call_throttled's rounds
         print(json.dumps({"assumptions": asdict(a), "rows": [asdict(r) for r in rows],
-                          "tests": {str(n): small(n) for n in (2, 4)}}, indent=1))
+                          "throttled": throttled, "tests": {str(n): small(n) for n in (2, 4)}}, indent=1))
         return
     print("assumptions:", ", ".join(f"{k}={v}" for k, v in asdict(a).items()))
     print(f"state: {ITEMS_PER_RANK} equal tensors per rank, fully sharded; " +
@@ -211,6 +261,15 @@ def main() -> None:
         print(f"| {r.model} | {r.ranks:,} | {r.config} | {r.per_rank_mib:,} | {r.files_per_rank} | {r.save_writes:,} "
               f"| {r.save_requests:,} | {r.load_requests:,} | {r.wire_s} | {r.rank_requests_s} | {r.prefix_rate_s} "
               f"| {r.leader_heads_s} | {r.save_s} | {r.headroom} | {r.load_s} |")
+    print()
+    print(f"A save's writes sent at once to {a.prefixes} prefix(es) ({a.put_per_prefix_s * a.prefixes:,} PUT/s), "
+          f"retried by botocore (max_attempts=10) alone, and with {THROTTLE_ROUNDS} more rounds of it:")
+    print("| writes | rounds | last landed (s) | requests | 503 SlowDown | writes that gave up |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for n in sorted({r.save_writes for r in rows}):
+        for rounds in (0, THROTTLE_ROUNDS):
+            t = throttle(n, a.put_per_prefix_s * a.prefixes, rounds=rounds, latency_s=a.write_latency_s)
+            print(f"| {n:,} | {rounds} | {t.done_s} | {t.requests:,} | {t.refused:,} | {t.failed:,} |")
 
 
 if __name__ == "__main__":

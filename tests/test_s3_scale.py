@@ -175,13 +175,27 @@ def test_a_burst_of_slowdown_is_retried_with_backoff_and_a_bounded_number_of_tim
     assert count_requests(load, _control) == load_model.control
 
 
-def test_adaptive_retries_pace_data_requests_through_slowdown_and_control_stays_standard(bed: S3Bed) -> None:
-    """``retry_mode="adaptive"``: a save and a load through a burst of SlowDown are bitwise; the data
-    client is adaptive (it paces its own rate after a throttle), the control client standard."""
-    url = f"s3://{bed.make_bucket(f'adaptive-{uuid.uuid4().hex[:10]}')}/run"
+def test_retry_mode_adaptive_reaches_the_data_client_only() -> None:
+    """``retry_mode="adaptive"``: the data client paces its own rate after a throttle (botocore's
+    adaptive mode); the control client keeps standard retries; anything else is refused."""
     options = {**OPTIONS, "retry_mode": "adaptive"}
-    state = {"w": torch.randn(ELEMS, generator=torch.Generator().manual_seed(5))}
-    rule = bed.proxy.add_rule(lambda r: "/data/" in r.path and r.method in ("PUT", "GET"), "slowdown", times=2)
+    storage = S3Storage("s3://adaptive/run", options)
+    assert storage.client.meta.config.retries["mode"] == "adaptive"
+    assert storage.control.meta.config.retries["mode"] == "standard"
+    assert S3Storage("s3://adaptive/run", OPTIONS).client.meta.config.retries["mode"] == "standard"
+    with pytest.raises(ValueError, match="retry_mode"):
+        S3Storage("s3://adaptive/run", {"retry_mode": "legacy"})
+
+
+def test_data_requests_outlast_slowdown_after_botocores_retries_gave_up(bed: S3Bed) -> None:
+    """botocore gives up on a throttled request after ``max_attempts`` tries or once the process's retry
+    quota is spent (thousands of ranks on one new prefix); a data request then waits and goes again:
+    with ``max_attempts=1`` (botocore retries nothing) a save and a load through SlowDown still land."""
+    url = f"s3://{bed.make_bucket(f'outlast-{uuid.uuid4().hex[:10]}')}/run"
+    options = {**OPTIONS, "max_attempts": 1}
+    state = {"w": torch.randn(ELEMS, generator=torch.Generator().manual_seed(6))}
+    writes = bed.proxy.add_rule(lambda r: "/data/" in r.path and r.method in ("PUT", "POST"), "slowdown", times=1)
+    reads = bed.proxy.add_rule(lambda r: "/data/" in r.path and r.method == "GET", "slowdown", times=1)
     try:
         with Checkpointer(url, process_group="local", storage_options=options) as ck:
             ck.save(1, state)
@@ -189,9 +203,4 @@ def test_adaptive_retries_pace_data_requests_through_slowdown_and_control_stays_
             assert ck.load(out) == 1 and torch.equal(out["w"], state["w"])
     finally:
         bed.proxy.clear_rules()
-    assert rule.hits == 2
-    storage = S3Storage(url, options)
-    assert storage.client.meta.config.retries["mode"] == "adaptive"
-    assert storage.control.meta.config.retries["mode"] == "standard"
-    with pytest.raises(ValueError, match="retry_mode"):
-        S3Storage(url, {"retry_mode": "legacy"})
+    assert writes.hits == 1 and reads.hits == 1

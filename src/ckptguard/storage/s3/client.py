@@ -7,7 +7,9 @@ import bisect
 import io
 import logging
 import os
+import random
 import threading
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass, fields, replace
@@ -38,6 +40,10 @@ _REGION_CODES = {"PermanentRedirect", "AuthorizationHeaderMalformed", "IllegalLo
 _MISSING_CODES = {"NoSuchKey", "404", "NotFound"}
 _PRECONDITION_CODES = {"PreconditionFailed", "412"}
 _CONFLICT_CODES = {"ConditionalRequestConflict", "409", "OperationAborted"}
+_THROTTLE_CODES = {"SlowDown", "503", "ServiceUnavailable", "RequestLimitExceeded", "Throttling",
+                   "ThrottlingException", "TooManyRequests", "429"}
+_THROTTLE_ROUNDS = 8  # rounds of botocore's own retries a data request gets while S3 throttles it
+_THROTTLE_MAX_WAIT_S = 20.0
 # The environment boto3 consults when a client is made (the keys by name only: a rotated key is a new client).
 _ENV_SETTINGS = ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_REGION", "AWS_DEFAULT_REGION", "AWS_PROFILE",
                  "AWS_ACCESS_KEY_ID", "AWS_CONFIG_FILE", "AWS_SHARED_CREDENTIALS_FILE",
@@ -193,6 +199,30 @@ def _is_client_error(err: BaseException) -> bool:
     from botocore.exceptions import ClientError
 
     return isinstance(err, ClientError)
+
+
+def is_throttled(err: BaseException) -> bool:
+    """A request S3 refused for its rate (503 SlowDown and the like), translated by ``Bucket.call``."""
+    cause = err.__cause__
+    return isinstance(cause, Exception) and _is_client_error(cause) and _code(cause) in _THROTTLE_CODES
+
+
+def call_throttled(storage: Bucket, what: str, path: str, fn: Callable[[], Any]) -> Any:
+    """A data request that S3 may throttle: ``storage.call``, and once botocore's retries gave up on a
+    throttled request (``max_attempts`` tries, or this process's retry quota spent: botocore allows
+    about 100 throttled retries beyond its successes), a wait of rand(0, 1) * min(2 ** round, 20) s
+    and another round, at most ``_THROTTLE_ROUNDS`` of them. S3 answers SlowDown while it splits a
+    prefix under a new load, which takes longer than one request's retries at thousands of ranks."""
+    for round_ in range(_THROTTLE_ROUNDS + 1):
+        try:
+            return storage.call(what, path, fn)
+        except OSError as e:
+            if round_ == _THROTTLE_ROUNDS or not is_throttled(e):
+                raise
+            wait = random.random() * min(2.0 ** round_, _THROTTLE_MAX_WAIT_S)
+            log.debug("ckptguard: S3 throttled the request to %s %s; again in %.1f s", what, path, wait)
+            time.sleep(wait)
+    raise AssertionError("unreachable")
 
 
 class _Clients:
