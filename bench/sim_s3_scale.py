@@ -143,7 +143,8 @@ class Row:
     rank_requests_s: float  # one rank's writes, max_concurrency at a time, at write_latency_s
     prefix_rate_s: float  # every rank's writes at the prefixes' PUT rate
     leader_heads_s: float  # the leader's HEAD of every data object, 16 at a time (and the GET rate)
-    save_s: float  # max(wire, rank requests, prefix rate) + leader HEADs
+    save_s: float  # max(wire, rank requests, prefix rate) + leader HEADs: writes paced at the prefix's rate
+    save_backoff_s: float  # the same, the writes sent at once and retried with backoff (:func:`throttle`)
     headroom: float  # the prefixes' PUT rate / the rate the save asks for (< 1: throttled)
     load_s: float
 
@@ -164,12 +165,14 @@ def row(model: str, total_bytes: float, ranks: int, config: Config, a: Assumptio
     heads = max(math.ceil(save.leader_heads / HEAD_THREADS) * a.read_latency_s,
                 save.leader_heads / (a.get_per_prefix_s * a.prefixes))
     unthrottled = max(wire, rank_requests)
+    backoff = throttle(writes_per_rank * ranks, a.put_per_prefix_s * a.prefixes, latency_s=a.write_latency_s)
     reads_per_rank = sum(load.per_rank.values())
     load_s = heads + max(wire, math.ceil(reads_per_rank / a.max_concurrency) * a.read_latency_s,
                          reads_per_rank * ranks / (a.get_per_prefix_s * a.prefixes))
     return Row(model, ranks, config.name, round(per_rank / MIB, 1), len(file_sizes(items, config.io_threads)),
                writes_per_rank * ranks, save.count(), load.count(), round(wire, 2), round(rank_requests, 2),
                round(prefix_rate, 2), round(heads, 2), round(max(unthrottled, prefix_rate) + heads, 1),
+               round(max(unthrottled, backoff.done_s) + heads, 1),
                round(a.put_per_prefix_s * a.prefixes / (writes_per_rank * ranks / unthrottled), 3),
                round(load_s, 1))
 
@@ -255,12 +258,13 @@ def main() -> None:
         print(f"{n} ranks (tests/test_s3_scale.py):", json.dumps(small(n)))
     print()
     print("| model | ranks | config | MiB/rank | files/rank | save writes | save requests | load requests "
-          "| wire (s) | rank requests (s) | prefix rate (s) | leader HEADs (s) | save (s) | headroom | load (s) |")
-    print("|" + " --- |" * 15)
+          "| wire (s) | rank requests (s) | prefix rate (s) | leader HEADs (s) | save, paced (s) | save, backoff (s) "
+          "| headroom | load (s) |")
+    print("|" + " --- |" * 16)
     for r in rows:
         print(f"| {r.model} | {r.ranks:,} | {r.config} | {r.per_rank_mib:,} | {r.files_per_rank} | {r.save_writes:,} "
               f"| {r.save_requests:,} | {r.load_requests:,} | {r.wire_s} | {r.rank_requests_s} | {r.prefix_rate_s} "
-              f"| {r.leader_heads_s} | {r.save_s} | {r.headroom} | {r.load_s} |")
+              f"| {r.leader_heads_s} | {r.save_s} | {r.save_backoff_s} | {r.headroom} | {r.load_s} |")
     print()
     print(f"A save's writes sent at once to {a.prefixes} prefix(es) ({a.put_per_prefix_s * a.prefixes:,} PUT/s), "
           f"retried by botocore (max_attempts=10) alone, and with {THROTTLE_ROUNDS} more rounds of it:")
