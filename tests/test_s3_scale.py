@@ -190,17 +190,23 @@ def test_retry_mode_adaptive_reaches_the_data_client_only() -> None:
 def test_data_requests_outlast_slowdown_after_botocores_retries_gave_up(bed: S3Bed) -> None:
     """botocore gives up on a throttled request after ``max_attempts`` tries or once the process's retry
     quota is spent (thousands of ranks on one new prefix); a data request then waits and goes again:
-    with ``max_attempts=1`` (botocore retries nothing) a save and a load through SlowDown still land."""
+    with ``max_attempts=1`` (botocore retries nothing) a save and a load through SlowDown still land.
+    And a rank never has more than ``max_concurrency`` data requests in flight."""
     url = f"s3://{bed.make_bucket(f'outlast-{uuid.uuid4().hex[:10]}')}/run"
-    options = {**OPTIONS, "max_attempts": 1}
-    state = {"w": torch.randn(ELEMS, generator=torch.Generator().manual_seed(6))}
+    options = {**OPTIONS, "max_attempts": 1, "max_concurrency": 2}
+    state = {"w": torch.randn(4 * PART // 4 + 1000, generator=torch.Generator().manual_seed(6))}  # 5 parts
     writes = bed.proxy.add_rule(lambda r: "/data/" in r.path and r.method in ("PUT", "POST"), "slowdown", times=1)
     reads = bed.proxy.add_rule(lambda r: "/data/" in r.path and r.method == "GET", "slowdown", times=1)
+    slow = bed.proxy.add_rule(lambda r: "/data/" in r.path and r.method in ("PUT", "GET"), "delay", delay_s=0.1)
+    bed.proxy.track = lambda method, path: "/data/" in path and method in ("PUT", "GET")
+    bed.proxy.peak_in_flight = 0
     try:
         with Checkpointer(url, process_group="local", storage_options=options) as ck:
             ck.save(1, state)
-            out = {"w": torch.zeros(ELEMS)}
+            out = {"w": torch.zeros_like(state["w"])}
             assert ck.load(out) == 1 and torch.equal(out["w"], state["w"])
+        peak = bed.proxy.peak_in_flight
     finally:
-        bed.proxy.clear_rules()
-    assert writes.hits == 1 and reads.hits == 1
+        bed.reset_faults()
+    assert writes.hits == 1 and reads.hits == 1 and slow.hits >= 10
+    assert peak == 2  # parts and ranges overlapped, never more than max_concurrency

@@ -24,6 +24,8 @@
     and not forwarded, until :meth:`FaultProxy.thaw`; then forwarded: a stalled writer's
     request that lands late) or RESET (the connection closed at once, nothing forwarded:
     with :meth:`FaultProxy.stop`, an endpoint that refuses connections);
+  - ``track``: a predicate on (method, path); ``peak_in_flight`` is the most requests it picked
+    that were being handled at once (a client's concurrency, as the endpoint sees it);
   - ``log``: (method, path, query, status) of every request, for assertions;
     :func:`request_kind` names the S3 operation of an entry (what :func:`count_requests` tallies).
 
@@ -174,6 +176,10 @@ class FaultProxy:
         self.rules: list[Rule] = []
         self.frozen = 0  # requests held by a freeze rule right now
         self.landing = 0  # requests thawed and not yet answered (being forwarded, late)
+        # Requests whose path ``track`` picks: how many are being handled now, and the most at once.
+        self.track: Callable[[str, str], bool] = lambda method, path: False
+        self.in_flight = 0
+        self.peak_in_flight = 0
         self._thawed = threading.Event()
         self._thawed.set()
         self.server: ThreadingHTTPServer | None = None
@@ -244,12 +250,19 @@ class FaultProxy:
     # -- one request ----------------------------------------------------------------------
     def handle(self, h: BaseHTTPRequestHandler) -> None:
         thawed: list[bool] = []
+        tracked = self.track(h.command, urllib.parse.unquote(urllib.parse.urlsplit(h.path).path))
+        if tracked:
+            with self.lock:
+                self.in_flight += 1
+                self.peak_in_flight = max(self.peak_in_flight, self.in_flight)
         try:
             self._handle(h, thawed)
         finally:
-            if thawed:
-                with self.lock:
+            with self.lock:
+                if thawed:
                     self.landing -= 1
+                if tracked:
+                    self.in_flight -= 1
 
     def settled(self, timeout: float = 30.0) -> bool:
         """Wait until no request is frozen and every thawed one has been answered (it landed upstream):
@@ -486,6 +499,8 @@ class S3Bed:
         self.proxy.kinds = ["500", "503", "500-after", "slow"]
         self.proxy.hide_listing_s = 0.0
         self.proxy.strip_conditions = False
+        self.proxy.track = lambda method, path: False
+        self.proxy.peak_in_flight = 0
         self.proxy.canned.clear()
         self.proxy.clear_rules()
         for proxy in self.extra:
