@@ -74,7 +74,7 @@ def _open_s3(text: str, options: Mapping[str, Any] | None) -> StorageBackend:
 
 _S3_OPTIONS = frozenset({
     "endpoint_url", "region_name", "profile_name", "part_size", "max_concurrency", "max_attempts",
-    "connect_timeout_s", "read_timeout_s", "control_connect_timeout_s", "control_read_timeout_s",
+    "retry_mode", "connect_timeout_s", "read_timeout_s", "control_connect_timeout_s", "control_read_timeout_s",
     "control_max_attempts", "check_conditional_writes"})  # S3Options' fields (tests/test_storage.py checks)
 
 #: Every backend, by URL scheme (lower case). A local path without a scheme is ``file``.

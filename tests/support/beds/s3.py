@@ -19,11 +19,15 @@
   - ``rules`` (:meth:`FaultProxy.add_rule`): chosen requests, picked by a predicate on the
     :class:`Request`, are DELAYED, DROPPED (forwarded and applied by moto, then the
     connection is closed without an answer: a lost reply), FAILED (answered 500 without
-    being forwarded), FAILED-AFTER (forwarded and applied by moto, then answered 500), FROZEN (held, unanswered
+    being forwarded), SLOWDOWN (answered 503 SlowDown, S3's throttling error, without being
+    forwarded), FAILED-AFTER (forwarded and applied by moto, then answered 500), FROZEN (held, unanswered
     and not forwarded, until :meth:`FaultProxy.thaw`; then forwarded: a stalled writer's
     request that lands late) or RESET (the connection closed at once, nothing forwarded:
     with :meth:`FaultProxy.stop`, an endpoint that refuses connections);
-  - ``log``: (method, path, query, status) of every request, for assertions.
+  - ``track``: a predicate on (method, path); ``peak_in_flight`` is the most requests it picked
+    that were being handled at once (a client's concurrency, as the endpoint sees it);
+  - ``log``: (method, path, query, status) of every request, for assertions;
+    :func:`request_kind` names the S3 operation of an entry (what :func:`count_requests` tallies).
 
 Several proxies may front one moto server (:meth:`S3Bed.add_proxy`): one per job, so
 that faults hit one job's requests and not another's.
@@ -123,7 +127,7 @@ class Request:
 @dataclass
 class Rule:
     match: Callable[[Request], bool]
-    action: str  # "delay" | "drop" | "fail" | "fail-after" | "freeze" | "reset"
+    action: str  # "delay" | "drop" | "fail" | "slowdown" | "fail-after" | "freeze" | "reset"
     delay_s: float = 0.0
     times: int | None = None  # how many matching requests it applies to (None: all)
     hits: int = 0
@@ -172,6 +176,10 @@ class FaultProxy:
         self.rules: list[Rule] = []
         self.frozen = 0  # requests held by a freeze rule right now
         self.landing = 0  # requests thawed and not yet answered (being forwarded, late)
+        # Requests whose path ``track`` picks: how many are being handled now, and the most at once.
+        self.track: Callable[[str, str], bool] = lambda method, path: False
+        self.in_flight = 0
+        self.peak_in_flight = 0
         self._thawed = threading.Event()
         self._thawed.set()
         self.server: ThreadingHTTPServer | None = None
@@ -180,9 +188,10 @@ class FaultProxy:
     def add_rule(self, match: Callable[[Request], bool], action: str, delay_s: float = 0.0,
                  times: int | None = None) -> Rule:
         """DELAY (``delay_s``), DROP (apply, then lose the reply), FAIL (answer 500, forward nothing),
-        FAIL-AFTER (apply, then answer 500), FREEZE (hold until thaw()) or RESET (close the connection,
-        forward nothing) the requests ``match`` picks, the first ``times`` of them (all if None)."""
-        assert action in ("delay", "drop", "fail", "fail-after", "freeze", "reset"), action
+        SLOWDOWN (answer 503 SlowDown, forward nothing: S3 throttling the request), FAIL-AFTER (apply,
+        then answer 500), FREEZE (hold until thaw()) or RESET (close the connection, forward nothing) the
+        requests ``match`` picks, the first ``times`` of them (all if None)."""
+        assert action in ("delay", "drop", "fail", "slowdown", "fail-after", "freeze", "reset"), action
         rule = Rule(match, action, delay_s, times)
         with self.lock:
             if action == "freeze":
@@ -241,12 +250,19 @@ class FaultProxy:
     # -- one request ----------------------------------------------------------------------
     def handle(self, h: BaseHTTPRequestHandler) -> None:
         thawed: list[bool] = []
+        tracked = self.track(h.command, urllib.parse.unquote(urllib.parse.urlsplit(h.path).path))
+        if tracked:
+            with self.lock:
+                self.in_flight += 1
+                self.peak_in_flight = max(self.peak_in_flight, self.in_flight)
         try:
             self._handle(h, thawed)
         finally:
-            if thawed:
-                with self.lock:
+            with self.lock:
+                if thawed:
                     self.landing -= 1
+                if tracked:
+                    self.in_flight -= 1
 
     def settled(self, timeout: float = 30.0) -> bool:
         """Wait until no request is frozen and every thawed one has been answered (it landed upstream):
@@ -303,12 +319,13 @@ class FaultProxy:
                     self.landing += 1
                     thawed.append(True)
         inject = self.fail_rate > 0 and roll < self.fail_rate and not path.startswith("/moto-api")
-        if rule is not None and rule.action in ("fail", "fail-after"):
-            inject, kind = True, "500" if rule.action == "fail" else "500-after"
+        if rule is not None and rule.action in ("fail", "slowdown", "fail-after"):
+            inject, kind = True, {"fail": "500", "slowdown": "503", "fail-after": "500-after"}[rule.action]
         if inject and kind in ("500", "503"):
             self.stats.injected += 1
-            code = "InternalError" if kind == "500" else "SlowDown"
-            self._reply(h, int(kind), _error(code, "injected by the test proxy"), {}, path, parsed.query)
+            code, message = ("InternalError", "injected by the test proxy") if kind == "500" else \
+                ("SlowDown", "Please reduce your request rate.")
+            self._reply(h, int(kind), _error(code, message), {"Content-Type": "application/xml"}, path, parsed.query)
             return
         if inject and kind == "slow":
             self.stats.injected += 1
@@ -385,6 +402,38 @@ class FaultProxy:
             h.wfile.write(data)
 
 
+def request_kind(method: str, path: str, query: str) -> str:
+    """The S3 operation of a request as the proxy logged it (path-style: /bucket/key)."""
+    params = urllib.parse.parse_qs(query, keep_blank_values=True)
+    has_key = "/" in path.lstrip("/")
+    if method == "PUT":
+        return "UploadPart" if "partNumber" in params else "PutObject" if has_key else "CreateBucket"
+    if method == "POST":
+        if "uploads" in params:
+            return "CreateMultipartUpload"
+        if "uploadId" in params:
+            return "CompleteMultipartUpload"
+        return "DeleteObjects" if "delete" in params else "POST"
+    if method == "DELETE":
+        return "AbortMultipartUpload" if "uploadId" in params else "DeleteObject"
+    if method == "HEAD":
+        return "HeadObject" if has_key else "HeadBucket"
+    if method == "GET" and not has_key:
+        return "ListMultipartUploads" if "uploads" in params else "ListObjectsV2"
+    return "GetObject" if method == "GET" else method
+
+
+def count_requests(log: list[tuple[str, str, str, int]], where: Callable[[str], bool] = lambda _: True
+                   ) -> dict[str, int]:
+    """How many requests of each S3 operation ``log`` holds, of those whose path ``where`` picks."""
+    out: dict[str, int] = {}
+    for method, path, query, _ in log:
+        if where(path):
+            kind = request_kind(method, path, query)
+            out[kind] = out.get(kind, 0) + 1
+    return out
+
+
 def _error(code: str, message: str) -> bytes:
     return (f'<?xml version="1.0" encoding="UTF-8"?><Error><Code>{code}</Code><Message>{message}</Message>'
             f"<RequestId>test</RequestId></Error>").encode()
@@ -450,6 +499,8 @@ class S3Bed:
         self.proxy.kinds = ["500", "503", "500-after", "slow"]
         self.proxy.hide_listing_s = 0.0
         self.proxy.strip_conditions = False
+        self.proxy.track = lambda method, path: False
+        self.proxy.peak_in_flight = 0
         self.proxy.canned.clear()
         self.proxy.clear_rules()
         for proxy in self.extra:

@@ -7,7 +7,9 @@ import bisect
 import io
 import logging
 import os
+import random
 import threading
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass, fields, replace
@@ -30,6 +32,7 @@ log = logging.getLogger("ckptguard")
 _WRITER_META = "ckptguard-writer"  # x-amz-meta-ckptguard-writer: which stream created a data object
 _MIN_PART = 5 << 20  # S3's smallest part (all but the last)
 _MAX_PARTS = 10_000
+_RETRY_MODES = {"standard", "adaptive"}
 _PERMISSION_CODES = {"AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "AllAccessDisabled",
                      "AccountProblem", "InvalidToken", "ExpiredToken", "403"}
 _REGION_CODES = {"PermanentRedirect", "AuthorizationHeaderMalformed", "IllegalLocationConstraintException",
@@ -37,6 +40,10 @@ _REGION_CODES = {"PermanentRedirect", "AuthorizationHeaderMalformed", "IllegalLo
 _MISSING_CODES = {"NoSuchKey", "404", "NotFound"}
 _PRECONDITION_CODES = {"PreconditionFailed", "412"}
 _CONFLICT_CODES = {"ConditionalRequestConflict", "409", "OperationAborted"}
+_THROTTLE_CODES = {"SlowDown", "503", "ServiceUnavailable", "RequestLimitExceeded", "Throttling",
+                   "ThrottlingException", "TooManyRequests", "429"}
+_THROTTLE_ROUNDS = 8  # rounds of botocore's own retries a data request gets while S3 throttles it
+_THROTTLE_MAX_WAIT_S = 20.0
 # The environment boto3 consults when a client is made (the keys by name only: a rotated key is a new client).
 _ENV_SETTINGS = ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_REGION", "AWS_DEFAULT_REGION", "AWS_PROFILE",
                  "AWS_ACCESS_KEY_ID", "AWS_CONFIG_FILE", "AWS_SHARED_CREDENTIALS_FILE",
@@ -58,6 +65,10 @@ class S3Options:
     part_size: int = 16 << 20  # bytes per multipart part (objects below it take one PutObject)
     max_concurrency: int = 16  # parts and ranges in flight per process
     max_attempts: int = 10  # per request, by botocore's standard retry mode (throttling, 5xx, resets)
+    # Data requests' retries: "standard" (exponential backoff with full jitter, 1 s base on 503 SlowDown)
+    # or "adaptive" (the same, and after a throttle each process paces its own request rate): at
+    # thousands of ranks, adaptive turns S3's SlowDown into a lower rate instead of waves of retries.
+    retry_mode: str = "standard"
     connect_timeout_s: float = 10.0
     read_timeout_s: float = 60.0
     # Control objects (lease, index, `latest`, tags, commit objects): small, so short timeouts and few
@@ -80,6 +91,9 @@ class S3Options:
             raise ValueError(f"storage_options part_size must be >= {_MIN_PART} (S3's smallest part)")
         if opts.max_concurrency < 1 or opts.max_attempts < 1 or opts.control_max_attempts < 1:
             raise ValueError("storage_options max_concurrency, max_attempts and control_max_attempts must be >= 1")
+        if opts.retry_mode not in _RETRY_MODES:
+            raise ValueError(f"storage_options retry_mode must be one of {sorted(_RETRY_MODES)}, not "
+                             f"{opts.retry_mode!r}")
         return opts
 
 
@@ -187,6 +201,30 @@ def _is_client_error(err: BaseException) -> bool:
     return isinstance(err, ClientError)
 
 
+def is_throttled(err: BaseException) -> bool:
+    """A request S3 refused for its rate (503 SlowDown and the like), translated by ``Bucket.call``."""
+    cause = err.__cause__
+    return isinstance(cause, Exception) and _is_client_error(cause) and _code(cause) in _THROTTLE_CODES
+
+
+def call_throttled(storage: Bucket, what: str, path: str, fn: Callable[[], Any]) -> Any:
+    """A data request that S3 may throttle: ``storage.call``, and once botocore's retries gave up on a
+    throttled request (``max_attempts`` tries, or this process's retry quota spent: botocore allows
+    about 100 throttled retries beyond its successes), a wait of rand(0, 1) * min(2 ** round, 20) s
+    and another round, at most ``_THROTTLE_ROUNDS`` of them. S3 answers SlowDown while it splits a
+    prefix under a new load, which takes longer than one request's retries at thousands of ranks."""
+    for round_ in range(_THROTTLE_ROUNDS + 1):
+        try:
+            return storage.call(what, path, fn)
+        except OSError as e:
+            if round_ == _THROTTLE_ROUNDS or not is_throttled(e):
+                raise
+            wait = random.random() * min(2.0 ** round_, _THROTTLE_MAX_WAIT_S)
+            log.debug("ckptguard: S3 throttled the request to %s %s; again in %.1f s", what, path, wait)
+            time.sleep(wait)
+    raise AssertionError("unreachable")
+
+
 class _Clients:
     """One boto3 client per process and configuration (clients are thread-safe; sessions are not)."""
 
@@ -198,14 +236,16 @@ class _Clients:
     def get(cls, opts: S3Options, control: bool = False) -> S3Client:
         """The client for data (parts, ranges, listings) or, ``control``, for small control objects."""
         if control:
+            # Standard retries for control objects whatever retry_mode says: they are few and one at a
+            # time, and a rate limiter's wait must not delay the lease's bounded release at exit.
             opts = replace(opts, max_attempts=opts.control_max_attempts,
                            connect_timeout_s=opts.control_connect_timeout_s,
-                           read_timeout_s=opts.control_read_timeout_s)
+                           read_timeout_s=opts.control_read_timeout_s, retry_mode="standard")
         # boto3 reads unset values from the environment when the client is made: a process that points
         # AWS_ENDPOINT_URL (or the region, profile, keys) elsewhere must get a new client, not the old one.
         env = tuple(os.environ.get(k) for k in _ENV_SETTINGS)
         key = (opts.endpoint_url, opts.region_name, opts.profile_name, opts.max_concurrency, opts.max_attempts,
-               opts.connect_timeout_s, opts.read_timeout_s, env)
+               opts.retry_mode, opts.connect_timeout_s, opts.read_timeout_s, env)
         with cls.lock:
             client = cls.cache.get(key)
             if client is None:
@@ -214,7 +254,8 @@ class _Clients:
 
                 session = boto3.session.Session(profile_name=opts.profile_name)
                 config = Config(
-                    retries={"mode": "standard", "max_attempts": opts.max_attempts},
+                    retries={"mode": "adaptive" if opts.retry_mode == "adaptive" else "standard",
+                             "max_attempts": opts.max_attempts},
                     max_pool_connections=max(10, 2 * opts.max_concurrency + 8),
                     connect_timeout=opts.connect_timeout_s,
                     read_timeout=opts.read_timeout_s,

@@ -33,6 +33,7 @@ from ckptguard.storage.s3.client import (
     _crc32c_b64,
     _is_client_error,
     _views_body,
+    call_throttled,
 )
 
 log = logging.getLogger("ckptguard")
@@ -117,7 +118,7 @@ class S3WriteStream:
 
     def _start_upload(self) -> str:
         s = self.storage
-        resp = s.call("start an upload", self.path, lambda: s.client.create_multipart_upload(
+        resp = call_throttled(s, "start an upload", self.path, lambda: s.client.create_multipart_upload(
             Bucket=s.bucket, Key=self.key, ChecksumAlgorithm="CRC32C", Metadata={_WRITER_META: self.token}))
         return str(resp["UploadId"])
 
@@ -128,7 +129,7 @@ class S3WriteStream:
             upload = self._upload
             assert upload is not None
             # botocore seeks the body back to its start before each retry: the same bytes, the same checksum.
-            resp = s.call("upload a part", self.path, lambda: s.client.upload_part(
+            resp = call_throttled(s, "upload a part", self.path, lambda: s.client.upload_part(
                 Bucket=s.bucket, Key=self.key, UploadId=upload, PartNumber=number, Body=_views_body(data),
                 ChecksumCRC32C=checksum))
             return {"PartNumber": number, "ETag": resp["ETag"], "ChecksumCRC32C": checksum}
@@ -161,7 +162,7 @@ class S3WriteStream:
         cond = {"IfNoneMatch": "*"} if self.exclusive else {}
         checksum = _crc32c_b64(data)
         try:
-            s.call("write", self.path, lambda: s.client.put_object(
+            call_throttled(s, "write", self.path, lambda: s.client.put_object(
                 Bucket=s.bucket, Key=self.key, Body=_views_body(data), ChecksumCRC32C=checksum,
                 Metadata={_WRITER_META: self.token}, **cond))  # type: ignore[arg-type]
         except OSError as e:
@@ -173,7 +174,7 @@ class S3WriteStream:
         upload = self._upload
         assert upload is not None
         try:
-            s.call("complete an upload", self.path, lambda: s.client.complete_multipart_upload(
+            call_throttled(s, "complete an upload", self.path, lambda: s.client.complete_multipart_upload(
                 Bucket=s.bucket, Key=self.key, UploadId=upload,
                 MultipartUpload={"Parts": parts}, **cond))  # type: ignore[arg-type]
         except OSError as e:
@@ -264,7 +265,7 @@ class S3ReadHandle:
         key = s.key(self.path)
         for attempt in range(4):
             try:
-                resp = s.call("read", self.path, lambda: s.client.get_object(
+                resp = call_throttled(s, "read", self.path, lambda: s.client.get_object(
                     Bucket=s.bucket, Key=key, Range=f"bytes={offset}-{offset + length - 1}"))
                 body = resp["Body"]
                 try:
