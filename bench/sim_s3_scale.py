@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass
 MIB = 1 << 20
 GB = 10**9
 MIN_BYTES_PER_FILE = 32 * MIB  # dcp/writer.py: a rank's state is cut into more files only above this
-HEAD_THREADS = 16  # protocol/objstore.py: the leader's parallel HEADs of every data object
+HEAD_THREADS = 16  # protocol/objstore.py: a rank's parallel HEADs of its share of the data objects
 THROTTLE_ROUNDS = 8  # storage/s3/client.py: rounds of botocore's retries a throttled data request gets
 
 # Control requests of one save and one load on an s3:// root whose index and lease exist (not the
@@ -41,17 +41,18 @@ OPEN_PER_RANK = {"HeadBucket": 1, "PutObject": 1, "GetObject": 1, "DeleteObject"
 @dataclass(frozen=True)
 class Requests:
     """The requests of one save or load, by S3 operation: to data objects by every rank (``per_rank``, the
-    same on each) and by the leader (``leader_heads``: a HEAD of every data object); to control objects
-    (index, lease, manifest, `latest`, listings) by the leader (``control``)."""
+    same on each), the HEADs of every data object that a load's ranks share before reading
+    (``shared_heads``; a save checks nothing: on S3 a completed upload is visible to every reader); to
+    control objects (index, lease, manifest, `latest`, listings) by the leader (``control``)."""
 
     ranks: int
     per_rank: dict[str, int]
-    leader_heads: int
+    shared_heads: int
     control: dict[str, int]
 
     def data(self) -> dict[str, int]:
         out = {k: v * self.ranks for k, v in self.per_rank.items()}
-        out["HeadObject"] = out.get("HeadObject", 0) + self.leader_heads
+        out["HeadObject"] = out.get("HeadObject", 0) + self.shared_heads
         return {k: v for k, v in out.items() if v}
 
     def count(self) -> int:
@@ -83,7 +84,7 @@ def save_requests(ranks: int, items: Sequence[int], part_size: int = 16 * MIB, i
     multipart = sum(1 for p in n_parts if p)
     per_rank = {"PutObject": len(sizes) - multipart, "CreateMultipartUpload": multipart,
                 "UploadPart": sum(n_parts), "CompleteMultipartUpload": multipart}
-    return Requests(ranks, per_rank, ranks * len(sizes), dict(SAVE_CONTROL))  # HEADs: every size, before the commit
+    return Requests(ranks, per_rank, 0, dict(SAVE_CONTROL))
 
 
 def load_requests(ranks: int, items: Sequence[int], part_size: int = 16 * MIB, io_threads: int = 4) -> Requests:
@@ -137,13 +138,13 @@ class Row:
     per_rank_mib: float
     files_per_rank: int
     save_writes: int  # PUT, Create, UploadPart, Complete: every rank's
-    save_requests: int  # with the leader's HEADs and control requests
+    save_requests: int  # with the control requests
     load_requests: int
     wire_s: float  # every byte through the ranks' share of the NICs, requests overlapped
     rank_requests_s: float  # one rank's writes, max_concurrency at a time, at write_latency_s
     prefix_rate_s: float  # every rank's writes at the prefixes' PUT rate
-    leader_heads_s: float  # the leader's HEAD of every data object, 16 at a time (and the GET rate)
-    save_s: float  # max(wire, rank requests, prefix rate) + leader HEADs: writes paced at the prefix's rate
+    load_checks_s: float  # a load's HEAD of every data object, shared by the ranks (and the GET rate)
+    save_s: float  # max(wire, rank requests, prefix rate): writes paced at the prefix's rate
     save_backoff_s: float  # the same, the writes sent at once and retried with backoff (:func:`throttle`)
     headroom: float  # the prefixes' PUT rate / the rate the save asks for (< 1: throttled)
     load_s: float
@@ -162,8 +163,8 @@ def row(model: str, total_bytes: float, ranks: int, config: Config, a: Assumptio
     writes_per_rank = sum(save.per_rank.values())
     rank_requests = math.ceil(writes_per_rank / a.max_concurrency) * a.write_latency_s
     prefix_rate = writes_per_rank * ranks / (a.put_per_prefix_s * a.prefixes)
-    heads = max(math.ceil(save.leader_heads / HEAD_THREADS) * a.read_latency_s,
-                save.leader_heads / (a.get_per_prefix_s * a.prefixes))
+    heads = max(math.ceil(load.shared_heads / ranks / HEAD_THREADS) * a.read_latency_s,
+                load.shared_heads / (a.get_per_prefix_s * a.prefixes))
     unthrottled = max(wire, rank_requests)
     backoff = throttle(writes_per_rank * ranks, a.put_per_prefix_s * a.prefixes, latency_s=a.write_latency_s)
     reads_per_rank = sum(load.per_rank.values())
@@ -171,8 +172,8 @@ def row(model: str, total_bytes: float, ranks: int, config: Config, a: Assumptio
                          reads_per_rank * ranks / (a.get_per_prefix_s * a.prefixes))
     return Row(model, ranks, config.name, round(per_rank / MIB, 1), len(file_sizes(items, config.io_threads)),
                writes_per_rank * ranks, save.count(), load.count(), round(wire, 2), round(rank_requests, 2),
-               round(prefix_rate, 2), round(heads, 2), round(max(unthrottled, prefix_rate) + heads, 1),
-               round(max(unthrottled, backoff.done_s) + heads, 1),
+               round(prefix_rate, 2), round(heads, 2), round(max(unthrottled, prefix_rate), 1),
+               round(max(unthrottled, backoff.done_s), 1),
                round(a.put_per_prefix_s * a.prefixes / (writes_per_rank * ranks / unthrottled), 3),
                round(load_s, 1))
 
@@ -258,13 +259,13 @@ def main() -> None:
         print(f"{n} ranks (tests/test_s3_scale.py):", json.dumps(small(n)))
     print()
     print("| model | ranks | config | MiB/rank | files/rank | save writes | save requests | load requests "
-          "| wire (s) | rank requests (s) | prefix rate (s) | leader HEADs (s) | save, paced (s) | save, backoff (s) "
-          "| headroom | load (s) |")
+          "| wire (s) | rank requests (s) | prefix rate (s) | load size checks (s) | save, paced (s) "
+          "| save, backoff (s) | headroom | load (s) |")
     print("|" + " --- |" * 16)
     for r in rows:
         print(f"| {r.model} | {r.ranks:,} | {r.config} | {r.per_rank_mib:,} | {r.files_per_rank} | {r.save_writes:,} "
               f"| {r.save_requests:,} | {r.load_requests:,} | {r.wire_s} | {r.rank_requests_s} | {r.prefix_rate_s} "
-              f"| {r.leader_heads_s} | {r.save_s} | {r.save_backoff_s} | {r.headroom} | {r.load_s} |")
+              f"| {r.load_checks_s} | {r.save_s} | {r.save_backoff_s} | {r.headroom} | {r.load_s} |")
     print()
     print(f"A save's writes sent at once to {a.prefixes} prefix(es) ({a.put_per_prefix_s * a.prefixes:,} PUT/s), "
           f"retried by botocore (max_attempts=10) alone, and with {THROTTLE_ROUNDS} more rounds of it:")

@@ -224,7 +224,9 @@ def share_manifest_bytes(session: Session, name: CheckpointName) -> SharedManife
 
 def agree_on_manifest(session: Session, name: CheckpointName, seq: int | None, shared: SharedManifest
                       ) -> tuple[Manifest, Metadata]:
-    """Every rank parses and checks the shared bytes, the leaders check the files' sizes (collective)."""
+    """Every rank parses and checks the shared bytes; the ranks of each storage domain share the
+    lookups of its files' sizes (one per file: at thousands of ranks, one reader's lookups, a HEAD
+    each on an object store, would take longer than the load) (collective)."""
     topo, root = session.topo, session.root
 
     def parse() -> tuple[Manifest, Metadata]:
@@ -232,8 +234,7 @@ def agree_on_manifest(session: Session, name: CheckpointName, seq: int | None, s
             raise shared.read_error
         assert shared.raw is not None
         manifest = root.parse_manifest(name, shared.raw, seq)
-        if topo.is_leader:
-            root.check_files(name, manifest)
+        root.check_files(name, manifest, (topo.domain.index(topo.rank), len(topo.domain)))
         return manifest, metadata_from_json(manifest.dcp, manifest.items, root.dir(name),
                                                  domain_count=manifest.domain_count)
 

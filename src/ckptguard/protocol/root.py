@@ -105,8 +105,9 @@ class Root(Protocol):
 
     def parse_manifest(self, name: CheckpointName, data: bytes, seq: int | None = None) -> Manifest: ...
 
-    def check_files(self, name: CheckpointName, manifest: Manifest) -> None:
-        """Every file of a checkpoint present with its recorded size; CorruptCheckpointError if not."""
+    def check_files(self, name: CheckpointName, manifest: Manifest, part: tuple[int, int] = (0, 1)) -> None:
+        """Every file of a checkpoint present with its recorded size; CorruptCheckpointError if not.
+        ``part`` (k, n): only the files k, k + n, k + 2n, ... (n readers share the lookups)."""
 
     def walk(self, path: str) -> list[tuple[str, int]]:
         """(relative path, size or rootkit.NOT_A_FILE) of every entry under ``path``."""

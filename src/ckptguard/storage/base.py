@@ -75,6 +75,10 @@ class StorageBackend(Protocol):
     #: whether writes can leave uploads that are neither completed nor aborted (S3's multipart uploads),
     #: to be listed and aborted by garbage collection: then it is an :class:`ObjectStore`
     leaves_uploads: bool
+    #: whether a write that has returned is visible, whole, to every reader at once (S3's strong
+    #: read-after-write consistency): then a writer's completed write is the proof that its file is there;
+    #: False where another node may see it later (NFS caches attributes): the leader waits to see them all
+    visible_once_written: bool
 
     def path(self, *parts: str) -> str:
         """The path of ``parts`` under the root."""

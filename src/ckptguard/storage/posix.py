@@ -43,6 +43,7 @@ class PosixStorage:
     keeps_open_files = True
     cheap_listing = True
     leaves_uploads = False
+    visible_once_written = False  # NFS: another node's attribute cache may not show it yet
 
     def __init__(self, root: str) -> None:
         self.root = os.path.abspath(os.fspath(root))

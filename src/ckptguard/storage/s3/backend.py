@@ -58,6 +58,7 @@ class S3Storage:
     keeps_open_files = False  # a ranged GET after a delete finds nothing
     cheap_listing = False  # every page of a listing is a request
     leaves_uploads = True  # multipart uploads
+    visible_once_written = True  # S3 reads its own writes, for every client
 
     def __init__(self, url: str, options: S3Options | dict[str, Any] | None = None) -> None:
         self.options = options if isinstance(options, S3Options) else S3Options.from_mapping(options)
