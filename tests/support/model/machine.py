@@ -221,8 +221,10 @@ class ModelMachine(RuleBasedStateMachine):
         hs = self.slots[h] if h is not None else None
         if hs is None or h == name or not hs.alive:
             expect, wait_s = "ok", 1.0  # no holder, this job's earlier incarnation, or a dead process
-        elif hs.stopped:
-            expect, wait_s = "ok", 3 * TTL_S  # taken over once the stalled holder's lease expires
+        elif hs.stopped or not hs.open:
+            # taken over once the lease expires: the holder is stalled, or its last open failed (a
+            # fault; its process lives on without a Checkpointer), so nothing renews a lease it may hold
+            expect, wait_s = "ok", 3 * TTL_S
         elif time.monotonic() - max(hs.resumed_at, self.fault_seen_at) < 3 * TTL_S or self.backend.fault_active:
             # resumed lately, or a fault kept its renewals from the store: its lease may have expired
             expect, wait_s = "either", 0.5
