@@ -198,7 +198,7 @@ class GuardedReader(StorageReader):
             if reqs[0].type == LoadItemType.BYTE_IO:
                 job = ReadJob(stored, reqs, [], mode=STAGED)  # objects are decoded (and checked) now
             else:
-                job = ReadJob(stored, reqs, [planner.resolve_tensor(r).detach() for r in reqs])
+                job = ReadJob(stored, reqs, [_detached(planner.resolve_tensor(r)) for r in reqs])
                 job.check_fits()
             jobs.append(job)
         no_in_place_for_aliases(jobs)
@@ -453,6 +453,11 @@ class GuardedReader(StorageReader):
             if self._arena is not None:
                 self._arena.close()
                 self._arena = None
+
+
+def _detached(t: torch.Tensor) -> torch.Tensor:
+    """A destination written without autograd (a new view only where autograd would see the write)."""
+    return t.detach() if t.requires_grad else t
 
 
 class _Stopped(Exception):
