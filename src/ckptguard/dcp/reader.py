@@ -38,6 +38,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.storage import StorageReader
@@ -360,6 +361,8 @@ class GuardedReader(StorageReader):
     def apply(self, planner: LoadPlanner) -> None:
         """Copy what was verified into the caller's state (collectively agreed to be safe)."""
         place_object = getattr(planner, "place_object", None)
+        # DCP's default planner does nothing on commit_tensor: not called then, once per item.
+        commit = type(planner).commit_tensor is not DefaultLoadPlanner.commit_tensor
         try:
             self._read_direct_into_place()
             for job in self._jobs:
@@ -379,9 +382,11 @@ class GuardedReader(StorageReader):
                     self._read_into_place(job)
                 else:
                     job.copy_into_place()
-                for req, target in zip(job.reqs, job.targets, strict=True):
-                    planner.commit_tensor(req, target)
-                job.release()
+                if commit:
+                    for req, target in zip(job.reqs, job.targets, strict=True):
+                        planner.commit_tensor(req, target)
+                if job.scratch is not None:
+                    job.release()  # its scratch memory, now: the rest goes at close()
             self._done = True
         finally:
             self.close()
