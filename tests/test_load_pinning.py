@@ -201,3 +201,24 @@ def test_the_default_budget_verifies_first_while_the_page_cache_holds_the_state(
         assert ck.load(out) == 1 and all(torch.equal(out[k], state[k]) for k in state)
         stats = ck.last_load_stats
         assert stats is not None and stats.staged_bytes == nbytes and stats.verified_only_bytes == 0
+
+
+def test_the_default_two_pass_load_fills_every_kind_of_destination(tmp_path: Path) -> None:
+    """Verified first, then read into place: a non-contiguous destination, a lossless widening, a tensor
+    nested in a list next to plain objects, and a parameter that requires grad all come back exact."""
+    weight = torch.arange(12.0).reshape(3, 4)
+    state = {"w": weight, "h": torch.tensor([1.5, -2.0], dtype=torch.bfloat16),
+             "nested": {"xs": [torch.ones(5), {"k": 7, "s": "text"}]},
+             "p": torch.nn.Parameter(torch.full((4,), 3.0))}
+    with Checkpointer(tmp_path / "ckpt") as ck:
+        ck.save(1, state)
+    out = {"w": torch.zeros(4, 3).t(), "h": torch.zeros(2), "nested": {"xs": [torch.zeros(5), {"k": 0, "s": ""}]},
+           "p": torch.nn.Parameter(torch.zeros(4))}
+    assert not out["w"].is_contiguous()
+    with Checkpointer(tmp_path / "ckpt", read_only=True) as reader:
+        assert reader.load(out) == 1
+        stats = reader.last_load_stats
+        assert stats is not None and stats.verified_only_bytes > 0
+    assert torch.equal(out["w"], weight) and torch.equal(out["h"], torch.tensor([1.5, -2.0]))
+    assert torch.equal(out["nested"]["xs"][0], torch.ones(5)) and out["nested"]["xs"][1] == {"k": 7, "s": "text"}
+    assert torch.equal(out["p"].detach(), torch.full((4,), 3.0)) and out["p"].requires_grad
