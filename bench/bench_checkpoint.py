@@ -356,18 +356,17 @@ def bench_load_modes(kind: str, rank: int, args: argparse.Namespace) -> dict[str
     ck.save(1, state)
     raw_write(state, work / f"raw.r{rank}")
     dist.barrier()
+
+    def fresh_load(cap: int | None) -> None:  # a restarted job: a new Checkpointer, then load
+        with Checkpointer(work / "ckptguard", read_only=True, load_memory_bytes=cap) as c:
+            c.load(dest, step=1)
+
     readers: dict[str, Callable[[], None]] = {
         "raw reader": lambda: raw_read(dest, work / f"raw.r{rank}"),
-        "ckptguard": lambda: ck.load(dest, step=1) and None,
+        "ckptguard": lambda: fresh_load(None),
+        "ckptguard staged": lambda: fresh_load(1 << 40),
+        "ckptguard two-pass": lambda: fresh_load(0),
     }
-    others: list[Checkpointer] = []
-    try:
-        for name, cap in (("ckptguard staged", 1 << 40), ("ckptguard two-pass", 0)):
-            other = Checkpointer(work / "ckptguard", read_only=True, load_memory_bytes=cap)
-            others.append(other)
-            readers[name] = lambda c=other: c.load(dest, step=1) and None
-    except TypeError:  # a ckptguard without load_memory_bytes (before the load became all-or-nothing)
-        pass
     dest = {"model": {k: torch.empty_like(v) for k, v in state["model"].items()}}
     out: dict[str, dict[str, list[float]]] = {"cold": {r: [] for r in readers}, "warm": {r: [] for r in readers}}
     cold = True
@@ -383,8 +382,7 @@ def bench_load_modes(kind: str, rank: int, args: argparse.Namespace) -> dict[str
             for k in state["model"]:
                 assert torch.equal(dest["model"][k], state["model"][k]), f"{name}: {k} differs after load"
                 dest["model"][k].zero_()
-    for c in (ck, *others):
-        c.close()
+    ck.close()
     clean(work, rank)
     return {"bytes": nbytes(state) * WORLD, "tensors": len(state["model"]) * WORLD, "loads": out, "cold": cold}
 

@@ -177,10 +177,12 @@ def test_tied_destinations_load_equal(tmp_path: Path) -> None:
         assert torch.equal(dest, shared)
 
 
-def test_the_default_budget_reads_a_state_that_fits_once(tmp_path: Path) -> None:
-    """By default a small state is read once (in place or staged), nothing verified-only; the object
-    store default is a share of MemAvailable; load_memory_bytes=0 verifies everything first and
-    reads again from the files kept open."""
+def test_the_default_budget_verifies_first_while_the_page_cache_holds_the_state(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """By default on POSIX a state the page cache can hold is verified first and read again into place
+    from the files kept open (nothing held in host memory); a state too large for it is read once up
+    to 256 MiB, the rest verified first; the object store default is a share of MemAvailable."""
+    import ckptguard.dcp.reader as reader_module
     from ckptguard.dcp.reader import auto_memory_bytes
 
     assert 0 < auto_memory_bytes(4) < auto_memory_bytes(1)
@@ -191,9 +193,32 @@ def test_the_default_budget_reads_a_state_that_fits_once(tmp_path: Path) -> None
         out = {"a": torch.zeros(10_000), "b": torch.zeros(3, 5)}
         assert ck.load(out) == 1 and all(torch.equal(out[k], state[k]) for k in state)
         stats = ck.last_load_stats
-        assert stats is not None and stats.staged_bytes == nbytes and stats.verified_only_bytes == 0
-    with Checkpointer(tmp_path / "ckpt", read_only=True, load_memory_bytes=0) as reader:
+        assert stats is not None and stats.verified_only_bytes == nbytes and stats.staged_bytes == 0
+        assert stats.spilled_bytes == 0
+        # A host whose available memory could not keep the state between the passes: read once.
+        monkeypatch.setattr(reader_module, "available_bytes", lambda: nbytes)
         out = {"a": torch.zeros(10_000), "b": torch.zeros(3, 5)}
-        assert reader.load(out) == 1 and all(torch.equal(out[k], state[k]) for k in state)
+        assert ck.load(out) == 1 and all(torch.equal(out[k], state[k]) for k in state)
+        stats = ck.last_load_stats
+        assert stats is not None and stats.staged_bytes == nbytes and stats.verified_only_bytes == 0
+
+
+def test_the_default_two_pass_load_fills_every_kind_of_destination(tmp_path: Path) -> None:
+    """Verified first, then read into place: a non-contiguous destination, a lossless widening, a tensor
+    nested in a list next to plain objects, and a parameter that requires grad all come back exact."""
+    weight = torch.arange(12.0).reshape(3, 4)
+    state = {"w": weight, "h": torch.tensor([1.5, -2.0], dtype=torch.bfloat16),
+             "nested": {"xs": [torch.ones(5), {"k": 7, "s": "text"}]},
+             "p": torch.nn.Parameter(torch.full((4,), 3.0))}
+    with Checkpointer(tmp_path / "ckpt") as ck:
+        ck.save(1, state)
+    out = {"w": torch.zeros(4, 3).t(), "h": torch.zeros(2), "nested": {"xs": [torch.zeros(5), {"k": 0, "s": ""}]},
+           "p": torch.nn.Parameter(torch.zeros(4))}
+    assert not out["w"].is_contiguous()
+    with Checkpointer(tmp_path / "ckpt", read_only=True) as reader:
+        assert reader.load(out) == 1
         stats = reader.last_load_stats
-        assert stats is not None and stats.verified_only_bytes == nbytes and stats.spilled_bytes == 0
+        assert stats is not None and stats.verified_only_bytes > 0
+    assert torch.equal(out["w"], weight) and torch.equal(out["h"], torch.tensor([1.5, -2.0]))
+    assert torch.equal(out["nested"]["xs"][0], torch.ones(5)) and out["nested"]["xs"][1] == {"k": 7, "s": "text"}
+    assert torch.equal(out["p"].detach(), torch.full((4,), 3.0)) and out["p"].requires_grad

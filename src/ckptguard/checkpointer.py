@@ -60,11 +60,14 @@ class Checkpointer(Settings):
     ``CheckpointIO``); the lease still keeps a second writer out of the root.
     ``collective_timeout_s`` bounds how long ranks wait for a rank that died or
     stalled, on the group ckptguard creates (a group passed in keeps its own).
-    ``load_memory_bytes`` (per rank; default None: 256 MiB on filesystems, half
-    of MemAvailable shared by the host's ranks on object stores) is how much of a load is read once, verified, and held
+    ``load_memory_bytes`` (per rank) is how much of a load is read once, verified, and held
     (scratch, or the old bytes of tensors read in place) until every rank agreed;
     the rest is verified in a first pass and read into place in a second from
-    the files kept open or a local spill (docs/performance.md).
+    the files kept open or a local spill (docs/performance.md). Default None: on
+    filesystems 0 while the rank's bytes times the host's ranks fit half of
+    MemAvailable (the page cache serves the second pass: measured faster than
+    holding bytes in fresh memory), else 256 MiB; on object stores half of
+    MemAvailable shared by the host's ranks.
     """
 
     def __init__(

@@ -39,6 +39,7 @@ def _missing(what: str, err: BaseException) -> TorchVersionError:
 try:
     # DCP's own helper for writing a loaded object back into the nested state dict.
     from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict as _flatten_state_dict
     from torch.distributed.checkpoint._traverse import set_element
 except ImportError as e:  # pragma: no cover - depends on the installed torch
     raise _missing("torch.distributed's private state-dict helpers", e) from e
@@ -107,6 +108,12 @@ def forget_cached_plans(key: str) -> None:
 def set_nested_element(root: Any, path: Any, value: Any) -> None:
     """Write ``value`` at DCP's flattened ``path`` inside the nested state dict ``root``."""
     set_element(root, path, value)
+
+
+def flatten_state_dict(state_dict: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """DCP's flat view of a nested state dict and the path of each flat key in it."""
+    flat, mappings = _flatten_state_dict(state_dict)
+    return flat, mappings
 
 
 def create_cpu_state_dict(state_dict: dict[str, Any], pin_memory: bool) -> dict[str, Any]:

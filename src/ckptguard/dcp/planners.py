@@ -170,6 +170,21 @@ class SafeLoadPlanner(DefaultLoadPlanner):
     DCP's general planner.
     """
 
+    def set_up_planner(self, state_dict: dict[str, Any], metadata: Metadata | None = None,
+                       is_coordinator: bool = False) -> None:
+        """DCP's set-up; for a state of plain tensors (no DTensor, ShardedTensor or meta tensor), without
+        its two walks that change nothing for one (meta initialisation, ShardedTensor flattening):
+        each rebuilt a dict per value, a third of the planning of a state of many small tensors."""
+        if not _plain_values(state_dict):
+            super().set_up_planner(state_dict, metadata, is_coordinator)
+            return
+        self.original_state_dict = state_dict
+        if self.flatten_state_dict:
+            state_dict, self.mappings = _torch_private.flatten_state_dict(state_dict)
+        self.state_dict = state_dict
+        self.metadata = metadata
+        self.is_coordinator = is_coordinator
+
     def create_local_plan(self) -> LoadPlan:
         assert self.metadata is not None
         stored = self.metadata.state_dict_metadata
@@ -218,6 +233,22 @@ class SafeLoadPlanner(DefaultLoadPlanner):
             _torch_private.set_nested_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
         else:
             self.state_dict[read_item.dest_index.fqn] = obj
+
+
+def _plain_values(state_dict: Mapping[str, Any]) -> bool:
+    """Whether every tensor in ``state_dict`` (nested in mappings, lists and tuples) is a plain tensor
+    or parameter that is not on the meta device: nothing DCP's load set-up would rewrite."""
+    pending: list[Any] = [state_dict]
+    while pending:
+        value = pending.pop()
+        if isinstance(value, Mapping):
+            pending.extend(value.values())
+        elif isinstance(value, list | tuple):
+            pending.extend(value)
+        elif isinstance(value, torch.Tensor) and (
+                (type(value) is not torch.Tensor and type(value) is not torch.nn.Parameter) or value.is_meta):
+            return False
+    return True
 
 
 def refuse_mismatches(state_dict: dict[str, Any], stored: dict[str, Any], *, strict: bool) -> None:

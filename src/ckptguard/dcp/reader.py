@@ -38,6 +38,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.storage import StorageReader
@@ -70,29 +71,51 @@ _FD_MARGIN = 256  # descriptors left to the rest of the process when files are k
 MEMORY_SHARE = 0.5
 #: What a load holds per rank when MemAvailable cannot be read.
 FALLBACK_MEMORY_BYTES = 256 << 20
-#: What a load holds per rank by default on POSIX storage. Measured here (docs/performance.md),
-#: holding bytes in fresh host memory (scratch, or the old bytes of items read in place) cost more
-#: than a second read from the page cache through the files kept open: only small states are held.
+#: What a load holds per rank by default on POSIX storage when its bytes would not stay in the page
+#: cache between the passes (see ``page_cache_bytes``).
 POSIX_MEMORY_BYTES = 256 << 20
+#: Share of MemAvailable the bytes of one load (this rank's, times the ranks of the host) may take for
+#: the page cache to be trusted to keep them between the verifying pass and the placing one.
+PAGE_CACHE_SHARE = 0.5
+
+
+def available_bytes() -> int | None:
+    """MemAvailable now (free memory plus what the kernel can reclaim, the page cache included), or
+    None where it cannot be read."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
 
 
 def auto_memory_bytes(local_ranks: int) -> int:
     """The verified-bytes budget of one rank: a share of the memory available now on this host,
     split between the ranks of the host (the loads of a restarted job run at once)."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(int(line.split()[1]) * 1024 * MEMORY_SHARE) // max(1, local_ranks)
-    except (OSError, ValueError, IndexError):
-        pass
-    return FALLBACK_MEMORY_BYTES
+    available = available_bytes()
+    if available is None:
+        return FALLBACK_MEMORY_BYTES
+    return int(available * MEMORY_SHARE) // max(1, local_ranks)
+
+
+def page_cache_fits(rank_bytes: int, local_ranks: int) -> bool:
+    """Whether a load of ``rank_bytes`` on each of ``local_ranks`` ranks of this host can count on the
+    page cache keeping what the first pass read until the second: then verifying everything first
+    and reading it again into place from the files kept open costs a memory copy from the cache,
+    which measured cheaper here than holding the bytes in fresh host memory (docs/performance.md)."""
+    available = available_bytes()
+    return available is not None and rank_bytes * max(1, local_ranks) <= available * PAGE_CACHE_SHARE
 
 
 class GuardedReader(StorageReader):
-    """``memory_bytes`` None: ``POSIX_MEMORY_BYTES`` on storage that keeps open files (POSIX), else
-    :func:`auto_memory_bytes` of ``local_ranks``. ``backup=False`` when the destinations are fresh
-    buffers of the reader's caller (nothing to put back on failure)."""
+    """``memory_bytes`` None: on storage that keeps open files (POSIX), 0 (verify everything, then read
+    it again into place from the files kept open) while this rank's bytes fit the page cache
+    (:func:`page_cache_fits`), else ``POSIX_MEMORY_BYTES``; on other storage :func:`auto_memory_bytes`
+    of ``local_ranks``. ``backup=False`` when the destinations are fresh buffers of the reader's
+    caller (nothing to put back on failure)."""
 
     def __init__(self, storage: StorageBackend, checkpoint_dir: str, metadata: Metadata, algorithm: str,
                  rank: int, io_threads: int = 4, on_bytes: Callable[[int], None] | None = None,
@@ -105,9 +128,10 @@ class GuardedReader(StorageReader):
         self.algorithm = algorithm
         self.rank = rank
         self.io_threads = max(1, io_threads)
-        if memory_bytes is None:
-            memory_bytes = POSIX_MEMORY_BYTES if storage.keeps_open_files else auto_memory_bytes(local_ranks)
-        self.memory_bytes = memory_bytes
+        if memory_bytes is None and not storage.keeps_open_files:
+            memory_bytes = auto_memory_bytes(local_ranks)
+        self.memory_bytes = memory_bytes  # None: decided once the load's size is known (_budget)
+        self.local_ranks = local_ranks
         self.backup = backup
         self.storage_data: dict[MetadataIndex, StoredItem] = metadata.storage_data
         self._jobs: list[ReadJob] = []
@@ -175,11 +199,11 @@ class GuardedReader(StorageReader):
             if reqs[0].type == LoadItemType.BYTE_IO:
                 job = ReadJob(stored, reqs, [], mode=STAGED)  # objects are decoded (and checked) now
             else:
-                job = ReadJob(stored, reqs, [planner.resolve_tensor(r).detach() for r in reqs])
+                job = ReadJob(stored, reqs, [_detached(planner.resolve_tensor(r)) for r in reqs])
                 job.check_fits()
             jobs.append(job)
         no_in_place_for_aliases(jobs)
-        budget = self.memory_bytes
+        budget = self._budget(jobs)
         arena_bytes = 0
         for job in jobs:
             length = job.stored.length
@@ -202,6 +226,14 @@ class GuardedReader(StorageReader):
         self._arena = Arena(arena_bytes)
         self._jobs = jobs
         return jobs
+
+    def _budget(self, jobs: list[ReadJob]) -> int:
+        """The verified-bytes budget of this load: the one given, else (POSIX) 0 when the page cache
+        can keep this rank's bytes between the passes, ``POSIX_MEMORY_BYTES`` when it cannot."""
+        if self.memory_bytes is not None:
+            return self.memory_bytes
+        rank_bytes = sum(job.stored.length for job in jobs)
+        return 0 if page_cache_fits(rank_bytes, self.local_ranks) else POSIX_MEMORY_BYTES
 
     def _read_and_verify(self, jobs: list[ReadJob]) -> None:
         by_file: dict[str, list[ReadJob]] = defaultdict(list)
@@ -329,6 +361,8 @@ class GuardedReader(StorageReader):
     def apply(self, planner: LoadPlanner) -> None:
         """Copy what was verified into the caller's state (collectively agreed to be safe)."""
         place_object = getattr(planner, "place_object", None)
+        # DCP's default planner does nothing on commit_tensor: not called then, once per item.
+        commit = type(planner).commit_tensor is not DefaultLoadPlanner.commit_tensor
         try:
             self._read_direct_into_place()
             for job in self._jobs:
@@ -348,9 +382,11 @@ class GuardedReader(StorageReader):
                     self._read_into_place(job)
                 else:
                     job.copy_into_place()
-                for req, target in zip(job.reqs, job.targets, strict=True):
-                    planner.commit_tensor(req, target)
-                job.release()
+                if commit:
+                    for req, target in zip(job.reqs, job.targets, strict=True):
+                        planner.commit_tensor(req, target)
+                if job.scratch is not None:
+                    job.release()  # its scratch memory, now: the rest goes at close()
             self._done = True
         finally:
             self.close()
@@ -422,6 +458,11 @@ class GuardedReader(StorageReader):
             if self._arena is not None:
                 self._arena.close()
                 self._arena = None
+
+
+def _detached(t: torch.Tensor) -> torch.Tensor:
+    """A destination written without autograd (a new view only where autograd would see the write)."""
+    return t.detach() if t.requires_grad else t
 
 
 class _Stopped(Exception):

@@ -188,15 +188,14 @@ def load_one(session: Session, name: CheckpointName, seq: int | None, request: L
     """Load the checkpoint ``name``, listed with commit sequence number ``seq`` (collective)."""
     comm, root = session.comm, session.root
     started = time.perf_counter()
-    shared = share_manifest_bytes(session, name)
-    stop_prefetch: Callable[[], None] | None = None
-    if shared.raw is not None:
-        # A rank mostly reads what the rank of its number wrote: warm those files while the manifest
-        # is checked and the load planned, and stop once the real reads start.
-        prefix = layout.data_file_prefix(comm.rank)
-        stop_prefetch = session.storage.prefetch(os.path.join(root.dir(name), os.path.dirname(prefix)),
-                                                 os.path.basename(prefix))
+    # A rank mostly reads what the rank of its number wrote: warm those files while the manifest is
+    # read, shared, checked and the load planned, and stop once the real reads start (or the load
+    # fails: a missing or corrupt manifest only costs reads of files that may not exist).
+    prefix = layout.data_file_prefix(comm.rank)
+    stop_prefetch: Callable[[], None] | None = session.storage.prefetch(
+        os.path.join(root.dir(name), os.path.dirname(prefix)), os.path.basename(prefix))
     try:
+        shared = share_manifest_bytes(session, name)
         manifest, metadata = agree_on_manifest(session, name, seq, shared)
         targets = _restore_targets(session, name, manifest, request.files)
         stats.seconds["manifest"] = time.perf_counter() - started

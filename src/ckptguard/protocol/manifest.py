@@ -411,47 +411,54 @@ def _check_dcp_agrees(dcp: dict[str, Any], table: ItemTable) -> None:
     entries = dcp.get("state_dict")
     if not isinstance(entries, dict) or not len(table):
         return
-    named = np.array([isinstance(entries.get(nm), dict) for nm in table.names], dtype=bool)
-    rows = np.flatnonzero(table.shape_ndim >= 0)
-    rows = rows[named[table.name[rows]]]
-    if not len(rows):
-        return
-    ok = _dcp_entries_agree(entries, table, rows) and _chunks_inside(entries, table, rows)
-    if not ok:
+    if not _entries_agree(entries, table):
         _check_dcp_agrees_with_items(dcp, table.rows())
 
 
-def _dcp_entries_agree(entries: dict[str, Any], table: ItemTable, rows: np.ndarray) -> bool:
-    """Per distinct (name, dtype) of the tensor rows: a tensor entry of that dtype with a size."""
-    seen = np.zeros(len(table.names) * len(table.dtypes), dtype=bool)
-    seen[table.name[rows] * len(table.dtypes) + table.dtype[rows]] = True
-    for ni, di in (divmod(int(p), len(table.dtypes)) for p in np.flatnonzero(seen)):
-        e = entries[table.names[ni]]
-        size = e.get("size")
-        if not (e.get("type") == "tensor" and e.get("dtype") == table.dtypes[di] and type(size) is list
-                and len(size) <= MAX_NDIM and all(type(d) is int for d in size)):
-            return False
-    return True
-
-
-def _chunks_inside(entries: dict[str, Any], table: ItemTable, rows: np.ndarray) -> bool:
-    """Every tensor row has its entry's number of dimensions and lies inside its size (a negative size
-    is refused by metadata_from_json), on the flat columns: one element per row and dimension."""
-    ndim = table.shape_ndim[rows]
-    size_ndim = np.array([len(e["size"]) if isinstance(e := entries.get(nm), dict) and type(e.get("size")) is list
-                          else -2 for nm in table.names], dtype=np.int64)
-    off_ndim = table.offsets_ndim[rows]
-    if not (np.array_equal(size_ndim[table.name[rows]], ndim) and bool(np.all((off_ndim == ndim) | (off_ndim < 0)))):
-        return False
-    width = max(int(ndim.max()), 1)
-    size_of = np.full((len(table.names), width), -1, dtype=np.int64)
-    for i, nm in enumerate(table.names):
+def _entries_agree(entries: dict[str, Any], table: ItemTable) -> bool:
+    """Every tensor row whose name has an entry: a tensor entry of its dtype, with a size of its number
+    of dimensions that the row lies inside (a negative size is refused by metadata_from_json). One
+    pass over the names in Python, then the rows on flat columns: one element per row and dimension."""
+    dtype_at = {d: i for i, d in enumerate(table.dtypes) if d is not None}
+    named: list[bool] = []
+    entry_dtype: list[int] = []  # index in table.dtypes of a well-formed tensor entry's dtype, else -1
+    size_ndim: list[int] = []  # its number of dimensions, else 0
+    dims: list[int] = []  # the sizes of the well-formed entries, one after another
+    for nm in table.names:
         e = entries.get(nm)
-        if isinstance(e, dict) and type(e.get("size")) is list and 0 < len(e["size"]) <= width:
-            size_of[i, :len(e["size"])] = [min(max(d, -1), 1 << 62) for d in e["size"]]
+        if not isinstance(e, dict):
+            named.append(False)
+            entry_dtype.append(-1)
+            size_ndim.append(0)
+            continue
+        named.append(True)
+        size, dtype = e.get("size"), e.get("dtype")
+        if (e.get("type") == "tensor" and type(dtype) is str and type(size) is list and len(size) <= MAX_NDIM
+                and all(type(d) is int for d in size)):
+            entry_dtype.append(dtype_at.get(dtype, -1))
+            size_ndim.append(len(size))
+            dims.extend(size)
+        else:
+            entry_dtype.append(-1)
+            size_ndim.append(0)
+    rows = np.flatnonzero(table.shape_ndim >= 0)
+    rows = rows[np.array(named, dtype=bool)[table.name[rows]]]
+    if not len(rows):
+        return True
+    names = table.name[rows]
+    ndim = table.shape_ndim[rows]
+    nd = np.array(size_ndim, dtype=np.int64)
+    off_ndim = table.offsets_ndim[rows]
+    if not (np.array_equal(np.array(entry_dtype, dtype=np.int64)[names], table.dtype[rows])
+            and np.array_equal(nd[names], ndim) and bool(np.all((off_ndim == ndim) | (off_ndim < 0)))):
+        return False
     total = int(ndim.sum())
     if not total:
         return True
+    try:
+        size_flat = np.maximum(np.array(dims, dtype=np.int64), -1)
+    except OverflowError:  # a size beyond int64: row by row
+        return False
     row_of = np.repeat(np.arange(len(rows)), ndim)
     dim = np.arange(total) - np.repeat(np.cumsum(ndim) - ndim, ndim)
     counts = np.clip(table.shape_ndim, 0, None)
@@ -460,7 +467,7 @@ def _chunks_inside(entries: dict[str, Any], table: ItemTable, rows: np.ndarray) 
     has_off = (off_ndim >= 0)[row_of]
     at = (np.cumsum(ocounts) - ocounts)[rows][row_of] + dim
     o = np.where(has_off, table.offsets[np.where(has_off, at, 0)] if len(table.offsets) else 0, 0)
-    d = size_of[table.name[rows][row_of], dim]
+    d = size_flat[(np.cumsum(nd) - nd)[names][row_of] + dim]
     return bool(np.all((d < 0) | ((k <= d) & (o <= d - k))))
 
 
