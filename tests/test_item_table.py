@@ -38,3 +38,38 @@ def test_tables_of_ranks_with_different_names_and_dtypes_join_row_for_row() -> N
     assert list(m.items) == expected and m.files == files
     again = Manifest.from_json(m.to_json(), "MANIFEST.json")
     assert list(again.items) == expected and again.files == files
+
+
+def test_rows_of_every_kind_a_rank_may_send_come_back_from_the_manifest_row_for_row() -> None:
+    """Rows sent as plain lists beside tables, a table whose file list is not its rank's, and
+    checksums of other widths, in uppercase and not hex at all (stored as text, not as bytes): the
+    manifest lists each row as it was sent, and parses back to the same rows."""
+    n = 6
+    writes, expected, files = [], [], []
+    for r in range(n):
+        f, rows = _rank_rows(r)
+        if r == 2:
+            rows = [x._replace(checksum=x.checksum.upper().replace("0", "A")) for x in rows]
+        if r == 3:
+            rows = [x._replace(checksum=x.checksum[:8]) for x in rows]
+        if r == 4:
+            rows = [x._replace(checksum="zz" + x.checksum[2:]) for x in rows]
+        paths = [x.path for x in f]
+        sent: object = rows if r == 0 else pickle.loads(pickle.dumps(ItemTable.from_items(rows, paths)))
+        if r == 5:  # a table over more files than the rank reports: its rows are taken one by one
+            sent = ItemTable.from_items(rows, [*paths, "data/elsewhere.bin"])
+        writes.append(RankWrites(f, [], sent))  # type: ignore[arg-type]
+        expected += rows
+        files += f
+    topo = Topology(0, n, (tuple(range(n)),), tuple(f"h{r}" for r in range(n)))
+    for subset in (range(n), range(1, 3), range(3, 5)):
+        m = build_manifests(Topology(0, n, (tuple(subset),), topo.hosts), CheckpointName(1), "ab" * 16, "xxh3-64",
+                            writes, {}, {})[subset[0]]
+        want = [row for r in subset for row in _sent_rows(writes[r])]
+        assert list(m.items) == want
+        assert list(Manifest.from_json(m.to_json(), "MANIFEST.json").items) == want
+    assert [row for w in writes for row in _sent_rows(w)] == expected
+
+
+def _sent_rows(w: RankWrites) -> list[StoredItem]:
+    return list(w.items)

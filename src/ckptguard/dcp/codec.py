@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
+from itertools import chain
+from operator import attrgetter
 from typing import Any
 
 import torch
@@ -92,7 +94,7 @@ def metadata_to_json(md: Metadata) -> dict[str, Any]:
                 "size": list(entry.size),
                 # Flat [offsets..., sizes..., offsets..., sizes...]: one list per tensor, not three
                 # per chunk (a tensor sharded over 16,384 ranks has 16,384 chunks).
-                "chunks": [x for c in entry.chunks for x in (*c.offsets, *c.sizes)],
+                "chunks": _flat_chunks(entry.chunks),
             }
         else:
             raise CheckpointError(f"{fqn}: unsupported DCP storage metadata {type(entry).__name__}")
@@ -102,6 +104,16 @@ def metadata_to_json(md: Metadata) -> dict[str, Any]:
         "state_dict": sd,
         "planner_data": {k: list(v) for k, v in planner_data.items()},
     }
+
+
+#: A chunk's (offsets, sizes): fetched in C, so that flattening a million chunks runs no bytecode per chunk.
+_OFFSETS_SIZES = attrgetter("offsets", "sizes")
+
+
+def _flat_chunks(chunks: Sequence[ChunkStorageMetadata]) -> list[int]:
+    """[offsets..., sizes..., offsets..., sizes...] of every chunk, built by C iterators (the leader
+    does this for every chunk of every save: a million at 16,384 ranks x 64 tensors)."""
+    return list(chain.from_iterable(chain.from_iterable(map(_OFFSETS_SIZES, chunks))))
 
 
 def metadata_from_json(obj: dict[str, Any], items: Sequence[StoredItem], path: str | None = None, *,

@@ -10,10 +10,12 @@ makes the rows (:class:`StoredItem`) only when it iterates, in C.
 
 from __future__ import annotations
 
+import binascii
 import functools
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from itertools import chain
+from itertools import chain, repeat
+from operator import attrgetter, is_
 from typing import Any, overload
 
 import msgspec
@@ -32,6 +34,10 @@ _STORED_ITEM = functools.partial(tuple.__new__, StoredItem)
 #: Column encodings on disk: the narrowest that holds a column's values.
 _NARROW = (("u1", 1 << 8), ("u2", 1 << 16), ("u4", 1 << 32), ("u8", 1 << 63))
 _CODES = {code for code, _ in _NARROW}
+#: The fields join reads from every table, fetched in C.
+_NAME, _NAMES, _DTYPES, _PATHS = attrgetter("name"), attrgetter("names"), attrgetter("dtypes"), attrgetter("paths")
+_CHECKSUM, _OFFSETS, _SHAPE, _PACKED = (attrgetter("checksum"), attrgetter("offsets"), attrgetter("shape"),
+                                        attrgetter("packed"))
 
 
 class TableError(ValueError):
@@ -91,34 +97,36 @@ class ItemTable(Sequence[StoredItem]):
     def join(tables: Sequence[ItemTable]) -> ItemTable:
         """The rows of every table, in order; file indices shifted past the files of the tables before.
         One ``np.concatenate`` of the integer columns side by side (the per-array cost of 16,384 small
-        tables is what counts), one per other column; ranks that save the same structure send equal
+        tables is what counts), one per other column, and every per-table step a C iterator (``map``,
+        ``list.count``): no bytecode runs per table. Ranks that save the same structure send equal
         name and dtype tables, which then need no remapping (others are remapped table by table)."""
         if not tables:
             return _empty([])
         first = tables[0]
         names, dtypes = list(first.names), list(first.dtypes)
-        lengths = np.array([len(t.name) for t in tables], dtype=_I64)
-        nfiles = np.array([len(t.paths) for t in tables], dtype=_I64)
-        width = max(t.checksum.dtype.itemsize for t in tables)
-        checksum = np.concatenate([t.checksum if t.checksum.dtype.itemsize == width else t.checksum.astype(f"S{width}")
-                                   for t in tables])
-        paths = list(chain.from_iterable(t.paths for t in tables))
-        offsets = np.concatenate([t.offsets for t in tables])
-        shape = np.concatenate([t.shape for t in tables])
-        packed = [t.packed for t in tables if t.packed is not None]
-        if len(packed) == len(tables):  # one concatenation of the integer columns
+        count = len(tables)
+        lengths = np.fromiter(map(len, map(_NAME, tables)), _I64, count)
+        nfiles = np.fromiter(map(len, map(_PATHS, tables)), _I64, count)
+        checksum = np.concatenate(list(map(_CHECKSUM, tables)))  # numpy widens to the widest "S<w>"
+        paths = list(chain.from_iterable(map(_PATHS, tables)))
+        offsets = np.concatenate(list(map(_OFFSETS, tables)))
+        shape = np.concatenate(list(map(_SHAPE, tables)))
+        same_names = list(map(_NAMES, tables)).count(first.names) == count
+        same_dtypes = list(map(_DTYPES, tables)).count(first.dtypes) == count
+        packed = list(map(_PACKED, tables))
+        if not any(map(is_, packed, repeat(None))):  # one concatenation of the integer columns
             ints: np.ndarray = np.concatenate(packed)
-            if any(t.names != first.names for t in tables):
+            if not same_names:
                 ints[:, 0] = np.concatenate([_remap(names, t.names)[t.name] for t in tables])
-            if any(t.dtypes != first.dtypes for t in tables):
+            if not same_dtypes:
                 ints[:, 1] = np.concatenate([_remap(dtypes, t.dtypes)[t.dtype] for t in tables])
             ints[:, 2] += np.repeat(np.cumsum(nfiles) - nfiles, lengths)
             return _make(names, dtypes, paths, ints, checksum, offsets, shape)
         name = np.concatenate([t.name for t in tables])
         dtype = np.concatenate([t.dtype for t in tables])
-        if any(t.names != first.names for t in tables):
+        if not same_names:
             name = np.concatenate([_remap(names, t.names)[t.name] for t in tables])
-        if any(t.dtypes != first.dtypes for t in tables):
+        if not same_dtypes:
             dtype = np.concatenate([_remap(dtypes, t.dtypes)[t.dtype] for t in tables])
         file = np.concatenate([t.file for t in tables]) + np.repeat(np.cumsum(nfiles) - nfiles, lengths)
         return ItemTable(
@@ -164,18 +172,26 @@ class ItemTable(Sequence[StoredItem]):
 
     def encode(self) -> EncodedItems:
         """The table as the manifest stores it: each column as its narrowest little-endian array."""
+        width = self.checksum.dtype.itemsize
         raw = self.checksum.tobytes()
-        text = raw.decode("ascii", "replace")
-        try:  # hex checksums (every algorithm ckptguard has) stored as their bytes: half the size
-            packed = bytes.fromhex(text)
-            binary = packed.hex() == text and len(raw) == 2 * len(packed) and self.checksum.dtype.itemsize % 2 == 0
-        except ValueError:
+        try:  # hex checksums (every algorithm ckptguard has) stored as their bytes: half the size; only
+            # lowercase hex of even width, so that decoding (``bytes.hex``) gives back the same text
+            as_bytes = binascii.unhexlify(raw)
+            binary = width % 2 == 0 and binascii.hexlify(as_bytes) == raw
+        except binascii.Error:
             binary = False
-        return EncodedItems(
-            len(self), self.names, self.dtypes, _narrow(self.name), _narrow(self.dtype), _narrow(self.file),
-            _narrow(self.offset), _narrow(self.length), self.checksum.dtype.itemsize, binary,
-            packed if binary else raw, _narrow(self.offsets_ndim + 1), _narrow(self.offsets),
-            _narrow(self.shape_ndim + 1), _narrow(self.shape))
+        checksum = as_bytes if binary else raw
+        if self.packed is not None and len(self):  # the per-row columns' bounds in one pass
+            lo, hi = self.packed.min(axis=0).tolist(), self.packed.max(axis=0).tolist()
+            name, dtype, file, offset, length = (_narrow(self.packed[:, c], (lo[c], hi[c])) for c in range(5))
+            offsets_ndim = _narrow(self.offsets_ndim + 1, (lo[5] + 1, hi[5] + 1))
+            shape_ndim = _narrow(self.shape_ndim + 1, (lo[6] + 1, hi[6] + 1))
+        else:
+            name, dtype, file, offset, length = map(_narrow, (self.name, self.dtype, self.file, self.offset,
+                                                              self.length))
+            offsets_ndim, shape_ndim = _narrow(self.offsets_ndim + 1), _narrow(self.shape_ndim + 1)
+        return EncodedItems(len(self), self.names, self.dtypes, name, dtype, file, offset, length, width, binary,
+                            checksum, offsets_ndim, _narrow(self.offsets), shape_ndim, _narrow(self.shape))
 
     @staticmethod
     def decode(e: EncodedItems, paths: list[str]) -> ItemTable:
@@ -288,10 +304,11 @@ def _tuples(ndim: np.ndarray, flat: np.ndarray) -> list[tuple[int, ...] | None]:
     return out
 
 
-def _narrow(a: np.ndarray) -> Column:
-    """The narrowest unsigned little-endian encoding of a column of non-negative values."""
-    top = int(a.max()) if len(a) else 0
-    if len(a) and int(a.min()) < 0:
+def _narrow(a: np.ndarray, bounds: tuple[int, int] | None = None) -> Column:
+    """The narrowest unsigned little-endian encoding of a column of non-negative values (``bounds``:
+    its (min, max), when known)."""
+    low, top = bounds if bounds is not None else (int(a.min()), int(a.max())) if len(a) else (0, 0)
+    if low < 0:
         raise ValueError("a negative value in an item column")
     code = next(c for c, limit in _NARROW if top < limit)
     return Column(code, a.astype("<" + code).tobytes())

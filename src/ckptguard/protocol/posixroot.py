@@ -216,11 +216,11 @@ class PosixRoot(rootkit.RootKit):
         while True:
             for d in list(pending):
                 want = pending[d]
-                for entry, seen in self.storage.sizes_in(os.path.join(base, d)).items():
-                    if want.get(entry) == seen:
-                        del want[entry]
-                if not want:
+                seen = self.storage.sizes_in(os.path.join(base, d))
+                if want.items() <= seen.items():  # every file there with its size (compared in C)
                     del pending[d]
+                else:
+                    pending[d] = {n: size for n, size in want.items() if seen.get(n) != size}
             if not pending:
                 return
             if time.monotonic() >= deadline:
