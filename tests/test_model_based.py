@@ -328,3 +328,54 @@ def test_model_s3_seed_30000504(s3: S3Bed, pool: WorkerPool, tmp_path: Path) -> 
         state.job_event(delay_ms=2, event='open', i=1)
         state.audit()
         state.teardown()
+
+
+# found by tools/model_run.py --backend s3 --seed 30000505
+# violation: "[s3] save ... by the lease holder B failed with no fault injected: LeaseLostError: ... another
+# storage-domain leader of this same job took it (epoch 3 ...)": the library's. The lease's renewal thread and
+# each save's check renew concurrently; when all three compare-and-swap rounds of one renewal lost to the
+# other's writes, the renewal took the lease for lost although the record was still its own. A renewal now
+# judges a lost round by the record it finds. Deterministic test:
+# test_root_conformance.py::test_a_holder_renewing_its_lease_from_several_threads_at_once_keeps_it; this replay
+# of the whole sequence depends on timing and is in the long run.
+@pytest.mark.long
+def test_model_s3_seed_30000505(s3: S3Bed, pool: WorkerPool, tmp_path: Path) -> None:
+    with replay(S3Backend(tmp_path, s3), pool):
+        state = S3ModelMachine()
+        state.job_event(delay_ms=37, event='close', i=0)
+        state.audit()
+        state.job_event(delay_ms=17, event='stall', i=0)
+        state.audit()
+        state.start_load(disrupt=None, fault=('freeze-data', 400), i=2, read=True, step=None, tag=None, wait=False)
+        state.audit()
+        state.job_event(delay_ms=69, event='stall', i=2)
+        state.audit()
+        state.job_event(delay_ms=27, event='close', i=1)
+        state.audit()
+        state.job_event(delay_ms=19, event='stall', i=1)
+        state.audit()
+        state.job_event(delay_ms=116, event='open', i=2)
+        state.audit()
+        state.finish(i=0)
+        state.audit()
+        state.start_delete(disrupt=None, fault=None, i=2, step=4, wait=True)
+        state.audit()
+        state.start_tag(disrupt=('kill', 80), fault=None, i=2, name='best', step=3, wait=False)
+        state.audit()
+        state.start_tag(disrupt=None, fault=('freeze-data', 400), i=1, name='best', step=None, wait=True)
+        state.audit()
+        state.start_load(disrupt=None, fault=('lost-replies', 30), i=1, read=True, step=None, tag=None, wait=False)
+        state.audit()
+        state.start_tag(disrupt=('stall', 100), fault=None, i=2, name='good', step=4, wait=True)
+        state.audit()
+        state.finish(i=1)
+        state.audit()
+        state.job_event(delay_ms=52, event='open', i=1)
+        state.audit()
+        state.start_delete(disrupt=None, fault=None, i=2, step=1, wait=True)
+        state.audit()
+        state.start_save(disrupt=None, fault=None, i=1, overwrite=False, step=5, wait=True)
+        state.audit()
+        state.start_save(disrupt=None, fault=None, i=1, overwrite=False, step=2, wait=True)
+        state.audit()
+        state.teardown()

@@ -305,6 +305,29 @@ def test_of_jobs_taking_one_lease_at_once_exactly_one_holds_it_each_time_with_a_
     assert epochs[1] > epochs[0], epochs
 
 
+def test_a_holder_renewing_its_lease_from_several_threads_at_once_keeps_it(url: str) -> None:
+    """The renewal thread and every save's check renew one lease concurrently; a renewal whose
+    compare-and-swap rounds all lose to those of its own job still holds the lease (it was found
+    by the model-based long run as "another storage-domain leader of this same job took it")."""
+    storage = open_root(url).storage
+    storage.makedirs(storage.path(layout.CONTROL))
+    lease = Lease(storage, uuid.uuid4().hex, uuid.uuid4().hex, 30.0)
+    lease.acquire(1.0)
+    try:
+        deadline = time.monotonic() + 3.0
+
+        def renew_until_deadline(i: int) -> None:
+            while time.monotonic() < deadline:
+                lease.renew()
+
+        _, errors = _race(8, renew_until_deadline)
+        assert not errors, errors
+        lease.check(acting="save")  # raises LeaseLostError if a lost round was taken for a takeover
+        assert lease.read() is not None and lease.read().holder == lease.holder  # type: ignore[union-attr]
+    finally:
+        lease.release()
+
+
 def test_a_commit_stalled_past_a_takeover_is_refused_or_listed_never_lost(url: str) -> None:
     """The stalled job passed its last check, then another job took the root over before its commit point:
     its commit must fail, or be one the new job lists; never reported committed yet not there."""

@@ -269,18 +269,25 @@ class Lease:
             return
 
         def decide(rec: LeaseRecord | None) -> Put[LeaseRecord, str | None] | Keep[str | None]:
-            if rec is None or rec.holder != self.holder or rec.epoch != self.epoch:
+            if not self._ours(rec):
                 return Keep(self._who_took_it(rec))
+            assert rec is not None
             return Put(self._record(self.epoch, rec.acquired_at), None)
 
         try:
-            lost = swap(self.storage, self.path, decode=LeaseRecord.from_bytes, encode=LeaseRecord.to_bytes,
-                        decide=decide, fence=None, what="renew the lease", rounds=3, pause_s=0.0)
+            lost = swap(self.storage, self.path, decide=decide, decode=LeaseRecord.from_bytes,
+                        encode=LeaseRecord.to_bytes, fence=None, what="renew the lease", rounds=3, pause_s=0.0)
         except SwapConflictError:
-            lost = self._who_took_it(self.read())
+            # Every round lost to another write. The renewal thread and check() renew concurrently: the
+            # writes that won may be this job's own, which leaves the lease ours (renewed by them).
+            rec = self.read()
+            lost = None if self._ours(rec) else self._who_took_it(rec)
         if lost is not None:
             with self._lock:
                 self._lost = self._lost or lost
+
+    def _ours(self, rec: LeaseRecord | None) -> bool:
+        return rec is not None and rec.holder == self.holder and rec.epoch == self.epoch
 
     def _who_took_it(self, rec: LeaseRecord | None) -> str:
         if rec is None:
@@ -303,7 +310,7 @@ class Lease:
         """
         rec = self.read()
         with self._lock:
-            if self._lost is None and (rec is None or rec.holder != self.holder or rec.epoch != self.epoch):
+            if self._lost is None and not self._ours(rec):
                 self._lost = self._who_took_it(rec)
             lost = self._lost
         if lost is None and renew:
