@@ -222,3 +222,32 @@ def test_the_default_two_pass_load_fills_every_kind_of_destination(tmp_path: Pat
     assert torch.equal(out["w"], weight) and torch.equal(out["h"], torch.tensor([1.5, -2.0]))
     assert torch.equal(out["nested"]["xs"][0], torch.ones(5)) and out["nested"]["xs"][1] == {"k": 7, "s": "text"}
     assert torch.equal(out["p"].detach(), torch.full((4,), 3.0)) and out["p"].requires_grad
+
+
+@pytest.mark.parametrize("how", ["truncate", "overwrite"])
+def test_a_file_changed_in_place_between_the_passes_is_a_torn_load_never_a_fallback(
+        tmp_path: Path, how: str) -> None:
+    """Bytes changed in place after they were verified (never by ckptguard) are found in the second
+    pass, once destinations may hold part of the step: a TornLoadError, also for a file cut short
+    (it was a CorruptCheckpointError, and load() fell back to an older step, leaving bytes of the
+    rejected one in the state)."""
+    from ckptguard import TornLoadError
+
+    root = tmp_path / "ckpt"
+    with Checkpointer(root) as writer:
+        writer.save(1, _state(1, 8))
+        writer.save(2, _state(2, 8))
+    data = sorted(p for p in (root / "step-00000002").rglob("*.bin"))[0]
+    with Checkpointer(root, read_only=True, load_memory_bytes=0) as reader:
+
+        def damage() -> None:
+            if how == "truncate":
+                os.truncate(data, data.stat().st_size // 2)
+            else:
+                with open(data, "r+b") as f:
+                    f.write(b"\xff" * 64)
+
+        _retire_before_placing(reader, damage)
+        out = {"model": {k: torch.zeros_like(t) for k, t in _state(2, 8)["model"].items()}}
+        with pytest.raises(TornLoadError, match="modified in place during this load"):
+            reader.load(out)  # step=None: a corrupt newest step would fall back to step 1

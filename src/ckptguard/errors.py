@@ -166,9 +166,10 @@ class MalformedRecordError(CorruptCheckpointError):
 
 
 class TornLoadError(CheckpointError):
-    """A load of a state larger than ``load_memory_bytes`` verified every byte, then read different
-    bytes when copying them into place: a file of the committed checkpoint was modified in place
-    during the load (never by ckptguard). The state being loaded may hold part of it: load again."""
+    """A load verified every byte, then read different bytes (or fewer: a file cut short) when it read
+    them again into place: a file of the committed checkpoint was modified in place during the load
+    (never by ckptguard). The state being loaded may hold part of it, so no older step is tried: load
+    again."""
 
 
 class PeerError(CheckpointError):

@@ -29,12 +29,13 @@ disagree with the first if a checkpoint file was modified in place during the lo
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import resource
 import threading
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -58,7 +59,7 @@ from ckptguard.dcp.readjob import (
     no_in_place_for_aliases,
 )
 from ckptguard.dcp.records import StoredItem
-from ckptguard.errors import CheckpointError, CorruptCheckpointError, TornLoadError
+from ckptguard.errors import CheckpointError, TornLoadError
 from ckptguard.storage import ReadHandle, StorageBackend
 
 _MAX_IOV = 512  # items per vectored read
@@ -419,23 +420,20 @@ class GuardedReader(StorageReader):
                 batch_bytes += len(view)
             for batch in batches:
                 head = batch[0][0]
-                fd.read_into([v for _, v in batch], head.spill_at if spilled else head.stored.offset)
-                for job, view in batch:
-                    try:
+                with _torn_if_it_fails(self.rank, path):
+                    fd.read_into([v for _, v in batch], head.spill_at if spilled else head.stored.offset)
+                    for job, view in batch:
                         job.verify(view, path, self.algorithm)
-                    except CorruptCheckpointError as e:
-                        raise _torn(e, self.rank, path) from None
+                for job, _ in batch:
                     job.placed = True
 
     def _read_into_place(self, job: ReadJob) -> None:
         path = os.path.join(self.checkpoint_dir, job.stored.file)
         fd, spilled = self._second_source(job.stored.file, path)
         view = job.allocate_scratch()
-        try:
+        with _torn_if_it_fails(self.rank, path):
             fd.read_into([view], job.spill_at if spilled else job.stored.offset)
             job.verify(view, path, self.algorithm)
-        except CorruptCheckpointError as e:
-            raise _torn(e, self.rank, path) from None
         job.copy_into_place()
 
     def close(self) -> None:
@@ -488,8 +486,15 @@ def _keepable(wanted: int) -> int:
     return max(0, min(wanted, soft - in_use - _FD_MARGIN))
 
 
-def _torn(err: CorruptCheckpointError, rank: int, path: str) -> TornLoadError:
-    return TornLoadError(
-        f"{err} The same bytes were verified moments before, so the file was modified in place during "
-        "this load (ckptguard never does that). Part of this checkpoint may already be in the state "
-        "being loaded: load again.", rank=rank, path=path)
+@contextlib.contextmanager
+def _torn_if_it_fails(rank: int, path: str) -> Iterator[None]:
+    """The second read of bytes verified moments before: whatever fails there (a checksum, a file
+    truncated, an I/O error) fails once destinations may already hold part of the checkpoint, so it
+    is a TornLoadError, never a corrupt checkpoint to fall back from."""
+    try:
+        yield
+    except (CheckpointError, OSError) as e:
+        raise TornLoadError(
+            f"{e} The same bytes were verified moments before, so the file was modified in place during "
+            "this load (ckptguard never does that). Part of this checkpoint may already be in the state "
+            "being loaded: load again.", rank=rank, path=path) from None

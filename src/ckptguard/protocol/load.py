@@ -39,6 +39,7 @@ from ckptguard.errors import (
     CorruptCheckpointError,
     StepNotFoundError,
     StepRetiredError,
+    TornLoadError,
 )
 from ckptguard.progress import ByteProgress
 from ckptguard.protocol import artifacts, layout
@@ -142,6 +143,8 @@ def first_intact(session: Session, step: int | None, attempt: Callable[[Checkpoi
                 failures = agreed_failures(e)
                 if not failures or any(f.interrupted for f in failures):
                     raise
+                if any(issubclass(f.error_class, TornLoadError) for f in failures):
+                    raise  # the state may hold part of it: neither retired nor corrupt, whatever else
                 # Every rank failed at the same agreement: ask whether the checkpoint is still there.
                 if _was_retired(session, name, current[s].seq):
                     if step is not None:
