@@ -44,7 +44,6 @@ from torch.distributed.checkpoint.metadata import (
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 from ckptguard.comm import ordered_failures
-from ckptguard.dcp.codec import metadata_to_json
 from ckptguard.dcp.planners import combined_digest, ranks_differing
 from ckptguard.protocol import layout
 from ckptguard.protocol.artifacts import ArtifactTarget
@@ -116,8 +115,8 @@ def leader_work(data: dict[str, Any], n: int, root: Path, staging: Path) -> tupl
     topo = Topology(0, n, tuple(tuple(d) for d in domains), tuple(data["hosts"]))
     t = time.perf_counter()
     assert ranks_differing(data["plain"]) == []
-    dcp_json = metadata_to_json(data["md"])
-    manifest = build_manifests(topo, CheckpointName(3), plan.attempt, "xxh3-64", data["writes"], {}, dcp_json)[0]
+    # DCP's global Metadata, as Checkpointer passes it: build_manifests encodes it.
+    manifest = build_manifests(topo, CheckpointName(3), plan.attempt, "xxh3-64", data["writes"], {}, data["md"])[0]
     timings["commit: build manifest"] = time.perf_counter() - t
 
     t = time.perf_counter()
