@@ -41,21 +41,24 @@ def _shard(fqn: str, offsets: tuple[int, ...], sizes: tuple[int, ...], size: tup
                                                  TensorProperties(dtype=torch.float32), torch.Size(size)))
 
 
-def _local_plans(world: int, domain_of_rank: list[int], key: str) -> tuple[list[SavePlan], DomainSavePlanner]:
-    """Each rank's local plan: DCP's own for plain tensors (replicated, zero-size, 0-dim) and objects,
-    plus the shard items of sharded tensors (one chunk per rank; 2-D; two chunks on some ranks;
-    HSDP-style shards replicated on two ranks, i.e. in two storage domains)."""
+def _local_plans(world: int, domain_of_rank: list[int], key: str, mixed: bool
+                 ) -> tuple[list[SavePlan], DomainSavePlanner]:
+    """Each rank's local plan: the shard items of sharded tensors (one chunk per rank; two chunks on
+    some ranks; HSDP-style shards replicated on two ranks, i.e. in two storage domains), and where
+    ``mixed``, 2-D ones and DCP's own items for plain tensors (replicated, zero-size, 0-dim) and objects
+    (rows of other dimensions than 1: the tables' general path)."""
     plans, coordinator = [], None
     for r in range(world):
         planner = DomainSavePlanner(domain_of_rank, cache_key=key)
-        state = {"bias": torch.ones(3), "empty": torch.zeros(0, 4), "scalar": torch.tensor(2.0),
-                 "opt": {"lr": 0.1, "betas": [0.9, 0.99]}}
+        state: dict[str, Any] = {"bias": torch.ones(3), "empty": torch.zeros(0, 4), "scalar": torch.tensor(2.0),
+                                 "opt": {"lr": 0.1, "betas": [0.9, 0.99]}} if mixed else {}
         planner.set_up_planner(state, is_coordinator=r == 0)
         plan = planner.create_local_plan()
         extra = [_shard("flat", (r * 1000,), (1000 + (r == world - 1) * 7,), (world * 1000 + 7,)),
-                 _shard("grid", (r // 8 * 4, r % 8 * 300), (4, 300), (world // 8 * 4, 2400)),
-                 _shard("zero_rows", (r * 5, 0), (5, 0), (world * 5, 0)),
                  _shard("hsdp", (r % (world // 2) * 10,), (10,), (world // 2 * 10,))]
+        if mixed:
+            extra += [_shard("grid", (r // 8 * 4, r % 8 * 300), (4, 300), (world // 8 * 4, 2400)),
+                      _shard("zero_rows", (r * 5, 0), (5, 0), (world * 5, 0))]
         if r % 3 == 0:  # two chunks of one tensor on one rank: the writer does not keep their order
             extra += [_shard("two", (r * 20 + o,), (10,), (world * 20,)) for o in (0, 10)]
         else:
@@ -87,16 +90,16 @@ def _writes(global_plan: list[SavePlan], seed: int) -> list[RankWrites]:
     return writes
 
 
-@pytest.mark.parametrize("domains", [1, 2, 4])
-def test_chunk_lists_from_the_tables_are_dcps_byte_for_byte(domains: int) -> None:
+@pytest.mark.parametrize(("domains", "mixed"), [(1, True), (2, True), (4, True), (1, False), (2, False)])
+def test_chunk_lists_from_the_tables_are_dcps_byte_for_byte(domains: int, mixed: bool) -> None:
     """One storage domain (every item stored once) and several (replicated items stored once per
     domain): each domain's manifest is the same bytes whichever way DCP's chunk lists were built, and
     the sharded tensors' lists did come from the tables."""
     per = WORLD // domains
     domain_of_rank = [r // per for r in range(WORLD)]
-    key = f"test-chunks-{domains}"
+    key = f"test-chunks-{domains}-{mixed}"
     try:
-        plans, coordinator = _local_plans(WORLD, domain_of_rank, key)
+        plans, coordinator = _local_plans(WORLD, domain_of_rank, key, mixed)
         global_plan, md = coordinator.create_global_plan(plans)
     finally:
         forget_cached_plans(key)
@@ -112,7 +115,8 @@ def test_chunk_lists_from_the_tables_are_dcps_byte_for_byte(domains: int) -> Non
     from_tables = {k for k, v in fast[0].dcp["state_dict"].items() if isinstance(v.get("chunks"), msgspec.Raw)}
     # Sharded over every rank, one chunk per rank: from the tables; "two" (two chunks on a rank) and,
     # with several domains, "hsdp" (its shards stored once more per domain) from DCP's objects.
-    assert from_tables == ({"flat", "grid", "zero_rows"} | ({"hsdp"} if domains == 1 else set())), from_tables
+    want = {"flat"} | ({"grid", "zero_rows"} if mixed else set()) | ({"hsdp"} if domains == 1 else set())
+    assert from_tables == want, from_tables
     assert len(md.state_dict_metadata["hsdp"].chunks) == WORLD // 2  # de-duplicated by DCP
 
 
