@@ -17,6 +17,7 @@ directory holding one data file per rank.
     python bench/bench_protocol_scale.py                   # N = 1,024 and 16,384, K = 4 and 64
     python bench/bench_protocol_scale.py --ranks 16384 --items 4
     python bench/bench_protocol_scale.py --ranks 16384 --items 64 --repeat 3   # medians of 3 timed runs
+    python bench/bench_protocol_scale.py --ranks 16384 --items 64 --ab 5       # CPU A/B of the chunk lists
 """
 
 from __future__ import annotations
@@ -179,6 +180,34 @@ def run(n: int, k: int, workdir: Path, repeat: int = 1) -> dict[str, Any]:
             "manifest_mb": manifest_bytes / 1e6}
 
 
+def ab(n: int, k: int, rounds: int) -> None:
+    """CPU time (process_time) of building and encoding the manifest, DCP's chunk lists walked from its
+    objects (metadata_to_json) against built from the item tables (build_manifests given the
+    Metadata), alternated on the same inputs in this process; the two manifests' bytes compared."""
+    from ckptguard.dcp.codec import metadata_to_json
+
+    data = inputs(n, k)
+    topo = Topology(0, n, (tuple(range(n)),), tuple(data["hosts"]))
+
+    def encoded(dcp: Any) -> bytes:
+        m = build_manifests(topo, CheckpointName(3), "ab" * 16, "xxh3-64", data["writes"], {}, dcp)[0]
+        m.created_at = 0.0
+        return m.to_json()
+
+    ways = {"walked": lambda: encoded(metadata_to_json(data["md"])), "tables": lambda: encoded(data["md"])}
+    assert ways["walked"]() == ways["tables"](), "the manifests differ"
+    cpu: dict[str, list[float]] = {w: [] for w in ways}
+    with gc_paused():
+        for _ in range(rounds):
+            for w, f in ways.items():
+                t = time.process_time()
+                f()
+                cpu[w].append(time.process_time() - t)
+    for w, v in cpu.items():
+        print(f"{n} x {k}, chunk lists {w:<7}: best {min(v):.3f} s CPU, median {statistics.median(v):.3f} s "
+              f"(runs {', '.join(f'{x:.3f}' for x in v)})")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ranks", type=int, nargs="+", default=[1024, 16384])
@@ -186,7 +215,15 @@ def main() -> None:
     p.add_argument("--repeat", type=int, default=1,
                    help="time the leader's work this many times on the same inputs; report medians")
     p.add_argument("--json", default=None)
+    p.add_argument("--ab", type=int, default=0, metavar="ROUNDS",
+                   help="instead: CPU time of building + encoding the manifest with DCP's chunk lists walked "
+                        "and from the tables, alternated ROUNDS times (identical bytes checked)")
     args = p.parse_args()
+    if args.ab:
+        for k in args.items:
+            for n in args.ranks:
+                ab(n, k, args.ab)
+        return
     rows = []
     with tempfile.TemporaryDirectory(prefix="ckptguard-scale-") as tmp:
         for k in args.items:
