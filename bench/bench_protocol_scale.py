@@ -17,6 +17,7 @@ directory holding one data file per rank.
     python bench/bench_protocol_scale.py                   # N = 1,024 and 16,384, K = 4 and 64
     python bench/bench_protocol_scale.py --ranks 16384 --items 4
     python bench/bench_protocol_scale.py --ranks 16384 --items 64 --repeat 3   # medians of 3 timed runs
+    python bench/bench_protocol_scale.py --ranks 16384 --items 64 --ab 5       # CPU A/B of the chunk lists
 """
 
 from __future__ import annotations
@@ -44,7 +45,6 @@ from torch.distributed.checkpoint.metadata import (
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 from ckptguard.comm import ordered_failures
-from ckptguard.dcp.codec import metadata_to_json
 from ckptguard.dcp.planners import combined_digest, ranks_differing
 from ckptguard.protocol import layout
 from ckptguard.protocol.artifacts import ArtifactTarget
@@ -116,8 +116,8 @@ def leader_work(data: dict[str, Any], n: int, root: Path, staging: Path) -> tupl
     topo = Topology(0, n, tuple(tuple(d) for d in domains), tuple(data["hosts"]))
     t = time.perf_counter()
     assert ranks_differing(data["plain"]) == []
-    dcp_json = metadata_to_json(data["md"])
-    manifest = build_manifests(topo, CheckpointName(3), plan.attempt, "xxh3-64", data["writes"], {}, dcp_json)[0]
+    # DCP's global Metadata, as Checkpointer passes it: build_manifests encodes it.
+    manifest = build_manifests(topo, CheckpointName(3), plan.attempt, "xxh3-64", data["writes"], {}, data["md"])[0]
     timings["commit: build manifest"] = time.perf_counter() - t
 
     t = time.perf_counter()
@@ -180,6 +180,34 @@ def run(n: int, k: int, workdir: Path, repeat: int = 1) -> dict[str, Any]:
             "manifest_mb": manifest_bytes / 1e6}
 
 
+def ab(n: int, k: int, rounds: int) -> None:
+    """CPU time (process_time) of building and encoding the manifest, DCP's chunk lists walked from its
+    objects (metadata_to_json) against built from the item tables (build_manifests given the
+    Metadata), alternated on the same inputs in this process; the two manifests' bytes compared."""
+    from ckptguard.dcp.codec import metadata_to_json
+
+    data = inputs(n, k)
+    topo = Topology(0, n, (tuple(range(n)),), tuple(data["hosts"]))
+
+    def encoded(dcp: Any) -> bytes:
+        m = build_manifests(topo, CheckpointName(3), "ab" * 16, "xxh3-64", data["writes"], {}, dcp)[0]
+        m.created_at = 0.0
+        return m.to_json()
+
+    ways = {"walked": lambda: encoded(metadata_to_json(data["md"])), "tables": lambda: encoded(data["md"])}
+    assert ways["walked"]() == ways["tables"](), "the manifests differ"
+    cpu: dict[str, list[float]] = {w: [] for w in ways}
+    with gc_paused():
+        for _ in range(rounds):
+            for w, f in ways.items():
+                t = time.process_time()
+                f()
+                cpu[w].append(time.process_time() - t)
+    for w, v in cpu.items():
+        print(f"{n} x {k}, chunk lists {w:<7}: best {min(v):.3f} s CPU, median {statistics.median(v):.3f} s "
+              f"(runs {', '.join(f'{x:.3f}' for x in v)})")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ranks", type=int, nargs="+", default=[1024, 16384])
@@ -187,7 +215,15 @@ def main() -> None:
     p.add_argument("--repeat", type=int, default=1,
                    help="time the leader's work this many times on the same inputs; report medians")
     p.add_argument("--json", default=None)
+    p.add_argument("--ab", type=int, default=0, metavar="ROUNDS",
+                   help="instead: CPU time of building + encoding the manifest with DCP's chunk lists walked "
+                        "and from the tables, alternated ROUNDS times (identical bytes checked)")
     args = p.parse_args()
+    if args.ab:
+        for k in args.items:
+            for n in args.ranks:
+                ab(n, k, args.ab)
+        return
     rows = []
     with tempfile.TemporaryDirectory(prefix="ckptguard-scale-") as tmp:
         for k in args.items:

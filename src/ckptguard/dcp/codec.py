@@ -78,7 +78,13 @@ def tensor_bytes(t: torch.Tensor) -> tuple[memoryview, torch.Tensor]:
 # -- DCP metadata <-> JSON -------------------------------------------------------------
 
 
-def metadata_to_json(md: Metadata) -> dict[str, Any]:
+def metadata_to_json(md: Metadata, known: Mapping[str, tuple[int, int, Any]] | None = None) -> dict[str, Any]:
+    """DCP's metadata as the manifest stores it. ``known``: per tensor, (chunk count, dimensions,
+    flat chunk list or its MessagePack as ``msgspec.Raw``) already built from the stored items'
+    columns (ItemTable.flat_chunks), used where the count and dimensions are DCP's; any other
+    tensor's chunks are read from DCP's own objects. A Raw list is for the manifest's MessagePack
+    encoder only (a JSON encoder would copy its bytes as they are)."""
+    known = known or {}
     sd: dict[str, Any] = {}
     for fqn, entry in md.state_dict_metadata.items():
         if isinstance(entry, BytesStorageMetadata):
@@ -94,7 +100,7 @@ def metadata_to_json(md: Metadata) -> dict[str, Any]:
                 "size": list(entry.size),
                 # Flat [offsets..., sizes..., offsets..., sizes...]: one list per tensor, not three
                 # per chunk (a tensor sharded over 16,384 ranks has 16,384 chunks).
-                "chunks": _flat_chunks(entry.chunks),
+                "chunks": _chunks_of(entry, known.get(fqn)),
             }
         else:
             raise CheckpointError(f"{fqn}: unsupported DCP storage metadata {type(entry).__name__}")
@@ -104,6 +110,12 @@ def metadata_to_json(md: Metadata) -> dict[str, Any]:
         "state_dict": sd,
         "planner_data": {k: list(v) for k, v in planner_data.items()},
     }
+
+
+def _chunks_of(entry: TensorStorageMetadata, known: tuple[int, int, Any] | None) -> Any:
+    if known is not None and known[0] == len(entry.chunks) and known[1] == len(entry.size):
+        return known[2]
+    return _flat_chunks(entry.chunks)
 
 
 #: A chunk's (offsets, sizes): fetched in C, so that flattening a million chunks runs no bytecode per chunk.

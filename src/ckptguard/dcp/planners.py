@@ -28,7 +28,7 @@ from torch.distributed.checkpoint.planner import (
 
 from ckptguard.checksum import checksum
 from ckptguard.dcp import _torch_private
-from ckptguard.dcp.codec import load_bounded, metadata_to_json, tensor_bytes
+from ckptguard.dcp.codec import load_bounded, tensor_bytes
 from ckptguard.dcp.records import StoredItem
 from ckptguard.dcp.values import is_per_rank_key
 from ckptguard.errors import CheckpointError, TemplateMismatchError, UnsafeObjectError
@@ -88,14 +88,6 @@ class DomainSavePlanner(_torch_private.CachingSavePlanner):
 
 def plan_cache_key(instance: str) -> str:
     return f"ckptguard:{instance}"
-
-
-def metadata_json(instance: str, metadata: Metadata) -> dict[str, Any]:
-    """``metadata_to_json(metadata)``, built for every save: DCP's plan cache can hand out the same
-    Metadata object after a dtype change (a memo keyed by its identity wrote a stale dtype into the
-    manifest), so nothing derived from it is kept across saves."""
-    del instance
-    return metadata_to_json(metadata)
 
 
 def forget_cached_plans(instance: str) -> None:

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from itertools import chain, repeat
 from operator import attrgetter
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ckptguard.errors import StepExistsError
 from ckptguard.protocol import artifacts
@@ -21,6 +21,9 @@ from ckptguard.protocol.itemtable import ItemTable
 from ckptguard.protocol.layout import CheckpointName
 from ckptguard.protocol.manifest import Artifact, FileEntry, Manifest, StoredItem
 from ckptguard.protocol.topology import Topology
+
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint.metadata import Metadata
 
 
 @dataclass(frozen=True)
@@ -189,23 +192,30 @@ def build_manifests(
     algorithm: str,
     writes: list[RankWrites],
     user_metadata: dict[str, Any],
-    dcp_json: dict[str, Any],
+    dcp: dict[str, Any] | Metadata,
     seq: int | None = None,
 ) -> dict[int, Manifest]:
     """One manifest per storage domain, keyed by the domain leader's rank.
 
     Each domain's manifest lists only the files its ranks wrote (replicated
-    tensors were written once per domain), with DCP's metadata shared by all.
+    tensors were written once per domain), with DCP's metadata shared by all:
+    ``dcp`` as JSON, or DCP's global Metadata, encoded here with the chunk lists
+    of its large tensors taken from the ranks' item tables (see _dcp_json).
     (Eight parameters: each is one field of the manifest from a different phase of the save; a pure
     function, so the bench and the unit tests call it with plain values.)
     """
     now = time.time()
     out: dict[int, Manifest] = {}
+    joined: dict[tuple[int, ...], ItemTable] = {}
+    for domain in topo.domains:
+        ranks = list(map(writes.__getitem__, domain))
+        joined[tuple(domain)] = ItemTable.join(_rank_tables(ranks, list(chain.from_iterable(map(_FILES, ranks)))))
+    dcp_json = dcp if isinstance(dcp, dict) else _dcp_json(dcp, writes, joined)
     for index, domain in enumerate(topo.domains):
         ranks = list(map(writes.__getitem__, domain))
         files: list[FileEntry] = list(chain.from_iterable(map(_FILES, ranks)))
         arts: list[Artifact] = list(chain.from_iterable(map(_ARTIFACTS, ranks)))
-        items = ItemTable.join(_rank_tables(ranks, files))
+        items = joined[tuple(domain)]
         out[domain[0]] = Manifest(
             step=name.step, version=name.version, attempt=attempt, created_at=now,
             world_size=topo.world_size, domain_index=index, domain_count=len(topo.domains),
@@ -214,6 +224,35 @@ def build_manifests(
             commit_seq=seq,
         )
     return out
+
+
+#: A tensor with fewer chunks than this has its chunk list read from DCP's objects: grouping the
+#: items by name costs more than walking a few chunks.
+_TABLE_CHUNKS_FROM = 64
+
+
+def _dcp_json(md: Metadata, writes: list[RankWrites], joined: dict[tuple[int, ...], ItemTable]) -> dict[str, Any]:
+    """DCP's global metadata as JSON, byte for byte what ``metadata_to_json(md)`` gives, with the
+    chunk lists of tensors of many chunks (a tensor sharded over every rank) built from the items
+    the ranks stored, in rank order, instead of from a million ChunkStorageMetadata objects.
+
+    Why the two agree: DCP's metadata lists a tensor's chunks plan by plan in rank order (its
+    global plan after de-duplication), and each rank stores one item per write item of its final
+    plan, with the chunk's offsets and the written tensor's shape (the chunk's sizes). Where there
+    is one storage domain the stored items are exactly the de-duplicated plan items; with several,
+    replicated items are also stored once more per domain, so a tensor's items outnumber its
+    chunks. metadata_to_json takes a tensor's list from the items only where their count is DCP's
+    count of chunks, each rank holds at most one of them (a rank's own order is not kept by the
+    writer) and each has as many offsets and sizes as the tensor has dimensions; any other tensor's
+    chunks are read from DCP's objects."""
+    from ckptguard.dcp.codec import metadata_to_json
+
+    everyone = tuple(range(len(writes)))
+    table = joined.get(everyone)
+    if table is None:  # several domains: every rank's items, in rank order
+        table = ItemTable.join(_rank_tables(writes, list(chain.from_iterable(map(_FILES, writes)))))
+    known = table.flat_chunks(list(map(len, map(_ITEMS, writes))), _TABLE_CHUNKS_FROM)
+    return metadata_to_json(md, known)
 
 
 _FILES, _ARTIFACTS, _ITEMS, _PATH, _PATHS = (attrgetter("files"), attrgetter("artifacts"), attrgetter("items"),

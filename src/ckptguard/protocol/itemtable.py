@@ -14,7 +14,7 @@ import binascii
 import functools
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from itertools import chain, repeat
+from itertools import chain, pairwise, repeat
 from operator import attrgetter, is_
 from typing import Any, overload
 
@@ -134,6 +134,56 @@ class ItemTable(Sequence[StoredItem]):
             np.concatenate([t.offset for t in tables]), np.concatenate([t.length for t in tables]), checksum,
             np.concatenate([t.offsets_ndim for t in tables]), offsets,
             np.concatenate([t.shape_ndim for t in tables]), shape)
+
+    # -- DCP's chunk lists ----------------------------------------------------------------------
+    def flat_chunks(self, rows_per_rank: Sequence[int], min_rows: int = 1
+                    ) -> dict[str, tuple[int, int, msgspec.Raw]]:
+        """Per name with at least ``min_rows`` rows, (row count, dimensions, MessagePack of the list
+        [offsets..., shape..., offsets..., shape...] of its rows in table order): DCP's flat chunk list
+        (codec.metadata_to_json) encoded from the columns, with no Python object per chunk. The
+        table holds the ranks' rows one rank after another (``rows_per_rank``). DCP lists a tensor's
+        chunks rank by rank, each rank's in its plan's order, which the table does not keep (the
+        writer groups a rank's items by file): a name is listed only where each rank holds at most
+        one of its rows, all with the same number of dimensions for offsets and shape; whether the
+        count and dimensions are DCP's is the caller's check."""
+        n = len(self)
+        if n == 0 or sum(rows_per_rank) != n:
+            return {}
+        counts = np.bincount(self.name, minlength=len(self.names))
+        wanted = np.flatnonzero(counts >= max(min_rows, 1))
+        if not len(wanted):
+            return {}
+        rank = np.repeat(np.arange(len(rows_per_rank), dtype=_I64), np.asarray(rows_per_rank, dtype=_I64))
+        # Grouped by name, each group in table (rank) order; a radix sort where names fit 16 bits.
+        key = self.name.astype(np.uint16) if len(self.names) <= 1 << 16 else self.name
+        order = np.argsort(key, kind="stable")
+        name_sorted, rank_sorted = self.name[order], rank[order]
+        same_name = name_sorted[1:] == name_sorted[:-1]
+        repeated = set(name_sorted[1:][same_name & (rank_sorted[1:] <= rank_sorted[:-1])].tolist())
+        ends = np.cumsum(counts)
+        starts = ends - counts
+        lo, hi = int(self.offsets_ndim.min()), int(self.offsets_ndim.max())
+        if lo == hi >= 0 and (self.shape_ndim == lo).all():  # every row a tensor of lo dimensions
+            d = lo
+            every = np.concatenate([self.offsets.reshape(n, d), self.shape.reshape(n, d)], axis=1)[order]
+            return {self.names[k]: (int(counts[k]), d, msgspec.Raw(msgpack_uints(every[starts[k]:ends[k]])))
+                    for k in wanted.tolist() if k not in repeated}
+        off_ndim, shape_ndim = np.clip(self.offsets_ndim, 0, None), np.clip(self.shape_ndim, 0, None)
+        off_start, shape_start = np.cumsum(off_ndim) - off_ndim, np.cumsum(shape_ndim) - shape_ndim
+        out: dict[str, tuple[int, int, msgspec.Raw]] = {}
+        for k in wanted.tolist():
+            if k in repeated:
+                continue
+            rows = order[starts[k]:ends[k]]
+            ndim = self.offsets_ndim[rows]
+            d = int(ndim[0])
+            if d < 0 or not (ndim == d).all() or not (self.shape_ndim[rows] == d).all():
+                continue
+            cols = np.arange(d)
+            chunks = np.concatenate([self.offsets[off_start[rows][:, None] + cols],
+                                     self.shape[shape_start[rows][:, None] + cols]], axis=1)
+            out[self.names[k]] = (len(rows), d, msgspec.Raw(msgpack_uints(chunks)))
+        return out
 
     # -- rows ----------------------------------------------------------------------------------
     def __len__(self) -> int:
@@ -304,6 +354,49 @@ def _tuples(ndim: np.ndarray, flat: np.ndarray) -> list[tuple[int, ...] | None]:
     return out
 
 
+#: MessagePack's forms of a non-negative integer, as msgspec writes them: below 128 the integer is its
+#: own byte (positive fixint); then a marker byte and the integer big-endian in 1, 2, 4 or 8 bytes.
+_UINT_BOUNDS = np.array([128, 1 << 8, 1 << 16, 1 << 32], dtype=_I64)
+_UINT_MARKER = np.array([0, 0xCC, 0xCD, 0xCE, 0xCF], dtype=_I64)
+#: Each value is first laid out as 16 bytes, two big-endian words: its marker (byte 7) and itself
+#: (bytes 8-15); per form, the bytes of those 16 that MessagePack writes.
+_UINT_BYTES = [list(range(15, 16)), [7, 15], [7, 14, 15], [7, 12, 13, 14, 15], [7, *range(8, 16)]]
+_UINT_KEEP = np.array([[b in kept for b in range(16)] for kept in _UINT_BYTES])
+
+
+def msgpack_uints(values: np.ndarray) -> bytes:
+    """``values`` (m x c, non-negative) flattened row by row as a MessagePack array: byte for byte what
+    msgspec encodes for the same list of ints, without a Python int per value. Every value is laid
+    out as 16 bytes (marker, value) and the bytes its form uses are kept: by slicing, for each run of
+    rows whose columns have the same forms (offsets grow with the rank, sizes repeat: few runs),
+    else by a mask."""
+    v = np.ascontiguousarray(values, dtype=_I64)
+    v = v if v.ndim == 2 else v.reshape(-1, 1)
+    m, c = v.shape
+    n = m * c
+    if n and int(v.min()) < 0:
+        raise ValueError("a negative value in a chunk list")
+    head = (bytes([0x90 | n]) if n < 16 else b"\xdc" + n.to_bytes(2, "big") if n < 1 << 16
+            else b"\xdd" + n.to_bytes(4, "big"))
+    if not n:
+        return head
+    form = np.searchsorted(_UINT_BOUNDS, v, side="right")
+    laid = np.zeros((m, c, 2), ">u8")
+    laid[:, :, 0] = _UINT_MARKER[form]
+    laid[:, :, 1] = v
+    raw = laid.view(np.uint8).reshape(m, c * 16)
+    starts = np.flatnonzero((form[1:] != form[:-1]).any(axis=1)) + 1
+    if len(starts) > 16 + m // 64:
+        kept_bytes: bytes = raw[_UINT_KEEP[form].reshape(m, c * 16)].tobytes()
+        return head + kept_bytes
+    pieces = [head]
+    bounds = [0, *starts.tolist(), m]
+    for a, z in pairwise(bounds):
+        kept = [16 * j + b for j, f in enumerate(form[a].tolist()) for b in _UINT_BYTES[f]]
+        pieces.append(raw[a:z, kept].tobytes())
+    return b"".join(pieces)
+
+
 def _narrow(a: np.ndarray, bounds: tuple[int, int] | None = None) -> Column:
     """The narrowest unsigned little-endian encoding of a column of non-negative values (``bounds``:
     its (min, max), when known)."""
@@ -330,4 +423,4 @@ def _bound(a: np.ndarray, limit: int, what: str) -> None:
         raise TableError(f"an item's {what} {int(a.max())} is not below {limit}")
 
 
-__all__ = ["MAX_FILE_BYTES", "Column", "EncodedItems", "ItemTable", "TableError"]
+__all__ = ["MAX_FILE_BYTES", "Column", "EncodedItems", "ItemTable", "TableError", "msgpack_uints"]

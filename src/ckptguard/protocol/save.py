@@ -33,7 +33,6 @@ from ckptguard.dcp.planners import (
     combined_digest,
     divergence_message,
     forget_cached_plans,
-    metadata_json,
     ranks_differing,
 )
 from ckptguard.dcp.writer import GuardedWriter
@@ -239,7 +238,7 @@ def _commit(session: Session, plan: SavePlan, writer: GuardedWriter[StoredArtifa
     def manifests(writes: list[RankWrites]) -> list[Manifest | None]:
         assert writer.metadata is not None
         built = build_manifests(topo, plan.name, plan.attempt, options.checksum, writes, user_metadata,
-                                metadata_json(session.instance, writer.metadata), plan.seq)
+                                writer.metadata, plan.seq)
         return [built.get(r) for r in range(comm.world_size)]
 
     mine: Manifest | None = comm.step(f"report its part of step {plan.step}", report_writes, manifests,
