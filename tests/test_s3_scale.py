@@ -4,12 +4,9 @@ the test proxy, against the model of bench/sim_s3_scale.py), and saves and loads
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 import torch
@@ -28,6 +25,7 @@ from ckptguard.state import prepare_state
 from ckptguard.storage.s3 import S3Storage
 from ckptguard.threadranks import run_ranks
 
+from tests.support import s3_requests as sim
 from tests.support.beds.s3 import Request, S3Bed, count_requests, s3_bed_in_env
 
 REPO = Path(__file__).resolve().parent.parent
@@ -36,15 +34,6 @@ PART = 5 << 20
 OPTIONS = {"part_size": PART, "check_conditional_writes": False}
 ELEMS = (PART + PART // 5) // 4  # per rank: one full part and a short one
 SMALL = 1000  # a second tensor per rank, in the same file
-
-
-def _sim() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("sim_s3_scale", REPO / "bench" / "sim_s3_scale.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["sim_s3_scale"] = module  # dataclasses look their module up by name
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.fixture(scope="module")
@@ -116,7 +105,6 @@ def _control(path: str) -> bool:
 def test_requests_of_a_save_and_a_load_are_the_models(bed: S3Bed) -> None:
     """4 ranks, op by op (2 ranks: the burst test below, in total)."""
     world = 4
-    sim = _sim()
     marks, equal = _run(bed, world)
     assert all(equal)
     log = bed.proxy.stats.log
@@ -165,7 +153,6 @@ def test_a_burst_of_slowdown_is_retried_with_backoff_and_a_bounded_number_of_tim
     save, load = log[marks[0]:marks[1]], log[marks[1]:marks[2]]
     assert [sum(1 for e in phase if e[3] == 503) for phase in (save, load)] == [4, 2]
     # Each refusal costs one more request and nothing else: the model's count + the refusals.
-    sim = _sim()
     items = [4 * ELEMS, 4 * SMALL]
     save_model, load_model = sim.save_requests(2, items, PART), sim.load_requests(2, items, PART)
     assert sum(count_requests(save, _not_lease).values()) == save_model.count() + 4
