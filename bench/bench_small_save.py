@@ -29,16 +29,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 import ckptguard.dcp.writer as ckpt_writer
+from bench_checkpoint import WORLD, make_state, raw_write  # the same state and raw writer as the main bench
 from ckptguard import Checkpointer
-from ckptguard.storage.fileio import write_all
-
-WORLD = 2
 
 
 def cpu_seconds() -> float:
@@ -48,9 +45,7 @@ def cpu_seconds() -> float:
 
 def run_rank(rank: int, port: int, work: str, args: argparse.Namespace, queue: Any) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
-    g = torch.Generator().manual_seed(rank)
-    sizes = torch.randint(1024, 65536 + 1, (args.count,), generator=g)
-    state = {"model": {f"r{rank}.p{i}": torch.rand(int(s), generator=g) for i, s in enumerate(sizes)}}
+    state = make_state("small", rank, 0, args.count * WORLD)
     writer_seconds: list[float] = []
     real_write_data = ckpt_writer.GuardedWriter.write_data
 
@@ -65,15 +60,8 @@ def run_rank(rank: int, port: int, work: str, args: argparse.Namespace, queue: A
     step = [0]
 
     def raw() -> None:
-        path = os.path.join(work, f"raw{step[0]}.r{rank}")
+        raw_write(state, Path(work) / f"raw{step[0]}.r{rank}")
         step[0] += 1
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        try:
-            for t in state["model"].values():
-                write_all(fd, [memoryview(t.numpy()).cast("B")])
-            os.fsync(fd)
-        finally:
-            os.close(fd)
 
     checkpointers = {n: Checkpointer(os.path.join(work, f"ckptguard-{n}"), keep_last=1, io_threads=n)
                      for n in args.io_threads}
