@@ -207,14 +207,14 @@ def build_manifests(
     now = time.time()
     out: dict[int, Manifest] = {}
     joined: dict[tuple[int, ...], ItemTable] = {}
+    domain_files: list[list[FileEntry]] = []
     for domain in topo.domains:
         ranks = list(map(writes.__getitem__, domain))
-        joined[tuple(domain)] = ItemTable.join(_rank_tables(ranks, list(chain.from_iterable(map(_FILES, ranks)))))
+        domain_files.append(list(chain.from_iterable(map(_FILES, ranks))))
+        joined[tuple(domain)] = ItemTable.join(_rank_tables(ranks, domain_files[-1]))
     dcp_json = dcp if isinstance(dcp, dict) else _dcp_json(dcp, writes, joined)
-    for index, domain in enumerate(topo.domains):
-        ranks = list(map(writes.__getitem__, domain))
-        files: list[FileEntry] = list(chain.from_iterable(map(_FILES, ranks)))
-        arts: list[Artifact] = list(chain.from_iterable(map(_ARTIFACTS, ranks)))
+    for index, (domain, files) in enumerate(zip(topo.domains, domain_files, strict=True)):
+        arts: list[Artifact] = list(chain.from_iterable(writes[r].artifacts for r in domain))
         items = joined[tuple(domain)]
         out[domain[0]] = Manifest(
             step=name.step, version=name.version, attempt=attempt, created_at=now,
@@ -255,8 +255,7 @@ def _dcp_json(md: Metadata, writes: list[RankWrites], joined: dict[tuple[int, ..
     return metadata_to_json(md, known)
 
 
-_FILES, _ARTIFACTS, _ITEMS, _PATH, _PATHS = (attrgetter("files"), attrgetter("artifacts"), attrgetter("items"),
-                                              attrgetter("path"), attrgetter("paths"))
+_FILES, _ITEMS, _PATH, _PATHS = attrgetter("files"), attrgetter("items"), attrgetter("path"), attrgetter("paths")
 
 
 def _rank_tables(ranks: list[RankWrites], files: list[FileEntry]) -> list[ItemTable]:
