@@ -8,11 +8,12 @@ metadata travels as JSON inside the manifest, never as DCP's pickled
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from itertools import chain
 from operator import attrgetter
 from typing import Any
 
+import numpy as np
 import torch
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
@@ -129,19 +130,29 @@ def _flat_chunks(chunks: Sequence[ChunkStorageMetadata]) -> list[int]:
 
 
 def metadata_from_json(obj: dict[str, Any], items: Sequence[StoredItem], path: str | None = None, *,
-                       domain_count: int = 1) -> Metadata:
+                       domain_count: int = 1, wanted: Collection[str] | None = None) -> Metadata:
     """DCP's Metadata from the manifest's JSON; every size and index bounded by what the items hold.
 
     ``domain_count`` > 1: the manifest is one storage domain's of several and its items hold only that
     domain's share (a per-rank value or a shard may live in another domain's manifest), so a tensor's
-    size is bounded by its declared chunks, each of which must lie inside it, instead."""
+    size is bounded by its declared chunks, each of which must lie inside it, instead.
+
+    ``wanted``: only these names (a load's template keys), with their items: a rank that loads its own
+    part of a checkpoint of many ranks builds nothing for the rest (every name's entry is still a
+    JSON value of the manifest, whose checksum covers it)."""
     props: dict[tuple[str, bool], TensorProperties] = {}
+    items = _items_named(items, wanted)
     stored: dict[str, int] = {}
     for i in items:
         stored[i.fqn] = stored.get(i.fqn, 0) + i.length
     try:
         sd: dict[str, Any] = {}
-        for fqn, e in obj["state_dict"].items():
+        entries_json = obj["state_dict"]
+        if not isinstance(entries_json, dict):
+            raise TypeError(f"state_dict is a {type(entries_json).__name__}, not an object")
+        chosen = entries_json.items() if wanted is None else (
+            (fqn, entries_json[fqn]) for fqn in wanted if fqn in entries_json)
+        for fqn, e in chosen:
             if e["type"] == "bytes":
                 sd[fqn] = BytesStorageMetadata()
             elif e["type"] == "tensor":
@@ -164,8 +175,13 @@ def metadata_from_json(obj: dict[str, Any], items: Sequence[StoredItem], path: s
             else:
                 raise ValueError(f"unknown entry type {e['type']!r}")
         planner_data = {}
-        entries = len(obj["planner_data"])
-        for k, path in obj["planner_data"].items():
+        paths_json = obj["planner_data"]
+        if not isinstance(paths_json, dict):
+            raise TypeError(f"planner_data is a {type(paths_json).__name__}, not an object")
+        entries = len(paths_json)
+        chosen_paths = paths_json.items() if wanted is None else (
+            (k, paths_json[k]) for k in wanted if k in paths_json)
+        for k, path in chosen_paths:
             # Lists are rebuilt by index (unflatten) and nested by path: an index is below the number of
             # entries (each list element that holds something has one), a path no longer than MAX_VALUE_DEPTH.
             if not isinstance(path, list) or not 0 < len(path) <= MAX_VALUE_DEPTH or not all(
@@ -179,6 +195,21 @@ def metadata_from_json(obj: dict[str, Any], items: Sequence[StoredItem], path: s
     storage = {item_index(i): i for i in items}
     return Metadata(state_dict_metadata=sd, planner_data=planner_data, storage_data=storage,
                     version=obj.get("version"))
+
+
+def _items_named(items: Sequence[StoredItem], wanted: Collection[str] | None) -> Sequence[StoredItem]:
+    """The items of the names in ``wanted`` (all without it); an item table (protocol.itemtable, one
+    name index per row) is filtered on its name column."""
+    if wanted is None:
+        return items
+    table_names: list[str] | None = getattr(items, "names", None)  # an ItemTable (protocol's): by its columns
+    if table_names is not None:
+        names = [i for i, nm in enumerate(table_names) if nm in wanted]
+        if len(names) == len(table_names):
+            return items
+        rows = list(items)
+        return [rows[r] for r in np.flatnonzero(np.isin(getattr(items, "name"), names)).tolist()]
+    return [i for i in items if i.fqn in wanted]
 
 
 #: How deeply a stored value may nest (dicts, lists, tuples, sets): decoding and encoding recurse.

@@ -10,9 +10,10 @@ dcp's, in dcp's order.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any
 
+from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import LoadPlanner, SavePlan
 
 from ckptguard.comm import Comm
@@ -22,18 +23,24 @@ from ckptguard.dcp.writer import GuardedWriter
 
 
 def read_locally(state_dict: dict[str, Any], reader: GuardedReader, planner: LoadPlanner,
-                 is_coordinator: bool, stats: Any = None, before_read: Callable[[], None] | None = None) -> None:
+                 is_coordinator: bool, stats: Any = None, before_read: Callable[[], None] | None = None,
+                 metadata_for: Callable[[Collection[str]], Metadata] | None = None) -> None:
     """dcp.load's planning and reading, without its two collectives.
 
     dcp.load gathers every rank's load plan on the coordinator and scatters them
     back, but its default global load plan changes nothing: for 10,000 tensors
     per rank that round trip of pickled plans cost more than the reads. Every
     rank here plans (DCP's planner: resharding included) and reads on its own;
-    the caller agrees on the outcome. ``before_read`` runs once the plan is made.
+    the caller agrees on the outcome. ``before_read`` runs once the plan is made. ``metadata_for``:
+    the checkpoint's metadata for the names of the planner's (flattened) state, instead of the
+    reader's metadata of every name.
     """
     with stats.phase("plan") if stats is not None else contextlib.nullcontext():
         planner.set_up_planner(state_dict, reader.metadata, is_coordinator)
-        reader.set_up_storage_reader(reader.metadata, is_coordinator)
+        metadata = metadata_for(planner.state_dict.keys()) if metadata_for is not None else reader.metadata
+        assert metadata is not None
+        planner.metadata = metadata
+        reader.set_up_storage_reader(metadata, is_coordinator)
         plan = reader.prepare_local_plan(planner.create_local_plan())
         plan = planner.finish_plan(plan)
     if before_read is not None:

@@ -118,7 +118,7 @@ class GuardedReader(StorageReader):
     of ``local_ranks``. ``backup=False`` when the destinations are fresh buffers of the reader's
     caller (nothing to put back on failure)."""
 
-    def __init__(self, storage: StorageBackend, checkpoint_dir: str, metadata: Metadata, algorithm: str,
+    def __init__(self, storage: StorageBackend, checkpoint_dir: str, metadata: Metadata | None, algorithm: str,
                  rank: int, io_threads: int = 4, on_bytes: Callable[[int], None] | None = None,
                  memory_bytes: int | None = None, local_ranks: int = 1, backup: bool = True) -> None:
         super().__init__()
@@ -134,7 +134,7 @@ class GuardedReader(StorageReader):
         self.memory_bytes = memory_bytes  # None: decided once the load's size is known (_budget)
         self.local_ranks = local_ranks
         self.backup = backup
-        self.storage_data: dict[MetadataIndex, StoredItem] = metadata.storage_data
+        self.storage_data: dict[MetadataIndex, StoredItem] = metadata.storage_data if metadata is not None else {}
         self._jobs: list[ReadJob] = []
         self._open: dict[str, ReadHandle] = {}
         self._arena: Arena | None = None
@@ -148,9 +148,13 @@ class GuardedReader(StorageReader):
         pass
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        assert self.metadata is not None, "the metadata is given to set_up_storage_reader"
         return self.metadata
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        """``metadata``: what this load plans with (a load builds only its template's names)."""
+        self.metadata = metadata
+        self.storage_data = metadata.storage_data
         self.is_coordinator = is_coordinator
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:

@@ -23,7 +23,7 @@ import os
 import time
 import uuid
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -81,7 +81,6 @@ class AgreedManifest:
 
     name: CheckpointName
     manifest: Manifest
-    metadata: Metadata
 
 
 def falls_back(err: BaseException) -> bool:
@@ -199,11 +198,10 @@ def load_one(session: Session, name: CheckpointName, seq: int | None, request: L
         os.path.join(root.dir(name), os.path.dirname(prefix)), os.path.basename(prefix))
     try:
         shared = share_manifest_bytes(session, name)
-        manifest, metadata = agree_on_manifest(session, name, seq, shared)
+        manifest = agree_on_manifest(session, name, seq, shared)
         targets = _restore_targets(session, name, manifest, request.files)
         stats.seconds["manifest"] = time.perf_counter() - started
-        _read_and_place(session, AgreedManifest(name, manifest, metadata), targets, request, stats,
-                        stop_prefetch)
+        _read_and_place(session, AgreedManifest(name, manifest), targets, request, stats, stop_prefetch)
     finally:
         if stop_prefetch is not None:
             stop_prefetch()
@@ -224,25 +222,31 @@ def share_manifest_bytes(session: Session, name: CheckpointName) -> SharedManife
     return SharedManifest(shared, read_error)
 
 
-def agree_on_manifest(session: Session, name: CheckpointName, seq: int | None, shared: SharedManifest
-                      ) -> tuple[Manifest, Metadata]:
+def agree_on_manifest(session: Session, name: CheckpointName, seq: int | None, shared: SharedManifest) -> Manifest:
     """Every rank parses and checks the shared bytes; the ranks of each storage domain share the
     lookups of its files' sizes (one per file: at thousands of ranks, one reader's lookups, a HEAD
-    each on an object store, would take longer than the load) (collective)."""
+    each on an object store, would take longer than the load) (collective). DCP's metadata is built
+    from it where the names to read are known (:func:`manifest_metadata`)."""
     topo, root = session.topo, session.root
 
-    def parse() -> tuple[Manifest, Metadata]:
+    def parse() -> Manifest:
         if shared.read_error is not None:
             raise shared.read_error
         assert shared.raw is not None
         manifest = root.parse_manifest(name, shared.raw, seq)
         root.check_files(name, manifest, (topo.domain.index(topo.rank), len(topo.domain)))
-        return manifest, metadata_from_json(manifest.dcp, manifest.items, root.dir(name),
-                                                 domain_count=manifest.domain_count)
+        return manifest
 
-    agreed: tuple[Manifest, Metadata] = session.comm.step(f"read checkpoint {name.dirname} in {session.url}", parse,
-                                                          where=session.url)
+    agreed: Manifest = session.comm.step(f"read checkpoint {name.dirname} in {session.url}", parse,
+                                         where=session.url)
     return agreed
+
+
+def manifest_metadata(session: Session, name: CheckpointName, manifest: Manifest,
+                      wanted: Collection[str] | None = None) -> Metadata:
+    """DCP's metadata of ``manifest``; of the names in ``wanted`` only, if given (a rank's template)."""
+    return metadata_from_json(manifest.dcp, manifest.items, session.root.dir(name),
+                              domain_count=manifest.domain_count, wanted=wanted)
 
 
 def _restore_targets(session: Session, name: CheckpointName, manifest: Manifest, files: Mapping[str, Any] | None
@@ -278,13 +282,13 @@ def _read_and_place(session: Session, agreed: AgreedManifest, targets: list[Arti
     One function, longer than most: its steps share the reader, the staged files and the caller's
     prepared state, and the try/finally blocks that undo a half-done restore span them."""
     comm, root = session.comm, session.root
-    name, manifest, metadata = agreed.name, agreed.manifest, agreed.metadata
+    name, manifest = agreed.name, agreed.manifest
     with stats.phase("metadata"):
         prepared = prepare_state(request.state, comm.rank)
     planner = SafeLoadPlanner(allow_partial_load=not request.strict)
     data_dir = root.data_dir(name, manifest)
     topo = session.topo
-    reader = GuardedReader(session.storage, data_dir, metadata, manifest.checksum_algorithm, comm.rank,
+    reader = GuardedReader(session.storage, data_dir, None, manifest.checksum_algorithm, comm.rank,
                            session.options.io_threads, memory_bytes=session.options.load_memory_bytes,
                            local_ranks=topo.hosts.count(topo.hosts[topo.rank]))
     swaps: list[artifacts.RestoreSwap] = []
@@ -294,7 +298,8 @@ def _read_and_place(session: Session, agreed: AgreedManifest, targets: list[Arti
             # Read and verify; nothing of the caller's state changes in this step.
             comm.step(f"load step {name.step}", lambda: read_locally(
                 prepared.state_dict, reader, planner, is_coordinator=comm.rank == 0, stats=stats,
-                before_read=on_planned), where=session.url)
+                before_read=on_planned, metadata_for=lambda names: manifest_metadata(session, name, manifest, names)),
+                where=session.url)
 
         # files= artifacts too: every rank stages verified copies next to their destinations; they
         # replace them only once everything verified.

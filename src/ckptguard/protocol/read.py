@@ -40,13 +40,13 @@ def read(session: Session, step: int | None, keep: Callable[[str], bool] | None 
 
 def read_one(session: Session, name: CheckpointName, seq: int | None,
              keep: Callable[[str], bool] | None = None) -> dict[str, Any]:
-    manifest, metadata = agree_on_manifest(session, name, seq, share_manifest_bytes(session, name))
+    manifest = agree_on_manifest(session, name, seq, share_manifest_bytes(session, name))
     comm = session.comm
     out: dict[str, Any] = {}
 
     def read() -> None:
         out.update(read_stored(session, name, manifest, comm.rank, is_coordinator=comm.rank == 0,
-                               keep=keep, metadata=metadata))
+                               keep=keep))
 
     comm.step(f"read step {name.step}", read, where=session.url)
     return out
