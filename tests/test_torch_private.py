@@ -55,3 +55,28 @@ def test_the_manifests_dtype_table_covers_every_torch_dtype() -> None:
 
     dtypes = {str(v).removeprefix("torch."): v.itemsize for v in vars(torch).values() if isinstance(v, torch.dtype)}
     assert {k: ITEMSIZES.get(k) for k in dtypes} == dtypes
+
+
+def test_the_fast_flattening_of_nested_mappings_is_dcps() -> None:
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict as dcp_flatten
+
+    t = torch.zeros(2)
+    states = [
+        {"model": {"a.b": t, "c": {"d": t, 3: 1.5}}, "step": 7, "opt": {"state": {0: {"m": t}}, "x": (1, t)}},
+        {"m": {}, "e": {"f": {}}, "g": "text", "h": None},
+        {1: t, (2, 3): t, "n": {"l": [t, {"k": t}], "o": t}},  # a list: DCP's own walk
+        {"p": [1, 2], "q": [[t]], "r": [{"s": 1}]},
+    ]
+    for state in states:
+        assert _torch_private.flatten_state_dict(state) == dcp_flatten(state)
+    for dup in ({"a.b": t, "a": {"b": t}}, {"a": {"b": t}, "a.b": t}):
+        try:
+            dcp_flatten(dup)
+        except ValueError as e:
+            expected = str(e)
+        try:
+            _torch_private.flatten_state_dict(dup)
+        except ValueError as e:
+            assert str(e) == expected
+        else:
+            raise AssertionError("a duplicated flat key must be refused")

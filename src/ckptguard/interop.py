@@ -130,6 +130,7 @@ def read_checkpoint(path: str | os.PathLike[str], step: int | None = None, *, de
     """The whole stored state dict of a committed checkpoint, in this process (every rank's
     ``PerRank`` values under their ``key@rankNNNNN`` names). ``decode=False``: as DCP stores it."""
     reader = DCPReader(path, step, storage_options=storage_options)
+    assert reader.metadata is not None
     return _read_all(reader, reader.metadata, decode)
 
 

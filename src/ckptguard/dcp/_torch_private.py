@@ -11,6 +11,7 @@ tested with when one has moved, instead of failing deep inside a save.
 from __future__ import annotations
 
 import zlib
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -111,9 +112,44 @@ def set_nested_element(root: Any, path: Any, value: Any) -> None:
 
 
 def flatten_state_dict(state_dict: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-    """DCP's flat view of a nested state dict and the path of each flat key in it."""
+    """DCP's flat view of a nested state dict and the path of each flat key in it.
+
+    A state of nested mappings without lists (a model's, an optimizer's state dict) is flattened here
+    by DCP's rules for it (keys as ``str``, joined by dots, a duplicate refused): a third of the cost of
+    DCP's general walk, which runs for every one of a load's thousands of values. Lists, and the
+    torch 2.3 layout, go through DCP's own walk."""
+    flat: dict[str, Any] = {}
+    mappings: dict[str, Any] = {}
+    if _derived_version() != "2_3" and _flatten_mappings(state_dict, (), flat, mappings):
+        return flat, mappings
     flat, mappings = _flatten_state_dict(state_dict)
     return flat, mappings
+
+
+def _derived_version() -> str | None:
+    from torch.distributed.checkpoint import _version
+
+    return getattr(_version, "_derived_version", None)
+
+
+def _flatten_mappings(value: Mapping[Any, Any], path: tuple[str, ...], flat: dict[str, Any],
+                      mappings: dict[str, Any]) -> bool:
+    """DCP's flattening of nested mappings (``traverse_state_dict``: a mapping is walked, anything but
+    a mapping or a list is a leaf); False as soon as a list is found (DCP's rules for lists differ)."""
+    for k, v in value.items():
+        p = (*path, str(k))
+        if isinstance(v, Mapping):
+            if not _flatten_mappings(v, p, flat, mappings):
+                return False
+        elif isinstance(v, list):
+            return False
+        else:
+            fqn = ".".join(p)
+            if fqn in flat:
+                raise ValueError(f"duplicated flatten key {fqn}")
+            flat[fqn] = v
+            mappings[fqn] = p
+    return True
 
 
 def create_cpu_state_dict(state_dict: dict[str, Any], pin_memory: bool) -> dict[str, Any]:

@@ -159,9 +159,17 @@ def metadata_from_json(obj: dict[str, Any], items: Sequence[StoredItem], path: s
                 key = (e["dtype"], bool(e["requires_grad"]))
                 if key not in props:
                     props[key] = TensorProperties(dtype=dtype_from_name(key[0]), requires_grad=key[1])
-                ndim = len(e["size"])
+                size = e["size"]
+                ndim = len(size)
                 flat = e["chunks"]
                 step = 2 * ndim
+                if ndim and type(flat) is list and len(flat) == step and flat[ndim:] == size and not any(flat[:ndim]):
+                    # One chunk, the whole tensor (most tensors of most checkpoints): one Size for both.
+                    _check_size(fqn, size, flat, key[0], stored if domain_count == 1 else None)
+                    whole = torch.Size(size)
+                    sd[fqn] = TensorStorageMetadata(properties=props[key], size=whole, chunks=[
+                        ChunkStorageMetadata(offsets=torch.Size(flat[:ndim]), sizes=whole)])
+                    continue
                 if ndim == 0:
                     chunks = [ChunkStorageMetadata(offsets=torch.Size(), sizes=torch.Size())] * (len(flat) or 1)
                 else:
@@ -181,13 +189,13 @@ def metadata_from_json(obj: dict[str, Any], items: Sequence[StoredItem], path: s
         entries = len(paths_json)
         chosen_paths = paths_json.items() if wanted is None else (
             (k, paths_json[k]) for k in wanted if k in paths_json)
-        for k, path in chosen_paths:
+        for k, obj_path in chosen_paths:
             # Lists are rebuilt by index (unflatten) and nested by path: an index is below the number of
             # entries (each list element that holds something has one), a path no longer than MAX_VALUE_DEPTH.
-            if not isinstance(path, list) or not 0 < len(path) <= MAX_VALUE_DEPTH or not all(
-                    type(p) is str or (type(p) is int and 0 <= p < entries) for p in path):
-                raise ValueError(f"bad planner path for {str(k)[:100]!r}: {str(path)[:100]}")
-            planner_data[str(k)] = tuple(path)
+            if not isinstance(obj_path, list) or not 0 < len(obj_path) <= MAX_VALUE_DEPTH or not all(
+                    type(p) is str or (type(p) is int and 0 <= p < entries) for p in obj_path):
+                raise ValueError(f"bad planner path for {str(k)[:100]!r}: {str(obj_path)[:100]}")
+            planner_data[str(k)] = tuple(obj_path)
     except (KeyError, TypeError, ValueError) as e:
         raise CorruptCheckpointError(f"invalid DCP metadata in manifest {path or ''}: {type(e).__name__}: {e}",
                                      path=path) from None
@@ -207,8 +215,9 @@ def _items_named(items: Sequence[StoredItem], wanted: Collection[str] | None) ->
         names = [i for i, nm in enumerate(table_names) if nm in wanted]
         if len(names) == len(table_names):
             return items
+        table: Any = items
         rows = list(items)
-        return [rows[r] for r in np.flatnonzero(np.isin(getattr(items, "name"), names)).tolist()]
+        return [rows[r] for r in np.flatnonzero(np.isin(table.name, names)).tolist()]
     return [i for i in items if i.fqn in wanted]
 
 

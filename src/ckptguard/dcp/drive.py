@@ -13,8 +13,9 @@ import contextlib
 from collections.abc import Callable, Collection
 from typing import Any
 
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata
-from torch.distributed.checkpoint.planner import LoadPlanner, SavePlan
+from torch.distributed.checkpoint.planner import SavePlan
 
 from ckptguard.comm import Comm
 from ckptguard.dcp.planners import DomainSavePlanner
@@ -22,7 +23,7 @@ from ckptguard.dcp.reader import GuardedReader
 from ckptguard.dcp.writer import GuardedWriter
 
 
-def read_locally(state_dict: dict[str, Any], reader: GuardedReader, planner: LoadPlanner,
+def read_locally(state_dict: dict[str, Any], reader: GuardedReader, planner: DefaultLoadPlanner,
                  is_coordinator: bool, stats: Any = None, before_read: Callable[[], None] | None = None,
                  metadata_for: Callable[[Collection[str]], Metadata] | None = None) -> None:
     """dcp.load's planning and reading, without its two collectives.
