@@ -318,7 +318,10 @@ def bench_state(kind: str, rank: int, args: argparse.Namespace) -> dict[str, Any
                     subprocess.run(["sync"], check=False)
                 dist.barrier()
     copy_dest.clear()  # free it before the loads
-    dest = {"model": {k: torch.empty_like(v) for k, v in state["model"].items()}}
+    # The caller's template, touched once: a fresh large tensor is an untouched mapping whose pages the
+    # first reader would fault in, counted as that reader's memory (one rank's whole state).
+    dest = {"model": {k: torch.zeros_like(v) for k, v in state["model"].items()}}
+
     def fresh_load() -> None:  # a restarted job: a new Checkpointer, then load
         with Checkpointer(work / "ckptguard", read_only=True) as fresh:
             fresh.load(dest, step=last)
