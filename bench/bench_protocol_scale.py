@@ -2,8 +2,9 @@
 
 The leader of a storage domain (rank 0 on a shared filesystem) does the work
 that grows with the number of ranks: it receives every rank's report, decides
-the save (files= disjointness, versions), builds the manifest, checks every
-file is visible with its size, writes the manifest and publishes; at start-up it
+the save (files= disjointness, versions), builds the manifest, writes it while
+it checks every file is visible with its size (save.commit_when_visible), and
+publishes; at start-up it
 decides the storage domains from the probe reports. This script feeds those
 functions exactly what N ranks would send, runs them in one process, and
 reports time, peak Python memory (tracemalloc) and the bytes rank 0 receives
@@ -61,6 +62,7 @@ from ckptguard.protocol.itemtable import ItemTable
 from ckptguard.protocol.layout import CheckpointName
 from ckptguard.protocol.manifest import FileEntry, StoredItem
 from ckptguard.protocol.root import PosixRoot
+from ckptguard.protocol.save import commit_when_visible
 from ckptguard.protocol.timing import gc_paused
 from ckptguard.protocol.topology import Topology, _decide, to_ranges
 from ckptguard.storage.posix import PosixStorage
@@ -121,12 +123,10 @@ def leader_work(data: dict[str, Any], n: int, root: Path, staging: Path) -> tupl
     timings["commit: build manifest"] = time.perf_counter() - t
 
     t = time.perf_counter()
-    croot.wait_files_visible(str(staging), manifest.files, timeout=60)
-    timings["commit: every file visible with its size"] = time.perf_counter() - t
-
-    t = time.perf_counter()
-    croot.commit(str(staging), manifest, lambda: None)  # encodes, writes, fsyncs, publishes
-    timings["commit: write manifest, fsync, publish"] = time.perf_counter() - t
+    # As save.py does it: every file checked visible with its size (in a thread) while the manifest is
+    # encoded, written and fsynced; the publish after both.
+    commit_when_visible(croot, str(staging), manifest, True, 60, lambda: None)
+    timings["commit: write manifest | files visible, publish"] = time.perf_counter() - t
     manifest_bytes = os.path.getsize(os.path.join(croot.dir(CheckpointName(3)), layout.MANIFEST))
 
     t = time.perf_counter()

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import errno
 import json
 import os
 import pickle
 import subprocess
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -16,8 +18,9 @@ import torch
 from torch import nn
 
 import ckptguard
-from ckptguard import Checkpointer, CheckpointError, CorruptCheckpointError
+from ckptguard import Checkpointer, CheckpointError, CorruptCheckpointError, NotVisibleError
 from ckptguard.protocol.manifest import Manifest
+from ckptguard.storage.posix import PosixStorage
 
 from tests.support.beds.diskfull import small_filesystem
 from tests.support.beds.sshfs import BedUnavailable
@@ -237,6 +240,63 @@ def test_lost_lease_fences_the_publish(tmp_path: Path) -> None:
     assert ck.steps() == [1]
     ck.close()
     assert lease.exists()  # not ours any more: close() leaves the other holder's lease alone
+
+
+def _manifest_write(path: str) -> bool:
+    return os.path.basename(path) == "MANIFEST.json" and ".ckptguard" in path
+
+
+def test_manifest_written_while_files_checked_visible(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The leader writes the manifest while it checks the data files visible (both before the publish):
+    a listing of the data files that waits for the manifest's write finds it done."""
+    written = threading.Event()
+    replace, sizes_in = PosixStorage.replace, PosixStorage.sizes_in
+
+    def replace_noting(self: PosixStorage, path: str, data: bytes) -> None:
+        replace(self, path, data)
+        if _manifest_write(path):
+            written.set()
+
+    def sizes_in_after_write(self: PosixStorage, directory: str) -> dict[str, int]:
+        if ".ckptguard" in directory and os.path.basename(directory) == "data":
+            assert written.wait(10), "the manifest was not written while the files were checked visible"
+        return sizes_in(self, directory)
+
+    with Checkpointer(tmp_path / "ckpt") as ck:
+        monkeypatch.setattr(PosixStorage, "replace", replace_noting)
+        monkeypatch.setattr(PosixStorage, "sizes_in", sizes_in_after_write)
+        ck.save(1, {"x": torch.ones(2)})
+        assert ck.steps() == [1] and written.is_set()
+
+
+@pytest.mark.parametrize("write_fails", [False, True])
+def test_files_not_visible_publish_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, write_fails: bool) -> None:
+    """Data files that never show with their size stop the save before the publish, the manifest's
+    write running meanwhile or not; where that write fails too, the error is still the visibility's."""
+    with Checkpointer(tmp_path / "ckpt", visibility_timeout_s=0.2) as ck:
+        ck.save(1, {"x": torch.ones(2)})
+        sizes_in, replace = PosixStorage.sizes_in, PosixStorage.replace
+
+        def data_unseen(self: PosixStorage, directory: str) -> dict[str, int]:
+            return {} if ".ckptguard" in directory else sizes_in(self, directory)
+
+        def replace_failing(self: PosixStorage, path: str, data: bytes) -> None:
+            if _manifest_write(path):
+                raise OSError(errno.EIO, "injected manifest write failure", path)
+            replace(self, path, data)
+
+        monkeypatch.setattr(PosixStorage, "sizes_in", data_unseen)
+        if write_fails:
+            monkeypatch.setattr(PosixStorage, "replace", replace_failing)
+        with pytest.raises(NotVisibleError, match="not visible with the right size") as raised:
+            ck.save(2, {"x": torch.full((2,), 2.0)})
+        assert "Nothing was committed" in str(raised.value)
+        monkeypatch.undo()
+        assert ck.steps(refresh=True) == [1] and ck.latest(refresh=True) == 1
+        assert not (Path(ck.root) / "step-00000002").exists()
+        out = {"x": torch.zeros(2)}
+        ck.load(out)
+        assert torch.equal(out["x"], torch.ones(2))
 
 
 def test_takeover_from_dead_holder_on_same_host(tmp_path: Path) -> None:

@@ -173,3 +173,5 @@ def test_a_real_save_writes_the_manifest_the_walk_of_dcps_chunks_writes(tmp_path
     assert all(isinstance(o, save_protocol.SaveOutcome) for o in out), out
     assert len(seen) == 1 and seen[0][0] == seen[0][1]
     assert from_tables == {"w", "empty", "scalar"}, from_tables
+    # The leader writes the manifest in parts (head, tables): the file is to_json's bytes.
+    assert (tmp_path / "ck" / CheckpointName(1).dirname / "MANIFEST.json").read_bytes() == seen[0][0]

@@ -340,3 +340,13 @@ def test_an_object_store_that_ignores_its_conditions_is_refused_before_a_job_wri
             root.fence_staging()
         assert os.listdir(tmp_path / condition / layout.PROBE) == []  # the probe object is removed
     ObjectStoreRoot(PosixStorage(str(tmp_path / "honest"))).fence_staging()
+
+
+def test_posix_replace_writes_parts_one_after_another(tmp_path: Path) -> None:
+    """A content given in parts (a manifest's head and tables) is written as their concatenation."""
+    storage = PosixStorage(str(tmp_path))
+    target = str(tmp_path / "f")
+    storage.replace(target, b"old")
+    storage.replace(target, [b"head\n", b"", b"tables" * 1000])
+    assert (tmp_path / "f").read_bytes() == b"head\n" + b"tables" * 1000
+    assert os.listdir(tmp_path) == ["f"]  # no temp file left

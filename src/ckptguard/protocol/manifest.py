@@ -145,7 +145,12 @@ class Manifest:
 
     # -- serialization -------------------------------------------------------------
     def to_json(self) -> bytes:
-        """The manifest file: a JSON head on one line (what a person reads), then the row tables and
+        """The manifest file (:meth:`sealed_parts` joined)."""
+        return b"".join(self.sealed_parts())
+
+    def sealed_parts(self) -> list[bytes]:
+        """The manifest file as parts to write one after another (joining them would copy the tables,
+        tens of MB at thousands of ranks): a JSON head on one line (what a person reads), then the row tables and
         DCP's metadata as MessagePack columns (what grows with the number of chunks), one checksum over
         both. docs/protocol.md, "The manifest", describes the layout."""
         # A tuple encodes as Tables does (array_like), and the DCP dict as DcpBody does (a map).
@@ -175,7 +180,7 @@ class Manifest:
             "rows": {"encoding": ROWS_ENCODING, "bytes": len(tables), "files": len(self.files),
                      "items": len(self.items)},
         }
-        return seal(json.dumps(body, separators=(",", ":"), allow_nan=False, check_circular=False).encode(), tables)
+        return sealed(json.dumps(body, separators=(",", ":"), allow_nan=False, check_circular=False).encode(), tables)
 
     @staticmethod
     def from_json(data: bytes, path: str) -> Manifest:
@@ -208,7 +213,12 @@ class Manifest:
 def seal(body: bytes, tables: bytes) -> bytes:
     """The manifest file from its JSON body and its binary section: ``{"manifest_checksum":"<xxh3-64 of
     body, a newline and tables>","body":<body>}``, a newline, then ``tables``."""
-    return _PREFIX + _digest(body, tables).encode() + _BODY_KEY + body + b"}\n" + tables
+    return b"".join(sealed(body, tables))
+
+
+def sealed(body: bytes, tables: bytes) -> list[bytes]:
+    """:func:`seal`'s bytes in two parts, the head line and ``tables`` (not copied)."""
+    return [_PREFIX + _digest(body, tables).encode() + _BODY_KEY + body + b"}\n", tables]
 
 
 def _digest(head: bytes, tables: bytes | memoryview) -> str:

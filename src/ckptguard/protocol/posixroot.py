@@ -241,7 +241,7 @@ class PosixRoot(rootkit.RootKit):
         is settled by looking, and a rename that landed is a commit.
         """
         name = CheckpointName(manifest.step, manifest.version)
-        self.storage.replace(os.path.join(staging, layout.MANIFEST), manifest.to_json())
+        self.storage.replace(os.path.join(staging, layout.MANIFEST), manifest.sealed_parts())
         last_check()
         try:
             self.storage.publish(staging, self.dir(name))

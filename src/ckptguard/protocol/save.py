@@ -5,8 +5,8 @@
               collide: nothing is written before this is agreed
     stage     leaders create a fresh attempt directory in .ckptguard/staging
     write     every rank writes and syncs its part (DCP plans, our writer does I/O)
-    commit    rank 0 builds one manifest per storage domain; each leader waits
-              until every file is visible with its size, writes the manifest,
+    commit    rank 0 builds one manifest per storage domain; each leader writes
+              the manifest while it checks every file visible with its size, then
               publishes the attempt and syncs the parent
     finish    once every domain has published: `latest` moves, retention and
               clean-up of leftovers run, by leaders only, each action after a
@@ -21,6 +21,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -56,6 +57,7 @@ from ckptguard.protocol.decisions import (
 from ckptguard.protocol.itemtable import ItemTable
 from ckptguard.protocol.layout import CheckpointName
 from ckptguard.protocol.manifest import Artifact, FileEntry, Manifest
+from ckptguard.protocol.root import Root
 from ckptguard.protocol.session import Session
 from ckptguard.protocol.timing import PhaseTimer
 from ckptguard.state import state_nbytes
@@ -253,17 +255,16 @@ def _commit(session: Session, plan: SavePlan, writer: GuardedWriter[StoredArtifa
         assert mine is not None and session.lease is not None
         session.lease.check()
         lease = session.lease
-        if not session.storage.visible_once_written:
-            # NFS: every file visible here with its size before the commit names it. Where a write that
-            # returned is visible to all (S3), each rank's completed upload already proved its objects:
-            # N * F lookups by one leader would cost more than the save at thousands of ranks.
-            session.root.wait_files_visible(plan.staging, mine.files, options.visibility_timeout_s)
 
         def last_check() -> None:
             fault_point(FaultPhase.BEFORE_PUBLISH, comm.rank)
             lease.check(renew=False)  # as close to the commit point as it gets (the manifest write may have stalled)
 
-        session.root.commit(plan.staging, mine, last_check)
+        # NFS: every file visible here with its size before the commit names it. Where a write that
+        # returned is visible to all (S3), each rank's completed upload already proved its objects:
+        # N * F lookups by one leader would cost more than the save at thousands of ranks.
+        commit_when_visible(session.root, plan.staging, mine, not session.storage.visible_once_written,
+                            options.visibility_timeout_s, last_check)
         published = True
         # A stall between that check and the rename (a frozen VM; on NFS, a handle to the staging
         # directory the new holder moved away still works) published into a root another job owns
@@ -309,6 +310,53 @@ def _commit(session: Session, plan: SavePlan, writer: GuardedWriter[StoredArtifa
     # Agreed, so that every rank of a job that lost the root raises (and no later save is tried).
     comm.step(f"finish step {plan.step}", lambda: _raise(lost), where=session.url)
     return SaveOutcome({s: v for s, v in agreed.items() if s not in doomed}, retired)
+
+
+def commit_when_visible(root: Root, staging: str, manifest: Manifest, check_visible: bool, timeout: float,
+                        last_check: Callable[[], None]) -> CheckpointName:
+    """``root.commit`` of ``manifest``, with (``check_visible``) every file it names checked visible
+    with its size (``root.wait_files_visible``) before the commit point.
+
+    The check runs in a thread while the commit encodes, writes and syncs the manifest (listings,
+    stats and fsync release the GIL: at 16,384 ranks each takes a few tenths of a second), and is
+    awaited right before ``last_check``, that is before the publish. Either failing stops the
+    commit with nothing published. A failed write still waits for the check, and where both fail
+    the check's error is raised: the errors are those of the check run first, then the write."""
+    if not check_visible:
+        return root.commit(staging, manifest, last_check)
+    check = _InThread(functools.partial(root.wait_files_visible, staging, manifest.files, timeout))
+
+    def visible_then_last_check() -> None:
+        check.result()
+        last_check()
+
+    try:
+        return root.commit(staging, manifest, visible_then_last_check)
+    except BaseException:
+        check.result()  # the check's own failure first, as when it ran before the write
+        raise
+
+
+class _InThread:
+    """A call run in a thread of its own, its outcome (value or exception) taken by ``result``."""
+
+    def __init__(self, call: Callable[[], None]) -> None:
+        self._error: BaseException | None = None
+        self._call = call
+        self._thread = threading.Thread(target=self._run, name="ckptguard-visible", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            self._call()
+        except BaseException as e:  # handed to the waiting thread
+            self._error = e
+
+    def result(self) -> None:
+        """Wait for the call; raise what it raised (each time asked)."""
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
 
 
 def _refuse_divergence(session: Session, plan: SavePlan, digests: dict[str, str], differing: list[int]) -> None:

@@ -125,8 +125,10 @@ class StorageBackend(Protocol):
     def create_exclusive(self, path: str, data: bytes) -> bool:
         """Create ``path`` holding ``data`` only if it does not exist; True if this call created it."""
 
-    def replace(self, path: str, data: bytes) -> None:
-        """Replace ``path`` with ``data`` atomically and durably (readers see old or new)."""
+    def replace(self, path: str, data: bytes | Sequence[bytes]) -> None:
+        """Replace ``path`` with ``data`` atomically and durably (readers see old or new). ``data``: the
+        content, or its parts in order, written one after another (a manifest's tables are tens of MB
+        at thousands of ranks: joining them would copy them)."""
 
     def compare_and_swap(self, path: str, data: bytes, token: str | None,
                          fence: Callable[[], None] | None = None) -> bool:

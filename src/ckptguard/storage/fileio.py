@@ -148,13 +148,21 @@ def is_tmp_name_of(entry: str, tail: str | None = None) -> bool:
     return (tail is None or entry[1:-17] == tail) and all(c in "0123456789abcdef" for c in entry[-12:])
 
 
-def write_new_file(path: str, data: bytes | bytearray | memoryview) -> None:
-    """Create ``path`` (O_EXCL: never over someone else's file), write ``data``, fsync. A file
-    this call created is removed again if writing it fails (a full disk keeps no half file)."""
+def buffer_views(data: bytes | bytearray | memoryview | Sequence[bytes]) -> list[memoryview]:
+    """Views of ``data``: one buffer, or buffers to write one after another."""
+    if isinstance(data, bytes | bytearray | memoryview):
+        return [memoryview(data)]
+    return [memoryview(part) for part in data]
+
+
+def write_new_file(path: str, data: bytes | bytearray | memoryview | Sequence[bytes]) -> None:
+    """Create ``path`` (O_EXCL: never over someone else's file), write ``data`` (one buffer, or
+    buffers one after another), fsync. A file this call created is removed again if writing it
+    fails (a full disk keeps no half file)."""
     fd = retry_stale(lambda: os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644),
                      "create", path)
     try:
-        write_all(fd, [memoryview(data)])
+        write_all(fd, buffer_views(data))
         os.fsync(fd)
     except BaseException:
         os.close(fd)
@@ -163,10 +171,11 @@ def write_new_file(path: str, data: bytes | bytearray | memoryview) -> None:
     os.close(fd)
 
 
-def replace_file(path: str, data: bytes | bytearray | memoryview, tmp: str | None = None) -> None:
-    """Replace ``path`` with ``data`` atomically: temp file (``tmp``, or a unique name beside it),
-    fsync, rename, fsync of the directory. Readers see the old or the new content; a failure leaves
-    the old file and no temp file."""
+def replace_file(path: str, data: bytes | bytearray | memoryview | Sequence[bytes],
+                 tmp: str | None = None) -> None:
+    """Replace ``path`` with ``data`` (one buffer, or buffers one after another) atomically: temp file
+    (``tmp``, or a unique name beside it), fsync, rename, fsync of the directory. Readers see the old
+    or the new content; a failure leaves the old file and no temp file."""
     tmp = tmp or unique_tmp_name(path)
     write_new_file(tmp, data)
     try:

@@ -9,7 +9,7 @@ import os
 import shutil
 import stat
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import suppress
 
 from ckptguard.checksum import checksum
@@ -179,7 +179,7 @@ class PosixStorage:
             fsync_dir(os.path.dirname(path))
         return created
 
-    def replace(self, path: str, data: bytes) -> None:
+    def replace(self, path: str, data: bytes | Sequence[bytes]) -> None:
         replace_file(path, data)
 
     def compare_and_swap(self, path: str, data: bytes, token: str | None,

@@ -10,7 +10,7 @@ import logging
 import posixpath
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Executor
 from typing import TYPE_CHECKING, Any
 
@@ -24,6 +24,7 @@ from ckptguard.errors import (
     WrongRegionError,
 )
 from ckptguard.storage.base import MAX_SMALL_OBJECT_BYTES
+from ckptguard.storage.fileio import buffer_views
 
 if TYPE_CHECKING:
     from mypy_boto3_s3.client import S3Client
@@ -402,10 +403,10 @@ class S3Storage:
     def create_exclusive(self, path: str, data: bytes) -> bool:
         return self._conditional_put(path, data, IfNoneMatch="*")
 
-    def replace(self, path: str, data: bytes) -> None:
+    def replace(self, path: str, data: bytes | Sequence[bytes]) -> None:
         stream = S3WriteStream(self, path, exclusive=False)
         try:
-            stream.write([memoryview(data)], stable=True)  # bytes: immutable, held until sync
+            stream.write(buffer_views(data), stable=True)  # bytes: immutable, held until sync
             stream.sync()
         finally:
             stream.close()
