@@ -73,3 +73,20 @@ def test_rows_of_every_kind_a_rank_may_send_come_back_from_the_manifest_row_for_
 
 def _sent_rows(w: RankWrites) -> list[StoredItem]:
     return list(w.items)
+
+
+def test_the_rows_taken_from_a_table_are_those_rows() -> None:
+    """``take`` (a load's rows of its own names) gives back exactly the rows asked for, in that order,
+    through every kind of row (offsets or none, shapes of any rank, objects), also after the wire."""
+    import numpy as np
+
+    rows, paths = [], []
+    for r in range(4):
+        f, rs = _rank_rows(r)
+        rows += rs
+        paths += [x.path for x in f]
+    table = ItemTable.from_items(rows, paths)
+    wire = pickle.loads(pickle.dumps(table))
+    for t in (table, wire):
+        for pick in ([], [0], [11, 1, 5], list(range(len(rows))), [3, 3, 7]):
+            assert list(t.take(np.array(pick, dtype=np.int64))) == [rows[i] for i in pick]

@@ -210,14 +210,14 @@ def _items_named(items: Sequence[StoredItem], wanted: Collection[str] | None) ->
     name index per row) is filtered on its name column."""
     if wanted is None:
         return items
-    table_names: list[str] | None = getattr(items, "names", None)  # an ItemTable (protocol's): by its columns
+    table_names: list[str] | None = getattr(items, "names", None)  # an ItemTable (protocol's): its rows
+    # of those names are taken on its columns, and only they become StoredItems
     if table_names is not None:
         names = [i for i, nm in enumerate(table_names) if nm in wanted]
         if len(names) == len(table_names):
             return items
         table: Any = items
-        rows = list(items)
-        return [rows[r] for r in np.flatnonzero(np.isin(table.name, names)).tolist()]
+        return list(table.take(np.flatnonzero(np.isin(table.name, names))))
     return [i for i in items if i.fqn in wanted]
 
 

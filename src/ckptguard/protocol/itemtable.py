@@ -214,6 +214,15 @@ class ItemTable(Sequence[StoredItem]):
             object.__setattr__(self, "_rows", cached)
         return cached
 
+    def take(self, rows: np.ndarray) -> ItemTable:
+        """The table of the rows at ``rows`` (indices, in that order): a rank that loads a few of a
+        checkpoint's items makes StoredItems for those only."""
+        ints = self.packed if self.packed is not None else np.stack(
+            [self.name, self.dtype, self.file, self.offset, self.length, self.offsets_ndim, self.shape_ndim], axis=1)
+        return _make(self.names, self.dtypes, self.paths, ints[rows], self.checksum[rows],
+                     _take_ragged(self.offsets_ndim, self.offsets, rows),
+                     _take_ragged(self.shape_ndim, self.shape, rows))
+
     # -- bytes ---------------------------------------------------------------------------------
     def __reduce__(self) -> tuple[Any, ...]:
         """Sent between ranks as the manifest stores it (narrow columns, ~34 bytes a row), not as
@@ -331,6 +340,20 @@ def _ragged(values: tuple[tuple[int, ...] | None, ...], n: int) -> tuple[np.ndar
     ndim = np.fromiter((-1 if v is None else len(v) for v in values), _I64, n)
     flat = np.fromiter(chain.from_iterable(v for v in values if v is not None), _I64)
     return ndim, flat
+
+
+def _take_ragged(ndim: np.ndarray, flat: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    """The values of the rows at ``rows`` of a ragged column (``ndim`` per row, -1 for none), one
+    after another."""
+    counts = np.clip(ndim, 0, None)
+    starts = np.cumsum(counts) - counts
+    taken = counts[rows]
+    total = int(taken.sum())
+    if not total:
+        return np.zeros(0, _I64)
+    within = np.arange(total) - np.repeat(np.cumsum(taken) - taken, taken)
+    values: np.ndarray = flat[np.repeat(starts[rows], taken) + within]
+    return values
 
 
 def _tuples(ndim: np.ndarray, flat: np.ndarray) -> list[tuple[int, ...] | None]:

@@ -325,7 +325,7 @@ def _read_and_place(session: Session, agreed: AgreedManifest, targets: list[Arti
     with stats.phase("apply"):
         prepared.apply()
     artifacts.finish_restore(swaps)
-    stats.bytes = sum(i.length for i in manifest.items)
+    stats.bytes = manifest.total_item_bytes
     stats.staged_bytes = reader.staged_bytes
     stats.verified_only_bytes = reader.verified_only_bytes
     stats.spilled_bytes = reader.spilled_bytes

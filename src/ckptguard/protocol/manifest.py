@@ -202,6 +202,13 @@ class Manifest:
     def total_bytes(self) -> int:
         return sum(f.size for f in self.files)
 
+    @property
+    def total_item_bytes(self) -> int:
+        """The bytes of every item (on the table's column: no StoredItem made)."""
+        if isinstance(self.items, ItemTable):
+            return int(self.items.length.sum())
+        return sum(i.length for i in self.items)
+
     def artifact(self, rank: int, key: str) -> Artifact | None:
         for a in self.artifacts:
             if a.rank == rank and a.key == key:
