@@ -46,6 +46,15 @@ def test_per_rank_files_round_trip(tmp_path: Path) -> None:
     assert stored == ["rank00000", "rank00001", "rank00002", "rank00003"]
 
 
+def test_a_value_only_one_rank_cannot_save_fails_the_save_on_every_rank(tmp_path: Path) -> None:
+    """Before, rank 1 raised alone while rank 0 went on into the save's collectives."""
+    root = tmp_path / "ckpt"
+    job = ckpt_job("refused_on_one_rank", nproc=2, env={"CKPT_ROOT": str(root)})
+    errors = by_rank(job, "error")
+    assert errors[1].startswith("UnsupportedValueError") and "rank 1" in errors[0], job.output()
+    assert by_rank(job, "steps") == {0: [2], 1: [2]}
+
+
 def test_per_rank_files_collision_fails_before_writing(tmp_path: Path) -> None:
     root, scratch = tmp_path / "ckpt", tmp_path / "scratch"
     job = ckpt_job("artifacts", "--collide", nproc=4, env={"CKPT_ROOT": str(root), "CKPT_SCRATCH": str(scratch)})

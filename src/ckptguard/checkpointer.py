@@ -206,19 +206,23 @@ class Checkpointer(Settings):
         fault_point(FaultPhase.SAVE_START, self._comm.rank)
         show = (self.progress if progress is None else progress) and self._comm.rank == 0
         stats = self._last_save_stats = PhaseTimer(show)
-        with stats.phase("state_dict"):
-            prepared = prepare_state(state, self._comm.rank)
-        # A local problem (a files= path missing on this rank) must not skip the collectives
-        # the other ranks are about to run: it is reported in the plan's agreement instead.
+        # A local problem (a value this rank cannot save, a files= path missing on this rank) must not
+        # skip the collectives the other ranks are about to run: it is reported in the plan's agreement.
         local_error: BaseException | None = None
+        state_dict: dict[str, Any] = {}
+        with stats.phase("state_dict"):
+            try:
+                state_dict = prepare_state(state, self._comm.rank).state_dict
+            except Exception as e:  # reported in the plan's agreement
+                local_error = e
         targets: list[ArtifactTarget] = []
         try:
             targets = artifacts.normalize(files, self._comm.rank, hostname(), True, self._session.root.local_dir())
         except Exception as e:  # reported in the plan's agreement
-            local_error = e
-        if not blocking:
+            local_error = local_error or e
+        if not blocking and local_error is None:
             with stats.phase("snapshot"):
-                staged = self._stager.snapshot(prepared.state_dict, targets if local_error is None else None)
+                staged = self._stager.snapshot(state_dict, targets)
             if staged is not None:
                 request = save_protocol.SaveRequest(step, staged[0], targets, staged[1], overwrite, user_metadata,
                                                     local_error, frozenset(self._tags.values()))
@@ -228,7 +232,7 @@ class Checkpointer(Settings):
                     self._save_now(request, stats)
                 stats.blocked = time.perf_counter() - started
                 return
-        request = save_protocol.SaveRequest(step, prepared.state_dict, targets, targets, overwrite, user_metadata,
+        request = save_protocol.SaveRequest(step, state_dict, targets, targets, overwrite, user_metadata,
                                             local_error, frozenset(self._tags.values()))
         self._save_now(request, stats)
         stats.blocked = time.perf_counter() - started

@@ -47,6 +47,7 @@ class PerRank:
 class PreparedState:
     state_dict: dict[str, Any]
     apply: Callable[[], None]  # after a load: push loaded values into modules, optimizers, objects
+    undo: Callable[[], None]  # after a failed load: take back what preparing changed (an optimizer's state)
 
 
 def _owner(optim: torch.optim.Optimizer, key: str, modules: Mapping[str, nn.Module]) -> nn.Module:
@@ -127,6 +128,27 @@ def prepare_state(state: Mapping[str, Any], rank: int = 0) -> PreparedState:
     modules = {k: v for k, v in state.items() if isinstance(v, nn.Module)}
     sd: dict[str, Any] = {}
     appliers: list[Callable[[], object]] = []
+    undoers: list[Callable[[], object]] = []
+
+    def undo() -> None:
+        for fn in undoers:
+            fn()
+
+    try:
+        _prepare_values(state, rank, modules, sd, appliers, undoers)
+    except BaseException:
+        undo()
+        raise
+
+    def apply() -> None:
+        for fn in appliers:
+            fn()
+
+    return PreparedState(sd, apply, undo)
+
+
+def _prepare_values(state: Mapping[str, Any], rank: int, modules: Mapping[str, nn.Module], sd: dict[str, Any],
+                    appliers: list[Callable[[], object]], undoers: list[Callable[[], object]]) -> None:
     for key, value in state.items():
         if not isinstance(key, str) or not key:
             raise TypeError(f"state keys must be non-empty strings, got {key!r}")
@@ -135,6 +157,10 @@ def prepare_state(state: Mapping[str, Any], rank: int = 0) -> PreparedState:
             appliers.append(_later(functools.partial(set_model_state_dict, value), sd, key))
         elif isinstance(value, torch.optim.Optimizer):
             model = _owner(value, key, modules)
+            if not value.state:
+                # DCP gives an optimizer that never stepped a state to load into (a step with zero
+                # gradients and learning rate): a load that fails must leave it without one again.
+                undoers.append(value.state.clear)
             sd[key] = encode_value(get_optimizer_state_dict(model, value), (key,))
             appliers.append(_later(functools.partial(set_optimizer_state_dict, model, value), sd, key))
         elif isinstance(value, PerRank):
@@ -154,9 +180,3 @@ def prepare_state(state: Mapping[str, Any], rank: int = 0) -> PreparedState:
                 # DCP fills tensors in place, and replaces everything else in *its* dict (or in the
                 # encoded copy): hand what was loaded back to the caller's objects.
                 appliers.append(_merge_later(state, key, sd))
-
-    def apply() -> None:
-        for fn in appliers:
-            fn()
-
-    return PreparedState(sd, apply)

@@ -237,6 +237,24 @@ def scenario_fsdp_load(args: argparse.Namespace) -> None:
     emit_result(loaded=step, world=dist.get_world_size(), optim_tensors=n)
 
 
+def scenario_refused_on_one_rank(args: argparse.Namespace) -> None:
+    """Rank 1 passes a value nothing can save: every rank's save raises, nothing is written, and the
+    next save, of good values, commits on every rank."""
+    rank = dist.get_rank()
+    ck = ckptguard.Checkpointer(args.root)
+    state: dict[str, object] = {"w": torch.arange(4.0)}
+    if rank == 1:
+        state["bad"] = object()
+    error = ""
+    try:
+        ck.save(1, state)
+    except Exception as e:
+        error = f"{type(e).__name__}: {e}"
+    ck.save(2, {"w": torch.arange(4.0)})
+    emit_result(error=error, steps=ck.steps())
+    ck.close()
+
+
 def _domain_of(rank: int, args: argparse.Namespace) -> list[int]:
     world = dist.get_world_size()
     if args.private_per_node:

@@ -50,7 +50,7 @@ from ckptguard.protocol.manifest import Manifest
 from ckptguard.protocol.save import agreed_current
 from ckptguard.protocol.session import Session
 from ckptguard.protocol.timing import PhaseTimer
-from ckptguard.state import prepare_state
+from ckptguard.state import PreparedState, prepare_state
 
 log = logging.getLogger("ckptguard")
 
@@ -283,8 +283,7 @@ def _read_and_place(session: Session, agreed: AgreedManifest, targets: list[Arti
     prepared state, and the try/finally blocks that undo a half-done restore span them."""
     comm, root = session.comm, session.root
     name, manifest = agreed.name, agreed.manifest
-    with stats.phase("metadata"):
-        prepared = prepare_state(request.state, comm.rank)
+    prepared: list[PreparedState] = []  # made inside the read's agreement: one rank's refusal reaches all
     planner = SafeLoadPlanner(allow_partial_load=not request.strict)
     data_dir = root.data_dir(name, manifest)
     topo = session.topo
@@ -292,14 +291,19 @@ def _read_and_place(session: Session, agreed: AgreedManifest, targets: list[Arti
                            session.options.io_threads, memory_bytes=session.options.load_memory_bytes,
                            local_ranks=topo.hosts.count(topo.hosts[topo.rank]))
     swaps: list[artifacts.RestoreSwap] = []
+
+    def prepare_and_read() -> None:
+        with stats.phase("metadata"):
+            prepared.append(prepare_state(request.state, comm.rank))
+        read_locally(prepared[0].state_dict, reader, planner, is_coordinator=comm.rank == 0, stats=stats,
+                     before_read=on_planned,
+                     metadata_for=lambda names: manifest_metadata(session, name, manifest, names))
+
     try:
         with ByteProgress(stats.show_progress, f"loading step {name.step}", None) as bar:
             reader.on_bytes = bar.callback
             # Read and verify; nothing of the caller's state changes in this step.
-            comm.step(f"load step {name.step}", lambda: read_locally(
-                prepared.state_dict, reader, planner, is_coordinator=comm.rank == 0, stats=stats,
-                before_read=on_planned, metadata_for=lambda names: manifest_metadata(session, name, manifest, names)),
-                where=session.url)
+            comm.step(f"load step {name.step}", prepare_and_read, where=session.url)
 
         # files= artifacts too: every rank stages verified copies next to their destinations; they
         # replace them only once everything verified.
@@ -320,10 +324,14 @@ def _read_and_place(session: Session, agreed: AgreedManifest, targets: list[Arti
         except BaseException:
             artifacts.swap_back(swaps)  # some rank could not: every rank's files are as they were
             raise
+    except BaseException:
+        if prepared:
+            prepared[0].undo()
+        raise
     finally:
         reader.close()
     with stats.phase("apply"):
-        prepared.apply()
+        prepared[0].apply()
     artifacts.finish_restore(swaps)
     stats.bytes = manifest.total_item_bytes
     stats.staged_bytes = reader.staged_bytes

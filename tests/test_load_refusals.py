@@ -1,0 +1,80 @@
+"""A template one rank cannot use is refused on every rank, and a refused load changes nothing."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from ckptguard import Checkpointer, TemplateMismatchError
+from ckptguard.comm import Comm
+from ckptguard.protocol import load as load_protocol
+from ckptguard.protocol import save as save_protocol
+from ckptguard.protocol.root import open_root
+from ckptguard.protocol.session import Options, open_session
+from ckptguard.protocol.timing import PhaseTimer
+from ckptguard.threadranks import run_ranks
+
+
+@pytest.mark.parametrize("bad", ["int key", "not a mapping", "optimizer without its module"])
+def test_a_template_only_one_rank_cannot_use_is_refused_on_every_rank_and_changes_nothing(
+        tmp_path: Path, bad: str) -> None:
+    """Rank 1's template fails the argument checks (before any byte is read); rank 0's is fine. Both
+    ranks raise at the same agreement, rank 0's template is untouched, and the next load, with good
+    templates, works on both (before, rank 1 raised alone and rank 0 ran on into rank 1's next load)."""
+
+    def body(comm: Comm) -> object:
+        session = open_session(comm, open_root(str(tmp_path / "ck")), Options(None, None, 1, "xxh3-64", 10.0),
+                               read_only=False, job_id="t", lease_ttl_s=30, lease_wait_s=1)
+        try:
+            save_protocol.save(session, save_protocol.SaveRequest(1, {"w": torch.arange(4.0)}, [], [], False, {},
+                                                                  None), PhaseTimer())
+            template = {"w": torch.zeros(4)}
+            if comm.rank == 1:
+                model = torch.nn.Linear(2, 2)
+                state: object = {"int key": {1: torch.zeros(4)}, "not a mapping": [torch.zeros(4)],
+                                 "optimizer without its module": {
+                                     "w": torch.zeros(4), "opt": torch.optim.SGD(model.parameters(), lr=0.1)}}[bad]
+            else:
+                state = template
+            first: object = None
+            try:
+                load_protocol.load(session, 1, state, None, True, False)  # type: ignore[arg-type]
+            except Exception as e:
+                first = e
+            unchanged = bool(torch.equal(template["w"], torch.zeros(4)))
+            again = {"w": torch.zeros(4)}
+            load_protocol.load(session, 1, again, None, True, False)
+            return first, unchanged, bool(torch.equal(again["w"], torch.arange(4.0)))
+        finally:
+            if session.lease is not None:
+                session.lease.release()
+
+    out = run_ranks(2, body, timeout_s=30)
+    for rank, result in enumerate(out):
+        assert isinstance(result, tuple), f"rank {rank}: {result!r}"
+        first, unchanged, reloaded = result
+        assert isinstance(first, Exception), f"rank {rank} loaded although rank 1's template was refused"
+        if rank == 0:  # rank 1 raises its own error; the others are told which rank refused
+            assert "rank 1" in str(first), f"rank {rank}: {first}"
+        assert unchanged and reloaded
+
+
+def test_a_refused_load_leaves_an_optimizer_that_never_stepped_without_state(tmp_path: Path) -> None:
+    """DCP gives a fresh optimizer a state to load into; a load refused after that (a key the checkpoint
+    lacks) must take it back: SGD with momentum steps differently from a zero buffer than from none."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    optim = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, dampening=0.5)
+    model(torch.randn(2, 3)).sum().backward()
+    optim.step()
+    with Checkpointer(tmp_path / "ck") as ck:
+        ck.save(1, {"model": model, "optim": optim})
+        fresh = torch.nn.Linear(3, 2)
+        for kind in (torch.optim.SGD, torch.optim.Adam):
+            new = kind(fresh.parameters(), lr=0.1)
+            with pytest.raises(TemplateMismatchError):
+                ck.load({"model": fresh, "optim": new, "not saved": torch.zeros(1)}, step=1)
+            assert new.state_dict()["state"] == {}
+            assert all(p.grad is None for p in fresh.parameters())
