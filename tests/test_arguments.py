@@ -156,3 +156,12 @@ def test_a_root_that_is_a_regular_file_is_refused_saying_so(tmp_path: Path, read
         Checkpointer(path, read_only=read_only)
     assert not any("does not exist" in r.getMessage() for r in caplog.records)
     assert path.read_bytes() == b"not a directory"
+
+
+def test_read_refuses_a_string_for_keys(tmp_path: Path) -> None:
+    """``keys="meta"`` read the keys "m", "e", "t", "a" and returned {} without a word."""
+    with Checkpointer(tmp_path / "ck") as ck:
+        ck.save(1, {"meta": {"epoch": 3}, "w": torch.ones(2)})
+        with pytest.raises(TypeError, match=r"keys=\['meta'\]"):
+            ck.read(keys="meta")
+        assert ck.read(keys=["meta"]) == {"meta": {"epoch": 3}}

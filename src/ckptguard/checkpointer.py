@@ -302,6 +302,8 @@ class Checkpointer(Settings):
         ``keys``: only these top-level keys (e.g. the small part beside a sharded rest that ``load``
         puts into the modules).
         """
+        if isinstance(keys, str | bytes):  # a string is a collection of its characters: never meant
+            raise TypeError(f"keys must be a collection of top-level keys, e.g. keys=[{keys!r}], not a string")
         self.wait()
         self._check_usable(writing=False)
         step, self._tags = manage.tagged_step(self._session, tag, step, self._tags)
