@@ -16,9 +16,8 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from ckptguard.dcp.codec import metadata_from_json
 from ckptguard.dcp.drive import read_locally
 from ckptguard.dcp.planners import SafeLoadPlanner
 from ckptguard.dcp.reader import GuardedReader
@@ -26,7 +25,7 @@ from ckptguard.dcp.values import decode_value, split_per_rank_key, unflatten
 from ckptguard.errors import StepNotFoundError
 from ckptguard.protocol.decisions import Listing, commit_order
 from ckptguard.protocol.layout import CheckpointName
-from ckptguard.protocol.load import agree_on_manifest, first_intact, share_manifest_bytes
+from ckptguard.protocol.load import agree_on_manifest, first_intact, manifest_metadata, share_manifest_bytes
 from ckptguard.protocol.manifest import Manifest
 from ckptguard.protocol.session import Session
 
@@ -53,14 +52,9 @@ def read_one(session: Session, name: CheckpointName, seq: int | None,
 
 
 def read_stored(session: Session, name: CheckpointName, manifest: Manifest, rank: int, *,
-                is_coordinator: bool = True, keep: Callable[[str], bool] | None = None,
-                metadata: Metadata | None = None) -> dict[str, Any]:
-    """This rank's view of the stored state dict (local: no agreement); ``metadata``: the manifest's
-    DCP metadata, if already parsed. (Three of its seven parameters are keyword-only options with
-    defaults: interop's offline reader calls it without a session's agreement.)"""
-    if metadata is None:
-        metadata = metadata_from_json(manifest.dcp, manifest.items, session.root.dir(name),
-                                      domain_count=manifest.domain_count)
+                is_coordinator: bool = True, keep: Callable[[str], bool] | None = None) -> dict[str, Any]:
+    """This rank's view of the stored state dict (local: no agreement)."""
+    metadata = manifest_metadata(session, name, manifest)
     paths = metadata.planner_data if isinstance(metadata.planner_data, dict) else {}
     flat: dict[str, Any] = {}
     for fqn, entry in metadata.state_dict_metadata.items():

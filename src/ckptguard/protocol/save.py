@@ -21,12 +21,12 @@ from __future__ import annotations
 import functools
 import logging
 import os
-import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from ckptguard._faults import FaultPhase, fault_point
+from ckptguard._pool import ExitSafePool
 from ckptguard.comm import agreed_failures, with_suffix
 from ckptguard.dcp.drive import plan_collectively
 from ckptguard.dcp.planners import (
@@ -324,7 +324,9 @@ def commit_when_visible(root: Root, staging: str, manifest: Manifest, check_visi
     the check's error is raised: the errors are those of the check run first, then the write."""
     if not check_visible:
         return root.commit(staging, manifest, last_check)
-    check = _InThread(functools.partial(root.wait_files_visible, staging, manifest.files, timeout))
+    pool = ExitSafePool(1, thread_name_prefix="ckptguard-visible")
+    check = pool.submit(root.wait_files_visible, staging, manifest.files, timeout)
+    pool.shutdown(wait=False)  # the thread ends once the check has run
 
     def visible_then_last_check() -> None:
         check.result()
@@ -335,28 +337,6 @@ def commit_when_visible(root: Root, staging: str, manifest: Manifest, check_visi
     except BaseException:
         check.result()  # the check's own failure first, as when it ran before the write
         raise
-
-
-class _InThread:
-    """A call run in a thread of its own, its outcome (value or exception) taken by ``result``."""
-
-    def __init__(self, call: Callable[[], None]) -> None:
-        self._error: BaseException | None = None
-        self._call = call
-        self._thread = threading.Thread(target=self._run, name="ckptguard-visible", daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        try:
-            self._call()
-        except BaseException as e:  # handed to the waiting thread
-            self._error = e
-
-    def result(self) -> None:
-        """Wait for the call; raise what it raised (each time asked)."""
-        self._thread.join()
-        if self._error is not None:
-            raise self._error
 
 
 def _refuse_divergence(session: Session, plan: SavePlan, digests: dict[str, str], differing: list[int]) -> None:
