@@ -132,6 +132,7 @@ def _flat_chunks(chunks: Sequence[ChunkStorageMetadata]) -> list[int]:
 def metadata_from_json(obj: dict[str, Any], items: Sequence[StoredItem], path: str | None = None, *,
                        domain_count: int = 1, wanted: Collection[str] | None = None) -> Metadata:
     """DCP's Metadata from the manifest's JSON; every size and index bounded by what the items hold.
+    ``obj`` as the manifest's schema decoded it (protocol.manifest.DcpBody: every number an int).
 
     ``domain_count`` > 1: the manifest is one storage domain's of several and its items hold only that
     domain's share (a per-rank value or a shard may live in another domain's manifest), so a tensor's
@@ -163,9 +164,15 @@ def metadata_from_json(obj: dict[str, Any], items: Sequence[StoredItem], path: s
                 ndim = len(size)
                 flat = e["chunks"]
                 step = 2 * ndim
-                if ndim and type(flat) is list and len(flat) == step and flat[ndim:] == size and not any(flat[:ndim]):
-                    # One chunk, the whole tensor (most tensors of most checkpoints): one Size for both.
-                    _check_size(fqn, size, flat, key[0], stored if domain_count == 1 else None)
+                if (ndim and type(flat) is list and len(flat) == step and flat[ndim:] == size
+                        and not any(flat[:ndim]) and ndim <= 64 and min(size) >= 0):
+                    # One chunk, the whole tensor (most tensors of most checkpoints): one Size for both,
+                    # and _check_size's checks that remain for it (the manifest's schema typed the numbers).
+                    itemsize = ITEMSIZES.get(key[0])
+                    if (domain_count == 1 and itemsize is not None
+                            and math.prod(size) * itemsize > stored.get(fqn, 0)):
+                        raise ValueError(f"{fqn[:100]}: size {size[:8]} of {key[0]} is more than the "
+                                         f"{stored.get(fqn, 0)} bytes stored for it")
                     whole = torch.Size(size)
                     sd[fqn] = TensorStorageMetadata(properties=props[key], size=whole, chunks=[
                         ChunkStorageMetadata(offsets=torch.Size(flat[:ndim]), sizes=whole)])

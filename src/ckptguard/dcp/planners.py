@@ -180,7 +180,6 @@ class SafeLoadPlanner(DefaultLoadPlanner):
     def create_local_plan(self) -> LoadPlan:
         assert self.metadata is not None
         stored = self.metadata.state_dict_metadata
-        refuse_mismatches(self.state_dict, stored, strict=not self.allow_partial_load)
         direct: list[ReadItem] = []
         self._direct_targets: dict[int, tuple[ReadItem, torch.Tensor]] = {}
         rest: dict[str, Any] = {}
@@ -188,8 +187,11 @@ class SafeLoadPlanner(DefaultLoadPlanner):
         whole = {k.fqn: k for k in self.metadata.storage_data if k.offset is not None and not any(k.offset)}
         for fqn, obj in self.state_dict.items():
             md = stored.get(fqn)
-            if (type(obj) is torch.Tensor and isinstance(md, TensorStorageMetadata) and len(md.chunks) == 1
-                    and md.chunks[0].sizes == md.size == obj.size() and not any(md.chunks[0].offsets)):
+            # A plain tensor stored whole with its shape, in its dtype or one it widens to (nothing for
+            # refuse_mismatches to find): its read item directly. Anything else is checked below.
+            if (type(obj) is torch.Tensor and type(md) is TensorStorageMetadata and len(md.chunks) == 1
+                    and md.chunks[0].sizes == md.size == obj.size() and not any(md.chunks[0].offsets)
+                    and (md.properties.dtype == obj.dtype or widens(md.properties.dtype, obj.dtype))):
                 zero = md.chunks[0].offsets
                 index = whole.get(fqn) or MetadataIndex(fqn, zero)
                 item = ReadItem(type=LoadItemType.TENSOR, dest_index=index, dest_offsets=zero,
@@ -198,6 +200,7 @@ class SafeLoadPlanner(DefaultLoadPlanner):
                 self._direct_targets[id(item)] = (item, obj)  # the whole tensor: what DCP would narrow to
             else:
                 rest[fqn] = obj
+        refuse_mismatches(rest, stored, strict=not self.allow_partial_load)
         try:
             general = create_default_local_load_plan(rest, self.metadata, not self.allow_partial_load)
         except (ValueError, RuntimeError, KeyError, TypeError) as e:
@@ -233,12 +236,15 @@ def _plain_values(state_dict: Mapping[str, Any]) -> bool:
     pending: list[Any] = [state_dict]
     while pending:
         value = pending.pop()
-        if isinstance(value, Mapping):
+        kind = type(value)
+        if kind is torch.Tensor or kind is torch.nn.Parameter:  # most values: tested first, without the ABCs
+            if value.is_meta:
+                return False
+        elif kind is dict or isinstance(value, Mapping):
             pending.extend(value.values())
         elif isinstance(value, list | tuple):
             pending.extend(value)
-        elif isinstance(value, torch.Tensor) and (
-                (type(value) is not torch.Tensor and type(value) is not torch.nn.Parameter) or value.is_meta):
+        elif isinstance(value, torch.Tensor):  # a subclass (DTensor, ShardedTensor...)
             return False
     return True
 

@@ -151,7 +151,7 @@ class ReadJob:
         if s.shape is None:
             raise CheckpointError(f"{s.fqn}: a tensor is expected where the checkpoint stores an object")
         for req, target in zip(self.reqs, self.targets, strict=True):
-            if tuple(target.shape) != tuple(req.lengths):
+            if target.shape != tuple(req.lengths):  # (torch.Size is a tuple)
                 raise CheckpointError(f"{s.fqn}: stored piece {list(req.lengths)} does not fit destination "
                                       f"{list(target.shape)}")
 
@@ -224,10 +224,11 @@ class ReadJob:
         first: this runs for every item of every load)."""
         if len(self.targets) != 1 or self.stored.shape is None:
             return None
-        t, req = self.targets[0], self.reqs[0]
-        if (not t.is_contiguous() or t.is_cpu is False or tuple(t.shape) != self.stored.shape
-                or tuple(req.lengths) != self.stored.shape or any(req.storage_offsets) or not t.numel()
-                or dtype_name(t.dtype) != self.stored.dtype or t.is_conj() or t.is_neg()):
+        t, req, shape = self.targets[0], self.reqs[0], self.stored.shape
+        # (torch.Size is a tuple: compared with the stored shape as it is)
+        if (t.shape != shape or tuple(req.lengths) != shape or not t.is_contiguous() or not t.is_cpu
+                or any(req.storage_offsets) or not t.numel() or dtype_name(t.dtype) != self.stored.dtype
+                or t.is_conj() or t.is_neg()):
             return None
         if t.dtype in _NUMPY_DTYPES:
             view = memoryview(t.numpy()).cast("B")  # type: ignore[arg-type]  # ndarray is a buffer

@@ -178,7 +178,9 @@ def encode_value(value: Any, path: tuple[Any, ...] = (), *, plain_torch_load: bo
         changed = type(value) not in (dict, OrderedDict)
         for k, v in value.items():
             ek = encode_key(k, path)
-            ev = encode_value(v, (*path, k), plain_torch_load=plain_torch_load)
+            kind = type(v)  # a tensor (most values of a state) kept without a call
+            ev = v if kind is torch.Tensor or kind is torch.nn.Parameter else encode_value(
+                v, (*path, k), plain_torch_load=plain_torch_load)
             changed = changed or ek is not k or ev is not v
             out[ek] = ev
         return out if changed else value

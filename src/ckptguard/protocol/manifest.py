@@ -14,6 +14,7 @@ import platform
 import re
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
+from itertools import chain
 from typing import Annotated, Any
 
 import msgspec
@@ -336,7 +337,7 @@ def _parse(data: bytes, path: str) -> Manifest:
     _expect(isinstance(versions, dict), "versions must be an object")
     commit_seq = None if body.commit_seq is None else _int(body.commit_seq, "commit_seq", 1)
     dcp: dict[str, Any] = msgspec.to_builtins(t.dcp)
-    _check_dcp_agrees(dcp, items)
+    _check_dcp_agrees(dcp, t.dcp.state_dict, items)
     return Manifest(
         step=_int(body.step, "step"),
         version=_int(body.version, "version", 1),
@@ -423,43 +424,32 @@ def _check_items(items: list[StoredItem], files: list[FileEntry]) -> None:
             _expect(dtype is None, "item dtype without shape")
 
 
-def _check_dcp_agrees(dcp: dict[str, Any], table: ItemTable) -> None:
+def _check_dcp_agrees(dcp: dict[str, Any], entries: dict[str, DcpEntry], table: ItemTable) -> None:
     """``_check_dcp_agrees_with_items`` on whole columns; a manifest that fails is walked row by row."""
-    entries = dcp.get("state_dict")
-    if not isinstance(entries, dict) or not len(table):
+    if not len(table):
         return
     if not _entries_agree(entries, table):
         _check_dcp_agrees_with_items(dcp, table.rows())
 
 
-def _entries_agree(entries: dict[str, Any], table: ItemTable) -> bool:
+def _entries_agree(entries: dict[str, DcpEntry], table: ItemTable) -> bool:
     """Every tensor row whose name has an entry: a tensor entry of its dtype, with a size of its number
-    of dimensions that the row lies inside (a negative size is refused by metadata_from_json). One
-    pass over the names in Python, then the rows on flat columns: one element per row and dimension."""
+    of dimensions that the row lies inside (a negative size is refused by metadata_from_json). The
+    entries as the schema decoded them (their fields' types checked in C); per name only list
+    comprehensions (each name of a checkpoint of many small tensors costs here), then the rows on flat
+    columns: one element per row and dimension."""
     dtype_at = {d: i for i, d in enumerate(table.dtypes) if d is not None}
-    named: list[bool] = []
-    entry_dtype: list[int] = []  # index in table.dtypes of a well-formed tensor entry's dtype, else -1
-    size_ndim: list[int] = []  # its number of dimensions, else 0
-    dims: list[int] = []  # the sizes of the well-formed entries, one after another
-    for nm in table.names:
-        e = entries.get(nm)
-        if not isinstance(e, dict):
-            named.append(False)
-            entry_dtype.append(-1)
-            size_ndim.append(0)
-            continue
-        named.append(True)
-        size, dtype = e.get("size"), e.get("dtype")
-        if (e.get("type") == "tensor" and type(dtype) is str and type(size) is list and len(size) <= MAX_NDIM
-                and all(type(d) is int for d in size)):
-            entry_dtype.append(dtype_at.get(dtype, -1))
-            size_ndim.append(len(size))
-            dims.extend(size)
-        else:
-            entry_dtype.append(-1)
-            size_ndim.append(0)
+    got = list(map(entries.get, table.names))
+    named = np.fromiter((e is not None for e in got), bool, len(got))
+    shapes = [(e.dtype, e.size) if e is not None and e.type == "tensor" and e.dtype is not None
+              and e.size is not None and len(e.size) <= MAX_NDIM else None for e in got]
+    # Per name: the index in table.dtypes of a well-formed tensor entry's dtype (else -1), its number of
+    # dimensions (else 0), and the sizes of the well-formed entries one after another.
+    entry_dtype = [-1 if t is None else dtype_at.get(t[0], -1) for t in shapes]
+    size_ndim = [0 if t is None else len(t[1]) for t in shapes]
+    dims = list(chain.from_iterable(t[1] for t in shapes if t is not None))
     rows = np.flatnonzero(table.shape_ndim >= 0)
-    rows = rows[np.array(named, dtype=bool)[table.name[rows]]]
+    rows = rows[named[table.name[rows]]]
     if not len(rows):
         return True
     names = table.name[rows]
