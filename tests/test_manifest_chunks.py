@@ -69,8 +69,9 @@ def _local_plans(world: int, domain_of_rank: list[int], key: str, mixed: bool
     return plans, coordinator
 
 
-def _writes(global_plan: list[SavePlan], seed: int) -> list[RankWrites]:
-    """What each rank stores for its final plan (the writer's rows, in an order of its own)."""
+def _writes(global_plan: list[SavePlan], seed: int, shuffle: bool = True) -> list[RankWrites]:
+    """What each rank stores for its final plan (the writer's rows, in an order of its own unless not
+    ``shuffle``)."""
     rng = random.Random(seed)
     writes = []
     for r, plan in enumerate(global_plan):
@@ -85,7 +86,8 @@ def _writes(global_plan: list[SavePlan], seed: int) -> list[RankWrites]:
             owner = torch.empty(tuple(item.tensor_data.chunk.sizes))
             rows.append(_stored(item, owner, rel, offset, owner.nbytes, f"{rng.getrandbits(64):016x}"))
             offset += owner.nbytes
-        rng.shuffle(rows)
+        if shuffle:
+            rng.shuffle(rows)
         writes.append(RankWrites([FileEntry(rel, offset, r)], [], ItemTable.from_items(rows, [rel])))
     return writes
 
@@ -118,6 +120,31 @@ def test_chunk_lists_from_the_tables_are_dcps_byte_for_byte(domains: int, mixed:
     want = {"flat"} | ({"grid", "zero_rows"} if mixed else set()) | ({"hsdp"} if domains == 1 else set())
     assert from_tables == want, from_tables
     assert len(md.state_dict_metadata["hsdp"].chunks) == WORLD // 2  # de-duplicated by DCP
+
+
+def test_chunk_lists_of_ranks_holding_the_same_names_in_the_same_order_are_dcps_byte_for_byte() -> None:
+    """A sharded model (every rank one chunk of each tensor, its rows in one order) takes the tables'
+    grid path, without a sort: the manifest is still the bytes the walk of DCP's chunks gives."""
+    key = "test-chunks-grid"
+    try:
+        coordinator = DomainSavePlanner([0] * WORLD, cache_key=key)
+        coordinator.set_up_planner({}, is_coordinator=True)
+        plans = [SavePlan([_shard("b", (r * 3,), (3,), (WORLD * 3,)),
+                           _shard("grid", (r // 8 * 4, r % 8 * 300), (4, 300), (WORLD // 8 * 4, 2400)),
+                           _shard("a", (r * 10,), (10,), (WORLD * 10,))], planner_data={}) for r in range(WORLD)]
+        global_plan, md = coordinator.create_global_plan(plans)
+    finally:
+        forget_cached_plans(key)
+    writes = _writes(global_plan, 0, shuffle=False)
+    joined = ItemTable.join([w.items for w in writes])
+    assert joined._rank_grid([3] * WORLD) is not None  # the grid path is the one tested
+    topo = Topology(0, WORLD, (tuple(range(WORLD)),), tuple(f"h{r}" for r in range(WORLD)))
+    fast = build_manifests(topo, CheckpointName(1), "ab" * 16, "xxh3-64", writes, {}, md)[0]
+    walked = build_manifests(topo, CheckpointName(1), "ab" * 16, "xxh3-64", writes, {}, metadata_to_json(md))[0]
+    fast.created_at = walked.created_at = 0.0
+    assert fast.to_json() == walked.to_json()
+    assert {k for k, v in fast.dcp["state_dict"].items() if isinstance(v.get("chunks"), msgspec.Raw)} == {
+        "a", "b", "grid"}
 
 
 def test_msgpack_uints_is_msgspecs_encoding() -> None:

@@ -149,6 +149,20 @@ class ItemTable(Sequence[StoredItem]):
         n = len(self)
         if n == 0 or sum(rows_per_rank) != n:
             return {}
+        grid = self._rank_grid(rows_per_rank)
+        if grid is not None:
+            if len(rows_per_rank) < max(min_rows, 1):
+                return {}
+            # Every rank holds one row of each of the same names, in the same order (a sharded model):
+            # rank by rank, its rows' offsets (and shapes) have the same layout, and a name's chunks are
+            # columns of those, no sort needed.
+            names, dims = grid
+            width = sum(dims)
+            offsets, shape = self.offsets.reshape(-1, width), self.shape.reshape(-1, width)
+            at = np.cumsum(dims).tolist()
+            columns = {name: (a - d, a) for name, d, a in zip(names, dims, at, strict=True)}
+            return {self.names[name]: (len(rows_per_rank), a - s, msgspec.Raw(msgpack_uints(
+                np.concatenate([offsets[:, s:a], shape[:, s:a]], axis=1)))) for name, (s, a) in sorted(columns.items())}
         counts = np.bincount(self.name, minlength=len(self.names))
         wanted = np.flatnonzero(counts >= max(min_rows, 1))
         if not len(wanted):
@@ -184,6 +198,20 @@ class ItemTable(Sequence[StoredItem]):
                                      self.shape[shape_start[rows][:, None] + cols]], axis=1)
             out[self.names[k]] = (len(rows), d, msgspec.Raw(msgpack_uints(chunks)))
         return out
+
+    def _rank_grid(self, rows_per_rank: Sequence[int]) -> tuple[list[int], list[int]] | None:
+        """(name indices, dimensions) of the first rank's rows where every rank holds rows of exactly
+        those distinct names in that order, each a tensor chunk with offsets and shape of those
+        dimensions (at least one); else None."""
+        k = rows_per_rank[0]
+        if not k or not (np.asarray(rows_per_rank, dtype=_I64) == k).all():
+            return None
+        first, dims = self.name[:k], self.offsets_ndim[:k]
+        if (dims < 1).any() or len(np.unique(first)) != k or not (self.name.reshape(-1, k) == first).all():
+            return None
+        if not ((self.offsets_ndim.reshape(-1, k) == dims).all() and (self.shape_ndim == self.offsets_ndim).all()):
+            return None
+        return first.tolist(), dims.tolist()
 
     # -- rows ----------------------------------------------------------------------------------
     def __len__(self) -> int:
