@@ -78,3 +78,43 @@ def test_a_refused_load_leaves_an_optimizer_that_never_stepped_without_state(tmp
                 ck.load({"model": fresh, "optim": new, "not saved": torch.zeros(1)}, step=1)
             assert new.state_dict()["state"] == {}
             assert all(p.grad is None for p in fresh.parameters())
+
+
+@pytest.mark.parametrize("memory", [None, 64 << 20])
+def test_a_template_tensor_whose_elements_share_memory_is_refused_before_anything_changes(
+        tmp_path: Path, memory: int | None) -> None:
+    """An expand()ed tensor (stride 0) cannot hold distinct values: refused when the load is planned.
+    Before, the copy into it failed with torch's RuntimeError after the other keys (and the objects)
+    had been written: a torn template."""
+    with Checkpointer(tmp_path / "ck", load_memory_bytes=memory) as ck:
+        ck.save(1, {"a": torch.arange(6.0).reshape(2, 3), "m": torch.arange(4.0), "o": {"x": 1}})
+        template = {"a": torch.full((3,), -1.0).expand(2, 3), "m": torch.full((4,), -2.0), "o": {"x": -9}}
+        with pytest.raises(TemplateMismatchError, match=r"a: the template's tensor has elements that share memory"):
+            ck.load(template)
+        assert template["o"] == {"x": -9} and torch.equal(template["m"], torch.full((4,), -2.0))
+        assert torch.equal(template["a"], torch.full((2, 3), -1.0))
+
+
+@pytest.mark.parametrize("memory", [None, 64 << 20])
+def test_tied_template_tensors_are_refused_where_the_checkpoint_holds_two_values(
+        tmp_path: Path, memory: int | None) -> None:
+    """Saved untied, loaded into a model that ties them: one tensor cannot take both values (before,
+    the load succeeded and one key did not hold its saved bytes). Saved tied, they load tied."""
+    with Checkpointer(tmp_path / "ck", load_memory_bytes=memory) as ck:
+        ck.save(1, {"emb": torch.arange(4.0), "head": torch.arange(4.0) + 10})
+        shared = torch.zeros(4)
+        with pytest.raises(TemplateMismatchError, match=r"emb and head are one tensor in the template"):
+            ck.load({"emb": shared, "head": shared})
+        assert torch.equal(shared, torch.zeros(4))
+        tied = torch.arange(4.0) + 5
+        ck.save(2, {"emb": tied, "head": tied})
+        assert ck.load({"emb": shared, "head": shared}) == 2 and torch.equal(shared, tied)
+
+
+def test_a_meta_template_without_a_process_group_is_a_template_mismatch(tmp_path: Path) -> None:
+    """DCP cannot initialise a meta tensor without a process group: its ValueError becomes a refusal
+    that says what to do."""
+    with Checkpointer(tmp_path / "ck") as ck:
+        ck.save(1, {"w": torch.arange(4.0)})
+        with pytest.raises(TemplateMismatchError, match=r"to_empty"):
+            ck.load({"w": torch.empty(4, device="meta")})

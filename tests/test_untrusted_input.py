@@ -399,8 +399,9 @@ def _reseal_dcp(root: Path, change: object) -> None:
     (lambda d: d["planner_data"].update({"w": ["w", 10**9]}), "bad planner path"),
     (lambda d: d["planner_data"].update({"w": ["w", -1]}), "bad planner path"),
     (lambda d: d["planner_data"].update({"w": []}), "bad planner path"),
-    (lambda d: d["state_dict"]["w"].update({"size": [1 << 40]}), "bytes stored for it"),
-    (lambda d: d["state_dict"]["w"].update({"size": [-4]}), "integers >= 0"),
+    # (refused since the manifest's parse compares DCP's chunks with the items: every command refuses it)
+    (lambda d: d["state_dict"]["w"].update({"size": [1 << 40]}), "do not add up to its size"),
+    (lambda d: d["state_dict"]["w"].update({"size": [-4]}), "lies outside its size"),
 ])
 def test_read_and_export_of_a_hostile_manifest_are_corrupt_not_a_crash(root: Path, tmp_path: Path, change: object,
                                                                          says: str) -> None:
@@ -420,6 +421,16 @@ def test_read_and_export_of_a_hostile_manifest_are_corrupt_not_a_crash(root: Pat
     (lambda d: d["state_dict"]["w"].update({"size": [2, 4], "chunks": [0, 0, 2, 4]}), "disagree on the number of dim"),
     (lambda d: d["state_dict"]["w"].update({"size": [4], "chunks": [0, 4]}), "disagree on the size"),
     (lambda d: d["state_dict"].update({"w": {"type": "bytes"}}), "tensor row for an object entry"),
+    # DCP's chunk list, which a load plans its reads from, against the items (before: a load read nothing
+    # or half of "w" and succeeded, read() gave back uninitialised memory, verify said intact)
+    (lambda d: d["state_dict"]["w"].update({"chunks": []}), "do not add up to its size"),
+    (lambda d: d["state_dict"]["w"].update({"chunks": [0, 4]}), "do not add up to its size"),
+    (lambda d: d["state_dict"]["w"].update({"chunks": [4, 4]}), "do not add up to its size"),
+    (lambda d: d["state_dict"]["w"].update({"chunks": [1 << 62, 8]}), "lies outside its size"),
+    (lambda d: d["state_dict"]["w"].update({"chunks": [0, 4, 4, 4]}), "lists 2 chunk"),
+    (lambda d: d["state_dict"]["w"].update({"chunks": [0, 6, 2, 6]}), "do not add up to its size"),
+    (lambda d: d["state_dict"]["w"].update({"chunks": [0, 4, 2, 4]}), "lists 2 chunk"),  # overlap and gap
+    (lambda d: d["state_dict"].update({"v": d["state_dict"].pop("w")}), "lists one chunk, the items store 0"),
 ])
 def test_a_manifest_whose_dcp_metadata_disagrees_with_its_items_is_corrupt_everywhere(
         root: Path, change: object, says: str) -> None:
@@ -435,6 +446,31 @@ def test_a_manifest_whose_dcp_metadata_disagrees_with_its_items_is_corrupt_every
         with pytest.raises(CorruptCheckpointError, match=says), pytest.warns(UserWarning):
             ck.load(state)
         assert torch.equal(state["w"], torch.zeros(8))
+
+
+def test_an_empty_tensor_whose_other_dimensions_overflow_is_corrupt_not_a_crash(tmp_path: Path) -> None:
+    """0 elements, so every byte count holds, but torch cannot compute the strides of [0, 2**62, 2**62]
+    (before: read() raised torch's RuntimeError, verify said intact)."""
+    import dataclasses
+
+    from ckptguard.protocol.itemtable import ItemTable
+    from ckptguard.protocol.manifest import Manifest
+
+    root = tmp_path / "ck"
+    with Checkpointer(root) as ck:
+        ck.save(1, {"e": torch.zeros(0, 4), "w": torch.arange(4.0)})
+    path = root / "step-00000001" / "MANIFEST.json"
+    m = Manifest.from_json(path.read_bytes(), str(path))
+    huge = [0, 1 << 62, 1 << 62]
+    dcp = json.loads(json.dumps(m.dcp))
+    dcp["state_dict"]["e"].update({"size": huge, "chunks": [0, 0, 0, *huge]})
+    rows = [i._replace(shape=tuple(huge), offsets=(0, 0, 0)) if i.fqn == "e" else i for i in m.items]
+    path.write_bytes(dataclasses.replace(m, dcp=dcp, items=ItemTable.from_items(rows, [f.path for f in m.files])
+                                         ).to_json())
+    code, out = cli("verify", str(root))
+    assert code == 1 and "more elements than a tensor can address" in out
+    with Checkpointer(root, read_only=True) as ck, pytest.raises(CorruptCheckpointError, match="can address"):
+        ck.read(1)
 
 
 # -- the object store's control records ----------------------------------------------------------

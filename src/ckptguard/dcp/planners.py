@@ -168,7 +168,12 @@ class SafeLoadPlanner(DefaultLoadPlanner):
         its two walks that change nothing for one (meta initialisation, ShardedTensor flattening):
         each rebuilt a dict per value, a third of the planning of a state of many small tensors."""
         if not _plain_values(state_dict):
-            super().set_up_planner(state_dict, metadata, is_coordinator)
+            try:
+                super().set_up_planner(state_dict, metadata, is_coordinator)
+            except (ValueError, RuntimeError) as e:  # e.g. a meta tensor DCP cannot initialise here
+                raise TemplateMismatchError(
+                    f"the state given to load cannot be loaded into: {e}. Give tensors with memory (a model "
+                    "on the meta device: model.to_empty(device=...) first); nothing was read or changed") from None
             return
         self.original_state_dict = state_dict
         if self.flatten_state_dict:

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import math
 import os
 import resource
 import threading
@@ -38,6 +39,7 @@ from collections import defaultdict
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import numpy as np
 import torch
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
@@ -59,7 +61,7 @@ from ckptguard.dcp.readjob import (
     no_in_place_for_aliases,
 )
 from ckptguard.dcp.records import StoredItem
-from ckptguard.errors import CheckpointError, TornLoadError
+from ckptguard.errors import CheckpointError, CorruptCheckpointError, TornLoadError
 from ckptguard.storage import ReadHandle, StorageBackend
 
 _MAX_IOV = 512  # items per vectored read
@@ -120,8 +122,10 @@ class GuardedReader(StorageReader):
 
     def __init__(self, storage: StorageBackend, checkpoint_dir: str, metadata: Metadata | None, algorithm: str,
                  rank: int, io_threads: int = 4, on_bytes: Callable[[int], None] | None = None,
-                 memory_bytes: int | None = None, local_ranks: int = 1, backup: bool = True) -> None:
+                 memory_bytes: int | None = None, local_ranks: int = 1, backup: bool = True,
+                 domain_count: int = 1) -> None:
         super().__init__()
+        self.domain_count = domain_count  # > 1: the manifest holds one storage domain's items of several
         self.storage = storage
         self.on_bytes = on_bytes
         self.checkpoint_dir = checkpoint_dir
@@ -185,6 +189,11 @@ class GuardedReader(StorageReader):
         by_item: dict[int, tuple[StoredItem, list[ReadItem]]] = {}
         for req in plan.items:
             stored = self.storage_data.get(req.storage_index)
+            if stored is None and self.domain_count == 1:  # the manifest holds every item: it contradicts itself
+                raise CorruptCheckpointError(
+                    f"rank {self.rank}: the checkpoint's metadata in {self.checkpoint_dir} lists a chunk of "
+                    f"{req.storage_index.fqn} at offset {list(req.storage_index.offset or [])} that no stored "
+                    "item holds: the manifest is corrupt", path=self.checkpoint_dir)
             if stored is None:
                 raise CheckpointError(
                     f"rank {self.rank}: {req.storage_index.fqn} (offset {list(req.storage_index.offset or [])}) "
@@ -197,6 +206,7 @@ class GuardedReader(StorageReader):
                 by_item[id(stored)] = (stored, [req])
             else:
                 group[1].append(req)
+        self._check_coverage(plan, planner)
         # Resolve destinations on this thread (the planner is not ours to call concurrently); resolving
         # only returns views of the caller's tensors.
         jobs: list[ReadJob] = []
@@ -231,6 +241,35 @@ class GuardedReader(StorageReader):
         self._arena = Arena(arena_bytes)
         self._jobs = jobs
         return jobs
+
+    def _check_coverage(self, plan: LoadPlan, planner: LoadPlanner) -> None:
+        """Every element of every destination tensor the checkpoint holds a value for is read exactly
+        once. DCP plans a destination's reads from the chunks the metadata lists and reads nothing
+        where they leave a gap: a manifest whose chunk list disagrees with what it stores (corrupt, or
+        re-sealed by hand) would load part of a tensor, or give back uninitialised memory, and succeed.
+        A whole tensor read by the planner's direct path is covered by construction."""
+        direct: dict[int, Any] = getattr(planner, "_direct_targets", {})
+        reads: dict[str, list[ReadItem]] = defaultdict(list)
+        for req in plan.items:
+            if req.type != LoadItemType.BYTE_IO and id(req) not in direct:
+                reads[req.dest_index.fqn].append(req)
+        whole = {item.dest_index.fqn for item, _ in direct.values()}
+        stored = self.metadata.state_dict_metadata if self.metadata is not None else {}
+        state: dict[str, Any] = getattr(planner, "state_dict", {})
+        for fqn, value in state.items():
+            if fqn in whole or fqn not in stored or not isinstance(value, torch.Tensor):
+                continue
+            local = _local_tensor(value)
+            if local is None:
+                continue
+            got = reads.get(fqn, [])
+            covered = sum(math.prod(r.lengths) for r in got)
+            if covered != local.numel() or (len(got) > 1 and _boxes_overlap(got)):
+                raise CorruptCheckpointError(
+                    f"rank {self.rank}: the checkpoint's metadata in {self.checkpoint_dir} does not cover "
+                    f"{fqn} exactly once ({covered} of its {local.numel()} elements on this rank, from "
+                    f"{len(got)} chunk(s)): its chunk list disagrees with what it stores; the manifest is "
+                    "corrupt. Nothing was changed", path=self.checkpoint_dir)
 
     def _budget(self, jobs: list[ReadJob]) -> int:
         """The verified-bytes budget of this load: the one given, else (POSIX) 0 when the page cache
@@ -460,6 +499,37 @@ class GuardedReader(StorageReader):
             if self._arena is not None:
                 self._arena.close()
                 self._arena = None
+
+
+def _local_tensor(value: torch.Tensor) -> torch.Tensor | None:
+    """The part of a destination this rank holds: a plain tensor, a DTensor's local shard; None for
+    other kinds (DCP's own planning handles them)."""
+    if type(value) is torch.Tensor or type(value) is torch.nn.Parameter:
+        return value
+    to_local = getattr(value, "to_local", None)
+    if to_local is not None and type(value).__name__ == "DTensor":
+        local: torch.Tensor = to_local()
+        return local
+    return None
+
+
+def _boxes_overlap(reads: list[ReadItem]) -> bool:
+    """Whether two of these reads write one element of their destination (boxes of dest_offsets and
+    lengths; a read of no element overlaps nothing)."""
+    lo = np.array([list(r.dest_offsets) for r in reads], dtype=np.int64).reshape(len(reads), -1)
+    hi = lo + np.array([list(r.lengths) for r in reads], dtype=np.int64).reshape(len(reads), -1)
+    keep = (hi > lo).all(axis=1)
+    lo, hi = lo[keep], hi[keep]
+    if lo.shape[1] == 1:  # one dimension: sorted, each ends where or before the next starts
+        order = np.argsort(lo[:, 0], kind="stable")
+        return bool((lo[order[1:], 0] < hi[order[:-1], 0]).any())
+    for start in range(0, len(lo), 256):  # pairs, a block of rows at a time
+        a_lo, a_hi = lo[start:start + 256, None, :], hi[start:start + 256, None, :]
+        meet = (np.maximum(a_lo, lo[None]) < np.minimum(a_hi, hi[None])).all(axis=2)
+        meet[np.arange(len(a_lo)), np.arange(start, start + len(a_lo))] = False
+        if meet.any():
+            return True
+    return False
 
 
 def _detached(t: torch.Tensor) -> torch.Tensor:

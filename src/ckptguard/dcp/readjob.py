@@ -22,9 +22,10 @@ import torch
 from torch.distributed.checkpoint.planner import ReadItem
 
 from ckptguard.checksum import Hasher, checksum
+from ckptguard.dcp._torch_private import has_internal_overlap
 from ckptguard.dcp.codec import _NUMPY_DTYPES, dtype_from_name, dtype_name, narrow, tensor_bytes
 from ckptguard.dcp.records import StoredItem
-from ckptguard.errors import CheckpointError, CorruptCheckpointError
+from ckptguard.errors import CheckpointError, CorruptCheckpointError, TemplateMismatchError
 from ckptguard.storage import ReadHandle
 
 
@@ -47,10 +48,27 @@ def no_in_place_for_aliases(jobs: list[ReadJob]) -> None:
     last: ReadJob | None = None
     for lo, hi, job in spans:
         if lo < end and last is not None and last is not job:
+            _refuse_tied_conflict(last, job)
             job.direct = None
             last.direct = None
         if hi > end:
             end, last = hi, job
+
+
+def _refuse_tied_conflict(a: ReadJob, b: ReadJob) -> None:
+    """Two items whose destinations are one tensor of the template (tied weights) and whose stored
+    values differ (saved untied): the load cannot give both their values. Refused before any byte
+    is read (a destination partly shared with another's is not compared: overlapping views)."""
+    if len(a.targets) != 1 or len(b.targets) != 1 or a.stored.shape is None or b.stored.shape is None:
+        return
+    ta, tb = a.targets[0], b.targets[0]
+    if (ta.data_ptr() == tb.data_ptr() and ta.shape == tb.shape and ta.stride() == tb.stride()
+            and ta.dtype == tb.dtype and a.stored.dtype == b.stored.dtype and a.stored.length == b.stored.length
+            and a.stored.checksum != b.stored.checksum):
+        raise TemplateMismatchError(
+            f"{a.stored.fqn} and {b.stored.fqn} are one tensor in the template (tied weights), but the "
+            "checkpoint holds different values for them (they were saved untied): tie or untie them as they "
+            "were when saved; nothing was read or changed")
 
 
 def follows(prev: ReadJob, job: ReadJob) -> bool:
@@ -154,6 +172,22 @@ class ReadJob:
             if target.shape != tuple(req.lengths):  # (torch.Size is a tuple)
                 raise CheckpointError(f"{s.fqn}: stored piece {list(req.lengths)} does not fit destination "
                                       f"{list(target.shape)}")
+        if self.direct is not None:
+            return  # the whole stored chunk into one contiguous destination of its shape
+        for req, target in zip(self.reqs, self.targets, strict=True):
+            # The piece read lies inside the chunk stored (the metadata's chunk list and the stored
+            # item agree), so that nothing fails once the copies into place have begun.
+            if len(req.lengths) != len(s.shape) or any(
+                    o + n > d for o, n, d in zip(req.storage_offsets, req.lengths, s.shape, strict=True)):
+                raise CorruptCheckpointError(
+                    f"{s.fqn}: the checkpoint's metadata asks for a piece at {list(req.storage_offsets)[:8]} "
+                    f"of {list(req.lengths)[:8]} of a stored chunk of shape {list(s.shape)[:8]}: the manifest "
+                    "is corrupt")
+            if has_internal_overlap(target):
+                raise TemplateMismatchError(
+                    f"{s.fqn}: the template's tensor has elements that share memory (an expand()ed tensor, "
+                    "stride 0): it cannot hold the checkpoint's values. Pass a tensor with its own memory "
+                    "(.clone()); nothing was read or changed")
 
     def destination(self, arena: Arena) -> memoryview:
         """Where phase 1 reads this item: its destination (in place), an arena slot (staged tensor),

@@ -289,7 +289,7 @@ def _read_and_place(session: Session, agreed: AgreedManifest, targets: list[Arti
     topo = session.topo
     reader = GuardedReader(session.storage, data_dir, None, manifest.checksum_algorithm, comm.rank,
                            session.options.io_threads, memory_bytes=session.options.load_memory_bytes,
-                           local_ranks=topo.hosts.count(topo.hosts[topo.rank]))
+                           local_ranks=topo.hosts.count(topo.hosts[topo.rank]), domain_count=manifest.domain_count)
     swaps: list[artifacts.RestoreSwap] = []
 
     def prepare_and_read() -> None:

@@ -338,6 +338,7 @@ def _parse(data: bytes, path: str) -> Manifest:
     commit_seq = None if body.commit_seq is None else _int(body.commit_seq, "commit_seq", 1)
     dcp: dict[str, Any] = msgspec.to_builtins(t.dcp)
     _check_dcp_agrees(dcp, t.dcp.state_dict, items)
+    _check_chunks_agree(t.dcp.state_dict, items, whole=dom.get("count") == 1)
     return Manifest(
         step=_int(body.step, "step"),
         version=_int(body.version, "version", 1),
@@ -476,6 +477,87 @@ def _entries_agree(entries: dict[str, DcpEntry], table: ItemTable) -> bool:
     o = np.where(has_off, table.offsets[np.where(has_off, at, 0)] if len(table.offsets) else 0, 0)
     d = size_flat[(np.cumsum(nd) - nd)[names][row_of] + dim]
     return bool(np.all((d < 0) | ((k <= d) & (o <= d - k))))
+
+
+def _check_chunks_agree(entries: dict[str, DcpEntry], table: ItemTable, whole: bool) -> None:
+    """DCP's chunk list of every tensor is what the items store: a load plans its reads from the chunk
+    list, while ``verify``, ``read``'s files and ``export`` go by the items, so a manifest whose two
+    halves disagree (corrupt, or re-sealed by hand) must be refused by all of them. Each chunk lies
+    inside the tensor and the chunks' elements add up to the tensor's; where the manifest holds every
+    item (``whole``: one storage domain) the items' chunks are exactly the listed ones, else each item
+    is one of them. Whole tensors (one chunk, the common case) are checked on counts and element
+    counts per name; only a sharded tensor's chunks are compared row by row (numpy)."""
+    index = {nm: i for i, nm in enumerate(table.names)}
+    rows = np.flatnonzero(table.shape_ndim >= 0)
+    names = table.name[rows]
+    count = np.bincount(names, minlength=len(table.names)).tolist()
+    volume = np.zeros(len(table.names), dtype=np.int64)
+    np.add.at(volume, names, np.clip(_products(table, rows), 0, None))  # each < 2**62; -1 (huge) as 0
+    volumes = volume.tolist()
+    sharded: list[tuple[str, DcpEntry, int]] = []
+    for nm, e in entries.items():
+        size, flat = e.size, e.chunks
+        if e.type != "tensor" or size is None or flat is None or not size:
+            continue  # malformed entries are refused by metadata_from_json; 0-dim tensors have one chunk
+        if 0 in size:  # no bytes bound the other dimensions, and torch computes an empty tensor's strides
+            _expect(math.prod(d for d in size if d) < 1 << 62,
+                    f"dcp.state_dict[{nm[:100]!r}]: size {size[:8]} has more elements than a tensor can address")
+        k = index.get(nm, -1)
+        n = count[k] if k >= 0 else 0
+        ndim = len(size)
+        if len(flat) == 2 * ndim and flat[ndim:] == size and not any(flat[:ndim]):  # one chunk: the whole
+            _expect(n <= 1 and (n == 1 or not whole), f"dcp.state_dict[{nm[:100]!r}] lists one chunk, the "
+                                                      f"items store {n}")
+            _expect(not n or volumes[k] == math.prod(size), f"item {nm[:100]!r} is not the whole tensor "
+                                                            f"{size[:8]} its DCP entry lists")
+        else:
+            sharded.append((nm, e, k))
+    if sharded:
+        _check_sharded_chunks(sharded, table, rows, whole)
+
+
+def _check_sharded_chunks(sharded: list[tuple[str, DcpEntry, int]], table: ItemTable, rows: np.ndarray,
+                          whole: bool) -> None:
+    """``_check_chunks_agree`` for tensors of several chunks (or one that is not the whole tensor)."""
+    by_name = rows[np.argsort(table.name[rows], kind="stable")]
+    bounds = np.searchsorted(table.name[by_name], np.arange(len(table.names) + 1)).tolist()
+    off_counts, shape_counts = np.clip(table.offsets_ndim, 0, None), np.clip(table.shape_ndim, 0, None)
+    off_start, shape_start = np.cumsum(off_counts) - off_counts, np.cumsum(shape_counts) - shape_counts
+    for nm, e, k in sharded:
+        assert e.size is not None and e.chunks is not None
+        ndim, where = len(e.size), f"dcp.state_dict[{nm[:100]!r}]"
+        _expect(len(e.chunks) % (2 * ndim) == 0, f"{where}: its chunk list is not whole chunks")
+        try:
+            chunks = np.array(e.chunks, dtype=np.int64).reshape(-1, 2 * ndim)
+            size = np.array(e.size, dtype=np.int64)
+        except OverflowError:
+            raise CheckpointError(f"{where}: a chunk or size beyond 2**63") from None
+        offsets, sizes = chunks[:, :ndim], chunks[:, ndim:]
+        _expect(bool(np.all((sizes <= size) & (offsets <= size - sizes))), f"{where}: a chunk lies outside "
+                                                                           f"its size {e.size[:8]}")
+        in_range = float(np.prod(sizes.astype(np.float64), axis=1).sum()) < 2.0**62  # int64 sums then exact
+        _expect(in_range and int(np.prod(sizes, axis=1).sum()) == math.prod(e.size),
+                f"{where}: its chunks do not add up to its size {e.size[:8]}")
+        mine = by_name[bounds[k]:bounds[k + 1]] if k >= 0 else by_name[:0]
+        _expect(len(mine) <= len(chunks) and (len(mine) == len(chunks) or not whole),
+                f"{where} lists {len(chunks)} chunk(s), the items store {len(mine)}")
+        if not len(mine):
+            continue
+        cols = np.arange(ndim)
+        has_off = table.offsets_ndim[mine] >= 0
+        item_off = np.where(has_off[:, None], table.offsets[np.where(has_off[:, None], off_start[mine][:, None] + cols,
+                                                                      0)] if len(table.offsets) else 0, 0)
+        item_shape = table.shape[shape_start[mine][:, None] + cols]
+        stored = _as_rows(np.concatenate([item_off, item_shape], axis=1))
+        listed = _as_rows(chunks)
+        same = np.array_equal(np.sort(stored), np.sort(listed)) if whole else np.isin(stored, listed).all()
+        _expect(bool(same), f"{where}: the items store chunks its chunk list does not list")
+
+
+def _as_rows(a: np.ndarray) -> np.ndarray:
+    """Each row of a 2-D int64 array as one comparable value (bytes), for sorting and membership."""
+    a = np.ascontiguousarray(a, dtype=">i8")  # big-endian: byte order sorts as the numbers (all >= 0)
+    return a.view(np.dtype((np.bytes_, a.shape[1] * 8))).ravel()
 
 
 def _check_dcp_agrees_with_items(dcp: dict[str, Any], items: Sequence[StoredItem]) -> None:

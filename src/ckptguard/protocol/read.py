@@ -70,7 +70,8 @@ def read_stored(session: Session, name: CheckpointName, manifest: Manifest, rank
             flat[fqn] = None
     reader = GuardedReader(session.storage, session.root.data_dir(name, manifest), metadata,
                            manifest.checksum_algorithm, rank, session.options.io_threads,
-                           memory_bytes=session.options.load_memory_bytes, backup=False)
+                           memory_bytes=session.options.load_memory_bytes, backup=False,
+                           domain_count=manifest.domain_count)
     planner = SafeLoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False)
     try:
         read_locally(flat, reader, planner, is_coordinator=is_coordinator)  # read and verify
