@@ -24,7 +24,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from ckptguard.dcp.records import ITEMSIZES, StoredItem
+from ckptguard.dcp.records import ITEMSIZES, StoredItem, addressable, whole_chunk
 from ckptguard.errors import CheckpointError, CorruptCheckpointError
 
 _DTYPES: dict[str, torch.dtype] = {
@@ -164,9 +164,8 @@ def metadata_from_json(obj: dict[str, Any], items: Sequence[StoredItem], path: s
                 ndim = len(size)
                 flat = e["chunks"]
                 step = 2 * ndim
-                if (ndim and type(flat) is list and len(flat) == step and flat[ndim:] == size
-                        and not any(flat[:ndim]) and ndim <= 64 and min(size) >= 0
-                        and (0 not in size or _addressable(size))):
+                if (whole_chunk(size, flat) and ndim <= 64 and min(size) >= 0
+                        and (0 not in size or addressable(size))):
                     # One chunk, the whole tensor (most tensors of most checkpoints): one Size for both,
                     # and _check_size's checks that remain for it (the manifest's schema typed the numbers).
                     itemsize = ITEMSIZES.get(key[0])
@@ -242,7 +241,7 @@ def _check_size(fqn: str, size: Any, flat: Any, dtype: str, stored: Mapping[str,
         raise ValueError(f"{fqn[:100]}: size {str(size)[:100]} is not a list of integers >= 0")
     if not (type(flat) is list and all(type(d) is int and d >= 0 for d in flat)):
         raise ValueError(f"{fqn[:100]}: chunk offsets and sizes must be integers >= 0")
-    if not _addressable(size):  # (an empty tensor's other dimensions too: torch computes its strides)
+    if not addressable(size):  # (an empty tensor's other dimensions too: torch computes its strides)
         raise ValueError(f"{fqn[:100]}: size {size[:8]} has more elements than a tensor can address")
     itemsize = ITEMSIZES.get(dtype)
     if itemsize is None:
@@ -263,14 +262,6 @@ def _check_size(fqn: str, size: Any, flat: Any, dtype: str, stored: Mapping[str,
         covered += math.prod(sizes)
     if math.prod(size) > covered:
         raise ValueError(f"{fqn[:100]}: size {size[:8]} is more than its chunks cover ({covered} elements)")
-
-
-#: No tensor of a checkpoint has this many elements (torch's strides are int64).
-_MAX_ELEMENTS = 1 << 62
-
-
-def _addressable(size: list[int]) -> bool:
-    return math.prod(d for d in size if d) < _MAX_ELEMENTS
 
 
 def check_depth(value: Any, what: str, path: str | None = None) -> None:

@@ -45,6 +45,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.storage import StorageReader
+from torch.distributed.tensor import DTensor
 
 from ckptguard._faults import FaultPhase, fault_point
 from ckptguard._pool import ExitSafePool
@@ -506,9 +507,8 @@ def _local_tensor(value: torch.Tensor) -> torch.Tensor | None:
     other kinds (DCP's own planning handles them)."""
     if type(value) is torch.Tensor or type(value) is torch.nn.Parameter:
         return value
-    to_local = getattr(value, "to_local", None)
-    if to_local is not None and type(value).__name__ == "DTensor":
-        local: torch.Tensor = to_local()
+    if isinstance(value, DTensor):
+        local: torch.Tensor = value.to_local()
         return local
     return None
 

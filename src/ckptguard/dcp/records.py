@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import NamedTuple
+import math
+from typing import Any, NamedTuple
 
 
 class StoredItem(NamedTuple):
@@ -48,3 +49,21 @@ ITEMSIZES: dict[str, int] = {
     "float4_e2m1fn_x2": 1,
     **{f"uint{n}": 1 for n in range(1, 8)}, **{f"int{n}": 1 for n in range(1, 8)},
 }
+
+
+#: No tensor of a checkpoint has this many elements (torch's strides are int64).
+_MAX_ELEMENTS = 1 << 62
+
+
+def addressable(size: list[int]) -> bool:
+    """Whether torch can make a tensor of ``size`` (an empty one's other dimensions count too: torch
+    computes its strides)."""
+    return math.prod(d for d in size if d) < _MAX_ELEMENTS
+
+
+def whole_chunk(size: list[int], flat: Any) -> bool:
+    """Whether a flat chunk list (``metadata_to_json``) is one chunk that is the whole tensor of ``size``
+    (at least one dimension): most tensors of most checkpoints."""
+    ndim = len(size)
+    return bool(ndim) and type(flat) is list and len(flat) == 2 * ndim and flat[ndim:] == size and not any(
+        flat[:ndim])

@@ -22,7 +22,7 @@ import numpy as np
 
 from ckptguard._version import __version__
 from ckptguard.checksum import ALGORITHMS, Hasher
-from ckptguard.dcp.records import ITEMSIZES, FileEntry, StoredItem
+from ckptguard.dcp.records import ITEMSIZES, FileEntry, StoredItem, addressable, whole_chunk
 from ckptguard.errors import CheckpointError, CorruptCheckpointError, MalformedRecordError
 from ckptguard.protocol import records
 from ckptguard.protocol.itemtable import MAX_FILE_BYTES, MAX_NDIM, EncodedItems, ItemTable, TableError
@@ -500,12 +500,11 @@ def _check_chunks_agree(entries: dict[str, DcpEntry], table: ItemTable, whole: b
         if e.type != "tensor" or size is None or flat is None or not size:
             continue  # malformed entries are refused by metadata_from_json; 0-dim tensors have one chunk
         if 0 in size:  # no bytes bound the other dimensions, and torch computes an empty tensor's strides
-            _expect(math.prod(d for d in size if d) < 1 << 62,
+            _expect(addressable(size),
                     f"dcp.state_dict[{nm[:100]!r}]: size {size[:8]} has more elements than a tensor can address")
         k = index.get(nm, -1)
         n = count[k] if k >= 0 else 0
-        ndim = len(size)
-        if len(flat) == 2 * ndim and flat[ndim:] == size and not any(flat[:ndim]):  # one chunk: the whole
+        if whole_chunk(size, flat):
             _expect(n <= 1 and (n == 1 or not whole), f"dcp.state_dict[{nm[:100]!r}] lists one chunk, the "
                                                       f"items store {n}")
             _expect(not n or volumes[k] == math.prod(size), f"item {nm[:100]!r} is not the whole tensor "
