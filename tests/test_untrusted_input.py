@@ -401,7 +401,7 @@ def _reseal_dcp(root: Path, change: object) -> None:
     (lambda d: d["planner_data"].update({"w": []}), "bad planner path"),
     # (refused since the manifest's parse compares DCP's chunks with the items: every command refuses it)
     (lambda d: d["state_dict"]["w"].update({"size": [1 << 40]}), "do not add up to its size"),
-    (lambda d: d["state_dict"]["w"].update({"size": [-4]}), "lies outside its size"),
+    (lambda d: d["state_dict"]["w"].update({"size": [-4]}), "integers >= 0"),
 ])
 def test_read_and_export_of_a_hostile_manifest_are_corrupt_not_a_crash(root: Path, tmp_path: Path, change: object,
                                                                          says: str) -> None:
@@ -470,6 +470,26 @@ def test_an_empty_tensor_whose_other_dimensions_overflow_is_corrupt_not_a_crash(
     code, out = cli("verify", str(root))
     assert code == 1 and "more elements than a tensor can address" in out
     with Checkpointer(root, read_only=True) as ck, pytest.raises(CorruptCheckpointError, match="can address"):
+        ck.read(1)
+
+
+def test_a_size_of_two_negative_dimensions_is_corrupt_for_verify_too(tmp_path: Path) -> None:
+    """[-2, -3] multiplies to the items' 6 elements: a load refused it, verify said intact."""
+    import dataclasses
+
+    from ckptguard.protocol.manifest import Manifest
+
+    root = tmp_path / "ck"
+    with Checkpointer(root) as ck:
+        ck.save(1, {"w": torch.arange(6.0).reshape(2, 3)})
+    path = root / "step-00000001" / "MANIFEST.json"
+    m = Manifest.from_json(path.read_bytes(), str(path))
+    dcp = json.loads(json.dumps(m.dcp))
+    dcp["state_dict"]["w"].update({"size": [-2, -3], "chunks": [0, 0, -2, -3]})
+    path.write_bytes(dataclasses.replace(m, dcp=dcp).to_json())
+    code, out = cli("verify", str(root))
+    assert code == 1 and "integers >= 0" in out
+    with Checkpointer(root, read_only=True) as ck, pytest.raises(CorruptCheckpointError, match="integers >= 0"):
         ck.read(1)
 
 

@@ -499,6 +499,8 @@ def _check_chunks_agree(entries: dict[str, DcpEntry], table: ItemTable, whole: b
         size, flat = e.size, e.chunks
         if e.type != "tensor" or size is None or flat is None or not size:
             continue  # malformed entries are refused by metadata_from_json; 0-dim tensors have one chunk
+        # (as metadata_from_json, which verify does not run: two negative dimensions multiply to the items')
+        _expect(min(size) >= 0, f"dcp.state_dict[{nm[:100]!r}]: size {size[:8]} is not a list of integers >= 0")
         if 0 in size:  # no bytes bound the other dimensions, and torch computes an empty tensor's strides
             _expect(addressable(size),
                     f"dcp.state_dict[{nm[:100]!r}]: size {size[:8]} has more elements than a tensor can address")
