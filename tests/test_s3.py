@@ -385,6 +385,45 @@ def test_a_store_that_ignores_conditional_writes_is_refused(bed: S3Bed, bucket: 
         _Clients.ready.clear()
 
 
+def test_the_probe_of_conditional_writes_survives_each_of_its_requests_failing_once(
+        bed: S3Bed, bucket: str) -> None:
+    # CI saw it: the probe's first PUT (If-None-Match: *) landed, was answered 500, botocore retried it
+    # and got 412 from its own first try; the job refused to open the root. Every request of the probe
+    # is made to fail once (before, and after landing): a store that honours conditions still passes.
+    def first_try_of_each_probe_request() -> Callable[[Request], bool]:
+        seen: set[tuple[str, str, bytes]] = set()
+
+        def match(r: Request) -> bool:
+            if "/.ckptguard/probe/" not in r.path:
+                return False
+            what = (r.method, r.query.split("uploadId=")[0], r.body)
+            if what in seen:
+                return False
+            seen.add(what)
+            return True
+        return match
+
+    for action in ("fail-after", "fail", "drop"):
+        _Clients.ready.clear()
+        bed.reset_faults()
+        rule = bed.proxy.add_rule(first_try_of_each_probe_request(), action)
+        try:
+            with Checkpointer(f"s3://{bucket}/probe-{action}", storage_options=SMALL) as ck:
+                ck.save(1, _state(1, n=10))
+                assert ck.steps() == [1]
+        finally:
+            _Clients.ready.clear()
+        assert rule.hits >= 6, (action, rule.hits)  # 3 PUTs, create, part, complete (abort, delete)
+    bed.reset_faults()
+    bed.proxy.strip_conditions = True  # and one that ignores them is still refused under the same faults
+    bed.proxy.add_rule(first_try_of_each_probe_request(), "fail-after")
+    try:
+        with pytest.raises(UnsupportedStorageError, match="ignores conditional writes"):
+            Checkpointer(f"s3://{bucket}/unsafe")
+    finally:
+        _Clients.ready.clear()
+
+
 def test_a_process_that_points_aws_endpoint_url_elsewhere_reaches_the_new_endpoint(
         bed: S3Bed, bucket: str, monkeypatch: pytest.MonkeyPatch) -> None:
     # A client made while AWS_ENDPOINT_URL named a dead port must not be reused once it names the store.
