@@ -495,22 +495,24 @@ def _check_chunks_agree(entries: dict[str, DcpEntry], table: ItemTable, whole: b
     np.add.at(volume, names, np.clip(_products(table, rows), 0, None))  # each < 2**62; -1 (huge) as 0
     volumes = volume.tolist()
     sharded: list[tuple[str, DcpEntry, int]] = []
-    for nm, e in entries.items():
+    for nm, e in entries.items():  # messages formatted only on failure: this runs once per tensor
         size, flat = e.size, e.chunks
         if e.type != "tensor" or size is None or flat is None or not size:
             continue  # malformed entries are refused by metadata_from_json; 0-dim tensors have one chunk
-        # (as metadata_from_json, which verify does not run: two negative dimensions multiply to the items')
-        _expect(min(size) >= 0, f"dcp.state_dict[{nm[:100]!r}]: size {size[:8]} is not a list of integers >= 0")
-        if 0 in size:  # no bytes bound the other dimensions, and torch computes an empty tensor's strides
-            _expect(addressable(size),
-                    f"dcp.state_dict[{nm[:100]!r}]: size {size[:8]} has more elements than a tensor can address")
+        if min(size) < 0:  # (as metadata_from_json, which verify does not run: two negative dimensions
+            # multiply to the items')
+            _expect(False, f"dcp.state_dict[{nm[:100]!r}]: size {size[:8]} is not a list of integers >= 0")
+        if 0 in size and not addressable(size):  # no bytes bound the other dimensions, and torch
+            # computes an empty tensor's strides
+            _expect(False, f"dcp.state_dict[{nm[:100]!r}]: size {size[:8]} has more elements than a "
+                           "tensor can address")
         k = index.get(nm, -1)
         n = count[k] if k >= 0 else 0
         if whole_chunk(size, flat):
-            _expect(n <= 1 and (n == 1 or not whole), f"dcp.state_dict[{nm[:100]!r}] lists one chunk, the "
-                                                      f"items store {n}")
-            _expect(not n or volumes[k] == math.prod(size), f"item {nm[:100]!r} is not the whole tensor "
-                                                            f"{size[:8]} its DCP entry lists")
+            if n > 1 or (n == 0 and whole):
+                _expect(False, f"dcp.state_dict[{nm[:100]!r}] lists one chunk, the items store {n}")
+            if n and volumes[k] != math.prod(size):
+                _expect(False, f"item {nm[:100]!r} is not the whole tensor {size[:8]} its DCP entry lists")
         else:
             sharded.append((nm, e, k))
     if sharded:
