@@ -157,7 +157,7 @@ def _prepare_values(state: Mapping[str, Any], rank: int, modules: Mapping[str, n
         if not isinstance(key, str) or not key:
             raise TypeError(f"state keys must be non-empty strings, got {key!r}")
         if type(value) in _PLAIN_TENSORS:  # most values, as the last branch below takes them, without
-            sd[key] = value  # the Stateful check (a runtime Protocol's isinstance: ~40 us per value)
+            sd[key] = value  # the Stateful check (a runtime Protocol's isinstance: ~16 us per value)
             continue
         if isinstance(value, nn.Module):
             sd[key] = encode_value(get_model_state_dict(value), (key,))
