@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -843,3 +844,43 @@ def test_exit_releases_the_lease_within_5_s_whatever_the_endpoint_does(bed: S3Be
                 p.kill()
                 p.wait()
             proxy.thaw()
+
+
+@pytest.mark.long
+def test_under_a_quarter_of_requests_failing_nothing_committed_is_lost_or_torn(bed: S3Bed) -> None:
+    """A quarter of all requests answered 500/503, half of those after landing: saves, retention and
+    loads either succeed or fail with an error that names what is intact, and afterwards, with the
+    faults gone, what is committed loads whole, verifies, and the next save works. A net for the class
+    of stop 29's CI failure (a retry that landed, misread); the probe's own case is pinned by
+    test_the_probe_of_conditional_writes_survives_each_of_its_requests_failing_once."""
+    failed = 0
+    for round_ in range(8):
+        bucket = bed.make_bucket(f"ckpt-{uuid.uuid4().hex[:12]}")
+        root = f"s3://{bucket}/quarter"
+        _Clients.ready.clear()
+        bed.reset_faults()
+        bed.proxy.fail_rate, bed.proxy.kinds = 0.25, ["500-after", "500", "503", "500-after"]
+        try:
+            with Checkpointer(root, keep_last=2, storage_options=SMALL) as ck:
+                for step in range(1, 5):
+                    ck.save(step, _state(step, n=3 << 19))
+                out = _empty(n=3 << 19)
+                ck.load(out)
+                assert _same(out, _state(4, n=3 << 19))
+        except CheckpointError as e:
+            failed += 1
+            # only the retries running out on an injected fault, never a wrong verdict from a retry
+            assert "after retries" in str(e) and re.search(
+                r"\((InternalError|SlowDown|50[03]):|ConnectionClosedError", str(e)), e
+        bed.reset_faults()
+        _Clients.ready.clear()
+        with Checkpointer(root, storage_options=SMALL) as ck:
+            steps = ck.steps()
+            if steps:
+                out = _empty(n=3 << 19)
+                got = ck.load(out)
+                assert got in steps and _same(out, _state(got, n=3 << 19)), (round_, got, steps)
+            ck.save(10, _state(10, n=3 << 19))
+        assert _cli(bed, "verify", root).returncode == 0, round_
+    _Clients.ready.clear()
+    assert failed < 8  # some rounds get through: the faults are survivable, not a wall
