@@ -15,7 +15,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from itertools import chain
-from typing import Annotated, Any
+from typing import Annotated, Any, NoReturn
 
 import msgspec
 import numpy as np
@@ -252,7 +252,11 @@ def _versions() -> dict[str, str]:
 
 def _expect(cond: bool, what: str) -> None:
     if not cond:
-        raise CheckpointError(f"not a valid ckptguard manifest: {what}")
+        _invalid(what)
+
+
+def _invalid(what: str) -> NoReturn:
+    raise CheckpointError(f"not a valid ckptguard manifest: {what}")
 
 
 def _int(v: Any, what: str, minimum: int = 0) -> int:
@@ -501,18 +505,18 @@ def _check_chunks_agree(entries: dict[str, DcpEntry], table: ItemTable, whole: b
             continue  # malformed entries are refused by metadata_from_json; 0-dim tensors have one chunk
         if min(size) < 0:  # (as metadata_from_json, which verify does not run: two negative dimensions
             # multiply to the items')
-            _expect(False, f"dcp.state_dict[{nm[:100]!r}]: size {size[:8]} is not a list of integers >= 0")
+            _invalid(f"dcp.state_dict[{nm[:100]!r}]: size {size[:8]} is not a list of integers >= 0")
         if 0 in size and not addressable(size):  # no bytes bound the other dimensions, and torch
             # computes an empty tensor's strides
-            _expect(False, f"dcp.state_dict[{nm[:100]!r}]: size {size[:8]} has more elements than a "
-                           "tensor can address")
+            _invalid(f"dcp.state_dict[{nm[:100]!r}]: size {size[:8]} has more elements than a "
+                     "tensor can address")
         k = index.get(nm, -1)
         n = count[k] if k >= 0 else 0
         if whole_chunk(size, flat):
             if n > 1 or (n == 0 and whole):
-                _expect(False, f"dcp.state_dict[{nm[:100]!r}] lists one chunk, the items store {n}")
+                _invalid(f"dcp.state_dict[{nm[:100]!r}] lists one chunk, the items store {n}")
             if n and volumes[k] != math.prod(size):
-                _expect(False, f"item {nm[:100]!r} is not the whole tensor {size[:8]} its DCP entry lists")
+                _invalid(f"item {nm[:100]!r} is not the whole tensor {size[:8]} its DCP entry lists")
         else:
             sharded.append((nm, e, k))
     if sharded:
