@@ -84,7 +84,8 @@ def probe_conditional_writes(storage: Bucket) -> BaseException | None:
 
 def _remove_probe(storage: Bucket, key: str) -> None:
     """The probe object and every upload to it (a create retried after a 5xx that landed leaves two).
-    Garbage at worst if this fails: a later save's clean-up removes it."""
+    Garbage at worst if this fails: a later save's clean-up removes it. (Not the backend's
+    ``uploads_in_progress``/``abort_upload``: those wait for ``ensure_ready``, which runs this probe.)"""
     c = storage.client
     try:
         listed = c.list_multipart_uploads(Bucket=storage.bucket, Prefix=key)
@@ -92,6 +93,9 @@ def _remove_probe(storage: Bucket, key: str) -> None:
             if upload.get("Key") == key:
                 with contextlib.suppress(Exception):
                     c.abort_multipart_upload(Bucket=storage.bucket, Key=key, UploadId=upload["UploadId"])
+    except Exception as e:
+        log.debug("ckptguard: could not list the uploads to the probe object %s: %s", key, e)
+    try:  # whether or not the uploads could be listed
         c.delete_object(Bucket=storage.bucket, Key=key)
     except Exception as e:
-        log.debug("ckptguard: could not remove the probe object %s: %s", key, e)
+        log.debug("ckptguard: could not delete the probe object %s: %s", key, e)
