@@ -23,7 +23,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor
 
-from ckptguard.dcp.values import decode_value, encode_value, per_rank_key
+from ckptguard.dcp.values import PLAIN_TENSOR_TYPES, decode_value, encode_value, per_rank_key
 from ckptguard.errors import CheckpointError
 
 
@@ -147,16 +147,12 @@ def prepare_state(state: Mapping[str, Any], rank: int = 0) -> PreparedState:
     return PreparedState(sd, apply, undo)
 
 
-#: Values that are none of a module, an optimizer, PerRank or Stateful, and that DCP fills in place.
-_PLAIN_TENSORS = (torch.Tensor, nn.Parameter)
-
-
 def _prepare_values(state: Mapping[str, Any], rank: int, modules: Mapping[str, nn.Module], sd: dict[str, Any],
                     appliers: list[Callable[[], object]], undoers: list[Callable[[], object]]) -> None:
     for key, value in state.items():
         if not isinstance(key, str) or not key:
             raise TypeError(f"state keys must be non-empty strings, got {key!r}")
-        if type(value) in _PLAIN_TENSORS:  # most values, as the last branch below takes them, without
+        if type(value) in PLAIN_TENSOR_TYPES:  # most values, as the last branch below takes them, without
             sd[key] = value  # the Stateful check (a runtime Protocol's isinstance: ~16 us per value)
             continue
         if isinstance(value, nn.Module):

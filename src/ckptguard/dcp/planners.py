@@ -30,7 +30,7 @@ from ckptguard.checksum import checksum
 from ckptguard.dcp import _torch_private
 from ckptguard.dcp.codec import load_bounded, tensor_bytes
 from ckptguard.dcp.records import StoredItem
-from ckptguard.dcp.values import is_per_rank_key
+from ckptguard.dcp.values import PLAIN_TENSOR_TYPES, is_per_rank_key
 from ckptguard.errors import CheckpointError, TemplateMismatchError, UnsafeObjectError
 
 
@@ -242,7 +242,7 @@ def _plain_values(state_dict: Mapping[str, Any]) -> bool:
     while pending:
         value = pending.pop()
         kind = type(value)
-        if kind is torch.Tensor or kind is torch.nn.Parameter:  # most values: tested first, without the ABCs
+        if kind in PLAIN_TENSOR_TYPES:  # most values: tested first, without the ABCs
             if value.is_meta:
                 return False
         elif kind is dict or isinstance(value, Mapping):

@@ -62,6 +62,7 @@ from ckptguard.dcp.readjob import (
     no_in_place_for_aliases,
 )
 from ckptguard.dcp.records import StoredItem
+from ckptguard.dcp.values import PLAIN_TENSOR_TYPES
 from ckptguard.errors import CheckpointError, CorruptCheckpointError, TornLoadError
 from ckptguard.storage import ReadHandle, StorageBackend
 
@@ -505,7 +506,7 @@ class GuardedReader(StorageReader):
 def _local_tensor(value: torch.Tensor) -> torch.Tensor | None:
     """The part of a destination this rank holds: a plain tensor, a DTensor's local shard; None for
     other kinds (DCP's own planning handles them)."""
-    if type(value) is torch.Tensor or type(value) is torch.nn.Parameter:
+    if type(value) in PLAIN_TENSOR_TYPES:
         return value
     if isinstance(value, DTensor):
         local: torch.Tensor = value.to_local()
