@@ -10,7 +10,6 @@ tested with when one has moved, instead of failing deep inside a save.
 
 from __future__ import annotations
 
-import zlib
 from collections.abc import Mapping
 from typing import Any
 
@@ -78,14 +77,34 @@ class CachingSavePlanner(DefaultSavePlanner):
 
     def __init__(self, cache_key: str) -> None:
         super().__init__(dedup_save_to_lowest_rank=False, enable_plan_caching=True)
+        # Identical on every rank: a key that differed between ranks (it once carried each rank's
+        # dtypes) sent the coordinator to an empty cache while a rank sent it an empty plan.
         self._cached_plans_key = cache_key
 
-    def set_up_planner(self, state_dict: Any, *args: Any, **kwargs: Any) -> None:
-        super().set_up_planner(state_dict, *args, **kwargs)
-        # DCP's cache compares plans without the tensors' dtypes, so a dtype change reused a global
-        # Metadata naming the old dtype: the dtypes are part of the key.
-        dtypes = sorted((str(k), str(v.dtype)) for k, v in self.state_dict.items() if hasattr(v, "dtype"))
-        self._cached_plans_key = f"{self._cached_plans_key}#{zlib.crc32(repr(dtypes).encode()):08x}"
+    @property
+    def cache_key(self) -> str:
+        """The key of this planner's plans in DCP's class-level caches."""
+        return self._cached_plans_key
+
+    def set_up_flat(self, flat: dict[str, Any], mappings: dict[str, Any], is_coordinator: bool) -> None:
+        """What DCP's ``set_up_planner`` leaves, for a state already flattened by DCP's rules and holding
+        no ShardedTensor (DCP's second walk would change nothing)."""
+        self.mappings = mappings
+        self.state_dict = flat
+        self.is_coordinator = is_coordinator
+
+    def create_local_plan(self) -> SavePlan:
+        """DCP's local plan, sent in full when it differs from the cached one in what DCP's comparison
+        leaves out: the tensors' properties (dtype, requires_grad, pinning) and the nesting of the
+        state (``planner_data``). A plan DCP judged unchanged made the coordinator reuse a Metadata
+        naming the old dtypes and the old nesting."""
+        sent = super().create_local_plan()
+        if not sent.usable:
+            cached = SavePlanner._cached_save_plan.get(self._cached_plans_key)
+            if cached is None or not _same_properties(self.plan, cached):
+                self._pending_local_plan = self.plan  # promoted by finish_plan, as DCP does
+                return self.plan
+        return sent
 
     def adjust_global_plan(self, all_plans: list[SavePlan], global_plan: list[SavePlan], metadata: Metadata
                            ) -> tuple[list[SavePlan], Metadata]:
@@ -97,13 +116,32 @@ class CachingSavePlanner(DefaultSavePlanner):
         return self.adjust_global_plan(all_plans, global_plan, metadata)
 
 
+def cached_local_plan(key: str) -> SavePlan | None:
+    """The local plan DCP keeps under ``key`` after a save's plan was finished (None if none): the
+    plan a rank compares its next one with."""
+    return SavePlanner._cached_save_plan.get(key)
+
+
+def _same_properties(plan: SavePlan, cached: SavePlan) -> bool:
+    """Whether two plans DCP compared as equal (same items, indices, sizes, chunks) also agree on each
+    tensor's properties and on the nesting of the state."""
+    if plan.planner_data != cached.planner_data or len(plan.items) != len(cached.items):
+        return False
+    for item, other in zip(plan.items, cached.items, strict=True):
+        if (item.tensor_data is None) != (other.tensor_data is None):
+            return False
+        if item.tensor_data is not None and other.tensor_data is not None \
+                and item.tensor_data.properties != other.tensor_data.properties:
+            return False
+    return True
+
+
 def forget_cached_plans(key: str) -> None:
     """Drop DCP's class-level cached save plans stored under ``key``."""
     for name in _CACHE_ATTRS:
         cache = getattr(SavePlanner, name, None)
         if isinstance(cache, dict):
-            for k in [k for k in cache if k == key or (isinstance(k, str) and k.startswith(key + "#"))]:
-                cache.pop(k, None)
+            cache.pop(key, None)
 
 
 def set_nested_element(root: Any, path: Any, value: Any) -> None:
