@@ -238,9 +238,13 @@ def _commit(session: Session, plan: SavePlan, writer: GuardedWriter[StoredArtifa
         return RankWrites(files, arts, ItemTable.from_items(writer.stored, [f.path for f in files]))
 
     def manifests(writes: list[RankWrites]) -> list[Manifest | None]:
-        assert writer.metadata is not None
+        md = writer.metadata
+        assert md is not None
+        last = session.last_dcp_json
         built = build_manifests(topo, plan.name, plan.attempt, options.checksum, writes, user_metadata,
-                                writer.metadata, plan.seq)
+                                last[1] if last is not None and last[0] is md else md, plan.seq)
+        if built:
+            session.last_dcp_json = (md, next(iter(built.values())).dcp)
         return [built.get(r) for r in range(comm.world_size)]
 
     mine: Manifest | None = comm.step(f"report its part of step {plan.step}", report_writes, manifests,

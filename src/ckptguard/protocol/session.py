@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import uuid
 from dataclasses import dataclass
+from typing import Any
 
 from ckptguard.comm import Comm
 from ckptguard.errors import CheckpointError, LeaseLostError
@@ -41,6 +42,9 @@ class Session:
     instance: str  # identical on every rank: keys DCP's plan cache
     lease: Lease | None = None  # domain leaders of a writing Checkpointer
     holder: str | None = None  # this job incarnation's lease holder id (writing Checkpointers)
+    # The leader's last DCP Metadata and its JSON form: DCP hands out the very same Metadata object
+    # while no rank's plan changed, and its JSON is then the same too.
+    last_dcp_json: tuple[Any, dict[str, Any]] | None = None
 
     @property
     def url(self) -> str:
