@@ -111,7 +111,11 @@ class CachingSavePlanner(DefaultSavePlanner):
         """Subclasses change DCP's global plan here (every rank's local plan at hand)."""
         return global_plan, metadata
 
+    def check_local_plans(self, all_plans: list[SavePlan]) -> None:
+        """Subclasses refuse a set of local plans here, before DCP merges them (every rank's at hand)."""
+
     def _create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
+        self.check_local_plans(all_plans)
         global_plan, metadata = super()._create_global_plan(all_plans)
         return self.adjust_global_plan(all_plans, global_plan, metadata)
 

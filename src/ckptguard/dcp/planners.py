@@ -31,7 +31,7 @@ from ckptguard.dcp import _torch_private
 from ckptguard.dcp.codec import load_bounded, tensor_bytes
 from ckptguard.dcp.records import StoredItem
 from ckptguard.dcp.values import PLAIN_TENSOR_TYPES, is_per_rank_key
-from ckptguard.errors import CheckpointError, TemplateMismatchError, UnsafeObjectError
+from ckptguard.errors import CheckpointError, ReplicatedValueError, TemplateMismatchError, UnsafeObjectError
 
 
 class DomainSavePlanner(_torch_private.CachingSavePlanner):
@@ -101,6 +101,11 @@ class DomainSavePlanner(_torch_private.CachingSavePlanner):
             return {}
         known = {i.fqn: i.checksum for i in written if i.dtype is not None} if algorithm == "xxh3-64" else {}
         return replicated_digests(self.local_plan, self.state_dict, known)
+
+    def check_local_plans(self, all_plans: list[SavePlan]) -> None:
+        message = plan_divergence_message(all_plans)
+        if message is not None:
+            raise ReplicatedValueError(message)
 
     def adjust_global_plan(self, all_plans: list[SavePlan], global_plan: list[SavePlan], metadata: Metadata
                            ) -> tuple[list[SavePlan], Metadata]:
@@ -192,6 +197,40 @@ def replicated_digests(plan: SavePlan, state_dict: dict[str, Any], known: Mappin
             torch.save(obj, buf)
             out[fqn] = checksum("xxh3-64", buf.getbuffer())
     return out
+
+
+def plan_divergence_message(all_plans: Sequence[SavePlan]) -> str | None:
+    """The first plain value whose kind, shape, dtype or place in the nesting differs between the ranks'
+    local plans; None if none. Their bytes are compared after the write (replicated_digests), but
+    the same bytes can be another shape or dtype, and DCP keeps one rank's plan of a plain value
+    for all: the others would load that rank's shape, dtype and nesting (or DCP fails on them)."""
+    first: dict[str, tuple[int, tuple[Any, ...]]] = {}
+    for rank, plan in enumerate(all_plans):
+        paths = plan.planner_data if isinstance(plan.planner_data, dict) else {}
+        for item in plan.items:
+            fqn = item.index.fqn
+            if item.type == WriteItemType.SHARD or is_per_rank_key(fqn):
+                continue
+            data = item.tensor_data
+            kind = (None, None) if data is None else (list(data.size), data.properties.dtype)
+            signature = (item.type, *kind, paths.get(fqn))
+            seen = first.setdefault(fqn, (rank, signature))
+            if seen[1] != signature:
+                nesting = seen[1][3] != signature[3]
+                return (f"{fqn!r} is {_described(seen[1], nesting)} on rank {seen[0]} but "
+                        f"{_described(signature, nesting)} on rank "
+                        f"{rank}. It is a plain value, which DCP stores once for all ranks: every rank would load "
+                        f"rank {seen[0]}'s. Wrap per-rank state in ckptguard.PerRank(...), or give it the same "
+                        "shape, dtype and nesting on every rank.")
+    return None
+
+
+def _described(signature: tuple[Any, ...], nesting: bool) -> str:
+    kind, size, dtype, path = signature
+    where = f" nested as {list(path)}" if nesting and path is not None else ""
+    if kind == WriteItemType.BYTE_IO:
+        return f"an object{where}"
+    return f"a tensor of shape {size} {str(dtype).removeprefix('torch.')}{where}"
 
 
 def combined_digest(digests: dict[str, str]) -> str:
