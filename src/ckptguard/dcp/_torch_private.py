@@ -77,8 +77,8 @@ class CachingSavePlanner(DefaultSavePlanner):
 
     def __init__(self, cache_key: str) -> None:
         super().__init__(dedup_save_to_lowest_rank=False, enable_plan_caching=True)
-        # Identical on every rank: a key that differed between ranks (it once carried each rank's
-        # dtypes) sent the coordinator to an empty cache while a rank sent it an empty plan.
+        # Fixed for the life of the Checkpointer: a key that changed on one rank (it once carried the
+        # rank's dtypes) sent the coordinator to an empty cache while a rank sent it an empty plan.
         self._cached_plans_key = cache_key
 
     @property
@@ -140,12 +140,13 @@ def _same_properties(plan: SavePlan, cached: SavePlan) -> bool:
     return True
 
 
-def forget_cached_plans(key: str) -> None:
-    """Drop DCP's class-level cached save plans stored under ``key``."""
+def forget_cached_plans(prefix: str) -> None:
+    """Drop DCP's class-level cached save plans stored under keys that start with ``prefix``."""
     for name in _CACHE_ATTRS:
         cache = getattr(SavePlanner, name, None)
         if isinstance(cache, dict):
-            cache.pop(key, None)
+            for key in [k for k in cache if isinstance(k, str) and k.startswith(prefix)]:
+                cache.pop(key, None)
 
 
 def set_nested_element(root: Any, path: Any, value: Any) -> None:

@@ -42,12 +42,12 @@ class DomainSavePlanner(_torch_private.CachingSavePlanner):
     or a node could not load the replicated parameters (DDP) from its own disk.
     """
 
-    def __init__(self, domain_of_rank: Sequence[int], cache_key: str) -> None:
+    def __init__(self, domain_of_rank: Sequence[int], cache_key: str, rank: int = 0) -> None:
         # DCP's plan caching: when no rank's plan changed since the last save (the usual case:
         # same model, same shapes), ranks send empty plans and the coordinator reuses the global
         # plan. The cache is class-level in DCP; the key keeps Checkpointers (and their storage
         # domains, which shape the global plan) apart.
-        super().__init__(plan_cache_key(cache_key))
+        super().__init__(plan_cache_key(cache_key, rank))
         self.domain_of_rank = list(domain_of_rank)
 
     def set_up_planner(self, state_dict: dict[str, Any], storage_meta: Any = None,
@@ -159,15 +159,21 @@ def _save_structure(flat: Mapping[str, Any], is_coordinator: bool) -> list[tuple
     return structure
 
 
-def plan_cache_key(instance: str) -> str:
-    return f"ckptguard:{instance}"
+def plan_cache_key(instance: str, rank: int) -> str:
+    """One Checkpointer's key in DCP's class-level caches, on one rank. The same on that rank from save
+    to save (a key that changed on one rank sent the coordinator to an empty cache while another rank
+    sent it an empty plan); the rank in it keeps apart ranks that share a process (threads), whose
+    local plans DCP would otherwise cache under one key."""
+    return f"ckptguard:{instance}@{rank}"
 
 
 def forget_cached_plans(instance: str) -> None:
-    """Drop DCP's class-level cached plans of one Checkpointer, and what was derived from them (after
-    a failed save, and at close)."""
-    _LAST_LOCAL_PLANS.pop(plan_cache_key(instance), None)
-    _torch_private.forget_cached_plans(plan_cache_key(instance))
+    """Drop DCP's class-level cached plans of one Checkpointer on every rank of this process, and what
+    was derived from them (after a failed save, and at close)."""
+    prefix = f"ckptguard:{instance}@"
+    for key in [k for k in _LAST_LOCAL_PLANS if k.startswith(prefix)]:
+        _LAST_LOCAL_PLANS.pop(key, None)
+    _torch_private.forget_cached_plans(prefix)
 
 
 def replicated_digests(plan: SavePlan, state_dict: dict[str, Any], known: Mapping[str, str] | None = None

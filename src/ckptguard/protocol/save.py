@@ -202,7 +202,7 @@ def _write(session: Session, plan: SavePlan, request: SaveRequest,
                            options.checksum, options.io_threads, before_write,
                            error_root=session.url, on_bytes=on_bytes)
     planner = DomainSavePlanner([session.topo.domain_of(r) for r in range(comm.world_size)],
-                                cache_key=session.instance)
+                                cache_key=session.instance, rank=comm.rank)
     plan_collectively(request.state_dict, writer, planner, comm, suffix=plan.intact, what=f"plan step {plan.step}")
     try:
         writer.write_planned(planner)
