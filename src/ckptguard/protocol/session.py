@@ -39,7 +39,7 @@ class Session:
     root: Root
     topo: Topology
     options: Options
-    instance: str  # identical on every rank: keys DCP's plan cache
+    instance: str  # identical on every rank: keys DCP's plan cache (with the rank)
     lease: Lease | None = None  # domain leaders of a writing Checkpointer
     holder: str | None = None  # this job incarnation's lease holder id (writing Checkpointers)
     # The leader's last DCP Metadata and its JSON form: DCP hands out the very same Metadata object
