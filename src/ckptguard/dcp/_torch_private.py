@@ -145,8 +145,9 @@ def forget_cached_plans(prefix: str) -> None:
     for name in _CACHE_ATTRS:
         cache = getattr(SavePlanner, name, None)
         if isinstance(cache, dict):
-            for key in [k for k in cache if isinstance(k, str) and k.startswith(prefix)]:
-                cache.pop(key, None)
+            for key in list(cache):  # a copy taken at once: ranks that are threads forget together
+                if isinstance(key, str) and key.startswith(prefix):
+                    cache.pop(key, None)
 
 
 def set_nested_element(root: Any, path: Any, value: Any) -> None:

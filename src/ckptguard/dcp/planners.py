@@ -171,8 +171,9 @@ def forget_cached_plans(instance: str) -> None:
     """Drop DCP's class-level cached plans of one Checkpointer on every rank of this process, and what
     was derived from them (after a failed save, and at close)."""
     prefix = f"ckptguard:{instance}@"
-    for key in [k for k in _LAST_LOCAL_PLANS if k.startswith(prefix)]:
-        _LAST_LOCAL_PLANS.pop(key, None)
+    for key in list(_LAST_LOCAL_PLANS):  # a copy taken at once: ranks that are threads forget together
+        if key.startswith(prefix):
+            _LAST_LOCAL_PLANS.pop(key, None)
     _torch_private.forget_cached_plans(prefix)
 
 
