@@ -100,7 +100,7 @@ class CachingSavePlanner(DefaultSavePlanner):
         naming the old dtypes and the old nesting."""
         sent = super().create_local_plan()
         if not sent.usable:
-            cached = SavePlanner._cached_save_plan.get(self._cached_plans_key)
+            cached = cached_local_plan(self._cached_plans_key)
             if cached is None or not _same_properties(self.plan, cached):
                 self._pending_local_plan = self.plan  # promoted by finish_plan, as DCP does
                 return self.plan

@@ -164,13 +164,18 @@ def plan_cache_key(instance: str, rank: int) -> str:
     to save (a key that changed on one rank sent the coordinator to an empty cache while another rank
     sent it an empty plan); the rank in it keeps apart ranks that share a process (threads), whose
     local plans DCP would otherwise cache under one key."""
-    return f"ckptguard:{instance}@{rank}"
+    return f"{_cache_key_prefix(instance)}{rank}"
+
+
+def _cache_key_prefix(instance: str) -> str:
+    """What every rank's key of one Checkpointer starts with."""
+    return f"ckptguard:{instance}@"
 
 
 def forget_cached_plans(instance: str) -> None:
     """Drop DCP's class-level cached plans of one Checkpointer on every rank of this process, and what
     was derived from them (after a failed save, and at close)."""
-    prefix = f"ckptguard:{instance}@"
+    prefix = _cache_key_prefix(instance)
     for key in list(_LAST_LOCAL_PLANS):  # a copy taken at once: ranks that are threads forget together
         if key.startswith(prefix):
             _LAST_LOCAL_PLANS.pop(key, None)
