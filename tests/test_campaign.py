@@ -411,3 +411,62 @@ def test_a_job_fenced_off_inside_a_save_is_told_why(tmp_path: Path) -> None:
     the root over (the save between two saves says "this job no longer holds the lease")."""
     out, _ = _stall_before_publish_and_take_over(tmp_path)
     assert "FENCED" in out and "lease" in out, out
+
+
+_STALLED_WAITING_CHILD = textwrap.dedent("""
+    import os, signal, sys, torch
+    from ckptguard import Checkpointer, CheckpointError, _faults
+    from ckptguard.storage.posix import PosixStorage
+    # A visibility timeout far beyond the test's: a wait that does not notice the takeover hangs the test.
+    ck = Checkpointer(sys.argv[1], lease_ttl_s=1.0, visibility_timeout_s=600)
+    ck.save(1, {"x": torch.ones(4)})
+    if sys.argv[2] == "before_write":  # every rank: the attempt's directory created, nothing written
+        _faults.arm("before_write:0:stop")
+    else:  # the leader: the check that every rank's files are visible, whose first listing (NFS) is stale
+        listing = PosixStorage.sizes_in
+        def stale_then_stop(self, directory):
+            if "staging" in directory and not os.environ.get("STOPPED"):
+                os.environ["STOPPED"] = "1"
+                os.kill(os.getpid(), signal.SIGSTOP)
+                return {}
+            return listing(self, directory)
+        PosixStorage.sizes_in = stale_then_stop
+    try:
+        ck.save(2, {"x": torch.full((4,), 2.0)})
+        print("PUBLISHED", flush=True)
+    except CheckpointError as e:
+        print("FENCED", e, flush=True)
+""")
+
+
+@pytest.mark.parametrize("wait", ["before_write", "files_visible"])
+def test_a_wait_for_an_attempt_another_job_moved_away_ends_at_once(tmp_path: Path, wait: str) -> None:
+    """Found by CI (the test above timed out): a job stalled while it waited for its attempt's files to
+    be visible (every rank waits for the attempt's directory, the leader for every rank's files); the
+    takeover moved the attempt away, and when the job continued it waited for files that could never
+    come, for the whole visibility timeout (60 s by default), before it failed. It must notice the
+    takeover and stop with the fence's message at once; nothing is committed."""
+    root = tmp_path / "ckpt"
+    child = subprocess.Popen([sys.executable, "-c", _STALLED_WAITING_CHILD, str(root), wait],
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while _process_state(child.pid) != "T":
+            assert time.monotonic() < deadline and child.poll() is None, child.communicate()[0]
+            time.sleep(0.02)
+        time.sleep(1.5)  # the stopped process renews nothing: its lease (TTL 1 s) expires
+        with Checkpointer(root, lease_wait_s=5) as owner:  # another job takes the root over
+            child.send_signal(signal.SIGCONT)
+            out = child.communicate(timeout=60)[0]  # was: TimeoutExpired (waited out the 600 s)
+            assert "FENCED" in out and "no longer holds the lease" in out, out
+            assert owner.steps(refresh=True) == [1]
+    finally:
+        if child.poll() is None:
+            child.send_signal(signal.SIGCONT)
+            child.kill()
+            child.wait()
+
+
+def _process_state(pid: int) -> str:
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0]

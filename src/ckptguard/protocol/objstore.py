@@ -310,6 +310,7 @@ class ObjectStoreRoot(rootkit.RootKit):
                 missing = self.storage.join(base, pending[0].path)
                 raise NotVisibleError(f"{len(pending)} object(s) of this checkpoint are missing or have the wrong "
                                       f"size after {timeout:.0f} s, e.g. {missing}: a writer failed.", path=missing)
+            self.guard("wait for this save's files")  # a takeover moved them away: they never come
             time.sleep(delay)
             delay = min(delay * 2, 1.0)
 

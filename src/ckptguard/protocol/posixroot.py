@@ -229,6 +229,7 @@ class PosixRoot(rootkit.RootKit):
                     f"{len(missing)} file(s) of this checkpoint are not visible with the right size after "
                     f"{timeout:.0f} s, e.g. {missing[0]}: a writer failed, or this node's view of the shared "
                     "filesystem is stale for longer than visibility_timeout_s.", path=missing[0])
+            self.guard("wait for this save's files")  # a takeover moved them away: they never come
             time.sleep(delay)
             delay = min(delay * 2, 1.0)
 

@@ -195,7 +195,8 @@ def _write(session: Session, plan: SavePlan, request: SaveRequest,
 
     def before_write() -> StoredArtifacts:
         # The leader created the attempt directory; on NFS another node may not see it yet.
-        storage.wait_visible(os.path.join(plan.staging, layout.DATA_DIR), timeout=options.visibility_timeout_s)
+        storage.wait_visible(os.path.join(plan.staging, layout.DATA_DIR), timeout=options.visibility_timeout_s,
+                             stop_if=session.stop_if_taken_over)
         return artifacts.store(storage, request.file_items, plan.staging, options.checksum)
 
     writer = GuardedWriter(storage, plan.staging, functools.partial(layout.data_file, comm.rank), comm.rank,

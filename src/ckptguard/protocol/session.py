@@ -50,24 +50,41 @@ class Session:
     def url(self) -> str:
         return self.storage.root
 
-    def fenced(self, err: BaseException) -> BaseException:
-        """A failure inside a save may be the fence of another job's takeover (it moved our staging
-        directory away): say so, rather than show the file that vanished."""
-        if isinstance(err, LeaseLostError) or self.holder is None:
-            return err
+    def taken_over_by(self) -> LeaseRecord | None:
+        """The lease record of the job that took this root over from this one, or None (not taken
+        over, not a writing Checkpointer, or unreadable). Any rank can ask: it reads the record."""
+        if self.holder is None:
+            return None
         try:
             rec = LeaseRecord.from_bytes(self.storage.read_bytes(self.storage.path(layout.LEASE)))
         except (OSError, CheckpointError):
+            return None
+        return rec if rec is not None and rec.holder != self.holder else None
+
+    def fenced(self, err: BaseException) -> BaseException:
+        """A failure inside a save may be the fence of another job's takeover (it moved our staging
+        directory away): say so, rather than show the file that vanished."""
+        if isinstance(err, LeaseLostError):
             return err
-        if rec is None or rec.holder == self.holder:
+        rec = self.taken_over_by()
+        if rec is None:
             return err
         what = f"{type(err).__name__}: {err}" if not isinstance(err, CheckpointError) else str(err)
-        fenced = LeaseLostError(
-            f"this job no longer holds the lease on {self.url}: {rec.describe()} took it over (this job's "
-            f"lease expired: it stalled, or its renewals failed), and moved this save's attempt away; nothing "
-            f"of this save was committed. The failure it caused: {what}", path=self.storage.path(layout.LEASE))
+        fenced = self._attempt_moved_away(rec, f" The failure it caused: {what}")
         fenced.__cause__ = err
         return fenced
+
+    def stop_if_taken_over(self) -> None:
+        """For waits on this save's own attempt: one that another job moved away never comes back."""
+        rec = self.taken_over_by()
+        if rec is not None:
+            raise self._attempt_moved_away(rec, "")
+
+    def _attempt_moved_away(self, rec: LeaseRecord, cause: str) -> LeaseLostError:
+        return LeaseLostError(
+            f"this job no longer holds the lease on {self.url}: {rec.describe()} took it over (this job's "
+            f"lease expired: it stalled, or its renewals failed), and moved this save's attempt away; nothing "
+            f"of this save was committed.{cause}", path=self.storage.path(layout.LEASE))
 
 
 def open_session(comm: Comm, root: Root, options: Options, *, read_only: bool,

@@ -154,8 +154,10 @@ class StorageBackend(Protocol):
 
     def open_read(self, path: str) -> ReadHandle: ...
 
-    def wait_visible(self, path: str, size: int | None = None, timeout: float = 30.0) -> None:
-        """Wait until ``path`` is visible here (with ``size`` bytes if given); NotVisibleError if not."""
+    def wait_visible(self, path: str, size: int | None = None, timeout: float = 30.0,
+                     stop_if: Callable[[], None] | None = None) -> None:
+        """Wait until ``path`` is visible here (with ``size`` bytes if given); NotVisibleError if not.
+        ``stop_if`` runs between looks and raises to stop waiting (a path that will never come)."""
 
     def sizes_in(self, directory: str) -> dict[str, int]:
         """Name -> size of the files directly in ``directory``, as this rank sees them now."""

@@ -296,7 +296,8 @@ class PosixStorage:
     def open_read(self, path: str) -> PosixReadHandle:
         return PosixReadHandle(path)
 
-    def wait_visible(self, path: str, size: int | None = None, timeout: float = 30.0) -> None:
+    def wait_visible(self, path: str, size: int | None = None, timeout: float = 30.0,
+                     stop_if: Callable[[], None] | None = None) -> None:
         """Another node's create or rename can take seconds to show through an NFS client's
         attribute and lookup caches: poll with back-off instead of trusting the first answer."""
         deadline = time.monotonic() + timeout
@@ -311,6 +312,8 @@ class PosixStorage:
                     f"{path} is not visible with the right size after {timeout:.0f} s ({state}). "
                     "Either a writer failed, or this node's view of the shared filesystem is stale "
                     "for longer than the timeout.", path=path)
+            if stop_if is not None:
+                stop_if()
             time.sleep(delay)
             delay = min(delay * 2, 1.0)
 

@@ -462,7 +462,8 @@ class S3Storage:
             raise CorruptCheckpointError(f"{path} is missing: the checkpoint is incomplete", path=path)
         return S3ReadHandle(self, path, int(head["ContentLength"]))
 
-    def wait_visible(self, path: str, size: int | None = None, timeout: float = 30.0) -> None:
+    def wait_visible(self, path: str, size: int | None = None, timeout: float = 30.0,
+                     stop_if: Callable[[], None] | None = None) -> None:
         """S3 reads its own and others' writes at once; only a size is worth waiting for."""
         if size is None:
             return  # a "directory" is a prefix: nothing to see until objects are written under it
@@ -476,6 +477,8 @@ class S3Storage:
                 state = "missing" if seen is None else f"{seen} bytes, expected {size}"
                 raise NotVisibleError(f"{path} is not there with the right size after {timeout:.0f} s ({state})",
                                       path=path)
+            if stop_if is not None:
+                stop_if()
             time.sleep(delay)
             delay = min(delay * 2, 1.0)
 
