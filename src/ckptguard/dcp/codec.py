@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Set as AbstractSet
 from itertools import chain
 from operator import attrgetter
 from typing import Any
@@ -142,6 +143,8 @@ def metadata_from_json(obj: dict[str, Any], items: Sequence[StoredItem], path: s
     part of a checkpoint of many ranks builds nothing for the rest (every name's entry is still a
     JSON value of the manifest, whose checksum covers it)."""
     props: dict[tuple[str, bool], TensorProperties] = {}
+    if wanted is not None and not isinstance(wanted, AbstractSet):
+        wanted = set(wanted)  # looked up once per stored name: a list would make this quadratic
     items = _items_named(items, wanted)
     stored: dict[str, int] = {}
     for i in items:
