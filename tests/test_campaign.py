@@ -413,41 +413,73 @@ def test_a_job_fenced_off_inside_a_save_is_told_why(tmp_path: Path) -> None:
     assert "FENCED" in out and "lease" in out, out
 
 
-_STALLED_WAITING_CHILD = textwrap.dedent("""
+_STALLED_EARLY_CHILD = textwrap.dedent("""
     import os, signal, sys, torch
     from ckptguard import Checkpointer, CheckpointError, _faults
     from ckptguard.storage.posix import PosixStorage
     # A visibility timeout far beyond the test's: a wait that does not notice the takeover hangs the test.
     ck = Checkpointer(sys.argv[1], lease_ttl_s=1.0, visibility_timeout_s=600)
     ck.save(1, {"x": torch.ones(4)})
-    if sys.argv[2] == "before_write":  # every rank: the attempt's directory created, nothing written
+
+    def stop_once():
+        if not os.environ.get("STOPPED"):
+            os.environ["STOPPED"] = "1"
+            os.kill(os.getpid(), signal.SIGSTOP)
+
+    where = sys.argv[2]
+    if where == "before_write":  # every rank: the attempt's directory created, nothing written
         _faults.arm("before_write:0:stop")
-    else:  # the leader: the check that every rank's files are visible, whose first listing (NFS) is stale
+    elif where == "files_visible":  # the leader: the check that every rank's files are visible
         listing = PosixStorage.sizes_in
-        def stale_then_stop(self, directory):
+        def stale_then_stop(self, directory):  # whose first listing (NFS) is stale
             if "staging" in directory and not os.environ.get("STOPPED"):
-                os.environ["STOPPED"] = "1"
-                os.kill(os.getpid(), signal.SIGSTOP)
+                stop_once()
                 return {}
             return listing(self, directory)
         PosixStorage.sizes_in = stale_then_stop
+    elif where == "files_to_store":  # every rank: the attempt's directory seen, its files= not yet stored
+        wait_visible = PosixStorage.wait_visible
+        def seen_then_stop(self, *args, **kwargs):
+            wait_visible(self, *args, **kwargs)
+            stop_once()
+        PosixStorage.wait_visible = seen_then_stop
+    else:  # the leader, creating the attempt: right before its directory, or right after it (empty)
+        mkdir = PosixStorage.make_dir_durable
+        def stop_around(self, path):
+            attempt = os.path.basename(path).startswith("step-00000002.")
+            if attempt and where == "attempt_to_make":
+                stop_once()
+            mkdir(self, path)
+            if attempt and where == "attempt_made":
+                stop_once()
+        PosixStorage.make_dir_durable = stop_around
+    offload = os.path.join(sys.argv[3], "offload", "sub")  # a files= directory: made again below the attempt
+    os.makedirs(offload)
+    with open(os.path.join(offload, "state.bin"), "wb") as f:
+        f.write(os.urandom(4096))
     try:
-        ck.save(2, {"x": torch.full((4,), 2.0)})
+        ck.save(2, {"x": torch.full((4,), 2.0), "y": torch.zeros(1000)}, files={"offload": os.path.dirname(offload)})
         print("PUBLISHED", flush=True)
     except CheckpointError as e:
-        print("FENCED", e, flush=True)
+        print("FENCED", type(e).__name__, e, flush=True)
 """)
 
 
-@pytest.mark.parametrize("wait", ["before_write", "files_visible"])
-def test_a_wait_for_an_attempt_another_job_moved_away_ends_at_once(tmp_path: Path, wait: str) -> None:
-    """Found by CI (the test above timed out): a job stalled while it waited for its attempt's files to
-    be visible (every rank waits for the attempt's directory, the leader for every rank's files); the
-    takeover moved the attempt away, and when the job continued it waited for files that could never
-    come, for the whole visibility timeout (60 s by default), before it failed. It must notice the
-    takeover and stop with the fence's message at once; nothing is committed."""
+@pytest.mark.parametrize("where", ["attempt_to_make", "attempt_made", "before_write", "files_to_store",
+                                   "files_visible"])
+def test_a_job_stalled_early_in_a_save_leaves_nothing_in_the_new_owners_root(tmp_path: Path, where: str) -> None:
+    """A job stopped early in a save, its lease taken over (the takeover moves the staging area away),
+    then resumed. Found by an outside attack: stopped right before or right after it made its attempt's
+    directory, it made the directory again in the new owner's staging area (with its parents) and wrote
+    its whole checkpoint there before the commit's lease check refused: gigabytes of another job's
+    files in the new owner's root, filling its disk (a rank's files= artifacts, too, made their
+    directories with every parent). Found by CI (the test above timed out): stopped
+    while it waited for its attempt's files to be visible (every rank waits for the attempt's directory,
+    the leader for every rank's files), it waited for files that could never come for the whole
+    visibility timeout (60 s by default). It must stop at once with the fence's error, and leave
+    nothing in the new owner's root."""
     root = tmp_path / "ckpt"
-    child = subprocess.Popen([sys.executable, "-c", _STALLED_WAITING_CHILD, str(root), wait],
+    child = subprocess.Popen([sys.executable, "-c", _STALLED_EARLY_CHILD, str(root), where, str(tmp_path)],
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.monotonic() + 120
@@ -457,9 +489,13 @@ def test_a_wait_for_an_attempt_another_job_moved_away_ends_at_once(tmp_path: Pat
         time.sleep(1.5)  # the stopped process renews nothing: its lease (TTL 1 s) expires
         with Checkpointer(root, lease_wait_s=5) as owner:  # another job takes the root over
             child.send_signal(signal.SIGCONT)
-            out = child.communicate(timeout=60)[0]  # was: TimeoutExpired (waited out the 600 s)
-            assert "FENCED" in out and "no longer holds the lease" in out, out
+            out = child.communicate(timeout=60)[0]  # was (waits): TimeoutExpired, the 600 s waited out
+            assert "FENCED LeaseLostError" in out and "no longer holds the lease" in out, out
             assert owner.steps(refresh=True) == [1]
+            left = [str(p.relative_to(root)) for p in (root / ".ckptguard" / "staging").rglob("*")]
+            assert left == [], (left, out)  # was (attempt): the attempt with its data files
+            owner.save(2, {"x": torch.full((4,), 3.0)})
+            assert owner.read(2)["x"].tolist() == [3.0] * 4
     finally:
         if child.poll() is None:
             child.send_signal(signal.SIGCONT)

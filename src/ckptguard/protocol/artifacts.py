@@ -248,14 +248,14 @@ def store(storage: StorageBackend, items: list[ArtifactTarget] | list[FileSnapsh
             dst = os.path.join(staging_dir, stored)
             parent = os.path.dirname(dst)
             if parent not in made:
-                storage.makedirs(parent)
+                storage.makedirs(parent, within=staging_dir)
                 made.add(parent)
             size, digest = _store_file(storage, src, dst, algorithm)
             entries.append(FileEntry(stored, size, t.rank, digest))
             pairs.append((rel, stored))
         for d in sorted(made, key=len, reverse=True):
             storage.sync_dir(d)
-        storage.makedirs(os.path.join(staging_dir, prefix))
+        storage.makedirs(os.path.join(staging_dir, prefix), within=staging_dir)
         artifacts.append(Artifact(t.rank, t.key, kind, tuple(pairs)))
     return artifacts, entries
 

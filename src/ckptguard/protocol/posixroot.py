@@ -24,7 +24,7 @@ from typing import Literal
 
 from ckptguard.checksum import DEFAULT_ALGORITHM
 from ckptguard.comm import Comm
-from ckptguard.errors import CheckpointError, CorruptCheckpointError, NotVisibleError
+from ckptguard.errors import CheckpointError, CorruptCheckpointError, LeaseLostError, NotVisibleError
 from ckptguard.protocol import latest, layout, rootkit
 from ckptguard.protocol.decisions import DomainListing
 from ckptguard.protocol.layout import CheckpointName
@@ -191,12 +191,25 @@ class PosixRoot(rootkit.RootKit):
 
     # -- writing (leaders only, under the lease) ----------------------------------------
     def make_staging(self, step: int, attempt: str) -> str:
+        """The attempt's directory, made under the lease. A job stalled here while another took the root
+        over (which moves the staging directory away) must not make its attempt again in the new
+        owner's root: below the attempt nothing is created with its parents, and the lease is read
+        once the attempt exists (it is removed again if the lease is lost: it is this save's own)."""
         path = self.staging_dir(step, attempt)
         self.storage.makedirs(os.path.dirname(path))
         self.storage.make_dir_durable(path)
-        for sub in (layout.DATA_DIR, layout.FILES_DIR):
-            self.storage.makedirs(os.path.join(path, sub))
-        self.storage.sync_dir(path)
+        try:
+            for sub in (layout.DATA_DIR, layout.FILES_DIR):
+                self.storage.make_dir_durable(os.path.join(path, sub))
+            self.storage.sync_dir(path)
+            self.guard(f"create the attempt directory of step {step}")
+        except BaseException as e:
+            try:
+                self.guard(f"create the attempt directory of step {step}")
+            except LeaseLostError as lost:  # another job holds the root: it moved the attempt away, or
+                self.storage.remove_tree(path)  # this job made it in the new holder's staging area
+                raise lost from e
+            raise
         return path
 
     def wait_files_visible(self, base: str, files: list[FileEntry], timeout: float) -> None:

@@ -185,7 +185,7 @@ def _stage(session: Session, plan: SavePlan) -> None:
             session.root.make_staging(plan.step, plan.attempt)
 
     session.comm.step(f"create the attempt directory for step {plan.step}", make, suffix=plan.intact,
-                      where=session.url)
+                      where=session.url, on_error=session.fenced)
 
 
 def _write(session: Session, plan: SavePlan, request: SaveRequest,

@@ -95,7 +95,9 @@ class StorageBackend(Protocol):
         a listing tells whether it holds anything."""
 
     # -- namespace ---------------------------------------------------------------
-    def makedirs(self, path: str) -> None: ...
+    def makedirs(self, path: str, within: str | None = None) -> None:
+        """Create ``path`` and its missing parents, but none at or above ``within`` if given (which
+        must exist: FileNotFoundError if it is gone)."""
 
     def make_dir_durable(self, path: str) -> None:
         """Create ``path`` (which must not exist) and make its entry durable in its parent."""

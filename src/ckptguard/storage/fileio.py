@@ -76,15 +76,27 @@ def fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def makedirs_durable(path: str) -> None:
+def makedirs_durable(path: str, within: str | None = None) -> None:
     """os.makedirs(path, exist_ok=True), then fsync the parent of every directory it created:
-    fsync of a directory's contents does not make its own entry in its parent durable."""
+    fsync of a directory's contents does not make its own entry in its parent durable.
+
+    ``within``: a directory above ``path`` that must exist: nothing at or above it is created
+    (FileNotFoundError if it is gone), so that a directory moved away (a save's attempt, by a job
+    that took the root over) is never made again under its old name."""
     missing = []
     p = path
+    stop = os.path.normpath(within) if within is not None else None
     while not os.path.isdir(p) and os.path.dirname(p) != p:
+        if stop is not None and os.path.normpath(p) == stop:
+            raise FileNotFoundError(errno.ENOENT, "the directory to create a directory in is gone", within)
         missing.append(p)
         p = os.path.dirname(p)
-    os.makedirs(path, exist_ok=True)
+    if stop is None:
+        os.makedirs(path, exist_ok=True)
+    else:
+        for d in reversed(missing):  # one level at a time: a parent moved away meanwhile fails the mkdir
+            with suppress(FileExistsError):
+                os.mkdir(d)
     for d in reversed(missing):
         fsync_dir(os.path.dirname(d))
 

@@ -65,8 +65,8 @@ class PosixStorage:
         return stat.S_ISDIR(st.st_mode)
 
     # -- namespace ----------------------------------------------------------------
-    def makedirs(self, path: str) -> None:
-        retry_stale(lambda: makedirs_durable(path), "create a directory", path)
+    def makedirs(self, path: str, within: str | None = None) -> None:
+        retry_stale(lambda: makedirs_durable(path, within), "create a directory", path)
 
     def make_dir_durable(self, path: str) -> None:
         retry_stale(lambda: os.mkdir(path), "create a directory", path)

@@ -209,7 +209,7 @@ class S3Storage:
         return not host.endswith(".amazonaws.com")
 
     # -- namespace -----------------------------------------------------------------------
-    def makedirs(self, path: str) -> None:
+    def makedirs(self, path: str, within: str | None = None) -> None:
         self.ensure_ready()  # no directories; but a missing bucket is best reported at once
 
     def make_dir_durable(self, path: str) -> None:
