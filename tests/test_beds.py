@@ -16,7 +16,7 @@ import pytest
 
 from tests.support import jobs
 from tests.support.beds.sshfs import BedUnavailable, SshfsBed, stale_shared_storage
-from tests.support.jobs import JobTimeout, run_job, run_local
+from tests.support.jobs import JobTimeout, process_state, run_job, run_local
 from tests.support.workers import BASELINES, PROBE
 
 OLMO_STYLE = BASELINES / "olmo_style.py"
@@ -42,11 +42,7 @@ def _probes(job: jobs.JobResult) -> dict[int, tuple[str, ...]]:
 
 def _alive(pid: int) -> bool:
     """Running (not gone, not a zombie waiting to be reaped)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
+    return process_state(pid) not in ("Z", "gone")
 
 
 def _primary_failures(job: jobs.JobResult, world: int = 4) -> list[tuple[int, int, str, str]]:

@@ -33,7 +33,7 @@ from ckptguard import Checkpointer
 from tests.support import campaign
 from tests.support.beds.diskfull import small_filesystem
 from tests.support.beds.sshfs import BedUnavailable
-from tests.support.jobs import run_local
+from tests.support.jobs import process_state, run_local
 from tests.support.workers import CAMPAIGN_JOB
 
 #: Injected faults per test, summed by test_campaign_total (the issue asks for >= 100 in CI).
@@ -483,7 +483,7 @@ def test_a_job_stalled_early_in_a_save_leaves_nothing_in_the_new_owners_root(tmp
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.monotonic() + 120
-        while _process_state(child.pid) != "T":
+        while process_state(child.pid) != "T":
             assert time.monotonic() < deadline and child.poll() is None, child.communicate()[0]
             time.sleep(0.02)
         time.sleep(1.5)  # the stopped process renews nothing: its lease (TTL 1 s) expires
@@ -502,7 +502,3 @@ def test_a_job_stalled_early_in_a_save_leaves_nothing_in_the_new_owners_root(tmp
             child.kill()
             child.wait()
 
-
-def _process_state(pid: int) -> str:
-    with open(f"/proc/{pid}/stat") as f:
-        return f.read().rsplit(")", 1)[1].split()[0]

@@ -22,7 +22,7 @@ from ckptguard import Checkpointer, CorruptCheckpointError
 from ckptguard.protocol.manifest import Manifest
 from ckptguard.verify import list_root
 
-from tests.support.jobs import run_job
+from tests.support.jobs import process_state, run_job
 from tests.support.results import job_results
 
 WORKER = Path(__file__).parent / "workers" / "reliability_job.py"
@@ -317,9 +317,8 @@ def _wait_stopped(p: subprocess.Popen[str], timeout: float = 120) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         assert p.poll() is None, p.communicate()[0]
-        with open(f"/proc/{p.pid}/stat") as f:
-            if f.read().rsplit(")", 1)[1].split()[0] == "T":
-                return
+        if process_state(p.pid) == "T":
+            return
         time.sleep(0.05)
     p.kill()
     raise AssertionError("the job never reached its stop point:\n" + p.communicate()[0])

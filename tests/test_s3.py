@@ -49,7 +49,7 @@ from tests.support.beds.s3 import (
     canned_wrong_region,
     s3_bed_in_env,
 )
-from tests.support.jobs import JobResult, free_port, run_job
+from tests.support.jobs import JobResult, free_port, process_state, run_job
 from tests.support.results import job_results, parse_results
 
 REPO = Path(__file__).resolve().parent.parent
@@ -576,12 +576,8 @@ def test_faults_5xx_slow_and_a_rank_killed_mid_upload(bed: S3Bed, bucket: str) -
 def _wait_stopped(pid: int, timeout: float) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                if f.read().rsplit(")", 1)[1].split()[0] == "T":
-                    return
-        except OSError:
-            pass
+        if process_state(pid) == "T":
+            return
         time.sleep(0.2)
     raise AssertionError(f"rank 0 (pid {pid}) did not stop itself")
 

@@ -41,7 +41,7 @@ from .campaign import (
     events_of,
     tail,
 )
-from .jobs import REPO
+from .jobs import REPO, process_state
 from .results import parse_results
 from .workers import CAMPAIGN_JOB
 
@@ -251,20 +251,12 @@ def _single(c: Campaign, args: list[str], log: Path) -> subprocess.Popen[bytes]:
                                 env=env, start_new_session=True)
 
 
-def _state(pid: int) -> str:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return "gone"
-
-
 def _wait_stopped(p: subprocess.Popen[bytes], timeout: float) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if p.poll() is not None:
             return False
-        if _state(p.pid) == "T":
+        if process_state(p.pid) == "T":
             return True
         time.sleep(0.02)
     return False

@@ -123,6 +123,15 @@ class JobTimeout(TimeoutError):
         self.result = result
 
 
+def process_state(pid: int) -> str:
+    """The state letter of ``pid`` in /proc (``T`` stopped, ``Z`` a zombie, ...), or "gone"."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return "gone"
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that was free a moment ago (run_job retries if it was taken)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
