@@ -224,15 +224,22 @@ def test_the_default_two_pass_load_fills_every_kind_of_destination(tmp_path: Pat
     assert torch.equal(out["p"].detach(), torch.full((4,), 3.0)) and out["p"].requires_grad
 
 
-@pytest.mark.parametrize("how", ["truncate", "overwrite"])
+@pytest.mark.parametrize("settled", [False, True], ids=["just written", "settled"])
+@pytest.mark.parametrize("how", ["truncate", "overwrite", "overwrite keeping mtime", "mapped and written"])
 def test_a_file_changed_in_place_between_the_passes_is_a_torn_load_never_a_fallback(
-        tmp_path: Path, how: str) -> None:
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, how: str, settled: bool) -> None:
     """Bytes changed in place after they were verified (never by ckptguard) are found in the second
     pass, once destinations may hold part of the step: a TornLoadError, also for a file cut short
     (it was a CorruptCheckpointError, and load() fell back to an older step, leaving bytes of the
-    rejected one in the state)."""
+    rejected one in the state). "settled": a file unchanged for long enough that a second read from
+    the page cache is trusted without hashing while its ctime is unchanged; every change here moves it."""
+    import mmap
+
+    import ckptguard.storage.fileio as fileio
     from ckptguard import TornLoadError
 
+    if settled:
+        monkeypatch.setattr(fileio, "SETTLED_NS", 0)
     root = tmp_path / "ckpt"
     with Checkpointer(root) as writer:
         writer.save(1, _state(1, 8))
@@ -241,13 +248,58 @@ def test_a_file_changed_in_place_between_the_passes_is_a_torn_load_never_a_fallb
     with Checkpointer(root, read_only=True, load_memory_bytes=0) as reader:
 
         def damage() -> None:
+            before = data.stat()
             if how == "truncate":
-                os.truncate(data, data.stat().st_size // 2)
+                os.truncate(data, before.st_size // 2)
+            elif how == "mapped and written":
+                with open(data, "r+b") as f, mmap.mmap(f.fileno(), 0) as m:
+                    m[:64] = b"\xff" * 64
             else:
                 with open(data, "r+b") as f:
                     f.write(b"\xff" * 64)
+                if how == "overwrite keeping mtime":
+                    os.utime(data, ns=(before.st_atime_ns, before.st_mtime_ns))
 
         _retire_before_placing(reader, damage)
         out = {"model": {k: torch.zeros_like(t) for k, t in _state(2, 8)["model"].items()}}
         with pytest.raises(TornLoadError, match="modified in place during this load"):
             reader.load(out)  # step=None: a corrupt newest step would fall back to step 1
+
+
+@pytest.mark.parametrize("evicted", [False, True], ids=["in the page cache", "evicted between the passes"])
+def test_a_second_read_is_hashed_again_unless_it_comes_from_the_page_cache_of_an_unchanged_file(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, evicted: bool) -> None:
+    """The second pass of a two-pass load skips the hash only for bytes the page cache served from a file
+    settled and unchanged since it was opened; bytes the device had to read again (evicted between the
+    passes) are hashed again. Files saved moments before a load are always hashed again."""
+    import ckptguard.storage.fileio as fileio
+
+    root = tmp_path / "ckpt"
+    with Checkpointer(root) as writer:
+        writer.save(1, _state(1, 8))
+    expected = _state(1, 8)
+    with Checkpointer(root, read_only=True, load_memory_bytes=0) as reader:
+        out = {"model": {k: torch.zeros_like(t) for k, t in expected["model"].items()}}
+        assert reader.load(out) == 1  # just written: not settled, every byte hashed twice
+        stats = reader.last_load_stats
+        assert stats is not None and stats.verified_only_bytes > 0
+        assert stats.rehashed_bytes == stats.verified_only_bytes
+
+        monkeypatch.setattr(fileio, "SETTLED_NS", 0)
+
+        def evict() -> None:
+            for path in (root / "step-00000001").rglob("*.bin"):
+                fd = os.open(path, os.O_RDONLY)
+                try:
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                finally:
+                    os.close(fd)
+
+        if evicted:
+            _retire_before_placing(reader, evict)
+        out = {"model": {k: torch.zeros_like(t) for k, t in expected["model"].items()}}
+        assert reader.load(out) == 1
+        assert all(torch.equal(out["model"][k], t) for k, t in expected["model"].items())
+        stats = reader.last_load_stats
+        assert stats is not None and stats.verified_only_bytes > 0
+        assert stats.rehashed_bytes == (stats.verified_only_bytes if evicted else 0)

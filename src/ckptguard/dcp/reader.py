@@ -149,6 +149,7 @@ class GuardedReader(StorageReader):
         self.staged_bytes = 0  # held in host memory between the phases (scratch, or old bytes of in-place items)
         self.verified_only_bytes = 0  # read twice: from storage, then from a pinned source
         self.spilled_bytes = 0  # of those, read again from the local spill file
+        self.rehashed_bytes = 0  # of those, hashed again on their second read (not known to be the same bytes)
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         pass
@@ -466,9 +467,10 @@ class GuardedReader(StorageReader):
             for batch in batches:
                 head = batch[0][0]
                 with _torn_if_it_fails(self.rank, path):
-                    fd.read_into([v for _, v in batch], head.spill_at if spilled else head.stored.offset)
-                    for job, view in batch:
-                        job.verify(view, path, self.algorithm)
+                    if not fd.read_again_into([v for _, v in batch], head.spill_at if spilled else head.stored.offset):
+                        for job, view in batch:
+                            job.verify(view, path, self.algorithm)
+                            self.rehashed_bytes += len(view)
                 for job, _ in batch:
                     job.placed = True
 
@@ -477,8 +479,9 @@ class GuardedReader(StorageReader):
         fd, spilled = self._second_source(job.stored.file, path)
         view = job.allocate_scratch()
         with _torn_if_it_fails(self.rank, path):
-            fd.read_into([view], job.spill_at if spilled else job.stored.offset)
-            job.verify(view, path, self.algorithm)
+            if not fd.read_again_into([view], job.spill_at if spilled else job.stored.offset):
+                job.verify(view, path, self.algorithm)
+                self.rehashed_bytes += len(view)
         job.copy_into_place()
 
     def close(self) -> None:

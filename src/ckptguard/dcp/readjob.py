@@ -123,6 +123,10 @@ class Spill:
     def size(self) -> int:
         return self._end
 
+    def read_again_into(self, views: Sequence[memoryview], offset: int) -> bool:
+        self.read_into(views, offset)
+        return False  # a local file can still be misread: checked again like any second read
+
     def read_into(self, views: Sequence[memoryview], offset: int) -> None:
         pending = [v for v in views if len(v)]
         done = 0
