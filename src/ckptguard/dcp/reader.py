@@ -67,7 +67,12 @@ from ckptguard.errors import CheckpointError, CorruptCheckpointError, TornLoadEr
 from ckptguard.storage import ReadHandle, StorageBackend
 
 _MAX_IOV = 512  # items per vectored read
-_CHUNK = 8 << 20  # verified-only items are checked in chunks of this size
+#: Reads are hashed in pieces of about this size, each while it is still in the CPU's cache. Measured
+#: here (512 MiB, xxh3-64): read into a reused buffer and hashed, 0.15 s in 8 MiB pieces, 0.11 s in
+#: 1 MiB ones, and cold no slower; read into place and hashed, 0.20 s in 64 MiB reads, 0.14-0.16 s in
+#: 1 MiB ones, the copy alone 0.12 s.
+_HOT_BYTES = 1 << 20
+_CHUNK = _HOT_BYTES  # verified-only items are checked in chunks of this size (one buffer per reading thread)
 _ALIGN = 64  # scratch slots in the arena start at this alignment (any dtype, vector loads)
 _FD_MARGIN = 256  # descriptors left to the rest of the process when files are kept open for a load
 
@@ -149,7 +154,6 @@ class GuardedReader(StorageReader):
         self.staged_bytes = 0  # held in host memory between the phases (scratch, or old bytes of in-place items)
         self.verified_only_bytes = 0  # read twice: from storage, then from a pinned source
         self.spilled_bytes = 0  # of those, read again from the local spill file
-        self.rehashed_bytes = 0  # of those, hashed again on their second read (not known to be the same bytes)
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         pass
@@ -352,9 +356,13 @@ class GuardedReader(StorageReader):
                 for job, _ in batch:
                     if job.mode == IN_PLACE and self.backup:
                         job.save_old(arena)  # just before its bytes change: what close() puts back
-                fd.read_into([v for _, v in batch], batch[0][0].stored.offset)
-                for job, view in batch:
-                    job.verify(view, path, self.algorithm)
+                head = batch[0][0]
+                if len(batch) == 1:
+                    head.read_verified(fd, head.stored.offset, batch[0][1], _HOT_BYTES, path, self.algorithm)
+                else:
+                    fd.read_into([v for _, v in batch], head.stored.offset)
+                    for job, view in batch:
+                        job.verify(view, path, self.algorithm)
                 if self.on_bytes is not None:
                     self.on_bytes(batch_bytes)
                 batch, batch_bytes = [], 0
@@ -377,7 +385,7 @@ class GuardedReader(StorageReader):
             if job.mode != VERIFIED:
                 view = job.destination(arena)
                 # Consecutive items read into memory: one preadv() for many of them.
-                if checks or (batch and (len(batch) >= _MAX_IOV or batch_bytes >= 64 << 20 or
+                if checks or (batch and (len(batch) >= _MAX_IOV or batch_bytes >= _HOT_BYTES or
                                          not follows(batch[-1][0], job))):
                     flush()
                 batch.append((job, view))
@@ -458,7 +466,7 @@ class GuardedReader(StorageReader):
             batches: list[list[tuple[ReadJob, memoryview]]] = []
             batch_bytes = 0
             for job, view in items:
-                if not batches or len(batches[-1]) >= _MAX_IOV or batch_bytes >= 64 << 20 \
+                if not batches or len(batches[-1]) >= _MAX_IOV or batch_bytes >= _HOT_BYTES \
                         or not follows_at(batches[-1][-1][0], job, spilled):
                     batches.append([])
                     batch_bytes = 0
@@ -466,11 +474,14 @@ class GuardedReader(StorageReader):
                 batch_bytes += len(view)
             for batch in batches:
                 head = batch[0][0]
+                at = head.spill_at if spilled else head.stored.offset
                 with _torn_if_it_fails(self.rank, path):
-                    if not fd.read_again_into([v for _, v in batch], head.spill_at if spilled else head.stored.offset):
+                    if len(batch) == 1 and len(batch[0][1]) > _HOT_BYTES:
+                        head.read_verified(fd, at, batch[0][1], _HOT_BYTES, path, self.algorithm)
+                    else:
+                        fd.read_into([v for _, v in batch], at)
                         for job, view in batch:
                             job.verify(view, path, self.algorithm)
-                            self.rehashed_bytes += len(view)
                 for job, _ in batch:
                     job.placed = True
 
@@ -479,9 +490,8 @@ class GuardedReader(StorageReader):
         fd, spilled = self._second_source(job.stored.file, path)
         view = job.allocate_scratch()
         with _torn_if_it_fails(self.rank, path):
-            if not fd.read_again_into([view], job.spill_at if spilled else job.stored.offset):
-                job.verify(view, path, self.algorithm)
-                self.rehashed_bytes += len(view)
+            job.read_verified(fd, job.spill_at if spilled else job.stored.offset, view, _HOT_BYTES, path,
+                              self.algorithm)
         job.copy_into_place()
 
     def close(self) -> None:

@@ -123,10 +123,6 @@ class Spill:
     def size(self) -> int:
         return self._end
 
-    def read_again_into(self, views: Sequence[memoryview], offset: int) -> bool:
-        self.read_into(views, offset)
-        return False  # a local file can still be misread: checked again like any second read
-
     def read_into(self, views: Sequence[memoryview], offset: int) -> None:
         pending = [v for v in views if len(v)]
         done = 0
@@ -289,6 +285,21 @@ class ReadJob:
                 if not pos:
                     self.spill_at = at
             pos += n
+        self._compare(hasher.hexdigest(), path)
+
+    def read_verified(self, fd: ReadHandle, offset: int, view: memoryview, piece: int, path: str,
+                      algorithm: str) -> None:
+        """Read this item into ``view`` from ``offset`` of ``fd`` and check it, ``piece`` bytes at a time
+        (each hashed while still in the CPU's cache)."""
+        if len(view) <= piece:
+            fd.read_into([view], offset)
+            self.verify(view, path, algorithm)
+            return
+        hasher = Hasher(algorithm)
+        for pos in range(0, len(view), piece):
+            part = view[pos:pos + piece]
+            fd.read_into([part], offset + pos)
+            hasher.update(part)
         self._compare(hasher.hexdigest(), path)
 
     def verify(self, view: memoryview, path: str, algorithm: str) -> None:

@@ -337,5 +337,4 @@ def _read_and_place(session: Session, agreed: AgreedManifest, targets: list[Arti
     stats.staged_bytes = reader.staged_bytes
     stats.verified_only_bytes = reader.verified_only_bytes
     stats.spilled_bytes = reader.spilled_bytes
-    stats.rehashed_bytes = reader.rehashed_bytes
     log.debug("ckptguard: loaded step %d: %s", name.step, stats)

@@ -47,7 +47,6 @@ class PhaseTimer:
         self.staged_bytes = 0  # load: verified in host memory, then copied into place
         self.verified_only_bytes = 0  # load: beyond load_memory_bytes, verified, then read again into place
         self.spilled_bytes = 0  # load: of those, read again from a local spill file, not from storage
-        self.rehashed_bytes = 0  # load: of those, hashed again when read again (not from an unchanged page cache)
         self.show_progress = show_progress
 
     @contextlib.contextmanager

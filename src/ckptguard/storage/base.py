@@ -57,10 +57,6 @@ class ReadHandle(Protocol):
     def read_into(self, views: Sequence[memoryview], offset: int) -> None:
         """Fill ``views`` from ``offset`` on; a file that ends early is a CorruptCheckpointError."""
 
-    def read_again_into(self, views: Sequence[memoryview], offset: int) -> bool:
-        """Fill ``views`` again from a range read through this handle before; True only when the bytes
-        are known to be the ones read then (the caller need not check them again)."""
-
     def close(self) -> None: ...
 
 

@@ -252,74 +252,27 @@ class PosixReadHandle:
                 raise
             raise CorruptCheckpointError(f"{path} is a symbolic link: refusing to follow it out of the "
                                          "checkpoint", path=path) from None
-        # The file as it was when opened: what a second read compares with (read_again_into).
-        opened = os.fstat(self.fd)
-        self._opened = _identity(opened)
-        self._cache_trusted = time.time_ns() - opened.st_ctime_ns >= SETTLED_NS
 
     def size(self) -> int:
         return os.fstat(self.fd).st_size
 
     def read_into(self, views: Sequence[memoryview], offset: int) -> None:
-        self._read(views, offset, 0)
-
-    def read_again_into(self, views: Sequence[memoryview], offset: int) -> bool:
-        """Fill ``views`` again from a range the caller read through this handle before. True when the
-        bytes are those it read then, without hashing them again: every byte came from the page cache
-        (``RWF_NOWAIT``: none from the device) and the file's identity, size, mtime and ctime are those
-        it had when opened (a write in place, a truncation or a mapping written to changes its ctime),
-        and it had not changed for ``SETTLED_NS`` before it was opened (where timestamps are coarse, a
-        change within one tick of the last would keep the ctime). False: check them."""
-        if not self._cache_trusted:
-            self._read(views, offset, 0)
-            return False
-        try:
-            from_cache = self._read(views, offset, os.RWF_NOWAIT)
-        except OSError as e:  # a filesystem without non-blocking buffered reads (NFS, FUSE): plain reads
-            if e.errno not in _UNSUPPORTED:
-                raise
-            self._cache_trusted = False
-            self._read(views, offset, 0)
-            return False
-        return from_cache and _identity(os.fstat(self.fd)) == self._opened
-
-    def _read(self, views: Sequence[memoryview], offset: int, flags: int) -> bool:
-        """Fill ``views`` from ``offset``; with ``RWF_NOWAIT``, whether every byte came without waiting
-        for the device (the rest is then read plainly)."""
         pending = [v for v in views if len(v)]
         total = sum(len(v) for v in pending)
         done = 0
         while pending:
-            try:
-                n = os.preadv(self.fd, pending[:1024], offset + done, flags) if flags else \
-                    os.preadv(self.fd, pending[:1024], offset + done)
-            except BlockingIOError:  # RWF_NOWAIT: not in the page cache
-                flags, n = 0, -1
+            n = os.preadv(self.fd, pending[:1024], offset + done)
             if n == 0:
                 raise CorruptCheckpointError(
                     f"{self.path} is truncated: {total} bytes expected at offset {offset}, the file ends at "
                     f"{self.size()}. The checkpoint is corrupt.", path=self.path)
-            if n < 0:
-                continue
-            if flags and n < sum(len(v) for v in pending[:1024]):
-                flags = 0  # a short non-blocking read: the rest was not all in the page cache
             done += n
             pending = after(pending, n)
-        return bool(flags) or not total
 
     def close(self) -> None:
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
-
-
-#: How long a file must have been unchanged before it is opened for a second read of it to be trusted
-#: without hashing: longer than any filesystem's timestamp granularity.
-SETTLED_NS = 2_000_000_000
-
-
-def _identity(st: os.stat_result) -> tuple[int, int, int, int, int]:
-    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns
 
 
 _READ_AHEAD_CHUNK = 8 << 20

@@ -225,10 +225,6 @@ class S3ReadHandle:
     def size(self) -> int:
         return self._size
 
-    def read_again_into(self, views: Sequence[memoryview], offset: int) -> bool:
-        self.read_into(views, offset)
-        return False  # another GET: nothing says the object's bytes are those read before
-
     def read_into(self, views: Sequence[memoryview], offset: int) -> None:
         flat = [v.cast("B") if v.format != "B" or v.ndim != 1 else v for v in views if len(v)]
         total = sum(len(v) for v in flat)
