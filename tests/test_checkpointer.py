@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 import ckptguard
+import ckptguard.protocol.save
 from ckptguard import Checkpointer, CheckpointError, CorruptCheckpointError, NotVisibleError
 from ckptguard.protocol.manifest import Manifest
 from ckptguard.storage.posix import PosixStorage
@@ -495,6 +496,53 @@ def test_background_save_reuses_one_set_of_host_buffers(ck: Checkpointer) -> Non
     ck.wait()
     assert ck._stager.allocations == 1
     assert ck._stager.buffer_bytes == 256 * 256 * 4
+
+
+def test_background_save_does_not_wait_for_the_last_saves_retention(tmp_path: Path) -> None:
+    """save(blocking=False) returns once the host copy is taken, also while the previous save's removal
+    of the steps it retired is still running (it blocked on it before); the background save waits for
+    that removal before it touches storage, so retention and the next save never overlap."""
+    with Checkpointer(tmp_path / "ckpt", keep_last=1) as ck:
+        root = ck._session.root
+        remove = root.remove_retired
+        gate = threading.Event()
+        removing: list[str] = []
+        order: list[str] = []
+
+        def slow_remove(path: str) -> None:
+            removing.append(path)
+            gate.wait(60)
+            remove(path)
+            order.append("removed")
+
+        save = ckptguard.protocol.save.save
+
+        def recording_save(*args: object, **kwargs: object) -> object:
+            order.append("save")
+            return save(*args, **kwargs)  # type: ignore[arg-type]
+
+        root.remove_retired = slow_remove  # type: ignore[method-assign]
+        ck.save(1, {"w": torch.ones(4)})
+        ck.save(2, {"w": torch.full((4,), 2.0)})  # retires step 1: its removal now waits for the gate
+        order.clear()
+        opened = threading.Timer(15, gate.set)  # lets a save() that waits for the removal finish
+        opened.start()
+        try:
+            with pytest.MonkeyPatch.context() as mp:
+                mp.setattr(ckptguard.protocol.save, "save", recording_save)
+                ck.save(3, {"w": torch.full((4,), 3.0)}, blocking=False)
+                assert not gate.is_set(), "save(blocking=False) waited for the previous save's retention"
+                assert removing and order == []  # the removal runs; the background save has not started
+                gate.set()
+                ck.wait()
+        finally:
+            opened.cancel()
+            gate.set()
+        assert order[:2] == ["removed", "save"]  # (then the removal of step 2, which save 3 retired)
+        assert ck.steps() == [3]
+        out = {"w": torch.zeros(4)}
+        assert ck.load(out) == 3 and torch.equal(out["w"], torch.full((4,), 3.0))
+    assert not (tmp_path / "ckpt" / "step-00000001").exists() and not (tmp_path / "ckpt" / "step-00000002").exists()
 
 
 def test_background_saves_follow_every_change_of_the_state_between_them(ck: Checkpointer) -> None:

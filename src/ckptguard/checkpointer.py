@@ -14,6 +14,7 @@ import atexit
 import functools
 import logging
 import os
+import threading
 import time
 from collections.abc import Callable, Collection, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -129,6 +130,7 @@ class Checkpointer(Settings):
         self._closed = False
         self._cleaner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckptguard-cleanup")
         self._cleanup: Future[None] | None = None
+        self._cleanup_lock = threading.Lock()  # the background save sets it, any call may wait for it
         # Saves with blocking=False: one at a time, from host buffers reused across saves.
         self._background = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckptguard-save")
         self._inflight: Future[None] | None = None
@@ -198,7 +200,9 @@ class Checkpointer(Settings):
         progress bar on rank 0 (default: the Checkpointer's ``progress``).
         """
         self.wait()
-        self._check_usable(writing=True)
+        # The previous save's removal of retired steps may go on while this one takes its host copy:
+        # the save itself (_save_now) waits for it before it touches storage.
+        self._check_usable(writing=True, wait_cleanup=False)
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"step must be a non-negative int, got {step!r}")
         user_metadata = json_object(metadata)
@@ -409,13 +413,17 @@ class Checkpointer(Settings):
 
     # -- saving -------------------------------------------------------------------------
     def _save_now(self, request: save_protocol.SaveRequest, stats: PhaseTimer) -> None:
+        self._wait_cleanup()
         with gc_paused():
             outcome = save_protocol.save(self._session, request, stats)
         self._committed = outcome.committed
         try:
-            self._cleanup = self._cleaner.submit(self._remove_retired, outcome.retired, request.step)
+            cleanup = self._cleaner.submit(self._remove_retired, outcome.retired, request.step)
         except RuntimeError:  # the interpreter is shutting down (a save finishing at exit): remove now
             self._remove_retired(outcome.retired, request.step)
+        else:
+            with self._cleanup_lock:
+                self._cleanup = cleanup
         log.debug("ckptguard: saved step %d: %s", request.step, stats)
 
     def _remove_retired(self, retired: list[str], step: int) -> None:
@@ -426,13 +434,19 @@ class Checkpointer(Settings):
                 log.warning("ckptguard: step %d is committed, but removing %s failed: %s", step, path, e)
 
     def _wait_cleanup(self) -> None:
-        if self._cleanup is not None:
-            self._cleanup.result()
-            self._cleanup = None
+        with self._cleanup_lock:
+            cleanup = self._cleanup
+        if cleanup is None:
+            return
+        cleanup.result()
+        with self._cleanup_lock:
+            if self._cleanup is cleanup:  # not a newer one that a background save set meanwhile
+                self._cleanup = None
 
-    def _check_usable(self, writing: bool) -> None:
+    def _check_usable(self, writing: bool, wait_cleanup: bool = True) -> None:
         if self._closed:
             raise CheckpointError("this Checkpointer is closed")
-        self._wait_cleanup()
+        if wait_cleanup:
+            self._wait_cleanup()
         if writing and self.read_only:
             raise CheckpointError(f"this Checkpointer on {self.root} was opened read_only=True")
