@@ -72,7 +72,12 @@ _MAX_IOV = 512  # items per vectored read
 #: 1 MiB ones, and cold no slower; read into place and hashed, 0.20 s in 64 MiB reads, 0.14-0.16 s in
 #: 1 MiB ones, the copy alone 0.12 s.
 _HOT_BYTES = 1 << 20
-_CHUNK = _HOT_BYTES  # verified-only items are checked in chunks of this size (one buffer per reading thread)
+#: Where every read is a request (an object store's ranged GET: ``cheap_small_reads`` False), reads from
+#: storage are not split for the cache: verified-only items are checked in chunks of this size, items
+#: read into memory go in batches of up to ``_REQUEST_BATCH`` bytes, each hashed after its read.
+_REQUEST_CHUNK = 8 << 20
+_REQUEST_BATCH = 64 << 20
+_WHOLE = 1 << 62  # a piece size that never splits a read
 _ALIGN = 64  # scratch slots in the arena start at this alignment (any dtype, vector loads)
 _FD_MARGIN = 256  # descriptors left to the rest of the process when files are kept open for a load
 
@@ -143,6 +148,12 @@ class GuardedReader(StorageReader):
         if memory_bytes is None and not storage.keeps_open_files:
             memory_bytes = auto_memory_bytes(local_ranks)
         self.memory_bytes = memory_bytes  # None: decided once the load's size is known (_budget)
+        # The first pass's reads from storage: in cache-sized pieces where a read is a syscall, as before
+        # where each is a request (the second pass reads local files: always in cache-sized pieces).
+        cheap = storage.cheap_small_reads
+        self._piece = _HOT_BYTES if cheap else _WHOLE
+        self._chunk = _HOT_BYTES if cheap else _REQUEST_CHUNK
+        self._batch_cap = _HOT_BYTES if cheap else _REQUEST_BATCH
         self.local_ranks = local_ranks
         self.backup = backup
         self.storage_data: dict[MetadataIndex, StoredItem] = metadata.storage_data if metadata is not None else {}
@@ -358,7 +369,7 @@ class GuardedReader(StorageReader):
                         job.save_old(arena)  # just before its bytes change: what close() puts back
                 head = batch[0][0]
                 if len(batch) == 1:
-                    head.read_verified(fd, head.stored.offset, batch[0][1], _HOT_BYTES, path, self.algorithm)
+                    head.read_verified(fd, head.stored.offset, batch[0][1], self._piece, path, self.algorithm)
                 else:
                     fd.read_into([v for _, v in batch], head.stored.offset)
                     for job, view in batch:
@@ -385,18 +396,18 @@ class GuardedReader(StorageReader):
             if job.mode != VERIFIED:
                 view = job.destination(arena)
                 # Consecutive items read into memory: one preadv() for many of them.
-                if checks or (batch and (len(batch) >= _MAX_IOV or batch_bytes >= _HOT_BYTES or
+                if checks or (batch and (len(batch) >= _MAX_IOV or batch_bytes >= self._batch_cap or
                                          not follows(batch[-1][0], job))):
                     flush()
                 batch.append((job, view))
                 batch_bytes += len(view)
             else:
                 if chunk is None:
-                    chunk = memoryview(bytearray(_CHUNK))
-                if batch or (checks and (checks_bytes + job.stored.length > _CHUNK
+                    chunk = memoryview(bytearray(self._chunk))
+                if batch or (checks and (checks_bytes + job.stored.length > self._chunk
                                          or not follows(checks[-1], job))):
                     flush()
-                if job.stored.length > _CHUNK:
+                if job.stored.length > self._chunk:
                     job.verify_streaming(fd, path, self.algorithm, chunk, None if keep else self._spill)
                     if self.on_bytes is not None:
                         self.on_bytes(job.stored.length)

@@ -69,6 +69,10 @@ class StorageBackend(Protocol):
     #: unlinked (POSIX: an open descriptor does), so that a second pass over a file may reuse the handle
     #: instead of holding the bytes in memory or spilling them to local disk
     keeps_open_files: bool
+    #: whether a read split into many small ones costs no more than one large one (POSIX: each is a
+    #: syscall served by the page cache or the disk's read-ahead), so that a load may read and hash in
+    #: pieces that stay in the CPU's cache; False where every read is a request (an object store's GET)
+    cheap_small_reads: bool
     #: whether listing a directory is cheap (local metadata) rather than a request per page to a remote
     #: service: how far a search through a user's directories may go
     cheap_listing: bool

@@ -41,6 +41,7 @@ class PosixStorage:
     """A checkpoint root on a POSIX filesystem (see :class:`~ckptguard.storage.base.StorageBackend`)."""
 
     keeps_open_files = True
+    cheap_small_reads = True
     cheap_listing = True
     leaves_uploads = False
     visible_once_written = False  # NFS: another node's attribute cache may not show it yet

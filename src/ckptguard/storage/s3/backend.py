@@ -57,6 +57,7 @@ class S3Storage:
     """A checkpoint root ``s3://bucket/prefix`` (see :class:`~ckptguard.storage.base.StorageBackend`)."""
 
     keeps_open_files = False  # a ranged GET after a delete finds nothing
+    cheap_small_reads = False  # every read is a ranged GET: a request, billed and throttled
     cheap_listing = False  # every page of a listing is a request
     leaves_uploads = True  # multipart uploads
     visible_once_written = True  # S3 reads its own writes, for every client
