@@ -367,13 +367,7 @@ class GuardedReader(StorageReader):
                 for job, _ in batch:
                     if job.mode == IN_PLACE and self.backup:
                         job.save_old(arena)  # just before its bytes change: what close() puts back
-                head = batch[0][0]
-                if len(batch) == 1:
-                    head.read_verified(fd, head.stored.offset, batch[0][1], self._piece, path, self.algorithm)
-                else:
-                    fd.read_into([v for _, v in batch], head.stored.offset)
-                    for job, view in batch:
-                        job.verify(view, path, self.algorithm)
+                self._read_batch(fd, batch, batch[0][0].stored.offset, self._piece, path)
                 if self.on_bytes is not None:
                     self.on_bytes(batch_bytes)
                 batch, batch_bytes = [], 0
@@ -457,6 +451,17 @@ class GuardedReader(StorageReader):
         finally:
             self.close()
 
+    def _read_batch(self, fd: ReadHandle, batch: list[tuple[ReadJob, memoryview]], at: int, piece: int,
+                    path: str) -> None:
+        """Read consecutive items from ``at`` into their views and check each: one vectored read for
+        several, one item alone in pieces of ``piece`` bytes (:meth:`ReadJob.read_verified`)."""
+        if len(batch) == 1:
+            batch[0][0].read_verified(fd, at, batch[0][1], piece, path, self.algorithm)
+            return
+        fd.read_into([v for _, v in batch], at)
+        for job, view in batch:
+            job.verify(view, path, self.algorithm)
+
     def _second_source(self, rel: str, path: str) -> tuple[ReadHandle, bool]:
         """Where a verified-only item of ``rel`` is read again: its file kept open, or the spill (True)."""
         fd = self._open.get(rel)
@@ -487,12 +492,7 @@ class GuardedReader(StorageReader):
                 head = batch[0][0]
                 at = head.spill_at if spilled else head.stored.offset
                 with _torn_if_it_fails(self.rank, path):
-                    if len(batch) == 1 and len(batch[0][1]) > _HOT_BYTES:
-                        head.read_verified(fd, at, batch[0][1], _HOT_BYTES, path, self.algorithm)
-                    else:
-                        fd.read_into([v for _, v in batch], at)
-                        for job, view in batch:
-                            job.verify(view, path, self.algorithm)
+                    self._read_batch(fd, batch, at, _HOT_BYTES, path)
                 for job, _ in batch:
                     job.placed = True
 
