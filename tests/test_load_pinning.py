@@ -274,3 +274,44 @@ def test_a_file_changed_in_place_between_the_passes_is_a_torn_load_never_a_fallb
         out = {"model": {k: torch.zeros_like(t) for k, t in _state(2, 8)["model"].items()}}
         with pytest.raises(TornLoadError, match="modified in place during this load"):
             reader.load(out)  # step=None: a corrupt newest step would fall back to step 1
+
+
+def _mapping_of(address: int) -> tuple[str, dict[str, str]]:
+    """The permissions and the fields of the /proc/self/smaps entry that holds ``address``."""
+    perms, fields, inside = "", {}, False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()
+            if "-" in head[0] and len(head) >= 5 and not head[0].endswith(":"):
+                if inside:
+                    break
+                start, end = (int(x, 16) for x in head[0].split("-"))
+                inside = start <= address < end
+                perms = head[1]
+            elif inside and ":" in head[0]:
+                fields[head[0].rstrip(":")] = " ".join(head[1:])
+    assert inside, f"no mapping holds {address:#x}"
+    return perms, fields
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="Linux only")
+def test_a_loads_host_memory_is_private_and_may_use_huge_pages() -> None:
+    """The host memory of a load's staged items and saved old bytes is faulted in page by page while
+    the load runs: private anonymous memory the kernel may back with transparent huge pages (a copy
+    into it 2.5 GB/s here, against 0.9 GB/s into the shared mapping ``mmap.mmap(-1, n)`` makes)."""
+    import numpy as np
+
+    from ckptguard.dcp.readjob import Arena
+
+    arena = Arena(8 << 20)
+    try:
+        held = np.frombuffer(arena.view, dtype=np.uint8)
+        perms, fields = _mapping_of(held.ctypes.data)
+        del held
+        assert perms.endswith("p"), f"the arena is a {perms} mapping: shared, not private"
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            thp = f.read()
+        if "[never]" not in thp and "THPeligible" in fields:
+            assert fields["THPeligible"] == "1", f"THP is {thp.strip()!r}, yet the arena may not use it"
+    finally:
+        arena.close()
