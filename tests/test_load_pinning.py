@@ -276,6 +276,35 @@ def test_a_file_changed_in_place_between_the_passes_is_a_torn_load_never_a_fallb
             reader.load(out)  # step=None: a corrupt newest step would fall back to step 1
 
 
+def test_a_file_changed_in_place_among_many_is_torn_and_every_placing_thread_stops(
+        tmp_path: Path, many_files: None) -> None:
+    """The second pass places the files on several threads at once: one file changed in place among
+    many is still a TornLoadError, and no placing thread outlives the load that raised it."""
+    import threading
+
+    from ckptguard import TornLoadError
+
+    root = tmp_path / "ckpt"
+    with Checkpointer(root, io_threads=16) as writer:
+        writer.save(1, _state(1, 64))
+        writer.save(2, _state(2, 64))
+    files = sorted((root / "step-00000002").rglob("*.bin"))
+    assert len(files) > 4, f"{len(files)} data files: the second pass would not run on several threads"
+    victim = files[len(files) // 2]
+    with Checkpointer(root, read_only=True, load_memory_bytes=0, io_threads=4) as reader:
+
+        def damage() -> None:
+            with open(victim, "r+b") as f:
+                f.write(b"\xff" * 64)
+
+        _retire_before_placing(reader, damage)
+        out = {"model": {k: torch.zeros_like(t) for k, t in _state(2, 64)["model"].items()}}
+        with pytest.raises(TornLoadError, match="modified in place during this load"):
+            reader.load(out)
+        left = [t.name for t in threading.enumerate() if t.name.startswith("ckptguard-place")]
+        assert not left, f"placing threads still running after the load raised: {left}"
+
+
 def _mapping_of(address: int) -> tuple[str, dict[str, str]]:
     """The permissions and the fields of the /proc/self/smaps entry that holds ``address``."""
     perms, fields, inside = "", {}, False

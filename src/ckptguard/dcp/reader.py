@@ -471,30 +471,48 @@ class GuardedReader(StorageReader):
         return self._spill, True
 
     def _read_direct_into_place(self) -> None:
-        """Verified-only items that go straight into their destinations: one preadv() for many."""
+        """Verified-only items that go straight into their destinations: one preadv() for many, the
+        files on the reading threads at once (a copy from the page cache and a hash: CPU work that
+        one thread does at half the speed of two here)."""
         by_file: dict[str, list[tuple[ReadJob, memoryview]]] = defaultdict(list)
         for job in self._jobs:
             if job.mode == VERIFIED and job.direct is not None:
                 by_file[job.stored.file].append((job, job.direct))
-        for rel, items in by_file.items():
-            path = os.path.join(self.checkpoint_dir, rel)
-            fd, spilled = self._second_source(rel, path)
-            batches: list[list[tuple[ReadJob, memoryview]]] = []
-            batch_bytes = 0
-            for job, view in items:
-                if not batches or len(batches[-1]) >= _MAX_IOV or batch_bytes >= _HOT_BYTES \
-                        or not follows_at(batches[-1][-1][0], job, spilled):
-                    batches.append([])
-                    batch_bytes = 0
-                batches[-1].append((job, view))
-                batch_bytes += len(view)
-            for batch in batches:
-                head = batch[0][0]
-                at = head.spill_at if spilled else head.stored.offset
-                with _torn_if_it_fails(self.rank, path):
-                    self._read_batch(fd, batch, at, _HOT_BYTES, path)
-                for job, _ in batch:
-                    job.placed = True
+        stop = threading.Event()
+        if len(by_file) <= 1 or self.io_threads == 1:
+            for rel, items in by_file.items():
+                self._place_file(rel, items, stop)
+            return
+        with ExitSafePool(min(self.io_threads, len(by_file)), thread_name_prefix="ckptguard-place") as pool:
+            futures = [pool.submit(self._place_file, rel, items, stop) for rel, items in by_file.items()]
+            try:
+                for f in futures:
+                    f.result()
+            except BaseException:
+                stop.set()  # the others stop at their next batch; leaving `with` waits for them
+                raise
+
+    def _place_file(self, rel: str, items: list[tuple[ReadJob, memoryview]], stop: threading.Event) -> None:
+        path = os.path.join(self.checkpoint_dir, rel)
+        fd, spilled = self._second_source(rel, path)
+        batches: list[list[tuple[ReadJob, memoryview]]] = []
+        batch_bytes = 0
+        for job, view in items:
+            if not batches or len(batches[-1]) >= _MAX_IOV or batch_bytes >= _HOT_BYTES \
+                    or not follows_at(batches[-1][-1][0], job, spilled):
+                batches.append([])
+                batch_bytes = 0
+            batches[-1].append((job, view))
+            batch_bytes += len(view)
+        for batch in batches:
+            if stop.is_set():
+                return  # another file failed: this load is torn already, and reported by that file
+            head = batch[0][0]
+            at = head.spill_at if spilled else head.stored.offset
+            with _torn_if_it_fails(self.rank, path):
+                self._read_batch(fd, batch, at, _HOT_BYTES, path)
+            for job, _ in batch:
+                job.placed = True
 
     def _read_into_place(self, job: ReadJob) -> None:
         path = os.path.join(self.checkpoint_dir, job.stored.file)
