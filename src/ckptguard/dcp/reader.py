@@ -36,8 +36,8 @@ import os
 import resource
 import threading
 from collections import defaultdict
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -92,6 +92,8 @@ POSIX_MEMORY_BYTES = 256 << 20
 #: Share of MemAvailable the bytes of one load (this rank's, times the ranks of the host) may take for
 #: the page cache to be trusted to keep them between the verifying pass and the placing one.
 PAGE_CACHE_SHARE = 0.5
+
+_Work = TypeVar("_Work")  # what one file's work on a reading thread is given
 
 
 def available_bytes() -> int | None:
@@ -330,18 +332,7 @@ class GuardedReader(StorageReader):
                 else:
                     fd.close()
 
-        if len(files) <= 1 or self.io_threads == 1:
-            for rel, fj in files:
-                read_file(rel, fj)
-        else:
-            with ExitSafePool(min(self.io_threads, len(files)), thread_name_prefix="ckptguard-read") as pool:
-                futures = [pool.submit(read_file, rel, fj) for rel, fj in files]
-                try:
-                    for f in futures:
-                        f.result()
-                except BaseException:
-                    stop.set()  # the others stop at their next batch; leaving `with` waits for them
-                    raise
+        self._on_threads(files, read_file, stop, "ckptguard-read")
         for job in jobs:
             if job.reqs[0].type == LoadItemType.BYTE_IO:
                 assert job.raw is not None
@@ -479,17 +470,24 @@ class GuardedReader(StorageReader):
             if job.mode == VERIFIED and job.direct is not None:
                 by_file[job.stored.file].append((job, job.direct))
         stop = threading.Event()
-        if len(by_file) <= 1 or self.io_threads == 1:
-            for rel, items in by_file.items():
-                self._place_file(rel, items, stop)
+        self._on_threads(list(by_file.items()), lambda rel, items: self._place_file(rel, items, stop), stop,
+                         "ckptguard-place")
+
+    def _on_threads(self, files: Sequence[tuple[str, _Work]], work: Callable[[str, _Work], None],
+                    stop: threading.Event, name: str) -> None:
+        """``work`` for each file, on up to ``io_threads`` threads; the first failure sets ``stop`` (the
+        others stop at their next batch) and is raised once every thread has left."""
+        if len(files) <= 1 or self.io_threads == 1:
+            for rel, what in files:
+                work(rel, what)
             return
-        with ExitSafePool(min(self.io_threads, len(by_file)), thread_name_prefix="ckptguard-place") as pool:
-            futures = [pool.submit(self._place_file, rel, items, stop) for rel, items in by_file.items()]
+        with ExitSafePool(min(self.io_threads, len(files)), thread_name_prefix=name) as pool:
+            futures = [pool.submit(work, rel, what) for rel, what in files]
             try:
                 for f in futures:
                     f.result()
             except BaseException:
-                stop.set()  # the others stop at their next batch; leaving `with` waits for them
+                stop.set()
                 raise
 
     def _place_file(self, rel: str, items: list[tuple[ReadJob, memoryview]], stop: threading.Event) -> None:
