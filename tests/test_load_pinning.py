@@ -344,3 +344,79 @@ def test_a_loads_host_memory_is_private_and_may_use_huge_pages() -> None:
             assert fields["THPeligible"] == "1", f"THP is {thp.strip()!r}, yet the arena may not use it"
     finally:
         arena.close()
+
+
+_INTERRUPT_SCRIPT = textwrap.dedent("""
+    import faulthandler, os, random, signal, sys, threading, time
+    import torch
+    import ckptguard.dcp.writer as w
+    from ckptguard import Checkpointer
+    w._MIN_BYTES_PER_FILE = 1  # many data files: the reads and the second pass run on several threads
+    root, budget, loads = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    g = torch.Generator().manual_seed(0)
+    saved = {f"t{i}": torch.randn(300_000 + 1000 * i, generator=g) for i in range(24)}
+    saved["obj"] = {"k": 1}
+    if not os.path.exists(root):
+        with Checkpointer(root, io_threads=16) as ck:
+            ck.save(1, saved)
+    reader = Checkpointer(root, read_only=True, load_memory_bytes=budget)
+
+    def fresh():
+        out = {k: torch.full_like(v, -7.0) for k, v in saved.items() if k != "obj"}
+        out["obj"] = {"k": -1}
+        return out
+
+    t0 = time.perf_counter(); reader.load(fresh(), step=1); took = time.perf_counter() - t0
+    armed = [False]
+    def once(*_):
+        if armed[0]:
+            armed[0] = False
+            raise KeyboardInterrupt  # one Ctrl-C
+    signal.signal(signal.SIGINT, once)
+    rng = random.Random(budget)
+    outcomes = {}
+    for i in range(loads):
+        out = fresh()
+        faulthandler.dump_traceback_later(60, exit=True)  # a load that hangs fails the test
+        armed[0] = True
+        timer = threading.Timer(rng.uniform(0, took * 1.2), os.kill, (os.getpid(), signal.SIGINT))
+        timer.start()
+        try:
+            try:
+                reader.load(out, step=1)
+                how = "loaded"
+            except KeyboardInterrupt:
+                how = "interrupted"
+            timer.join()
+        except KeyboardInterrupt:
+            timer.join()
+            how = "loaded"  # the signal landed after the load
+        armed[0] = False
+        faulthandler.cancel_dump_traceback_later()
+        new = [k for k in saved if k != "obj" and torch.equal(out[k], saved[k])]
+        old = [k for k in saved if k != "obj" and bool((out[k] == -7.0).all())]
+        if how == "loaded":
+            assert len(new) == len(saved) - 1 and out["obj"] == {"k": 1}, f"load {i}: returned with {len(old)} old"
+        else:
+            assert len(new) in (0, len(saved) - 1) and len(new) + len(old) == len(saved) - 1, (
+                f"load {i}: interrupted, state half placed: {len(new)} new, {len(old)} old")
+        time.sleep(0.05)
+        left = [t.name for t in threading.enumerate() if t.name.startswith("ckptguard")]
+        assert not left, f"load {i} ({how}): threads left: {left}"
+        outcomes[how] = outcomes.get(how, 0) + 1
+    reader.close()
+    print("OK", outcomes)
+""")
+
+
+@pytest.mark.parametrize("budget", [0, 1 << 40], ids=["verify first", "in place"])
+def test_a_ctrl_c_during_a_load_leaves_the_state_old_or_whole_and_no_thread_behind(
+        tmp_path: Path, budget: int) -> None:
+    """A Ctrl-C (KeyboardInterrupt) at a random moment of a load: the state is the old one (the old
+    bytes put back once every reading thread stopped) or the whole step (the interrupt delivered once
+    every byte agreed on is in place), never half; no load hangs, no thread is left. An outside attack
+    found all three: a worker started but not recorded by the pool (its join waited forever), a join
+    abandoned while a thread still read into place, a second pass cut halfway."""
+    proc = subprocess.run([sys.executable, "-c", _INTERRUPT_SCRIPT, str(tmp_path / "ckpt"), str(budget), "40"],
+                          capture_output=True, text=True, timeout=400, cwd=REPO)
+    assert proc.returncode == 0 and "OK" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -16,6 +16,8 @@ from collections.abc import Callable
 from concurrent.futures import Executor, Future
 from typing import Any, ParamSpec, TypeVar
 
+from ckptguard._signals import signals_deferred
+
 P = ParamSpec("P")
 T = TypeVar("T")
 
@@ -38,7 +40,9 @@ class ExitSafePool(Executor):
 
     def submit(self, fn: Callable[P, T], /, *args: P.args, **kwargs: P.kwargs) -> Future[T]:
         future: Future[T] = Future()
-        with self._lock:
+        # A Ctrl-C between starting a worker and recording it would leave one that shutdown() never
+        # tells to stop: its sentinel taken by that one, the join of another waits forever.
+        with signals_deferred(), self._lock:
             if self._closed:
                 raise RuntimeError("cannot submit to a pool that was shut down")
             self._queue.put((future, fn, args, kwargs))

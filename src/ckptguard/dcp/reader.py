@@ -49,6 +49,7 @@ from torch.distributed.tensor import DTensor
 
 from ckptguard._faults import FaultPhase, fault_point
 from ckptguard._pool import ExitSafePool
+from ckptguard._signals import signals_deferred
 from ckptguard.dcp.planners import decode_object
 from ckptguard.dcp.readjob import (
     IN_PLACE,
@@ -414,6 +415,13 @@ class GuardedReader(StorageReader):
         place_object = getattr(planner, "place_object", None)
         # DCP's default planner does nothing on commit_tensor: not called then, once per item.
         commit = type(planner).commit_tensor is not DefaultLoadPlanner.commit_tensor
+        # Every rank agreed: a Ctrl-C meanwhile is delivered once every byte is in place, never
+        # halfway (the verified-only items' old bytes are not kept: a state half placed is torn).
+        with signals_deferred():
+            self._apply(planner, place_object, commit)
+
+    def _apply(self, planner: LoadPlanner, place_object: Callable[[ReadItem, Any], None] | None,
+               commit: bool) -> None:
         try:
             self._read_direct_into_place()
             for job in self._jobs:
@@ -481,14 +489,19 @@ class GuardedReader(StorageReader):
             for rel, what in files:
                 work(rel, what)
             return
-        with ExitSafePool(min(self.io_threads, len(files)), thread_name_prefix=name) as pool:
+        pool = ExitSafePool(min(self.io_threads, len(files)), thread_name_prefix=name)
+        try:
             futures = [pool.submit(work, rel, what) for rel, what in files]
-            try:
-                for f in futures:
-                    f.result()
-            except BaseException:
-                stop.set()
-                raise
+            for f in futures:
+                f.result()
+        except BaseException:
+            stop.set()
+            raise
+        finally:
+            # Whatever interrupts the caller (Ctrl-C), the threads that write its memory are seen
+            # stopped before it goes on: putting back old bytes while one still reads would tear them.
+            with signals_deferred():
+                pool.shutdown(wait=True)
 
     def _place_file(self, rel: str, items: list[tuple[ReadJob, memoryview]], stop: threading.Event) -> None:
         path = os.path.join(self.checkpoint_dir, rel)
@@ -526,8 +539,9 @@ class GuardedReader(StorageReader):
         files kept open, the spill and the scratch memory."""
         try:
             if not self._done and self.backup:
-                for job in reversed(self._jobs):  # reversed: aliasing views end with the oldest bytes
-                    job.restore_old()
+                with signals_deferred():  # all the old bytes back, or a state half old, half new
+                    for job in reversed(self._jobs):  # reversed: aliasing views end with the oldest bytes
+                        job.restore_old()
         finally:
             self._done = True
             handles, self._open = self._open, {}
