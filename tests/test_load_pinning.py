@@ -400,6 +400,7 @@ _INTERRUPT_SCRIPT = textwrap.dedent("""
         else:
             assert len(new) in (0, len(saved) - 1) and len(new) + len(old) == len(saved) - 1, (
                 f"load {i}: interrupted, state half placed: {len(new)} new, {len(old)} old")
+            assert out["obj"] == ({"k": 1} if new else {"k": -1}), f"load {i}: tensors and objects disagree"
         time.sleep(0.05)
         left = [t.name for t in threading.enumerate() if t.name.startswith("ckptguard")]
         assert not left, f"load {i} ({how}): threads left: {left}"

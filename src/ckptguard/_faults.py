@@ -2,8 +2,9 @@
 
 ``CKPTGUARD_FAULT="phase:rank[:action]"`` (several separated by commas) makes the
 named rank act at the named phase of the protocol: ``kill`` (SIGKILL itself, the
-default), ``raise`` (an OSError), ``sleep`` (hang for 3600 s), or ``stop`` (SIGSTOP
-itself, every thread with it, as a frozen node: a test resumes it with SIGCONT). ``rank`` may be
+default), ``raise`` (an OSError), ``sleep`` (hang for 3600 s), ``stop`` (SIGSTOP
+itself, every thread with it, as a frozen node: a test resumes it with SIGCONT), or
+``interrupt`` (SIGINT itself: a Ctrl-C, handled by Python right after the point). ``rank`` may be
 ``*`` for every rank. The variable is read once; outside tests it is unset and
 each fault point costs one dict lookup.
 """
@@ -27,6 +28,7 @@ class FaultPhase(StrEnum):
     AFTER_PUBLISH = "after_publish"    # leader: renamed into place, `latest` not yet moved
     AFTER_COMMIT = "after_commit"      # every domain published, retention not yet run
     MID_LOAD = "mid_load"              # a load has read part of the data
+    AFTER_PLACE = "after_place"        # a load has put this rank's bytes in place, not yet its objects
 
 
 PHASES = tuple(p.value for p in FaultPhase)
@@ -66,3 +68,5 @@ def fault_point(phase: FaultPhase, rank: int) -> None:
         time.sleep(3600)
     elif action == "stop":
         os.kill(os.getpid(), signal.SIGSTOP)
+    elif action == "interrupt":
+        os.kill(os.getpid(), signal.SIGINT)

@@ -57,7 +57,7 @@ from .workers import CAMPAIGN_JOB
 
 #: The library's fault points a kill_phase trial hits, in the order it cycles through them:
 #: every point of ckptguard._faults.FaultPhase but the load's (kill_load trials hit that one).
-LOAD_PHASES = frozenset({FaultPhase.MID_LOAD})
+LOAD_PHASES = frozenset({FaultPhase.MID_LOAD, FaultPhase.AFTER_PLACE})
 SAVE_PHASES = tuple(p for p in FaultPhase if p not in LOAD_PHASES)
 #: Only storage-domain leaders pass these (publish, `latest`): the kill goes to a leader.
 LEADER_PHASES = frozenset({FaultPhase.BEFORE_PUBLISH, FaultPhase.AFTER_PUBLISH, FaultPhase.AFTER_COMMIT})

@@ -165,6 +165,8 @@ class GuardedReader(StorageReader):
         self._arena: Arena | None = None
         self._spill: Spill | None = None
         self._done = False
+        #: Every item of this rank is in place (apply() succeeded): the caller's state holds the step.
+        self.applied = False
         self.staged_bytes = 0  # held in host memory between the phases (scratch, or old bytes of in-place items)
         self.verified_only_bytes = 0  # read twice: from storage, then from a pinned source
         self.spilled_bytes = 0  # of those, read again from the local spill file
@@ -446,7 +448,7 @@ class GuardedReader(StorageReader):
                         planner.commit_tensor(req, target)
                 if job.scratch is not None:
                     job.release()  # its scratch memory, now: the rest goes at close()
-            self._done = True
+            self.applied = self._done = True
         finally:
             self.close()
 

@@ -15,6 +15,7 @@ import shutil
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from ckptguard._signals import signals_deferred
 from ckptguard.checksum import Hasher
 from ckptguard.comm import Comm
 from ckptguard.errors import CheckpointError, CorruptCheckpointError, PathCollisionError
@@ -316,26 +317,31 @@ def stage_restore(storage: StorageBackend, targets: list[ArtifactTarget], manife
 
 
 def swap_in(swaps: list[RestoreSwap]) -> None:
-    """Move every restored copy into place; what stood there is moved aside, not deleted."""
-    for s in swaps:
-        if os.path.lexists(s.dest):
-            s.displaced = unique_tmp_name(s.dest) + ".displaced"
-            os.rename(s.dest, s.displaced)
-        os.rename(s.staged, s.dest)
-        s.swapped = True
+    """Move every restored copy into place; what stood there is moved aside, not deleted. A Ctrl-C
+    is held back meanwhile: what each swap did is recorded before swap_back reads it."""
+    with signals_deferred():
+        for s in swaps:
+            if os.path.lexists(s.dest):
+                displaced = unique_tmp_name(s.dest) + ".displaced"
+                os.rename(s.dest, displaced)
+                s.displaced = displaced  # recorded once done: swap_back moves back only what moved
+            os.rename(s.staged, s.dest)
+            s.swapped = True
     for d in sorted({os.path.dirname(s.dest) or "." for s in swaps}):
         fsync_dir(d)
 
 
 def swap_back(swaps: list[RestoreSwap]) -> None:
-    """Undo swap_in (another rank failed to swap): the user's files are back as they were."""
-    for s in reversed(swaps):
-        if s.swapped:
-            os.rename(s.dest, s.staged)
-            s.swapped = False
-        if s.displaced is not None:
-            os.rename(s.displaced, s.dest)
-            s.displaced = None
+    """Undo swap_in (this or another rank failed before the state changed): the user's files are back
+    as they were, the staged copies removed."""
+    with signals_deferred():
+        for s in reversed(swaps):
+            if s.swapped:
+                os.rename(s.dest, s.staged)
+                s.swapped = False
+            if s.displaced is not None:
+                os.rename(s.displaced, s.dest)
+                s.displaced = None
     abort_restore(swaps)
 
 

@@ -7,9 +7,12 @@ when the newest is corrupt, a new listing when it was retired while being read.
     read      DCP plans (resharding included), our reader reads and verifies
               every byte, writing nothing into the caller's state yet
     restore   files= artifacts staged next to their destinations, verified
-    place     once every rank verified everything: tensors and objects copied
-              into place, files= artifacts renamed into place
-    apply     loaded values pushed into modules, optimizers and objects
+    place     once every rank verified everything: files= artifacts renamed into
+              place (moved back if any rank cannot), then tensors and objects
+              copied into place
+    apply     loaded values pushed into modules, optimizers and objects (also
+              when a Ctrl-C or another rank's failure comes after this rank placed:
+              its state whole, never half)
 
 Nothing the caller can see changes before every rank has verified its whole part
 (agreed), so a load that fails leaves the caller's state as it was, and a
@@ -29,6 +32,8 @@ from typing import Any, TypeVar
 
 from torch.distributed.checkpoint.metadata import Metadata
 
+from ckptguard._faults import FaultPhase, fault_point
+from ckptguard._signals import signals_deferred
 from ckptguard.comm import agreed_failures, hostname
 from ckptguard.dcp.codec import metadata_from_json
 from ckptguard.dcp.drive import read_locally
@@ -310,31 +315,44 @@ def _read_and_place(session: Session, agreed: AgreedManifest, targets: list[Arti
         def stage() -> None:
             swaps.extend(artifacts.stage_restore(session.storage, targets, manifest, data_dir))
 
+        def place() -> None:
+            reader.apply(planner)
+            fault_point(FaultPhase.AFTER_PLACE, comm.rank)
+
         try:
             comm.step(f"restore its files= artifacts from step {name.step}", stage, where=root.dir(name))
-            # Every rank verified every byte it needs: now, and only now, the caller's state changes.
-            with stats.phase("place"):
-                comm.step(f"copy step {name.step} into place", lambda: reader.apply(planner), where=session.url)
-        except BaseException:
-            artifacts.abort_restore(swaps)
-            raise
-        try:
+            # Every rank verified every byte it needs. The files first: moved back on every rank if
+            # one cannot move its own, while nothing of the state has changed yet.
             comm.step(f"move its restored files= artifacts of step {name.step} into place",
                       lambda: artifacts.swap_in(swaps), where=root.dir(name))
+            # Now, and only now, the caller's state changes.
+            with stats.phase("place"):
+                comm.step(f"copy step {name.step} into place", place, where=session.url)
         except BaseException:
-            artifacts.swap_back(swaps)  # some rank could not: every rank's files are as they were
+            if not reader.applied:
+                artifacts.swap_back(swaps)  # the files as they were, the staged copies removed
             raise
     except BaseException:
-        if prepared:
+        if reader.applied:
+            # This rank's bytes are in place (a Ctrl-C after them, or another rank's torn read):
+            # its state whole, not half (tensors new, objects, optimizers and files old).
+            _finish(prepared[0], swaps, stats)
+        elif prepared:
             prepared[0].undo()
         raise
     finally:
         reader.close()
-    with stats.phase("apply"):
-        prepared[0].apply()
-    artifacts.finish_restore(swaps)
+    _finish(prepared[0], swaps, stats)
     stats.bytes = manifest.total_item_bytes
     stats.staged_bytes = reader.staged_bytes
     stats.verified_only_bytes = reader.verified_only_bytes
     stats.spilled_bytes = reader.spilled_bytes
     log.debug("ckptguard: loaded step %d: %s", name.step, stats)
+
+
+def _finish(prepared: PreparedState, swaps: list[artifacts.RestoreSwap], stats: PhaseTimer) -> None:
+    """Once this rank's bytes are in place: the loaded values into modules, optimizers and objects,
+    the files the restored ones displaced removed; a Ctrl-C meanwhile is delivered afterwards."""
+    with signals_deferred(), stats.phase("apply"):
+        prepared.apply()
+        artifacts.finish_restore(swaps)
