@@ -50,7 +50,12 @@ def signals() -> None:
     signal.signal(signal.SIGTERM, on_term)
     try:  # "ready" inside the try: a signal right after it still finds the cleanup armed
         print("ready", flush=True)
-        time.sleep(120)
+        # Short sleeps: a signal handled between a sleep's last check and its system call does not
+        # cut that sleep short (CPython's time.sleep), so one long sleep could outlast the test's
+        # timeout; the next short one raises it (a 60 s hang once in CI).
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            time.sleep(0.05)
     finally:
         print("cleanup ran", flush=True)
 
