@@ -20,7 +20,7 @@ from types import FrameType
 
 from ckptguard.runner import logdir
 from ckptguard.runner.capture import DEFAULT_CAP, StreamCapture
-from ckptguard.runner.child import FORWARDED, CommandNotFound, run_child
+from ckptguard.runner.child import FORWARDED, CommandNotFound, run_child, wait_in_steps
 
 RUNNER_ERROR = 125
 MAX_GRACE_S = 10.0
@@ -200,8 +200,7 @@ def _on_failure(opts: RunOptions, me: logdir.HostRun, status: int, env: Mapping[
                     "CKPTGUARD_REPORT_HTML": paths[1] if paths else "",
                     "CKPTGUARD_FAILURE_CLASS": (diag.failure_class or "") if diag is not None else ""}
         hook.proc = subprocess.Popen(opts.on_failure, shell=True, env=hook_env, start_new_session=True)
-        rc = hook.proc.wait()
-        while rc is None:  # pragma: no cover - wait() returns the status
-            rc = hook.proc.wait()
+        wait_in_steps(hook.proc)
+        rc = hook.proc.returncode
         if rc != 0:
             _say(f"ckptguard run: --on-failure command exited with status {rc}\n")

@@ -235,11 +235,16 @@ def _pump(proc: subprocess.Popen[bytes], outs: list[_Out], stdout: StreamCapture
     sel.close()
     if open_outs:
         _hand_off(open_outs)
+    wait_in_steps(proc)
+
+
+def wait_in_steps(proc: subprocess.Popen[bytes]) -> None:
+    """Wait for ``proc`` in short steps: a signal that arrives just before a blocking wait enters
+    its system call is handled only once that call returns, so one unbounded wait could sit on a
+    Ctrl-C to be forwarded until the child exits on its own."""
     while proc.poll() is None:
-        try:
-            proc.wait()
-        except KeyboardInterrupt:  # pragma: no cover - signals are handled, never raised
-            continue
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=0.2)
 
 
 def _hand_off(outs: list[_Out]) -> None:
