@@ -80,6 +80,38 @@ def test_a_refused_load_leaves_an_optimizer_that_never_stepped_without_state(tmp
             assert all(p.grad is None for p in fresh.parameters())
 
 
+@pytest.mark.parametrize("kind", [torch.optim.SGD, torch.optim.Adam])
+def test_a_never_stepped_optimizer_whose_parameters_hold_gradients_loads_and_keeps_them(
+        tmp_path: Path, kind: type[torch.optim.Optimizer]) -> None:
+    """A template built after a backward pass (an optimizer re-created mid-training): DCP builds no
+    state to load into where a parameter holds a gradient, so the load was refused with "optim.state:
+    not in the checkpoint" (outside attack). Now it loads, the gradients are as they were, and a
+    refused load still leaves the optimizer without state."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    optim = kind(model.parameters(), lr=0.1, **({"momentum": 0.9} if kind is torch.optim.SGD else {}))
+    model(torch.randn(2, 3)).sum().backward()
+    optim.step()
+    with Checkpointer(tmp_path / "ck") as ck:
+        ck.save(1, {"model": model, "optim": optim})
+        fresh = torch.nn.Linear(3, 2)
+        new = kind(fresh.parameters(), lr=0.5, **({"momentum": 0.9} if kind is torch.optim.SGD else {}))
+        fresh(torch.randn(2, 3)).sum().backward()
+        grads = [p.grad.clone() for p in fresh.parameters()]  # type: ignore[union-attr]
+        with pytest.raises(TemplateMismatchError):
+            ck.load({"model": fresh, "optim": new, "not saved": torch.zeros(1)}, step=1)
+        assert new.state_dict()["state"] == {}
+        assert all(torch.equal(p.grad, g) for p, g in zip(fresh.parameters(), grads, strict=True))  # type: ignore[arg-type]
+        ck.load({"model": fresh, "optim": new}, step=1)
+    saved, loaded = optim.state_dict(), new.state_dict()
+    assert loaded["param_groups"] == saved["param_groups"]
+    for i, st in saved["state"].items():
+        for name, value in st.items():
+            assert torch.equal(torch.as_tensor(loaded["state"][i][name]), torch.as_tensor(value)), (i, name)
+    assert all(torch.equal(p.grad, g) for p, g in zip(fresh.parameters(), grads, strict=True))  # type: ignore[arg-type]
+    assert all(torch.equal(a, b) for a, b in zip(fresh.parameters(), model.parameters(), strict=True))
+
+
 @pytest.mark.parametrize("memory", [None, 64 << 20])
 def test_a_template_tensor_whose_elements_share_memory_is_refused_before_anything_changes(
         tmp_path: Path, memory: int | None) -> None:

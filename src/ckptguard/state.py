@@ -6,8 +6,9 @@ DDP, FSDP2 (DTensor) and plain modules all work and loading reshards.
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Callable, Mapping, MutableMapping
+from collections.abc import Callable, Iterator, Mapping, MutableMapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -121,7 +122,24 @@ def _per_rank_later(holder: PerRank, sd: dict[str, Any], key: str) -> Callable[[
     return apply
 
 
-def prepare_state(state: Mapping[str, Any], rank: int = 0) -> PreparedState:
+@contextlib.contextmanager
+def _gradients_set_aside(optim: torch.optim.Optimizer) -> Iterator[None]:
+    """DCP builds that state only where no parameter holds a gradient (it takes one for the sign of
+    a stateless optimizer): a template built after a backward pass had none, and the load was refused
+    for a key the checkpoint has. The gradients are set aside meanwhile and given back as they were."""
+    held = [(p, p.grad) for g in optim.param_groups for p in g["params"] if p.grad is not None]
+    for p, _ in held:
+        p.grad = None
+    try:
+        yield
+    finally:
+        for p, grad in held:
+            p.grad = grad
+
+
+def prepare_state(state: Mapping[str, Any], rank: int = 0, *, for_load: bool = False) -> PreparedState:
+    """The DCP state dict of ``state``, with what a load then does (``apply``) or takes back (``undo``).
+    ``for_load``: a never-stepped optimizer gets a state to load into even where gradients exist."""
     if not isinstance(state, Mapping):
         raise TypeError("state must be a mapping of names to modules, optimizers or values, "
                         f"not {type(state).__name__}")
@@ -135,7 +153,7 @@ def prepare_state(state: Mapping[str, Any], rank: int = 0) -> PreparedState:
             fn()
 
     try:
-        _prepare_values(state, rank, modules, sd, appliers, undoers)
+        _prepare_values(state, rank, modules, sd, appliers, undoers, for_load)
     except BaseException:
         undo()
         raise
@@ -148,7 +166,7 @@ def prepare_state(state: Mapping[str, Any], rank: int = 0) -> PreparedState:
 
 
 def _prepare_values(state: Mapping[str, Any], rank: int, modules: Mapping[str, nn.Module], sd: dict[str, Any],
-                    appliers: list[Callable[[], object]], undoers: list[Callable[[], object]]) -> None:
+                    appliers: list[Callable[[], object]], undoers: list[Callable[[], object]], for_load: bool) -> None:
     for key, value in state.items():
         if not isinstance(key, str) or not key:
             raise TypeError(f"state keys must be non-empty strings, got {key!r}")
@@ -160,11 +178,13 @@ def _prepare_values(state: Mapping[str, Any], rank: int, modules: Mapping[str, n
             appliers.append(_later(functools.partial(set_model_state_dict, value), sd, key))
         elif isinstance(value, torch.optim.Optimizer):
             model = _owner(value, key, modules)
-            if not value.state:
+            fresh = not value.state
+            if fresh:
                 # DCP gives an optimizer that never stepped a state to load into (a step with zero
                 # gradients and learning rate): a load that fails must leave it without one again.
                 undoers.append(value.state.clear)
-            sd[key] = encode_value(get_optimizer_state_dict(model, value), (key,))
+            with _gradients_set_aside(value) if fresh and for_load else contextlib.nullcontext():
+                sd[key] = encode_value(get_optimizer_state_dict(model, value), (key,))
             appliers.append(_later(functools.partial(set_optimizer_state_dict, model, value), sd, key))
         elif isinstance(value, PerRank):
             pkey = per_rank_key(key, rank)

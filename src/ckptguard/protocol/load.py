@@ -299,7 +299,7 @@ def _read_and_place(session: Session, agreed: AgreedManifest, targets: list[Arti
 
     def prepare_and_read() -> None:
         with stats.phase("metadata"):
-            prepared.append(prepare_state(request.state, comm.rank))
+            prepared.append(prepare_state(request.state, comm.rank, for_load=True))
         read_locally(prepared[0].state_dict, reader, planner, is_coordinator=comm.rank == 0, stats=stats,
                      before_read=on_planned,
                      metadata_for=lambda names: manifest_metadata(session, name, manifest, names))
