@@ -3,20 +3,26 @@
 - a process that exits without wait() while its background save fails exits non-zero;
 - destroy_process_group() right after save(blocking=False) finishes the save first;
 - when a rank dies, the survivors get a CheckpointError, not a raw gloo RuntimeError;
-- when a rank stalls, the survivors fail within the control group's timeout.
+- when a rank stalls, the survivors fail within the control group's timeout;
+- a Ctrl-C in wait() leaves the save in flight, and the next save commits after it.
 """
 
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import textwrap
+import threading
 from pathlib import Path
+from typing import Any
 
+import pytest
 import torch
 
 from ckptguard import Checkpointer
+from ckptguard.protocol import save as save_protocol
 
 from tests.support.jobs import JobTimeout, run_job
 from tests.support.results import by_rank, job_results
@@ -117,3 +123,39 @@ def test_exit_while_a_load_and_a_background_save_run_in_unclosed_checkpointers(t
     assert "loaded 1 True" in proc.stdout and "saved [1, 3]" in proc.stdout, (proc.stdout, proc.stderr[-3000:])
     with Checkpointer(tmp_path / "b", read_only=True) as ck:
         assert ck.steps() == [2]
+
+
+def test_a_ctrl_c_in_wait_leaves_the_background_save_in_flight_and_the_next_save_after_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Ctrl-C interrupts wait() while step 2 is saved in the background. The save goes on; the next
+    save waits for it and commits after it. Before, wait() forgot the save first: step 3, saved
+    synchronously, ran beside it, both got the same commit number and `latest` went back to step 2
+    (outside attack)."""
+    gate = threading.Event()
+    real_save = save_protocol.save
+
+    def gated_save(*args: Any, **kwargs: Any) -> Any:
+        if threading.current_thread() is not threading.main_thread():
+            gate.wait(30)  # the background save is held until the test lets it go
+        return real_save(*args, **kwargs)
+
+    monkeypatch.setattr(save_protocol, "save", gated_save)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with Checkpointer(tmp_path / "ck") as ck:
+            ck.save(1, {"w": torch.full((4,), 1.0)})
+            ck.save(2, {"w": torch.full((4,), 2.0)}, blocking=False)
+            threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT)).start()
+            with pytest.raises(KeyboardInterrupt):
+                ck.wait()
+            assert ck.pending_save() is not None and not ck.pending_save().done()  # type: ignore[union-attr]
+            threading.Timer(0.5, gate.set).start()
+            ck.save(3, {"w": torch.full((4,), 3.0)})
+            assert ck.latest() == 3 and ck.steps(refresh=True) == [1, 2, 3]
+            template = {"w": torch.zeros(4)}
+            assert ck.load(template) == 3 and torch.equal(template["w"], torch.full((4,), 3.0))
+    finally:
+        gate.set()
+        signal.signal(signal.SIGINT, previous)
+    with Checkpointer(tmp_path / "ck", read_only=True) as ck:
+        assert ck.latest() == 3

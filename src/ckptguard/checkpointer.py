@@ -22,6 +22,7 @@ from typing import Any
 
 from ckptguard import inflight
 from ckptguard._faults import FaultPhase, fault_point
+from ckptguard._signals import signals_deferred
 from ckptguard.arguments import Settings, check_kinds, checksum_name, count, json_object, required, seconds
 from ckptguard.comm import DEFAULT_TIMEOUT_S, Comm, LocalTransport, default_comm, hostname
 from ckptguard.dcp.planners import forget_cached_plans
@@ -231,7 +232,8 @@ class Checkpointer(Settings):
                 request = save_protocol.SaveRequest(step, staged[0], targets, staged[1], overwrite, user_metadata,
                                                     local_error, frozenset(self._tags.values()))
                 try:
-                    self._inflight = self._background.submit(self._save_now, request, stats)
+                    with signals_deferred():  # submitted and recorded, or neither: never a save unrecorded
+                        self._inflight = self._background.submit(self._save_now, request, stats)
                 except RuntimeError:  # the interpreter is exiting (a thread that outlived the main one): now
                     self._save_now(request, stats)
                 stats.blocked = time.perf_counter() - started
@@ -249,17 +251,24 @@ class Checkpointer(Settings):
         """Wait until the save started with ``blocking=False`` is committed; raise its error if it failed.
 
         Every failure is a CheckpointError (a rank that died is a PeerError); a
-        KeyboardInterrupt in the background save stays one.
+        KeyboardInterrupt in the background save stays one. A Ctrl-C while waiting
+        leaves the save in flight: the next ``save``, ``load`` or ``wait`` waits for it.
         """
-        inflight, self._inflight = self._inflight, None
+        inflight = self._inflight
         if inflight is None:
             return
         try:
             inflight.result()
-        except (CheckpointError, KeyboardInterrupt, SystemExit):
-            raise
         except BaseException as e:
+            if not inflight.done():
+                # A Ctrl-C while waiting: the save goes on, and stays the one the next save, load or
+                # wait() waits for (forgotten, a save after it ran beside it and committed first).
+                raise
+            self._inflight = None
+            if isinstance(e, CheckpointError | KeyboardInterrupt | SystemExit):
+                raise
             raise CheckpointError(f"the background save to {self.root} failed: {type(e).__name__}: {e}") from e
+        self._inflight = None
 
     def load(
         self,
