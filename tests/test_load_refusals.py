@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import signal
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -110,6 +113,42 @@ def test_a_never_stepped_optimizer_whose_parameters_hold_gradients_loads_and_kee
             assert torch.equal(torch.as_tensor(loaded["state"][i][name]), torch.as_tensor(value)), (i, name)
     assert all(torch.equal(p.grad, g) for p, g in zip(fresh.parameters(), grads, strict=True))  # type: ignore[arg-type]
     assert all(torch.equal(a, b) for a, b in zip(fresh.parameters(), model.parameters(), strict=True))
+
+
+class _CtrlCInStep(torch.optim.SGD):
+    """An SGD whose next step() is hit by a Ctrl-C (the step DCP takes to give it a state)."""
+
+    armed = False
+
+    def step(self, closure: Any = None) -> Any:
+        if _CtrlCInStep.armed:
+            _CtrlCInStep.armed = False
+            os.kill(os.getpid(), signal.SIGINT)
+        return super().step(closure)
+
+
+def test_a_ctrl_c_while_a_fresh_optimizer_gets_its_state_leaves_it_as_it_was(tmp_path: Path) -> None:
+    """DCP builds a never-stepped optimizer's state with a step at learning rate 0, set and put back
+    around it: a Ctrl-C inside left every learning rate 0 (outside attack, 1 of 40 random Ctrl-Cs)."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    optim = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    model(torch.randn(2, 3)).sum().backward()
+    optim.step()
+    fresh = torch.nn.Linear(3, 2)
+    new = _CtrlCInStep(fresh.parameters(), lr=0.05, momentum=0.9)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with Checkpointer(tmp_path / "ck") as ck:
+            ck.save(1, {"model": model, "optim": optim})
+            _CtrlCInStep.armed = True
+            with pytest.raises(KeyboardInterrupt):
+                ck.load({"model": fresh, "optim": new}, step=1)
+    finally:
+        _CtrlCInStep.armed = False
+        signal.signal(signal.SIGINT, previous)
+    assert new.param_groups[0]["lr"] == 0.05 and new.state_dict()["state"] == {}
+    assert all(p.grad is None for p in fresh.parameters())
 
 
 @pytest.mark.parametrize("memory", [None, 64 << 20])

@@ -24,6 +24,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor
 
+from ckptguard._signals import signals_deferred
 from ckptguard.dcp.values import PLAIN_TENSOR_TYPES, decode_value, encode_value, per_rank_key
 from ckptguard.errors import CheckpointError
 
@@ -183,7 +184,10 @@ def _prepare_values(state: Mapping[str, Any], rank: int, modules: Mapping[str, n
                 # DCP gives an optimizer that never stepped a state to load into (a step with zero
                 # gradients and learning rate): a load that fails must leave it without one again.
                 undoers.append(value.state.clear)
-            with _gradients_set_aside(value) if fresh and for_load else contextlib.nullcontext():
+            # DCP's step sets every learning rate to 0 and back: a Ctrl-C inside left it 0 (outside
+            # attack), so a fresh optimizer's preparation runs whole, the signal handled after it.
+            with signals_deferred() if fresh else contextlib.nullcontext(), \
+                    _gradients_set_aside(value) if fresh and for_load else contextlib.nullcontext():
                 sd[key] = encode_value(get_optimizer_state_dict(model, value), (key,))
             appliers.append(_later(functools.partial(set_optimizer_state_dict, model, value), sd, key))
         elif isinstance(value, PerRank):
