@@ -84,6 +84,18 @@ def test_a_stalled_rank_makes_the_others_fail_within_the_timeout(tmp_path: Path)
     assert survivors[0]["checkpoint_error"] and survivors[0]["seconds"] < 60, survivors
 
 
+def test_a_rank_interrupted_outside_an_agreement_refuses_its_next_collective_call(tmp_path: Path) -> None:
+    """Rank 1 catches a Ctrl-C that ended save() before its first collective; rank 0 is inside the
+    save. Rank 1's next call (a load) is refused at once with CheckpointError, instead of pairing its
+    collectives with rank 0's save (outside attack: two ranks in different collectives, a hang);
+    rank 0 raises PeerError within the control group's timeout."""
+    job = run_job(WORKER, ["out_of_step", str(tmp_path / "ck"), "--timeout", "8"], nproc_per_node=2, timeout=90)
+    out = {r["rank"]: r for r in job_results(job)}
+    assert out[1]["save"] == "KeyboardInterrupt", job.output()
+    assert out[1]["load"] == "CheckpointError" and "out of step" in out[1]["message"], out[1]
+    assert out[0]["save"] == "PeerError" and out[0]["seconds"] < 60, out[0]
+
+
 def test_a_script_that_never_destroys_its_gloo_group_exits_cleanly(tmp_path: Path) -> None:
     """PyTorch aborts now and then at exit with a gloo group alive (5 of 16 bare-torch runs here);
     after its saves are done, ckptguard destroys a gloo default group the script left alive."""

@@ -18,7 +18,7 @@ import threading
 import time
 from collections.abc import Callable, Collection, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
+from typing import Any, TypeVar
 
 from ckptguard import inflight
 from ckptguard._faults import FaultPhase, fault_point
@@ -43,6 +43,38 @@ from ckptguard.staging import HostStager
 from ckptguard.state import prepare_state
 
 log = logging.getLogger("ckptguard")
+
+
+_Method = TypeVar("_Method", bound=Callable[..., Any])
+
+
+def _collective(only_with: str | None = None) -> Callable[[_Method], _Method]:
+    """A collective call (only when keyword ``only_with`` is true, if given): refused once this
+    rank's calls are out of step with the others', and marks them so when a Ctrl-C (or another
+    exception that is not an Exception) leaves it on this rank at a point the others did not agree
+    on: they may still be inside it, and the next collective here would pair with a different one
+    there (a load's with a save's: a hang, or another call's answers)."""
+
+    def wrap(method: _Method) -> _Method:
+        @functools.wraps(method)
+        def call(self: Checkpointer, *args: Any, **kwargs: Any) -> Any:
+            if only_with is not None and not kwargs.get(only_with):
+                return method(self, *args, **kwargs)
+            if self._out_of_step is not None:
+                raise CheckpointError(self._out_of_step, rank=self._comm.rank)
+            try:
+                return method(self, *args, **kwargs)
+            except BaseException as e:
+                if not isinstance(e, Exception) and self._comm.world_size > 1 and e is not self._comm.last_agreed:
+                    self._out_of_step = (
+                        f"rank {self._comm.rank}: a {type(e).__name__} ended {method.__name__}() on this rank "
+                        "at a point the other ranks did not agree on; they may still be inside it, so this "
+                        "Checkpointer's ranks are out of step (its next collective would pair with a different "
+                        "one on another rank). The others raise PeerError within collective_timeout_s. Create "
+                        "a new Checkpointer on every rank, or end the job.")
+                raise
+        return call  # type: ignore[return-value]
+    return wrap
 
 
 class Checkpointer(Settings):
@@ -129,6 +161,7 @@ class Checkpointer(Settings):
             self._exit_release = functools.partial(release_at_exit, self._session.lease)
             atexit.register(self._exit_release)
         self._closed = False
+        self._out_of_step: str | None = None  # why this rank's collective calls are refused (see _collective)
         self._cleaner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckptguard-cleanup")
         self._cleanup: Future[None] | None = None
         self._cleanup_lock = threading.Lock()  # the background save sets it, any call may wait for it
@@ -158,6 +191,7 @@ class Checkpointer(Settings):
     def topology(self) -> Topology:
         return self._session.topo
 
+    @_collective(only_with="refresh")
     def steps(self, *, refresh: bool = False) -> list[int]:
         """Committed steps in commit order (the last one was committed last: the one load() resumes),
         agreed by all ranks (committed in every storage domain).
@@ -180,6 +214,7 @@ class Checkpointer(Settings):
         steps = self.steps(refresh=refresh)
         return steps[-1] if steps else None
 
+    @_collective()
     def save(
         self,
         step: int,
@@ -270,6 +305,7 @@ class Checkpointer(Settings):
             raise CheckpointError(f"the background save to {self.root} failed: {type(e).__name__}: {e}") from e
         self._inflight = None
 
+    @_collective()
     def load(
         self,
         state: Mapping[str, Any],
@@ -305,6 +341,7 @@ class Checkpointer(Settings):
             self._last_load_stats = stats
         return loaded
 
+    @_collective()
     def read(self, step: int | None = None, *, tag: str | None = None,
              keys: Collection[str] | None = None) -> dict[str, Any] | None:
         """The stored state dict of a committed checkpoint, without a template; None if there is none.
@@ -330,10 +367,12 @@ class Checkpointer(Settings):
         read_protocol.require_committed(self._session, step, self._committed)
         return self._session.root.dir(CheckpointName(step, self._committed[step].version))
 
+    @_collective()
     def metadata(self, step: int) -> dict[str, Any]:
         """The ``metadata=`` given to the save of committed ``step``; collective (rank 0 reads it)."""
         return read_protocol.read_metadata(self._session, step, self._committed)
 
+    @_collective()
     def delete(self, step: int) -> None:
         """Delete committed ``step`` (every version) on every storage domain; collective.
 
@@ -348,6 +387,7 @@ class Checkpointer(Settings):
         self._committed, retired = manage.delete_step(self._session, step, current, self._tags)
         self._remove_retired(retired, step)
 
+    @_collective()
     def tag(self, name: str, step: int, *, expect: Any = ...) -> int | None:
         """Point tag ``name`` (e.g. ``"best"``) at committed ``step``; the step it named before (or None).
 
@@ -362,6 +402,7 @@ class Checkpointer(Settings):
         self._tags = manage.read_tags(self._session)
         return before
 
+    @_collective()
     def untag(self, name: str) -> int | None:
         """Remove tag ``name``; the step it named (or None). Collective."""
         self.wait()
@@ -370,6 +411,7 @@ class Checkpointer(Settings):
         self._tags = manage.read_tags(self._session)
         return before
 
+    @_collective(only_with="refresh")
     def tags(self, *, refresh: bool = False) -> dict[str, int]:
         """{tag: step}, agreed by all ranks; like steps(), collective only with ``refresh=True``."""
         if refresh:

@@ -152,6 +152,8 @@ class Comm:
         self._t = transport
         self.rank = transport.rank
         self.world_size = transport.world_size
+        #: The failure the last agreement raised on this rank: every rank raised at that same point.
+        self.last_agreed: BaseException | None = None
 
     @property
     def process_group(self) -> Any:
@@ -225,7 +227,11 @@ class Comm:
             else:
                 kind, payload = self._t.broadcast(verdict)
         if kind == "failed":
-            raise_agreed(payload, own, what, suffix, self.rank)
+            try:
+                raise_agreed(payload, own, what, suffix, self.rank)
+            except BaseException as e:
+                self.last_agreed = e
+                raise
         if decide_fn is None:
             return value
         return payload

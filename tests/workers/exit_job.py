@@ -3,7 +3,8 @@
 Scenarios (argv[1]): ``destroy`` (a background save, then destroy_process_group and exit at
 once), ``dead_rank`` (rank 1 is SIGKILLed inside a background save; rank 0 waits),
 ``stalled_rank`` (rank 1 stops itself inside a save; rank 0 must fail within the
-control group's timeout). Each rank prints ``RESULT <json>``.
+control group's timeout), ``out_of_step`` (rank 1 is interrupted at the start of a save rank 0 goes
+into, then loads). Each rank prints ``RESULT <json>``.
 """
 
 from __future__ import annotations
@@ -71,6 +72,33 @@ def scenario_stalled_rank(args: argparse.Namespace) -> None:
         result(error=type(e).__name__, checkpoint_error=isinstance(e, ckptguard.CheckpointError),
                seconds=time.monotonic() - started)
     os._exit(0)  # the stalled peer never answers again: do not wait for it at shutdown
+
+
+def scenario_out_of_step(args: argparse.Namespace) -> None:
+    """Rank 1 is interrupted (a Ctrl-C it catches) where the others do not agree on it: at the start
+    of a save that rank 0 goes into. Rank 1 then loads."""
+    ck = ckptguard.Checkpointer(args.root, collective_timeout_s=args.timeout)
+    ck.save(1, state(1))
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    if dist.get_rank() == 1:
+        _faults.arm("save_start:1:interrupt")
+    started = time.monotonic()
+    outcome: dict[str, object] = {}
+    try:
+        ck.save(2, state(2))
+        outcome["save"] = None
+    except BaseException as e:
+        outcome["save"] = type(e).__name__
+    _faults.arm("")
+    if dist.get_rank() == 1:
+        template = state(0)
+        try:
+            outcome["load"] = ck.load(template)
+        except BaseException as e:
+            outcome["load"] = type(e).__name__
+            outcome["message"] = str(e)[:400]
+    result(seconds=time.monotonic() - started, **outcome)
+    os._exit(0)  # the groups are out of step: do not wait for them at shutdown
 
 
 def main() -> None:
