@@ -24,7 +24,7 @@ from ckptguard import inflight
 from ckptguard._faults import FaultPhase, fault_point
 from ckptguard._signals import signals_deferred
 from ckptguard.arguments import Settings, check_kinds, checksum_name, count, json_object, required, seconds
-from ckptguard.comm import DEFAULT_TIMEOUT_S, Comm, LocalTransport, default_comm, hostname
+from ckptguard.comm import DEFAULT_TIMEOUT_S, Comm, LocalTransport, default_comm, hostname, was_agreed
 from ckptguard.dcp.planners import forget_cached_plans
 from ckptguard.errors import CheckpointError
 from ckptguard.protocol import artifacts, manage
@@ -65,7 +65,7 @@ def _collective(only_with: str | None = None) -> Callable[[_Method], _Method]:
             try:
                 return method(self, *args, **kwargs)
             except BaseException as e:
-                if not isinstance(e, Exception) and self._comm.world_size > 1 and e is not self._comm.last_agreed:
+                if not isinstance(e, Exception) and self._comm.world_size > 1 and not was_agreed(e):
                     self._out_of_step = (
                         f"rank {self._comm.rank}: a {type(e).__name__} ended {method.__name__}() on this rank "
                         "at a point the other ranks did not agree on; they may still be inside it, so this "

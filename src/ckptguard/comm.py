@@ -152,8 +152,6 @@ class Comm:
         self._t = transport
         self.rank = transport.rank
         self.world_size = transport.world_size
-        #: The failure the last agreement raised on this rank: every rank raised at that same point.
-        self.last_agreed: BaseException | None = None
 
     @property
     def process_group(self) -> Any:
@@ -230,7 +228,7 @@ class Comm:
             try:
                 raise_agreed(payload, own, what, suffix, self.rank)
             except BaseException as e:
-                self.last_agreed = e
+                setattr(e, _AGREED, True)  # on the error itself: no reference to it (and its frames) kept
                 raise
         if decide_fn is None:
             return value
@@ -348,6 +346,14 @@ def with_suffix(message: str, suffix: str) -> str:
     if not suffix:
         return message
     return message + ("" if message.rstrip().endswith((".", "!", "?")) else ".") + suffix
+
+
+_AGREED = "_ckptguard_agreed"
+
+
+def was_agreed(err: BaseException) -> bool:
+    """Whether ``err`` was raised by an agreement (Comm.step): every rank raised at that same point."""
+    return getattr(err, _AGREED, False) is True
 
 
 def raise_agreed(failures: list[FailureRecord], own: BaseException | None, what: str, suffix: str = "",
