@@ -96,6 +96,17 @@ def test_a_rank_interrupted_outside_an_agreement_refuses_its_next_collective_cal
     assert out[0]["save"] == "PeerError" and out[0]["seconds"] < 60, out[0]
 
 
+def test_a_ctrl_c_every_rank_agreed_on_leaves_the_checkpointer_usable(tmp_path: Path) -> None:
+    """The counterpart: a Ctrl-C inside a step every rank agrees on (rank 1's, right after it placed a
+    load's bytes) is raised on every rank at that point, so the ranks stay in step: the next save and
+    load work on both."""
+    job = run_job(WORKER, ["agreed_interrupt", str(tmp_path / "ck"), "--timeout", "30"], nproc_per_node=2,
+                  timeout=90)
+    out = {r["rank"]: r for r in job_results(job)}
+    assert out[1]["load"] == "KeyboardInterrupt" and out[0]["load"] != 1, job.output()
+    assert all(out[r]["next_load"] == 2 and out[r]["value"] == 2.0 for r in (0, 1)), out
+
+
 def test_a_script_that_never_destroys_its_gloo_group_exits_cleanly(tmp_path: Path) -> None:
     """PyTorch aborts now and then at exit with a gloo group alive (5 of 16 bare-torch runs here);
     after its saves are done, ckptguard destroys a gloo default group the script left alive."""

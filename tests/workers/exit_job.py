@@ -4,7 +4,8 @@ Scenarios (argv[1]): ``destroy`` (a background save, then destroy_process_group 
 once), ``dead_rank`` (rank 1 is SIGKILLed inside a background save; rank 0 waits),
 ``stalled_rank`` (rank 1 stops itself inside a save; rank 0 must fail within the
 control group's timeout), ``out_of_step`` (rank 1 is interrupted at the start of a save rank 0 goes
-into, then loads). Each rank prints ``RESULT <json>``.
+into, then loads), ``agreed_interrupt`` (rank 1 is interrupted inside an agreed step of a load,
+then both save and load on). Each rank prints ``RESULT <json>``.
 """
 
 from __future__ import annotations
@@ -99,6 +100,27 @@ def scenario_out_of_step(args: argparse.Namespace) -> None:
             outcome["message"] = str(e)[:400]
     result(seconds=time.monotonic() - started, **outcome)
     os._exit(0)  # the groups are out of step: do not wait for them at shutdown
+
+
+def scenario_agreed_interrupt(args: argparse.Namespace) -> None:
+    """Rank 1 is interrupted inside a load's step that every rank agrees on (right after placing its
+    bytes): both ranks raise there, stay in step, and save and load on."""
+    ck = ckptguard.Checkpointer(args.root, collective_timeout_s=args.timeout)
+    ck.save(1, state(1))
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    if dist.get_rank() == 1:
+        _faults.arm("after_place:1:interrupt")
+    outcome: dict[str, object] = {}
+    try:
+        outcome["load"] = ck.load(state(0))
+    except BaseException as e:
+        outcome["load"] = type(e).__name__
+    _faults.arm("")
+    ck.save(2, state(2))
+    template = state(0)
+    outcome["next_load"] = ck.load(template)
+    outcome["value"] = float(template["w"][0])
+    result(**outcome)
 
 
 def main() -> None:
