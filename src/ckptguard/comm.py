@@ -228,7 +228,8 @@ class Comm:
             try:
                 raise_agreed(payload, own, what, suffix, self.rank)
             except BaseException as e:
-                setattr(e, _AGREED, True)  # on the error itself: no reference to it (and its frames) kept
+                with contextlib.suppress(AttributeError, TypeError):  # never replaces the agreed error
+                    setattr(e, _AGREED, True)  # on the error itself: no reference to it (and its frames) kept
                 raise
         if decide_fn is None:
             return value
