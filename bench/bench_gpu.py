@@ -123,12 +123,15 @@ def run(args: argparse.Namespace, device: torch.device, work: Path) -> dict[str,
     dcp.save(state, checkpoint_id=str(work / "dcp-load"))
     into = {"model": {k: torch.empty_like(t) for k, t in state["model"].items()}}
     loads: dict[str, list[float]] = {"ckptguard load": [], "dcp.load": []}
+    load_phases = None
     for rep in range(args.reps + 1):
         for name in (["ckptguard load", "dcp.load"] if rep % 2 == 0 else ["dcp.load", "ckptguard load"]):
             sync(device)
             start = time.perf_counter()
             if name == "ckptguard load":
-                Checkpointer(work / "sync", read_only=True).load(into, step=10_000)
+                loader = Checkpointer(work / "sync", read_only=True)
+                loader.load(into, step=10_000)
+                load_phases = loader.last_load_stats
             else:
                 dcp.load(into, checkpoint_id=str(work / "dcp-load"))
             sync(device)
@@ -154,6 +157,8 @@ def run(args: argparse.Namespace, device: torch.device, work: Path) -> dict[str,
         "sync save vs dcp.save": med["dcp.save"] / med["ckptguard sync"],
         "load vs dcp.load": med["dcp.load"] / med["ckptguard load"],
     }
+    print(f"phases of the last sync save: {ck_sync.last_save_stats}")
+    print(f"phases of the last load: {load_phases}")
     print("figures (time ratios; 'vs dcp' rows: DCP's time / ckptguard's, above 1 = ckptguard faster):")
     for k, v in figures.items():
         print(f"  {k:42} {v:6.2f}x")

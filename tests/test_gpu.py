@@ -90,6 +90,30 @@ def test_device_tensors_of_every_dtype_round_trip_bitwise_sync_and_async(tmp_pat
     assert all(torch.equal(on_host["model"][k], v.cpu()) for k, v in saved["model"].items())  # type: ignore[union-attr]
 
 
+def test_blocking_saves_copy_device_tensors_once_into_buffers_that_never_go_stale(tmp_path: Path) -> None:
+    device = torch.device("cuda")
+    host = torch.arange(1000, dtype=torch.float64)  # written from where it is, never copied
+    with Checkpointer(tmp_path / "ck") as ck:
+        for step, (rows, dtype) in enumerate([(64, torch.float32), (64, torch.float32), (96, torch.float32),
+                                              (96, torch.bfloat16)], start=1):
+            state = {"model": {"w": torch.randn(rows, 128, device=device).to(dtype), "host": host + step},
+                     "extra": {"count": step, "nested": [torch.full((3,), float(step), device=device)]}}
+            ck.save(step, state)
+            assert "device copy" in ck.last_save_stats.seconds  # type: ignore[union-attr]
+            into = {"model": {"w": torch.empty(rows, 128, device=device, dtype=dtype), "host": torch.empty(1000,
+                    dtype=torch.float64)}, "extra": {"count": 0, "nested": [torch.empty(3, device=device)]}}
+            ck.load(into, step=step)
+            assert torch.equal(into["model"]["w"], state["model"]["w"]), f"step {step}: shape/dtype change went stale"
+            assert torch.equal(into["model"]["host"], host + step) and into["extra"]["count"] == step
+            assert torch.equal(into["extra"]["nested"][0], state["extra"]["nested"][0])
+        assert ck._device_stager.allocations == 3  # same shapes reuse; each change of shape or dtype reallocates
+        ck.save(10, state, blocking=False)  # the async buffers now hold the state: sync saves use them
+        ck.wait()
+        ck.save(11, state)
+        assert ck._device_stager.allocations == 3 and ck._stager.allocations == 1
+        assert ck.load(into, step=11) == 11 and torch.equal(into["model"]["w"], state["model"]["w"])
+
+
 def test_a_corrupt_step_leaves_every_device_tensor_as_it_was(tmp_path: Path) -> None:
     device = torch.device("cuda")
     state = _mixed_state(device)

@@ -26,6 +26,7 @@ from ckptguard._signals import signals_deferred
 from ckptguard.arguments import Settings, check_kinds, checksum_name, count, json_object, required, seconds
 from ckptguard.comm import DEFAULT_TIMEOUT_S, Comm, LocalTransport, default_comm, hostname, was_agreed
 from ckptguard.dcp.planners import forget_cached_plans
+from ckptguard.dcp.reader import auto_memory_bytes
 from ckptguard.errors import CheckpointError
 from ckptguard.protocol import artifacts, manage
 from ckptguard.protocol import load as load_protocol
@@ -39,7 +40,7 @@ from ckptguard.protocol.root import open_root
 from ckptguard.protocol.session import Options, Session, open_session
 from ckptguard.protocol.timing import PhaseTimer, gc_paused
 from ckptguard.protocol.topology import Topology
-from ckptguard.staging import HostStager
+from ckptguard.staging import DeviceStager, HostStager
 from ckptguard.state import prepare_state
 
 log = logging.getLogger("ckptguard")
@@ -169,6 +170,11 @@ class Checkpointer(Settings):
         self._background = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckptguard-save")
         self._inflight: Future[None] | None = None
         self._stager = HostStager(async_budget_bytes)
+        # Blocking saves of device tensors: one bulk copy into reused pinned buffers (see DeviceStager).
+        local_ranks = self.topology.hosts.count(self.topology.hosts[self.topology.rank])
+        self._device_stager = DeviceStager(
+            (lambda: async_budget_bytes) if async_budget_bytes is not None else
+            functools.partial(auto_memory_bytes, local_ranks))
         self._last_save_stats: PhaseTimer | None = None
         self._last_load_stats: PhaseTimer | None = None
         self._committed: Listing = save_protocol.agreed_current(self._session)
@@ -264,6 +270,7 @@ class Checkpointer(Settings):
             with stats.phase("snapshot"):
                 staged = self._stager.snapshot(state_dict, targets)
             if staged is not None:
+                self._device_stager.release()  # one host copy of the state, not two
                 request = save_protocol.SaveRequest(step, staged[0], targets, staged[1], overwrite, user_metadata,
                                                     local_error, frozenset(self._tags.values()))
                 try:
@@ -273,6 +280,12 @@ class Checkpointer(Settings):
                     self._save_now(request, stats)
                 stats.blocked = time.perf_counter() - started
                 return
+        if local_error is None and self._device_stager.applies(state_dict):
+            with stats.phase("device copy"):
+                try:
+                    state_dict = self._device_stager.stage(state_dict, self._stager) or state_dict
+                except Exception as e:  # reported in the plan's agreement, like any local problem
+                    local_error = e
         request = save_protocol.SaveRequest(step, state_dict, targets, targets, overwrite, user_metadata,
                                             local_error, frozenset(self._tags.values()))
         self._save_now(request, stats)
@@ -449,6 +462,7 @@ class Checkpointer(Settings):
             self._cleaner.shutdown()
             self._background.shutdown()
             self._stager.release()
+            self._device_stager.release()
             forget_cached_plans(self._session.instance)
             lease = self._session.lease
             if lease is not None:

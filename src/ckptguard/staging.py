@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import os
 import warnings
+from collections.abc import Callable
 from typing import Any, cast
 
 import torch
@@ -29,10 +30,56 @@ class _Reshaped(Exception):
 _PLAIN = (int, float, str, bytes, bool, type(None))
 
 
+class _AsIs:
+    """In a device-only buffer set: the value is used as the caller passed it (a host tensor or
+    anything that is not a tensor), not copied."""
+
+
+_AS_IS = _AsIs()
+
+
+def _on_device(value: Any) -> bool:
+    """A CUDA tensor (or DTensor with a CUDA shard): what a DeviceStager copies."""
+    if isinstance(value, DTensor):
+        return value.to_local().device.type == "cuda"
+    return isinstance(value, torch.Tensor) and value.device.type == "cuda"
+
+
+def _device_buffers(src: Any, pin: bool) -> Any:
+    """Host buffers for the device tensors of ``src`` alone; ``_AS_IS`` in place of everything else."""
+    if isinstance(src, dict):
+        return {k: _device_buffers(v, pin) for k, v in src.items()}
+    if isinstance(src, list | tuple):
+        return [_device_buffers(v, pin) for v in src]
+    if _on_device(src):
+        return create_cpu_state_dict({"t": src}, pin_memory=pin)["t"]
+    return _AS_IS
+
+
+def has_device_tensors(obj: Any) -> bool:
+    if isinstance(obj, dict):
+        return any(has_device_tensors(v) for v in obj.values())
+    if isinstance(obj, list | tuple):
+        return any(has_device_tensors(v) for v in obj)
+    return _on_device(obj)
+
+
+def device_nbytes(obj: Any) -> int:
+    if isinstance(obj, dict):
+        return sum(device_nbytes(v) for v in obj.values())
+    if isinstance(obj, list | tuple):
+        return sum(device_nbytes(v) for v in obj)
+    return state_nbytes(obj) if _on_device(obj) else 0
+
+
 def _twin(src: Any, buf: Any, srcs: list[torch.Tensor], dsts: list[torch.Tensor]) -> Any:
     """The snapshot of ``src`` in its buffer twin ``buf``: collects the (source, buffer) tensor pairs to
     copy and checks, in the same walk, that every tensor still fits its buffer (one pass over the state,
     so that save() blocks for little more than the copy itself)."""
+    if buf is _AS_IS:  # a device-only set: host values are written from where they are
+        if _on_device(src) or isinstance(src, dict | list | tuple):
+            raise _Reshaped
+        return src
     if isinstance(src, DTensor):
         if not isinstance(buf, DTensor):
             raise _Reshaped
@@ -107,6 +154,21 @@ class HostStager:
             return True
         return state_nbytes(state_dict) + extra_bytes <= self.budget_bytes
 
+    def reuse(self, state_dict: dict[str, Any]) -> dict[str, Any] | None:
+        """A snapshot into the buffers already allocated, or None where there are none or they no
+        longer fit (nothing is allocated: a blocking save then uses the DeviceStager)."""
+        if self._buffers is None:
+            return None
+        srcs: list[torch.Tensor] = []
+        dsts: list[torch.Tensor] = []
+        try:
+            snapshot = _twin(state_dict, self._buffers, srcs, dsts)
+        except _Reshaped:
+            return None
+        with torch.no_grad():
+            _copy(srcs, dsts, self._streams)
+        return cast(dict[str, Any], snapshot)
+
     def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
         """A snapshot of ``state_dict`` in host buffers; training may change the original right after."""
         srcs: list[torch.Tensor] = []
@@ -141,6 +203,56 @@ class HostStager:
                               stacklevel=4)
             return None
         return self.stage(state_dict), stage_files(targets or [])
+
+    def release(self) -> None:
+        self._buffers = None
+
+
+class DeviceStager:
+    """Host copies of the device tensors of a state, for a blocking save: one bulk copy per device into
+    pinned buffers reused across saves (instead of a pageable ``.cpu()`` per tensor, serialized with
+    the writes), host tensors and other values written from where they are. The buffers are one host
+    copy of the rank's device tensors, kept while the state's shapes stay the same; a state over
+    ``budget_bytes`` (a callable: it reads the memory available when asked) is not staged."""
+
+    def __init__(self, budget_bytes: Callable[[], int]) -> None:
+        self._budget_bytes = budget_bytes
+        self._buffers: Any = None
+        self._streams: dict[torch.device, Any] = {}
+        self.allocations = 0
+
+    @staticmethod
+    def applies(state_dict: dict[str, Any]) -> bool:
+        """Whether the state holds CUDA tensors (a cheap no where CUDA was never initialized)."""
+        return bool(torch.cuda.is_initialized()) and has_device_tensors(state_dict)  # type: ignore[no-untyped-call]
+
+    def stage(self, state_dict: dict[str, Any], shared: HostStager) -> dict[str, Any] | None:
+        """The state with its device tensors replaced by host copies, or None where it has none or they
+        exceed the budget (the writer then copies each tensor as it writes it). The async saves' buffers
+        (``shared``) serve where they fit the state: one host copy of it, not two."""
+        reused = shared.reuse(state_dict)
+        if reused is not None:
+            self._buffers = None
+            return reused
+        srcs: list[torch.Tensor] = []
+        dsts: list[torch.Tensor] = []
+        snapshot = None
+        if self._buffers is not None:
+            try:
+                snapshot = _twin(state_dict, self._buffers, srcs, dsts)
+            except _Reshaped:
+                srcs.clear()
+                dsts.clear()
+                self._buffers = None
+        if snapshot is None:
+            if device_nbytes(state_dict) > self._budget_bytes():
+                return None
+            self._buffers = _device_buffers(state_dict, pin=torch.cuda.is_available())
+            self.allocations += 1
+            snapshot = _twin(state_dict, self._buffers, srcs, dsts)
+        with torch.no_grad():
+            _copy(srcs, dsts, self._streams)
+        return cast(dict[str, Any], snapshot)
 
     def release(self) -> None:
         self._buffers = None

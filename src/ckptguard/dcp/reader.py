@@ -164,6 +164,7 @@ class GuardedReader(StorageReader):
         self._open: dict[str, ReadHandle] = {}
         self._arena: Arena | None = None
         self._spill: Spill | None = None
+        self._pinned: torch.Tensor | None = None  # see _device_scratch
         self._done = False
         #: Every item of this rank is in place (apply() succeeded): the caller's state holds the step.
         self.applied = False
@@ -530,11 +531,20 @@ class GuardedReader(StorageReader):
     def _read_into_place(self, job: ReadJob) -> None:
         path = os.path.join(self.checkpoint_dir, job.stored.file)
         fd, spilled = self._second_source(job.stored.file, path)
-        view = job.allocate_scratch()
+        view = job.allocate_scratch(self._device_scratch(job.scratch_bytes) if job.to_devices else None)
         with _torn_if_it_fails(self.rank, path):
             job.read_verified(fd, job.spill_at if spilled else job.stored.offset, view, _HOT_BYTES, path,
                               self.algorithm)
         job.copy_into_place()
+
+    def _device_scratch(self, nbytes: int) -> torch.Tensor:
+        """Pinned host memory reused by every item read again for device destinations (one at a time,
+        each copied into place before the next is read): no fresh pages to fault in per item, and the
+        copy to the device runs at the DMA's speed instead of through the driver's bounce buffer."""
+        if self._pinned is None or self._pinned.numel() < nbytes:
+            self._pinned = None
+            self._pinned = torch.empty(nbytes, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
+        return self._pinned
 
     def close(self) -> None:
         """Put back the old bytes of every item read in place unless apply() succeeded; release the
@@ -554,6 +564,7 @@ class GuardedReader(StorageReader):
                 self._spill = None
             for job in self._jobs:
                 job.release()
+            self._pinned = None
             if self._arena is not None:
                 self._arena.close()
                 self._arena = None

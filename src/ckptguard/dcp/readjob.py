@@ -214,18 +214,35 @@ class ReadJob:
         view = arena.view[self.slot:self.slot + s.length] if self.slot >= 0 else None
         return self._scratch(view)
 
-    def allocate_scratch(self) -> memoryview:
-        """Scratch memory for the second read of a verified-only item that cannot go straight into place."""
-        return self._scratch(None)
+    def allocate_scratch(self, pool: torch.Tensor | None = None) -> memoryview:
+        """Scratch memory for the second read of a verified-only item that cannot go straight into place:
+        the start of ``pool`` (reused bytes, at least ``scratch_bytes`` long) if given."""
+        return self._scratch(None, pool)
 
-    def _scratch(self, view: memoryview | None) -> memoryview:
+    @property
+    def scratch_bytes(self) -> int:
+        s = self.stored
+        assert s.shape is not None
+        numel = 1
+        for d in s.shape:
+            numel *= d
+        return numel * dtype_from_name(s.dtype or "").itemsize
+
+    @property
+    def to_devices(self) -> bool:
+        """Every destination is a CUDA tensor (copied into from pinned host memory at the DMA's speed)."""
+        return all(t.device.type == "cuda" for t in self.targets)
+
+    def _scratch(self, view: memoryview | None, pool: torch.Tensor | None = None) -> memoryview:
         s = self.stored
         assert s.shape is not None
         dtype = dtype_from_name(s.dtype or "")
         numel = 1
         for d in s.shape:
             numel *= d
-        if view is None or not numel:
+        if pool is not None and numel:
+            self.scratch = pool[:numel * dtype.itemsize].view(dtype).view(s.shape)
+        elif view is None or not numel:
             self.scratch = torch.empty(s.shape, dtype=dtype)
         else:
             self.scratch = torch.frombuffer(view, dtype=torch.uint8).view(dtype).view(s.shape)
