@@ -103,6 +103,10 @@ class Checkpointer(Settings):
     MemAvailable (the page cache serves the second pass: measured faster than
     holding bytes in fresh memory), else 256 MiB; on object stores half of
     MemAvailable shared by the host's ranks.
+    A blocking save of CUDA tensors copies them in one bulk copy into pinned host buffers kept
+    between saves (the async saves' buffers where those fit): one host copy of the rank's device
+    tensors, at most ``async_budget_bytes`` (default: half of MemAvailable shared by the host's
+    ranks); a state over it is copied tensor by tensor as it is written.
     """
 
     def __init__(
