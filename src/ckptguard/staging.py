@@ -247,7 +247,11 @@ class DeviceStager:
         if snapshot is None:
             if device_nbytes(state_dict) > self._budget_bytes():
                 return None
-            self._buffers = _device_buffers(state_dict, pin=torch.cuda.is_available())
+            try:
+                self._buffers = _device_buffers(state_dict, pin=torch.cuda.is_available())
+            except (RuntimeError, MemoryError):  # pinned memory refused: the writer copies per tensor
+                self._buffers = None
+                return None
             self.allocations += 1
             snapshot = _twin(state_dict, self._buffers, srcs, dsts)
         with torch.no_grad():
