@@ -16,7 +16,7 @@ from contextlib import suppress
 
 from ckptguard.checksum import checksum
 from ckptguard.errors import CheckpointError, from_os_error
-from ckptguard.storage.fileio import open_regular, replace_file, unlink_quietly
+from ckptguard.storage.fileio import open_fd, open_regular, replace_file, unlink_quietly
 
 #: A lock file stays empty only between its creation and the write of its token (microseconds);
 #: one empty for longer was left by a writer that failed or died in between.
@@ -86,7 +86,7 @@ class WriterLock:
         delay = 0.005
         while True:
             try:
-                fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+                fd = open_fd(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644, "create")
             except FileExistsError:
                 self._refuse_if_not_a_file()
                 holder = self._holder()

@@ -22,7 +22,7 @@ from ckptguard.errors import CheckpointError, CorruptCheckpointError, PathCollis
 from ckptguard.protocol import layout
 from ckptguard.protocol.manifest import Artifact, FileEntry, Manifest
 from ckptguard.storage import StorageBackend
-from ckptguard.storage.fileio import fsync_dir, makedirs_durable, unique_tmp_name, write_all
+from ckptguard.storage.fileio import fsync_dir, makedirs_durable, open_fd, unique_tmp_name, write_all
 
 _KEY_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 _CHUNK = 8 << 20
@@ -143,7 +143,7 @@ def _store_file(storage: StorageBackend, src: str | bytes, dst: str, algorithm: 
         else:
             size = 0
             view = memoryview(bytearray(_CHUNK))
-            fin = os.open(src, os.O_RDONLY | os.O_CLOEXEC)
+            fin = open_fd(src, os.O_RDONLY | os.O_CLOEXEC)
             try:
                 while n := os.readv(fin, [view]):
                     hasher.update(view[:n])
@@ -167,7 +167,7 @@ def _restore_file(storage: StorageBackend, src: str, dst: str, expect: FileEntry
                                          "is corrupt.", path=src)
         hasher = Hasher(algorithm)
         view = memoryview(bytearray(min(_CHUNK, max(size, 1))))
-        fout = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        fout = open_fd(dst, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644, "create")
         try:
             pos = 0
             while pos < size:

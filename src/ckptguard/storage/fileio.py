@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 from contextlib import suppress
 from typing import TypeVar
 
+from ckptguard._signals import signals_deferred
 from ckptguard.errors import (
     CheckpointError,
     CorruptCheckpointError,
@@ -59,10 +60,28 @@ def retry_stale(fn: Callable[[], T], what: str, path: str, attempts: int = 8) ->
     raise AssertionError("unreachable")
 
 
+def open_fd(path: str, flags: int, mode: int = 0o644, what: str = "open") -> int:
+    """``os.open`` with ESTALE retried, never lost to a Ctrl-C: a KeyboardInterrupt raised as the call
+    returns (Python runs signal handlers right after a builtin call) would drop the only reference to
+    the descriptor, leaking one per interrupted save or load. The signal is delivered once the
+    descriptor is this function's to close; a file it created for that call is removed again."""
+    fd = -1
+    try:
+        with signals_deferred():
+            fd = retry_stale(lambda: os.open(path, flags, mode), what, path)
+    except BaseException:
+        if fd >= 0:
+            os.close(fd)
+            if flags & os.O_CREAT and flags & os.O_EXCL:
+                unlink_quietly(path)
+        raise
+    return fd
+
+
 def fsync_dir(path: str) -> None:
     """Make a directory's entries (creates, renames, unlinks) durable."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+        fd = open_fd(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     except OSError as e:
         if e.errno in _UNSUPPORTED:
             return
@@ -171,8 +190,7 @@ def write_new_file(path: str, data: bytes | bytearray | memoryview | Sequence[by
     """Create ``path`` (O_EXCL: never over someone else's file), write ``data`` (one buffer, or
     buffers one after another), fsync. A file this call created is removed again if writing it
     fails (a full disk keeps no half file)."""
-    fd = retry_stale(lambda: os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644),
-                     "create", path)
+    fd = open_fd(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644, "create")
     try:
         write_all(fd, buffer_views(data))
         os.fsync(fd)
@@ -201,7 +219,7 @@ def replace_file(path: str, data: bytes | bytearray | memoryview | Sequence[byte
 def open_regular(path: str) -> int:
     """An fd on a regular file: symlinks and FIFOs, devices or directories are refused (a hostile
     checkpoint must not make a reader block on a FIFO or follow a link out of the checkpoint)."""
-    fd = retry_stale(lambda: os.open(path, _READ_FLAGS), "open", path)
+    fd = open_fd(path, _READ_FLAGS)
     try:
         mode = os.fstat(fd).st_mode
         if not stat.S_ISREG(mode):
@@ -223,8 +241,8 @@ class PosixWriteStream:
 
     def __init__(self, path: str) -> None:
         self.path = path
-        self.fd = retry_stale(lambda: os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644),
-                              "create", path)
+        self.fd = -1
+        self.fd = open_fd(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644, "create")
 
     def write(self, views: Sequence[memoryview], stable: bool = False) -> None:
         write_all(self.fd, views)  # written before it returns: nothing is kept either way
@@ -237,12 +255,16 @@ class PosixWriteStream:
             os.close(self.fd)
             self.fd = -1
 
+    def __del__(self) -> None:  # dropped unclosed (a Ctrl-C before its owner held it): not leaked
+        self.close()
+
 
 class PosixReadHandle:
     """A regular file read by ranges with preadv straight into the caller's buffers."""
 
     def __init__(self, path: str) -> None:
         self.path = path
+        self.fd = -1
         try:
             self.fd = open_regular(path)
         except FileNotFoundError:
@@ -273,6 +295,9 @@ class PosixReadHandle:
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
+
+    def __del__(self) -> None:  # dropped unclosed (a Ctrl-C before its owner held it): not leaked
+        self.close()
 
 
 _READ_AHEAD_CHUNK = 8 << 20

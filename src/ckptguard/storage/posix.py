@@ -26,6 +26,7 @@ from ckptguard.storage.fileio import (
     PosixWriteStream,
     fsync_dir,
     makedirs_durable,
+    open_fd,
     open_regular,
     read_ahead,
     rename_noreplace,
@@ -240,7 +241,7 @@ class PosixStorage:
         delay = 0.001
         while True:
             lock_path = self._lock_path(path)
-            fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            fd = open_fd(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
