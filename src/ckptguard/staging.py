@@ -137,6 +137,30 @@ def _copy(srcs: list[torch.Tensor], dsts: list[torch.Tensor], streams: dict[torc
             torch._foreach_copy_(dst_list, src_list)
 
 
+def _stage(state_dict: dict[str, Any], buffers: Any, allocate: Callable[[], Any],
+           streams: dict[torch.device, Any]) -> tuple[dict[str, Any], Any] | None:
+    """``state_dict`` copied into ``buffers`` where they still fit it, else into what ``allocate()``
+    gives (None: not staged); the snapshot and the buffers it lives in."""
+    srcs: list[torch.Tensor] = []
+    dsts: list[torch.Tensor] = []
+    snapshot = None
+    if buffers is not None:
+        try:
+            snapshot = _twin(state_dict, buffers, srcs, dsts)
+        except _Reshaped:
+            srcs.clear()
+            dsts.clear()
+    if snapshot is None:
+        buffers = None  # the old set freed before a new one is allocated
+        buffers = allocate()
+        if buffers is None:
+            return None
+        snapshot = _twin(state_dict, buffers, srcs, dsts)
+    with torch.no_grad():
+        _copy(srcs, dsts, streams)
+    return cast(dict[str, Any], snapshot), buffers
+
+
 class HostStager:
     def __init__(self, budget_bytes: int | None = None) -> None:
         self.budget_bytes = budget_bytes
@@ -157,37 +181,20 @@ class HostStager:
     def reuse(self, state_dict: dict[str, Any]) -> dict[str, Any] | None:
         """A snapshot into the buffers already allocated, or None where there are none or they no
         longer fit (nothing is allocated: a blocking save then uses the DeviceStager)."""
-        if self._buffers is None:
-            return None
-        srcs: list[torch.Tensor] = []
-        dsts: list[torch.Tensor] = []
-        try:
-            snapshot = _twin(state_dict, self._buffers, srcs, dsts)
-        except _Reshaped:
-            return None
-        with torch.no_grad():
-            _copy(srcs, dsts, self._streams)
-        return cast(dict[str, Any], snapshot)
+        staged = _stage(state_dict, self._buffers, lambda: None, self._streams)
+        return staged[0] if staged is not None else None
 
     def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
         """A snapshot of ``state_dict`` in host buffers; training may change the original right after."""
-        srcs: list[torch.Tensor] = []
-        dsts: list[torch.Tensor] = []
-        snapshot = None
-        if self._buffers is not None:
-            try:
-                snapshot = _twin(state_dict, self._buffers, srcs, dsts)
-            except _Reshaped:
-                srcs.clear()
-                dsts.clear()
-        if snapshot is None:
+        def allocate() -> Any:
             self._buffers = None  # free the old set before allocating the new one
-            self._buffers = create_cpu_state_dict(state_dict, pin_memory=torch.cuda.is_available())
+            buffers = create_cpu_state_dict(state_dict, pin_memory=torch.cuda.is_available())
             self.allocations += 1
-            snapshot = _twin(state_dict, self._buffers, srcs, dsts)
-        with torch.no_grad():
-            _copy(srcs, dsts, self._streams)
-        return cast(dict[str, Any], snapshot)
+            return buffers
+        staged = _stage(state_dict, self._buffers, allocate, self._streams)
+        assert staged is not None
+        snapshot, self._buffers = staged
+        return snapshot
 
     def snapshot(self, state_dict: dict[str, Any], targets: list[ArtifactTarget] | None
                  ) -> tuple[dict[str, Any], list[Any]] | None:
@@ -234,29 +241,22 @@ class DeviceStager:
         if reused is not None:
             self._buffers = None
             return reused
-        srcs: list[torch.Tensor] = []
-        dsts: list[torch.Tensor] = []
-        snapshot = None
-        if self._buffers is not None:
-            try:
-                snapshot = _twin(state_dict, self._buffers, srcs, dsts)
-            except _Reshaped:
-                srcs.clear()
-                dsts.clear()
-                self._buffers = None
-        if snapshot is None:
+
+        def allocate() -> Any:
+            self._buffers = None
             if device_nbytes(state_dict) > self._budget_bytes():
                 return None
             try:
-                self._buffers = _device_buffers(state_dict, pin=torch.cuda.is_available())
+                buffers = _device_buffers(state_dict, pin=torch.cuda.is_available())
             except (RuntimeError, MemoryError):  # pinned memory refused: the writer copies per tensor
-                self._buffers = None
                 return None
             self.allocations += 1
-            snapshot = _twin(state_dict, self._buffers, srcs, dsts)
-        with torch.no_grad():
-            _copy(srcs, dsts, self._streams)
-        return cast(dict[str, Any], snapshot)
+            return buffers
+        staged = _stage(state_dict, self._buffers, allocate, self._streams)
+        if staged is None:
+            return None
+        snapshot, self._buffers = staged
+        return snapshot
 
     def release(self) -> None:
         self._buffers = None
