@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from ckptguard import Checkpointer
+from ckptguard.storage import open_storage
 
 _real_open = os.open
 
@@ -107,3 +108,25 @@ def test_a_ctrl_c_right_after_any_open_of_a_load_leaks_no_descriptor(tmp_path: P
             monkeypatch.setattr(os, "open", _real_open)
             reader.close()
     assert _interrupt_every_open(monkeypatch, load) >= 2
+
+
+@pytest.mark.parametrize("kind", ["write", "read"])
+def test_a_handle_dropped_by_a_ctrl_c_before_its_owner_holds_it_closes_its_descriptor(tmp_path: Path,
+                                                                                     kind: str) -> None:
+    """The descriptor belongs to a FileIO from the instant it exists: however the handle is dropped,
+    it is closed by C code that no second Ctrl-C can interrupt (a Python __del__ could be, and was:
+    an outside review held Ctrl-C down and left a descriptor open for good)."""
+    storage = open_storage(tmp_path)
+    (tmp_path / "existing").write_bytes(b"x" * 100)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    before = _fds()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            handle = storage.open_new(str(tmp_path / "new")) if kind == "write" else \
+                storage.open_read(str(tmp_path / "existing"))
+            signal.raise_signal(signal.SIGINT)  # before anyone owns the handle: dropped with the frame
+            handle.close()
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    del handle
+    assert not _fds() - before

@@ -166,6 +166,7 @@ class Checkpointer(Settings):
             self._exit_release = functools.partial(release_at_exit, self._session.lease)
             atexit.register(self._exit_release)
         self._closed = False
+        self._released = False  # close() ran to its end (it can be interrupted and called again)
         self._out_of_step: str | None = None  # why this rank's collective calls are refused (see _collective)
         self._cleaner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckptguard-cleanup")
         self._cleanup: Future[None] | None = None
@@ -455,11 +456,13 @@ class Checkpointer(Settings):
             lease.check(acting=acting, renew=False)
 
     def close(self) -> None:
-        """Release the root's lease. The Checkpointer cannot save afterwards."""
-        if self._closed:
+        """Release the root's lease. The Checkpointer cannot save afterwards. A close() interrupted
+        (a second Ctrl-C) finishes its release when called again."""
+        if self._released:
             return
         try:
-            self.wait()
+            if not self._closed:
+                self.wait()
         finally:
             self._closed = True
             self._wait_cleanup()
@@ -473,6 +476,7 @@ class Checkpointer(Settings):
                 lease.release()
             if self._exit_release is not None:
                 atexit.unregister(self._exit_release)
+            self._released = True
 
     def __enter__(self) -> Checkpointer:
         return self

@@ -16,7 +16,7 @@ from contextlib import suppress
 
 from ckptguard.checksum import checksum
 from ckptguard.errors import CheckpointError, from_os_error
-from ckptguard.storage.fileio import open_fd, open_regular, replace_file, unlink_quietly
+from ckptguard.storage.fileio import open_owned, open_regular, replace_file, unlink_quietly, write_all
 
 #: A lock file stays empty only between its creation and the write of its token (microseconds);
 #: one empty for longer was left by a writer that failed or died in between.
@@ -86,7 +86,7 @@ class WriterLock:
         delay = 0.005
         while True:
             try:
-                fd = open_fd(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644, "create")
+                owner = open_owned(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644, "create")
             except FileExistsError:
                 self._refuse_if_not_a_file()
                 holder = self._holder()
@@ -107,8 +107,8 @@ class WriterLock:
             except OSError as e:
                 raise from_os_error(e, self.path) from e
             try:
-                with os.fdopen(fd, "w") as f:
-                    f.write(self.token)
+                with owner:
+                    write_all(owner.fileno(), [memoryview(self.token.encode())])
             except OSError as e:  # disk full: leave no lock that no one would ever break
                 unlink_quietly(self.path)
                 raise from_os_error(e, self.path[:-5]) from e

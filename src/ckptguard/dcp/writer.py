@@ -185,7 +185,7 @@ class GuardedWriter(StorageWriter, Generic[H]):
 def _sync_noting_errors(stream: WriteStream, errors: list[BaseException]) -> None:
     try:
         stream.sync()
-    except OSError as e:
+    except (OSError, ValueError) as e:  # ValueError: the stream closed under it (a Ctrl-C in the writer)
         errors.append(e)
 
 

@@ -22,7 +22,7 @@ from ckptguard.errors import CheckpointError, CorruptCheckpointError, PathCollis
 from ckptguard.protocol import layout
 from ckptguard.protocol.manifest import Artifact, FileEntry, Manifest
 from ckptguard.storage import StorageBackend
-from ckptguard.storage.fileio import fsync_dir, makedirs_durable, open_fd, unique_tmp_name, write_all
+from ckptguard.storage.fileio import fsync_dir, makedirs_durable, open_owned, unique_tmp_name, write_all
 
 _KEY_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 _CHUNK = 8 << 20
@@ -143,14 +143,14 @@ def _store_file(storage: StorageBackend, src: str | bytes, dst: str, algorithm: 
         else:
             size = 0
             view = memoryview(bytearray(_CHUNK))
-            fin = open_fd(src, os.O_RDONLY | os.O_CLOEXEC)
+            fin = open_owned(src, os.O_RDONLY | os.O_CLOEXEC)
             try:
-                while n := os.readv(fin, [view]):
+                while n := os.readv(fin.fileno(), [view]):
                     hasher.update(view[:n])
                     stream.write([view[:n]])
                     size += n
             finally:
-                os.close(fin)
+                fin.close()
         stream.sync()
     finally:
         stream.close()
@@ -167,7 +167,8 @@ def _restore_file(storage: StorageBackend, src: str, dst: str, expect: FileEntry
                                          "is corrupt.", path=src)
         hasher = Hasher(algorithm)
         view = memoryview(bytearray(min(_CHUNK, max(size, 1))))
-        fout = open_fd(dst, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644, "create")
+        out = open_owned(dst, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644, "create")
+        fout = out.fileno()
         try:
             pos = 0
             while pos < size:
@@ -178,7 +179,7 @@ def _restore_file(storage: StorageBackend, src: str, dst: str, expect: FileEntry
                 pos += len(part)
             os.fsync(fout)
         finally:
-            os.close(fout)
+            out.close()
     finally:
         handle.close()
     digest = hasher.hexdigest()

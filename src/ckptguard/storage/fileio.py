@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import io
 import os
 import stat
 import threading
@@ -76,6 +77,23 @@ def open_fd(path: str, flags: int, mode: int = 0o644, what: str = "open") -> int
                 unlink_quietly(path)
         raise
     return fd
+
+
+def open_owned(path: str, flags: int, mode: int = 0o644, what: str = "open", *, regular: bool = False) -> io.FileIO:
+    """A descriptor owned by a FileIO from the instant it exists (opened under ``signals_deferred``):
+    dropped for whatever reason, a second Ctrl-C interrupting the cleanup code included, it is closed by
+    the object's C deallocator, which no Python signal handler can interrupt. Regular files only
+    (``regular``: anything else is refused as a corrupt checkpoint's)."""
+    with signals_deferred():
+        fd = retry_stale(lambda: os.open(path, flags, mode), what, path)
+        try:
+            if regular and not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise CorruptCheckpointError(f"{path} is not a regular file: refusing to read it", path=path)
+            owner = io.FileIO(fd, "r", closefd=True)
+        except BaseException:
+            os.close(fd)
+            raise
+    return owner
 
 
 def fsync_dir(path: str) -> None:
@@ -190,15 +208,15 @@ def write_new_file(path: str, data: bytes | bytearray | memoryview | Sequence[by
     """Create ``path`` (O_EXCL: never over someone else's file), write ``data`` (one buffer, or
     buffers one after another), fsync. A file this call created is removed again if writing it
     fails (a full disk keeps no half file)."""
-    fd = open_fd(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644, "create")
+    owner = open_owned(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644, "create")
     try:
-        write_all(fd, buffer_views(data))
-        os.fsync(fd)
+        write_all(owner.fileno(), buffer_views(data))
+        os.fsync(owner.fileno())
     except BaseException:
-        os.close(fd)
+        owner.close()
         unlink_quietly(path)
         raise
-    os.close(fd)
+    owner.close()
 
 
 def replace_file(path: str, data: bytes | bytearray | memoryview | Sequence[bytes],
@@ -241,8 +259,8 @@ class PosixWriteStream:
 
     def __init__(self, path: str) -> None:
         self.path = path
-        self.fd = -1
-        self.fd = open_fd(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644, "create")
+        self._file = open_owned(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644, "create")
+        self.fd = self._file.fileno()
 
     def write(self, views: Sequence[memoryview], stable: bool = False) -> None:
         write_all(self.fd, views)  # written before it returns: nothing is kept either way
@@ -251,12 +269,8 @@ class PosixWriteStream:
         os.fsync(self.fd)
 
     def close(self) -> None:
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
-
-    def __del__(self) -> None:  # dropped unclosed (a Ctrl-C before its owner held it): not leaked
-        self.close()
+        self.fd = -1
+        self._file.close()
 
 
 class PosixReadHandle:
@@ -264,9 +278,10 @@ class PosixReadHandle:
 
     def __init__(self, path: str) -> None:
         self.path = path
-        self.fd = -1
         try:
-            self.fd = open_regular(path)
+            self._file = open_owned(path, _READ_FLAGS, regular=True)
+            os.set_blocking(self._file.fileno(), True)
+            self.fd = self._file.fileno()
         except FileNotFoundError:
             raise CorruptCheckpointError(f"{path} is missing: the checkpoint is incomplete", path=path) from None
         except OSError as e:
@@ -292,12 +307,8 @@ class PosixReadHandle:
             pending = after(pending, n)
 
     def close(self) -> None:
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
-
-    def __del__(self) -> None:  # dropped unclosed (a Ctrl-C before its owner held it): not leaked
-        self.close()
+        self.fd = -1
+        self._file.close()
 
 
 _READ_AHEAD_CHUNK = 8 << 20

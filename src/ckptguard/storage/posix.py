@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import io
 import os
 import shutil
 import stat
@@ -26,7 +27,7 @@ from ckptguard.storage.fileio import (
     PosixWriteStream,
     fsync_dir,
     makedirs_durable,
-    open_fd,
+    open_owned,
     open_regular,
     read_ahead,
     rename_noreplace,
@@ -204,7 +205,7 @@ class PosixStorage:
         """
         if token is None:
             return self._create_exclusive(path, data, fence)
-        fd = self._locked(path)
+        lock = self._locked(path)
         tmp: str | None = None
         try:
             current = self.read_versioned(path)
@@ -212,7 +213,7 @@ class PosixStorage:
                 return False
             tmp = staged = unique_tmp_name(path)
             write_new_file(staged, data)
-            if not self._still_locked(fd, path):
+            if not self._still_locked(lock.fileno(), path):
                 return False
             if fence is not None:
                 fence()
@@ -223,11 +224,11 @@ class PosixStorage:
                 raise
             tmp = None
             fsync_dir(os.path.dirname(path) or ".")
-            return self._still_locked(fd, path)
+            return self._still_locked(lock.fileno(), path)
         finally:
             if tmp is not None:
                 unlink_quietly(tmp)
-            os.close(fd)  # releases the lock
+            lock.close()  # releases the lock
 
     def _still_locked(self, fd: int, path: str) -> bool:
         """Is ``fd`` still the lock file of ``path`` (not moved aside by someone who timed out on it)?"""
@@ -236,16 +237,18 @@ class PosixStorage:
         except FileNotFoundError:
             return False
 
-    def _locked(self, path: str) -> int:
+    def _locked(self, path: str) -> io.FileIO:
+        """The lock file of ``path``, flock()ed (the lock goes with the returned file: closed, or dropped
+        by an interrupted caller and closed by its deallocator)."""
         deadline = time.monotonic() + CAS_LOCK_TIMEOUT_S
         delay = 0.001
         while True:
             lock_path = self._lock_path(path)
-            fd = open_fd(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            lock = open_owned(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
             try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                fcntl.flock(lock.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
-                os.close(fd)
+                lock.close()
                 if time.monotonic() < deadline:
                     time.sleep(delay)
                     delay = min(delay * 2, 0.1)
@@ -255,10 +258,10 @@ class PosixStorage:
                 deadline = time.monotonic() + CAS_LOCK_TIMEOUT_S
                 continue
             except OSError:
-                return fd  # a filesystem without locks: the version check still narrows the race
-            if self._still_locked(fd, path):
-                return fd
-            os.close(fd)  # the file was broken and replaced while we waited for it: lock the new one
+                return lock  # a filesystem without locks: the version check still narrows the race
+            if self._still_locked(lock.fileno(), path):
+                return lock
+            lock.close()  # the file was broken and replaced while we waited for it: lock the new one
 
     def _lock_path(self, path: str) -> str:
         """The lock file that guards compare-and-swap of ``path`` (kept out of the root's listing)."""
@@ -275,10 +278,10 @@ class PosixStorage:
     def delete_if_version(self, path: str, token: str, fence: Callable[[], None] | None = None) -> bool:
         """Under the lock that compare_and_swap takes: a writer that replaced the file since the
         caller read it keeps its version; ``fence`` runs last before the unlink."""
-        fd = self._locked(path)
+        lock = self._locked(path)
         try:
             current = self.read_versioned(path)
-            if current is None or current[1] != token or not self._still_locked(fd, path):
+            if current is None or current[1] != token or not self._still_locked(lock.fileno(), path):
                 return False
             if fence is not None:
                 fence()
@@ -286,7 +289,7 @@ class PosixStorage:
             fsync_dir(os.path.dirname(path))
             return True
         finally:
-            os.close(fd)
+            lock.close()
 
     def publish(self, src: str, dst: str) -> None:
         self.rename_noreplace(src, dst)
