@@ -333,11 +333,20 @@ def test_a_new_checkpointer_per_save_keeps_saving(tmp_path: Path) -> None:
 
 
 _STALLED_CHILD = textwrap.dedent("""
-    import sys, torch
+    import os, signal, sys, torch
     from ckptguard import Checkpointer, CheckpointError
+    from ckptguard.storage.posix import PosixStorage
     ck = Checkpointer(sys.argv[1], lease_ttl_s=1.0)
     ck.save(1, {"x": torch.ones(4)})
-    many = {f"t{i}": torch.full((64,), float(i)) for i in range(3000)}  # a long manifest: a wider window
+    many = {f"t{i}": torch.full((64,), float(i)) for i in range(3000)}
+    replace = PosixStorage.replace
+
+    def stop_as_the_manifest_is_written(self, path, data):  # after the lease check, before the publish
+        if "staging" in path and path.endswith("MANIFEST.json") and not os.environ.get("STOPPED"):
+            os.environ["STOPPED"] = "1"
+            os.kill(os.getpid(), signal.SIGSTOP)
+        return replace(self, path, data)
+    PosixStorage.replace = stop_as_the_manifest_is_written
     print("READY", flush=True)
     sys.stdin.readline()
     try:
@@ -348,19 +357,10 @@ _STALLED_CHILD = textwrap.dedent("""
 """)
 
 
-def _attempt_manifest_exists(root: Path) -> bool:
-    staging = root / ".ckptguard" / "staging"
-    try:
-        entries = os.listdir(staging)
-    except FileNotFoundError:
-        return False
-    for e in entries:
-        try:
-            if any("MANIFEST" in n for n in os.listdir(staging / e)):
-                return True
-        except OSError:
-            pass
-    return False
+def _stopped(pid: int) -> bool:
+    """Whether process ``pid`` is stopped (SIGSTOP): its state in /proc/PID/stat is T."""
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0] == "T"
 
 
 def _stall_before_publish_and_take_over(tmp_path: Path) -> tuple[str, list[int]]:
@@ -375,12 +375,10 @@ def _stall_before_publish_and_take_over(tmp_path: Path) -> tuple[str, list[int]]
         child.stdin.write("go\n")
         child.stdin.flush()
         deadline = time.monotonic() + 60
-        while not _attempt_manifest_exists(root):
+        while not _stopped(child.pid):  # it stops itself as its attempt's manifest is written
             assert time.monotonic() < deadline and child.poll() is None, "the save never reached its manifest"
-            time.sleep(0.0002)
-        child.send_signal(signal.SIGSTOP)
-        if (root / "step-00000002").exists():
-            pytest.skip("stopped too late: the save had already published")
+            time.sleep(0.01)
+        assert not (root / "step-00000002").exists()
         time.sleep(1.5)  # the stopped process renews nothing: its lease (TTL 1 s) expires
         with Checkpointer(root, lease_wait_s=5) as owner:  # another job takes the root over
             child.send_signal(signal.SIGCONT)
