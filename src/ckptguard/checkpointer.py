@@ -491,12 +491,15 @@ class Checkpointer(Settings):
             outcome = save_protocol.save(self._session, request, stats)
         self._committed = outcome.committed
         try:
-            cleanup = self._cleaner.submit(self._remove_retired, outcome.retired, request.step)
+            # Submitted and recorded, or neither: a Ctrl-C between the two (or inside the pool's start of
+            # its worker) left a removal that close() did not wait for, which ran after the lease was
+            # released and found it gone (an outside review, holding Ctrl-C down).
+            with signals_deferred():
+                cleanup = self._cleaner.submit(self._remove_retired, outcome.retired, request.step)
+                with self._cleanup_lock:
+                    self._cleanup = cleanup
         except RuntimeError:  # the interpreter is shutting down (a save finishing at exit): remove now
             self._remove_retired(outcome.retired, request.step)
-        else:
-            with self._cleanup_lock:
-                self._cleanup = cleanup
         log.debug("ckptguard: saved step %d: %s", request.step, stats)
 
     def _remove_retired(self, retired: list[str], step: int) -> None:

@@ -27,6 +27,7 @@ from typing import Any
 
 from ckptguard._faults import FaultPhase, fault_point
 from ckptguard._pool import ExitSafePool
+from ckptguard._signals import signals_deferred
 from ckptguard.comm import agreed_failures, with_suffix
 from ckptguard.dcp.drive import plan_collectively
 from ckptguard.dcp.planners import (
@@ -329,9 +330,10 @@ def commit_when_visible(root: Root, staging: str, manifest: Manifest, check_visi
     the check's error is raised: the errors are those of the check run first, then the write."""
     if not check_visible:
         return root.commit(staging, manifest, last_check)
-    pool = ExitSafePool(1, thread_name_prefix="ckptguard-visible")
-    check = pool.submit(root.wait_files_visible, staging, manifest.files, timeout)
-    pool.shutdown(wait=False)  # the thread ends once the check has run
+    with signals_deferred():  # a Ctrl-C between the submit and the shutdown left the worker idle for good
+        pool = ExitSafePool(1, thread_name_prefix="ckptguard-visible")
+        check = pool.submit(root.wait_files_visible, staging, manifest.files, timeout)
+        pool.shutdown(wait=False)  # the thread ends once the check has run
 
     def visible_then_last_check() -> None:
         check.result()
