@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import os
 import re
-import shutil
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -22,7 +21,14 @@ from ckptguard.errors import CheckpointError, CorruptCheckpointError, PathCollis
 from ckptguard.protocol import layout
 from ckptguard.protocol.manifest import Artifact, FileEntry, Manifest
 from ckptguard.storage import StorageBackend
-from ckptguard.storage.fileio import fsync_dir, makedirs_durable, open_owned, unique_tmp_name, write_all
+from ckptguard.storage.fileio import (
+    fsync_dir,
+    makedirs_durable,
+    open_owned,
+    rmtree_off_main_thread,
+    unique_tmp_name,
+    write_all,
+)
 
 _KEY_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 _CHUNK = 8 << 20
@@ -362,7 +368,7 @@ def abort_restore(swaps: list[RestoreSwap]) -> None:
 
 def _remove_any(path: str) -> None:
     if os.path.isdir(path) and not os.path.islink(path):
-        shutil.rmtree(path, ignore_errors=True)
+        rmtree_off_main_thread(path, ignore_errors=True)
     else:
         remove_quietly(path)
 

@@ -8,13 +8,14 @@ import ctypes
 import errno
 import io
 import os
+import shutil
 import stat
 import threading
 import time
 import uuid
 from collections.abc import Callable, Sequence
 from contextlib import suppress
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from ckptguard._signals import signals_deferred
 from ckptguard.errors import (
@@ -97,20 +98,46 @@ def open_owned(path: str, flags: int, mode: int = 0o644, what: str = "open", *, 
 
 
 def fsync_dir(path: str) -> None:
-    """Make a directory's entries (creates, renames, unlinks) durable."""
-    try:
-        fd = open_fd(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    except OSError as e:
-        if e.errno in _UNSUPPORTED:
-            return
-        raise
-    try:
-        os.fsync(fd)
-    except OSError as e:
-        if e.errno not in _UNSUPPORTED:
+    """Make a directory's entries (creates, renames, unlinks) durable. Its descriptor is opened and
+    closed with a Ctrl-C held back (a FileIO cannot own a directory's): none is left open."""
+    with signals_deferred():
+        try:
+            fd = retry_stale(lambda: os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC), "open", path)
+        except OSError as e:
+            if e.errno in _UNSUPPORTED:
+                return
             raise
-    finally:
-        os.close(fd)
+        try:
+            os.fsync(fd)
+        except OSError as e:
+            if e.errno not in _UNSUPPORTED:
+                raise
+        finally:
+            os.close(fd)
+
+
+def rmtree_off_main_thread(path: str, **kwargs: Any) -> None:
+    """``shutil.rmtree`` in a thread of its own when called from the main thread: the directory
+    descriptors it opens and closes (stdlib code, with statements between the two) are then never in
+    a frame that a Ctrl-C unwinds, since signal handlers run in the main thread only. A Ctrl-C while
+    waiting is raised at once; the removal (of garbage) finishes on its own."""
+    if threading.current_thread() is not threading.main_thread():
+        shutil.rmtree(path, **kwargs)
+        return
+    errors: list[BaseException] = []
+
+    def remove() -> None:
+        try:
+            shutil.rmtree(path, **kwargs)
+        except BaseException as e:
+            errors.append(e)
+
+    remover = threading.Thread(target=remove, name="ckptguard-rmtree", daemon=True)
+    with signals_deferred():
+        remover.start()
+    remover.join()
+    if errors:
+        raise errors[0]
 
 
 def makedirs_durable(path: str, within: str | None = None) -> None:

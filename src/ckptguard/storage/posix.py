@@ -7,7 +7,6 @@ import errno
 import fcntl
 import io
 import os
-import shutil
 import stat
 import time
 from collections.abc import Callable, Sequence
@@ -33,6 +32,7 @@ from ckptguard.storage.fileio import (
     rename_noreplace,
     replace_file,
     retry_stale,
+    rmtree_off_main_thread,
     unique_tmp_name,
     unlink_quietly,
     write_new_file,
@@ -100,7 +100,7 @@ class PosixStorage:
     def remove_tree(self, path: str) -> None:
         def rm() -> None:
             if os.path.isdir(path) and not os.path.islink(path):
-                shutil.rmtree(path, onerror=_ignore_missing)
+                rmtree_off_main_thread(path, onerror=_ignore_missing)
             elif os.path.lexists(path):
                 os.unlink(path)
 
