@@ -10,6 +10,7 @@ and drives the phases; this module holds what one item does.
 from __future__ import annotations
 
 import contextlib
+import math
 import mmap
 import os
 import tempfile
@@ -221,12 +222,10 @@ class ReadJob:
 
     @property
     def scratch_bytes(self) -> int:
+        """The bytes of the stored shape in its dtype (what ``_scratch`` takes from a pool)."""
         s = self.stored
         assert s.shape is not None
-        numel = 1
-        for d in s.shape:
-            numel *= d
-        return numel * dtype_from_name(s.dtype or "").itemsize
+        return math.prod(s.shape) * dtype_from_name(s.dtype or "").itemsize
 
     @property
     def to_devices(self) -> bool:

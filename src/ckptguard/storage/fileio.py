@@ -62,34 +62,40 @@ def retry_stale(fn: Callable[[], T], what: str, path: str, attempts: int = 8) ->
     raise AssertionError("unreachable")
 
 
-def open_fd(path: str, flags: int, mode: int = 0o644, what: str = "open") -> int:
+def _open_fd(path: str, flags: int) -> int:
     """``os.open`` with ESTALE retried, never lost to a Ctrl-C: a KeyboardInterrupt raised as the call
     returns (Python runs signal handlers right after a builtin call) would drop the only reference to
     the descriptor, leaking one per interrupted save or load. The signal is delivered once the
-    descriptor is this function's to close; a file it created for that call is removed again."""
+    descriptor is this function's to close."""
     fd = -1
     try:
         with signals_deferred():
-            fd = retry_stale(lambda: os.open(path, flags, mode), what, path)
+            fd = retry_stale(lambda: os.open(path, flags), "open", path)
     except BaseException:
         if fd >= 0:
             os.close(fd)
-            if flags & os.O_CREAT and flags & os.O_EXCL:
-                unlink_quietly(path)
         raise
     return fd
+
+
+def _regular_and_blocking(fd: int, path: str) -> None:
+    """Refuse anything but a regular file (opened O_NONBLOCK so that a FIFO never blocks the open),
+    then read it blocking."""
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        raise CorruptCheckpointError(f"{path} is not a regular file: refusing to read it", path=path)
+    os.set_blocking(fd, True)
 
 
 def open_owned(path: str, flags: int, mode: int = 0o644, what: str = "open", *, regular: bool = False) -> io.FileIO:
     """A descriptor owned by a FileIO from the instant it exists (opened under ``signals_deferred``):
     dropped for whatever reason, a second Ctrl-C interrupting the cleanup code included, it is closed by
-    the object's C deallocator, which no Python signal handler can interrupt. Regular files only
-    (``regular``: anything else is refused as a corrupt checkpoint's)."""
+    the object's C deallocator, which no Python signal handler can interrupt. ``regular``: anything but
+    a regular file is refused as a corrupt checkpoint's, and the file is read blocking."""
     with signals_deferred():
         fd = retry_stale(lambda: os.open(path, flags, mode), what, path)
         try:
-            if regular and not stat.S_ISREG(os.fstat(fd).st_mode):
-                raise CorruptCheckpointError(f"{path} is not a regular file: refusing to read it", path=path)
+            if regular:
+                _regular_and_blocking(fd, path)
             owner = io.FileIO(fd, "r", closefd=True)
         except BaseException:
             os.close(fd)
@@ -264,12 +270,9 @@ def replace_file(path: str, data: bytes | bytearray | memoryview | Sequence[byte
 def open_regular(path: str) -> int:
     """An fd on a regular file: symlinks and FIFOs, devices or directories are refused (a hostile
     checkpoint must not make a reader block on a FIFO or follow a link out of the checkpoint)."""
-    fd = open_fd(path, _READ_FLAGS)
+    fd = _open_fd(path, _READ_FLAGS)
     try:
-        mode = os.fstat(fd).st_mode
-        if not stat.S_ISREG(mode):
-            raise CorruptCheckpointError(f"{path} is not a regular file: refusing to read it", path=path)
-        os.set_blocking(fd, True)
+        _regular_and_blocking(fd, path)
     except BaseException:
         os.close(fd)
         raise
@@ -307,7 +310,6 @@ class PosixReadHandle:
         self.path = path
         try:
             self._file = open_owned(path, _READ_FLAGS, regular=True)
-            os.set_blocking(self._file.fileno(), True)
             self.fd = self._file.fileno()
         except FileNotFoundError:
             raise CorruptCheckpointError(f"{path} is missing: the checkpoint is incomplete", path=path) from None
