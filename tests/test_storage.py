@@ -350,3 +350,56 @@ def test_posix_replace_writes_parts_one_after_another(tmp_path: Path) -> None:
     storage.replace(target, [b"head\n", b"", b"tables" * 1000])
     assert (tmp_path / "f").read_bytes() == b"head\n" + b"tables" * 1000
     assert os.listdir(tmp_path) == ["f"]  # no temp file left
+
+
+def _read_ahead_reads(directory: Path, monkeypatch: pytest.MonkeyPatch) -> int:
+    """How many blocking reads the load's read-ahead of ``directory`` made (its thread waited for)."""
+    from ckptguard.storage import fileio
+
+    blocking = []
+    preadv, readv = os.preadv, os.readv
+
+    def counted_preadv(fd: int, buffers: list[bytearray], offset: int, flags: int = 0) -> int:
+        if not flags:
+            blocking.append(offset)
+        return preadv(fd, buffers, offset, flags)
+
+    def counted_readv(fd: int, buffers: list[bytearray]) -> int:
+        blocking.append(-1)
+        return readv(fd, buffers)
+
+    monkeypatch.setattr(os, "preadv", counted_preadv)
+    monkeypatch.setattr(os, "readv", counted_readv)
+    before = set(threading.enumerate())
+    fileio.read_ahead(str(directory), "data")
+    for t in set(threading.enumerate()) - before:
+        t.join(timeout=30)
+    monkeypatch.setattr(os, "preadv", preadv)
+    monkeypatch.setattr(os, "readv", readv)
+    return len(blocking)
+
+
+@pytest.mark.skipif(not hasattr(os, "RWF_NOWAIT"), reason="preadv2(RWF_NOWAIT) is Linux's")
+def test_the_loads_read_ahead_reads_what_is_not_cached_and_skips_what_is(tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "data_0"
+    path.write_bytes(os.urandom(20 << 20))
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # evicted: a cold load
+        try:
+            os.preadv(fd, [bytearray(4096)], 0, os.RWF_NOWAIT)
+            pytest.skip("this filesystem keeps the file cached after POSIX_FADV_DONTNEED")
+        except BlockingIOError:
+            pass
+        except OSError:
+            pytest.skip("this filesystem does not support RWF_NOWAIT")
+        # 8 MiB at a time, but not what the kernel's own read-ahead brought in meanwhile.
+        assert 1 <= _read_ahead_reads(tmp_path, monkeypatch) <= 3
+        for at in (0, 12 << 20, (20 << 20) - 4096):
+            assert os.preadv(fd, [bytearray(4096)], at, os.RWF_NOWAIT) == 4096  # now cached
+        # Warm (a checkpoint just written, or read moments ago): nothing copied for nothing.
+        assert _read_ahead_reads(tmp_path, monkeypatch) == 0
+    finally:
+        os.close(fd)

@@ -341,6 +341,22 @@ class PosixReadHandle:
 
 
 _READ_AHEAD_CHUNK = 8 << 20
+_PROBE_BYTES = 4096
+#: preadv2(RWF_NOWAIT): a read that fails rather than wait for the disk (Linux 4.14+; not every filesystem).
+_NOWAIT: int | None = getattr(os, "RWF_NOWAIT", None)
+
+
+def _cached(fd: int, start: int, end: int, probe: bytearray) -> bool:
+    """Whether the first and the last page of ``start..end`` are in the page cache already (then the
+    read-ahead skips the range: a warm load's read-ahead copied its whole part for nothing, CPU the
+    planning it overlaps needed). A hint, as the read-ahead is: a miss in between is read by the load."""
+    if _NOWAIT is None:
+        return False
+    try:
+        return all(os.preadv(fd, [probe], at, _NOWAIT) == min(len(probe), end - at)
+                   for at in (start, max(start, end - len(probe))))
+    except OSError:  # BlockingIOError: not cached; EOPNOTSUPP and the like: no way to tell
+        return False
 
 
 def read_ahead(directory: str, prefix: str) -> Callable[[], None]:
@@ -362,6 +378,7 @@ def read_ahead(directory: str, prefix: str) -> Callable[[], None]:
         except OSError:
             return
         scratch = bytearray(_READ_AHEAD_CHUNK)
+        probe = bytearray(_PROBE_BYTES)
         for p in paths:
             if stopped.is_set():
                 return
@@ -370,8 +387,12 @@ def read_ahead(directory: str, prefix: str) -> Callable[[], None]:
             except (OSError, CheckpointError):
                 continue
             try:
-                while not stopped.is_set() and os.readv(fd, [scratch]) == len(scratch):
-                    pass
+                size = os.fstat(fd).st_size
+                for at in range(0, size, len(scratch)):
+                    if stopped.is_set():
+                        return
+                    if not _cached(fd, at, min(at + len(scratch), size), probe):
+                        os.preadv(fd, [scratch], at)
             except OSError:
                 pass
             finally:
