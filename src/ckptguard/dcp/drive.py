@@ -18,14 +18,16 @@ from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import SavePlan
 
 from ckptguard.comm import Comm
-from ckptguard.dcp.planners import DomainSavePlanner
+from ckptguard.dcp.planners import DomainSavePlanner, SafeLoadPlanner
 from ckptguard.dcp.reader import GuardedReader
+from ckptguard.dcp.records import StoredItem
 from ckptguard.dcp.writer import GuardedWriter
 
 
 def read_locally(state_dict: dict[str, Any], reader: GuardedReader, planner: DefaultLoadPlanner,
                  is_coordinator: bool, stats: Any = None, before_read: Callable[[], None] | None = None,
-                 metadata_for: Callable[[Collection[str]], Metadata] | None = None) -> None:
+                 metadata_for: Callable[[Collection[str]], Metadata] | None = None,
+                 whole_items_for: Callable[[dict[str, Any]], dict[str, StoredItem]] | None = None) -> None:
     """dcp.load's planning and reading, without its two collectives.
 
     dcp.load gathers every rank's load plan on the coordinator and scatters them
@@ -34,11 +36,19 @@ def read_locally(state_dict: dict[str, Any], reader: GuardedReader, planner: Def
     rank here plans (DCP's planner: resharding included) and reads on its own;
     the caller agrees on the outcome. ``before_read`` runs once the plan is made. ``metadata_for``:
     the checkpoint's metadata for the names of the planner's (flattened) state, instead of the
-    reader's metadata of every name.
+    reader's metadata of every name. ``whole_items_for``: the stored items of the planner's names
+    that a SafeLoadPlanner reads whole without DCP's metadata (codec.whole_tensor_items); the metadata
+    is then built for the other names only.
     """
     with stats.phase("plan") if stats is not None else contextlib.nullcontext():
         planner.set_up_planner(state_dict, reader.metadata, is_coordinator)
-        metadata = metadata_for(planner.state_dict.keys()) if metadata_for is not None else reader.metadata
+        names: Collection[str] = planner.state_dict.keys()
+        if whole_items_for is not None and isinstance(planner, SafeLoadPlanner):
+            whole = whole_items_for(planner.state_dict)
+            planner.read_whole(whole)
+            if whole:
+                names = [k for k in names if k not in whole]
+        metadata = metadata_for(names) if metadata_for is not None else reader.metadata
         assert metadata is not None
         planner.metadata = metadata
         reader.set_up_storage_reader(metadata, is_coordinator)

@@ -302,15 +302,38 @@ class SafeLoadPlanner(DefaultLoadPlanner):
         self.metadata = metadata
         self.is_coordinator = is_coordinator
 
+    def read_whole(self, items: dict[str, StoredItem]) -> None:
+        """Names of the state (flattened) read from these stored items, each the whole tensor of the
+        name's shape and dtype (codec.whole_tensor_items), without DCP's metadata: the metadata then
+        given needs only the other names."""
+        self._whole_items = items
+
+    def stored_item(self, read_item: ReadItem) -> StoredItem | None:
+        """The stored item a read item of :meth:`read_whole`'s names reads; None for the others."""
+        known = self._whole_reads.get(id(read_item))
+        return known[1] if known is not None and known[0] is read_item else None
+
     def create_local_plan(self) -> LoadPlan:
         assert self.metadata is not None
         stored = self.metadata.state_dict_metadata
         direct: list[ReadItem] = []
         self._direct_targets: dict[int, tuple[ReadItem, torch.Tensor]] = {}
+        self._whole_reads: dict[int, tuple[ReadItem, StoredItem]] = {}
         rest: dict[str, Any] = {}
         # The storage keys of whole tensors, reused as read items' indices (one MetadataIndex less per item).
         whole = {k.fqn: k for k in self.metadata.storage_data if k.offset is not None and not any(k.offset)}
+        known: dict[str, StoredItem] = getattr(self, "_whole_items", {})
         for fqn, obj in self.state_dict.items():
+            stored_whole = known.get(fqn)
+            if stored_whole is not None:
+                offsets = torch.Size(stored_whole.offsets or ())
+                at = MetadataIndex(fqn, offsets)
+                read = ReadItem(type=LoadItemType.TENSOR, dest_index=at, dest_offsets=offsets, storage_index=at,
+                                storage_offsets=offsets, lengths=obj.size())
+                direct.append(read)
+                self._direct_targets[id(read)] = (read, obj)
+                self._whole_reads[id(read)] = (read, stored_whole)
+                continue
             md = stored.get(fqn)
             # A plain tensor stored whole with its shape, in its dtype or one it widens to (nothing for
             # refuse_mismatches to find): its read item directly. Anything else is checked below.

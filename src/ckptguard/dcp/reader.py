@@ -211,8 +211,10 @@ class GuardedReader(StorageReader):
         # Grouped by the stored item's identity (one object per item of the metadata): cheaper than
         # hashing every field of it.
         by_item: dict[int, tuple[StoredItem, list[ReadItem]]] = {}
+        # Whole tensors planned from the manifest's item table carry their stored item (SafeLoadPlanner).
+        stored_item: Callable[[ReadItem], StoredItem | None] = getattr(planner, "stored_item", lambda _: None)
         for req in plan.items:
-            stored = self.storage_data.get(req.storage_index)
+            stored = stored_item(req) or self.storage_data.get(req.storage_index)
             if stored is None and self.domain_count == 1:  # the manifest holds every item: it contradicts itself
                 raise CorruptCheckpointError(
                     f"rank {self.rank}: the checkpoint's metadata in {self.checkpoint_dir} lists a chunk of "

@@ -35,7 +35,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 from ckptguard._faults import FaultPhase, fault_point
 from ckptguard._signals import signals_deferred
 from ckptguard.comm import agreed_failures, hostname
-from ckptguard.dcp.codec import metadata_from_json
+from ckptguard.dcp.codec import metadata_from_json, whole_tensor_items
 from ckptguard.dcp.drive import read_locally
 from ckptguard.dcp.planners import SafeLoadPlanner
 from ckptguard.dcp.reader import GuardedReader
@@ -302,7 +302,8 @@ def _read_and_place(session: Session, agreed: AgreedManifest, targets: list[Arti
             prepared.append(prepare_state(request.state, comm.rank, for_load=True))
         read_locally(prepared[0].state_dict, reader, planner, is_coordinator=comm.rank == 0, stats=stats,
                      before_read=on_planned,
-                     metadata_for=lambda names: manifest_metadata(session, name, manifest, names))
+                     metadata_for=lambda names: manifest_metadata(session, name, manifest, names),
+                     whole_items_for=lambda flat: whole_tensor_items(manifest.dcp, manifest.items, flat))
 
     try:
         with ByteProgress(stats.show_progress, f"loading step {name.step}", None) as bar:
