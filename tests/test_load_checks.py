@@ -61,3 +61,51 @@ def test_a_damaged_file_in_any_ranks_share_of_the_size_check_stops_the_load_on_e
         finally:
             damaged.write_bytes(saved)
     assert run_ranks(WORLD, load) == [0.0, 1.0, 2.0, 3.0]
+
+
+def test_a_manifest_that_contradicts_itself_in_any_ranks_share_of_its_checks_stops_the_load_on_every_rank(
+        tmp_path: Path) -> None:
+    """The checks that relate the manifest's DCP entries to its item rows are shared too (each rank
+    checks every n-th name): a contradiction in any one name is refused by every rank, nothing read."""
+    import dataclasses
+    import json
+
+    from ckptguard.protocol.manifest import Manifest
+
+    root = tmp_path / "ck"
+
+    def save(comm: Comm) -> None:
+        session = _session(comm, root, read_only=False)
+        try:
+            state = {f"w{comm.rank}": torch.full((1000,), float(comm.rank))}
+            save_protocol.save(session, save_protocol.SaveRequest(1, state, [], [], False, {}, None),
+                               PhaseTimer())
+        finally:
+            if session.lease is not None:
+                session.lease.release()
+
+    assert run_ranks(WORLD, save) == [None] * WORLD
+
+    def load(comm: Comm) -> object:
+        session = _session(comm, root, read_only=True)
+        dest = {f"w{comm.rank}": torch.full((1000,), -1.0)}
+        request = load_protocol.LoadRequest(dest, None, True)
+        load_protocol.load_one(session, CheckpointName(1), None, request, PhaseTimer())
+        return dest[f"w{comm.rank}"][0].item()
+
+    path = root / "step-00000001" / "MANIFEST.json"
+    sealed = path.read_bytes()
+    manifest = Manifest.from_json(sealed, str(path))
+    changes = {"disagree on the dtype": lambda e: e.update(dtype="int32"),
+               "do not add up to its size": lambda e: e.update(chunks=[0, 500])}
+    for name in (f"w{r}" for r in range(WORLD)):
+        for says, change in changes.items():
+            dcp = json.loads(json.dumps(manifest.dcp))
+            change(dcp["state_dict"][name])
+            path.write_bytes(dataclasses.replace(manifest, dcp=dcp).to_json())
+            try:
+                out = run_ranks(WORLD, load)
+                assert all(isinstance(e, CorruptCheckpointError) and says in str(e) for e in out), (name, out)
+            finally:
+                path.write_bytes(sealed)
+    assert run_ranks(WORLD, load) == [0.0, 1.0, 2.0, 3.0]

@@ -238,8 +238,9 @@ def agree_on_manifest(session: Session, name: CheckpointName, seq: int | None, s
         if shared.read_error is not None:
             raise shared.read_error
         assert shared.raw is not None
-        manifest = root.parse_manifest(name, shared.raw, seq)
-        root.check_files(name, manifest, (topo.domain.index(topo.rank), len(topo.domain)))
+        part = (topo.domain.index(topo.rank), len(topo.domain))
+        manifest = root.parse_manifest(name, shared.raw, seq, part)
+        root.check_files(name, manifest, part)
         return manifest
 
     agreed: Manifest = session.comm.step(f"read checkpoint {name.dirname} in {session.url}", parse,

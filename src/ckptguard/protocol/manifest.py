@@ -14,7 +14,7 @@ import platform
 import re
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
-from itertools import chain
+from itertools import chain, islice
 from typing import Annotated, Any, NoReturn
 
 import msgspec
@@ -184,9 +184,11 @@ class Manifest:
         return sealed(json.dumps(body, separators=(",", ":"), allow_nan=False, check_circular=False).encode(), tables)
 
     @staticmethod
-    def from_json(data: bytes, path: str) -> Manifest:
+    def from_json(data: bytes, path: str, part: tuple[int, int] = (0, 1)) -> Manifest:
+        """``part`` (k, n): as in ``Root.parse_manifest``, the checks relating DCP entries and item rows
+        of the names k, k + n, ... only."""
         try:
-            return _parse(data, path)
+            return _parse(data, path, part)
         except MalformedRecordError:
             raise
         except CheckpointError as e:
@@ -289,7 +291,7 @@ def _relpath(v: Any, what: str) -> str:
     return p
 
 
-def _parse(data: bytes, path: str) -> Manifest:
+def _parse(data: bytes, path: str, part: tuple[int, int] = (0, 1)) -> Manifest:
     _expect(data.startswith(_PREFIX), "missing manifest_checksum")
     body_start = len(_PREFIX) + 16 + len(_BODY_KEY)
     _expect(data[len(_PREFIX) + 16: body_start] == _BODY_KEY, "malformed header")
@@ -341,8 +343,8 @@ def _parse(data: bytes, path: str) -> Manifest:
     _expect(isinstance(versions, dict), "versions must be an object")
     commit_seq = None if body.commit_seq is None else _int(body.commit_seq, "commit_seq", 1)
     dcp: dict[str, Any] = msgspec.to_builtins(t.dcp)
-    _check_dcp_agrees(dcp, t.dcp.state_dict, items)
-    _check_chunks_agree(t.dcp.state_dict, items, whole=dom.get("count") == 1)
+    _check_dcp_agrees(dcp, t.dcp.state_dict, items, part)
+    _check_chunks_agree(t.dcp.state_dict, items, whole=dom.get("count") == 1, part=part)
     return Manifest(
         step=_int(body.step, "step"),
         version=_int(body.version, "version", 1),
@@ -429,22 +431,26 @@ def _check_items(items: list[StoredItem], files: list[FileEntry]) -> None:
             _expect(dtype is None, "item dtype without shape")
 
 
-def _check_dcp_agrees(dcp: dict[str, Any], entries: dict[str, DcpEntry], table: ItemTable) -> None:
-    """``_check_dcp_agrees_with_items`` on whole columns; a manifest that fails is walked row by row."""
+def _check_dcp_agrees(dcp: dict[str, Any], entries: dict[str, DcpEntry], table: ItemTable,
+                      part: tuple[int, int] = (0, 1)) -> None:
+    """``_check_dcp_agrees_with_items`` on whole columns, for the names of ``part`` (k, n): the k-th of
+    every n in the table's name list; a manifest that fails is walked row by row."""
     if not len(table):
         return
-    if not _entries_agree(entries, table):
+    if not _entries_agree(entries, table, part):
         _check_dcp_agrees_with_items(dcp, table.rows())
 
 
-def _entries_agree(entries: dict[str, DcpEntry], table: ItemTable) -> bool:
-    """Every tensor row whose name has an entry: a tensor entry of its dtype, with a size of its number
-    of dimensions that the row lies inside (a negative size is refused by metadata_from_json). The
-    entries as the schema decoded them (their fields' types checked in C); per name only list
-    comprehensions (each name of a checkpoint of many small tensors costs here), then the rows on flat
-    columns: one element per row and dimension."""
+def _entries_agree(entries: dict[str, DcpEntry], table: ItemTable, part: tuple[int, int] = (0, 1)) -> bool:
+    """Every tensor row whose name has an entry (of the names of ``part``): a tensor entry of its dtype,
+    with a size of its number of dimensions that the row lies inside (a negative size is refused by
+    metadata_from_json). The entries as the schema decoded them (their fields' types checked in C); per
+    name only list comprehensions (each name of a checkpoint of many small tensors costs here), then the
+    rows on flat columns: one element per row and dimension."""
+    first, every = part
     dtype_at = {d: i for i, d in enumerate(table.dtypes) if d is not None}
-    got = list(map(entries.get, table.names))
+    # The names of this part, each at its position in it: (name index - first) / every.
+    got = list(map(entries.get, table.names[first::every]))
     named = np.fromiter((e is not None for e in got), bool, len(got))
     shapes = [(e.dtype, e.size) if e is not None and e.type == "tensor" and e.dtype is not None
               and e.size is not None and len(e.size) <= MAX_NDIM else None for e in got]
@@ -454,10 +460,12 @@ def _entries_agree(entries: dict[str, DcpEntry], table: ItemTable) -> bool:
     size_ndim = [0 if t is None else len(t[1]) for t in shapes]
     dims = list(chain.from_iterable(t[1] for t in shapes if t is not None))
     rows = np.flatnonzero(table.shape_ndim >= 0)
-    rows = rows[named[table.name[rows]]]
+    if every > 1:
+        rows = rows[table.name[rows] % every == first]
+    rows = rows[named[(table.name[rows] - first) // every]]
     if not len(rows):
         return True
-    names = table.name[rows]
+    names = (table.name[rows] - first) // every
     ndim = table.shape_ndim[rows]
     nd = np.array(size_ndim, dtype=np.int64)
     off_ndim = table.offsets_ndim[rows]
@@ -483,14 +491,16 @@ def _entries_agree(entries: dict[str, DcpEntry], table: ItemTable) -> bool:
     return bool(np.all((d < 0) | ((k <= d) & (o <= d - k))))
 
 
-def _check_chunks_agree(entries: dict[str, DcpEntry], table: ItemTable, whole: bool) -> None:
+def _check_chunks_agree(entries: dict[str, DcpEntry], table: ItemTable, whole: bool,
+                        part: tuple[int, int] = (0, 1)) -> None:
     """DCP's chunk list of every tensor is what the items store: a load plans its reads from the chunk
     list, while ``verify``, ``read``'s files and ``export`` go by the items, so a manifest whose two
     halves disagree (corrupt, or re-sealed by hand) must be refused by all of them. Each chunk lies
     inside the tensor and the chunks' elements add up to the tensor's; where the manifest holds every
     item (``whole``: one storage domain) the items' chunks are exactly the listed ones, else each item
     is one of them. Whole tensors (one chunk, the common case) are checked on counts and element
-    counts per name; only a sharded tensor's chunks are compared row by row (numpy)."""
+    counts per name; only a sharded tensor's chunks are compared row by row (numpy). ``part`` (k, n):
+    the k-th of every n entries only."""
     index = {nm: i for i, nm in enumerate(table.names)}
     rows = np.flatnonzero(table.shape_ndim >= 0)
     names = table.name[rows]
@@ -499,7 +509,9 @@ def _check_chunks_agree(entries: dict[str, DcpEntry], table: ItemTable, whole: b
     np.add.at(volume, names, np.clip(_products(table, rows), 0, None))  # each < 2**62; -1 (huge) as 0
     volumes = volume.tolist()
     sharded: list[tuple[str, DcpEntry, int]] = []
-    for nm, e in entries.items():  # messages formatted only on failure: this runs once per tensor
+    first, every = part
+    mine = entries.items() if every == 1 else islice(entries.items(), first, None, every)
+    for nm, e in mine:  # messages formatted only on failure: this runs once per tensor
         size, flat = e.size, e.chunks
         if e.type != "tensor" or size is None or flat is None or not size:
             continue  # malformed entries are refused by metadata_from_json; 0-dim tensors have one chunk

@@ -196,8 +196,9 @@ class ObjectStoreRoot(rootkit.RootKit):
         manifest = self._commit_manifest(name)
         return manifest.attempt if manifest is not None else None
 
-    def parse_manifest(self, name: CheckpointName, data: bytes, seq: int | None = None) -> Manifest:
-        return rootkit.parse_manifest(self.storage, name, data, seq)
+    def parse_manifest(self, name: CheckpointName, data: bytes, seq: int | None = None,
+                       part: tuple[int, int] = (0, 1)) -> Manifest:
+        return rootkit.parse_manifest(self.storage, name, data, seq, part)
 
     def _commit_manifest(self, name: CheckpointName) -> Manifest | None:
         try:

@@ -128,8 +128,9 @@ class PosixRoot(rootkit.RootKit):
         reader holding the old manifest tells the two apart by it)."""
         return latest.high_seq(self.read_latest())
 
-    def parse_manifest(self, name: CheckpointName, data: bytes, seq: int | None = None) -> Manifest:
-        manifest = rootkit.parse_manifest(self.storage, name, data, seq)
+    def parse_manifest(self, name: CheckpointName, data: bytes, seq: int | None = None,
+                       part: tuple[int, int] = (0, 1)) -> Manifest:
+        manifest = rootkit.parse_manifest(self.storage, name, data, seq, part)
         self._check_real_dirs(name, manifest)
         return manifest
 

@@ -103,7 +103,11 @@ class Root(Protocol):
 
     def read_manifest_bytes(self, name: CheckpointName) -> bytes: ...
 
-    def parse_manifest(self, name: CheckpointName, data: bytes, seq: int | None = None) -> Manifest: ...
+    def parse_manifest(self, name: CheckpointName, data: bytes, seq: int | None = None,
+                       part: tuple[int, int] = (0, 1)) -> Manifest:
+        """Parse and check a manifest's bytes. ``part`` (k, n): of the checks that relate its DCP
+        entries to its item rows, only the names k, k + n, ... (n ranks holding the same bytes share
+        them; the caller agrees on the outcome)."""
 
     def check_files(self, name: CheckpointName, manifest: Manifest, part: tuple[int, int] = (0, 1)) -> None:
         """Every file of a checkpoint present with its recorded size; CorruptCheckpointError if not.

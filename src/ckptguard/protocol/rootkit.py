@@ -67,7 +67,8 @@ class _Root(Protocol):
 
     def committed(self) -> list[CheckpointName]: ...
 
-    def parse_manifest(self, name: CheckpointName, data: bytes, seq: int | None = None) -> Manifest: ...
+    def parse_manifest(self, name: CheckpointName, data: bytes, seq: int | None = None,
+                       part: tuple[int, int] = (0, 1)) -> Manifest: ...
 
     def read_manifest_bytes(self, name: CheckpointName) -> bytes: ...
 
@@ -151,10 +152,12 @@ def read_manifest_bytes(storage: StorageBackend, name: CheckpointName) -> bytes:
         raise CorruptCheckpointError(f"{path} is missing", path=path) from None
 
 
-def parse_manifest(storage: StorageBackend, name: CheckpointName, data: bytes, seq: int | None = None) -> Manifest:
-    """Parse and check a manifest; ``seq``: the commit sequence number it was listed with."""
+def parse_manifest(storage: StorageBackend, name: CheckpointName, data: bytes, seq: int | None = None,
+                   part: tuple[int, int] = (0, 1)) -> Manifest:
+    """Parse and check a manifest; ``seq``: the commit sequence number it was listed with; ``part``:
+    as in ``Root.parse_manifest``."""
     path = manifest_path(storage, name)
-    m = Manifest.from_json(data, path)
+    m = Manifest.from_json(data, path, part)
     if m.step != name.step or m.version != name.version:
         raise CorruptCheckpointError(
             f"{path} describes step {m.step} v{m.version} but sits in {name.dirname}: "
