@@ -165,3 +165,52 @@ def test_read_refuses_a_string_for_keys(tmp_path: Path) -> None:
         with pytest.raises(TypeError, match=r"keys=\['meta'\]"):
             ck.read(keys="meta")
         assert ck.read(keys=["meta"]) == {"meta": {"epoch": 3}}
+
+
+@pytest.mark.parametrize(("stored", "template", "values"), [
+    # float8 formats differ in precision, range, infinities and signed zeros (outside attack: all four
+    # were "lossless widenings" by a finfo comparison and loaded changed values without an error)
+    ("float8_e4m3fn", "float8_e5m2fnuz", [1.125, 1.375, 448.0, -0.0]),
+    ("float8_e4m3fnuz", "float8_e5m2fnuz", [1.125, 1.375, 240.0]),
+    ("float8_e5m2", "float8_e5m2fnuz", [float("inf"), -0.0, 1.0]),
+    ("bool", "float8_e8m0fnu", [0.0, 1.0]),  # e8m0 has no zero
+    ("float16", "bfloat16", [1.0009765625, 65504.0]),
+    ("bfloat16", "float16", [1e-30, 3e38]),
+    ("int16", "float16", [2049, -32768]),
+    ("uint8", "int8", [255, 0]),
+])
+def test_a_cast_that_changes_any_value_of_the_stored_dtype_is_refused(tmp_path: Path, stored: str, template: str,
+                                                                       values: list[float]) -> None:
+    stored_dtype, template_dtype = getattr(torch, stored, None), getattr(torch, template, None)
+    if stored_dtype is None or template_dtype is None:
+        pytest.skip(f"this torch has no {stored} or {template}")
+    with Checkpointer(tmp_path / "ck") as ck:
+        ck.save(1, {"x": torch.tensor(values).to(stored_dtype)})
+        into = {"x": torch.zeros(len(values)).to(template_dtype)}
+        before = into["x"].view(torch.uint8).clone()
+        with pytest.raises(TemplateMismatchError, match=rf"x: checkpoint: shape \[{len(values)}\] torch.{stored}"):
+            ck.load(into)
+        assert torch.equal(into["x"].view(torch.uint8), before)
+
+
+@pytest.mark.parametrize(("stored", "template"), [
+    ("float8_e4m3fn", "bfloat16"), ("float8_e5m2", "float16"), ("float8_e8m0fnu", "float32"), ("bool", "float8_e4m3fn"),
+    ("bfloat16", "float32"), ("float16", "float64"), ("int8", "float16"), ("uint8", "int16"), ("uint16", "int32"),
+])
+def test_every_value_of_a_lossless_cast_loads_exactly(tmp_path: Path, stored: str, template: str) -> None:
+    stored_dtype, template_dtype = getattr(torch, stored, None), getattr(torch, template, None)
+    if stored_dtype is None or template_dtype is None:
+        pytest.skip(f"this torch has no {stored} or {template}")
+    if stored_dtype == torch.bool:
+        every = torch.tensor([False, True])
+    else:  # every bit pattern of the stored dtype
+        every = torch.arange(1 << (8 * stored_dtype.itemsize), dtype=torch.int32)
+        every = (every.to(torch.uint8) if stored_dtype.itemsize == 1 else every.to(torch.int16)).view(stored_dtype)
+    with Checkpointer(tmp_path / "ck") as ck:
+        ck.save(1, {"x": every})
+        into = {"x": torch.zeros(every.shape, dtype=template_dtype)}
+        ck.load(into)
+    want, got = every.to(torch.float64), into["x"].to(torch.float64)
+    assert torch.equal(want.isnan(), got.isnan())
+    keep = ~want.isnan()
+    assert torch.equal(want[keep], got[keep]) and torch.equal(want[keep].signbit(), got[keep].signbit())

@@ -4,6 +4,7 @@ objects loaded without running code.
 
 from __future__ import annotations
 
+import functools
 import io
 import math
 from collections import defaultdict
@@ -427,11 +428,22 @@ def refuse_mismatches(state_dict: dict[str, Any], stored: dict[str, Any], *, str
             "the checkpoint lacks as they are; nothing was read or changed")
 
 
+_QUANTIZED = frozenset(getattr(torch, n) for n in ("qint8", "quint8", "qint32", "quint4x2", "quint2x4")
+                       if hasattr(torch, n))
+
+
 def widens(stored: torch.dtype, template: torch.dtype) -> bool:
     """Whether every value of ``stored`` is exactly a value of ``template`` (the same dtype, or a lossless
-    widening such as bfloat16 -> float32, int8 -> int32, int16 -> float32): the only casts a load makes."""
-    if stored == template or stored == torch.bool:
-        return stored == template or template != torch.bool
+    widening such as bfloat16 -> float32, int8 -> int32, int16 -> float32): the only casts a load makes.
+    A stored dtype of 16 bits or fewer is decided by casting every one of its values (the float8 formats
+    differ in range, precision, infinities and zeros in ways no finfo comparison captures); a wider one
+    by its finfo/iinfo."""
+    if stored == template:
+        return True
+    if stored in _QUANTIZED or template in _QUANTIZED:  # raw integers of a scale: never cast
+        return False
+    if stored.itemsize <= 2 and not stored.is_complex:
+        return _casts_every_value_exactly(stored, template)
     try:
         if template.is_complex or stored.is_complex:
             return stored.is_complex and template.is_complex and stored.itemsize < template.itemsize
@@ -446,8 +458,27 @@ def widens(stored: torch.dtype, template: torch.dtype) -> bool:
             return -math.log2(torch.finfo(template).eps) + 1 >= magnitude_bits
         ti = torch.iinfo(template)
         return ti.min <= si.min and ti.max >= si.max
-    except TypeError:  # a dtype without finfo/iinfo (quantized, bits): only the same dtype
+    except (TypeError, NotImplementedError, RuntimeError):  # a dtype without finfo/iinfo (quantized, bits,
+        return False  # float4): only the same dtype
+
+
+@functools.cache
+def _casts_every_value_exactly(stored: torch.dtype, template: torch.dtype) -> bool:
+    """Every bit pattern of ``stored`` (at most 65,536), cast to ``template`` as a load casts it, keeps
+    its value, its sign (a zero's too), and stays NaN where it was NaN."""
+    if template.is_complex:  # (a real value is one, but no load casts to complex: as for wider dtypes)
         return False
+    try:
+        every = torch.arange(1 << (8 * stored.itemsize), dtype=torch.int32)
+        raw = every.to(torch.uint8) if stored.itemsize == 1 else every.to(torch.int16)  # (wraps: every pattern)
+        values = raw.view(stored) if stored != torch.bool else torch.tensor([False, True])
+        cast = values.to(template)
+        before, after = values.to(torch.float64), cast.to(torch.float64)
+    except (RuntimeError, TypeError, NotImplementedError):  # a dtype torch cannot cast (bits, quantized, ...)
+        return False
+    nan = before.isnan()
+    same = (before == after) & (torch.signbit(before) == torch.signbit(after))
+    return bool(torch.where(nan, after.isnan(), same).all())
 
 
 def _describe(obj: Any) -> str:

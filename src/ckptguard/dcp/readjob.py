@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 from torch.distributed.checkpoint.planner import ReadItem
 
@@ -70,6 +71,35 @@ def _refuse_tied_conflict(a: ReadJob, b: ReadJob) -> None:
             f"{a.stored.fqn} and {b.stored.fqn} are one tensor in the template (tied weights), but the "
             "checkpoint holds different values for them (they were saved untied): tie or untie them as they "
             "were when saved; nothing was read or changed")
+
+
+#: Up to this many elements, a tensor whose strides prove nothing either way has its element offsets
+#: counted (8 bytes each); a larger one is refused (a template is a clone away from a plain tensor).
+_COUNTED_ELEMENTS = 1 << 22
+
+
+def shares_elements(t: torch.Tensor) -> bool:
+    """Whether two elements of ``t`` may be one memory location: then a copy into it keeps one value of
+    several (an ``expand()``ed tensor, ``unfold()``, ``as_strided()`` with overlapping strides). Sure
+    where torch can tell; else dimensions sorted by stride each stepping over all the smaller ones prove
+    there is none; else the element offsets are counted (small tensors), or it is taken to share."""
+    verdict = has_internal_overlap(t)
+    if verdict is not None:
+        return verdict
+    dims = sorted((st, n) for st, n in zip(t.stride(), t.shape, strict=True) if n > 1)
+    span = 0  # the largest offset the smaller-stride dimensions reach
+    for st, n in dims:
+        if st <= span:
+            break
+        span += st * (n - 1)
+    else:
+        return False
+    if t.numel() > _COUNTED_ELEMENTS:
+        return True
+    offsets = np.zeros(1, dtype=np.int64)
+    for st, n in dims:
+        offsets = (offsets[:, None] + np.arange(n, dtype=np.int64)[None, :] * st).ravel()
+    return len(np.unique(offsets)) < len(offsets)
 
 
 def follows(prev: ReadJob, job: ReadJob) -> bool:
@@ -195,11 +225,13 @@ class ReadJob:
                     f"{s.fqn}: the checkpoint's metadata asks for a piece at {list(req.storage_offsets)[:8]} "
                     f"of {list(req.lengths)[:8]} of a stored chunk of shape {list(s.shape)[:8]}: the manifest "
                     "is corrupt")
-            if has_internal_overlap(target):
+            if shares_elements(target):
                 raise TemplateMismatchError(
                     f"{s.fqn}: the template's tensor has elements that share memory (an expand()ed tensor, "
-                    "stride 0): it cannot hold the checkpoint's values. Pass a tensor with its own memory "
-                    "(.clone()); nothing was read or changed")
+                    f"stride 0, or strides {list(target.stride())[:8]} that make elements of shape "
+                    f"{list(target.shape)[:8]} meet, as unfold() and as_strided() can): it cannot hold the "
+                    "checkpoint's values. Pass a tensor with its own memory (.clone()); nothing was read "
+                    "or changed")
 
     def destination(self, arena: Arena) -> memoryview:
         """Where phase 1 reads this item: its destination (in place), an arena slot (staged tensor),
