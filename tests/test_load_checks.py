@@ -4,6 +4,7 @@ refuses the load alike and nothing is read."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -26,8 +27,8 @@ def _session(comm: Comm, root: Path, read_only: bool) -> Session:
                         read_only=read_only, job_id="t", lease_ttl_s=30, lease_wait_s=1)
 
 
-def test_a_damaged_file_in_any_ranks_share_of_the_size_check_stops_the_load_on_every_rank(tmp_path: Path) -> None:
-    root = tmp_path / "ck"
+def _save_a_tensor_per_rank(root: Path) -> None:
+    """Step 1 of ``root``: rank r saves "w<r>", 1,000 elements of value r (one data file per rank)."""
 
     def save(comm: Comm) -> None:
         session = _session(comm, root, read_only=False)
@@ -40,8 +41,10 @@ def test_a_damaged_file_in_any_ranks_share_of_the_size_check_stops_the_load_on_e
                 session.lease.release()
 
     assert run_ranks(WORLD, save) == [None] * WORLD
-    files = sorted(p for p in (root / "step-00000001" / "data").rglob("*") if p.is_file())
-    assert len(files) == WORLD  # one per rank: each rank's share of the check holds one
+
+
+def _load_own_tensor(root: Path) -> Callable[[Comm], object]:
+    """A rank's load of its own "w<r>" of step 1; the value it loaded."""
 
     def load(comm: Comm) -> object:
         session = _session(comm, root, read_only=True)
@@ -50,6 +53,15 @@ def test_a_damaged_file_in_any_ranks_share_of_the_size_check_stops_the_load_on_e
         load_protocol.load_one(session, CheckpointName(1), None, request, PhaseTimer())
         return dest[f"w{comm.rank}"][0].item()
 
+    return load
+
+
+def test_a_damaged_file_in_any_ranks_share_of_the_size_check_stops_the_load_on_every_rank(tmp_path: Path) -> None:
+    root = tmp_path / "ck"
+    _save_a_tensor_per_rank(root)
+    files = sorted(p for p in (root / "step-00000001" / "data").rglob("*") if p.is_file())
+    assert len(files) == WORLD  # one per rank: each rank's share of the check holds one
+    load = _load_own_tensor(root)
     assert run_ranks(WORLD, load) == [0.0, 1.0, 2.0, 3.0]
     for damaged in files:
         saved = damaged.read_bytes()
@@ -73,26 +85,8 @@ def test_a_manifest_that_contradicts_itself_in_any_ranks_share_of_its_checks_sto
     from ckptguard.protocol.manifest import Manifest
 
     root = tmp_path / "ck"
-
-    def save(comm: Comm) -> None:
-        session = _session(comm, root, read_only=False)
-        try:
-            state = {f"w{comm.rank}": torch.full((1000,), float(comm.rank))}
-            save_protocol.save(session, save_protocol.SaveRequest(1, state, [], [], False, {}, None),
-                               PhaseTimer())
-        finally:
-            if session.lease is not None:
-                session.lease.release()
-
-    assert run_ranks(WORLD, save) == [None] * WORLD
-
-    def load(comm: Comm) -> object:
-        session = _session(comm, root, read_only=True)
-        dest = {f"w{comm.rank}": torch.full((1000,), -1.0)}
-        request = load_protocol.LoadRequest(dest, None, True)
-        load_protocol.load_one(session, CheckpointName(1), None, request, PhaseTimer())
-        return dest[f"w{comm.rank}"][0].item()
-
+    _save_a_tensor_per_rank(root)
+    load = _load_own_tensor(root)
     path = root / "step-00000001" / "MANIFEST.json"
     sealed = path.read_bytes()
     manifest = Manifest.from_json(sealed, str(path))

@@ -311,15 +311,24 @@ class SafeLoadPlanner(DefaultLoadPlanner):
 
     def stored_item(self, read_item: ReadItem) -> StoredItem | None:
         """The stored item a read item of :meth:`read_whole`'s names reads; None for the others."""
-        known = self._whole_reads.get(id(read_item))
-        return known[1] if known is not None and known[0] is read_item else None
+        known = self._direct_targets.get(id(read_item))
+        return known[2] if known is not None and known[0] is read_item else None
+
+    def _read_whole_tensor(self, index: MetadataIndex, obj: torch.Tensor, stored: StoredItem | None) -> ReadItem:
+        """The read item of a whole tensor into ``obj`` (what DCP would narrow to), kept for
+        :meth:`resolve_tensor` and, where planned from the item table, with its stored item."""
+        zero = index.offset
+        assert zero is not None
+        read = ReadItem(type=LoadItemType.TENSOR, dest_index=index, dest_offsets=zero, storage_index=index,
+                        storage_offsets=zero, lengths=obj.size())
+        self._direct_targets[id(read)] = (read, obj, stored)
+        return read
 
     def create_local_plan(self) -> LoadPlan:
         assert self.metadata is not None
         stored = self.metadata.state_dict_metadata
         direct: list[ReadItem] = []
-        self._direct_targets: dict[int, tuple[ReadItem, torch.Tensor]] = {}
-        self._whole_reads: dict[int, tuple[ReadItem, StoredItem]] = {}
+        self._direct_targets: dict[int, tuple[ReadItem, torch.Tensor, StoredItem | None]] = {}
         rest: dict[str, Any] = {}
         # The storage keys of whole tensors, reused as read items' indices (one MetadataIndex less per item).
         whole = {k.fqn: k for k in self.metadata.storage_data if k.offset is not None and not any(k.offset)}
@@ -327,13 +336,8 @@ class SafeLoadPlanner(DefaultLoadPlanner):
         for fqn, obj in self.state_dict.items():
             stored_whole = known.get(fqn)
             if stored_whole is not None:
-                offsets = torch.Size(stored_whole.offsets or ())
-                at = MetadataIndex(fqn, offsets)
-                read = ReadItem(type=LoadItemType.TENSOR, dest_index=at, dest_offsets=offsets, storage_index=at,
-                                storage_offsets=offsets, lengths=obj.size())
-                direct.append(read)
-                self._direct_targets[id(read)] = (read, obj)
-                self._whole_reads[id(read)] = (read, stored_whole)
+                direct.append(self._read_whole_tensor(MetadataIndex(fqn, torch.Size(stored_whole.offsets or ())),
+                                                      obj, stored_whole))
                 continue
             md = stored.get(fqn)
             # A plain tensor stored whole with its shape, in its dtype or one it widens to (nothing for
@@ -341,12 +345,8 @@ class SafeLoadPlanner(DefaultLoadPlanner):
             if (type(obj) is torch.Tensor and type(md) is TensorStorageMetadata and len(md.chunks) == 1
                     and md.chunks[0].sizes == md.size == obj.size() and not any(md.chunks[0].offsets)
                     and (md.properties.dtype == obj.dtype or widens(md.properties.dtype, obj.dtype))):
-                zero = md.chunks[0].offsets
-                index = whole.get(fqn) or MetadataIndex(fqn, zero)
-                item = ReadItem(type=LoadItemType.TENSOR, dest_index=index, dest_offsets=zero,
-                                storage_index=index, storage_offsets=zero, lengths=md.size)
-                direct.append(item)
-                self._direct_targets[id(item)] = (item, obj)  # the whole tensor: what DCP would narrow to
+                direct.append(self._read_whole_tensor(whole.get(fqn) or MetadataIndex(fqn, md.chunks[0].offsets),
+                                                      obj, None))
             else:
                 rest[fqn] = obj
         refuse_mismatches(rest, stored, strict=not self.allow_partial_load)
@@ -361,7 +361,7 @@ class SafeLoadPlanner(DefaultLoadPlanner):
 
     def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:
         """The destination of a read item; a whole plain tensor without DCP's lookup and narrowing."""
-        targets: dict[int, tuple[ReadItem, torch.Tensor]] = getattr(self, "_direct_targets", {})
+        targets: dict[int, tuple[ReadItem, torch.Tensor, StoredItem | None]] = getattr(self, "_direct_targets", {})
         known = targets.get(id(read_item))
         if known is not None and known[0] is read_item:
             return known[1]

@@ -279,7 +279,7 @@ class GuardedReader(StorageReader):
         for req in plan.items:
             if req.type != LoadItemType.BYTE_IO and id(req) not in direct:
                 reads[req.dest_index.fqn].append(req)
-        whole = {item.dest_index.fqn for item, _ in direct.values()}
+        whole = {entry[0].dest_index.fqn for entry in direct.values()}
         stored = self.metadata.state_dict_metadata if self.metadata is not None else {}
         state: dict[str, Any] = getattr(planner, "state_dict", {})
         for fqn, value in state.items():
