@@ -132,6 +132,8 @@ def _copy(srcs: list[torch.Tensor], dsts: list[torch.Tensor], streams: dict[torc
     """Copy every pair in bulk (one dispatch per device, not one per tensor); device-to-host copies
     run on a side stream of their device, which waits for the work queued so far and is then the only
     thing waited for: training's later kernels keep running."""
+    if not srcs:  # a state without tensors (torch's foreach refuses an empty list)
+        return
     if all(s.is_cpu for s in srcs):
         torch._foreach_copy_(dsts, srcs)
         return

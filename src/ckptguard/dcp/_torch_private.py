@@ -197,8 +197,14 @@ def _flatten_mappings(value: Mapping[Any, Any], path: tuple[str, ...], flat: dic
 
 
 def create_cpu_state_dict(state_dict: dict[str, Any], pin_memory: bool) -> dict[str, Any]:
-    """Host buffers shaped like ``state_dict`` (DCP's async staging helper)."""
-    out: dict[str, Any] = _create_cpu_state_dict(state_dict, pin_memory=pin_memory)
+    """Host buffers shaped like ``state_dict`` (DCP's async staging helper).
+
+    Made on the CPU as ordinary tensors whatever the caller's context: DCP's helper follows the
+    default device (under ``torch.device("meta")`` it made meta buffers) and under
+    ``torch.inference_mode()`` it made inference tensors, which every later copy outside that mode
+    refuses; the buffers are reused by the saves after."""
+    with torch.device("cpu"), torch.inference_mode(False):
+        out: dict[str, Any] = _create_cpu_state_dict(state_dict, pin_memory=pin_memory)
     return out
 
 
