@@ -182,3 +182,40 @@ def test_a_ctrl_c_in_wait_leaves_the_background_save_in_flight_and_the_next_save
         signal.signal(signal.SIGINT, previous)
     with Checkpointer(tmp_path / "ck", read_only=True) as ck:
         assert ck.latest() == 3
+
+
+@pytest.mark.parametrize("in_flight", [True, False])
+def test_a_forked_child_that_exits_leaves_the_parents_lease_and_save_alone(tmp_path: Path, in_flight: bool) -> None:
+    """A child forked while the parent's Checkpointer is open (a save in flight or not) inherits its atexit
+    hooks: at its exit it waited forever for the parent's background save and deleted the parent's lease,
+    so the save in flight and every later one failed with LeaseLostError (an outside attack)."""
+    root = tmp_path / "ck"
+    script = textwrap.dedent(f"""
+        import os, sys, time, torch, ckptguard
+        ck = ckptguard.Checkpointer({str(root)!r})
+        ck.save(1, {{"w": torch.ones(8)}})
+        if {in_flight!r}:
+            ck.save(2, {{"w": torch.full((1 << 22,), 2.0)}}, blocking=False)
+        pid = os.fork()
+        if pid == 0:
+            sys.exit(0)  # atexit hooks run in the child
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                break
+            time.sleep(0.05)
+        else:
+            os.kill(pid, 9)
+            print("child hung", flush=True)
+        lease = os.path.join({str(root)!r}, ".ckptguard", "lease.json")
+        assert os.path.exists(lease), "the child released the parent's lease"
+        ck.wait()
+        ck.save(3, {{"w": torch.full((8,), 3.0)}})
+        print("steps", ck.steps(), flush=True)
+        ck.close()
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    assert "child hung" not in proc.stdout
+    assert f"steps {[1, 2, 3] if in_flight else [1, 3]}" in proc.stdout, proc.stdout + proc.stderr[-3000:]

@@ -37,6 +37,17 @@ _hook_installed = False
 _tracked_any = False  # a Checkpointer was made in this process
 
 
+def _forget_in_child() -> None:
+    """A forked child has none of its parent's saving threads: it must not wait at exit for saves
+    that only the parent will finish (it waited forever), nor report or destroy the parent's group."""
+    global _tracked_any
+    _live.clear()
+    _tracked_any = False
+
+
+os.register_at_fork(after_in_child=_forget_in_child)
+
+
 def track(saver: _Saver) -> None:
     """Watch ``saver``'s background saves until it is garbage."""
     global _tracked_any

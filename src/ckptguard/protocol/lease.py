@@ -161,6 +161,7 @@ class Lease:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
+        self._pid = os.getpid()  # the process that holds it (a fork's child does not)
 
     def _record(self, epoch: int, acquired_at: float | None = None) -> LeaseRecord:
         now = time.time()
@@ -328,7 +329,10 @@ class Lease:
     def release(self, timeout_s: float = RELEASE_TIMEOUT_S) -> None:
         """Hand the root back: delete the record if it is still ours. Bounded (at exit too): if the
         storage does not answer within ``timeout_s``, the lease is left to expire after its TTL.
-        Never raises."""
+        Never raises. A forked child of the holder (which inherits this object, its atexit hooks and
+        its Checkpointers) never releases: the lease is its parent's, still saving."""
+        if os.getpid() != self._pid:
+            return
         self._stop.set()
         self._thread = None  # a renewal stalled in a storage call ends on its own (a daemon thread)
         done = threading.Event()
