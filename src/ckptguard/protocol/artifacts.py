@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import stat
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -75,6 +76,14 @@ def normalize(files: Mapping[str, str | os.PathLike[str]] | None, rank: int, hos
                 rank=rank, path=path)
         if must_exist and not os.path.exists(path):
             raise CheckpointError(f"rank {rank}: files[{key!r}] = {path} does not exist", rank=rank, path=path)
+        if must_exist:
+            mode = os.stat(path).st_mode
+            if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
+                raise CheckpointError(
+                    f"rank {rank}: files[{key!r}] = {path} is a {_kind(mode)}, not a regular file or a directory: "
+                    "ckptguard stores regular files (reading a FIFO would wait for a writer forever, a device "
+                    "has no end). Name the file or directory that holds the data; nothing was written.",
+                    rank=rank, path=path)
         out.append(ArtifactTarget(rank, host, key, path))
     return out
 
@@ -194,14 +203,37 @@ def _restore_file(storage: StorageBackend, src: str, dst: str, expect: FileEntry
             f"{src}: checksum {digest}, the manifest says {expect.checksum}. The checkpoint is corrupt.", path=src)
 
 
+def _kind(mode: int) -> str:
+    return ("FIFO" if stat.S_ISFIFO(mode) else "socket" if stat.S_ISSOCK(mode) else
+            "character device" if stat.S_ISCHR(mode) else "block device" if stat.S_ISBLK(mode) else "special file")
+
+
 def _walk_files(root: str) -> list[str]:
-    rels = []
+    """The regular files under ``root``, relative; refused where it holds anything a restore could not
+    give back (a FIFO, socket or device; a symlink to a directory, which os.walk does not enter; a
+    symlink to nothing): skipping them silently stored less than the directory held."""
+    rels, odd = [], []
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames.sort()
+        for name in dirnames:
+            if os.path.islink(os.path.join(dirpath, name)):
+                odd.append(f"{os.path.join(dirpath, name)} (a symlink to a directory)")
         for name in sorted(filenames):
             full = os.path.join(dirpath, name)
-            if os.path.isfile(full):
+            try:
+                mode = os.stat(full).st_mode
+            except FileNotFoundError:
+                odd.append(f"{full} (a symlink to nothing)")
+                continue
+            if stat.S_ISREG(mode):
                 rels.append(os.path.relpath(full, root).replace(os.sep, "/"))
+            else:
+                odd.append(f"{full} (a {_kind(mode)})")
+    if odd:
+        raise CheckpointError(
+            f"files= directory {root} holds what ckptguard cannot store: {', '.join(odd[:5])}"
+            f"{f' and {len(odd) - 5} more' if len(odd) > 5 else ''}. Remove them or name the directories of "
+            "regular files that hold the data; nothing was written.", path=root)
     return rels
 
 
