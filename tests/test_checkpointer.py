@@ -498,6 +498,66 @@ def test_background_save_reuses_one_set_of_host_buffers(ck: Checkpointer) -> Non
     assert ck._stager.buffer_bytes == 256 * 256 * 4
 
 
+@pytest.mark.parametrize("state", [{"x": 1}, {}, {"x": {}}, {"s": "abc", "l": [1, 2]}, {"r": ckptguard.PerRank(1)}],
+                         ids=["int", "empty", "empty-dict", "plain", "per-rank"])
+def test_background_save_of_a_state_without_tensors(ck: Checkpointer, state: dict[str, object]) -> None:
+    """An outside attack: torch's bulk copy refuses an empty list, and save(blocking=False) raised its
+    RuntimeError for every state without a tensor."""
+    ck.save(1, state, blocking=False)
+    ck.wait()
+    assert ck.steps() == [1]
+    expect = {k: (v.value if isinstance(v, ckptguard.PerRank) else v) for k, v in state.items()}
+    assert ck.read(step=1) == expect
+
+
+@pytest.mark.parametrize("context", ["inference_mode", "meta_default_device"])
+def test_background_saves_after_one_made_under_a_torch_mode(ck: Checkpointer, context: str) -> None:
+    """The host buffers a first async save allocates serve every later save: made under
+    torch.inference_mode() they were inference tensors, which every later copy outside it refused; made under
+    torch.device("meta") they were meta tensors, and every save failed (an outside attack)."""
+    mode = torch.inference_mode() if context == "inference_mode" else torch.device("meta")
+    state = {"w": torch.arange(64, dtype=torch.float32)}
+    with mode:
+        ck.save(1, state, blocking=False)
+    ck.wait()
+    for step in (2, 3):
+        state["w"].add_(1)
+        ck.save(step, state, blocking=False)
+        ck.wait()
+    for step in (1, 2, 3):
+        out = {"w": torch.zeros(64)}
+        ck.load(out, step=step)
+        assert torch.equal(out["w"], torch.arange(64, dtype=torch.float32) + (step - 1))
+
+
+@pytest.mark.parametrize("blocking", [True, False])
+def test_files_that_name_a_fifo_or_hold_one_are_refused_and_nothing_hangs(tmp_path: Path, blocking: bool) -> None:
+    """A FIFO named by files= made save() wait forever for a writer (open, then read); one inside a files=
+    directory was skipped without a word, as were links to directories and to nothing (an outside attack)."""
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "a.bin").write_bytes(b"a")
+    with Checkpointer(tmp_path / "ck") as ck:
+        with pytest.raises(CheckpointError, match=r"files\['p'\] = .*pipe is a FIFO"):
+            ck.save(1, {"w": torch.ones(2)}, files={"p": fifo}, blocking=blocking)
+            ck.wait()
+        for odd, what in [("pipe", "a FIFO"), ("sub", "a symlink to a directory"), ("gone", "a symlink to nothing")]:
+            link = data / odd
+            if odd == "pipe":
+                os.mkfifo(link)
+            else:
+                link.symlink_to(tmp_path if odd == "sub" else tmp_path / "missing")
+            with pytest.raises(CheckpointError, match=rf"files= directory .*data holds .*{odd} \({what}\)"):
+                ck.save(2, {"w": torch.ones(2)}, files={"d": data}, blocking=blocking)
+                ck.wait()
+            link.unlink()
+        ck.save(3, {"w": torch.ones(2)}, files={"d": data}, blocking=blocking)
+        ck.wait()
+        assert ck.steps() == [3]
+
+
 def test_background_save_does_not_wait_for_the_last_saves_retention(tmp_path: Path) -> None:
     """save(blocking=False) returns once the host copy is taken, also while the previous save's removal
     of the steps it retired is still running (it blocked on it before); the background save waits for
@@ -626,3 +686,40 @@ def test_background_save_with_files(ck: Checkpointer, tmp_path: Path) -> None:
     (d / "a.bin").unlink()
     ck.load({"w": torch.zeros(3)}, files={"off": d})
     assert (d / "a.bin").read_bytes() == b"v1" * 100
+
+
+@pytest.mark.parametrize("kind", ["list", "dict-with-tensor", "tuple"])
+def test_a_state_nested_deeper_than_a_load_takes_is_refused_at_save(tmp_path: Path, kind: str) -> None:
+    """A state nested past the depth a load takes was saved, committed and verified intact, and every
+    load then called it corrupt and fell back to the step before (an outside attack). The deepest state
+    a save takes loads back; one level more is refused at the save, and nothing is committed."""
+    def nested(depth: int) -> object:
+        leaf: object = torch.ones(2) if kind == "dict-with-tensor" else 1
+        for _ in range(depth):
+            leaf = {"k": leaf} if kind == "dict-with-tensor" else [leaf] if kind == "list" else (leaf, 0)
+        return leaf
+
+    def deepest_taken(ck: Checkpointer) -> int:
+        for depth in range(120, 0, -1):
+            try:
+                ck.save(depth, {"x": nested(depth)})
+            except ckptguard.UnsupportedValueError as e:
+                assert "nests more than 100 deep" in str(e)
+                continue
+            return depth
+        raise AssertionError("no depth was taken")
+
+    with Checkpointer(tmp_path / "ck") as ck:
+        depth = deepest_taken(ck)
+        assert depth >= (49 if kind == "tuple" else 98)  # a tuple is stored as a tagged dict of a list
+        assert ck.steps() == [depth]
+        got = ck.read(step=depth)["x"]
+        want = nested(depth)
+        if kind == "dict-with-tensor":
+            for _ in range(depth):
+                got, want = got["k"], want["k"]  # type: ignore[index]
+            assert torch.equal(got, want)  # type: ignore[arg-type]
+        else:
+            assert got == want
+        out = {"x": nested(depth)}
+        assert ck.load(out) == depth

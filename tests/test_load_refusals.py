@@ -189,3 +189,27 @@ def test_a_meta_template_without_a_process_group_is_a_template_mismatch(tmp_path
         ck.save(1, {"w": torch.arange(4.0)})
         with pytest.raises(TemplateMismatchError, match=r"to_empty"):
             ck.load({"w": torch.empty(4, device="meta")})
+
+
+def test_saving_an_optimizer_that_never_stepped_leaves_it_without_state(tmp_path: Path) -> None:
+    """DCP gives a never-stepped optimizer a state to save; that state stayed on the live optimizer, so
+    training after a save at step 0 differed from training without it (an outside attack)."""
+    def train(save: bool) -> torch.Tensor:
+        torch.manual_seed(0)
+        model = torch.nn.Linear(3, 2)
+        optim = torch.optim.Adam(model.parameters(), lr=0.1)
+        inputs = [torch.randn(4, 3) for _ in range(3)]
+        if save:
+            with Checkpointer(tmp_path / f"ck{save}") as ck:
+                ck.save(0, {"model": model, "optim": optim})
+                assert optim.state_dict()["state"] == {}
+                assert all(p.grad is None for p in model.parameters())
+                other = torch.nn.Linear(3, 2)
+                ck.load({"model": other, "optim": torch.optim.Adam(other.parameters(), lr=0.1)}, step=0)
+        for x in inputs:
+            model(x).sum().backward()
+            optim.step()
+            optim.zero_grad()
+        return torch.cat([p.detach().flatten() for p in model.parameters()])
+
+    assert torch.equal(train(save=True), train(save=False))

@@ -27,6 +27,7 @@ from ckptguard.arguments import Settings, check_kinds, checksum_name, count, jso
 from ckptguard.comm import DEFAULT_TIMEOUT_S, Comm, LocalTransport, default_comm, hostname, was_agreed
 from ckptguard.dcp.planners import forget_cached_plans
 from ckptguard.dcp.reader import auto_memory_bytes
+from ckptguard.dcp.values import refuse_too_deep
 from ckptguard.errors import CheckpointError
 from ckptguard.protocol import artifacts, manage
 from ckptguard.protocol import load as load_protocol
@@ -263,7 +264,13 @@ class Checkpointer(Settings):
         state_dict: dict[str, Any] = {}
         with stats.phase("state_dict"):
             try:
-                state_dict = prepare_state(state, self._comm.rank).state_dict
+                prepared = prepare_state(state, self._comm.rank)
+                state_dict = prepared.state_dict
+                # DCP saves a never-stepped optimizer by giving it a state (one step at learning rate 0):
+                # the checkpoint holds that state, the live optimizer is left as it was, without one
+                # (left with it, its next real step was its second: Adam's bias correction changed).
+                prepared.undo()
+                refuse_too_deep(state_dict)
             except Exception as e:  # reported in the plan's agreement
                 local_error = e
         targets: list[ArtifactTarget] = []
@@ -271,9 +278,13 @@ class Checkpointer(Settings):
             targets = artifacts.normalize(files, self._comm.rank, hostname(), True, self._session.root.local_dir())
         except Exception as e:  # reported in the plan's agreement
             local_error = local_error or e
+        staged = None
         if not blocking and local_error is None:
             with stats.phase("snapshot"):
-                staged = self._stager.snapshot(state_dict, targets)
+                try:
+                    staged = self._stager.snapshot(state_dict, targets)
+                except Exception as e:  # a files= entry that cannot be read, a tensor torch cannot copy:
+                    local_error = e    # reported in the plan's agreement, as by a blocking save
             if staged is not None:
                 self._device_stager.release()  # one host copy of the state, not two
                 request = save_protocol.SaveRequest(step, staged[0], targets, staged[1], overwrite, user_metadata,

@@ -165,6 +165,29 @@ def _decode_ndarray(obj: dict[str, Any]) -> Any:
     return arr[()] if obj["<scalar>"] else arr
 
 
+_CONTAINERS = (dict, list, tuple, set, frozenset)
+
+
+def refuse_too_deep(state_dict: Mapping[str, Any]) -> None:
+    """UnsupportedValueError where the encoded state nests deeper than a load takes (MAX_VALUE_DEPTH,
+    the state's own dict at depth 0): saved, it was committed and verified intact, and every load then
+    refused it as corrupt and fell back to the step before (an outside attack)."""
+    from ckptguard.dcp.codec import MAX_VALUE_DEPTH
+
+    stack: list[tuple[Any, int, tuple[Any, ...]]] = [(state_dict, 0, ())]
+    while stack:
+        value, depth, path = stack.pop()
+        children: Any = value.items() if isinstance(value, dict) else enumerate(value)
+        for key, child in children:
+            if type(child) in PLAIN_TENSOR_TYPES or not isinstance(child, _CONTAINERS):
+                continue
+            if depth + 1 >= MAX_VALUE_DEPTH:
+                raise _refuse(child, (*path, key), f"it nests more than {MAX_VALUE_DEPTH} deep (dicts, lists, "
+                              "tuples and sets, as stored), more than a load takes. Store it flatter, e.g. "
+                              "as a tensor or a string")
+            stack.append((child, depth + 1, (*path, key)))
+
+
 def encode_value(value: Any, path: tuple[Any, ...] = (), *, plain_torch_load: bool = False) -> Any:
     """``value`` as DCP stores it exactly (see above); the same object where nothing changes.
 
