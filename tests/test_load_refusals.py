@@ -213,3 +213,39 @@ def test_saving_an_optimizer_that_never_stepped_leaves_it_without_state(tmp_path
         return torch.cat([p.detach().flatten() for p in model.parameters()])
 
     assert torch.equal(train(save=True), train(save=False))
+
+
+def test_an_optimizer_with_a_parameter_that_never_had_a_gradient_loads_back(tmp_path: Path) -> None:
+    """A parameter that requires grad but takes no part in forward has no optimizer state; DCP's strict
+    apply refused the checkpoint it had saved itself ("Missing optimizer state for parameter"), after the
+    model was already placed (an outside attack). It loads, and the parameter stays without state."""
+    class Net(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.used = torch.nn.Linear(5, 4)
+            self.unused = torch.nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.used(x)
+
+    def build(seed: int) -> tuple[Net, torch.optim.Optimizer]:
+        torch.manual_seed(seed)
+        net = Net()
+        optim = torch.optim.Adam(net.parameters(), lr=0.001 * seed)
+        net(torch.randn(3, 5)).sum().backward()
+        optim.step()
+        return net, optim
+
+    net, optim = build(1)
+    with Checkpointer(tmp_path / "ck") as ck:
+        ck.save(1, {"model": net, "optim": optim})
+        net2, optim2 = build(2)
+        ck.load({"model": net2, "optim": optim2}, step=1)
+    for a, b in zip(net.parameters(), net2.parameters(), strict=True):
+        assert torch.equal(a, b)
+    saved, loaded = optim.state_dict(), optim2.state_dict()
+    assert loaded["param_groups"][0]["lr"] == 0.001
+    assert sorted(loaded["state"]) == sorted(saved["state"]) == [0, 1]
+    for i in (0, 1):
+        for k, v in saved["state"][i].items():
+            assert torch.equal(loaded["state"][i][k], v)

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
     get_model_state_dict,
     get_optimizer_state_dict,
     set_model_state_dict,
@@ -138,6 +139,9 @@ def _gradients_set_aside(optim: torch.optim.Optimizer) -> Iterator[None]:
             p.grad = grad
 
 
+_OPTIMIZER_APPLY = StateDictOptions(strict=False)
+
+
 def prepare_state(state: Mapping[str, Any], rank: int = 0, *, for_load: bool = False) -> PreparedState:
     """The DCP state dict of ``state``, with what a load then does (``apply``) or takes back (``undo``).
     ``for_load``: a never-stepped optimizer gets a state to load into even where gradients exist."""
@@ -189,7 +193,12 @@ def _prepare_values(state: Mapping[str, Any], rank: int, modules: Mapping[str, n
             with signals_deferred() if fresh else contextlib.nullcontext(), \
                     _gradients_set_aside(value) if fresh and for_load else contextlib.nullcontext():
                 sd[key] = encode_value(get_optimizer_state_dict(model, value), (key,))
-            appliers.append(_later(functools.partial(set_optimizer_state_dict, model, value), sd, key))
+            # Not DCP's strict: it refuses a parameter without state (one that never had a gradient), also
+            # where the optimizer saved had none for it; the load has checked the keys already, and the
+            # parameter is left without state, as it was saved (DCP's strict made such a checkpoint
+            # unloadable, and raised after the model was placed: an outside attack).
+            appliers.append(_later(functools.partial(set_optimizer_state_dict, model, value,
+                                                     options=_OPTIMIZER_APPLY), sd, key))
         elif isinstance(value, PerRank):
             pkey = per_rank_key(key, rank)
             inner = value.value
