@@ -723,3 +723,20 @@ def test_a_state_nested_deeper_than_a_load_takes_is_refused_at_save(tmp_path: Pa
             assert got == want
         out = {"x": nested(depth)}
         assert ck.load(out) == depth
+
+
+def test_a_background_save_keeps_the_settings_of_its_call_and_metadata_waits_for_it(tmp_path: Path) -> None:
+    """Settings assigned once save(blocking=False) returned applied to that save already (keep_last=1
+    retired steps the blocking save would have kept), and metadata(N) of the step in flight raised
+    StepNotFoundError where read(step=N) waits for it (an outside attack). Now the settings apply from the
+    next save, as the README says, and metadata() waits like read()."""
+    with Checkpointer(tmp_path / "ck") as ck:
+        for step in (1, 2, 3):
+            ck.save(step, {"w": torch.full((4,), float(step))})
+        ck.save(4, {"w": torch.full((1 << 20,), 4.0)}, blocking=False, metadata={"loss": 0.25})
+        ck.keep_last = 1
+        assert ck.metadata(4) == {"loss": 0.25}
+        ck.wait()
+        assert ck.steps() == [1, 2, 3, 4]
+        ck.save(5, {"w": torch.ones(4)})
+        assert ck.steps() == [5]

@@ -287,8 +287,10 @@ class Checkpointer(Settings):
                     local_error = e    # reported in the plan's agreement, as by a blocking save
             if staged is not None:
                 self._device_stager.release()  # one host copy of the state, not two
+                # The settings at the call: one changed once save() returned applies from the next save.
                 request = save_protocol.SaveRequest(step, staged[0], targets, staged[1], overwrite, user_metadata,
-                                                    local_error, frozenset(self._tags.values()))
+                                                    local_error, frozenset(self._tags.values()),
+                                                    self._session.options)
                 try:
                     with signals_deferred():  # submitted and recorded, or neither: never a save unrecorded
                         self._inflight = self._background.submit(self._save_now, request, stats)
@@ -398,7 +400,9 @@ class Checkpointer(Settings):
 
     @_collective()
     def metadata(self, step: int) -> dict[str, Any]:
-        """The ``metadata=`` given to the save of committed ``step``; collective (rank 0 reads it)."""
+        """The ``metadata=`` given to the save of committed ``step``; collective (rank 0 reads it).
+        Waits for a save in flight first, as ``read`` does (it may be the one asked for)."""
+        self.wait()
         return read_protocol.read_metadata(self._session, step, self._committed)
 
     @_collective()

@@ -59,7 +59,7 @@ from ckptguard.protocol.itemtable import ItemTable
 from ckptguard.protocol.layout import CheckpointName
 from ckptguard.protocol.manifest import Artifact, FileEntry, Manifest
 from ckptguard.protocol.root import Root
-from ckptguard.protocol.session import Session
+from ckptguard.protocol.session import Options, Session
 from ckptguard.protocol.timing import PhaseTimer
 from ckptguard.state import state_nbytes
 
@@ -108,6 +108,7 @@ class SaveRequest:
     user_metadata: dict[str, Any]
     local_error: BaseException | None  # a local problem found before the save (reported at the plan)
     keep: frozenset[int] = frozenset()  # steps retention must keep whatever the policy (tagged ones)
+    options: Options | None = None  # the settings at the call (a background save; else the session's)
 
 
 @dataclass(frozen=True)
@@ -142,7 +143,8 @@ def save(session: Session, request: SaveRequest, stats: PhaseTimer) -> SaveOutco
             writer = _write(session, plan, request, bar.callback)
         stats.bytes = sum(f.size for f in writer.outcome.files)
         with stats.phase("commit"):
-            return _commit(session, plan, writer, request.user_metadata, request.keep)
+            return _commit(session, plan, writer, request.user_metadata, request.keep,
+                           request.options or session.options)
     except BaseException as e:
         if agreed_failures(e):
             # Every rank got the error at the same agreement, so no rank is still writing into the
@@ -192,7 +194,7 @@ def _stage(session: Session, plan: SavePlan) -> None:
 def _write(session: Session, plan: SavePlan, request: SaveRequest,
            on_bytes: Callable[[int], None] | None) -> GuardedWriter[StoredArtifacts]:
     """Plan (agreed) and write this rank's part; a write failure is reported at the commit's agreement."""
-    comm, options, storage = session.comm, session.options, session.storage
+    comm, options, storage = session.comm, request.options or session.options, session.storage
 
     def before_write() -> StoredArtifacts:
         # The leader created the attempt directory; on NFS another node may not see it yet.
@@ -215,12 +217,12 @@ def _write(session: Session, plan: SavePlan, request: SaveRequest,
 
 
 def _commit(session: Session, plan: SavePlan, writer: GuardedWriter[StoredArtifacts], user_metadata: dict[str, Any],
-            keep: frozenset[int] = frozenset()) -> SaveOutcome:
+            keep: frozenset[int], options: Options) -> SaveOutcome:
     """Agree that every rank wrote its part, commit one manifest per storage domain, finish (collective).
 
     Longer than most: its four agreements share the writer's results and whether this leader has
     published, which the rollback of a commit another domain failed needs."""
-    comm, topo, options = session.comm, session.topo, session.options
+    comm, topo = session.comm, session.topo
 
     def report_written() -> str:
         if writer.error is not None:
