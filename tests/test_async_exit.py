@@ -191,13 +191,23 @@ def test_a_forked_child_that_exits_leaves_the_parents_lease_and_save_alone(tmp_p
     so the save in flight and every later one failed with LeaseLostError (an outside attack)."""
     root = tmp_path / "ck"
     script = textwrap.dedent(f"""
-        import os, sys, time, torch, ckptguard
+        import json, os, sys, time, torch, ckptguard
         ck = ckptguard.Checkpointer({str(root)!r})
         ck.save(1, {{"w": torch.ones(8)}})
         if {in_flight!r}:
             ck.save(2, {{"w": torch.full((1 << 22,), 2.0)}}, blocking=False)
         pid = os.fork()
         if pid == 0:
+            # The child may not use the parent's Checkpointer: its calls rewrote the lease with its own pid
+            # (another job took the root once it exited) and its waits never ended. Each is refused at once.
+            for call in (lambda: ck.tag("best", 1), lambda: ck.save(9, {{"w": torch.ones(2)}}), ck.wait,
+                         lambda: ck.read(step=1), lambda: ck.delete(1)):
+                try:
+                    call()
+                    print("child call went through", flush=True)
+                except ckptguard.CheckpointError as e:
+                    assert "forked from it" in str(e), e
+            ck.close()  # nothing: the lease is the parent's
             sys.exit(0)  # atexit hooks run in the child
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
@@ -210,6 +220,7 @@ def test_a_forked_child_that_exits_leaves_the_parents_lease_and_save_alone(tmp_p
             print("child hung", flush=True)
         lease = os.path.join({str(root)!r}, ".ckptguard", "lease.json")
         assert os.path.exists(lease), "the child released the parent's lease"
+        assert json.load(open(lease))["pid"] == os.getpid(), "the child wrote its pid into the parent's lease"
         ck.wait()
         ck.save(3, {{"w": torch.full((8,), 3.0)}})
         print("steps", ck.steps(), flush=True)
@@ -217,5 +228,5 @@ def test_a_forked_child_that_exits_leaves_the_parents_lease_and_save_alone(tmp_p
     """)
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
-    assert "child hung" not in proc.stdout
+    assert "child hung" not in proc.stdout and "child call went through" not in proc.stdout
     assert f"steps {[1, 2, 3] if in_flight else [1, 3]}" in proc.stdout, proc.stdout + proc.stderr[-3000:]

@@ -62,6 +62,7 @@ def _collective(only_with: str | None = None) -> Callable[[_Method], _Method]:
         def call(self: Checkpointer, *args: Any, **kwargs: Any) -> Any:
             if only_with is not None and not kwargs.get(only_with):
                 return method(self, *args, **kwargs)
+            self._refuse_in_a_forked_child(method.__name__)
             if self._out_of_step is not None:
                 raise CheckpointError(self._out_of_step, rank=self._comm.rank)
             try:
@@ -166,6 +167,7 @@ class Checkpointer(Settings):
             # A job that ends without close() still hands the root over at once (bounded: see lease).
             self._exit_release = functools.partial(release_at_exit, self._session.lease)
             atexit.register(self._exit_release)
+        self._pid = os.getpid()  # the process it belongs to (a fork's child inherits the object, not it)
         self._closed = False
         self._released = False  # close() ran to its end (it can be interrupted and called again)
         self._out_of_step: str | None = None  # why this rank's collective calls are refused (see _collective)
@@ -320,6 +322,7 @@ class Checkpointer(Settings):
         KeyboardInterrupt in the background save stays one. A Ctrl-C while waiting
         leaves the save in flight: the next ``save``, ``load`` or ``wait`` waits for it.
         """
+        self._refuse_in_a_forked_child("wait")
         inflight = self._inflight
         if inflight is None:
             return
@@ -472,8 +475,12 @@ class Checkpointer(Settings):
 
     def close(self) -> None:
         """Release the root's lease. The Checkpointer cannot save afterwards. A close() interrupted
-        (a second Ctrl-C) finishes its release when called again."""
+        (a second Ctrl-C) finishes its release when called again. In a child forked from the process that
+        made it, nothing: the lease and the saves in flight are the parent's."""
         if self._released:
+            return
+        if os.getpid() != self._pid:
+            self._closed = self._released = True
             return
         try:
             if not self._closed:
@@ -533,6 +540,17 @@ class Checkpointer(Settings):
         with self._cleanup_lock:
             if self._cleanup is cleanup:  # not a newer one that a background save set meanwhile
                 self._cleanup = None
+
+    def _refuse_in_a_forked_child(self, call: str) -> None:
+        """A forked child shares its parent's Checkpointer object but none of its threads: its collective
+        calls rewrote the lease with the child's pid (another job then took the root over once the child
+        exited) and its waits for the parent's background work never ended (an outside attack)."""
+        if os.getpid() != self._pid:
+            raise CheckpointError(
+                f"{call}(): this Checkpointer on {self.root} was made by process {self._pid}; process "
+                f"{os.getpid()} is a child forked from it and may not use it (the lease and the saves in "
+                "flight are the parent's). Open a Checkpointer of its own in the child (on another root: "
+                "this one is held), or use it in the parent only.", path=self.root)
 
     def _check_usable(self, writing: bool, wait_cleanup: bool = True) -> None:
         if self._closed:
