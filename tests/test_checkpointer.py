@@ -740,3 +740,32 @@ def test_a_background_save_keeps_the_settings_of_its_call_and_metadata_waits_for
         assert ck.steps() == [1, 2, 3, 4]
         ck.save(5, {"w": torch.ones(4)})
         assert ck.steps() == [5]
+
+
+@pytest.mark.parametrize("blocking", [True, False])
+def test_files_whose_names_no_manifest_can_hold_are_refused_at_the_save(tmp_path: Path, blocking: bool) -> None:
+    """A name with a backslash was saved and committed, then every load called the manifest invalid and
+    fell back to the step before; a name that is not UTF-8 raised a raw UnicodeEncodeError once the data
+    was written (an outside attack). Both are refused before anything is written."""
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "ok.txt").write_bytes(b"ok")
+    single = tmp_path / "a\\b.bin"
+    single.write_bytes(b"x")
+    with Checkpointer(tmp_path / "ck") as ck:
+        ck.save(1, {"w": torch.ones(2)}, files={"d": data})
+        for name, why in [("run\\notes.txt", "a name with a backslash"), (os.fsdecode(b"latin1-\xe9"), "not UTF-8")]:
+            bad = data / name
+            bad.write_bytes(b"data")
+            with pytest.raises(CheckpointError, match=why):
+                ck.save(2, {"w": torch.ones(2)}, files={"d": data}, blocking=blocking)
+                ck.wait()
+            bad.unlink()
+        with pytest.raises(CheckpointError, match="a name with a backslash"):
+            ck.save(2, {"w": torch.ones(2)}, files={"f": single}, blocking=blocking)
+            ck.wait()
+        assert ck.steps() == [1]
+        ck.save(2, {"w": torch.ones(2)}, files={"d": data}, blocking=blocking)
+        ck.wait()
+        assert ck.load({"w": torch.zeros(2)}, files={"d": tmp_path / "restored"}) == 2
+        assert (tmp_path / "restored" / "ok.txt").read_bytes() == b"ok"

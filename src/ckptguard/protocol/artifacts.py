@@ -225,10 +225,13 @@ def _walk_files(root: str) -> list[str]:
             except FileNotFoundError:
                 odd.append(f"{full} (a symlink to nothing)")
                 continue
-            if stat.S_ISREG(mode):
-                rels.append(os.path.relpath(full, root).replace(os.sep, "/"))
-            else:
+            rel = os.path.relpath(full, root).replace(os.sep, "/")
+            if not stat.S_ISREG(mode):
                 odd.append(f"{full} (a {_kind(mode)})")
+            elif (why := _unstorable_name(rel)) is not None:
+                odd.append(f"{full!r} ({why})")
+            else:
+                rels.append(rel)
     if odd:
         raise CheckpointError(
             f"files= directory {root} holds what ckptguard cannot store: {', '.join(odd[:5])}"
@@ -250,10 +253,25 @@ class FileSnapshot:
         return sum(len(b) for _, b in self.files)
 
 
+def _unstorable_name(rel: str) -> str | None:
+    """Why a manifest could not name ``rel`` (every load refuses a manifest that does), or None."""
+    try:
+        rel.encode("utf-8")
+    except UnicodeEncodeError:
+        return "a name that is not UTF-8"
+    if "\\" in rel:
+        return "a name with a backslash"
+    return None
+
+
 def _sources(t: ArtifactTarget) -> tuple[str, list[tuple[str, str]]]:
     if os.path.isdir(t.path):
         return "dir", [(rel, os.path.join(t.path, rel)) for rel in _walk_files(t.path)]
-    return "file", [(os.path.basename(t.path), t.path)]
+    name = os.path.basename(t.path)
+    if (why := _unstorable_name(name)) is not None:
+        raise CheckpointError(f"rank {t.rank}: files[{t.key!r}] = {t.path!r} has {why}, which no load of the "
+                              "checkpoint would accept: rename it; nothing was written.", rank=t.rank, path=t.path)
+    return "file", [(name, t.path)]
 
 
 def snapshot_files(targets: list[ArtifactTarget]) -> list[FileSnapshot]:
