@@ -769,3 +769,18 @@ def test_files_whose_names_no_manifest_can_hold_are_refused_at_the_save(tmp_path
         ck.wait()
         assert ck.load({"w": torch.zeros(2)}, files={"d": tmp_path / "restored"}) == 2
         assert (tmp_path / "restored" / "ok.txt").read_bytes() == b"ok"
+
+
+@pytest.mark.parametrize("key", [b"k" * 2100, ("s" * 4100,), "nest"],
+                         ids=["long-bytes", "long-str-in-tuple", "deep-tuple"])
+def test_a_dict_key_a_load_could_not_read_is_refused_at_the_save(tmp_path: Path, key: object) -> None:
+    """Keys over the size a load takes were saved and committed, then every read and load of the step
+    failed, without falling back (an outside attack)."""
+    if key == "nest":
+        for _ in range(17):
+            key = (key, 1)
+    with Checkpointer(tmp_path / "ck") as ck:
+        ck.save(1, {"x": {b"small": 1}})
+        with pytest.raises(ckptguard.UnsupportedValueError, match="more than a load takes"):
+            ck.save(2, {"x": {key: 1}})
+        assert ck.steps() == [1] and ck.read(step=1) == {"x": {b"small": 1}}

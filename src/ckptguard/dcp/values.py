@@ -112,7 +112,18 @@ def encode_key(key: Any, path: tuple[Any, ...] = ()) -> str:
         return f"<int>{key}"
     import json
 
-    return "<key>" + json.dumps(_key_json(key, path), separators=(",", ":"))
+    encoded = "<key>" + json.dumps(_key_json(key, path), separators=(",", ":"))
+    if _key_too_large(encoded):  # what decode_key refuses is refused here: saved, no load could read it
+        levels = encoded.count("[") + encoded.count("{")
+        raise _refuse(key, path, f"a dict key of type {type(key).__name__} whose encoding ({len(encoded)} "
+                      f"characters, {levels} brackets) is more than a load takes (4096 characters, 32 brackets). "
+                      "Use a smaller key, e.g. a string naming it")
+    return encoded
+
+
+def _key_too_large(encoded: str) -> bool:
+    """Keys are small: a bound checked before recursing into one (the same at the save and the load)."""
+    return len(encoded) > 4096 or encoded.count("[") + encoded.count("{") > 32
 
 
 def decode_key(key: str) -> Any:
@@ -125,7 +136,7 @@ def decode_key(key: str) -> Any:
     if key.startswith("<key>"):
         import json
 
-        if len(key) > 4096 or key.count("[") + key.count("{") > 32:  # keys are small: bound before recursing
+        if _key_too_large(key):
             raise CheckpointError(f"invalid encoded dict key {key[:100]!r}... in checkpoint: too large or deep")
         return _key_from_json(json.loads(key[5:]))
     raise CheckpointError(f"invalid encoded dict key {key!r} in checkpoint")
