@@ -249,3 +249,75 @@ def test_an_optimizer_with_a_parameter_that_never_had_a_gradient_loads_back(tmp_
     for i in (0, 1):
         for k, v in saved["state"][i].items():
             assert torch.equal(loaded["state"][i][k], v)
+
+
+@pytest.mark.parametrize("kind", ["adam", "sgd-momentum"])
+def test_a_fresh_job_resumes_an_optimizer_whose_parameter_never_had_a_gradient(tmp_path: Path, kind: str) -> None:
+    """A restarted job builds a fresh model and optimizer; DCP gives the never-stepped optimizer a
+    placeholder state for every parameter, and one that never had a gradient has no state in the
+    checkpoint: the load was refused ("optim.state.unused.weight...: not in the checkpoint"), so the job
+    could not resume (an outside attack). It loads, that parameter without state, as it was saved."""
+    class Net(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.used = torch.nn.Linear(5, 4)
+            self.unused = torch.nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.used(x)
+
+    def build() -> tuple[Net, torch.optim.Optimizer]:
+        net = Net()
+        if kind == "adam":
+            return net, torch.optim.Adam(net.parameters(), lr=0.01)
+        return net, torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9)
+
+    torch.manual_seed(0)
+    net, optim = build()
+    inputs = [torch.randn(3, 5) for _ in range(6)]
+    for x in inputs[:3]:
+        net(x).sum().backward()
+        optim.step()
+        optim.zero_grad()
+    with Checkpointer(tmp_path / "ck") as ck:
+        ck.save(3, {"model": net, "optim": optim})
+        net2, optim2 = build()
+        assert ck.load({"model": net2, "optim": optim2}) == 3
+    saved, loaded = optim.state_dict(), optim2.state_dict()
+    assert sorted(loaded["state"]) == sorted(saved["state"]) == [0, 1]
+    for i in (0, 1):
+        for k, v in saved["state"][i].items():
+            assert torch.equal(loaded["state"][i][k], v)
+    for x in inputs[3:]:  # training goes on the same from the checkpoint as without the restart
+        for n, o in ((net, optim), (net2, optim2)):
+            n(x).sum().backward()
+            o.step()
+            o.zero_grad()
+    for a, b in zip(net.parameters(), net2.parameters(), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_an_optimizer_saved_before_its_first_step_resumes_without_state(tmp_path: Path) -> None:
+    """A save before the first step stored the placeholder state DCP gives a never-stepped optimizer
+    (Adam with step 1 and zero moments); loaded, the job's next step was Adam's second and training
+    differed from a job that never saved (an outside attack)."""
+    def run(resume: bool) -> torch.Tensor:
+        torch.manual_seed(0)
+        net = torch.nn.Linear(3, 2)
+        optim = torch.optim.Adam(net.parameters(), lr=0.1)
+        inputs = [torch.randn(4, 3) for _ in range(3)]
+        if resume:
+            with Checkpointer(tmp_path / "ck") as ck:
+                ck.save(0, {"model": net, "optim": optim})
+                net2 = torch.nn.Linear(3, 2)
+                optim2 = torch.optim.Adam(net2.parameters(), lr=0.1)
+                assert ck.load({"model": net2, "optim": optim2}) == 0
+                assert optim2.state_dict()["state"] == {}
+                net, optim = net2, optim2
+        for x in inputs:
+            net(x).sum().backward()
+            optim.step()
+            optim.zero_grad()
+        return torch.cat([p.detach().flatten() for p in net.parameters()])
+
+    assert torch.equal(run(resume=True), run(resume=False))

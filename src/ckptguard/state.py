@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Callable, Iterator, Mapping, MutableMapping
-from dataclasses import dataclass
+from collections.abc import Callable, Container, Iterator, Mapping, MutableMapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -51,6 +51,26 @@ class PreparedState:
     state_dict: dict[str, Any]
     apply: Callable[[], None]  # after a load: push loaded values into modules, optimizers, objects
     undo: Callable[[], None]  # after a failed load: take back what preparing changed (an optimizer's state)
+    # A never-stepped optimizer's key -> the parameters DCP gave a placeholder state to load into.
+    placeholders: dict[str, list[Any]] = field(default_factory=dict)
+
+
+def drop_placeholders(prepared: PreparedState, stored: Container[str]) -> None:
+    """Take out of a load's template the placeholder state of each parameter the checkpoint holds no
+    state for (``stored``: its flattened names). DCP gives a never-stepped optimizer a state for every
+    parameter; a parameter that never had a gradient has none in the checkpoint, and the load was
+    refused ("not in the checkpoint"): a fresh job could not resume (an outside attack). Such a
+    parameter is now loaded without state, as it was saved."""
+    for key, params in prepared.placeholders.items():
+        state = prepared.state_dict[key].get("state")
+        if not isinstance(state, dict):
+            continue
+        for fqn in params:
+            entries = state.get(fqn)
+            if isinstance(entries, dict) and not any(f"{key}.state.{fqn}.{k}" in stored for k in entries):
+                del state[fqn]
+        if not state:
+            prepared.state_dict[key]["state"] = encode_value({})
 
 
 def _owner(optim: torch.optim.Optimizer, key: str, modules: Mapping[str, nn.Module]) -> nn.Module:
@@ -151,6 +171,7 @@ def prepare_state(state: Mapping[str, Any], rank: int = 0, *, for_load: bool = F
     modules = {k: v for k, v in state.items() if isinstance(v, nn.Module)}
     sd: dict[str, Any] = {}
     appliers: list[Callable[[], object]] = []
+    placeholders: dict[str, list[Any]] = {}
     undoers: list[Callable[[], object]] = []
 
     def undo() -> None:
@@ -158,7 +179,7 @@ def prepare_state(state: Mapping[str, Any], rank: int = 0, *, for_load: bool = F
             fn()
 
     try:
-        _prepare_values(state, rank, modules, sd, appliers, undoers, for_load)
+        _prepare_values(state, rank, modules, sd, appliers, undoers, for_load, placeholders)
     except BaseException:
         undo()
         raise
@@ -167,11 +188,12 @@ def prepare_state(state: Mapping[str, Any], rank: int = 0, *, for_load: bool = F
         for fn in appliers:
             fn()
 
-    return PreparedState(sd, apply, undo)
+    return PreparedState(sd, apply, undo, placeholders)
 
 
 def _prepare_values(state: Mapping[str, Any], rank: int, modules: Mapping[str, nn.Module], sd: dict[str, Any],
-                    appliers: list[Callable[[], object]], undoers: list[Callable[[], object]], for_load: bool) -> None:
+                    appliers: list[Callable[[], object]], undoers: list[Callable[[], object]], for_load: bool,
+                    placeholders: dict[str, list[Any]]) -> None:
     for key, value in state.items():
         if not isinstance(key, str) or not key:
             raise TypeError(f"state keys must be non-empty strings, got {key!r}")
@@ -193,6 +215,11 @@ def _prepare_values(state: Mapping[str, Any], rank: int, modules: Mapping[str, n
             with signals_deferred() if fresh else contextlib.nullcontext(), \
                     _gradients_set_aside(value) if fresh and for_load else contextlib.nullcontext():
                 sd[key] = encode_value(get_optimizer_state_dict(model, value), (key,))
+            if fresh and isinstance(sd[key].get("state"), dict):
+                if for_load:
+                    placeholders[key] = list(sd[key]["state"])
+                else:  # saved as it is, without state: the placeholder's step made a resumed Adam's next
+                    sd[key] = {**sd[key], "state": encode_value({})}  # step its second (an outside attack)
             # Not DCP's strict: it refuses a parameter without state (one that never had a gradient), also
             # where the optimizer saved had none for it; the load has checked the keys already, and the
             # parameter is left without state, as it was saved (DCP's strict made such a checkpoint

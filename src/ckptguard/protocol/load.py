@@ -55,7 +55,7 @@ from ckptguard.protocol.manifest import Manifest
 from ckptguard.protocol.save import agreed_current
 from ckptguard.protocol.session import Session
 from ckptguard.protocol.timing import PhaseTimer
-from ckptguard.state import PreparedState, prepare_state
+from ckptguard.state import PreparedState, drop_placeholders, prepare_state
 
 log = logging.getLogger("ckptguard")
 
@@ -301,6 +301,7 @@ def _read_and_place(session: Session, agreed: AgreedManifest, targets: list[Arti
     def prepare_and_read() -> None:
         with stats.phase("metadata"):
             prepared.append(prepare_state(request.state, comm.rank, for_load=True))
+            drop_placeholders(prepared[0], manifest.dcp["state_dict"])
         read_locally(prepared[0].state_dict, reader, planner, is_coordinator=comm.rank == 0, stats=stats,
                      before_read=on_planned,
                      metadata_for=lambda names: manifest_metadata(session, name, manifest, names),
