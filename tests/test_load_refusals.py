@@ -191,6 +191,34 @@ def test_a_meta_template_without_a_process_group_is_a_template_mismatch(tmp_path
             ck.load({"w": torch.empty(4, device="meta")})
 
 
+def _train(model: torch.nn.Module, optim: torch.optim.Optimizer, inputs: list[torch.Tensor]) -> None:
+    for x in inputs:
+        model(x).sum().backward()
+        optim.step()
+        optim.zero_grad()
+
+
+class _NetWithAnUnusedLayer(torch.nn.Module):
+    """Parameters that require grad but take no part in forward: an optimizer keeps no state for them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.used = torch.nn.Linear(5, 4)
+        self.unused = torch.nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.used(x)
+
+
+def _assert_the_state_of_parameters_0_and_1_only(saved: torch.optim.Optimizer, loaded: torch.optim.Optimizer) -> None:
+    """The used layer's two parameters hold the saved state, bitwise; the unused layer's hold none."""
+    want, got = saved.state_dict()["state"], loaded.state_dict()["state"]
+    assert sorted(got) == sorted(want) == [0, 1]
+    for i in (0, 1):
+        for k, v in want[i].items():
+            assert torch.equal(got[i][k], v)
+
+
 def test_saving_an_optimizer_that_never_stepped_leaves_it_without_state(tmp_path: Path) -> None:
     """DCP gives a never-stepped optimizer a state to save; that state stayed on the live optimizer, so
     training after a save at step 0 differed from training without it (an outside attack)."""
@@ -206,10 +234,7 @@ def test_saving_an_optimizer_that_never_stepped_leaves_it_without_state(tmp_path
                 assert all(p.grad is None for p in model.parameters())
                 other = torch.nn.Linear(3, 2)
                 ck.load({"model": other, "optim": torch.optim.Adam(other.parameters(), lr=0.1)}, step=0)
-        for x in inputs:
-            model(x).sum().backward()
-            optim.step()
-            optim.zero_grad()
+        _train(model, optim, inputs)
         return torch.cat([p.detach().flatten() for p in model.parameters()])
 
     assert torch.equal(train(save=True), train(save=False))
@@ -219,18 +244,9 @@ def test_an_optimizer_with_a_parameter_that_never_had_a_gradient_loads_back(tmp_
     """A parameter that requires grad but takes no part in forward has no optimizer state; DCP's strict
     apply refused the checkpoint it had saved itself ("Missing optimizer state for parameter"), after the
     model was already placed (an outside attack). It loads, and the parameter stays without state."""
-    class Net(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.used = torch.nn.Linear(5, 4)
-            self.unused = torch.nn.Linear(4, 4)
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return self.used(x)
-
-    def build(seed: int) -> tuple[Net, torch.optim.Optimizer]:
+    def build(seed: int) -> tuple[_NetWithAnUnusedLayer, torch.optim.Optimizer]:
         torch.manual_seed(seed)
-        net = Net()
+        net = _NetWithAnUnusedLayer()
         optim = torch.optim.Adam(net.parameters(), lr=0.001 * seed)
         net(torch.randn(3, 5)).sum().backward()
         optim.step()
@@ -243,12 +259,8 @@ def test_an_optimizer_with_a_parameter_that_never_had_a_gradient_loads_back(tmp_
         ck.load({"model": net2, "optim": optim2}, step=1)
     for a, b in zip(net.parameters(), net2.parameters(), strict=True):
         assert torch.equal(a, b)
-    saved, loaded = optim.state_dict(), optim2.state_dict()
-    assert loaded["param_groups"][0]["lr"] == 0.001
-    assert sorted(loaded["state"]) == sorted(saved["state"]) == [0, 1]
-    for i in (0, 1):
-        for k, v in saved["state"][i].items():
-            assert torch.equal(loaded["state"][i][k], v)
+    assert optim2.state_dict()["param_groups"][0]["lr"] == 0.001
+    _assert_the_state_of_parameters_0_and_1_only(optim, optim2)
 
 
 @pytest.mark.parametrize("kind", ["adam", "sgd-momentum"])
@@ -257,17 +269,8 @@ def test_a_fresh_job_resumes_an_optimizer_whose_parameter_never_had_a_gradient(t
     placeholder state for every parameter, and one that never had a gradient has no state in the
     checkpoint: the load was refused ("optim.state.unused.weight...: not in the checkpoint"), so the job
     could not resume (an outside attack). It loads, that parameter without state, as it was saved."""
-    class Net(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.used = torch.nn.Linear(5, 4)
-            self.unused = torch.nn.Linear(4, 4)
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return self.used(x)
-
-    def build() -> tuple[Net, torch.optim.Optimizer]:
-        net = Net()
+    def build() -> tuple[_NetWithAnUnusedLayer, torch.optim.Optimizer]:
+        net = _NetWithAnUnusedLayer()
         if kind == "adam":
             return net, torch.optim.Adam(net.parameters(), lr=0.01)
         return net, torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9)
@@ -275,24 +278,14 @@ def test_a_fresh_job_resumes_an_optimizer_whose_parameter_never_had_a_gradient(t
     torch.manual_seed(0)
     net, optim = build()
     inputs = [torch.randn(3, 5) for _ in range(6)]
-    for x in inputs[:3]:
-        net(x).sum().backward()
-        optim.step()
-        optim.zero_grad()
+    _train(net, optim, inputs[:3])
     with Checkpointer(tmp_path / "ck") as ck:
         ck.save(3, {"model": net, "optim": optim})
         net2, optim2 = build()
         assert ck.load({"model": net2, "optim": optim2}) == 3
-    saved, loaded = optim.state_dict(), optim2.state_dict()
-    assert sorted(loaded["state"]) == sorted(saved["state"]) == [0, 1]
-    for i in (0, 1):
-        for k, v in saved["state"][i].items():
-            assert torch.equal(loaded["state"][i][k], v)
-    for x in inputs[3:]:  # training goes on the same from the checkpoint as without the restart
-        for n, o in ((net, optim), (net2, optim2)):
-            n(x).sum().backward()
-            o.step()
-            o.zero_grad()
+    _assert_the_state_of_parameters_0_and_1_only(optim, optim2)
+    _train(net, optim, inputs[3:])  # training goes on the same from the checkpoint as without the restart
+    _train(net2, optim2, inputs[3:])
     for a, b in zip(net.parameters(), net2.parameters(), strict=True):
         assert torch.equal(a, b)
 
@@ -314,10 +307,7 @@ def test_an_optimizer_saved_before_its_first_step_resumes_without_state(tmp_path
                 assert ck.load({"model": net2, "optim": optim2}) == 0
                 assert optim2.state_dict()["state"] == {}
                 net, optim = net2, optim2
-        for x in inputs:
-            net(x).sum().backward()
-            optim.step()
-            optim.zero_grad()
+        _train(net, optim, inputs)
         return torch.cat([p.detach().flatten() for p in net.parameters()])
 
     assert torch.equal(run(resume=True), run(resume=False))
