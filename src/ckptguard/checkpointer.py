@@ -268,9 +268,9 @@ class Checkpointer(Settings):
             try:
                 prepared = prepare_state(state, self._comm.rank)
                 state_dict = prepared.state_dict
-                # DCP saves a never-stepped optimizer by giving it a state (one step at learning rate 0):
-                # the checkpoint holds that state, the live optimizer is left as it was, without one
-                # (left with it, its next real step was its second: Adam's bias correction changed).
+                # DCP gives a never-stepped optimizer a state to save (one step at learning rate 0); it is
+                # saved without it (prepare_state) and left without it here (left with it, its next real
+                # step was its second: Adam's bias correction changed).
                 prepared.undo()
                 refuse_too_deep(state_dict)
             except Exception as e:  # reported in the plan's agreement
