@@ -21,7 +21,7 @@ from ckptguard.errors import CheckpointError
 from ckptguard.protocol import latest, layout
 from ckptguard.protocol.decisions import Committed, abandoned, order_key
 from ckptguard.protocol.layout import CheckpointName
-from ckptguard.protocol.lease import LeaseRecord
+from ckptguard.protocol.lease import LeaseRecord, holder_dead_here
 from ckptguard.protocol.manifest import Manifest, StoredItem
 from ckptguard.protocol.root import Root, open_root
 from ckptguard.protocol.rootkit import NOT_A_FILE
@@ -72,12 +72,16 @@ class RootListing:
     error: str | None = None
     #: Commit objects the root's index does not list (object stores): not loaded, never garbage.
     unlisted: list[str] = field(default_factory=list)
+    #: Checkpoint directories that were committed when the listing began and were retired (retention, a
+    #: delete) before their manifest was read: gone, not damaged, so not in ``checkpoints``.
+    retired: list[str] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
         return {"schema_version": SCHEMA_VERSION, "root": self.root,
                 "checkpoints": [asdict(c) for c in self.checkpoints],
                 "attempts": [asdict(a) for a in self.attempts], "trash": self.trash, "lease": self.lease,
-                "latest_error": self.latest_error, "error": self.error, "unlisted": self.unlisted}
+                "latest_error": self.latest_error, "error": self.error, "unlisted": self.unlisted,
+                "retired": self.retired}
 
 
 def damaged_root(path: str, error: CheckpointError) -> RootListing:
@@ -102,6 +106,15 @@ class VerifyResult:
     bytes_checked: int = 0
     seconds: float = 0.0
     problems: list[Problem] = field(default_factory=list)
+    #: Retired (by the job's retention or a delete) while it was being read: gone, not damaged. Such a
+    #: result has no problems and is not intact; the commands report it apart from the checked ones.
+    retired: bool = False
+
+    def to_json(self) -> dict[str, Any]:
+        """The fields of one checked step in `verify --json` (``retired`` results are listed apart)."""
+        doc = asdict(self)
+        del doc["retired"]
+        return doc
 
 
 def _dir_bytes(root: Root, path: str) -> int:
@@ -114,16 +127,21 @@ def list_root(path: str) -> RootListing:
     if root.location() != "ok":
         raise CheckpointError(f"{path} is not a directory", path=path)
     storage = root.storage
-    current = root.current()
+    # One listing of the committed names, and everything else derived from it: a live job commits and
+    # retires steps between any two reads of the root.
+    names = root.committed()
+    current = layout.newest_versions(names)
     pointer = root.read_latest()
     lease_rec = None
     with contextlib.suppress(FileNotFoundError, CheckpointError):
         lease_rec = LeaseRecord.from_bytes(storage.read_bytes(storage.path(layout.LEASE)))
     now = time.time()
-    lease_live = lease_rec is not None and now - lease_rec.renewed_at <= lease_rec.ttl_s
+    holder_gone = lease_rec is not None and holder_dead_here(lease_rec)
+    lease_live = lease_rec is not None and now - lease_rec.renewed_at <= lease_rec.ttl_s and not holder_gone
     checkpoints = []
+    retired = []
     committed_attempts: set[str] = set()  # on object stores a committed checkpoint's data stays in its attempt
-    for name in root.committed():
+    for name in names:
         info = CheckpointInfo(name.step, name.version, name.dirname, current[name.step] == name,
                               latest.names(pointer, name))
         try:
@@ -132,6 +150,9 @@ def list_root(path: str) -> RootListing:
             info.created_at, info.world_size, info.seq = m.created_at, m.world_size, m.commit_seq
             info.files, info.bytes, info.user_metadata = len(m.files), m.total_bytes, m.user_metadata
         except CheckpointError as e:
+            if not root.still_committed(name, None):
+                retired.append(root.dir(name))
+                continue
             info.manifest_error = str(e)
         checkpoints.append(info)
     # Commit order, as Checkpointer.steps(): unsequenced (unreadable manifest) first by step, then by sequence.
@@ -159,9 +180,10 @@ def list_root(path: str) -> RootListing:
     trash = [os.path.join(storage.path(layout.TRASH), e) for e in sorted(storage.listdir(storage.path(layout.TRASH)))]
     lease = None
     if lease_rec is not None:
-        lease = {**asdict(lease_rec), "live": lease_live}
+        lease = {**asdict(lease_rec), "live": lease_live, "holder_gone": holder_gone}
     return RootListing(storage.root, checkpoints, attempts, trash, lease, root.latest_problem(),
-                       unlisted=[storage.join(root.dir(n), layout.MANIFEST) for n in sorted(unlisted)])
+                       unlisted=[storage.join(root.dir(n), layout.MANIFEST) for n in sorted(unlisted)],
+                       retired=retired)
 
 
 def _tiling_problems(manifest: Manifest, base: str) -> list[Problem]:
@@ -191,18 +213,44 @@ def _tiling_problems(manifest: Manifest, base: str) -> list[Problem]:
 
 
 def verify_checkpoint(root_path: str, name: CheckpointName, *, threads: int = 4,
-                      on_bytes: Callable[[int], None] | None = None) -> VerifyResult:
-    """Re-read every byte of one checkpoint and compare with its manifest."""
+                      on_bytes: Callable[[int], None] | None = None, seq: int | None = None) -> VerifyResult:
+    """Re-read every byte of one checkpoint and compare with its manifest.
+
+    Args:
+        root_path: the checkpoint root.
+        name: the checkpoint (step and version) to check.
+        threads: files read in parallel.
+        on_bytes: called with the number of bytes after each chunk read (progress).
+        seq: the commit sequence number ``name`` was listed with, if known: a step retired and saved
+            again under the same name since is then reported as retired, not checked.
+
+    Returns:
+        The result. A checkpoint retired (retention, a delete) before or while it was read is
+        ``retired`` with no problems, never a damaged one: whatever went missing went with it.
+    """
     started = time.monotonic()
     root = open_root(root_path)
-    storage = root.storage
     result = VerifyResult(name.step, name.version, name.dirname, intact=False)
     try:
         manifest = root.read_manifest(name)
     except CheckpointError as e:
         result.problems.append(Problem(os.path.join(root.dir(name), layout.MANIFEST), "manifest", str(e)))
-        result.seconds = time.monotonic() - started
-        return result
+        manifest = None
+    if manifest is not None:
+        _check_bytes(root, name, manifest, result, threads, on_bytes)
+    listed_seq = seq if seq is not None else manifest.commit_seq if manifest is not None else None
+    replaced = manifest is not None and seq is not None and manifest.commit_seq != seq
+    # A problem may be the retirement itself (the manifest or files gone): asked after the read.
+    if (result.problems or replaced) and not root.still_committed(name, listed_seq):
+        result.problems, result.retired = [], True
+    result.intact = not result.problems and not result.retired
+    result.seconds = round(time.monotonic() - started, 3)
+    return result
+
+
+def _check_bytes(root: Root, name: CheckpointName, manifest: Manifest, result: VerifyResult, threads: int,
+                 on_bytes: Callable[[int], None] | None) -> None:
+    storage = root.storage
     base = root.data_dir(name, manifest)
     result.problems.extend(_tiling_problems(manifest, base))
     listed = {f.path for f in manifest.files} | {layout.MANIFEST}
@@ -265,9 +313,6 @@ def verify_checkpoint(root_path: str, name: CheckpointName, *, threads: int = 4,
             result.problems.extend(fut.result())
     result.files_checked = len(manifest.files)
     result.bytes_checked = manifest.total_bytes
-    result.intact = not result.problems
-    result.seconds = round(time.monotonic() - started, 3)
-    return result
 
 
 def checkpoint_bytes(root_path: str, name: CheckpointName) -> int:

@@ -20,7 +20,7 @@ from rich.console import Console
 from rich.table import Table
 
 from ckptguard.cli import app, fail
-from ckptguard.cli.output import console
+from ckptguard.cli.output import console, say, text
 from ckptguard.progress import ByteProgress
 
 PathArg = Annotated[str, typer.Argument(help="A checkpoint root, or a directory holding some (a framework's "
@@ -66,22 +66,20 @@ def _roots(path: str, json_out: bool, verifying: bool = False) -> tuple[list[Any
     except CheckpointError as e:
         raise _usage_error(str(e)) from None
     for skipped in unreadable:
-        console(stderr=True).print(f"note: skipped {skipped}: permission denied (not searched for checkpoint roots)",
-                                   highlight=False, markup=False, soft_wrap=True)
+        say(console(stderr=True), f"note: skipped {skipped}: permission denied (not searched for checkpoint roots)")
     for stray in strays:
-        console(stderr=True).print(f"note: skipped {stray}: not a directory (a file, FIFO or link named like a "
-                                   "root's control directory; not opened)", highlight=False, markup=False,
-                                   soft_wrap=True)
+        say(console(stderr=True), f"note: skipped {stray}: not a directory (a file, FIFO or link named like a "
+                                  "root's control directory; not opened)")
     if not roots:
         if json_out:
             doc: dict[str, Any] = {"schema_version": 1, "path": given, "roots": []}
             if verifying:
                 doc["intact"] = False  # nothing was verified: never reported as intact
             typer.echo(json.dumps(doc, indent=2))
-        console(stderr=True).print(
+        say(console(stderr=True),
             f"{given} holds no ckptguard checkpoint root (looked at it and below it, including the "
             ".ckptguard-hf, .ckptguard-lightning, .ckptguard-accelerate and .ckptguard-deepspeed directories "
-            f"the integrations write){_step_dir_hint(given)}", highlight=False, markup=False, soft_wrap=True)
+            f"the integrations write){_step_dir_hint(given)}")
         raise typer.Exit(NO_ROOT_EXIT)
     return roots, len(roots) == 1 and roots[0].path == given
 
@@ -116,13 +114,13 @@ def _listing(path: str) -> Any:
 
 def _damage_note(listing: Any) -> None:
     if listing.error:
-        console(stderr=True).print(f"{listing.root}: NOT INTACT: its control records cannot be read ({listing.error}); "
-                                   "no checkpoint of it can be listed or loaded until they are repaired",
-                                   highlight=False, markup=False, soft_wrap=True)
+        say(console(stderr=True), f"{listing.root}: NOT INTACT: its control records cannot be read "
+                                  f"({listing.error}); no checkpoint of it can be listed or loaded until they "
+                                  "are repaired")
 
 
-def _title(what: str, root: str, framework: str | None) -> str:
-    return f"{what} {root}" + (f" (written by the {framework} integration)" if framework else "")
+def _title(what: str, root: str, framework: str | None) -> Any:
+    return text(f"{what} {root}" + (f" (written by the {framework} integration)" if framework else ""))
 
 
 @app.command("ls")
@@ -153,32 +151,45 @@ def _print_listing(listing: Any, framework: str | None) -> None:
         state = "bad manifest" if c.manifest_error else ("latest" if c.latest else
                                                           "superseded" if not c.current else
                                                           "abandoned (rolled back)" if c.abandoned else "committed")
-        table.add_row("" if c.seq is None else str(c.seq), str(c.step), c.dir, state, _when(c.created_at),
-                      _human_bytes(c.bytes), json.dumps(c.user_metadata) if c.user_metadata else "")
+        table.add_row("" if c.seq is None else str(c.seq), str(c.step), text(c.dir), state, _when(c.created_at),
+                      _human_bytes(c.bytes), text(json.dumps(c.user_metadata)) if c.user_metadata else "")
     con.print(table)
     if not listing.checkpoints:
         con.print("no committed checkpoint")
     for a in listing.attempts:
-        con.print(f"attempt {a.state}: step {a.step} ({_human_bytes(a.bytes)}, {a.age_s:.0f} s old) {a.dir}")
+        say(con, f"attempt {a.state}: step {a.step} ({_human_bytes(a.bytes)}, {a.age_s:.0f} s old) {a.dir}")
     for t in listing.trash:
-        con.print(f"being deleted: {t}")
+        say(con, f"being deleted: {t}")
+    _retired_note(con, listing.retired)
     _latest_note(con, listing)
     if listing.lease:
-        lease = listing.lease
-        con.print(f"lease: {'held' if lease['live'] else 'expired'} by host {lease['host']} pid {lease['pid']}"
-                      + (f" ({lease['job']})" if lease.get("job") else ""))
+        say(con, _lease_line(listing.lease))
+
+
+def _lease_line(lease: dict[str, Any]) -> str:
+    holder = f"host {lease['host']} pid {lease['pid']}" + (f" ({lease['job']})" if lease.get("job") else "")
+    if lease.get("holder_gone"):
+        return (f"lease: stale: {holder} is no longer running on this host; the next job on this root takes "
+                "the lease over at once")
+    return f"lease: {'held' if lease['live'] else 'expired'} by {holder}"
+
+
+def _retired_note(con: Console, retired: list[str]) -> None:
+    for path in retired:
+        say(con, f"note: {path} was retired (by the job's retention or a delete) while this command read the "
+                 "root: gone, not damaged")
 
 
 def _latest_note(con: Console, listing: Any) -> None:
     for path in listing.unlisted:
-        con.print(f"note: the commit object {path} is not listed by the root's index, so no load finds it (a "
+        say(con, f"note: the commit object {path} is not listed by the root's index, so no load finds it (a "
                   "retention or delete in progress, or a damaged index). Its data is kept, never collected as "
                   "garbage; to load it, restore the index (e.g. from a bucket version) or export it with "
-                  "`ckptguard export` on its step directory.", highlight=False, soft_wrap=True)
+                  "`ckptguard export` on its step directory.")
     if listing.latest_error:
-        con.print(f"note: the `latest` pointer is unreadable ({listing.latest_error}). It is a hint for other "
+        say(con, f"note: the `latest` pointer is unreadable ({listing.latest_error}). It is a hint for other "
                   "tools; ckptguard lists the checkpoints themselves, so no checkpoint is affected. The next "
-                  "save rewrites it.", highlight=False, soft_wrap=True)
+                  "save rewrites it.")
 
 
 @app.command("verify")
@@ -200,18 +211,21 @@ def verify_command(
         current = [c for c in listing.checkpoints if c.current]
         if step is not None:
             current = [c for c in current if c.step == step]
-        plans.append((found, listing, [CheckpointName(c.step, c.version) for c in current]))
+        plans.append((found, listing, [(CheckpointName(c.step, c.version), c.seq) for c in current]))
     if step is not None and not any(names for _, _, names in plans) and not any(lst.error for _, lst, _ in plans):
         committed = sorted({c.step for _, listing, _ in plans for c in listing.checkpoints if c.current})
         where = plans[0][1].root if len(plans) == 1 else f"any of the {len(plans)} roots under {path}"
         raise _usage_error(f"step {step} is not a committed checkpoint in {where}; committed: {committed or 'none'}")
-    total = sum(checkpoint_bytes(listing.root, n) for _, listing, names in plans for n in names)
+    total = sum(checkpoint_bytes(listing.root, n) for _, listing, names in plans for n, _ in names)
     checked = []
     with ByteProgress(not json_out and Console(stderr=True).is_terminal, "verifying", total) as bar:
         for found, listing, names in plans:
-            results = [verify_checkpoint(listing.root, n, threads=threads, on_bytes=bar.callback) for n in names]
+            results = [verify_checkpoint(listing.root, n, threads=threads, on_bytes=bar.callback, seq=seq)
+                       for n, seq in names]
             checked.append((found, listing, results))
-    ok = all(r.intact for _, _, results in checked for r in results) and not any(lst.error for _, lst, _ in checked)
+    # A step the job's retention retired while it was read is gone, not damaged: it fails nothing.
+    ok = all(r.intact or r.retired for _, _, results in checked for r in results) and \
+        not any(lst.error for _, lst, _ in checked)
     if json_out:
         docs = [_verify_json(SCHEMA_VERSION, found.framework, listing, results) for found, listing, results in checked]
         doc = docs[0] if direct else {"schema_version": SCHEMA_VERSION, "path": path, "intact": ok, "roots": docs}
@@ -230,10 +244,13 @@ def _safe_to_resume(results: list[Any]) -> int | None:
 def _verify_json(schema: int, framework: str | None, listing: Any, results: list[Any]) -> dict[str, Any]:
     from dataclasses import asdict
 
+    checked = [r for r in results if not r.retired]
+    retired = listing.retired + [os.path.join(listing.root, r.dir) for r in results if r.retired]
     return {"schema_version": schema, "root": listing.root, "framework": framework,
-            "intact": not listing.error and all(r.intact for r in results), "safe_to_resume": _safe_to_resume(results),
-            "checked": [asdict(r) for r in results], "attempts": [asdict(a) for a in listing.attempts],
-            "latest_error": listing.latest_error, "error": listing.error, "unlisted": listing.unlisted}
+            "intact": not listing.error and all(r.intact for r in checked), "safe_to_resume": _safe_to_resume(checked),
+            "checked": [r.to_json() for r in checked], "attempts": [asdict(a) for a in listing.attempts],
+            "latest_error": listing.latest_error, "error": listing.error, "unlisted": listing.unlisted,
+            "retired": retired}
 
 
 def _print_verify(framework: str | None, listing: Any, results: list[Any], step: int | None) -> None:
@@ -245,23 +262,24 @@ def _print_verify(framework: str | None, listing: Any, results: list[Any], step:
     for col in ("step", "dir", "result", "files", "size", "seconds"):
         table.add_column(col, no_wrap=True)
     for r in results:
-        table.add_row(str(r.step), r.dir, "[green]intact[/green]" if r.intact else "[red]NOT INTACT[/red]",
-                      str(r.files_checked), _human_bytes(r.bytes_checked), f"{r.seconds:.2f}")
+        result = text("retired", "dim") if r.retired else text("intact", "green") if r.intact else \
+            text("NOT INTACT", "red")
+        table.add_row(str(r.step), text(r.dir), result, str(r.files_checked), _human_bytes(r.bytes_checked),
+                      f"{r.seconds:.2f}")
     con.print(table)
     for r in results:
         for p in r.problems[:20]:
-            con.print(f"step {r.step}: {p.kind}: {os.path.relpath(p.path, listing.root)}: {p.detail}",
-                          highlight=False, soft_wrap=True)
+            say(con, f"step {r.step}: {p.kind}: {os.path.relpath(p.path, listing.root)}: {p.detail}")
         if len(r.problems) > 20:
             con.print(f"step {r.step}: ... and {len(r.problems) - 20} more problems")
+    _retired_note(con, listing.retired + [os.path.join(listing.root, r.dir) for r in results if r.retired])
     if not results and step is not None:
         committed = sorted({c.step for c in listing.checkpoints if c.current})
-        con.print(f"step {step} is not a committed checkpoint in {listing.root}; committed: {committed or 'none'}",
-                  highlight=False, soft_wrap=True)
+        say(con, f"step {step} is not a committed checkpoint in {listing.root}; committed: {committed or 'none'}")
     elif not results:
         con.print("no committed checkpoint to verify")
     for a in listing.attempts:
-        con.print(f"note: attempt {a.state} for step {a.step} in {a.dir} (never counts as a checkpoint)")
+        say(con, f"note: attempt {a.state} for step {a.step} in {a.dir} (never counts as a checkpoint)")
     _latest_note(con, listing)
     if step is None:
         safe = _safe_to_resume(results)

@@ -10,7 +10,7 @@ from typing import Annotated
 import typer
 
 from ckptguard.cli import app, fail
-from ckptguard.cli.output import console
+from ckptguard.cli.output import console, say
 
 
 def _fail(message: str, code: int) -> typer.Exit:
@@ -32,10 +32,8 @@ def export_command(
         StepNotFoundError,
         UnsafeObjectError,
     )
-    from ckptguard.interop import export_checkpoint
-
     try:
-        skipped = export_checkpoint(root, out, to, step=step, key=key)
+        skipped = _export(root, out, to, step, key)
     except KeyError as e:
         raise _fail(str(e.args[0]) if e.args else str(e), 2) from None
     except (ValueError, StepNotFoundError) as e:
@@ -45,9 +43,34 @@ def export_command(
     except CheckpointError as e:
         raise _fail(str(e), 2) from None
     if skipped:
-        console(stderr=True).print(f"left out {len(skipped)} non-tensor value(s) safetensors cannot hold: "
-                                   f"{', '.join(skipped[:8])}{' ...' if len(skipped) > 8 else ''}", highlight=False)
-    console().print(f"exported {root} to {out} ({to})", highlight=False)
+        say(console(stderr=True), f"left out {len(skipped)} non-tensor value(s) safetensors cannot hold: "
+                                  f"{', '.join(skipped[:8])}{' ...' if len(skipped) > 8 else ''}")
+    say(console(), f"exported {root} to {out} ({to})")
+
+
+#: How often `export` without --step takes the newest step again when the job's retention retired the one
+#: it was reading (a job saving faster than one export reads retires each newest step in turn).
+EXPORT_TRIES = 8
+
+
+def _export(root: str, out: str, to: str, step: int | None, key: str | None) -> list[str]:
+    """Export ``step``, or the newest committed step: retried on the newest of the moment when the job's
+    retention retires the one being read (never when a step was asked for: that one is gone)."""
+    from ckptguard.errors import CheckpointError
+    from ckptguard.interop import export_checkpoint, resolve_checkpoint
+
+    if step is not None:
+        return export_checkpoint(root, out, to, step=step, key=key)
+    for tries_left in range(EXPORT_TRIES - 1, -1, -1):
+        where, name = resolve_checkpoint(root)
+        try:
+            return export_checkpoint(root, out, to, step=name.step, key=key)
+        except CheckpointError:
+            if tries_left == 0 or where.still_committed(name, None):
+                raise
+            say(console(stderr=True), f"note: step {name.step} of {where.path} was retired by the job's retention "
+                                      "while it was read; exporting the newest committed step instead")
+    raise AssertionError("unreachable")
 
 
 @app.command("import")
@@ -69,4 +92,4 @@ def import_command(
         raise _fail(str(e), 1) from None
     except CheckpointError as e:
         raise _fail(str(e), 2) from None
-    console().print(f"imported {source} as step {step} of {root} (keys: {', '.join(keys)})", highlight=False)
+    say(console(), f"imported {source} as step {step} of {root} (keys: {', '.join(keys)})")

@@ -1,8 +1,56 @@
-"""One way for every command to print: rich on a terminal; whole, unwrapped lines into pipes and logs."""
+"""One way for every command to print: rich on a terminal; whole, unwrapped lines into pipes and logs.
+
+Strings that come from data (checkpoint metadata, item names, tags, paths, log lines) are printed
+with :func:`text` or :func:`say`: never read as rich markup (``[bold]`` or ``[/]`` in a metadata value
+is printed as it is, never raises), and with control characters escaped (``\\x1b``), so no byte of a
+checkpoint or a log moves the cursor, recolours or retitles the user's terminal.
+"""
 
 from __future__ import annotations
 
+import re
+
 from rich.console import Console
+from rich.text import Text
+
+# C0 and C1 controls, DEL, the line and paragraph separators and the bidirectional overrides and
+# isolates (text that displays in another order than it reads).
+_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029\u200e\u200f\u202a-\u202e\u2066-\u2069]")
+
+
+def _escaped(m: re.Match[str]) -> str:
+    code = ord(m.group(0))
+    return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}"
+
+
+def escape_controls(value: str) -> str:
+    """``value`` with every control character written as an escape (ESC as ``\\x1b``, CR as ``\\x0d``).
+
+    Args:
+        value: a string from data.
+
+    Returns:
+        A string of printable characters only; a backslash is kept as it is.
+    """
+    return _CONTROL.sub(_escaped, value)
+
+
+def text(value: object, style: str = "") -> Text:
+    """A table cell or line for a data string: no markup, control characters escaped.
+
+    Args:
+        value: the value (``str()`` of it is printed).
+        style: a rich style for the whole text (e.g. ``"red"``).
+
+    Returns:
+        A rich ``Text`` that prints exactly the escaped string.
+    """
+    return Text(escape_controls(str(value)), style=style)
+
+
+def say(con: Console, message: str) -> None:
+    """Print one line holding data strings: no markup, no highlighting, controls escaped, unwrapped."""
+    con.print(text(message), highlight=False, soft_wrap=True)
 
 
 def console(stderr: bool = False, **options: object) -> Console:

@@ -111,6 +111,13 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
+def holder_dead_here(rec: LeaseRecord) -> bool:
+    """Whether the lease's holder is provably gone: its pid is not running on this host, in this boot and
+    pid namespace (elsewhere a pid says nothing, and only the TTL tells)."""
+    return bool(rec.host == hostname() and rec.boot_id == _boot_id() and rec.pid_ns
+                and rec.pid_ns == _pid_namespace() and not _pid_alive(rec.pid))
+
+
 @dataclass
 class LeaseRecord:
     holder: str  # unique per job incarnation (broadcast from rank 0)
@@ -186,8 +193,7 @@ class Lease:
             return "it expired"
         if earlier_incarnation(rec.job, self.job):
             return f"it belongs to an earlier incarnation of this job ({self.job})"
-        if rec.host == hostname() and rec.boot_id == _boot_id() and rec.pid_ns and \
-                rec.pid_ns == _pid_namespace() and not _pid_alive(rec.pid):
+        if holder_dead_here(rec):
             return f"its holder, pid {rec.pid} on this host, is dead"
         return None
 
