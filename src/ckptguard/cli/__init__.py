@@ -92,7 +92,7 @@ def fail(message: str, code: int = USAGE_EXIT) -> typer.Exit:
     traceback (of the error being handled, or of this call) is printed first; the exit code stays the same."""
     from rich.markup import escape
 
-    from ckptguard.cli.output import console
+    from ckptguard.cli.output import console, escape_controls
 
     if debugging():
         if sys.exc_info()[1] is not None:
@@ -100,7 +100,7 @@ def fail(message: str, code: int = USAGE_EXIT) -> typer.Exit:
         else:  # refused by the command itself: where it was refused
             sys.stderr.write("Traceback (most recent call last):\n")
             traceback.print_stack(sys._getframe(1))
-    console(stderr=True).print(f"[red]error:[/red] {escape(message)}", highlight=False, soft_wrap=True)
+    console(stderr=True).print(f"[red]error:[/red] {escape(escape_controls(message))}", highlight=False, soft_wrap=True)
     return typer.Exit(code)
 
 
