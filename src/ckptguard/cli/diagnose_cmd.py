@@ -14,7 +14,7 @@ from typing import Annotated
 import typer
 
 from ckptguard.cli import app
-from ckptguard.cli.output import console
+from ckptguard.cli.output import console, say
 
 
 @app.command()
@@ -34,7 +34,7 @@ def diagnose(
     """
     from ckptguard.diagnose.engine import diagnose as run
     from ckptguard.diagnose.ingest import UsageError
-    from ckptguard.diagnose.report import render_html, render_text, to_json
+    from ckptguard.diagnose.report import masked, render_html, render_text, to_json
     from ckptguard.runner import logdir, report
 
     job = logdir.runs_for_path(paths[0]) if len(paths) == 1 else None
@@ -52,7 +52,7 @@ def diagnose(
     if checkpoints is not None:
         from ckptguard.resume import resume_info
 
-        resume = resume_info(checkpoints, deep=deep)
+        resume = masked(resume_info(checkpoints, deep=deep))
     if html_out is not None:
         try:
             page = render_html(diag)
@@ -76,7 +76,7 @@ def diagnose(
         if resume is not None:
             con.print("\n[bold]Resume[/bold]")
             for line in report.resume_lines(resume):
-                con.print("  " + line, markup=False, soft_wrap=True)
+                say(con, "  " + line)
     raise typer.Exit(0 if diag.found else 1)
 
 

@@ -8,32 +8,12 @@ checkpoint or a log moves the cursor, recolours or retitles the user's terminal.
 
 from __future__ import annotations
 
-import re
-
 from rich.console import Console
 from rich.text import Text
 
-# C0 and C1 controls, DEL, the line and paragraph separators and the bidirectional overrides and
-# isolates (text that displays in another order than it reads).
-_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029\u200e\u200f\u202a-\u202e\u2066-\u2069]")
+from ckptguard.printable import escape_controls
 
-
-def _escaped(m: re.Match[str]) -> str:
-    code = ord(m.group(0))
-    return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}"
-
-
-def escape_controls(value: str) -> str:
-    """``value`` with every control character written as an escape (ESC as ``\\x1b``, CR as ``\\x0d``).
-
-    Args:
-        value: a string from data.
-
-    Returns:
-        A string of printable characters only; a backslash is kept as it is.
-    """
-    return _CONTROL.sub(_escaped, value)
-
+__all__ = ["console", "escape_controls", "say", "text"]
 
 def text(value: object, style: str = "") -> Text:
     """A table cell or line for a data string: no markup, control characters escaped.

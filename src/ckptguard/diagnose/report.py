@@ -4,20 +4,38 @@ from __future__ import annotations
 
 import html
 import json
+from typing import Any, TypeVar
 
 from rich.console import Console
-from rich.markup import escape
+from rich.markup import escape as escape_markup
 
 from ckptguard.diagnose.engine import Diagnosis, _ranges
 from ckptguard.diagnose.kb import FailureClass
+from ckptguard.diagnose.mask import Masker
+from ckptguard.printable import escape_controls
+
+_T = TypeVar("_T")
+
+
+def masked(value: _T) -> _T:
+    """``value`` (a string, a JSON-like object or a dataclass such as a ``Diagnosis``) with every string
+    passed through the masker: secrets in any form, and the values of this process's secret-named
+    environment variables. Everything a report writes goes through it."""
+    out: Any = Masker().finalize_obj(value)
+    return out  # type: ignore[no-any-return]
+
+
+def escape(value: str) -> str:
+    """A data string for rich text: markup and control characters escaped."""
+    return escape_markup(escape_controls(value))
 
 _COLORS = {"initiating": "#c0392b", "launcher": "#8e44ad", "collateral": "#7f8c8d",
            "context": "#2c7fb8"}
 
 
 def to_json(diag: Diagnosis) -> str:
-    """One JSON object, keys in a stable order (see docs/diagnose.md for the schema)."""
-    return json.dumps(diag.to_dict(), indent=2, ensure_ascii=False)
+    """One JSON object, keys in a stable order (see docs/diagnose.md for the schema); every string masked."""
+    return json.dumps(masked(diag.to_dict()), indent=2, ensure_ascii=False)
 
 
 def _ranks(ranks: list[int]) -> str:
@@ -25,7 +43,8 @@ def _ranks(ranks: list[int]) -> str:
 
 
 def render_text(diag: Diagnosis, console: Console) -> None:
-    """The human report: the answer first, then evidence, fix and alternatives."""
+    """The human report: the answer first, then evidence, fix and alternatives; every string masked."""
+    diag = masked(diag)
     p = console.print
     if not diag.found:
         p("[bold]No failure found.[/bold] " + escape(" ".join(diag.notes)))
@@ -132,9 +151,10 @@ def render_explain(fc: FailureClass, console: Console) -> None:
 
 
 def render_html(diag: Diagnosis) -> str:
-    """A self-contained page (no external assets) with a per-rank timeline of failure events."""
+    """A self-contained page (no external assets) with a per-rank timeline of failure events; every
+    string masked."""
     e = html.escape
-    d = diag
+    d = masked(diag)
     rows = []
     for ev in d.evidence:
         rows.append(f"<tr><td>{e(ev.role)}</td><td>{'' if ev.rank is None else ev.rank}</td>"

@@ -195,10 +195,14 @@ def _on_failure(opts: RunOptions, me: logdir.HostRun, status: int, env: Mapping[
     if paths is not None:
         logdir.finish(me, report_json=paths[0], report_html=paths[1])
     if opts.on_failure:
-        hook_env = {**env, "CKPTGUARD_EXIT_STATUS": str(status), "CKPTGUARD_LOG_DIR": me.dir,
-                    "CKPTGUARD_REPORT_JSON": paths[0] if paths else "",
-                    "CKPTGUARD_REPORT_HTML": paths[1] if paths else "",
-                    "CKPTGUARD_FAILURE_CLASS": (diag.failure_class or "") if diag is not None else ""}
+        from ckptguard.diagnose.report import masked
+
+        # What ckptguard adds is masked like the reports; the rest is the user's own environment.
+        failure_class = (diag.failure_class or "") if diag is not None else ""
+        hook_env = {**env, **masked({"CKPTGUARD_EXIT_STATUS": str(status), "CKPTGUARD_LOG_DIR": me.dir,
+                                     "CKPTGUARD_REPORT_JSON": paths[0] if paths else "",
+                                     "CKPTGUARD_REPORT_HTML": paths[1] if paths else "",
+                                     "CKPTGUARD_FAILURE_CLASS": failure_class})}
         hook.proc = subprocess.Popen(opts.on_failure, shell=True, env=hook_env, start_new_session=True)
         wait_in_steps(hook.proc)
         rc = hook.proc.returncode

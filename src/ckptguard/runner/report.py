@@ -83,12 +83,15 @@ def _fill_host(diag: Diagnosis, runs: Sequence[HostRun]) -> None:
 
 
 def job_json(diag: Diagnosis, resume: ResumeInfo | None, runs: Sequence[HostRun]) -> dict[str, Any]:
-    """The diagnosis JSON (docs/diagnose.md) with ``resume`` (when asked) and the host runs read."""
+    """The diagnosis JSON (docs/diagnose.md) with ``resume`` (when asked) and the host runs read; every
+    string masked (the job's command line included)."""
+    from ckptguard.diagnose.report import masked
+
     out: dict[str, Any] = diag.to_dict()
     if resume is not None:
         out["resume"] = resume.to_json()
     out["runs"] = _runs_json(runs)
-    return out
+    return masked(out)
 
 
 def _runs_json(runs: Sequence[HostRun]) -> list[dict[str, Any]]:
@@ -158,8 +161,11 @@ def write_reports(directory: str, diag: Diagnosis | None, resume: ResumeInfo | N
                   runs: Sequence[HostRun], *, problem: str | None = None) -> tuple[str, str]:
     """``report.json`` and ``report.html`` in ``directory``, each written whole; their paths. With
     no diagnosis (``problem`` says why), the reports carry the resume section and the runs read."""
+    from ckptguard.diagnose.report import masked
+
     json_path = os.path.join(directory, "report.json")
     html_path = os.path.join(directory, "report.html")
+    resume, runs, problem = masked(resume), [masked(r) for r in runs], masked(problem)
     if diag is not None:
         data = job_json(diag, resume, runs)
     else:
