@@ -194,3 +194,39 @@ def test_switching_a_plain_trainer_run_to_ckptguard_resumes_it_and_keeps_its_che
                                                                  "checkpoint-8"]
     with Checkpointer(out / ".ckptguard-hf", read_only=True) as ck:
         assert ck.steps() == [6, 8]
+
+
+def test_resume_from_checkpoint_through_another_spelling_of_output_dir_is_verified(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A symlink to output_dir, ``..`` components or a trailing slash name the same directory: a torn
+    checkpoint-N named through any of them is refused like the canonical path, never handed to Trainer."""
+    sys.path.insert(0, str(WORKER.parent))
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    import hf_job
+    from transformers import TrainingArguments
+
+    from ckptguard import CheckpointError
+
+    out = tmp_path / "out"
+
+    def trainer(max_steps: int) -> hf_job.RecordingCkptguardTrainer:
+        args = TrainingArguments(output_dir=str(out), max_steps=max_steps, per_device_train_batch_size=4,
+                                 learning_rate=0.05, save_strategy="steps", save_steps=2, save_total_limit=1,
+                                 report_to=[], use_cpu=True, seed=0, disable_tqdm=True)
+        hf_job.RecordingCkptguardTrainer.log_prefix = str(tmp_path / "rec")
+        return hf_job.RecordingCkptguardTrainer(model=hf_job.TinyModel(hf_job.TinyConfig()), args=args,
+                                                train_dataset=hf_job.Data())
+
+    trainer(2).train()
+    torn = out / "checkpoint-4"
+    torn.mkdir()
+    (torn / "model.safetensors").write_bytes(b"torn")
+    (tmp_path / "link").symlink_to(out)
+    (tmp_path / "sub").mkdir()
+    for spelling in (tmp_path / "link" / "checkpoint-4", f"{tmp_path}/sub/../out/checkpoint-4/",
+                     f"{tmp_path}/link/../out/checkpoint-4"):
+        with pytest.raises(CheckpointError, match="step 4 is not a committed checkpoint"):
+            trainer(6).train(resume_from_checkpoint=str(spelling))
+    trainer(4).train(resume_from_checkpoint=str(tmp_path / "link" / "checkpoint-2"))
+    loaded = [r for r in records(tmp_path / "rec", 0) if r["kind"] == "loaded"]
+    assert [r["step"] for r in loaded] == [2]

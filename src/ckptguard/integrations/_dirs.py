@@ -31,6 +31,23 @@ from ckptguard.ranks import one_rank_acts
 FILES_KEY = "checkpoint"
 
 
+def same_dir(a: str, b: str) -> bool:
+    """Whether two spellings name one directory (a symbolic link, ``..`` components, a trailing slash):
+    by the file's identity where both exist, else by their resolved real paths.
+
+    Args:
+        a: a path.
+        b: another path.
+
+    Returns:
+        True when both name the same directory.
+    """
+    try:
+        return os.path.samefile(a, b)
+    except OSError:  # one of them does not exist (yet): compare what they resolve to
+        return os.path.realpath(a) == os.path.realpath(b)
+
+
 def remove_visible(ck: Checkpointer, base: str, path: str, staging_root: str) -> None:
     """Remove a visible checkpoint directory: gone for every reader at once (a rename into
     ``staging_root``, on the same filesystem), then deleted; only while ``ck`` holds the lease."""

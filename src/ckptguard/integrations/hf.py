@@ -190,7 +190,8 @@ class CkptguardTrainer(Trainer):
         if not isinstance(resume, bool):
             path = os.path.abspath(os.fspath(resume))
             m = _FOLDER_RE.match(os.path.basename(os.path.normpath(path)))
-            if m is None or os.path.dirname(os.path.normpath(path)) != os.path.normpath(run_dir):
+            # By identity, not by spelling: a symlink to output_dir names its checkpoints all the same.
+            if m is None or not _dirs.same_dir(os.path.dirname(os.path.normpath(path)), run_dir):
                 return None, resume  # an ordinary Trainer checkpoint from elsewhere
             wanted = int(m.group(1))
         tmp = tempfile.mkdtemp(prefix="ckptguard-hf-", dir=self.ckptguard_restore_dir)
