@@ -14,6 +14,7 @@ killed save's shards with the previous save's loops and step counters.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 from pathlib import Path
@@ -301,3 +302,63 @@ def test_lightning_own_sharded_save_killed_before_its_metadata_resumes_a_mixed_s
         assert loaded(tmp_path / "resume", r) == [(2, saved[r][4])]  # step 2's counters, step 4's state
         got = fw.losses(tmp_path / "resume", r)
         assert got[3] != fsdp_reference[r][3], (r, got)  # and the run diverges from the uninterrupted one
+
+
+def _saved_run(d: Path, value: float) -> Path:
+    io = CkptguardCheckpointIO()
+    io.save_checkpoint({"global_step": 2, "w": torch.full((2,), value)}, d / "last.ckpt")
+    io.teardown()
+    return d / "last.ckpt"
+
+
+def test_a_pointer_copied_into_another_run_is_refused_and_its_removal_deletes_nothing(tmp_path: Path) -> None:
+    """Run A's last.ckpt copied over run B's: both name step 0 of a root next to them, but the pointer is
+    bound to A's root and A's checkpoint, so B's step is never loaded in its place, nor deleted for it."""
+    from ckptguard import CheckpointError
+
+    a, b = _saved_run(tmp_path / "a", 1.0), _saved_run(tmp_path / "b", 2.0)
+    b.write_bytes(a.read_bytes())
+    with pytest.raises(CheckpointError, match=r"last\.ckpt") as refused:
+        CkptguardCheckpointIO().load_checkpoint(b)
+    assert "another" in str(refused.value)
+    io = CkptguardCheckpointIO()
+    io.remove_checkpoint(b)
+    io.teardown()
+    assert not b.exists()
+    with Checkpointer(tmp_path / "b" / ".ckptguard-lightning", read_only=True) as ck:
+        assert ck.steps() == [0]  # B's checkpoint is B's: only its own pointer deletes it
+    assert torch.equal(CkptguardCheckpointIO().load_checkpoint(a)["w"], torch.ones(2))
+
+
+def test_a_pointer_whose_root_leads_out_of_its_directory_is_refused(tmp_path: Path) -> None:
+    from ckptguard import CheckpointError
+
+    _saved_run(tmp_path / "other", 3.0)
+    here = _saved_run(tmp_path / "run", 1.0)
+    body = json.loads(here.read_text())
+    for root in ("../other/.ckptguard-lightning", str(tmp_path / "other" / ".ckptguard-lightning")):
+        here.write_text(json.dumps({**body, "root": root}))
+        with pytest.raises(CheckpointError, match="root"):
+            CkptguardCheckpointIO().load_checkpoint(here)
+        io = CkptguardCheckpointIO()
+        io.remove_checkpoint(here)
+        io.teardown()
+        with Checkpointer(tmp_path / "other" / ".ckptguard-lightning", read_only=True) as ck:
+            assert ck.steps() == [0]
+        here = _saved_run(tmp_path / "run", 1.0)
+
+
+def test_an_old_pointer_without_its_binding_loads_with_a_warning(tmp_path: Path,
+                                                                 caplog: pytest.LogCaptureFixture) -> None:
+    path = _saved_run(tmp_path, 5.0)
+    body = json.loads(path.read_text())
+    old = {k: body[k] for k in ("format", "root", "tag", "step", "name")}
+    path.write_text(json.dumps(old))
+    with caplog.at_level(logging.WARNING, logger="ckptguard"):
+        assert torch.equal(CkptguardCheckpointIO().load_checkpoint(path)["w"], torch.full((2,), 5.0))
+    assert any("older" in r.getMessage() for r in caplog.records)
+    io = CkptguardCheckpointIO()
+    io.remove_checkpoint(path)
+    io.teardown()
+    with Checkpointer(tmp_path / ".ckptguard-lightning", read_only=True) as ck:
+        assert ck.steps() == []  # its own root: deleted as before

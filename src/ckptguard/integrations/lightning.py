@@ -15,6 +15,12 @@ intact, and removing a checkpoint deletes the pointer first, then the data. A pa
 ordinary Lightning checkpoint still loads (a ``torch.save`` file through the plugin, a sharded
 directory through the strategy).
 
+A pointer is bound to its checkpoint: the root's identity (``.ckptguard/root-id``), the step,
+its commit sequence number and the checksum of its manifest. A pointer whose binding does not match
+(copied from another run, or its step replaced since) is refused, and removing it deletes no data; a
+pointer whose root is not a directory next to it is refused. A pointer an older ckptguard wrote (no
+binding) loads with a warning, and removing it deletes only in the root next to it.
+
 ``CkptguardCheckpointIO``: Lightning calls ``save_checkpoint`` on global rank 0 only, so the plugin
 uses a rank-local ``Checkpointer`` (no collective). ``load_checkpoint`` reads without a template
 (``Checkpointer.read``): the optimizer's integer parameter ids, tuples and numpy values come back as
@@ -32,6 +38,7 @@ Tested with lightning 2.6.6 (``pip install 'ckptguard[lightning]'``).
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import re
 import shutil
@@ -53,9 +60,13 @@ except ImportError as e:  # the framework is an extra
 
 from ckptguard.checkpointer import Checkpointer
 from ckptguard.discover import FRAMEWORK_KEY, LIGHTNING_ROOT
-from ckptguard.errors import CheckpointError, CorruptCheckpointError
+from ckptguard.errors import CheckpointError, CorruptCheckpointError, StepNotFoundError
 from ckptguard.files import decode_record, fsync_dir, replace_file
+from ckptguard.protocol import layout as root_layout
+from ckptguard.protocol.root import open_root
 from ckptguard.ranks import one_rank_acts
+
+log = logging.getLogger("ckptguard")
 
 ROOT_NAME = LIGHTNING_ROOT
 POINTER_FORMAT = "ckptguard-lightning-pointer"
@@ -94,6 +105,11 @@ class Pointer(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defa
     step: Annotated[int, msgspec.Meta(ge=0)]
     name: str
     layout: str | None = None
+    #: The binding (absent in pointers of older versions): the root's identity, the commit sequence
+    #: number of the step, and the SHA-256 of its manifest's bytes.
+    root_id: str | None = None
+    seq: Annotated[int, msgspec.Meta(ge=0)] | None = None
+    manifest: str | None = None
 
 
 def read_pointer(path: str) -> dict[str, Any] | None:
@@ -127,9 +143,10 @@ def pointer_at(path: str, *, follow: bool = True) -> dict[str, Any] | None:
 
 def pointed(path: str, pointer: Mapping[str, Any]) -> tuple[str, str, int]:
     """(root, tag, step) that the pointer at ``path`` names; CorruptCheckpointError naming the field
-    where the file holds something no save wrote there."""
+    where the file holds something no save wrote there. The root is always a directory next to the
+    pointer (a save writes its bare name): one that leads anywhere else is refused."""
     root, tag, step = pointer.get("root"), pointer.get("tag"), pointer.get("step")
-    for field, ok in (("root", isinstance(root, str) and root != ""), ("tag", isinstance(tag, str)),
+    for field, ok in (("root", isinstance(root, str) and _beside(root)), ("tag", isinstance(tag, str)),
                       ("step", type(step) is int and step >= 0)):
         if not ok:
             raise CorruptCheckpointError(f"{path}: the checkpoint pointer's {field!r} is "
@@ -137,6 +154,108 @@ def pointed(path: str, pointer: Mapping[str, Any]) -> tuple[str, str, int]:
                                          "the file was modified by hand or by another tool", path=path)
     assert isinstance(root, str) and isinstance(tag, str) and isinstance(step, int)
     return os.path.normpath(os.path.join(os.path.dirname(path), root)), tag, step
+
+
+def _beside(root: str) -> bool:
+    """Whether a pointer's ``root`` names a directory next to the pointer (one bare name)."""
+    return root not in ("", ".", "..") and "/" not in root and os.sep not in root and "\0" not in root
+
+
+def _read_root_id(root: str) -> str | None:
+    """The root's identity, or None if it has none yet; CorruptCheckpointError if the record is damaged."""
+    path = os.path.join(root, root_layout.ROOT_ID)
+    try:
+        with open(path, "rb") as f:
+            data = f.read(65)
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        raise CorruptCheckpointError(f"{path} cannot be read ({e}): the root's identity is unknown", path=path) from e
+    ident = data.strip().decode("ascii", "replace")
+    if not re.fullmatch(r"[0-9a-f]{32}", ident):
+        raise CorruptCheckpointError(f"{path} does not hold a root identity (32 hex digits): the file was modified",
+                                     path=path)
+    return ident
+
+
+def root_identity(ck: Checkpointer) -> str:
+    """The stable identity of ``ck``'s root, created once if it has none. The record is never replaced: it
+    is created complete (a link of a written file, which fails if one exists), only while ``ck`` holds
+    the lease, so every job sees the first one."""
+    found = _read_root_id(ck.root)
+    if found is not None:
+        return found
+    path = os.path.join(ck.root, root_layout.ROOT_ID)
+    ck.check_lease(f"create {path}")
+    tmp = f"{path}.{uuid.uuid4().hex}.tmp"
+    with open(tmp, "wb") as f:
+        f.write(uuid.uuid4().hex.encode() + b"\n")
+        f.flush()
+        os.fsync(f.fileno())
+    try:
+        os.link(tmp, path)
+    except FileExistsError:
+        pass  # another writer's came first: that one is the root's
+    finally:
+        os.unlink(tmp)
+    fsync_dir(os.path.dirname(path))
+    created = _read_root_id(ck.root)
+    assert created is not None
+    return created
+
+
+def _binding(root: str, step: int) -> tuple[int | None, str]:
+    """(commit sequence number, SHA-256 of the manifest's bytes) of committed ``step`` of ``root``."""
+    where = open_root(root)
+    current = where.current()
+    if step not in current:
+        raise StepNotFoundError(f"step {step} is not a committed checkpoint in {root}", path=root)
+    data = where.read_manifest_bytes(current[step])
+    return where.parse_manifest(current[step], data).commit_seq, hashlib.sha256(data).hexdigest()
+
+
+def check_binding(path: str, pointer: Mapping[str, Any], root: str, step: int) -> bool:
+    """Whether the pointer at ``path`` is bound to step ``step`` of ``root`` as it is now: True when it is;
+    False (with a warning) for a pointer an older version wrote, which has no binding.
+
+    Raises:
+        CorruptCheckpointError: the pointer is bound to another root (a pointer copied from another run)
+            or to another checkpoint of this step (the step was deleted and saved again since).
+    """
+    if pointer.get("root_id") is None or pointer.get("manifest") is None:
+        log.warning("ckptguard: %s was written by an older ckptguard: it is not bound to its checkpoint, so "
+                    "step %d of %s is loaded unchecked (the next save of %s binds it)", path, step, root,
+                    os.path.basename(path))
+        return False
+    ident = _read_root_id(root)
+    if ident != pointer["root_id"]:
+        raise CorruptCheckpointError(
+            f"{path} points to a checkpoint of another root (root identity {pointer['root_id']}, but {root} is "
+            f"{ident or 'one without an identity'}): a pointer copied from another run is not this run's "
+            "checkpoint. Load the other run's pointer in its own directory, or remove this file.", path=path)
+    try:
+        seq, digest = _binding(root, step)
+    except StepNotFoundError:
+        seq, digest = None, ""
+    if digest != pointer["manifest"] or (pointer.get("seq") is not None and seq != pointer["seq"]):
+        raise CorruptCheckpointError(
+            f"{path} names step {step} of {root}, but that step is now another checkpoint than the one this "
+            "pointer was written for (deleted and saved again, or the pointer was copied from another run): "
+            "refused. Resume from another checkpoint, or remove this file.", path=path)
+    return True
+
+
+def _may_delete(path: str, pointer: Mapping[str, Any], root: str, step: int, own_root: str) -> bool:
+    """Whether removing the pointer at ``path`` may delete the data it names: only its own checkpoint, and
+    only in the root next to it."""
+    if os.path.normpath(root) != os.path.normpath(own_root):
+        return False
+    try:
+        check_binding(path, pointer, root, step)  # bound and matching, or older and unbound: its own root
+        return True
+    except CheckpointError as e:
+        log.warning("ckptguard: removed %s without deleting any checkpoint: %s", path, e)
+        return False
 
 
 def commit(ck: Checkpointer, path: str, state: Mapping[str, Any], *, collective: bool = False,
@@ -149,8 +268,13 @@ def commit(ck: Checkpointer, path: str, state: Mapping[str, Any], *, collective:
     step = max(ck.steps(), default=-1) + 1
     ck.save(step, state, metadata=framework_metadata(name, state))
     before = ck.tag(tag, step)
+    if collective:
+        ident, (seq, digest) = one_rank_acts(f"bind the checkpoint pointer {path}",
+                                             lambda: (root_identity(ck), _binding(ck.root, step)), where=path)
+    else:
+        ident, (seq, digest) = root_identity(ck), _binding(ck.root, step)
     pointer = Pointer(format=POINTER_FORMAT, root=os.path.relpath(ck.root, os.path.dirname(path)), tag=tag,
-                      step=step, name=name, layout=layout)
+                      step=step, name=name, layout=layout, root_id=ident, seq=seq, manifest=digest)
     # The commit point Lightning sees: the pointer appears or changes atomically, once the
     # checkpoint is committed.
     data = msgspec.json.encode(pointer) + b"\n"
@@ -260,6 +384,7 @@ class CkptguardCheckpointIO(CheckpointIO):
             raise CheckpointError(f"{path} is a sharded checkpoint of CkptguardModelParallelStrategy: load it "
                                   "with that strategy", path=path)
         root, _, step = pointed(path, pointer)
+        check_binding(path, pointer, root, step)
         # The pointer's step, even where its tag has moved on: a save that died between moving the tag
         # and replacing the pointer did not commit for Lightning.
         return self._read(root, step, map_location)
@@ -282,10 +407,19 @@ class CkptguardCheckpointIO(CheckpointIO):
             if os.path.isfile(path) or os.path.islink(path):
                 os.unlink(path)
             return
+        own = root_for(path, self.root_name)
         with self._lock:
-            ck = self._writer(pointed(path, pointer)[0])
+            try:
+                root, _, step = pointed(path, pointer)
+            except CheckpointError as e:  # names no checkpoint of its own root: the file goes, no data
+                log.warning("ckptguard: removing %s without deleting any checkpoint: %s", path, e)
+                os.unlink(path)
+                return
+            delete = _may_delete(path, pointer, root, step, own)
+            ck = self._writer(own)
             _unlink_pointer(ck, path)  # gone for Lightning first; the data follows
-            forget(ck, pointer)
+            if delete:
+                forget(ck, pointer)
 
     def teardown(self) -> None:
         with self._lock:
@@ -365,6 +499,8 @@ class CkptguardModelParallelStrategy(ModelParallelStrategy):
             raise CheckpointError(f"{path} is a whole checkpoint of CkptguardCheckpointIO, not a sharded one",
                                   path=path)
         root, _, step = pointed(path, pointer)  # the pointer's step, as CkptguardCheckpointIO loads
+        one_rank_acts(f"check the checkpoint pointer {path}", lambda: check_binding(path, pointer, root, step),
+                      where=path)
         ck = self._writers.get(root)
         own = ck is None
         if ck is None:
@@ -388,10 +524,20 @@ class CkptguardModelParallelStrategy(ModelParallelStrategy):
         if pointer is None:
             super().remove_checkpoint(path)
             return
-        ck = self._writer(pointed(path, pointer)[0])
+        own = root_for(path, self.root_name)
+        try:
+            root, _, step = pointed(path, pointer)
+        except CheckpointError as e:  # names no checkpoint of its own root: the file goes, no data
+            log.warning("ckptguard: removing %s without deleting any checkpoint: %s", path, e)
+            one_rank_acts(f"remove the checkpoint pointer {path}", lambda: os.unlink(path), where=path)
+            return
+        delete = one_rank_acts(f"check the checkpoint pointer {path}",
+                               lambda: _may_delete(path, pointer, root, step, own), where=path)
+        ck = self._writer(own)
         # Gone for Lightning first (rank 0, under the lease; every rank learns its failure); the data follows.
         one_rank_acts(f"remove the checkpoint pointer {path}", lambda: _unlink_pointer(ck, path), where=path)
-        forget(ck, pointer)
+        if delete:
+            forget(ck, pointer)
 
     def teardown(self) -> None:
         try:

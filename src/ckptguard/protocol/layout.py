@@ -14,6 +14,7 @@
         staging/step-00000100.<attempt>/   attempts in progress or abandoned
         trash/                   checkpoints being deleted (invalidated first, then removed)
         probe/                   storage-domain probes
+        root-id                  the root's stable identity, created once (what pointers bind to)
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ TRASH = f"{CONTROL}/trash"
 PROBE = f"{CONTROL}/probe"
 LEASE = f"{CONTROL}/lease.json"
 INDEX = f"{CONTROL}/index.json"
+ROOT_ID = f"{CONTROL}/root-id"
 TAGS = "tags"
 DATA_DIR = "data"
 FILES_DIR = "files"
