@@ -64,10 +64,10 @@ def test_secrets_in_command_line_environment_and_logs_leave_no_output(tmp_path: 
     report = json.loads(report_json.read_text())
     assert report["runs"][0]["command"][-5] == "<secret>"  # the value of --token: the next word
     assert report["found"] is True
-    outputs = {"report.json": _strings(report),
-               "report.html": [next(logs.glob("*/report.html")).read_text()],
-               "hook env": [hook.read_text()],                 # the job's own output is passed through as it is; what the runner adds follows it
-               "run summary": [res.stderr[res.stderr.index("ckptguard run: the command failed"):]]}
+    # The job's own output is passed through as it is; what the runner adds follows it.
+    summary = res.stderr[res.stderr.index("ckptguard run: the command failed"):]
+    outputs = {"report.json": _strings(report), "report.html": [next(logs.glob("*/report.html")).read_text()],
+               "hook env": [hook.read_text()], "run summary": [summary]}
     diag_json = subprocess.run([sys.executable, "-m", "ckptguard", "diagnose", str(logs), "--json", "--html",
                                 str(tmp_path / "d.html")], env=env, capture_output=True, text=True, timeout=120)
     assert diag_json.returncode == 0, diag_json.stderr
