@@ -20,6 +20,8 @@ from enum import Enum
 _SECRET_WORDS = r"(?:api[_\-]?key|apikey|access[_\-]?key|secret[_\-]?key|private[_\-]?key|secret|token|passw(?:or)?d" \
     r"|passphrase|pwd|auth|credentials?|accountkey)"
 _SECRET_NAME_RE = re.compile(rf"(?i:^[\w.\-]*?{_SECRET_WORDS}(?:[_\-][\w\-]*)?$)")
+# Environment variables: the same names, but not the shell's PWD and OLDPWD (a directory, not a secret).
+_ENV_SECRET_NAME_RE = re.compile(rf"(?i:^[\w.\-]*?{_SECRET_WORDS.replace('|pwd', '')}(?:[_\-][\w\-]*)?$)")
 #: The shortest environment value taken as a literal secret (shorter ones are common words and numbers).
 MIN_ENV_SECRET = 6
 
@@ -50,11 +52,11 @@ _ALIAS_RE = re.compile(r"(?:host|ip|user)-\d+")
 _TOKEN_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-]*")
 
 
-_HINTS = ("PRIVATE KEY", "--", "AKIA", "ASIA", "AGPA", "AIDA", "AROA", "ANPA", "AIza", "hf_", "ghp_",
+_HINTS = ("PRIVATE KEY", "AKIA", "ASIA", "AGPA", "AIDA", "AROA", "ANPA", "AIza", "hf_", "ghp_",
           "gho_", "ghu_", "ghs_", "ghr_", "github_pat_", "xox", "sk-", "eyJ", "://", "@")
 # "sig" only as a key (Azure SAS `sig=`): the bare word is in every "signal" and "SIGTERM" line,
 # and "gh" above only as a GitHub token prefix ("caught" is in every watchdog line).
-_KV_HINTS = ("key", "secret", "token", "passw", "pwd", "auth", "credential", "sig=", "sig:",
+_KV_HINTS = ("key", "secret", "token", "passw", "passph", "pwd", "auth", "credential", "sig=", "sig:",
              'sig"', "sig'", "sig ", "bearer", "basic ")
 
 
@@ -81,8 +83,9 @@ class Masker:
         self._users: dict[str, str] = {}
         source = os.environ if env is None else env
         # Longest first: a secret that contains another is replaced whole.
-        self._literals = sorted({v for k, v in source.items() if _SECRET_NAME_RE.match(k) and len(v) >= MIN_ENV_SECRET
-                                 and not v.isspace()}, key=len, reverse=True)
+        secrets = {v for k, v in source.items()
+                   if _ENV_SECRET_NAME_RE.match(k) and len(v) >= MIN_ENV_SECRET and not v.isspace()}
+        self._literals = sorted(secrets, key=len, reverse=True)
 
     def _secret(self, m: re.Match[str]) -> str:
         kind = m.lastgroup or "secret"
