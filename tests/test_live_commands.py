@@ -106,3 +106,19 @@ def test_ls_shows_a_dead_holders_lease_stale_at_once(tmp_path: Path) -> None:
     assert "stale" in out.stdout and "held by" not in out.stdout, out.stdout
     doc = json.loads(cli("ls", str(root), "--json").stdout)
     assert doc["lease"]["live"] is False and doc["lease"]["pid"] > 0
+
+
+def test_a_step_directory_left_without_its_manifest_is_damaged_not_retired(tmp_path: Path) -> None:
+    """A retirement takes the whole directory away; a directory that stays without its manifest was damaged."""
+    import torch
+
+    from ckptguard import Checkpointer
+    from ckptguard.protocol.layout import CheckpointName
+    from ckptguard.verify import verify_checkpoint
+
+    root = tmp_path / "ckpt"
+    with Checkpointer(root) as ck:
+        ck.save(1, {"w": torch.ones(10)})
+    (root / "step-00000001" / "MANIFEST.json").unlink()
+    result = verify_checkpoint(str(root), CheckpointName(1))
+    assert not result.retired and not result.intact and result.problems[0].kind == "manifest"

@@ -117,6 +117,17 @@ class VerifyResult:
         return doc
 
 
+def _retired(root: Root, name: CheckpointName, seq: int | None) -> bool:
+    """Whether ``name`` (listed with commit sequence number ``seq``, if known) was retired since it was
+    listed: no longer committed, or committed again as another checkpoint. On a filesystem a retirement
+    takes the whole directory away at once: a directory still there without its manifest was damaged."""
+    if root.still_committed(name, seq):
+        return False
+    where = root.dir(name)
+    return not (root.local_dir() is not None and root.storage.exists(where)
+                and not root.storage.exists(root.storage.join(where, layout.MANIFEST)))
+
+
 def _dir_bytes(root: Root, path: str) -> int:
     return sum(size for _, size in root.walk(path) if size != NOT_A_FILE)
 
@@ -150,7 +161,7 @@ def list_root(path: str) -> RootListing:
             info.created_at, info.world_size, info.seq = m.created_at, m.world_size, m.commit_seq
             info.files, info.bytes, info.user_metadata = len(m.files), m.total_bytes, m.user_metadata
         except CheckpointError as e:
-            if not root.still_committed(name, None):
+            if _retired(root, name, None):
                 retired.append(root.dir(name))
                 continue
             info.manifest_error = str(e)
@@ -241,7 +252,7 @@ def verify_checkpoint(root_path: str, name: CheckpointName, *, threads: int = 4,
     listed_seq = seq if seq is not None else manifest.commit_seq if manifest is not None else None
     replaced = manifest is not None and seq is not None and manifest.commit_seq != seq
     # A problem may be the retirement itself (the manifest or files gone): asked after the read.
-    if (result.problems or replaced) and not root.still_committed(name, listed_seq):
+    if (result.problems or replaced) and _retired(root, name, listed_seq):
         result.problems, result.retired = [], True
     result.intact = not result.problems and not result.retired
     result.seconds = round(time.monotonic() - started, 3)
