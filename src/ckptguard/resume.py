@@ -107,6 +107,8 @@ def _deep_problem(root: str, info: CheckpointInfo) -> str | None:
     result = verify_checkpoint(root, CheckpointName(info.step, info.version))
     if result.intact:
         return None
+    if result.retired:
+        return "retired (by the job's retention or a delete) while it was checked"
     p = result.problems[0]
     more = f" (and {len(result.problems) - 1} more problems)" if len(result.problems) > 1 else ""
     return f"corrupt file {p.path}: {p.kind}: {p.detail}{more}"
