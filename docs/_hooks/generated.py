@@ -11,6 +11,7 @@ A page asks for a generated section with a marker line:
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -23,33 +24,47 @@ SRC = ROOT / "src"
 KB_DIR = SRC / "ckptguard" / "diagnose" / "kb"
 
 
-def _cli_help(args: list[str]) -> str:
-    env = dict(os.environ, PYTHONPATH=str(SRC), COLUMNS="100", TERM="dumb", NO_COLOR="1",
-               _TYPER_FORCE_DISABLE_TERMINAL="1")
-    proc = subprocess.run([sys.executable, "-m", "ckptguard", *args, "--help"], capture_output=True, text=True,
-                          env=env, timeout=120, check=False)
+# Run in one subprocess, as the installed `ckptguard` entry point runs: what a user sees, in plain text
+# (TYPER_USE_RICH=0), for the top level and every command listed in `ckptguard --help`.
+_HELP_SCRIPT = r"""
+import contextlib, io, json, sys
+from typer.main import get_command
+from ckptguard.cli import _register, app, main
+
+_register()
+group = get_command(app)
+names = [n for n in group.list_commands(None) if not group.commands[n].hidden]
+out = {}
+for args in [[]] + [[n] for n in names]:
+    sys.argv = ["ckptguard", *args, "--help"]
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        try:
+            main()
+        except SystemExit as e:
+            if e.code not in (0, None):
+                raise
+    out[" ".join(args)] = buf.getvalue().rstrip()
+print(json.dumps(out))
+"""
+
+
+def _cli_helps() -> dict[str, str]:
+    env = dict(os.environ, PYTHONPATH=str(SRC), COLUMNS="100", TERM="dumb", NO_COLOR="1", TYPER_USE_RICH="0")
+    proc = subprocess.run([sys.executable, "-c", _HELP_SCRIPT], capture_output=True, text=True, env=env,
+                          timeout=120, check=False)
     if proc.returncode != 0:
-        raise RuntimeError(f"ckptguard {' '.join(args)} --help exited {proc.returncode}: {proc.stderr.strip()}")
-    return proc.stdout.rstrip()
-
-
-def _commands() -> list[str]:
-    sys.path.insert(0, str(SRC))
-    from typer.main import get_command
-
-    from ckptguard.cli import _register, app
-
-    _register()
-    group = get_command(app)
-    names = group.list_commands(None)  # type: ignore[attr-defined, arg-type]
-    return [n for n in names if not group.commands[n].hidden]  # type: ignore[attr-defined]
+        raise RuntimeError(f"collecting the CLI's help failed ({proc.returncode}): {proc.stderr.strip()}")
+    helps: dict[str, str] = json.loads(proc.stdout)
+    return helps
 
 
 def cli_reference() -> str:
     """The top-level help, then one section per command with its ``--help``."""
-    out = ["## `ckptguard`", "", "```text", _cli_help([]), "```", ""]
-    for name in _commands():
-        out += [f"## `ckptguard {name}`", "", "```text", _cli_help([name]), "```", ""]
+    out: list[str] = []
+    for command, text in _cli_helps().items():
+        title = f"ckptguard {command}".strip()
+        out += [f"## `{title}`", "", "```text", text, "```", ""]
     return "\n".join(out)
 
 
