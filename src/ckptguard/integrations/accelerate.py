@@ -34,7 +34,7 @@ Costs: data stored twice (committed copy and visible folder; ``publish=False`` k
 committed copy) and written twice per save. The checkpoint directory must be shared by all
 processes (``save_on_each_node=True`` is refused).
 
-Tested with accelerate 1.15.0 (``pip install 'ckptguard[accelerate]'``).
+Tested with accelerate 1.15.0 (from a clone: ``pip install -e '.[accelerate]'``).
 """
 
 from __future__ import annotations

@@ -50,7 +50,7 @@ twice per save. ``save_dir`` must be shared by all ranks.
 
 Tested with deepspeed 0.19.8 built with ``DS_BUILD_OPS=0``, ``DS_ACCELERATOR=cpu``, gloo, ZeRO-2, and
 ZeRO-3 with NVMe optimizer offload where DeepSpeed's ``async_io`` op is built (libaio-dev), else a
-stand-in for its swapper (``pip install 'ckptguard[deepspeed]'``).
+stand-in for its swapper (from a clone: ``pip install -e '.[deepspeed]'``).
 """
 
 from __future__ import annotations

@@ -36,7 +36,7 @@ staging, ckptguard into its root). Requires ``output_dir`` to be shared by all r
 default assumption; ``save_on_each_node=True`` is refused). ``push_to_hub`` pushes from the
 staging directory, before the commit.
 
-Tested with transformers 5.18.0 (``pip install 'ckptguard[transformers]'``).
+Tested with transformers 5.18.0 (from a clone: ``pip install -e '.[transformers]'``).
 """
 
 from __future__ import annotations

@@ -26,7 +26,7 @@ The subclass commits them through one collective ``Checkpointer``: every rank sa
 rank 0's copy of the rest (loops, callbacks, hyper-parameters: what Lightning puts in ``meta.pt``),
 and loads them back into the sharded modules and optimizers, resharding if the mesh changed.
 
-Tested with lightning 2.6.6 (``pip install 'ckptguard[lightning]'``).
+Tested with lightning 2.6.6 (from a clone: ``pip install -e '.[lightning]'``).
 """
 
 from __future__ import annotations
