@@ -60,3 +60,19 @@ def test_error_tree_names_every_exported_error_class_once() -> None:
     assert "CheckpointError" in exported
     for name in exported:
         assert tree.count(f"[`{name}`]") == 1, name
+
+
+def test_errors_page_lists_every_exception_class_a_user_can_meet() -> None:
+    hooks = _hooks()
+    tree, others = hooks.error_tree(), hooks.other_errors()
+    for qualified in hooks.defined_exception_classes():
+        module, name = qualified.rsplit(".", 1)
+        if module == "ckptguard.errors":
+            assert f"[`{name}`]" in tree, name
+        elif qualified in hooks.OTHER_ERRORS:
+            assert f"- `{name}` (`{module}`;" in others, name
+        else:
+            assert qualified in hooks.INTERNAL_ERRORS, (
+                f"{qualified}: add it to OTHER_ERRORS (a user can meet it) or INTERNAL_ERRORS (never escapes) in "
+                "docs/_hooks/generated.py")
+    assert "TorchVersionError" in others and "KBError" in others

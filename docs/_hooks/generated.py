@@ -5,12 +5,16 @@ A page asks for a generated section with a marker line:
 - ``<!-- generated:cli -->``: the help of ``ckptguard`` and of each of its commands, as the installed
   CLI prints it (one subprocess per command, so what is shown is what a user sees);
 - ``<!-- generated:errors -->``: the tree of ``CheckpointError`` subclasses, from ``ckptguard.errors``;
+- ``<!-- generated:other-errors -->``: the exceptions defined elsewhere in ``src/ckptguard`` that a user can meet
+  (``OTHER_ERRORS``), each with where it is met;
 - ``<!-- generated:kb -->``: the failure classes of the diagnosis knowledge base, from
   ``src/ckptguard/diagnose/kb/*.toml``.
 """
 
 from __future__ import annotations
 
+import ast
+import importlib
 import json
 import os
 import subprocess
@@ -89,6 +93,66 @@ def error_tree() -> str:
     return "\n".join(lines)
 
 
+#: Exception classes defined outside ``ckptguard.errors`` that reach a user, and where they are met.
+OTHER_ERRORS: dict[str, str] = {
+    "ckptguard.dcp._torch_private.TorchVersionError":
+        "`from ckptguard import Checkpointer` (and every import that loads the checkpointing code) on a torch "
+        "that lacks a private API ckptguard uses; the message names the torch versions tested. An "
+        "`ImportError`, not a `CheckpointError`: install a tested torch.",
+    "ckptguard.protocol.cas.SwapConflictError":
+        "a save, `tag()`/`untag()` or retention when a control record (the `latest` pointer, a tag, an object "
+        "store's index) kept changing under the job for every retry allowed: another writer changes the same "
+        "root, or the store does not honour conditional writes.",
+    "ckptguard.diagnose.schema.KBError":
+        "`ckptguard diagnose` and `ckptguard explain` when a file of the failure knowledge base is malformed "
+        "(one `error:` line, exit status 2): reinstall ckptguard, or fix the TOML file the message names.",
+    "ckptguard.diagnose.ingest.UsageError":
+        "`ckptguard diagnose` given a path that does not exist, a directory with no log, a binary file or a file "
+        "it cannot read (one `error:` line, exit status 2).",
+}
+
+#: Exception classes a user never meets: caught inside ckptguard and turned into what is said here.
+INTERNAL_ERRORS: dict[str, str] = {
+    "ckptguard.protocol.itemtable.TableError": "a `CorruptCheckpointError` naming the manifest",
+    "ckptguard.runner.logdir.LogDirError": "`ckptguard run`: one line on stderr and exit status 125",
+    "ckptguard.runner.child.CommandNotFound": "`ckptguard run`: exit status 127 or 126, as a shell's",
+}
+
+
+def defined_exception_classes() -> list[str]:
+    """``module.Class`` of every public exception class defined in ``src/ckptguard`` (imported to check that
+    it is one), but the integrations' modules, which import their frameworks."""
+    sys.path.insert(0, str(SRC))
+    found: list[str] = []
+    for path in sorted((SRC / "ckptguard").rglob("*.py")):
+        rel = path.relative_to(SRC).with_suffix("")
+        if rel.parts[:2] == ("ckptguard", "integrations"):
+            continue
+        names = [node.name for node in ast.walk(ast.parse(path.read_text())) if isinstance(node, ast.ClassDef)
+                 and not node.name.startswith("_") and node.bases]
+        if not names:
+            continue
+        module_name = ".".join(rel.parts[:-1] if rel.name == "__init__" else rel.parts)
+        module = importlib.import_module(module_name)
+        for name in names:
+            cls = getattr(module, name, None)
+            if isinstance(cls, type) and issubclass(cls, BaseException) and cls.__module__ == module_name:
+                found.append(f"{module_name}.{name}")
+    return found
+
+
+def other_errors() -> str:
+    """A list of ``OTHER_ERRORS``: each class, what it derives from, its docstring's first line, where it is met."""
+    lines: list[str] = []
+    for qualified, where in OTHER_ERRORS.items():
+        module_name, name = qualified.rsplit(".", 1)
+        cls = getattr(importlib.import_module(module_name), name)
+        doc = " ".join((cls.__doc__ or "").strip().split("\n\n")[0].split())
+        bases = ", ".join(f"`{b.__name__}`" for b in cls.__bases__)
+        lines.append(f"- `{name}` (`{module_name}`; subclass of {bases}): {doc} Raised by {where}")
+    return "\n".join(lines)
+
+
 def kb_reference() -> str:
     """One section per failure class, grouped by category, from the knowledge base's TOML files."""
     classes: list[dict[str, Any]] = []
@@ -127,6 +191,7 @@ def kb_reference() -> str:
 _GENERATORS = {
     "<!-- generated:cli -->": cli_reference,
     "<!-- generated:errors -->": error_tree,
+    "<!-- generated:other-errors -->": other_errors,
     "<!-- generated:kb -->": kb_reference,
 }
 
