@@ -16,7 +16,7 @@ _COLORS = {"initiating": "#c0392b", "launcher": "#8e44ad", "collateral": "#7f8c8
 
 
 def to_json(diag: Diagnosis) -> str:
-    """One JSON object, keys in a stable order (see docs/diagnose.md for the schema)."""
+    """One JSON object, keys in a stable order (the Diagnosis page gives the schema)."""
     return json.dumps(diag.to_dict(), indent=2, ensure_ascii=False)
 
 

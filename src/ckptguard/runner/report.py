@@ -83,7 +83,7 @@ def _fill_host(diag: Diagnosis, runs: Sequence[HostRun]) -> None:
 
 
 def job_json(diag: Diagnosis, resume: ResumeInfo | None, runs: Sequence[HostRun]) -> dict[str, Any]:
-    """The diagnosis JSON (docs/diagnose.md) with ``resume`` (when asked) and the host runs read."""
+    """The diagnosis JSON (its schema is on the Diagnosis page) with ``resume`` (when asked) and the host runs read."""
     out: dict[str, Any] = diag.to_dict()
     if resume is not None:
         out["resume"] = resume.to_json()
