@@ -14,14 +14,14 @@ A page asks for a generated section with a marker line:
 from __future__ import annotations
 
 import ast
-import importlib
+import builtins
 import json
 import os
 import subprocess
 import sys
 import tomllib
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 ROOT = Path(__file__).resolve().parents[2]
 SRC = ROOT / "src"
@@ -119,37 +119,47 @@ INTERNAL_ERRORS: dict[str, str] = {
 }
 
 
-def defined_exception_classes() -> list[str]:
-    """``module.Class`` of every public exception class defined in ``src/ckptguard`` (imported to check that
-    it is one), but the integrations' modules, which import their frameworks."""
-    sys.path.insert(0, str(SRC))
-    found: list[str] = []
+class ExceptionClass(NamedTuple):
+    """An exception class as its source defines it (read with ``ast``: nothing is imported, torch included)."""
+
+    module: str
+    name: str
+    bases: tuple[str, ...]
+    doc: str
+
+
+def defined_exception_classes() -> dict[str, ExceptionClass]:
+    """Every public exception class defined in ``src/ckptguard``, by ``module.Class``: a class whose base is a
+    built-in exception or, transitively, another such class of the package."""
+    classes: dict[str, ExceptionClass] = {}
     for path in sorted((SRC / "ckptguard").rglob("*.py")):
         rel = path.relative_to(SRC).with_suffix("")
-        if rel.parts[:2] == ("ckptguard", "integrations"):
-            continue
-        names = [node.name for node in ast.walk(ast.parse(path.read_text())) if isinstance(node, ast.ClassDef)
-                 and not node.name.startswith("_") and node.bases]
-        if not names:
-            continue
-        module_name = ".".join(rel.parts[:-1] if rel.name == "__init__" else rel.parts)
-        module = importlib.import_module(module_name)
-        for name in names:
-            cls = getattr(module, name, None)
-            if isinstance(cls, type) and issubclass(cls, BaseException) and cls.__module__ == module_name:
-                found.append(f"{module_name}.{name}")
-    return found
+        module = ".".join(rel.parts[:-1] if rel.name == "__init__" else rel.parts)
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, ast.ClassDef) and not node.name.startswith("_"):
+                bases = tuple(b.id if isinstance(b, ast.Name) else ast.unparse(b).rsplit(".", 1)[-1]
+                              for b in node.bases)
+                classes[f"{module}.{node.name}"] = ExceptionClass(module, node.name, bases,
+                                                                  ast.get_docstring(node) or "")
+    builtin = {name for name, obj in vars(builtins).items() if isinstance(obj, type) and issubclass(obj, BaseException)}
+    known = set(builtin)
+    while True:
+        more = {c.name for c in classes.values() if c.name not in known and any(b in known for b in c.bases)}
+        if not more:
+            break
+        known |= more
+    return {q: c for q, c in classes.items() if c.name in known - builtin}
 
 
 def other_errors() -> str:
     """A list of ``OTHER_ERRORS``: each class, what it derives from, its docstring's first line, where it is met."""
+    defined = defined_exception_classes()
     lines: list[str] = []
     for qualified, where in OTHER_ERRORS.items():
-        module_name, name = qualified.rsplit(".", 1)
-        cls = getattr(importlib.import_module(module_name), name)
-        doc = " ".join((cls.__doc__ or "").strip().split("\n\n")[0].split())
-        bases = ", ".join(f"`{b.__name__}`" for b in cls.__bases__)
-        lines.append(f"- `{name}` (`{module_name}`; subclass of {bases}): {doc} Raised by {where}")
+        cls = defined[qualified]
+        doc = " ".join(cls.doc.split("\n\n")[0].split())
+        bases = ", ".join(f"`{b}`" for b in cls.bases)
+        lines.append(f"- `{cls.name}` (`{cls.module}`; subclass of {bases}): {doc} Raised by {where}")
     return "\n".join(lines)
 
 
