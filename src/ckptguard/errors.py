@@ -47,8 +47,17 @@ from typing import Any
 class CheckpointError(RuntimeError):
     """A save, load or verification that cannot proceed safely.
 
-    ``rank`` is the rank that failed first (None where no single rank is to blame),
-    ``path`` the file or directory involved, where one is.
+    The base of every error ckptguard raises on purpose: catch it to handle them all, or a subclass
+    to handle one kind. The message says what happened and what to do.
+
+    Args:
+        message: What went wrong and what to do.
+        rank: The rank that failed first (None where no single rank is to blame).
+        path: The file or directory involved, where one is.
+
+    Attributes:
+        rank: The rank that failed first, or None.
+        path: The file or directory involved, or None.
     """
 
     def __init__(self, message: str, *, rank: int | None = None, path: str | None = None) -> None:
@@ -62,23 +71,43 @@ class CheckpointError(RuntimeError):
 
 
 class LeaseError(CheckpointError):
-    """The root's lease (one writing job per root) stands in the way."""
+    """The root's lease (one writing job per root) stands in the way.
+
+    Catch it to handle both ``LeaseHeldError`` and ``LeaseLostError``.
+    """
 
 
 class LeaseHeldError(LeaseError):
-    """Another job holds the root's lease and keeps renewing it."""
+    """Another job holds the root's lease and keeps renewing it.
+
+    Raised by ``Checkpointer(root)`` for writing. Two jobs were started on one root by mistake: stop one,
+    or give it its own root. A restarted incarnation of the same job (same ``job_id=``,
+    ``TORCHELASTIC_RUN_ID`` or Slurm job) takes the lease over without this error.
+    """
 
 
 class LeaseLostError(LeaseError):
-    """This job's lease was taken over (it stalled past the TTL): it must not write any more."""
+    """This job's lease was taken over (it stalled past the TTL): it must not write any more.
+
+    Raised by any writing call once another job took the root. The message says whether the current
+    save was committed. End this job; the job that took the root continues.
+    """
 
 
 class StepExistsError(CheckpointError):
-    """The step is already committed; committed checkpoints are never modified without overwrite=True."""
+    """The step is already committed; committed checkpoints are never modified without overwrite=True.
+
+    Raised by ``save``. Pass ``overwrite=True`` to replace the step atomically, or save another step.
+    """
 
 
 class StepNotFoundError(CheckpointError):
-    """The step asked for is not a committed checkpoint of this root."""
+    """The step asked for is not a committed checkpoint of this root.
+
+    Raised by ``load(step=N)``, ``load(tag=...)``, ``read(step=N)``, ``tag``, ``delete``, ``DCPReader``
+    and ``export`` for a step or tag the root does not hold. ``ck.steps()``, ``ck.tags()`` or
+    ``ckptguard ls ROOT`` lists what it holds.
+    """
 
 
 class StepRetiredError(StepNotFoundError):
@@ -90,15 +119,26 @@ class StepRetiredError(StepNotFoundError):
 
 
 class PathCollisionError(CheckpointError):
-    """Two ranks name the same or nested ``files=`` paths: they would overwrite each other."""
+    """Two ranks name the same or nested ``files=`` paths: they would overwrite each other.
+
+    Also raised for a ``files=`` path that is, contains or lies inside the checkpoint root, and by
+    ``save_file`` for a lock path that is not a regular file. Raised before anything is written; the
+    message names the ranks and paths. Give each rank its own path.
+    """
 
 
 class ReplicatedValueError(CheckpointError):
-    """A plain value, which is stored once for all ranks, differs between ranks: wrap it in PerRank."""
+    """A plain value, which is stored once for all ranks, differs between ranks: wrap it in PerRank.
+
+    Raised by ``save`` before anything is committed, naming the key and the ranks that differ.
+    """
 
 
 class StorageError(CheckpointError):
-    """The storage refused or failed an operation."""
+    """The storage refused or failed an operation.
+
+    The message names the file or object and the rank; the subclasses name the common causes.
+    """
 
 
 class CommitOutcomeUnknownError(StorageError):
@@ -108,27 +148,48 @@ class CommitOutcomeUnknownError(StorageError):
 
 
 class DiskFullError(StorageError):
-    """No space left (or quota exceeded) on the storage."""
+    """No space left (or quota exceeded) on the storage.
+
+    Raised by ``save`` and ``save_file``, naming the root, the bytes needed and free. Nothing of the
+    save was committed; free space (or lower ``keep_last``) and save again.
+    """
 
 
 class StoragePermissionError(StorageError):
-    """The job's user may not write there, or the filesystem is read-only."""
+    """The job's user may not write there, or the filesystem is read-only.
+
+    Make the root writable by the user the job runs as, on every node (for S3: the credentials' policy).
+    """
 
 
 class StaleHandleError(StorageError):
-    """ESTALE persisted through retries: another node renamed or removed what this one holds."""
+    """ESTALE persisted through retries: another node renamed or removed what this one holds.
+
+    Check that only one job writes to the root, and the NFS mount options (``lookupcache``, ``actimeo``).
+    """
 
 
 class NotVisibleError(StorageError):
-    """A file another rank wrote did not become visible here in time (failed writer or stale cache)."""
+    """A file another rank wrote did not become visible here in time (failed writer or stale cache).
+
+    Raised by ``save``'s commit check before anything is committed, naming what is missing. Raise
+    ``visibility_timeout_s`` for shared filesystems whose caches are slow to show new files.
+    """
 
 
 class BucketNotFoundError(StorageError):
-    """The object store has no bucket of that name (at that endpoint)."""
+    """The object store has no bucket of that name (at that endpoint).
+
+    Check the bucket name and the endpoint (``AWS_ENDPOINT_URL``, ``storage_options={"endpoint_url": ...}``).
+    """
 
 
 class WrongRegionError(StorageError):
-    """The bucket lives in another region than the one the client was configured for."""
+    """The bucket lives in another region than the one the client was configured for.
+
+    Set ``AWS_REGION`` or ``storage_options={"region_name": ...}`` to the bucket's region (named in the
+    message).
+    """
 
 
 class UnsupportedStorageError(StorageError, ValueError):
@@ -137,7 +198,11 @@ class UnsupportedStorageError(StorageError, ValueError):
 
 
 class UnsafeObjectError(CheckpointError):
-    """Loading this object would run code from the checkpoint (unrestricted unpickling): refused."""
+    """Loading this object would run code from the checkpoint (unrestricted unpickling): refused.
+
+    Raised by loads and ``import`` for a stored object or a DCP ``.metadata`` that names a class outside
+    the allowed ones. Only load such a file with ``torch.load(weights_only=False)`` if you trust it.
+    """
 
 
 class UnsupportedValueError(CheckpointError, TypeError):
@@ -151,7 +216,12 @@ class TemplateMismatchError(CheckpointError, ValueError):
 
 
 class CorruptCheckpointError(CheckpointError):
-    """A committed checkpoint whose bytes do not match its manifest (bit rot, truncation, deletion)."""
+    """A committed checkpoint whose bytes do not match its manifest (bit rot, truncation, deletion).
+
+    Raised by ``load(step=N)``, ``read``, ``load_file``, ``DCPReader`` and ``export``, naming the file and
+    what is wrong. ``load()`` without a step falls back to the checkpoint committed before, with a
+    warning. ``ckptguard verify ROOT`` reports every damaged file.
+    """
 
 
 class MalformedRecordError(CorruptCheckpointError):
@@ -169,7 +239,7 @@ class TornLoadError(CheckpointError):
     """A load verified every byte, then read different bytes (or fewer: a file cut short) when it read
     them again into place: a file of the committed checkpoint was modified in place during the load
     (never by ckptguard). The state being loaded may hold part of it, so no older step is tried: load
-    again."""
+    again, after finding what modifies the checkpoint's files."""
 
 
 class PeerError(CheckpointError):

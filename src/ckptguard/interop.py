@@ -83,9 +83,28 @@ def resolve_checkpoint(path: str | os.PathLike[str], step: int | None = None,
 class DCPReader(GuardedReader):
     """DCP ``StorageReader`` for a committed ckptguard checkpoint (its directory, or a root and ``step``).
 
-    The names are DCP's (``model.fc.weight``); values ckptguard had to encode for an
-    exact round trip (int keys, numpy arrays, see ``values.encode_value``) keep their
-    encoded names here: use ``Checkpointer.read`` for those.
+    Every byte is verified against its checksum; a corrupt one fails the load (DCP wraps the
+    ``CorruptCheckpointError`` in its ``CheckpointException``). The names are DCP's
+    (``model.fc.weight``); values ckptguard had to encode for an exact round trip (int keys, numpy
+    arrays) keep their encoded names here: use ``Checkpointer.read`` for those.
+
+    Example:
+        ```python
+        import torch.distributed.checkpoint as dcp
+        dcp.load(state, storage_reader=ckptguard.DCPReader("/shared/ckpts"))  # the step committed last
+        ```
+
+    Args:
+        path: A root (a path, ``file://`` or ``s3://bucket/prefix``) or one committed step's directory.
+        step: The step to read from a root; default: the one committed last.
+        io_threads: Reading threads.
+        storage_options: Options of the storage backend (S3: ``endpoint_url``, ...).
+
+    Raises:
+        StepNotFoundError: ``step`` is not committed in the root, or the root holds none.
+        StepRetiredError: The step was retired (retention, ``delete``) between the reader's creation and
+            its read; the state is untouched.
+        CorruptCheckpointError: The manifest or a file does not match its checksum or size.
     """
 
     def __init__(self, path: str | os.PathLike[str], step: int | None = None, *, io_threads: int = 4,
@@ -171,12 +190,31 @@ def flatten_tensors(state: Any, prefix: str = "") -> tuple[dict[str, torch.Tenso
 def export_checkpoint(path: str | os.PathLike[str], out: str | os.PathLike[str], to: str, *,
                       step: int | None = None, key: str | None = None,
                       storage_options: Mapping[str, Any] | None = None) -> list[str]:
-    """Write one committed step as ``to`` ("torch", "safetensors" or "dcp") to ``out``; what was left out.
+    """Write one committed step as ``to`` ("torch", "safetensors" or "dcp") to ``out``.
 
-    ``key`` exports one entry of the state (e.g. ``"model"``). ``torch`` is a ``save_file``
-    (a ``torch.save`` zip, checksummed); ``safetensors`` holds the tensors, named ``a.b.c``
-    (non-tensor values are left out and returned); ``dcp`` is a plain DCP directory
-    (``.metadata`` + ``.distcp``) that ``dcp.load`` and ``dcp_to_torch_save`` read.
+    The CLI's ``ckptguard export``. Every byte is verified as it is read.
+
+    Args:
+        path: A root (a path, ``file://`` or ``s3://bucket/prefix``) or one committed step's directory.
+        out: A local path: the file (``torch``, ``safetensors``) or directory (``dcp``) to write.
+        to: ``"torch"``: a ``save_file`` (a ``torch.save`` zip, checksummed; ``torch.load`` and
+            ``load_file`` read it; numpy values stay numpy arrays, which only
+            ``torch.load(..., weights_only=False)`` reads). ``"safetensors"``: the tensors, named
+            ``a.b.c``. ``"dcp"``: a plain DCP directory (``.metadata`` + ``.distcp``) that ``dcp.load``
+            and ``dcp_to_torch_save`` read.
+        step: The step to export from a root; default: the one committed last.
+        key: Export one entry of the state (e.g. ``"model"``).
+        storage_options: Options of the storage backend.
+
+    Returns:
+        The names of the values left out (non-tensor values, for ``safetensors``).
+
+    Raises:
+        StepNotFoundError: ``step`` is not committed in the root.
+        CorruptCheckpointError: A byte of the step does not match its checksum.
+        ValueError: ``to`` is not one of the three formats.
+        KeyError: ``key`` is not in the state.
+        CheckpointError: ``out`` is a directory that is not empty (``dcp``).
     """
     from ckptguard.singlefile import save_file, save_local
 
@@ -424,7 +462,30 @@ def _changed(directory: str, pins: dict[str, _Pinned]) -> CorruptCheckpointError
 
 def import_checkpoint(source: str | os.PathLike[str], root: str | os.PathLike[str], step: int, *,
                       overwrite: bool = False) -> list[str]:
-    """Commit a DCP directory or a ``torch.save`` file as ``step`` of the ckptguard root; its top-level keys."""
+    """Commit a DCP directory or a ``torch.save`` file as ``step`` of the ckptguard root.
+
+    The CLI's ``ckptguard import``. DCP's ``.metadata`` pickle is read with an unpickler that admits
+    only DCP's metadata classes, torch dtypes, ``torch.Size`` and layouts (anything else is refused
+    before it runs); a ``torch.save`` file is read with ``weights_only=True``. Each DCP data file is
+    opened once and read through that handle, so a directory rotated out meanwhile is still imported
+    whole.
+
+    Args:
+        source: A DCP checkpoint directory or a ``torch.save`` file.
+        root: The ckptguard root to commit into (created if missing).
+        step: The step number to commit it as (a non-negative int).
+        overwrite: Replace a committed ``step`` atomically.
+
+    Returns:
+        The top-level keys of the imported state.
+
+    Raises:
+        ValueError: ``step`` is not a non-negative int (nothing is created).
+        StepExistsError: ``step`` is committed and ``overwrite`` is False.
+        UnsafeObjectError: The source would need unpickling code to load.
+        CorruptCheckpointError: A DCP data file changed in place during the import, or the source is
+            malformed; nothing is imported.
+    """
     from ckptguard.checkpointer import Checkpointer
 
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:  # before anything is read or created

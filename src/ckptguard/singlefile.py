@@ -90,22 +90,44 @@ def save_file(obj: Any, path: str | os.PathLike[str], *, group: Any = None, proc
               lock_timeout_s: float = 60.0) -> None:
     """Save ``obj`` to ``path``: atomic replace, checksummed, one writer at a time.
 
-    Takes part in no collective: ``if rank == 0: save_file(...)`` just works. Two
-    processes writing one path take turns through an exclusive lock file next to it
-    (``path + ".lock"``, created with O_EXCL; a lock left by a dead process on this
-    host is broken, another one waited for up to ``lock_timeout_s``).
+    Takes part in no collective unless given ``group=``: ``if rank == 0: save_file(...)`` just works.
+    Two processes writing one path take turns through an exclusive lock file next to it
+    (``path + ".lock"``, created with O_EXCL; a lock left by a dead process on this host is broken, and
+    so is one left empty or holding no writer's name for more than 10 s; another is waited for up to
+    ``lock_timeout_s``). The temporary file a killed writer left beside the target is removed by the
+    next ``save_file`` of it.
 
-    ``format`` is ``"torch"`` (a ``torch.save`` zip; ``torch.load`` still reads it) or
-    ``"safetensors"`` (a flat dict of tensors; the default for a ``.safetensors`` path).
+    Example:
+        ```python
+        if rank == 0:
+            save_file(model.state_dict(), "/shared/model.pt")
+        save_file(model.state_dict(), "/shared/model.safetensors")  # a flat dict of tensors
+        ```
 
-    With ``group=`` (a process group, or ``True`` for all ranks) it is collective: every
-    rank of the group calls it with the same path and the lowest rank of each set of ranks
-    sharing the directory writes, after a barrier (so the file is never replaced while
-    another rank still reads the previous version); a failure is raised on every rank as
-    the same class.
+    Args:
+        obj: What to save. Refused, before anything is written, if ``load_file``
+            (``torch.load(weights_only=True)``) could not give it back: an arbitrary object, a
+            ``Path``, a namedtuple, numpy values, frozensets (store ``torch.from_numpy(a)`` or
+            ``a.tolist()``, or use a ``Checkpointer``, which stores them exactly).
+        path: A local path, a ``file://`` URL or ``s3://bucket/key`` (an object PUT replaces
+            atomically; with ``group=``, rank 0 writes).
+        group: A process group, or ``True`` for all ranks: then every rank of the group calls it with
+            the same path and the lowest rank of each set of ranks sharing the directory writes, after
+            a barrier (so the file is never replaced while another rank still reads the previous
+            version); a failure is raised on every rank as the same class.
+        process_group: Another name for ``group``.
+        format: ``"torch"`` (a ``torch.save`` zip; ``torch.load`` still reads it) or ``"safetensors"``
+            (a flat dict of tensors, checksum in the header). Default: from the suffix
+            (``.safetensors``), else ``"torch"``.
+        checksum_algorithm: The checksum stored with the data.
+        lock_timeout_s: How long to wait for another writer's lock.
 
-    ``s3://bucket/key`` paths work too (an object PUT replaces atomically; with ``group=``,
-    rank 0 writes: every rank reaches the same bucket).
+    Raises:
+        UnsupportedValueError: ``obj`` holds a value ``load_file`` could not give back; it names where.
+        PathCollisionError: ``path + ".lock"`` is a directory, FIFO or link (left as it is).
+        DiskFullError: No space left; no lock is left behind.
+        StorageError: Another storage failure, naming the file.
+        TypeError: ``path`` is not a ``str`` or ``os.PathLike``.
     """
     _check_path("save_file", path)
     group = group if group is not None else process_group
@@ -161,9 +183,28 @@ def save_local(obj: Any, path: str, fmt: str, algorithm: str, lock_timeout_s: fl
 
 
 def load_file(path: str | os.PathLike[str], *, map_location: Any = "cpu", format: str | None = None) -> Any:
-    """Load a file written by ``save_file``, after checking its checksum; objects via weights_only.
+    """Load a file written by ``save_file``, after checking its checksum; objects via ``weights_only``.
 
-    A ``.safetensors`` file (or ``format="safetensors"``) comes back as a dict of tensors.
+    Example:
+        ```python
+        state = load_file("/shared/model.pt")
+        ```
+
+    Args:
+        path: A local path, a ``file://`` URL or ``s3://bucket/key``.
+        map_location: Where tensors go, as for ``torch.load``.
+        format: ``"torch"`` or ``"safetensors"``; default from the suffix.
+
+    Returns:
+        What was saved; a ``.safetensors`` file (or ``format="safetensors"``) comes back as a dict of
+        tensors.
+
+    Raises:
+        CorruptCheckpointError: A torn, truncated or bit-flipped file, or a hostile one (a safetensors
+            header out of bounds); it names the file and what is wrong.
+        CheckpointError: A plain ``torch.save`` file without ckptguard's checksum (load it with
+            ``torch.load(path, weights_only=True)`` if you trust it), or a directory.
+        TypeError: ``path`` is not a ``str`` or ``os.PathLike``.
     """
     _check_path("load_file", path)
     local = filesystem_path(path)

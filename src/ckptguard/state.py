@@ -33,10 +33,24 @@ from ckptguard.errors import CheckpointError
 class PerRank:
     """Marks a value as this rank's own (RNG state, data-loader position): stored once per rank.
 
-    Plain values are otherwise treated as replicated, and DCP keeps one copy for
-    all ranks. ``ck.save(step, {"model": m, "loader": PerRank(loader_state)})``;
-    load with the same wrapper; the value is filled in place where it can be
-    (tensors, dicts), and ``.value`` holds what was loaded.
+    Plain values are otherwise treated as replicated: DCP keeps one copy for all ranks, and a plain
+    value that differs across ranks is refused at save (``ReplicatedValueError``). Load with the same
+    wrapper: the value is filled in place where it can be (tensors, dicts, ``Stateful`` objects), and
+    ``.value`` holds what was loaded. ``Checkpointer.read()`` returns this rank's own value under its key.
+
+    Example:
+        ```python
+        state = {"model": model, "loader": PerRank(loader.state_dict()), "rng": PerRank(RNGState())}
+        ck.save(step, state)
+        ck.load(state)
+        loader.load_state_dict(state["loader"].value)
+        ```
+
+    Args:
+        value: Any value ``Checkpointer.save`` accepts, or a ``Stateful`` object.
+
+    Attributes:
+        value: The wrapped value; after a load, what was loaded.
     """
 
     def __init__(self, value: Any) -> None:

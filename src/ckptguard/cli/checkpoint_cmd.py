@@ -4,8 +4,8 @@ PATH is a checkpoint root or a directory holding some (a Trainer ``output_dir``,
 ``dirpath``, an Accelerate ``project_dir``, a DeepSpeed save directory, a torchtitan dump folder,
 a directory of runs): every root found is reported, with the framework that wrote it.
 Exit codes: 0 all checked checkpoints intact, 1 any is not, 2 usage errors (including a PATH
-that is not a directory), 3 no ckptguard root at or under PATH. JSON output is documented in
-docs/verify.md (schema_version 1).
+that is not a directory), 3 no ckptguard root at or under PATH. JSON output is documented on the
+Verification page (schema_version 1).
 """
 
 from __future__ import annotations

@@ -123,7 +123,7 @@ def page_cache_fits(rank_bytes: int, local_ranks: int) -> bool:
     """Whether a load of ``rank_bytes`` on each of ``local_ranks`` ranks of this host can count on the
     page cache keeping what the first pass read until the second: then verifying everything first
     and reading it again into place from the files kept open costs a memory copy from the cache,
-    which measured cheaper here than holding the bytes in fresh host memory (docs/performance.md)."""
+    which measured cheaper than holding the bytes in fresh host memory (the Performance page)."""
     available = available_bytes()
     return available is not None and rank_bytes * max(1, local_ranks) <= available * PAGE_CACHE_SHARE
 

@@ -115,7 +115,7 @@ def follows_at(prev: ReadJob, job: ReadJob, spilled: bool) -> bool:
 def _private_memory(size: int) -> mmap.mmap:
     """Private anonymous memory in transparent huge pages where the kernel grants them: a fresh page
     is faulted in per 2 MiB instead of per 4 KiB (a copy into fresh memory 0.9 -> 2.5 GB/s on the
-    development VM, docs/performance.md). ``mmap.mmap(-1, n)`` alone is shared memory, which the
+    CPU machine of the Performance page). ``mmap.mmap(-1, n)`` alone is shared memory, which the
     kernel backs with huge pages only when shmem_enabled allows, and faults slower still."""
     memory = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     with contextlib.suppress(AttributeError, OSError):  # no THP on this kernel or platform

@@ -34,7 +34,7 @@ _COLORS = {"initiating": "#c0392b", "launcher": "#8e44ad", "collateral": "#7f8c8
 
 
 def to_json(diag: Diagnosis) -> str:
-    """One JSON object, keys in a stable order (see docs/diagnose.md for the schema); every string masked."""
+    """One JSON object, keys in a stable order (the Diagnosis page gives the schema); every string masked."""
     return json.dumps(masked(diag.to_dict()), indent=2, ensure_ascii=False)
 
 

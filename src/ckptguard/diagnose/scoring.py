@@ -4,7 +4,7 @@ The failing line's best signature names a class; cross-rank rules (KB data in ``
 can overrule it: several ranks racing on one checkpoint path, watchdog timeouts of one collective
 with different op types or sizes (a desync), a warning earlier in the log that explains a
 failure the log shows only in part. Confidence starts from the signature's specificity and is
-lowered for everything the answer rests on indirectly (see docs/diagnose.md).
+lowered for everything the answer rests on indirectly (see the Diagnosis page).
 """
 
 from __future__ import annotations

@@ -8,5 +8,5 @@
 
 Importing a module here imports its framework; ``ckptguard`` itself never does. Imported without its
 framework, each raises one ``ImportError`` naming the line that installs it
-(``pip install 'ckptguard[<extra>]'``, see ``_extra.py``).
+(``pip install 'ckptguard[<extra>]'``, see ``_extra.py``; from a clone: ``pip install -e '.[<extra>]'``).
 """

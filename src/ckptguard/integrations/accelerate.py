@@ -34,7 +34,7 @@ Costs: data stored twice (committed copy and visible folder; ``publish=False`` k
 committed copy) and written twice per save. The checkpoint directory must be shared by all
 processes (``save_on_each_node=True`` is refused).
 
-Tested with accelerate 1.15.0 (``pip install 'ckptguard[accelerate]'``).
+Tested with accelerate 1.15.0 (from a clone: ``pip install -e '.[accelerate]'``).
 """
 
 from __future__ import annotations
@@ -121,9 +121,23 @@ def close(accelerator: Accelerator) -> None:
 def save_state(accelerator: Accelerator, output_dir: str | os.PathLike[str] | None = None, *,
                step: int | None = None, publish: bool = True,
                checkpointer_options: dict[str, Any] | None = None, **save_state_kwargs: Any) -> str:
-    """``accelerator.save_state(output_dir)``, committed through ckptguard (module docstring).
+    """``accelerator.save_state(output_dir)``, committed through ckptguard; for a plain ``Accelerator``.
 
-    Called by every process. Returns the visible folder (which exists only with ``publish=True``).
+    Called by every process.
+
+    Args:
+        accelerator: The ``Accelerator`` whose state to save.
+        output_dir: The checkpoint folder (``.../checkpoint_<i>``); None with automatic naming.
+        step: The step to commit as; default: Accelerate's iteration, or the number ending the folder's name.
+        publish: Make the visible ``checkpoint_<i>`` folder (a rename, after the commit).
+        checkpointer_options: More keyword arguments for the ``Checkpointer`` that writes.
+        **save_state_kwargs: Passed to Accelerate's own ``save_state``.
+
+    Returns:
+        The visible folder (which exists only with ``publish=True``).
+
+    Raises:
+        CheckpointError: The commit failed on any process (raised on every process).
     """
     base, name, s, home = _where(accelerator, output_dir, step)
     staging_root = os.path.join(home, STAGING_NAME)
@@ -156,14 +170,29 @@ def save_state(accelerator: Accelerator, output_dir: str | os.PathLike[str] | No
 
 def load_state(accelerator: Accelerator, input_dir: str | os.PathLike[str] | None = None, *,
                step: int | None = None, restore_dir: str | None = None, **load_state_kwargs: Any) -> int | None:
-    """``accelerator.load_state(...)`` from a committed, verified checkpoint; returns its step.
+    """``accelerator.load_state(...)`` from a committed, verified checkpoint; for a plain ``Accelerator``.
 
-    ``input_dir=None`` with automatic naming: the newest committed step in ``project_dir/checkpoints``
-    (or ``step=``). ``input_dir=".../checkpoint_7"``: committed step 7 of its directory.
-    ``input_dir`` naming the checkpoints directory itself: its newest committed step.
-    Returns None on a fresh start (nothing committed yet: one log line says so), so that one script
-    runs unchanged the first time and after a crash; a step asked for by ``step=`` or a folder name
-    that is not committed raises. Called by every process.
+    Called by every process. Runs unchanged the first time and after a crash: on a fresh start
+    (nothing committed yet) it returns None and one log line says so.
+
+    Args:
+        accelerator: The ``Accelerator`` to load into.
+        input_dir: None with automatic naming: the newest committed step in ``project_dir/checkpoints``
+            (or ``step=``). ``".../checkpoint_7"``: committed step 7 of its directory. The checkpoints
+            directory itself: its newest committed step.
+        step: The step to load.
+        restore_dir: Where each process restores the checkpoint's files before Accelerate reads them
+            (default: a private temporary directory).
+        **load_state_kwargs: Passed to Accelerate's own ``load_state``.
+
+    Returns:
+        The step loaded, or None on a fresh start. With automatic naming it also sets
+        ``project_configuration.iteration`` to the step after it.
+
+    Raises:
+        StepNotFoundError: A step asked for by ``step=`` or a folder name is not committed.
+        ValueError: ``input_dir`` is None without automatic checkpoint naming.
+        CheckpointError: The checkpoint failed verification on any process.
     """
     pc = accelerator.project_configuration
     wanted = step
@@ -214,9 +243,22 @@ def _where_named(path: str) -> tuple[str, str, int]:
 
 
 class CkptguardAccelerator(Accelerator):  # type: ignore[misc]
-    """An ``Accelerator`` whose ``save_state`` / ``load_state`` go through ckptguard (module docstring).
+    """An ``Accelerator`` whose ``save_state`` / ``load_state`` go through ckptguard.
 
-    ``load_state`` returns the step it loaded (Accelerate's returns None).
+    A drop-in replacement for ``accelerate.Accelerator`` (same arguments): ``save_state()`` commits the
+    checkpoint before ``checkpoint_<i>`` appears, then rotates (``total_limit``); ``load_state()`` loads
+    the newest committed, verified checkpoint and returns its step (Accelerate's returns None), or None
+    on a fresh start. ``end_training()`` also releases the roots it wrote to. See the module's
+    description above for the layout on disk.
+
+    Example:
+        ```python
+        accelerator = CkptguardAccelerator(project_config=ProjectConfiguration(
+            project_dir="/shared/run1", automatic_checkpoint_naming=True, total_limit=3))
+        step = accelerator.load_state()     # None on a fresh start
+        ...
+        accelerator.save_state()
+        ```
     """
 
     def save_state(self, output_dir: str | None = None, safe_serialization: bool = True,

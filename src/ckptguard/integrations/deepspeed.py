@@ -50,7 +50,7 @@ twice per save. ``save_dir`` must be shared by all ranks.
 
 Tested with deepspeed 0.19.8 built with ``DS_BUILD_OPS=0``, ``DS_ACCELERATOR=cpu``, gloo, ZeRO-2, and
 ZeRO-3 with NVMe optimizer offload where DeepSpeed's ``async_io`` op is built (libaio-dev), else a
-stand-in for its swapper (``pip install 'ckptguard[deepspeed]'``).
+stand-in for its swapper (from a clone: ``pip install -e '.[deepspeed]'``).
 """
 
 from __future__ import annotations
@@ -291,7 +291,28 @@ def _refuse_shared_offload_dirs(engine: Any, tag: str) -> None:
 
 def install(engine: Any, *, publish: bool = True, restore_dir: str | None = None,
             checkpointer_options: dict[str, Any] | None = None) -> CkptguardCheckpointEngine:
-    """Make ``engine`` (a ``DeepSpeedEngine``) save and load through ckptguard (module docstring)."""
+    """Make ``engine`` (a ``DeepSpeedEngine``) save and load through ckptguard.
+
+    Replaces the engine's checkpoint engine and wraps ``save_checkpoint`` / ``load_checkpoint``: each tag
+    is committed whole before it is visible, ``latest`` is written atomically after the commit and never
+    trusted on load (the newest committed, verified tag is loaded). See the module's description above.
+
+    Example:
+        ```python
+        engine, optimizer, _, _ = deepspeed.initialize(...)
+        install(engine)
+        engine.load_checkpoint(save_dir)   # (None, None) on a fresh start, as DeepSpeed's own
+        ```
+
+    Args:
+        engine: The ``DeepSpeedEngine`` returned by ``deepspeed.initialize``.
+        publish: Make the visible ``save_dir/<tag>`` directory and ``latest`` (default True).
+        restore_dir: Where each rank restores the tag it loads (default: a temporary directory).
+        checkpointer_options: Keyword arguments for the ``Checkpointer``.
+
+    Returns:
+        The installed ``CkptguardCheckpointEngine``.
+    """
     ce = CkptguardCheckpointEngine(getattr(engine, "_config", None), publish=publish,
                                    checkpointer_options=checkpointer_options)
     engine.checkpoint_engine = ce

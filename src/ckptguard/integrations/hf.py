@@ -36,7 +36,7 @@ staging, ckptguard into its root). Requires ``output_dir`` to be shared by all r
 default assumption; ``save_on_each_node=True`` is refused). ``push_to_hub`` pushes from the
 staging directory, before the commit.
 
-Tested with transformers 5.18.0 (``pip install 'ckptguard[transformers]'``).
+Tested with transformers 5.18.0 (from a clone: ``pip install -e '.[transformers]'``).
 """
 
 from __future__ import annotations
@@ -71,11 +71,27 @@ _FOLDER_RE = re.compile(rf"^{PREFIX_CHECKPOINT_DIR}-(\d+)$")
 
 
 class CkptguardTrainer(Trainer):
-    """``transformers.Trainer`` whose checkpoints are committed through ckptguard (module docstring).
+    """``transformers.Trainer`` whose checkpoints are committed through ckptguard.
 
-    Extra keyword arguments: ``publish`` (default True: the visible ``checkpoint-N`` directory),
-    ``restore_dir`` (where each rank restores the checkpoint it resumes from; default: the
-    system's temporary directory), ``checkpointer_options`` (passed to ``Checkpointer``).
+    Use it instead of ``transformers.Trainer``: ``checkpoint-N`` appears only once committed;
+    ``train(resume_from_checkpoint=True)`` resumes from the newest committed, verified checkpoint, or
+    trains from scratch on a fresh start (one log line says so). See the module's description above.
+
+    Example:
+        ```python
+        CkptguardTrainer(model=model, args=args, train_dataset=ds).train(resume_from_checkpoint=True)
+        ```
+
+    Args:
+        *args: As for ``transformers.Trainer``.
+        publish: Make the visible ``checkpoint-N`` directory (default True).
+        restore_dir: Where each rank restores the checkpoint it resumes from (default: the system's
+            temporary directory).
+        checkpointer_options: Keyword arguments for the ``Checkpointer``.
+        **kwargs: As for ``transformers.Trainer``.
+
+    Raises:
+        ValueError: ``save_on_each_node=True`` (the output directory must be shared by all ranks).
     """
 
     def __init__(self, *args: Any, publish: bool = True, restore_dir: str | None = None,

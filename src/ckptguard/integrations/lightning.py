@@ -32,7 +32,7 @@ The subclass commits them through one collective ``Checkpointer``: every rank sa
 rank 0's copy of the rest (loops, callbacks, hyper-parameters: what Lightning puts in ``meta.pt``),
 and loads them back into the sharded modules and optimizers, resharding if the mesh changed.
 
-Tested with lightning 2.6.6 (``pip install 'ckptguard[lightning]'``).
+Tested with lightning 2.6.6 (from a clone: ``pip install -e '.[lightning]'``).
 """
 
 from __future__ import annotations
@@ -341,10 +341,21 @@ def _drop_if_untagged(ck: Checkpointer, step: int) -> None:
 
 # -- CheckpointIO: whole checkpoints, saved by rank 0 ---------------------------------------------
 class CkptguardCheckpointIO(CheckpointIO):
-    """Lightning ``CheckpointIO`` through ckptguard (see the module docstring).
+    """Lightning ``CheckpointIO`` through ckptguard: every ``.ckpt`` committed before Lightning sees it.
 
-    ``root_name``: the name of the ckptguard root inside each checkpoint directory.
-    Other keyword arguments go to the ``Checkpointer`` that writes.
+    For strategies that save whole checkpoints from rank 0 (DDP, single device). See the module's
+    description above.
+
+    Example:
+        ```python
+        trainer = L.Trainer(strategy="ddp", plugins=[CkptguardCheckpointIO()],
+                            callbacks=[ModelCheckpoint(save_last=True)])
+        trainer.fit(model, ckpt_path="last")
+        ```
+
+    Args:
+        root_name: The name of the ckptguard root inside each checkpoint directory.
+        **checkpointer_kwargs: Keyword arguments for the ``Checkpointer`` that writes.
     """
 
     def __init__(self, root_name: str = ROOT_NAME, **checkpointer_kwargs: Any) -> None:
@@ -443,13 +454,25 @@ _SHARDED_KEYS = ("state_dict", "optimizer_states")
 
 
 class CkptguardModelParallelStrategy(ModelParallelStrategy):
-    """``ModelParallelStrategy`` whose sharded saves are committed through ckptguard (module docstring).
+    """``ModelParallelStrategy`` whose sharded (FSDP2, tensor-parallel) saves are committed through ckptguard.
 
     Saving, loading and removing a checkpoint are collective, as Lightning makes them: ``Trainer``
-    and ``ModelCheckpoint`` call them on every rank (the path is rank 0's). ``root_name`` as for
-    ``CkptguardCheckpointIO``; ``checkpointer_kwargs`` go to the collective ``Checkpointer``; the
-    other arguments to ``ModelParallelStrategy``. ``save_distributed_checkpoint=False`` (a full
-    checkpoint gathered on rank 0, which Lightning then loads with ``torch.load`` itself) is refused.
+    and ``ModelCheckpoint`` call them on every rank (the path is rank 0's).
+
+    Example:
+        ```python
+        trainer = L.Trainer(strategy=CkptguardModelParallelStrategy(), callbacks=[ModelCheckpoint(...)])
+        ```
+
+    Args:
+        *args: As for ``ModelParallelStrategy``.
+        root_name: As for ``CkptguardCheckpointIO``.
+        checkpointer_kwargs: Keyword arguments for the collective ``Checkpointer``.
+        **kwargs: As for ``ModelParallelStrategy``.
+
+    Raises:
+        ValueError: ``save_distributed_checkpoint=False`` (a full checkpoint gathered on rank 0, which
+            Lightning then loads with ``torch.load`` itself).
     """
 
     def __init__(self, *args: Any, root_name: str = ROOT_NAME,

@@ -124,7 +124,18 @@ def _refuse_unsupported(config: Any) -> None:
 
 
 class CkptguardCheckpointManager(BaseCheckpointManager):  # type: ignore[misc]
-    """A torchtitan checkpoint manager committing through ckptguard (module docstring)."""
+    """A torchtitan checkpoint manager whose every save is one ckptguard commit.
+
+    torchtitan's ``Trainer`` builds it from ``config.checkpoint`` and calls ``load()`` first (nothing is
+    loaded on a fresh start), then ``save()`` every step; ``Config`` takes torchtitan's checkpoint options
+    (``interval``, ``keep_latest_k``, ...) plus ``async_mode`` and ``checkpointer_options``. See the
+    module's description above.
+
+    Example:
+        ```python
+        config.checkpoint = CkptguardCheckpointManager.Config(enable=True, interval=500, keep_latest_k=3)
+        ```
+    """
 
     @dataclass(kw_only=True, slots=True)
     class Config(BaseCheckpointManager.Config):  # type: ignore[misc]

@@ -317,7 +317,7 @@ class Column(msgspec.Struct, array_like=True):
 
 
 class EncodedItems(msgspec.Struct, array_like=True):
-    """An ItemTable as the manifest's binary section holds it (see docs/protocol.md, "The manifest")."""
+    """An ItemTable as the manifest's binary section holds it (see the Commit protocol page, "The manifest")."""
 
     count: int
     names: list[str]

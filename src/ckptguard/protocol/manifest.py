@@ -153,7 +153,7 @@ class Manifest:
         """The manifest file as parts to write one after another (joining them would copy the tables,
         tens of MB at thousands of ranks): a JSON head on one line (what a person reads), then the row tables and
         DCP's metadata as MessagePack columns (what grows with the number of chunks), one checksum over
-        both. docs/protocol.md, "The manifest", describes the layout."""
+        both. The Commit protocol page, "The manifest", describes the layout."""
         # A tuple encodes as Tables does (array_like), and the DCP dict as DcpBody does (a map).
         table = ItemTable.from_items(self.items, [f.path for f in self.files])
         tables = _TABLES_ENCODER.encode((_file_columns(self.files), table.encode(), self.dcp))

@@ -10,7 +10,7 @@ The schemas are msgspec ``Struct``s: msgspec gives strict typed decoding of JSON
 field paths in its errors, and the same schemas encode to MessagePack, which is the
 compact form the manifest's per-chunk rows want; one library for every record.
 
-Records and their bounds (docs/protocol.md, "Limits on untrusted input", lists them all):
+Records and their bounds (the Commit protocol page, "Limits on untrusted input", lists them all):
 
     latest            LatestRecord   MAX_CONTROL_BYTES   MAX_CONTROL_DEPTH
     tags/NAME         TagRecord      MAX_CONTROL_BYTES   MAX_CONTROL_DEPTH

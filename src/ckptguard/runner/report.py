@@ -83,8 +83,8 @@ def _fill_host(diag: Diagnosis, runs: Sequence[HostRun]) -> None:
 
 
 def job_json(diag: Diagnosis, resume: ResumeInfo | None, runs: Sequence[HostRun]) -> dict[str, Any]:
-    """The diagnosis JSON (docs/diagnose.md) with ``resume`` (when asked) and the host runs read; every
-    string masked (the job's command line included)."""
+    """The diagnosis JSON (its schema is on the Diagnosis page) with ``resume`` (when asked) and the host
+    runs read; every string masked (the job's command line included)."""
     from ckptguard.diagnose.report import masked
 
     out: dict[str, Any] = diag.to_dict()
