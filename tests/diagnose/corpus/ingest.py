@@ -24,6 +24,7 @@ import json
 import re
 import sys
 from pathlib import Path
+from typing import Any
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[2]
@@ -49,7 +50,8 @@ LICENCES = {
     "facebookresearch/fairseq": "MIT", "open-mmlab/mmsegmentation": "Apache-2.0", "pytorch/torchtitan": "BSD-3-Clause",
     "pytorch/torchtune": "BSD-3-Clause", "huggingface/diffusers": "Apache-2.0", "EleutherAI/gpt-neox": "Apache-2.0",
     "THUDM/ChatGLM-6B": "Apache-2.0", "haotian-liu/LLaVA": "Apache-2.0", "tloen/alpaca-lora": "Apache-2.0",
-    "tatsu-lab/stanford_alpaca": "Apache-2.0", "OpenRLHF/OpenRLHF": "Apache-2.0", "Dao-AILab/flash-attention": "BSD-3-Clause",
+    "tatsu-lab/stanford_alpaca": "Apache-2.0", "OpenRLHF/OpenRLHF": "Apache-2.0",
+    "Dao-AILab/flash-attention": "BSD-3-Clause",
     "QwenLM/Qwen": "unknown", "mosaicml/composer": "Apache-2.0", "mosaicml/llm-foundry": "Apache-2.0",
     "ultralytics/yolov5": "AGPL-3.0", "open-mmlab/mmcv": "Apache-2.0", "facebookresearch/dinov2": "Apache-2.0",
 }
@@ -90,6 +92,7 @@ class Masker:
         return self.ips[s]
 
     def __call__(self, text: str) -> str:
+        """``text`` with every identifier replaced."""
         for real, fake in self.pairs:
             text = text.replace(real, fake)
         text = HOME.sub(lambda m: m.group(0) if m.group(2).lower() in KEEP_USERS else m.group(1) + "user", text)
@@ -98,19 +101,20 @@ class Masker:
         return IPV4.sub(self._ip, text)
 
 
-def parse(batch: str) -> list[dict[str, object]]:
+def parse(batch: str) -> list[dict[str, Any]]:
+    """The entries of a batch file: header keys, ``ev`` as a list, and ``log``."""
     out = []
     for chunk in re.split(r"^@@@@ ", batch, flags=re.M)[1:]:
         first, rest = chunk.split("\n", 1)
         head, log = rest.split("\n---\n", 1)
-        e: dict[str, object] = {"slug": first.strip(), "ev": [], "log": log.rstrip("\n") + "\n"}
+        e: dict[str, Any] = {"slug": first.strip(), "ev": [], "log": log.rstrip("\n") + "\n"}
         for line in head.splitlines():
             if not line.strip():
                 continue
             k, v = line.split(":", 1)
             v = v.strip()
             if k == "ev":
-                e["ev"].append(v)  # type: ignore[union-attr]
+                e["ev"].append(v)
             else:
                 e[k] = v
         out.append(e)
@@ -118,6 +122,7 @@ def parse(batch: str) -> list[dict[str, object]]:
 
 
 def main(paths: list[str]) -> int:
+    """Check, mask and add every entry of the batch files; print what was refused and why."""
     classes = {p.stem for p in KB.glob("*.toml") if not p.stem.startswith("_")}
     known = set()
     for lab in SHARED.glob("diagnose-dev*/labels.jsonl"):
@@ -140,7 +145,7 @@ def main(paths: list[str]) -> int:
             pairs = [tuple(p.split("=", 1)) for p in str(e.get("mask", "")).split(",") if "=" in p]
             mask = Masker([(a.strip(), b.strip()) for a, b in pairs])
             log = mask(str(e["log"]))
-            ev = [mask(x) for x in e["ev"]]  # type: ignore[union-attr]
+            ev = [mask(x) for x in e["ev"]]
             missing = [x for x in ev if x not in log]
             if missing or not ev:
                 problems.append(f"evidence not in log: {missing}")
