@@ -105,7 +105,10 @@ def score_one(label: Label, corpus: Path = CORPUS) -> Scored:
     texts = tuple(e.text for e in d.evidence)
     return Scored(
         label=label, got_class=d.failure_class, got_rank=d.initiating_rank,
-        confidence=d.confidence, class_ok=d.failure_class == label.failure_class,
+        confidence=d.confidence,
+        # the engine answers in the users' taxonomy (a KB class's family) and names the finer KB
+        # class as its kind: a label with a finer class is right when the kind names it
+        class_ok=label.failure_class in (d.failure_class, getattr(d, "kind", None)),
         rank_ok=(None if label.initiating_rank is None or not label.score_rank
                  else d.initiating_rank == label.initiating_rank),
         evidence_ok=any(ev in t for ev in label.evidence_lines for t in texts),
