@@ -24,7 +24,7 @@ KEYS = {"file", "source", "failure_class", "initiating_rank", "collateral_ranks"
         "evidence_lines", "notes", "project", "licence", "launcher", "score_class", "score_rank"}
 # split -> (minimum share of scored rows with the right class, minimum share of scored ranks right),
 # a few points under the figures measured when the corpus was collected (tests/diagnose/corpus/README.md)
-FLOORS = {"dev": (0.76, 0.82), "sealed": (0.74, 0.40)}
+FLOORS = {"dev": (0.75, 0.82), "sealed": (0.75, 0.40)}
 # the list of held-out threads the diagnosis is scored on, kept next to the repository
 EXCLUDED = Path(os.environ.get("CKPTGUARD_SHARED_CORPUS", REPO.parent / "shared" / "corpus")) / "excluded.py"
 HOME = re.compile(r"(?:/home/|/Users/|C:\\\\Users\\\\|C:\\Users\\)([^/\\\s'\"]+)")
