@@ -49,10 +49,10 @@ from ckptguard.errors import (
 from ckptguard.progress import ByteProgress
 from ckptguard.protocol import artifacts, layout
 from ckptguard.protocol.artifacts import ArtifactTarget
-from ckptguard.protocol.decisions import Listing, commit_order
+from ckptguard.protocol.decisions import DomainListing, Listing, agreed_listing, commit_order, quarantined_steps
 from ckptguard.protocol.layout import CheckpointName
 from ckptguard.protocol.manifest import Manifest
-from ckptguard.protocol.save import agreed_current
+from ckptguard.protocol.quarantine import QuarantineRecord
 from ckptguard.protocol.session import Session
 from ckptguard.protocol.timing import PhaseTimer
 from ckptguard.state import PreparedState, drop_placeholders, prepare_state
@@ -129,15 +129,16 @@ def first_intact(session: Session, step: int | None, attempt: Callable[[Checkpoi
     errors: list[str] = []
     corrupt: set[tuple[int, int]] = set()
     for _ in range(_RELISTS):
-        current = agreed_current(session)
+        current, quarantined = agreed_current_and_quarantined(session)
         if step is not None:
             if step not in current:
                 raise StepNotFoundError(
                     f"step {step} is not a committed checkpoint in {session.url}; committed steps: "
                     f"{commit_order(current) or 'none'}")
-            candidates = [step]
+            candidates = [step]  # asked for by number: read again, quarantined or not
         else:
-            candidates = [s for s in reversed(commit_order(current)) if (s, current[s].version) not in corrupt]
+            candidates = [s for s in reversed(commit_order(current))
+                          if (s, current[s].version) not in corrupt and s not in quarantined]
         retired = False
         for s in candidates:
             name = CheckpointName(s, current[s].version)
@@ -159,7 +160,10 @@ def first_intact(session: Session, step: int | None, attempt: Callable[[Checkpoi
                             path=session.root.dir(name)) from e
                     retired = True
                     break
-                if step is not None or not falls_back(e):
+                if not falls_back(e):
+                    raise
+                _quarantine(session, name, current[s].seq, e)
+                if step is not None:
                     raise
                 corrupt.add((s, name.version))
                 errors.append(f"step {s}: {e}")
@@ -167,6 +171,8 @@ def first_intact(session: Session, step: int | None, attempt: Callable[[Checkpoi
                     warnings.warn(f"ckptguard: checkpoint step {s} in {session.url} is corrupt ({e}); "
                                   "falling back to the previous committed checkpoint", stacklevel=4)
         if not retired:
+            errors.extend(f"step {s}: quarantined ({reason})" for s, reason in sorted(quarantined.items())
+                          if step is None)
             if errors:
                 raise CorruptCheckpointError(
                     f"every committed checkpoint in {session.url} is corrupt: " + "; ".join(errors))
@@ -174,6 +180,43 @@ def first_intact(session: Session, step: int | None, attempt: Callable[[Checkpoi
         log.info("ckptguard: a checkpoint in %s was retired while being read; listing again", session.url)
     raise StepRetiredError(f"the checkpoints of {session.url} were retired faster than this job could read "
                            f"them ({_RELISTS} tries): is a writer saving with keep_last=1 in a tight loop?")
+
+
+def agreed_current_and_quarantined(session: Session) -> tuple[Listing, dict[int, str]]:
+    """The agreed listing (as ``save.agreed_current``), and of its steps those quarantined in some storage
+    domain, with the reason recorded (collective: one agreement, the listing's own)."""
+
+    def look() -> tuple[DomainListing, dict[CheckpointName, QuarantineRecord]] | None:
+        if not session.topo.is_leader:
+            return None
+        return session.root.listing(), session.root.quarantined()
+
+    def decide(views: list[tuple[DomainListing, dict[CheckpointName, QuarantineRecord]] | None]
+               ) -> tuple[Listing, dict[int, str]]:
+        seen = [v for v in views if v is not None]
+        listing = agreed_listing([v[0] for v in seen])
+        return listing, quarantined_steps(listing, [v[1] for v in seen])
+
+    agreed: tuple[Listing, dict[int, str]] = session.comm.step(f"list the checkpoints in {session.url}", look,
+                                                                decide)
+    return agreed
+
+
+def _quarantine(session: Session, name: CheckpointName, seq: int | None, err: BaseException) -> None:
+    """Record that the commit ``name`` is corrupt, so that listings skip it and the next save of its step
+    replaces it (collective; a writing job's leaders, under the fence). A read-only job writes nothing;
+    a record that cannot be written costs only the next load a read of the checkpoint."""
+    if session.holder is None:
+        return
+
+    def record() -> None:
+        if session.topo.is_leader:
+            session.root.quarantine(name, seq, str(err))
+
+    try:
+        session.comm.step(f"quarantine {name.dirname} in {session.url}", record, where=session.url)
+    except (OSError, CheckpointError) as e:
+        log.warning("ckptguard: could not record %s in %s as corrupt: %s", name.dirname, session.url, e)
 
 
 def _was_retired(session: Session, name: CheckpointName, seq: int | None) -> bool:

@@ -16,9 +16,11 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from ckptguard.errors import CorruptCheckpointError
-from ckptguard.protocol import latest, layout
+from ckptguard.protocol import latest, layout, quarantine
+from ckptguard.protocol.decisions import DomainListing
 from ckptguard.protocol.layout import CheckpointName
 from ckptguard.protocol.manifest import HEAD_BYTES, Manifest, commit_seq_from_head
+from ckptguard.protocol.quarantine import QuarantineRecord
 from ckptguard.protocol.records import LatestRecord
 from ckptguard.storage import StorageBackend
 
@@ -74,6 +76,10 @@ class _Root(Protocol):
 
     def retire(self, path: str) -> str | None: ...
 
+    def quarantined(self) -> dict[CheckpointName, QuarantineRecord]: ...
+
+    def release_quarantine(self, name: CheckpointName) -> None: ...
+
     def remove_retired(self, path: str) -> None: ...
 
 
@@ -125,6 +131,26 @@ class RootKit:
         """Remove what ``retire`` took out of sight (under the fence)."""
         self.guard(f"remove {path}")
         self.storage.remove_tree(path)
+
+    def quarantined(self) -> dict[CheckpointName, QuarantineRecord]:
+        """The checkpoints loads found corrupt (protocol/quarantine.py), whatever is committed now."""
+        return quarantine.read_all(self.storage)
+
+    def quarantine(self: _Root, name: CheckpointName, seq: int | None, reason: str) -> None:
+        """Record that the commit ``name`` (listed with ``seq``) is corrupt (under the fence)."""
+        quarantine.write(self.storage, name, seq, reason, fence=lambda: self.guard(f"quarantine {name.dirname}"))
+
+    def release_quarantine(self: _Root, name: CheckpointName) -> None:
+        """Remove the quarantine record of ``name``, if any (under the fence)."""
+        quarantine.remove(self.storage, name,
+                          fence=lambda: self.guard(f"remove the quarantine record of {name.dirname}"))
+
+    def prune_quarantine(self: _Root, listing: DomainListing) -> None:
+        """Remove every quarantine record naming no commit of ``listing`` (retired, deleted or replaced)."""
+        for name, record in self.quarantined().items():
+            if name.version not in listing.get(name.step, {}) or not record.matches(
+                    listing[name.step][name.version]):
+                self.release_quarantine(name)
 
 
 def relative(path: str, base: str) -> str | None:
