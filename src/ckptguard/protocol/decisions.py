@@ -14,7 +14,7 @@ from itertools import chain, repeat
 from operator import attrgetter
 from typing import TYPE_CHECKING, Any
 
-from ckptguard.errors import StepExistsError
+from ckptguard.errors import ReplicatedValueError, StepExistsError
 from ckptguard.protocol import artifacts
 from ckptguard.protocol.artifacts import ArtifactTarget
 from ckptguard.protocol.itemtable import ItemTable
@@ -57,6 +57,8 @@ class PlanReport:
 
     targets: list[ArtifactTarget]
     leader_view: LeaderView | None  # domain leaders only
+    #: the step and overwrite= this rank was called with (every rank must give the same)
+    call: tuple[int, bool] | None = None
 
 
 @dataclass(frozen=True)
@@ -149,6 +151,16 @@ def newest(listing: Listing) -> int | None:
 
 def decide_plan(root: str, step: int, overwrite: bool, reports: list[PlanReport]) -> PlanDecision:
     """The verdict on a save before anything is written: refused (raises), or its attempt and version."""
+    calls = {r.call for r in reports if r.call is not None}
+    if len(calls) > 1:
+        first = reports[0].call
+        other = next(i for i, r in enumerate(reports) if r.call is not None and r.call != first)
+        call = reports[other].call
+        assert first is not None and call is not None
+        raise ReplicatedValueError(
+            f"save() was called with step={first[0]}, overwrite={first[1]} on rank 0 and step={call[0]}, "
+            f"overwrite={call[1]} on rank {other}: every rank must save the same step. Nothing was written.",
+            rank=other)
     views = [r.leader_view for r in reports if r.leader_view is not None]
     agreed = agreed_listing([v.listing for v in views])
     previous = newest(agreed)

@@ -171,7 +171,7 @@ def _plan(session: Session, request: SaveRequest) -> SavePlan:
             taken = set(listing.get(request.step, {})) | set(session.root.taken_versions(request.step))
             view = LeaderView(sorted(taken), listing,
                               max([*seen, session.root.latest_seq()]), session.root.quarantined())
-        return PlanReport(request.targets, view)
+        return PlanReport(request.targets, view, (request.step, request.overwrite))
 
     decision: PlanDecision = comm.step(
         f"save step {request.step}", report,

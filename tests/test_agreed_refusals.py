@@ -1,0 +1,43 @@
+"""save() arguments whose check can differ between ranks are refused on every rank at once, with the
+same error naming the rank and the cause (a real torchrun job: gloo, 3 processes). Before, the rank
+that got a NaN in metadata= raised alone and the others waited the whole collective timeout."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tests.support.jobs import run_job
+from tests.support.results import results_by_rank
+
+WORKER = Path(__file__).parent / "workers" / "refusal_job.py"
+
+#: What each case's error names besides the rank (the cause).
+CAUSES = {
+    "metadata_nan": ("InvalidArgumentError", "nan"),
+    "metadata_inf": ("InvalidArgumentError", "inf"),
+    "metadata_key": ("InvalidArgumentError", "keys must be str"),
+    "metadata_deep": ("InvalidArgumentError", "nested more than"),
+    "files_missing": (None, "absent"),
+    "step_differs": ("ReplicatedValueError", "step="),
+    "step_negative": ("InvalidArgumentError", "step must be a non-negative int"),
+    "async_metadata_nan": ("InvalidArgumentError", "nan"),
+}
+
+
+def test_a_save_argument_wrong_on_one_rank_is_refused_on_every_rank_at_once(tmp_path: Path) -> None:
+    world = 3
+    job = run_job(WORKER, [str(tmp_path / "ck"), str(tmp_path)], nproc_per_node=world, timeout=240)
+    assert job.ok, job.output()
+    results = results_by_rank(job, world)
+    for case, (cls, cause) in CAUSES.items():
+        seen = [next(r for r in results[rank] if r.get("case") == case) for rank in range(world)]
+        classes = {r["error"] for r in seen}
+        assert len(classes) == 1 and None not in classes, (case, seen)
+        if cls is not None:
+            assert classes == {cls}, (case, seen)
+        for r in seen:
+            assert "rank 1" in r["message"] and cause in r["message"], (case, r)
+            assert r["seconds"] < 30, (case, r)  # the collective timeout is 60 s
+    for rank in range(world):
+        after = next(r for r in results[rank] if r.get("case") == "after")
+        assert after["steps"] == [0, 100], after  # nothing of a refused save committed, no rank out of step
