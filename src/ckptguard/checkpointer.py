@@ -27,7 +27,7 @@ from ckptguard.arguments import Settings, check_kinds, checksum_name, count, jso
 from ckptguard.comm import DEFAULT_TIMEOUT_S, Comm, LocalTransport, default_comm, hostname, was_agreed
 from ckptguard.dcp.planners import forget_cached_plans
 from ckptguard.dcp.reader import auto_memory_bytes
-from ckptguard.dcp.values import refuse_too_deep
+from ckptguard.dcp.values import refuse_flat_collisions, refuse_unsavable
 from ckptguard.errors import CheckpointError, InvalidArgumentError
 from ckptguard.protocol import artifacts, manage
 from ckptguard.protocol import load as load_protocol
@@ -279,7 +279,9 @@ class Checkpointer(Settings):
                 # saved without it (prepare_state) and left without it here (left with it, its next real
                 # step was its second: Adam's bias correction changed).
                 prepared.undo()
-                refuse_too_deep(state_dict)
+                refuse_unsavable(state_dict)
+                if not blocking:  # planned in the background: refused here, not at wait()
+                    refuse_flat_collisions(state_dict)
             except Exception as e:  # reported in the plan's agreement
                 local_error = local_error or e
         targets: list[ArtifactTarget] = []
