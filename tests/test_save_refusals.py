@@ -56,3 +56,45 @@ def test_two_values_of_one_dcp_name_are_refused_at_the_call(ck: Checkpointer, bl
     ck.wait()
     assert ck.steps() == [2]
     ck.delete(2)
+
+
+class _TwoLayers(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(5, 4)
+        self.b = torch.nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, both: bool = True) -> torch.Tensor:
+        return self.b(self.a(x)) if both else self.a(x)
+
+
+@pytest.mark.parametrize("kind", ["adam", "sgd-momentum"])
+def test_an_optimizer_with_state_for_fewer_parameters_loads_the_others_saved_state(tmp_path: Path,
+                                                                                   kind: str) -> None:
+    """The template's optimizer stepped only on layer a (layer b had no gradient yet); the checkpoint holds
+    state for both layers. Layer b's saved state was dropped: only the template's keys were planned."""
+    def build() -> tuple[_TwoLayers, torch.optim.Optimizer]:
+        net = _TwoLayers()
+        if kind == "adam":
+            return net, torch.optim.Adam(net.parameters(), lr=0.01)
+        return net, torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9)
+
+    torch.manual_seed(0)
+    net, optim = build()
+    for _ in range(2):
+        net(torch.randn(3, 5)).sum().backward()
+        optim.step()
+        optim.zero_grad()
+    net2, optim2 = build()
+    net2(torch.randn(3, 5), both=False).sum().backward()
+    optim2.step()
+    optim2.zero_grad()
+    assert sorted(optim2.state_dict()["state"]) == [0, 1]
+    with Checkpointer(tmp_path / "ck") as ck:
+        ck.save(1, {"model": net, "optim": optim})
+        assert ck.load({"model": net2, "optim": optim2}) == 1
+    want, got = optim.state_dict()["state"], optim2.state_dict()["state"]
+    assert sorted(got) == sorted(want) == [0, 1, 2, 3]
+    for i in want:
+        for k, v in want[i].items():
+            assert torch.equal(got[i][k], v), (i, k)

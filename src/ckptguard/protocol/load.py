@@ -30,12 +30,13 @@ from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+import torch
 from torch.distributed.checkpoint.metadata import Metadata
 
 from ckptguard._faults import FaultPhase, fault_point
 from ckptguard._signals import signals_deferred
 from ckptguard.comm import agreed_failures, hostname
-from ckptguard.dcp.codec import metadata_from_json, whole_tensor_items
+from ckptguard.dcp.codec import dtype_from_name, metadata_from_json, whole_tensor_items
 from ckptguard.dcp.drive import read_locally
 from ckptguard.dcp.planners import SafeLoadPlanner
 from ckptguard.dcp.reader import GuardedReader
@@ -143,7 +144,7 @@ def first_intact(session: Session, step: int | None, attempt: Callable[[Checkpoi
         for s in candidates:
             name = CheckpointName(s, current[s].version)
             try:
-                return s, attempt(name, current[s].seq), current
+                result = attempt(name, current[s].seq)
             except BaseException as e:
                 failures = agreed_failures(e)
                 if not failures or any(f.interrupted for f in failures):
@@ -170,6 +171,15 @@ def first_intact(session: Session, step: int | None, attempt: Callable[[Checkpoi
                 if session.comm.rank == 0:
                     warnings.warn(f"ckptguard: checkpoint step {s} in {session.url} is corrupt ({e}); "
                                   "falling back to the previous committed checkpoint", stacklevel=4)
+                continue
+            if step is None and session.comm.rank == 0:
+                order = commit_order(current)
+                for q in order[order.index(s) + 1:]:
+                    if q in quarantined:
+                        warnings.warn(f"ckptguard: checkpoint step {q} in {session.url} is corrupt (quarantined: "
+                                      f"{quarantined[q]}); skipped without reading it again, step {s} loaded. The "
+                                      f"next save of step {q} replaces it.", stacklevel=4)
+            return s, result, current
         if not retired:
             errors.extend(f"step {s}: quarantined ({reason})" for s, reason in sorted(quarantined.items())
                           if step is None)
@@ -345,6 +355,7 @@ def _read_and_place(session: Session, agreed: AgreedManifest, targets: list[Arti
         with stats.phase("metadata"):
             prepared.append(prepare_state(request.state, comm.rank, for_load=True))
             drop_placeholders(prepared[0], manifest.dcp["state_dict"])
+            add_saved_optimizer_state(prepared[0], request.state, manifest.dcp)
         read_locally(prepared[0].state_dict, reader, planner, is_coordinator=comm.rank == 0, stats=stats,
                      before_read=on_planned,
                      metadata_for=lambda names: manifest_metadata(session, name, manifest, names),
@@ -394,6 +405,41 @@ def _read_and_place(session: Session, agreed: AgreedManifest, targets: list[Arti
     stats.verified_only_bytes = reader.verified_only_bytes
     stats.spilled_bytes = reader.spilled_bytes
     log.debug("ckptguard: loaded step %d: %s", name.step, stats)
+
+
+def add_saved_optimizer_state(prepared: PreparedState, state: Mapping[str, Any], dcp: Mapping[str, Any]) -> None:
+    """Give each optimizer of the template an entry to load into for every parameter the checkpoint holds
+    state for and the template's optimizer does not (it never stepped on it yet): DCP plans the
+    template's keys only, and that saved state was dropped. Only parameters the template's optimizer
+    has (its param_groups name them) are added; the values are placeholders of the stored shape and
+    dtype, filled by the read like any other."""
+    stored: Mapping[str, Any] = dcp.get("state_dict", {})
+    paths: Mapping[str, Any] = dcp.get("planner_data", {})
+    for key, value in state.items():
+        sd = prepared.state_dict.get(key)
+        if not isinstance(value, torch.optim.Optimizer) or not isinstance(sd, dict):
+            continue
+        params = {p for g in sd.get("param_groups", []) if isinstance(g, dict) for p in g.get("params", [])
+                  if isinstance(p, str)}
+        template = sd.get("state")
+        if not isinstance(template, dict) or "<dict>" in template:  # an empty state, encoded: nothing planned
+            continue
+        added: dict[str, dict[str, Any]] = {}
+        for flat, entry in stored.items():
+            path = paths.get(flat)
+            if (not isinstance(path, list) or len(path) != 4 or path[:2] != [key, "state"] or path[2] not in params
+                    or not isinstance(path[3], str) or path[3] in template.get(path[2], {})):
+                continue
+            if entry.get("type") == "tensor":
+                placeholder: Any = torch.empty(entry["size"], dtype=dtype_from_name(entry["dtype"]))
+            else:
+                placeholder = None
+            added.setdefault(path[2], {})[path[3]] = placeholder
+        if added:
+            merged = dict(template)
+            for fqn, entries in added.items():
+                merged[fqn] = {**merged.get(fqn, {}), **entries}
+            prepared.state_dict[key] = {**sd, "state": merged}
 
 
 def _finish(prepared: PreparedState, swaps: list[artifacts.RestoreSwap], stats: PhaseTimer) -> None:
