@@ -19,6 +19,9 @@ from ckptguard.protocol.manifest import Manifest
 from ckptguard.resume import resume_info
 from ckptguard.verify import list_root
 
+from tests.support.jobs import run_job
+from tests.support.results import job_results
+
 REPO = Path(__file__).resolve().parent.parent
 QUARANTINE = Path(".ckptguard") / "quarantine"
 
@@ -213,3 +216,23 @@ def test_quarantine_on_an_object_store(tmp_path: Path) -> None:
             assert ck.load(out) == 2 and out["step"] == 20
         assert not [k for k in bed.keys(bucket, "run/") if "/quarantine/" in k]
         assert resume_info(root).step == 2
+
+
+def test_every_storage_domain_records_the_quarantine_and_the_resave_replaces_it(tmp_path: Path) -> None:
+    """Two nodes with node-local roots (two storage domains), one process each (torchrun, gloo): step 2
+    is corrupt in node 1's root only. Every rank falls back to step 1, each leader records step 2 in its
+    own root, and save(2) then replaces it in both."""
+    roots = [tmp_path / "node0", tmp_path / "node1"]
+    job = run_job(REPO / "tests" / "workers" / "quarantine_job.py", nnodes=2, nproc_per_node=1,
+                  node_env=[{"CKPT_ROOT": str(r)} for r in roots], timeout=240)
+    assert job.ok, job.output()
+    results = job_results(job)
+    fallback = [r for r in results if r["phase"] == "fallback"]
+    resaved = [r for r in results if r["phase"] == "resaved"]
+    assert len(fallback) == len(resaved) == 2, job.output()
+    for r in fallback:
+        assert r["loaded"] == 1 and r["step"] == 1 and r["records"] == ["step-00000002.json"], r
+    assert any("step 2" in w and "corrupt" in w for w in next(r for r in fallback if r["rank"] == 0)["warned"])
+    for r in resaved:
+        assert r["loaded"] == 2 and r["step"] == 20 and r["records"] == [], r
+        assert r["dirs"] == ["step-00000001", "step-00000002.v2"], r
