@@ -85,20 +85,22 @@ def read_all(storage: StorageBackend) -> dict[CheckpointName, QuarantineRecord]:
 
 
 def write(storage: StorageBackend, name: CheckpointName, seq: int | None, reason: str,
-          fence: Callable[[], None]) -> None:
-    """Record ``name`` (listed with ``seq``) as corrupt; ``fence`` raises once this job lost the root."""
+          fence: Callable[[], None]) -> QuarantineRecord:
+    """Record ``name`` (listed with ``seq``) as corrupt; ``fence`` raises once this job lost the root.
+    The record now in place."""
     path = record_path(storage, name)
     record = QuarantineRecord(format="ckptguard-quarantine", step=name.step, version=name.version, seq=seq,
                               reason=reason[:MAX_REASON], at=time.time())
 
-    def decide(current: QuarantineRecord | None) -> Put[QuarantineRecord, None] | Keep[None]:
+    def decide(current: QuarantineRecord | None) -> Put[QuarantineRecord, QuarantineRecord] | Keep[QuarantineRecord]:
         if current is not None and current.version == name.version and current.matches(seq):
-            return Keep(None)  # recorded already (by another load, or this one's retried swap)
-        return Put(record, None)
+            return Keep(current)  # recorded already (by another load, or this one's retried swap)
+        return Put(record, record)
 
     storage.makedirs(storage.path(DIR))
-    swap(storage, path, decode=_lenient(path), encode=records.encode, decide=decide, fence=fence,
-         what=f"quarantine {name.dirname}")
+    written: QuarantineRecord = swap(storage, path, decode=_lenient(path), encode=records.encode, decide=decide,
+                                     fence=fence, what=f"quarantine {name.dirname}")
+    return written
 
 
 def remove(storage: StorageBackend, name: CheckpointName, fence: Callable[[], None]) -> None:
