@@ -14,8 +14,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from ckptguard import Checkpointer, CorruptCheckpointError
+from ckptguard import Checkpointer, CorruptCheckpointError, ReplicatedValueError, StepExistsError
+from ckptguard.protocol.decisions import Committed, LeaderView, PlanReport, decide_plan, retention
+from ckptguard.protocol.layout import CheckpointName
 from ckptguard.protocol.manifest import Manifest
+from ckptguard.protocol.quarantine import QuarantineRecord
 from ckptguard.resume import resume_info
 from ckptguard.verify import list_root
 
@@ -236,3 +239,39 @@ def test_every_storage_domain_records_the_quarantine_and_the_resave_replaces_it(
     for r in resaved:
         assert r["loaded"] == 2 and r["step"] == 20 and r["records"] == [], r
         assert r["dirs"] == ["step-00000001", "step-00000002.v2"], r
+
+
+# -- rank 0's decisions (pure functions) -------------------------------------------------------------
+
+
+def _record(step: int, version: int, seq: int | None) -> QuarantineRecord:
+    return QuarantineRecord(format="ckptguard-quarantine", step=step, version=version, seq=seq, reason="checksum")
+
+
+def test_retention_ranks_quarantined_steps_below_every_other_and_keep_every_keeps_none() -> None:
+    listing = {s: Committed(1, s) for s in (1, 2, 3, 4)}
+    assert retention(listing, 4, 2, None, frozenset({3})) == [1, 3]  # 2 and 4 load: they are the two kept
+    assert retention(listing, 4, 3, None, frozenset({3})) == [3]
+    assert retention(listing, 4, 2, 2, frozenset({2})) == [1, 2]  # keep_every=2 keeps 4 only
+    assert retention(listing, 4, 5, None, frozenset({2})) == []  # room for all: the corrupt one stays
+
+
+def test_a_save_replaces_a_step_only_while_its_record_names_the_current_commit() -> None:
+    listing = {1: {1: 1}, 2: {1: 2}}
+
+    def plan(records: dict, step: int = 2) -> object:
+        view = LeaderView([1], listing, 2, records)
+        return decide_plan("/r", step, False, [PlanReport([], view, (step, False))])
+
+    assert plan({CheckpointName(2): _record(2, 1, 2)}).version == 2  # type: ignore[attr-defined]
+    for stale in (_record(2, 1, 1), _record(2, 2, 2)):  # an earlier commit, another version
+        with pytest.raises(StepExistsError):
+            plan({stale.name: stale})
+    assert plan({CheckpointName(2): _record(2, 1, 2)}, step=3).quarantined == frozenset({2})  # type: ignore[attr-defined]
+
+
+def test_ranks_saving_different_steps_are_refused_naming_the_rank() -> None:
+    reports = [PlanReport([], LeaderView([], {}, 0), (5, False)), PlanReport([], None, (5, False)),
+               PlanReport([], None, (6, False))]
+    with pytest.raises(ReplicatedValueError, match=r"step=6, overwrite=False on rank 2"):
+        decide_plan("/r", 5, False, reports)
