@@ -1,6 +1,7 @@
 """save() arguments whose check can differ between ranks are refused on every rank at once, with the
-same error naming the rank and the cause (a real torchrun job: gloo, 3 processes). Before, the rank
-that got a NaN in metadata= raised alone and the others waited the whole collective timeout."""
+same error naming the rank and the cause (a real torchrun job: gloo, 3 processes); so is a load of
+another step on one rank. Before, the rank that got a NaN in metadata= raised alone and the others
+went on to pair with the next save; a load of different steps read different checkpoints."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ CAUSES = {
     "step_differs": ("ReplicatedValueError", "step="),
     "step_negative": ("InvalidArgumentError", "step must be a non-negative int"),
     "async_metadata_nan": ("InvalidArgumentError", "nan"),
+    "load_step_differs": ("ReplicatedValueError", "step=0 on rank 1"),
 }
 
 

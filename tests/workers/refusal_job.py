@@ -70,6 +70,14 @@ def main() -> None:
                     seconds=round(time.monotonic() - started, 2))
     ck.save(100, {"w": torch.arange(100.0) + rank * 0})
     emit_result(case="after", steps=ck.steps())
+    started = time.monotonic()
+    try:  # each rank would read another step
+        ck.load({"w": torch.zeros(100)}, step=0 if rank == 1 else 100)
+        error: BaseException | None = None
+    except Exception as e:
+        error = e
+    emit_result(case="load_step_differs", error=type(error).__name__ if error else None,
+                message=str(error) if error else "", seconds=round(time.monotonic() - started, 2))
     ck.close()
     dist.destroy_process_group()
 

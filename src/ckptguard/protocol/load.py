@@ -43,6 +43,7 @@ from ckptguard.dcp.reader import GuardedReader
 from ckptguard.errors import (
     CheckpointError,
     CorruptCheckpointError,
+    ReplicatedValueError,
     StepNotFoundError,
     StepRetiredError,
     TornLoadError,
@@ -130,7 +131,7 @@ def first_intact(session: Session, step: int | None, attempt: Callable[[Checkpoi
     errors: list[str] = []
     corrupt: set[tuple[int, int]] = set()
     for _ in range(_RELISTS):
-        current, quarantined = agreed_current_and_quarantined(session)
+        current, quarantined = agreed_current_and_quarantined(session, step)
         if step is not None:
             if step not in current:
                 raise StepNotFoundError(
@@ -192,20 +193,27 @@ def first_intact(session: Session, step: int | None, attempt: Callable[[Checkpoi
                            f"them ({_RELISTS} tries): is a writer saving with keep_last=1 in a tight loop?")
 
 
-def agreed_current_and_quarantined(session: Session) -> tuple[Listing, dict[int, str]]:
+_View = tuple[int | None, DomainListing | None, dict[CheckpointName, QuarantineRecord] | None]
+
+
+def agreed_current_and_quarantined(session: Session, step: int | None = None) -> tuple[Listing, dict[int, str]]:
     """The agreed listing (as ``save.agreed_current``), and of its steps those quarantined in some storage
-    domain, with the reason recorded (collective: one agreement, the listing's own)."""
+    domain, with the reason recorded (collective: one agreement, the listing's own). Every rank must ask
+    for the same ``step`` (ReplicatedValueError naming the rank that does not: each would read another)."""
 
-    def look() -> tuple[DomainListing, dict[CheckpointName, QuarantineRecord]] | None:
+    def look() -> _View:
         if not session.topo.is_leader:
-            return None
-        return session.root.listing(), session.root.quarantined()
+            return step, None, None
+        return step, session.root.listing(), session.root.quarantined()
 
-    def decide(views: list[tuple[DomainListing, dict[CheckpointName, QuarantineRecord]] | None]
-               ) -> tuple[Listing, dict[int, str]]:
-        seen = [v for v in views if v is not None]
-        listing = agreed_listing([v[0] for v in seen])
-        return listing, quarantined_steps(listing, [v[1] for v in seen])
+    def decide(views: list[_View]) -> tuple[Listing, dict[int, str]]:
+        other = next((r for r, v in enumerate(views) if v[0] != views[0][0]), None)
+        if other is not None:
+            raise ReplicatedValueError(
+                f"load() was asked for step={views[0][0]} on rank 0 and step={views[other][0]} on rank {other}: "
+                "every rank must load the same step. Nothing was loaded.", rank=other)
+        listing = agreed_listing([v[1] for v in views if v[1] is not None])
+        return listing, quarantined_steps(listing, [v[2] for v in views if v[2] is not None])
 
     agreed: tuple[Listing, dict[int, str]] = session.comm.step(f"list the checkpoints in {session.url}", look,
                                                                 decide)
