@@ -1,7 +1,8 @@
 """Tensors the data path does not store, and two values under one DCP name, are refused at the save
 with UnsupportedValueError naming the value (nothing committed), never a raw torch error; an async
-save refuses at its call, not at wait(). Each case failed before (a raw torch error, or the refusal
-only at wait())."""
+save refuses at its call, not at wait(). And the load into an optimizer with state for fewer
+parameters than the checkpoint keeps the others' saved state. Each case failed before (a raw torch
+error, the refusal only at wait(), the saved state dropped)."""
 
 from __future__ import annotations
 
