@@ -38,6 +38,9 @@ def cases(rank: int, tmp: str) -> dict[str, dict[str, Any]]:
         "metadata_key": {"metadata": {("a", 1) if bad else "a": 1}},
         "metadata_deep": {"metadata": deep(500) if bad else {"x": 1}},
         "files_missing": {"files": {"notes": os.path.join(tmp, "absent" if bad else f"notes{rank}")}},
+        "files_kind": {"files": {"notes": 3 if bad else os.path.join(tmp, f"notes{rank}")}},
+        "state_key": {"state_extra": {1: torch.ones(1)} if bad else {}},
+        "state_tensor": {"state_extra": {"m": torch.eye(2).to_sparse()} if bad else {}},
         "step_differs": {"step_offset": 1 if bad else 0},
         "step_negative": {"step_override": -1 if bad else None},
         "async_metadata_nan": {"metadata": {"loss": math.nan if bad else 1.0}, "blocking": False},
@@ -55,6 +58,7 @@ def main() -> None:
     ck.save(0, state)
     for step, (name, kwargs) in enumerate(cases(rank, tmp).items(), start=1):
         call = dict(kwargs)
+        extra = call.pop("state_extra", {})
         this_step = step + call.pop("step_offset", 0)
         override = call.pop("step_override", None)
         if override is not None:
@@ -62,7 +66,7 @@ def main() -> None:
         started = time.monotonic()
         error: BaseException | None = None
         try:
-            ck.save(this_step, state, **call)
+            ck.save(this_step, {**state, **extra}, **call)
             ck.wait()
         except Exception as e:
             error = e
