@@ -14,6 +14,7 @@ from dataclasses import replace
 from typing import Any
 
 from ckptguard.checksum import ALGORITHMS
+from ckptguard.errors import InvalidArgumentError, UnsupportedValueError
 from ckptguard.protocol import records
 from ckptguard.protocol.session import Session
 
@@ -82,20 +83,61 @@ def checksum_name(value: Any) -> str:
     return str(value)
 
 
-def json_object(metadata: Mapping[str, Any] | None) -> dict[str, Any]:
+def json_object(metadata: Mapping[str, Any] | None, rank: int | None = None) -> dict[str, Any]:
+    """``metadata=`` as the JSON object a manifest stores, or refused naming the value at fault (and
+    ``rank``): UnsupportedValueError (a TypeError) for metadata that is not a mapping,
+    InvalidArgumentError (a ValueError) for a value JSON cannot hold, a key that is not a str (JSON
+    would turn it into one), NaN, infinity or nesting deeper than a load reads. Both cross ranks as
+    themselves: every rank raises the same error."""
+    on = f" on rank {rank}" if rank is not None else ""
     if metadata is None:
         return {}
     if not isinstance(metadata, Mapping):
-        raise TypeError(f"metadata must be a mapping of str to JSON values (metadata={{'loss': 1.5}}), got "
-                        f"{metadata!r} ({type(metadata).__name__})")
-    try:
-        text = json.dumps(dict(metadata), allow_nan=False)
-    except (TypeError, ValueError, RecursionError) as e:
-        raise ValueError(f"metadata must be JSON-serializable: {e}") from None
+        raise UnsupportedValueError(
+            f"metadata must be a mapping of str to JSON values (metadata={{'loss': 1.5}}), got "
+            f"{metadata!r} ({type(metadata).__name__}){on}", rank=rank)
+    _check_json_value(dict(metadata), "metadata", on, rank)
+    text = json.dumps(dict(metadata), allow_nan=False)
     # Bounded as a load will bound it: a manifest that no load could read is never written.
     result: dict[str, Any] = records.parse_json(text, "metadata=", "user metadata", max_bytes=None,
                                                 max_depth=records.MAX_MANIFEST_DEPTH - 2)
     return result
+
+
+#: metadata= deeper than this is refused before it is walked further (a load reads MAX_MANIFEST_DEPTH - 2).
+_MAX_METADATA_DEPTH = records.MAX_MANIFEST_DEPTH - 2
+
+
+def _check_json_value(value: Any, where: str, on: str, rank: int | None) -> None:
+    """Refuse the first value under ``value`` that JSON cannot give back as it was (iterative: a value
+    nested thousands deep is refused, not a RecursionError)."""
+    todo: list[tuple[Any, str, int]] = [(value, where, 1)]
+    while todo:
+        v, at, depth = todo.pop()
+        if depth > _MAX_METADATA_DEPTH:
+            raise InvalidArgumentError(f"{at}{on} is nested more than {_MAX_METADATA_DEPTH} deep: a load reads "
+                                       "metadata= at most that deep; store something flatter", rank=rank)
+        if isinstance(v, bool) or v is None or isinstance(v, (str, int)):
+            continue
+        if isinstance(v, float):
+            if not math.isfinite(v):
+                raise InvalidArgumentError(
+                    f"{at}{on} is {v!r}: JSON has no NaN or Infinity, so a load could not give it back; "
+                    "store it as a string (str(x)) or leave it out", rank=rank)
+            continue
+        if isinstance(v, Mapping):
+            for k, item in v.items():
+                if not isinstance(k, str):
+                    raise InvalidArgumentError(
+                        f"{at}{on} has the key {k!r} ({type(k).__name__}): metadata keys must be str (JSON "
+                        "keys are strings, so a load would not give it back as it was)", rank=rank)
+                todo.append((item, f"{at}[{k!r}]", depth + 1))
+            continue
+        if isinstance(v, (list, tuple)):
+            todo.extend((item, f"{at}[{i}]", depth + 1) for i, item in enumerate(v))
+            continue
+        raise InvalidArgumentError(f"{at}{on} is a {type(v).__name__}, not a JSON value (str, int, float, bool, "
+                                   "None, list or dict of them)", rank=rank)
 
 
 class Settings:

@@ -27,8 +27,8 @@ from ckptguard.arguments import Settings, check_kinds, checksum_name, count, jso
 from ckptguard.comm import DEFAULT_TIMEOUT_S, Comm, LocalTransport, default_comm, hostname, was_agreed
 from ckptguard.dcp.planners import forget_cached_plans
 from ckptguard.dcp.reader import auto_memory_bytes
-from ckptguard.dcp.values import refuse_too_deep
-from ckptguard.errors import CheckpointError
+from ckptguard.dcp.values import refuse_flat_collisions, refuse_unsavable
+from ckptguard.errors import CheckpointError, InvalidArgumentError
 from ckptguard.protocol import artifacts, manage
 from ckptguard.protocol import load as load_protocol
 from ckptguard.protocol import read as read_protocol
@@ -253,16 +253,23 @@ class Checkpointer(Settings):
         # The previous save's removal of retired steps may go on while this one takes its host copy:
         # the save itself (_save_now) waits for it before it touches storage.
         self._check_usable(writing=True, wait_cleanup=False)
-        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-            raise ValueError(f"step must be a non-negative int, got {step!r}")
-        user_metadata = json_object(metadata)
         started = time.perf_counter()
         fault_point(FaultPhase.SAVE_START, self._comm.rank)
         show = (self.progress if progress is None else progress) and self._comm.rank == 0
         stats = self._last_save_stats = PhaseTimer(show)
-        # A local problem (a value this rank cannot save, a files= path missing on this rank) must not
-        # skip the collectives the other ranks are about to run: it is reported in the plan's agreement.
+        # A local problem (a step, metadata= or value this rank cannot save, a files= path missing on this
+        # rank) must not skip the collectives the other ranks are about to run: it is reported in the
+        # plan's agreement, where every rank raises it at once.
         local_error: BaseException | None = None
+        user_metadata: dict[str, Any] = {}
+        try:
+            if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+                raise InvalidArgumentError(f"step must be a non-negative int, got {step!r} on rank {self._comm.rank}",
+                                           rank=self._comm.rank)
+            user_metadata = json_object(metadata, self._comm.rank)
+        except Exception as e:  # reported in the plan's agreement
+            local_error = e
+            step = step if isinstance(step, int) and not isinstance(step, bool) and step >= 0 else -1
         state_dict: dict[str, Any] = {}
         with stats.phase("state_dict"):
             try:
@@ -272,9 +279,11 @@ class Checkpointer(Settings):
                 # saved without it (prepare_state) and left without it here (left with it, its next real
                 # step was its second: Adam's bias correction changed).
                 prepared.undo()
-                refuse_too_deep(state_dict)
+                refuse_unsavable(state_dict)
+                if not blocking:  # planned in the background: refused here, not at wait()
+                    refuse_flat_collisions(state_dict)
             except Exception as e:  # reported in the plan's agreement
-                local_error = e
+                local_error = local_error or e
         targets: list[ArtifactTarget] = []
         try:
             targets = artifacts.normalize(files, self._comm.rank, hostname(), True, self._session.root.local_dir())

@@ -24,6 +24,8 @@ what went wrong, so code matches types, never message text::
      │                                     conditional writes
      ├── UnsafeObjectError                 an object that would need unpickling code
      ├── UnsupportedValueError             save of a value load could not give back (also TypeError)
+ ├── InvalidArgumentError              an argument's value refused: a NaN in metadata=, a negative
+ │                                     step (also ValueError; raised alike on every rank)
      ├── TemplateMismatchError             load into a state whose shapes or keys differ (also ValueError)
      ├── CorruptCheckpointError            bytes that do not match the manifest
      │    └── MalformedRecordError         a record (manifest, latest, tag, lease, index, header)
@@ -208,6 +210,11 @@ class UnsafeObjectError(CheckpointError):
 class UnsupportedValueError(CheckpointError, TypeError):
     """A value ``save`` was given that no load could give back equal (it would need unpickling code,
     or would come back as another type): refused before anything is written."""
+
+
+class InvalidArgumentError(CheckpointError, ValueError):
+    """An argument's value is refused (a NaN or infinity in ``metadata=``, nesting too deep, a negative
+    step): a ValueError that crosses ranks as itself, so every rank raises the same error."""
 
 
 class TemplateMismatchError(CheckpointError, ValueError):

@@ -98,6 +98,8 @@ def _listed_problem(info: CheckpointInfo) -> str | None:
     """What `ckptguard ls` shows wrong with a committed checkpoint without reading its files."""
     if info.manifest_error:
         return f"bad manifest: {info.manifest_error}"
+    if info.quarantined:
+        return f"quarantined: a load found it corrupt ({info.quarantined})"
     if info.abandoned:
         return "rolled back: a lower step was committed after it"
     return None
@@ -167,8 +169,8 @@ def resume_info(root: str, *, deep: bool = False) -> ResumeInfo:
             info.unsafe.append(UnsafeStep(a.step, f"uncommitted attempt ({a.state}) in {a.dir}: never committed"))
     chosen: CheckpointInfo | None = None
     for c in reversed(current):  # commit order: the last committed comes last
-        # Older than the answer, rolled back or unreadable: what the listing alone shows (no reads).
-        if chosen is not None or c.abandoned or c.manifest_error:
+        # Older than the answer, rolled back, quarantined or unreadable: what the listing alone shows (no reads).
+        if chosen is not None or c.abandoned or c.manifest_error or c.quarantined:
             problem = _listed_problem(c)
         else:
             try:

@@ -27,7 +27,7 @@ from torch.distributed.tensor import DTensor
 
 from ckptguard._signals import signals_deferred
 from ckptguard.dcp.values import PLAIN_TENSOR_TYPES, decode_value, encode_value, per_rank_key
-from ckptguard.errors import CheckpointError
+from ckptguard.errors import CheckpointError, UnsupportedValueError
 
 
 class PerRank:
@@ -180,8 +180,8 @@ def prepare_state(state: Mapping[str, Any], rank: int = 0, *, for_load: bool = F
     """The DCP state dict of ``state``, with what a load then does (``apply``) or takes back (``undo``).
     ``for_load``: a never-stepped optimizer gets a state to load into even where gradients exist."""
     if not isinstance(state, Mapping):
-        raise TypeError("state must be a mapping of names to modules, optimizers or values, "
-                        f"not {type(state).__name__}")
+        raise UnsupportedValueError("state must be a mapping of names to modules, optimizers or values, "
+                                    f"not {type(state).__name__} (rank {rank})", rank=rank)
     modules = {k: v for k, v in state.items() if isinstance(v, nn.Module)}
     sd: dict[str, Any] = {}
     appliers: list[Callable[[], object]] = []
@@ -210,7 +210,7 @@ def _prepare_values(state: Mapping[str, Any], rank: int, modules: Mapping[str, n
                     placeholders: dict[str, list[Any]]) -> None:
     for key, value in state.items():
         if not isinstance(key, str) or not key:
-            raise TypeError(f"state keys must be non-empty strings, got {key!r}")
+            raise UnsupportedValueError(f"state keys must be non-empty strings, got {key!r} on rank {rank}", rank=rank)
         if type(value) in PLAIN_TENSOR_TYPES:  # most values, as the last branch below takes them, without
             sd[key] = value  # the Stateful check (a runtime Protocol's isinstance: ~16 us per value)
             continue

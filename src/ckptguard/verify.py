@@ -18,7 +18,7 @@ from typing import Any
 from ckptguard._pool import ExitSafePool
 from ckptguard.checksum import Hasher
 from ckptguard.errors import CheckpointError
-from ckptguard.protocol import latest, layout
+from ckptguard.protocol import latest, layout, quarantine
 from ckptguard.protocol.decisions import Committed, abandoned, order_key
 from ckptguard.protocol.layout import CheckpointName
 from ckptguard.protocol.lease import LeaseRecord, holder_dead_here
@@ -45,6 +45,9 @@ class CheckpointInfo:
     bytes: int | None = None
     user_metadata: dict[str, Any] = field(default_factory=dict)
     manifest_error: str | None = None
+    #: why a load found this commit corrupt (its quarantine record; None: not quarantined). Loads,
+    #: verify and the resume answer skip it without reading it again; the next save of the step replaces it.
+    quarantined: str | None = None
 
 
 @dataclass
@@ -92,7 +95,7 @@ def damaged_root(path: str, error: CheckpointError) -> RootListing:
 @dataclass
 class Problem:
     path: str
-    kind: str  # missing | size | checksum | layout | extra | manifest
+    kind: str  # missing | size | checksum | layout | extra | manifest | quarantined
     detail: str
 
 
@@ -169,8 +172,11 @@ def list_root(path: str) -> RootListing:
     # Commit order, as Checkpointer.steps(): unsequenced (unreadable manifest) first by step, then by sequence.
     listing = {c.step: Committed(c.version, c.seq) for c in checkpoints if c.current}
     rolled_back = abandoned(listing)
+    records = root.quarantined()
     for c in checkpoints:
         c.abandoned = c.current and c.step in rolled_back
+        record = quarantine.matching(records, CheckpointName(c.step, c.version), c.seq)
+        c.quarantined = record.reason if record is not None else None
     checkpoints.sort(key=lambda c: (*order_key(c.step, Committed(c.version, c.seq)), c.version))
     unlisted = root.unlisted_commits()
     committed_attempts.update(unlisted.values())  # their data is a commit's, not an abandoned attempt's
@@ -221,6 +227,15 @@ def _tiling_problems(manifest: Manifest, base: str) -> list[Problem]:
                 problems.append(Problem(os.path.join(base, rel), "manifest",
                                         f"items cover {pos} bytes of a {sizes[rel]}-byte file"))
     return problems
+
+
+def quarantined_result(info: CheckpointInfo) -> VerifyResult:
+    """The verdict on a quarantined checkpoint, from its record alone (nothing is read again)."""
+    assert info.quarantined is not None
+    detail = (f"a load found it corrupt ({info.quarantined}); loads skip it, and the next save of step "
+              f"{info.step} replaces it (or delete it)")
+    return VerifyResult(info.step, info.version, info.dir, intact=False,
+                        problems=[Problem(info.dir, "quarantined", detail)])
 
 
 def verify_checkpoint(root_path: str, name: CheckpointName, *, threads: int = 4,

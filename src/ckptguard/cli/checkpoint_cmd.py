@@ -148,7 +148,8 @@ def _print_listing(listing: Any, framework: str | None) -> None:
     for col in ("#", "step", "dir", "state", "created", "size", "metadata"):
         table.add_column(col, no_wrap=col != "metadata")
     for c in listing.checkpoints:  # in commit order: the last committed is at the bottom
-        state = "bad manifest" if c.manifest_error else ("latest" if c.latest else
+        state = "bad manifest" if c.manifest_error else ("quarantined (a load found it corrupt)" if c.quarantined else
+                                                          "latest" if c.latest else
                                                           "superseded" if not c.current else
                                                           "abandoned (rolled back)" if c.abandoned else "committed")
         table.add_row("" if c.seq is None else str(c.seq), str(c.step), text(c.dir), state, _when(c.created_at),
@@ -202,17 +203,21 @@ def verify_command(
 ) -> None:
     """Re-read every byte of the checkpoints and check sizes and checksums against their manifests."""
     from ckptguard.protocol.layout import CheckpointName
-    from ckptguard.verify import SCHEMA_VERSION, checkpoint_bytes, verify_checkpoint
+    from ckptguard.verify import SCHEMA_VERSION, checkpoint_bytes, quarantined_result, verify_checkpoint
 
     roots, direct = _roots(path, json_out, verifying=True)
     plans = []
+    skipped: dict[str, list[Any]] = {}  # quarantined checkpoints: judged from their record, not read again
     for found in roots:
         listing = _listing(found.path)
         current = [c for c in listing.checkpoints if c.current]
         if step is not None:
             current = [c for c in current if c.step == step]
-        plans.append((found, listing, [(CheckpointName(c.step, c.version), c.seq) for c in current]))
-    if step is not None and not any(names for _, _, names in plans) and not any(lst.error for _, lst, _ in plans):
+        plans.append((found, listing, [(CheckpointName(c.step, c.version), c.seq) for c in current
+                                       if not c.quarantined]))
+        skipped[found.path] = [quarantined_result(c) for c in current if c.quarantined]
+    if (step is not None and not any(names for _, _, names in plans) and not any(skipped.values())
+            and not any(lst.error for _, lst, _ in plans)):
         committed = sorted({c.step for _, listing, _ in plans for c in listing.checkpoints if c.current})
         where = plans[0][1].root if len(plans) == 1 else f"any of the {len(plans)} roots under {path}"
         raise _usage_error(f"step {step} is not a committed checkpoint in {where}; committed: {committed or 'none'}")
@@ -222,6 +227,8 @@ def verify_command(
         for found, listing, names in plans:
             results = [verify_checkpoint(listing.root, n, threads=threads, on_bytes=bar.callback, seq=seq)
                        for n, seq in names]
+            order = [c.dir for c in listing.checkpoints]
+            results = sorted(results + skipped[found.path], key=lambda r: order.index(r.dir))
             checked.append((found, listing, results))
     # A step the job's retention retired while it was read is gone, not damaged: it fails nothing.
     ok = all(r.intact or r.retired for _, _, results in checked for r in results) and \

@@ -31,7 +31,7 @@ from ckptguard.checksum import checksum
 from ckptguard.dcp import _torch_private
 from ckptguard.dcp.codec import load_bounded, tensor_bytes
 from ckptguard.dcp.records import StoredItem
-from ckptguard.dcp.values import PLAIN_TENSOR_TYPES, is_per_rank_key
+from ckptguard.dcp.values import PLAIN_TENSOR_TYPES, flat_collision_error, is_per_rank_key
 from ckptguard.errors import CheckpointError, ReplicatedValueError, TemplateMismatchError, UnsafeObjectError
 
 
@@ -57,7 +57,10 @@ class DomainSavePlanner(_torch_private.CachingSavePlanner):
         the last save's local plan taken up again when the state's structure is the same."""
         self._structure: list[tuple[Any, ...]] | None = None
         self._reusable: SavePlan | None = None
-        flat, mappings = _torch_private.flatten_state_dict(state_dict)
+        try:
+            flat, mappings = _torch_private.flatten_state_dict(state_dict)
+        except ValueError as e:  # two values of one DCP name: the same refusal on every rank
+            raise flat_collision_error(e) from None
         structure = _save_structure(flat, is_coordinator)
         if structure is None:  # DTensor, ShardedTensor or another value DCP plans itself
             super().set_up_planner(state_dict, storage_meta, is_coordinator)

@@ -179,10 +179,14 @@ def _decode_ndarray(obj: dict[str, Any]) -> Any:
 _CONTAINERS = (dict, list, tuple, set, frozenset)
 
 
-def refuse_too_deep(state_dict: Mapping[str, Any]) -> None:
-    """UnsupportedValueError where the encoded state nests deeper than a load takes (MAX_VALUE_DEPTH,
-    the state's own dict at depth 0): saved, it was committed and verified intact, and every load then
-    refused it as corrupt and fell back to the step before (an outside attack)."""
+def refuse_unsavable(state_dict: Mapping[str, Any]) -> None:
+    """UnsupportedValueError naming the first value of the (prepared) state that a save cannot store
+    for a load to give back, found before anything is written (in the plan's agreement, every rank
+    raises it), never a raw torch error halfway through the write:
+
+    - a tensor of a layout, kind or dtype the data path does not store (:func:`tensor_problem`);
+    - nesting deeper than a load takes (MAX_VALUE_DEPTH, the state's own dict at depth 0): saved, it
+      was committed and verified intact, and every load then refused it as corrupt."""
     from ckptguard.dcp.codec import MAX_VALUE_DEPTH
 
     stack: list[tuple[Any, int, tuple[Any, ...]]] = [(state_dict, 0, ())]
@@ -190,13 +194,69 @@ def refuse_too_deep(state_dict: Mapping[str, Any]) -> None:
         value, depth, path = stack.pop()
         children: Any = value.items() if isinstance(value, dict) else enumerate(value)
         for key, child in children:
-            if type(child) in PLAIN_TENSOR_TYPES or not isinstance(child, _CONTAINERS):
+            if type(child) in PLAIN_TENSOR_TYPES:
+                problem = tensor_problem(child)
+                if problem is not None:
+                    raise _refuse(child, (*path, key), problem)
+                continue
+            if not isinstance(child, _CONTAINERS):
                 continue
             if depth + 1 >= MAX_VALUE_DEPTH:
                 raise _refuse(child, (*path, key), f"it nests more than {MAX_VALUE_DEPTH} deep (dicts, lists, "
                               "tuples and sets, as stored), more than a load takes. Store it flatter, e.g. "
                               "as a tensor or a string")
             stack.append((child, depth + 1, (*path, key)))
+
+
+#: Dtypes whose elements are not whole bytes (or have no arithmetic): torch cannot copy, compare or
+#: cast them as the data path does; their bytes are stored as uint8 by the caller if they must be.
+_UNSTORED_DTYPES = frozenset(
+    getattr(torch, name) for name in (
+        "bits1x8", "bits2x4", "bits4x2", "bits8", "bits16",
+        *(f"int{n}" for n in range(1, 8)), *(f"uint{n}" for n in range(1, 8)))
+    if hasattr(torch, name))
+
+
+def tensor_problem(t: torch.Tensor) -> str | None:
+    """Why a plain tensor cannot be saved (None: it can): a sparse, quantized, nested or meta tensor,
+    or a sub-byte or bits dtype."""
+    if t.layout is not torch.strided:
+        return (f"a {t.layout} tensor is not stored (only dense tensors): save t.to_dense(), or its "
+                "indices and values as dense tensors")
+    if t.is_quantized:
+        return ("a quantized tensor is not stored: save t.int_repr() with t.q_scale() and t.q_zero_point() "
+                "(or t.dequantize())")
+    if t.is_nested:
+        return "a nested tensor is not stored: save t.unbind() (a list of its tensors)"
+    if t.is_meta:
+        return ("a tensor on the meta device has no data to store: materialise it first (e.g. "
+                "module.to_empty(device=...) and initialise it)")
+    if t.dtype in _UNSTORED_DTYPES:
+        return (f"the dtype {t.dtype} (elements of less than a byte, or bits) is not stored: save "
+                "t.view(torch.uint8) and view it back after the load")
+    return None
+
+
+def refuse_flat_collisions(state_dict: dict[str, Any]) -> None:
+    """UnsupportedValueError where two values of the state get the same DCP name (``{"a.b": x}`` beside
+    ``{"a": {"b": y}}``: DCP joins nested keys with dots). The plan refuses it too; an async save checks
+    at the call, so that the refusal is not left to ``wait()``."""
+    from ckptguard.dcp import _torch_private
+
+    try:
+        _torch_private.flatten_state_dict(state_dict)
+    except ValueError as e:
+        raise flat_collision_error(e) from None
+
+
+def flat_collision_error(err: ValueError) -> CheckpointError:
+    """DCP's "duplicated flatten key" refusal as an UnsupportedValueError that says what to do."""
+    from ckptguard.errors import UnsupportedValueError
+
+    key = str(err).removeprefix("duplicated flatten key ").strip()
+    return UnsupportedValueError(
+        f"cannot save two values under the name {key!r}: DCP joins nested keys with dots, so a key with a dot "
+        "and a nested dict of the same path collide. Rename one of them.")
 
 
 def encode_value(value: Any, path: tuple[Any, ...] = (), *, plain_torch_load: bool = False) -> Any:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from ckptguard._signals import signals_deferred
 from ckptguard.checksum import Hasher
 from ckptguard.comm import Comm
-from ckptguard.errors import CheckpointError, CorruptCheckpointError, PathCollisionError
+from ckptguard.errors import CheckpointError, CorruptCheckpointError, PathCollisionError, UnsupportedValueError
 from ckptguard.protocol import layout
 from ckptguard.protocol.manifest import Artifact, FileEntry, Manifest
 from ckptguard.storage import StorageBackend
@@ -53,8 +53,8 @@ def normalize(files: Mapping[str, str | os.PathLike[str]] | None, rank: int, hos
     if files is None:
         return []
     if not isinstance(files, Mapping):
-        raise TypeError(f"files must be a mapping of a key to a local path (files={{'offload': '/path'}}), "
-                        f"got {files!r} ({type(files).__name__})")
+        raise UnsupportedValueError(f"files must be a mapping of a key to a local path (files={{'offload': "
+                                    f"'/path'}}), got {files!r} ({type(files).__name__}) on rank {rank}", rank=rank)
     root = local_root
     out = []
     for key, p in files.items():
@@ -62,8 +62,8 @@ def normalize(files: Mapping[str, str | os.PathLike[str]] | None, rank: int, hos
             raise CheckpointError(f"rank {rank}: files key {key!r} must be 1-128 letters, digits, '.', '_' or '-'",
                                   rank=rank)
         if not isinstance(p, (str, os.PathLike)):
-            raise TypeError(f"rank {rank}: files[{key!r}] must be a local path (str or os.PathLike), "
-                            f"got {p!r} ({type(p).__name__})")
+            raise UnsupportedValueError(f"rank {rank}: files[{key!r}] must be a local path (str or os.PathLike), "
+                                        f"got {p!r} ({type(p).__name__})", rank=rank)
         path = os.path.realpath(os.fspath(p))
         if root is not None and _nested(path, root):
             how = ("is the checkpoint root" if path == root else

@@ -14,12 +14,13 @@ from itertools import chain, repeat
 from operator import attrgetter
 from typing import TYPE_CHECKING, Any
 
-from ckptguard.errors import StepExistsError
+from ckptguard.errors import ReplicatedValueError, StepExistsError
 from ckptguard.protocol import artifacts
 from ckptguard.protocol.artifacts import ArtifactTarget
 from ckptguard.protocol.itemtable import ItemTable
 from ckptguard.protocol.layout import CheckpointName
 from ckptguard.protocol.manifest import Artifact, FileEntry, Manifest, StoredItem
+from ckptguard.protocol.quarantine import QuarantineRecord
 from ckptguard.protocol.topology import Topology
 
 if TYPE_CHECKING:
@@ -46,6 +47,8 @@ class LeaderView:
     versions: list[int]  # every committed version of the step being saved
     listing: DomainListing
     max_seq: int = 0  # the highest commit sequence number this domain has seen (checkpoints and `latest`)
+    #: the quarantine records this domain holds (checkpoints a load found corrupt)
+    quarantined: dict[CheckpointName, QuarantineRecord] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -54,6 +57,8 @@ class PlanReport:
 
     targets: list[ArtifactTarget]
     leader_view: LeaderView | None  # domain leaders only
+    #: the step and overwrite= this rank was called with (every rank must give the same)
+    call: tuple[int, bool] | None = None
 
 
 @dataclass(frozen=True)
@@ -63,6 +68,8 @@ class PlanDecision:
     seq: int  # the commit sequence number this save's manifests record
     uncertain: list[tuple[ArtifactTarget, ArtifactTarget]]  # same path on two hosts: probe
     previous: int | None  # newest agreed step before this save, for error messages
+    #: agreed steps quarantined (other than the one saved: it is replaced), which retention drops first
+    quarantined: frozenset[int] = frozenset()
 
 
 @dataclass
@@ -99,6 +106,19 @@ def agreed_listing(listings: list[DomainListing | None]) -> Listing:
     return out
 
 
+def quarantined_steps(listing: Listing, records: Sequence[dict[CheckpointName, QuarantineRecord]]) -> dict[int, str]:
+    """The steps of ``listing`` whose agreed commit some storage domain holds a quarantine record of
+    (a load found it corrupt), with the reason recorded. A record of another version, or of an earlier
+    commit of the same name (another sequence number), quarantines nothing."""
+    out: dict[int, str] = {}
+    for found in records:
+        for name, record in found.items():
+            committed = listing.get(name.step)
+            if committed is not None and committed.version == name.version and record.matches(committed.seq):
+                out.setdefault(name.step, record.reason)
+    return out
+
+
 def order_key(step: int, committed: Committed) -> tuple[int, int, int]:
     """Commit order: checkpoints without a sequence number (a damaged manifest) first, by step; then
     every sequenced one by its sequence number."""
@@ -131,10 +151,21 @@ def newest(listing: Listing) -> int | None:
 
 def decide_plan(root: str, step: int, overwrite: bool, reports: list[PlanReport]) -> PlanDecision:
     """The verdict on a save before anything is written: refused (raises), or its attempt and version."""
+    calls = {r.call for r in reports if r.call is not None}
+    if len(calls) > 1:
+        first = reports[0].call
+        other = next(i for i, r in enumerate(reports) if r.call is not None and r.call != first)
+        call = reports[other].call
+        assert first is not None and call is not None
+        raise ReplicatedValueError(
+            f"save() was called with step={first[0]}, overwrite={first[1]} on rank 0 and step={call[0]}, "
+            f"overwrite={call[1]} on rank {other}: every rank must save the same step. Nothing was written.",
+            rank=other)
     views = [r.leader_view for r in reports if r.leader_view is not None]
     agreed = agreed_listing([v.listing for v in views])
     previous = newest(agreed)
-    if step in agreed and not overwrite:
+    quarantined = quarantined_steps(agreed, [v.quarantined for v in views])
+    if step in agreed and not overwrite and step not in quarantined:  # a quarantined step is replaced
         raise StepExistsError(
             f"step {step} is already committed in {root} ({CheckpointName(step, agreed[step].version).dirname}); "
             "committed checkpoints are never modified. Pass overwrite=True to replace it atomically.")
@@ -146,10 +177,12 @@ def decide_plan(root: str, step: int, overwrite: bool, reports: list[PlanReport]
     # One more than anything any domain has seen: the sequence only grows, also across domains
     # whose listings differ (a leftover of a failed save counts too: it is retired, never reordered).
     seq = max((v.max_seq for v in views), default=0) + 1
-    return PlanDecision(uuid.uuid4().hex, version, seq, uncertain, previous)
+    return PlanDecision(uuid.uuid4().hex, version, seq, uncertain, previous,
+                        frozenset(quarantined) - {step})
 
 
-def retention(agreed: Listing, new_step: int, keep_last: int | None, keep_every: int | None) -> list[int]:
+def retention(agreed: Listing, new_step: int, keep_last: int | None, keep_every: int | None,
+              quarantined: frozenset[int] = frozenset()) -> list[int]:
     """Which committed steps to delete now that ``new_step`` is committed everywhere.
 
     Counted in commit order, not by step number. Checkpoints on an abandoned branch
@@ -157,15 +190,18 @@ def retention(agreed: Listing, new_step: int, keep_last: int | None, keep_every:
     keeps the newest of the current line first, and the newest abandoned ones only if
     room is left, so the checkpoint a run was rolled back to outlives the branch it
     abandoned. ``keep_every`` keeps every step that is a multiple of it, on any branch.
+    ``quarantined`` steps (a load found them corrupt) rank below both: they never take the
+    place of a checkpoint that loads, and ``keep_every`` does not keep them.
     """
     if keep_last is None or new_step not in agreed:
         return []
     order = commit_order(agreed)
     dropped = abandoned(agreed)
-    ranked = [s for s in order if s in dropped] + [s for s in order if s not in dropped]
+    ranked = ([s for s in order if s in quarantined] + [s for s in order if s in dropped and s not in quarantined]
+              + [s for s in order if s not in dropped and s not in quarantined])
     keep = set(ranked[-keep_last:])
     if keep_every:
-        keep |= {s for s in order if s % keep_every == 0}
+        keep |= {s for s in order if s % keep_every == 0 and s not in quarantined}
     keep.add(new_step)
     return [s for s in order if s not in keep]
 

@@ -30,18 +30,20 @@ from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+import torch
 from torch.distributed.checkpoint.metadata import Metadata
 
 from ckptguard._faults import FaultPhase, fault_point
 from ckptguard._signals import signals_deferred
 from ckptguard.comm import agreed_failures, hostname
-from ckptguard.dcp.codec import metadata_from_json, whole_tensor_items
+from ckptguard.dcp.codec import dtype_from_name, metadata_from_json, whole_tensor_items
 from ckptguard.dcp.drive import read_locally
 from ckptguard.dcp.planners import SafeLoadPlanner
 from ckptguard.dcp.reader import GuardedReader
 from ckptguard.errors import (
     CheckpointError,
     CorruptCheckpointError,
+    ReplicatedValueError,
     StepNotFoundError,
     StepRetiredError,
     TornLoadError,
@@ -49,10 +51,10 @@ from ckptguard.errors import (
 from ckptguard.progress import ByteProgress
 from ckptguard.protocol import artifacts, layout
 from ckptguard.protocol.artifacts import ArtifactTarget
-from ckptguard.protocol.decisions import Listing, commit_order
+from ckptguard.protocol.decisions import DomainListing, Listing, agreed_listing, commit_order, quarantined_steps
 from ckptguard.protocol.layout import CheckpointName
 from ckptguard.protocol.manifest import Manifest
-from ckptguard.protocol.save import agreed_current
+from ckptguard.protocol.quarantine import QuarantineRecord
 from ckptguard.protocol.session import Session
 from ckptguard.protocol.timing import PhaseTimer
 from ckptguard.state import PreparedState, drop_placeholders, prepare_state
@@ -129,20 +131,21 @@ def first_intact(session: Session, step: int | None, attempt: Callable[[Checkpoi
     errors: list[str] = []
     corrupt: set[tuple[int, int]] = set()
     for _ in range(_RELISTS):
-        current = agreed_current(session)
+        current, quarantined = agreed_current_and_quarantined(session, step)
         if step is not None:
             if step not in current:
                 raise StepNotFoundError(
                     f"step {step} is not a committed checkpoint in {session.url}; committed steps: "
                     f"{commit_order(current) or 'none'}")
-            candidates = [step]
+            candidates = [step]  # asked for by number: read again, quarantined or not
         else:
-            candidates = [s for s in reversed(commit_order(current)) if (s, current[s].version) not in corrupt]
+            candidates = [s for s in reversed(commit_order(current))
+                          if (s, current[s].version) not in corrupt and s not in quarantined]
         retired = False
         for s in candidates:
             name = CheckpointName(s, current[s].version)
             try:
-                return s, attempt(name, current[s].seq), current
+                result = attempt(name, current[s].seq)
             except BaseException as e:
                 failures = agreed_failures(e)
                 if not failures or any(f.interrupted for f in failures):
@@ -159,14 +162,28 @@ def first_intact(session: Session, step: int | None, attempt: Callable[[Checkpoi
                             path=session.root.dir(name)) from e
                     retired = True
                     break
-                if step is not None or not falls_back(e):
+                if not falls_back(e):
+                    raise
+                _quarantine(session, name, current[s].seq, e)
+                if step is not None:
                     raise
                 corrupt.add((s, name.version))
                 errors.append(f"step {s}: {e}")
                 if session.comm.rank == 0:
                     warnings.warn(f"ckptguard: checkpoint step {s} in {session.url} is corrupt ({e}); "
                                   "falling back to the previous committed checkpoint", stacklevel=4)
+                continue
+            if step is None and session.comm.rank == 0:
+                order = commit_order(current)
+                for q in order[order.index(s) + 1:]:
+                    if q in quarantined:
+                        warnings.warn(f"ckptguard: checkpoint step {q} in {session.url} is corrupt (quarantined: "
+                                      f"{quarantined[q]}); skipped without reading it again, step {s} loaded. The "
+                                      f"next save of step {q} replaces it.", stacklevel=4)
+            return s, result, current
         if not retired:
+            errors.extend(f"step {s}: quarantined ({reason})" for s, reason in sorted(quarantined.items())
+                          if step is None)
             if errors:
                 raise CorruptCheckpointError(
                     f"every committed checkpoint in {session.url} is corrupt: " + "; ".join(errors))
@@ -174,6 +191,50 @@ def first_intact(session: Session, step: int | None, attempt: Callable[[Checkpoi
         log.info("ckptguard: a checkpoint in %s was retired while being read; listing again", session.url)
     raise StepRetiredError(f"the checkpoints of {session.url} were retired faster than this job could read "
                            f"them ({_RELISTS} tries): is a writer saving with keep_last=1 in a tight loop?")
+
+
+_View = tuple[int | None, DomainListing | None, dict[CheckpointName, QuarantineRecord] | None]
+
+
+def agreed_current_and_quarantined(session: Session, step: int | None = None) -> tuple[Listing, dict[int, str]]:
+    """The agreed listing (as ``save.agreed_current``), and of its steps those quarantined in some storage
+    domain, with the reason recorded (collective: one agreement, the listing's own). Every rank must ask
+    for the same ``step`` (ReplicatedValueError naming the rank that does not: each would read another)."""
+
+    def look() -> _View:
+        if not session.topo.is_leader:
+            return step, None, None
+        return step, session.root.listing(), session.root.quarantined()
+
+    def decide(views: list[_View]) -> tuple[Listing, dict[int, str]]:
+        other = next((r for r, v in enumerate(views) if v[0] != views[0][0]), None)
+        if other is not None:
+            raise ReplicatedValueError(
+                f"load() was asked for step={views[0][0]} on rank 0 and step={views[other][0]} on rank {other}: "
+                "every rank must load the same step. Nothing was loaded.", rank=other)
+        listing = agreed_listing([v[1] for v in views if v[1] is not None])
+        return listing, quarantined_steps(listing, [v[2] for v in views if v[2] is not None])
+
+    agreed: tuple[Listing, dict[int, str]] = session.comm.step(f"list the checkpoints in {session.url}", look,
+                                                                decide)
+    return agreed
+
+
+def _quarantine(session: Session, name: CheckpointName, seq: int | None, err: BaseException) -> None:
+    """Record that the commit ``name`` is corrupt, so that listings skip it and the next save of its step
+    replaces it (collective; a writing job's leaders, under the fence). A read-only job writes nothing;
+    a record that cannot be written costs only the next load a read of the checkpoint."""
+    if session.holder is None:
+        return
+
+    def record() -> None:
+        if session.topo.is_leader:
+            session.root.quarantine(name, seq, str(err))
+
+    try:
+        session.comm.step(f"quarantine {name.dirname} in {session.url}", record, where=session.url)
+    except (OSError, CheckpointError) as e:
+        log.warning("ckptguard: could not record %s in %s as corrupt: %s", name.dirname, session.url, e)
 
 
 def _was_retired(session: Session, name: CheckpointName, seq: int | None) -> bool:
@@ -302,6 +363,7 @@ def _read_and_place(session: Session, agreed: AgreedManifest, targets: list[Arti
         with stats.phase("metadata"):
             prepared.append(prepare_state(request.state, comm.rank, for_load=True))
             drop_placeholders(prepared[0], manifest.dcp["state_dict"])
+            add_saved_optimizer_state(prepared[0], request.state, manifest.dcp)
         read_locally(prepared[0].state_dict, reader, planner, is_coordinator=comm.rank == 0, stats=stats,
                      before_read=on_planned,
                      metadata_for=lambda names: manifest_metadata(session, name, manifest, names),
@@ -351,6 +413,41 @@ def _read_and_place(session: Session, agreed: AgreedManifest, targets: list[Arti
     stats.verified_only_bytes = reader.verified_only_bytes
     stats.spilled_bytes = reader.spilled_bytes
     log.debug("ckptguard: loaded step %d: %s", name.step, stats)
+
+
+def add_saved_optimizer_state(prepared: PreparedState, state: Mapping[str, Any], dcp: Mapping[str, Any]) -> None:
+    """Give each optimizer of the template an entry to load into for every parameter the checkpoint holds
+    state for and the template's optimizer does not (it never stepped on it yet): DCP plans the
+    template's keys only, and that saved state was dropped. Only parameters the template's optimizer
+    has (its param_groups name them) are added; the values are placeholders of the stored shape and
+    dtype, filled by the read like any other."""
+    stored: Mapping[str, Any] = dcp.get("state_dict", {})
+    paths: Mapping[str, Any] = dcp.get("planner_data", {})
+    for key, value in state.items():
+        sd = prepared.state_dict.get(key)
+        if not isinstance(value, torch.optim.Optimizer) or not isinstance(sd, dict):
+            continue
+        params = {p for g in sd.get("param_groups", []) if isinstance(g, dict) for p in g.get("params", [])
+                  if isinstance(p, str)}
+        template = sd.get("state")
+        if not isinstance(template, dict) or "<dict>" in template:  # an empty state, encoded: nothing planned
+            continue
+        added: dict[str, dict[str, Any]] = {}
+        for flat, entry in stored.items():
+            path = paths.get(flat)
+            if (not isinstance(path, list) or len(path) != 4 or path[:2] != [key, "state"] or path[2] not in params
+                    or not isinstance(path[3], str) or path[3] in template.get(path[2], {})):
+                continue
+            if entry.get("type") == "tensor":
+                placeholder: Any = torch.empty(entry["size"], dtype=dtype_from_name(entry["dtype"]))
+            else:
+                placeholder = None
+            added.setdefault(path[2], {})[path[3]] = placeholder
+        if added:
+            merged = dict(template)
+            for fqn, entries in added.items():
+                merged[fqn] = {**merged.get(fqn, {}), **entries}
+            prepared.state_dict[key] = {**sd, "state": merged}
 
 
 def _finish(prepared: PreparedState, swaps: list[artifacts.RestoreSwap], stats: PhaseTimer) -> None:

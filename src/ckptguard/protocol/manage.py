@@ -143,6 +143,7 @@ def delete_step(session: Session, step: int, committed: Listing, tags: Tags) -> 
                     retired.append(path)
         left = root.listing()
         root.latest_after_delete(step, left)
+        root.prune_quarantine(left)
         return left
 
     listing: Listing = session.comm.step(f"delete step {step}", retire, agreed_listing, where=session.url)

@@ -25,7 +25,7 @@ from typing import Literal
 from ckptguard.checksum import DEFAULT_ALGORITHM
 from ckptguard.comm import Comm
 from ckptguard.errors import CheckpointError, CorruptCheckpointError, LeaseLostError, NotVisibleError
-from ckptguard.protocol import latest, layout, rootkit
+from ckptguard.protocol import latest, layout, quarantine, rootkit
 from ckptguard.protocol.decisions import DomainListing
 from ckptguard.protocol.layout import CheckpointName
 from ckptguard.protocol.manifest import FileEntry, Manifest
@@ -80,14 +80,16 @@ class PosixRoot(rootkit.RootKit):
 
     def after_lease(self) -> None:
         """Remove the pointer files a previous holder staged and has not linked or renamed into place
-        yet (`latest`, tags: a compare-and-swap writes a temp file, checks the fence, then links it).
+        yet (`latest`, tags, quarantine records: a compare-and-swap writes a temp file, checks the fence,
+        then links it).
 
         A holder stopped right after its last fence check passed (before this lease was written)
         would otherwise move the pointer when it resumes; its link or rename now finds no source,
         and its fence check then raises. A temp file staged after this cannot be linked: its
         writer's fence check comes after it, and finds this lease.
         """
-        for directory, tail in ((self.path, layout.LATEST), (self.storage.path(layout.TAGS), None)):
+        for directory, tail in ((self.path, layout.LATEST), (self.storage.path(layout.TAGS), None),
+                                (self.storage.path(quarantine.DIR), None)):
             for entry in self.storage.listdir(directory):
                 if is_tmp_name_of(entry, tail):
                     self.storage.delete(os.path.join(directory, entry))

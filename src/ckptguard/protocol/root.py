@@ -27,6 +27,7 @@ from ckptguard.protocol.layout import CheckpointName
 from ckptguard.protocol.manifest import FileEntry, Manifest
 from ckptguard.protocol.objstore import ObjectStoreRoot
 from ckptguard.protocol.posixroot import PosixRoot
+from ckptguard.protocol.quarantine import QuarantineRecord
 from ckptguard.protocol.records import LatestRecord
 from ckptguard.protocol.rootkit import Garbage
 from ckptguard.protocol.topology import Topology
@@ -116,6 +117,10 @@ class Root(Protocol):
     def walk(self, path: str) -> list[tuple[str, int]]:
         """(relative path, size or rootkit.NOT_A_FILE) of every entry under ``path``."""
 
+    def quarantined(self) -> dict[CheckpointName, QuarantineRecord]:
+        """The quarantine records of this root (protocol/quarantine.py): checkpoints loads found corrupt.
+        A record applies to a commit only where its sequence number matches (``QuarantineRecord.matches``)."""
+
     def garbage(self, keep_attempts: frozenset[str] = frozenset(), min_probe_age_s: float = 600.0) -> Garbage: ...
 
     def unlisted_commits(self) -> dict[CheckpointName, str]:
@@ -142,6 +147,15 @@ class Root(Protocol):
     def invalidate(self, path: str) -> None: ...
 
     def remove_retired(self, path: str) -> None: ...
+
+    def quarantine(self, name: CheckpointName, seq: int | None, reason: str) -> None:
+        """Record that the commit ``name``, listed with ``seq``, is corrupt (under the fence)."""
+
+    def release_quarantine(self, name: CheckpointName) -> None:
+        """Remove the quarantine record of ``name``, if any (under the fence)."""
+
+    def prune_quarantine(self, listing: DomainListing) -> None:
+        """Remove every quarantine record that names no commit of ``listing`` (under the fence)."""
 
     def discard_attempt(self, staging: str, name: CheckpointName, attempt: str) -> None:
         """Remove a failed save's data, unless it may be committed after all."""

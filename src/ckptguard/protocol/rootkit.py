@@ -16,9 +16,11 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from ckptguard.errors import CorruptCheckpointError
-from ckptguard.protocol import latest, layout
+from ckptguard.protocol import latest, layout, quarantine
+from ckptguard.protocol.decisions import DomainListing
 from ckptguard.protocol.layout import CheckpointName
 from ckptguard.protocol.manifest import HEAD_BYTES, Manifest, commit_seq_from_head
+from ckptguard.protocol.quarantine import QuarantineRecord
 from ckptguard.protocol.records import LatestRecord
 from ckptguard.storage import StorageBackend
 
@@ -53,6 +55,11 @@ class Fence:
     def set(self, check: Callable[[str], None]) -> None:
         self._check = check
 
+    @property
+    def held(self) -> bool:
+        """Whether this root is a writing job's (its lease taken)."""
+        return self._check is not None
+
     def check(self, acting: str) -> None:
         if self._check is not None:
             self._check(acting)
@@ -62,6 +69,7 @@ class _Root(Protocol):
     """What :class:`RootKit`'s methods use of the root they are part of."""
 
     storage: StorageBackend
+    _quarantine: dict[CheckpointName, QuarantineRecord] | None
 
     def guard(self, acting: str) -> None: ...
 
@@ -74,6 +82,10 @@ class _Root(Protocol):
 
     def retire(self, path: str) -> str | None: ...
 
+    def quarantined(self) -> dict[CheckpointName, QuarantineRecord]: ...
+
+    def release_quarantine(self, name: CheckpointName) -> None: ...
+
     def remove_retired(self, path: str) -> None: ...
 
 
@@ -83,6 +95,9 @@ class RootKit:
     def __init__(self, storage: StorageBackend) -> None:
         self.storage = storage
         self._fence = Fence()
+        # The quarantine records as the lease holder knows them: only the holder writes them (under the
+        # fence), so once read it keeps them itself, and its saves and loads list nothing more.
+        self._quarantine: dict[CheckpointName, QuarantineRecord] | None = None
 
     @property
     def path(self) -> str:
@@ -125,6 +140,37 @@ class RootKit:
         """Remove what ``retire`` took out of sight (under the fence)."""
         self.guard(f"remove {path}")
         self.storage.remove_tree(path)
+
+    def quarantined(self) -> dict[CheckpointName, QuarantineRecord]:
+        """The checkpoints loads found corrupt (protocol/quarantine.py), whatever is committed now: read
+        each time by a reader, once by the lease holder (it writes them itself from then on)."""
+        if self._quarantine is not None:
+            return dict(self._quarantine)
+        found = quarantine.read_all(self.storage)
+        if self._fence.held:
+            self._quarantine = found
+        return dict(found)
+
+    def quarantine(self: _Root, name: CheckpointName, seq: int | None, reason: str) -> None:
+        """Record that the commit ``name`` (listed with ``seq``) is corrupt (under the fence)."""
+        record = quarantine.write(self.storage, name, seq, reason,
+                                  fence=lambda: self.guard(f"quarantine {name.dirname}"))
+        if self._quarantine is not None:
+            self._quarantine[name] = record
+
+    def release_quarantine(self: _Root, name: CheckpointName) -> None:
+        """Remove the quarantine record of ``name``, if any (under the fence)."""
+        quarantine.remove(self.storage, name,
+                          fence=lambda: self.guard(f"remove the quarantine record of {name.dirname}"))
+        if self._quarantine is not None:
+            self._quarantine.pop(name, None)
+
+    def prune_quarantine(self: _Root, listing: DomainListing) -> None:
+        """Remove every quarantine record naming no commit of ``listing`` (retired, deleted or replaced)."""
+        for name, record in self.quarantined().items():
+            if name.version not in listing.get(name.step, {}) or not record.matches(
+                    listing[name.step][name.version]):
+                self.release_quarantine(name)
 
 
 def relative(path: str, base: str) -> str | None:

@@ -78,6 +78,7 @@ class SavePlan:
     targets: list[ArtifactTarget]
     previous: int | None  # newest agreed step before this save, for error messages
     seq: int  # commit sequence number of this save
+    quarantined: frozenset[int] = frozenset()  # agreed steps a load found corrupt (retention drops them first)
 
     @property
     def intact(self) -> str:
@@ -169,8 +170,8 @@ def _plan(session: Session, request: SaveRequest) -> SavePlan:
             seen = [q for versions in listing.values() for q in versions.values() if q is not None]
             taken = set(listing.get(request.step, {})) | set(session.root.taken_versions(request.step))
             view = LeaderView(sorted(taken), listing,
-                              max([*seen, session.root.latest_seq()]))
-        return PlanReport(request.targets, view)
+                              max([*seen, session.root.latest_seq()]), session.root.quarantined())
+        return PlanReport(request.targets, view, (request.step, request.overwrite))
 
     decision: PlanDecision = comm.step(
         f"save step {request.step}", report,
@@ -179,7 +180,7 @@ def _plan(session: Session, request: SaveRequest) -> SavePlan:
         artifacts.probe_shared_paths(comm, decision.uncertain, decision.attempt)
     name = CheckpointName(request.step, decision.version)
     return SavePlan(request.step, name, decision.attempt, session.root.staging_dir(request.step, decision.attempt),
-                    request.targets, decision.previous, decision.seq)
+                    request.targets, decision.previous, decision.seq, decision.quarantined)
 
 
 def _stage(session: Session, plan: SavePlan) -> None:
@@ -287,7 +288,7 @@ def _commit(session: Session, plan: SavePlan, writer: GuardedWriter[StoredArtifa
 
     def after_publish(listings: list[DomainListing | None]) -> tuple[list[int], Listing]:
         agreed = agreed_listing(listings)
-        doomed = retention(agreed, plan.step, options.keep_last, options.keep_every)
+        doomed = retention(agreed, plan.step, options.keep_last, options.keep_every, plan.quarantined)
         return [s for s in doomed if s not in keep], agreed
 
     try:
@@ -449,6 +450,10 @@ def finish(session: Session, plan: SavePlan, doomed: list[int], agreed: Listing,
         for path in doomed_dirs + stray + garbage.staging + garbage.probes:
             retire(path)
         retired.extend(garbage.trash)
+        # Quarantine records of what is gone now (the replaced version of a quarantined step included).
+        gone = set(doomed_dirs + stray)
+        root.prune_quarantine({s: {v: q for v, q in versions.items() if root.dir(CheckpointName(s, v)) not in gone}
+                               for s, versions in mine.items()})
     except LeaseLostError as e:
         e.args = (f"step {plan.step} is committed, but {e}",)
         raise

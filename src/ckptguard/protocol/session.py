@@ -112,6 +112,7 @@ def open_session(comm: Comm, root: Root, options: Options, *, read_only: bool,
                 session.lease = lease
                 root.set_fence(functools.partial(_check_lease, lease))
                 root.after_lease()
+                root.quarantined()  # read once now: the holder keeps them from here on (no listing per save)
 
         try:
             comm.step(f"take the lease on {storage.root}", take_lease, where=storage.root)
