@@ -64,6 +64,11 @@ class HostRun:
         v = self.record.get("ended_at")
         return None if v is None else float(v)
 
+    @property
+    def attempt(self) -> int:
+        v = self.record.get("attempt", 1)
+        return v if isinstance(v, int) and not isinstance(v, bool) else 1
+
     def last_activity(self) -> float:
         times = [self.ended or self.started]
         for name in (*LOG_NAMES, RUN_FILE):
@@ -90,14 +95,15 @@ def _write_json(path: str, data: dict[str, Any]) -> None:
     os.replace(tmp, path)
 
 
-def create(base: str, argv: list[str], job_id: str | None) -> HostRun:
-    """Make this run's subdirectory of ``base`` and its ``run.json``; LogDirError if impossible."""
+def create(base: str, argv: list[str], job_id: str | None, attempt: int = 1) -> HostRun:
+    """Make this run's subdirectory of ``base`` and its ``run.json``; LogDirError if impossible.
+    ``attempt``: which run of the command this is (--max-restarts); each has its own subdirectory."""
     host = socket.gethostname()
     started = time.time()
     stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(started))
-    path = os.path.join(base, f"{stamp}_{host}_{os.getpid()}")
+    path = os.path.join(base, f"{stamp}_{host}_{os.getpid()}" + (f"_attempt{attempt}" if attempt > 1 else ""))
     record = {"host": host, "pid": os.getpid(), "command": argv, "job_id": job_id, "cwd": os.getcwd(),
-              "started_at": started, "ended_at": None, "exit_status": None}
+              "started_at": started, "ended_at": None, "exit_status": None, "attempt": attempt}
     try:
         os.makedirs(path, exist_ok=False)
         _write_json(os.path.join(path, RUN_FILE), record)
@@ -151,6 +157,8 @@ def host_runs(base: str) -> list[HostRun]:
 
 
 def _same_job(a: HostRun, b: HostRun, now: float) -> bool:
+    if a.attempt != b.attempt:  # each attempt of a restarted job is diagnosed on its own
+        return False
     if a.job_id is not None and b.job_id is not None:
         return a.job_id == b.job_id
     a_end = a.ended if a.ended is not None else max(
