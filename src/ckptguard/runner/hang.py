@@ -450,20 +450,23 @@ def stopped_rank(records: list[Mapping[str, Any]]) -> Verdict:
         waiting = sorted(r for r, op in in_coll.items() if op == main_op)
         p = ranks[stopped]
         return Verdict(stopped, str(p.get("state")), str(p.get("detail")), waiting, outside[1:], main_op,
-                       f"rank {stopped} is not in the collective {main_op} that {_ranks(waiting)} wait in: "
+                       f"rank {stopped} is not in the collective {main_op} that {_ranks(waiting)} {_wait(waiting)} in: "
                        f"it is {p.get('detail')}")
     if len(ops) > 1:
         main_op, _ = ops.most_common(1)[0]
         odd = sorted(r for r, op in in_coll.items() if op != main_op)
-        # A tie (2 ranks, 2 collectives): the lower rank of the rarer collective.
-        if ops.most_common()[0][1] == ops.most_common()[1][1]:
-            main_op = in_coll[max(in_coll)]
-            odd = sorted(r for r, op in in_coll.items() if op != main_op)
+        tie = ops.most_common()[0][1] == ops.most_common()[1][1]
+        if tie:  # no majority: a point-to-point call is the odd one out, else the lowest rank's call
+            p2p = [op for op in ops if op in _P2P]
+            odd_op = p2p[0] if len(p2p) == 1 else in_coll[min(in_coll)]
+            main_op = next(op for op, _ in ops.most_common() if op != odd_op)
+            odd = sorted(r for r, op in in_coll.items() if op == odd_op)
         stopped = odd[0]
         waiting = sorted(r for r, op in in_coll.items() if op == main_op)
         return Verdict(stopped, "other_collective", in_coll[stopped], waiting, odd[1:], main_op,
-                       f"rank {stopped} waits in {in_coll[stopped]} while {_ranks(waiting)} wait in {main_op}: "
-                       "the ranks called different collectives")
+                       f"rank {stopped} waits in {in_coll[stopped]} while {_ranks(waiting)} {_wait(waiting)} in "
+                       f"{main_op}: the ranks called different collectives"
+                       + (" (as many ranks in each: the odd one out is a guess)" if tie else ""))
     if in_coll:
         op = next(iter(ops))
         return Verdict(None, "collective", op, sorted(in_coll), [], op,
@@ -473,6 +476,13 @@ def stopped_rank(records: list[Mapping[str, Any]]) -> Verdict:
     p = ranks[stopped]
     return Verdict(stopped, str(p.get("state")), str(p.get("detail")), [], outside[1:], None,
                    f"rank {stopped} is {p.get('detail')}" + (f" (as are {_ranks(outside[1:])})" if outside[1:] else ""))
+
+
+_P2P = {"send", "recv", "isend", "irecv", "batch_isend_irecv"}
+
+
+def _wait(rs: list[int]) -> str:
+    return "waits" if len(rs) == 1 else "wait"
 
 
 def _ranks(rs: list[int]) -> str:
@@ -495,7 +505,10 @@ def stack_text(threads: list[list[dict[str, Any]]]) -> str:
     """A rank's threads as text, innermost frame first (the dump's own order)."""
     out = []
     for t in threads:
-        out.append("Current thread (most recent call first):" if t[0].get("current") else
+        frames = [f for f in t if isinstance(f, dict)] if isinstance(t, list) else []
+        if not frames:
+            continue
+        out.append("Current thread (most recent call first):" if frames[0].get("current") else
                    "Thread (most recent call first):")
-        out += [f'  File "{f.get("file")}", line {f.get("line")} in {f.get("func")}' for f in t]
+        out += [f'  File "{f.get("file")}", line {f.get("line")} in {f.get("func")}' for f in frames]
     return "\n".join(out)

@@ -34,6 +34,7 @@ def diagnose_runs(runs: Sequence[HostRun], *, mask_hosts: bool = False) -> Diagn
         _fill_host(diag, runs)
     _interrupted(diag, runs)
     _hang(diag, runs)
+    diag.notes += [w for r in runs for w in r.warnings]
     return diag
 
 
@@ -180,7 +181,9 @@ def _hang_json(runs: Sequence[HostRun]) -> dict[str, Any] | None:
                 ranks.append({"host": r.host, "rank": p.get("rank"), "pid": p.get("pid"), "state": p.get("state"),
                               "detail": p.get("detail"), "syscall": p.get("syscall"), "path": p.get("path"),
                               "stack_file": p.get("stack_file"), "stack": hang.stack_text(threads)})
+    stopped = next((p for p in ranks if v.rank is not None and p["rank"] == v.rank), {})
     return {"stopped_rank": v.rank, "state": v.state, "detail": v.detail, "collective": v.collective,
+            "syscall": stopped.get("syscall"), "path": stopped.get("path"),
             "waiting_ranks": v.waiting, "explanation": v.text, "timeout_s": records[0][1].get("timeout_s"),
             "processes": ranks}
 

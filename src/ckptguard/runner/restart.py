@@ -56,7 +56,7 @@ def decide(diag: Diagnosis | None, attempts: Sequence[_Attempt], restart_on: Seq
         transient, why = fc.restart.transient, fc.restart.why
         if fc.unproven is not None and fc.restart.unproven_transient is not None and diag.title == fc.unproven.title:
             transient = fc.restart.unproven_transient
-            why = f"the log does not prove {cls} ({fc.unproven.title}): treated as a lost process"
+            why = "the log shows no sign of the class's cause (an unproven kill): treated as a lost process"
     if not transient:
         return False, f"{cls} is deterministic: {why}. Fix: {' '.join(diag.fix.split())}"
     if len(attempts) >= 2:

@@ -1,0 +1,163 @@
+"""`ckptguard run --hang-timeout` and `--max-restarts` with real processes (gloo ranks on the CPU).
+
+Each hang test starts a job whose rank STOP stops at step 2 in a different way while the others
+wait in all_reduce; the runner must capture every rank's stack, name the rank that stopped and
+why, stop the job within the timeout plus a few seconds, and exit non-zero.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.support.jobs import REPO
+
+WORKERS = REPO / "tests" / "workers"
+HANG_JOB = WORKERS / "run_hang_job.py"
+RESTART_JOB = WORKERS / "run_restart_job.py"
+RUN = [sys.executable, "-m", "ckptguard", "run"]
+TIMEOUT_S = 3
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = dict(os.environ)
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_ERROR_FILE",
+              "TORCHELASTIC_RUN_ID", "SLURM_JOB_ID", "PBS_JOBID", "LSB_JOBID", "JOB_ID", "PET_RDZV_ID"):
+        env.pop(k, None)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO / "src"), str(REPO)])
+    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env.update(extra)
+    return env
+
+
+def _report(logs: Path) -> dict[str, Any]:
+    (path,) = sorted(logs.glob("*/report.json"))
+    return json.loads(path.read_text())
+
+
+@pytest.mark.parametrize(("world", "stop", "mode", "state", "detail"), [
+    (2, 0, "user", "user", "stop_here"),
+    (4, 2, "fifo", "io", "(the checkpoint path)"),
+    (2, 1, "dataloader", "dataloader", "__getitem__"),
+    (4, 3, "collective", "other_collective", "recv"),
+])
+def test_a_stopped_rank_is_caught_named_and_classified(tmp_path: Path, world: int, stop: int, mode: str,
+                                                       state: str, detail: str) -> None:
+    fifo = tmp_path / "ckpts" / "step-3.fifo"  # a stalled path under the checkpoint root
+    fifo.parent.mkdir()
+    os.mkfifo(fifo)
+    logs = tmp_path / "logs"
+    res = subprocess.run([*RUN, "--logs", str(logs), "--grace", "5", "--checkpoints", str(fifo.parent),
+                          "--hang-timeout", str(TIMEOUT_S), "--", sys.executable, str(HANG_JOB), str(world),
+                          str(stop), mode, str(fifo)],
+                         env=_env(JOB_TMP=str(tmp_path)), capture_output=True, text=True, timeout=180)
+    err = res.stderr
+    assert res.returncode != 0, err
+    # Stopped within the timeout plus a few seconds of the last progress.
+    (run_dir,) = [p.parent for p in logs.glob("*/hang.json")]
+    hang = json.loads((run_dir / "hang.json").read_text())
+    ended = json.loads((run_dir / "run.json").read_text())["ended_at"]
+    assert hang["detected_at"] - hang["last_progress_at"] < TIMEOUT_S + 1.5
+    assert ended - hang["detected_at"] < 8
+    report = _report(logs)
+    assert report["initiating_rank"] == stop
+    assert report["hang"]["stopped_rank"] == stop
+    assert report["hang"]["state"] == state
+    assert detail in report["hang"]["detail"] or detail in report["root_cause"]
+    ranks = {p["rank"]: p for p in report["hang"]["processes"] if p["rank"] is not None}
+    assert sorted(ranks) == list(range(world))
+    for r, p in ranks.items():  # every rank's stack, all threads, in the report and in stacks/
+        assert 'hang_job.py", line' in p["stack"], (r, p["stack"])
+        assert Path(p["stack_file"]).parent == run_dir / "stacks"
+        if r != stop:
+            assert p["state"] == "collective" and p["detail"] == "all_reduce"
+    if mode == "fifo":
+        assert report["hang"]["path"] == str(fifo)
+    assert f"rank {stop}" in err and "stacks" in err
+    assert sorted(report["collateral_ranks"]) == [r for r in range(world) if r != stop]
+
+
+def test_a_slow_job_that_keeps_making_progress_is_never_killed(tmp_path: Path) -> None:
+    # Progress every half timeout, alternately output and a heartbeat (no output at all for a
+    # whole timeout): never a hang, however long the job runs.
+    code = ("import sys, time\n"
+            "print('start', flush=True)\n"
+            "from ckptguard.runner import heartbeat\n"
+            "for i in range(3):\n"
+            "    time.sleep(1.5); print('step', i, flush=True)\n"
+            "    time.sleep(1.5); heartbeat()\n")
+    res = subprocess.run([*RUN, "--logs", str(tmp_path / "logs"), "--hang-timeout", "3", "--", sys.executable, "-c",
+                          code], env=_env(), capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout == "start\n" + "".join(f"step {i}\n" for i in range(3))
+    assert not list((tmp_path / "logs").glob("*/hang.json"))
+
+
+def test_a_silent_plain_process_is_caught_as_rank_0(tmp_path: Path) -> None:
+    code = "import time\nprint('started', flush=True)\nwhile True:\n    time.sleep(0.1)\n"
+    start = time.monotonic()
+    res = subprocess.run([*RUN, "--logs", str(tmp_path / "logs"), "--hang-timeout", "2", "--grace", "2", "--",
+                          sys.executable, "-c", code], env=_env(), capture_output=True, text=True, timeout=120)
+    assert res.returncode == 128 + 15, res.stderr
+    assert time.monotonic() - start < 2 + 10
+    report = _report(tmp_path / "logs")
+    assert report["initiating_rank"] == 0
+    assert report["hang"]["state"] == "user"
+
+
+def test_a_transient_failure_is_restarted_from_its_committed_step(tmp_path: Path) -> None:
+    root, logs = tmp_path / "ckpts", tmp_path / "logs"
+    res = subprocess.run([*RUN, "--logs", str(logs), "--grace", "0", "--checkpoints", str(root), "--max-restarts",
+                          "2", "--restart-backoff", "0.1", "--", sys.executable, str(RESTART_JOB), str(root),
+                          "kill_once", "4"], env=_env(), capture_output=True, text=True, timeout=180)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.splitlines() == ["resumed from None", "reached 0", "reached 1", "resumed from 1", "reached 2",
+                                       "reached 3"]
+    runs = sorted((json.loads(p.read_text()) for p in logs.glob("*/run.json")), key=lambda r: r["attempt"])
+    assert [r["exit_status"] for r in runs] == [137, 0]
+    attempts = runs[-1]["attempts"]
+    assert [(a["resumed_from"], a["reached"], a["exit_status"]) for a in attempts] == [(None, 1, 137), (1, 3, 0)]
+    assert "transient" in attempts[0]["decision"]
+    first = json.loads(next(logs.glob("*/report.json")).read_text())  # the first attempt's diagnosis is kept
+    assert first["kind"] == "host_oom_sigkill"
+
+
+def test_a_deterministic_failure_runs_once_and_says_what_to_fix(tmp_path: Path) -> None:
+    root, logs = tmp_path / "ckpts", tmp_path / "logs"
+    res = subprocess.run([*RUN, "--logs", str(logs), "--grace", "0", "--checkpoints", str(root), "--max-restarts",
+                          "3", "--restart-backoff", "0.1", "--", sys.executable, str(RESTART_JOB), str(root),
+                          "exception", "4"], env=_env(), capture_output=True, text=True, timeout=180)
+    assert res.returncode == 1
+    assert res.stdout.count("resumed from") == 1
+    assert len(list(logs.glob("*/run.json"))) == 1
+    assert "not restarted: python_exception is deterministic" in res.stderr
+    assert "Fix:" in res.stderr
+
+
+def test_restart_on_overrides_the_class_and_the_same_failure_twice_stops(tmp_path: Path) -> None:
+    root, logs = tmp_path / "ckpts", tmp_path / "logs"
+    res = subprocess.run([*RUN, "--logs", str(logs), "--grace", "0", "--checkpoints", str(root), "--max-restarts",
+                          "5", "--restart-backoff", "0.1", "--restart-on", "python_exception", "--", sys.executable,
+                          "-c", "raise ValueError('bad label')"], env=_env(), capture_output=True, text=True,
+                         timeout=180)
+    assert res.returncode == 1
+    # Restarted once (named by --restart-on), then the same failure with no new step: stop.
+    assert len(list(logs.glob("*/run.json"))) == 2
+    assert "twice in a row with no new committed step" in res.stderr
+
+
+def test_restart_options_are_checked_before_anything_runs(tmp_path: Path) -> None:
+    marker = tmp_path / "ran"
+    for opts in (["--max-restarts", "1"], ["--max-restarts", "1", "--checkpoints", str(tmp_path), "--restart-on",
+                                                                "no_such_class"], ["--hang-timeout", "0"]):
+        res = subprocess.run([*RUN, "--logs", str(tmp_path / "logs"), *opts, "--", "touch", str(marker)],
+                             env=_env(), capture_output=True, text=True, timeout=60)
+        assert res.returncode == 125, (opts, res.stderr)
+        assert not marker.exists()
