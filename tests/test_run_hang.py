@@ -119,7 +119,7 @@ def test_a_transient_failure_is_restarted_from_its_committed_step(tmp_path: Path
                           "kill_once", "4"], env=_env(), capture_output=True, text=True, timeout=180)
     assert res.returncode == 0, res.stderr
     assert res.stdout.splitlines() == ["resumed from None", "reached 0", "reached 1", "resumed from 1", "reached 2",
-                                       "reached 3"]
+                                       "reached 3", "done"]
     runs = sorted((json.loads(p.read_text()) for p in logs.glob("*/run.json")), key=lambda r: r["attempt"])
     assert [r["exit_status"] for r in runs] == [137, 0]
     attempts = runs[-1]["attempts"]
@@ -161,3 +161,12 @@ def test_restart_options_are_checked_before_anything_runs(tmp_path: Path) -> Non
                              env=_env(), capture_output=True, text=True, timeout=60)
         assert res.returncode == 125, (opts, res.stderr)
         assert not marker.exists()
+
+
+def test_checkpoint_saves_are_progress_for_a_job_that_prints_nothing(tmp_path: Path) -> None:
+    root = tmp_path / "ckpts"
+    res = subprocess.run([*RUN, "--logs", str(tmp_path / "logs"), "--hang-timeout", "4", "--", sys.executable,
+                          str(RESTART_JOB), str(root), "quiet", "3"], env=_env(), capture_output=True, text=True,
+                         timeout=120)
+    assert res.returncode == 0, res.stderr  # 7.5 s without output, a save every 2.5 s
+    assert res.stdout == "resumed from None\ndone\n"

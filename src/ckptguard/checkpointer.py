@@ -41,6 +41,7 @@ from ckptguard.protocol.root import open_root
 from ckptguard.protocol.session import Options, Session, open_session
 from ckptguard.protocol.timing import PhaseTimer, gc_paused
 from ckptguard.protocol.topology import Topology
+from ckptguard.runner.beat import heartbeat
 from ckptguard.staging import DeviceStager, HostStager
 from ckptguard.state import prepare_state
 
@@ -257,6 +258,7 @@ class Checkpointer(Settings):
             raise ValueError(f"step must be a non-negative int, got {step!r}")
         user_metadata = json_object(metadata)
         started = time.perf_counter()
+        heartbeat()  # progress for `ckptguard run --hang-timeout`: a save is not a hang
         fault_point(FaultPhase.SAVE_START, self._comm.rank)
         show = (self.progress if progress is None else progress) and self._comm.rank == 0
         stats = self._last_save_stats = PhaseTimer(show)
@@ -366,11 +368,13 @@ class Checkpointer(Settings):
         """
         self.wait()
         self._check_usable(writing=False)
+        heartbeat()  # progress for `ckptguard run --hang-timeout`: a load is not a hang
         step, self._tags = manage.tagged_step(self._session, tag, step, self._tags)
         show = (self.progress if progress is None else progress) and self._comm.rank == 0
         with gc_paused():
             loaded, stats, current = load_protocol.load(self._session, step, state, files, strict, show)
         self._committed = current
+        heartbeat()
         if stats is not None:
             self._last_load_stats = stats
         return loaded
@@ -512,6 +516,7 @@ class Checkpointer(Settings):
         with gc_paused():
             outcome = save_protocol.save(self._session, request, stats)
         self._committed = outcome.committed
+        heartbeat()
         try:
             # Submitted and recorded, or neither: a Ctrl-C between the two (or inside the pool's start of
             # its worker) left a removal that close() did not wait for, which ran after the lease was
