@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from tests.support.jobs import REPO
+from tests.support.jobs import REPO, free_port
 
 WORKERS = REPO / "tests" / "workers"
 HANG_JOB = WORKERS / "run_hang_job.py"
@@ -42,31 +42,60 @@ def _report(logs: Path) -> dict[str, Any]:
     return json.loads(path.read_text())
 
 
-@pytest.mark.parametrize(("world", "stop", "mode", "state", "detail"), [
-    (2, 0, "user", "user", "stop_here"),
-    (4, 2, "fifo", "io", "(the checkpoint path)"),
-    (2, 1, "dataloader", "dataloader", "__getitem__"),
-    (4, 3, "collective", "other_collective", "recv"),
+def _two_nodes(tmp_path: Path, logs: Path, run_opts: list[str], job: list[str]) -> list[subprocess.CompletedProcess[str]]:
+    """A 2-node x 2-rank torchrun job, each node's agent under its own `ckptguard run`, one --logs."""
+    port = free_port()
+    procs = [subprocess.Popen([*RUN, "--logs", str(logs), "--job-id", "hang-test", *run_opts, "--", sys.executable,
+                               "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=2",
+                               "--rdzv-backend=static", "--master-addr=127.0.0.1", f"--master-port={port}",
+                               f"--node-rank={n}", "--max-restarts=0", *job],
+                              env=_env(JOB_TMP=str(tmp_path), GLOO_SOCKET_IFNAME="lo"), stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for n in (0, 1)]
+    out = []
+    for p in procs:
+        o, e = p.communicate(timeout=180)
+        out.append(subprocess.CompletedProcess(p.args, p.returncode, o, e))
+    return out
+
+
+@pytest.mark.parametrize(("launcher", "world", "stop", "mode", "state", "detail"), [
+    ("plain", 2, 0, "user", "user", "stop_here"),
+    ("torchrun", 4, 2, "fifo", "io", "(the checkpoint path)"),
+    ("plain", 2, 1, "dataloader", "dataloader", "__getitem__"),
+    ("plain", 4, 3, "collective", "other_collective", "recv"),
 ])
-def test_a_stopped_rank_is_caught_named_and_classified(tmp_path: Path, world: int, stop: int, mode: str,
-                                                       state: str, detail: str) -> None:
+def test_a_stopped_rank_is_caught_named_and_classified(tmp_path: Path, launcher: str, world: int, stop: int,
+                                                       mode: str, state: str, detail: str) -> None:
     fifo = tmp_path / "ckpts" / "step-3.fifo"  # a stalled path under the checkpoint root
     fifo.parent.mkdir()
     os.mkfifo(fifo)
     logs = tmp_path / "logs"
-    res = subprocess.run([*RUN, "--logs", str(logs), "--grace", "5", "--checkpoints", str(fifo.parent),
-                          "--hang-timeout", str(TIMEOUT_S), "--", sys.executable, str(HANG_JOB), str(world),
-                          str(stop), mode, str(fifo)],
-                         env=_env(JOB_TMP=str(tmp_path)), capture_output=True, text=True, timeout=180)
-    err = res.stderr
-    assert res.returncode != 0, err
+    opts = ["--grace", "5", "--checkpoints", str(fifo.parent), "--hang-timeout", str(TIMEOUT_S)]
+    job = [str(HANG_JOB), str(world), str(stop), mode, str(fifo)]
+    if launcher == "torchrun":  # 2 nodes: each node's runner captures its own ranks; each names rank `stop`
+        results = _two_nodes(tmp_path, logs, opts, job)
+    else:
+        results = [subprocess.run([*RUN, "--logs", str(logs), *opts, "--", sys.executable, *job],
+                                  env=_env(JOB_TMP=str(tmp_path)), capture_output=True, text=True, timeout=180)]
+    for res in results:
+        assert res.returncode != 0, res.stderr
+        assert f"rank {stop}" in res.stderr and "stacks" in res.stderr
     # Stopped within the timeout plus a few seconds of the last progress.
-    (run_dir,) = [p.parent for p in logs.glob("*/hang.json")]
-    hang = json.loads((run_dir / "hang.json").read_text())
-    ended = json.loads((run_dir / "run.json").read_text())["ended_at"]
-    assert hang["detected_at"] - hang["last_progress_at"] < TIMEOUT_S + 1.5
-    assert ended - hang["detected_at"] < 8
-    report = _report(logs)
+    run_dirs = [p.parent for p in logs.glob("*/hang.json")]
+    assert len(run_dirs) == len(results)
+    for run_dir in run_dirs:
+        hang = json.loads((run_dir / "hang.json").read_text())
+        ended = json.loads((run_dir / "run.json").read_text())["ended_at"]
+        assert hang["detected_at"] - hang["last_progress_at"] < TIMEOUT_S + 1.5
+        assert ended - hang["detected_at"] < 8
+    reports = [json.loads(p.read_text()) for p in sorted(logs.glob("*/report.json"))]
+    assert len(reports) == len(results)
+    for report in reports:
+        _check_report(report, world, stop, mode, state, detail, fifo)
+
+
+def _check_report(report: dict[str, Any], world: int, stop: int, mode: str, state: str, detail: str,
+                  fifo: Path) -> None:
     assert report["initiating_rank"] == stop
     assert report["hang"]["stopped_rank"] == stop
     assert report["hang"]["state"] == state
@@ -75,12 +104,11 @@ def test_a_stopped_rank_is_caught_named_and_classified(tmp_path: Path, world: in
     assert sorted(ranks) == list(range(world))
     for r, p in ranks.items():  # every rank's stack, all threads, in the report and in stacks/
         assert 'hang_job.py", line' in p["stack"], (r, p["stack"])
-        assert Path(p["stack_file"]).parent == run_dir / "stacks"
+        assert Path(p["stack_file"]).parent.name == "stacks"
         if r != stop:
             assert p["state"] == "collective" and p["detail"] == "all_reduce"
     if mode == "fifo":
         assert report["hang"]["path"] == str(fifo)
-    assert f"rank {stop}" in err and "stacks" in err
     assert sorted(report["collateral_ranks"]) == [r for r in range(world) if r != stop]
 
 

@@ -37,13 +37,27 @@ def launch(world: int) -> int:
 
 def rank_main(stop: int, mode: str, fifo: str | None) -> None:
     import datetime
+    import threading
 
+    from ckptguard.runner import heartbeat
+
+    started = threading.Event()
+
+    def beat() -> None:  # importing torch and the rendezvous are slow on a loaded machine, and silent
+        while not started.is_set():
+            heartbeat()
+            time.sleep(0.5)
+
+    threading.Thread(target=beat, daemon=True).start()
     import torch
     import torch.distributed as dist
 
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
     rank, world = dist.get_rank(), dist.get_world_size()
+    os.makedirs(os.path.join(os.environ["JOB_TMP"], "ready"), exist_ok=True)
     open(os.path.join(os.environ["JOB_TMP"], "ready", str(rank)), "w").close()
+    dist.barrier()
+    started.set()
     t = torch.ones(4)
     for step in range(int(os.environ.get("JOB_STEPS", "1000"))):
         if step == 2 and rank == stop:
