@@ -42,7 +42,8 @@ def _report(logs: Path) -> dict[str, Any]:
     return json.loads(path.read_text())
 
 
-def _two_nodes(tmp_path: Path, logs: Path, run_opts: list[str], job: list[str]) -> list[subprocess.CompletedProcess[str]]:
+def _two_nodes(tmp_path: Path, logs: Path, run_opts: list[str],
+               job: list[str]) -> list[subprocess.CompletedProcess[str]]:
     """A 2-node x 2-rank torchrun job, each node's agent under its own `ckptguard run`, one --logs."""
     port = free_port()
     procs = [subprocess.Popen([*RUN, "--logs", str(logs), "--job-id", "hang-test", *run_opts, "--", sys.executable,

@@ -379,6 +379,12 @@ def classify(threads: list[list[dict[str, Any]]], syscall: str | None, path: str
     for f in frames:
         if any(c in f["file"] for c in _COLLECTIVE_FILES) and not f["func"].startswith("_") and f["func"] != "wrapper":
             return "collective", f["func"]
+        # DDP's collectives run inside the autograd engine (the gradient all-reduce in backward) and
+        # in its forward (buffer broadcast): the Python stack ends there.
+        if "torch/autograd/" in f["file"] and f["func"] in ("backward", "_engine_run_backward"):
+            return "collective", "backward (DDP's gradient all-reduce)"
+        if "torch/nn/parallel/distributed.py" in f["file"] and not f["func"].startswith("_"):
+            return "collective", f"DDP {f['func']}"
     if in_data:
         return "dataloader", f"waiting for the next batch of the data loader, at {at}"
     for f in frames:

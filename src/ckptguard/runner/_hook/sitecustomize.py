@@ -61,7 +61,7 @@ def _beat_on_imports() -> None:
     if path:
         import sys
 
-        sys.meta_path.insert(0, _ImportBeat(path))  # type: ignore[arg-type]
+        sys.meta_path.insert(0, _ImportBeat(path))
 
 
 def _chain() -> None:
