@@ -4,7 +4,7 @@ A simulated 2-node torchrun job (2 agents x 2 processes, gloo, CPU) trains a
 small character-level model with DDP and checkpoints every 10 steps into one
 shared directory. On the first run, rank 3 (on node 1) is SIGKILLed halfway
 through writing the step-39 checkpoint. The job is then restarted: it resumes
-from the newest committed checkpoint (step 29). At step 45 rank 2 stops (a read
+from the newest committed checkpoint (step 29). At step 42 rank 2 stops (a read
 that never returns); `ckptguard run --hang-timeout` captures every rank's
 stack, names rank 2 and the file it waits on, stops the job and, since a hang
 is transient (`--max-restarts 1`), restarts it from step 39 to the end. Finally
@@ -108,10 +108,10 @@ def main() -> int:
     crashed = run_job("first run", root, work / "logs" / "run1-crash", {"DEMO_CRASH_AT": "39:3"})
     before = losses(work / "logs" / "run1-crash")
 
-    banner("2. restart the same job: it resumes from the newest committed checkpoint; at step 45 rank 2 stops\n"
+    banner("2. restart the same job: it resumes from the newest committed checkpoint; at step 42 rank 2 stops\n"
            "   (a read that never returns): --hang-timeout catches it, --max-restarts resumes from step 39")
-    resumed = run_job("second run", root, work / "logs" / "run2-resume", {"DEMO_HANG_AT": "45:2"},
-                      ("--hang-timeout", "8", "--max-restarts", "1", "--restart-backoff", "1", "--job-id", "demo-run2"))
+    resumed = run_job("second run", root, work / "logs" / "run2-resume", {"DEMO_HANG_AT": "42:2"},
+                      ("--hang-timeout", "6", "--max-restarts", "1", "--restart-backoff", "1", "--job-id", "demo-run2"))
     after = losses(work / "logs" / "run2-resume")
     replayed = sorted(set(before) & set(after))
     if after:
