@@ -129,13 +129,15 @@ def test_a_slow_job_that_keeps_making_progress_is_never_killed(tmp_path: Path) -
     assert not list((tmp_path / "logs").glob("*/hang.json"))
 
 
-def test_a_silent_plain_process_is_caught_as_rank_0(tmp_path: Path) -> None:
-    code = "import time\nprint('started', flush=True)\nwhile True:\n    time.sleep(0.1)\n"
+def test_a_silent_plain_process_is_caught_as_rank_0_and_killed_after_the_grace(tmp_path: Path) -> None:
+    # It ignores SIGTERM: SIGKILL after the grace ends it.
+    code = ("import signal, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\nprint('started', flush=True)\n"
+            "while True:\n    time.sleep(0.1)\n")
     start = time.monotonic()
-    res = subprocess.run([*RUN, "--logs", str(tmp_path / "logs"), "--hang-timeout", "2", "--grace", "2", "--",
+    res = subprocess.run([*RUN, "--logs", str(tmp_path / "logs"), "--hang-timeout", "2", "--grace", "1", "--",
                           sys.executable, "-c", code], env=_env(), capture_output=True, text=True, timeout=120)
-    assert res.returncode == 128 + 15, res.stderr
-    assert time.monotonic() - start < 2 + 10
+    assert res.returncode == 128 + 9, res.stderr
+    assert time.monotonic() - start < 2 + 1 + 10
     report = _report(tmp_path / "logs")
     assert report["initiating_rank"] == 0
     assert report["hang"]["state"] == "user"
