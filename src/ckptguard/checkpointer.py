@@ -29,6 +29,7 @@ from ckptguard.dcp.planners import forget_cached_plans
 from ckptguard.dcp.reader import auto_memory_bytes
 from ckptguard.dcp.values import refuse_too_deep
 from ckptguard.errors import CheckpointError
+from ckptguard.heartbeat import heartbeat
 from ckptguard.protocol import artifacts, manage
 from ckptguard.protocol import load as load_protocol
 from ckptguard.protocol import read as read_protocol
@@ -41,7 +42,6 @@ from ckptguard.protocol.root import open_root
 from ckptguard.protocol.session import Options, Session, open_session
 from ckptguard.protocol.timing import PhaseTimer, gc_paused
 from ckptguard.protocol.topology import Topology
-from ckptguard.runner.beat import heartbeat
 from ckptguard.staging import DeviceStager, HostStager
 from ckptguard.state import prepare_state
 

@@ -4,8 +4,9 @@ The pieces: ``child`` (spawn, pass-through over pipes or pseudo-terminals, signa
 ``capture`` (the kept bytes, head and tail, arrival times), ``logdir`` (one subdirectory per host
 and run, finding a job's other hosts), ``report`` (the whole-job diagnosis and resume section),
 ``hang`` (--hang-timeout: stacks of every rank, the rank that stopped), ``restart``
-(--max-restarts: which failures are worth another attempt), ``beat`` (the job's heartbeat).
-The exit status is always the child's; the runner's own refusals happen before the child starts
+(--max-restarts: which failures are worth another attempt). ``heartbeat`` (the job's progress
+signal) lives in ``ckptguard.heartbeat``, below the Checkpointer that sends it.
+The exit status is always the child's (the last attempt's); the runner's own refusals happen before the child starts
 (125: options or log directory, 126: not executable, 127: command not found).
 """
 
@@ -22,8 +23,8 @@ from dataclasses import dataclass
 from types import FrameType
 from typing import TYPE_CHECKING
 
+from ckptguard.heartbeat import heartbeat as heartbeat
 from ckptguard.runner import logdir
-from ckptguard.runner.beat import heartbeat as heartbeat
 from ckptguard.runner.capture import DEFAULT_CAP, StreamCapture
 from ckptguard.runner.child import FORWARDED, CommandNotFound, run_child, wait_in_steps
 

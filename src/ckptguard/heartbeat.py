@@ -1,4 +1,5 @@
-"""The job's side of `ckptguard run --hang-timeout`: a progress signal that is not output.
+"""The job's side of `ckptguard run --hang-timeout`: a progress signal that is not output
+(``ckptguard.runner.heartbeat``; every Checkpointer save and load sends one).
 
 ``heartbeat()`` touches the file that the runner named in ``CKPTGUARD_HEARTBEAT``; the runner
 counts its modification time as progress, like a line of output. Outside `ckptguard run` (the
