@@ -129,14 +129,18 @@ def test_a_slow_job_that_keeps_making_progress_is_never_killed(tmp_path: Path) -
     assert not list((tmp_path / "logs").glob("*/hang.json"))
 
 
-def test_a_silent_plain_process_is_caught_as_rank_0_and_killed_after_the_grace(tmp_path: Path) -> None:
-    # It ignores SIGTERM: SIGKILL after the grace ends it.
-    code = ("import signal, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\nprint('started', flush=True)\n"
+@pytest.mark.parametrize(("on_sigterm", "status"), [
+    ("signal.SIG_IGN", 128 + 9),  # ignores SIGTERM: SIGKILL after the grace ends it
+    ("lambda *a: sys.exit(0)", 128 + 15),  # exits 0 on SIGTERM: a hang is still a failure
+])
+def test_a_silent_plain_process_is_caught_as_rank_0_and_stopped(tmp_path: Path, on_sigterm: str,
+                                                                 status: int) -> None:
+    code = (f"import signal, sys, time\nsignal.signal(signal.SIGTERM, {on_sigterm})\nprint('started', flush=True)\n"
             "while True:\n    time.sleep(0.1)\n")
     start = time.monotonic()
     res = subprocess.run([*RUN, "--logs", str(tmp_path / "logs"), "--hang-timeout", "2", "--grace", "1", "--",
                           sys.executable, "-c", code], env=_env(), capture_output=True, text=True, timeout=120)
-    assert res.returncode == 128 + 9, res.stderr
+    assert res.returncode == status, res.stderr
     assert time.monotonic() - start < 2 + 1 + 10
     report = _report(tmp_path / "logs")
     assert report["initiating_rank"] == 0

@@ -226,9 +226,11 @@ def _run_and_explain(opts: RunOptions, env: Mapping[str, str], me: logdir.HostRu
         _say(f"ckptguard run: {e}\n")
         attempt.status = e.status
         return e.status, None, True
-    attempt.status = result.status
     if watch is not None and watch.fired_at is not None:
+        if result.status == 0:  # a launcher that exits 0 on SIGTERM: a hang is still a failure
+            result.status = 128 + signal.SIGTERM
         logdir.finish(me, hang_detected_at=watch.fired_at, hang_timeout_s=opts.hang_timeout_s)
+    attempt.status = result.status
     out.close()
     err.close()
     logdir.finish(me, ended_at=result.ended_at, exit_status=result.status,
