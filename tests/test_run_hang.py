@@ -205,3 +205,22 @@ def test_checkpoint_saves_are_progress_for_a_job_that_prints_nothing(tmp_path: P
                          timeout=120)
     assert res.returncode == 0, res.stderr  # 7.5 s without output, a save every 2.5 s
     assert res.stdout == "resumed from None\ndone\n"
+
+
+def test_two_nodes_restart_together_on_one_decision(tmp_path: Path) -> None:
+    # Each node's job drops its connection once; the first runner to decide writes the decision,
+    # the other follows it: both restart, and the job succeeds on both.
+    code = ("import os, sys\nm = sys.argv[1] + os.environ['NODE']\nif not os.path.exists(m):\n"
+            "    open(m, 'w').close()\n    raise ConnectionResetError(104, 'Connection reset by peer')\nprint('ok')\n")
+    logs = tmp_path / "logs"
+    procs = [subprocess.Popen([*RUN, "--logs", str(logs), "--job-id", "J1", "--grace", "3", "--checkpoints",
+                               str(tmp_path / "ck"), "--max-restarts", "1", "--restart-backoff", "0.1", "--",
+                               sys.executable, "-c", code, str(tmp_path / "marker")],
+                              env=_env(NODE=str(n)), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for n in (0, 1)]
+    results = [p.communicate(timeout=120) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], results
+    assert [out for out, _ in results] == ["ok\n", "ok\n"]
+    assert len(list(logs.glob(".restart_J1_1.json"))) == 1
+    assert sum("(decided by" in err for _, err in results) == 1
+    assert len(list(logs.glob("*_attempt2/run.json"))) == 2
