@@ -33,7 +33,7 @@ def _good(started: float) -> dict[str, Any]:
             "signals_forwarded": [], "attempts": []}
 
 
-@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(bad=st.dictionaries(st.sampled_from(FIELDS), JSON_VALUES, min_size=1, max_size=4))
 def test_a_run_json_with_fields_of_any_type_keeps_the_diagnosis(tmp_path_factory: Any, bad: dict[str, Any]) -> None:
     logs = tmp_path_factory.mktemp("logs")
