@@ -1,10 +1,13 @@
-"""The ckptguard demo: train, crash in the middle of a save, resume, verify, diagnose.
+"""The ckptguard demo: train, crash in the middle of a save, resume, catch a hang, verify, diagnose.
 
 A simulated 2-node torchrun job (2 agents x 2 processes, gloo, CPU) trains a
 small character-level model with DDP and checkpoints every 10 steps into one
 shared directory. On the first run, rank 3 (on node 1) is SIGKILLed halfway
 through writing the step-39 checkpoint. The job is then restarted: it resumes
-from the newest committed checkpoint (step 29) and trains to the end. Finally
+from the newest committed checkpoint (step 29). At step 42 rank 2 stops (a read
+that never returns); `ckptguard run --hang-timeout` captures every rank's
+stack, names rank 2 and the file it waits on, stops the job and, since a hang
+is transient (`--max-restarts 1`), restarts it from step 39 to the end. Finally
 `ckptguard ls`, `ckptguard verify` and `ckptguard diagnose` (on the crashed
 run's logs) are run.
 
@@ -36,7 +39,7 @@ def banner(text: str) -> None:
     print(f"\n{'=' * 78}\n{text}\n{'=' * 78}", flush=True)
 
 
-def run_job(name: str, root: Path, logs: Path, extra_env: dict[str, str]) -> int:
+def run_job(name: str, root: Path, logs: Path, extra_env: dict[str, str], run_opts: tuple[str, ...] = ()) -> int:
     """Start both torchrun agents, each under `ckptguard run` (one shared log directory, `logs/run`);
     each agent's console (with [rankN]: prefixes) also goes to a file, for the demo's own summary."""
     logs.mkdir(parents=True, exist_ok=True)
@@ -46,7 +49,8 @@ def run_job(name: str, root: Path, logs: Path, extra_env: dict[str, str]) -> int
     agents = []
     for node in range(NODES):
         cmd = [sys.executable, "-m", "ckptguard", "run", "--logs", str(logs / "run"), "--checkpoints", str(root),
-               "--", sys.executable, "-m", "torch.distributed.run", f"--nnodes={NODES}", f"--nproc-per-node={PROCS}",
+               *run_opts, "--", sys.executable, "-m", "torch.distributed.run", f"--nnodes={NODES}",
+               f"--nproc-per-node={PROCS}",
                "--rdzv-backend=static", "--master-addr=127.0.0.1", f"--master-port={port}",
                f"--node-rank={node}", "--max-restarts=0", "--tee=3", f"--log-dir={logs / f'torchrun-node{node}'}",
                str(HERE / "train.py")]
@@ -70,7 +74,10 @@ def run_job(name: str, root: Path, logs: Path, extra_env: dict[str, str]) -> int
     for n in range(NODES):  # what `ckptguard run` printed on the failing node's terminal
         block = (logs / f"node{n}.log").read_text(errors="replace").partition("ckptguard run: the command failed")
         if block[1]:
-            print(f"\n  [node {n}'s terminal]\n  {block[1]}{block[2]}".replace("\n", "\n  ").rstrip(), flush=True)
+            # What `ckptguard run` itself printed (its lines), not the job's output after a restart.
+            tail = [x for x in f"{block[1]}{block[2]}".splitlines()
+                    if x.startswith(("ckptguard run:", "  ")) and not re.match(r"\s*\[rank\d+\]", x)]
+            print(f"\n  [node {n}'s terminal]\n  " + "\n  ".join(tail), flush=True)
             break
     return 0 if all(c == 0 for c in codes) else 1
 
@@ -101,8 +108,10 @@ def main() -> int:
     crashed = run_job("first run", root, work / "logs" / "run1-crash", {"DEMO_CRASH_AT": "39:3"})
     before = losses(work / "logs" / "run1-crash")
 
-    banner("2. restart the same job: it resumes from the newest committed checkpoint")
-    resumed = run_job("second run", root, work / "logs" / "run2-resume", {})
+    banner("2. restart the same job: it resumes from the newest committed checkpoint; at step 42 rank 2 stops\n"
+           "   (a read that never returns): --hang-timeout catches it, --max-restarts resumes from step 39")
+    resumed = run_job("second run", root, work / "logs" / "run2-resume", {"DEMO_HANG_AT": "42:2"},
+                      ("--hang-timeout", "6", "--max-restarts", "1", "--restart-backoff", "1", "--job-id", "demo-run2"))
     after = losses(work / "logs" / "run2-resume")
     replayed = sorted(set(before) & set(after))
     if after:

@@ -4,7 +4,9 @@ Run by run_demo.py as a simulated 2-node torchrun job. Every rank trains on its
 own slice of the text; gradients are averaged by DDP; every SAVE_EVERY steps the
 model, the optimizer, the step and the RNG state are checkpointed into one
 shared directory. Set DEMO_CRASH_AT=<step>:<rank> to SIGKILL that rank halfway
-through writing that step's checkpoint (ckptguard's fault-injection hook).
+through writing that step's checkpoint (ckptguard's fault-injection hook), and
+DEMO_HANG_AT=<step>:<rank> to make that rank stop at that step, reading a file
+that nobody writes (once: a marker next to the checkpoints says it happened).
 """
 
 from __future__ import annotations
@@ -71,8 +73,12 @@ def main() -> None:
         print("[demo] no checkpoint yet: starting from scratch", flush=True)
 
     crash_step, crash_rank = (int(x) for x in os.environ.get("DEMO_CRASH_AT", "-1:-1").split(":"))
+    hang_step, hang_rank = (int(x) for x in os.environ.get("DEMO_HANG_AT", "-1:-1").split(":"))
+    hang_marker = os.environ["CKPT_ROOT"].rstrip("/") + ".hang-done"
     loss_fn = nn.CrossEntropyLoss()
     for step in range(start, STEPS):
+        if step == hang_step and rank == hang_rank and not os.path.exists(hang_marker):
+            stall(hang_marker, rank, step)
         x, y = batch(data, gen)
         loss = loss_fn(model(x), y)
         optim.zero_grad()
@@ -93,6 +99,16 @@ def main() -> None:
     ck.close()
     dist.barrier()
     dist.destroy_process_group()
+
+
+def stall(marker: str, rank: int, step: int) -> None:
+    """Stop here the way a rank does on a stalled file system: a read that never returns."""
+    open(marker, "w").close()
+    print(f"[demo] rank {rank} stops at step {step}: it reads {marker}.fifo, which nobody writes", flush=True)
+    if not os.path.exists(marker + ".fifo"):
+        os.mkfifo(marker + ".fifo")
+    with open(marker + ".fifo", "rb") as f:
+        f.read()
 
 
 if __name__ == "__main__":

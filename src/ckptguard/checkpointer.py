@@ -29,6 +29,7 @@ from ckptguard.dcp.planners import forget_cached_plans
 from ckptguard.dcp.reader import auto_memory_bytes
 from ckptguard.dcp.values import refuse_flat_collisions, refuse_unsavable
 from ckptguard.errors import CheckpointError, InvalidArgumentError
+from ckptguard.heartbeat import heartbeat
 from ckptguard.protocol import artifacts, manage
 from ckptguard.protocol import load as load_protocol
 from ckptguard.protocol import read as read_protocol
@@ -254,6 +255,7 @@ class Checkpointer(Settings):
         # the save itself (_save_now) waits for it before it touches storage.
         self._check_usable(writing=True, wait_cleanup=False)
         started = time.perf_counter()
+        heartbeat()  # progress for `ckptguard run --hang-timeout`: a save is not a hang
         fault_point(FaultPhase.SAVE_START, self._comm.rank)
         show = (self.progress if progress is None else progress) and self._comm.rank == 0
         stats = self._last_save_stats = PhaseTimer(show)
@@ -375,11 +377,13 @@ class Checkpointer(Settings):
         """
         self.wait()
         self._check_usable(writing=False)
+        heartbeat()  # progress for `ckptguard run --hang-timeout`: a load is not a hang
         step, self._tags = manage.tagged_step(self._session, tag, step, self._tags)
         show = (self.progress if progress is None else progress) and self._comm.rank == 0
         with gc_paused():
             loaded, stats, current = load_protocol.load(self._session, step, state, files, strict, show)
         self._committed = current
+        heartbeat()
         if stats is not None:
             self._last_load_stats = stats
         return loaded
@@ -521,6 +525,7 @@ class Checkpointer(Settings):
         with gc_paused():
             outcome = save_protocol.save(self._session, request, stats)
         self._committed = outcome.committed
+        heartbeat()
         try:
             # Submitted and recorded, or neither: a Ctrl-C between the two (or inside the pool's start of
             # its worker) left a removal that close() did not wait for, which ran after the lease was

@@ -39,6 +39,16 @@ def _parser() -> argparse.ArgumentParser:
                    help="which runs in --logs are one job (default: SLURM_JOB_ID etc., else overlap in time)")
     p.add_argument("--max-log-bytes", type=int, default=256 << 20,
                    help="cap per stream; the head and the tail are kept (default: 256 MiB)")
+    p.add_argument("--hang-timeout", type=float, metavar="SECONDS",
+                   help="no output and no heartbeat from the job for this long is a hang: capture every rank's "
+                        "stack, name the rank that stopped, stop the job (default: off)")
+    p.add_argument("--max-restarts", type=int, default=0, metavar="N",
+                   help="with --checkpoints: restart the command up to N times after a transient failure "
+                        "(network, rendezvous, lost process, preemption, hang), never after a deterministic one")
+    p.add_argument("--restart-on", metavar="CLASS,...", default="",
+                   help="failure classes to treat as transient as well (see `ckptguard explain`)")
+    p.add_argument("--restart-backoff", type=float, default=2.0, metavar="SECONDS",
+                   help="wait before the first restart, doubled for each next one (default: 2)")
     p.add_argument("command", nargs=argparse.REMAINDER, help="the command and its arguments, after --")
     return p
 
@@ -69,7 +79,9 @@ def main(argv: list[str]) -> int:
 
     return run(RunOptions(command=ns.command, logs=ns.logs, checkpoints=ns.checkpoints, deep=ns.deep,
                           on_failure=ns.on_failure, grace_s=ns.grace, job_id=ns.job_id,
-                          max_log_bytes=ns.max_log_bytes))
+                          max_log_bytes=ns.max_log_bytes, hang_timeout_s=ns.hang_timeout,
+                          max_restarts=ns.max_restarts, backoff_s=max(ns.restart_backoff, 0.0),
+                          restart_on=tuple(c.strip() for c in ns.restart_on.split(",") if c.strip())))
 
 
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True,

@@ -16,7 +16,7 @@ from pathlib import Path
 from ckptguard.diagnose.rules import Rules, load_rules
 from ckptguard.diagnose.schema import ClassEntry, KBError, convert_class, decode_class
 
-__all__ = ["FailureClass", "KBError", "KnowledgeBase", "Match", "Signature", "Unproven", "load_kb",
+__all__ = ["FailureClass", "KBError", "KnowledgeBase", "Match", "Restart", "Signature", "Unproven", "load_kb",
            "load_kb_dir", "parse_class"]
 
 
@@ -48,6 +48,15 @@ class Unproven:
 
 
 @dataclass(frozen=True)
+class Restart:
+    """Whether a failure of the class is worth restarting (``[restart]``), and why."""
+
+    transient: bool
+    why: str
+    unproven_transient: bool | None = None
+
+
+@dataclass(frozen=True)
 class FailureClass:
     """A failure class as the report explains it."""
 
@@ -74,6 +83,7 @@ class FailureClass:
     #: Users file an argparse error or a missing module under the generic exception, a lost peer
     #: under the network error: the report answers the family and keeps this class as its kind.
     family: str | None = None
+    restart: Restart = Restart(False, "")
 
     @property
     def family_id(self) -> str:
@@ -91,6 +101,7 @@ class FailureClass:
             "fix": self.fix.strip(), "prevention": list(self.prevention),
             "verify_command": self.verify_command, "related": list(self.related),
             "references": list(self.references), "family": self.family_id,
+            "restart": {"transient": self.restart.transient, "why": self.restart.why},
             "signatures": [
                 {"on": s.on, "pattern": s.pattern.pattern, "anchor": s.anchor, "weight": s.weight,
                  "context": s.context.pattern if s.context else None}
@@ -199,8 +210,17 @@ def parse_class(data: dict[str, object] | ClassEntry, where: str) -> FailureClas
         fix=entry.fix, prevention=tuple(entry.prevention), verify_command=entry.verify_command,
         related=tuple(entry.related), weak=entry.weak, checkpointer_prevents=entry.checkpointer_prevents,
         references=tuple(entry.references), signatures=tuple(sigs), unproven=unproven,
-        family=entry.family,
+        family=entry.family, restart=_restart(entry, where),
     )
+
+
+def _restart(entry: ClassEntry, where: str) -> Restart:
+    r = entry.restart
+    if not r.why.strip():
+        raise KBError(f"{where}: [restart] why must say why the class is (or is not) transient")
+    if r.unproven_transient is not None and entry.unproven is None:
+        raise KBError(f"{where}: [restart] unproven_transient needs an [unproven] table")
+    return Restart(r.transient, " ".join(r.why.split()), r.unproven_transient)
 
 
 def load_kb_dir(directory: Path) -> KnowledgeBase:

@@ -41,6 +41,16 @@ class UnprovenEntry(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     fix: str = ""
 
 
+class RestartEntry(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    """``[restart]``: whether `ckptguard run --max-restarts` restarts a job that failed this way."""
+
+    transient: bool
+    why: str
+    #: For a class with ``[unproven]``: the answer when the log only implies the class (a SIGKILL
+    #: with no out-of-memory message may be a lost process). None: the same as ``transient``.
+    unproven_transient: bool | None = None
+
+
 class ClassEntry(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     """One failure class: what the report explains, and its signatures."""
 
@@ -58,6 +68,7 @@ class ClassEntry(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     prevention: list[str]
     verify_command: str
     related: list[str]
+    restart: RestartEntry
     weak: bool = False
     checkpointer_prevents: bool = False
     family: str | None = None

@@ -27,8 +27,12 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from types import FrameType
+from typing import TYPE_CHECKING
 
 from ckptguard.runner.capture import StreamCapture
+
+if TYPE_CHECKING:
+    from ckptguard.runner.hang import HangWatch
 
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
 READ_BYTES = 1 << 16
@@ -131,8 +135,9 @@ class _Out:
 
 
 def run_child(argv: Sequence[str], env: Mapping[str, str], stdout: StreamCapture, stderr: StreamCapture,
-              on_start: Callable[[int], None] | None = None) -> ChildResult:
+              on_start: Callable[[int], None] | None = None, watch: HangWatch | None = None) -> ChildResult:
     """Run ``argv`` to its end, passing its output through and keeping it; return its status.
+    ``watch`` (--hang-timeout) is told of every output and may stop a job that makes no progress.
 
     Raises CommandNotFound before anything runs when ``argv[0]`` cannot be executed.
     """
@@ -189,7 +194,7 @@ def run_child(argv: Sequence[str], env: Mapping[str, str], stdout: StreamCapture
         for sig in forwarded:  # a signal that arrived before the child existed
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(proc.pid, sig)
-        _pump(proc, outs, stdout, stderr)
+        _pump(proc, outs, stdout, stderr, watch)
         ended = time.time()
         assert proc.returncode is not None
         return ChildResult(exit_status(proc.returncode), forwarded, started, ended,
@@ -202,7 +207,8 @@ def run_child(argv: Sequence[str], env: Mapping[str, str], stdout: StreamCapture
             o.close()
 
 
-def _pump(proc: subprocess.Popen[bytes], outs: list[_Out], stdout: StreamCapture, stderr: StreamCapture) -> None:
+def _pump(proc: subprocess.Popen[bytes], outs: list[_Out], stdout: StreamCapture, stderr: StreamCapture,
+          watch: HangWatch | None = None) -> None:
     """Pass output on until both streams end, or, once the child has exited, until they have been
     quiet for IDLE_AFTER_EXIT_S (at most DRAIN_AFTER_EXIT_S): streams still held open then by the
     child's leftover processes are handed to a detached forwarder (``_hand_off``)."""
@@ -223,16 +229,22 @@ def _pump(proc: subprocess.Popen[bytes], outs: list[_Out], stdout: StreamCapture
         now = time.monotonic()
         if events:
             last_data = now
+            if watch is not None:
+                watch.output()
         if not events or now - last_flush > FLUSH_EVERY_S:
             stdout.flush()
             stderr.flush()
             last_flush = now
         if exited_at is None and proc.poll() is not None:
             exited_at = now
+        if watch is not None and (exited_at is None or watch.fired_at is not None):
+            watch.check(proc.pid)
         if exited_at is not None and not events and (
                 now - last_data > IDLE_AFTER_EXIT_S or now - exited_at > DRAIN_AFTER_EXIT_S):
             break  # a leftover process of the child holds the stream open: do not wait for it
     sel.close()
+    if watch is not None:
+        watch.finish()
     if open_outs:
         _hand_off(open_outs)
     wait_in_steps(proc)

@@ -14,12 +14,15 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import socket
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
+
+import msgspec
 
 from ckptguard.errors import CheckpointError
 from ckptguard.protocol.records import MAX_CONTROL_DEPTH, parse_json
@@ -39,12 +42,61 @@ class LogDirError(Exception):
     """The log directory cannot be created or written."""
 
 
+class RunRecord(msgspec.Struct, frozen=True):
+    """The fields of ``run.json`` and their types. A ``run.json`` read back (from another node, or
+    one handed to `diagnose`) may hold anything: a field of the wrong type is dropped with a
+    warning, never a reason to lose the whole job's diagnosis."""
+
+    host: str = "?"
+    pid: int | None = None
+    command: list[str] = []
+    job_id: str | None = None
+    cwd: str | None = None
+    started_at: float = 0.0
+    ended_at: float | None = None
+    exit_status: int | None = None
+    attempt: int = 1
+    signals_forwarded: list[int] = []
+    error: str | None = None
+    report_json: str | None = None
+    report_html: str | None = None
+    hang_detected_at: float | None = None
+    hang_timeout_s: float | None = None
+    attempts: list[dict[str, Any]] = []
+
+
+_RECORD_TYPES = {f.name: f.type for f in msgspec.structs.fields(RunRecord)}
+
+
+def typed_record(raw: Mapping[str, Any], where: str) -> tuple[dict[str, Any], list[str]]:
+    """``raw`` with every known field checked against ``RunRecord``: the fields that pass, and one
+    warning per field dropped. Unknown fields are kept (a newer runner's)."""
+    out: dict[str, Any] = {}
+    warnings = []
+    for key, value in raw.items():
+        typ = _RECORD_TYPES.get(key)
+        if typ is None:
+            out[key] = value
+            continue
+        try:
+            checked = msgspec.convert(value, type=typ)
+            if isinstance(checked, float) and not math.isfinite(checked):
+                raise msgspec.ValidationError(f"Expected a finite number, got {value!r}")
+        except msgspec.ValidationError as e:
+            warnings.append(f"{where}: field {key!r} ignored: {e}")
+            continue
+        out[key] = checked
+    return out, warnings
+
+
 @dataclass
 class HostRun:
     """One runner's subdirectory and its ``run.json``."""
 
     dir: str
     record: dict[str, Any]
+    #: Fields of a ``run.json`` read back that were dropped for their type.
+    warnings: list[str] = field(default_factory=list)
 
     @property
     def host(self) -> str:
@@ -63,6 +115,11 @@ class HostRun:
     def ended(self) -> float | None:
         v = self.record.get("ended_at")
         return None if v is None else float(v)
+
+    @property
+    def attempt(self) -> int:
+        v = self.record.get("attempt", 1)
+        return v if isinstance(v, int) and not isinstance(v, bool) else 1
 
     def last_activity(self) -> float:
         times = [self.ended or self.started]
@@ -90,14 +147,15 @@ def _write_json(path: str, data: dict[str, Any]) -> None:
     os.replace(tmp, path)
 
 
-def create(base: str, argv: list[str], job_id: str | None) -> HostRun:
-    """Make this run's subdirectory of ``base`` and its ``run.json``; LogDirError if impossible."""
+def create(base: str, argv: list[str], job_id: str | None, attempt: int = 1) -> HostRun:
+    """Make this run's subdirectory of ``base`` and its ``run.json``; LogDirError if impossible.
+    ``attempt``: which run of the command this is (--max-restarts); each has its own subdirectory."""
     host = socket.gethostname()
     started = time.time()
     stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(started))
-    path = os.path.join(base, f"{stamp}_{host}_{os.getpid()}")
+    path = os.path.join(base, f"{stamp}_{host}_{os.getpid()}" + (f"_attempt{attempt}" if attempt > 1 else ""))
     record = {"host": host, "pid": os.getpid(), "command": argv, "job_id": job_id, "cwd": os.getcwd(),
-              "started_at": started, "ended_at": None, "exit_status": None}
+              "started_at": started, "ended_at": None, "exit_status": None, "attempt": attempt}
     try:
         os.makedirs(path, exist_ok=False)
         _write_json(os.path.join(path, RUN_FILE), record)
@@ -136,7 +194,10 @@ def read(path: str) -> HostRun | None:
         record = parse_json(data, run_file, "run record", max_bytes=MAX_RUN_FILE_BYTES, max_depth=MAX_CONTROL_DEPTH)
     except (OSError, CheckpointError):
         return None
-    return HostRun(path, record) if isinstance(record, dict) else None
+    if not isinstance(record, dict):
+        return None
+    checked, warnings = typed_record(record, run_file)
+    return HostRun(path, checked, warnings)
 
 
 def host_runs(base: str) -> list[HostRun]:
@@ -151,6 +212,8 @@ def host_runs(base: str) -> list[HostRun]:
 
 
 def _same_job(a: HostRun, b: HostRun, now: float) -> bool:
+    if a.attempt != b.attempt:  # each attempt of a restarted job is diagnosed on its own
+        return False
     if a.job_id is not None and b.job_id is not None:
         return a.job_id == b.job_id
     a_end = a.ended if a.ended is not None else max(

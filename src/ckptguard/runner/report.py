@@ -33,7 +33,77 @@ def diagnose_runs(runs: Sequence[HostRun], *, mask_hosts: bool = False) -> Diagn
     if not mask_hosts:
         _fill_host(diag, runs)
     _interrupted(diag, runs)
+    _hang(diag, runs)
+    diag.notes += [w for r in runs for w in r.warnings]
     return diag
+
+
+def _hang(diag: Diagnosis, runs: Sequence[HostRun]) -> None:
+    """When a runner stopped the job for making no progress (--hang-timeout), that is the answer:
+    the rank that stopped, named from every node's stacks; what the job printed when it was
+    stopped (SIGTERM, lost peers) is the consequence."""
+    from ckptguard.runner import hang
+
+    records = [(r, rec) for r in runs if (rec := hang.read_hang(r.dir)) is not None]
+    if not records:
+        return
+    v = hang.stopped_rank([rec for _, rec in records])
+    timeout = next((rec.get("timeout_s") for _, rec in records if isinstance(rec.get("timeout_s"), int | float)), None)
+    host = None
+    stacks = []
+    for r, rec in records:
+        for p in rec.get("processes") or []:
+            if not isinstance(p, dict):
+                continue
+            if v.rank is not None and p.get("rank") == v.rank:
+                host = r.host
+            if p.get("stack_file"):
+                stacks.append(str(p["stack_file"]))
+    from ckptguard.diagnose.kb import load_kb
+
+    if diag.found and diag.failure_class:
+        diag.notes.append(f"Before: {diag.failure_class}: {diag.title} (the job's reaction to being stopped).")
+    kb = load_kb()
+    what = {"io": "stuck in I/O", "collective": "waiting in a collective",
+            "other_collective": "in another collective", "dataloader": "stuck in the data loader",
+            "device": "stuck in a device call", "user": "stopped in user code",
+            "unknown": "not answering"}.get(v.state, v.state)
+    diag.found = True
+    diag.kind = "nccl_watchdog_timeout"
+    diag.failure_class = kb.family(diag.kind)
+    diag.category = "distributed"
+    secs = f"{timeout:g} s" if timeout is not None else "the --hang-timeout"
+    who = f"rank {v.rank}" if v.rank is not None else "no single rank"
+    diag.title = f"Hang: no progress for {secs}; {who} {what}"
+    diag.confidence = 0.9 if v.rank is not None else 0.5
+    diag.initiating_rank = v.rank
+    diag.initiating_host = host
+    diag.collateral_ranks = sorted(set(v.waiting) - {v.rank} if v.rank is not None else set(v.waiting))
+    diag.also_failed_ranks = list(v.others)
+    diag.rank_attribution = "the stacks of every rank captured when the job stopped making progress"
+    diag.root_cause = (f"The job printed nothing and sent no heartbeat for {secs}, so ckptguard run captured every "
+                       f"rank's stack and stopped it. {v.text[0].upper()}{v.text[1:]}.")
+    diag.fix = _HANG_FIX.get(v.state, _HANG_FIX["user"])
+    diag.verify_command = ("ckptguard run --hang-timeout SECONDS ... (the stacks are in stacks/ of the log directory; "
+                           "py-spy dump --pid PID shows the native frames)")
+    diag.notes.append("Stacks: " + ", ".join(stacks) if stacks else "No stack was captured.")
+
+
+_HANG_FIX = {
+    "io": "Find out why that path does not answer (a stalled NFS or FUSE mount, a FIFO with no writer, a lock "
+          "held elsewhere); for the checkpoint path, check the file system's server and mount options "
+          "(soft/timeo) before resuming.",
+    "dataloader": "Look at the data loader's workers (a worker blocked on I/O or a lock, a dataset's __getitem__ "
+                  "that never returns); set DataLoader(timeout=...) so that a stuck worker raises.",
+    "other_collective": "Make every rank call the same collectives in the same order: no collective inside a "
+                        "rank-dependent branch.",
+    "device": "A device call that never returns: check the GPU (nvidia-smi, Xid errors in dmesg) and whether a "
+              "peer's kernel waits on this one; CUDA_LAUNCH_BLOCKING=1 names the kernel.",
+    "user": "Look at the stopped rank's stack: that code waits or loops without end (a lock, a sleep, a busy loop, "
+            "a rank-dependent branch).",
+    "collective": "Every captured rank waits in the same collective: the rank they wait for is elsewhere (another "
+                  "node's stacks in the log directory, or a rank that exited); read its log.",
+}
 
 
 #: Signals whose forwarding by the runner means the job was stopped from outside.
@@ -83,15 +153,42 @@ def _fill_host(diag: Diagnosis, runs: Sequence[HostRun]) -> None:
 
 
 def job_json(diag: Diagnosis, resume: ResumeInfo | None, runs: Sequence[HostRun]) -> dict[str, Any]:
-    """The diagnosis JSON (its schema is on the Diagnosis page) with ``resume`` (when asked) and the host
-    runs read; every string masked (the job's command line included)."""
+    """The diagnosis JSON (its schema is on the Diagnosis page) with ``resume`` (when asked), the host runs
+    read and, after a hang, ``hang``: every rank's state and stack; every string masked (the job's command
+    line included)."""
     from ckptguard.diagnose.report import masked
 
     out: dict[str, Any] = diag.to_dict()
     if resume is not None:
         out["resume"] = resume.to_json()
     out["runs"] = _runs_json(runs)
+    hang_json = _hang_json(runs)
+    if hang_json is not None:
+        out["hang"] = hang_json
     return masked(out)
+
+
+def _hang_json(runs: Sequence[HostRun]) -> dict[str, Any] | None:
+    from ckptguard.runner import hang
+
+    records = [(r, rec) for r in runs if (rec := hang.read_hang(r.dir)) is not None]
+    if not records:
+        return None
+    v = hang.stopped_rank([rec for _, rec in records])
+    ranks = []
+    for r, rec in records:
+        for p in rec.get("processes") or []:
+            if isinstance(p, dict):
+                raw = p.get("threads")
+                threads = raw if isinstance(raw, list) else []
+                ranks.append({"host": r.host, "rank": p.get("rank"), "pid": p.get("pid"), "state": p.get("state"),
+                              "detail": p.get("detail"), "syscall": p.get("syscall"), "path": p.get("path"),
+                              "stack_file": p.get("stack_file"), "stack": hang.stack_text(threads)})
+    stopped = next((p for p in ranks if v.rank is not None and p["rank"] == v.rank), {})
+    return {"stopped_rank": v.rank, "state": v.state, "detail": v.detail, "collective": v.collective,
+            "syscall": stopped.get("syscall"), "path": stopped.get("path"),
+            "waiting_ranks": v.waiting, "explanation": v.text, "timeout_s": records[0][1].get("timeout_s"),
+            "processes": ranks}
 
 
 def _runs_json(runs: Sequence[HostRun]) -> list[dict[str, Any]]:
@@ -158,7 +255,8 @@ def _write_atomic(path: str, text: str) -> None:
 
 
 def write_reports(directory: str, diag: Diagnosis | None, resume: ResumeInfo | None,
-                  runs: Sequence[HostRun], *, problem: str | None = None) -> tuple[str, str]:
+                  runs: Sequence[HostRun], *, problem: str | None = None,
+                  attempts: list[dict[str, Any]] | None = None) -> tuple[str, str]:
     """``report.json`` and ``report.html`` in ``directory``, each written whole; their paths. With
     no diagnosis (``problem`` says why), the reports carry the resume section and the runs read."""
     from ckptguard.diagnose.report import masked
@@ -172,8 +270,10 @@ def write_reports(directory: str, diag: Diagnosis | None, resume: ResumeInfo | N
         data = {"found": False, "error": problem or "no diagnosis", "runs": _runs_json(runs)}
         if resume is not None:
             data["resume"] = resume.to_json()
+    if attempts is not None:
+        data["attempts"] = attempts
     _write_atomic(json_path, json.dumps(encodable(data), indent=2, ensure_ascii=False) + "\n")
-    extra = (resume_html(resume) if resume is not None else "") + _runs_html(runs)
+    extra = (resume_html(resume) if resume is not None else "") + _runs_html(runs) + _hang_html(data.get("hang"))
     if diag is not None:
         from ckptguard.diagnose.report import render_html
 
@@ -183,6 +283,18 @@ def write_reports(directory: str, diag: Diagnosis | None, resume: ResumeInfo | N
                 f"<h1>No diagnosis</h1><p>{html.escape(problem or '')}</p>{extra}\n</body></html>\n")
     _write_atomic(html_path, page)
     return json_path, html_path
+
+
+def _hang_html(h: Any) -> str:
+    if not isinstance(h, dict):
+        return ""
+    e = html.escape
+    parts = [f"<h2>Stacks at the hang</h2><p>{e(str(h.get('explanation', '')))}</p>"]
+    for p in h.get("processes", []):
+        who = f"rank {p['rank']}" if p.get("rank") is not None else f"pid {p.get('pid')}"
+        parts.append(f"<h3>{e(who)} on {e(str(p.get('host')))}: {e(str(p.get('detail')))}</h3>"
+                     f"<pre class=code>{e(str(p.get('stack', '')))}</pre>")
+    return "".join(parts)
 
 
 def _runs_html(runs: Sequence[HostRun]) -> str:
@@ -216,6 +328,9 @@ def summary(diag: Diagnosis, resume: ResumeInfo | None, status: int, runs: Seque
         fix = diag.fix.split(" ckptguard's Checkpointer prevents")[0].strip()
         lines.append(f"  fix          {fix}")
         lines.append(f"  verify       $ {diag.verify_command}")
+        for r in runs:
+            if os.path.exists(os.path.join(r.dir, "hang.json")):
+                lines.append(f"  stacks       {os.path.join(r.dir, 'stacks')} (every Python process, all threads)")
     else:
         lines.append("  failure      none recognised in the captured output: " + " ".join(diag.notes))
     if resume is not None:
