@@ -494,8 +494,8 @@ def test_background_save_reuses_one_set_of_host_buffers(ck: Checkpointer) -> Non
     for step in range(5):
         ck.save(step, state, blocking=False)
     ck.wait()
-    assert ck._stager.allocations == 1
-    assert ck._stager.buffer_bytes == 256 * 256 * 4
+    assert ck._saves.host_stager.allocations == 1
+    assert ck._saves.host_stager.buffer_bytes == 256 * 256 * 4
 
 
 @pytest.mark.parametrize("state", [{"x": 1}, {}, {"x": {}}, {"s": "abc", "l": [1, 2]}, {"r": ckptguard.PerRank(1)}],
@@ -629,7 +629,7 @@ def test_background_saves_follow_every_change_of_the_state_between_them(ck: Chec
                     t.add_(100)
         state["opt"][1] = -1
     ck.wait()
-    assert ck._stager.allocations == 5  # steps 0 and 1 share one set of buffers
+    assert ck._saves.host_stager.allocations == 5  # steps 0 and 1 share one set of buffers
     for step, expected in saved.items():
         out = {k: (torch.zeros_like(v) if isinstance(v, torch.Tensor) else
                    type(v)(torch.zeros_like(e) if isinstance(e, torch.Tensor) else None for e in v))
@@ -672,8 +672,8 @@ def test_background_save_over_budget_falls_back_to_blocking(tmp_path: Path) -> N
     with Checkpointer(tmp_path / "ckpt", async_budget_bytes=1000) as ck:
         with pytest.warns(UserWarning, match="exceeds async_budget_bytes=1,000; saving synchronously"):
             ck.save(1, {"w": torch.ones(1000)}, blocking=False)
-        assert ck._inflight is None and ck.steps() == [1]
-        assert ck._stager.allocations == 0
+        assert ck.pending_save() is None and ck.steps() == [1]
+        assert ck._saves.host_stager.allocations == 0
 
 
 def test_background_save_with_files(ck: Checkpointer, tmp_path: Path) -> None:

@@ -42,8 +42,8 @@ def test_a_ctrl_c_as_the_removal_of_retired_steps_starts_leaves_close_waiting_fo
         real_remove(path)
         removed.append(path)
     monkeypatch.setattr(root, "remove_retired", slow_remove)
-    ck._cleaner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckptguard-cleanup")  # no idle worker
-    ck._cleaner._threads = _InterruptedAsRecorded()  # type: ignore[attr-defined]
+    ck._saves.cleaner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckptguard-cleanup")  # no idle worker
+    ck._saves.cleaner._threads = _InterruptedAsRecorded()  # type: ignore[attr-defined]
     previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         with caplog.at_level(logging.WARNING, logger="ckptguard"), pytest.raises(KeyboardInterrupt):

@@ -72,7 +72,7 @@ def test_retention_between_the_passes_of_a_load_of_many_files(tmp_path: Path, ma
 
             def retire() -> None:
                 writer.save(2, _state(2))
-                writer._wait_cleanup()
+                writer._saves.wait_cleanup()
                 assert not (root / "step-00000001").exists()
 
             _retire_before_placing(reader, retire)
@@ -96,7 +96,7 @@ _SPILL_SCRIPT = textwrap.dedent("""
         with Checkpointer(root, read_only=True, load_memory_bytes=0) as reader:
             def retire():
                 writer.save(2, t._state(2))
-                writer._wait_cleanup()
+                writer._saves.wait_cleanup()
                 assert not (root / "step-00000001").exists()
             t._retire_before_placing(reader, retire)
             t._check_whole_or_untouched(reader, 1, t._state(1))
@@ -136,7 +136,7 @@ def test_s3_retention_between_the_passes_never_reads_the_deleted_objects(bed: S3
 
             def retire() -> None:
                 writer.save(2, {"model": {k: t + 1 for k, t in state["model"].items()}})
-                writer._wait_cleanup()
+                writer._saves.wait_cleanup()
                 listed = bed.client(direct=True).list_objects_v2(Bucket=bucket, Prefix="root/").get("Contents", [])
                 assert not [o["Key"] for o in listed if "step-00000001" in o["Key"] and "/data/" in o["Key"]]
 

@@ -32,7 +32,7 @@ def test_a_template_only_one_rank_cannot_use_is_refused_on_every_rank_and_change
                                read_only=False, job_id="t", lease_ttl_s=30, lease_wait_s=1)
         try:
             save_protocol.save(session, save_protocol.SaveRequest(1, {"w": torch.arange(4.0)}, [], [], False, {},
-                                                                  None), PhaseTimer())
+                                                                  None, options=session.options), PhaseTimer())
             template = {"w": torch.zeros(4)}
             if comm.rank == 1:
                 model = torch.nn.Linear(2, 2)

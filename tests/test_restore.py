@@ -74,7 +74,7 @@ def test_two_hosts_restoring_into_one_shared_path_are_refused(tmp_path: Path, mo
             targets = artifacts.normalize({"off": own}, comm.rank, f"host-rank{comm.rank}", True,
                                           session.root.local_dir())
             save_protocol.save(session, save_protocol.SaveRequest(1, {"w": torch.ones(4)}, targets, targets, False,
-                                                                  {}, None), PhaseTimer())
+                                                                  {}, None, options=session.options), PhaseTimer())
             request = load_protocol.LoadRequest({"w": torch.zeros(4)}, {"off": shared}, True)
             return load_protocol.load_one(session, CheckpointName(1), None, request, PhaseTimer())
         finally:
@@ -174,7 +174,7 @@ def test_a_rank_that_cannot_move_its_files_into_place_leaves_every_state_as_it_w
             targets = artifacts.normalize({"a": own / "a", "b": own / "b"}, comm.rank, "host", True,
                                           session.root.local_dir())
             save_protocol.save(session, save_protocol.SaveRequest(1, {"w": torch.ones(4)}, targets, targets, False,
-                                                                  {}, None), PhaseTimer())
+                                                                  {}, None, options=session.options), PhaseTimer())
             for name in ("a", "b"):
                 (own / name).write_bytes(b"user's own")
             state = {"w": torch.zeros(4)}

@@ -95,16 +95,42 @@ def plain_hint(p: ResumePoint) -> str:
 
 
 FRAMEWORKS: tuple[Framework, ...] = (
-    Framework("transformers", "ckptguard.integrations.hf", "transformers", "a Trainer ``output_dir``", _hf_hint,
-              root_name=".ckptguard-hf"),
-    Framework("lightning", "ckptguard.integrations.lightning", "lightning", "a Lightning ``dirpath``",
-              _lightning_hint, root_name=".ckptguard-lightning"),
-    Framework("accelerate", "ckptguard.integrations.accelerate", "accelerate", "an Accelerate ``project_dir``",
-              _accelerate_hint, root_name=".ckptguard-accelerate", beside="checkpoints"),
-    Framework("deepspeed", "ckptguard.integrations.deepspeed", "deepspeed", "a DeepSpeed save directory",
-              _deepspeed_hint, root_name=".ckptguard-deepspeed"),
-    Framework("torchtitan", "ckptguard.integrations.torchtitan", "torchtitan", "a torchtitan dump folder",
-              _torchtitan_hint),
+    Framework(
+        "transformers",
+        "ckptguard.integrations.hf",
+        "transformers",
+        "a Trainer ``output_dir``",
+        _hf_hint,
+        root_name=".ckptguard-hf",
+    ),
+    Framework(
+        "lightning",
+        "ckptguard.integrations.lightning",
+        "lightning",
+        "a Lightning ``dirpath``",
+        _lightning_hint,
+        root_name=".ckptguard-lightning",
+    ),
+    Framework(
+        "accelerate",
+        "ckptguard.integrations.accelerate",
+        "accelerate",
+        "an Accelerate ``project_dir``",
+        _accelerate_hint,
+        root_name=".ckptguard-accelerate",
+        beside="checkpoints",
+    ),
+    Framework(
+        "deepspeed",
+        "ckptguard.integrations.deepspeed",
+        "deepspeed",
+        "a DeepSpeed save directory",
+        _deepspeed_hint,
+        root_name=".ckptguard-deepspeed",
+    ),
+    Framework(
+        "torchtitan", "ckptguard.integrations.torchtitan", "torchtitan", "a torchtitan dump folder", _torchtitan_hint
+    ),
 )
 
 BY_NAME: Mapping[str, Framework] = {f.name: f for f in FRAMEWORKS}

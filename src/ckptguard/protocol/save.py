@@ -22,7 +22,7 @@ import functools
 import logging
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from ckptguard._faults import FaultPhase, fault_point
@@ -107,8 +107,8 @@ class SaveRequest:
     overwrite: bool
     user_metadata: dict[str, Any]
     local_error: BaseException | None  # a local problem found before the save (reported at the plan)
-    keep: frozenset[int] = frozenset()  # steps retention must keep whatever the policy (tagged ones)
-    options: Options | None = None  # the settings at the call (a background save; else the session's)
+    keep: frozenset[int] = field(default=frozenset(), kw_only=True)  # steps retention keeps whatever the policy
+    options: Options = field(kw_only=True)  # the settings at the call, snapshotted (a background save's too)
 
 
 @dataclass(frozen=True)
@@ -144,7 +144,7 @@ def save(session: Session, request: SaveRequest, stats: PhaseTimer) -> SaveOutco
         stats.bytes = sum(f.size for f in writer.outcome.files)
         with stats.phase("commit"):
             return _commit(session, plan, writer, request.user_metadata, request.keep,
-                           request.options or session.options)
+                           request.options)
     except BaseException as e:
         if agreed_failures(e):
             # Every rank got the error at the same agreement, so no rank is still writing into the
@@ -194,7 +194,7 @@ def _stage(session: Session, plan: SavePlan) -> None:
 def _write(session: Session, plan: SavePlan, request: SaveRequest,
            on_bytes: Callable[[int], None] | None) -> GuardedWriter[StoredArtifacts]:
     """Plan (agreed) and write this rank's part; a write failure is reported at the commit's agreement."""
-    comm, options, storage = session.comm, request.options or session.options, session.storage
+    comm, options, storage = session.comm, request.options, session.storage
 
     def before_write() -> StoredArtifacts:
         # The leader created the attempt directory; on NFS another node may not see it yet.
