@@ -1,9 +1,8 @@
 """A Ctrl-C as a save hands the removal of retired steps to its thread leaves close() waiting for it.
 
-Found by an outside review holding Ctrl-C down: a KeyboardInterrupt inside the thread pool's
-bookkeeping (its worker started, not yet recorded) left a removal that close() did not wait for; it
-ran once the lease was released, found the lease file gone and refused to remove anything ("this job
-no longer holds the lease"), leaving the retired step's files behind.
+A KeyboardInterrupt inside the thread pool's bookkeeping (its worker started, not yet recorded) must
+not leave a removal that close() does not wait for: run once the lease is released, it finds the lease
+file gone and removes nothing ("this job no longer holds the lease"), leaving the retired step behind.
 """
 
 from __future__ import annotations

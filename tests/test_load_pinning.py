@@ -232,11 +232,10 @@ def test_a_file_changed_in_place_between_the_passes_is_a_torn_load_never_a_fallb
         tmp_path: Path, how: str) -> None:
     """Bytes changed in place after they were verified (never by ckptguard) are found in the second
     pass, once destinations may hold part of the step: a TornLoadError, also for a file cut short
-    (it was a CorruptCheckpointError, and load() fell back to an older step, leaving bytes of the
+    (never a CorruptCheckpointError: load() would fall back to an older step, leaving bytes of the
     rejected one in the state). The last case moves neither mtime nor ctime (a shared mapping whose
-    page is already dirty and writable writes without a fault): an outside attack on a second read
-    trusted from the page cache of a file whose times were unchanged loaded its bytes; the second read
-    is hashed again, always."""
+    page is already dirty and writable writes without a fault), so a second read is never trusted from
+    unchanged file times: it is hashed again, always."""
     import mmap
 
     from ckptguard import TornLoadError

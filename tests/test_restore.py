@@ -126,7 +126,7 @@ def _trained(seed: float) -> tuple[torch.nn.Linear, torch.optim.SGD]:
 def test_a_ctrl_c_right_after_the_bytes_are_placed_leaves_the_whole_step(tmp_path: Path) -> None:
     """A Ctrl-C once this rank's bytes are in place, before its objects, optimizer and files= follow:
     the load ends with the whole step (the interrupt raised after), never tensors new and the rest
-    old, which it was before (found by reading: only the reader's own steps held the signal back)."""
+    old (every step of the placing holds the signal back, not only the reader's own)."""
     off = tmp_path / "offload"
     off.mkdir()
     (off / "shard").write_bytes(b"saved")

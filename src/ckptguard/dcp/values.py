@@ -181,8 +181,8 @@ _CONTAINERS = (dict, list, tuple, set, frozenset)
 
 def refuse_too_deep(state_dict: Mapping[str, Any]) -> None:
     """UnsupportedValueError where the encoded state nests deeper than a load takes (MAX_VALUE_DEPTH,
-    the state's own dict at depth 0): saved, it was committed and verified intact, and every load then
-    refused it as corrupt and fell back to the step before (an outside attack)."""
+    the state's own dict at depth 0): a save must never commit what no load can read (every load
+    would call it corrupt and fall back to the step before)."""
     from ckptguard.dcp.codec import MAX_VALUE_DEPTH
 
     stack: list[tuple[Any, int, tuple[Any, ...]]] = [(state_dict, 0, ())]
