@@ -291,9 +291,9 @@ def test_a_fresh_job_resumes_an_optimizer_whose_parameter_never_had_a_gradient(t
 
 
 def test_an_optimizer_saved_before_its_first_step_resumes_without_state(tmp_path: Path) -> None:
-    """A save before the first step stored the placeholder state DCP gives a never-stepped optimizer
-    (Adam with step 1 and zero moments) unless it is left out; loaded, the job's next step would be
-    Adam's second. Training is the same as a job's that never saved."""
+    """A save before the first step leaves out the placeholder state DCP gives a never-stepped optimizer
+    (Adam with step 1 and zero moments): loaded, it would make the job's next step Adam's second.
+    Training is the same as a job's that never saved."""
     def run(resume: bool) -> torch.Tensor:
         torch.manual_seed(0)
         net = torch.nn.Linear(3, 2)
