@@ -184,8 +184,8 @@ def test_the_default_budget_verifies_first_while_the_page_cache_holds_the_state(
     """By default on POSIX a state the page cache can hold is verified first and read again into place
     from the files kept open (nothing held in host memory); a state too large for it is read once up
     to 256 MiB, the rest verified first; the object store default is a share of MemAvailable."""
-    import ckptguard.dcp.reader as reader_module
-    from ckptguard.dcp.reader import auto_memory_bytes
+    import ckptguard.dcp.loadmemory as memory_module
+    from ckptguard.dcp.loadmemory import auto_memory_bytes
 
     assert 0 < auto_memory_bytes(4) < auto_memory_bytes(1)
     state = {"a": torch.arange(10_000.0), "b": torch.ones(3, 5)}
@@ -198,7 +198,7 @@ def test_the_default_budget_verifies_first_while_the_page_cache_holds_the_state(
         assert stats is not None and stats.verified_only_bytes == nbytes and stats.staged_bytes == 0
         assert stats.spilled_bytes == 0
         # A host whose available memory could not keep the state between the passes: read once.
-        monkeypatch.setattr(reader_module, "available_bytes", lambda: nbytes)
+        monkeypatch.setattr(memory_module, "available_bytes", lambda: nbytes)
         out = {"a": torch.zeros(10_000), "b": torch.zeros(3, 5)}
         assert ck.load(out) == 1 and all(torch.equal(out[k], state[k]) for k in state)
         stats = ck.last_load_stats

@@ -20,7 +20,7 @@ from typing import Any
 
 from ckptguard._signals import signals_deferred
 from ckptguard.comm import hostname
-from ckptguard.dcp.reader import auto_memory_bytes
+from ckptguard.dcp.loadmemory import auto_memory_bytes
 from ckptguard.dcp.values import refuse_too_deep
 from ckptguard.errors import CheckpointError
 from ckptguard.protocol import artifacts
