@@ -18,7 +18,6 @@ from ckptguard import Checkpointer, CheckpointerSettings
 from ckptguard.settings import FIELDS, FIXED, SETTABLE
 
 COUNTS = {"keep_last": 1, "keep_every": 1, "io_threads": 1, "load_memory_bytes": 0, "async_budget_bytes": 0}
-OPTIONAL_COUNTS = {"keep_last", "keep_every", "load_memory_bytes", "async_budget_bytes"}
 SECONDS = {"visibility_timeout_s": False, "lease_ttl_s": False, "collective_timeout_s": False, "lease_wait_s": True}
 
 
