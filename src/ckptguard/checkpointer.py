@@ -131,7 +131,14 @@ class Checkpointer(Management, SettingsAttributes):
         return commit_order(self._committed)
 
     def latest(self, *, refresh: bool = False) -> int | None:
-        """The step committed last, or None if there is none (collective only with ``refresh=True``)."""
+        """The step committed last: the one ``load()`` resumes.
+
+        Args:
+            refresh: List the root again; then collective (every rank must call it).
+
+        Returns:
+            The step, or None if the root holds no committed checkpoint.
+        """
         return next(reversed(self.steps(refresh=refresh)), None)
 
     @collective()
@@ -188,7 +195,11 @@ class Checkpointer(Management, SettingsAttributes):
         stats.blocked = time.perf_counter() - started
 
     def pending_save(self) -> Future[None] | None:
-        """The background save not yet waited for, if any (what the at-exit check inspects)."""
+        """The background save not yet waited for (what the at-exit check inspects).
+
+        Returns:
+            Its future, or None if no ``blocking=False`` save is in flight or unwaited.
+        """
         return self._saves.inflight
 
     def wait(self) -> None:

@@ -82,7 +82,17 @@ class Management:
 
     @collective()
     def untag(self, name: str) -> int | None:
-        """Remove tag ``name``; returns the step it named, or None. Collective."""
+        """Remove tag ``name``; collective.
+
+        Args:
+            name: The tag.
+
+        Returns:
+            The step it named, or None if it did not exist.
+
+        Raises:
+            CheckpointError: The Checkpointer is read_only or closed.
+        """
         self.wait()
         self._check_usable(writing=True)
         before = manage.set_tag(self._session, name, None, self._committed)
@@ -91,7 +101,14 @@ class Management:
 
     @collective(only_with="refresh")
     def tags(self, *, refresh: bool = False) -> dict[str, int]:
-        """``{tag: step}``, agreed by every rank; like ``steps()``, collective only with ``refresh=True``."""
+        """The tags, agreed by every rank.
+
+        Args:
+            refresh: Read the tags again; then collective (every rank must call it).
+
+        Returns:
+            ``{tag: step}``, sorted by tag.
+        """
         if refresh:
             self.wait()
             self._tags = manage.read_tags(self._session)
