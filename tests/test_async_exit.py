@@ -87,7 +87,7 @@ def test_a_stalled_rank_makes_the_others_fail_within_the_timeout(tmp_path: Path)
 def test_a_rank_interrupted_outside_an_agreement_refuses_its_next_collective_call(tmp_path: Path) -> None:
     """Rank 1 catches a Ctrl-C that ended save() before its first collective; rank 0 is inside the
     save. Rank 1's next call (a load) is refused at once with CheckpointError, instead of pairing its
-    collectives with rank 0's save (outside attack: two ranks in different collectives, a hang);
+    collectives with rank 0's save (two ranks in different collectives: a hang);
     rank 0 raises PeerError within the control group's timeout."""
     job = run_job(WORKER, ["out_of_step", str(tmp_path / "ck"), "--timeout", "8"], nproc_per_node=2, timeout=90)
     out = {r["rank"]: r for r in job_results(job)}
@@ -151,9 +151,8 @@ def test_exit_while_a_load_and_a_background_save_run_in_unclosed_checkpointers(t
 def test_a_ctrl_c_in_wait_leaves_the_background_save_in_flight_and_the_next_save_after_it(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A Ctrl-C interrupts wait() while step 2 is saved in the background. The save goes on; the next
-    save waits for it and commits after it. Before, wait() forgot the save first: step 3, saved
-    synchronously, ran beside it, both got the same commit number and `latest` went back to step 2
-    (outside attack)."""
+    save waits for it and commits after it: a save forgotten by wait() would run beside the next one,
+    both get the same commit number and `latest` go back to the older step."""
     gate = threading.Event()
     real_save = save_protocol.save
 
@@ -187,8 +186,8 @@ def test_a_ctrl_c_in_wait_leaves_the_background_save_in_flight_and_the_next_save
 @pytest.mark.parametrize("in_flight", [True, False])
 def test_a_forked_child_that_exits_leaves_the_parents_lease_and_save_alone(tmp_path: Path, in_flight: bool) -> None:
     """A child forked while the parent's Checkpointer is open (a save in flight or not) inherits its atexit
-    hooks: at its exit it waited forever for the parent's background save and deleted the parent's lease,
-    so the save in flight and every later one failed with LeaseLostError (an outside attack)."""
+    hooks: at its exit it must neither wait for the parent's background save (forever) nor delete the
+    parent's lease (the save in flight and every later one would fail with LeaseLostError)."""
     root = tmp_path / "ck"
     script = textwrap.dedent(f"""
         import json, os, sys, time, torch, ckptguard

@@ -467,15 +467,12 @@ _STALLED_EARLY_CHILD = textwrap.dedent("""
                                    "files_visible"])
 def test_a_job_stalled_early_in_a_save_leaves_nothing_in_the_new_owners_root(tmp_path: Path, where: str) -> None:
     """A job stopped early in a save, its lease taken over (the takeover moves the staging area away),
-    then resumed. Found by an outside attack: stopped right before or right after it made its attempt's
-    directory, it made the directory again in the new owner's staging area (with its parents) and wrote
-    its whole checkpoint there before the commit's lease check refused: gigabytes of another job's
-    files in the new owner's root, filling its disk (a rank's files= artifacts, too, made their
-    directories with every parent). Found by CI (the test above timed out): stopped
-    while it waited for its attempt's files to be visible (every rank waits for the attempt's directory,
-    the leader for every rank's files), it waited for files that could never come for the whole
-    visibility timeout (60 s by default). It must stop at once with the fence's error, and leave
-    nothing in the new owner's root."""
+    then resumed. Stopped right before or right after it made its attempt's directory, it must not make
+    the directory again in the new owner's staging area (with its parents) and write its whole checkpoint
+    there before the commit's lease check refuses (gigabytes of another job's files filling the new
+    owner's disk; a rank's files= artifacts likewise). Stopped while it waits for its attempt's files to
+    be visible, it must not wait the whole visibility timeout (60 s by default) for files that can never
+    come. It stops at once with the fence's error, and leaves nothing in the new owner's root."""
     root = tmp_path / "ckpt"
     child = subprocess.Popen([sys.executable, "-c", _STALLED_EARLY_CHILD, str(root), where, str(tmp_path)],
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

@@ -494,15 +494,15 @@ def test_background_save_reuses_one_set_of_host_buffers(ck: Checkpointer) -> Non
     for step in range(5):
         ck.save(step, state, blocking=False)
     ck.wait()
-    assert ck._stager.allocations == 1
-    assert ck._stager.buffer_bytes == 256 * 256 * 4
+    assert ck._saves.host_stager.allocations == 1
+    assert ck._saves.host_stager.buffer_bytes == 256 * 256 * 4
 
 
 @pytest.mark.parametrize("state", [{"x": 1}, {}, {"x": {}}, {"s": "abc", "l": [1, 2]}, {"r": ckptguard.PerRank(1)}],
                          ids=["int", "empty", "empty-dict", "plain", "per-rank"])
 def test_background_save_of_a_state_without_tensors(ck: Checkpointer, state: dict[str, object]) -> None:
-    """An outside attack: torch's bulk copy refuses an empty list, and save(blocking=False) raised its
-    RuntimeError for every state without a tensor."""
+    """A state without a tensor saves in the background: torch's bulk copy refuses an empty list, and
+    that RuntimeError must not reach the caller."""
     ck.save(1, state, blocking=False)
     ck.wait()
     assert ck.steps() == [1]
@@ -513,8 +513,8 @@ def test_background_save_of_a_state_without_tensors(ck: Checkpointer, state: dic
 @pytest.mark.parametrize("context", ["inference_mode", "meta_default_device"])
 def test_background_saves_after_one_made_under_a_torch_mode(ck: Checkpointer, context: str) -> None:
     """The host buffers a first async save allocates serve every later save: made under
-    torch.inference_mode() they were inference tensors, which every later copy outside it refused; made under
-    torch.device("meta") they were meta tensors, and every save failed (an outside attack)."""
+    torch.inference_mode() they must not be inference tensors (every later copy outside it is refused), nor
+    meta tensors under torch.device("meta") (every save would fail)."""
     mode = torch.inference_mode() if context == "inference_mode" else torch.device("meta")
     state = {"w": torch.arange(64, dtype=torch.float32)}
     with mode:
@@ -532,8 +532,8 @@ def test_background_saves_after_one_made_under_a_torch_mode(ck: Checkpointer, co
 
 @pytest.mark.parametrize("blocking", [True, False])
 def test_files_that_name_a_fifo_or_hold_one_are_refused_and_nothing_hangs(tmp_path: Path, blocking: bool) -> None:
-    """A FIFO named by files= made save() wait forever for a writer (open, then read); one inside a files=
-    directory was skipped without a word, as were links to directories and to nothing (an outside attack)."""
+    """A FIFO named by files= must not make save() wait forever for a writer (open, then read); one inside a
+    files= directory, a link to a directory or to nothing is refused, never skipped without a word."""
     fifo = tmp_path / "pipe"
     os.mkfifo(fifo)
     data = tmp_path / "data"
@@ -629,7 +629,7 @@ def test_background_saves_follow_every_change_of_the_state_between_them(ck: Chec
                     t.add_(100)
         state["opt"][1] = -1
     ck.wait()
-    assert ck._stager.allocations == 5  # steps 0 and 1 share one set of buffers
+    assert ck._saves.host_stager.allocations == 5  # steps 0 and 1 share one set of buffers
     for step, expected in saved.items():
         out = {k: (torch.zeros_like(v) if isinstance(v, torch.Tensor) else
                    type(v)(torch.zeros_like(e) if isinstance(e, torch.Tensor) else None for e in v))
@@ -672,8 +672,8 @@ def test_background_save_over_budget_falls_back_to_blocking(tmp_path: Path) -> N
     with Checkpointer(tmp_path / "ckpt", async_budget_bytes=1000) as ck:
         with pytest.warns(UserWarning, match="exceeds async_budget_bytes=1,000; saving synchronously"):
             ck.save(1, {"w": torch.ones(1000)}, blocking=False)
-        assert ck._inflight is None and ck.steps() == [1]
-        assert ck._stager.allocations == 0
+        assert ck.pending_save() is None and ck.steps() == [1]
+        assert ck._saves.host_stager.allocations == 0
 
 
 def test_background_save_with_files(ck: Checkpointer, tmp_path: Path) -> None:
@@ -690,9 +690,9 @@ def test_background_save_with_files(ck: Checkpointer, tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("kind", ["list", "dict-with-tensor", "tuple"])
 def test_a_state_nested_deeper_than_a_load_takes_is_refused_at_save(tmp_path: Path, kind: str) -> None:
-    """A state nested past the depth a load takes was saved, committed and verified intact, and every
-    load then called it corrupt and fell back to the step before (an outside attack). The deepest state
-    a save takes loads back; one level more is refused at the save, and nothing is committed."""
+    """A state nested past the depth a load takes must not be committed (every load would call it
+    corrupt and fall back to the step before). The deepest state a save takes loads back; one level
+    more is refused at the save, and nothing is committed."""
     def nested(depth: int) -> object:
         leaf: object = torch.ones(2) if kind == "dict-with-tensor" else 1
         for _ in range(depth):
@@ -726,10 +726,9 @@ def test_a_state_nested_deeper_than_a_load_takes_is_refused_at_save(tmp_path: Pa
 
 
 def test_a_background_save_keeps_the_settings_of_its_call_and_metadata_waits_for_it(tmp_path: Path) -> None:
-    """Settings assigned once save(blocking=False) returned applied to that save already (keep_last=1
-    retired steps the blocking save would have kept), and metadata(N) of the step in flight raised
-    StepNotFoundError where read(step=N) waits for it (an outside attack). Now the settings apply from the
-    next save, as the README says, and metadata() waits like read()."""
+    """Settings assigned once save(blocking=False) returned apply from the next save, not to the one in
+    flight (keep_last=1 must not retire steps the save would have kept); metadata(N) of the step in
+    flight waits for it, as read(step=N) does."""
     with Checkpointer(tmp_path / "ck") as ck:
         for step in (1, 2, 3):
             ck.save(step, {"w": torch.full((4,), float(step))})
@@ -744,9 +743,9 @@ def test_a_background_save_keeps_the_settings_of_its_call_and_metadata_waits_for
 
 @pytest.mark.parametrize("blocking", [True, False])
 def test_files_whose_names_no_manifest_can_hold_are_refused_at_the_save(tmp_path: Path, blocking: bool) -> None:
-    """A name with a backslash was saved and committed, then every load called the manifest invalid and
-    fell back to the step before; a name that is not UTF-8 raised a raw UnicodeEncodeError once the data
-    was written (an outside attack). Both are refused before anything is written."""
+    """A name with a backslash (every load would call the manifest invalid and fall back to the step
+    before) and a name that is not UTF-8 (a raw UnicodeEncodeError once the data is written) are refused
+    before anything is written."""
     data = tmp_path / "data"
     data.mkdir()
     (data / "ok.txt").write_bytes(b"ok")
@@ -774,8 +773,8 @@ def test_files_whose_names_no_manifest_can_hold_are_refused_at_the_save(tmp_path
 @pytest.mark.parametrize("key", [b"k" * 2100, ("s" * 4100,), "nest"],
                          ids=["long-bytes", "long-str-in-tuple", "deep-tuple"])
 def test_a_dict_key_a_load_could_not_read_is_refused_at_the_save(tmp_path: Path, key: object) -> None:
-    """Keys over the size a load takes were saved and committed, then every read and load of the step
-    failed, without falling back (an outside attack)."""
+    """Keys over the size a load takes are refused at the save: committed, every read and load of the
+    step would fail, without falling back."""
     if key == "nest":
         for _ in range(17):
             key = (key, 1)

@@ -2,7 +2,7 @@
 
 Python runs a signal handler right after a builtin call returns: a KeyboardInterrupt raised as
 ``os.open`` hands back its descriptor dropped the only reference to it, one descriptor leaked per
-interrupted save or load (seen by an outside review: ~1 in 150 interrupted loads). Each test
+interrupted save or load, unless the descriptor is owned at once. Each test
 interrupts the k-th ``os.open`` of a save or a load, for every k that operation reaches.
 """
 
@@ -114,8 +114,8 @@ def test_a_ctrl_c_right_after_any_open_of_a_load_leaks_no_descriptor(tmp_path: P
 def test_a_handle_dropped_by_a_ctrl_c_before_its_owner_holds_it_closes_its_descriptor(tmp_path: Path,
                                                                                      kind: str) -> None:
     """The descriptor belongs to a FileIO from the instant it exists: however the handle is dropped,
-    it is closed by C code that no second Ctrl-C can interrupt (a Python __del__ could be, and was:
-    an outside review held Ctrl-C down and left a descriptor open for good)."""
+    it is closed by C code that no second Ctrl-C can interrupt (a Python __del__ can be, leaving the
+    descriptor open for good)."""
     storage = open_storage(tmp_path)
     (tmp_path / "existing").write_bytes(b"x" * 100)
     previous = signal.signal(signal.SIGINT, signal.default_int_handler)

@@ -106,11 +106,11 @@ def test_blocking_saves_copy_device_tensors_once_into_buffers_that_never_go_stal
             assert torch.equal(into["model"]["w"], state["model"]["w"]), f"step {step}: shape/dtype change went stale"
             assert torch.equal(into["model"]["host"], host + step) and into["extra"]["count"] == step
             assert torch.equal(into["extra"]["nested"][0], state["extra"]["nested"][0])
-        assert ck._device_stager.allocations == 3  # same shapes reuse; each change of shape or dtype reallocates
+        assert ck._saves.device_stager.allocations == 3  # same shapes reuse; each change of shape or dtype reallocates
         ck.save(10, state, blocking=False)  # the async buffers now hold the state: sync saves use them
         ck.wait()
         ck.save(11, state)
-        assert ck._device_stager.allocations == 3 and ck._stager.allocations == 1
+        assert ck._saves.device_stager.allocations == 3 and ck._saves.host_stager.allocations == 1
         assert ck.load(into, step=11) == 11 and torch.equal(into["model"]["w"], state["model"]["w"])
 
 

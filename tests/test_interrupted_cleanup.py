@@ -1,9 +1,8 @@
 """A Ctrl-C as a save hands the removal of retired steps to its thread leaves close() waiting for it.
 
-Found by an outside review holding Ctrl-C down: a KeyboardInterrupt inside the thread pool's
-bookkeeping (its worker started, not yet recorded) left a removal that close() did not wait for; it
-ran once the lease was released, found the lease file gone and refused to remove anything ("this job
-no longer holds the lease"), leaving the retired step's files behind.
+A KeyboardInterrupt inside the thread pool's bookkeeping (its worker started, not yet recorded) must
+not leave a removal that close() does not wait for: run once the lease is released, it finds the lease
+file gone and removes nothing ("this job no longer holds the lease"), leaving the retired step behind.
 """
 
 from __future__ import annotations
@@ -42,8 +41,8 @@ def test_a_ctrl_c_as_the_removal_of_retired_steps_starts_leaves_close_waiting_fo
         real_remove(path)
         removed.append(path)
     monkeypatch.setattr(root, "remove_retired", slow_remove)
-    ck._cleaner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckptguard-cleanup")  # no idle worker
-    ck._cleaner._threads = _InterruptedAsRecorded()  # type: ignore[attr-defined]
+    ck._saves.cleaner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckptguard-cleanup")  # no idle worker
+    ck._saves.cleaner._threads = _InterruptedAsRecorded()  # type: ignore[attr-defined]
     previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         with caplog.at_level(logging.WARNING, logger="ckptguard"), pytest.raises(KeyboardInterrupt):

@@ -34,7 +34,8 @@ def _save_a_tensor_per_rank(root: Path) -> None:
         session = _session(comm, root, read_only=False)
         try:
             state = {f"w{comm.rank}": torch.full((1000,), float(comm.rank))}
-            save_protocol.save(session, save_protocol.SaveRequest(1, state, [], [], False, {}, None),
+            save_protocol.save(session, save_protocol.SaveRequest(1, state, [], [], False, {}, None,
+                                                                  options=session.options),
                                PhaseTimer())
         finally:
             if session.lease is not None:

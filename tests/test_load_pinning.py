@@ -72,7 +72,7 @@ def test_retention_between_the_passes_of_a_load_of_many_files(tmp_path: Path, ma
 
             def retire() -> None:
                 writer.save(2, _state(2))
-                writer._wait_cleanup()
+                writer._saves.wait_cleanup()
                 assert not (root / "step-00000001").exists()
 
             _retire_before_placing(reader, retire)
@@ -96,7 +96,7 @@ _SPILL_SCRIPT = textwrap.dedent("""
         with Checkpointer(root, read_only=True, load_memory_bytes=0) as reader:
             def retire():
                 writer.save(2, t._state(2))
-                writer._wait_cleanup()
+                writer._saves.wait_cleanup()
                 assert not (root / "step-00000001").exists()
             t._retire_before_placing(reader, retire)
             t._check_whole_or_untouched(reader, 1, t._state(1))
@@ -136,7 +136,7 @@ def test_s3_retention_between_the_passes_never_reads_the_deleted_objects(bed: S3
 
             def retire() -> None:
                 writer.save(2, {"model": {k: t + 1 for k, t in state["model"].items()}})
-                writer._wait_cleanup()
+                writer._saves.wait_cleanup()
                 listed = bed.client(direct=True).list_objects_v2(Bucket=bucket, Prefix="root/").get("Contents", [])
                 assert not [o["Key"] for o in listed if "step-00000001" in o["Key"] and "/data/" in o["Key"]]
 
@@ -184,8 +184,8 @@ def test_the_default_budget_verifies_first_while_the_page_cache_holds_the_state(
     """By default on POSIX a state the page cache can hold is verified first and read again into place
     from the files kept open (nothing held in host memory); a state too large for it is read once up
     to 256 MiB, the rest verified first; the object store default is a share of MemAvailable."""
-    import ckptguard.dcp.reader as reader_module
-    from ckptguard.dcp.reader import auto_memory_bytes
+    import ckptguard.dcp.loadmemory as memory_module
+    from ckptguard.dcp.loadmemory import auto_memory_bytes
 
     assert 0 < auto_memory_bytes(4) < auto_memory_bytes(1)
     state = {"a": torch.arange(10_000.0), "b": torch.ones(3, 5)}
@@ -198,7 +198,7 @@ def test_the_default_budget_verifies_first_while_the_page_cache_holds_the_state(
         assert stats is not None and stats.verified_only_bytes == nbytes and stats.staged_bytes == 0
         assert stats.spilled_bytes == 0
         # A host whose available memory could not keep the state between the passes: read once.
-        monkeypatch.setattr(reader_module, "available_bytes", lambda: nbytes)
+        monkeypatch.setattr(memory_module, "available_bytes", lambda: nbytes)
         out = {"a": torch.zeros(10_000), "b": torch.zeros(3, 5)}
         assert ck.load(out) == 1 and all(torch.equal(out[k], state[k]) for k in state)
         stats = ck.last_load_stats
@@ -232,11 +232,10 @@ def test_a_file_changed_in_place_between_the_passes_is_a_torn_load_never_a_fallb
         tmp_path: Path, how: str) -> None:
     """Bytes changed in place after they were verified (never by ckptguard) are found in the second
     pass, once destinations may hold part of the step: a TornLoadError, also for a file cut short
-    (it was a CorruptCheckpointError, and load() fell back to an older step, leaving bytes of the
+    (never a CorruptCheckpointError: load() would fall back to an older step, leaving bytes of the
     rejected one in the state). The last case moves neither mtime nor ctime (a shared mapping whose
-    page is already dirty and writable writes without a fault): an outside attack on a second read
-    trusted from the page cache of a file whose times were unchanged loaded its bytes; the second read
-    is hashed again, always."""
+    page is already dirty and writable writes without a fault), so a second read is never trusted from
+    unchanged file times: it is hashed again, always."""
     import mmap
 
     from ckptguard import TornLoadError
@@ -380,18 +379,22 @@ _INTERRUPT_SCRIPT = textwrap.dedent("""
         faulthandler.dump_traceback_later(60, exit=True)  # a load that hangs fails the test
         armed[0] = True
         timer = threading.Timer(rng.uniform(0, took * 1.2), os.kill, (os.getpid(), signal.SIGINT))
-        timer.start()
+        how = None
+        # The signal may land anywhere from the timer's start to the handler's run: all of that is inside
+        # the outer try, which the loop leaves only once the handler has run (armed is cleared).
         try:
+            timer.start()
             try:
                 reader.load(out, step=1)
                 how = "loaded"
             except KeyboardInterrupt:
                 how = "interrupted"
             timer.join()
+            while armed[0]:
+                time.sleep(0.001)
         except KeyboardInterrupt:
             timer.join()
-            how = "loaded"  # the signal landed after the load
-        armed[0] = False
+            how = how or "interrupted"  # before the load began (the old state), or after it returned
         faulthandler.cancel_dump_traceback_later()
         new = [k for k in saved if k != "obj" and torch.equal(out[k], saved[k])]
         old = [k for k in saved if k != "obj" and bool((out[k] == -7.0).all())]
@@ -415,9 +418,9 @@ def test_a_ctrl_c_during_a_load_leaves_the_state_old_or_whole_and_no_thread_behi
         tmp_path: Path, budget: int) -> None:
     """A Ctrl-C (KeyboardInterrupt) at a random moment of a load: the state is the old one (the old
     bytes put back once every reading thread stopped) or the whole step (the interrupt delivered once
-    every byte agreed on is in place), never half; no load hangs, no thread is left. An outside attack
-    found all three: a worker started but not recorded by the pool (its join waited forever), a join
-    abandoned while a thread still read into place, a second pass cut halfway."""
+    every byte agreed on is in place), never half; no load hangs, no thread is left: no worker started
+    but unrecorded by the pool, no join abandoned while a thread still reads into place, no second pass
+    cut halfway."""
     proc = subprocess.run([sys.executable, "-c", _INTERRUPT_SCRIPT, str(tmp_path / "ckpt"), str(budget), "40"],
                           capture_output=True, text=True, timeout=400, cwd=REPO)
     assert proc.returncode == 0 and "OK" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -113,7 +113,7 @@ def test_a_template_of_another_shape_or_dtype_is_refused_before_anything_is_read
 
 
 @pytest.mark.parametrize("make", [
-    lambda base: base.as_strided((3, 4), (1, 1)),  # rows overlap (outside attack: loaded half-wrong values)
+    lambda base: base.as_strided((3, 4), (1, 1)),  # rows overlap (placed row by row: half-wrong values)
     lambda base: base.unfold(0, 3, 1),  # windows of one buffer
     lambda base: base[:1].expand(12),  # stride 0
     lambda base: base.as_strided((2, 3, 2), (3, 2, 1)),  # the last dimension steps into the next

@@ -32,7 +32,7 @@ def test_a_template_only_one_rank_cannot_use_is_refused_on_every_rank_and_change
                                read_only=False, job_id="t", lease_ttl_s=30, lease_wait_s=1)
         try:
             save_protocol.save(session, save_protocol.SaveRequest(1, {"w": torch.arange(4.0)}, [], [], False, {},
-                                                                  None), PhaseTimer())
+                                                                  None, options=session.options), PhaseTimer())
             template = {"w": torch.zeros(4)}
             if comm.rank == 1:
                 model = torch.nn.Linear(2, 2)
@@ -87,9 +87,9 @@ def test_a_refused_load_leaves_an_optimizer_that_never_stepped_without_state(tmp
 def test_a_never_stepped_optimizer_whose_parameters_hold_gradients_loads_and_keeps_them(
         tmp_path: Path, kind: type[torch.optim.Optimizer]) -> None:
     """A template built after a backward pass (an optimizer re-created mid-training): DCP builds no
-    state to load into where a parameter holds a gradient, so the load was refused with "optim.state:
-    not in the checkpoint" (outside attack). Now it loads, the gradients are as they were, and a
-    refused load still leaves the optimizer without state."""
+    state to load into where a parameter holds a gradient; the load must not be refused with
+    "optim.state: not in the checkpoint". It loads, the gradients are as they were, and a refused load
+    still leaves the optimizer without state."""
     torch.manual_seed(0)
     model = torch.nn.Linear(3, 2)
     optim = kind(model.parameters(), lr=0.1, **({"momentum": 0.9} if kind is torch.optim.SGD else {}))
@@ -129,7 +129,7 @@ class _CtrlCInStep(torch.optim.SGD):
 
 def test_a_ctrl_c_while_a_fresh_optimizer_gets_its_state_leaves_it_as_it_was(tmp_path: Path) -> None:
     """DCP builds a never-stepped optimizer's state with a step at learning rate 0, set and put back
-    around it: a Ctrl-C inside left every learning rate 0 (outside attack, 1 of 40 random Ctrl-Cs)."""
+    around it: a Ctrl-C inside must not leave every learning rate 0."""
     torch.manual_seed(0)
     model = torch.nn.Linear(3, 2)
     optim = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
@@ -220,8 +220,8 @@ def _assert_the_state_of_parameters_0_and_1_only(saved: torch.optim.Optimizer, l
 
 
 def test_saving_an_optimizer_that_never_stepped_leaves_it_without_state(tmp_path: Path) -> None:
-    """DCP gives a never-stepped optimizer a state to save; that state stayed on the live optimizer, so
-    training after a save at step 0 differed from training without it (an outside attack)."""
+    """DCP gives a never-stepped optimizer a state to save; that state must not stay on the live
+    optimizer: training after a save at step 0 is the same as training without it."""
     def train(save: bool) -> torch.Tensor:
         torch.manual_seed(0)
         model = torch.nn.Linear(3, 2)
@@ -242,8 +242,8 @@ def test_saving_an_optimizer_that_never_stepped_leaves_it_without_state(tmp_path
 
 def test_an_optimizer_with_a_parameter_that_never_had_a_gradient_loads_back(tmp_path: Path) -> None:
     """A parameter that requires grad but takes no part in forward has no optimizer state; DCP's strict
-    apply refused the checkpoint it had saved itself ("Missing optimizer state for parameter"), after the
-    model was already placed (an outside attack). It loads, and the parameter stays without state."""
+    apply refuses the checkpoint it saved itself ("Missing optimizer state for parameter"), after the
+    model is already placed. It loads, and the parameter stays without state."""
     def build(seed: int) -> tuple[_NetWithAnUnusedLayer, torch.optim.Optimizer]:
         torch.manual_seed(seed)
         net = _NetWithAnUnusedLayer()
@@ -267,8 +267,8 @@ def test_an_optimizer_with_a_parameter_that_never_had_a_gradient_loads_back(tmp_
 def test_a_fresh_job_resumes_an_optimizer_whose_parameter_never_had_a_gradient(tmp_path: Path, kind: str) -> None:
     """A restarted job builds a fresh model and optimizer; DCP gives the never-stepped optimizer a
     placeholder state for every parameter, and one that never had a gradient has no state in the
-    checkpoint: the load was refused ("optim.state.unused.weight...: not in the checkpoint"), so the job
-    could not resume (an outside attack). It loads, that parameter without state, as it was saved."""
+    checkpoint; the load must not be refused ("optim.state.unused.weight...: not in the checkpoint"), or
+    the job cannot resume. It loads, that parameter without state, as it was saved."""
     def build() -> tuple[_NetWithAnUnusedLayer, torch.optim.Optimizer]:
         net = _NetWithAnUnusedLayer()
         if kind == "adam":
@@ -291,9 +291,9 @@ def test_a_fresh_job_resumes_an_optimizer_whose_parameter_never_had_a_gradient(t
 
 
 def test_an_optimizer_saved_before_its_first_step_resumes_without_state(tmp_path: Path) -> None:
-    """A save before the first step stored the placeholder state DCP gives a never-stepped optimizer
-    (Adam with step 1 and zero moments); loaded, the job's next step was Adam's second and training
-    differed from a job that never saved (an outside attack)."""
+    """A save before the first step leaves out the placeholder state DCP gives a never-stepped optimizer
+    (Adam with step 1 and zero moments): loaded, it would make the job's next step Adam's second.
+    Training is the same as a job's that never saved."""
     def run(resume: bool) -> torch.Tensor:
         torch.manual_seed(0)
         net = torch.nn.Linear(3, 2)

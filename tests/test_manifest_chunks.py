@@ -190,7 +190,7 @@ def test_a_real_save_writes_the_manifest_the_walk_of_dcps_chunks_writes(tmp_path
         try:
             state = prepare_state({"w": torch.ones(5, 3), "empty": torch.zeros(0), "scalar": torch.tensor(1.5),
                                    "opt": {"step": 3, "names": ["a", "b"]}}, comm.rank).state_dict
-            request = save_protocol.SaveRequest(1, state, [], [], False, {}, None)
+            request = save_protocol.SaveRequest(1, state, [], [], False, {}, None, options=session.options)
             return save_protocol.save(session, request, PhaseTimer())
         finally:
             if session.lease is not None:

@@ -25,7 +25,7 @@ def save_on_thread_ranks(root: Path, world: int, state_of_rank: object) -> list[
                                read_only=False, job_id="test", lease_ttl_s=30, lease_wait_s=1)
         try:
             state = prepare_state(state_of_rank(comm.rank), comm.rank).state_dict  # type: ignore[operator]
-            request = save_protocol.SaveRequest(1, state, [], [], False, {}, None)
+            request = save_protocol.SaveRequest(1, state, [], [], False, {}, None, options=session.options)
             return save_protocol.save(session, request, PhaseTimer())
         finally:
             if session.lease is not None:

@@ -74,7 +74,7 @@ def test_two_hosts_restoring_into_one_shared_path_are_refused(tmp_path: Path, mo
             targets = artifacts.normalize({"off": own}, comm.rank, f"host-rank{comm.rank}", True,
                                           session.root.local_dir())
             save_protocol.save(session, save_protocol.SaveRequest(1, {"w": torch.ones(4)}, targets, targets, False,
-                                                                  {}, None), PhaseTimer())
+                                                                  {}, None, options=session.options), PhaseTimer())
             request = load_protocol.LoadRequest({"w": torch.zeros(4)}, {"off": shared}, True)
             return load_protocol.load_one(session, CheckpointName(1), None, request, PhaseTimer())
         finally:
@@ -126,7 +126,7 @@ def _trained(seed: float) -> tuple[torch.nn.Linear, torch.optim.SGD]:
 def test_a_ctrl_c_right_after_the_bytes_are_placed_leaves_the_whole_step(tmp_path: Path) -> None:
     """A Ctrl-C once this rank's bytes are in place, before its objects, optimizer and files= follow:
     the load ends with the whole step (the interrupt raised after), never tensors new and the rest
-    old, which it was before (found by reading: only the reader's own steps held the signal back)."""
+    old (every step of the placing holds the signal back, not only the reader's own)."""
     off = tmp_path / "offload"
     off.mkdir()
     (off / "shard").write_bytes(b"saved")
@@ -174,7 +174,7 @@ def test_a_rank_that_cannot_move_its_files_into_place_leaves_every_state_as_it_w
             targets = artifacts.normalize({"a": own / "a", "b": own / "b"}, comm.rank, "host", True,
                                           session.root.local_dir())
             save_protocol.save(session, save_protocol.SaveRequest(1, {"w": torch.ones(4)}, targets, targets, False,
-                                                                  {}, None), PhaseTimer())
+                                                                  {}, None, options=session.options), PhaseTimer())
             for name in ("a", "b"):
                 (own / name).write_bytes(b"user's own")
             state = {"w": torch.zeros(4)}

@@ -71,7 +71,8 @@ def _run(bed: S3Bed, world: int, between: Callable[[str], None] = lambda _: None
         try:
             for step in (1, 2):
                 state = prepare_state(_state(comm.rank, step), comm.rank).state_dict
-                save_protocol.save(session, save_protocol.SaveRequest(step, state, [], [], False, {}, None),
+                save_protocol.save(session, save_protocol.SaveRequest(step, state, [], [], False, {}, None,
+                                                                      options=session.options),
                                    PhaseTimer())
                 mark(comm, f"saved {step}")
             out = prepare_state(_empty(), comm.rank).state_dict

@@ -243,7 +243,7 @@ def test_a_lease_taken_by_another_leader_of_the_same_job_says_so(tmp_path: Path)
 def test_a_holder_frozen_inside_compare_and_swap_does_not_block_others_for_ever(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A process stopped (SIGSTOP) while it holds the lock of a compare-and-swap: after the timeout
-    the lock is broken and others proceed (found by the campaign: a lease takeover waited for ever)."""
+    the lock is broken and others proceed (a lease takeover must not wait for ever)."""
     import fcntl
 
     from ckptguard.storage import posix
@@ -265,14 +265,12 @@ def test_a_holder_frozen_inside_compare_and_swap_does_not_block_others_for_ever(
 @pytest.mark.parametrize("frozen_at", ["after its read", "in the fsync of its new content"])
 def test_a_holder_frozen_inside_compare_and_swap_cannot_overwrite_the_swap_that_broke_its_lock(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, frozen_at: str) -> None:
-    """Found by the campaign's stop trials (a job SIGSTOPped in its lease renewal, inside the
-    compare-and-swap: it had read its own record and held the lock). Another job broke the lock after
-    the timeout and took the lease over; when the first woke up it finished its swap, writing its
-    own record over the new holder's, carried on as the holder and retired the new holder's
-    committed checkpoint. A swap whose lock was broken while it waited must not write. The second
-    case (a freeze while the new content's temp file is fsynced, as an NFS fsync hanging in a server
-    failover) was found by the same trials after the first fix: the lock was looked at before the
-    temp file was written."""
+    """A job SIGSTOPped in its lease renewal, inside the compare-and-swap (its own record read, the lock
+    held), while another job breaks the lock after the timeout and takes the lease over: woken, it must
+    not finish its swap (writing its record over the new holder's, carrying on as the holder and
+    retiring the new holder's committed checkpoint). A swap whose lock was broken while it waited does
+    not write, also when the freeze comes while the new content's temp file is fsynced (an NFS fsync
+    hanging in a server failover): the lock is looked at after the temp file is written."""
     import threading
 
     from ckptguard.storage import posix

@@ -47,6 +47,7 @@ if TYPE_CHECKING:
     from ckptguard.checkpointer import Checkpointer
     from ckptguard.interop import DCPReader, export_checkpoint, import_checkpoint
     from ckptguard.rng import RNGState, rng_state, set_rng_state
+    from ckptguard.settings import CheckpointerSettings
     from ckptguard.singlefile import load_file, save_file
     from ckptguard.state import PerRank
 
@@ -54,6 +55,7 @@ __all__ = [
     "BucketNotFoundError",
     "CheckpointError",
     "Checkpointer",
+    "CheckpointerSettings",
     "CommitOutcomeUnknownError",
     "CorruptCheckpointError",
     "DCPReader",
@@ -89,7 +91,8 @@ __all__ = [
     "set_rng_state",
 ]
 
-_LAZY = {"Checkpointer": "ckptguard.checkpointer", "PerRank": "ckptguard.state", "save_file": "ckptguard.singlefile",
+_LAZY = {"Checkpointer": "ckptguard.checkpointer", "CheckpointerSettings": "ckptguard.settings",
+         "PerRank": "ckptguard.state", "save_file": "ckptguard.singlefile",
          "load_file": "ckptguard.singlefile", "rng_state": "ckptguard.rng", "set_rng_state": "ckptguard.rng",
          "RNGState": "ckptguard.rng", "DCPReader": "ckptguard.interop", "export_checkpoint": "ckptguard.interop",
          "import_checkpoint": "ckptguard.interop"}

@@ -17,20 +17,18 @@ from dataclasses import dataclass
 from typing import Any
 
 from ckptguard.errors import CheckpointError
+from ckptguard.frameworks import BY_ROOT_NAME, FRAMEWORK_KEY, FRAMEWORKS, root_name
+
+__all__ = ["ACCELERATE_ROOT", "DEEPSPEED_ROOT", "FRAMEWORK_KEY", "FRAMEWORK_ROOTS", "HF_ROOT", "LIGHTNING_ROOT",
+           "FoundRoot", "find_roots"]
 from ckptguard.protocol import layout
 from ckptguard.storage import StorageBackend, open_storage
 
-# The hidden root each integration keeps its committed checkpoints in (the integrations use these names).
-FRAMEWORK_ROOTS: Mapping[str, str] = {
-    ".ckptguard-hf": "transformers",
-    ".ckptguard-lightning": "lightning",
-    ".ckptguard-accelerate": "accelerate",
-    ".ckptguard-deepspeed": "deepspeed",
-}
-HF_ROOT, LIGHTNING_ROOT, ACCELERATE_ROOT, DEEPSPEED_ROOT = FRAMEWORK_ROOTS
-# The key of a checkpoint's ``metadata=`` that names the framework that saved it; torchtitan's root is
-# the folder itself (no hidden name), so this is how it is recognised.
-FRAMEWORK_KEY = "framework"
+# The hidden root each integration keeps its committed checkpoints in -> the framework's name
+# (from the registry, ``ckptguard.frameworks``; the integrations import these names).
+FRAMEWORK_ROOTS: Mapping[str, str] = {name: f.name for name, f in BY_ROOT_NAME.items()}
+HF_ROOT, LIGHTNING_ROOT, ACCELERATE_ROOT, DEEPSPEED_ROOT = (root_name(n) for n in
+                                                            ("transformers", "lightning", "accelerate", "deepspeed"))
 _SEARCH_DEPTH = 2  # the given directory's children and grandchildren (a directory of runs)
 
 
@@ -48,12 +46,23 @@ def find_roots(path: str | os.PathLike[str], storage_options: Mapping[str, Any] 
 
     ``path`` itself if it is a root; otherwise every root found in it and in its subdirectories
     (two levels; on object stores one, each level costs a listing), not looking inside a root. For a
-    ``.../checkpoints`` directory of Accelerate's automatic naming, the root beside it in
-    ``project_dir``. Raises ``CheckpointError`` if ``path`` cannot be read (a usage error: not a
-    directory, an unsupported URL, a missing bucket). A subdirectory that cannot be read (a mode 000
-    ``lost+found`` beside the runs) is skipped, and appended to ``unreadable`` if given: one such
-    directory must not hide the roots beside it. A ``.ckptguard`` that is not a directory (a file, a
-    FIFO, a link) makes no root: it is never opened, and its path is appended to ``strays`` if given.
+    directory a framework names beside its hidden root (``Framework.beside``: Accelerate's automatic
+    ``project_dir/checkpoints``), the hidden root beside it. A subdirectory that cannot be read (a mode
+    000 ``lost+found`` beside the runs) is skipped: one such directory must not hide the roots beside it.
+    A ``.ckptguard`` that is not a directory (a file, a FIFO, a link) makes no root and is never opened.
+
+    Args:
+        path: A POSIX path or a URL of a registered storage scheme.
+        storage_options: Passed to the storage backend (credentials, endpoint).
+        unreadable: If given, the subdirectories skipped for lack of permission are appended to it.
+        strays: If given, the control entries that are not directories are appended to it.
+
+    Returns:
+        Every root found, each with the framework that wrote it (None: the plain API, or unknown).
+
+    Raises:
+        CheckpointError: ``path`` cannot be read (a usage error: not a directory, an unsupported URL,
+            a missing bucket).
     """
     text = os.fspath(path)
     storage = open_storage(text, storage_options)
@@ -65,10 +74,13 @@ def find_roots(path: str | os.PathLike[str], storage_options: Mapping[str, Any] 
         return [FoundRoot(storage.root, _framework_of(storage, storage.root, storage_options))]
     depth = _SEARCH_DEPTH if storage.cheap_listing else 1
     _search(storage, storage.root, depth, found, storage_options, [] if unreadable is None else unreadable, strays)
-    if not found and os.path.basename(os.path.normpath(storage.root)) == "checkpoints":
-        beside = storage.join(storage.parent(storage.root), ACCELERATE_ROOT)
-        if _is_root(storage, beside, strays):
-            found.append(FoundRoot(beside, "accelerate"))
+    if not found:
+        name = os.path.basename(os.path.normpath(storage.root))
+        for framework in FRAMEWORKS:
+            if framework.beside == name and framework.root_name is not None:
+                beside = storage.join(storage.parent(storage.root), framework.root_name)
+                if _is_root(storage, beside, strays):
+                    found.append(FoundRoot(beside, framework.name))
     return found
 
 

@@ -6,9 +6,9 @@ their recorded sizes (the quick checks), or, with ``deep=True``, whose every byt
 checksum. Steps committed after it that fail those checks, steps rolled back past, and save
 attempts that never committed are the unsafe ones, each with its reason.
 
-A root that belongs to a framework integration (``.ckptguard-hf`` under a Trainer's output_dir,
-``.ckptguard-lightning``, ``.ckptguard-accelerate``, ``.ckptguard-deepspeed``) is found when the
-directory given is the framework's, and the hint is then the framework's own resume call.
+A root that belongs to a framework integration (``.ckptguard-hf`` under a Trainer's output_dir, ...:
+the registry ``ckptguard.frameworks``) is found when the directory given is the framework's, and the
+hint is then the framework's own resume call.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from typing import Any
 
 from ckptguard.discover import find_roots
 from ckptguard.errors import CheckpointError
+from ckptguard.frameworks import ResumePoint, resume_hint
 from ckptguard.protocol.layout import CheckpointName
 from ckptguard.protocol.root import open_root
 from ckptguard.storage import Backend, backend_for, local_path, open_storage
@@ -119,20 +120,7 @@ def _deep_problem(root: str, info: CheckpointInfo) -> str | None:
 def _hint(framework: str | None, ck_root: str, step: int, info: CheckpointInfo) -> str:
     """A line that resumes: it names the root that holds the step (``ck_root``, found under the directory
     given), never the directory given, from which ``Checkpointer`` would load nothing."""
-    base = os.path.dirname(os.path.normpath(ck_root))
-    if framework == "transformers":
-        return f'trainer.train(resume_from_checkpoint="{os.path.join(base, f"checkpoint-{step}")}")'
-    if framework == "accelerate":
-        return f"accelerator.load_state(step={step})  # CkptguardAccelerator; or load_state(accelerator, step={step})"
-    if framework == "lightning":
-        return f'trainer.fit(model, ckpt_path="last")  # the .ckpt committed last (step {step} of {ck_root})'
-    if framework == "deepspeed":
-        tag = info.user_metadata.get("tag") if info.user_metadata else None
-        tag_arg = f', tag="{tag}"' if tag is not None else ""
-        return f'engine.load_checkpoint("{base}"{tag_arg})'
-    if framework == "torchtitan":
-        return f"the torchtitan trainer loads the step committed last at start (step {step} of {ck_root})"
-    return f'Checkpointer("{ck_root}").load(state, step={step})'
+    return resume_hint(framework, ResumePoint(ck_root, step, info.user_metadata or {}))
 
 
 def resume_info(root: str, *, deep: bool = False) -> ResumeInfo:

@@ -73,8 +73,8 @@ def drop_placeholders(prepared: PreparedState, stored: Container[str]) -> None:
     """Take out of a load's template the placeholder state of each parameter the checkpoint holds no
     state for (``stored``: its flattened names). DCP gives a never-stepped optimizer a state for every
     parameter; a parameter that never had a gradient has none in the checkpoint, and the load was
-    refused ("not in the checkpoint"): a fresh job could not resume (an outside attack). Such a
-    parameter is now loaded without state, as it was saved."""
+    refused ("not in the checkpoint") and a fresh job could not resume. Such a parameter is loaded
+    without state, as it was saved."""
     for key, params in prepared.placeholders.items():
         state = prepared.state_dict[key].get("state")
         if not isinstance(state, dict):
@@ -232,12 +232,12 @@ def _prepare_values(state: Mapping[str, Any], rank: int, modules: Mapping[str, n
             if fresh and isinstance(sd[key].get("state"), dict):
                 if for_load:
                     placeholders[key] = list(sd[key]["state"])
-                else:  # saved as it is, without state: the placeholder's step made a resumed Adam's next
-                    sd[key] = {**sd[key], "state": encode_value({})}  # step its second (an outside attack)
+                else:  # saved as it is, without state: the placeholder's step would make a resumed Adam's
+                    sd[key] = {**sd[key], "state": encode_value({})}  # next step its second
             # Not DCP's strict: it refuses a parameter without state (one that never had a gradient), also
             # where the optimizer saved had none for it; the load has checked the keys already, and the
-            # parameter is left without state, as it was saved (DCP's strict made such a checkpoint
-            # unloadable, and raised after the model was placed: an outside attack).
+            # parameter is left without state, as it was saved (DCP's strict makes such a checkpoint
+            # unloadable, and raises after the model was placed).
             appliers.append(_later(functools.partial(set_optimizer_state_dict, model, value,
                                                      options=_OPTIMIZER_APPLY), sd, key))
         elif isinstance(value, PerRank):

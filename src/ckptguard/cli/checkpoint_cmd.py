@@ -21,10 +21,11 @@ from rich.table import Table
 
 from ckptguard.cli import app, fail
 from ckptguard.cli.output import console, say, text
+from ckptguard.frameworks import described_dirs_text
 from ckptguard.progress import ByteProgress
 
-PathArg = Annotated[str, typer.Argument(help="A checkpoint root, or a directory holding some (a framework's "
-                                                  "output directory, a directory of runs).")]
+PathArg = Annotated[str, typer.Argument(help="A checkpoint root, or a directory holding some "
+                                                  f"({described_dirs_text()}, a directory of runs).")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object instead of tables.")]
 
 
@@ -56,6 +57,7 @@ def _roots(path: str, json_out: bool, verifying: bool = False) -> tuple[list[Any
     """The roots at or under ``path``, and whether ``path`` is itself the one root; exit 3 if none."""
     from ckptguard.discover import find_roots
     from ckptguard.errors import CheckpointError
+    from ckptguard.frameworks import hidden_roots_text
     from ckptguard.storage import open_storage
 
     unreadable: list[str] = []
@@ -78,8 +80,7 @@ def _roots(path: str, json_out: bool, verifying: bool = False) -> tuple[list[Any
             typer.echo(json.dumps(doc, indent=2))
         say(console(stderr=True),
             f"{given} holds no ckptguard checkpoint root (looked at it and below it, including the "
-            ".ckptguard-hf, .ckptguard-lightning, .ckptguard-accelerate and .ckptguard-deepspeed directories "
-            f"the integrations write){_step_dir_hint(given)}")
+            f"{hidden_roots_text()} directories the integrations write){_step_dir_hint(given)}")
         raise typer.Exit(NO_ROOT_EXIT)
     return roots, len(roots) == 1 and roots[0].path == given
 

@@ -38,7 +38,7 @@ def _missing(what: str, err: BaseException) -> TorchVersionError:
 
 try:
     # DCP's own helper for writing a loaded object back into the nested state dict.
-    from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
+    from torch.distributed._state_dict_utils import _create_cpu_state_dict
     from torch.distributed.checkpoint._nested_dict import flatten_state_dict as _flatten_state_dict
     from torch.distributed.checkpoint._traverse import set_element
 except ImportError as e:  # pragma: no cover - depends on the installed torch
@@ -205,12 +205,6 @@ def create_cpu_state_dict(state_dict: dict[str, Any], pin_memory: bool) -> dict[
     refuses; the buffers are reused by the saves after."""
     with torch.device("cpu"), torch.inference_mode(False):
         out: dict[str, Any] = _create_cpu_state_dict(state_dict, pin_memory=pin_memory)
-    return out
-
-
-def copy_state_dict(state_dict: dict[str, Any], into: dict[str, Any]) -> dict[str, Any]:
-    """Copy ``state_dict``'s tensors into the buffers ``into`` (DCP's async staging helper)."""
-    out: dict[str, Any] = _copy_state_dict(state_dict, into, non_blocking=True, type_check=False)
     return out
 
 

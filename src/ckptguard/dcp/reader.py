@@ -29,28 +29,28 @@ disagree with the first if a checkpoint file was modified in place during the lo
 
 from __future__ import annotations
 
-import contextlib
 import io
-import math
 import os
-import resource
 import threading
 from collections import defaultdict
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
-import numpy as np
 import torch
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.storage import StorageReader
-from torch.distributed.tensor import DTensor
 
 from ckptguard._faults import FaultPhase, fault_point
 from ckptguard._pool import ExitSafePool
 from ckptguard._signals import signals_deferred
-from ckptguard.dcp.planners import decode_object
+from ckptguard.dcp.coverage import check_coverage
+from ckptguard.dcp.loadmemory import (
+    auto_memory_bytes,
+    keepable_files,
+    load_budget,
+)
+from ckptguard.dcp.loadplanner import ReaderPlanner, decode_object, reader_planner
 from ckptguard.dcp.readjob import (
     IN_PLACE,
     STAGED,
@@ -58,13 +58,16 @@ from ckptguard.dcp.readjob import (
     Arena,
     ReadJob,
     Spill,
+    Stopped,
+    assign_modes,
+    detached,
     follows,
     follows_at,
     no_in_place_for_aliases,
+    torn_if_it_fails,
 )
 from ckptguard.dcp.records import StoredItem
-from ckptguard.dcp.values import PLAIN_TENSOR_TYPES
-from ckptguard.errors import CheckpointError, CorruptCheckpointError, TornLoadError
+from ckptguard.errors import CheckpointError, CorruptCheckpointError
 from ckptguard.storage import ReadHandle, StorageBackend
 
 _MAX_IOV = 512  # items per vectored read
@@ -79,53 +82,8 @@ _HOT_BYTES = 1 << 20
 _REQUEST_CHUNK = 8 << 20
 _REQUEST_BATCH = 64 << 20
 _WHOLE = 1 << 62  # a piece size that never splits a read
-_ALIGN = 64  # scratch slots in the arena start at this alignment (any dtype, vector loads)
-_FD_MARGIN = 256  # descriptors left to the rest of the process when files are kept open for a load
-
-#: Share of MemAvailable a load may hold per rank of this host when ``memory_bytes`` is None, on
-#: storage where a second read is not cheap (object stores: a spill to local disk).
-MEMORY_SHARE = 0.5
-#: What a load holds per rank when MemAvailable cannot be read.
-FALLBACK_MEMORY_BYTES = 256 << 20
-#: What a load holds per rank by default on POSIX storage when its bytes would not stay in the page
-#: cache between the passes (see ``page_cache_bytes``).
-POSIX_MEMORY_BYTES = 256 << 20
-#: Share of MemAvailable the bytes of one load (this rank's, times the ranks of the host) may take for
-#: the page cache to be trusted to keep them between the verifying pass and the placing one.
-PAGE_CACHE_SHARE = 0.5
 
 _Work = TypeVar("_Work")  # what one file's work on a reading thread is given
-
-
-def available_bytes() -> int | None:
-    """MemAvailable now (free memory plus what the kernel can reclaim, the page cache included), or
-    None where it cannot be read."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
-
-
-def auto_memory_bytes(local_ranks: int) -> int:
-    """The verified-bytes budget of one rank: a share of the memory available now on this host,
-    split between the ranks of the host (the loads of a restarted job run at once)."""
-    available = available_bytes()
-    if available is None:
-        return FALLBACK_MEMORY_BYTES
-    return int(available * MEMORY_SHARE) // max(1, local_ranks)
-
-
-def page_cache_fits(rank_bytes: int, local_ranks: int) -> bool:
-    """Whether a load of ``rank_bytes`` on each of ``local_ranks`` ranks of this host can count on the
-    page cache keeping what the first pass read until the second: then verifying everything first
-    and reading it again into place from the files kept open costs a memory copy from the cache,
-    which measured cheaper than holding the bytes in fresh host memory (the Performance page)."""
-    available = available_bytes()
-    return available is not None and rank_bytes * max(1, local_ranks) <= available * PAGE_CACHE_SHARE
 
 
 class GuardedReader(StorageReader):
@@ -135,10 +93,20 @@ class GuardedReader(StorageReader):
     of ``local_ranks``. ``backup=False`` when the destinations are fresh buffers of the reader's
     caller (nothing to put back on failure)."""
 
-    def __init__(self, storage: StorageBackend, checkpoint_dir: str, metadata: Metadata | None, algorithm: str,
-                 rank: int, io_threads: int = 4, on_bytes: Callable[[int], None] | None = None,
-                 memory_bytes: int | None = None, local_ranks: int = 1, backup: bool = True,
-                 domain_count: int = 1) -> None:
+    def __init__(
+        self,
+        storage: StorageBackend,
+        checkpoint_dir: str,
+        metadata: Metadata | None,
+        algorithm: str,
+        rank: int,
+        io_threads: int = 4,
+        on_bytes: Callable[[int], None] | None = None,
+        memory_bytes: int | None = None,
+        local_ranks: int = 1,
+        backup: bool = True,
+        domain_count: int = 1,
+    ) -> None:
         super().__init__()
         self.domain_count = domain_count  # > 1: the manifest holds one storage domain's items of several
         self.storage = storage
@@ -198,7 +166,7 @@ class GuardedReader(StorageReader):
     # -- phase 1: read and verify; the caller's state is put back as it was unless apply() succeeds ----
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> torch.futures.Future[None]:
         try:
-            jobs = self._plan_jobs(plan, planner)
+            jobs = self._plan_jobs(plan, reader_planner(planner))
             self._read_and_verify(jobs)
         except BaseException:
             self.close()
@@ -207,19 +175,20 @@ class GuardedReader(StorageReader):
         fut.set_result(None)
         return fut
 
-    def _plan_jobs(self, plan: LoadPlan, planner: LoadPlanner) -> list[ReadJob]:
+    def _plan_jobs(self, plan: LoadPlan, planner: ReaderPlanner) -> list[ReadJob]:
         # Grouped by the stored item's identity (one object per item of the metadata): cheaper than
         # hashing every field of it.
         by_item: dict[int, tuple[StoredItem, list[ReadItem]]] = {}
-        # Whole tensors planned from the manifest's item table carry their stored item (SafeLoadPlanner).
-        stored_item: Callable[[ReadItem], StoredItem | None] = getattr(planner, "stored_item", lambda _: None)
         for req in plan.items:
-            stored = stored_item(req) or self.storage_data.get(req.storage_index)
+            # Whole tensors planned from the manifest's item table carry their stored item.
+            stored = planner.stored_item(req) or self.storage_data.get(req.storage_index)
             if stored is None and self.domain_count == 1:  # the manifest holds every item: it contradicts itself
                 raise CorruptCheckpointError(
                     f"rank {self.rank}: the checkpoint's metadata in {self.checkpoint_dir} lists a chunk of "
                     f"{req.storage_index.fqn} at offset {list(req.storage_index.offset or [])} that no stored "
-                    "item holds: the manifest is corrupt", path=self.checkpoint_dir)
+                    "item holds: the manifest is corrupt",
+                    path=self.checkpoint_dir,
+                )
             if stored is None:
                 raise CheckpointError(
                     f"rank {self.rank}: {req.storage_index.fqn} (offset {list(req.storage_index.offset or [])}) "
@@ -232,7 +201,7 @@ class GuardedReader(StorageReader):
                 by_item[id(stored)] = (stored, [req])
             else:
                 group[1].append(req)
-        self._check_coverage(plan, planner)
+        check_coverage(plan, planner, self.metadata, self.rank, self.checkpoint_dir)
         # Resolve destinations on this thread (the planner is not ours to call concurrently); resolving
         # only returns views of the caller's tensors.
         jobs: list[ReadJob] = []
@@ -240,70 +209,17 @@ class GuardedReader(StorageReader):
             if reqs[0].type == LoadItemType.BYTE_IO:
                 job = ReadJob(stored, reqs, [], mode=STAGED)  # objects are decoded (and checked) now
             else:
-                job = ReadJob(stored, reqs, [_detached(planner.resolve_tensor(r)) for r in reqs])
+                job = ReadJob(stored, reqs, [detached(planner.resolve_tensor(r)) for r in reqs])
                 job.check_fits()
             jobs.append(job)
         no_in_place_for_aliases(jobs)
-        budget = self._budget(jobs)
-        arena_bytes = 0
-        for job in jobs:
-            length = job.stored.length
-            if job.stored.shape is None:  # an object: always staged (decoded in this phase)
-                budget -= length
-                self.staged_bytes += length
-                continue
-            if job.direct is not None and not self.backup:
-                job.mode = IN_PLACE  # fresh destinations: nothing to put back, nothing to hold
-                continue
-            if length <= budget:
-                job.mode = IN_PLACE if job.direct is not None else STAGED
-                budget -= length
-                self.staged_bytes += length
-                job.slot = arena_bytes
-                arena_bytes += -(-length // _ALIGN) * _ALIGN
-            else:
-                job.mode = VERIFIED
-                self.verified_only_bytes += length
-        self._arena = Arena(arena_bytes)
+        rank_bytes = sum(job.stored.length for job in jobs)
+        modes = assign_modes(jobs, load_budget(self.memory_bytes, rank_bytes, self.local_ranks), self.backup)
+        self.staged_bytes += modes.staged_bytes
+        self.verified_only_bytes += modes.verified_only_bytes
+        self._arena = Arena(modes.arena_bytes)
         self._jobs = jobs
         return jobs
-
-    def _check_coverage(self, plan: LoadPlan, planner: LoadPlanner) -> None:
-        """Every element of every destination tensor the checkpoint holds a value for is read exactly
-        once. DCP plans a destination's reads from the chunks the metadata lists and reads nothing
-        where they leave a gap: a manifest whose chunk list disagrees with what it stores (corrupt, or
-        re-sealed by hand) would load part of a tensor, or give back uninitialised memory, and succeed.
-        A whole tensor read by the planner's direct path is covered by construction."""
-        direct: dict[int, Any] = getattr(planner, "_direct_targets", {})
-        reads: dict[str, list[ReadItem]] = defaultdict(list)
-        for req in plan.items:
-            if req.type != LoadItemType.BYTE_IO and id(req) not in direct:
-                reads[req.dest_index.fqn].append(req)
-        whole = {entry[0].dest_index.fqn for entry in direct.values()}
-        stored = self.metadata.state_dict_metadata if self.metadata is not None else {}
-        state: dict[str, Any] = getattr(planner, "state_dict", {})
-        for fqn, value in state.items():
-            if fqn in whole or fqn not in stored or not isinstance(value, torch.Tensor):
-                continue
-            local = _local_tensor(value)
-            if local is None:
-                continue
-            got = reads.get(fqn, [])
-            covered = sum(math.prod(r.lengths) for r in got)
-            if covered != local.numel() or (len(got) > 1 and _boxes_overlap(got)):
-                raise CorruptCheckpointError(
-                    f"rank {self.rank}: the checkpoint's metadata in {self.checkpoint_dir} does not cover "
-                    f"{fqn} exactly once ({covered} of its {local.numel()} elements on this rank, from "
-                    f"{len(got)} chunk(s)): its chunk list disagrees with what it stores; the manifest is "
-                    "corrupt. Nothing was changed", path=self.checkpoint_dir)
-
-    def _budget(self, jobs: list[ReadJob]) -> int:
-        """The verified-bytes budget of this load: the one given, else (POSIX) 0 when the page cache
-        can keep this rank's bytes between the passes, ``POSIX_MEMORY_BYTES`` when it cannot."""
-        if self.memory_bytes is not None:
-            return self.memory_bytes
-        rank_bytes = sum(job.stored.length for job in jobs)
-        return 0 if page_cache_fits(rank_bytes, self.local_ranks) else POSIX_MEMORY_BYTES
 
     def _read_and_verify(self, jobs: list[ReadJob]) -> None:
         by_file: dict[str, list[ReadJob]] = defaultdict(list)
@@ -314,11 +230,12 @@ class GuardedReader(StorageReader):
         # unlink by retention changes nothing for it), as many as the descriptor limit allows; the
         # verified bytes of the others are spilled to a local temporary file.
         second = [rel for rel, fj in files if any(j.mode == VERIFIED for j in fj)]
-        keep = set(second[:_keepable(len(second))]) if self.storage.keeps_open_files else set()
+        keep = set(second[: keepable_files(len(second))]) if self.storage.keeps_open_files else set()
         if len(keep) < len(second):
             self._spill = Spill()
-            self.spilled_bytes = sum(j.stored.length for rel, fj in files if rel not in keep
-                                     for j in fj if j.mode == VERIFIED)
+            self.spilled_bytes = sum(
+                j.stored.length for rel, fj in files if rel not in keep for j in fj if j.mode == VERIFIED
+            )
         first = [True]
         lock = threading.Lock()
         stop = threading.Event()
@@ -345,8 +262,16 @@ class GuardedReader(StorageReader):
                 job.obj = decode_object(job.reqs[0].dest_index.fqn, io.BytesIO(job.raw))
                 job.raw = None
 
-    def _read_file(self, fd: ReadHandle, path: str, file_jobs: list[ReadJob], keep: bool, first: list[bool],
-                   lock: threading.Lock, stop: threading.Event) -> bool:
+    def _read_file(
+        self,
+        fd: ReadHandle,
+        path: str,
+        file_jobs: list[ReadJob],
+        keep: bool,
+        first: list[bool],
+        lock: threading.Lock,
+        stop: threading.Event,
+    ) -> bool:
         """Phase 1 for one file's items, in offset order; whether ``fd`` is kept for the second read."""
         arena = self._arena
         assert arena is not None
@@ -359,7 +284,7 @@ class GuardedReader(StorageReader):
         def flush() -> None:
             nonlocal batch, batch_bytes, checks, checks_bytes
             if stop.is_set():
-                raise _Stopped()
+                raise Stopped()
             if batch:
                 for job, _ in batch:
                     if job.mode == IN_PLACE and self.backup:
@@ -373,7 +298,7 @@ class GuardedReader(StorageReader):
                 fd.read_into([chunk[:checks_bytes]], checks[0].stored.offset)
                 pos = 0
                 for job in checks:
-                    view = chunk[pos:pos + job.stored.length]
+                    view = chunk[pos : pos + job.stored.length]
                     job.verify(view, path, self.algorithm)
                     if not keep:
                         assert self._spill is not None
@@ -387,16 +312,19 @@ class GuardedReader(StorageReader):
             if job.mode != VERIFIED:
                 view = job.destination(arena)
                 # Consecutive items read into memory: one preadv() for many of them.
-                if checks or (batch and (len(batch) >= _MAX_IOV or batch_bytes >= self._batch_cap or
-                                         not follows(batch[-1][0], job))):
+                if checks or (
+                    batch
+                    and (len(batch) >= _MAX_IOV or batch_bytes >= self._batch_cap or not follows(batch[-1][0], job))
+                ):
                     flush()
                 batch.append((job, view))
                 batch_bytes += len(view)
             else:
                 if chunk is None:
                     chunk = memoryview(bytearray(self._chunk))
-                if batch or (checks and (checks_bytes + job.stored.length > self._chunk
-                                         or not follows(checks[-1], job))):
+                if batch or (
+                    checks and (checks_bytes + job.stored.length > self._chunk or not follows(checks[-1], job))
+                ):
                     flush()
                 if job.stored.length > self._chunk:
                     job.verify_streaming(fd, path, self.algorithm, chunk, None if keep else self._spill)
@@ -417,28 +345,19 @@ class GuardedReader(StorageReader):
     # -- phase 2: once every rank verified its part ----------------------------------------------
     def apply(self, planner: LoadPlanner) -> None:
         """Copy what was verified into the caller's state (collectively agreed to be safe)."""
-        place_object = getattr(planner, "place_object", None)
-        # DCP's default planner does nothing on commit_tensor: not called then, once per item.
-        commit = type(planner).commit_tensor is not DefaultLoadPlanner.commit_tensor
         # Every rank agreed: a Ctrl-C meanwhile is delivered once every byte is in place, never
         # halfway (the verified-only items' old bytes are not kept: a state half placed is torn).
         with signals_deferred():
-            self._apply(planner, place_object, commit)
+            self._apply(reader_planner(planner))
 
-    def _apply(self, planner: LoadPlanner, place_object: Callable[[ReadItem, Any], None] | None,
-               commit: bool) -> None:
+    def _apply(self, planner: ReaderPlanner) -> None:
+        commit = planner.commits  # DCP's default planner does nothing on commit_tensor: not called then
         try:
             self._read_direct_into_place()
             for job in self._jobs:
                 if job.reqs[0].type == LoadItemType.BYTE_IO:
                     for req in job.reqs:
-                        if place_object is not None:
-                            place_object(req, job.obj)
-                        else:  # a planner without the split: hand it the bytes again
-                            buf = io.BytesIO()
-                            torch.save(job.obj, buf)
-                            buf.seek(0)
-                            planner.load_bytes(req, buf)
+                        planner.place_object(req, job.obj)
                     continue
                 if job.placed or job.mode == IN_PLACE:
                     pass
@@ -455,8 +374,9 @@ class GuardedReader(StorageReader):
         finally:
             self.close()
 
-    def _read_batch(self, fd: ReadHandle, batch: list[tuple[ReadJob, memoryview]], at: int, piece: int,
-                    path: str) -> None:
+    def _read_batch(
+        self, fd: ReadHandle, batch: list[tuple[ReadJob, memoryview]], at: int, piece: int, path: str
+    ) -> None:
         """Read consecutive items from ``at`` into their views and check each: one vectored read for
         several, one item alone in pieces of ``piece`` bytes (:meth:`ReadJob.read_verified`)."""
         if len(batch) == 1:
@@ -483,11 +403,13 @@ class GuardedReader(StorageReader):
             if job.mode == VERIFIED and job.direct is not None:
                 by_file[job.stored.file].append((job, job.direct))
         stop = threading.Event()
-        self._on_threads(list(by_file.items()), lambda rel, items: self._place_file(rel, items, stop), stop,
-                         "ckptguard-place")
+        self._on_threads(
+            list(by_file.items()), lambda rel, items: self._place_file(rel, items, stop), stop, "ckptguard-place"
+        )
 
-    def _on_threads(self, files: Sequence[tuple[str, _Work]], work: Callable[[str, _Work], None],
-                    stop: threading.Event, name: str) -> None:
+    def _on_threads(
+        self, files: Sequence[tuple[str, _Work]], work: Callable[[str, _Work], None], stop: threading.Event, name: str
+    ) -> None:
         """``work`` for each file, on up to ``io_threads`` threads; the first failure sets ``stop`` (the
         others stop at their next batch) and is raised once every thread has left."""
         if len(files) <= 1 or self.io_threads == 1:
@@ -514,8 +436,12 @@ class GuardedReader(StorageReader):
         batches: list[list[tuple[ReadJob, memoryview]]] = []
         batch_bytes = 0
         for job, view in items:
-            if not batches or len(batches[-1]) >= _MAX_IOV or batch_bytes >= _HOT_BYTES \
-                    or not follows_at(batches[-1][-1][0], job, spilled):
+            if (
+                not batches
+                or len(batches[-1]) >= _MAX_IOV
+                or batch_bytes >= _HOT_BYTES
+                or not follows_at(batches[-1][-1][0], job, spilled)
+            ):
                 batches.append([])
                 batch_bytes = 0
             batches[-1].append((job, view))
@@ -525,7 +451,7 @@ class GuardedReader(StorageReader):
                 return  # another file failed: this load is torn already, and reported by that file
             head = batch[0][0]
             at = head.spill_at if spilled else head.stored.offset
-            with _torn_if_it_fails(self.rank, path):
+            with torn_if_it_fails(self.rank, path):
                 self._read_batch(fd, batch, at, _HOT_BYTES, path)
             for job, _ in batch:
                 job.placed = True
@@ -534,9 +460,10 @@ class GuardedReader(StorageReader):
         path = os.path.join(self.checkpoint_dir, job.stored.file)
         fd, spilled = self._second_source(job.stored.file, path)
         view = job.allocate_scratch(self._device_scratch(job.scratch_bytes) if job.to_devices else None)
-        with _torn_if_it_fails(self.rank, path):
-            job.read_verified(fd, job.spill_at if spilled else job.stored.offset, view, _HOT_BYTES, path,
-                              self.algorithm)
+        with torn_if_it_fails(self.rank, path):
+            job.read_verified(
+                fd, job.spill_at if spilled else job.stored.offset, view, _HOT_BYTES, path, self.algorithm
+            )
         job.copy_into_place()
 
     def _device_scratch(self, nbytes: int) -> torch.Tensor:
@@ -570,75 +497,3 @@ class GuardedReader(StorageReader):
             if self._arena is not None:
                 self._arena.close()
                 self._arena = None
-
-
-def _local_tensor(value: torch.Tensor) -> torch.Tensor | None:
-    """The part of a destination this rank holds: a plain tensor, a DTensor's local shard; None for
-    other kinds (DCP's own planning handles them)."""
-    if type(value) in PLAIN_TENSOR_TYPES:
-        return value
-    if isinstance(value, DTensor):
-        local: torch.Tensor = value.to_local()
-        return local
-    return None
-
-
-def _boxes_overlap(reads: list[ReadItem]) -> bool:
-    """Whether two of these reads write one element of their destination (boxes of dest_offsets and
-    lengths; a read of no element overlaps nothing)."""
-    lo = np.array([list(r.dest_offsets) for r in reads], dtype=np.int64).reshape(len(reads), -1)
-    hi = lo + np.array([list(r.lengths) for r in reads], dtype=np.int64).reshape(len(reads), -1)
-    keep = (hi > lo).all(axis=1)
-    lo, hi = lo[keep], hi[keep]
-    if lo.shape[1] == 1:  # one dimension: sorted, each ends where or before the next starts
-        order = np.argsort(lo[:, 0], kind="stable")
-        return bool((lo[order[1:], 0] < hi[order[:-1], 0]).any())
-    for start in range(0, len(lo), 256):  # pairs, a block of rows at a time
-        a_lo, a_hi = lo[start:start + 256, None, :], hi[start:start + 256, None, :]
-        meet = (np.maximum(a_lo, lo[None]) < np.minimum(a_hi, hi[None])).all(axis=2)
-        meet[np.arange(len(a_lo)), np.arange(start, start + len(a_lo))] = False
-        if meet.any():
-            return True
-    return False
-
-
-def _detached(t: torch.Tensor) -> torch.Tensor:
-    """A destination written without autograd (a new view only where autograd would see the write)."""
-    return t.detach() if t.requires_grad else t
-
-
-class _Stopped(Exception):
-    """Another file of the same load failed: this one stops reading."""
-
-
-def _keepable(wanted: int) -> int:
-    """How many files may be kept open for a second read: the soft descriptor limit is raised toward
-    the hard one when ``wanted`` needs it; ``_FD_MARGIN`` descriptors stay free for the rest."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    need = wanted + 2 * _FD_MARGIN
-    if need > soft:
-        target = need if hard == resource.RLIM_INFINITY else min(need, hard)
-        try:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
-            soft = target
-        except (ValueError, OSError):
-            pass
-    try:
-        in_use = len(os.listdir("/proc/self/fd"))
-    except OSError:
-        in_use = _FD_MARGIN
-    return max(0, min(wanted, soft - in_use - _FD_MARGIN))
-
-
-@contextlib.contextmanager
-def _torn_if_it_fails(rank: int, path: str) -> Iterator[None]:
-    """The second read of bytes verified moments before: whatever fails there (a checksum, a file
-    truncated, an I/O error) fails once destinations may already hold part of the checkpoint, so it
-    is a TornLoadError, never a corrupt checkpoint to fall back from."""
-    try:
-        yield
-    except (CheckpointError, OSError) as e:
-        raise TornLoadError(
-            f"{e} The same bytes were verified moments before, so the file was modified in place during "
-            "this load (ckptguard never does that). Part of this checkpoint may already be in the state "
-            "being loaded: load again.", rank=rank, path=path) from None

@@ -15,7 +15,7 @@ import mmap
 import os
 import tempfile
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,7 +27,7 @@ from ckptguard.checksum import Hasher, checksum
 from ckptguard.dcp._torch_private import has_internal_overlap
 from ckptguard.dcp.codec import _NUMPY_DTYPES, dtype_from_name, dtype_name, narrow, tensor_bytes
 from ckptguard.dcp.records import StoredItem
-from ckptguard.errors import CheckpointError, CorruptCheckpointError, TemplateMismatchError
+from ckptguard.errors import CheckpointError, CorruptCheckpointError, TemplateMismatchError, TornLoadError
 from ckptguard.storage import ReadHandle
 
 
@@ -372,3 +372,62 @@ class ReadJob:
                 f"expected {s.checksum}, read {got}. The checkpoint is corrupt.",
                 path=path,
             )
+
+def detached(t: torch.Tensor) -> torch.Tensor:
+    """A destination written without autograd (a new view only where autograd would see the write)."""
+    return t.detach() if t.requires_grad else t
+
+
+class Stopped(Exception):
+    """Another file of the same load failed: this one stops reading."""
+
+
+@contextlib.contextmanager
+def torn_if_it_fails(rank: int, path: str) -> Iterator[None]:
+    """The second read of bytes verified moments before: whatever fails there (a checksum, a file
+    truncated, an I/O error) fails once destinations may already hold part of the checkpoint, so it
+    is a TornLoadError, never a corrupt checkpoint to fall back from."""
+    try:
+        yield
+    except (CheckpointError, OSError) as e:
+        raise TornLoadError(
+            f"{e} The same bytes were verified moments before, so the file was modified in place during "
+            "this load (ckptguard never does that). Part of this checkpoint may already be in the state "
+            "being loaded: load again.", rank=rank, path=path) from None
+
+
+_ALIGN = 64  # scratch slots in the arena start at this alignment (any dtype, vector loads)
+
+
+@dataclass(frozen=True)
+class Modes:
+    """What :func:`assign_modes` decided, in bytes: the arena's size, held between the passes, read twice."""
+
+    arena_bytes: int
+    staged_bytes: int
+    verified_only_bytes: int
+
+
+def assign_modes(jobs: Sequence[ReadJob], budget: int, backup: bool) -> Modes:
+    """Give each job its mode within ``budget`` bytes held between the passes, in order: objects are always
+    staged (decoded in the first pass); a whole destination of fresh memory (``backup`` False) is read in
+    place with nothing to hold; within the budget a job is read in place (its old bytes held) or staged
+    (its slot in the arena set); beyond it, verified only."""
+    arena = staged = verified = 0
+    for job in jobs:
+        length = job.stored.length
+        if job.stored.shape is None:
+            budget -= length
+            staged += length
+        elif job.direct is not None and not backup:
+            job.mode = IN_PLACE
+        elif length <= budget:
+            job.mode = IN_PLACE if job.direct is not None else STAGED
+            budget -= length
+            staged += length
+            job.slot = arena
+            arena += -(-length // _ALIGN) * _ALIGN
+        else:
+            job.mode = VERIFIED
+            verified += length
+    return Modes(arena, staged, verified)

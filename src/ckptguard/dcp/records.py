@@ -22,10 +22,6 @@ class StoredItem(NamedTuple):
     dtype: str | None = None  # tensors only
     shape: tuple[int, ...] | None = None  # tensors only: the stored chunk's shape
 
-    @property
-    def is_tensor(self) -> bool:
-        return self.dtype is not None
-
 
 class FileEntry(NamedTuple):
     """A file of the checkpoint. Data files are covered item by item; artifacts carry their own checksum."""

@@ -11,7 +11,7 @@ import io
 import os
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Generic, TypeVar
 
 import torch
@@ -36,6 +36,7 @@ class WriteOutcome(Generic[H]):
 
     files: tuple[FileEntry, ...] = ()
     before_write: H | None = None  # what the pre-write hook returned (None: no hook)
+    stored: tuple[StoredItem, ...] = ()  # where each of this rank's items went (write_planned)
 
 
 class GuardedWriter(StorageWriter, Generic[H]):
@@ -67,12 +68,9 @@ class GuardedWriter(StorageWriter, Generic[H]):
         self.algorithm = algorithm
         self.io_threads = max(1, io_threads)
         self.before_write = before_write
-        self.outcome: WriteOutcome[H] = WriteOutcome()
+        self.outcome: WriteOutcome[H] = WriteOutcome()  # set by write_data (DCP's interface returns futures)
         self.metadata: Metadata | None = None  # rank 0, after planning
-        self.digests: dict[str, str] = {}
         self.plan: SavePlan | None = None  # this rank's part of the global plan
-        self.stored: list[StoredItem] = []  # where this rank put each of its items
-        self.error: BaseException | None = None  # a write failure, reported at the commit
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         pass
@@ -171,11 +169,11 @@ class GuardedWriter(StorageWriter, Generic[H]):
         fut.set_result(results)
         return fut
 
-    def write_planned(self, planner: SavePlanner) -> None:
-        """Write this rank's part of the plan made by plan_collectively()."""
+    def write_planned(self, planner: SavePlanner) -> WriteOutcome[H]:
+        """Write this rank's part of the plan made by plan_collectively(); what it wrote, and where."""
         assert self.plan is not None
         results = self.write_data(planner.finish_plan(self.plan), planner).wait()
-        self.stored = [r.storage_data for r in results]
+        return replace(self.outcome, stored=tuple(r.storage_data for r in results))
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         # Part of DCP's interface; the commit is ckptguard's own protocol (Checkpointer._commit).

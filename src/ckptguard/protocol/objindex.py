@@ -7,6 +7,7 @@ object-store roots (see :mod:`ckptguard.protocol.objstore`).
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import asdict, dataclass, field
 
 from ckptguard.protocol import records
@@ -51,3 +52,8 @@ class Index:
             if e.step == name.step and e.version == name.version:
                 return e
         return None
+
+
+def tombstone_record(attempt: str, epoch: int) -> bytes:
+    """What holds the commit key of an attempt that must never commit (a pending intent aborted)."""
+    return records.encode(records.TombstoneRecord("ckptguard-tombstone", attempt, epoch, time.time()))

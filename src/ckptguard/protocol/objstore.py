@@ -33,7 +33,6 @@ import logging
 import time
 from typing import TYPE_CHECKING, Literal
 
-from ckptguard._pool import ExitSafePool
 from ckptguard.errors import (
     CheckpointError,
     CommitOutcomeUnknownError,
@@ -46,7 +45,7 @@ from ckptguard.protocol.cas import Keep, Put, swap
 from ckptguard.protocol.decisions import DomainListing
 from ckptguard.protocol.layout import CheckpointName
 from ckptguard.protocol.manifest import FileEntry, Manifest
-from ckptguard.protocol.objindex import Index, IndexEntry
+from ckptguard.protocol.objindex import Index, IndexEntry, tombstone_record
 from ckptguard.protocol.rootkit import Garbage
 from ckptguard.protocol.topology import Topology, probe_object_store
 from ckptguard.storage import StorageBackend, backend_for
@@ -58,8 +57,6 @@ if TYPE_CHECKING:
     from ckptguard.comm import Comm
 
 log = logging.getLogger("ckptguard")
-
-_HEAD_THREADS = 16
 
 
 class ObjectStoreRoot(rootkit.RootKit):
@@ -103,7 +100,9 @@ class ObjectStoreRoot(rootkit.RootKit):
                 raise CorruptCheckpointError(
                     f"{self.index_path} is missing but the commit object {self.commit_path(name)} exists: the "
                     "index of this root was deleted. Nothing was changed; restore index.json (e.g. from a "
-                    "bucket version) before loading or saving here.", path=self.index_path)
+                    "bucket version) before loading or saving here.",
+                    path=self.index_path,
+                )
 
     def update_index(self, change: Callable[[Index], bool], what: str, fencing: bool = False) -> Index:
         """Apply ``change`` to the index by compare-and-swap (re-read and re-applied on a race).
@@ -112,6 +111,7 @@ class ObjectStoreRoot(rootkit.RootKit):
         must be idempotent (a CAS retried after a 5xx may already have landed).
         Unless ``fencing``, the update is refused once a newer job took the root.
         """
+
         def decide(found: Index | None) -> Put[Index, Index] | Keep[Index]:
             if found is None:
                 self._check_no_commits()
@@ -120,8 +120,16 @@ class ObjectStoreRoot(rootkit.RootKit):
                 self._check_epoch(index, what)
             return Put(index, index) if change(index) else Keep(index)
 
-        updated: Index = swap(self.storage, self.index_path, decode=self._decode_index, encode=Index.to_bytes,
-                              decide=decide, fence=None, what=what, rounds=64)
+        updated: Index = swap(
+            self.storage,
+            self.index_path,
+            decode=self._decode_index,
+            encode=Index.to_bytes,
+            decide=decide,
+            fence=None,
+            what=what,
+            rounds=64,
+        )
         return updated
 
     def _decode_index(self, data: bytes) -> Index:
@@ -135,13 +143,15 @@ class ObjectStoreRoot(rootkit.RootKit):
 
     def _check_epoch(self, index: Index, what: str) -> None:
         if self.epoch is None:
-            raise CheckpointError(f"cannot {what}: this job did not take the lease on {self.path}",
-                                  path=self.index_path)
+            raise CheckpointError(
+                f"cannot {what}: this job did not take the lease on {self.path}", path=self.index_path
+            )
         if index.epoch != self.epoch:
             raise LeaseLostError(
                 f"refusing to {what}: another job took over {self.path} (index epoch {index.epoch}, this job's "
                 f"{self.epoch}) after this job's lease expired; nothing was committed by this call.",
-                path=self.index_path)
+                path=self.index_path,
+            )
 
     def after_lease(self) -> None:
         """Fence every older job out of the index and settle what they left pending (lease holder). The
@@ -155,20 +165,21 @@ class ObjectStoreRoot(rootkit.RootKit):
             index.epoch += 1
             for e in index.entries:
                 if e.state == "pending":
-                    settled.append(self._settle(e, index))
+                    settled.append(self.settle(e, index))
             return True
 
         index = self.update_index(take, "take over the root", fencing=True)
         self.epoch = index.epoch
         if settled:
-            log.info("ckptguard: %s: settled attempts left pending by an earlier job: %s", self.path,
-                     ", ".join(settled))
+            log.info(
+                "ckptguard: %s: settled attempts left pending by an earlier job: %s", self.path, ", ".join(settled)
+            )
 
-    def _settle(self, entry: IndexEntry, index: Index) -> str:
+    def settle(self, entry: IndexEntry, index: Index) -> str:
         """A pending attempt (not in flight: it belongs to a job fenced off, or to an earlier failed save of
         this one): adopt it if its commit object exists, else make sure it never will (tombstone)."""
         commit = self.commit_path(entry.name)
-        tombstone = _tombstone(entry.attempt, index.epoch)
+        tombstone = tombstone_record(entry.attempt, index.epoch)
         if self.storage.create_exclusive(commit, tombstone) or self._is_tombstone(commit):
             entry.state = "aborted"
             return f"{entry.name.dirname} ({entry.attempt}) aborted"
@@ -196,8 +207,9 @@ class ObjectStoreRoot(rootkit.RootKit):
         manifest = self._commit_manifest(name)
         return manifest.attempt if manifest is not None else None
 
-    def parse_manifest(self, name: CheckpointName, data: bytes, seq: int | None = None,
-                       part: tuple[int, int] = (0, 1)) -> Manifest:
+    def parse_manifest(
+        self, name: CheckpointName, data: bytes, seq: int | None = None, part: tuple[int, int] = (0, 1)
+    ) -> Manifest:
         return rootkit.parse_manifest(self.storage, name, data, seq, part)
 
     def _commit_manifest(self, name: CheckpointName) -> Manifest | None:
@@ -277,23 +289,16 @@ class ObjectStoreRoot(rootkit.RootKit):
         index, _ = self.read_index()
         return [e.version for e in index.entries if e.step == step]
 
-    def _head_all(self, base: str, files: list[FileEntry]) -> list[tuple[FileEntry, int | None]]:
-        """Each file's size by a HEAD (consistent; a listing may be stale), in parallel."""
-        if not files:
-            return []
-        with ExitSafePool(min(_HEAD_THREADS, len(files)), thread_name_prefix="ckptguard-head") as pool:
-            sizes = list(pool.map(lambda f: self.storage.size(self.storage.join(base, f.path)), files))
-        return list(zip(files, sizes, strict=True))
-
     def check_files(self, name: CheckpointName, manifest: Manifest, part: tuple[int, int] = (0, 1)) -> None:
         base = self.data_dir(name, manifest)
-        for f, size in self._head_all(base, manifest.files[part[0]::part[1]]):
+        for f, size in rootkit.head_all(self.storage, base, manifest.files[part[0] :: part[1]]):
             path = self.storage.join(base, f.path)
             if size is None:
                 raise CorruptCheckpointError(f"{path} is missing: the checkpoint is incomplete", path=path)
             if size != f.size:
-                raise CorruptCheckpointError(f"{path} has {size} bytes, the manifest says {f.size}: the "
-                                             "checkpoint is corrupt", path=path)
+                raise CorruptCheckpointError(
+                    f"{path} has {size} bytes, the manifest says {f.size}: the checkpoint is corrupt", path=path
+                )
 
     # -- writing (the lease holder only) -------------------------------------------------------
     def make_staging(self, step: int, attempt: str) -> str:
@@ -304,13 +309,16 @@ class ObjectStoreRoot(rootkit.RootKit):
         pending = list(files)
         delay = 0.05
         while True:
-            pending = [f for f, size in self._head_all(base, pending) if size != f.size]
+            pending = [f for f, size in rootkit.head_all(self.storage, base, pending) if size != f.size]
             if not pending:
                 return
             if time.monotonic() >= deadline:
                 missing = self.storage.join(base, pending[0].path)
-                raise NotVisibleError(f"{len(pending)} object(s) of this checkpoint are missing or have the wrong "
-                                      f"size after {timeout:.0f} s, e.g. {missing}: a writer failed.", path=missing)
+                raise NotVisibleError(
+                    f"{len(pending)} object(s) of this checkpoint are missing or have the wrong "
+                    f"size after {timeout:.0f} s, e.g. {missing}: a writer failed.",
+                    path=missing,
+                )
             self.guard("wait for this save's files")  # a takeover moved them away: they never come
             time.sleep(delay)
             delay = min(delay * 2, 1.0)
@@ -329,19 +337,22 @@ class ObjectStoreRoot(rootkit.RootKit):
 
     def _record_intent(self, name: CheckpointName, manifest: Manifest) -> bytes:
         """Record the intent to commit (in the index, under this job's epoch); the manifest's bytes."""
-        entry = IndexEntry(manifest.step, manifest.version, manifest.attempt, "pending", self.epoch or 0,
-                           manifest.commit_seq)
+        entry = IndexEntry(
+            manifest.step, manifest.version, manifest.attempt, "pending", self.epoch or 0, manifest.commit_seq
+        )
 
         def intend(index: Index) -> bool:
             for e in index.entries:
                 if e.state == "pending" and e.attempt != manifest.attempt:
-                    self._settle(e, index)  # an earlier failed save of this job
+                    self.settle(e, index)  # an earlier failed save of this job
             found = index.find(name)
             if found is not None:
                 if found.attempt == manifest.attempt:
                     return False  # our own intent, recorded by a try whose answer was lost
-                raise CheckpointError(f"{name.dirname} in {self.path} is already taken by attempt "
-                                      f"{found.attempt} ({found.state})", path=self.commit_path(name))
+                raise CheckpointError(
+                    f"{name.dirname} in {self.path} is already taken by attempt {found.attempt} ({found.state})",
+                    path=self.commit_path(name),
+                )
             index.entries.append(entry)
             return True
 
@@ -357,7 +368,7 @@ class ObjectStoreRoot(rootkit.RootKit):
         the index update after it.
         """
         commit = self.commit_path(name)
-        attempt = self._attempt_of(data)
+        attempt = Manifest.from_json(data, "MANIFEST.json").attempt
         try:
             created = self.storage.create_exclusive(commit, data)
         except OSError as e:
@@ -366,9 +377,14 @@ class ObjectStoreRoot(rootkit.RootKit):
             if self._is_tombstone(commit):
                 raise LeaseLostError(
                     f"{name.dirname} was not committed: another job took over {self.path} while this one "
-                    "stalled, and aborted this attempt (a tombstone holds its commit key).", path=commit)
-            raise CheckpointError(f"{commit} appeared while this save was in progress: another writer committed "
-                                  f"{name.dirname} first on {self.path}", path=commit)
+                    "stalled, and aborted this attempt (a tombstone holds its commit key).",
+                    path=commit,
+                )
+            raise CheckpointError(
+                f"{commit} appeared while this save was in progress: another writer committed "
+                f"{name.dirname} first on {self.path}",
+                path=commit,
+            )
 
         def mark(index: Index) -> bool:
             e = index.find(name)
@@ -379,7 +395,7 @@ class ObjectStoreRoot(rootkit.RootKit):
             # The commit sequence number is the manifest's (decided by rank 0 at plan time, above any
             # seen), so listing, `latest` and the manifest agree; next_seq keeps the highest number
             # handed out (latest_seq reads it: a step deleted and saved again gets a new one).
-            e.state, e.seq = "committed", _commit_seq_of(data)
+            e.state, e.seq = "committed", Manifest.from_json(data, "MANIFEST.json").commit_seq
             index.next_seq = max(index.next_seq, (e.seq or 0) + 1)
             return True
 
@@ -388,14 +404,21 @@ class ObjectStoreRoot(rootkit.RootKit):
         except LeaseLostError as e:
             # Fenced off between the create and here: the commit object is ours, and the new holder
             # adopts it when it settles pending intents.
-            raise LeaseLostError(f"{name.dirname} is committed (its commit object {commit} is in place), but "
-                                 f"another job took over {self.path} before it was indexed; that job adopts it, "
-                                 "and this job writes nothing more to the root.", path=commit) from e
+            raise LeaseLostError(
+                f"{name.dirname} is committed (its commit object {commit} is in place), but "
+                f"another job took over {self.path} before it was indexed; that job adopts it, "
+                "and this job writes nothing more to the root.",
+                path=commit,
+            ) from e
         except OSError as e:
             # Committed all the same: a pending entry whose commit object names its attempt is listed as
             # committed, and the next index update of any job records it.
-            log.warning("ckptguard: %s is committed, but recording it in %s failed (it is recorded by the next "
-                        "save): %s", name.dirname, self.index_path, e)
+            log.warning(
+                "ckptguard: %s is committed, but recording it in %s failed (it is recorded by the next save): %s",
+                name.dirname,
+                self.index_path,
+                e,
+            )
 
     def _settle_own_commit(self, name: CheckpointName, attempt: str, err: OSError) -> bool:
         """The create of our commit object failed without a clear answer: did it land? True if the commit
@@ -403,7 +426,7 @@ class ObjectStoreRoot(rootkit.RootKit):
         makes sure it never lands late: nothing is committed); CommitOutcomeUnknownError if that cannot
         be learned."""
         commit = self.commit_path(name)
-        tombstone = _tombstone(attempt, self.epoch or 0)
+        tombstone = tombstone_record(attempt, self.epoch or 0)
         try:
             created = self.storage.create_exclusive(commit, tombstone)
             if not created:
@@ -412,13 +435,10 @@ class ObjectStoreRoot(rootkit.RootKit):
             raise CommitOutcomeUnknownError(
                 f"the commit of {name.dirname} on {self.path} got no answer ({err}), nor did reading it back "
                 f"({again}): it may or may not be committed. Its data is kept; the next save, or the next job to "
-                "take this root, settles it (adopts it if the commit landed, aborts it if not).", path=commit
+                "take this root, settles it (adopts it if the commit landed, aborts it if not).",
+                path=commit,
             ) from err
         raise err
-
-    @staticmethod
-    def _attempt_of(manifest_bytes: bytes) -> str:
-        return Manifest.from_json(manifest_bytes, "MANIFEST.json").attempt
 
     def fence_staging(self) -> None:
         """Before a job takes the lease: a store that does not check its own conditional writes is probed
@@ -429,88 +449,33 @@ class ObjectStoreRoot(rootkit.RootKit):
 
     def move_latest(self, name: CheckpointName, seq: int | None) -> bool:
         """Point `latest` at ``name`` unless it names a checkpoint committed later (:func:`latest.move`)."""
-        return latest.move(self.storage, name, seq, fence=lambda: self.guard("move `latest`"),
-                           committed=lambda n: self.storage.exists(self.commit_path(n)))
+        return latest.move(
+            self.storage,
+            name,
+            seq,
+            fence=lambda: self.guard("move `latest`"),
+            committed=lambda n: self.storage.exists(self.commit_path(n)),
+        )
 
     def latest_after_delete(self, deleted: int, left: DomainListing) -> None:
         """`latest` off the deleted step ``deleted`` (:func:`latest.after_delete`)."""
         latest.after_delete(self.storage, deleted, left, fence=lambda: self.guard("move `latest`"))
 
     def retire(self, path: str) -> str | None:
-        """A committed checkpoint: out of the index first, then its commit object; its data prefix is
-        returned for removal. Anything else (an attempt's prefix) is returned as is."""
-        rel = rootkit.relative(path, self.path)
-        name = CheckpointName.parse(rel) if rel is not None and "/" not in rel else None
-        if name is None:
-            self.guard(f"retire {path}")
-            return path
-        removed: list[IndexEntry] = []
-
-        def unindex(index: Index) -> bool:
-            removed.clear()
-            e = index.find(name)
-            if e is None:
-                return False
-            removed.append(e)
-            index.entries.remove(e)
-            return True
-
-        commit = self.commit_path(name)
-        seen = self.storage.read_versioned(commit)
-        self.update_index(unindex, f"retire {name.dirname}")
-        if not removed:
-            return None
-        if seen is not None and self._commit_attempt_in(name, seen[0]) == removed[0].attempt:
-            # Only the very commit object read: a new save of this step version (its key is free once
-            # the entry is gone) keeps its own.
-            self.guard(f"delete {commit}")
-            self.storage.delete_if_version(commit, seen[1])
-        return self.staging_dir(name.step, removed[0].attempt)
-
-    def _commit_attempt_in(self, name: CheckpointName, data: bytes) -> str | None:
-        try:
-            return self.parse_manifest(name, data).attempt
-        except CheckpointError:
-            return None
+        """A committed checkpoint out of the index, then its commit object (:func:`objgarbage.retire`)."""
+        return objgarbage.retire(self, path)
 
     def discard_attempt(self, staging: str, name: CheckpointName, attempt: str) -> None:
-        """Remove the data of a save that failed, unless it may be committed after all: an attempt the
-        index records as pending is settled first (adopted if its commit object is ours, else aborted by a
-        tombstone), and only an attempt that can never commit loses its data."""
-        self.guard(f"discard the attempt {staging}")
-        state: list[str] = []
-
-        def settle(index: Index) -> bool:
-            state.clear()
-            e = index.find(name)
-            if e is None or e.attempt != attempt:
-                return False  # never recorded: its commit object was never created
-            if e.state == "pending":
-                self._settle(e, index)
-            state.append(e.state)
-            return True
-
-        self.update_index(settle, f"settle the failed attempt {attempt} of {name.dirname}")
-        if state and state[0] == "committed":
-            log.warning("ckptguard: %s (attempt %s) is committed after all: its data is kept", name.dirname, attempt)
-            return
-        self.remove_retired(staging)
+        """Remove a failed save's data unless it may commit after all (:func:`objgarbage.discard_attempt`)."""
+        objgarbage.discard_attempt(self, staging, name, attempt)
 
     def garbage(self, keep_attempts: frozenset[str] = frozenset(), min_probe_age_s: float = 600.0) -> Garbage:
         """Attempts no index entry names, attempts with multipart uploads left open
         (:func:`~ckptguard.protocol.objgarbage.staging_garbage`), old probes."""
+
         def live() -> set[str]:
             unlisted = set(self.unlisted_commits().values())  # a commit's data, whatever the index says
             return unlisted | {e.attempt for e in self.read_index()[0].entries if e.state != "aborted"}
 
         staging = objgarbage.staging_garbage(self.storage, live, keep_attempts, self.guard)
         return Garbage(staging, [], rootkit.old_probes(self.storage, min_probe_age_s))
-
-
-def _tombstone(attempt: str, epoch: int) -> bytes:
-    """What holds the commit key of an attempt that must never commit."""
-    return records.encode(records.TombstoneRecord("ckptguard-tombstone", attempt, epoch, time.time()))
-
-
-def _commit_seq_of(manifest_bytes: bytes) -> int | None:
-    return Manifest.from_json(manifest_bytes, "MANIFEST.json").commit_seq

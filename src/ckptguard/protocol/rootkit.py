@@ -15,11 +15,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
+from ckptguard._pool import ExitSafePool
 from ckptguard.errors import CorruptCheckpointError
 from ckptguard.protocol import latest, layout, quarantine
 from ckptguard.protocol.decisions import DomainListing
 from ckptguard.protocol.layout import CheckpointName
-from ckptguard.protocol.manifest import HEAD_BYTES, Manifest, commit_seq_from_head
+from ckptguard.protocol.manifest import HEAD_BYTES, FileEntry, Manifest, commit_seq_from_head
 from ckptguard.protocol.quarantine import QuarantineRecord
 from ckptguard.protocol.records import LatestRecord
 from ckptguard.storage import StorageBackend
@@ -287,3 +288,15 @@ def walk(storage: StorageBackend, path: str, follow: Callable[[str], bool], rel:
         else:
             out.extend(walk(storage, full, follow, f"{rel}{name}/", depth + 1))
     return out
+
+
+_HEAD_THREADS = 16
+
+
+def head_all(storage: StorageBackend, base: str, files: list[FileEntry]) -> list[tuple[FileEntry, int | None]]:
+    """Each file's size by a HEAD (consistent where a listing may be stale), in parallel; None: absent."""
+    if not files:
+        return []
+    with ExitSafePool(min(_HEAD_THREADS, len(files)), thread_name_prefix="ckptguard-head") as pool:
+        sizes = list(pool.map(lambda f: storage.size(storage.join(base, f.path)), files))
+    return list(zip(files, sizes, strict=True))

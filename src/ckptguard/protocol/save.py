@@ -22,7 +22,7 @@ import functools
 import logging
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from ckptguard._faults import FaultPhase, fault_point
@@ -37,7 +37,7 @@ from ckptguard.dcp.planners import (
     forget_cached_plans,
     ranks_differing,
 )
-from ckptguard.dcp.writer import GuardedWriter
+from ckptguard.dcp.writer import GuardedWriter, WriteOutcome
 from ckptguard.errors import CheckpointError, LeaseLostError, ReplicatedValueError
 from ckptguard.progress import ByteProgress
 from ckptguard.protocol import artifacts, layout
@@ -108,8 +108,32 @@ class SaveRequest:
     overwrite: bool
     user_metadata: dict[str, Any]
     local_error: BaseException | None  # a local problem found before the save (reported at the plan)
-    keep: frozenset[int] = frozenset()  # steps retention must keep whatever the policy (tagged ones)
-    options: Options | None = None  # the settings at the call (a background save; else the session's)
+    keep: frozenset[int] = field(default=frozenset(), kw_only=True)  # steps retention keeps whatever the policy
+    options: Options = field(kw_only=True)  # the settings at the call, snapshotted (a background save's too)
+
+
+@dataclass(frozen=True)
+class Written:
+    """What this rank's write step produced, for the commit: a failure is reported at its first agreement."""
+
+    outcome: WriteOutcome[StoredArtifacts] = field(default_factory=WriteOutcome)  # files, artifacts, items
+    digests: dict[str, str] = field(default_factory=dict)  # replicated values' digests (per-rank divergence)
+    metadata: Any = None  # DCP's metadata of the whole checkpoint (rank 0 only)
+    error: BaseException | None = None
+
+    def report(self) -> RankWrites:
+        """This rank's files, artifacts and item table, for the leader's manifests."""
+        arts, art_files = self.outcome.before_write or ([], [])
+        files = [*self.outcome.files, *art_files]
+        return RankWrites(files, arts, ItemTable.from_items(list(self.outcome.stored), [f.path for f in files]))
+
+
+@dataclass
+class _Publication:
+    """The commit's publish step, as the failure handling after it needs to know it."""
+
+    published: bool = False
+    listing: DomainListing = field(default_factory=dict)  # this domain's listing right after it (finish reuses it)
 
 
 @dataclass(frozen=True)
@@ -141,11 +165,11 @@ def save(session: Session, request: SaveRequest, stats: PhaseTimer) -> SaveOutco
     try:
         total = state_nbytes(request.state_dict) if stats.show_progress else None  # a walk of the whole state
         with stats.phase("write"), ByteProgress(stats.show_progress, f"saving step {plan.step}", total) as bar:
-            writer = _write(session, plan, request, bar.callback)
-        stats.bytes = sum(f.size for f in writer.outcome.files)
+            written = _write(session, plan, request, bar.callback)
+        stats.bytes = sum(f.size for f in written.outcome.files)
         with stats.phase("commit"):
-            return _commit(session, plan, writer, request.user_metadata, request.keep,
-                           request.options or session.options)
+            mine = _agree_writes(session, plan, written, request.user_metadata, request.options)
+            return _commit(session, plan, mine, request.keep, request.options)
     except BaseException as e:
         if agreed_failures(e):
             # Every rank got the error at the same agreement, so no rank is still writing into the
@@ -193,9 +217,9 @@ def _stage(session: Session, plan: SavePlan) -> None:
 
 
 def _write(session: Session, plan: SavePlan, request: SaveRequest,
-           on_bytes: Callable[[int], None] | None) -> GuardedWriter[StoredArtifacts]:
+           on_bytes: Callable[[int], None] | None) -> Written:
     """Plan (agreed) and write this rank's part; a write failure is reported at the commit's agreement."""
-    comm, options, storage = session.comm, request.options or session.options, session.storage
+    comm, options, storage = session.comm, request.options, session.storage
 
     def before_write() -> StoredArtifacts:
         # The leader created the attempt directory; on NFS another node may not see it yet.
@@ -210,55 +234,53 @@ def _write(session: Session, plan: SavePlan, request: SaveRequest,
                                 cache_key=session.instance, rank=comm.rank)
     plan_collectively(request.state_dict, writer, planner, comm, suffix=plan.intact, what=f"plan step {plan.step}")
     try:
-        writer.write_planned(planner)
-        writer.digests = planner.replicated_digests(writer.stored, options.checksum)
+        outcome = writer.write_planned(planner)
+        digests = planner.replicated_digests(list(outcome.stored), options.checksum)
     except BaseException as e:  # reported in the commit's first agreement
-        writer.error = e
-    return writer
+        return Written(metadata=writer.metadata, error=e)
+    return Written(outcome, digests, writer.metadata)
 
 
-def _commit(session: Session, plan: SavePlan, writer: GuardedWriter[StoredArtifacts], user_metadata: dict[str, Any],
-            keep: frozenset[int], options: Options) -> SaveOutcome:
-    """Agree that every rank wrote its part, commit one manifest per storage domain, finish (collective).
-
-    Longer than most: its four agreements share the writer's results and whether this leader has
-    published, which the rollback of a commit another domain failed needs."""
+def _agree_writes(session: Session, plan: SavePlan, written: Written, user_metadata: dict[str, Any],
+                  options: Options) -> Manifest | None:
+    """Agree that every rank wrote its part (and no plain value differs across ranks); the leader builds
+    one manifest per storage domain. Returns this domain's manifest on its leader, None elsewhere."""
     comm, topo = session.comm, session.topo
 
     def report_written() -> str:
-        if writer.error is not None:
-            raise writer.error
-        return combined_digest(writer.digests)
+        if written.error is not None:
+            raise written.error
+        return combined_digest(written.digests)
 
     # The write phase's agreement; and a plain value that differs across ranks (DCP would keep one
     # rank's copy for all) found from one digest per rank, whatever the values' sizes.
     differing: list[int] = comm.step(f"write its part of step {plan.step}", report_written, ranks_differing,
                                      suffix=plan.intact, where=session.url, on_error=session.fenced)
     if differing:
-        _refuse_divergence(session, plan, writer.digests, differing)
-
-    def report_writes() -> RankWrites:
-        arts, art_files = writer.outcome.before_write or ([], [])
-        files = [*writer.outcome.files, *art_files]
-        return RankWrites(files, arts, ItemTable.from_items(writer.stored, [f.path for f in files]))
+        _refuse_divergence(session, plan, written.digests, differing)
 
     def manifests(writes: list[RankWrites]) -> list[Manifest | None]:
-        md = writer.metadata
+        md = written.metadata
         assert md is not None
-        last = session.last_dcp_json
         built = build_manifests(topo, plan.name, plan.attempt, options.checksum, writes, user_metadata,
-                                last[1] if last is not None and last[0] is md else md, plan.seq)
+                                session.dcp_json.get(md) or md, plan.seq)
         if built:
-            session.last_dcp_json = (md, next(iter(built.values())).dcp)
+            session.dcp_json.put(md, next(iter(built.values())).dcp)
         return [built.get(r) for r in range(comm.world_size)]
 
-    mine: Manifest | None = comm.step(f"report its part of step {plan.step}", report_writes, manifests,
+    mine: Manifest | None = comm.step(f"report its part of step {plan.step}", written.report, manifests,
                                       scatter=True, suffix=plan.intact, where=session.url)
-    published = False
-    mine_after: DomainListing = {}  # this domain's listing right after the publish (finish reuses it)
+    return mine
+
+
+def _commit(session: Session, plan: SavePlan, mine: Manifest | None, keep: frozenset[int],
+            options: Options) -> SaveOutcome:
+    """Commit one manifest per storage domain (``mine``: this domain's, on its leader), then finish
+    (collective). A commit another domain failed is rolled back where this leader published."""
+    comm, topo = session.comm, session.topo
+    pub = _Publication()
 
     def publish() -> DomainListing | None:
-        nonlocal published, mine_after
         if not topo.is_leader:
             return None
         assert mine is not None and session.lease is not None
@@ -274,7 +296,7 @@ def _commit(session: Session, plan: SavePlan, writer: GuardedWriter[StoredArtifa
         # N * F lookups by one leader would cost more than the save at thousands of ranks.
         commit_when_visible(session.root, plan.staging, mine, not session.storage.visible_once_written,
                             options.visibility_timeout_s, last_check)
-        published = True
+        pub.published = True
         # A stall between that check and the rename (a frozen VM; on NFS, a handle to the staging
         # directory the new holder moved away still works) published into a root another job owns
         # by now: look again, and take it back (rolled back below, as when another domain fails).
@@ -283,8 +305,8 @@ def _commit(session: Session, plan: SavePlan, writer: GuardedWriter[StoredArtifa
         except LeaseLostError as e:
             raise _fenced_after_publish(session, plan, e) from e
         fault_point(FaultPhase.AFTER_PUBLISH, comm.rank)
-        mine_after = session.root.listing()
-        return mine_after
+        pub.listing = session.root.listing()
+        return pub.listing
 
     def after_publish(listings: list[DomainListing | None]) -> tuple[list[int], Listing]:
         agreed = agreed_listing(listings)
@@ -295,10 +317,10 @@ def _commit(session: Session, plan: SavePlan, writer: GuardedWriter[StoredArtifa
         # No suffix here: whether "nothing was committed" is true depends on the failure (below).
         # (session.fenced says "nothing was committed": only true before this leader's commit point.)
         doomed, agreed = comm.step(f"commit step {plan.step}", publish, after_publish, where=session.url,
-                                   on_error=lambda err: err if published else session.fenced(err))
+                                   on_error=lambda err: err if pub.published else session.fenced(err))
     except BaseException as e:
-        kept = published  # this leader's publish stands unless it is taken back here
-        if published and agreed_failures(e):  # another domain failed: not committed anywhere, roll back
+        kept = pub.published  # this leader's publish stands unless it is taken back here
+        if pub.published and agreed_failures(e):  # another domain failed: not committed anywhere, roll back
             try:  # under the fence, like every removal: a job that lost the root takes nothing back
                 session.root.invalidate(session.root.dir(plan.name))
                 kept = False
@@ -313,7 +335,7 @@ def _commit(session: Session, plan: SavePlan, writer: GuardedWriter[StoredArtifa
     retired: list[str] = []
     if topo.is_leader:
         try:
-            retired = finish(session, plan, doomed, agreed, mine_after)
+            retired = finish(session, plan, doomed, agreed, pub.listing)
         except LeaseLostError as e:
             lost = e
     # Agreed, so that every rank of a job that lost the root raises (and no later save is tried).

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import functools
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from ckptguard.comm import Comm
@@ -32,6 +32,24 @@ class Options:
     load_memory_bytes: int | None = None
 
 
+class DcpJsonCache:
+    """The leader's last DCP ``Metadata`` and its JSON form, kept across saves: DCP hands out the very same
+    Metadata object while no rank's plan changed (its plan cache), and its JSON is then the same too, so a
+    save of an unchanged structure skips encoding it again."""
+
+    def __init__(self) -> None:
+        self._last: tuple[Any, dict[str, Any]] | None = None
+
+    def get(self, metadata: Any) -> dict[str, Any] | None:
+        """The JSON of ``metadata`` if it is the very object last put (None: encode it)."""
+        last = self._last
+        return last[1] if last is not None and last[0] is metadata else None
+
+    def put(self, metadata: Any, encoded: dict[str, Any]) -> None:
+        """Remember ``encoded`` as the JSON of ``metadata`` (the one object kept)."""
+        self._last = (metadata, encoded)
+
+
 @dataclass
 class Session:
     comm: Comm
@@ -42,9 +60,7 @@ class Session:
     instance: str  # identical on every rank: keys DCP's plan cache (with the rank)
     lease: Lease | None = None  # domain leaders of a writing Checkpointer
     holder: str | None = None  # this job incarnation's lease holder id (writing Checkpointers)
-    # The leader's last DCP Metadata and its JSON form: DCP hands out the very same Metadata object
-    # while no rank's plan changed, and its JSON is then the same too.
-    last_dcp_json: tuple[Any, dict[str, Any]] | None = None
+    dcp_json: DcpJsonCache = field(default_factory=DcpJsonCache)  # the leader's, across saves
 
     @property
     def url(self) -> str:

@@ -36,7 +36,6 @@ class Topology:
     world_size: int
     domains: tuple[tuple[int, ...], ...]  # each sorted; ordered by leader
     hosts: tuple[str, ...]  # per rank
-    probed: bool = True  # False when domains were derived from hostnames (read-only roots)
 
     @property
     def domain_index(self) -> int:
@@ -103,7 +102,7 @@ def host_domains(comm: Comm) -> Topology:
     for r, h in enumerate(hosts):
         by_host.setdefault(h, []).append(r)
     domains = tuple(sorted((tuple(v) for v in by_host.values()), key=lambda d: d[0]))
-    return Topology(comm.rank, comm.world_size, domains, tuple(hosts), probed=False)
+    return Topology(comm.rank, comm.world_size, domains, tuple(hosts))
 
 
 def _all_hosts(comm: Comm) -> list[str]:

@@ -172,8 +172,6 @@ class StorageBackend(Protocol):
         """Start warming a cache with the files under ``directory`` named ``prefix...`` (a hint);
         returns a function that stops it."""
 
-    def free_bytes(self, path: str) -> int | None: ...
-
 
 class ObjectStore(StorageBackend, Protocol):
     """A backend without directories or rename (an object store): what else it offers."""

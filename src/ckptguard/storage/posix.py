@@ -336,13 +336,6 @@ class PosixStorage:
             pass
         return out
 
-    def free_bytes(self, path: str) -> int | None:
-        try:
-            st = os.statvfs(path)
-        except OSError:
-            return None
-        return st.f_bavail * st.f_frsize
-
     def prefetch(self, directory: str, prefix: str) -> Callable[[], None]:
         return read_ahead(directory, prefix)
 

@@ -486,9 +486,6 @@ class S3Storage:
     def prefetch(self, directory: str, prefix: str) -> Callable[[], None]:
         return _nothing
 
-    def free_bytes(self, path: str) -> int | None:
-        return None
-
     def close(self) -> None:
         with self._pool_lock:
             if self._pool is not None:

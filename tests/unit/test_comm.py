@@ -22,7 +22,7 @@ from ckptguard.errors import (
 )
 from ckptguard.threadranks import run_ranks
 
-SRC = Path(__file__).resolve().parent.parent / "src" / "ckptguard"
+SRC = Path(__file__).resolve().parents[2] / "src" / "ckptguard"
 
 
 def test_decision_reaches_every_rank_and_local_results_reach_rank_0() -> None:

@@ -168,8 +168,8 @@ def test_read_refuses_a_string_for_keys(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(("stored", "template", "values"), [
-    # float8 formats differ in precision, range, infinities and signed zeros (outside attack: all four
-    # were "lossless widenings" by a finfo comparison and loaded changed values without an error)
+    # float8 formats differ in precision, range, infinities and signed zeros: none of these is a
+    # lossless widening, though a finfo comparison calls all four one
     ("float8_e4m3fn", "float8_e5m2fnuz", [1.125, 1.375, 448.0, -0.0]),
     ("float8_e4m3fnuz", "float8_e5m2fnuz", [1.125, 1.375, 240.0]),
     ("float8_e5m2", "float8_e5m2fnuz", [float("inf"), -0.0, 1.0]),

@@ -1,0 +1,1 @@
+"""The fast tier: pure logic, no processes, no torchrun (``pytest tests/unit``, under two minutes)."""
