@@ -30,6 +30,7 @@ from ckptguard.diagnose.model import (
     TimelineEvent,
     ranges,
 )
+from ckptguard.diagnose.normalize import read_normalized
 
 __all__ = ["SCHEMA_VERSION", "Diagnosis", "EvidenceLine", "Hypothesis", "TimelineEvent",
            "attribute", "diagnose"]
@@ -57,9 +58,10 @@ def diagnose(paths: Iterable[str], *, mask_hosts: bool = False, kb: KnowledgeBas
         ex.begin_source(src)
         try:
             stream = stdin if (src.path is None and stdin is not None) else src.open()
-            hits = GrepHits.open(src, prefilter) if src.path is not None else None
+            text, pasted = read_normalized(stream)
+            hits = GrepHits.open(src, prefilter) if src.path is not None and not pasted else None
             try:
-                b, n = scan(stream, prefilter, ex.feed, hits)
+                b, n = scan(text, prefilter, ex.feed, hits)
             finally:
                 if hits is not None:
                     hits.close()

@@ -18,6 +18,7 @@ from ckptguard.diagnose.kb import KnowledgeBase, Match
 from ckptguard.diagnose.launchers import Block, LauncherLines
 from ckptguard.diagnose.mask import Masker
 from ckptguard.diagnose.model import Event, EventKind, Evidence, LauncherFailure, RankSource
+from ckptguard.diagnose.normalize import clean_line
 from ckptguard.diagnose.rules import Operation
 
 # Literal anchors for the structural parts of a log (tracebacks, launcher lines, NCCL rank
@@ -193,7 +194,7 @@ class Extractor(LauncherLines):
         """Handle one line; return how many following lines must be read unconditionally."""
         self.lines_processed += 1
         self._lineno = lineno
-        text = raw.decode("utf-8", "replace").rstrip("\r\n")
+        text = clean_line(raw.decode("utf-8", "replace").rstrip("\r\n"))
         if not text.strip():
             return self._pending_force()
         text = self.masker.mask(text)

@@ -22,6 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
+from ckptguard.diagnose.normalize import looks_utf16
+
 MAX_LINE = 64 * 1024
 CHUNK = 4 * 1024 * 1024
 SKIP_SUFFIXES = {".pt", ".pth", ".bin", ".safetensors", ".ckpt", ".pkl", ".npy", ".npz", ".distcp",
@@ -331,19 +333,11 @@ def _chunks(stream: BinaryIO) -> Iterator[tuple[int, bytes]]:
         data = stream.read(CHUNK)
 
 
-def _looks_utf16(head: bytes) -> bool:
-    """A UTF-16 byte-order mark, and the high bytes of mostly-ASCII text (NULs) after it: a
-    latin-1 log can start with the same two bytes."""
-    if head[:2] == codecs.BOM_UTF16_LE:
-        high = head[3:4003:2]
-    elif head[:2] == codecs.BOM_UTF16_BE:
-        high = head[2:4002:2]
-    else:
-        return False
-    return bool(high) and high.count(0) >= len(high) * 0.3
+_looks_utf16 = looks_utf16
 
 
 SNIFF = 8192
+_TEXT_RUN = re.compile(rb"[\t\n\r\x20-\x7e]{16,}")
 
 
 def looks_binary(head: bytes) -> bool:
@@ -353,7 +347,12 @@ def looks_binary(head: bytes) -> bool:
     if not head or _looks_utf16(head):
         return False
     control = sum(head.count(bytes([c])) for c in range(32) if c not in (9, 10, 12, 13, 27))
-    return control > len(head) * 0.05  # a text log has next to none (a few NULs after a crash)
+    if control <= len(head) * 0.05:  # a text log has next to none (a few NULs after a crash)
+        return False
+    # more: still a log if most of it is runs of printable text (a crash's garbage, a redirected
+    # binary's bytes in front of the job's output), which no executable or checkpoint has
+    text = sum(len(m) for m in _TEXT_RUN.findall(head))
+    return text < len(head) * 0.5
 
 
 def sniff_binary(source: Source) -> bool:
