@@ -163,8 +163,7 @@ def _answer(diag: Diagnosis, att: Attribution, ex: Extractor, kb: KnowledgeBase,
     diag.failure_class, diag.title, diag.category = v.class_id, fc.title, fc.category
     diag.initiating_rank = att.init_rank
     diag.ordering_basis = att.basis.value
-    diag.rank_attribution = init.rank_via.text if att.init_rank is not None else (
-        "not shown in the log: the failing line carries no rank prefix, and no launcher summary or pid map names it")
+    diag.rank_attribution = _why_rank(att, init) if att.init_rank is not None else _no_rank(ex, init.host)
     diag.also_failed_ranks = sorted(att.also)
     primary = set(att.firsts)
     coll = {r for r, view in att.views.items() if r is not None and r not in primary and view.events}
@@ -260,6 +259,26 @@ def _unproven(fc: FailureClass, att: Attribution) -> Unproven | None:
     every = [*att.events, *att.hints]
     proved = any(m.class_id == fc.id and m.weight >= u.proof_weight for e in every for m in e.matches)
     return None if proved else u
+
+
+def _why_rank(att: Attribution, init: Event) -> str:
+    """Which hints decided the first rank: whose line it is, and why it came before the others."""
+    parts = [init.rank_via.text]
+    if att.also and att.basis not in (OrderingBasis.ONLY_ONE, OrderingBasis.UNATTRIBUTED):
+        parts.append(f"first of the failing ranks by {att.basis.value}")
+    blamed = [ev for r, ev in att.reported if r == att.init_rank]
+    if blamed:
+        parts.append(f"another rank's own error names it as the first to fail (line {blamed[0].line})")
+    return "; ".join(parts)
+
+
+def _no_rank(ex: Extractor, host: str | None) -> str:
+    """Why the first rank is not named, and what the log does narrow it to."""
+    ranks = ex.host_ranks.get(host or "", [])
+    if ranks:
+        return (f"not shown in the log: the launcher names the node ({host}), not the process; the first "
+                f"failure is one of that node's ranks {ranges(ranks)}")
+    return "not shown in the log: the failing line carries no rank prefix, and no launcher summary or pid map names it"
 
 
 def _host_of(ex: Extractor, rank: int | None) -> str | None:

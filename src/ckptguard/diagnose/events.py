@@ -26,7 +26,7 @@ from ckptguard.diagnose.rules import Operation
 STRUCTURAL_ANCHORS = (
     "rror", "xception", "xit", "Traceback", "SIG", "Segmentation", "atchdog", "aving", "NCCL WARN",
     "NaN", "Killed", "nan", "nranks", "oss is", "[send]", "[receive]", "Errno", "[...]",
-    'File "',
+    'File "', "world_size", "num_local_procs=", "global_rank_mapping",
 )
 # Anchors that are fragments of common words: inside a snake_case name (`top1_error`,
 # `num_exceptions`, `early_exit`, `saving_steps`, `loss_nan`) they say nothing about a failure.
@@ -59,7 +59,10 @@ _EXC_RE = re.compile(
     r"(?::[ ]?(?P<msg>.*))?$"
 )
 _EMBEDDED_EXC_RE = re.compile(r"\b(?P<type>(?:[A-Za-z_]\w*\.)*[A-Z]\w*(?:Error|Exception)): (?P<msg>\S.*)$")
-_WORLD_RE = re.compile(r"\b(?:world[_ ]size|WORLD_SIZE)\s*[=:]\s*(\d{1,7})\b")
+_WORLD_RE = re.compile(r"\b(?:dist_)?(?:world[_ ]size|WORLD_SIZE)\s*[=:]\s*(\d{1,7})\b")
+# DeepSpeed's launcher, once per node: its node rank and local world size, and every node's ranks.
+_NODE_RE = re.compile(r"\bnnodes=(\d{1,5}), num_local_procs=(\d{1,5}), node_rank=(\d{1,5})\b")
+_MAPPING_RE = re.compile(r"'([\w.\-]{1,128})': \[([\d, ]{1,8192})\]")
 _CHAIN_MARKERS = ("During handling of the above exception", "The above exception was the direct cause")
 _EXCERPT_RE = re.compile(r"^\s*(?:\[\s*(?:\.\.\.|…)\s*\]|\.\.\.\.+|<\s*truncated lines? [\d\-– ]+>"
                          r"|\[\s*truncated.*\])\s*$")
@@ -161,6 +164,10 @@ class Extractor(LauncherLines):
         self._announced: tuple[Operation, int, int, Evidence] | None = None  # op, source, line, evidence
         self.memory_line: tuple[int, int] | None = None  # (source, line) of the last memory figures
         self.deliberate = False  # the log shows a deliberate stop (Ctrl-C, SIGTERM first, a timeout)
+        self._line_host: str | None = None  # the host label (pdsh, DeepSpeed) of the current line
+        self.node_of: dict[str, tuple[int, int]] = {}  # host -> (node rank, local world size)
+        self.nnodes = 0  # nodes of the job, where its launcher says (0: not said)
+        self.host_ranks: dict[str, list[int]] = {}  # host -> its global ranks (DeepSpeed's map)
 
     # ---- per source ---------------------------------------------------------------------
     def begin_source(self, source: Source) -> None:
@@ -203,6 +210,7 @@ class Extractor(LauncherLines):
         prefix, rest = strip_prefixes(text)
         if prefix.host:
             self.masker.learn_host(prefix.host)
+        self._line_host = prefix.host
         rank = prefix.rank
         via = RankSource.PREFIX if rank is not None else RankSource.NONE
         if rank is None and src.rank is not None:
@@ -280,6 +288,9 @@ class Extractor(LauncherLines):
                             last.kind = EventKind.EXIT
                     return TRACEBACK_FORCE
         self._facts(rest, rank, ev)
+        if rank is not None and stripped.startswith("(") and "failed first" in rest \
+                and self._blame_note(rest, rank, ev):
+            return self._pending_force()  # the other rank's error, quoted: not this rank's own
         hint = any(h.search(rest) for h in self.rules.hints)
         em = _EXC_RE.match(rest)
         if em and not hint and not stripped.endswith("Warning"):
@@ -323,6 +334,8 @@ class Extractor(LauncherLines):
         wm = _WORLD_RE.search(rest)
         if wm:
             self.world_size = max(self.world_size, int(wm.group(1)))
+        if "num_local_procs=" in rest or "global_rank_mapping" in rest:
+            self._node_facts(rest)
         if "SeqNum=" in rest and len(self.fingerprints) < MAX_FINGERPRINTS:
             fm = self.rules.desync_pattern.search(rest)
             if fm:
@@ -349,6 +362,42 @@ class Extractor(LauncherLines):
                 if rm:
                     for r in re.findall(r"\d+", rm.group("ranks")):
                         self.reported_ranks.append((int(r), ev))
+
+    def _node_facts(self, rest: str) -> None:
+        """A node's rank and local world size (global rank = node rank x local world size +
+        local rank), and the launcher's map of node -> global ranks."""
+        nm = _NODE_RE.search(rest)
+        if nm:
+            nnodes, local, node = (int(g) for g in nm.groups())
+            self.world_size = max(self.world_size, nnodes * local)
+            self.nnodes = max(self.nnodes, nnodes)
+            if self._line_host is not None:
+                self.node_of[self._line_host] = (node, local)
+        if "global_rank_mapping" in rest:
+            for host, ranks in _MAPPING_RE.findall(rest):
+                nums = [int(r) for r in ranks.split(",") if r.strip().isdigit()]
+                self.host_ranks[host] = nums
+                self.masker.learn_host(host)
+                for r in nums:
+                    self.rank_host.setdefault(r, host)
+                    self.ranks_seen.add(r)
+
+    def _blame_note(self, rest: str, rank: int, ev: Evidence) -> bool:
+        """A note under an exception (Python's ``add_note``) that says another rank failed first:
+        that rank's error is the cause, this rank's own (just raised) its consequence."""
+        for rep in self.rules.blame_reports:
+            bm = rep.pattern.search(rest) if rep.anchor in rest else None
+            if bm is None:
+                continue
+            blamed = int(bm.group("ranks"))
+            last = next((e for e in reversed(self.events[-16:]) if e.rank == rank and e.source == self._src), None)
+            if last is not None and blamed != rank and 0 <= ev.line - last.evidence[-1].line <= 3:
+                last.blames = blamed
+                if len(self.reported_ranks) < 64:
+                    self.reported_ranks.append((blamed, ev))
+                return True
+            return False
+        return False
 
     def _pending_force(self) -> int:
         if self._block is not None:

@@ -225,7 +225,7 @@ _LEAD_PREFIX_RE = re.compile(r"^\s*(?:\[(?:rank|default|local_rank)\d{1,6}\]:|\[
 
 # What may stand before a record's prefix on its own line: timestamps, a CI step or container
 # name, a stream tag (`[stderr]`), a quote marker (`> ` of a pasted reply).
-_LEAD_RE = re.compile(r"^[\w\s.:,/+\-()=|>\[\]]{1,80}$")
+_LEAD_RE = re.compile(r"^(?!.*(?:NCCL |-> ))[\w\s.:,/+\-()=|>\[\]]{1,60}$")
 _WORD_COLON = re.compile(r"[A-Za-z]{2,}: ")
 _LETTER_RE = re.compile(r"[A-Za-z]")
 _ENDS_WITH_TAG = re.compile(r"(?:\[(?:rank|default|local_rank)\d{1,6}\]:|<std(?:out|err)>:"

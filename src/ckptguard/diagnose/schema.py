@@ -41,6 +41,13 @@ class UnprovenEntry(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     fix: str = ""
 
 
+class RestartEntry(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    """``[restart]``: whether restarting the job as it is can succeed, and why."""
+
+    transient: bool
+    why: str
+
+
 class ClassEntry(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     """One failure class: what the report explains, and its signatures."""
 
@@ -61,6 +68,7 @@ class ClassEntry(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     weak: bool = False
     checkpointer_prevents: bool = False
     family: str | None = None
+    restart: RestartEntry | None = None
     references: list[str] = []
     signatures: list[SignatureEntry] = []
     unproven: UnprovenEntry | None = None
