@@ -39,6 +39,9 @@ KEEP_PER_RANK_CLASS = 3
 KEEP_UNATTRIBUTED_PER_CLASS = 20
 MAX_FRAMES = 12
 MAX_FINGERPRINTS = 4096
+SHAPE_LIMIT = 4  # copies of one line shape on one rank read before the rest are skipped
+UNTAGGED_SHAPE_LIMIT = 16_384  # the same for a line without a rank tag (its rank is further in)
+MAX_SHAPES = 200_000
 TRACEBACK_FORCE = 60  # lines read unconditionally after a traceback line
 OWNER_LINES = 400  # how far a launcher's "process N terminated with the following error" reaches
 ANNOUNCE_LINES = 60  # how far before a cut traceback a line announcing its operation counts
@@ -167,6 +170,7 @@ class Extractor(LauncherLines):
         self._line_host: str | None = None  # the host label (pdsh, DeepSpeed) of the current line
         self.node_of: dict[str, tuple[int, int]] = {}  # host -> (node rank, local world size)
         self.nnodes = 0  # nodes of the job, where its launcher says (0: not said)
+        self._shapes: dict[bytes, int] = {}  # line shape -> copies read (see _repeated_shape)
         self.host_ranks: dict[str, list[int]] = {}  # host -> its global ranks (DeepSpeed's map)
 
     # ---- per source ---------------------------------------------------------------------
@@ -201,6 +205,8 @@ class Extractor(LauncherLines):
         """Handle one line; return how many following lines must be read unconditionally."""
         self.lines_processed += 1
         self._lineno = lineno
+        if len(raw) > 24 and self._repeated_shape(raw):
+            return self._pending_force()
         text = clean_line(raw.decode("utf-8", "replace").rstrip("\r\n"))
         if not text.strip():
             return self._pending_force()
@@ -362,6 +368,22 @@ class Extractor(LauncherLines):
                 if rm:
                     for r in re.findall(r"\d+", rm.group("ranks")):
                         self.reported_ranks.append((int(r), ev))
+
+    def _repeated_shape(self, raw: bytes) -> bool:
+        """Whether this line's shape (its text without digits, but with its leading rank tag:
+        ``[rank12]``, ``12: ``) has been read ``SHAPE_LIMIT`` times already (a line without a
+        tag: ``UNTAGGED_SHAPE_LIMIT``, one per rank of a large job): a log whose every
+        line holds an anchor word repeats a few shapes millions of times, and their first copies
+        on every rank already hold all they can tell. Bounded: a cost per candidate line of one
+        C-level translate and one dict lookup, and at most ``MAX_SHAPES`` shapes."""
+        tag = raw.find(b"]", 0, 24) + 1 if raw[:1] == b"[" else raw.find(b": ", 0, 8) + 1
+        key = raw[:tag] + raw[tag:].translate(None, b"0123456789")
+        n = self._shapes.get(key, 0)
+        if n >= (SHAPE_LIMIT if tag else UNTAGGED_SHAPE_LIMIT):
+            return True
+        if n or len(self._shapes) < MAX_SHAPES:
+            self._shapes[key] = n + 1
+        return False
 
     def _node_facts(self, rest: str) -> None:
         """A node's rank and local world size (global rank = node rank x local world size +
