@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import re
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from ckptguard.diagnose.facts import FactLines
 from ckptguard.diagnose.ingest import Source, parse_timestamp, strip_prefixes
 from ckptguard.diagnose.kb import KnowledgeBase, Match
 from ckptguard.diagnose.launchers import Block, LauncherLines
@@ -34,14 +36,9 @@ EMBEDDABLE_ANCHORS = ("rror", "xception", "xit", "atchdog", "aving", "nan")
 GENERIC_CLASSES = frozenset({"python_exception", "unclassified_error"})
 _RAISE_NEW = re.compile(r"raise\s+([\w.]+)\(")
 EVIDENCE_CHARS = 400
-REPEAT_LINES = 3  # lines between copies of one announcement printed by several processes
 KEEP_PER_RANK_CLASS = 3
 KEEP_UNATTRIBUTED_PER_CLASS = 20
 MAX_FRAMES = 12
-MAX_FINGERPRINTS = 4096
-SHAPE_LIMIT = 4  # copies of one line shape on one rank read before the rest are skipped
-UNTAGGED_SHAPE_LIMIT = 16_384  # the same for a line without a rank tag (its rank is further in)
-MAX_SHAPES = 200_000
 TRACEBACK_FORCE = 60  # lines read unconditionally after a traceback line
 OWNER_LINES = 400  # how far a launcher's "process N terminated with the following error" reaches
 ANNOUNCE_LINES = 60  # how far before a cut traceback a line announcing its operation counts
@@ -49,10 +46,6 @@ _WINDOWS_PATH = re.compile(r"^[A-Za-z]:\\")
 
 _NCCL_RE = re.compile(r"^(?P<host>[\w.\-]+):(?P<pid>\d+):(?P<tid>\d+) \[(?P<dev>\d+)\] "
                       r"(?:[\w/.\-]+:\d+ )?NCCL (?P<lvl>[A-Z]+) ?(?P<msg>.*)$")
-_NCCL_TRACE_RE = re.compile(r":\d+ -> [1-9]\d*\s*$")  # NCCL's error trace: file:line -> non-zero code
-_COMM_RE = re.compile(r"\brank (\d+) nranks (\d+)\b")
-_CHANNEL_RE = re.compile(r"Channel \d+/\d+ : (\d+)\[(\d+)\] -> (\d+)\[(\d+)\](?: \[(send|receive)\])?")
-_TREES_RE = re.compile(r"Trees \[\d+\] [-\d/]+->(\d+)->")
 _FRAME_RE = re.compile(r'^\s*File "(?P<file>[^"]+)", line (?P<line>\d+)(?:,? in (?P<func>\S+))?')
 _EXC_RE = re.compile(
     r"^ ?(?P<type>(?:[A-Za-z_][\w]*\.)*(?:[A-Z]\w*(?:Error|Exception|Interrupt|Exit|Failure)"
@@ -62,10 +55,6 @@ _EXC_RE = re.compile(
     r"(?::[ ]?(?P<msg>.*))?$"
 )
 _EMBEDDED_EXC_RE = re.compile(r"\b(?P<type>(?:[A-Za-z_]\w*\.)*[A-Z]\w*(?:Error|Exception)): (?P<msg>\S.*)$")
-_WORLD_RE = re.compile(r"\b(?:dist_)?(?:world[_ ]size|WORLD_SIZE)\s*[=:]\s*(\d{1,7})\b")
-# DeepSpeed's launcher, once per node: its node rank and local world size, and every node's ranks.
-_NODE_RE = re.compile(r"\bnnodes=(\d{1,5}), num_local_procs=(\d{1,5}), node_rank=(\d{1,5})\b")
-_MAPPING_RE = re.compile(r"'([\w.\-]{1,128})': \[([\d, ]{1,8192})\]")
 _CHAIN_MARKERS = ("During handling of the above exception", "The above exception was the direct cause")
 _EXCERPT_RE = re.compile(r"^\s*(?:\[\s*(?:\.\.\.|…)\s*\]|\.\.\.\.+|<\s*truncated lines? [\d\-– ]+>"
                          r"|\[\s*truncated.*\])\s*$")
@@ -80,6 +69,20 @@ class _Traceback:
     last: Evidence | None = None
     after_frame: bool = False
     lines: deque[tuple[str, Evidence]] = field(default_factory=lambda: deque(maxlen=2 * MAX_FRAMES))
+
+
+@dataclass(slots=True)
+class _Line:
+    """One line as the handlers see it: its text after the prefixes, and who wrote it."""
+
+    rest: str
+    stripped: str
+    rank: int | None
+    via: RankSource
+    key: tuple[int | None, int | None]
+    ev: Evidence
+    ts: float | None
+    hint: bool = False  # a warning or a retried error (set before the exception handlers)
 
 
 @dataclass
@@ -119,7 +122,7 @@ def _raised_by_code(etype: str, code: list[str]) -> bool:
     return m is not None and m.group(1).rsplit(".", 1)[-1] == etype.rsplit(".", 1)[-1]
 
 
-class Extractor(LauncherLines):
+class Extractor(FactLines, LauncherLines):
     """Stateful reader of processed lines; one per diagnosis."""
 
     def __init__(self, kb: KnowledgeBase, masker: Masker) -> None:
@@ -171,6 +174,11 @@ class Extractor(LauncherLines):
         self.node_of: dict[str, tuple[int, int]] = {}  # host -> (node rank, local world size)
         self.nnodes = 0  # nodes of the job, where its launcher says (0: not said)
         self._shapes: dict[bytes, int] = {}  # line shape -> copies read (see _repeated_shape)
+        # the registry of line handlers: the first that recognises a line handles it
+        self._handlers: tuple[Callable[[_Line], int | None], ...] = (
+            self._on_excerpt, self._on_block, self._on_nccl, self._on_traceback_start, self._on_frame,
+            self._on_source_line, self._on_chain_marker, self._on_launcher, self._on_owner, self._on_facts,
+            self._on_exception, self._on_embedded_exception, self._on_signature)
         self.host_ranks: dict[str, list[int]] = {}  # host -> its global ranks (DeepSpeed's map)
 
     # ---- per source ---------------------------------------------------------------------
@@ -234,192 +242,121 @@ class Extractor(LauncherLines):
         ev = Evidence(self._src, lineno, _clip(text), rank)
         if self._pending is not None and self._flush_pending(rest):
             return self._pending_force()
-
-        if _EXCERPT_RE.match(rest):  # `[...]` between excerpts: nothing continues across it
-            self._close_all()
-            return 0
-        if self._block is not None and self.block_line(rest, ev):
-            return self._pending_force()
-
-        m = _NCCL_RE.match(rest)
-        if m:
-            return self._nccl_line(m, rank, ev, ts, via)
-
-        stripped = rest.strip()
-        if stripped.startswith("Traceback (most recent call"):
-            chain = self._chain_next.pop(key, [])
-            old = self._tb.get(key)
-            if old is not None and old.chain:
-                self._close_traceback(key, old, None)
-            self._tb[key] = _Traceback(ev, chain=chain, last=ev)
-            return TRACEBACK_FORCE
-        if stripped.startswith("Original Traceback (most recent call"):
-            return TRACEBACK_FORCE
-        fm = _FRAME_RE.match(rest)
-        if fm:
-            tb = self._tb.get(key)
-            if tb is None:  # the log starts (or an excerpt resumes) mid-traceback
-                tb = self._tb[key] = _Traceback(ev, chain=self._chain_next.pop(key, []))
-            tb.frames.append(f"{fm.group('file')}:{fm.group('func') or '?'}")
-            tb.lines.append((tb.frames[-1], ev))
-            tb.last, tb.after_frame = ev, True
-            return TRACEBACK_FORCE
-        tb = self._tb.get(key)
-        if tb is not None and tb.after_frame and rest[:1].isspace():
-            tb.code.append(stripped)  # the source line that a frame shows
-            tb.lines.append((stripped, ev))
-            tb.last, tb.after_frame = ev, False
-            return TRACEBACK_FORCE
-        if any(marker in rest for marker in _CHAIN_MARKERS):
-            tb = self._tb.pop(key, None)
-            if tb is not None:
-                self._chain_next[key] = tb.chain
-            return TRACEBACK_FORCE
-
-        if self.launcher_line(rest, ev, ts):
-            return self._pending_force()
-        if "terminated with" in rest:
-            for pat in self.rules.traceback_owners:
-                om = pat.search(rest)
-                if om:
-                    owner = int(om.group("local"))
-                    self._owner[key] = (owner, lineno + OWNER_LINES)
-                    last = self.events[-1] if self.events else None
-                    if last is not None and last.rank is None and last.source == self._src \
-                            and lineno - last.evidence[-1].line <= 3:
-                        # the launcher's exception reporting that process's failure: an exit
-                        # report, weaker than the process's own traceback that follows
-                        last.rank, last.rank_via = owner, RankSource.SPAWN_INDEX
-                        if last.class_id in GENERIC_CLASSES:
-                            last.kind = EventKind.EXIT
-                    return TRACEBACK_FORCE
-        self._facts(rest, rank, ev)
-        if rank is not None and stripped.startswith("(") and "failed first" in rest \
-                and self._blame_note(rest, rank, ev):
-            return self._pending_force()  # the other rank's error, quoted: not this rank's own
-        hint = any(h.search(rest) for h in self.rules.hints)
-        em = _EXC_RE.match(rest)
-        if em and not hint and not stripped.endswith("Warning"):
-            self._exception(key, em.group("type"), em.group("msg") or "", rank, via, ev, ts)
-            return self._pending_force() or 1
-
-        em2 = None if hint else _EMBEDDED_EXC_RE.search(rest)
-        if em2:
-            self._exception(key, em2.group("type"), em2.group("msg"), rank, via, ev, ts,
-                            embedded=True)
-            return self._pending_force() or 1
-
-        matches = self.kb.match(rest, exception=False)
-        if matches:
-            self._emit(EventKind.HINT if hint else EventKind.LINE, matches, [ev], rank, via,
-                       ts=ts, ts_key=key, message=rest.strip())
+        line = _Line(rest, rest.strip(), rank, via, key, ev, ts)
+        for handler in self._handlers:
+            wanted = handler(line)
+            if wanted is not None:
+                return wanted
         return self._pending_force()
 
-    def _facts(self, rest: str, rank: int | None, ev: Evidence) -> None:
-        """Facts for the cross-rank rules: checkpoint paths, world size, fingerprints, reports."""
-        for op in self.rules.operations:
-            if op.announce is not None and any(a in rest for a in op.announce_anchors) \
-                    and op.announce.search(rest):
-                self._announced = (op, self._src, ev.line, ev)
-                break
-        silent = self.rules.silent_exit
-        if silent is not None:
-            if any(a in rest for a in silent.memory_anchors) and silent.memory.search(rest):
-                self.memory_line = (self._src, ev.line)
-            if any(a in rest for a in silent.deliberate_anchors) and silent.deliberate.search(rest):
-                self.deliberate = True
-        race = self.rules.race
-        if len(self.saves) < 10_000 and (rank is not None or any(a in rest for a in race.anchors)):
-            sm = race.announce.search(rest)
-            if sm:
-                self.announced_path = sm.group("path")
-            if sm and rank is not None:
-                self.saves.setdefault(sm.group("path"), {}).setdefault(rank, ev)
-            elif sm and len(self.repeated_saves) < 10_000:
-                self._repeated_save(sm.group("path"), rest[sm.start():], ev)
-        wm = _WORLD_RE.search(rest)
-        if wm:
-            self.world_size = max(self.world_size, int(wm.group(1)))
-        if "num_local_procs=" in rest or "global_rank_mapping" in rest:
-            self._node_facts(rest)
-        if "SeqNum=" in rest and len(self.fingerprints) < MAX_FINGERPRINTS:
-            fm = self.rules.desync_pattern.search(rest)
-            if fm:
-                self.fingerprints.append(({k: v for k, v in fm.groupdict().items() if v}, ev))
-        prog = self.rules.progress
-        if prog is not None and self._announced is not None and any(a in rest for a in self.rules.progress_anchors) \
-                and prog.search(rest):
-            self._announced = None  # steps are running: the announced operation is over
-        if (prog is not None and len(self.progress) < MAX_FINGERPRINTS
-                and any(a in rest for a in self.rules.progress_anchors)):
-            for pm in prog.finditer(rest):
-                cur, total = int(pm.group("cur")), int(pm.group("total"))
-                if cur < total:  # a bar that finished says nothing about where the ranks stopped
-                    self.progress.setdefault(cur, {}).setdefault(total, ev)
-        if rank is None and "ank" in rest and len(self.named_ranks) < 64:
-            for h in self.rules.rank_hints:
-                if h.source == "message" and h.anchor in rest:
-                    hm = h.pattern.search(rest)
-                    if hm:
-                        self.named_ranks.add(int(hm.group("rank")))
-        for rep in self.rules.rank_reports:
-            if rep.anchor in rest:
-                rm = rep.pattern.search(rest)
-                if rm:
-                    for r in re.findall(r"\d+", rm.group("ranks")):
-                        self.reported_ranks.append((int(r), ev))
+    # ---- the handlers, one per kind of line, in the order they are tried ------------------
+    # Each returns how many following lines it wants (the line was its kind), or None.
+    def _on_excerpt(self, ln: _Line) -> int | None:
+        if _EXCERPT_RE.match(ln.rest):  # `[...]` between excerpts: nothing continues across it
+            self._close_all()
+            return 0
+        return None
 
-    def _repeated_shape(self, raw: bytes) -> bool:
-        """Whether this line's shape (its text without digits, but with its leading rank tag:
-        ``[rank12]``, ``12: ``) has been read ``SHAPE_LIMIT`` times already (a line without a
-        tag: ``UNTAGGED_SHAPE_LIMIT``, one per rank of a large job): a log whose every
-        line holds an anchor word repeats a few shapes millions of times, and their first copies
-        on every rank already hold all they can tell. Bounded: a cost per candidate line of one
-        C-level translate and one dict lookup, and at most ``MAX_SHAPES`` shapes."""
-        tag = raw.find(b"]", 0, 24) + 1 if raw[:1] == b"[" else raw.find(b": ", 0, 8) + 1
-        key = raw[:tag] + raw[tag:].translate(None, b"0123456789")
-        n = self._shapes.get(key, 0)
-        if n >= (SHAPE_LIMIT if tag else UNTAGGED_SHAPE_LIMIT):
-            return True
-        if n or len(self._shapes) < MAX_SHAPES:
-            self._shapes[key] = n + 1
-        return False
+    def _on_block(self, ln: _Line) -> int | None:
+        if self._block is not None and self.block_line(ln.rest, ln.ev):
+            return self._pending_force()
+        return None
 
-    def _node_facts(self, rest: str) -> None:
-        """A node's rank and local world size (global rank = node rank x local world size +
-        local rank), and the launcher's map of node -> global ranks."""
-        nm = _NODE_RE.search(rest)
-        if nm:
-            nnodes, local, node = (int(g) for g in nm.groups())
-            self.world_size = max(self.world_size, nnodes * local)
-            self.nnodes = max(self.nnodes, nnodes)
-            if self._line_host is not None:
-                self.node_of[self._line_host] = (node, local)
-        if "global_rank_mapping" in rest:
-            for host, ranks in _MAPPING_RE.findall(rest):
-                nums = [int(r) for r in ranks.split(",") if r.strip().isdigit()]
-                self.host_ranks[host] = nums
-                self.masker.learn_host(host)
-                for r in nums:
-                    self.rank_host.setdefault(r, host)
-                    self.ranks_seen.add(r)
+    def _on_nccl(self, ln: _Line) -> int | None:
+        m = _NCCL_RE.match(ln.rest)
+        return self._nccl_line(m, ln.rank, ln.ev, ln.ts, ln.via) if m else None
 
-    def _blame_note(self, rest: str, rank: int, ev: Evidence) -> bool:
-        """A note under an exception (Python's ``add_note``) that says another rank failed first:
-        that rank's error is the cause, this rank's own (just raised) its consequence."""
-        for rep in self.rules.blame_reports:
-            bm = rep.pattern.search(rest) if rep.anchor in rest else None
-            if bm is None:
-                continue
-            blamed = int(bm.group("ranks"))
-            last = next((e for e in reversed(self.events[-16:]) if e.rank == rank and e.source == self._src), None)
-            if last is not None and blamed != rank and 0 <= ev.line - last.evidence[-1].line <= 3:
-                last.blames = blamed
-                if len(self.reported_ranks) < 64:
-                    self.reported_ranks.append((blamed, ev))
-                return True
-            return False
-        return False
+    def _on_traceback_start(self, ln: _Line) -> int | None:
+        if ln.stripped.startswith("Traceback (most recent call"):
+            chain = self._chain_next.pop(ln.key, [])
+            old = self._tb.get(ln.key)
+            if old is not None and old.chain:
+                self._close_traceback(ln.key, old, None)
+            self._tb[ln.key] = _Traceback(ln.ev, chain=chain, last=ln.ev)
+            return TRACEBACK_FORCE
+        return TRACEBACK_FORCE if ln.stripped.startswith("Original Traceback (most recent call") else None
+
+    def _on_frame(self, ln: _Line) -> int | None:
+        fm = _FRAME_RE.match(ln.rest)
+        if fm is None:
+            return None
+        tb = self._tb.get(ln.key)
+        if tb is None:  # the log starts (or an excerpt resumes) mid-traceback
+            tb = self._tb[ln.key] = _Traceback(ln.ev, chain=self._chain_next.pop(ln.key, []))
+        tb.frames.append(f"{fm.group('file')}:{fm.group('func') or '?'}")
+        tb.lines.append((tb.frames[-1], ln.ev))
+        tb.last, tb.after_frame = ln.ev, True
+        return TRACEBACK_FORCE
+
+    def _on_source_line(self, ln: _Line) -> int | None:
+        tb = self._tb.get(ln.key)
+        if tb is not None and tb.after_frame and ln.rest[:1].isspace():
+            tb.code.append(ln.stripped)  # the source line that a frame shows
+            tb.lines.append((ln.stripped, ln.ev))
+            tb.last, tb.after_frame = ln.ev, False
+            return TRACEBACK_FORCE
+        return None
+
+    def _on_chain_marker(self, ln: _Line) -> int | None:
+        if not any(marker in ln.rest for marker in _CHAIN_MARKERS):
+            return None
+        tb = self._tb.pop(ln.key, None)
+        if tb is not None:
+            self._chain_next[ln.key] = tb.chain
+        return TRACEBACK_FORCE
+
+    def _on_launcher(self, ln: _Line) -> int | None:
+        return self._pending_force() if self.launcher_line(ln.rest, ln.ev, ln.ts) else None
+
+    def _on_owner(self, ln: _Line) -> int | None:
+        """mp.spawn's "process N terminated with the following error": N owns what follows."""
+        if "terminated with" not in ln.rest:
+            return None
+        for pat in self.rules.traceback_owners:
+            om = pat.search(ln.rest)
+            if om:
+                owner = int(om.group("local"))
+                self._owner[ln.key] = (owner, ln.ev.line + OWNER_LINES)
+                last = self.events[-1] if self.events else None
+                if last is not None and last.rank is None and last.source == self._src \
+                        and ln.ev.line - last.evidence[-1].line <= 3:
+                    # the launcher's exception reporting that process's failure: an exit
+                    # report, weaker than the process's own traceback that follows
+                    last.rank, last.rank_via = owner, RankSource.SPAWN_INDEX
+                    if last.class_id in GENERIC_CLASSES:
+                        last.kind = EventKind.EXIT
+                return TRACEBACK_FORCE
+        return None
+
+    def _on_facts(self, ln: _Line) -> int | None:
+        self._facts(ln.rest, ln.rank, ln.ev)
+        if ln.rank is not None and ln.stripped.startswith("(") and "failed first" in ln.rest \
+                and self._blame_note(ln.rest, ln.rank, ln.ev):
+            return self._pending_force()  # the other rank's error, quoted: not this rank's own
+        ln.hint = any(h.search(ln.rest) for h in self.rules.hints)
+        return None
+
+    def _on_exception(self, ln: _Line) -> int | None:
+        em = _EXC_RE.match(ln.rest)
+        if em and not ln.hint and not ln.stripped.endswith("Warning"):
+            self._exception(ln.key, em.group("type"), em.group("msg") or "", ln.rank, ln.via, ln.ev, ln.ts)
+            return self._pending_force() or 1
+        return None
+
+    def _on_embedded_exception(self, ln: _Line) -> int | None:
+        em = None if ln.hint else _EMBEDDED_EXC_RE.search(ln.rest)
+        if em:
+            self._exception(ln.key, em.group("type"), em.group("msg"), ln.rank, ln.via, ln.ev, ln.ts,
+                            embedded=True)
+            return self._pending_force() or 1
+        return None
+
+    def _on_signature(self, ln: _Line) -> int | None:
+        matches = self.kb.match(ln.rest, exception=False)
+        if matches:
+            self._emit(EventKind.HINT if ln.hint else EventKind.LINE, matches, [ln.ev], ln.rank, ln.via,
+                       ts=ln.ts, ts_key=ln.key, message=ln.stripped)
+        return self._pending_force()
 
     def _pending_force(self) -> int:
         if self._block is not None:
@@ -430,59 +367,6 @@ class Extractor(LauncherLines):
                 return 0
             return self._block_left
         return TRACEBACK_FORCE // 2 if self._tb else 0
-
-    # ---- NCCL ---------------------------------------------------------------------------
-    def _nccl_line(self, m: re.Match[str], rank: int | None, ev: Evidence, ts: float | None,
-                   via: RankSource) -> int:
-        host = m.group("host")
-        pid = int(m.group("pid"))
-        dev = int(m.group("dev"))
-        self.pid_host.setdefault(pid, host)
-        self.masker.learn_host(host)
-        msg = m.group("msg")
-        if rank is not None and via == RankSource.PREFIX:
-            self._map_pid(pid, rank, 10)
-        cm = _COMM_RE.search(msg)
-        if cm and "Init COMPLETE" in msg:
-            # the process set its communicator up after all: what it warned about while doing so
-            # (an HCA it could not open, a plugin it did not find) was worked around
-            for e in self._nccl_init_warns.pop((host, pid), []):
-                e.kind = EventKind.HINT
-            self._nccl_up.add((host, pid))
-        if cm:
-            nranks = int(cm.group(2))
-            self.world_size = max(self.world_size, nranks)
-            self._map_pid(pid, int(cm.group(1)), 2 + nranks)
-        else:
-            ch = _CHANNEL_RE.search(msg)
-            if ch:
-                src, sdev, dst, ddev = (int(ch.group(i)) for i in range(1, 5))
-                direction = ch.group(5)
-                if sdev == dev and ddev != dev:
-                    me = src
-                elif ddev == dev and sdev != dev:
-                    me = dst
-                else:
-                    me = dst if direction == "receive" else src
-                self._map_pid(pid, me, 1)
-            else:
-                tm = _TREES_RE.search(msg)
-                if tm:
-                    self._map_pid(pid, int(tm.group(1)), 1)
-        if m.group("lvl") in ("WARN", "ERROR") or _NCCL_TRACE_RE.search(msg):
-            matches = self.kb.match(m.group(0), exception=False)
-            if matches:
-                event = self._emit(EventKind.LINE, matches, [ev], rank, via, pid=pid, host=host,
-                                   ts=ts, message=msg)
-                if event is not None and m.group("lvl") == "WARN" and (host, pid) not in self._nccl_up:
-                    self._nccl_init_warns.setdefault((host, pid), []).append(event)
-        return self._pending_force()
-
-    def _map_pid(self, pid: int, rank: int, priority: int) -> None:
-        old = self.pid_rank.get(pid)
-        if old is None or priority > old[1]:
-            self.pid_rank[pid] = (rank, priority)
-            self.ranks_seen.add(rank)
 
     # ---- exceptions ---------------------------------------------------------------------
     def _exception(self, key: tuple[int | None, int | None], etype: str, msg: str,
@@ -567,15 +451,6 @@ class Extractor(LauncherLines):
                            code=code, operation=op.name if op else None)
         if event is not None:
             event.operation_basis = "; ".join(basis)
-
-    def _repeated_save(self, path: str, said: str, ev: Evidence) -> None:
-        """The same unprefixed announcement again within a few lines: another process saying it
-        (a process announces one save once), so N copies are N writers of that path."""
-        key = (self._src, said)
-        last = self._last_save
-        if last is not None and last[0] == key and 0 < ev.line - last[1] <= REPEAT_LINES:
-            self.repeated_saves.setdefault(path, [last[2]]).append(ev)
-        self._last_save = (key, ev.line, ev)
 
     def _spawn_rank(self, key: tuple[int | None, int | None], via: RankSource) -> tuple[int | None, RankSource]:
         """The process that a launcher named as the owner of the traceback that followed."""
