@@ -23,12 +23,13 @@ from ckptguard.diagnose.exceptions import (
     _Traceback,
 )
 from ckptguard.diagnose.facts import FactLines
-from ckptguard.diagnose.ingest import Source, parse_timestamp, strip_prefixes
+from ckptguard.diagnose.ingest import Source
 from ckptguard.diagnose.kb import KnowledgeBase, Match
 from ckptguard.diagnose.launchers import Block, LauncherLines
 from ckptguard.diagnose.mask import Masker
 from ckptguard.diagnose.model import Event, EventKind, Evidence, LauncherFailure, RankSource
 from ckptguard.diagnose.normalize import clean_line
+from ckptguard.diagnose.prefixes import parse_timestamp, strip_prefixes
 from ckptguard.diagnose.rules import Operation
 
 # Literal anchors for the structural parts of a log (tracebacks, launcher lines, NCCL rank

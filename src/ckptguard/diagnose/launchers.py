@@ -9,9 +9,9 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-from ckptguard.diagnose.ingest import parse_timestamp
 from ckptguard.diagnose.mask import Masker
 from ckptguard.diagnose.model import Evidence, LauncherFailure
+from ckptguard.diagnose.prefixes import parse_timestamp
 from ckptguard.diagnose.rules import Rules
 
 _SIGTERM_RE = re.compile(r"Sending process (\d+) (?:the )?closing signal (SIG[A-Z]+)")
