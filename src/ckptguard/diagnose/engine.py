@@ -215,6 +215,14 @@ def _collateral_only(diag: Diagnosis, att: Attribution, ex: Extractor, kb: Knowl
     fc = kb[cls]
     diag.failure_class, diag.title, diag.category = cls, fc.title, fc.category
     rank, via, why = collateral_rank(att, kb, seen)
+    odd = scoring.desync_odd_rank(ex) if desync else None
+    if odd is not None:
+        rank, via, why = odd[0], RankSource.INFERRED, odd[1]
+    elif rank is None:
+        earliest = _first_by_time(att, seen)
+        if earliest is not None:
+            rank, via, why = earliest, RankSource.INFERRED, (
+                f"the first rank to report {seen} by the lines' own timestamps (the others reported it later)")
     diag.initiating_rank = rank
     diag.rank_attribution = f"{via.text}: {why}" if rank is not None else why
     if desync:
@@ -270,6 +278,22 @@ def _why_rank(att: Attribution, init: Event) -> str:
     if blamed:
         parts.append(f"another rank's own error names it as the first to fail (line {blamed[0].line})")
     return "; ".join(parts)
+
+
+def _first_by_time(att: Attribution, cls: str) -> int | None:
+    """The rank whose report of ``cls`` is dated strictly before every other rank's, where every
+    reporting rank's line carries its own timestamp."""
+    firsts: dict[int, float] = {}
+    for r, view in att.views.items():
+        times = [e.ts for e in view.collateral if e.class_id == cls and e.ts_own and e.ts is not None]
+        if r is not None and times:
+            firsts[r] = min(times)
+        elif r is not None and any(e.class_id == cls for e in view.collateral):
+            return None  # a reporter without a date: the order is not known
+    if len(firsts) < 2:
+        return None
+    order = sorted(firsts.items(), key=lambda kv: kv[1])
+    return order[0][0] if order[0][1] < order[1][1] else None
 
 
 def _no_rank(ex: Extractor, host: str | None) -> str:

@@ -186,6 +186,8 @@ class Extractor(FactLines, ExceptionLines, LauncherLines):
             rank, via = prefix.local_rank, RankSource.LOCAL_PREFIX
         if rank is not None:
             self.ranks_seen.add(rank)
+            if prefix.host and prefix.rank is not None and len(self.rank_host) < 65536:
+                self.rank_host.setdefault(rank, prefix.host)
         key = (rank, prefix.local_rank)
         ts, self._year = parse_timestamp(prefix.lead + rest, self._year)
         if ts is not None:

@@ -14,6 +14,7 @@ _PREFIX_RE = re.compile(
     | \[[Rr]ank[ ]?(?P<sp>\d{1,6})\]:?[ ]                            # print hooks: [rank3] / [Rank 3]
     | rank(?P<lc>\d{1,6}):[ ]                                       # `rank3: `
     | \[\d+,(?P<mpi>\d{1,6})\]<(?:stdout|stderr)>:[ ]?             # mpirun --tag-output
+    | \[(?P<hnhost>[A-Za-z][\w\-.]{0,62}):(?P<hn>\d{1,6})\]:?[ ]      # [host:N]
     | [ ]{0,5}(?P<srun>\d{1,6}):[ ]                                 # srun --label
     | (?P<pdsh>[a-z][a-z0-9\-]*\d[a-z0-9.\-]*):[ ](?=\S)             # pdsh / deepspeed: host:
     """,
@@ -69,6 +70,8 @@ def strip_prefixes(text: str) -> tuple[Prefix, str]:
             info.rank = int(m.group("mpi"))
         elif m.group("lit") is not None or m.group("sp") is not None or m.group("lc") is not None:
             info.rank = int(m.group("lit") or m.group("sp") or m.group("lc"))
+        elif m.group("hn") is not None:
+            info.rank, info.host = int(m.group("hn")), m.group("hnhost")
         elif m.group("srun") is not None:
             if info.rank is None:
                 info.rank = int(m.group("srun"))
