@@ -37,3 +37,27 @@ def test_same_timestamps_name_no_rank(tmp_path: Path) -> None:
     (tmp_path / "tie.log").write_text(text)
     d = diagnose([str(tmp_path / "tie.log")])
     assert (d.failure_class, d.initiating_rank) == ("nccl_watchdog_timeout", None)
+
+
+def _capture(directory: Path, name: str, lines: list[tuple[float, str]]) -> None:
+    """A stream as `ckptguard run` keeps it: the bytes, and the arrival time of each read."""
+    data, stamps = b"", []
+    for t, text in lines:
+        stamps.append(f"{len(data)} {t:.6f}\n")
+        data += text.encode() + b"\n"
+    (directory / f"{name}.log").write_bytes(data)
+    (directory / f".{name}.times").write_text("".join(stamps))
+
+
+def test_run_capture_orders_ranks_by_arrival_time(tmp_path: Path) -> None:
+    """Two nodes' captures, no timestamps in the lines: rank 1's error reached the runner 40 s
+    before rank 0's, so rank 1 failed first, whatever the order of the files."""
+    t0 = 1_750_000_000.0
+    tb = "[rank{r}]: Traceback (most recent call last):", '[rank{r}]:   File "t.py", line 3, in <module>'
+    _capture(tmp_path, "node0", [(t0, "[rank0]: step 10 loss 2.0"), *((t0 + 50, x.format(r=0)) for x in tb),
+                                 (t0 + 50, "[rank0]: OSError: [Errno 28] No space left on device: '/ckpt/x'")])
+    _capture(tmp_path, "node1", [(t0, "[rank1]: step 10 loss 2.0"), *((t0 + 10, x.format(r=1)) for x in tb),
+                                 (t0 + 10, "[rank1]: torch.OutOfMemoryError: CUDA out of memory.")])
+    d = diagnose([str(tmp_path)])
+    assert (d.failure_class, d.initiating_rank) == ("cuda_oom", 1)
+    assert d.ordering_basis == "timestamps of the failure lines"

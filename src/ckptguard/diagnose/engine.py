@@ -14,6 +14,7 @@ from collections.abc import Iterable
 from typing import BinaryIO
 
 from ckptguard.diagnose import advice, scoring
+from ckptguard.diagnose.arrival import Arrival
 from ckptguard.diagnose.attribution import Attribution, choose, collateral_rank, collect
 from ckptguard.diagnose.events import EMBEDDABLE_ANCHORS, STRUCTURAL_ANCHORS, Extractor
 from ckptguard.diagnose.ingest import GrepHits, Prefilter, UsageError, discover, scan, sniff_binary
@@ -58,7 +59,11 @@ def diagnose(paths: Iterable[str], *, mask_hosts: bool = False, kb: KnowledgeBas
         ex.begin_source(src)
         try:
             stream = stdin if (src.path is None and stdin is not None) else src.open()
-            text, pasted = read_normalized(stream)
+            arrival = Arrival.for_log(src.path) if src.path is not None else None
+            ex.arrival = arrival
+            # a capture of `ckptguard run` was printed, not pasted: its line numbers must stay
+            # those its arrival times were recorded for
+            text, pasted = (stream, False) if arrival is not None else read_normalized(stream)
             hits = GrepHits.open(src, prefilter) if src.path is not None and not pasted else None
             try:
                 b, n = scan(text, prefilter, ex.feed, hits)

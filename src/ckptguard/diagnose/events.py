@@ -14,6 +14,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from ckptguard.diagnose.arrival import Arrival
 from ckptguard.diagnose.exceptions import (
     _EXC_RE,
     _FRAME_RE,
@@ -126,6 +127,7 @@ class Extractor(FactLines, ExceptionLines, LauncherLines):
         self._line_host: str | None = None  # the host label (pdsh, DeepSpeed) of the current line
         self.node_of: dict[str, tuple[int, int]] = {}  # host -> (node rank, local world size)
         self.nnodes = 0  # nodes of the job, where its launcher says (0: not said)
+        self.arrival: Arrival | None = None  # the current source's recorded arrival times
         self._shapes: dict[bytes, int] = {}  # line shape -> copies read (see _repeated_shape)
         # the registry of line handlers: the first that recognises a line handles it
         self._handlers: tuple[Callable[[_Line], int | None], ...] = (
@@ -190,6 +192,8 @@ class Extractor(FactLines, ExceptionLines, LauncherLines):
                 self.rank_host.setdefault(rank, prefix.host)
         key = (rank, prefix.local_rank)
         ts, self._year = parse_timestamp(prefix.lead + rest, self._year)
+        if ts is None and self.arrival is not None:
+            ts = self.arrival.at(lineno)  # when `ckptguard run` received the line
         if ts is not None:
             self._last_ts[key] = ts
             if self.latest_ts is None or ts > self.latest_ts:
