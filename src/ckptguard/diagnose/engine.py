@@ -66,7 +66,7 @@ def diagnose(paths: Iterable[str], *, mask_hosts: bool = False, kb: KnowledgeBas
             text, pasted = (stream, False) if arrival is not None else read_normalized(stream)
             hits = GrepHits.open(src, prefilter) if src.path is not None and not pasted else None
             try:
-                b, n = scan(text, prefilter, ex.feed, hits)
+                b, n = scan(text, prefilter, ex.feed, hits, skip=ex.repeated_shape)
             finally:
                 if hits is not None:
                     hits.close()

@@ -128,7 +128,7 @@ class Extractor(FactLines, ExceptionLines, LauncherLines):
         self.node_of: dict[str, tuple[int, int]] = {}  # host -> (node rank, local world size)
         self.nnodes = 0  # nodes of the job, where its launcher says (0: not said)
         self.arrival: Arrival | None = None  # the current source's recorded arrival times
-        self._shapes: dict[bytes, int] = {}  # line shape -> copies read (see _repeated_shape)
+        self._shapes: dict[bytes, int] = {}  # line shape -> copies read (see repeated_shape)
         # the registry of line handlers: the first that recognises a line handles it
         self._handlers: tuple[Callable[[_Line], int | None], ...] = (
             self._on_excerpt, self._on_block, self._on_nccl, self._on_traceback_start, self._on_frame,
@@ -168,8 +168,6 @@ class Extractor(FactLines, ExceptionLines, LauncherLines):
         """Handle one line; return how many following lines must be read unconditionally."""
         self.lines_processed += 1
         self._lineno = lineno
-        if len(raw) > 24 and self._repeated_shape(raw):
-            return self._pending_force()
         text = clean_line(raw.decode("utf-8", "replace").rstrip("\r\n"))
         if not text.strip():
             return self._pending_force()

@@ -119,13 +119,15 @@ class FactLines:
                     for r in re.findall(r"\d+", rm.group("ranks")):
                         self.reported_ranks.append((int(r), ev))
 
-    def _repeated_shape(self, raw: bytes) -> bool:
+    def repeated_shape(self, raw: bytes) -> bool:
         """Whether this line's shape (its text without digits, but with its leading rank tag:
         ``[rank12]``, ``12: ``) has been read ``SHAPE_LIMIT`` times already (a line without a
         tag: ``UNTAGGED_SHAPE_LIMIT``, one per rank of a large job): a log whose every
         line holds an anchor word repeats a few shapes millions of times, and their first copies
         on every rank already hold all they can tell. Bounded: a cost per candidate line of one
         C-level translate and one dict lookup, and at most ``MAX_SHAPES`` shapes."""
+        if len(raw) <= 24:
+            return False
         tag = raw.find(b"]", 0, 24) + 1 if raw[:1] == b"[" else raw.find(b": ", 0, 8) + 1
         key = raw[:tag] + raw[tag:].translate(None, b"0123456789")
         n = self._shapes.get(key, 0)

@@ -259,13 +259,19 @@ class GrepHits:
 
 
 def scan(stream: BinaryIO, prefilter: Prefilter, on_line: LineHandler,
-         hits: GrepHits | None = None) -> tuple[int, int]:
+         hits: GrepHits | None = None, skip: Callable[[bytes], bool] | None = None) -> tuple[int, int]:
     """Feed the lines that matter (1-based line numbers) to ``on_line``; return bytes and lines.
 
     ``on_line`` returns how many following lines it wants to see whatever they contain (inside
     a traceback or a launcher summary block). ``hits``: the anchors' offsets found by grep in
-    the same (plain, untranscoded) file, used instead of the Python prefilter.
+    the same (plain, untranscoded) file, used instead of the Python prefilter. ``skip``: a
+    cheap test run before the exact anchor test on a candidate that no handler asked for (a
+    line read often enough already), so that such a line costs next to nothing.
     """
+    wants = prefilter.wants
+    if skip is not None:
+        def wants(line: bytes) -> bool:
+            return not skip(line) and prefilter.wants(line)
     nbytes = 0
     lineno = 0  # lines fully consumed before the current block
     carry = b""
@@ -294,7 +300,7 @@ def scan(stream: BinaryIO, prefilter: Prefilter, on_line: LineHandler,
             continue
         block, carry = buf[: cut + 1], buf[cut + 1:]
         starts = hits.starts(block, buf_at) if hits is not None else prefilter.line_starts(block)
-        lineno, force = _scan_block(block, lineno, starts, on_line, force, prefilter.wants)
+        lineno, force = _scan_block(block, lineno, starts, on_line, force, wants)
         if len(carry) > MAX_LINE:
             head = carry[:MAX_LINE]
             if force or _any_hit(prefilter, head):
