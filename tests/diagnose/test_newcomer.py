@@ -58,3 +58,11 @@ def test_interrupted_class_says_whether_a_restart_helps() -> None:
 
     raw = (Path(ckptguard.diagnose.__file__).parent / "kb" / "interrupted.toml").read_text()
     assert "[restart]" in raw and "transient = true" in raw
+
+
+def test_host_named_one_way() -> None:
+    """NCCL names the host `gpu-node-3`, torchrun's summary `gpu-node-3.cluster.local`: the
+    report names it once, by its full name."""
+    d = diagnose([str(LOGS / "host_two_names.log")])
+    assert (d.failure_class, d.initiating_rank) == ("nccl_network_error", 1)
+    assert d.initiating_host == "gpu-node-3.cluster.local"

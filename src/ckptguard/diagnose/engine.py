@@ -174,8 +174,8 @@ def _answer(diag: Diagnosis, att: Attribution, ex: Extractor, kb: KnowledgeBase,
     coll = {r for r, view in att.views.items() if r is not None and r not in primary and view.events}
     coll |= {r for r in att.sigterm_ranks if r not in primary}
     diag.collateral_ranks = sorted(coll - {att.init_rank})
-    diag.initiating_host = (init.host or (ex.rank_host.get(att.init_rank) if att.init_rank is not None else None)
-                            or _host_of(ex, att.init_rank))
+    diag.initiating_host = _one_name(ex, init.host or (ex.rank_host.get(att.init_rank) if att.init_rank is not None
+                                                       else None) or _host_of(ex, att.init_rank))
     diag.confidence = scoring.confidence(att, v, kb)
     unproven = _unproven(fc, att)
 
@@ -243,7 +243,7 @@ def _collateral_only(diag: Diagnosis, att: Attribution, ex: Extractor, kb: Knowl
         diag.confidence = c["collateral_unknown"]
     diag.ordering_basis = OrderingBasis.NO_PRIMARY.value
     diag.collateral_ranks = sorted(r for r in att.views if r is not None and r != rank)
-    diag.initiating_host = _host_of(ex, rank) or (ex.rank_host.get(rank) if rank is not None else None)
+    diag.initiating_host = _one_name(ex, _host_of(ex, rank) or (ex.rank_host.get(rank) if rank is not None else None))
     for ev in desync:
         diag.evidence.append(advice.evline(ev, names, "initiating", ev.rank))
     for _, ev in att.reported[:2]:
@@ -308,6 +308,16 @@ def _no_rank(ex: Extractor, host: str | None) -> str:
         return (f"not shown in the log: the launcher names the node ({host}), not the process; the first "
                 f"failure is one of that node's ranks {ranges(ranks)}")
     return "not shown in the log: the failing line carries no rank prefix, and no launcher summary or pid map names it"
+
+
+def _one_name(ex: Extractor, host: str | None) -> str | None:
+    """One name for a host in one report: NCCL's lines name it by its short name, torchrun's
+    summary often by its full one (``node3`` and ``node3.cluster.local``); the full one wins."""
+    if not host:
+        return host
+    known = {*ex.rank_host.values(), *ex.pid_host.values(), *(lf.host for lf in ex.launcher if lf.host)}
+    longer = [h for h in known if h.startswith(host + ".")]
+    return max(longer, key=lambda h: (len(h), h)) if longer else host
 
 
 def _host_of(ex: Extractor, rank: int | None) -> str | None:
