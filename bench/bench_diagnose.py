@@ -1,11 +1,12 @@
 """Benchmark `ckptguard diagnose` on a generated log of a 1,024-rank job with one buried failure.
 
-    python bench/bench_diagnose.py [--size-mb 1024] [--ranks 1024] [--keep]
+    python bench/bench_diagnose.py [--size-mb 1024] [--ranks 1024] [--anchored-mb 200] [--keep]
 
 Writes the log into a temporary directory (never into the repository), then in one run measures
 `grep -c` of a simple pattern over the same file (the read-speed limit), and the diagnosis on one
 core (taskset) for the full log and for a log one eighth of the size, with the peak RSS of each,
-so that the table shows both the throughput and that memory does not grow with the log. The
+so that the table shows both the throughput and that memory does not grow with the log; and the
+diagnosis of a log whose every line holds an anchor word (every line reaches the line handler). The
 absolute MB/s of a shared machine swings with its load, so the figure to compare between commits
 is the ratio of the engine's MB/s to that of `grep -c` run over the same file just before it,
 printed last (``--baseline SRC`` adds another engine, e.g. an older commit's ``src/``).
@@ -101,6 +102,34 @@ def generate(path: Path, size: int, ranks: int, seed: int = 0) -> None:
             f.write(_failure(ranks))
 
 
+def generate_anchored(path: Path, size: int, ranks: int, seed: int = 0) -> None:
+    """Write ``size`` bytes of which every line holds an anchor word (retried errors, warnings
+    with "Exception" and "exit" in them, NCCL WARN lines): all of them reach the line handler."""
+    rng = random.Random(seed)
+    shapes = [
+        "[rank{r}]:2024-05-01 10:{m:02d}:{s:02d},{ms:03d} WARNING io: read of shard {n} failed with error "
+        "ECONNRESET, retrying (attempt {a} of 5)\n",
+        "[rank{r}]:2024-05-01 10:{m:02d}:{s:02d},{ms:03d} INFO trainer: caught Exception in metrics hook, "
+        "skipped step {n}\n",
+        "gpu-{h:03d}:{pid}:{pid} [{d}] NCCL WARN NET/IB : Got async event : port error, retrying in {a} ms\n",
+        "[rank{r}]:2024-05-01 10:{m:02d}:{s:02d},{ms:03d} INFO data: worker {a} exited cleanly after {n} batches\n",
+    ]
+    block = []
+    for i in range(40_000):
+        r = rng.randrange(ranks)
+        block.append(shapes[i % len(shapes)].format(r=r, m=(i // 60) % 60, s=i % 60, ms=rng.randrange(1000),
+                                                   n=rng.randrange(10**6), a=rng.randrange(1, 5), h=r // 8,
+                                                   pid=100000 + r, d=r % 8))
+    data = "".join(block).encode()
+    written = 0
+    with path.open("wb") as f:
+        while written < size * 0.9:
+            written += f.write(data)
+        f.write(_failure(ranks))
+        while written < size:
+            written += f.write(data)
+
+
 def _run_measured(cmd: list[str]) -> tuple[float, int, str]:
     """Wall time, peak RSS (bytes) and stdout of one child, measured by a fresh wrapper process
     so that each figure is that child's own maximum."""
@@ -119,6 +148,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--size-mb", type=int, default=1024)
     ap.add_argument("--ranks", type=int, default=1024)
+    ap.add_argument("--anchored-mb", type=int, default=200,
+                    help="size of the log whose every line holds an anchor word (0: skip that case)")
     ap.add_argument("--keep", action="store_true", help="keep the generated logs")
     ap.add_argument("--baseline", metavar="SRC",
                     help="also time the engine importable from SRC (e.g. an older commit's src/), in the same run")
@@ -132,13 +163,21 @@ def main() -> None:
         generate(small, args.size_mb * 1_000_000 // 8, args.ranks, seed=1)
         print(f"generated {big.stat().st_size / 1e6:.0f} MB + {small.stat().st_size / 1e6:.0f} MB "
               f"in {time.perf_counter() - t0:.1f} s ({args.ranks} ranks, failure on rank {fail_rank(args.ranks)})")
+        anchored = tmp / "anchored.log"
+        if args.anchored_mb:
+            generate_anchored(anchored, args.anchored_mb * 1_000_000, args.ranks, seed=2)
+            print(f"generated {anchored.stat().st_size / 1e6:.0f} MB whose every line holds an anchor word")
         subprocess.run(["cat", str(big), str(small)], stdout=subprocess.DEVNULL, check=True)  # warm cache
         # The command users run, end to end: start-up, ingest, diagnosis and the JSON report.
         cli = [sys.executable, "-m", "ckptguard.cli", "diagnose", "--json"]
         runs = [("grep -c 'loss'", big, None), ("ckptguard diagnose", big, None),
                 ("ckptguard diagnose (1/8 size)", small, None)]
+        if args.anchored_mb:
+            runs.append(("ckptguard diagnose (every line anchored)", anchored, None))
         if args.baseline:
             runs += [("baseline diagnose", big, args.baseline), ("baseline diagnose (1/8 size)", small, args.baseline)]
+            if args.anchored_mb:
+                runs.append(("baseline diagnose (every line anchored)", anchored, args.baseline))
         rows = []
         ratios = []
         for label, path, pythonpath in runs:
@@ -156,11 +195,12 @@ def main() -> None:
                       f"{len(d['collateral_ranks'])} collateral")
             rows.append((label, mb, dt, mb / dt, rss / 2**20, result))
             ratios.append((label, gdt / dt, mb / gdt))
-        print(f"\n{'tool':32s} {'MB':>7s} {'seconds':>8s} {'MB/s':>8s} {'peak RSS MiB':>13s}  result")
+        print(f"\n{'tool':42s} {'MB':>7s} {'seconds':>8s} {'MB/s':>8s} {'peak RSS MiB':>13s}  result")
         for label, mb, dt, rate, rss, result in rows:
-            print(f"{label:32s} {mb:7.0f} {dt:8.2f} {rate:8.0f} {rss:13.0f}  {result}")
+            print(f"{label:42s} {mb:7.0f} {dt:8.2f} {rate:8.0f} {rss:13.0f}  {result}")
         for label, ratio, grep_rate in ratios:
             print(f"ratio {label} / grep -c (run just before it, {grep_rate:.0f} MB/s): {ratio:.3f}")
+        print("targets: >= 0.2x grep -c on the job log; >= 20 MB/s on the log whose every line is anchored")
         print(f"\n(one core via {'taskset -c 0' if one_core else 'no taskset: unpinned'}; "
               f"python {sys.version.split()[0]}; "
               f"page cache warm; peak RSS is each process's own ru_maxrss, Python interpreter included)")

@@ -6,9 +6,9 @@ docs/diagnose.md shows:
     PYTHONPATH=src python tests/diagnose/corpus_score.py [CORPUS_DIR ...]
 
 (several directories: each one's table, then the reliability table of all of them together).
-The corpora live outside the repository (``<repo>/../shared/corpus/diagnose-dev`` and
-``diagnose-dev2``); they are never copied in, because the same engine is also scored on logs
-that are in neither.
+The corpora live outside the repository (``diagnose-dev`` and ``diagnose-dev2`` under
+``$CKPTGUARD_CORPUS``, by default ``<repo>/../shared/corpus``); they are never copied in,
+because the same engine is also scored on logs that are in neither.
 
 A corpus directory with a ``split.json`` (the project's own collection, ``tests/diagnose/corpus``)
 is scored per split (``dev``, ``sealed``, ``all``), and its rows' ``score_class`` / ``score_rank``
@@ -19,6 +19,7 @@ dev split's misses are listed; the sealed split is reported as figures only.
 from __future__ import annotations
 
 import json
+import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,8 +28,10 @@ from ckptguard.diagnose.engine import Diagnosis, diagnose
 
 REPO = Path(__file__).resolve().parents[2]
 REAL = REPO / "tests" / "diagnose" / "corpus"
-CORPUS = REPO.parent / "shared" / "corpus" / "diagnose-dev"
-CORPUS2 = REPO.parent / "shared" / "corpus" / "diagnose-dev2"
+# Where the corpora are: ``$CKPTGUARD_CORPUS`` when set, else ``<repo>/../shared/corpus``.
+CORPUS_ROOT = Path(os.environ.get("CKPTGUARD_CORPUS") or REPO.parent / "shared" / "corpus")
+CORPUS = CORPUS_ROOT / "diagnose-dev"
+CORPUS2 = CORPUS_ROOT / "diagnose-dev2"
 CORPORA = (CORPUS, CORPUS2)
 # Bands of the reliability table: (label, lowest confidence, highest confidence exclusive).
 BANDS = (("high (>= 0.8)", 0.8, 1.01), ("medium (0.5-0.8)", 0.5, 0.8), ("low (< 0.5)", 0.0, 0.5))
@@ -54,15 +57,15 @@ class Scored:
     got_class: str | None
     got_rank: int | None
     confidence: float
-    class_ok: bool
-    rank_ok: bool | None  # None: the label names no rank
+    class_ok: bool | None  # None: the label's class is not scored
+    rank_ok: bool | None  # None: the label names no rank, or it is not scored
     evidence_ok: bool
     evidence: tuple[str, ...]
 
     @property
     def right(self) -> bool:
         """Right class, and right rank where the label names one (used for the bands)."""
-        return self.class_ok and self.rank_ok is not False
+        return self.class_ok is not False and self.rank_ok is not False
 
 
 def load_labels(corpus: Path = CORPUS, honour_flags: bool = False) -> list[Label]:
@@ -128,7 +131,7 @@ def summary(results: list[Scored]) -> dict[str, tuple[int, int]]:
     return {
         "class": (sum(r.class_ok for r in classed), len(classed)),
         "rank": (sum(bool(r.rank_ok) for r in ranked), len(ranked)),
-        "evidence": (sum(r.evidence_ok for r in results), len(results)),
+        "evidence": (sum(r.evidence_ok for r in classed), len(classed)),
     }
 
 
@@ -136,7 +139,7 @@ def bands(results: list[Scored]) -> list[tuple[str, int, int]]:
     """Reliability per confidence band: (band, answers, right)."""
     out = []
     for name, lo, hi in BANDS:
-        inside = [r for r in results if lo <= r.confidence < hi]
+        inside = [r for r in results if r.class_ok is not None and lo <= r.confidence < hi]
         out.append((name, len(inside), sum(r.right for r in inside)))
     return out
 

@@ -7,7 +7,8 @@ import os
 import re
 
 from ckptguard.diagnose.attribution import Attribution, tier
-from ckptguard.diagnose.events import GENERIC_CLASSES, Extractor
+from ckptguard.diagnose.events import Extractor
+from ckptguard.diagnose.exceptions import GENERIC_CLASSES
 from ckptguard.diagnose.kb import FailureClass, KnowledgeBase, Unproven
 from ckptguard.diagnose.model import (
     Diagnosis,

@@ -118,6 +118,12 @@ def collect(ex: Extractor, kb: KnowledgeBase) -> Attribution:
             else:
                 weak.append(e)
         view.primary = strong or ([] if view.collateral else weak)
+        if not view.primary and weak and view.collateral:
+            # unattributed exits on one host, consequences on others (a multi-node launcher that
+            # names hosts, not ranks): the exit is a cause of its own
+            seen = {e.host for e in view.collateral}
+            view.primary = [e for e in weak if e.kind == EventKind.EXIT and e.host is not None
+                            and None not in seen and e.host not in seen]
     world = ex.world_size or None
     known = set(ex.ranks_seen) | {r for r in views if r is not None}
     if world:
@@ -201,7 +207,7 @@ def _resolve_launcher(ex: Extractor) -> list[LauncherFailure]:
     for lf in ex.launcher:
         if lf.rank is None and lf.pid is not None and lf.pid in ex.pid_rank:
             lf.rank = ex.pid_rank[lf.pid][0]
-        if lf.rank is None and lf.local_rank is not None and single_node and not ex.world_size:
+        if lf.rank is None and lf.local_rank is not None and single_node and (not ex.world_size or ex.nnodes == 1):
             lf.rank = lf.local_rank
         out.append(lf)
     # the same failure is often reported twice (the 'failed' line and the summary block)

@@ -14,6 +14,7 @@ from collections.abc import Iterable
 from typing import BinaryIO
 
 from ckptguard.diagnose import advice, scoring
+from ckptguard.diagnose.arrival import Arrival
 from ckptguard.diagnose.attribution import Attribution, choose, collateral_rank, collect
 from ckptguard.diagnose.events import EMBEDDABLE_ANCHORS, STRUCTURAL_ANCHORS, Extractor
 from ckptguard.diagnose.ingest import GrepHits, Prefilter, UsageError, discover, scan, sniff_binary
@@ -30,6 +31,7 @@ from ckptguard.diagnose.model import (
     TimelineEvent,
     ranges,
 )
+from ckptguard.diagnose.normalize import read_normalized
 
 __all__ = ["SCHEMA_VERSION", "Diagnosis", "EvidenceLine", "Hypothesis", "TimelineEvent",
            "attribute", "diagnose"]
@@ -57,9 +59,14 @@ def diagnose(paths: Iterable[str], *, mask_hosts: bool = False, kb: KnowledgeBas
         ex.begin_source(src)
         try:
             stream = stdin if (src.path is None and stdin is not None) else src.open()
-            hits = GrepHits.open(src, prefilter) if src.path is not None else None
+            arrival = Arrival.for_log(src.path) if src.path is not None else None
+            ex.arrival = arrival
+            # a capture of `ckptguard run` was printed, not pasted: its line numbers must stay
+            # those its arrival times were recorded for
+            text, pasted = (stream, False) if arrival is not None else read_normalized(stream)
+            hits = GrepHits.open(src, prefilter) if src.path is not None and not pasted else None
             try:
-                b, n = scan(stream, prefilter, ex.feed, hits)
+                b, n = scan(text, prefilter, ex.feed, hits, skip=ex.repeated_shape)
             finally:
                 if hits is not None:
                     hits.close()
@@ -161,15 +168,14 @@ def _answer(diag: Diagnosis, att: Attribution, ex: Extractor, kb: KnowledgeBase,
     diag.failure_class, diag.title, diag.category = v.class_id, fc.title, fc.category
     diag.initiating_rank = att.init_rank
     diag.ordering_basis = att.basis.value
-    diag.rank_attribution = init.rank_via.text if att.init_rank is not None else (
-        "not shown in the log: the failing line carries no rank prefix, and no launcher summary or pid map names it")
+    diag.rank_attribution = _why_rank(att, init) if att.init_rank is not None else _no_rank(ex, init.host)
     diag.also_failed_ranks = sorted(att.also)
     primary = set(att.firsts)
     coll = {r for r, view in att.views.items() if r is not None and r not in primary and view.events}
     coll |= {r for r in att.sigterm_ranks if r not in primary}
     diag.collateral_ranks = sorted(coll - {att.init_rank})
-    diag.initiating_host = (init.host or (ex.rank_host.get(att.init_rank) if att.init_rank is not None else None)
-                            or _host_of(ex, att.init_rank))
+    diag.initiating_host = _one_name(ex, init.host or (ex.rank_host.get(att.init_rank) if att.init_rank is not None
+                                                       else None) or _host_of(ex, att.init_rank))
     diag.confidence = scoring.confidence(att, v, kb)
     unproven = _unproven(fc, att)
 
@@ -214,6 +220,14 @@ def _collateral_only(diag: Diagnosis, att: Attribution, ex: Extractor, kb: Knowl
     fc = kb[cls]
     diag.failure_class, diag.title, diag.category = cls, fc.title, fc.category
     rank, via, why = collateral_rank(att, kb, seen)
+    odd = scoring.desync_odd_rank(ex) if desync else None
+    if odd is not None:
+        rank, via, why = odd[0], RankSource.INFERRED, odd[1]
+    elif rank is None:
+        earliest = _first_by_time(att, seen)
+        if earliest is not None:
+            rank, via, why = earliest, RankSource.INFERRED, (
+                f"the first rank to report {seen} by the lines' own timestamps (the others reported it later)")
     diag.initiating_rank = rank
     diag.rank_attribution = f"{via.text}: {why}" if rank is not None else why
     if desync:
@@ -229,7 +243,7 @@ def _collateral_only(diag: Diagnosis, att: Attribution, ex: Extractor, kb: Knowl
         diag.confidence = c["collateral_unknown"]
     diag.ordering_basis = OrderingBasis.NO_PRIMARY.value
     diag.collateral_ranks = sorted(r for r in att.views if r is not None and r != rank)
-    diag.initiating_host = _host_of(ex, rank) or (ex.rank_host.get(rank) if rank is not None else None)
+    diag.initiating_host = _one_name(ex, _host_of(ex, rank) or (ex.rank_host.get(rank) if rank is not None else None))
     for ev in desync:
         diag.evidence.append(advice.evline(ev, names, "initiating", ev.rank))
     for _, ev in att.reported[:2]:
@@ -258,6 +272,52 @@ def _unproven(fc: FailureClass, att: Attribution) -> Unproven | None:
     every = [*att.events, *att.hints]
     proved = any(m.class_id == fc.id and m.weight >= u.proof_weight for e in every for m in e.matches)
     return None if proved else u
+
+
+def _why_rank(att: Attribution, init: Event) -> str:
+    """Which hints decided the first rank: whose line it is, and why it came before the others."""
+    parts = [init.rank_via.text]
+    if att.also and att.basis not in (OrderingBasis.ONLY_ONE, OrderingBasis.UNATTRIBUTED):
+        parts.append(f"first of the failing ranks by {att.basis.value}")
+    blamed = [ev for r, ev in att.reported if r == att.init_rank]
+    if blamed:
+        parts.append(f"another rank's own error names it as the first to fail (line {blamed[0].line})")
+    return "; ".join(parts)
+
+
+def _first_by_time(att: Attribution, cls: str) -> int | None:
+    """The rank whose report of ``cls`` is dated strictly before every other rank's, where every
+    reporting rank's line carries its own timestamp."""
+    firsts: dict[int, float] = {}
+    for r, view in att.views.items():
+        times = [e.ts for e in view.collateral if e.class_id == cls and e.ts_own and e.ts is not None]
+        if r is not None and times:
+            firsts[r] = min(times)
+        elif r is not None and any(e.class_id == cls for e in view.collateral):
+            return None  # a reporter without a date: the order is not known
+    if len(firsts) < 2:
+        return None
+    order = sorted(firsts.items(), key=lambda kv: kv[1])
+    return order[0][0] if order[0][1] < order[1][1] else None
+
+
+def _no_rank(ex: Extractor, host: str | None) -> str:
+    """Why the first rank is not named, and what the log does narrow it to."""
+    ranks = ex.host_ranks.get(host or "", [])
+    if ranks:
+        return (f"not shown in the log: the launcher names the node ({host}), not the process; the first "
+                f"failure is one of that node's ranks {ranges(ranks)}")
+    return "not shown in the log: the failing line carries no rank prefix, and no launcher summary or pid map names it"
+
+
+def _one_name(ex: Extractor, host: str | None) -> str | None:
+    """One name for a host in one report: NCCL's lines name it by its short name, torchrun's
+    summary often by its full one (``node3`` and ``node3.cluster.local``); the full one wins."""
+    if not host:
+        return host
+    known = {*ex.rank_host.values(), *ex.pid_host.values(), *(lf.host for lf in ex.launcher if lf.host)}
+    longer = [h for h in known if h.startswith(host + ".")]
+    return max(longer, key=lambda h: (len(h), h)) if longer else host
 
 
 def _host_of(ex: Extractor, rank: int | None) -> str | None:

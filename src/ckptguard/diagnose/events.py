@@ -11,13 +11,26 @@ from __future__ import annotations
 
 import re
 from collections import deque
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 
-from ckptguard.diagnose.ingest import Source, parse_timestamp, strip_prefixes
+from ckptguard.diagnose.arrival import Arrival
+from ckptguard.diagnose.exceptions import (
+    _EXC_RE,
+    _FRAME_RE,
+    GENERIC_CLASSES,
+    ExceptionLines,
+    _Pending,
+    _Traceback,
+)
+from ckptguard.diagnose.facts import FactLines
+from ckptguard.diagnose.ingest import Source
 from ckptguard.diagnose.kb import KnowledgeBase, Match
 from ckptguard.diagnose.launchers import Block, LauncherLines
 from ckptguard.diagnose.mask import Masker
 from ckptguard.diagnose.model import Event, EventKind, Evidence, LauncherFailure, RankSource
+from ckptguard.diagnose.normalize import clean_line
+from ckptguard.diagnose.prefixes import parse_timestamp, strip_prefixes
 from ckptguard.diagnose.rules import Operation
 
 # Literal anchors for the structural parts of a log (tracebacks, launcher lines, NCCL rank
@@ -25,68 +38,37 @@ from ckptguard.diagnose.rules import Operation
 STRUCTURAL_ANCHORS = (
     "rror", "xception", "xit", "Traceback", "SIG", "Segmentation", "atchdog", "aving", "NCCL WARN",
     "NaN", "Killed", "nan", "nranks", "oss is", "[send]", "[receive]", "Errno", "[...]",
-    'File "',
+    'File "', "world_size", "num_local_procs=", "global_rank_mapping",
 )
 # Anchors that are fragments of common words: inside a snake_case name (`top1_error`,
 # `num_exceptions`, `early_exit`, `saving_steps`, `loss_nan`) they say nothing about a failure.
 EMBEDDABLE_ANCHORS = ("rror", "xception", "xit", "atchdog", "aving", "nan")
-GENERIC_CLASSES = frozenset({"python_exception", "unclassified_error"})
-_RAISE_NEW = re.compile(r"raise\s+([\w.]+)\(")
 EVIDENCE_CHARS = 400
-REPEAT_LINES = 3  # lines between copies of one announcement printed by several processes
 KEEP_PER_RANK_CLASS = 3
 KEEP_UNATTRIBUTED_PER_CLASS = 20
-MAX_FRAMES = 12
-MAX_FINGERPRINTS = 4096
 TRACEBACK_FORCE = 60  # lines read unconditionally after a traceback line
 OWNER_LINES = 400  # how far a launcher's "process N terminated with the following error" reaches
-ANNOUNCE_LINES = 60  # how far before a cut traceback a line announcing its operation counts
-_WINDOWS_PATH = re.compile(r"^[A-Za-z]:\\")
 
 _NCCL_RE = re.compile(r"^(?P<host>[\w.\-]+):(?P<pid>\d+):(?P<tid>\d+) \[(?P<dev>\d+)\] "
                       r"(?:[\w/.\-]+:\d+ )?NCCL (?P<lvl>[A-Z]+) ?(?P<msg>.*)$")
-_NCCL_TRACE_RE = re.compile(r":\d+ -> [1-9]\d*\s*$")  # NCCL's error trace: file:line -> non-zero code
-_COMM_RE = re.compile(r"\brank (\d+) nranks (\d+)\b")
-_CHANNEL_RE = re.compile(r"Channel \d+/\d+ : (\d+)\[(\d+)\] -> (\d+)\[(\d+)\](?: \[(send|receive)\])?")
-_TREES_RE = re.compile(r"Trees \[\d+\] [-\d/]+->(\d+)->")
-_FRAME_RE = re.compile(r'^\s*File "(?P<file>[^"]+)", line (?P<line>\d+)(?:,? in (?P<func>\S+))?')
-_EXC_RE = re.compile(
-    r"^ ?(?P<type>(?:[A-Za-z_][\w]*\.)*(?:[A-Z]\w*(?:Error|Exception|Interrupt|Exit|Failure)"
-    r"|Exception|StopIteration|KeyboardInterrupt|SystemExit"
-    # standard-library exceptions not named *Error: zipfile's, and modules' lower-case `error`
-    r"|Bad(?:Zip|Gzip)File|(?:[a-z_]\w*\.)+(?:error|timeout|gaierror)))"
-    r"(?::[ ]?(?P<msg>.*))?$"
-)
 _EMBEDDED_EXC_RE = re.compile(r"\b(?P<type>(?:[A-Za-z_]\w*\.)*[A-Z]\w*(?:Error|Exception)): (?P<msg>\S.*)$")
-_WORLD_RE = re.compile(r"\b(?:world[_ ]size|WORLD_SIZE)\s*[=:]\s*(\d{1,7})\b")
 _CHAIN_MARKERS = ("During handling of the above exception", "The above exception was the direct cause")
 _EXCERPT_RE = re.compile(r"^\s*(?:\[\s*(?:\.\.\.|…)\s*\]|\.\.\.\.+|<\s*truncated lines? [\d\-– ]+>"
                          r"|\[\s*truncated.*\])\s*$")
 
 
-@dataclass
-class _Traceback:
-    start: Evidence
-    frames: deque[str] = field(default_factory=lambda: deque(maxlen=MAX_FRAMES))
-    code: deque[str] = field(default_factory=lambda: deque(maxlen=MAX_FRAMES))
-    chain: list[tuple[str, str]] = field(default_factory=list)
-    last: Evidence | None = None
-    after_frame: bool = False
-    lines: deque[tuple[str, Evidence]] = field(default_factory=lambda: deque(maxlen=2 * MAX_FRAMES))
+@dataclass(slots=True)
+class _Line:
+    """One line as the handlers see it: its text after the prefixes, and who wrote it."""
 
-
-@dataclass
-class _Pending:
-    """An exception whose message wraps onto the next line (an unclosed quote)."""
-
-    key: tuple[int | None, int | None]
-    etype: str
-    msg: str
+    rest: str
+    stripped: str
     rank: int | None
     via: RankSource
+    key: tuple[int | None, int | None]
     ev: Evidence
     ts: float | None
-    embedded: bool
+    hint: bool = False  # a warning or a retried error (set before the exception handlers)
 
 
 def _clip(text: str) -> str:
@@ -94,25 +76,7 @@ def _clip(text: str) -> str:
     return text if len(text) <= EVIDENCE_CHARS else text[: EVIDENCE_CHARS - 1] + "…"
 
 
-def _op_lines(op: Operation, lines: list[tuple[str, Evidence]]) -> list[Evidence]:
-    """The frame and source lines that show the operation (the innermost two), for evidence."""
-    frames = op.frames
-    hits = [ev for text, ev in lines if frames is not None and frames.search(text)]
-    if not hits:  # a rule that needs several lines together: the innermost source line
-        hits = [ev for text, ev in lines if ":" not in text or " " in text][-1:]
-    return hits[-2:]
-
-
-def _raised_by_code(etype: str, code: list[str]) -> bool:
-    """The innermost source line builds and raises this very exception: the code's author chose
-    the type and words, so no operation's errno family (a write, a load) explains it."""
-    if not code:
-        return False
-    m = _RAISE_NEW.match(code[-1].strip())
-    return m is not None and m.group(1).rsplit(".", 1)[-1] == etype.rsplit(".", 1)[-1]
-
-
-class Extractor(LauncherLines):
+class Extractor(FactLines, ExceptionLines, LauncherLines):
     """Stateful reader of processed lines; one per diagnosis."""
 
     def __init__(self, kb: KnowledgeBase, masker: Masker) -> None:
@@ -160,6 +124,17 @@ class Extractor(LauncherLines):
         self._announced: tuple[Operation, int, int, Evidence] | None = None  # op, source, line, evidence
         self.memory_line: tuple[int, int] | None = None  # (source, line) of the last memory figures
         self.deliberate = False  # the log shows a deliberate stop (Ctrl-C, SIGTERM first, a timeout)
+        self._line_host: str | None = None  # the host label (pdsh, DeepSpeed) of the current line
+        self.node_of: dict[str, tuple[int, int]] = {}  # host -> (node rank, local world size)
+        self.nnodes = 0  # nodes of the job, where its launcher says (0: not said)
+        self.arrival: Arrival | None = None  # the current source's recorded arrival times
+        self._shapes: dict[bytes, int] = {}  # line shape -> copies read (see repeated_shape)
+        # the registry of line handlers: the first that recognises a line handles it
+        self._handlers: tuple[Callable[[_Line], int | None], ...] = (
+            self._on_excerpt, self._on_block, self._on_nccl, self._on_traceback_start, self._on_frame,
+            self._on_source_line, self._on_chain_marker, self._on_launcher, self._on_owner, self._on_facts,
+            self._on_exception, self._on_embedded_exception, self._on_signature)
+        self.host_ranks: dict[str, list[int]] = {}  # host -> its global ranks (DeepSpeed's map)
 
     # ---- per source ---------------------------------------------------------------------
     def begin_source(self, source: Source) -> None:
@@ -193,7 +168,7 @@ class Extractor(LauncherLines):
         """Handle one line; return how many following lines must be read unconditionally."""
         self.lines_processed += 1
         self._lineno = lineno
-        text = raw.decode("utf-8", "replace").rstrip("\r\n")
+        text = clean_line(raw.decode("utf-8", "replace").rstrip("\r\n"))
         if not text.strip():
             return self._pending_force()
         text = self.masker.mask(text)
@@ -202,6 +177,7 @@ class Extractor(LauncherLines):
         prefix, rest = strip_prefixes(text)
         if prefix.host:
             self.masker.learn_host(prefix.host)
+        self._line_host = prefix.host
         rank = prefix.rank
         via = RankSource.PREFIX if rank is not None else RankSource.NONE
         if rank is None and src.rank is not None:
@@ -210,8 +186,12 @@ class Extractor(LauncherLines):
             rank, via = prefix.local_rank, RankSource.LOCAL_PREFIX
         if rank is not None:
             self.ranks_seen.add(rank)
+            if prefix.host and prefix.rank is not None and len(self.rank_host) < 65536:
+                self.rank_host.setdefault(rank, prefix.host)
         key = (rank, prefix.local_rank)
         ts, self._year = parse_timestamp(prefix.lead + rest, self._year)
+        if ts is None and self.arrival is not None:
+            ts = self.arrival.at(lineno)  # when `ckptguard run` received the line
         if ts is not None:
             self._last_ts[key] = ts
             if self.latest_ts is None or ts > self.latest_ts:
@@ -219,135 +199,121 @@ class Extractor(LauncherLines):
         ev = Evidence(self._src, lineno, _clip(text), rank)
         if self._pending is not None and self._flush_pending(rest):
             return self._pending_force()
-
-        if _EXCERPT_RE.match(rest):  # `[...]` between excerpts: nothing continues across it
-            self._close_all()
-            return 0
-        if self._block is not None and self.block_line(rest, ev):
-            return self._pending_force()
-
-        m = _NCCL_RE.match(rest)
-        if m:
-            return self._nccl_line(m, rank, ev, ts, via)
-
-        stripped = rest.strip()
-        if stripped.startswith("Traceback (most recent call"):
-            chain = self._chain_next.pop(key, [])
-            old = self._tb.get(key)
-            if old is not None and old.chain:
-                self._close_traceback(key, old, None)
-            self._tb[key] = _Traceback(ev, chain=chain, last=ev)
-            return TRACEBACK_FORCE
-        if stripped.startswith("Original Traceback (most recent call"):
-            return TRACEBACK_FORCE
-        fm = _FRAME_RE.match(rest)
-        if fm:
-            tb = self._tb.get(key)
-            if tb is None:  # the log starts (or an excerpt resumes) mid-traceback
-                tb = self._tb[key] = _Traceback(ev, chain=self._chain_next.pop(key, []))
-            tb.frames.append(f"{fm.group('file')}:{fm.group('func') or '?'}")
-            tb.lines.append((tb.frames[-1], ev))
-            tb.last, tb.after_frame = ev, True
-            return TRACEBACK_FORCE
-        tb = self._tb.get(key)
-        if tb is not None and tb.after_frame and rest[:1].isspace():
-            tb.code.append(stripped)  # the source line that a frame shows
-            tb.lines.append((stripped, ev))
-            tb.last, tb.after_frame = ev, False
-            return TRACEBACK_FORCE
-        if any(marker in rest for marker in _CHAIN_MARKERS):
-            tb = self._tb.pop(key, None)
-            if tb is not None:
-                self._chain_next[key] = tb.chain
-            return TRACEBACK_FORCE
-
-        if self.launcher_line(rest, ev, ts):
-            return self._pending_force()
-        if "terminated with" in rest:
-            for pat in self.rules.traceback_owners:
-                om = pat.search(rest)
-                if om:
-                    owner = int(om.group("local"))
-                    self._owner[key] = (owner, lineno + OWNER_LINES)
-                    last = self.events[-1] if self.events else None
-                    if last is not None and last.rank is None and last.source == self._src \
-                            and lineno - last.evidence[-1].line <= 3:
-                        # the launcher's exception reporting that process's failure: an exit
-                        # report, weaker than the process's own traceback that follows
-                        last.rank, last.rank_via = owner, RankSource.SPAWN_INDEX
-                        if last.class_id in GENERIC_CLASSES:
-                            last.kind = EventKind.EXIT
-                    return TRACEBACK_FORCE
-        self._facts(rest, rank, ev)
-        hint = any(h.search(rest) for h in self.rules.hints)
-        em = _EXC_RE.match(rest)
-        if em and not hint and not stripped.endswith("Warning"):
-            self._exception(key, em.group("type"), em.group("msg") or "", rank, via, ev, ts)
-            return self._pending_force() or 1
-
-        em2 = None if hint else _EMBEDDED_EXC_RE.search(rest)
-        if em2:
-            self._exception(key, em2.group("type"), em2.group("msg"), rank, via, ev, ts,
-                            embedded=True)
-            return self._pending_force() or 1
-
-        matches = self.kb.match(rest, exception=False)
-        if matches:
-            self._emit(EventKind.HINT if hint else EventKind.LINE, matches, [ev], rank, via,
-                       ts=ts, ts_key=key, message=rest.strip())
+        line = _Line(rest, rest.strip(), rank, via, key, ev, ts)
+        for handler in self._handlers:
+            wanted = handler(line)
+            if wanted is not None:
+                return wanted
         return self._pending_force()
 
-    def _facts(self, rest: str, rank: int | None, ev: Evidence) -> None:
-        """Facts for the cross-rank rules: checkpoint paths, world size, fingerprints, reports."""
-        for op in self.rules.operations:
-            if op.announce is not None and any(a in rest for a in op.announce_anchors) \
-                    and op.announce.search(rest):
-                self._announced = (op, self._src, ev.line, ev)
-                break
-        silent = self.rules.silent_exit
-        if silent is not None:
-            if any(a in rest for a in silent.memory_anchors) and silent.memory.search(rest):
-                self.memory_line = (self._src, ev.line)
-            if any(a in rest for a in silent.deliberate_anchors) and silent.deliberate.search(rest):
-                self.deliberate = True
-        race = self.rules.race
-        if len(self.saves) < 10_000 and (rank is not None or any(a in rest for a in race.anchors)):
-            sm = race.announce.search(rest)
-            if sm:
-                self.announced_path = sm.group("path")
-            if sm and rank is not None:
-                self.saves.setdefault(sm.group("path"), {}).setdefault(rank, ev)
-            elif sm and len(self.repeated_saves) < 10_000:
-                self._repeated_save(sm.group("path"), rest[sm.start():], ev)
-        wm = _WORLD_RE.search(rest)
-        if wm:
-            self.world_size = max(self.world_size, int(wm.group(1)))
-        if "SeqNum=" in rest and len(self.fingerprints) < MAX_FINGERPRINTS:
-            fm = self.rules.desync_pattern.search(rest)
-            if fm:
-                self.fingerprints.append(({k: v for k, v in fm.groupdict().items() if v}, ev))
-        prog = self.rules.progress
-        if prog is not None and self._announced is not None and any(a in rest for a in self.rules.progress_anchors) \
-                and prog.search(rest):
-            self._announced = None  # steps are running: the announced operation is over
-        if (prog is not None and len(self.progress) < MAX_FINGERPRINTS
-                and any(a in rest for a in self.rules.progress_anchors)):
-            for pm in prog.finditer(rest):
-                cur, total = int(pm.group("cur")), int(pm.group("total"))
-                if cur < total:  # a bar that finished says nothing about where the ranks stopped
-                    self.progress.setdefault(cur, {}).setdefault(total, ev)
-        if rank is None and "ank" in rest and len(self.named_ranks) < 64:
-            for h in self.rules.rank_hints:
-                if h.source == "message" and h.anchor in rest:
-                    hm = h.pattern.search(rest)
-                    if hm:
-                        self.named_ranks.add(int(hm.group("rank")))
-        for rep in self.rules.rank_reports:
-            if rep.anchor in rest:
-                rm = rep.pattern.search(rest)
-                if rm:
-                    for r in re.findall(r"\d+", rm.group("ranks")):
-                        self.reported_ranks.append((int(r), ev))
+    # ---- the handlers, one per kind of line, in the order they are tried ------------------
+    # Each returns how many following lines it wants (the line was its kind), or None.
+    def _on_excerpt(self, ln: _Line) -> int | None:
+        if _EXCERPT_RE.match(ln.rest):  # `[...]` between excerpts: nothing continues across it
+            self._close_all()
+            return 0
+        return None
+
+    def _on_block(self, ln: _Line) -> int | None:
+        if self._block is not None and self.block_line(ln.rest, ln.ev):
+            return self._pending_force()
+        return None
+
+    def _on_nccl(self, ln: _Line) -> int | None:
+        m = _NCCL_RE.match(ln.rest)
+        return self._nccl_line(m, ln.rank, ln.ev, ln.ts, ln.via) if m else None
+
+    def _on_traceback_start(self, ln: _Line) -> int | None:
+        if ln.stripped.startswith("Traceback (most recent call"):
+            chain = self._chain_next.pop(ln.key, [])
+            old = self._tb.get(ln.key)
+            if old is not None and old.chain:
+                self._close_traceback(ln.key, old, None)
+            self._tb[ln.key] = _Traceback(ln.ev, chain=chain, last=ln.ev)
+            return TRACEBACK_FORCE
+        return TRACEBACK_FORCE if ln.stripped.startswith("Original Traceback (most recent call") else None
+
+    def _on_frame(self, ln: _Line) -> int | None:
+        fm = _FRAME_RE.match(ln.rest)
+        if fm is None:
+            return None
+        tb = self._tb.get(ln.key)
+        if tb is None:  # the log starts (or an excerpt resumes) mid-traceback
+            tb = self._tb[ln.key] = _Traceback(ln.ev, chain=self._chain_next.pop(ln.key, []))
+        tb.frames.append(f"{fm.group('file')}:{fm.group('func') or '?'}")
+        tb.lines.append((tb.frames[-1], ln.ev))
+        tb.last, tb.after_frame = ln.ev, True
+        return TRACEBACK_FORCE
+
+    def _on_source_line(self, ln: _Line) -> int | None:
+        tb = self._tb.get(ln.key)
+        if tb is not None and tb.after_frame and ln.rest[:1].isspace():
+            tb.code.append(ln.stripped)  # the source line that a frame shows
+            tb.lines.append((ln.stripped, ln.ev))
+            tb.last, tb.after_frame = ln.ev, False
+            return TRACEBACK_FORCE
+        return None
+
+    def _on_chain_marker(self, ln: _Line) -> int | None:
+        if not any(marker in ln.rest for marker in _CHAIN_MARKERS):
+            return None
+        tb = self._tb.pop(ln.key, None)
+        if tb is not None:
+            self._chain_next[ln.key] = tb.chain
+        return TRACEBACK_FORCE
+
+    def _on_launcher(self, ln: _Line) -> int | None:
+        return self._pending_force() if self.launcher_line(ln.rest, ln.ev, ln.ts) else None
+
+    def _on_owner(self, ln: _Line) -> int | None:
+        """mp.spawn's "process N terminated with the following error": N owns what follows."""
+        if "terminated with" not in ln.rest:
+            return None
+        for pat in self.rules.traceback_owners:
+            om = pat.search(ln.rest)
+            if om:
+                owner = int(om.group("local"))
+                self._owner[ln.key] = (owner, ln.ev.line + OWNER_LINES)
+                last = self.events[-1] if self.events else None
+                if last is not None and last.rank is None and last.source == self._src \
+                        and ln.ev.line - last.evidence[-1].line <= 3:
+                    # the launcher's exception reporting that process's failure: an exit
+                    # report, weaker than the process's own traceback that follows
+                    last.rank, last.rank_via = owner, RankSource.SPAWN_INDEX
+                    if last.class_id in GENERIC_CLASSES:
+                        last.kind = EventKind.EXIT
+                return TRACEBACK_FORCE
+        return None
+
+    def _on_facts(self, ln: _Line) -> int | None:
+        self._facts(ln.rest, ln.rank, ln.ev)
+        if ln.rank is not None and ln.stripped.startswith("(") and "failed first" in ln.rest \
+                and self._blame_note(ln.rest, ln.rank, ln.ev):
+            return self._pending_force()  # the other rank's error, quoted: not this rank's own
+        ln.hint = any(h.search(ln.rest) for h in self.rules.hints)
+        return None
+
+    def _on_exception(self, ln: _Line) -> int | None:
+        em = _EXC_RE.match(ln.rest)
+        if em and not ln.hint and not ln.stripped.endswith("Warning"):
+            self._exception(ln.key, em.group("type"), em.group("msg") or "", ln.rank, ln.via, ln.ev, ln.ts)
+            return self._pending_force() or 1
+        return None
+
+    def _on_embedded_exception(self, ln: _Line) -> int | None:
+        em = None if ln.hint else _EMBEDDED_EXC_RE.search(ln.rest)
+        if em:
+            self._exception(ln.key, em.group("type"), em.group("msg"), ln.rank, ln.via, ln.ev, ln.ts,
+                            embedded=True)
+            return self._pending_force() or 1
+        return None
+
+    def _on_signature(self, ln: _Line) -> int | None:
+        matches = self.kb.match(ln.rest, exception=False)
+        if matches:
+            self._emit(EventKind.HINT if ln.hint else EventKind.LINE, matches, [ln.ev], ln.rank, ln.via,
+                       ts=ln.ts, ts_key=ln.key, message=ln.stripped)
+        return self._pending_force()
 
     def _pending_force(self) -> int:
         if self._block is not None:
@@ -358,220 +324,6 @@ class Extractor(LauncherLines):
                 return 0
             return self._block_left
         return TRACEBACK_FORCE // 2 if self._tb else 0
-
-    # ---- NCCL ---------------------------------------------------------------------------
-    def _nccl_line(self, m: re.Match[str], rank: int | None, ev: Evidence, ts: float | None,
-                   via: RankSource) -> int:
-        host = m.group("host")
-        pid = int(m.group("pid"))
-        dev = int(m.group("dev"))
-        self.pid_host.setdefault(pid, host)
-        self.masker.learn_host(host)
-        msg = m.group("msg")
-        if rank is not None and via == RankSource.PREFIX:
-            self._map_pid(pid, rank, 10)
-        cm = _COMM_RE.search(msg)
-        if cm and "Init COMPLETE" in msg:
-            # the process set its communicator up after all: what it warned about while doing so
-            # (an HCA it could not open, a plugin it did not find) was worked around
-            for e in self._nccl_init_warns.pop((host, pid), []):
-                e.kind = EventKind.HINT
-            self._nccl_up.add((host, pid))
-        if cm:
-            nranks = int(cm.group(2))
-            self.world_size = max(self.world_size, nranks)
-            self._map_pid(pid, int(cm.group(1)), 2 + nranks)
-        else:
-            ch = _CHANNEL_RE.search(msg)
-            if ch:
-                src, sdev, dst, ddev = (int(ch.group(i)) for i in range(1, 5))
-                direction = ch.group(5)
-                if sdev == dev and ddev != dev:
-                    me = src
-                elif ddev == dev and sdev != dev:
-                    me = dst
-                else:
-                    me = dst if direction == "receive" else src
-                self._map_pid(pid, me, 1)
-            else:
-                tm = _TREES_RE.search(msg)
-                if tm:
-                    self._map_pid(pid, int(tm.group(1)), 1)
-        if m.group("lvl") in ("WARN", "ERROR") or _NCCL_TRACE_RE.search(msg):
-            matches = self.kb.match(m.group(0), exception=False)
-            if matches:
-                event = self._emit(EventKind.LINE, matches, [ev], rank, via, pid=pid, host=host,
-                                   ts=ts, message=msg)
-                if event is not None and m.group("lvl") == "WARN" and (host, pid) not in self._nccl_up:
-                    self._nccl_init_warns.setdefault((host, pid), []).append(event)
-        return self._pending_force()
-
-    def _map_pid(self, pid: int, rank: int, priority: int) -> None:
-        old = self.pid_rank.get(pid)
-        if old is None or priority > old[1]:
-            self.pid_rank[pid] = (rank, priority)
-            self.ranks_seen.add(rank)
-
-    # ---- exceptions ---------------------------------------------------------------------
-    def _exception(self, key: tuple[int | None, int | None], etype: str, msg: str,
-                   rank: int | None, via: RankSource, ev: Evidence, ts: float | None,
-                   embedded: bool = False) -> None:
-        short = etype.rsplit(".", 1)[-1]
-        if short == "ChildFailedError":
-            self._tb.pop(key, None)  # the launcher's own traceback: a summary follows
-            self._block = Block()
-            self._block_left = 400
-            return
-        if msg.count("'") % 2 == 1 and not embedded:  # a quoted path wrapped onto the next line
-            self._pending = _Pending(key, etype, msg, rank, via, ev, ts, embedded)
-            return
-        self._exception_done(key, etype, msg, rank, via, ev, ts, embedded)
-
-    def _flush_pending(self, nxt: str | None) -> bool:
-        """Finish a wrapped exception; True if ``nxt`` was its continuation."""
-        p, self._pending = self._pending, None
-        if p is None:
-            return False
-        joined = nxt is not None and "'" in nxt and not _FRAME_RE.match(nxt) \
-            and not _EXC_RE.match(nxt)
-        msg = p.msg + nxt.strip() if joined and nxt is not None else p.msg
-        self._exception_done(p.key, p.etype, msg, p.rank, p.via, p.ev, p.ts, p.embedded)
-        return joined
-
-    def _exception_done(self, key: tuple[int | None, int | None], etype: str, msg: str,
-                        rank: int | None, via: RankSource, ev: Evidence, ts: float | None,
-                        embedded: bool) -> None:
-        tb = self._tb.get(key)
-        if tb is not None and not embedded:
-            tb.chain.append((etype, msg))
-            self._close_traceback(key, tb, ev, ts=ts, rank=rank, via=via)
-            return
-        chain = self._chain_next.pop(key, [])
-        self._emit_exception(etype, msg, [*chain, (etype, msg)], [], [], ev, rank, via, ts, key)
-
-    def _close_traceback(self, key: tuple[int | None, int | None], tb: _Traceback,
-                         ev: Evidence | None, *, ts: float | None = None,
-                         rank: int | None = None, via: RankSource = RankSource.NONE) -> None:
-        self._tb.pop(key, None)
-        if ev is None:
-            rank, via = key[0], RankSource.PREFIX if key[0] is not None else RankSource.NONE
-        if not tb.chain:
-            self._cut_traceback(key, tb, rank, via)
-            return
-        etype, msg = tb.chain[-1]
-        evidence = ev if ev is not None else tb.start
-        self._emit_exception(etype, msg, tb.chain, list(tb.frames), list(tb.code), evidence,
-                             rank, via, ts, key, tb_lines=list(tb.lines))
-
-    def _cut_traceback(self, key: tuple[int | None, int | None], tb: _Traceback,
-                       rank: int | None, via: RankSource) -> None:
-        """A traceback without its exception line: still a failure, of an unknown kind."""
-        frames = list(tb.frames)
-        if not frames or any(self.rules.launcher_frames.search(f) for f in frames):
-            return  # nothing to go on, or the launcher's own traceback
-        evidence = [tb.start] + ([tb.last] if tb.last is not None and tb.last is not tb.start else [])
-        code = list(tb.code)
-        op = self._operation(frames, code)
-        if op is not None:
-            evidence += [e for e in _op_lines(op, list(tb.lines)) if e not in evidence]
-        basis = []
-        if op is None and self._announced is not None:
-            # the frames show nothing known: the operation the log announced just before
-            aop, asrc, aline, aev = self._announced
-            if asrc == self._src and 0 <= tb.start.line - aline <= ANNOUNCE_LINES:
-                op = aop
-                evidence.append(aev)
-                basis.append(f"line {aline} announced it")
-        if rank is None:
-            rank, via = self._spawn_rank(key, via)
-        match = Match("python_exception", 0.3)
-        if op is not None:
-            cls, why = op.decide(rank, latest=self.latest_ts,
-                                 windows=any(_WINDOWS_PATH.match(f) for f in frames))
-            match = Match(cls, op.weight)
-            basis += [why] if why else []
-        event = self._emit(EventKind.CUT, [match], evidence, rank, via, ts_key=key,
-                           exc_type="traceback cut before its exception line", frames=frames,
-                           code=code, operation=op.name if op else None)
-        if event is not None:
-            event.operation_basis = "; ".join(basis)
-
-    def _repeated_save(self, path: str, said: str, ev: Evidence) -> None:
-        """The same unprefixed announcement again within a few lines: another process saying it
-        (a process announces one save once), so N copies are N writers of that path."""
-        key = (self._src, said)
-        last = self._last_save
-        if last is not None and last[0] == key and 0 < ev.line - last[1] <= REPEAT_LINES:
-            self.repeated_saves.setdefault(path, [last[2]]).append(ev)
-        self._last_save = (key, ev.line, ev)
-
-    def _spawn_rank(self, key: tuple[int | None, int | None], via: RankSource) -> tuple[int | None, RankSource]:
-        """The process that a launcher named as the owner of the traceback that followed."""
-        owner = self._owner.get(key)
-        if owner is not None and self._lineno <= owner[1]:
-            return owner[0], RankSource.SPAWN_INDEX
-        return None, via
-
-    def _operation(self, frames: list[str], code: list[str], exc: str | None = None) -> Operation | None:
-        """The first operation (KB order: most specific first) that the frames show; for an
-        exception, only one whose ``errors`` family the exception belongs to."""
-        for op in self.rules.operations:
-            if exc is not None and (op.errors is None or not op.errors.search(exc)):
-                continue
-            if op.matches(frames, code):
-                return op
-        return None
-
-    def _blame(self, event: Event, exc: str, ev: Evidence) -> None:
-        """An error whose own words say another rank failed first (a library's agreed failure):
-        that rank is reported, and this one's error is its consequence."""
-        for rep in self.rules.blame_reports:
-            if rep.anchor in exc:
-                bm = rep.pattern.search(exc)
-                if bm:
-                    event.blames = int(bm.group("ranks"))
-                    if event.blames != event.rank and len(self.reported_ranks) < 64:
-                        self.reported_ranks.append((event.blames, ev))
-                    return
-
-    def _emit_exception(self, etype: str, msg: str, chain: list[tuple[str, str]],
-                        frames: list[str], code: list[str], ev: Evidence, rank: int | None,
-                        via: RankSource, ts: float | None,
-                        key: tuple[int | None, int | None],
-                        tb_lines: list[tuple[str, Evidence]] | None = None) -> None:
-        ident = (key, self._src, etype, msg[:200])
-        for old_ident, old in self._recent:
-            if old_ident == ident and ev.line - old.evidence[-1].line < 400:
-                if len(old.evidence) < 4:
-                    old.evidence.append(ev)
-                if frames and not old.frames:
-                    old.frames, old.code = frames, code
-                return
-        context = "\n".join([*frames, *code])
-        best: dict[str, float] = {}
-        for t, m in chain:
-            for match in self.kb.match(f"{t}: {m}" if m else t, exception=True, context=context):
-                best[match.class_id] = max(best.get(match.class_id, 0.0), match.weight)
-        if rank is None:
-            rank, via = self._spawn_rank(key, via)
-        op_name = None
-        extra: list[Evidence] = []
-        if set(best) <= GENERIC_CLASSES and not _raised_by_code(etype, code):
-            # nothing specific: what was being done decides
-            op = self._operation(frames, code, exc=f"{etype}: {msg}")
-            if op is not None:
-                cls = op.class_for(rank, windows=any(_WINDOWS_PATH.match(f) for f in frames))
-                best = {c: min(w, op.weight * 0.9) for c, w in best.items()}  # kept as alternatives
-                best[cls] = op.weight
-                op_name = op.name
-                extra = _op_lines(op, tb_lines or [])
-        matches = sorted((Match(c, w) for c, w in best.items()), key=lambda x: -x.weight)
-        event = self._emit(EventKind.EXCEPTION, matches, [ev, *extra], rank, via, ts=ts, ts_key=key,
-                           exc_type=etype, message=msg, frames=frames, code=code,
-                           operation=op_name)
-        if event is not None:
-            self._recent.append((ident, event))
-            self._blame(event, f"{etype}: {msg}", ev)
 
     # ---- bookkeeping --------------------------------------------------------------------
     def _emit(self, kind: EventKind, matches: list[Match], evidence: list[Evidence],

@@ -1,4 +1,5 @@
-"""Reading logs: sources, a fast prefilter over large blocks, line prefixes and timestamps.
+"""Reading logs: sources, and a fast prefilter over large blocks (line prefixes and timestamps
+are read by `prefixes`).
 
 The hot loop never touches a line in Python unless one of the prefilter's literal anchors occurs
 in it: the prefilter runs one `re` search per distinct first character of the anchors, each of
@@ -21,6 +22,8 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
+
+from ckptguard.diagnose.normalize import looks_utf16
 
 MAX_LINE = 64 * 1024
 CHUNK = 4 * 1024 * 1024
@@ -256,13 +259,19 @@ class GrepHits:
 
 
 def scan(stream: BinaryIO, prefilter: Prefilter, on_line: LineHandler,
-         hits: GrepHits | None = None) -> tuple[int, int]:
+         hits: GrepHits | None = None, skip: Callable[[bytes], bool] | None = None) -> tuple[int, int]:
     """Feed the lines that matter (1-based line numbers) to ``on_line``; return bytes and lines.
 
     ``on_line`` returns how many following lines it wants to see whatever they contain (inside
     a traceback or a launcher summary block). ``hits``: the anchors' offsets found by grep in
-    the same (plain, untranscoded) file, used instead of the Python prefilter.
+    the same (plain, untranscoded) file, used instead of the Python prefilter. ``skip``: a
+    cheap test run before the exact anchor test on a candidate that no handler asked for (a
+    line read often enough already), so that such a line costs next to nothing.
     """
+    wants = prefilter.wants
+    if skip is not None:
+        def wants(line: bytes) -> bool:
+            return not skip(line) and prefilter.wants(line)
     nbytes = 0
     lineno = 0  # lines fully consumed before the current block
     carry = b""
@@ -291,7 +300,7 @@ def scan(stream: BinaryIO, prefilter: Prefilter, on_line: LineHandler,
             continue
         block, carry = buf[: cut + 1], buf[cut + 1:]
         starts = hits.starts(block, buf_at) if hits is not None else prefilter.line_starts(block)
-        lineno, force = _scan_block(block, lineno, starts, on_line, force, prefilter.wants)
+        lineno, force = _scan_block(block, lineno, starts, on_line, force, wants)
         if len(carry) > MAX_LINE:
             head = carry[:MAX_LINE]
             if force or _any_hit(prefilter, head):
@@ -331,19 +340,11 @@ def _chunks(stream: BinaryIO) -> Iterator[tuple[int, bytes]]:
         data = stream.read(CHUNK)
 
 
-def _looks_utf16(head: bytes) -> bool:
-    """A UTF-16 byte-order mark, and the high bytes of mostly-ASCII text (NULs) after it: a
-    latin-1 log can start with the same two bytes."""
-    if head[:2] == codecs.BOM_UTF16_LE:
-        high = head[3:4003:2]
-    elif head[:2] == codecs.BOM_UTF16_BE:
-        high = head[2:4002:2]
-    else:
-        return False
-    return bool(high) and high.count(0) >= len(high) * 0.3
+_looks_utf16 = looks_utf16
 
 
 SNIFF = 8192
+_TEXT_RUN = re.compile(rb"[\t\n\r\x20-\x7e]{16,}")
 
 
 def looks_binary(head: bytes) -> bool:
@@ -353,7 +354,12 @@ def looks_binary(head: bytes) -> bool:
     if not head or _looks_utf16(head):
         return False
     control = sum(head.count(bytes([c])) for c in range(32) if c not in (9, 10, 12, 13, 27))
-    return control > len(head) * 0.05  # a text log has next to none (a few NULs after a crash)
+    if control <= len(head) * 0.05:  # a text log has next to none (a few NULs after a crash)
+        return False
+    # more: still a log if most of it is runs of printable text (a crash's garbage, a redirected
+    # binary's bytes in front of the job's output), which no executable or checkpoint has
+    text = sum(len(m) for m in _TEXT_RUN.findall(head))
+    return text < len(head) * 0.5
 
 
 def sniff_binary(source: Source) -> bool:
@@ -406,113 +412,3 @@ def _scan_block(block: bytes, lineno: int, starts: list[int], on_line: LineHandl
 def iter_lines_for_test(text: bytes) -> Iterator[bytes]:
     """Split like `scan` does (used by tests to compare)."""
     yield from (ln[:MAX_LINE] for ln in text.split(b"\n"))
-
-
-# ---- prefixes -------------------------------------------------------------------------------
-
-_PREFIX_RE = re.compile(
-    r"""
-      \[(?P<role>[A-Za-z_][A-Za-z_\-]*?)(?P<num>\d{1,6})\]:[ ]?      # [rank3]: / [default3]:
-    | \[rank:[ ]?(?P<lit>\d{1,6})\][ ]                              # Lightning: [rank: 3]
-    | \[[Rr]ank[ ]?(?P<sp>\d{1,6})\]:?[ ]                            # print hooks: [rank3] / [Rank 3]
-    | rank(?P<lc>\d{1,6}):[ ]                                       # `rank3: `
-    | \[\d+,(?P<mpi>\d{1,6})\]<(?:stdout|stderr)>:[ ]?             # mpirun --tag-output
-    | [ ]{0,5}(?P<srun>\d{1,6}):[ ]                                 # srun --label
-    | (?P<pdsh>[a-z][a-z0-9\-]*\d[a-z0-9.\-]*):[ ](?=\S)             # pdsh / deepspeed: host:
-    """,
-    re.X,
-)
-
-
-@dataclass
-class Prefix:
-    """What the line's prefixes say about who wrote it."""
-
-    rank: int | None = None
-    local_rank: int | None = None
-    host: str | None = None
-    lead: str = ""
-
-
-# What may stand before a rank tag: timestamps, CI step names, a host or container tag, a stream
-# tag (`[stderr]`), a quote marker (`> ` of a pasted reply).
-_LEAD_RE = re.compile(r"(?:[\w\s.:,/+\-()=|>]|\[(?:std)?(?:out|err)\]){1,64}?"
-                      r"(?=\[(?:rank|default|local_rank|[A-Za-z_]+)\d{1,6}\]:)")
-_RANK_TAG = re.compile(r"\[[A-Za-z_][A-Za-z_\-]*?\d{1,6}\]:")
-_WORD_COLON = re.compile(r"[A-Za-z]{2,}: ")
-
-
-def strip_prefixes(text: str) -> tuple[Prefix, str]:
-    """Remove launcher prefixes (nested ones too) and return what they tell.
-
-    Leading blanks and a short lead of timestamps or tags before a ``[rankN]:`` /
-    ``[defaultN]:`` tag (``2024-01-02 10:00:01 [rank2]: ...``, CI runners' time stamps) are
-    dropped with it; the lead is returned in ``Prefix.lead`` so that its timestamp still counts.
-    """
-    info = Prefix()
-    lead = ""
-    body = text.lstrip()
-    if body[:1] == "[" and _RANK_TAG.match(body):
-        text = body
-    elif "]:" in body[:140]:
-        m = _LEAD_RE.match(body)
-        if m and _RANK_TAG.match(body, m.end()) and not _WORD_COLON.search(m.group(0)):
-            lead, text = body[: m.end()], body[m.end():]
-    for _ in range(4):
-        m = _PREFIX_RE.match(text)
-        if not m:
-            break
-        if m.group("num") is not None:
-            n = int(m.group("num"))
-            if m.group("role").lower() == "rank":
-                info.rank = n
-            elif info.rank is None:
-                info.local_rank = n
-        elif m.group("mpi") is not None:
-            info.rank = int(m.group("mpi"))
-        elif m.group("lit") is not None or m.group("sp") is not None or m.group("lc") is not None:
-            info.rank = int(m.group("lit") or m.group("sp") or m.group("lc"))
-        elif m.group("srun") is not None:
-            if info.rank is None:
-                info.rank = int(m.group("srun"))
-        elif m.group("pdsh") is not None:
-            info.host = m.group("pdsh")
-        text = text[m.end():]
-    info.lead = lead
-    return info, text
-
-
-# ---- timestamps -----------------------------------------------------------------------------
-
-_ISO_RE = re.compile(r"(\d{4})-(\d\d)-(\d\d)[T _](\d\d):(\d\d):(\d\d)(?:[.,](\d{1,9}))?")
-_GLOG_RE = re.compile(r"^\[?[IWEF](\d\d)(\d\d) (\d\d):(\d\d):(\d\d)\.(\d{1,9})")
-
-
-def _days(y: int, m: int, d: int) -> int:
-    """Days since 1970-01-01 of a proleptic Gregorian date (no datetime objects: hot path)."""
-    y -= m <= 2
-    era = y // 400
-    yoe = y - era * 400
-    doy = (153 * (m + (-3 if m > 2 else 9)) + 2) // 5 + d - 1
-    doe = yoe * 365 + yoe // 4 - yoe // 100 + doy
-    return era * 146097 + doe - 719468
-
-
-def parse_timestamp(text: str, year_hint: int) -> tuple[float | None, int]:
-    """Seconds (naive, no zone) of a timestamp near the start of ``text``, and the year seen."""
-    head = text[:80]
-    m = _ISO_RE.search(head)
-    if m:
-        y, mo, d, h, mi, s = (int(g) for g in m.groups()[:6])
-        if 1 <= mo <= 12 and 1 <= d <= 31:
-            frac = m.group(7)
-            f = int(frac) / 10 ** len(frac) if frac else 0.0
-            return _days(y, mo, d) * 86400 + h * 3600 + mi * 60 + s + f, y
-    m = _GLOG_RE.match(head)
-    if m:
-        mo, d, h, mi, s = (int(g) for g in m.groups()[:5])
-        if 1 <= mo <= 12 and 1 <= d <= 31:
-            frac = m.group(6)
-            return (_days(year_hint, mo, d) * 86400 + h * 3600 + mi * 60 + s
-                    + int(frac) / 10 ** len(frac)), year_hint
-    return None, year_hint

@@ -9,9 +9,9 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-from ckptguard.diagnose.ingest import parse_timestamp
 from ckptguard.diagnose.mask import Masker
 from ckptguard.diagnose.model import Evidence, LauncherFailure
+from ckptguard.diagnose.prefixes import parse_timestamp
 from ckptguard.diagnose.rules import Rules
 
 _SIGTERM_RE = re.compile(r"Sending process (\d+) (?:the )?closing signal (SIG[A-Z]+)")
@@ -57,6 +57,9 @@ class LauncherLines:
     _year: int
     memory_line: tuple[int, int] | None
     deliberate: bool
+    _line_host: str | None
+    node_of: dict[str, tuple[int, int]]
+    host_ranks: dict[str, list[int]]
 
     def _map_pid(self, pid: int, rank: int, priority: int) -> None:  # provided by the extractor
         raise NotImplementedError
@@ -75,13 +78,17 @@ class LauncherLines:
                 continue
             g = m.groupdict()
             code, cls, weight = self._exit_code(g)
-            host = g.get("host")
+            host = g.get("host") or self._line_host
             if host:
                 self.masker.learn_host(host)
             pid = int(g["pid"]) if g.get("pid") else None
             local = int(g["local"]) if g.get("local") else None
             reliable = fmt.rank_reliable or (fmt.last_local and local == 0)
             ranks: list[int | None] = [int(g["rank"])] if g.get("rank") else [None]
+            if ranks == [None] and host is not None and local is not None:
+                glob = self._global_rank(host, local, reliable)
+                if glob is not None:
+                    ranks, reliable = [glob], True
             if g.get("tasks"):
                 ranks = list(expand_tasks(g["tasks"]))
             if code is None and fmt.code_cut:
@@ -98,6 +105,22 @@ class LauncherLines:
             # srun's "error:" lines that say nothing about an exit are left to the signatures
             return code is not None or cls is not None or "rror" not in rest
         return False
+
+    def _global_rank(self, host: str, local: int, reliable: bool) -> int | None:
+        """The global rank of a node's local rank: the node's only rank, whatever local rank the
+        line names; else, where the local rank is the failed one, node rank x local world size +
+        local rank (or the launcher's own map of the node's ranks)."""
+        only = self.host_ranks.get(host, [])
+        node = self.node_of.get(host)
+        if len(only) == 1:
+            return only[0]
+        if node is not None and node[1] == 1:
+            return node[0]
+        if not reliable:
+            return None
+        if node is not None and local < node[1]:
+            return node[0] * node[1] + local
+        return only[local] if local < len(only) else None
 
     def _silent_exit(self, ev: Evidence) -> tuple[int | None, str | None, float | None]:
         """A launcher's report cut before the exit code, from a worker that printed nothing of its

@@ -13,7 +13,7 @@ from collections.abc import Container
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ckptguard.diagnose.ingest import parse_timestamp
+from ckptguard.diagnose.prefixes import parse_timestamp
 from ckptguard.diagnose.schema import KBError
 
 

@@ -123,6 +123,25 @@ def desync(ex: Extractor, kb: KnowledgeBase) -> list[Evidence]:
     return []
 
 
+def desync_odd_rank(ex: Extractor) -> tuple[int, str] | None:
+    """The one rank that was in another collective at a sequence number where the others agree
+    (``SeqNum=N, OpType=BROADCAST`` on one rank, ``ALLREDUCE`` on two or more), and why."""
+    for seq in sorted({fp.get("seq", "") for fp, _ in ex.fingerprints}):
+        ranks: dict[tuple[str, str], set[int]] = {}
+        for fp, ev in ex.fingerprints:
+            if fp.get("seq", "") == seq and ev.rank is not None:
+                ranks.setdefault((fp.get("op", ""), fp.get("numel_in", "")), set()).add(ev.rank)
+        if len(ranks) != 2:
+            continue
+        (a, ra), (b, rb) = sorted(ranks.items(), key=lambda kv: len(kv[1]))
+        if len(ra) == 1 and len(rb) >= 2:
+            (odd,) = ra
+            return odd, (f"the one rank in another collective at the same sequence number (SeqNum={seq}: "
+                         f"{' '.join(x for x in a if x)} on rank {odd}, {' '.join(x for x in b if x)} "
+                         f"on the {len(rb)} others)")
+    return None
+
+
 def confidence(att: Attribution, v: Verdict, kb: KnowledgeBase) -> float:
     """How sure the answer is, from the signature's weight and what the answer rests on."""
     init = att.init

@@ -123,10 +123,12 @@ def _interrupted(diag: Diagnosis, runs: Sequence[HostRun]) -> None:
         host = r.host
         from ckptguard.diagnose.kb import load_kb
 
-        if diag.found and diag.failure_class and diag.kind != "launcher_sigterm":
+        # Ctrl-C is a stop on purpose, never the scheduler's: the hooks receive it as such
+        kind = "interrupted" if sent[0] == int(signal.SIGINT) else "launcher_sigterm"
+        if diag.found and diag.failure_class and diag.kind not in ("launcher_sigterm", "interrupted"):
             diag.notes.append(f"Before: {diag.failure_class}: {diag.title} (the job's reaction to the interruption).")
         diag.found = True
-        diag.kind = "launcher_sigterm"
+        diag.kind = kind
         diag.failure_class = load_kb().family(diag.kind)
         diag.category = "launcher"
         diag.title = f"Interrupted: ckptguard run on {host} forwarded {what} to the command"
