@@ -23,6 +23,7 @@ from collections.abc import Generator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.metadata import (
@@ -38,6 +39,7 @@ from ckptguard.dcp.codec import MAX_VALUE_DEPTH, check_depth, load_bounded, meta
 from ckptguard.dcp.drive import read_locally
 from ckptguard.dcp.planners import SafeLoadPlanner
 from ckptguard.dcp.reader import GuardedReader
+from ckptguard.dcp.records import covers_once
 from ckptguard.dcp.values import decode_value, unflatten
 from ckptguard.errors import (
     CheckpointError,
@@ -345,6 +347,12 @@ def _check_dcp_metadata(md: Metadata, directory: str, path: str, pins: dict[str,
             if declared > total:
                 raise CorruptCheckpointError(f"{path}: tensor {fqn!r} of size {dims[:8]} makes the tensors larger "
                                              f"than every data file together ({total} bytes)", path=path)
+            flat = [[*c.offsets, *c.sizes] for c in entry.chunks]
+            if not covers_once(dims, np.array(flat, dtype=np.int64).reshape(len(flat), 2 * len(dims))):
+                # DCP reads each listed chunk into a fresh tensor: an element no chunk covers would be
+                # this process's memory, committed as a checkpoint
+                raise CorruptCheckpointError(f"{path}: the chunks of tensor {fqn!r} do not cover its size {dims[:8]} "
+                                             "exactly once (a gap or an overlap): refusing to import it", path=path)
         elif MetadataIndex(fqn) not in storage:
             raise CorruptCheckpointError(f"{path}: object {fqn!r} has no data file entry", path=path)
     # Lists are rebuilt by index from planner_data (values.unflatten): each index below the number of
