@@ -52,6 +52,7 @@ from ckptguard.errors import (
 from ckptguard.protocol import layout
 from ckptguard.protocol.layout import CheckpointName
 from ckptguard.protocol.manifest import Manifest
+from ckptguard.protocol.read import allocate_whole
 from ckptguard.protocol.root import Root, open_root
 from ckptguard.storage import local_path, open_storage
 from ckptguard.storage.fileio import open_regular
@@ -133,14 +134,16 @@ def read_checkpoint(path: str | os.PathLike[str], step: int | None = None, *, de
     ``PerRank`` values under their ``key@rankNNNNN`` names). ``decode=False``: as DCP stores it."""
     reader = DCPReader(path, step, storage_options=storage_options)
     assert reader.metadata is not None
-    return _read_all(reader, reader.metadata, decode)
+    flat = allocate_whole(reader.manifest, dict(reader.metadata.state_dict_metadata), reader.checkpoint_dir)
+    return _read_all(reader, reader.metadata, decode, flat)
 
 
-def _read_all(reader: Any, metadata: Metadata, decode: bool) -> dict[str, Any]:
-    flat: dict[str, Any] = {}
-    for fqn, entry in metadata.state_dict_metadata.items():
-        flat[fqn] = torch.empty(entry.size, dtype=entry.properties.dtype) \
-            if isinstance(entry, TensorStorageMetadata) else None
+def _read_all(reader: Any, metadata: Metadata, decode: bool, flat: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Every entry of ``metadata`` read into ``flat`` (fresh tensors; by default one per tensor entry, for
+    metadata whose sizes were bounded by the bytes stored: _check_dcp_metadata), nested."""
+    if flat is None:
+        flat = {fqn: torch.empty(e.size, dtype=e.properties.dtype) if isinstance(e, TensorStorageMetadata) else None
+                for fqn, e in metadata.state_dict_metadata.items()}
     planner = SafeLoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False)
     reader.metadata = metadata
     read_locally(flat, reader, planner, is_coordinator=True)  # DCPReader.read_data verifies, then places

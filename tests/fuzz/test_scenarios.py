@@ -131,3 +131,19 @@ def test_import_of_dcp_chunks_that_do_not_cover_a_tensor_is_refused(tmp_path: Pa
     code, out = import_dir(src, tmp_path / "root")
     assert code == 1 and "exactly once" in out, out
     assert not (tmp_path / "root" / "step-00000001").exists()
+
+
+def test_read_and_export_of_a_tensor_stored_in_another_domain_refuse_before_allocating(tmp_path: Path) -> None:
+    """A manifest of one storage domain of two declares ``w`` as 2**33 elements, 8 of them stored here:
+    its size is bounded only by its own chunk list (before: read() and export allocated 32 GiB)."""
+    root = save_two_steps(tmp_path / "ck", tmp_path / "cfg.py")
+
+    def change(body: dict[str, Any], tables: list[Any]) -> None:
+        body["world_size"] = 2
+        _two_domains(body, tables)
+
+    rewrite(root, 2, change)
+    with Checkpointer(root, read_only=True) as ck, pytest.raises(CheckpointError, match="declares 34359738368 bytes"):
+        ck.read(2)
+    with pytest.raises(CheckpointError, match="declares"):
+        export_checkpoint(root, tmp_path / "out.pt", "torch", step=2)

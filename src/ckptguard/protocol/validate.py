@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from itertools import chain, islice, pairwise
 from typing import TYPE_CHECKING, Any, NoReturn
 
@@ -30,7 +30,7 @@ import numpy as np
 
 from ckptguard.checksum import ALGORITHMS
 from ckptguard.dcp.records import ITEMSIZES, FileEntry, StoredItem, addressable, covers_once, whole_chunk
-from ckptguard.errors import CheckpointError
+from ckptguard.errors import CheckpointError, CorruptCheckpointError
 from ckptguard.protocol.itemtable import MAX_NDIM, ItemTable
 from ckptguard.protocol.records import ATTEMPT_PATTERN
 from ckptguard.protocol.schema import DcpEntry, ManifestBody
@@ -81,6 +81,31 @@ def check_manifest(m: Manifest, entries: dict[str, DcpEntry], part: tuple[int, i
     _items(items, m.files)
     _check_dcp_agrees(m.dcp, entries, items, part)
     _check_chunks_agree(entries, items, whole=m.domain_count == 1, part=part)
+
+
+def check_whole_reads(m: Manifest, declared: Mapping[str, int], path: str) -> None:
+    """Before a template-free read (``read``, ``export``) allocates each tensor of ``declared`` (name:
+    bytes) whole: the bytes of each are stored in this manifest. Where the manifest is the only storage
+    domain's, its parse already bounded every tensor so; a manifest of one domain of several bounds a
+    tensor only by its own chunk list, and the chunks another domain stores cannot be read here anyway.
+
+    Raises:
+        CorruptCheckpointError: naming ``path`` and the first tensor larger than what is stored for it.
+    """
+    table = m.items
+    if isinstance(table, ItemTable):
+        per_name = np.bincount(table.name, weights=table.length.astype(np.float64), minlength=len(table.names))
+        stored = dict(zip(table.names, per_name.tolist(), strict=True))
+    else:
+        stored = {}
+        for item in table:
+            stored[item.fqn] = stored.get(item.fqn, 0) + item.length
+    for fqn, nbytes in declared.items():
+        if nbytes > stored.get(fqn, 0):
+            raise CorruptCheckpointError(
+                f"{path}: dcp.state_dict[{fqn[:100]!r}] declares {nbytes} bytes, this manifest stores "
+                f"{int(stored.get(fqn, 0))} for it (storage domain {m.domain_index} of {m.domain_count}): "
+                "a read would allocate what it cannot fill; read it where every byte is stored", path=path)
 
 
 def _domain(m: Manifest) -> None:
