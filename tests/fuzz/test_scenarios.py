@@ -111,8 +111,8 @@ def test_import_of_dcp_chunks_that_do_not_cover_a_tensor_is_refused(tmp_path: Pa
     Before: the uncovered elements were the importing process's heap, committed as a checkpoint that
     verified intact."""
     from torch.distributed.checkpoint.filesystem import FileSystemWriter
-    from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
     from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
+    from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
     src = tmp_path / "src"
     dcp_save({"a": torch.arange(4.0), "b": torch.arange(4.0) + 4}, storage_writer=FileSystemWriter(str(src)),
