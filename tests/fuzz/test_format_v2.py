@@ -27,7 +27,8 @@ def test_a_version_2_root_verifies_reads_and_loads(tmp_path: Path) -> None:
     state: dict[str, Any] = {"w": torch.zeros(2, 3), "b": torch.zeros(2, dtype=torch.int16), "step": 0, "note": ""}
     with Checkpointer(root) as ck:
         assert ck.load(state, files={"cfg": str(tmp_path / "cfg.yaml")}) == 1
-        assert ck.read(1)["note"] == "v2"
+        read = ck.read(1)
+        assert read is not None and read["note"] == "v2"
         assert ck.metadata(1) == {"loss": 0.25}
     assert torch.equal(state["w"], torch.arange(6.0).reshape(2, 3))
     assert torch.equal(state["b"], torch.tensor([1, 2], dtype=torch.int16))
