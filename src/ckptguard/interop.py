@@ -35,11 +35,11 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
 
 from ckptguard.checksum import DEFAULT_ALGORITHM
-from ckptguard.dcp.codec import MAX_VALUE_DEPTH, check_depth, load_bounded, metadata_from_json
+from ckptguard.dcp.codec import check_depth, load_bounded, metadata_from_json
 from ckptguard.dcp.drive import read_locally
 from ckptguard.dcp.planners import SafeLoadPlanner
 from ckptguard.dcp.reader import GuardedReader
-from ckptguard.dcp.records import covers_once
+from ckptguard.dcp.records import MAX_VALUE_DEPTH, covers_once
 from ckptguard.dcp.values import decode_value, unflatten
 from ckptguard.errors import (
     CheckpointError,

@@ -26,6 +26,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from ckptguard.dcp.records import ITEMSIZES, StoredItem, addressable, whole_chunk
+from ckptguard.dcp.records import MAX_VALUE_DEPTH as MAX_VALUE_DEPTH  # where it was defined before
 from ckptguard.errors import CheckpointError, CorruptCheckpointError
 
 _DTYPES: dict[str, torch.dtype] = {
@@ -283,8 +284,6 @@ def _items_named(items: Sequence[StoredItem], wanted: Collection[str] | None) ->
     return [i for i in items if i.fqn in wanted]
 
 
-#: How deeply a stored value may nest (dicts, lists, tuples, sets): decoding and encoding recurse.
-MAX_VALUE_DEPTH = 100
 
 
 def _check_size(fqn: str, size: Any, flat: Any, dtype: str, stored: Mapping[str, int] | None) -> None:

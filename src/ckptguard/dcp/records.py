@@ -54,6 +54,10 @@ ITEMSIZES: dict[str, int] = {
 }
 
 
+#: How deeply a stored value may nest (dicts, lists, tuples, sets): decoding and encoding recurse.
+MAX_VALUE_DEPTH = 100
+
+
 #: No tensor of a checkpoint has this many elements (torch's strides are int64).
 _MAX_ELEMENTS = 1 << 62
 

@@ -221,7 +221,7 @@ def _parse(data: bytes, path: str, part: tuple[int, int] = (0, 1)) -> Manifest:
         versions=body.versions,
         commit_seq=body.commit_seq,
     )
-    check_manifest(manifest, t.dcp.state_dict, part)
+    check_manifest(manifest, t.dcp, part)
     return manifest
 
 

@@ -29,11 +29,19 @@ from typing import TYPE_CHECKING, Any, NoReturn
 import numpy as np
 
 from ckptguard.checksum import ALGORITHMS
-from ckptguard.dcp.records import ITEMSIZES, FileEntry, StoredItem, addressable, covers_once, whole_chunk
+from ckptguard.dcp.records import (
+    ITEMSIZES,
+    MAX_VALUE_DEPTH,
+    FileEntry,
+    StoredItem,
+    addressable,
+    covers_once,
+    whole_chunk,
+)
 from ckptguard.errors import CheckpointError, CorruptCheckpointError
 from ckptguard.protocol.itemtable import MAX_NDIM, ItemTable
 from ckptguard.protocol.records import ATTEMPT_PATTERN
-from ckptguard.protocol.schema import DcpEntry, ManifestBody
+from ckptguard.protocol.schema import DcpBody, DcpEntry, ManifestBody
 
 if TYPE_CHECKING:
     from ckptguard.protocol.manifest import Manifest
@@ -60,9 +68,9 @@ def check_head(body: ManifestBody, rows_bytes: int) -> None:
                                            f"{body.rows.bytes} (truncated or appended to)")
 
 
-def check_manifest(m: Manifest, entries: dict[str, DcpEntry], part: tuple[int, int] = (0, 1)) -> None:
-    """Every cross-field invariant of a parsed manifest (module docstring); ``entries``: DCP's state dict
-    entries as the schema decoded them. ``part`` (k, n): the checks relating DCP entries and item rows
+def check_manifest(m: Manifest, dcp: DcpBody, part: tuple[int, int] = (0, 1)) -> None:
+    """Every cross-field invariant of a parsed manifest (module docstring); ``dcp``: DCP's metadata as
+    the schema decoded it. ``part`` (k, n): the checks relating DCP entries and item rows
     of the names k, k + n, ... only (the ranks of a storage domain share that work).
 
     Raises:
@@ -79,6 +87,9 @@ def check_manifest(m: Manifest, entries: dict[str, DcpEntry], part: tuple[int, i
         items = ItemTable.from_items(items, [f.path for f in m.files])
     _item_checksums(items)
     _items(items, m.files)
+    entries = dcp.state_dict
+    _dcp_entries(entries, part)
+    _planner_paths(dcp.planner_data)
     _check_dcp_agrees(m.dcp, entries, items, part)
     _check_chunks_agree(entries, items, whole=m.domain_count == 1, part=part)
 
@@ -108,6 +119,42 @@ def check_whole_reads(m: Manifest, declared: Mapping[str, int], path: str) -> No
                 "a read would allocate what it cannot fill; read it where every byte is stored", path=path)
 
 
+def _dcp_entries(entries: dict[str, DcpEntry], part: tuple[int, int]) -> None:
+    """Each entry of ``part`` (k, n: the k-th of every n) is a whole record of its type: a tensor with a
+    known dtype, requires_grad, a size of at most MAX_NDIM integers >= 0 that a tensor can address, and a
+    chunk list of whole chunks of integers >= 0; an object with none of those."""
+    first, every = part
+    mine = entries.items() if every == 1 else islice(entries.items(), first, None, every)
+    for nm, e in mine:
+        where = f"dcp.state_dict[{nm[:100]!r}]"
+        if e.type == "bytes":
+            _expect(e.dtype is None and e.size is None and e.chunks is None, f"{where}: an object entry with a "
+                                                                              "tensor's fields")
+            continue
+        _expect(e.type == "tensor", f"{where}: type {e.type[:40]!r} is neither tensor nor bytes")
+        _expect(e.dtype is not None and e.dtype in ITEMSIZES, f"{where}: dtype {str(e.dtype)[:40]!r} is not one "
+                                                               "a tensor has")
+        _expect(e.requires_grad is not None, f"{where}: requires_grad is missing")
+        size, flat = e.size, e.chunks
+        _expect(size is not None and len(size) <= MAX_NDIM and min(size, default=0) >= 0,
+                f"{where}: size {str(size)[:100]} is not a list of integers >= 0")
+        _expect(flat is not None and min(flat, default=0) >= 0, f"{where}: chunk offsets and sizes must be "
+                                                                 "integers >= 0")
+        assert size is not None and flat is not None
+        _expect(addressable(size), f"{where}: size {size[:8]} has more elements than a tensor can address")
+        _expect(len(flat) % (2 * len(size) or 1) == 0, f"{where}: its chunk list is not whole chunks")
+
+
+def _planner_paths(planner: dict[str, list[str | int]]) -> None:
+    """Lists are rebuilt by index from planner_data (values.unflatten): each index below the number of
+    entries, each path non-empty and no deeper than a stored value may nest."""
+    entries = len(planner)
+    for k, path in planner.items():
+        _expect(0 < len(path) <= MAX_VALUE_DEPTH
+                and all(type(p) is str or (type(p) is int and 0 <= p < entries) for p in path),
+                f"planner_data[{k[:100]!r}]: bad planner path {str(path)[:100]}")
+
+
 def _domain(m: Manifest) -> None:
     """The storage domain: one of ``count`` (at most one per rank), its ranks distinct, ascending and of
     the world (a reader bounds a tensor by what this manifest stores only where it is the one domain)."""
@@ -125,6 +172,7 @@ def _artifacts(m: Manifest) -> None:
     """Each artifact row names a listed file of its rank, which carries its own checksum."""
     files = {f.path: f for f in m.files}
     seen: set[tuple[int, str]] = set()
+    named: set[str] = set()
     for a in m.artifacts:
         where = f"artifacts[rank {a.rank}, {a.key[:100]!r}]"
         _expect(a.kind in ("file", "dir"), f"{where}: kind must be file or dir")
@@ -141,6 +189,12 @@ def _artifacts(m: Manifest) -> None:
             assert f is not None
             _expect(f.checksum is not None and f.rank == a.rank,
                     f"{where}: its file {stored[:200]!r} is not a file of rank {a.rank} with a checksum")
+            named.add(stored)
+    # A file with its own checksum is an artifact's (data files are covered by their items): one that no
+    # artifact row names was not written by a save.
+    orphans = [f.path for f in m.files if f.checksum is not None and f.path not in named]
+    _expect(not orphans, f"files: {orphans[0][:200]!r} has a checksum of its own, and no artifact names it"
+            if orphans else "")
 
 
 def _item_checksums(table: ItemTable) -> None:
