@@ -409,9 +409,16 @@ def read_dcp(directory: str | os.PathLike[str]) -> dict[str, Any]:
             state = _read_all(reader, md, decode=False)
         except Exception as e:  # a file cut short while read fails in DCP's or torch's code: say why
             changed = _changed(directory, pins)
-            if changed is None:
+            if changed is not None:
+                raise changed from e
+            if isinstance(e, CheckpointError | MemoryError):
                 raise
-            raise changed from e
+            # Metadata whose ranges name other bytes than a tensor's (another item, a cut): DCP's reader
+            # and torch.load fail anywhere in their code
+            raise CorruptCheckpointError(f"{directory}: DCP's reader cannot read what its .metadata describes "
+                                         f"({type(e).__name__}: {str(e)[:200]}): the directory is damaged or "
+                                         "its .metadata was changed", path=os.path.join(directory, ".metadata")
+                                         ) from None
         changed = _changed(directory, pins)
         if changed is not None:
             raise changed

@@ -8,6 +8,7 @@ metadata travels as JSON inside the manifest, never as DCP's pickled
 from __future__ import annotations
 
 import math
+import pickle
 from collections.abc import Collection, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from itertools import chain
@@ -340,7 +341,14 @@ def load_bounded(source: Any, what: str, path: str | None = None, map_location: 
     ckptguard unpickles a value from a checkpoint, a ``save_file`` file or an import, so that no path
     hands back a value that recursing code (decoding, saving, printing) cannot walk. torch.load's own
     refusals propagate for the caller to name; too deep is a CorruptCheckpointError naming ``what``."""
-    value = torch.load(source, map_location=map_location, weights_only=True)
+    try:
+        value = torch.load(source, map_location=map_location, weights_only=True)
+    except (CheckpointError, pickle.UnpicklingError, MemoryError):
+        raise  # (weights_only's refusal of code is an UnpicklingError: callers name it)
+    except Exception as e:  # a damaged file fails anywhere in torch's and zipfile's readers
+        raise CorruptCheckpointError(f"{what}: torch.load cannot read it ({type(e).__name__}: "
+                                     f"{str(e).splitlines()[0] if str(e) else 'no detail'}); the file is damaged "
+                                     "or not a torch.save file", path=path) from None
     check_depth(value, what, path)
     return value
 
