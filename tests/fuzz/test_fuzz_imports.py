@@ -244,3 +244,15 @@ def test_imports_long(case: tuple[str, Any]) -> None:
         check_torch_file(value)
     else:
         check_safetensors(value)
+
+
+_REGRESSIONS = Path(__file__).parent / "regressions" / "import_cases.json"
+
+
+@pytest.mark.parametrize("case", json.loads(_REGRESSIONS.read_text()), ids=lambda c: c["name"])
+def test_import_regressions_found_by_the_fuzzer(case: dict[str, Any]) -> None:
+    """Shrunk counterexamples of earlier runs (each failed before its fix)."""
+    if case["kind"] == "pt":
+        check_torch_file([(p, b) for p, b in case["edits"]])
+    else:
+        check_dcp_import([(w, n, v) for w, n, v in case["changes"]])
