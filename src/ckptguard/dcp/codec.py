@@ -135,7 +135,7 @@ def _flat_chunks(chunks: Sequence[ChunkStorageMetadata]) -> list[int]:
 def metadata_from_json(obj: dict[str, Any], items: Sequence[StoredItem], path: str | None = None, *,
                        domain_count: int = 1, wanted: Collection[str] | None = None) -> Metadata:
     """DCP's Metadata from the manifest's JSON; every size and index bounded by what the items hold.
-    ``obj`` as the manifest's schema decoded it (protocol.manifest.DcpBody: every number an int).
+    ``obj`` as the manifest's schema decoded it (protocol.schema.DcpBody: every number an int).
 
     ``domain_count`` > 1: the manifest is one storage domain's of several and its items hold only that
     domain's share (a per-rank value or a shard may live in another domain's manifest), so a tensor's

@@ -18,11 +18,10 @@ from typing import Annotated, Any
 import msgspec
 
 from ckptguard.protocol.itemtable import MAX_FILE_BYTES, EncodedItems
+from ckptguard.protocol.records import Seconds
 
 #: How many ranks a manifest may name (a world size, a rank, a storage domain's size).
 MAX_RANKS = 1 << 31
-#: A manifest's timestamps are seconds since the epoch: finite, and below the year 10000.
-MAX_TIME = 253402300800.0
 
 Count = Annotated[int, msgspec.Meta(ge=0)]
 #: Files are at most 2**62 bytes, so offsets and ends of items add up without overflowing int64.
@@ -30,7 +29,6 @@ Bytes = Annotated[int, msgspec.Meta(ge=0, le=MAX_FILE_BYTES)]
 Rank = Annotated[int, msgspec.Meta(ge=0, lt=MAX_RANKS)]
 Ranks = Annotated[int, msgspec.Meta(ge=1, le=MAX_RANKS)]
 Positive = Annotated[int, msgspec.Meta(ge=1)]
-Seconds = Annotated[float, msgspec.Meta(ge=0.0, le=MAX_TIME)]
 Short = Annotated[str, msgspec.Meta(max_length=256)]
 Name = Annotated[str, msgspec.Meta(max_length=4096)]
 #: A checksum as every algorithm of checksum.py writes it: hexadecimal text.
