@@ -145,7 +145,10 @@ def rewrite_with_edits(root: Path, step: int, changes: list[Edit]) -> None:
     try:
         packed = msgspec.msgpack.encode(tables)
     except (TypeError, OverflowError):
-        packed = msgspec.msgpack.encode(json.loads(json.dumps(_jsonable(tables))))
+        try:
+            packed = msgspec.msgpack.encode(json.loads(json.dumps(_jsonable(tables))))
+        except OverflowError:  # MessagePack has no integer beyond 64 bits: no writer can store the edit
+            return
     rows = body.get("rows") if isinstance(body, dict) else None
     if isinstance(rows, dict) and "bytes" not in [e.path[-1] for e in changes if e.path[:2] == ("body", "rows")]:
         rows["bytes"] = len(packed)
