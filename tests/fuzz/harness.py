@@ -153,6 +153,28 @@ def check_properties(o: Outcome, step: int = 2) -> None:
         assert o.loaded == step - 1, f"a damaged newest step, load gave {o.loaded} instead of falling back"
 
 
+def kept_until_exit(prefix: str) -> Path:
+    """A directory for what every example of this process starts from, removed when it exits."""
+    import atexit
+    import tempfile
+
+    where = Path(tempfile.mkdtemp(prefix=prefix))
+    atexit.register(shutil.rmtree, where, ignore_errors=True)
+    return where
+
+
+@contextlib.contextmanager
+def scratch(prefix: str) -> Iterator[Path]:
+    """A fresh directory for one example, removed after it."""
+    import tempfile
+
+    where = Path(tempfile.mkdtemp(prefix=prefix))
+    try:
+        yield where
+    finally:
+        shutil.rmtree(where, ignore_errors=True)
+
+
 def fresh_copy(base: Path, where: Path) -> Path:
     if where.exists():
         shutil.rmtree(where)

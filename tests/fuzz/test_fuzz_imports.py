@@ -13,7 +13,6 @@ import json
 import os
 import pickle
 import struct
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +26,7 @@ from ckptguard.interop import import_checkpoint
 from ckptguard.protocol.layout import CheckpointName
 from ckptguard.verify import verify_checkpoint
 
-from tests.fuzz.harness import bounded
+from tests.fuzz.harness import bounded, kept_until_exit, scratch
 from tests.fuzz.strategies import EDGE_INTS
 
 CI_EXAMPLES = int(os.environ.get("CKPTGUARD_FUZZ_CI_EXAMPLES", "60"))
@@ -48,14 +47,14 @@ def _dcp_base() -> Path:
     from torch.distributed.checkpoint.filesystem import FileSystemWriter
     from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
-    path = Path(tempfile.mkdtemp(prefix="ckptguard-fuzz-dcp-")) / "src"
+    path = kept_until_exit("ckptguard-fuzz-dcp-") / "src"
     dcp_save(_state(), storage_writer=FileSystemWriter(str(path)), no_dist=True)
     return path
 
 
 @functools.cache
 def _files_base() -> tuple[bytes, bytes]:
-    where = Path(tempfile.mkdtemp(prefix="ckptguard-fuzz-files-"))
+    where = kept_until_exit("ckptguard-fuzz-files-")
     torch.save(_state(), where / "s.pt")
     save_file({k: v for k, v in _state().items() if isinstance(v, torch.Tensor)}, where / "s.safetensors")
     return (where / "s.pt").read_bytes(), (where / "s.safetensors").read_bytes()
@@ -122,9 +121,13 @@ def _apply_metadata(md: Any, what: str, name: str, value: Any) -> None:
 
 
 def check_dcp_import(changes: list[tuple[str, str, Any]]) -> None:
+    with scratch("ckptguard-fuzz-imp-") as work:
+        _check_dcp_import(work, changes)
+
+
+def _check_dcp_import(work: Path, changes: list[tuple[str, str, Any]]) -> None:
     import shutil
 
-    work = Path(tempfile.mkdtemp(prefix="ckptguard-fuzz-imp-"))
     src = work / "src"
     shutil.copytree(_dcp_base(), src)
     md = pickle.loads((src / ".metadata").read_bytes())
@@ -182,9 +185,8 @@ def _edited(raw: bytes, edits: list[tuple[int, int]]) -> bytes:
 
 
 def check_torch_file(edits: list[tuple[int, int]]) -> None:
-    work = Path(tempfile.mkdtemp(prefix="ckptguard-fuzz-pt-"))
-    (work / "s.pt").write_bytes(_edited(_files_base()[0], edits))
-    with bounded():
+    with scratch("ckptguard-fuzz-pt-") as work, bounded():
+        (work / "s.pt").write_bytes(_edited(_files_base()[0], edits))
         try:
             import_checkpoint(work / "s.pt", work / "root", 1)
         except CheckpointError:
@@ -208,9 +210,8 @@ def safetensors_headers(draw: st.DrawFn) -> bytes:
 
 
 def check_safetensors(data: bytes) -> None:
-    work = Path(tempfile.mkdtemp(prefix="ckptguard-fuzz-st-"))
-    (work / "s.safetensors").write_bytes(data)
-    with bounded():
+    with scratch("ckptguard-fuzz-st-") as work, bounded():
+        (work / "s.safetensors").write_bytes(data)
         try:
             load_file(work / "s.safetensors")
         except CheckpointError:

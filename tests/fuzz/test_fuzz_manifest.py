@@ -8,7 +8,6 @@ from __future__ import annotations
 import functools
 import json
 import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +15,7 @@ import pytest
 from hypothesis import HealthCheck, given, seed, settings
 from hypothesis import strategies as st
 
-from tests.fuzz.harness import bounded, check_properties, fresh_copy, make_base, run_commands
+from tests.fuzz.harness import bounded, check_properties, fresh_copy, kept_until_exit, make_base, run_commands, scratch
 from tests.fuzz.mutate import manifest_path, split
 from tests.fuzz.strategies import Edit, chunk_layouts, edits, rewrite_chunks, rewrite_with_edits
 
@@ -34,7 +33,7 @@ LONG = settings(max_examples=LONG_EXAMPLES, **_COMMON)
 @functools.cache
 def _base() -> Path:
     """A root saved once per process (every example works on a copy)."""
-    return make_base(Path(tempfile.mkdtemp(prefix="ckptguard-fuzz-")) / "base")
+    return make_base(kept_until_exit("ckptguard-fuzz-") / "base")
 
 
 @functools.cache
@@ -43,23 +42,20 @@ def _decoded() -> dict[str, Any]:
     return {"body": body, "tables": tables}
 
 
-def _work() -> tuple[Path, Path]:
-    scratch = Path(tempfile.mkdtemp(prefix="ckptguard-fuzz-ex-"))
-    return fresh_copy(_base(), scratch / "root"), scratch
-
-
 def check_edits(changes: list[Edit]) -> None:
-    root, scratch = _work()
-    rewrite_with_edits(root, 2, changes)
-    with bounded():
-        check_properties(run_commands(root, scratch))
+    with scratch("ckptguard-fuzz-ex-") as where:
+        root = fresh_copy(_base(), where / "root")
+        rewrite_with_edits(root, 2, changes)
+        with bounded():
+            check_properties(run_commands(root, where))
 
 
 def check_chunks(fqn: str, chunks: list[tuple[tuple[int, ...], tuple[int, ...]]]) -> None:
-    root, scratch = _work()
-    rewrite_chunks(root, 2, fqn, chunks)
-    with bounded():
-        check_properties(run_commands(root, scratch))
+    with scratch("ckptguard-fuzz-ex-") as where:
+        root = fresh_copy(_base(), where / "root")
+        rewrite_chunks(root, 2, fqn, chunks)
+        with bounded():
+            check_properties(run_commands(root, where))
 
 
 _SHAPES = {"w": (8,), "x": (4, 4)}
