@@ -4,15 +4,9 @@
 (``Manifest.from_json``: load, read, export, import, verify, ``ls`` and ``run --checkpoints``
 all get their manifest from it), so "verify says intact" and "load succeeds" judge the same
 manifest by the same rules. The fields' types and bounds are the schema's
-(protocol/schema.py, checked in C while decoding); here:
-
-- the head: format, version, row encoding, checksum algorithm, attempt, storage domain;
-- files: plain relative paths inside the checkpoint, checksums hexadecimal;
-- artifacts: each row names a listed file of its own rank, with a checksum; no (rank, key) twice;
-- items: checksums hexadecimal text; each inside its file, its shape accounting for exactly its
-  bytes (a reader allocates what an item claims: never more than its file holds);
-- DCP's metadata against the items: the same dtype, number of dimensions and place, each tensor's
-  chunks inside it and covering each element exactly once, and what the items store listed.
+(protocol/schema.py, checked in C while decoding); here: the head (format, version, encoding, algorithm, attempt, storage domain); files and artifact rows;
+items (hex checksums, inside their file, shapes of their bytes, tiling each file); DCP's metadata (whole
+records, planner paths one tree, agreeing with the items, chunks covering each tensor exactly once).
 
 A failure raises ``CheckpointError`` naming the field (``Manifest.from_json`` makes it a
 ``CorruptCheckpointError`` naming the file).
@@ -50,8 +44,7 @@ FORMAT = "ckptguard-checkpoint"
 FORMAT_VERSION = 2
 #: How the binary section after the JSON head is encoded (``rows.encoding`` in the head).
 ROWS_ENCODING = "msgpack-columns"
-#: Bytes that may appear in a checksum column stored as text: hexadecimal digits, and the zero bytes that
-#: pad a shorter checksum to the column's width.
+#: Bytes of a checksum column stored as text: hex digits, and zeros padding a shorter checksum.
 _HEX = np.zeros(256, dtype=bool)
 _HEX[list(b"\x000123456789abcdefABCDEF")] = True
 
@@ -147,13 +140,20 @@ def _dcp_entries(entries: dict[str, DcpEntry], part: tuple[int, int]) -> None:
 
 
 def _planner_paths(planner: dict[str, list[str | int]]) -> None:
-    """Lists are rebuilt by index from planner_data (values.unflatten): each index below the number of
-    entries, each path non-empty and no deeper than a stored value may nest."""
+    """Lists and dicts are rebuilt from planner_data (values.unflatten): each path non-empty, no deeper
+    than a stored value may nest, starting with a key, each index below the number of entries, and the
+    paths one tree (what follows a prefix is always an index, always a key, or the value itself)."""
     entries = len(planner)
+    kinds: dict[tuple[str | int, ...], str] = {}
     for k, path in planner.items():
-        _expect(0 < len(path) <= MAX_VALUE_DEPTH
+        _expect(0 < len(path) <= MAX_VALUE_DEPTH and type(path[0]) is str
                 and all(type(p) is str or (type(p) is int and 0 <= p < entries) for p in path),
                 f"planner_data[{k[:100]!r}]: bad planner path {str(path)[:100]}")
+        for i, p in enumerate([*path, None]):
+            kind = "value" if p is None else type(p).__name__
+            _expect(kinds.setdefault(tuple(path[:i]), kind) == kind,
+                    f"planner_data[{k[:100]!r}]: bad planner path {str(path)[:100]}: it nests where another "
+                    "path does not")
 
 
 def _domain(m: Manifest) -> None:
