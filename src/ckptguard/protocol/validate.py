@@ -4,8 +4,9 @@
 (``Manifest.from_json``: load, read, export, import, verify, ``ls`` and ``run --checkpoints``
 all get their manifest from it), so "verify says intact" and "load succeeds" judge the same
 manifest by the same rules. The fields' types and bounds are the schema's
-(protocol/schema.py, checked in C while decoding); here: the head (format, version, encoding, algorithm, attempt, storage domain); files and artifact rows;
-items (hex checksums, inside their file, shapes of their bytes, tiling each file); DCP's metadata (whole
+(protocol/schema.py, checked in C while decoding); here: the head (format, version, encoding,
+algorithm, attempt, storage domain); files and artifact rows;
+items (hex checksums, inside their file, shapes of their bytes); DCP's metadata (whole
 records, planner paths one tree, agreeing with the items, chunks covering each tensor exactly once).
 
 A failure raises ``CheckpointError`` naming the field (``Manifest.from_json`` makes it a
@@ -80,7 +81,6 @@ def check_manifest(m: Manifest, dcp: DcpBody, part: tuple[int, int] = (0, 1)) ->
         items = ItemTable.from_items(items, [f.path for f in m.files])
     _item_checksums(items)
     _items(items, m.files)
-    _tiling(items, m.files)
     entries = dcp.state_dict
     _dcp_entries(entries, part)
     _planner_paths(dcp.planner_data)
@@ -196,28 +196,6 @@ def _artifacts(m: Manifest) -> None:
     orphans = [f.path for f in m.files if f.checksum is not None and f.path not in named]
     _expect(not orphans, f"files: {orphans[0][:200]!r} has a checksum of its own, and no artifact names it"
             if orphans else "")
-
-
-def _tiling(table: ItemTable, files: list[FileEntry]) -> None:
-    """The items of each data file cover it exactly: no gap, no overlap, nothing past its end (what
-    ``verify`` reports per file; a load reads by items and would not notice)."""
-    if not len(table):
-        return
-    order = np.lexsort((table.offset, table.file))
-    file, start = table.file[order], table.offset[order]
-    end = start + table.length[order]
-    first = np.ones(len(order), dtype=bool)
-    first[1:] = file[1:] != file[:-1]
-    last = np.ones(len(order), dtype=bool)
-    last[:-1] = first[1:]
-    sizes = np.array([f.size for f in files], dtype=np.int64)
-    follows = np.empty(len(order), dtype=bool)
-    follows[0] = True
-    follows[1:] = start[1:] == end[:-1]
-    ok = (np.where(first, start == 0, follows)) & (~last | (end == sizes[file]))
-    if not bool(ok.all()):
-        bad = files[int(file[int(np.argmin(ok))])].path
-        _invalid(f"files: the items of {bad[:200]!r} do not tile it (a gap, an overlap, or bytes past its items)")
 
 
 def _item_checksums(table: ItemTable) -> None:
