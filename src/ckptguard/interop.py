@@ -23,6 +23,7 @@ from collections.abc import Generator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.metadata import (
@@ -34,10 +35,11 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
 
 from ckptguard.checksum import DEFAULT_ALGORITHM
-from ckptguard.dcp.codec import MAX_VALUE_DEPTH, check_depth, load_bounded, metadata_from_json
+from ckptguard.dcp.codec import check_depth, load_bounded, metadata_from_json
 from ckptguard.dcp.drive import read_locally
 from ckptguard.dcp.planners import SafeLoadPlanner
 from ckptguard.dcp.reader import GuardedReader
+from ckptguard.dcp.records import MAX_VALUE_DEPTH, covers_once
 from ckptguard.dcp.values import decode_value, unflatten
 from ckptguard.errors import (
     CheckpointError,
@@ -50,6 +52,7 @@ from ckptguard.errors import (
 from ckptguard.protocol import layout
 from ckptguard.protocol.layout import CheckpointName
 from ckptguard.protocol.manifest import Manifest
+from ckptguard.protocol.read import allocate_whole
 from ckptguard.protocol.root import Root, open_root
 from ckptguard.storage import local_path, open_storage
 from ckptguard.storage.fileio import open_regular
@@ -150,14 +153,16 @@ def read_checkpoint(path: str | os.PathLike[str], step: int | None = None, *, de
     ``PerRank`` values under their ``key@rankNNNNN`` names). ``decode=False``: as DCP stores it."""
     reader = DCPReader(path, step, storage_options=storage_options)
     assert reader.metadata is not None
-    return _read_all(reader, reader.metadata, decode)
+    flat = allocate_whole(reader.manifest, dict(reader.metadata.state_dict_metadata), reader.checkpoint_dir)
+    return _read_all(reader, reader.metadata, decode, flat)
 
 
-def _read_all(reader: Any, metadata: Metadata, decode: bool) -> dict[str, Any]:
-    flat: dict[str, Any] = {}
-    for fqn, entry in metadata.state_dict_metadata.items():
-        flat[fqn] = torch.empty(entry.size, dtype=entry.properties.dtype) \
-            if isinstance(entry, TensorStorageMetadata) else None
+def _read_all(reader: Any, metadata: Metadata, decode: bool, flat: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Every entry of ``metadata`` read into ``flat`` (fresh tensors; by default one per tensor entry, for
+    metadata whose sizes were bounded by the bytes stored: _check_dcp_metadata), nested."""
+    if flat is None:
+        flat = {fqn: torch.empty(e.size, dtype=e.properties.dtype) if isinstance(e, TensorStorageMetadata) else None
+                for fqn, e in metadata.state_dict_metadata.items()}
     planner = SafeLoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False)
     reader.metadata = metadata
     read_locally(flat, reader, planner, is_coordinator=True)  # DCPReader.read_data verifies, then places
@@ -383,6 +388,12 @@ def _check_dcp_metadata(md: Metadata, directory: str, path: str, pins: dict[str,
             if declared > total:
                 raise CorruptCheckpointError(f"{path}: tensor {fqn!r} of size {dims[:8]} makes the tensors larger "
                                              f"than every data file together ({total} bytes)", path=path)
+            flat = [[*c.offsets, *c.sizes] for c in entry.chunks]
+            if not covers_once(dims, np.array(flat, dtype=np.int64).reshape(len(flat), 2 * len(dims))):
+                # DCP reads each listed chunk into a fresh tensor: an element no chunk covers would be
+                # this process's memory, committed as a checkpoint
+                raise CorruptCheckpointError(f"{path}: the chunks of tensor {fqn!r} do not cover its size {dims[:8]} "
+                                             "exactly once (a gap or an overlap): refusing to import it", path=path)
         elif MetadataIndex(fqn) not in storage:
             raise CorruptCheckpointError(f"{path}: object {fqn!r} has no data file entry", path=path)
     # Lists are rebuilt by index from planner_data (values.unflatten): each index below the number of
@@ -436,9 +447,16 @@ def read_dcp(directory: str | os.PathLike[str]) -> dict[str, Any]:
             state = _read_all(reader, md, decode=False)
         except Exception as e:  # a file cut short while read fails in DCP's or torch's code: say why
             changed = _changed(directory, pins)
-            if changed is None:
+            if changed is not None:
+                raise changed from e
+            if isinstance(e, CheckpointError | MemoryError):
                 raise
-            raise changed from e
+            # Metadata whose ranges name other bytes than a tensor's (another item, a cut): DCP's reader
+            # and torch.load fail anywhere in their code
+            raise CorruptCheckpointError(f"{directory}: DCP's reader cannot read what its .metadata describes "
+                                         f"({type(e).__name__}: {str(e)[:200]}): the directory is damaged or "
+                                         "its .metadata was changed", path=os.path.join(directory, ".metadata")
+                                         ) from None
         changed = _changed(directory, pins)
         if changed is not None:
             raise changed

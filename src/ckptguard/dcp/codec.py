@@ -8,6 +8,7 @@ metadata travels as JSON inside the manifest, never as DCP's pickled
 from __future__ import annotations
 
 import math
+import pickle
 from collections.abc import Collection, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from itertools import chain
@@ -26,6 +27,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from ckptguard.dcp.records import ITEMSIZES, StoredItem, addressable, whole_chunk
+from ckptguard.dcp.records import MAX_VALUE_DEPTH as MAX_VALUE_DEPTH  # where it was defined before
 from ckptguard.errors import CheckpointError, CorruptCheckpointError
 
 _DTYPES: dict[str, torch.dtype] = {
@@ -133,7 +135,7 @@ def _flat_chunks(chunks: Sequence[ChunkStorageMetadata]) -> list[int]:
 def metadata_from_json(obj: dict[str, Any], items: Sequence[StoredItem], path: str | None = None, *,
                        domain_count: int = 1, wanted: Collection[str] | None = None) -> Metadata:
     """DCP's Metadata from the manifest's JSON; every size and index bounded by what the items hold.
-    ``obj`` as the manifest's schema decoded it (protocol.manifest.DcpBody: every number an int).
+    ``obj`` as the manifest's schema decoded it (protocol.schema.DcpBody: every number an int).
 
     ``domain_count`` > 1: the manifest is one storage domain's of several and its items hold only that
     domain's share (a per-rank value or a shard may live in another domain's manifest), so a tensor's
@@ -283,8 +285,6 @@ def _items_named(items: Sequence[StoredItem], wanted: Collection[str] | None) ->
     return [i for i in items if i.fqn in wanted]
 
 
-#: How deeply a stored value may nest (dicts, lists, tuples, sets): decoding and encoding recurse.
-MAX_VALUE_DEPTH = 100
 
 
 def _check_size(fqn: str, size: Any, flat: Any, dtype: str, stored: Mapping[str, int] | None) -> None:
@@ -341,7 +341,14 @@ def load_bounded(source: Any, what: str, path: str | None = None, map_location: 
     ckptguard unpickles a value from a checkpoint, a ``save_file`` file or an import, so that no path
     hands back a value that recursing code (decoding, saving, printing) cannot walk. torch.load's own
     refusals propagate for the caller to name; too deep is a CorruptCheckpointError naming ``what``."""
-    value = torch.load(source, map_location=map_location, weights_only=True)
+    try:
+        value = torch.load(source, map_location=map_location, weights_only=True)
+    except (CheckpointError, pickle.UnpicklingError, MemoryError):
+        raise  # (weights_only's refusal of code is an UnpicklingError: callers name it)
+    except Exception as e:  # a damaged file fails anywhere in torch's and zipfile's readers
+        raise CorruptCheckpointError(f"{what}: torch.load cannot read it ({type(e).__name__}: "
+                                     f"{str(e).splitlines()[0] if str(e) else 'no detail'}); the file is damaged "
+                                     "or not a torch.save file", path=path) from None
     check_depth(value, what, path)
     return value
 

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Any, NamedTuple
+
+import numpy as np
 
 
 class StoredItem(NamedTuple):
@@ -47,6 +50,10 @@ ITEMSIZES: dict[str, int] = {
 }
 
 
+#: How deeply a stored value may nest (dicts, lists, tuples, sets): decoding and encoding recurse.
+MAX_VALUE_DEPTH = 100
+
+
 #: No tensor of a checkpoint has this many elements (torch's strides are int64).
 _MAX_ELEMENTS = 1 << 62
 
@@ -63,3 +70,49 @@ def whole_chunk(size: list[int], flat: Any) -> bool:
     ndim = len(size)
     return bool(ndim) and type(flat) is list and len(flat) == 2 * ndim and flat[ndim:] == size and not any(
         flat[:ndim])
+
+
+#: Above this many chunks of one tensor that do not form a grid, their overlaps are found pairwise in
+#: blocks of this many rows (a grid, every sharding ckptguard and DCP write, is checked in one pass).
+_PAIR_BLOCK = 1024
+
+
+def covers_once(size: Sequence[int], chunks: np.ndarray) -> bool:
+    """Whether ``chunks`` (m x 2·ndim int64: offsets, then sizes; each already inside ``size``) cover
+    every element of a tensor of ``size`` exactly once: a reader plans one read per chunk and reads
+    nothing where they leave a gap, so a gap is memory nobody wrote and an overlap is read twice.
+
+    Inside the tensor, their elements adding up to the tensor's and no two overlapping is exactly
+    that. A sharded tensor's chunks form a grid (each chunk one cell of the grid their boundaries
+    make): then distinct cells are the whole check; other layouts are compared pairwise."""
+    ndim = len(size)
+    if ndim == 0:
+        return len(chunks) == 1
+    offsets, sizes = chunks[:, :ndim], chunks[:, ndim:]
+    if not all(size):
+        return True  # no elements: nothing to read, nothing left unread
+    volume = np.prod(sizes.astype(np.float64), axis=1)
+    if float(volume.sum()) >= 2.0**62 or int(np.prod(sizes, axis=1).sum()) != math.prod(size):
+        return False
+    keep = volume > 0
+    offsets, ends = offsets[keep], offsets[keep] + sizes[keep]
+    m = len(offsets)
+    if m <= 1:
+        return True
+    one_cell = True
+    for d in range(ndim):
+        bounds = np.unique(np.concatenate([offsets[:, d], ends[:, d]]))
+        one_cell = one_cell and bool(np.all(np.searchsorted(bounds, ends[:, d]) -
+                                            np.searchsorted(bounds, offsets[:, d]) == 1))
+    if one_cell:  # each chunk is one cell: they overlap only if two are the same cell
+        return len(np.unique(offsets, axis=0)) == m
+    if ndim == 1:
+        order = np.argsort(offsets[:, 0], kind="stable")
+        return bool(np.all(offsets[order][1:, 0] >= ends[order][:-1, 0]))
+    for start in range(0, m, _PAIR_BLOCK):
+        a_off, a_end = offsets[start:start + _PAIR_BLOCK, None, :], ends[start:start + _PAIR_BLOCK, None, :]
+        meet = np.all((a_off < ends[None, :, :]) & (offsets[None, :, :] < a_end), axis=2)
+        meet[np.arange(len(meet)), np.arange(start, start + len(meet))] = False
+        if meet.any():
+            return False
+    return True

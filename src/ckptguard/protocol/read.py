@@ -12,6 +12,7 @@ back to an older one, with a warning, when no step was asked for.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -28,6 +29,7 @@ from ckptguard.protocol.layout import CheckpointName
 from ckptguard.protocol.load import agree_on_manifest, first_intact, manifest_metadata, share_manifest_bytes
 from ckptguard.protocol.manifest import Manifest
 from ckptguard.protocol.session import Session
+from ckptguard.protocol.validate import check_whole_reads
 
 
 def read(session: Session, step: int | None, keep: Callable[[str], bool] | None = None
@@ -56,7 +58,7 @@ def read_stored(session: Session, name: CheckpointName, manifest: Manifest, rank
     """This rank's view of the stored state dict (local: no agreement)."""
     metadata = manifest_metadata(session, name, manifest)
     paths = metadata.planner_data if isinstance(metadata.planner_data, dict) else {}
-    flat: dict[str, Any] = {}
+    chosen: dict[str, Any] = {}
     for fqn, entry in metadata.state_dict_metadata.items():
         top = str(paths.get(fqn, (fqn,))[0])
         own = split_per_rank_key(top)
@@ -64,10 +66,8 @@ def read_stored(session: Session, name: CheckpointName, manifest: Manifest, rank
             continue  # another rank's own value: not this rank's to read
         if keep is not None and not keep(top if own is None else own[0]):
             continue
-        if isinstance(entry, TensorStorageMetadata):
-            flat[fqn] = torch.empty(entry.size, dtype=entry.properties.dtype)
-        else:
-            flat[fqn] = None
+        chosen[fqn] = entry
+    flat = allocate_whole(manifest, chosen, session.root.dir(name))
     reader = GuardedReader(session.storage, session.root.data_dir(name, manifest), metadata,
                            manifest.checksum_algorithm, rank, session.options.io_threads,
                            memory_bytes=session.options.load_memory_bytes, backup=False,
@@ -85,6 +85,16 @@ def read_stored(session: Session, name: CheckpointName, manifest: Manifest, rank
         result[own[0] if own is not None else key] = decode_value(value)
     return result
 
+
+
+def allocate_whole(manifest: Manifest, entries: dict[str, Any], path: str) -> dict[str, Any]:
+    """A fresh tensor for each tensor entry of DCP's metadata (None for an object), once the manifest's
+    bytes were found to bound them all (validate.check_whole_reads)."""
+    declared = {fqn: math.prod(e.size) * e.properties.dtype.itemsize for fqn, e in entries.items()
+                if isinstance(e, TensorStorageMetadata)}
+    check_whole_reads(manifest, declared, path)
+    return {fqn: torch.empty(e.size, dtype=e.properties.dtype) if fqn in declared else None
+            for fqn, e in entries.items()}
 
 
 def read_metadata(session: Session, step: int, current: Listing) -> dict[str, Any]:

@@ -16,7 +16,7 @@ Records and their bounds (the Commit protocol page, "Limits on untrusted input",
     tags/NAME         TagRecord      MAX_CONTROL_BYTES   MAX_CONTROL_DEPTH
     .ckptguard/lease.json  LeaseBody MAX_CONTROL_BYTES   MAX_CONTROL_DEPTH
     .ckptguard/index.json  IndexBody MAX_INDEX_BYTES     MAX_CONTROL_DEPTH
-    MANIFEST.json     head: ManifestBody (manifest.py), storage read limit, MAX_MANIFEST_DEPTH;
+    MANIFEST.json     head: ManifestBody (schema.py), storage read limit, MAX_MANIFEST_DEPTH;
                       rows: Tables (MessagePack, decode_binary), typed throughout
 """
 
@@ -41,7 +41,11 @@ MAX_CONTROL_DEPTH = 8
 #: Python's own decoder recurses about 1000 deep before RecursionError: stay well below.
 MAX_MANIFEST_DEPTH = 128
 
+#: A record's timestamps are seconds since the epoch: finite, and below the year 10000.
+MAX_TIME = 253402300800.0
+
 NonNegative = Annotated[int, msgspec.Meta(ge=0)]
+Seconds = Annotated[float, msgspec.Meta(ge=0.0, le=MAX_TIME)]
 Positive = Annotated[int, msgspec.Meta(ge=1)]
 Name = Annotated[str, msgspec.Meta(max_length=4096)]
 #: A pid is handed to os.kill: beyond a C int it would raise OverflowError there.
@@ -58,7 +62,7 @@ class LatestRecord(msgspec.Struct, frozen=True, omit_defaults=True):
 
     step: NonNegative
     dir: Name | None = None
-    updated_at: float = 0.0
+    updated_at: Seconds = 0.0
     seq: Positive | None = None
     high_seq: Positive | None = None  # the highest sequence number ever handed out here
 
@@ -69,7 +73,7 @@ class TagRecord(msgspec.Struct, frozen=True, omit_defaults=True):
     step: NonNegative
     tag: Name = ""
     dir: Name | None = None
-    updated_at: float = 0.0
+    updated_at: Seconds = 0.0
 
 
 class LeaseBody(msgspec.Struct, frozen=True):
@@ -81,9 +85,9 @@ class LeaseBody(msgspec.Struct, frozen=True):
     pid: Pid
     boot_id: Name
     epoch: NonNegative
-    acquired_at: float
-    renewed_at: float
-    ttl_s: float
+    acquired_at: Seconds
+    renewed_at: Seconds
+    ttl_s: Seconds
     pid_ns: Name = ""
 
 
@@ -111,7 +115,7 @@ class TombstoneRecord(msgspec.Struct, frozen=True):
     format: Literal["ckptguard-tombstone"]
     attempt: Name = ""
     epoch: NonNegative = 0  # the index epoch of the job that wrote it
-    at: float = 0.0
+    at: Seconds = 0.0
 
 
 T = TypeVar("T")
