@@ -211,8 +211,11 @@ def gather_torch_save(state: dict[str, Any], path: Path, rank: int) -> None:
 
 def dd(path: Path, total: int) -> None:
     count = max(1, total // (64 << 20))
-    subprocess.run(["dd", "if=/dev/zero", f"of={path}", "bs=64M", f"count={count}", "conv=fdatasync"],
-                   check=True, capture_output=True)
+    subprocess.run(
+        ["dd", "if=/dev/zero", f"of={path}", "bs=64M", f"count={count}", "conv=fdatasync"],
+        check=True,
+        capture_output=True,
+    )
 
 
 @contextmanager
@@ -289,10 +292,14 @@ def bench_state(kind: str, rank: int, args: argparse.Namespace) -> dict[str, Any
     }
     writers["dd"] = lambda i: dd(work / f"dd{i}", total) if rank == 0 else None
     outputs = {  # what each writer leaves on disk at repetition i
-        "ckptguard": lambda i: [f"ckptguard/step-{i:08d}"], "ckptguard no checksum": lambda i: [
-            f"ckptguard-nosum/step-{i:08d}"], "ckptguard async": lambda i: [f"ckptguard-async/step-{i:08d}"],
-        "dcp.save": lambda i: [f"dcp{i}"], "raw writer": lambda i: [f"raw{i}.r0", f"raw{i}.r1"],
-        "host copy": lambda i: [], "gather+torch.save": lambda i: [f"torch{i}.pt"], "dd": lambda i: [f"dd{i}"],
+        "ckptguard": lambda i: [f"ckptguard/step-{i:08d}"],
+        "ckptguard no checksum": lambda i: [f"ckptguard-nosum/step-{i:08d}"],
+        "ckptguard async": lambda i: [f"ckptguard-async/step-{i:08d}"],
+        "dcp.save": lambda i: [f"dcp{i}"],
+        "raw writer": lambda i: [f"raw{i}.r0", f"raw{i}.r1"],
+        "host copy": lambda i: [],
+        "gather+torch.save": lambda i: [f"torch{i}.pt"],
+        "dd": lambda i: [f"dd{i}"],
     }
     times: dict[str, list[float]] = {w: [] for w in writers}
     save_peaks: dict[str, list[int]] = {w: [] for w in ("ckptguard", "dcp.save", "raw writer")}
@@ -300,7 +307,7 @@ def bench_state(kind: str, rank: int, args: argparse.Namespace) -> dict[str, Any
     order = list(writers)
     last = args.reps  # repetition 0 is a warm-up (first touch of memory, first files): not counted
     for rep in range(args.reps + 1):
-        for name in order[rep % len(order):] + order[: rep % len(order)]:
+        for name in order[rep % len(order) :] + order[: rep % len(order)]:
             if rank == 0:
                 subprocess.run(["sync"], check=False)
             seconds = timed(lambda n=name, r=rep: writers[n](r), save_peaks.get(name) if rep else None)
@@ -339,7 +346,7 @@ def bench_state(kind: str, rank: int, args: argparse.Namespace) -> dict[str, Any
     cold = True
     names = list(readers)
     for rep in range(args.load_reps + 1):  # repetition 0 warms up (first touch of dest), not counted
-        for name in names[rep % len(names):] + names[: rep % len(names)]:
+        for name in names[rep % len(names) :] + names[: rep % len(names)]:
             dist.barrier()
             if rank == 0:
                 cold = evict(work, args.drop_caches) and cold
@@ -360,7 +367,8 @@ def bench_state(kind: str, rank: int, args: argparse.Namespace) -> dict[str, Any
             if rank == 0:
                 subprocess.run(["sync"], check=False)
             times["gather+torch.save"].append(
-                timed(lambda r=rep: gather_torch_save(state, work / f"torch{r}.pt", rank)))
+                timed(lambda r=rep: gather_torch_save(state, work / f"torch{r}.pt", rank))
+            )
             gc.collect()
             dist.barrier()
             if rank == 0:
@@ -373,12 +381,19 @@ def bench_state(kind: str, rank: int, args: argparse.Namespace) -> dict[str, Any
     for c in (ck, ck_plain, ck_async):
         c.close()
     clean(work, rank)
-    return {"bytes": total, "tensors": len(state["model"]) * WORLD, "save": times, "load": load_times,
-            "cold": cold, "async_blocked": [max(b) for b in zip(*all_blocked, strict=True)],
-            "phases_rank0": {"save": save_phases, "load": load_phases},
-            "rank_bytes": nbytes(state),
-            "peak_rss_above": {op: {w: max(max(p[op][w] or [0]) for p in all_peaks) for w in all_peaks[0][op]}
-                               for op in ("save", "load")}}
+    return {
+        "bytes": total,
+        "tensors": len(state["model"]) * WORLD,
+        "save": times,
+        "load": load_times,
+        "cold": cold,
+        "async_blocked": [max(b) for b in zip(*all_blocked, strict=True)],
+        "phases_rank0": {"save": save_phases, "load": load_phases},
+        "rank_bytes": nbytes(state),
+        "peak_rss_above": {
+            op: {w: max(max(p[op][w] or [0]) for p in all_peaks) for w in all_peaks[0][op]} for op in ("save", "load")
+        },
+    }
 
 
 def bench_load_modes(kind: str, rank: int, args: argparse.Namespace) -> dict[str, Any]:
@@ -407,7 +422,7 @@ def bench_load_modes(kind: str, rank: int, args: argparse.Namespace) -> dict[str
     cold = True
     names = list(readers)
     for rep in range(args.load_reps):
-        for name in names[rep % len(names):] + names[: rep % len(names)]:
+        for name in names[rep % len(names) :] + names[: rep % len(names)]:
             dist.barrier()
             if rank == 0:
                 cold = evict(work, args.drop_caches) and cold
@@ -477,9 +492,11 @@ def render(results: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
         med = {w: statistics.median(v) for w, v in r["save"].items()}
         lmed = {w: statistics.median(v) for w, v in r["load"].items()}
         blocked = statistics.median(r["async_blocked"])
-        lines.append(f"\nstate {kind!r}: {r['tensors']} tensors, {gb:.2f} GB over {WORLD} ranks "
-                     f"(saves: median of {args.reps}; loads: median of {args.load_reps}, "
-                     f"{'cold' if results['cold_loads'] else 'WARM: page cache not dropped'})")
+        lines.append(
+            f"\nstate {kind!r}: {r['tensors']} tensors, {gb:.2f} GB over {WORLD} ranks "
+            f"(saves: median of {args.reps}; loads: median of {args.load_reps}, "
+            f"{'cold' if results['cold_loads'] else 'WARM: page cache not dropped'})"
+        )
         lines.append(f"  {'save':<24} {'seconds':>8} {'GB/s':>7} {'vs raw':>7} {'vs dcp':>7}")
         for w, t in med.items():
             lines.append(f"  {w:<24} {t:8.3f} {gb / t:7.2f} {med['raw writer'] / t:7.2f} {med['dcp.save'] / t:7.2f}")
@@ -489,22 +506,32 @@ def render(results: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
             lines.append(f"  {w:<24} {t:8.3f} {gb / t:7.2f} {lmed['raw reader'] / t:7.2f} {lmed['dcp.load'] / t:7.2f}")
         best = {w: min(v) for w, v in r["save"].items()}
         lbest = {w: min(v) for w, v in r["load"].items()}
-        lines.append("  best of each (the disk at its quietest): " + "; ".join(
-            [f"save vs raw {best['raw writer'] / best['ckptguard']:.2f}x",
-             f"save vs dcp {best['dcp.save'] / best['ckptguard']:.2f}x",
-             f"load vs raw {lbest['raw reader'] / lbest['ckptguard']:.2f}x",
-             f"load vs dcp {lbest['dcp.load'] / lbest['ckptguard']:.2f}x"]))
+        lines.append(
+            "  best of each (the disk at its quietest): "
+            + "; ".join(
+                [
+                    f"save vs raw {best['raw writer'] / best['ckptguard']:.2f}x",
+                    f"save vs dcp {best['dcp.save'] / best['ckptguard']:.2f}x",
+                    f"load vs raw {lbest['raw reader'] / lbest['ckptguard']:.2f}x",
+                    f"load vs dcp {lbest['dcp.load'] / lbest['ckptguard']:.2f}x",
+                ]
+            )
+        )
         if "peak_rss_above" in r:
             state_mb = r["rank_bytes"] / 1e6
             for op, peaks in r["peak_rss_above"].items():
-                lines.append(f"  peak resident set above the state during {op} (max over ranks and reps; state "
-                             f"{state_mb:.0f} MB per rank): " + "; ".join(
-                                 f"{w} {v / 1e6:.0f} MB ({v / r['rank_bytes']:.1%})" for w, v in peaks.items()))
+                lines.append(
+                    f"  peak resident set above the state during {op} (max over ranks and reps; state "
+                    f"{state_mb:.0f} MB per rank): "
+                    + "; ".join(f"{w} {v / 1e6:.0f} MB ({v / r['rank_bytes']:.1%})" for w, v in peaks.items())
+                )
         for op, runs in r.get("phases_rank0", {}).items():
             if runs:
                 phases = {k: statistics.median(x.get(k, 0.0) for x in runs) for k in runs[0]}
-                lines.append(f"  ckptguard {op} phases on rank 0 (median s): "
-                             + ", ".join(f"{k} {v:.3f}" for k, v in phases.items()))
+                lines.append(
+                    f"  ckptguard {op} phases on rank 0 (median s): "
+                    + ", ".join(f"{k} {v:.3f}" for k, v in phases.items())
+                )
         figures = {
             "sync save vs raw writer": med["raw writer"] / med["ckptguard"],
             "sync save vs dcp.save": med["dcp.save"] / med["ckptguard"],
@@ -518,22 +545,35 @@ def render(results: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
         if "gather+torch.save" in med:
             figures["sync save vs gather+torch.save"] = med["gather+torch.save"] / med["ckptguard"]
         figures["sync save vs dd"] = med["dd"] / med["ckptguard"]
-        lines.append("  figures: " + "; ".join(f"{k} {v:.2f}x" if "cost" not in k else f"{k} {v:+.1%}"
-                                              for k, v in figures.items()))
-        summary[kind] = {"bytes": r["bytes"], "tensors": r["tensors"], "save_s": med, "load_s": lmed,
-                         "async_blocked_s": blocked, "figures": figures, "raw": r}
+        lines.append(
+            "  figures: "
+            + "; ".join(f"{k} {v:.2f}x" if "cost" not in k else f"{k} {v:+.1%}" for k, v in figures.items())
+        )
+        summary[kind] = {
+            "bytes": r["bytes"],
+            "tensors": r["tensors"],
+            "save_s": med,
+            "load_s": lmed,
+            "async_blocked_s": blocked,
+            "figures": figures,
+            "raw": r,
+        }
     if "rss" in results:
         rss = results["rss"]
-        lines.append(f"\nresident memory over {args.rss_saves} async saves of {rss['bytes'] / 1e6:.0f} MB "
-                     f"({rss['bytes'] / WORLD / 1e6:.0f} MB per rank):")
+        lines.append(
+            f"\nresident memory over {args.rss_saves} async saves of {rss['bytes'] / 1e6:.0f} MB "
+            f"({rss['bytes'] / WORLD / 1e6:.0f} MB per rank):"
+        )
         growth = []
         for rank, samples in enumerate(rss["samples"]):
             first = dict(samples)[1]
             tenth = dict(samples).get(10, first)
             lastn, last = samples[-1]
             growth.append((last - tenth) / tenth)
-            lines.append(f"  rank {rank}: after save 1 {first / 1e6:.0f} MB, after save 10 {tenth / 1e6:.0f} MB, "
-                         f"after save {lastn} {last / 1e6:.0f} MB: growth from save 10 {growth[-1]:+.2%}")
+            lines.append(
+                f"  rank {rank}: after save 1 {first / 1e6:.0f} MB, after save 10 {tenth / 1e6:.0f} MB, "
+                f"after save {lastn} {last / 1e6:.0f} MB: growth from save 10 {growth[-1]:+.2%}"
+            )
         summary["rss"] = {"samples": rss["samples"], "growth_after_warmup": max(growth)}
     print("\n".join(lines))
     return summary
@@ -553,8 +593,11 @@ def main() -> None:
     p.add_argument("--quick", action="store_true", help="0.25 GiB, 2,000 small tensors, 2 repetitions, 10 saves")
     p.add_argument("--json", default=None, help="where to write the JSON result (default bench/results/)")
     p.add_argument("--load-modes", action="store_true", help="only loads: raw reader vs each ckptguard load mode")
-    p.add_argument("--drop-caches", action="store_true",
-                   help="cold loads by dropping the whole page cache (root); default: evict only the bench's files")
+    p.add_argument(
+        "--drop-caches",
+        action="store_true",
+        help="cold loads by dropping the whole page cache (root); default: evict only the bench's files",
+    )
     args = p.parse_args()
     if args.quick:
         args.size_gib, args.small_count, args.reps, args.load_reps, args.rss_saves = 0.25, 2000, 2, 1, 10
@@ -564,9 +607,11 @@ def main() -> None:
         port = s.getsockname()[1]
     out = Path(args.dir) / "result.json"
     Path(args.dir).mkdir(parents=True, exist_ok=True)
-    machine = (f"{platform.node()} {platform.machine()}, {os.cpu_count()} cpus, "
-               f"{os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / 2**30:.0f} GiB, "
-               f"python {platform.python_version()}, torch {torch.__version__}, dir {args.dir}")
+    machine = (
+        f"{platform.node()} {platform.machine()}, {os.cpu_count()} cpus, "
+        f"{os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / 2**30:.0f} GiB, "
+        f"python {platform.python_version()}, torch {torch.__version__}, dir {args.dir}"
+    )
     print(f"machine: {machine}")
     mp.spawn(worker, args=(port, args, str(out)), nprocs=WORLD, join=True)
     results = json.loads(out.read_text())
@@ -580,15 +625,21 @@ def main() -> None:
                 for name, times in r["loads"][temp].items():
                     med = statistics.median(times)
                     print(f"  {temp:4} {name:20} {med:7.3f} s  {r['bytes'] / med / 1e9:5.2f} GB/s  x{med / raw:.2f}")
-        dest = Path(args.json) if args.json else Path(__file__).parent / "results" / (
-            f"loads-{datetime.datetime.now():%Y%m%d-%H%M%S}.json")
+        dest = (
+            Path(args.json)
+            if args.json
+            else Path(__file__).parent / "results" / (f"loads-{datetime.datetime.now():%Y%m%d-%H%M%S}.json")
+        )
         dest.parent.mkdir(parents=True, exist_ok=True)
         dest.write_text(json.dumps({"machine": machine, "args": vars(args), "results": results}, indent=1))
         print(f"\nJSON result: {dest}")
         return
     summary = render(results, args)
-    dest = Path(args.json) if args.json else Path(__file__).parent / "results" / (
-        f"checkpoint-{datetime.datetime.now():%Y%m%d-%H%M%S}.json")
+    dest = (
+        Path(args.json)
+        if args.json
+        else Path(__file__).parent / "results" / (f"checkpoint-{datetime.datetime.now():%Y%m%d-%H%M%S}.json")
+    )
     dest.parent.mkdir(parents=True, exist_ok=True)
     dest.write_text(json.dumps({"machine": machine, "args": vars(args), "summary": summary}, indent=1, default=str))
     print(f"\nJSON result: {dest}")

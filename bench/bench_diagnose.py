@@ -39,18 +39,26 @@ def _noise_block(rng: random.Random, ranks: int, step0: int, nlines: int) -> byt
         k = rng.random()
         ts = f"2024-05-01 10:{(step // 60) % 60:02d}:{step % 60:02d},{rng.randrange(1000):03d}"
         if k < 0.86:
-            out.append(f"[rank{r}]:{ts} INFO trainer: step {step} loss {2 + rng.random():.4f} "
-                       f"lr 3.0e-04 grad_norm {rng.random():.3f} tok/s {rng.randrange(90000, 120000)} "
-                       f"mfu 41.{r % 10}%\n")
+            out.append(
+                f"[rank{r}]:{ts} INFO trainer: step {step} loss {2 + rng.random():.4f} "
+                f"lr 3.0e-04 grad_norm {rng.random():.3f} tok/s {rng.randrange(90000, 120000)} "
+                f"mfu 41.{r % 10}%\n"
+            )
         elif k < 0.93:
-            out.append(f"gpu-{r // 8:03d}:{100000 + r}:{200000 + r} [{r % 8}] NCCL INFO Channel {i % 32:02d}/32 : "
-                       f"{r}[{r % 8}] -> {(r + 1) % ranks}[{(r + 1) % 8}] via P2P/CUMEM/read\n")
+            out.append(
+                f"gpu-{r // 8:03d}:{100000 + r}:{200000 + r} [{r % 8}] NCCL INFO Channel {i % 32:02d}/32 : "
+                f"{r}[{r % 8}] -> {(r + 1) % ranks}[{(r + 1) % 8}] via P2P/CUMEM/read\n"
+            )
         elif k < 0.97:
-            out.append(f"[rank{r}]:{ts} INFO data: shard {rng.randrange(4096)} opened, "
-                       f"{rng.randrange(10**6)} samples, prefetch 4\n")
+            out.append(
+                f"[rank{r}]:{ts} INFO data: shard {rng.randrange(4096)} opened, "
+                f"{rng.randrange(10**6)} samples, prefetch 4\n"
+            )
         else:
-            out.append(f"[rank{r}]:/opt/conda/lib/python3.11/site-packages/torch/utils/data/dataloader.py:558: "
-                       f"UserWarning: This DataLoader will create 8 worker processes in total.\n")
+            out.append(
+                f"[rank{r}]:/opt/conda/lib/python3.11/site-packages/torch/utils/data/dataloader.py:558: "
+                f"UserWarning: This DataLoader will create 8 worker processes in total.\n"
+            )
     return "".join(out).encode()
 
 
@@ -58,10 +66,13 @@ def _init_lines(ranks: int) -> bytes:
     out = []
     for r in range(ranks):
         h, pid = f"gpu-{r // 8:03d}", 100000 + r
-        out.append(f"{h}:{pid}:{pid + 50} [{r % 8}] NCCL INFO comm 0x7f{r:04x} rank {r} nranks {ranks} "
-                   f"cudaDev {r % 8} nvmlDev {r % 8} busId {r % 8}0000 commId 0xabc - Init COMPLETE\n")
-        out.append(f"{h}:{pid}:{pid + 50} [{r % 8}] NCCL INFO Trees [0] "
-                   f"{(r + 1) % ranks}/-1/-1->{r}->{(r - 1) % ranks}\n")
+        out.append(
+            f"{h}:{pid}:{pid + 50} [{r % 8}] NCCL INFO comm 0x7f{r:04x} rank {r} nranks {ranks} "
+            f"cudaDev {r % 8} nvmlDev {r % 8} busId {r % 8}0000 commId 0xabc - Init COMPLETE\n"
+        )
+        out.append(
+            f"{h}:{pid}:{pid + 50} [{r % 8}] NCCL INFO Trees [0] {(r + 1) % ranks}/-1/-1->{r}->{(r - 1) % ranks}\n"
+        )
     return "".join(out).encode()
 
 
@@ -70,16 +81,18 @@ def _failure(ranks: int) -> bytes:
     lines = [
         f"[rank{r}]:2024-05-01 11:59:58,101 ERROR trainer: step 99990 failed\n",
         f"[rank{r}]: Traceback (most recent call last):\n",
-        f"[rank{r}]:   File \"/workspace/train.py\", line 412, in <module>\n",
+        f'[rank{r}]:   File "/workspace/train.py", line 412, in <module>\n',
         f"[rank{r}]:     loss.backward()\n",
         f"[rank{r}]: torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 3.50 GiB. GPU {r % 8} has a total "
         f"capacity of 79.15 GiB of which 2.1 GiB is free.\n",
     ]
     for q in range(ranks):
         if q != r:
-            lines.append(f"[rank{q}]:[E0501 12:09:58.{q:06d} ProcessGroupNCCL.cpp:616] [Rank {q}] Watchdog caught "
-                         f"collective operation timeout: WorkNCCL(SeqNum=880213, OpType=ALLREDUCE, NumelIn=1, "
-                         f"NumelOut=1, Timeout(ms)=600000) ran for 600031 milliseconds before timing out.\n")
+            lines.append(
+                f"[rank{q}]:[E0501 12:09:58.{q:06d} ProcessGroupNCCL.cpp:616] [Rank {q}] Watchdog caught "
+                f"collective operation timeout: WorkNCCL(SeqNum=880213, OpType=ALLREDUCE, NumelIn=1, "
+                f"NumelOut=1, Timeout(ms)=600000) ran for 600031 milliseconds before timing out.\n"
+            )
     return "".join(lines).encode()
 
 
@@ -117,9 +130,19 @@ def generate_anchored(path: Path, size: int, ranks: int, seed: int = 0) -> None:
     block = []
     for i in range(40_000):
         r = rng.randrange(ranks)
-        block.append(shapes[i % len(shapes)].format(r=r, m=(i // 60) % 60, s=i % 60, ms=rng.randrange(1000),
-                                                   n=rng.randrange(10**6), a=rng.randrange(1, 5), h=r // 8,
-                                                   pid=100000 + r, d=r % 8))
+        block.append(
+            shapes[i % len(shapes)].format(
+                r=r,
+                m=(i // 60) % 60,
+                s=i % 60,
+                ms=rng.randrange(1000),
+                n=rng.randrange(10**6),
+                a=rng.randrange(1, 5),
+                h=r // 8,
+                pid=100000 + r,
+                d=r % 8,
+            )
+        )
     data = "".join(block).encode()
     written = 0
     with path.open("wb") as f:
@@ -133,9 +156,11 @@ def generate_anchored(path: Path, size: int, ranks: int, seed: int = 0) -> None:
 def _run_measured(cmd: list[str]) -> tuple[float, int, str]:
     """Wall time, peak RSS (bytes) and stdout of one child, measured by a fresh wrapper process
     so that each figure is that child's own maximum."""
-    wrapper = ("import resource, subprocess, sys, time; t = time.perf_counter(); "
-               "p = subprocess.run(sys.argv[1:]); dt = time.perf_counter() - t; "
-               "sys.stderr.write(f'@@{dt} {resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss} {p.returncode}')")
+    wrapper = (
+        "import resource, subprocess, sys, time; t = time.perf_counter(); "
+        "p = subprocess.run(sys.argv[1:]); dt = time.perf_counter() - t; "
+        "sys.stderr.write(f'@@{dt} {resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss} {p.returncode}')"
+    )
     proc = subprocess.run([sys.executable, "-c", wrapper, *cmd], capture_output=True, text=True, check=False)
     tail = proc.stderr.rsplit("@@", 1)[-1].split()
     dt, rss_kib, rc = float(tail[0]), int(tail[1]), int(tail[2])
@@ -148,11 +173,18 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--size-mb", type=int, default=1024)
     ap.add_argument("--ranks", type=int, default=1024)
-    ap.add_argument("--anchored-mb", type=int, default=200,
-                    help="size of the log whose every line holds an anchor word (0: skip that case)")
+    ap.add_argument(
+        "--anchored-mb",
+        type=int,
+        default=200,
+        help="size of the log whose every line holds an anchor word (0: skip that case)",
+    )
     ap.add_argument("--keep", action="store_true", help="keep the generated logs")
-    ap.add_argument("--baseline", metavar="SRC",
-                    help="also time the engine importable from SRC (e.g. an older commit's src/), in the same run")
+    ap.add_argument(
+        "--baseline",
+        metavar="SRC",
+        help="also time the engine importable from SRC (e.g. an older commit's src/), in the same run",
+    )
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="ckptguard-bench-"))
     one_core = ["taskset", "-c", "0"] if shutil.which("taskset") else []
@@ -161,8 +193,10 @@ def main() -> None:
         t0 = time.perf_counter()
         generate(big, args.size_mb * 1_000_000, args.ranks)
         generate(small, args.size_mb * 1_000_000 // 8, args.ranks, seed=1)
-        print(f"generated {big.stat().st_size / 1e6:.0f} MB + {small.stat().st_size / 1e6:.0f} MB "
-              f"in {time.perf_counter() - t0:.1f} s ({args.ranks} ranks, failure on rank {fail_rank(args.ranks)})")
+        print(
+            f"generated {big.stat().st_size / 1e6:.0f} MB + {small.stat().st_size / 1e6:.0f} MB "
+            f"in {time.perf_counter() - t0:.1f} s ({args.ranks} ranks, failure on rank {fail_rank(args.ranks)})"
+        )
         anchored = tmp / "anchored.log"
         if args.anchored_mb:
             generate_anchored(anchored, args.anchored_mb * 1_000_000, args.ranks, seed=2)
@@ -170,8 +204,11 @@ def main() -> None:
         subprocess.run(["cat", str(big), str(small)], stdout=subprocess.DEVNULL, check=True)  # warm cache
         # The command users run, end to end: start-up, ingest, diagnosis and the JSON report.
         cli = [sys.executable, "-m", "ckptguard.cli", "diagnose", "--json"]
-        runs = [("grep -c 'loss'", big, None), ("ckptguard diagnose", big, None),
-                ("ckptguard diagnose (1/8 size)", small, None)]
+        runs = [
+            ("grep -c 'loss'", big, None),
+            ("ckptguard diagnose", big, None),
+            ("ckptguard diagnose (1/8 size)", small, None),
+        ]
         if args.anchored_mb:
             runs.append(("ckptguard diagnose (every line anchored)", anchored, None))
         if args.baseline:
@@ -191,8 +228,7 @@ def main() -> None:
             env = ["env", f"PYTHONPATH={pythonpath}"] if pythonpath else []
             dt, rss, out = _run_measured([*one_core, *env, *cli, str(path)])
             d = json.loads(out)
-            result = (f"{d['failure_class']}, rank {d['initiating_rank']}, "
-                      f"{len(d['collateral_ranks'])} collateral")
+            result = f"{d['failure_class']}, rank {d['initiating_rank']}, {len(d['collateral_ranks'])} collateral"
             rows.append((label, mb, dt, mb / dt, rss / 2**20, result))
             ratios.append((label, gdt / dt, mb / gdt))
         print(f"\n{'tool':42s} {'MB':>7s} {'seconds':>8s} {'MB/s':>8s} {'peak RSS MiB':>13s}  result")
@@ -201,9 +237,11 @@ def main() -> None:
         for label, ratio, grep_rate in ratios:
             print(f"ratio {label} / grep -c (run just before it, {grep_rate:.0f} MB/s): {ratio:.3f}")
         print("targets: >= 0.2x grep -c on the job log; >= 20 MB/s on the log whose every line is anchored")
-        print(f"\n(one core via {'taskset -c 0' if one_core else 'no taskset: unpinned'}; "
-              f"python {sys.version.split()[0]}; "
-              f"page cache warm; peak RSS is each process's own ru_maxrss, Python interpreter included)")
+        print(
+            f"\n(one core via {'taskset -c 0' if one_core else 'no taskset: unpinned'}; "
+            f"python {sys.version.split()[0]}; "
+            f"page cache warm; peak RSS is each process's own ru_maxrss, Python interpreter included)"
+        )
     finally:
         if args.keep:
             print(f"logs kept in {tmp}")

@@ -53,8 +53,10 @@ def main() -> None:
     p.add_argument("--json", default=None, help="write the figures here as JSON")
     args = p.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("bench_gpu: --device cuda needs a GPU (torch.cuda.is_available() is False); "
-                         "use --device cpu to run the same code paths on the CPU")
+        raise SystemExit(
+            "bench_gpu: --device cuda needs a GPU (torch.cuda.is_available() is False); "
+            "use --device cpu to run the same code paths on the CPU"
+        )
     device = torch.device(args.device)
     work = Path(args.dir or tempfile.mkdtemp(prefix="ckptguard-gpu-bench-"))
     work.mkdir(parents=True, exist_ok=True)
@@ -70,8 +72,9 @@ def main() -> None:
 def run(args: argparse.Namespace, device: torch.device, work: Path) -> dict[str, Any]:
     state = make_state(device, int(args.size_gib * (1 << 30)), args.tensors)
     total = sum(t.numel() * t.element_size() for t in state["model"].values())
-    pinned = {k: torch.empty(t.shape, dtype=t.dtype, pin_memory=device.type == "cuda")
-              for k, t in state["model"].items()}
+    pinned = {
+        k: torch.empty(t.shape, dtype=t.dtype, pin_memory=device.type == "cuda") for k, t in state["model"].items()
+    }
     ck_sync, ck_async = Checkpointer(work / "sync"), Checkpointer(work / "async")
     blocked: dict[str, list[float]] = {"ckptguard async": [], "dcp.async_save": []}
 
@@ -99,12 +102,16 @@ def run(args: argparse.Namespace, device: torch.device, work: Path) -> dict[str,
         "dcp.save": lambda i: dcp.save(state, checkpoint_id=str(work / f"dcp{i}")),
         "dcp.async_save": dcp_async_save,
     }
-    leftovers = {"ckptguard sync": "sync/step-{:08d}", "ckptguard async": "async/step-{:08d}",
-                 "dcp.save": "dcp{}", "dcp.async_save": "dcpa{}"}
+    leftovers = {
+        "ckptguard sync": "sync/step-{:08d}",
+        "ckptguard async": "async/step-{:08d}",
+        "dcp.save": "dcp{}",
+        "dcp.async_save": "dcpa{}",
+    }
     times: dict[str, list[float]] = {w: [] for w in writers}
     order = list(writers)
     for rep in range(args.reps + 1):
-        for name in order[rep % len(order):] + order[: rep % len(order)]:
+        for name in order[rep % len(order) :] + order[: rep % len(order)]:
             sync(device)
             start = time.perf_counter()
             writers[name](rep)
@@ -125,7 +132,7 @@ def run(args: argparse.Namespace, device: torch.device, work: Path) -> dict[str,
     loads: dict[str, list[float]] = {"ckptguard load": [], "dcp.load": []}
     load_phases = None
     for rep in range(args.reps + 1):
-        for name in (["ckptguard load", "dcp.load"] if rep % 2 == 0 else ["dcp.load", "ckptguard load"]):
+        for name in ["ckptguard load", "dcp.load"] if rep % 2 == 0 else ["dcp.load", "ckptguard load"]:
             sync(device)
             start = time.perf_counter()
             if name == "ckptguard load":
@@ -162,8 +169,15 @@ def run(args: argparse.Namespace, device: torch.device, work: Path) -> dict[str,
     print("figures (time ratios; 'vs dcp' rows: DCP's time / ckptguard's, above 1 = ckptguard faster):")
     for k, v in figures.items():
         print(f"  {k:42} {v:6.2f}x")
-    result = {"device": str(device), "bytes": total, "tensors": args.tensors, "reps": args.reps,
-              "median_s": med, "best_s": best, "figures": figures}
+    result = {
+        "device": str(device),
+        "bytes": total,
+        "tensors": args.tensors,
+        "reps": args.reps,
+        "median_s": med,
+        "best_s": best,
+        "figures": figures,
+    }
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))
     return result

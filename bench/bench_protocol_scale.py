@@ -74,31 +74,66 @@ def inputs(n: int, k: int) -> dict[str, Any]:
     """What rank 0 receives from N ranks (built outside the measurement)."""
     hosts = [f"node{r // RANKS_PER_HOST:05d}" for r in range(n)]
     host_first = {h: r for r, h in reversed(list(enumerate(hosts)))}
-    probe = [{"lister": True, "seen": to_ranges(list(range(n)))} if host_first[hosts[r]] == r
-             else {"lister": False, "sees_host_first": True} for r in range(n)]
-    plan_reports = [PlanReport([ArtifactTarget(r, hosts[r], "offloaded", f"/local/offload/rank{r:05d}")],
-                               LeaderView([], {s: {1: s + 1} for s in range(3)}, 3) if r == 0 else None)
-                    for r in range(n)]
+    probe = [
+        {"lister": True, "seen": to_ranges(list(range(n)))}
+        if host_first[hosts[r]] == r
+        else {"lister": False, "sees_host_first": True}
+        for r in range(n)
+    ]
+    plan_reports = [
+        PlanReport(
+            [ArtifactTarget(r, hosts[r], "offloaded", f"/local/offload/rank{r:05d}")],
+            LeaderView([], {s: {1: s + 1} for s in range(3)}, 3) if r == 0 else None,
+        )
+        for r in range(n)
+    ]
     shard = 1 << 20  # elements per chunk (4 MiB of float32)
-    md = Metadata(state_dict_metadata={
-        f"model.layer{t}.flat_param": TensorStorageMetadata(
-            properties=TensorProperties(dtype=torch.float32), size=torch.Size([shard * n]),
-            chunks=[ChunkStorageMetadata(offsets=torch.Size([r * shard]), sizes=torch.Size([shard]))
-                    for r in range(n)])
-        for t in range(k)}, planner_data={f"model.layer{t}.flat_param": ("model", f"layer{t}.flat_param")
-                                          for t in range(k)})
+    md = Metadata(
+        state_dict_metadata={
+            f"model.layer{t}.flat_param": TensorStorageMetadata(
+                properties=TensorProperties(dtype=torch.float32),
+                size=torch.Size([shard * n]),
+                chunks=[
+                    ChunkStorageMetadata(offsets=torch.Size([r * shard]), sizes=torch.Size([shard])) for r in range(n)
+                ],
+            )
+            for t in range(k)
+        },
+        planner_data={f"model.layer{t}.flat_param": ("model", f"layer{t}.flat_param") for t in range(k)},
+    )
     writes = []
     for r in range(n):
         rel = layout.data_file(r, 0)
-        items = [StoredItem(f"model.layer{t}.flat_param", (r * shard,), rel, t * shard * 4, shard * 4,
-                            f"{r * 1000 + t:016x}", "float32", (shard,)) for t in range(k)]
+        items = [
+            StoredItem(
+                f"model.layer{t}.flat_param",
+                (r * shard,),
+                rel,
+                t * shard * 4,
+                shard * 4,
+                f"{r * 1000 + t:016x}",
+                "float32",
+                (shard,),
+            )
+            for t in range(k)
+        ]
         # Each rank sends its rows as columns (save.py's report_writes), built on the rank.
         writes.append(RankWrites([FileEntry(rel, k * shard * 4, r)], [], ItemTable.from_items(items, [rel])))
     # What each rank sends for the check of plain values: one digest over all of them.
-    plain = [combined_digest({f"optim.param_groups.0.{p}": "00000000deadbeef" for p in ("lr", "betas", "eps")})
-             for _ in range(n)]
-    return {"hosts": hosts, "host_first": host_first, "probe": probe, "plan": plan_reports, "md": md,
-            "writes": writes, "plain": plain, "statuses": [None] * n}
+    plain = [
+        combined_digest({f"optim.param_groups.0.{p}": "00000000deadbeef" for p in ("lr", "betas", "eps")})
+        for _ in range(n)
+    ]
+    return {
+        "hosts": hosts,
+        "host_first": host_first,
+        "probe": probe,
+        "plan": plan_reports,
+        "md": md,
+        "writes": writes,
+        "plain": plain,
+        "statuses": [None] * n,
+    }
 
 
 def leader_work(data: dict[str, Any], n: int, root: Path, staging: Path) -> tuple[dict[str, float], int]:
@@ -174,10 +209,16 @@ def run(n: int, k: int, workdir: Path, repeat: int = 1) -> dict[str, Any]:
     _, peak = tracemalloc.get_traced_memory()
     tracemalloc.stop()
     shutil.rmtree(root)
-    return {"ranks": n, "items_per_rank": k, "seconds": timings, "total_s": statistics.median(totals),
-            "total_s_runs": totals,
-            "peak_python_mb": peak / 1e6, "received_mb": {k_: v / 1e6 for k_, v in received.items()},
-            "manifest_mb": manifest_bytes / 1e6}
+    return {
+        "ranks": n,
+        "items_per_rank": k,
+        "seconds": timings,
+        "total_s": statistics.median(totals),
+        "total_s_runs": totals,
+        "peak_python_mb": peak / 1e6,
+        "received_mb": {k_: v / 1e6 for k_, v in received.items()},
+        "manifest_mb": manifest_bytes / 1e6,
+    }
 
 
 def ab(n: int, k: int, rounds: int) -> None:
@@ -204,20 +245,31 @@ def ab(n: int, k: int, rounds: int) -> None:
                 f()
                 cpu[w].append(time.process_time() - t)
     for w, v in cpu.items():
-        print(f"{n} x {k}, chunk lists {w:<7}: best {min(v):.3f} s CPU, median {statistics.median(v):.3f} s "
-              f"(runs {', '.join(f'{x:.3f}' for x in v)})")
+        print(
+            f"{n} x {k}, chunk lists {w:<7}: best {min(v):.3f} s CPU, median {statistics.median(v):.3f} s "
+            f"(runs {', '.join(f'{x:.3f}' for x in v)})"
+        )
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ranks", type=int, nargs="+", default=[1024, 16384])
     p.add_argument("--items", type=int, nargs="+", default=[4, 64])
-    p.add_argument("--repeat", type=int, default=1,
-                   help="time the leader's work this many times on the same inputs; report medians")
+    p.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="time the leader's work this many times on the same inputs; report medians",
+    )
     p.add_argument("--json", default=None)
-    p.add_argument("--ab", type=int, default=0, metavar="ROUNDS",
-                   help="instead: CPU time of building + encoding the manifest with DCP's chunk lists walked "
-                        "and from the tables, alternated ROUNDS times (identical bytes checked)")
+    p.add_argument(
+        "--ab",
+        type=int,
+        default=0,
+        metavar="ROUNDS",
+        help="instead: CPU time of building + encoding the manifest with DCP's chunk lists walked "
+        "and from the tables, alternated ROUNDS times (identical bytes checked)",
+    )
     args = p.parse_args()
     if args.ab:
         for k in args.items:
@@ -229,19 +281,26 @@ def main() -> None:
         for k in args.items:
             for n in args.ranks:
                 rows.append(run(n, k, Path(tmp), args.repeat))
-    print(f"{'ranks':>7} {'items/rank':>10} {'leader s':>9} {'peak MB':>8} {'manifest MB':>12} "
-          f"{'rank 0 receives MB (probe/plan/commit)':>40}")
+    print(
+        f"{'ranks':>7} {'items/rank':>10} {'leader s':>9} {'peak MB':>8} {'manifest MB':>12} "
+        f"{'rank 0 receives MB (probe/plan/commit)':>40}"
+    )
     for r in rows:
         rec = r["received_mb"]
-        print(f"{r['ranks']:>7} {r['items_per_rank']:>10} {r['total_s']:9.3f} {r['peak_python_mb']:8.1f} "
-              f"{r['manifest_mb']:12.2f} {rec['probe']:>12.2f} / {rec['plan']:.2f} / {rec['commit']:.2f}")
+        print(
+            f"{r['ranks']:>7} {r['items_per_rank']:>10} {r['total_s']:9.3f} {r['peak_python_mb']:8.1f} "
+            f"{r['manifest_mb']:12.2f} {rec['probe']:>12.2f} / {rec['plan']:.2f} / {rec['commit']:.2f}"
+        )
     for r in rows:
         runs = ", ".join(f"{t:.3f}" for t in r["total_s_runs"])
         print(f"\n{r['ranks']} ranks x {r['items_per_rank']} items per rank (medians; runs: {runs} s):")
         for name, s in r["seconds"].items():
             print(f"  {name:<50} {s:8.4f} s")
-    out = Path(args.json) if args.json else Path(__file__).parent / "results" / (
-        f"protocol-scale-{time.strftime('%Y%m%d-%H%M%S')}.json")
+    out = (
+        Path(args.json)
+        if args.json
+        else Path(__file__).parent / "results" / (f"protocol-scale-{time.strftime('%Y%m%d-%H%M%S')}.json")
+    )
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(rows, indent=1))
     print(f"\nJSON result: {out}")

@@ -45,8 +45,10 @@ def _peak_rss_kib(pid: int) -> int:
 
 def timed(cmd: list[str], env: dict[str, str], sink: str) -> tuple[float, int]:
     """Seconds the command took, and its own peak RSS in KiB (sampled every 10 ms)."""
-    with open(sink if sink == os.devnull else sink + ".out", "wb") as out, \
-            open(sink if sink == os.devnull else sink + ".err", "wb") as err:
+    with (
+        open(sink if sink == os.devnull else sink + ".out", "wb") as out,
+        open(sink if sink == os.devnull else sink + ".err", "wb") as err,
+    ):
         t0 = time.perf_counter()
         proc = subprocess.Popen(cmd, stdout=out, stderr=err, env=env)
         peak = 0
@@ -92,8 +94,10 @@ def main() -> int:
     print(f"| direct | {best_d:.2f} | {args.lines / best_d:,.0f} |")
     print(f"| under ckptguard run | {best_u:.2f} | {args.lines / best_u:,.0f} |")
     print(f"ratio (direct time / time under run): {best_d / best_u:.3f} (target >= 0.95)")
-    print(f"ckptguard run peak RSS: {rss / 1024:.1f} MiB for {args.lines:,} lines, "
-          f"{rss4 / 1024:.1f} MiB for {4 * args.lines:,} lines; {kept / 1e6:.1f} MB of logs kept in all")
+    print(
+        f"ckptguard run peak RSS: {rss / 1024:.1f} MiB for {args.lines:,} lines, "
+        f"{rss4 / 1024:.1f} MiB for {4 * args.lines:,} lines; {kept / 1e6:.1f} MB of logs kept in all"
+    )
     return 0
 
 

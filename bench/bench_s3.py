@@ -100,8 +100,11 @@ def run(args: argparse.Namespace, server: MotoServer) -> None:
     nbytes = n * elems * 4
     target = {"model": {f"t{i}": torch.zeros(elems) for i in range(n)}}  # zeros: pages resident
     options = {"part_size": args.part_mib << 20, "max_concurrency": args.concurrency}
-    transfer = TransferConfig(multipart_threshold=args.part_mib << 20, multipart_chunksize=args.part_mib << 20,
-                              max_concurrency=args.concurrency)
+    transfer = TransferConfig(
+        multipart_threshold=args.part_mib << 20,
+        multipart_chunksize=args.part_mib << 20,
+        max_concurrency=args.concurrency,
+    )
     shm = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
     src = shm / f"bench_s3_{os.getpid()}.bin"
     dst = shm / f"bench_s3_{os.getpid()}.out"
@@ -164,8 +167,10 @@ def run(args: argparse.Namespace, server: MotoServer) -> None:
     gbps = {k: nbytes / v / 1e9 for k, v in med.items()}
     save_ratio = med["boto3 upload_file"] / med["ckptguard save"]
     load_ratio = med["boto3 download_file"] / med["ckptguard load"]
-    print(f"\n{nbytes / 2**20:.0f} MiB in {n} tensors, part {args.part_mib} MiB, concurrency {args.concurrency}, "
-          f"{args.reps} repetitions (medians), moto {server.url}")
+    print(
+        f"\n{nbytes / 2**20:.0f} MiB in {n} tensors, part {args.part_mib} MiB, concurrency {args.concurrency}, "
+        f"{args.reps} repetitions (medians), moto {server.url}"
+    )
     peak = {k: max(v) for k, v in peaks.items()}
     print(f"{'':22} {'seconds':>8} {'GB/s':>6} {'peak RSS above start, MiB (max)':>32}")
     for k in times:
@@ -175,12 +180,27 @@ def run(args: argparse.Namespace, server: MotoServer) -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-    (out / f"s3-{stamp}.json").write_text(json.dumps({
-        "bytes": nbytes, "tensors": n, "part_mib": args.part_mib, "concurrency": args.concurrency,
-        "reps": args.reps, "seconds": times, "median_s": med, "peak_rss_above_bytes": peaks,
-        "gbps": gbps, "save_ratio": save_ratio,
-        "load_ratio": load_ratio, "machine": platform.platform(), "cpus": os.cpu_count(),
-        "torch": torch.__version__}, indent=2))
+    (out / f"s3-{stamp}.json").write_text(
+        json.dumps(
+            {
+                "bytes": nbytes,
+                "tensors": n,
+                "part_mib": args.part_mib,
+                "concurrency": args.concurrency,
+                "reps": args.reps,
+                "seconds": times,
+                "median_s": med,
+                "peak_rss_above_bytes": peaks,
+                "gbps": gbps,
+                "save_ratio": save_ratio,
+                "load_ratio": load_ratio,
+                "machine": platform.platform(),
+                "cpus": os.cpu_count(),
+                "torch": torch.__version__,
+            },
+            indent=2,
+        )
+    )
 
 
 if __name__ == "__main__":

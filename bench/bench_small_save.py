@@ -63,13 +63,15 @@ def run_rank(rank: int, port: int, work: str, args: argparse.Namespace, queue: A
         raw_write(state, Path(work) / f"raw{step[0]}.r{rank}")
         step[0] += 1
 
-    checkpointers = {n: Checkpointer(os.path.join(work, f"ckptguard-{n}"), keep_last=1, io_threads=n)
-                     for n in args.io_threads}
+    checkpointers = {
+        n: Checkpointer(os.path.join(work, f"ckptguard-{n}"), keep_last=1, io_threads=n) for n in args.io_threads
+    }
 
     def save_with(n: int) -> Callable[[], None]:
         def save() -> None:
             step[0] += 1
             checkpointers[n].save(step[0], state)
+
         return save
 
     writers: list[tuple[str, Callable[[], None]]] = [("raw writer", raw)]
@@ -77,7 +79,7 @@ def run_rank(rank: int, port: int, work: str, args: argparse.Namespace, queue: A
     results: dict[str, list[tuple[float, float]]] = {name: [] for name, _ in writers}
     phases: dict[str, list[dict[str, float]]] = {name: [] for name, _ in writers}
     for rep in range(args.reps + 1):  # repetition 0 warms up
-        for name, fn in writers[rep % len(writers):] + writers[:rep % len(writers)]:
+        for name, fn in writers[rep % len(writers) :] + writers[: rep % len(writers)]:
             dist.barrier()
             if rank == 0:
                 os.sync()
@@ -90,8 +92,7 @@ def run_rank(rank: int, port: int, work: str, args: argparse.Namespace, queue: A
                 results[name].append((wall, cpu))
                 if name != "raw writer":
                     n = int(name.rsplit("=", 1)[1])
-                    phases[name].append({**checkpointers[n].last_save_stats.seconds,
-                                         "write_data": writer_seconds[-1]})
+                    phases[name].append({**checkpointers[n].last_save_stats.seconds, "write_data": writer_seconds[-1]})
             if rank == 0:
                 for entry in os.listdir(work):
                     if entry.startswith("raw"):
@@ -131,8 +132,10 @@ def main() -> None:
         print(f"{name:26s} {best:7.3f} {med:9.3f} {raw_best / best:7.2f} {raw_med / med:6.2f} {cpu:9.3f}")
         if phases[name]:
             keys = phases[name][0].keys()
-            print("    rank 0 phases (median s): " + ", ".join(
-                f"{k} {statistics.median(p[k] for p in phases[name]):.3f}" for k in keys))
+            print(
+                "    rank 0 phases (median s): "
+                + ", ".join(f"{k} {statistics.median(p[k] for p in phases[name]):.3f}" for k in keys)
+            )
 
 
 if __name__ == "__main__":

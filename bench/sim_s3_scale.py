@@ -57,8 +57,10 @@ class Config:
     io_threads: int
 
 
-CONFIGS = [Config("default: part_size 16 MiB, io_threads=4", 16 * MIB, 4),
-           Config("part_size 64 MiB, io_threads=1", 64 * MIB, 1)]
+CONFIGS = [
+    Config("default: part_size 16 MiB, io_threads=4", 16 * MIB, 4),
+    Config("part_size 64 MiB, io_threads=1", 64 * MIB, 1),
+]
 # bf16 weights + fp32 master weights and Adam moments: 2 + 4 + 4 + 4 bytes per parameter, fully sharded
 MODELS = {"7B": 7e9 * 14, "70B": 70e9 * 14}
 ITEMS_PER_RANK = 64
@@ -97,19 +99,36 @@ def row(model: str, total_bytes: float, ranks: int, config: Config, a: Assumptio
     writes_per_rank = sum(save.per_rank.values())
     rank_requests = math.ceil(writes_per_rank / a.max_concurrency) * a.write_latency_s
     prefix_rate = writes_per_rank * ranks / (a.put_per_prefix_s * a.prefixes)
-    heads = max(math.ceil(load.shared_heads / ranks / HEAD_THREADS) * a.read_latency_s,
-                load.shared_heads / (a.get_per_prefix_s * a.prefixes))
+    heads = max(
+        math.ceil(load.shared_heads / ranks / HEAD_THREADS) * a.read_latency_s,
+        load.shared_heads / (a.get_per_prefix_s * a.prefixes),
+    )
     unthrottled = max(wire, rank_requests)
     backoff = throttle(writes_per_rank * ranks, a.put_per_prefix_s * a.prefixes, latency_s=a.write_latency_s)
     reads_per_rank = sum(load.per_rank.values())
-    load_s = heads + max(wire, math.ceil(reads_per_rank / a.max_concurrency) * a.read_latency_s,
-                         reads_per_rank * ranks / (a.get_per_prefix_s * a.prefixes))
-    return Row(model, ranks, config.name, round(per_rank / MIB, 1), len(file_sizes(items, config.io_threads)),
-               writes_per_rank * ranks, save.count(), load.count(), round(wire, 2), round(rank_requests, 2),
-               round(prefix_rate, 2), round(heads, 2), round(max(unthrottled, prefix_rate), 1),
-               round(max(unthrottled, backoff.done_s), 1),
-               round(a.put_per_prefix_s * a.prefixes / (writes_per_rank * ranks / unthrottled), 3),
-               round(load_s, 1))
+    load_s = heads + max(
+        wire,
+        math.ceil(reads_per_rank / a.max_concurrency) * a.read_latency_s,
+        reads_per_rank * ranks / (a.get_per_prefix_s * a.prefixes),
+    )
+    return Row(
+        model,
+        ranks,
+        config.name,
+        round(per_rank / MIB, 1),
+        len(file_sizes(items, config.io_threads)),
+        writes_per_rank * ranks,
+        save.count(),
+        load.count(),
+        round(wire, 2),
+        round(rank_requests, 2),
+        round(prefix_rate, 2),
+        round(heads, 2),
+        round(max(unthrottled, prefix_rate), 1),
+        round(max(unthrottled, backoff.done_s), 1),
+        round(a.put_per_prefix_s * a.prefixes / (writes_per_rank * ranks / unthrottled), 3),
+        round(load_s, 1),
+    )
 
 
 @dataclass(frozen=True)
@@ -121,8 +140,14 @@ class Throttled:
     failed: int  # writes refused max_attempts times: the save fails
 
 
-def throttle(writes: int, rate: float, max_attempts: int = 10, rounds: int = THROTTLE_ROUNDS,
-             latency_s: float = 0.05, seed: int = 0) -> Throttled:
+def throttle(
+    writes: int,
+    rate: float,
+    max_attempts: int = 10,
+    rounds: int = THROTTLE_ROUNDS,
+    latency_s: float = 0.05,
+    seed: int = 0,
+) -> Throttled:
     """``writes`` sent at once to one prefix that accepts ``rate`` per second (a token bucket holding a
     tenth of a second's worth), each refused one retried as botocore's standard mode does: after
     rand(0, 1) * min(2 ** (attempt - 1), 20) s (SlowDown is a throttling error: a 1 s base), at most
@@ -149,7 +174,7 @@ def throttle(writes: int, rate: float, max_attempts: int = 10, rounds: int = THR
             done = max(done, t + latency_s)
             continue
         if attempt == max_attempts:
-            delay = rng.random() * min(2.0 ** round_, 20.0)
+            delay = rng.random() * min(2.0**round_, 20.0)
             heapq.heappush(events, (t + latency_s + delay, 1, round_ + 1))
         else:
             delay = rng.random() * min(2.0 ** (attempt - 1), 20.0)
@@ -168,8 +193,13 @@ def small(ranks: int) -> dict[str, dict[str, int]]:
     elems = (part + part // 5) // 4
     items = [4 * elems, 4 * 1000]
     s, ld = save_requests(ranks, items, part), load_requests(ranks, items, part)
-    return {"save data": s.data(), "save control": s.control, "load data": ld.data(), "load control": ld.control,
-            "load GetObject at most": {"GetObject": ranks * most_gets_per_rank(items, part)}}
+    return {
+        "save data": s.data(),
+        "save control": s.control,
+        "load data": ld.data(),
+        "load control": ld.control,
+        "load GetObject at most": {"GetObject": ranks * most_gets_per_rank(items, part)},
+    }
 
 
 def main() -> None:
@@ -180,29 +210,48 @@ def main() -> None:
     a = Assumptions(prefixes=args.prefixes)
     rows = table(a)
     if args.json:
-        throttled = [asdict(throttle(n, a.put_per_prefix_s * a.prefixes, latency_s=a.write_latency_s))
-                     for n in sorted({r.save_writes for r in rows})]  # with call_throttled's rounds
-        print(json.dumps({"assumptions": asdict(a), "rows": [asdict(r) for r in rows],
-                          "throttled": throttled, "tests": {str(n): small(n) for n in (2, 4)}}, indent=1))
+        throttled = [
+            asdict(throttle(n, a.put_per_prefix_s * a.prefixes, latency_s=a.write_latency_s))
+            for n in sorted({r.save_writes for r in rows})
+        ]  # with call_throttled's rounds
+        print(
+            json.dumps(
+                {
+                    "assumptions": asdict(a),
+                    "rows": [asdict(r) for r in rows],
+                    "throttled": throttled,
+                    "tests": {str(n): small(n) for n in (2, 4)},
+                },
+                indent=1,
+            )
+        )
         return
     print("assumptions:", ", ".join(f"{k}={v}" for k, v in asdict(a).items()))
-    print(f"state: {ITEMS_PER_RANK} equal tensors per rank, fully sharded; " +
-          ", ".join(f"{m}: {t / GB:,.0f} GB" for m, t in MODELS.items()))
+    print(
+        f"state: {ITEMS_PER_RANK} equal tensors per rank, fully sharded; "
+        + ", ".join(f"{m}: {t / GB:,.0f} GB" for m, t in MODELS.items())
+    )
     print()
     for n in (2, 4):
         print(f"{n} ranks (tests/test_s3_scale.py):", json.dumps(small(n)))
     print()
-    print("| model | ranks | config | MiB/rank | files/rank | save writes | save requests | load requests "
-          "| wire (s) | rank requests (s) | prefix rate (s) | load size checks (s) | save, paced (s) "
-          "| save, backoff (s) | headroom | load (s) |")
+    print(
+        "| model | ranks | config | MiB/rank | files/rank | save writes | save requests | load requests "
+        "| wire (s) | rank requests (s) | prefix rate (s) | load size checks (s) | save, paced (s) "
+        "| save, backoff (s) | headroom | load (s) |"
+    )
     print("|" + " --- |" * 16)
     for r in rows:
-        print(f"| {r.model} | {r.ranks:,} | {r.config} | {r.per_rank_mib:,} | {r.files_per_rank} | {r.save_writes:,} "
-              f"| {r.save_requests:,} | {r.load_requests:,} | {r.wire_s} | {r.rank_requests_s} | {r.prefix_rate_s} "
-              f"| {r.load_checks_s} | {r.save_s} | {r.save_backoff_s} | {r.headroom} | {r.load_s} |")
+        print(
+            f"| {r.model} | {r.ranks:,} | {r.config} | {r.per_rank_mib:,} | {r.files_per_rank} | {r.save_writes:,} "
+            f"| {r.save_requests:,} | {r.load_requests:,} | {r.wire_s} | {r.rank_requests_s} | {r.prefix_rate_s} "
+            f"| {r.load_checks_s} | {r.save_s} | {r.save_backoff_s} | {r.headroom} | {r.load_s} |"
+        )
     print()
-    print(f"A save's writes sent at once to {a.prefixes} prefix(es) ({a.put_per_prefix_s * a.prefixes:,} PUT/s), "
-          f"retried by botocore (max_attempts=10) alone, and with {THROTTLE_ROUNDS} more rounds of it:")
+    print(
+        f"A save's writes sent at once to {a.prefixes} prefix(es) ({a.put_per_prefix_s * a.prefixes:,} PUT/s), "
+        f"retried by botocore (max_attempts=10) alone, and with {THROTTLE_ROUNDS} more rounds of it:"
+    )
     print("| writes | rounds | last landed (s) | requests | 503 SlowDown | writes that gave up |")
     print("| --- | --- | --- | --- | --- | --- |")
     for n in sorted({r.save_writes for r in rows}):

@@ -33,7 +33,7 @@ WORKER = Path(__file__).parent / "workers" / "exit_job.py"
 def test_exit_without_wait_after_a_failed_background_save_is_non_zero(tmp_path: Path) -> None:
     script = textwrap.dedent(f"""
         import torch, ckptguard
-        ck = ckptguard.Checkpointer({str(tmp_path / 'ck')!r})
+        ck = ckptguard.Checkpointer({str(tmp_path / "ck")!r})
         ck.save(1, {{"w": torch.ones(8)}}, blocking=False)
         print("returned", flush=True)
     """)
@@ -47,7 +47,7 @@ def test_exit_without_wait_after_a_failed_background_save_is_non_zero(tmp_path: 
 def test_exit_without_wait_after_a_good_background_save_commits_it(tmp_path: Path) -> None:
     script = textwrap.dedent(f"""
         import torch, ckptguard
-        ck = ckptguard.Checkpointer({str(tmp_path / 'ck')!r})
+        ck = ckptguard.Checkpointer({str(tmp_path / "ck")!r})
         ck.save(1, {{"w": torch.ones(1 << 20)}}, blocking=False)
     """)
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
@@ -75,8 +75,13 @@ def test_a_dead_rank_is_a_checkpoint_error_for_the_survivors(tmp_path: Path) -> 
 
 def test_a_stalled_rank_makes_the_others_fail_within_the_timeout(tmp_path: Path) -> None:
     try:  # the stopped rank never exits: the job ends by the runner's timeout, which kills it
-        job = run_job(WORKER, ["stalled_rank", str(tmp_path / "ck"), "--timeout", "8"], nproc_per_node=2,
-                      timeout=30, straggler_grace=5)
+        job = run_job(
+            WORKER,
+            ["stalled_rank", str(tmp_path / "ck"), "--timeout", "8"],
+            nproc_per_node=2,
+            timeout=30,
+            straggler_grace=5,
+        )
     except JobTimeout as e:
         job = e.result
     survivors = [r for r in job_results(job) if r["rank"] == 0]
@@ -100,8 +105,7 @@ def test_a_ctrl_c_every_rank_agreed_on_leaves_the_checkpointer_usable(tmp_path: 
     """The counterpart: a Ctrl-C inside a step every rank agrees on (rank 1's, right after it placed a
     load's bytes) is raised on every rank at that point, so the ranks stay in step: the next save and
     load work on both."""
-    job = run_job(WORKER, ["agreed_interrupt", str(tmp_path / "ck"), "--timeout", "30"], nproc_per_node=2,
-                  timeout=90)
+    job = run_job(WORKER, ["agreed_interrupt", str(tmp_path / "ck"), "--timeout", "30"], nproc_per_node=2, timeout=90)
     out = {r["rank"]: r for r in job_results(job)}
     assert out[1]["load"] == "KeyboardInterrupt" and out[0]["load"] != 1, job.output()
     assert all(out[r]["next_load"] == 2 and out[r]["value"] == 2.0 for r in (0, 1)), out
@@ -111,8 +115,12 @@ def test_a_script_that_never_destroys_its_gloo_group_exits_cleanly(tmp_path: Pat
     """PyTorch aborts now and then at exit with a gloo group alive (5 of 16 bare-torch runs here);
     after its saves are done, ckptguard destroys a gloo default group the script left alive."""
     for mode in ("blocking", "background"):
-        job = run_job(Path(__file__).parent / "workers" / "exit_plain_job.py", [str(tmp_path / mode), mode],
-                      nproc_per_node=2, timeout=180)
+        job = run_job(
+            Path(__file__).parent / "workers" / "exit_plain_job.py",
+            [str(tmp_path / mode), mode],
+            nproc_per_node=2,
+            timeout=180,
+        )
         assert job.ok, job.output()
         assert by_rank(job, "initialized_after_exit_handlers") == {0: False, 1: False}
         with Checkpointer(tmp_path / mode, read_only=True) as ck:
@@ -127,7 +135,7 @@ def test_exit_while_a_load_and_a_background_save_run_in_unclosed_checkpointers(t
     script = textwrap.dedent(f"""
         import threading, torch, ckptguard
         big = {{f"w{{i}}": torch.full((5 << 20,), float(i)) for i in range(2)}}  # two data files: a write pool
-        reader = ckptguard.Checkpointer({str(tmp_path / 'a')!r})
+        reader = ckptguard.Checkpointer({str(tmp_path / "a")!r})
         reader.save(1, big)
         into = {{k: torch.zeros_like(v) for k, v in big.items()}}
 
@@ -138,7 +146,7 @@ def test_exit_while_a_load_and_a_background_save_run_in_unclosed_checkpointers(t
             print("saved", reader.steps(), flush=True)
 
         threading.Thread(target=load).start()
-        ckptguard.Checkpointer({str(tmp_path / 'b')!r}).save(2, big, blocking=False)
+        ckptguard.Checkpointer({str(tmp_path / "b")!r}).save(2, big, blocking=False)
     """)
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -149,7 +157,8 @@ def test_exit_while_a_load_and_a_background_save_run_in_unclosed_checkpointers(t
 
 
 def test_a_ctrl_c_in_wait_leaves_the_background_save_in_flight_and_the_next_save_after_it(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A Ctrl-C interrupts wait() while step 2 is saved in the background. The save goes on; the next
     save waits for it and commits after it: a save forgotten by wait() would run beside the next one,
     both get the same commit number and `latest` go back to the older step."""

@@ -23,9 +23,7 @@ OLMO_STYLE = BASELINES / "olmo_style.py"
 GLOBAL_RANK0 = BASELINES / "global_rank0.py"
 SAME_PATH = BASELINES / "same_path_torch_save.py"
 
-_PROBE = re.compile(
-    r"PROBE rank=(\d+) local_rank=(\d+) node=(\d+) world=(\d+) pid=(\d+) env=(\S*) node_env=(\S*)"
-)
+_PROBE = re.compile(r"PROBE rank=(\d+) local_rank=(\d+) node=(\d+) world=(\d+) pid=(\d+) env=(\S*) node_env=(\S*)")
 # Python's names for the filesystem errors these races raise (TimeoutError: OLMo's wait_for).
 FS_ERRORS = {"FileNotFoundError", "FileExistsError", "PermissionError", "OSError", "TimeoutError"}
 _FAILED = re.compile(r"BASELINE FAILED \S+ save=(\d+) step=\d+ rank=(\d+): (\w+): (.*)")
@@ -216,8 +214,9 @@ def test_global_rank0_patch_fails_on_stale_shared_storage() -> None:
     assert all(r >= 2 for _, r, _, _ in failures), failures  # node 1 is the one that fails
 
 
-@pytest.mark.parametrize("ragged", [False, pytest.param(True, marks=pytest.mark.long)],
-                         ids=["same-sizes", "ragged-sizes"])
+@pytest.mark.parametrize(
+    "ragged", [False, pytest.param(True, marks=pytest.mark.long)], ids=["same-sizes", "ragged-sizes"]
+)
 def test_same_path_torch_save_tears_or_mixes(tmp_path: Path, ragged: bool) -> None:
     """Four ranks torch.save 32 MiB each to one path. Measured: 85% of files load with
     several ranks' tensors (same sizes), 95% fail to load (ragged). The test asks for one

@@ -116,8 +116,9 @@ def test_kills_during_overwrite_and_rollback_saves_on_two_storage_domains(tmp_pa
     """SIGKILL during save(overwrite=True) and during the saves after a rollback, on two simulated nodes
     with private roots; judged in commit order (newest = committed last, `latest` by its seq)."""
     report = _run(tmp_path, {"kill_overwrite": 1, "kill_rollback": 1}, seed=16)
-    assert report.total("faults", "kill_overwrite") == 1 and report.total("faults", "kill_rollback") == 1, \
+    assert report.total("faults", "kill_overwrite") == 1 and report.total("faults", "kill_rollback") == 1, (
         report.table()
+    )
 
 
 @pytest.mark.slow
@@ -180,15 +181,20 @@ def _ev(event: str, rank: int = 0, **kw: object) -> dict:
 
 
 def _restart_events(steps: list[int], loaded: list[dict], garbage: dict | None = None) -> dict[int, list[dict]]:
-    evs = [_ev("start", steps=steps, domains=[[0, 1]]), *loaded, _ev("saving", step=99, gen=9),
-           _ev("saved", step=99, gen=9, committed=[*steps, 99]),
-           _ev("garbage", root="/r", **{"staging": [], "trash": [], **(garbage or {})})]
+    evs = [
+        _ev("start", steps=steps, domains=[[0, 1]]),
+        *loaded,
+        _ev("saving", step=99, gen=9),
+        _ev("saved", step=99, gen=9, committed=[*steps, 99]),
+        _ev("garbage", root="/r", **{"staging": [], "trash": [], **(garbage or {})}),
+    ]
     return {0: evs, 1: []}
 
 
 def _loaded(step: int, gen: int, what: str = "newest", ok: bool = True) -> dict:
-    return _ev("loaded", what=what, step=step, gen=gen, ok=ok, bad=[] if ok else ["tensors.big"], warned=[],
-               extra_files=[])
+    return _ev(
+        "loaded", what=what, step=step, gen=gen, ok=ok, bad=[] if ok else ["tensors.big"], warned=[], extra_files=[]
+    )
 
 
 def _judge(steps: list[int], loaded: list[dict], history: object, garbage: dict | None = None) -> object:
@@ -249,10 +255,17 @@ def test_ordered_restart_checks_flag_lost_reordered_and_wrong_versions() -> None
 
 def test_corruption_checks_flag_a_missed_damage_and_wrong_bytes() -> None:
     topo = campaign.Topo("shared", 1, 2, [Path("/r")], [Path("/r")], (0,))
-    damage = {"trial": 0, "step": 8, "what": "bitflip data/rank00000_0.bin byte 3 bit 1", "verify_intact": False,
-              "cli": {"rc": 1, "flagged": [8], "target_listed": True}}
-    evs = {r: [_ev("fallback", r, trial=0, target=8, loaded=7), {**_loaded(7, 5, "after-damage"), "rank": r,
-                                                                  "trial": 0}] for r in range(2)}
+    damage = {
+        "trial": 0,
+        "step": 8,
+        "what": "bitflip data/rank00000_0.bin byte 3 bit 1",
+        "verify_intact": False,
+        "cli": {"rc": 1, "flagged": [8], "target_listed": True},
+    }
+    evs = {
+        r: [_ev("fallback", r, trial=0, target=8, loaded=7), {**_loaded(7, 5, "after-damage"), "rank": r, "trial": 0}]
+        for r in range(2)
+    }
     good = campaign.Trial("corruption", "bitflip")
     campaign.check_damage(good, damage, evs, topo, gen=5)
     assert not good.problems
@@ -327,8 +340,13 @@ def test_a_new_checkpointer_per_save_keeps_saving(tmp_path: Path) -> None:
     old one's id on one rank and not another: that rank used a cached plan, the others did not, and
     dcp.save failed (KeyError 'DomainSavePlanner:<id>:<hash>', or "TypeError: 'NoneType' object is
     not iterable") within 2-12 re-creations."""
-    job = run_local(CAMPAIGN_JOB, ["recreate", "--gen", "1", "--trials", "60"],
-                    nproc=2, env={"CKPT_ROOT": str(tmp_path / "ckpt"), "CKPT_SCRATCH": str(tmp_path)}, timeout=170)
+    job = run_local(
+        CAMPAIGN_JOB,
+        ["recreate", "--gen", "1", "--trials", "60"],
+        nproc=2,
+        env={"CKPT_ROOT": str(tmp_path / "ckpt"), "CKPT_SCRATCH": str(tmp_path)},
+        timeout=170,
+    )
     assert job.ok, job.output()[-3000:]
 
 
@@ -367,8 +385,9 @@ def _stall_before_publish_and_take_over(tmp_path: Path) -> tuple[str, list[int]]
     """A child process saves; stop it once its attempt's manifest is being written; let its lease
     expire; take the root over here; resume it. Returns its output and the steps committed after."""
     root = tmp_path / "ckpt"
-    child = subprocess.Popen([sys.executable, "-c", _STALLED_CHILD, str(root)], stdin=subprocess.PIPE,
-                             stdout=subprocess.PIPE, text=True)
+    child = subprocess.Popen(
+        [sys.executable, "-c", _STALLED_CHILD, str(root)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
     try:
         assert child.stdout is not None and child.stdin is not None
         assert child.stdout.readline().startswith("READY")
@@ -463,8 +482,9 @@ _STALLED_EARLY_CHILD = textwrap.dedent("""
 """)
 
 
-@pytest.mark.parametrize("where", ["attempt_to_make", "attempt_made", "before_write", "files_to_store",
-                                   "files_visible"])
+@pytest.mark.parametrize(
+    "where", ["attempt_to_make", "attempt_made", "before_write", "files_to_store", "files_visible"]
+)
 def test_a_job_stalled_early_in_a_save_leaves_nothing_in_the_new_owners_root(tmp_path: Path, where: str) -> None:
     """A job stopped early in a save, its lease taken over (the takeover moves the staging area away),
     then resumed. Stopped right before or right after it made its attempt's directory, it must not make
@@ -474,8 +494,12 @@ def test_a_job_stalled_early_in_a_save_leaves_nothing_in_the_new_owners_root(tmp
     be visible, it must not wait the whole visibility timeout (60 s by default) for files that can never
     come. It stops at once with the fence's error, and leaves nothing in the new owner's root."""
     root = tmp_path / "ckpt"
-    child = subprocess.Popen([sys.executable, "-c", _STALLED_EARLY_CHILD, str(root), where, str(tmp_path)],
-                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    child = subprocess.Popen(
+        [sys.executable, "-c", _STALLED_EARLY_CHILD, str(root), where, str(tmp_path)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         deadline = time.monotonic() + 120
         while process_state(child.pid) != "T":
@@ -496,4 +520,3 @@ def test_a_job_stalled_early_in_a_save_leaves_nothing_in_the_new_owners_root(tmp
             child.send_signal(signal.SIGCONT)
             child.kill()
             child.wait()
-

@@ -165,8 +165,9 @@ class _Payload:
         return (os.system, (f"touch {os.environ['CKPTGUARD_PWNED']}",))
 
 
-def test_pickle_payload_in_stored_object_never_runs(ck: Checkpointer, tmp_path: Path,
-                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+def test_pickle_payload_in_stored_object_never_runs(
+    ck: Checkpointer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """An attacker rewrites an object item with a malicious pickle and fixes up its checksum."""
     sentinel = tmp_path / "pwned"
     monkeypatch.setenv("CKPTGUARD_PWNED", str(sentinel))
@@ -178,14 +179,18 @@ def test_pickle_payload_in_stored_object_never_runs(ck: Checkpointer, tmp_path: 
     payload = pickle.dumps(_Payload())
     fpath = root / row.file
     data = fpath.read_bytes()
-    new = data[: row.offset] + payload + data[row.offset + row.length:]
+    new = data[: row.offset] + payload + data[row.offset + row.length :]
     fpath.write_bytes(new)
     from ckptguard.checksum import checksum
 
     fixed = row._replace(length=len(payload), checksum=checksum(m.checksum_algorithm, payload))
-    mpath.write_bytes(dataclasses.replace(
-        m, items=[fixed if i is row else i for i in m.items],
-        files=[f._replace(size=len(new)) if f.path == row.file else f for f in m.files]).to_json())
+    mpath.write_bytes(
+        dataclasses.replace(
+            m,
+            items=[fixed if i is row else i for i in m.items],
+            files=[f._replace(size=len(new)) if f.path == row.file else f for f in m.files],
+        ).to_json()
+    )
     with pytest.raises(CheckpointError, match=r"refusing to load object 'extra\.note'"):
         ck.load({"extra": {"note": ""}}, step=1)
     assert not sentinel.exists()
@@ -302,8 +307,10 @@ def test_files_not_visible_publish_nothing(tmp_path: Path, monkeypatch: pytest.M
 
 def test_takeover_from_dead_holder_on_same_host(tmp_path: Path) -> None:
     root = tmp_path / "ckpt"
-    code = (f"import ckptguard, torch, os; ck = ckptguard.Checkpointer({str(root)!r}); "
-            "ck.save(1, {'x': torch.ones(2)}); os._exit(0)")  # dies holding the lease
+    code = (
+        f"import ckptguard, torch, os; ck = ckptguard.Checkpointer({str(root)!r}); "
+        "ck.save(1, {'x': torch.ones(2)}); os._exit(0)"
+    )  # dies holding the lease
     subprocess.run([os.sys.executable, "-c", code], check=True)
     assert (root / ".ckptguard" / "lease.json").exists()
     with Checkpointer(root, lease_wait_s=0.5) as ck:  # pid is dead: no need to wait for the TTL
@@ -387,10 +394,16 @@ class _Opaque:
 _Pair = collections.namedtuple("_Pair", "a b")
 
 
-@pytest.mark.parametrize("value,words", [
-    (Path("/x"), "pathlib"), (_Pair(1, 2), "namedtuple"), (_Opaque(), "_Opaque"),
-    (np.ones(2), "numpy"), (frozenset({1}), "frozenset"),
-])
+@pytest.mark.parametrize(
+    "value,words",
+    [
+        (Path("/x"), "pathlib"),
+        (_Pair(1, 2), "namedtuple"),
+        (_Opaque(), "_Opaque"),
+        (np.ones(2), "numpy"),
+        (frozenset({1}), "frozenset"),
+    ],
+)
 def test_save_file_refuses_what_load_file_could_not_give_back(tmp_path: Path, value: object, words: str) -> None:
     path = tmp_path / "model.pt"
     with pytest.raises(ckptguard.UnsupportedValueError, match=rf"{path}: cannot save \['v'\]: .*{words}"):
@@ -420,8 +433,11 @@ def test_load_file_refuses_damaged_files(tmp_path: Path, damage: str) -> None:
 def test_load_file_says_what_a_plain_torch_save_file_or_a_directory_is(tmp_path: Path) -> None:
     path = tmp_path / "plain.pt"
     torch.save({"w": torch.randn(100)}, path)
-    with pytest.raises(CheckpointError, match=rf"{path} is a torch.save file without ckptguard's checksum .*"
-                                              r"torch.load\(path, weights_only=True\)") as err:
+    with pytest.raises(
+        CheckpointError,
+        match=rf"{path} is a torch.save file without ckptguard's checksum .*"
+        r"torch.load\(path, weights_only=True\)",
+    ) as err:
         ckptguard.load_file(path)
     assert not isinstance(err.value, CorruptCheckpointError)
     with pytest.raises(CheckpointError, match=rf"{tmp_path} is a directory: .*Checkpointer\(") as err:
@@ -498,8 +514,11 @@ def test_background_save_reuses_one_set_of_host_buffers(ck: Checkpointer) -> Non
     assert ck._saves.host_stager.buffer_bytes == 256 * 256 * 4
 
 
-@pytest.mark.parametrize("state", [{"x": 1}, {}, {"x": {}}, {"s": "abc", "l": [1, 2]}, {"r": ckptguard.PerRank(1)}],
-                         ids=["int", "empty", "empty-dict", "plain", "per-rank"])
+@pytest.mark.parametrize(
+    "state",
+    [{"x": 1}, {}, {"x": {}}, {"s": "abc", "l": [1, 2]}, {"r": ckptguard.PerRank(1)}],
+    ids=["int", "empty", "empty-dict", "plain", "per-rank"],
+)
 def test_background_save_of_a_state_without_tensors(ck: Checkpointer, state: dict[str, object]) -> None:
     """A state without a tensor saves in the background: torch's bulk copy refuses an empty list, and
     that RuntimeError must not reach the caller."""
@@ -619,21 +638,31 @@ def test_background_saves_follow_every_change_of_the_state_between_them(ck: Chec
         {"w": torch.arange(8.0, dtype=f64), "opt": [torch.ones(3, 2).t(), 2, torch.ones(1)], "x": torch.ones(1)},
     ]
     for step, state in enumerate(states):
-        saved[step] = {k: (v.clone() if isinstance(v, torch.Tensor) else
-                           type(v)(e.clone() if isinstance(e, torch.Tensor) else e for e in v))
-                       for k, v in state.items()}
+        saved[step] = {
+            k: (
+                v.clone()
+                if isinstance(v, torch.Tensor)
+                else type(v)(e.clone() if isinstance(e, torch.Tensor) else e for e in v)
+            )
+            for k, v in state.items()
+        }
         ck.save(step, state, blocking=False)
         for v in state.values():  # training changes every tensor and value right after save() returns
-            for t in (v if isinstance(v, list | tuple) else [v]):
+            for t in v if isinstance(v, list | tuple) else [v]:
                 if isinstance(t, torch.Tensor):
                     t.add_(100)
         state["opt"][1] = -1
     ck.wait()
     assert ck._saves.host_stager.allocations == 5  # steps 0 and 1 share one set of buffers
     for step, expected in saved.items():
-        out = {k: (torch.zeros_like(v) if isinstance(v, torch.Tensor) else
-                   type(v)(torch.zeros_like(e) if isinstance(e, torch.Tensor) else None for e in v))
-               for k, v in expected.items()}
+        out = {
+            k: (
+                torch.zeros_like(v)
+                if isinstance(v, torch.Tensor)
+                else type(v)(torch.zeros_like(e) if isinstance(e, torch.Tensor) else None for e in v)
+            )
+            for k, v in expected.items()
+        }
         ck.load(out, step=step)
         for k, v in expected.items():
             got = out[k]
@@ -693,6 +722,7 @@ def test_a_state_nested_deeper_than_a_load_takes_is_refused_at_save(tmp_path: Pa
     """A state nested past the depth a load takes must not be committed (every load would call it
     corrupt and fall back to the step before). The deepest state a save takes loads back; one level
     more is refused at the save, and nothing is committed."""
+
     def nested(depth: int) -> object:
         leaf: object = torch.ones(2) if kind == "dict-with-tensor" else 1
         for _ in range(depth):
@@ -770,8 +800,9 @@ def test_files_whose_names_no_manifest_can_hold_are_refused_at_the_save(tmp_path
         assert (tmp_path / "restored" / "ok.txt").read_bytes() == b"ok"
 
 
-@pytest.mark.parametrize("key", [b"k" * 2100, ("s" * 4100,), "nest"],
-                         ids=["long-bytes", "long-str-in-tuple", "deep-tuple"])
+@pytest.mark.parametrize(
+    "key", [b"k" * 2100, ("s" * 4100,), "nest"], ids=["long-bytes", "long-str-in-tuple", "deep-tuple"]
+)
 def test_a_dict_key_a_load_could_not_read_is_refused_at_the_save(tmp_path: Path, key: object) -> None:
     """Keys over the size a load takes are refused at the save: committed, every read and load of the
     step would fail, without falling back."""

@@ -17,25 +17,40 @@ from typer.testing import CliRunner
 
 from ckptguard import Checkpointer
 
-NASTY = {"open": "[bold red]x[/", "close": "[/]", "link": "[link=file:///etc]y[/link]",
-         "term": "\x1b[2J\x1b]0;pwned\x07\rcarriage\x9b31m"}
+NASTY = {
+    "open": "[bold red]x[/",
+    "close": "[/]",
+    "link": "[link=file:///etc]y[/link]",
+    "term": "\x1b[2J\x1b]0;pwned\x07\rcarriage\x9b31m",
+}
 # Rich's own colours (SGR) are allowed on a terminal; nothing else that moves or retitles it.
 _RICH_SGR = re.compile(r"\x1b\[[0-9;]*m")
 
 
 # Markup and terminal controls often, any other character too.
-_CHARS = st.one_of(st.sampled_from(list("[]/=\\#:bold red\x1b\x07\r\n\x9b\u202e\x00")),
-                   st.characters(blacklist_categories=("Cs",)))
+_CHARS = st.one_of(
+    st.sampled_from(list("[]/=\\#:bold red\x1b\x07\r\n\x9b\u202e\x00")), st.characters(blacklist_categories=("Cs",))
+)
 
 
 def cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "ckptguard.cli", *args], capture_output=True, text=True,
-                          timeout=120, env={**os.environ, **(env or {})})
+    return subprocess.run(
+        [sys.executable, "-m", "ckptguard.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, **(env or {})},
+    )
 
 
 def _controls_left(out: str) -> list[str]:
-    return [c for c in _RICH_SGR.sub("", out) if (ord(c) < 0x20 and c != "\n") or 0x7f <= ord(c) < 0xa0
-            or c in "\u2028\u2029\u200e\u200f\u202a\u202b\u202c\u202d\u202e\u2066\u2067\u2068\u2069"]
+    return [
+        c
+        for c in _RICH_SGR.sub("", out)
+        if (ord(c) < 0x20 and c != "\n")
+        or 0x7F <= ord(c) < 0xA0
+        or c in "\u2028\u2029\u200e\u200f\u202a\u202b\u202c\u202d\u202e\u2066\u2067\u2068\u2069"
+    ]
 
 
 def test_markup_and_escape_sequences_in_a_root_print_as_text(tmp_path: Path) -> None:
@@ -54,8 +69,10 @@ def test_markup_and_escape_sequences_in_a_root_print_as_text(tmp_path: Path) -> 
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(values=st.lists(st.text(_CHARS, max_size=12), min_size=1, max_size=4),
-       dirname=st.text(_CHARS.filter(lambda c: c not in "/\x00"), min_size=1, max_size=10))
+@given(
+    values=st.lists(st.text(_CHARS, max_size=12), min_size=1, max_size=4),
+    dirname=st.text(_CHARS.filter(lambda c: c not in "/\x00"), min_size=1, max_size=10),
+)
 def test_generated_strings_through_ls_and_verify(tmp_path: Path, values: list[str], dirname: str) -> None:
     from ckptguard.cli import _register, app
 

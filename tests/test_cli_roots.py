@@ -19,8 +19,10 @@ NO_BOTO = "import sys; sys.modules['boto3'] = sys.modules['botocore'] = None\n"
 
 
 def cli(*args: str, prelude: str = "") -> subprocess.CompletedProcess[str]:
-    code = prelude + "import sys, runpy; sys.argv = ['ckptguard', *sys.argv[1:]]; runpy.run_module('ckptguard', " \
-                     "run_name='__main__')"
+    code = (
+        prelude + "import sys, runpy; sys.argv = ['ckptguard', *sys.argv[1:]]; runpy.run_module('ckptguard', "
+        "run_name='__main__')"
+    )
     return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=120)
 
 
@@ -40,8 +42,10 @@ def test_ls_and_verify_find_every_framework_root_inside_a_directory(tmp_path: Pa
     (runs / "notes").mkdir()
     assert find_roots(runs / "hf-out") == [FoundRoot(str(runs / "hf-out" / ".ckptguard-hf"), "transformers")]
     assert [(os.path.relpath(r.path, runs), r.framework) for r in find_roots(runs)] == [
-        ("hf-out/.ckptguard-hf", "transformers"), ("lightning/.ckptguard-lightning", "lightning"),
-        ("titan/checkpoint", "torchtitan")]
+        ("hf-out/.ckptguard-hf", "transformers"),
+        ("lightning/.ckptguard-lightning", "lightning"),
+        ("titan/checkpoint", "torchtitan"),
+    ]
 
     out = cli("ls", str(runs / "hf-out"))
     assert out.returncode == 0, out.stderr
@@ -51,7 +55,10 @@ def test_ls_and_verify_find_every_framework_root_inside_a_directory(tmp_path: Pa
     assert every.returncode == 0, every.stderr
     doc = json.loads(every.stdout)
     assert doc["intact"] is True and [(r["framework"], r["safe_to_resume"]) for r in doc["roots"]] == [
-        ("transformers", 10), ("lightning", 0), ("torchtitan", 20)]
+        ("transformers", 10),
+        ("lightning", 0),
+        ("torchtitan", 20),
+    ]
     # A root given itself keeps the single-root document (plus its framework).
     single = json.loads(cli("ls", str(runs / "titan" / "checkpoint"), "--json").stdout)
     assert single["framework"] == "torchtitan" and [c["step"] for c in single["checkpoints"]] == [20]
@@ -76,10 +83,13 @@ def test_a_directory_without_any_root_is_exit_3_and_an_empty_root_is_exit_0(tmp_
     assert out.returncode == 0 and "no committed checkpoint" in out.stdout
 
 
-@pytest.mark.parametrize("typo,meant", [("s3:/bucket/run", "s3://bucket/run"), ("s3:bucket", "s3://bucket"),
-                                        ("S3:/bucket/run", "s3://bucket/run")])
+@pytest.mark.parametrize(
+    "typo,meant",
+    [("s3:/bucket/run", "s3://bucket/run"), ("s3:bucket", "s3://bucket"), ("S3:/bucket/run", "s3://bucket/run")],
+)
 def test_a_malformed_url_is_refused_with_what_was_meant_and_nothing_is_created(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, typo: str, meant: str) -> None:
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, typo: str, meant: str
+) -> None:
     monkeypatch.chdir(tmp_path)
     with pytest.raises(UnsupportedStorageError, match=f"did you mean {meant}"):
         Checkpointer(typo)
@@ -91,11 +101,21 @@ def test_a_malformed_url_is_refused_with_what_was_meant_and_nothing_is_created(
 
 
 def test_a_missing_s3_extra_names_the_install_line_from_api_and_cli() -> None:
-    api = subprocess.run([sys.executable, "-c", NO_BOTO + (
-        "import ckptguard\n"
-        "for call in (lambda: ckptguard.Checkpointer('S3://bucket/run'), lambda: ckptguard.load_file('s3://b/m.pt')):\n"
-        "    try:\n        call()\n    except ckptguard.CheckpointError as e:\n        print(type(e).__name__, e)\n")],
-        capture_output=True, text=True, timeout=120)
+    api = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            NO_BOTO
+            + (
+                "import ckptguard\n"
+                "for call in (lambda: ckptguard.Checkpointer('S3://bucket/run'), lambda: ckptguard.load_file('s3://b/m.pt')):\n"
+                "    try:\n        call()\n    except ckptguard.CheckpointError as e:\n        print(type(e).__name__, e)\n"
+            ),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert api.returncode == 0, api.stderr
     lines = api.stdout.splitlines()
     assert len(lines) == 2 and all("pip install 'ckptguard[s3]'" in x for x in lines), api.stdout
@@ -119,15 +139,27 @@ def test_an_error_a_command_does_not_handle_is_one_line_and_debug_shows_the_trac
 
 def test_debug_keeps_the_exit_code_and_prints_the_traceback(tmp_path: Path) -> None:
     Checkpointer(tmp_path / "r", process_group="local").close()
-    for args in (("verify", str(tmp_path / "missing")), ("ls", "gs://x"),
-                 ("verify", str(tmp_path / "r"), "--step", "77"), ("verify", str(tmp_path / "r"), "--bogus")):
+    for args in (
+        ("verify", str(tmp_path / "missing")),
+        ("ls", "gs://x"),
+        ("verify", str(tmp_path / "r"), "--step", "77"),
+        ("verify", str(tmp_path / "r"), "--bogus"),
+    ):
         plain, debug = cli(*args), cli("--debug", *args)
         assert plain.returncode == debug.returncode == 2, (args, plain.stderr, debug.stderr)
         assert "Traceback" not in plain.stderr and "Traceback" in debug.stderr, (args, debug.stderr)
 
 
-@pytest.mark.parametrize("args", [("verify", "", "--threads", "0"), ("verify", "", "--step", "abc"),
-                                  ("verify", "", "--bogus"), ("import",), ("verify", "", "--json", "extra")])
+@pytest.mark.parametrize(
+    "args",
+    [
+        ("verify", "", "--threads", "0"),
+        ("verify", "", "--step", "abc"),
+        ("verify", "", "--bogus"),
+        ("import",),
+        ("verify", "", "--json", "extra"),
+    ],
+)
 def test_a_bad_option_is_one_line_on_stderr_and_exit_2(tmp_path: Path, args: tuple[str, ...]) -> None:
     out = cli(*(str(tmp_path) if a == "" else a for a in args))
     assert out.returncode == 2 and out.stderr.count("\n") == 1 and out.stderr.startswith("error: "), out.stderr
@@ -139,11 +171,13 @@ def test_refused_commands_create_nothing(tmp_path: Path, monkeypatch: pytest.Mon
     torch.save({"w": torch.ones(2)}, tmp_path / "plain.pt")
     _root(tmp_path / "r", (1,))
     before = sorted(str(p) for p in tmp_path.rglob("*"))
-    for args, says in ((("import", "plain.pt", "new", "--step", "-5"), "step must be a non-negative int"),
-                       (("import", "plain.pt", "file://host/x", "--step", "1"), "on host 'host'"),
-                       (("export", "r", "out.pt", "--to", "bogus"), "to must be one of"),
-                       (("export", "r", "out.pt", "--key", "nope"), "error: no 'nope' in the checkpoint"),
-                       (("ls", "file://"), "filesystem root")):
+    for args, says in (
+        (("import", "plain.pt", "new", "--step", "-5"), "step must be a non-negative int"),
+        (("import", "plain.pt", "file://host/x", "--step", "1"), "on host 'host'"),
+        (("export", "r", "out.pt", "--to", "bogus"), "to must be one of"),
+        (("export", "r", "out.pt", "--key", "nope"), "error: no 'nope' in the checkpoint"),
+        (("ls", "file://"), "filesystem root"),
+    ):
         out = cli(*args)
         assert out.returncode == 2 and out.stderr.count("\n") == 1 and says in out.stderr, (args, out.stderr)
         assert sorted(str(p) for p in tmp_path.rglob("*")) == before, args
@@ -151,7 +185,8 @@ def test_refused_commands_create_nothing(tmp_path: Path, monkeypatch: pytest.Mon
 
 @pytest.mark.parametrize("root", ["", "file://", "file:///", "/", "file://host/x", "file://example.com/ckpts"])
 def test_an_empty_root_filesystem_root_or_other_host_is_refused_by_api_and_cli(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, root: str) -> None:
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, root: str
+) -> None:
     monkeypatch.chdir(tmp_path)
     with pytest.raises(UnsupportedStorageError, match="nothing was created"):
         Checkpointer(root, process_group="local")
@@ -168,8 +203,13 @@ def test_a_tilde_root_is_the_home_directory_as_in_a_shell(tmp_path: Path, monkey
     assert (tmp_path / "home" / "ckpts" / "step-00000001").is_dir() and not (tmp_path / "~").exists()
     with Checkpointer("file://localhost" + str(tmp_path / "home" / "ckpts"), process_group="local") as ck:
         assert ck.latest() == 1
-    env_out = subprocess.run([sys.executable, "-m", "ckptguard", "ls", "~/ckpts"], capture_output=True, text=True,
-                             timeout=120, env={**os.environ, "HOME": str(tmp_path / "home")})
+    env_out = subprocess.run(
+        [sys.executable, "-m", "ckptguard", "ls", "~/ckpts"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "HOME": str(tmp_path / "home")},
+    )
     assert env_out.returncode == 0 and "step-00000001" in env_out.stdout, env_out.stderr
 
 
@@ -180,21 +220,34 @@ def test_an_unreadable_subdirectory_is_skipped_with_a_note(tmp_path: Path) -> No
     try:
         nocap = ["setpriv", "--bounding-set=-dac_override,-dac_read_search", "--"] if os.geteuid() == 0 else []
         for cmd in ("ls", "verify"):
-            out = subprocess.run([*nocap, sys.executable, "-m", "ckptguard", cmd, str(tmp_path)], capture_output=True,
-                                 text=True, timeout=120)
+            out = subprocess.run(
+                [*nocap, sys.executable, "-m", "ckptguard", cmd, str(tmp_path)],
+                capture_output=True,
+                text=True,
+                timeout=120,
+            )
             assert out.returncode == 0, (cmd, out.stderr)
             assert f"skipped {tmp_path / 'lost+found'}: permission denied" in out.stderr and "run1" in out.stdout
     finally:
         (tmp_path / "lost+found").chmod(0o755)
 
 
-@pytest.mark.parametrize("integration,framework", [("hf", "transformers"), ("accelerate", "accelerate"),
-                                                   ("deepspeed", "deepspeed"), ("lightning", "lightning"),
-                                                   ("torchtitan", "torchtitan")])
+@pytest.mark.parametrize(
+    "integration,framework",
+    [
+        ("hf", "transformers"),
+        ("accelerate", "accelerate"),
+        ("deepspeed", "deepspeed"),
+        ("lightning", "lightning"),
+        ("torchtitan", "torchtitan"),
+    ],
+)
 def test_an_integration_without_its_framework_names_the_install_line(integration: str, framework: str) -> None:
-    code = (f"import sys; sys.modules[{framework!r}] = None\n"
-            f"try:\n    import ckptguard.integrations.{integration}\n"
-            "except ImportError as e:\n    print(type(e).__name__, e)\n")
+    code = (
+        f"import sys; sys.modules[{framework!r}] = None\n"
+        f"try:\n    import ckptguard.integrations.{integration}\n"
+        "except ImportError as e:\n    print(type(e).__name__, e)\n"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.startswith("ImportError "), (out.stdout, out.stderr)
     assert f"ckptguard.integrations.{integration} needs" in out.stdout

@@ -15,8 +15,7 @@ from ckptguard import Checkpointer
 
 
 def cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "ckptguard.cli", *args], capture_output=True, text=True,
-                          timeout=120)
+    return subprocess.run([sys.executable, "-m", "ckptguard.cli", *args], capture_output=True, text=True, timeout=120)
 
 
 @pytest.fixture
@@ -24,8 +23,9 @@ def root(tmp_path: Path) -> Path:
     r = tmp_path / "ckpt"
     with Checkpointer(r, keep_last=3) as ck:
         for step in (10, 20, 30):
-            ck.save(step, {"w": torch.arange(50_000, dtype=torch.float32) + step, "n": step},
-                       metadata={"loss": step / 10})
+            ck.save(
+                step, {"w": torch.arange(50_000, dtype=torch.float32) + step, "n": step}, metadata={"loss": step / 10}
+            )
     return r
 
 
@@ -50,10 +50,17 @@ def test_verify_json_schema(root: Path) -> None:
     assert first["bytes_checked"] > 200_000 and first["problems"] == []
 
 
-@pytest.mark.parametrize("damage,kind", [
-    ("bitflip", "checksum"), ("truncate", "size"), ("zeros", "checksum"), ("delete", "missing"),
-    ("extra", "extra"), ("manifest", "manifest"),
-])
+@pytest.mark.parametrize(
+    "damage,kind",
+    [
+        ("bitflip", "checksum"),
+        ("truncate", "size"),
+        ("zeros", "checksum"),
+        ("delete", "missing"),
+        ("extra", "extra"),
+        ("manifest", "manifest"),
+    ],
+)
 def test_verify_finds_each_kind_of_damage(root: Path, damage: str, kind: str) -> None:
     target = data_file(root, 30)
     if damage == "bitflip":
@@ -122,8 +129,12 @@ def test_ls_usage_error(tmp_path: Path) -> None:
 def test_ls_and_verify_start_without_torch(root: Path) -> None:
     """Inspecting a checkpoint on a login node must not pay for importing torch."""
     for cmd in ("ls", "verify"):
-        out = subprocess.run([sys.executable, "-X", "importtime", "-m", "ckptguard.cli", cmd, str(root)],
-                             capture_output=True, text=True, timeout=60)
+        out = subprocess.run(
+            [sys.executable, "-X", "importtime", "-m", "ckptguard.cli", cmd, str(root)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert out.returncode == 0
         imported = {line.split("|")[-1].strip() for line in out.stderr.splitlines() if "|" in line}
         assert "torch" not in imported, cmd

@@ -20,16 +20,20 @@ def test_two_nodes_one_shared_directory_twenty_saves(tmp_path: Path) -> None:
     saved = [r["saved"] for r in job_results(job) if "saved" in r]
     assert sorted(set(saved)) == list(range(20)) and len(saved) == 80
     assert all(v == 19 for v in by_rank(job, "loaded").values())
-    assert sorted(p.name for p in root.iterdir()) == [".ckptguard", "latest", "step-00000017", "step-00000018",
-                                                      "step-00000019"]
+    assert sorted(p.name for p in root.iterdir()) == [
+        ".ckptguard",
+        "latest",
+        "step-00000017",
+        "step-00000018",
+        "step-00000019",
+    ]
     assert os.listdir(root / ".ckptguard" / "staging") == []
 
 
 def test_node_local_disks_each_node_commits_its_own_copy(tmp_path: Path) -> None:
     """Each node has a private root (node-local disk): each leader commits a complete copy, each node loads."""
     roots = [tmp_path / "node0", tmp_path / "node1"]
-    job = ckpt_job("saves", "--count", "3", nnodes=2, nproc=2,
-                   node_env=[{"CKPT_ROOT": str(r)} for r in roots])
+    job = ckpt_job("saves", "--count", "3", nnodes=2, nproc=2, node_env=[{"CKPT_ROOT": str(r)} for r in roots])
     assert all(t == [[0, 1], [2, 3]] for t in by_rank(job, "topology").values())
     assert all(v == 2 for v in by_rank(job, "loaded").values())
     for i, root in enumerate(roots):
@@ -74,25 +78,46 @@ def test_save_file_all_ranks_one_path_single_writer(tmp_path: Path) -> None:
 
 def test_save_file_node_local_one_writer_per_node(tmp_path: Path) -> None:
     roots = [tmp_path / "n0", tmp_path / "n1"]
-    ckpt_job("save_file", "--count", "2", "--private-per-node", nnodes=2, nproc=2,
-             node_env=[{"CKPT_ROOT": str(r)} for r in roots])
+    ckpt_job(
+        "save_file",
+        "--count",
+        "2",
+        "--private-per-node",
+        nnodes=2,
+        nproc=2,
+        node_env=[{"CKPT_ROOT": str(r)} for r in roots],
+    )
 
 
 # CI keeps one phase on each side of the commit point; the campaign's CI slice kills a rank at every
 # phase (tests/test_campaign.py). The long run (`pytest -m long`) has the rest of the matrix.
-@pytest.mark.parametrize("phase,rank", [
-    pytest.param("before_write", "1", marks=pytest.mark.long),
-    ("mid_write", "3"),
-    pytest.param("after_write", "2", marks=pytest.mark.long),
-    pytest.param("before_publish", "0", marks=pytest.mark.long),
-    ("after_publish", "0"),
-])
+@pytest.mark.parametrize(
+    "phase,rank",
+    [
+        pytest.param("before_write", "1", marks=pytest.mark.long),
+        ("mid_write", "3"),
+        pytest.param("after_write", "2", marks=pytest.mark.long),
+        pytest.param("before_publish", "0", marks=pytest.mark.long),
+        ("after_publish", "0"),
+    ],
+)
 def test_sigkill_during_save_leaves_previous_or_new_checkpoint(tmp_path: Path, phase: str, rank: str) -> None:
     """SIGKILL one rank at each phase of the 4th save; the restarted job loads a committed step, bitwise."""
     root = tmp_path / "ckpt"
     env = {"CKPT_ROOT": str(root)}
-    crashed = ckpt_job("saves", "--count", "4", "--fault", f"{phase}:{rank}", "--fault-step", "3",
-                       nnodes=2, nproc=2, env=env, check=False)
+    crashed = ckpt_job(
+        "saves",
+        "--count",
+        "4",
+        "--fault",
+        f"{phase}:{rank}",
+        "--fault-step",
+        "3",
+        nnodes=2,
+        nproc=2,
+        env=env,
+        check=False,
+    )
     assert not crashed.ok
     assert sorted(r["saved"] for r in job_results(crashed) if "saved" in r and r["rank"] == 0) == [0, 1, 2]
     resumed = ckpt_job("resume", nnodes=2, nproc=2, env=env)
@@ -126,8 +151,20 @@ def test_sigkill_during_background_save_keeps_previous_checkpoint(tmp_path: Path
     """Async saves (blocking=False): a rank killed while the background write runs loses only that save."""
     root = tmp_path / "ckpt"
     env = {"CKPT_ROOT": str(root)}
-    crashed = ckpt_job("saves", "--count", "4", "--background", "--fault", f"{phase}:{rank}", "--fault-step", "3",
-                       nnodes=2, nproc=2, env=env, check=False)
+    crashed = ckpt_job(
+        "saves",
+        "--count",
+        "4",
+        "--background",
+        "--fault",
+        f"{phase}:{rank}",
+        "--fault-step",
+        "3",
+        nnodes=2,
+        nproc=2,
+        env=env,
+        check=False,
+    )
     assert not crashed.ok
     resumed = ckpt_job("resume", nnodes=2, nproc=2, env=env)
     assert set(by_rank(resumed, "loaded").values()) == {2}, resumed.output()
@@ -135,8 +172,17 @@ def test_sigkill_during_background_save_keeps_previous_checkpoint(tmp_path: Path
 
 
 def test_background_saves_round_trip_on_two_nodes(tmp_path: Path) -> None:
-    job = ckpt_job("saves", "--count", "5", "--background", "--keep-last", "2", nnodes=2, nproc=2,
-                   env={"CKPT_ROOT": str(tmp_path / "ckpt")})
+    job = ckpt_job(
+        "saves",
+        "--count",
+        "5",
+        "--background",
+        "--keep-last",
+        "2",
+        nnodes=2,
+        nproc=2,
+        env={"CKPT_ROOT": str(tmp_path / "ckpt")},
+    )
     assert all(v == 4 for v in by_rank(job, "loaded").values())
     assert all(s == [3, 4] for s in by_rank(job, "steps").values())
 

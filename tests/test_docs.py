@@ -74,5 +74,6 @@ def test_errors_page_lists_every_exception_class_a_user_can_meet() -> None:
         else:
             assert qualified in hooks.INTERNAL_ERRORS, (
                 f"{qualified}: add it to OTHER_ERRORS (a user can meet it) or INTERNAL_ERRORS (never escapes) in "
-                "docs/_hooks/generated.py")
+                "docs/_hooks/generated.py"
+            )
     assert "TorchVersionError" in others and "KBError" in others

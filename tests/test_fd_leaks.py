@@ -39,6 +39,7 @@ def _interrupting_nth_open(n: int, opened: list[str]) -> Callable[..., int]:
         if len(opened) == n:
             signal.raise_signal(signal.SIGINT)  # handled as this call returns, like a Ctrl-C just then
         return fd
+
     return fake_open
 
 
@@ -46,8 +47,7 @@ def _state(seed: float) -> dict[str, object]:
     return {"model": {f"w{i}": torch.full((64,), seed + i) for i in range(6)}, "meta": {"seed": seed}}
 
 
-def _interrupt_every_open(monkeypatch: pytest.MonkeyPatch,
-                          operation: Callable[[int, Callable[[], None]], None]) -> int:
+def _interrupt_every_open(monkeypatch: pytest.MonkeyPatch, operation: Callable[[int, Callable[[], None]], None]) -> int:
     """Run ``operation(n, arm)`` once per os.open it reaches after calling ``arm()``, interrupted right
     after that open (its Checkpointer closed before the descriptors are counted); returns how many."""
     previous = signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -72,16 +72,19 @@ def _interrupt_every_open(monkeypatch: pytest.MonkeyPatch,
                 time.sleep(0.1)
                 leaked = _fds() - before
             assert not leaked, f"interrupted after open #{n} ({opened[n - 1]}): descriptors leaked: " + ", ".join(
-                f"{fd} -> {os.readlink(f'/proc/self/fd/{fd}')}" for fd in sorted(leaked) if os.path.exists(
-                    f"/proc/self/fd/{fd}"))
+                f"{fd} -> {os.readlink(f'/proc/self/fd/{fd}')}"
+                for fd in sorted(leaked)
+                if os.path.exists(f"/proc/self/fd/{fd}")
+            )
             if not interrupted:
                 return n - 1  # the operation opened fewer than n files: every one was interrupted once
     finally:
         signal.signal(signal.SIGINT, previous)
 
 
-def test_a_ctrl_c_right_after_any_open_of_a_save_leaks_no_descriptor(tmp_path: Path,
-                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_ctrl_c_right_after_any_open_of_a_save_leaks_no_descriptor(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     def save(n: int, arm: Callable[[], None]) -> None:
         ck = Checkpointer(tmp_path / f"ck{n}", process_group="local", lease_ttl_s=600)
         try:
@@ -91,11 +94,13 @@ def test_a_ctrl_c_right_after_any_open_of_a_save_leaks_no_descriptor(tmp_path: P
         finally:
             monkeypatch.setattr(os, "open", _real_open)
             ck.close()
+
     assert _interrupt_every_open(monkeypatch, save) >= 3  # the data file, the manifest, the commit at least
 
 
-def test_a_ctrl_c_right_after_any_open_of_a_load_leaks_no_descriptor(tmp_path: Path,
-                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_ctrl_c_right_after_any_open_of_a_load_leaks_no_descriptor(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     with Checkpointer(tmp_path / "ck", process_group="local") as ck:
         ck.save(1, _state(1.0))
 
@@ -107,12 +112,14 @@ def test_a_ctrl_c_right_after_any_open_of_a_load_leaks_no_descriptor(tmp_path: P
         finally:
             monkeypatch.setattr(os, "open", _real_open)
             reader.close()
+
     assert _interrupt_every_open(monkeypatch, load) >= 2
 
 
 @pytest.mark.parametrize("kind", ["write", "read"])
-def test_a_handle_dropped_by_a_ctrl_c_before_its_owner_holds_it_closes_its_descriptor(tmp_path: Path,
-                                                                                     kind: str) -> None:
+def test_a_handle_dropped_by_a_ctrl_c_before_its_owner_holds_it_closes_its_descriptor(
+    tmp_path: Path, kind: str
+) -> None:
     """The descriptor belongs to a FileIO from the instant it exists: however the handle is dropped,
     it is closed by C code that no second Ctrl-C can interrupt (a Python __del__ can be, leaving the
     descriptor open for good)."""
@@ -122,8 +129,11 @@ def test_a_handle_dropped_by_a_ctrl_c_before_its_owner_holds_it_closes_its_descr
     before = _fds()
     try:
         with pytest.raises(KeyboardInterrupt):
-            handle = storage.open_new(str(tmp_path / "new")) if kind == "write" else \
-                storage.open_read(str(tmp_path / "existing"))
+            handle = (
+                storage.open_new(str(tmp_path / "new"))
+                if kind == "write"
+                else storage.open_read(str(tmp_path / "existing"))
+            )
             signal.raise_signal(signal.SIGINT)  # before anyone owns the handle: dropped with the frame
             handle.close()
     finally:

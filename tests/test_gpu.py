@@ -94,14 +94,22 @@ def test_blocking_saves_copy_device_tensors_once_into_buffers_that_never_go_stal
     device = torch.device("cuda")
     host = torch.arange(1000, dtype=torch.float64)  # written from where it is, never copied
     with Checkpointer(tmp_path / "ck") as ck:
-        for step, (rows, dtype) in enumerate([(64, torch.float32), (64, torch.float32), (96, torch.float32),
-                                              (96, torch.bfloat16)], start=1):
-            state = {"model": {"w": torch.randn(rows, 128, device=device).to(dtype), "host": host + step},
-                     "extra": {"count": step, "nested": [torch.full((3,), float(step), device=device)]}}
+        for step, (rows, dtype) in enumerate(
+            [(64, torch.float32), (64, torch.float32), (96, torch.float32), (96, torch.bfloat16)], start=1
+        ):
+            state = {
+                "model": {"w": torch.randn(rows, 128, device=device).to(dtype), "host": host + step},
+                "extra": {"count": step, "nested": [torch.full((3,), float(step), device=device)]},
+            }
             ck.save(step, state)
             assert "device copy" in ck.last_save_stats.seconds  # type: ignore[union-attr]
-            into = {"model": {"w": torch.empty(rows, 128, device=device, dtype=dtype), "host": torch.empty(1000,
-                    dtype=torch.float64)}, "extra": {"count": 0, "nested": [torch.empty(3, device=device)]}}
+            into = {
+                "model": {
+                    "w": torch.empty(rows, 128, device=device, dtype=dtype),
+                    "host": torch.empty(1000, dtype=torch.float64),
+                },
+                "extra": {"count": 0, "nested": [torch.empty(3, device=device)]},
+            }
             ck.load(into, step=step)
             assert torch.equal(into["model"]["w"], state["model"]["w"]), f"step {step}: shape/dtype change went stale"
             assert torch.equal(into["model"]["host"], host + step) and into["extra"]["count"] == step
@@ -185,6 +193,7 @@ _FSDP2_JOB = textwrap.dedent("""
 
 def test_an_fsdp2_job_on_nccl_saves_and_resumes_on_the_device(tmp_path: Path) -> None:
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    proc = subprocess.run([sys.executable, "-c", _FSDP2_JOB, str(tmp_path / "ck")], env=env,
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", _FSDP2_JOB, str(tmp_path / "ck")], env=env, capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == 0 and "FSDP2-NCCL-OK" in proc.stdout, proc.stdout + proc.stderr

@@ -42,8 +42,12 @@ def cli(*args: str) -> subprocess.CompletedProcess[str]:
 
 def test_an_item_claiming_more_bytes_than_its_file_is_refused_before_allocating(tmp_path: Path) -> None:
     root = committed(tmp_path)
-    reseal(root, lambda m: dataclasses.replace(m, items=[i._replace(length=64 << 30, shape=(16 << 30,))
-                                                          if i.fqn == "w" else i for i in m.items]))
+    reseal(
+        root,
+        lambda m: dataclasses.replace(
+            m, items=[i._replace(length=64 << 30, shape=(16 << 30,)) if i.fqn == "w" else i for i in m.items]
+        ),
+    )
     with Checkpointer(root, read_only=True) as ck, pytest.raises(CorruptCheckpointError, match="claims bytes"):
         ck.load({"w": torch.zeros(256), "v": torch.zeros(16)}, step=1)
     assert cli("verify", str(root)).returncode == 1
@@ -51,8 +55,10 @@ def test_an_item_claiming_more_bytes_than_its_file_is_refused_before_allocating(
 
 def test_an_item_whose_shape_does_not_match_its_length_is_refused(tmp_path: Path) -> None:
     root = committed(tmp_path)
-    reseal(root, lambda m: dataclasses.replace(m, items=[i._replace(shape=(1 << 40,)) if i.fqn == "w" else i
-                                                          for i in m.items]))
+    reseal(
+        root,
+        lambda m: dataclasses.replace(m, items=[i._replace(shape=(1 << 40,)) if i.fqn == "w" else i for i in m.items]),
+    )
     with Checkpointer(root, read_only=True) as ck, pytest.raises(CorruptCheckpointError, match="does not match its"):
         ck.load({"w": torch.zeros(256), "v": torch.zeros(16)}, step=1)
     # verify said "intact" here (the campaign's hostile kind found it): only the load checked the shape.
@@ -114,6 +120,7 @@ def test_a_deeply_nested_manifest_is_corrupt_not_a_crash(tmp_path: Path) -> None
 
 # -- the manifest's binary row section ------------------------------------------------------------
 
+
 def reseal_rows(root: Path, change: object) -> Path:
     """Edit the decoded row section (and the JSON body) of a manifest, then seal it again: only the
     parser's own checks stand between the edit and a reader."""
@@ -126,8 +133,8 @@ def reseal_rows(root: Path, change: object) -> Path:
     path = root / STEP_DIR / "MANIFEST.json"
     data = path.read_bytes()
     end = data.index(b"\n")
-    body = json.loads(data[data.index(b'"body":') + len('"body":'): end - 1])
-    tables = msgspec.msgpack.decode(data[end + 1:], type=Tables)
+    body = json.loads(data[data.index(b'"body":') + len('"body":') : end - 1])
+    tables = msgspec.msgpack.decode(data[end + 1 :], type=Tables)
     change(body, tables)  # type: ignore[operator]
     raw = msgspec.msgpack.encode(tables)
     body["rows"]["bytes"] = len(raw)
@@ -143,18 +150,21 @@ def _column(values: list[int], code: str = "u8") -> object:
     return Column(code, np.array(values, dtype="<" + code).tobytes())
 
 
-@pytest.mark.parametrize(("change", "says"), [
-    (lambda b, t: setattr(t.items, "count", t.items.count + 1000), "not .* values"),
-    (lambda b, t: setattr(t.items, "file", _column([7] * t.items.count)), "file index 7 is not below 1"),
-    (lambda b, t: setattr(t.items, "name", _column([1 << 40] * t.items.count)), "name index"),
-    (lambda b, t: setattr(t.items, "offset", _column([1 << 63] * t.items.count)), "2\\*\\*63"),
-    (lambda b, t: setattr(t.items, "shape_ndim", _column([90] * t.items.count)), "dimensions"),
-    (lambda b, t: setattr(t.items.offset, "code", "f8"), "encoding 'f8'"),
-    (lambda b, t: setattr(t.items, "checksum_width", 0), "checksum width"),
-    (lambda b, t: setattr(t.items, "checksum", t.items.checksum[:-1]), "checksums take"),
-    (lambda b, t: t.files.size.pop(), "file columns"),
-    (lambda b, t: b["rows"].update(encoding="zip"), "rows.encoding"),
-])
+@pytest.mark.parametrize(
+    ("change", "says"),
+    [
+        (lambda b, t: setattr(t.items, "count", t.items.count + 1000), "not .* values"),
+        (lambda b, t: setattr(t.items, "file", _column([7] * t.items.count)), "file index 7 is not below 1"),
+        (lambda b, t: setattr(t.items, "name", _column([1 << 40] * t.items.count)), "name index"),
+        (lambda b, t: setattr(t.items, "offset", _column([1 << 63] * t.items.count)), "2\\*\\*63"),
+        (lambda b, t: setattr(t.items, "shape_ndim", _column([90] * t.items.count)), "dimensions"),
+        (lambda b, t: setattr(t.items.offset, "code", "f8"), "encoding 'f8'"),
+        (lambda b, t: setattr(t.items, "checksum_width", 0), "checksum width"),
+        (lambda b, t: setattr(t.items, "checksum", t.items.checksum[:-1]), "checksums take"),
+        (lambda b, t: t.files.size.pop(), "file columns"),
+        (lambda b, t: b["rows"].update(encoding="zip"), "rows.encoding"),
+    ],
+)
 def test_a_malformed_row_section_is_corrupt_naming_the_manifest(tmp_path: Path, change: object, says: str) -> None:
     root = committed(tmp_path)
     path = reseal_rows(root, change)
@@ -177,8 +187,8 @@ def test_a_row_section_of_the_wrong_type_names_the_field(tmp_path: Path) -> None
     path = root / STEP_DIR / "MANIFEST.json"
     data = path.read_bytes()
     end = data.index(b"\n")
-    body = json.loads(data[data.index(b'"body":') + len('"body":'): end - 1])
-    files, items, dcp = msgspec.msgpack.decode(data[end + 1:])
+    body = json.loads(data[data.index(b'"body":') + len('"body":') : end - 1])
+    files, items, dcp = msgspec.msgpack.decode(data[end + 1 :])
     files[1] = ["many"] * len(files[1])  # sizes that are not numbers
     raw = msgspec.msgpack.encode([files, items, dcp])
     body["rows"]["bytes"] = len(raw)
@@ -197,10 +207,12 @@ def test_rows_of_every_kind_come_back_from_the_columns(tmp_path: Path) -> None:
     path = root / STEP_DIR / "MANIFEST.json"
     m = Manifest.from_json(path.read_bytes(), str(path))
     file = m.files[0].path
-    extra = [StoredItem("obj", None, file, 0, 3, "00000000deadbeef"),
-             StoredItem("scalar", (), file, 0, 8, "0123456789abcdef", "int64", ()),
-             StoredItem("w", None, file, 0, 1024, "fedcba9876543210", "float32", (256,)),
-             StoredItem("grid", (2, 0), file, 8, 24, "00000000000000ff", "bfloat16", (3, 4))]
+    extra = [
+        StoredItem("obj", None, file, 0, 3, "00000000deadbeef"),
+        StoredItem("scalar", (), file, 0, 8, "0123456789abcdef", "int64", ()),
+        StoredItem("w", None, file, 0, 1024, "fedcba9876543210", "float32", (256,)),
+        StoredItem("grid", (2, 0), file, 8, 24, "00000000000000ff", "bfloat16", (3, 4)),
+    ]
     rows = [*m.items, *extra]
     again = Manifest.from_json(dataclasses.replace(m, items=rows, dcp={**m.dcp, "state_dict": {}}).to_json(), "x")
     assert list(again.items) == rows

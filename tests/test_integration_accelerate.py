@@ -50,8 +50,11 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> dict:
 
     with Checkpointer(d / "p" / ".ckptguard-accelerate", read_only=True) as ck:
         assert ck.steps() == [2, 3]
-    return {"project": d / "p", "losses": [losses(d / "ref", r) for r in (0, 1)],
-            "saved": {x["step"]: x["digest"] for x in records(d / "ref", 0) if x["kind"] == "save"}}
+    return {
+        "project": d / "p",
+        "losses": [losses(d / "ref", r) for r in (0, 1)],
+        "saved": {x["step"]: x["digest"] for x in records(d / "ref", 0) if x["kind"] == "save"},
+    }
 
 
 def test_single_process_save_rotate_and_load_ignore_an_uncommitted_folder(tmp_path: Path) -> None:
@@ -62,8 +65,10 @@ def test_single_process_save_rotate_and_load_ignore_an_uncommitted_folder(tmp_pa
     from ckptguard.discover import FoundRoot, find_roots
     from ckptguard.integrations.accelerate import CkptguardAccelerator, load_state, save_state
 
-    acc = CkptguardAccelerator(cpu=True, project_config=ProjectConfiguration(
-        project_dir=str(tmp_path), automatic_checkpoint_naming=True, total_limit=2))
+    acc = CkptguardAccelerator(
+        cpu=True,
+        project_config=ProjectConfiguration(project_dir=str(tmp_path), automatic_checkpoint_naming=True, total_limit=2),
+    )
     model = torch.nn.Linear(3, 2)
     optim = torch.optim.Adam(model.parameters())
     model, optim = acc.prepare(model, optim)
@@ -91,8 +96,10 @@ def test_single_process_save_rotate_and_load_ignore_an_uncommitted_folder(tmp_pa
     assert load_state(acc, tmp_path / "manual") == 40
     with Checkpointer(tmp_path / ".ckptguard-accelerate", read_only=True) as ck:
         assert ck.metadata(2) == {"framework": "accelerate", "folder": "checkpoint_2"}
-    assert find_roots(tmp_path) == [FoundRoot(str(tmp_path / ".ckptguard-accelerate"), "accelerate"),
-                                    FoundRoot(str(tmp_path / "manual" / ".ckptguard-accelerate"), "accelerate")]
+    assert find_roots(tmp_path) == [
+        FoundRoot(str(tmp_path / ".ckptguard-accelerate"), "accelerate"),
+        FoundRoot(str(tmp_path / "manual" / ".ckptguard-accelerate"), "accelerate"),
+    ]
     assert find_roots(ckpts) == [FoundRoot(str(tmp_path / ".ckptguard-accelerate"), "accelerate")]
     acc.end_training()
 
@@ -104,8 +111,11 @@ def test_kill_inside_a_save_then_resume_reproduces_the_run(tmp_path: Path, refer
     crashed = run(project, tmp_path / "crash", fault, "3")
     assert crashed.returncode != 0
     # the kill left both earlier checkpoints, intact, visible and committed
-    assert intact(project / "checkpoints") == sorted(p.name for p in (project / "checkpoints").iterdir()) \
+    assert (
+        intact(project / "checkpoints")
+        == sorted(p.name for p in (project / "checkpoints").iterdir())
         == ["checkpoint_0", "checkpoint_1"]
+    )
     resumed = run(project, tmp_path / "res", "--resume")
     assert resumed.returncode == 0, tail(resumed)
     for rank in (0, 1):
@@ -133,7 +143,8 @@ def test_accelerate_default_deletes_the_oldest_first_and_resumes_from_the_torn_o
 
 
 def test_every_committed_checkpoint_corrupt_is_a_corrupt_checkpoint_error_on_both_processes(
-        reference: dict, tmp_path: Path) -> None:
+    reference: dict, tmp_path: Path
+) -> None:
     """The main process finds the corruption; the other one raises the same class, not a generic error,
     so that code catching CorruptCheckpointError takes the same branch on every process."""
     from ckptguard import Checkpointer

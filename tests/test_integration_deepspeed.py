@@ -57,8 +57,10 @@ from pathlib import Path
 import pytest
 import torch
 
-pytest.importorskip("deepspeed", reason="deepspeed is not installed (DS_BUILD_OPS=0 pip install --no-build-isolation "
-                                        "'ckptguard[deepspeed]')")
+pytest.importorskip(
+    "deepspeed",
+    reason="deepspeed is not installed (DS_BUILD_OPS=0 pip install --no-build-isolation 'ckptguard[deepspeed]')",
+)
 
 from tests.support.frameworks import REPO, losses, records, tail, torchrun
 from tests.support.jobs import JobResult, run_job
@@ -70,8 +72,11 @@ def run(d: Path, record: Path, *args: str) -> subprocess.CompletedProcess[str]:
     return torchrun(WORKER, "--dir", str(d), "--record", str(record), *args, env={"DS_ACCELERATOR": "cpu"})
 
 
-SHARDS = ["mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt",
-          "zero_pp_rank_1_mp_rank_00_optim_states.pt"]
+SHARDS = [
+    "mp_rank_00_model_states.pt",
+    "zero_pp_rank_0_mp_rank_00_optim_states.pt",
+    "zero_pp_rank_1_mp_rank_00_optim_states.pt",
+]
 
 
 @pytest.fixture(scope="module")
@@ -90,8 +95,10 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> dict:
     with Checkpointer(d / "ck" / ".ckptguard-deepspeed", read_only=True) as ck:
         assert ck.steps() == [2, 4, 6, 8]
         assert ck.read(step=8)["deepspeed"]["tag"] == "global_step8"
-    return {"losses": [losses(d / "ref", r) for r in (0, 1)],
-            "saved": [{x["step"]: x["digest"] for x in records(d / "ref", r) if x["kind"] == "save"} for r in (0, 1)]}
+    return {
+        "losses": [losses(d / "ref", r) for r in (0, 1)],
+        "saved": [{x["step"]: x["digest"] for x in records(d / "ref", r) if x["kind"] == "save"} for r in (0, 1)],
+    }
 
 
 @pytest.mark.slow
@@ -164,12 +171,16 @@ def aio_op_missing() -> str | None:
     if installed_ops.get("async_io"):
         return None
     if not AsyncIOBuilder().is_compatible():
-        return ("DeepSpeed's async_io op cannot be built: 'RuntimeError: Unable to JIT load the async_io op due to it "
-                "not being compatible due to hardware/software issue. None' (libaio-dev is not installed)")
+        return (
+            "DeepSpeed's async_io op cannot be built: 'RuntimeError: Unable to JIT load the async_io op due to it "
+            "not being compatible due to hardware/software issue. None' (libaio-dev is not installed)"
+        )
     for op in ("async_io", "pin_memory"):
         if not (Path(_get_build_directory(op, verbose=False)) / f"{op}.so").exists():
-            return (f"DeepSpeed's {op} op is not built (build it once, 12 min on 2 cores: DS_ACCELERATOR=cpu python -c "
-                    "'from deepspeed.ops.op_builder.cpu.async_io import AsyncIOBuilder; AsyncIOBuilder().load()')")
+            return (
+                f"DeepSpeed's {op} op is not built (build it once, 12 min on 2 cores: DS_ACCELERATOR=cpu python -c "
+                "'from deepspeed.ops.op_builder.cpu.async_io import AsyncIOBuilder; AsyncIOBuilder().load()')"
+            )
     return None
 
 
@@ -180,16 +191,28 @@ def nvme(request: pytest.FixtureRequest) -> list[str]:
         # Opt-in: torch's JIT loader rebuilds the op (12 min on 2 cores) wherever its build command differs,
         # e.g. from a venv at another path than the one it was built from, as in CI's fresh clone.
         if os.environ.get("CKPTGUARD_DEEPSPEED_NVME") != "1":
-            pytest.skip("real NVMe offload runs only with CKPTGUARD_DEEPSPEED_NVME=1 (it needs libaio-dev and "
-                        "DeepSpeed's async_io op built for this venv)")
+            pytest.skip(
+                "real NVMe offload runs only with CKPTGUARD_DEEPSPEED_NVME=1 (it needs libaio-dev and "
+                "DeepSpeed's async_io op built for this venv)"
+            )
         if (why := aio_op_missing()) is not None:
             pytest.skip(why)
     return ["--real"] if request.param == "real" else []
 
 
 def run_nvme(d: Path, record: Path, nvme: list[str], *args: str) -> subprocess.CompletedProcess[str]:
-    return torchrun(NVME_WORKER, "--dir", str(d / "ck"), "--record", str(record), "--swap", str(d / "swap"),
-                    *nvme, *args, env={"DS_ACCELERATOR": "cpu"})
+    return torchrun(
+        NVME_WORKER,
+        "--dir",
+        str(d / "ck"),
+        "--record",
+        str(record),
+        "--swap",
+        str(d / "swap"),
+        *nvme,
+        *args,
+        env={"DS_ACCELERATOR": "cpu"},
+    )
 
 
 def swap_bytes(files: dict[str, str]) -> dict[str, str]:
@@ -198,8 +221,11 @@ def swap_bytes(files: dict[str, str]) -> dict[str, str]:
 
 
 def digests(folder: Path) -> dict[str, str]:
-    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(folder.rglob("*")) if p.is_file()}
+    return {
+        str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(folder.rglob("*"))
+        if p.is_file()
+    }
 
 
 @pytest.mark.slow
@@ -211,8 +237,10 @@ def test_nvme_offload_kill_after_the_copy_then_resume(tmp_path: Path, nvme: list
     assert sorted(p.name for p in ck.glob("global_step*")) == ["global_step2", "global_step4"], tail(crashed)
     assert (ck / "latest").read_text() == "global_step4"
     assert (ck / "zero_to_fp32.py").is_file()  # DeepSpeed's recovery script, moved from the attempt directory
-    swapped = [{r["step"]: swap_bytes(r["files"]) for r in records(tmp_path / "crash", rank) if r["kind"] == "swap"}
-               for rank in (0, 1)]
+    swapped = [
+        {r["step"]: swap_bytes(r["files"]) for r in records(tmp_path / "crash", rank) if r["kind"] == "swap"}
+        for rank in (0, 1)
+    ]
     from ckptguard import Checkpointer
 
     with Checkpointer(ck / ".ckptguard-deepspeed", read_only=True) as c:
@@ -240,15 +268,30 @@ def test_nvme_offload_kill_after_the_copy_then_resume(tmp_path: Path, nvme: list
 
 def two_nodes(d: Path, record: str, *args: str) -> JobResult:
     """2 agents x 1 process (both local rank 0), use_node_local_storage, one shared save_dir, a save at step 2."""
-    return run_job(NVME_WORKER, ["--dir", str(d / "ck"), "--record", str(d / record), "--swap", str(d / "swap"),
-                                 "--node-local", "--steps", "2", *args],
-                   nnodes=2, nproc_per_node=1, timeout=240, straggler_grace=30,
-                   env={"DS_ACCELERATOR": "cpu", "PYTHONPATH": str(REPO / "src")})
+    return run_job(
+        NVME_WORKER,
+        [
+            "--dir",
+            str(d / "ck"),
+            "--record",
+            str(d / record),
+            "--swap",
+            str(d / "swap"),
+            "--node-local",
+            "--steps",
+            "2",
+            *args,
+        ],
+        nnodes=2,
+        nproc_per_node=1,
+        timeout=240,
+        straggler_grace=30,
+        env={"DS_ACCELERATOR": "cpu", "PYTHONPATH": str(REPO / "src")},
+    )
 
 
 def save_errors(d: Path, record: str) -> list[str | None]:
-    return [next((r["error"] for r in records(d / record, rank) if r["kind"] == "save_error"), None)
-            for rank in (0, 1)]
+    return [next((r["error"] for r in records(d / record, rank) if r["kind"] == "save_error"), None) for rank in (0, 1)]
 
 
 @pytest.mark.slow
@@ -261,8 +304,9 @@ def test_nvme_offload_node_local_storage_on_a_shared_dir_with_deepspeeds_engine(
     assert len(copied) == 1, errors
     offloaded = tmp_path / "ck" / "global_step2" / "offloaded_tensors"
     assert errors[1 - copied[0]] == f"FileExistsError: [Errno 17] File exists: '{offloaded / 'rank00'}'"
-    swapped = [swap_bytes(next(r["files"] for r in records(tmp_path / "rec", rank) if r["kind"] == "swap"))
-               for rank in (0, 1)]
+    swapped = [
+        swap_bytes(next(r["files"] for r in records(tmp_path / "rec", rank) if r["kind"] == "swap")) for rank in (0, 1)
+    ]
     assert [p.name for p in offloaded.iterdir()] == ["rank00"]
     assert digests(offloaded / "rank00") == swapped[copied[0]]
 

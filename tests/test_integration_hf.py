@@ -45,8 +45,10 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> dict:
 
     with Checkpointer(d / "out" / ".ckptguard-hf", read_only=True) as ck:
         assert ck.steps() == [6, 8]
-    return {"losses": [losses(d / "ref", r) for r in (0, 1)],
-            "saved": {x["step"]: x["digest"] for x in records(d / "ref", 0) if x["kind"] == "save"}}
+    return {
+        "losses": [losses(d / "ref", r) for r in (0, 1)],
+        "saved": {x["step"]: x["digest"] for x in records(d / "ref", 0) if x["kind"] == "save"},
+    }
 
 
 def assert_reproduces(prefix: Path, reference: dict, first: int) -> None:
@@ -57,7 +59,8 @@ def assert_reproduces(prefix: Path, reference: dict, first: int) -> None:
 
 
 def test_trainer_single_process_resume_ignores_an_uncommitted_checkpoint_dir(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
     """In-process (world size 1): ``train(resume_from_checkpoint=True)`` on a fresh start trains from
     scratch with one log line; a torn checkpoint-N directory (what Trainer's get_last_checkpoint would
     take) is never resumed from; naming it explicitly is refused; the committed one resumes; ``ckptguard
@@ -71,12 +74,23 @@ def test_trainer_single_process_resume_ignores_an_uncommitted_checkpoint_dir(
     from ckptguard import CheckpointError
 
     def trainer(max_steps: int) -> hf_job.RecordingCkptguardTrainer:
-        args = TrainingArguments(output_dir=str(tmp_path / "out"), max_steps=max_steps, per_device_train_batch_size=4,
-                                 learning_rate=0.05, save_strategy="steps", save_steps=2, save_total_limit=1,
-                                 report_to=[], use_cpu=True, seed=0, disable_tqdm=True)
+        args = TrainingArguments(
+            output_dir=str(tmp_path / "out"),
+            max_steps=max_steps,
+            per_device_train_batch_size=4,
+            learning_rate=0.05,
+            save_strategy="steps",
+            save_steps=2,
+            save_total_limit=1,
+            report_to=[],
+            use_cpu=True,
+            seed=0,
+            disable_tqdm=True,
+        )
         hf_job.RecordingCkptguardTrainer.log_prefix = str(tmp_path / "rec")
-        return hf_job.RecordingCkptguardTrainer(model=hf_job.TinyModel(hf_job.TinyConfig()), args=args,
-                                                train_dataset=hf_job.Data())
+        return hf_job.RecordingCkptguardTrainer(
+            model=hf_job.TinyModel(hf_job.TinyConfig()), args=args, train_dataset=hf_job.Data()
+        )
 
     with caplog.at_level(logging.INFO, logger="ckptguard"):
         trainer(4).train(resume_from_checkpoint=True)  # the same line a restart runs
@@ -99,8 +113,9 @@ def test_trainer_single_process_resume_ignores_an_uncommitted_checkpoint_dir(
     # the torn directory was replaced by the committed checkpoint-6, and the limit rotated checkpoint-4 out
     assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-6"]
     assert (out / "checkpoint-6" / "optimizer.pt").exists()
-    listed = subprocess.run([sys.executable, "-m", "ckptguard", "ls", str(out), "--json"], capture_output=True,
-                            text=True, timeout=120)
+    listed = subprocess.run(
+        [sys.executable, "-m", "ckptguard", "ls", str(out), "--json"], capture_output=True, text=True, timeout=120
+    )
     assert listed.returncode == 0, listed.stderr
     (doc,) = json.loads(listed.stdout)["roots"]  # output_dir holds the root: one entry per root found
     assert doc["framework"] == "transformers" and doc["root"] == str(out / ".ckptguard-hf")
@@ -127,7 +142,8 @@ def test_ddp_kill_inside_a_commit_then_resume_reproduces_the_run(tmp_path: Path,
 
 @pytest.mark.slow
 def test_trainer_default_resumes_from_a_checkpoint_missing_a_rank_file_ckptguard_does_not(
-        tmp_path: Path, reference: dict) -> None:
+    tmp_path: Path, reference: dict
+) -> None:
     # Trainer's own checkpointing: rank 1 dies in the 3rd save (step 6) before writing rng_state_1.pth.
     out = tmp_path / "default"
     crashed = run(out, tmp_path / "dcrash", "--default", "--default-crash-at-save", "3")
@@ -155,7 +171,8 @@ def test_trainer_default_resumes_from_a_checkpoint_missing_a_rank_file_ckptguard
 
 
 def test_switching_a_plain_trainer_run_to_ckptguard_resumes_it_and_keeps_its_checkpoints(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A run saved by plain ``Trainer`` and restarted as ``CkptguardTrainer`` with ``resume_from_checkpoint=True``
     continues from its newest plain checkpoint (not from scratch), and ckptguard's rotation never deletes the
     plain ``checkpoint-N`` directories it did not write."""
@@ -176,11 +193,21 @@ def test_switching_a_plain_trainer_run_to_ckptguard_resumes_it_and_keeps_its_che
             Steps.ran += 1
 
     def make(cls: type, max_steps: int) -> Trainer:
-        args = TrainingArguments(output_dir=str(out), max_steps=max_steps, per_device_train_batch_size=4,
-                                 save_strategy="steps", save_steps=2, save_total_limit=2, report_to=[],
-                                 use_cpu=True, seed=0, disable_tqdm=True)
-        return cls(model=hf_job.TinyModel(hf_job.TinyConfig()), args=args, train_dataset=hf_job.Data(),
-                   callbacks=[Steps()])
+        args = TrainingArguments(
+            output_dir=str(out),
+            max_steps=max_steps,
+            per_device_train_batch_size=4,
+            save_strategy="steps",
+            save_steps=2,
+            save_total_limit=2,
+            report_to=[],
+            use_cpu=True,
+            seed=0,
+            disable_tqdm=True,
+        )
+        return cls(
+            model=hf_job.TinyModel(hf_job.TinyConfig()), args=args, train_dataset=hf_job.Data(), callbacks=[Steps()]
+        )
 
     make(Trainer, 4).train()
     plain = {p.name: (p / "trainer_state.json").read_bytes() for p in out.glob("checkpoint-*")}
@@ -190,14 +217,19 @@ def test_switching_a_plain_trainer_run_to_ckptguard_resumes_it_and_keeps_its_che
     t.train(resume_from_checkpoint=True)
     assert Steps.ran == 4 and t.state.global_step == 8  # continued from step 4, not from scratch
     assert {n: (out / n / "trainer_state.json").read_bytes() for n in plain} == plain  # untouched
-    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-4", "checkpoint-6",
-                                                                 "checkpoint-8"]
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == [
+        "checkpoint-2",
+        "checkpoint-4",
+        "checkpoint-6",
+        "checkpoint-8",
+    ]
     with Checkpointer(out / ".ckptguard-hf", read_only=True) as ck:
         assert ck.steps() == [6, 8]
 
 
 def test_resume_from_checkpoint_through_another_spelling_of_output_dir_is_verified(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A symlink to output_dir, ``..`` components or a trailing slash name the same directory: a torn
     checkpoint-N named through any of them is refused like the canonical path, never handed to Trainer."""
     sys.path.insert(0, str(WORKER.parent))
@@ -210,12 +242,23 @@ def test_resume_from_checkpoint_through_another_spelling_of_output_dir_is_verifi
     out = tmp_path / "out"
 
     def trainer(max_steps: int) -> hf_job.RecordingCkptguardTrainer:
-        args = TrainingArguments(output_dir=str(out), max_steps=max_steps, per_device_train_batch_size=4,
-                                 learning_rate=0.05, save_strategy="steps", save_steps=2, save_total_limit=1,
-                                 report_to=[], use_cpu=True, seed=0, disable_tqdm=True)
+        args = TrainingArguments(
+            output_dir=str(out),
+            max_steps=max_steps,
+            per_device_train_batch_size=4,
+            learning_rate=0.05,
+            save_strategy="steps",
+            save_steps=2,
+            save_total_limit=1,
+            report_to=[],
+            use_cpu=True,
+            seed=0,
+            disable_tqdm=True,
+        )
         hf_job.RecordingCkptguardTrainer.log_prefix = str(tmp_path / "rec")
-        return hf_job.RecordingCkptguardTrainer(model=hf_job.TinyModel(hf_job.TinyConfig()), args=args,
-                                                train_dataset=hf_job.Data())
+        return hf_job.RecordingCkptguardTrainer(
+            model=hf_job.TinyModel(hf_job.TinyConfig()), args=args, train_dataset=hf_job.Data()
+        )
 
     trainer(2).train()
     torn = out / "checkpoint-4"
@@ -223,8 +266,11 @@ def test_resume_from_checkpoint_through_another_spelling_of_output_dir_is_verifi
     (torn / "model.safetensors").write_bytes(b"torn")
     (tmp_path / "link").symlink_to(out)
     (tmp_path / "sub").mkdir()
-    for spelling in (tmp_path / "link" / "checkpoint-4", f"{tmp_path}/sub/../out/checkpoint-4/",
-                     f"{tmp_path}/link/../out/checkpoint-4"):
+    for spelling in (
+        tmp_path / "link" / "checkpoint-4",
+        f"{tmp_path}/sub/../out/checkpoint-4/",
+        f"{tmp_path}/link/../out/checkpoint-4",
+    ):
         with pytest.raises(CheckpointError, match="step 4 is not a committed checkpoint"):
             trainer(6).train(resume_from_checkpoint=str(spelling))
     trainer(4).train(resume_from_checkpoint=str(tmp_path / "link" / "checkpoint-2"))

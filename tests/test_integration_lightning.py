@@ -71,11 +71,17 @@ def test_plugin_round_trip_of_a_lightning_checkpoint_dict(tmp_path: Path) -> Non
     optim = torch.optim.Adam(model.parameters())
     model(torch.randn(4, 3)).sum().backward()
     optim.step()
-    ckpt = {"epoch": 1, "global_step": 4, "pytorch-lightning_version": L.__version__,
-            "state_dict": model.state_dict(), "optimizer_states": [optim.state_dict()],
-            "lr_schedulers": [], "loops": {"fit_loop": {"state_dict": {}, "epoch_progress": {"total": {"ready": 2}}}},
-            "callbacks": {"ModelCheckpoint{'monitor': 'gstep', 'mode': 'max'}": {"best_k_models": {}}},
-            "hyper_parameters": {"lr": 0.05, "sizes": (4, 8)}}
+    ckpt = {
+        "epoch": 1,
+        "global_step": 4,
+        "pytorch-lightning_version": L.__version__,
+        "state_dict": model.state_dict(),
+        "optimizer_states": [optim.state_dict()],
+        "lr_schedulers": [],
+        "loops": {"fit_loop": {"state_dict": {}, "epoch_progress": {"total": {"ready": 2}}}},
+        "callbacks": {"ModelCheckpoint{'monitor': 'gstep', 'mode': 'max'}": {"best_k_models": {}}},
+        "hyper_parameters": {"lr": 0.05, "sizes": (4, 8)},
+    }
     io = CkptguardCheckpointIO()
     path = tmp_path / "epoch=1-step=4.ckpt"
     io.save_checkpoint(ckpt, path)
@@ -92,12 +98,17 @@ def test_plugin_round_trip_of_a_lightning_checkpoint_dict(tmp_path: Path) -> Non
     io.teardown()
     with Checkpointer(tmp_path / ".ckptguard-lightning", read_only=True) as ck:
         assert list(ck.tags()) == ["last.ckpt"] and len(ck.steps()) == 1
-        assert ck.metadata(ck.steps()[0]) == {"framework": "lightning", "file": "last.ckpt", "global_step": 4,
-                                              "epoch": 1}
+        assert ck.metadata(ck.steps()[0]) == {
+            "framework": "lightning",
+            "file": "last.ckpt",
+            "global_step": 4,
+            "epoch": 1,
+        }
 
 
 def test_a_crash_between_the_tag_and_the_pointer_leaves_the_old_checkpoint_loadable(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The pointer is the commit point Lightning sees: a save that moved the tag but died before
     replacing the pointer leaves the pointer's checkpoint, and the resume loads it."""
     import ckptguard.integrations.lightning as lt
@@ -201,8 +212,10 @@ def test_lightning_default_io_resumes_from_a_torn_last_ckpt(tmp_path: Path) -> N
     # ckpt_path="last" picks the torn file: the resume dies in torch.load
     assert resumed.returncode != 0 and size > 0
     assert "torch_io.py" in resumed.stderr and "load_checkpoint" in resumed.stderr, resumed.stderr[-3000:]
-    assert any(m in resumed.stderr for m in ("Invalid argument", "PytorchStreamReader failed",
-                                             "failed finding central directory")), resumed.stderr[-3000:]
+    assert any(
+        m in resumed.stderr
+        for m in ("Invalid argument", "PytorchStreamReader failed", "failed finding central directory")
+    ), resumed.stderr[-3000:]
 
 
 # -- FSDP2: ModelParallelStrategy ------------------------------------------------------------------
@@ -231,8 +244,12 @@ def fsdp_reference(tmp_path_factory: pytest.TempPathFactory) -> dict[int, dict[i
         assert sorted(ck.tags()) == ["epoch=2-step=6.ckpt", "epoch=3-step=8.ckpt", "last.ckpt"]
         assert len(ck.steps()) == 3  # what top-k removed and last.ckpt replaced is gone
         full = ck.read(tag="last.ckpt", keys=["state_dict", "meta"])
-        assert ck.metadata(ck.tags()["last.ckpt"]) == {"framework": "lightning", "file": "last.ckpt",
-                                                       "global_step": 8, "epoch": 3}
+        assert ck.metadata(ck.tags()["last.ckpt"]) == {
+            "framework": "lightning",
+            "file": "last.ckpt",
+            "global_step": 8,
+            "epoch": 3,
+        }
     # saved as DTensor shards, read back whole; the rest is Lightning's (rank 0's) checkpoint dict
     assert full["state_dict"]["net.0.weight"].shape == (16, 4) and full["meta"]["global_step"] == 8
     digests = saved_digests(d / "ref")
@@ -260,7 +277,8 @@ def test_model_parallel_strategy_refuses_a_full_checkpoint_save() -> None:
 
 @pytest.mark.slow
 def test_fsdp2_kill_inside_a_sharded_save_then_resume_reproduces_the_run(
-        tmp_path: Path, fsdp_reference: dict[int, dict[int, float]]) -> None:
+    tmp_path: Path, fsdp_reference: dict[int, dict[int, float]]
+) -> None:
     root, out = tmp_path / "ck", tmp_path / "run"
     # Saves: 2 per epoch (top-k, then last). The 4th replaces last.ckpt (step 2) with step 4: rank 0
     # dies once every rank's shards are written, before the commit (ckptguard's before_publish).
@@ -284,7 +302,8 @@ def test_fsdp2_kill_inside_a_sharded_save_then_resume_reproduces_the_run(
 @pytest.mark.slow
 @pytest.mark.long  # the framework's own checkpointing failing: docs/integrations.md; CI keeps ckptguard's side
 def test_lightning_own_sharded_save_killed_before_its_metadata_resumes_a_mixed_state(
-        tmp_path: Path, fsdp_reference: dict[int, dict[int, float]]) -> None:
+    tmp_path: Path, fsdp_reference: dict[int, dict[int, float]]
+) -> None:
     """The same kill with Lightning's own ModelParallelStrategy save: rank 0 killed entering DCP's
     FileSystemWriter.finish of the 4th save, every rank's shard file written, .metadata not. DCP
     writes last.ckpt/ in place, so the directory keeps step 2's .metadata and meta.pt over step 4's
@@ -348,8 +367,9 @@ def test_a_pointer_whose_root_leads_out_of_its_directory_is_refused(tmp_path: Pa
         here = _saved_run(tmp_path / "run", 1.0)
 
 
-def test_an_old_pointer_without_its_binding_loads_with_a_warning(tmp_path: Path,
-                                                                 caplog: pytest.LogCaptureFixture) -> None:
+def test_an_old_pointer_without_its_binding_loads_with_a_warning(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     path = _saved_run(tmp_path, 5.0)
     body = json.loads(path.read_text())
     old = {k: body[k] for k in ("format", "root", "tag", "step", "name")}

@@ -34,8 +34,11 @@ from typing import Any
 
 import pytest
 
-pytest.importorskip("torchtitan", reason="torchtitan is not installed (pip install --no-deps -c "
-                                         "requirements/constraints.txt -r requirements/torchtitan.txt)")
+pytest.importorskip(
+    "torchtitan",
+    reason="torchtitan is not installed (pip install --no-deps -c "
+    "requirements/constraints.txt -r requirements/torchtitan.txt)",
+)
 
 import torch
 from torch import nn
@@ -68,14 +71,20 @@ class Job:
         torch.manual_seed(0)
         self.model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
         self.optimizers = default_adamw(lr=0.01).build(model_parts=[self.model])
-        self.lr_schedulers = LRSchedulersContainer.Config(warmup_steps=2).build(optimizers=self.optimizers,
-                                                                                training_steps=8)
+        self.lr_schedulers = LRSchedulersContainer.Config(warmup_steps=2).build(
+            optimizers=self.optimizers, training_steps=8
+        )
         self.train_state = TrainState()
         self.config = CkptguardCheckpointManager.Config(**{"enable": True, "interval": 2, **config})
-        self.manager = self.config.build(dataloader=None, model_parts=[self.model], optimizers=self.optimizers,
-                                         lr_schedulers=self.lr_schedulers,
-                                         states={"train_state": self.train_state}, sd_adapter=None,
-                                         base_folder=str(base))
+        self.manager = self.config.build(
+            dataloader=None,
+            model_parts=[self.model],
+            optimizers=self.optimizers,
+            lr_schedulers=self.lr_schedulers,
+            states={"train_state": self.train_state},
+            sd_adapter=None,
+            base_folder=str(base),
+        )
 
     def train(self, steps: int, last: int = 8) -> dict[int, dict[str, torch.Tensor]]:
         """Train ``steps`` steps, calling save() as torchtitan's Trainer does; the weights at each save."""
@@ -241,8 +250,12 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 def story(tmp_path: Path, manager: str, crash_fresh: list[str]) -> dict[str, Any]:
     """Launches A-D of the module docstring; each one's result and records."""
     dump, out = tmp_path / "run", {}
-    for name, args in [("A", crash_fresh), ("B", ["--stop-after", "6"]),
-                       ("C", ["--load-step", "4", "--data-seed", "1", "--kill-rank1-at", "6"]), ("D", [])]:
+    for name, args in [
+        ("A", crash_fresh),
+        ("B", ["--stop-after", "6"]),
+        ("C", ["--load-step", "4", "--data-seed", "1", "--kill-rank1-at", "6"]),
+        ("D", []),
+    ]:
         out[name] = run(dump, tmp_path / name, "--manager", manager, *args)
         out[name + "/listing"] = sorted(p.name for p in (dump / "checkpoint").iterdir())
         if name == "A" and manager == "dcp":

@@ -49,8 +49,11 @@ def cli(*args: str) -> _Result:
 
     _register()
     r = CliRunner().invoke(app, list(args))
-    return _Result(r.exit_code, r.stdout, r.stderr + (repr(r.exception) if r.exception and r.exit_code != 1 and
-                                                        r.exit_code != 2 else ""))
+    return _Result(
+        r.exit_code,
+        r.stdout,
+        r.stderr + (repr(r.exception) if r.exception and r.exit_code != 1 and r.exit_code != 2 else ""),
+    )
 
 
 def test_dcp_load_reads_a_ckptguard_checkpoint(tmp_path: Path) -> None:
@@ -125,8 +128,7 @@ class _Boom:
         return (os.system, (f"touch {os.environ['CKPTGUARD_PWNED']}",))
 
 
-def test_a_dcp_metadata_pickle_that_would_run_code_is_refused(tmp_path: Path,
-                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_dcp_metadata_pickle_that_would_run_code_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     sentinel = tmp_path / "pwned"
     monkeypatch.setenv("CKPTGUARD_PWNED", str(sentinel))
     src = tmp_path / "dcp_src"
@@ -143,8 +145,13 @@ def test_a_dcp_metadata_pickle_that_would_run_code_is_refused(tmp_path: Path,
 
 
 def test_version_and_python_m() -> None:
-    r = subprocess.run([sys.executable, "-m", "ckptguard", "--version"], capture_output=True, text=True,
-                       env={**os.environ, "PYTHONPATH": SRC}, timeout=120)
+    r = subprocess.run(
+        [sys.executable, "-m", "ckptguard", "--version"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": SRC},
+        timeout=120,
+    )
     assert r.returncode == 0 and r.stdout.strip() == f"ckptguard {ckptguard.__version__}"
 
 
@@ -166,7 +173,8 @@ def _rotate_away_before_the_read(monkeypatch: pytest.MonkeyPatch, act) -> None:
 
 
 def test_import_of_a_dcp_directory_deleted_between_check_and_read_imports_what_was_checked(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     import shutil
 
     src = tmp_path / "dcp"
@@ -183,7 +191,8 @@ def test_import_of_a_dcp_directory_deleted_between_check_and_read_imports_what_w
 
 
 def test_import_of_a_dcp_file_cut_short_while_read_fails_typed_and_imports_nothing(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     src = tmp_path / "dcp"
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

@@ -28,7 +28,8 @@ class _InterruptedAsRecorded(set):  # type: ignore[type-arg]
 
 
 def test_a_ctrl_c_as_the_removal_of_retired_steps_starts_leaves_close_waiting_for_it(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
     state = {"w": torch.arange(16.0)}
     ck = Checkpointer(tmp_path / "ck", process_group="local", keep_last=1)
     ck.save(1, state)
@@ -40,6 +41,7 @@ def test_a_ctrl_c_as_the_removal_of_retired_steps_starts_leaves_close_waiting_fo
         time.sleep(0.5)
         real_remove(path)
         removed.append(path)
+
     monkeypatch.setattr(root, "remove_retired", slow_remove)
     ck._saves.cleaner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckptguard-cleanup")  # no idle worker
     ck._saves.cleaner._threads = _InterruptedAsRecorded()  # type: ignore[attr-defined]

@@ -31,8 +31,7 @@ WRITER = textwrap.dedent("""
 
 
 def cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "ckptguard.cli", *args], capture_output=True, text=True,
-                          timeout=120)
+    return subprocess.run([sys.executable, "-m", "ckptguard.cli", *args], capture_output=True, text=True, timeout=120)
 
 
 @pytest.fixture

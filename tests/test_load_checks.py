@@ -23,8 +23,15 @@ WORLD = 4
 
 
 def _session(comm: Comm, root: Path, read_only: bool) -> Session:
-    return open_session(comm, open_root(str(root)), Options(None, None, 1, "xxh3-64", 10.0),
-                        read_only=read_only, job_id="t", lease_ttl_s=30, lease_wait_s=1)
+    return open_session(
+        comm,
+        open_root(str(root)),
+        Options(None, None, 1, "xxh3-64", 10.0),
+        read_only=read_only,
+        job_id="t",
+        lease_ttl_s=30,
+        lease_wait_s=1,
+    )
 
 
 def _save_a_tensor_per_rank(root: Path) -> None:
@@ -34,9 +41,11 @@ def _save_a_tensor_per_rank(root: Path) -> None:
         session = _session(comm, root, read_only=False)
         try:
             state = {f"w{comm.rank}": torch.full((1000,), float(comm.rank))}
-            save_protocol.save(session, save_protocol.SaveRequest(1, state, [], [], False, {}, None,
-                                                                  options=session.options),
-                               PhaseTimer())
+            save_protocol.save(
+                session,
+                save_protocol.SaveRequest(1, state, [], [], False, {}, None, options=session.options),
+                PhaseTimer(),
+            )
         finally:
             if session.lease is not None:
                 session.lease.release()
@@ -77,7 +86,8 @@ def test_a_damaged_file_in_any_ranks_share_of_the_size_check_stops_the_load_on_e
 
 
 def test_a_manifest_that_contradicts_itself_in_any_ranks_share_of_its_checks_stops_the_load_on_every_rank(
-        tmp_path: Path) -> None:
+    tmp_path: Path,
+) -> None:
     """The checks that relate the manifest's DCP entries to its item rows are shared too (each rank
     checks every n-th name): a contradiction in any one name is refused by every rank, nothing read."""
     import dataclasses
@@ -91,8 +101,10 @@ def test_a_manifest_that_contradicts_itself_in_any_ranks_share_of_its_checks_sto
     path = root / "step-00000001" / "MANIFEST.json"
     sealed = path.read_bytes()
     manifest = Manifest.from_json(sealed, str(path))
-    changes = {"disagree on the dtype": lambda e: e.update(dtype="int32"),
-               "do not add up to its size": lambda e: e.update(chunks=[0, 500])}
+    changes = {
+        "disagree on the dtype": lambda e: e.update(dtype="int32"),
+        "do not add up to its size": lambda e: e.update(chunks=[0, 500]),
+    }
     for name in (f"w{r}" for r in range(WORLD)):
         for says, change in changes.items():
             dcp = json.loads(json.dumps(manifest.dcp))

@@ -107,8 +107,13 @@ _SPILL_SCRIPT = textwrap.dedent("""
 
 def test_files_beyond_the_descriptor_limit_are_read_again_from_the_spill(tmp_path: Path) -> None:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "src"), str(REPO)])}
-    out = subprocess.run([sys.executable, "-c", _SPILL_SCRIPT, str(tmp_path / "ckpt"), str(REPO)],
-                         capture_output=True, text=True, timeout=120, env=env)
+    out = subprocess.run(
+        [sys.executable, "-c", _SPILL_SCRIPT, str(tmp_path / "ckpt"), str(REPO)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
     assert out.returncode == 0 and "OK" in out.stdout, out.stdout + out.stderr
 
 
@@ -180,7 +185,8 @@ def test_tied_destinations_load_equal(tmp_path: Path) -> None:
 
 
 def test_the_default_budget_verifies_first_while_the_page_cache_holds_the_state(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """By default on POSIX a state the page cache can hold is verified first and read again into place
     from the files kept open (nothing held in host memory); a state too large for it is read once up
     to 256 MiB, the rest verified first; the object store default is a share of MemAvailable."""
@@ -209,13 +215,20 @@ def test_the_default_two_pass_load_fills_every_kind_of_destination(tmp_path: Pat
     """Verified first, then read into place: a non-contiguous destination, a lossless widening, a tensor
     nested in a list next to plain objects, and a parameter that requires grad all come back exact."""
     weight = torch.arange(12.0).reshape(3, 4)
-    state = {"w": weight, "h": torch.tensor([1.5, -2.0], dtype=torch.bfloat16),
-             "nested": {"xs": [torch.ones(5), {"k": 7, "s": "text"}]},
-             "p": torch.nn.Parameter(torch.full((4,), 3.0))}
+    state = {
+        "w": weight,
+        "h": torch.tensor([1.5, -2.0], dtype=torch.bfloat16),
+        "nested": {"xs": [torch.ones(5), {"k": 7, "s": "text"}]},
+        "p": torch.nn.Parameter(torch.full((4,), 3.0)),
+    }
     with Checkpointer(tmp_path / "ckpt") as ck:
         ck.save(1, state)
-    out = {"w": torch.zeros(4, 3).t(), "h": torch.zeros(2), "nested": {"xs": [torch.zeros(5), {"k": 0, "s": ""}]},
-           "p": torch.nn.Parameter(torch.zeros(4))}
+    out = {
+        "w": torch.zeros(4, 3).t(),
+        "h": torch.zeros(2),
+        "nested": {"xs": [torch.zeros(5), {"k": 0, "s": ""}]},
+        "p": torch.nn.Parameter(torch.zeros(4)),
+    }
     assert not out["w"].is_contiguous()
     with Checkpointer(tmp_path / "ckpt", read_only=True) as reader:
         assert reader.load(out) == 1
@@ -226,10 +239,17 @@ def test_the_default_two_pass_load_fills_every_kind_of_destination(tmp_path: Pat
     assert torch.equal(out["p"].detach(), torch.full((4,), 3.0)) and out["p"].requires_grad
 
 
-@pytest.mark.parametrize("how", ["truncate", "overwrite", "overwrite keeping mtime", "mapped and written",
-                                 "written through a mapping already dirty"])
-def test_a_file_changed_in_place_between_the_passes_is_a_torn_load_never_a_fallback(
-        tmp_path: Path, how: str) -> None:
+@pytest.mark.parametrize(
+    "how",
+    [
+        "truncate",
+        "overwrite",
+        "overwrite keeping mtime",
+        "mapped and written",
+        "written through a mapping already dirty",
+    ],
+)
+def test_a_file_changed_in_place_between_the_passes_is_a_torn_load_never_a_fallback(tmp_path: Path, how: str) -> None:
     """Bytes changed in place after they were verified (never by ckptguard) are found in the second
     pass, once destinations may hold part of the step: a TornLoadError, also for a file cut short
     (never a CorruptCheckpointError: load() would fall back to an older step, leaving bytes of the
@@ -276,7 +296,8 @@ def test_a_file_changed_in_place_between_the_passes_is_a_torn_load_never_a_fallb
 
 
 def test_a_file_changed_in_place_among_many_is_torn_and_every_placing_thread_stops(
-        tmp_path: Path, many_files: None) -> None:
+    tmp_path: Path, many_files: None
+) -> None:
     """The second pass places the files on several threads at once: one file changed in place among
     many is still a TornLoadError, and no placing thread outlives the load that raised it."""
     import threading
@@ -414,13 +435,17 @@ _INTERRUPT_SCRIPT = textwrap.dedent("""
 
 
 @pytest.mark.parametrize("budget", [0, 1 << 40], ids=["verify first", "in place"])
-def test_a_ctrl_c_during_a_load_leaves_the_state_old_or_whole_and_no_thread_behind(
-        tmp_path: Path, budget: int) -> None:
+def test_a_ctrl_c_during_a_load_leaves_the_state_old_or_whole_and_no_thread_behind(tmp_path: Path, budget: int) -> None:
     """A Ctrl-C (KeyboardInterrupt) at a random moment of a load: the state is the old one (the old
     bytes put back once every reading thread stopped) or the whole step (the interrupt delivered once
     every byte agreed on is in place), never half; no load hangs, no thread is left: no worker started
     but unrecorded by the pool, no join abandoned while a thread still reads into place, no second pass
     cut halfway."""
-    proc = subprocess.run([sys.executable, "-c", _INTERRUPT_SCRIPT, str(tmp_path / "ckpt"), str(budget), "40"],
-                          capture_output=True, text=True, timeout=400, cwd=REPO)
+    proc = subprocess.run(
+        [sys.executable, "-c", _INTERRUPT_SCRIPT, str(tmp_path / "ckpt"), str(budget), "40"],
+        capture_output=True,
+        text=True,
+        timeout=400,
+        cwd=REPO,
+    )
     assert proc.returncode == 0 and "OK" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -70,7 +70,8 @@ def test_every_kind_of_template_tensor_loads_bitwise_and_nothing_beside_it_chang
 
 
 def test_whole_tensors_are_planned_without_dcp_metadata_and_the_rest_with_it(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     with Checkpointer(tmp_path / "ck") as ck:
         ck.save(1, saved_state())
     asked: list[set[str]] = []
@@ -105,37 +106,48 @@ def test_a_corrupt_whole_tensor_is_refused_and_the_state_is_unchanged(tmp_path: 
 def test_a_template_of_another_shape_or_dtype_is_refused_before_anything_is_read(tmp_path: Path) -> None:
     with Checkpointer(tmp_path / "ck") as ck:
         ck.save(1, {"model": {"a": torch.ones(4), "b": torch.ones(4, dtype=torch.float64)}})
-    for wrong in ({"a": torch.zeros(5), "b": torch.zeros(4, dtype=torch.float64)},
-                  {"a": torch.zeros(4), "b": torch.zeros(4, dtype=torch.float16)}):
+    for wrong in (
+        {"a": torch.zeros(5), "b": torch.zeros(4, dtype=torch.float64)},
+        {"a": torch.zeros(4), "b": torch.zeros(4, dtype=torch.float16)},
+    ):
         with Checkpointer(tmp_path / "ck", read_only=True) as ck, pytest.raises(TemplateMismatchError):
             ck.load({"model": wrong}, step=1)
         assert all(not t.any() for t in wrong.values())
 
 
-@pytest.mark.parametrize("make", [
-    lambda base: base.as_strided((3, 4), (1, 1)),  # rows overlap (placed row by row: half-wrong values)
-    lambda base: base.unfold(0, 3, 1),  # windows of one buffer
-    lambda base: base[:1].expand(12),  # stride 0
-    lambda base: base.as_strided((2, 3, 2), (3, 2, 1)),  # the last dimension steps into the next
-], ids=["as_strided", "unfold", "expand", "three-dims"])
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda base: base.as_strided((3, 4), (1, 1)),  # rows overlap (placed row by row: half-wrong values)
+        lambda base: base.unfold(0, 3, 1),  # windows of one buffer
+        lambda base: base[:1].expand(12),  # stride 0
+        lambda base: base.as_strided((2, 3, 2), (3, 2, 1)),  # the last dimension steps into the next
+    ],
+    ids=["as_strided", "unfold", "expand", "three-dims"],
+)
 def test_a_template_tensor_whose_elements_share_memory_is_refused_and_nothing_changes(
-        tmp_path: Path, make: Any) -> None:
+    tmp_path: Path, make: Any
+) -> None:
     base = torch.full((16,), -3.0)
     target = make(base)
     with Checkpointer(tmp_path / "ck") as ck:
         ck.save(1, {"x": torch.randn(target.shape), "y": torch.ones(4)})
     into = {"x": target, "y": torch.zeros(4)}
     for memory in (None, 0, 1 << 30):  # the default, verify-first and in-memory loads
-        with Checkpointer(tmp_path / "ck", read_only=True, load_memory_bytes=memory) as ck, \
-                pytest.raises(TemplateMismatchError, match="share memory"):
+        with (
+            Checkpointer(tmp_path / "ck", read_only=True, load_memory_bytes=memory) as ck,
+            pytest.raises(TemplateMismatchError, match="share memory"),
+        ):
             ck.load(into, step=1)
         assert torch.equal(base, torch.full((16,), -3.0)) and not into["y"].any()
 
 
-@pytest.mark.parametrize(("shape", "strides"), [((4, 3), (2, 9)), ((2, 3), (3, 2))],
-                         ids=["interleaved", "counted"])  # (the second: no stride steps over the other's span)
-def test_a_template_of_strided_views_that_do_not_overlap_loads(tmp_path: Path, shape: tuple[int, int],
-                                                               strides: tuple[int, int]) -> None:
+@pytest.mark.parametrize(
+    ("shape", "strides"), [((4, 3), (2, 9)), ((2, 3), (3, 2))], ids=["interleaved", "counted"]
+)  # (the second: no stride steps over the other's span)
+def test_a_template_of_strided_views_that_do_not_overlap_loads(
+    tmp_path: Path, shape: tuple[int, int], strides: tuple[int, int]
+) -> None:
     saved = torch.randn(shape)
     with Checkpointer(tmp_path / "ck") as ck:
         ck.save(1, {"x": saved})

@@ -22,23 +22,41 @@ from ckptguard.threadranks import run_ranks
 
 @pytest.mark.parametrize("bad", ["int key", "not a mapping", "optimizer without its module"])
 def test_a_template_only_one_rank_cannot_use_is_refused_on_every_rank_and_changes_nothing(
-        tmp_path: Path, bad: str) -> None:
+    tmp_path: Path, bad: str
+) -> None:
     """Rank 1's template fails the argument checks (before any byte is read); rank 0's is fine. Both
     ranks raise at the same agreement, rank 0's template is untouched, and the next load, with good
     templates, works on both (before, rank 1 raised alone and rank 0 ran on into rank 1's next load)."""
 
     def body(comm: Comm) -> object:
-        session = open_session(comm, open_root(str(tmp_path / "ck")), Options(None, None, 1, "xxh3-64", 10.0),
-                               read_only=False, job_id="t", lease_ttl_s=30, lease_wait_s=1)
+        session = open_session(
+            comm,
+            open_root(str(tmp_path / "ck")),
+            Options(None, None, 1, "xxh3-64", 10.0),
+            read_only=False,
+            job_id="t",
+            lease_ttl_s=30,
+            lease_wait_s=1,
+        )
         try:
-            save_protocol.save(session, save_protocol.SaveRequest(1, {"w": torch.arange(4.0)}, [], [], False, {},
-                                                                  None, options=session.options), PhaseTimer())
+            save_protocol.save(
+                session,
+                save_protocol.SaveRequest(
+                    1, {"w": torch.arange(4.0)}, [], [], False, {}, None, options=session.options
+                ),
+                PhaseTimer(),
+            )
             template = {"w": torch.zeros(4)}
             if comm.rank == 1:
                 model = torch.nn.Linear(2, 2)
-                state: object = {"int key": {1: torch.zeros(4)}, "not a mapping": [torch.zeros(4)],
-                                 "optimizer without its module": {
-                                     "w": torch.zeros(4), "opt": torch.optim.SGD(model.parameters(), lr=0.1)}}[bad]
+                state: object = {
+                    "int key": {1: torch.zeros(4)},
+                    "not a mapping": [torch.zeros(4)],
+                    "optimizer without its module": {
+                        "w": torch.zeros(4),
+                        "opt": torch.optim.SGD(model.parameters(), lr=0.1),
+                    },
+                }[bad]
             else:
                 state = template
             first: object = None
@@ -85,7 +103,8 @@ def test_a_refused_load_leaves_an_optimizer_that_never_stepped_without_state(tmp
 
 @pytest.mark.parametrize("kind", [torch.optim.SGD, torch.optim.Adam])
 def test_a_never_stepped_optimizer_whose_parameters_hold_gradients_loads_and_keeps_them(
-        tmp_path: Path, kind: type[torch.optim.Optimizer]) -> None:
+    tmp_path: Path, kind: type[torch.optim.Optimizer]
+) -> None:
     """A template built after a backward pass (an optimizer re-created mid-training): DCP builds no
     state to load into where a parameter holds a gradient; the load must not be refused with
     "optim.state: not in the checkpoint". It loads, the gradients are as they were, and a refused load
@@ -153,7 +172,8 @@ def test_a_ctrl_c_while_a_fresh_optimizer_gets_its_state_leaves_it_as_it_was(tmp
 
 @pytest.mark.parametrize("memory", [None, 64 << 20])
 def test_a_template_tensor_whose_elements_share_memory_is_refused_before_anything_changes(
-        tmp_path: Path, memory: int | None) -> None:
+    tmp_path: Path, memory: int | None
+) -> None:
     """An expand()ed tensor (stride 0) cannot hold distinct values: refused when the load is planned.
     Before, the copy into it failed with torch's RuntimeError after the other keys (and the objects)
     had been written: a torn template."""
@@ -168,7 +188,8 @@ def test_a_template_tensor_whose_elements_share_memory_is_refused_before_anythin
 
 @pytest.mark.parametrize("memory", [None, 64 << 20])
 def test_tied_template_tensors_are_refused_where_the_checkpoint_holds_two_values(
-        tmp_path: Path, memory: int | None) -> None:
+    tmp_path: Path, memory: int | None
+) -> None:
     """Saved untied, loaded into a model that ties them: one tensor cannot take both values (before,
     the load succeeded and one key did not hold its saved bytes). Saved tied, they load tied."""
     with Checkpointer(tmp_path / "ck", load_memory_bytes=memory) as ck:
@@ -222,6 +243,7 @@ def _assert_the_state_of_parameters_0_and_1_only(saved: torch.optim.Optimizer, l
 def test_saving_an_optimizer_that_never_stepped_leaves_it_without_state(tmp_path: Path) -> None:
     """DCP gives a never-stepped optimizer a state to save; that state must not stay on the live
     optimizer: training after a save at step 0 is the same as training without it."""
+
     def train(save: bool) -> torch.Tensor:
         torch.manual_seed(0)
         model = torch.nn.Linear(3, 2)
@@ -244,6 +266,7 @@ def test_an_optimizer_with_a_parameter_that_never_had_a_gradient_loads_back(tmp_
     """A parameter that requires grad but takes no part in forward has no optimizer state; DCP's strict
     apply refuses the checkpoint it saved itself ("Missing optimizer state for parameter"), after the
     model is already placed. It loads, and the parameter stays without state."""
+
     def build(seed: int) -> tuple[_NetWithAnUnusedLayer, torch.optim.Optimizer]:
         torch.manual_seed(seed)
         net = _NetWithAnUnusedLayer()
@@ -269,6 +292,7 @@ def test_a_fresh_job_resumes_an_optimizer_whose_parameter_never_had_a_gradient(t
     placeholder state for every parameter, and one that never had a gradient has no state in the
     checkpoint; the load must not be refused ("optim.state.unused.weight...: not in the checkpoint"), or
     the job cannot resume. It loads, that parameter without state, as it was saved."""
+
     def build() -> tuple[_NetWithAnUnusedLayer, torch.optim.Optimizer]:
         net = _NetWithAnUnusedLayer()
         if kind == "adam":
@@ -294,6 +318,7 @@ def test_an_optimizer_saved_before_its_first_step_resumes_without_state(tmp_path
     """A save before the first step leaves out the placeholder state DCP gives a never-stepped optimizer
     (Adam with step 1 and zero moments): loaded, it would make the job's next step Adam's second.
     Training is the same as a job's that never saved."""
+
     def run(resume: bool) -> torch.Tensor:
         torch.manual_seed(0)
         net = torch.nn.Linear(3, 2)

@@ -36,13 +36,20 @@ WORLD = 128  # twice decisions._TABLE_CHUNKS_FROM: even the half-world "hsdp" ca
 
 def _shard(fqn: str, offsets: tuple[int, ...], sizes: tuple[int, ...], size: tuple[int, ...]) -> WriteItem:
     """The write item DCP makes for one local shard of a DTensor / FSDP flat parameter."""
-    return WriteItem(MetadataIndex(fqn, torch.Size(offsets)), WriteItemType.SHARD,
-                     tensor_data=TensorWriteData(ChunkStorageMetadata(torch.Size(offsets), torch.Size(sizes)),
-                                                 TensorProperties(dtype=torch.float32), torch.Size(size)))
+    return WriteItem(
+        MetadataIndex(fqn, torch.Size(offsets)),
+        WriteItemType.SHARD,
+        tensor_data=TensorWriteData(
+            ChunkStorageMetadata(torch.Size(offsets), torch.Size(sizes)),
+            TensorProperties(dtype=torch.float32),
+            torch.Size(size),
+        ),
+    )
 
 
-def _local_plans(world: int, domain_of_rank: list[int], key: str, mixed: bool
-                 ) -> tuple[list[SavePlan], DomainSavePlanner]:
+def _local_plans(
+    world: int, domain_of_rank: list[int], key: str, mixed: bool
+) -> tuple[list[SavePlan], DomainSavePlanner]:
     """Each rank's local plan: the shard items of sharded tensors (one chunk per rank; two chunks on
     some ranks; HSDP-style shards replicated on two ranks, i.e. in two storage domains), and where
     ``mixed``, 2-D ones and DCP's own items for plain tensors (replicated, zero-size, 0-dim) and objects
@@ -50,15 +57,27 @@ def _local_plans(world: int, domain_of_rank: list[int], key: str, mixed: bool
     plans, coordinator = [], None
     for r in range(world):
         planner = DomainSavePlanner(domain_of_rank, cache_key=key)
-        state: dict[str, Any] = {"bias": torch.ones(3), "empty": torch.zeros(0, 4), "scalar": torch.tensor(2.0),
-                                 "opt": {"lr": 0.1, "betas": [0.9, 0.99]}} if mixed else {}
+        state: dict[str, Any] = (
+            {
+                "bias": torch.ones(3),
+                "empty": torch.zeros(0, 4),
+                "scalar": torch.tensor(2.0),
+                "opt": {"lr": 0.1, "betas": [0.9, 0.99]},
+            }
+            if mixed
+            else {}
+        )
         planner.set_up_planner(state, is_coordinator=r == 0)
         plan = planner.create_local_plan()
-        extra = [_shard("flat", (r * 1000,), (1000 + (r == world - 1) * 7,), (world * 1000 + 7,)),
-                 _shard("hsdp", (r % (world // 2) * 10,), (10,), (world // 2 * 10,))]
+        extra = [
+            _shard("flat", (r * 1000,), (1000 + (r == world - 1) * 7,), (world * 1000 + 7,)),
+            _shard("hsdp", (r % (world // 2) * 10,), (10,), (world // 2 * 10,)),
+        ]
         if mixed:
-            extra += [_shard("grid", (r // 8 * 4, r % 8 * 300), (4, 300), (world // 8 * 4, 2400)),
-                      _shard("zero_rows", (r * 5, 0), (5, 0), (world * 5, 0))]
+            extra += [
+                _shard("grid", (r // 8 * 4, r % 8 * 300), (4, 300), (world // 8 * 4, 2400)),
+                _shard("zero_rows", (r * 5, 0), (5, 0), (world * 5, 0)),
+            ]
         if r % 3 == 0:  # two chunks of one tensor on one rank: the writer does not keep their order
             extra += [_shard("two", (r * 20 + o,), (10,), (world * 20,)) for o in (0, 10)]
         else:
@@ -106,8 +125,12 @@ def test_chunk_lists_from_the_tables_are_dcps_byte_for_byte(domains: int, mixed:
     finally:
         forget_cached_plans(key)
     writes = _writes(global_plan, domains)
-    topo = Topology(0, WORLD, tuple(tuple(range(d * per, (d + 1) * per)) for d in range(domains)),
-                    tuple(f"h{r}" for r in range(WORLD)))
+    topo = Topology(
+        0,
+        WORLD,
+        tuple(tuple(range(d * per, (d + 1) * per)) for d in range(domains)),
+        tuple(f"h{r}" for r in range(WORLD)),
+    )
     fast = build_manifests(topo, CheckpointName(1), "ab" * 16, "xxh3-64", writes, {}, md)
     walked = build_manifests(topo, CheckpointName(1), "ab" * 16, "xxh3-64", writes, {}, metadata_to_json(md))
     assert sorted(fast) == sorted(walked) == [d * per for d in range(domains)]
@@ -129,9 +152,17 @@ def test_chunk_lists_of_ranks_holding_the_same_names_in_the_same_order_are_dcps_
     try:
         coordinator = DomainSavePlanner([0] * WORLD, cache_key=key)
         coordinator.set_up_planner({}, is_coordinator=True)
-        plans = [SavePlan([_shard("b", (r * 3,), (3,), (WORLD * 3,)),
-                           _shard("grid", (r // 8 * 4, r % 8 * 300), (4, 300), (WORLD // 8 * 4, 2400)),
-                           _shard("a", (r * 10,), (10,), (WORLD * 10,))], planner_data={}) for r in range(WORLD)]
+        plans = [
+            SavePlan(
+                [
+                    _shard("b", (r * 3,), (3,), (WORLD * 3,)),
+                    _shard("grid", (r // 8 * 4, r % 8 * 300), (4, 300), (WORLD // 8 * 4, 2400)),
+                    _shard("a", (r * 10,), (10,), (WORLD * 10,)),
+                ],
+                planner_data={},
+            )
+            for r in range(WORLD)
+        ]
         global_plan, md = coordinator.create_global_plan(plans)
     finally:
         forget_cached_plans(key)
@@ -144,7 +175,10 @@ def test_chunk_lists_of_ranks_holding_the_same_names_in_the_same_order_are_dcps_
     fast.created_at = walked.created_at = 0.0
     assert fast.to_json() == walked.to_json()
     assert {k for k, v in fast.dcp["state_dict"].items() if isinstance(v.get("chunks"), msgspec.Raw)} == {
-        "a", "b", "grid"}
+        "a",
+        "b",
+        "grid",
+    }
 
 
 def test_msgpack_uints_is_msgspecs_encoding() -> None:
@@ -163,8 +197,9 @@ def test_msgpack_uints_is_msgspecs_encoding() -> None:
         msgpack_uints(torch.tensor([[1, -1]]).numpy())
 
 
-def test_a_real_save_writes_the_manifest_the_walk_of_dcps_chunks_writes(tmp_path: Path,
-                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_real_save_writes_the_manifest_the_walk_of_dcps_chunks_writes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Ranks as threads save plain, zero-size and 0-dim tensors and objects through the real planner
     and writer; the leader's manifest is the same bytes as the one built from DCP's own chunk list."""
     seen: list[tuple[bytes, bytes]] = []
@@ -172,8 +207,16 @@ def test_a_real_save_writes_the_manifest_the_walk_of_dcps_chunks_writes(tmp_path
     real = decisions.build_manifests
     monkeypatch.setattr(decisions, "_TABLE_CHUNKS_FROM", 1)  # every tensor the tables can give, from them
 
-    def both(topo: Topology, name: CheckpointName, attempt: str, algorithm: str, writes: list[RankWrites],
-             user_metadata: dict[str, Any], dcp: Any, seq: int | None = None) -> dict[int, Any]:
+    def both(
+        topo: Topology,
+        name: CheckpointName,
+        attempt: str,
+        algorithm: str,
+        writes: list[RankWrites],
+        user_metadata: dict[str, Any],
+        dcp: Any,
+        seq: int | None = None,
+    ) -> dict[int, Any]:
         fast = real(topo, name, attempt, algorithm, writes, user_metadata, dcp, seq)
         walked = real(topo, name, attempt, algorithm, writes, user_metadata, metadata_to_json(dcp), seq)
         for leader, m in fast.items():
@@ -185,11 +228,25 @@ def test_a_real_save_writes_the_manifest_the_walk_of_dcps_chunks_writes(tmp_path
     monkeypatch.setattr(save_protocol, "build_manifests", both)
 
     def body(comm: Comm) -> object:
-        session = open_session(comm, open_root(str(tmp_path / "ck")), Options(None, None, 1, "xxh3-64", 10.0),
-                               read_only=False, job_id="test", lease_ttl_s=30, lease_wait_s=1)
+        session = open_session(
+            comm,
+            open_root(str(tmp_path / "ck")),
+            Options(None, None, 1, "xxh3-64", 10.0),
+            read_only=False,
+            job_id="test",
+            lease_ttl_s=30,
+            lease_wait_s=1,
+        )
         try:
-            state = prepare_state({"w": torch.ones(5, 3), "empty": torch.zeros(0), "scalar": torch.tensor(1.5),
-                                   "opt": {"step": 3, "names": ["a", "b"]}}, comm.rank).state_dict
+            state = prepare_state(
+                {
+                    "w": torch.ones(5, 3),
+                    "empty": torch.zeros(0),
+                    "scalar": torch.tensor(1.5),
+                    "opt": {"step": 3, "names": ["a", "b"]},
+                },
+                comm.rank,
+            ).state_dict
             request = save_protocol.SaveRequest(1, state, [], [], False, {}, None, options=session.options)
             return save_protocol.save(session, request, PhaseTimer())
         finally:

@@ -54,10 +54,29 @@ def test_secrets_in_command_line_environment_and_logs_leave_no_output(tmp_path: 
     env = {**os.environ, "MY_SERVICE_TOKEN": ENV_SECRET, "PYTHONPATH": os.environ.get("PYTHONPATH", "")}
     for k in ("RANK", "WORLD_SIZE", "TORCHELASTIC_RUN_ID", "SLURM_JOB_ID"):
         env.pop(k, None)
-    cmd = [sys.executable, "-m", "ckptguard", "run", "--logs", str(logs), "--grace", "0",
-           "--on-failure", f"env | grep ^CKPTGUARD_ > {hook}", "--",
-           sys.executable, "-c", CHILD, f"--password={SHORT_PW}", "--token", TOKEN,
-           f"https://alice:{URL_PW}@example.com/repo", "--hub-token", HF, AWS_ID]
+    cmd = [
+        sys.executable,
+        "-m",
+        "ckptguard",
+        "run",
+        "--logs",
+        str(logs),
+        "--grace",
+        "0",
+        "--on-failure",
+        f"env | grep ^CKPTGUARD_ > {hook}",
+        "--",
+        sys.executable,
+        "-c",
+        CHILD,
+        f"--password={SHORT_PW}",
+        "--token",
+        TOKEN,
+        f"https://alice:{URL_PW}@example.com/repo",
+        "--hub-token",
+        HF,
+        AWS_ID,
+    ]
     res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
     assert res.returncode == 1, res.stderr
     (report_json,) = logs.glob("*/report.json")
@@ -65,18 +84,28 @@ def test_secrets_in_command_line_environment_and_logs_leave_no_output(tmp_path: 
     assert report["runs"][0]["command"][-5] == "<secret>"  # the value of --token: the next word
     assert report["found"] is True
     # The job's own output is passed through as it is; what the runner adds follows it.
-    summary = res.stderr[res.stderr.index("ckptguard run: the command failed"):]
-    outputs = {"report.json": _strings(report), "report.html": [next(logs.glob("*/report.html")).read_text()],
-               "hook env": [hook.read_text()], "run summary": [summary]}
-    diag_json = subprocess.run([sys.executable, "-m", "ckptguard", "diagnose", str(logs), "--json", "--html",
-                                str(tmp_path / "d.html")], env=env, capture_output=True, text=True, timeout=120)
+    summary = res.stderr[res.stderr.index("ckptguard run: the command failed") :]
+    outputs = {
+        "report.json": _strings(report),
+        "report.html": [next(logs.glob("*/report.html")).read_text()],
+        "hook env": [hook.read_text()],
+        "run summary": [summary],
+    }
+    diag_json = subprocess.run(
+        [sys.executable, "-m", "ckptguard", "diagnose", str(logs), "--json", "--html", str(tmp_path / "d.html")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert diag_json.returncode == 0, diag_json.stderr
     outputs["diagnose --json"] = _strings(json.loads(diag_json.stdout))
     outputs["diagnose --html"] = [(tmp_path / "d.html").read_text()]
     stderr_log = next(logs.glob("*/stderr.log"))
     for args in ((str(logs),), (str(stderr_log), "--json")):
-        out = subprocess.run([sys.executable, "-m", "ckptguard", "diagnose", *args], env=env, capture_output=True,
-                             text=True, timeout=120)
+        out = subprocess.run(
+            [sys.executable, "-m", "ckptguard", "diagnose", *args], env=env, capture_output=True, text=True, timeout=120
+        )
         outputs[f"diagnose {' '.join(args[1:])}"] = [out.stdout, out.stderr]
     assert "<secret>" in json.dumps(report)
     leaks = {where: _leaks("\n".join(texts)) for where, texts in outputs.items()}
@@ -85,10 +114,39 @@ def test_secrets_in_command_line_environment_and_logs_leave_no_output(tmp_path: 
 
 def test_masker_hides_command_line_forms_and_keeps_ordinary_options() -> None:
     m = Masker(env={"DB_PASSWORD": "dbpw-123456", "PATH": "/usr/bin", "HOME": "/root"})
-    argv = ["train.py", "--password=x", "--token", "abc", "--tokenizer", "gpt2", "--api-key", "k1",
-            "--lr=0.1", "--max_steps", "100", "s3://AKIAJ5QXUV2ZL7RW3XKT:pw@b/k", "--db", "dbpw-123456"]
-    assert m.mask_argv(argv) == ["train.py", "--password=<secret>", "--token", "<secret>", "--tokenizer", "gpt2",
-                                 "--api-key", "<secret>", "--lr=0.1", "--max_steps", "100",
-                                 "s3://<secret>:<secret>@b/k", "--db", "<secret>"]
-    assert m.mask("python train.py --hf_token hf_x --output_dir /root/out") == \
-        "python train.py --hf_token <secret> --output_dir /root/out"
+    argv = [
+        "train.py",
+        "--password=x",
+        "--token",
+        "abc",
+        "--tokenizer",
+        "gpt2",
+        "--api-key",
+        "k1",
+        "--lr=0.1",
+        "--max_steps",
+        "100",
+        "s3://AKIAJ5QXUV2ZL7RW3XKT:pw@b/k",
+        "--db",
+        "dbpw-123456",
+    ]
+    assert m.mask_argv(argv) == [
+        "train.py",
+        "--password=<secret>",
+        "--token",
+        "<secret>",
+        "--tokenizer",
+        "gpt2",
+        "--api-key",
+        "<secret>",
+        "--lr=0.1",
+        "--max_steps",
+        "100",
+        "s3://<secret>:<secret>@b/k",
+        "--db",
+        "<secret>",
+    ]
+    assert (
+        m.mask("python train.py --hf_token hf_x --output_dir /root/out")
+        == "python train.py --hf_token <secret> --output_dir /root/out"
+    )

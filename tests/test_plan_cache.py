@@ -37,8 +37,11 @@ def _template(state: dict[str, Any]) -> dict[str, Any]:
 
 
 def _same(got: dict[str, Any], want: dict[str, Any]) -> bool:
-    return got["epoch"] == want["epoch"] and got["model"].keys() == want["model"].keys() and all(
-        t.dtype == want["model"][k].dtype and torch.equal(t, want["model"][k]) for k, t in got["model"].items())
+    return (
+        got["epoch"] == want["epoch"]
+        and got["model"].keys() == want["model"].keys()
+        and all(t.dtype == want["model"][k].dtype and torch.equal(t, want["model"][k]) for k, t in got["model"].items())
+    )
 
 
 def test_shape_dtype_and_key_changes_between_saves_and_loads(tmp_path: Path) -> None:
@@ -166,8 +169,9 @@ def test_changes_that_keep_every_name_and_shape(tmp_path: Path) -> None:
             flat_want = {k: v for k, v in _flat(state)}
             assert flat_got.keys() == flat_want.keys(), step
             for k, v in flat_want.items():
-                assert (torch.equal(flat_got[k], v.detach()) if isinstance(v, torch.Tensor) else flat_got[k] == v), \
+                assert torch.equal(flat_got[k], v.detach()) if isinstance(v, torch.Tensor) else flat_got[k] == v, (
                     f"step {step}: {k} came back as {flat_got[k]!r}, saved {v!r}"
+                )
 
 
 def _flat(d: dict[str, Any], prefix: str = "") -> list[tuple[str, Any]]:

@@ -26,8 +26,10 @@ from tests.support.beds.powerloss.model import Choice, CrashModel
 from tests.support.beds.powerloss.scenarios import SCENARIOS
 
 _REASON = unavailable_reason()
-pytestmark = [pytest.mark.powerloss,
-              pytest.mark.skipif(_REASON is not None, reason=f"power-loss bed unavailable: {_REASON}")]
+pytestmark = [
+    pytest.mark.powerloss,
+    pytest.mark.skipif(_REASON is not None, reason=f"power-loss bed unavailable: {_REASON}"),
+]
 
 STATES = int(os.environ.get("CKPTGUARD_POWERLOSS_STATES", "40"))
 _recordings: dict[tuple[str, str | None], Recording] = {}
@@ -66,8 +68,10 @@ def test_every_crash_state_loads_old_or_new(scenario: str, checker: Checker) -> 
     for model in ("A", "B"):
         res = explore(SCENARIOS[scenario], rec, model, STATES, checker, seed=12)
         _explored[(scenario, model)] = res.states
-        print(f"{scenario} model {model}: {len(rec.ops)} operations, {res.states} crash states, "
-              f"{res.verified} verify runs, {len(res.violations)} violations, {res.seconds:.1f} s")
+        print(
+            f"{scenario} model {model}: {len(rec.ops)} operations, {res.states} crash states, "
+            f"{res.verified} verify runs, {len(res.violations)} violations, {res.seconds:.1f} s"
+        )
         assert res.states >= min(STATES, 15), f"only {res.states} distinct states explored"
         assert not res.violations, "\n".join(v.describe() for v in res.violations[:10])
 
@@ -132,8 +136,7 @@ def test_no_dir_fsync_loses_a_returned_save(checker: Checker) -> None:
     """Without directory fsyncs the publishing rename is not durable when save() returns."""
     rec = recording("first_save", "no_dir_fsync")
     cm, choice = _after_commit_minimal(rec)
-    problems = check_built(SCENARIOS["first_save"], cm, cm.build(choice), checker, tmpfs_base(),
-                           do_verify=False)
+    problems = check_built(SCENARIOS["first_save"], cm, cm.build(choice), checker, tmpfs_base(), do_verify=False)
     assert any("is lost, though committed" in p or "itself is gone" in p for p in problems), problems
 
 
@@ -169,14 +172,22 @@ def test_mount_passes_rename_noreplace_and_unmounts_on_error() -> None:
 
 def _synthetic(ops: list[dict[str, object]], data: bytes) -> Recording:
     # root (1) holds dir d (2); the library is not involved: this tests the crash models only.
-    return Recording({"root": 1, "inodes": {"1": {"kind": "dir", "entries": {"d": 2}},
-                                            "2": {"kind": "dir", "entries": {}}}}, ops, data)
+    return Recording(
+        {"root": 1, "inodes": {"1": {"kind": "dir", "entries": {"d": 2}}, "2": {"kind": "dir", "entries": {}}}},
+        ops,
+        data,
+    )
 
 
 def test_models_fsync_of_a_file_does_not_persist_its_entry_under_b() -> None:
-    rec = _synthetic([{"op": "create", "parent": 2, "name": "f", "ino": 3},
-                      {"op": "write", "ino": 3, "off": 0, "blob": [0, 10]},
-                      {"op": "fsync", "ino": 3, "datasync": False}], b"0123456789")
+    rec = _synthetic(
+        [
+            {"op": "create", "parent": 2, "name": "f", "ino": 3},
+            {"op": "write", "ino": 3, "off": 0, "blob": [0, 10]},
+            {"op": "fsync", "ino": 3, "datasync": False},
+        ],
+        b"0123456789",
+    )
     cm = CrashModel(rec)
     _, unc = cm.b_uncovered(3)
     assert unc == [0]  # the create is not covered by the file's fsync
@@ -189,15 +200,22 @@ def test_models_fsync_of_a_file_does_not_persist_its_entry_under_b() -> None:
 
 def test_models_tear_unsynced_data_at_4k_blocks() -> None:
     new = bytes([1]) * 8192 + bytes([2]) * 100
-    rec = _synthetic([{"op": "create", "parent": 2, "name": "f", "ino": 3},
-                      {"op": "fsyncdir", "ino": 2},
-                      {"op": "write", "ino": 3, "off": 0, "blob": [0, len(new)]}], new)
+    rec = _synthetic(
+        [
+            {"op": "create", "parent": 2, "name": "f", "ino": 3},
+            {"op": "fsyncdir", "ino": 2},
+            {"op": "write", "ino": 3, "off": 0, "blob": [0, len(new)]},
+        ],
+        new,
+    )
     cm = CrashModel(rec)
     seen = set()
     for seed in range(40):
         c = cm.build(Choice("B", 3, frozenset([0]), f"mix:{seed}")).files["d/f"]
         assert len(c) in (0, len(new))
-        blocks = tuple(c[i:i + 4096] in (new[i:i + 4096], b"\0" * len(c[i:i + 4096])) for i in range(0, len(c), 4096))
+        blocks = tuple(
+            c[i : i + 4096] in (new[i : i + 4096], b"\0" * len(c[i : i + 4096])) for i in range(0, len(c), 4096)
+        )
         assert all(blocks)
         seen.add(c)
     assert len(seen) > 3  # several tears, not only all-or-nothing

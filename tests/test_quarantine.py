@@ -50,8 +50,9 @@ def _flip(root: Path, step: int, fqn: str = "w", version: int = 1) -> None:
 
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "PYTHONPATH": str(REPO / "src")}
-    return subprocess.run([sys.executable, "-m", "ckptguard.cli", *args], capture_output=True, text=True,
-                          timeout=120, env=env)
+    return subprocess.run(
+        [sys.executable, "-m", "ckptguard.cli", *args], capture_output=True, text=True, timeout=120, env=env
+    )
 
 
 def _corrupt_newest(root: Path) -> None:
@@ -121,7 +122,9 @@ def test_ls_verify_and_the_resume_answer_skip_a_quarantined_step(tmp_path: Path)
     doc = json.loads(ver.stdout)
     assert doc["safe_to_resume"] == 1
     assert [(r["step"], r["intact"], [p["kind"] for p in r["problems"]]) for r in doc["checked"]] == [
-        (1, True, []), (2, False, ["quarantined"])]
+        (1, True, []),
+        (2, False, ["quarantined"]),
+    ]
 
 
 def test_a_read_only_job_skips_but_records_nothing(tmp_path: Path) -> None:
@@ -196,8 +199,9 @@ def test_quarantine_on_an_object_store(tmp_path: Path) -> None:
         with Checkpointer(root) as ck:
             ck.save(1, _state(1))
             ck.save(2, _state(2))
-        m = Manifest.from_json(bed.client().get_object(Bucket=bucket, Key="run/step-00000002/MANIFEST.json")
-                               ["Body"].read(), "m")
+        m = Manifest.from_json(
+            bed.client().get_object(Bucket=bucket, Key="run/step-00000002/MANIFEST.json")["Body"].read(), "m"
+        )
         (row,) = [r for r in m.items if r.fqn == "w"]
         victim = f"run/.ckptguard/staging/step-00000002.{m.attempt}/{row.file}"
         blob = bytearray(bed.client().get_object(Bucket=bucket, Key=victim)["Body"].read())
@@ -226,8 +230,13 @@ def test_every_storage_domain_records_the_quarantine_and_the_resave_replaces_it(
     is corrupt in node 1's root only. Every rank falls back to step 1, each leader records step 2 in its
     own root, and save(2) then replaces it in both."""
     roots = [tmp_path / "node0", tmp_path / "node1"]
-    job = run_job(REPO / "tests" / "workers" / "quarantine_job.py", nnodes=2, nproc_per_node=1,
-                  node_env=[{"CKPT_ROOT": str(r)} for r in roots], timeout=240)
+    job = run_job(
+        REPO / "tests" / "workers" / "quarantine_job.py",
+        nnodes=2,
+        nproc_per_node=1,
+        node_env=[{"CKPT_ROOT": str(r)} for r in roots],
+        timeout=240,
+    )
     assert job.ok, job.output()
     results = job_results(job)
     fallback = [r for r in results if r["phase"] == "fallback"]
@@ -271,7 +280,10 @@ def test_a_save_replaces_a_step_only_while_its_record_names_the_current_commit()
 
 
 def test_ranks_saving_different_steps_are_refused_naming_the_rank() -> None:
-    reports = [PlanReport([], LeaderView([], {}, 0), (5, False)), PlanReport([], None, (5, False)),
-               PlanReport([], None, (6, False))]
+    reports = [
+        PlanReport([], LeaderView([], {}, 0), (5, False)),
+        PlanReport([], None, (5, False)),
+        PlanReport([], None, (6, False)),
+    ]
     with pytest.raises(ReplicatedValueError, match=r"step=6, overwrite=False on rank 2"):
         decide_plan("/r", 5, False, reports)

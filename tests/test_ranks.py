@@ -51,12 +51,20 @@ def _rank(rank: int, port: int, root: str, q: Any) -> None:
         for name, act in ACTS.items():
             try:
                 # Rank 1's act would succeed: only rank 0's runs.
-                got = one_rank_acts(f"check {root}", lambda act=act: act(root) if dist.get_rank() == 0 else None,
-                                    where=root)
+                got = one_rank_acts(
+                    f"check {root}", lambda act=act: act(root) if dist.get_rank() == 0 else None, where=root
+                )
                 q.put((name, rank, "ok", got, None))
             except Exception as e:
-                q.put((name, rank, "raised", type(e).__name__, (str(e), getattr(e, "rank", None),
-                                                                 getattr(e, "path", None))))
+                q.put(
+                    (
+                        name,
+                        rank,
+                        "raised",
+                        type(e).__name__,
+                        (str(e), getattr(e, "rank", None), getattr(e, "path", None)),
+                    )
+                )
     finally:
         dist.destroy_process_group()
 
@@ -124,6 +132,9 @@ def test_integrations_import_only_the_public_api() -> None:
                 names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
             elif isinstance(node, ast.ImportFrom) and node.level >= 1:  # relative: ..protocol, ..comm
                 names = [f"ckptguard.{node.module or ''}"] + [f"ckptguard.{a.name}" for a in node.names]
-            found += [f"{path.name}:{node.lineno} {n}" for n in names
-                      if any(n == m or n.startswith(m + ".") for m in INTERNALS)]
+            found += [
+                f"{path.name}:{node.lineno} {n}"
+                for n in names
+                if any(n == m or n.startswith(m + ".") for m in INTERNALS)
+            ]
     assert found == []

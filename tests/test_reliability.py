@@ -49,8 +49,9 @@ def test_overwrite_killed_in_one_domain_keeps_the_committed_step(tmp_path: Path)
     v2 of the first domain without losing anything committed."""
     roots = [tmp_path / "node0", tmp_path / "node1"]
     node_env = [{"CKPT_ROOT": str(r)} for r in roots]
-    crashed = job("overwrite_crash", "--fault", "before_publish:1:kill", nnodes=2, nproc=1, node_env=node_env,
-                  check=False)
+    crashed = job(
+        "overwrite_crash", "--fault", "before_publish:1:kill", nnodes=2, nproc=1, node_env=node_env, check=False
+    )
     assert not crashed.ok
     # The situation of the issue: the first domain published v2, the second did not.
     assert dirs(roots[0]) == ["step-00000090", "step-00000100", "step-00000100.v2"], crashed.output()
@@ -110,11 +111,16 @@ def test_commit_order_survives_a_restart_and_ls_shows_the_abandoned_branch(tmp_p
         out = {"w": torch.zeros(16)}
         assert ck.load(out) == 110 and torch.equal(out["w"], _w(110)["w"])
     listing = list_root(str(root))
-    assert [(c.step, c.abandoned) for c in listing.checkpoints] == [(100, False), (200, True), (300, True),
-                                                                    (110, False)]
+    assert [(c.step, c.abandoned) for c in listing.checkpoints] == [
+        (100, False),
+        (200, True),
+        (300, True),
+        (110, False),
+    ]
     assert [c.seq for c in listing.checkpoints] == [1, 2, 3, 4]
-    out = subprocess.run([sys.executable, "-m", "ckptguard.cli", "ls", str(root)], capture_output=True, text=True,
-                         timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-m", "ckptguard.cli", "ls", str(root)], capture_output=True, text=True, timeout=120
+    )
     assert out.returncode == 0 and "abandoned" in out.stdout, out.stdout + out.stderr
 
 
@@ -133,8 +139,12 @@ def test_a_manifest_without_a_commit_sequence_number_is_corrupt_and_the_load_fal
     with Checkpointer(root, read_only=True) as ck:
         out = {"w": torch.zeros(16)}
         assert ck.load(out) == 5 and torch.equal(out["w"], _w(5)["w"])
-    report = subprocess.run([sys.executable, "-m", "ckptguard.cli", "verify", str(root), "--step", "7"],
-                            capture_output=True, text=True, timeout=120)
+    report = subprocess.run(
+        [sys.executable, "-m", "ckptguard.cli", "verify", str(root), "--step", "7"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert report.returncode != 0 and "commit sequence number" in report.stdout + report.stderr
 
 
@@ -176,8 +186,12 @@ def _same_bits(a: object, b: object) -> bool:
     if isinstance(a, dict):
         return isinstance(b, dict) and a.keys() == b.keys() and all(_same_bits(a[k], b[k]) for k in a)
     if isinstance(a, torch.Tensor):
-        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape and \
-            bytes(a.contiguous().view(torch.uint8).numpy()) == bytes(b.contiguous().view(torch.uint8).numpy())
+        return (
+            isinstance(b, torch.Tensor)
+            and a.dtype == b.dtype
+            and a.shape == b.shape
+            and bytes(a.contiguous().view(torch.uint8).numpy()) == bytes(b.contiguous().view(torch.uint8).numpy())
+        )
     return a == b
 
 
@@ -191,8 +205,7 @@ def test_a_corrupt_load_leaves_the_callers_state_untouched(tmp_path: Path) -> No
     with Checkpointer(root) as ck:
         ck.save(1, {"model": _model(1), "a": torch.arange(1000.0), "b": torch.ones(3000), "meta": {"n": 1}})
         _flip_item(root, 1, "b")  # every other item of the checkpoint is intact and read first or alongside
-        state = {"model": _model(7), "a": torch.full((1000,), -1.0), "b": torch.full((3000,), -2.0),
-                 "meta": {"n": -1}}
+        state = {"model": _model(7), "a": torch.full((1000,), -1.0), "b": torch.full((3000,), -2.0), "meta": {"n": -1}}
         before = _snapshot(state)
         with pytest.raises(CorruptCheckpointError):
             ck.load(state, step=1)
@@ -232,8 +245,9 @@ def test_a_load_larger_than_the_memory_cap_still_verifies_before_it_writes(tmp_p
 # -- retention under a concurrent reader -------------------------------------------------------------
 
 
-def _retire_while_reading(monkeypatch: pytest.MonkeyPatch, reader: Checkpointer, writer: Checkpointer,
-                          step: int) -> None:
+def _retire_while_reading(
+    monkeypatch: pytest.MonkeyPatch, reader: Checkpointer, writer: Checkpointer, step: int
+) -> None:
     """The first data file the reader opens triggers the writer's next save (keep_last=1 retires
     what the reader is reading)."""
     storage = reader._session.storage
@@ -304,13 +318,20 @@ def test_a_reader_whose_step_is_deleted_and_saved_again_loads_the_new_one(tmp_pa
 
 def _start(scenario: str, root: Path, *args: str) -> subprocess.Popen[str]:
     repo = str(Path(__file__).resolve().parent.parent)  # the worker imports tests.support
-    env = {**os.environ, "PYTHONUNBUFFERED": "1",
-           "PYTHONPATH": os.pathsep.join(filter(None, [repo, os.environ.get("PYTHONPATH", "")]))}
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID",
-              "SLURM_JOB_ID"):
+    env = {
+        **os.environ,
+        "PYTHONUNBUFFERED": "1",
+        "PYTHONPATH": os.pathsep.join(filter(None, [repo, os.environ.get("PYTHONPATH", "")])),
+    }
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID", "SLURM_JOB_ID"):
         env.pop(k, None)
-    return subprocess.Popen([sys.executable, str(WORKER), scenario, "--root", str(root), *args],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    return subprocess.Popen(
+        [sys.executable, str(WORKER), scenario, "--root", str(root), *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+    )
 
 
 def _wait_stopped(p: subprocess.Popen[str], timeout: float = 120) -> None:
@@ -328,7 +349,7 @@ def _results(text: str) -> dict:
     out: dict = {}
     for line in text.splitlines():
         if line.startswith("RESULT "):
-            out.update(json.loads(line[len("RESULT "):]))
+            out.update(json.loads(line[len("RESULT ") :]))
     return out
 
 
@@ -438,10 +459,19 @@ def test_release_never_deletes_a_lease_taken_over_meanwhile(tmp_path: Path) -> N
 
 
 def _start_script(script: str, *args: str) -> subprocess.Popen[str]:
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
-                                                             "MASTER_PORT", "TORCHELASTIC_RUN_ID", "SLURM_JOB_ID")}
-    return subprocess.Popen([sys.executable, "-c", script, *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, env={**env, "PYTHONUNBUFFERED": "1"})
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k
+        not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID", "SLURM_JOB_ID")
+    }
+    return subprocess.Popen(
+        [sys.executable, "-c", script, *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**env, "PYTHONUNBUFFERED": "1"},
+    )
 
 
 def _resume(p: subprocess.Popen[str]) -> str:
@@ -529,8 +559,9 @@ print("RESULT " + json.dumps(result), flush=True)
 
 def _visible(project: Path) -> list[str]:
     """What is under the project directory but the root's control files (the lease, which B renews)."""
-    return sorted(str(p.relative_to(project)) for p in project.rglob("*")
-                  if ".ckptguard-accelerate/.ckptguard" not in str(p))
+    return sorted(
+        str(p.relative_to(project)) for p in project.rglob("*") if ".ckptguard-accelerate/.ckptguard" not in str(p)
+    )
 
 
 def test_accelerate_rotation_by_a_job_that_lost_the_root_deletes_nothing_visible(tmp_path: Path) -> None:
@@ -592,7 +623,8 @@ def test_a_save_fenced_after_its_commit_point_says_the_step_is_committed(tmp_pat
 
 @pytest.mark.parametrize("existing", [None, 1], ids=["new-tag", "moved-tag"])
 def test_a_tag_whose_holder_is_taken_over_while_it_stages_the_tag_file_writes_nothing(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, existing: int | None) -> None:
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, existing: int | None
+) -> None:
     """The holder passed its fence check for tag('best', 2) and stalls while it writes and syncs the new
     tag file (an fsync is the slow part); another job takes the root over meanwhile. When it resumes it
     must raise LeaseLostError and leave the tag as the new holder sees it (it created or moved the tag
@@ -627,7 +659,8 @@ def test_a_tag_whose_holder_is_taken_over_while_it_stages_the_tag_file_writes_no
 
 @pytest.mark.parametrize("existing", [None, 1], ids=["new-tag", "moved-tag"])
 def test_a_tag_whose_holder_is_taken_over_after_its_last_fence_check_writes_nothing(
-        tmp_path: Path, existing: int | None) -> None:
+    tmp_path: Path, existing: int | None
+) -> None:
     """The holder's last fence check for tag('best', 2) passed, the tag file is staged; the job stalls
     before the link or rename, and another job takes the root over (for real: the lease expires). When
     it resumes it must raise LeaseLostError and leave the tags as the new holder sees them."""
@@ -658,12 +691,13 @@ def test_a_tag_whose_holder_is_taken_over_after_its_last_fence_check_writes_noth
         ck.close()
 
 
-def test_check_lease_passes_for_the_holder_and_refuses_a_reader_a_closed_one_and_a_fenced_one(
-        tmp_path: Path) -> None:
+def test_check_lease_passes_for_the_holder_and_refuses_a_reader_a_closed_one_and_a_fenced_one(tmp_path: Path) -> None:
     ck = Checkpointer(tmp_path / "ckpt", lease_ttl_s=30)
     ck.check_lease("remove a folder")  # the holder: nothing raised
-    with Checkpointer(tmp_path / "ckpt", read_only=True) as reader, \
-            pytest.raises(ckptguard.CheckpointError, match="read_only"):
+    with (
+        Checkpointer(tmp_path / "ckpt", read_only=True) as reader,
+        pytest.raises(ckptguard.CheckpointError, match="read_only"),
+    ):
         reader.check_lease()
     lease = Path(ck.root) / ".ckptguard" / "lease.json"
     record = json.loads(lease.read_text())

@@ -57,24 +57,36 @@ def test_a_failed_restore_leaves_the_users_files_as_they_were(tmp_path: Path) ->
     assert listing(off) == before
 
 
-def test_two_hosts_restoring_into_one_shared_path_are_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-                                                              ) -> None:
+def test_two_hosts_restoring_into_one_shared_path_are_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # Two "hosts" (thread ranks with host names of their own) each saved their own directory, and
     # then both name one path, on storage both see, to restore into.
     monkeypatch.setattr(load_protocol, "hostname", lambda: f"host-{threading.current_thread().name}")
     shared = tmp_path / "shared-offload"
 
     def body(comm: Comm) -> object:
-        session = open_session(comm, open_root(str(tmp_path / "ck")), Options(None, None, 1, "xxh3-64", 10.0),
-                               read_only=False, job_id="t", lease_ttl_s=30, lease_wait_s=1)
+        session = open_session(
+            comm,
+            open_root(str(tmp_path / "ck")),
+            Options(None, None, 1, "xxh3-64", 10.0),
+            read_only=False,
+            job_id="t",
+            lease_ttl_s=30,
+            lease_wait_s=1,
+        )
         try:
             own = tmp_path / f"src{comm.rank}"
             own.mkdir()
             (own / "shard").write_bytes(b"x")
-            targets = artifacts.normalize({"off": own}, comm.rank, f"host-rank{comm.rank}", True,
-                                          session.root.local_dir())
-            save_protocol.save(session, save_protocol.SaveRequest(1, {"w": torch.ones(4)}, targets, targets, False,
-                                                                  {}, None, options=session.options), PhaseTimer())
+            targets = artifacts.normalize(
+                {"off": own}, comm.rank, f"host-rank{comm.rank}", True, session.root.local_dir()
+            )
+            save_protocol.save(
+                session,
+                save_protocol.SaveRequest(
+                    1, {"w": torch.ones(4)}, targets, targets, False, {}, None, options=session.options
+                ),
+                PhaseTimer(),
+            )
             request = load_protocol.LoadRequest({"w": torch.zeros(4)}, {"off": shared}, True)
             return load_protocol.load_one(session, CheckpointName(1), None, request, PhaseTimer())
         finally:
@@ -98,12 +110,15 @@ def test_files_that_are_contain_or_lie_inside_the_root_are_refused_at_save_and_a
         ck.save(1, {"w": torch.ones(2)}, files={"x": off})
         ck.save(2, {"w": torch.ones(2)})
         before = listing(root)
-        for bad, how in ((root, "is the checkpoint root"), (run, "contains the checkpoint root"),
-                         (tmp_path / "link", "contains the checkpoint root"),
-                         (root / "step-00000001", "lies inside the checkpoint root")):
-            with pytest.raises(PathCollisionError,
-                               match=f"rank 0: files\\['x'\\] = {run if 'link' in str(bad) else bad}"
-                                     f" {how}") as err:
+        for bad, how in (
+            (root, "is the checkpoint root"),
+            (run, "contains the checkpoint root"),
+            (tmp_path / "link", "contains the checkpoint root"),
+            (root / "step-00000001", "lies inside the checkpoint root"),
+        ):
+            with pytest.raises(
+                PathCollisionError, match=f"rank 0: files\\['x'\\] = {run if 'link' in str(bad) else bad} {how}"
+            ) as err:
                 ck.save(3, {"w": torch.ones(2)}, files={"x": bad})
             assert err.value.rank == 0
             with pytest.raises(PathCollisionError, match=how):
@@ -151,7 +166,8 @@ def test_a_ctrl_c_right_after_the_bytes_are_placed_leaves_the_whole_step(tmp_pat
 
 
 def test_a_rank_that_cannot_move_its_files_into_place_leaves_every_state_as_it_was(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """files= are moved into place before any tensor changes: one rank's failed rename moves every
     rank's files back and no tensor holds a byte of the step (before: the tensors were placed first,
     so such a failure left them new and the files old)."""
@@ -168,20 +184,37 @@ def test_a_rank_that_cannot_move_its_files_into_place_leaves_every_state_as_it_w
         own.mkdir()
         for name in ("a", "b"):
             (own / name).write_bytes(f"saved {name} {comm.rank}".encode())
-        session = open_session(comm, open_root(str(tmp_path / "ck")), Options(None, None, 1, "xxh3-64", 10.0),
-                               read_only=False, job_id="t", lease_ttl_s=30, lease_wait_s=1)
+        session = open_session(
+            comm,
+            open_root(str(tmp_path / "ck")),
+            Options(None, None, 1, "xxh3-64", 10.0),
+            read_only=False,
+            job_id="t",
+            lease_ttl_s=30,
+            lease_wait_s=1,
+        )
         try:
-            targets = artifacts.normalize({"a": own / "a", "b": own / "b"}, comm.rank, "host", True,
-                                          session.root.local_dir())
-            save_protocol.save(session, save_protocol.SaveRequest(1, {"w": torch.ones(4)}, targets, targets, False,
-                                                                  {}, None, options=session.options), PhaseTimer())
+            targets = artifacts.normalize(
+                {"a": own / "a", "b": own / "b"}, comm.rank, "host", True, session.root.local_dir()
+            )
+            save_protocol.save(
+                session,
+                save_protocol.SaveRequest(
+                    1, {"w": torch.ones(4)}, targets, targets, False, {}, None, options=session.options
+                ),
+                PhaseTimer(),
+            )
             for name in ("a", "b"):
                 (own / name).write_bytes(b"user's own")
             state = {"w": torch.zeros(4)}
             try:
-                load_protocol.load_one(session, CheckpointName(1), None,
-                                       load_protocol.LoadRequest(state, {"a": own / "a", "b": own / "b"}, True),
-                                       PhaseTimer())
+                load_protocol.load_one(
+                    session,
+                    CheckpointName(1),
+                    None,
+                    load_protocol.LoadRequest(state, {"a": own / "a", "b": own / "b"}, True),
+                    PhaseTimer(),
+                )
             except Exception as e:
                 return e, state["w"], listing(own)
             return None, state["w"], listing(own)

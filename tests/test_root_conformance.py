@@ -81,8 +81,9 @@ class Job:
         stream.close()
         return attempt, staging, [FileEntry(rel, len(payload), 0)]
 
-    def save(self, step: int, seq: int, version: int = 1, last_check: Callable[[], None] | None = None
-             ) -> CheckpointName:
+    def save(
+        self, step: int, seq: int, version: int = 1, last_check: Callable[[], None] | None = None
+    ) -> CheckpointName:
         attempt, staging, files = self.stage(step)
         self.root.wait_files_visible(staging, files, 30)
         manifest = _manifest(step, version, attempt, files, seq)
@@ -90,9 +91,22 @@ class Job:
 
 
 def _manifest(step: int, version: int, attempt: str, files: list[FileEntry], seq: int) -> Manifest:
-    return Manifest(step=step, version=version, attempt=attempt, created_at=time.time(), world_size=1,
-                    domain_index=0, domain_count=1, domain_ranks=[0], hosts=["h"], checksum_algorithm="crc32c",
-                    dcp={}, files=files, items=[], commit_seq=seq)
+    return Manifest(
+        step=step,
+        version=version,
+        attempt=attempt,
+        created_at=time.time(),
+        world_size=1,
+        domain_index=0,
+        domain_count=1,
+        domain_ranks=[0],
+        hosts=["h"],
+        checksum_algorithm="crc32c",
+        dcp={},
+        files=files,
+        items=[],
+        commit_seq=seq,
+    )
 
 
 def test_a_commit_makes_the_attempt_a_checkpoint_every_reader_finds(url: str) -> None:
@@ -105,8 +119,9 @@ def test_a_commit_makes_the_attempt_a_checkpoint_every_reader_finds(url: str) ->
     assert reader.listing() == {5: {1: 1}}
     manifest = reader.read_manifest(name)
     reader.check_files(name, manifest)
-    assert [rel for rel, _ in reader.walk(reader.data_dir(name, manifest)) if rel.startswith("data/")] == \
-        [layout.data_file(0, 0)]
+    assert [rel for rel, _ in reader.walk(reader.data_dir(name, manifest)) if rel.startswith("data/")] == [
+        layout.data_file(0, 0)
+    ]
     assert reader.still_committed(name, 1) and not reader.still_committed(name, 2)
 
 
@@ -276,8 +291,17 @@ def test_concurrent_compare_and_swaps_of_one_pointer_lose_no_update(url: str) ->
         for _ in range(5):
             # each write distinct (a store may count a conditional write whose answer was lost as landed when
             # the record holds what it wrote; two writers of equal bytes are not a lost update)
-            swap(storages[i], path, decode=lambda b: int(b.split()[0]), encode=lambda n: f"{n} {uuid.uuid4()}".encode(),
-                 decide=lambda n: Put((n or 0) + 1, None), fence=None, what="count", rounds=400, pause_s=0.002)
+            swap(
+                storages[i],
+                path,
+                decode=lambda b: int(b.split()[0]),
+                encode=lambda n: f"{n} {uuid.uuid4()}".encode(),
+                decide=lambda n: Put((n or 0) + 1, None),
+                fence=None,
+                what="count",
+                rounds=400,
+                pause_s=0.002,
+            )
 
     _, errors = _race(4, bump)
     assert not errors, errors

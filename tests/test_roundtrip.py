@@ -24,16 +24,22 @@ from ckptguard import Checkpointer, CheckpointError, PerRank, UnsupportedValueEr
 def equal(a: Any, b: Any) -> bool:
     """Deep equality that also checks types (an int key must not come back as a str)."""
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        return (type(a) is type(b) and a.dtype == b.dtype and a.shape == b.shape
-                and bool(torch.equal(a, b)))
+        return type(a) is type(b) and a.dtype == b.dtype and a.shape == b.shape and bool(torch.equal(a, b))
     if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
-        return type(a) is type(b) and a.dtype == b.dtype and a.shape == b.shape and \
-            np.array_equal(a, b, equal_nan=a.dtype.kind in "fc")
+        return (
+            type(a) is type(b)
+            and a.dtype == b.dtype
+            and a.shape == b.shape
+            and np.array_equal(a, b, equal_nan=a.dtype.kind in "fc")
+        )
     if isinstance(a, np.generic) or isinstance(b, np.generic):
         return type(a) is type(b) and a.tobytes() == b.tobytes()
     if isinstance(a, dict) and isinstance(b, dict):
-        return list(map(repr, a)) == list(map(repr, b)) and all(
-            type(ka) is type(kb) for ka, kb in zip(a, b, strict=True)) and all(equal(a[k], b[k]) for k in a)
+        return (
+            list(map(repr, a)) == list(map(repr, b))
+            and all(type(ka) is type(kb) for ka, kb in zip(a, b, strict=True))
+            and all(equal(a[k], b[k]) for k in a)
+        )
     if isinstance(a, list | tuple | set | frozenset):
         if type(a) is not type(b) or len(a) != len(b):
             return False
@@ -51,22 +57,48 @@ def values() -> dict[str, Any]:
     gen = np.random.default_rng(5)
     return {
         "int_keys": {0: torch.arange(3.0), 1: "one", 10: {2: 2.5}},
-        "mixed_keys": {0: "int zero", "0": "str zero", (1, "a"): "tuple key", None: 1, True: 2, 1.5: 3,
-                       "<odd>": 4, "a.b": 5},
+        "mixed_keys": {
+            0: "int zero",
+            "0": "str zero",
+            (1, "a"): "tuple key",
+            None: 1,
+            True: 2,
+            1.5: 3,
+            "<odd>": 4,
+            "a.b": 5,
+        },
         "tuples": (1, "x", (2.0, None), torch.ones(2), {"k": (3, 4)}),
         "tuple_with_array": (np.arange(4, dtype=np.int16), 7),
-        "arrays": {"f64": np.linspace(0, 1, 5), "u32": np.arange(6, dtype=np.uint32).reshape(2, 3),
-                   "bool": np.array([True, False]), "f16": np.ones(3, dtype=np.float16),
-                   "big_endian": np.arange(3, dtype=">i4"), "str": np.array(["ab", "c"]),
-                   "scalar_f": np.float64(2.5), "scalar_i": np.int32(-3), "zero_d": np.array(1.5),
-                   "strided": np.arange(10.0)[::2], "empty": np.zeros((0, 3))},
+        "arrays": {
+            "f64": np.linspace(0, 1, 5),
+            "u32": np.arange(6, dtype=np.uint32).reshape(2, 3),
+            "bool": np.array([True, False]),
+            "f16": np.ones(3, dtype=np.float16),
+            "big_endian": np.arange(3, dtype=">i4"),
+            "str": np.array(["ab", "c"]),
+            "scalar_f": np.float64(2.5),
+            "scalar_i": np.int32(-3),
+            "zero_d": np.array(1.5),
+            "strided": np.arange(10.0)[::2],
+            "empty": np.zeros((0, 3)),
+        },
         "np_rng": np.random.get_state(),
         "np_generator": gen.bit_generator.state,
         "py_rng": random.getstate(),
         "torch_rng": torch.get_rng_state(),
         "empty": {"d": {}, "l": [], "t": (), "nested": {"e": {}}},
-        "scalars": {"big": 2**100, "neg": -1, "nan": float("nan"), "inf": float("-inf"), "c": 1 + 2j,
-                    "b": b"\x00\xff", "none": None, "s": "", "dtype": torch.float16, "size": torch.Size([2])},
+        "scalars": {
+            "big": 2**100,
+            "neg": -1,
+            "nan": float("nan"),
+            "inf": float("-inf"),
+            "c": 1 + 2j,
+            "b": b"\x00\xff",
+            "none": None,
+            "s": "",
+            "dtype": torch.float16,
+            "size": torch.Size([2]),
+        },
         "sets": {"s": {1, 2, 3}, "fs": frozenset({"a"})},
         "list_mixed": [torch.zeros(2), {3: "x"}, [np.int64(4)], ()],
         "ordered": OrderedDict([("b", 1), ("a", 2)]),
@@ -80,8 +112,7 @@ def optimizer_state() -> dict[str, Any]:
     optim = torch.optim.Adam(model.parameters(), lr=0.1)
     model(torch.randn(4, 3)).sum().backward()
     optim.step()
-    return {"state_dict": model.state_dict(), "optimizer_states": [optim.state_dict()], "epoch": 1,
-            "global_step": 1}
+    return {"state_dict": model.state_dict(), "optimizer_states": [optim.state_dict()], "epoch": 1, "global_step": 1}
 
 
 @pytest.fixture
@@ -183,13 +214,16 @@ class Opaque:
     pass
 
 
-@pytest.mark.parametrize("value, hint", [
-    (Opaque(), "Opaque"),
-    ({"k": Opaque()}, "['k']"),
-    ({Opaque(): 1}, "key"),
-    (np.array([object()], dtype=object), "object"),
-    ({"p": Path("/x")}, "str("),
-])
+@pytest.mark.parametrize(
+    "value, hint",
+    [
+        (Opaque(), "Opaque"),
+        ({"k": Opaque()}, "['k']"),
+        ({Opaque(): 1}, "key"),
+        (np.array([object()], dtype=object), "object"),
+        ({"p": Path("/x")}, "str("),
+    ],
+)
 def test_values_that_cannot_round_trip_are_refused_at_save(ck: Checkpointer, value: Any, hint: str) -> None:
     with pytest.raises(UnsupportedValueError) as info:
         ck.save(1, {"v": value})

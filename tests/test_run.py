@@ -34,8 +34,20 @@ MARKER = "CKPTGUARD_BED_JOB"
 
 def _env(**extra: str) -> dict[str, str]:
     env = dict(os.environ)
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_ERROR_FILE",
-              "TORCHELASTIC_RUN_ID", "SLURM_JOB_ID", "PBS_JOBID", "LSB_JOBID", "JOB_ID", "PET_RDZV_ID"):
+    for k in (
+        "RANK",
+        "WORLD_SIZE",
+        "LOCAL_RANK",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+        "TORCHELASTIC_ERROR_FILE",
+        "TORCHELASTIC_RUN_ID",
+        "SLURM_JOB_ID",
+        "PBS_JOBID",
+        "LSB_JOBID",
+        "JOB_ID",
+        "PET_RDZV_ID",
+    ):
         env.pop(k, None)
     env["PYTHONPATH"] = os.pathsep.join([str(REPO / "src"), str(REPO)])
     env.update(GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
@@ -48,9 +60,20 @@ def _reports(logs: Path) -> list[dict[str, Any]]:
 
 
 def _torchrun(nnodes: int, node: int, port: int, *args: str) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nnodes}", "--nproc-per-node=2",
-            "--rdzv-backend=static", "--master-addr=127.0.0.1", f"--master-port={port}", f"--node-rank={node}",
-            "--max-restarts=0", str(JOB), *args]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nnodes={nnodes}",
+        "--nproc-per-node=2",
+        "--rdzv-backend=static",
+        "--master-addr=127.0.0.1",
+        f"--master-port={port}",
+        f"--node-rank={node}",
+        "--max-restarts=0",
+        str(JOB),
+        *args,
+    ]
 
 
 @pytest.fixture
@@ -72,18 +95,32 @@ def _can_unshare_uts() -> bool:
 
 @pytest.mark.skipif(not _can_unshare_uts(), reason="needs unshare --uts (root) for a hostname per node")
 def test_two_node_job_failure_is_diagnosed_on_each_node_with_the_step_to_resume(
-        tmp_path: Path, job_marker: str) -> None:
+    tmp_path: Path, job_marker: str
+) -> None:
     logs, root = tmp_path / "logs", tmp_path / "ckpt"
     port = free_port()
     env = _env(**{MARKER: job_marker})
     procs = []
     for node in (0, 1):
-        cmd = [*RUN, "--logs", str(logs), "--checkpoints", str(root), "--",
-               *_torchrun(2, node, port, "--root", str(root), "--fail", "raise", "--fail-rank", "3",
-                          "--fail-step", "3")]
-        script = f"hostname node{node} && exec \"$@\""
-        procs.append(subprocess.Popen(["unshare", "--uts", "sh", "-c", script, "sh", *cmd], env=env, cwd=tmp_path,
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE))
+        cmd = [
+            *RUN,
+            "--logs",
+            str(logs),
+            "--checkpoints",
+            str(root),
+            "--",
+            *_torchrun(2, node, port, "--root", str(root), "--fail", "raise", "--fail-rank", "3", "--fail-step", "3"),
+        ]
+        script = f'hostname node{node} && exec "$@"'
+        procs.append(
+            subprocess.Popen(
+                ["unshare", "--uts", "sh", "-c", script, "sh", *cmd],
+                env=env,
+                cwd=tmp_path,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+            )
+        )
     outs = [p.communicate(timeout=240) for p in procs]
     stderr = [e.decode(errors="replace") for _, e in outs]
     # Each node's runner exits with its torchrun's status: both agents saw a worker fail.
@@ -95,17 +132,29 @@ def test_two_node_job_failure_is_diagnosed_on_each_node_with_the_step_to_resume(
         assert 3 not in rep["collateral_ranks"] and rep["collateral_ranks"]
         assert set(rep["collateral_ranks"]) | set(rep["also_failed_ranks"]) == {0, 1, 2}
         assert {r["host"] for r in rep["runs"]} == {"node0", "node1"}
-        assert rep["resume"] == {"step": 2, "root": str(root), "unsafe": [],
-                                 "resume_hint": f'Checkpointer("{root}").load(state, step=2)'}
+        assert rep["resume"] == {
+            "step": 2,
+            "root": str(root),
+            "unsafe": [],
+            "resume_hint": f'Checkpointer("{root}").load(state, step=2)',
+        }
         assert "first        rank 3 on node1" in text and "resume from  step 2" in text, text
     # torchrun's agent recorded the failing worker's error file (the entry point has @record).
     assert any("sampler state of rank 3" in p.read_text() for p in logs.glob("*node1*/torchelastic_error.json"))
     # The same whole-job answer afterwards, from the log directory.
-    after = subprocess.run([sys.executable, "-m", "ckptguard", "diagnose", str(logs), "--json", "--checkpoints",
-                            str(root)], env=_env(), capture_output=True, text=True, timeout=60)
+    after = subprocess.run(
+        [sys.executable, "-m", "ckptguard", "diagnose", str(logs), "--json", "--checkpoints", str(root)],
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     got = json.loads(after.stdout)
     assert (got["initiating_rank"], got["initiating_host"], got["failure_class"]) == (
-        3, "node1", reports[0]["failure_class"])
+        3,
+        "node1",
+        reports[0]["failure_class"],
+    )
     assert got["resume"]["step"] == 2
     # The step named loads.
     import torch
@@ -116,11 +165,21 @@ def test_two_node_job_failure_is_diagnosed_on_each_node_with_the_step_to_resume(
     assert torch.equal(state["w"], torch.full((64,), 2.0))
 
 
-def _single_node(tmp_path: Path, marker: str,
-                 *job_args: str) -> tuple[subprocess.CompletedProcess[str], dict[str, Any]]:
+def _single_node(
+    tmp_path: Path, marker: str, *job_args: str
+) -> tuple[subprocess.CompletedProcess[str], dict[str, Any]]:
     logs = tmp_path / "logs"
-    cmd = [*RUN, "--logs", str(logs), "--checkpoints", str(tmp_path / "ckpt"), "--grace", "0", "--",
-           *_torchrun(1, 0, free_port(), "--root", str(tmp_path / "ckpt"), *job_args)]
+    cmd = [
+        *RUN,
+        "--logs",
+        str(logs),
+        "--checkpoints",
+        str(tmp_path / "ckpt"),
+        "--grace",
+        "0",
+        "--",
+        *_torchrun(1, 0, free_port(), "--root", str(tmp_path / "ckpt"), *job_args),
+    ]
     res = subprocess.run(cmd, env=_env(**{MARKER: marker}), cwd=tmp_path, capture_output=True, text=True, timeout=240)
     reports = _reports(logs)
     assert len(reports) == 1, res.stderr
@@ -138,8 +197,9 @@ def test_sigkilled_rank_is_named(tmp_path: Path, job_marker: str) -> None:
 
 def test_hang_ended_by_the_collective_timeout(tmp_path: Path, job_marker: str) -> None:
     started = time.monotonic()
-    res, rep = _single_node(tmp_path, job_marker, "--fail", "hang", "--fail-rank", "1", "--fail-step", "2",
-                            "--timeout", "3")
+    res, rep = _single_node(
+        tmp_path, job_marker, "--fail", "hang", "--fail-rank", "1", "--fail-step", "2", "--timeout", "3"
+    )
     assert res.returncode == 1, res.stderr
     assert time.monotonic() - started < 200
     # A collective that timed out: rank 1 hung and printed nothing; rank 0 waited for it.
@@ -157,8 +217,12 @@ def test_hang_ended_by_the_collective_timeout(tmp_path: Path, job_marker: str) -
 def test_success_passes_both_streams_through_pipes_byte_for_byte(tmp_path: Path) -> None:
     direct = subprocess.run([sys.executable, str(CHILD), "output"], env=_env(), capture_output=True, timeout=60)
     logs = tmp_path / "logs"
-    under = subprocess.run([*RUN, "--logs", str(logs), "--", sys.executable, str(CHILD), "output"], env=_env(),
-                           capture_output=True, timeout=60)
+    under = subprocess.run(
+        [*RUN, "--logs", str(logs), "--", sys.executable, str(CHILD), "output"],
+        env=_env(),
+        capture_output=True,
+        timeout=60,
+    )
     assert under.returncode == 0
     assert under.stdout == direct.stdout and b"isatty=False" in direct.stdout
     assert under.stderr == direct.stderr
@@ -173,8 +237,12 @@ def test_success_passes_both_streams_through_pipes_byte_for_byte(tmp_path: Path)
 def test_capture_keeps_head_and_tail_under_the_cap_and_passes_everything_through(tmp_path: Path) -> None:
     logs = tmp_path / "logs"
     code = "import sys\nfor i in range(20000): sys.stdout.write(f'line {i:05d}\\n')"
-    res = subprocess.run([*RUN, "--logs", str(logs), "--max-log-bytes", "4096", "--", sys.executable, "-c", code],
-                         env=_env(), capture_output=True, timeout=60)
+    res = subprocess.run(
+        [*RUN, "--logs", str(logs), "--max-log-bytes", "4096", "--", sys.executable, "-c", code],
+        env=_env(),
+        capture_output=True,
+        timeout=60,
+    )
     assert res.returncode == 0
     assert res.stdout == b"".join(b"line %05d\n" % i for i in range(20000))
     kept = next(logs.glob("*/stdout.log")).read_bytes()
@@ -216,8 +284,9 @@ def _through_ptys(cmd: list[str], env: dict[str, str]) -> tuple[int, bytes, byte
 
 def test_success_through_a_terminal_child_sees_a_terminal_and_bytes_are_identical(tmp_path: Path) -> None:
     rc_d, out_d, err_d = _through_ptys([sys.executable, str(CHILD), "output"], _env())
-    rc_u, out_u, err_u = _through_ptys([*RUN, "--logs", str(tmp_path / "logs"), "--", sys.executable, str(CHILD),
-                                        "output"], _env())
+    rc_u, out_u, err_u = _through_ptys(
+        [*RUN, "--logs", str(tmp_path / "logs"), "--", sys.executable, str(CHILD), "output"], _env()
+    )
     assert (rc_d, rc_u) == (0, 0)
     assert b"stdout isatty=True stderr isatty=True" in out_d
     assert out_u == out_d
@@ -225,12 +294,17 @@ def test_success_through_a_terminal_child_sees_a_terminal_and_bytes_are_identica
 
 
 def test_signals_reach_the_child_and_the_status_is_the_childs(tmp_path: Path) -> None:
-    for sig, status, said in ((signal.SIGTERM, 7, "child got signal 15"),
-                              (signal.SIGINT, 128 + signal.SIGINT, "cleanup ran")):
+    for sig, status, said in (
+        (signal.SIGTERM, 7, "child got signal 15"),
+        (signal.SIGINT, 128 + signal.SIGINT, "cleanup ran"),
+    ):
         logs = tmp_path / f"logs-{sig.name}"
-        proc = subprocess.Popen([*RUN, "--logs", str(logs), "--grace", "0", "--",
-                                 sys.executable, str(CHILD), "signals"],
-                                env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        proc = subprocess.Popen(
+            [*RUN, "--logs", str(logs), "--grace", "0", "--", sys.executable, str(CHILD), "signals"],
+            env=_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
         assert proc.stdout is not None
         assert proc.stdout.readline() == b"ready\n"
         proc.send_signal(sig)
@@ -244,11 +318,25 @@ def test_signals_reach_the_child_and_the_status_is_the_childs(tmp_path: Path) ->
 def test_on_failure_runs_once_with_the_report_paths(tmp_path: Path) -> None:
     hook = tmp_path / "hook.txt"
     logs = tmp_path / "logs"
-    res = subprocess.run([*RUN, "--logs", str(logs), "--grace", "0", "--on-failure",
-                          f'echo "$CKPTGUARD_EXIT_STATUS $CKPTGUARD_REPORT_JSON $CKPTGUARD_REPORT_HTML" >> {hook}',
-                          "--",
-                          sys.executable, "-c", "raise RuntimeError('training diverged')"],
-                         env=_env(), capture_output=True, text=True, timeout=120)
+    res = subprocess.run(
+        [
+            *RUN,
+            "--logs",
+            str(logs),
+            "--grace",
+            "0",
+            "--on-failure",
+            f'echo "$CKPTGUARD_EXIT_STATUS $CKPTGUARD_REPORT_JSON $CKPTGUARD_REPORT_HTML" >> {hook}',
+            "--",
+            sys.executable,
+            "-c",
+            "raise RuntimeError('training diverged')",
+        ],
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert res.returncode == 1
     lines = hook.read_text().splitlines()
     assert len(lines) == 1
@@ -266,13 +354,35 @@ def test_s3_checkpoint_root(tmp_path: Path) -> None:
         root = f"s3://{bucket}/job"
         logs = tmp_path / "logs"
         env = _env(**bed.env())
-        res = subprocess.run([*RUN, "--logs", str(logs), "--grace", "0", "--checkpoints", root, "--",
-                              sys.executable, str(CHILD), "save-and-fail", root, "2"],
-                             env=env, capture_output=True, text=True, timeout=180)
+        res = subprocess.run(
+            [
+                *RUN,
+                "--logs",
+                str(logs),
+                "--grace",
+                "0",
+                "--checkpoints",
+                root,
+                "--",
+                sys.executable,
+                str(CHILD),
+                "save-and-fail",
+                root,
+                "2",
+            ],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=180,
+        )
         assert res.returncode == 1, res.stderr
         (rep,) = _reports(logs)
-        assert rep["resume"] == {"step": 2, "root": root, "unsafe": [],
-                                 "resume_hint": f'Checkpointer("{root}").load(state, step=2)'}
+        assert rep["resume"] == {
+            "step": 2,
+            "root": root,
+            "unsafe": [],
+            "resume_hint": f'Checkpointer("{root}").load(state, step=2)',
+        }
         assert "resume from  step 2 of " + root in res.stderr
 
 
@@ -280,8 +390,13 @@ def test_s3_checkpoint_root(tmp_path: Path) -> None:
 
 
 def test_missing_command_exits_127(tmp_path: Path) -> None:
-    res = subprocess.run([*RUN, "--logs", str(tmp_path / "logs"), "--", "no-such-command-ckptguard"], env=_env(),
-                         capture_output=True, text=True, timeout=60)
+    res = subprocess.run(
+        [*RUN, "--logs", str(tmp_path / "logs"), "--", "no-such-command-ckptguard"],
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert res.returncode == 127
     assert "no-such-command-ckptguard: command not found" in res.stderr
 
@@ -290,8 +405,13 @@ def test_unwritable_logs_refused_before_the_child_starts(tmp_path: Path) -> None
     blocker = tmp_path / "file"
     blocker.write_text("not a directory")
     ran = tmp_path / "ran"
-    res = subprocess.run([*RUN, "--logs", str(blocker / "logs"), "--", sys.executable, str(CHILD), "touch", str(ran)],
-                         env=_env(), capture_output=True, text=True, timeout=60)
+    res = subprocess.run(
+        [*RUN, "--logs", str(blocker / "logs"), "--", sys.executable, str(CHILD), "touch", str(ran)],
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert res.returncode == 125
     assert f"cannot write the log directory {blocker / 'logs'}" in res.stderr
     assert not ran.exists()
@@ -302,9 +422,25 @@ def test_missing_or_empty_checkpoint_root_still_prints_the_diagnosis(tmp_path: P
     root = tmp_path / "ckpt"
     if kind == "empty":
         root.mkdir()
-    res = subprocess.run([*RUN, "--logs", str(tmp_path / "logs"), "--grace", "0", "--checkpoints", str(root), "--",
-                          sys.executable, "-c", "raise MemoryError('out of host memory')"],
-                         env=_env(), capture_output=True, text=True, timeout=60)
+    res = subprocess.run(
+        [
+            *RUN,
+            "--logs",
+            str(tmp_path / "logs"),
+            "--grace",
+            "0",
+            "--checkpoints",
+            str(root),
+            "--",
+            sys.executable,
+            "-c",
+            "raise MemoryError('out of host memory')",
+        ],
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert res.returncode == 1
     assert "failure      " in res.stderr and "MemoryError" in res.stderr
     (rep,) = _reports(tmp_path / "logs")
@@ -327,8 +463,13 @@ def _root_with_steps(root: Path, steps: int) -> None:
 
 
 def _diagnose_resume(log: Path, root: Path | str, *flags: str) -> dict[str, Any]:
-    res = subprocess.run([sys.executable, "-m", "ckptguard", "diagnose", str(log), "--json", "--checkpoints", str(root),
-                          *flags], env=_env(), capture_output=True, text=True, timeout=60)
+    res = subprocess.run(
+        [sys.executable, "-m", "ckptguard", "diagnose", str(log), "--json", "--checkpoints", str(root), *flags],
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     return json.loads(res.stdout)["resume"]
 
 
@@ -338,7 +479,7 @@ def _data_file(root: Path, step: int) -> Path:
 
 def test_resume_skips_a_corrupt_last_step_quick_by_size_and_deep_by_checksum(tmp_path: Path) -> None:
     log = tmp_path / "job.log"
-    log.write_text("Traceback (most recent call last):\n  File \"train.py\", line 3, in <module>\nValueError: boom\n")
+    log.write_text('Traceback (most recent call last):\n  File "train.py", line 3, in <module>\nValueError: boom\n')
     root = tmp_path / "ckpt"
     _root_with_steps(root, 3)
     assert _diagnose_resume(log, root)["step"] == 3
@@ -386,12 +527,30 @@ def test_the_hint_names_the_root_found_under_the_directory_given_and_loads_the_s
     got = _diagnose_resume(log, tmp_path / "runs")
     assert got["step"] == 2, got
     assert got["resume_hint"] == f'Checkpointer("{root}").load(state, step=2)'
-    prog = ("import torch, ckptguard\nstate = {'w': torch.zeros(1024)}\n"
-            f"ckptguard.{got['resume_hint']}\nassert float(state['w'][0]) == 2.0\n")
+    prog = (
+        "import torch, ckptguard\nstate = {'w': torch.zeros(1024)}\n"
+        f"ckptguard.{got['resume_hint']}\nassert float(state['w'][0]) == 2.0\n"
+    )
     subprocess.run([sys.executable, "-c", prog], env=_env(), check=True, timeout=60)
-    res = subprocess.run([*RUN, "--logs", str(tmp_path / "logs"), "--grace", "0", "--checkpoints",
-                          str(tmp_path / "runs"), "--", sys.executable, "-c", "raise ValueError('boom')"],
-                         env=_env(), capture_output=True, text=True, timeout=60)
+    res = subprocess.run(
+        [
+            *RUN,
+            "--logs",
+            str(tmp_path / "logs"),
+            "--grace",
+            "0",
+            "--checkpoints",
+            str(tmp_path / "runs"),
+            "--",
+            sys.executable,
+            "-c",
+            "raise ValueError('boom')",
+        ],
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert res.returncode == 1
     assert f'Checkpointer("{root}").load(state, step=2)' in res.stderr, res.stderr
 
@@ -417,8 +576,13 @@ def _limit_file_size() -> None:
 
 def test_capture_failing_midway_leaves_child_output_and_status_alone(tmp_path: Path) -> None:
     prog = "import os, sys\nfor i in range(20000): os.write(1, b'out line %08d\\n' % i)\nsys.exit(5)\n"
-    res = subprocess.run([*RUN, "--logs", str(tmp_path / "logs"), "--grace", "0", "--", sys.executable, "-c", prog],
-                         env=_env(), capture_output=True, timeout=120, preexec_fn=_limit_file_size)
+    res = subprocess.run(
+        [*RUN, "--logs", str(tmp_path / "logs"), "--grace", "0", "--", sys.executable, "-c", prog],
+        env=_env(),
+        capture_output=True,
+        timeout=120,
+        preexec_fn=_limit_file_size,
+    )
     assert res.returncode == 5, res.stderr
     assert res.stdout == b"".join(b"out line %08d\n" % i for i in range(20000))
     err = res.stderr.decode()
@@ -427,8 +591,12 @@ def test_capture_failing_midway_leaves_child_output_and_status_alone(tmp_path: P
 
 
 def test_reader_of_stdout_gone_ends_the_child_with_sigpipe(tmp_path: Path) -> None:
-    proc = subprocess.Popen([*RUN, "--logs", str(tmp_path / "logs"), "--grace", "0", "--", "yes"], env=_env(),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(
+        [*RUN, "--logs", str(tmp_path / "logs"), "--grace", "0", "--", "yes"],
+        env=_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
     assert proc.stdout is not None
     assert proc.stdout.readline() == b"y\n"
     proc.stdout.close()
@@ -442,8 +610,13 @@ def test_leftover_background_process_keeps_its_output_after_run_returns(tmp_path
     script = f"( sleep 6; echo late-line >&2; echo alive > {alive} ) & echo child-done"
     with open(tmp_path / "out", "wb") as out, open(tmp_path / "err", "wb") as err:
         t0 = time.monotonic()
-        rc = subprocess.run([*RUN, "--logs", str(tmp_path / "logs"), "--", "sh", "-c", script], env=_env(),
-                            stdout=out, stderr=err, timeout=60).returncode
+        rc = subprocess.run(
+            [*RUN, "--logs", str(tmp_path / "logs"), "--", "sh", "-c", script],
+            env=_env(),
+            stdout=out,
+            stderr=err,
+            timeout=60,
+        ).returncode
         took = time.monotonic() - t0
     assert rc == 0 and took < 4.5  # returned without waiting out the leftover process (6 s)
     deadline = time.monotonic() + 20
@@ -457,9 +630,24 @@ def test_leftover_background_process_keeps_its_output_after_run_returns(tmp_path
 
 def test_signal_during_on_failure_ends_the_hook_and_keeps_the_childs_status(tmp_path: Path) -> None:
     started, finished = tmp_path / "hook-started", tmp_path / "hook-finished"
-    proc = subprocess.Popen([*RUN, "--logs", str(tmp_path / "logs"), "--grace", "0", "--on-failure",
-                             f"touch {started}; sleep 20; touch {finished}", "--", "sh", "-c", "exit 3"],
-                            env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(
+        [
+            *RUN,
+            "--logs",
+            str(tmp_path / "logs"),
+            "--grace",
+            "0",
+            "--on-failure",
+            f"touch {started}; sleep 20; touch {finished}",
+            "--",
+            "sh",
+            "-c",
+            "exit 3",
+        ],
+        env=_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
     deadline = time.monotonic() + 60
     while not started.exists() and time.monotonic() < deadline:
         time.sleep(0.1)
@@ -476,10 +664,27 @@ def test_unreachable_s3_root_still_gives_diagnosis_reports_and_hook(tmp_path: Pa
     logs = tmp_path / "logs"
     env = _env(AWS_ENDPOINT_URL=f"http://127.0.0.1:{free_port()}", AWS_ACCESS_KEY_ID="x", AWS_SECRET_ACCESS_KEY="y")
     t0 = time.monotonic()
-    res = subprocess.run([*RUN, "--logs", str(logs), "--grace", "0", "--checkpoints", "s3://bkt/p", "--on-failure",
-                          f'echo "$CKPTGUARD_REPORT_JSON" >> {hook}', "--",
-                          sys.executable, "-c", "raise RuntimeError('boom')"],
-                         env=env, capture_output=True, text=True, timeout=120)
+    res = subprocess.run(
+        [
+            *RUN,
+            "--logs",
+            str(logs),
+            "--grace",
+            "0",
+            "--checkpoints",
+            "s3://bkt/p",
+            "--on-failure",
+            f'echo "$CKPTGUARD_REPORT_JSON" >> {hook}',
+            "--",
+            sys.executable,
+            "-c",
+            "raise RuntimeError('boom')",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert time.monotonic() - t0 < 30, res.stderr
     assert res.returncode == 1
     assert "python_exception" in res.stderr and "resume from  no answer: cannot read s3://bkt/p" in res.stderr
@@ -490,9 +695,23 @@ def test_unreachable_s3_root_still_gives_diagnosis_reports_and_hook(tmp_path: Pa
 
 def test_non_utf8_argument_still_gives_valid_reports(tmp_path: Path) -> None:
     logs = tmp_path / "logs"
-    res = subprocess.run([*RUN, "--logs", str(logs), "--grace", "0", "--", "sh", "-c",
-                          'echo "RuntimeError: boom" >&2; exit 2', b"caf\xe9-\xff"],
-                         env=_env(), capture_output=True, timeout=120)
+    res = subprocess.run(
+        [
+            *RUN,
+            "--logs",
+            str(logs),
+            "--grace",
+            "0",
+            "--",
+            "sh",
+            "-c",
+            'echo "RuntimeError: boom" >&2; exit 2',
+            b"caf\xe9-\xff",
+        ],
+        env=_env(),
+        capture_output=True,
+        timeout=120,
+    )
     assert res.returncode == 2, res.stderr
     assert b"could not" not in res.stderr and b"python_exception" in res.stderr
     (rep,) = _reports(logs)
@@ -503,13 +722,44 @@ def test_non_utf8_argument_still_gives_valid_reports(tmp_path: Path) -> None:
 
 def test_all_nodes_hint_reads_this_job_when_jobs_share_the_log_dir(tmp_path: Path) -> None:
     logs = tmp_path / "my logs"
-    b = subprocess.Popen([*RUN, "--logs", str(logs), "--grace", "0", "--job-id", "B", "--", "sh", "-c",
-                          'sleep 2; echo "torch.OutOfMemoryError: CUDA out of memory. '
-                          'Tried to allocate 2.00 GiB" >&2; exit 1'],
-                         env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    b = subprocess.Popen(
+        [
+            *RUN,
+            "--logs",
+            str(logs),
+            "--grace",
+            "0",
+            "--job-id",
+            "B",
+            "--",
+            "sh",
+            "-c",
+            'sleep 2; echo "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB" >&2; exit 1',
+        ],
+        env=_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     time.sleep(0.5)
-    a = subprocess.run([*RUN, "--logs", str(logs), "--grace", "0", "--job-id", "A", "--", "sh", "-c",
-                        'echo "RuntimeError: job A broke" >&2; exit 1'], env=_env(), capture_output=True, timeout=120)
+    a = subprocess.run(
+        [
+            *RUN,
+            "--logs",
+            str(logs),
+            "--grace",
+            "0",
+            "--job-id",
+            "A",
+            "--",
+            "sh",
+            "-c",
+            'echo "RuntimeError: job A broke" >&2; exit 1',
+        ],
+        env=_env(),
+        capture_output=True,
+        timeout=120,
+    )
     assert a.returncode == 1
     _, err = b.communicate(timeout=120)
     hint = next(line for line in err.splitlines() if "all nodes" in line).split("$ ", 1)[1]
@@ -517,18 +767,21 @@ def test_all_nodes_hint_reads_this_job_when_jobs_share_the_log_dir(tmp_path: Pat
 
     argv = shlex.split(hint)
     assert argv[:2] == ["ckptguard", "diagnose"]
-    out = subprocess.run([*RUN[:-1], "diagnose", "--json", *argv[2:]], env=_env(), capture_output=True, text=True,
-                         timeout=120)
+    out = subprocess.run(
+        [*RUN[:-1], "diagnose", "--json", *argv[2:]], env=_env(), capture_output=True, text=True, timeout=120
+    )
     assert json.loads(out.stdout)["failure_class"] == "cuda_oom", out.stderr
 
 
 def test_empty_logs_refused_and_empty_command_is_not_found(tmp_path: Path) -> None:
-    res = subprocess.run([*RUN, "--logs", "", "--", "true"], env=_env(), cwd=tmp_path, capture_output=True, text=True,
-                         timeout=60)
+    res = subprocess.run(
+        [*RUN, "--logs", "", "--", "true"], env=_env(), cwd=tmp_path, capture_output=True, text=True, timeout=60
+    )
     assert res.returncode == 125 and "--logs" in res.stderr
     assert list(tmp_path.iterdir()) == []
-    res = subprocess.run([*RUN, "--logs", str(tmp_path / "logs"), "--", ""], env=_env(), capture_output=True,
-                         text=True, timeout=60)
+    res = subprocess.run(
+        [*RUN, "--logs", str(tmp_path / "logs"), "--", ""], env=_env(), capture_output=True, text=True, timeout=60
+    )
     assert res.returncode == 127 and "command not found" in res.stderr
 
 
@@ -566,12 +819,22 @@ def test_resume_lists_rolled_back_and_bad_manifest_steps_like_ls(tmp_path: Path)
 
 
 def test_what_run_saw_of_the_end_is_evidence_kill9_and_forwarded_sigint(tmp_path: Path) -> None:
-    res = subprocess.run([*RUN, "--logs", str(tmp_path / "l1"), "--grace", "0", "--", "sh", "-c", "kill -9 $$"],
-                         env=_env(), capture_output=True, text=True, timeout=60)
+    res = subprocess.run(
+        [*RUN, "--logs", str(tmp_path / "l1"), "--grace", "0", "--", "sh", "-c", "kill -9 $$"],
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert res.returncode == 137
     assert "host_oom_sigkill" in res.stderr and "the log does not show who sent it" in res.stderr, res.stderr
-    proc = subprocess.Popen([*RUN, "--logs", str(tmp_path / "l2"), "--grace", "0", "--", sys.executable, str(CHILD),
-                             "signals"], env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [*RUN, "--logs", str(tmp_path / "l2"), "--grace", "0", "--", sys.executable, str(CHILD), "signals"],
+        env=_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     assert proc.stdout is not None
     assert proc.stdout.readline() == "ready\n"
     proc.send_signal(signal.SIGINT)

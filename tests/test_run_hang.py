@@ -28,8 +28,20 @@ TIMEOUT_S = 3
 
 def _env(**extra: str) -> dict[str, str]:
     env = dict(os.environ)
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_ERROR_FILE",
-              "TORCHELASTIC_RUN_ID", "SLURM_JOB_ID", "PBS_JOBID", "LSB_JOBID", "JOB_ID", "PET_RDZV_ID"):
+    for k in (
+        "RANK",
+        "WORLD_SIZE",
+        "LOCAL_RANK",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+        "TORCHELASTIC_ERROR_FILE",
+        "TORCHELASTIC_RUN_ID",
+        "SLURM_JOB_ID",
+        "PBS_JOBID",
+        "LSB_JOBID",
+        "JOB_ID",
+        "PET_RDZV_ID",
+    ):
         env.pop(k, None)
     env["PYTHONPATH"] = os.pathsep.join([str(REPO / "src"), str(REPO)])
     env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
@@ -42,16 +54,40 @@ def _report(logs: Path) -> dict[str, Any]:
     return json.loads(path.read_text())
 
 
-def _two_nodes(tmp_path: Path, logs: Path, run_opts: list[str],
-               job: list[str]) -> list[subprocess.CompletedProcess[str]]:
+def _two_nodes(
+    tmp_path: Path, logs: Path, run_opts: list[str], job: list[str]
+) -> list[subprocess.CompletedProcess[str]]:
     """A 2-node x 2-rank torchrun job, each node's agent under its own `ckptguard run`, one --logs."""
     port = free_port()
-    procs = [subprocess.Popen([*RUN, "--logs", str(logs), "--job-id", "hang-test", *run_opts, "--", sys.executable,
-                               "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=2",
-                               "--rdzv-backend=static", "--master-addr=127.0.0.1", f"--master-port={port}",
-                               f"--node-rank={n}", "--max-restarts=0", *job],
-                              env=_env(JOB_TMP=str(tmp_path), GLOO_SOCKET_IFNAME="lo"), stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for n in (0, 1)]
+    procs = [
+        subprocess.Popen(
+            [
+                *RUN,
+                "--logs",
+                str(logs),
+                "--job-id",
+                "hang-test",
+                *run_opts,
+                "--",
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--nnodes=2",
+                "--nproc-per-node=2",
+                "--rdzv-backend=static",
+                "--master-addr=127.0.0.1",
+                f"--master-port={port}",
+                f"--node-rank={n}",
+                "--max-restarts=0",
+                *job,
+            ],
+            env=_env(JOB_TMP=str(tmp_path), GLOO_SOCKET_IFNAME="lo"),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for n in (0, 1)
+    ]
     out = []
     for p in procs:
         o, e = p.communicate(timeout=180)
@@ -59,14 +95,18 @@ def _two_nodes(tmp_path: Path, logs: Path, run_opts: list[str],
     return out
 
 
-@pytest.mark.parametrize(("launcher", "world", "stop", "mode", "state", "detail"), [
-    ("plain", 2, 0, "user", "user", "stop_here"),
-    ("torchrun", 4, 2, "fifo", "io", "(the checkpoint path)"),
-    ("plain", 2, 1, "dataloader", "dataloader", "__getitem__"),
-    ("plain", 4, 3, "collective", "other_collective", "recv"),
-])
-def test_a_stopped_rank_is_caught_named_and_classified(tmp_path: Path, launcher: str, world: int, stop: int,
-                                                       mode: str, state: str, detail: str) -> None:
+@pytest.mark.parametrize(
+    ("launcher", "world", "stop", "mode", "state", "detail"),
+    [
+        ("plain", 2, 0, "user", "user", "stop_here"),
+        ("torchrun", 4, 2, "fifo", "io", "(the checkpoint path)"),
+        ("plain", 2, 1, "dataloader", "dataloader", "__getitem__"),
+        ("plain", 4, 3, "collective", "other_collective", "recv"),
+    ],
+)
+def test_a_stopped_rank_is_caught_named_and_classified(
+    tmp_path: Path, launcher: str, world: int, stop: int, mode: str, state: str, detail: str
+) -> None:
     fifo = tmp_path / "ckpts" / "step-3.fifo"  # a stalled path under the checkpoint root
     fifo.parent.mkdir()
     os.mkfifo(fifo)
@@ -76,8 +116,15 @@ def test_a_stopped_rank_is_caught_named_and_classified(tmp_path: Path, launcher:
     if launcher == "torchrun":  # 2 nodes: each node's runner captures its own ranks; each names rank `stop`
         results = _two_nodes(tmp_path, logs, opts, job)
     else:
-        results = [subprocess.run([*RUN, "--logs", str(logs), *opts, "--", sys.executable, *job],
-                                  env=_env(JOB_TMP=str(tmp_path)), capture_output=True, text=True, timeout=180)]
+        results = [
+            subprocess.run(
+                [*RUN, "--logs", str(logs), *opts, "--", sys.executable, *job],
+                env=_env(JOB_TMP=str(tmp_path)),
+                capture_output=True,
+                text=True,
+                timeout=180,
+            )
+        ]
     for res in results:
         assert res.returncode != 0, res.stderr
         assert f"rank {stop}" in res.stderr and "stacks" in res.stderr
@@ -95,8 +142,9 @@ def test_a_stopped_rank_is_caught_named_and_classified(tmp_path: Path, launcher:
         _check_report(report, world, stop, mode, state, detail, fifo)
 
 
-def _check_report(report: dict[str, Any], world: int, stop: int, mode: str, state: str, detail: str,
-                  fifo: Path) -> None:
+def _check_report(
+    report: dict[str, Any], world: int, stop: int, mode: str, state: str, detail: str, fifo: Path
+) -> None:
     assert report["initiating_rank"] == stop
     assert report["hang"]["stopped_rank"] == stop
     assert report["hang"]["state"] == state
@@ -116,30 +164,58 @@ def _check_report(report: dict[str, Any], world: int, stop: int, mode: str, stat
 def test_a_slow_job_that_keeps_making_progress_is_never_killed(tmp_path: Path) -> None:
     # Progress every half timeout, alternately output and a heartbeat (no output at all for a
     # whole timeout): never a hang, however long the job runs.
-    code = ("import sys, time\n"
-            "print('start', flush=True)\n"
-            "from ckptguard.runner import heartbeat\n"
-            "for i in range(3):\n"
-            "    time.sleep(1.5); print('step', i, flush=True)\n"
-            "    time.sleep(1.5); heartbeat()\n")
-    res = subprocess.run([*RUN, "--logs", str(tmp_path / "logs"), "--hang-timeout", "3", "--", sys.executable, "-c",
-                          code], env=_env(), capture_output=True, text=True, timeout=120)
+    code = (
+        "import sys, time\n"
+        "print('start', flush=True)\n"
+        "from ckptguard.runner import heartbeat\n"
+        "for i in range(3):\n"
+        "    time.sleep(1.5); print('step', i, flush=True)\n"
+        "    time.sleep(1.5); heartbeat()\n"
+    )
+    res = subprocess.run(
+        [*RUN, "--logs", str(tmp_path / "logs"), "--hang-timeout", "3", "--", sys.executable, "-c", code],
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert res.returncode == 0, res.stderr
     assert res.stdout == "start\n" + "".join(f"step {i}\n" for i in range(3))
     assert not list((tmp_path / "logs").glob("*/hang.json"))
 
 
-@pytest.mark.parametrize(("on_sigterm", "status"), [
-    ("signal.SIG_IGN", 128 + 9),  # ignores SIGTERM: SIGKILL after the grace ends it
-    ("lambda *a: sys.exit(0)", 128 + 15),  # exits 0 on SIGTERM: a hang is still a failure
-])
-def test_a_silent_plain_process_is_caught_as_rank_0_and_stopped(tmp_path: Path, on_sigterm: str,
-                                                                 status: int) -> None:
-    code = (f"import signal, sys, time\nsignal.signal(signal.SIGTERM, {on_sigterm})\nprint('started', flush=True)\n"
-            "while True:\n    time.sleep(0.1)\n")
+@pytest.mark.parametrize(
+    ("on_sigterm", "status"),
+    [
+        ("signal.SIG_IGN", 128 + 9),  # ignores SIGTERM: SIGKILL after the grace ends it
+        ("lambda *a: sys.exit(0)", 128 + 15),  # exits 0 on SIGTERM: a hang is still a failure
+    ],
+)
+def test_a_silent_plain_process_is_caught_as_rank_0_and_stopped(tmp_path: Path, on_sigterm: str, status: int) -> None:
+    code = (
+        f"import signal, sys, time\nsignal.signal(signal.SIGTERM, {on_sigterm})\nprint('started', flush=True)\n"
+        "while True:\n    time.sleep(0.1)\n"
+    )
     start = time.monotonic()
-    res = subprocess.run([*RUN, "--logs", str(tmp_path / "logs"), "--hang-timeout", "2", "--grace", "1", "--",
-                          sys.executable, "-c", code], env=_env(), capture_output=True, text=True, timeout=120)
+    res = subprocess.run(
+        [
+            *RUN,
+            "--logs",
+            str(tmp_path / "logs"),
+            "--hang-timeout",
+            "2",
+            "--grace",
+            "1",
+            "--",
+            sys.executable,
+            "-c",
+            code,
+        ],
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert res.returncode == status, res.stderr
     assert time.monotonic() - start < 2 + 1 + 10
     report = _report(tmp_path / "logs")
@@ -151,10 +227,33 @@ def test_a_transient_failure_is_restarted_from_its_committed_step_and_saves_are_
     # The job prints nothing for 6 s at a time (longer than --hang-timeout 5) but saves every
     # 3 s: never a hang. It is SIGKILLed once after committing step 1: restarted from there.
     root, logs = tmp_path / "ckpts", tmp_path / "logs"
-    res = subprocess.run([*RUN, "--logs", str(logs), "--grace", "0", "--checkpoints", str(root), "--max-restarts",
-                          "2", "--restart-backoff", "0.1", "--hang-timeout", "5", "--", sys.executable,
-                          str(RESTART_JOB), str(root), "kill_once", "4"], env=_env(JOB_STEP_S="3"),
-                         capture_output=True, text=True, timeout=180)
+    res = subprocess.run(
+        [
+            *RUN,
+            "--logs",
+            str(logs),
+            "--grace",
+            "0",
+            "--checkpoints",
+            str(root),
+            "--max-restarts",
+            "2",
+            "--restart-backoff",
+            "0.1",
+            "--hang-timeout",
+            "5",
+            "--",
+            sys.executable,
+            str(RESTART_JOB),
+            str(root),
+            "kill_once",
+            "4",
+        ],
+        env=_env(JOB_STEP_S="3"),
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     assert res.returncode == 0, res.stderr
     assert res.stdout.splitlines() == ["resumed from None", "resumed from 1", "done"]
     assert not list(logs.glob("*/hang.json"))
@@ -169,10 +268,29 @@ def test_a_transient_failure_is_restarted_from_its_committed_step_and_saves_are_
 
 def test_a_deterministic_failure_runs_once_and_says_what_to_fix(tmp_path: Path) -> None:
     logs = tmp_path / "logs"
-    res = subprocess.run([*RUN, "--logs", str(logs), "--grace", "0", "--checkpoints", str(tmp_path / "ckpts"),
-                          "--max-restarts", "3", "--restart-backoff", "0.1", "--", sys.executable, "-c",
-                          "print('started', flush=True)\nraise ValueError('bad label at step 7')"],
-                         env=_env(), capture_output=True, text=True, timeout=180)
+    res = subprocess.run(
+        [
+            *RUN,
+            "--logs",
+            str(logs),
+            "--grace",
+            "0",
+            "--checkpoints",
+            str(tmp_path / "ckpts"),
+            "--max-restarts",
+            "3",
+            "--restart-backoff",
+            "0.1",
+            "--",
+            sys.executable,
+            "-c",
+            "print('started', flush=True)\nraise ValueError('bad label at step 7')",
+        ],
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     assert res.returncode == 1
     assert res.stdout == "started\n"
     assert len(list(logs.glob("*/run.json"))) == 1
@@ -182,10 +300,31 @@ def test_a_deterministic_failure_runs_once_and_says_what_to_fix(tmp_path: Path) 
 
 def test_restart_on_overrides_the_class_and_the_same_failure_twice_stops(tmp_path: Path) -> None:
     root, logs = tmp_path / "ckpts", tmp_path / "logs"
-    res = subprocess.run([*RUN, "--logs", str(logs), "--grace", "0", "--checkpoints", str(root), "--max-restarts",
-                          "5", "--restart-backoff", "0.1", "--restart-on", "python_exception", "--", sys.executable,
-                          "-c", "raise ValueError('bad label')"], env=_env(), capture_output=True, text=True,
-                         timeout=180)
+    res = subprocess.run(
+        [
+            *RUN,
+            "--logs",
+            str(logs),
+            "--grace",
+            "0",
+            "--checkpoints",
+            str(root),
+            "--max-restarts",
+            "5",
+            "--restart-backoff",
+            "0.1",
+            "--restart-on",
+            "python_exception",
+            "--",
+            sys.executable,
+            "-c",
+            "raise ValueError('bad label')",
+        ],
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     assert res.returncode == 1
     # Restarted once (named by --restart-on), then the same failure with no new step: stop.
     assert len(list(logs.glob("*/run.json"))) == 2
@@ -194,10 +333,18 @@ def test_restart_on_overrides_the_class_and_the_same_failure_twice_stops(tmp_pat
 
 def test_restart_options_are_checked_before_anything_runs(tmp_path: Path) -> None:
     marker = tmp_path / "ran"
-    for opts in (["--max-restarts", "1"], ["--max-restarts", "1", "--checkpoints", str(tmp_path), "--restart-on",
-                                                                "no_such_class"], ["--hang-timeout", "0"]):
-        res = subprocess.run([*RUN, "--logs", str(tmp_path / "logs"), *opts, "--", "touch", str(marker)],
-                             env=_env(), capture_output=True, text=True, timeout=60)
+    for opts in (
+        ["--max-restarts", "1"],
+        ["--max-restarts", "1", "--checkpoints", str(tmp_path), "--restart-on", "no_such_class"],
+        ["--hang-timeout", "0"],
+    ):
+        res = subprocess.run(
+            [*RUN, "--logs", str(tmp_path / "logs"), *opts, "--", "touch", str(marker)],
+            env=_env(),
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert res.returncode == 125, (opts, res.stderr)
         assert not marker.exists()
 
@@ -205,14 +352,40 @@ def test_restart_options_are_checked_before_anything_runs(tmp_path: Path) -> Non
 def test_two_nodes_restart_together_on_one_decision(tmp_path: Path) -> None:
     # Each node's job drops its connection once; the first runner to decide writes the decision,
     # the other follows it: both restart, and the job succeeds on both.
-    code = ("import os, sys\nm = sys.argv[1] + os.environ['NODE']\nif not os.path.exists(m):\n"
-            "    open(m, 'w').close()\n    raise ConnectionResetError(104, 'Connection reset by peer')\nprint('ok')\n")
+    code = (
+        "import os, sys\nm = sys.argv[1] + os.environ['NODE']\nif not os.path.exists(m):\n"
+        "    open(m, 'w').close()\n    raise ConnectionResetError(104, 'Connection reset by peer')\nprint('ok')\n"
+    )
     logs = tmp_path / "logs"
-    procs = [subprocess.Popen([*RUN, "--logs", str(logs), "--job-id", "J1", "--grace", "3", "--checkpoints",
-                               str(tmp_path / "ck"), "--max-restarts", "1", "--restart-backoff", "0.1", "--",
-                               sys.executable, "-c", code, str(tmp_path / "marker")],
-                              env=_env(NODE=str(n)), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for n in (0, 1)]
+    procs = [
+        subprocess.Popen(
+            [
+                *RUN,
+                "--logs",
+                str(logs),
+                "--job-id",
+                "J1",
+                "--grace",
+                "3",
+                "--checkpoints",
+                str(tmp_path / "ck"),
+                "--max-restarts",
+                "1",
+                "--restart-backoff",
+                "0.1",
+                "--",
+                sys.executable,
+                "-c",
+                code,
+                str(tmp_path / "marker"),
+            ],
+            env=_env(NODE=str(n)),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for n in (0, 1)
+    ]
     results = [p.communicate(timeout=120) for p in procs]
     assert [p.returncode for p in procs] == [0, 0], results
     assert [out for out, _ in results] == ["ok\n", "ok\n"]

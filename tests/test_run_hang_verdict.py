@@ -9,14 +9,30 @@ from hypothesis import strategies as st
 
 from ckptguard.runner.hang import classify, stopped_rank
 
-OUTSIDE = st.sampled_from([("user", "in user code at step (train.py:9)"), ("io", "blocked in read() on /nfs/x"),
-                           ("dataloader", "waiting for the next batch"), ("device", "in a device call")])
+OUTSIDE = st.sampled_from(
+    [
+        ("user", "in user code at step (train.py:9)"),
+        ("io", "blocked in read() on /nfs/x"),
+        ("dataloader", "waiting for the next batch"),
+        ("device", "in a device call"),
+    ]
+)
 
 
 def _procs(states: dict[int, tuple[str, str]]) -> list[dict[str, Any]]:
-    return [{"processes": [{"rank": r, "state": s, "detail": d, "threads": [[{"file": "t.py", "line": 1,
-                                                                               "func": "f", "current": True}]]}
-                           for r, (s, d) in states.items()]}]
+    return [
+        {
+            "processes": [
+                {
+                    "rank": r,
+                    "state": s,
+                    "detail": d,
+                    "threads": [[{"file": "t.py", "line": 1, "func": "f", "current": True}]],
+                }
+                for r, (s, d) in states.items()
+            ]
+        }
+    ]
 
 
 @given(world=st.integers(2, 64), data=st.data())
@@ -27,8 +43,9 @@ def test_the_one_rank_outside_the_collective_is_named(world: int, data: st.DataO
     states[stopped] = data.draw(OUTSIDE)
     # Split over nodes: each node's record holds some ranks.
     cut = data.draw(st.integers(0, world))
-    records = _procs({r: s for r, s in states.items() if r < cut}) + _procs({r: s for r, s in states.items()
-                                                                              if r >= cut})
+    records = _procs({r: s for r, s in states.items() if r < cut}) + _procs(
+        {r: s for r, s in states.items() if r >= cut}
+    )
     v = stopped_rank(records)
     assert v.rank == stopped
     assert v.state == states[stopped][0]
@@ -50,13 +67,25 @@ def test_every_rank_in_the_same_collective_names_no_rank() -> None:
 
 
 def test_ddp_backward_is_a_collective_and_a_read_names_its_path(tmp_path: Any) -> None:
-    backward = [[{"file": "/x/site-packages/torch/autograd/graph.py", "line": 1, "func": "_engine_run_backward",
-                  "current": True},
-                 {"file": "/x/site-packages/torch/_tensor.py", "line": 2, "func": "backward", "current": True},
-                 {"file": "/job/train.py", "line": 3, "func": "<module>", "current": True}]]
+    backward = [
+        [
+            {
+                "file": "/x/site-packages/torch/autograd/graph.py",
+                "line": 1,
+                "func": "_engine_run_backward",
+                "current": True,
+            },
+            {"file": "/x/site-packages/torch/_tensor.py", "line": 2, "func": "backward", "current": True},
+            {"file": "/job/train.py", "line": 3, "func": "<module>", "current": True},
+        ]
+    ]
     assert classify(backward, None, None, None)[0] == "collective"
-    user = [[{"file": "/job/train.py", "line": 9, "func": "load_shard", "current": True},
-             {"file": "/job/train.py", "line": 3, "func": "<module>", "current": True}]]
+    user = [
+        [
+            {"file": "/job/train.py", "line": 9, "func": "load_shard", "current": True},
+            {"file": "/job/train.py", "line": 3, "func": "<module>", "current": True},
+        ]
+    ]
     state, detail = classify(user, "read", str(tmp_path / "ck" / "step-3" / "x.bin"), str(tmp_path / "ck"))
     assert state == "io" and "(the checkpoint path)" in detail and "load_shard" in detail
     assert classify(user, "read", "pipe:[1234]", None)[0] == "user"  # a pipe is not a stalled path

@@ -15,22 +15,50 @@ from ckptguard.runner import logdir, report
 
 _register()
 
-FIELDS = ["host", "pid", "command", "job_id", "cwd", "started_at", "ended_at", "exit_status", "attempt",
-          "signals_forwarded", "error", "report_json", "report_html", "hang_detected_at", "hang_timeout_s",
-          "attempts"]
-LOG = ("Traceback (most recent call last):\n  File \"train.py\", line 3, in <module>\n"
-       "ValueError: bad label at step 7\n")
+FIELDS = [
+    "host",
+    "pid",
+    "command",
+    "job_id",
+    "cwd",
+    "started_at",
+    "ended_at",
+    "exit_status",
+    "attempt",
+    "signals_forwarded",
+    "error",
+    "report_json",
+    "report_html",
+    "hang_detected_at",
+    "hang_timeout_s",
+    "attempts",
+]
+LOG = 'Traceback (most recent call last):\n  File "train.py", line 3, in <module>\nValueError: bad label at step 7\n'
 JSON_VALUES = st.recursive(
-    st.none() | st.booleans() | st.integers(min_value=-(2**70), max_value=2**70) | st.floats(allow_nan=False)
+    st.none()
+    | st.booleans()
+    | st.integers(min_value=-(2**70), max_value=2**70)
+    | st.floats(allow_nan=False)
     | st.text(max_size=8),
     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner, max_size=3),
-    max_leaves=6)
+    max_leaves=6,
+)
 
 
 def _good(started: float) -> dict[str, Any]:
-    return {"host": "node0", "pid": 12, "command": ["python", "train.py"], "job_id": None, "cwd": "/",
-            "started_at": started, "ended_at": started + 5, "exit_status": 1, "attempt": 1,
-            "signals_forwarded": [], "attempts": []}
+    return {
+        "host": "node0",
+        "pid": 12,
+        "command": ["python", "train.py"],
+        "job_id": None,
+        "cwd": "/",
+        "started_at": started,
+        "ended_at": started + 5,
+        "exit_status": 1,
+        "attempt": 1,
+        "signals_forwarded": [],
+        "attempts": [],
+    }
 
 
 @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -65,8 +93,9 @@ def test_a_field_of_the_wrong_type_is_named_in_a_note(tmp_path: Path) -> None:
     d = tmp_path / "20261207-000000_node0_1"
     d.mkdir()
     (d / "stderr.log").write_text(LOG)
-    (d / "run.json").write_text(json.dumps(_good(1_700_000_000.0) | {"started_at": "yesterday",
-                                                                     "signals_forwarded": 15}))
+    (d / "run.json").write_text(
+        json.dumps(_good(1_700_000_000.0) | {"started_at": "yesterday", "signals_forwarded": 15})
+    )
     found = logdir.runs_for_path(str(tmp_path))
     assert found is not None
     diag = report.diagnose_runs(found[0])

@@ -10,10 +10,22 @@ import pytest
 
 from ckptguard.diagnose.kb import KBError, load_kb, load_kb_dir
 
-TRANSIENT = {"nccl_network_error", "peer_connection_lost", "rendezvous_failure", "nccl_watchdog_timeout",
-             "scheduler_time_limit", "launcher_sigterm"}
-DETERMINISTIC = {"python_exception", "cuda_oom", "state_dict_mismatch", "checkpoint_corrupt_load",
-                 "permission_denied_checkpoint_dir", "disk_full_enospc"}
+TRANSIENT = {
+    "nccl_network_error",
+    "peer_connection_lost",
+    "rendezvous_failure",
+    "nccl_watchdog_timeout",
+    "scheduler_time_limit",
+    "launcher_sigterm",
+}
+DETERMINISTIC = {
+    "python_exception",
+    "cuda_oom",
+    "state_dict_mismatch",
+    "checkpoint_corrupt_load",
+    "permission_denied_checkpoint_dir",
+    "disk_full_enospc",
+}
 
 
 def test_every_class_declares_its_restart_policy() -> None:
@@ -33,11 +45,14 @@ def _kb_copy(tmp_path: Path) -> Path:
     return tmp_path / "kb"
 
 
-@pytest.mark.parametrize(("old", "new", "message"), [
-    ("[restart]\ntransient = false\n", "", "restart"),  # the table missing
-    ("transient = false\n", 'transient = "no"\n', "transient"),  # wrong type
-    ("transient = false\n", "transient = false\nretries = 3\n", "retries"),  # unknown key
-])
+@pytest.mark.parametrize(
+    ("old", "new", "message"),
+    [
+        ("[restart]\ntransient = false\n", "", "restart"),  # the table missing
+        ("transient = false\n", 'transient = "no"\n', "transient"),  # wrong type
+        ("transient = false\n", "transient = false\nretries = 3\n", "retries"),  # unknown key
+    ],
+)
 def test_a_class_without_a_valid_restart_table_is_refused(tmp_path: Path, old: str, new: str, message: str) -> None:
     kb_dir = _kb_copy(tmp_path)
     f = kb_dir / "python_exception.toml"

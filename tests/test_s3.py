@@ -81,8 +81,9 @@ def _empty(n: int = 1_500_000) -> dict[str, object]:
 
 def _cli(bed: S3Bed, *args: str) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, **bed.env(), "PYTHONPATH": str(REPO / "src")}
-    return subprocess.run([sys.executable, "-m", "ckptguard.cli", *args], capture_output=True, text=True,
-                          timeout=120, env=env)
+    return subprocess.run(
+        [sys.executable, "-m", "ckptguard.cli", *args], capture_output=True, text=True, timeout=120, env=env
+    )
 
 
 # -- the bed itself ---------------------------------------------------------------------------
@@ -102,8 +103,13 @@ def test_moto_honours_conditional_writes_including_multipart_completion(bed: S3B
     up = c.create_multipart_upload(Bucket=bucket, Key="k")["UploadId"]
     part = c.upload_part(Bucket=bucket, Key="k", UploadId=up, PartNumber=1, Body=b"d")
     with pytest.raises(ClientError, match="PreconditionFailed"):
-        c.complete_multipart_upload(Bucket=bucket, Key="k", UploadId=up, IfNoneMatch="*",
-                                    MultipartUpload={"Parts": [{"PartNumber": 1, "ETag": part["ETag"]}]})
+        c.complete_multipart_upload(
+            Bucket=bucket,
+            Key="k",
+            UploadId=up,
+            IfNoneMatch="*",
+            MultipartUpload={"Parts": [{"PartNumber": 1, "ETag": part["ETag"]}]},
+        )
     c.abort_multipart_upload(Bucket=bucket, Key="k", UploadId=up)
     with pytest.raises(ClientError, match="BadDigest"):
         c.put_object(Bucket=bucket, Key="k2", Body=b"hello", ChecksumCRC32C="AAAAAA==")
@@ -140,7 +146,7 @@ def test_primitives_exclusive_create_cas_streams_and_ranged_reads(bed: S3Bed, bu
     stream = s.open_new(s.path("data", "blob"))
     view = memoryview(blob)
     for i in range(0, len(blob), 3 << 20):
-        stream.write([view[i:i + (3 << 20)]])
+        stream.write([view[i : i + (3 << 20)]])
     stream.sync()
     stream.close()
     assert bed.proxy.stats.checksummed_puts - before >= 3 and bed.proxy.stats.bad_digest == bad
@@ -151,7 +157,7 @@ def test_primitives_exclusive_create_cas_streams_and_ranged_reads(bed: S3Bed, bu
     handle = s.open_read(s.path("data", "blob"))
     out = [bytearray(7 << 20), bytearray(4 << 20)]  # a read across part boundaries, into two buffers
     handle.read_into([memoryview(b) for b in out], 1 << 20)
-    assert bytes(out[0]) + bytes(out[1]) == blob[1 << 20:12 << 20]
+    assert bytes(out[0]) + bytes(out[1]) == blob[1 << 20 : 12 << 20]
     with pytest.raises(ckptguard.CorruptCheckpointError, match="truncated"):
         handle.read_into([memoryview(bytearray(10))], len(blob) - 5)
     assert s.sizes_in(s.path("data")) == {"blob": len(blob)}
@@ -208,8 +214,9 @@ def test_save_load_retention_ls_and_verify_on_s3(bed: S3Bed, bucket: str) -> Non
     assert ver.returncode == 0, ver.stdout + ver.stderr
     assert json.loads(ver.stdout)["safe_to_resume"] == 3
     # bit rot in the newest checkpoint: verify says so, load falls back to step 2
-    m = Manifest.from_json(bed.client().get_object(Bucket=bucket, Key="run/step-00000003.v2/MANIFEST.json")
-                           ["Body"].read(), "m")
+    m = Manifest.from_json(
+        bed.client().get_object(Bucket=bucket, Key="run/step-00000003.v2/MANIFEST.json")["Body"].read(), "m"
+    )
     victim = f"run/.ckptguard/staging/step-00000003.{m.attempt}/{m.files[0].path}"
     blob = bytearray(bed.client().get_object(Bucket=bucket, Key=victim)["Body"].read())
     blob[100] ^= 0xFF
@@ -252,9 +259,13 @@ def test_s3_save_keeps_no_copy_of_the_state_and_load_no_second_copy(bed: S3Bed, 
     during a load: the all-or-nothing copy of the old bytes (within the verified-bytes budget), and no
     buffer per range in flight."""
     env = {**os.environ, **bed.env(), "PYTHONPATH": f"{REPO / 'src'}{os.pathsep}{REPO}"}
-    proc = subprocess.run([sys.executable, str(REPO / "tests" / "workers" / "s3_memory_job.py"),
-                           f"s3://{bucket}/memory", "24", "5"], capture_output=True, text=True, timeout=300,
-                          env=env)
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "tests" / "workers" / "s3_memory_job.py"), f"s3://{bucket}/memory", "24", "5"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     (res,) = parse_results(proc.stdout)
     assert res["equal"]
@@ -289,8 +300,9 @@ def test_retention_deletes_the_commit_object_before_the_data(bed: S3Bed, bucket:
         start = len(bed.proxy.stats.log)
         ck.save(2, _state(2, 1000))
     log = bed.proxy.stats.log[start:]
-    commit_delete = next(i for i, (m, p, q, _) in enumerate(log) if m == "DELETE" and p.endswith(
-        "ret/step-00000001/MANIFEST.json"))
+    commit_delete = next(
+        i for i, (m, p, q, _) in enumerate(log) if m == "DELETE" and p.endswith("ret/step-00000001/MANIFEST.json")
+    )
     data_delete = next(i for i, (m, p, q, _) in enumerate(log) if m == "POST" and q.startswith("delete"))
     index_puts = [i for i, (m, p, q, _) in enumerate(log) if m == "PUT" and p.endswith(INDEX)]
     assert max(i for i in index_puts if i < commit_delete) < commit_delete < data_delete
@@ -316,7 +328,8 @@ def test_a_stale_listing_changes_no_load_or_commit_decision(bed: S3Bed, bucket: 
 
 
 def test_a_lost_index_with_commit_objects_left_is_a_damaged_root_and_nothing_is_deleted(
-        bed: S3Bed, bucket: str) -> None:
+    bed: S3Bed, bucket: str
+) -> None:
     root = f"s3://{bucket}/noindex"
     with Checkpointer(root, storage_options=SMALL) as ck:
         ck.save(1, _state(1, 1000))
@@ -325,8 +338,10 @@ def test_a_lost_index_with_commit_objects_left_is_a_damaged_root_and_nothing_is_
     data = sorted(bed.keys(bucket, "noindex/.ckptguard/staging/"))
     with pytest.raises(ckptguard.CorruptCheckpointError, match=r"index\.json"):
         Checkpointer(root, keep_last=1, storage_options=SMALL)
-    with pytest.raises(ckptguard.CorruptCheckpointError, match=r"index\.json"), \
-            Checkpointer(root, read_only=True) as reader:
+    with (
+        pytest.raises(ckptguard.CorruptCheckpointError, match=r"index\.json"),
+        Checkpointer(root, read_only=True) as reader,
+    ):
         reader.load(_empty(1000))
     assert sorted(bed.keys(bucket, "noindex/.ckptguard/staging/")) == data
     verify = _cli(bed, "verify", root)
@@ -350,7 +365,8 @@ def test_an_indexed_step_whose_commit_object_is_missing_is_corrupt_not_retired(b
 
 
 def test_a_commit_object_the_index_does_not_list_is_reported_and_its_data_never_garbage(
-        bed: S3Bed, bucket: str, tmp_path: Path) -> None:
+    bed: S3Bed, bucket: str, tmp_path: Path
+) -> None:
     from ckptguard.protocol.objindex import Index
     from ckptguard.protocol.root import open_root
 
@@ -386,8 +402,7 @@ def test_a_store_that_ignores_conditional_writes_is_refused(bed: S3Bed, bucket: 
         _Clients.ready.clear()
 
 
-def test_the_probe_of_conditional_writes_survives_each_of_its_requests_failing_once(
-        bed: S3Bed, bucket: str) -> None:
+def test_the_probe_of_conditional_writes_survives_each_of_its_requests_failing_once(bed: S3Bed, bucket: str) -> None:
     # CI saw it: the probe's first PUT (If-None-Match: *) landed, was answered 500, botocore retried it
     # and got 412 from its own first try; the job refused to open the root. Every request of the probe
     # is made to fail once (before, and after landing): a store that honours conditions still passes.
@@ -402,6 +417,7 @@ def test_the_probe_of_conditional_writes_survives_each_of_its_requests_failing_o
                 return False
             seen.add(what)
             return True
+
         return match
 
     for action in ("fail-after", "fail", "drop"):
@@ -426,7 +442,8 @@ def test_the_probe_of_conditional_writes_survives_each_of_its_requests_failing_o
 
 
 def test_a_process_that_points_aws_endpoint_url_elsewhere_reaches_the_new_endpoint(
-        bed: S3Bed, bucket: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    bed: S3Bed, bucket: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     # A client made while AWS_ENDPOINT_URL named a dead port must not be reused once it names the store.
     monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{free_port()}")
     with pytest.raises(CheckpointError):
@@ -479,8 +496,9 @@ def test_export_and_dcp_reader_read_an_s3_checkpoint(bed: S3Bed, bucket: str, tm
     sd = {"model": {"w": torch.zeros(64)}}
     dcp.load(sd, storage_reader=ckptguard.DCPReader(f"s3://{bucket}/run/step-00000001"), no_dist=True)
     assert torch.equal(sd["model"]["w"], torch.arange(64.0) + 1)
-    res = _cli(bed, "export", f"s3://{bucket}/run", str(tmp_path / "m.safetensors"), "--to", "safetensors",
-               "--step", "1")
+    res = _cli(
+        bed, "export", f"s3://{bucket}/run", str(tmp_path / "m.safetensors"), "--to", "safetensors", "--step", "1"
+    )
     assert res.returncode == 0, res.stderr
     from safetensors.torch import load_file as load_safetensors
 
@@ -491,9 +509,22 @@ def test_export_and_dcp_reader_read_an_s3_checkpoint(bed: S3Bed, bucket: str, tm
 
 
 def _manifest(step: int, version: int, attempt: str) -> Manifest:
-    return Manifest(step=step, version=version, attempt=attempt, created_at=time.time(), world_size=1,
-                    domain_index=0, domain_count=1, domain_ranks=[0], hosts=["h"], checksum_algorithm="crc32c",
-                    dcp={}, files=[], items=[], commit_seq=step)
+    return Manifest(
+        step=step,
+        version=version,
+        attempt=attempt,
+        created_at=time.time(),
+        world_size=1,
+        domain_index=0,
+        domain_count=1,
+        domain_ranks=[0],
+        hosts=["h"],
+        checksum_algorithm="crc32c",
+        dcp={},
+        files=[],
+        items=[],
+        commit_seq=step,
+    )
 
 
 def test_a_takeover_aborts_a_stalled_attempt_or_adopts_its_commit(bed: S3Bed, bucket: str) -> None:
@@ -526,16 +557,18 @@ def _results(job: JobResult) -> list[dict[str, object]]:
     return job_results(job)
 
 
-def _run(bed: S3Bed, *args: str, nproc: int = 4, timeout: float = 240, extra: dict[str, str] | None = None
-         ) -> JobResult:
+def _run(
+    bed: S3Bed, *args: str, nproc: int = 4, timeout: float = 240, extra: dict[str, str] | None = None
+) -> JobResult:
     env = {**bed.env(), "PYTHONPATH": f"{REPO / 'src'}:{REPO}", **(extra or {})}
     return run_job(WORKER, args, nnodes=1, nproc_per_node=nproc, env=env, timeout=timeout)
 
 
 def test_four_ranks_save_and_load_on_s3(bed: S3Bed, bucket: str) -> None:
     bad = bed.proxy.stats.bad_digest
-    job = _run(bed, "roundtrip", "--root", f"s3://{bucket}/four", "--count", "2", "--keep-last", "1",
-               "--elems", str(3 << 19))  # 6 MiB per rank: multipart uploads (5 MiB parts), parallel ranged reads
+    job = _run(
+        bed, "roundtrip", "--root", f"s3://{bucket}/four", "--count", "2", "--keep-last", "1", "--elems", str(3 << 19)
+    )  # 6 MiB per rank: multipart uploads (5 MiB parts), parallel ranged reads
     assert job.ok, job.output()
     done = [r for r in _results(job) if "loaded" in r]
     assert len(done) == 4 and all(r["loaded"] == 1 and r["steps"] == [1] for r in done)
@@ -554,8 +587,22 @@ def test_faults_5xx_slow_and_a_rank_killed_mid_upload(bed: S3Bed, bucket: str) -
     assert job.ok, job.output()
     assert bed.proxy.stats.injected > 0
     bed.proxy.fail_rate = 0.0
-    killed = _run(bed, "roundtrip", "--root", root, "--count", "1", "--elems", elems, "--fault-step", "2",
-                  "--fault", "mid_write:1:kill", nproc=2, timeout=180)
+    killed = _run(
+        bed,
+        "roundtrip",
+        "--root",
+        root,
+        "--count",
+        "1",
+        "--elems",
+        elems,
+        "--fault-step",
+        "2",
+        "--fault",
+        "mid_write:1:kill",
+        nproc=2,
+        timeout=180,
+    )
     assert not killed.ok
     assert bed.open_uploads(bucket), "the killed rank should have left a multipart upload open"
     with Checkpointer(root, read_only=True) as ck:
@@ -589,8 +636,20 @@ def test_a_job_stalled_mid_commit_loses_to_the_job_that_took_over(bed: S3Bed, bu
     holder: dict[str, JobResult] = {}
 
     def run_a() -> None:
-        holder["a"] = _run(bed, "stall", "--root", root, "--scratch", str(tmp_path), "--lease-ttl", "2",
-                           "--tag", "1", nproc=2, timeout=300)
+        holder["a"] = _run(
+            bed,
+            "stall",
+            "--root",
+            root,
+            "--scratch",
+            str(tmp_path),
+            "--lease-ttl",
+            "2",
+            "--tag",
+            "1",
+            nproc=2,
+            timeout=300,
+        )
 
     a = threading.Thread(target=run_a)
     a.start()
@@ -613,8 +672,9 @@ def test_a_job_stalled_mid_commit_loses_to_the_job_that_took_over(bed: S3Bed, bu
     assert len(errors) == 2 and {r["error_class"] for r in errors} == {"LeaseLostError"}, job_a.output()
     # Fenced either by the lease check before its commit (the lease is another job's, or gone) or,
     # past that check, by the tombstone the new holder put at its commit key.
-    assert all("aborted this attempt" in str(r["error"]) or "no longer holds the lease" in str(r["error"])
-               for r in errors), errors
+    assert all(
+        "aborted this attempt" in str(r["error"]) or "no longer holds the lease" in str(r["error"]) for r in errors
+    ), errors
     assert not [r for r in _results(job_a) if r.get("saved") == 2]
     with Checkpointer(root, read_only=True) as ck:
         assert ck.steps() == [1, 2, 3]
@@ -680,8 +740,7 @@ def _stall_after(proxy: FaultProxy, first: Callable[[Request], bool]) -> threadi
     return seen
 
 
-def test_a_writer_stalled_after_its_commit_landed_deletes_nothing_of_the_step_adopted(bed: S3Bed, bucket: str
-                                                                                       ) -> None:
+def test_a_writer_stalled_after_its_commit_landed_deletes_nothing_of_the_step_adopted(bed: S3Bed, bucket: str) -> None:
     """Job A's commit object of step 2 lands, then A stalls; its lease expires, job B takes over, adopts
     step 2 and loads it. A resumes: it is fenced, and its failure path deletes nothing of step 2."""
     root = f"s3://{bucket}/adopt"
@@ -717,8 +776,9 @@ def test_a_commit_whose_reply_was_lost_is_settled_never_failed(bed: S3Bed, bucke
     proxy = bed.add_proxy()
     with Checkpointer(root, storage_options=_via(proxy)) as ck:
         ck.save(1, _small(1))
-        proxy.add_rule(lambda r: r.method == "PUT" and r.path.endswith("step-00000002/MANIFEST.json"), "drop",
-                       times=3)  # S3Options.control_max_attempts: every try of the commit
+        proxy.add_rule(
+            lambda r: r.method == "PUT" and r.path.endswith("step-00000002/MANIFEST.json"), "drop", times=3
+        )  # S3Options.control_max_attempts: every try of the commit
         ck.save(2, _small(2))
         assert ck.steps() == [1, 2]
         out = _empty(50_000)
@@ -806,9 +866,17 @@ def test_exit_releases_the_lease_within_5_s_whatever_the_endpoint_does(bed: S3Be
     try:
         for endpoint in ("frozen", "refusing"):
             proxy = bed.add_proxy()
-            jobs[endpoint] = proxy, subprocess.Popen(
-                [sys.executable, "-c", _EXIT_SCRIPT, f"s3://{bucket}/{endpoint}", proxy.url], env=env,
-                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            jobs[endpoint] = (
+                proxy,
+                subprocess.Popen(
+                    [sys.executable, "-c", _EXIT_SCRIPT, f"s3://{bucket}/{endpoint}", proxy.url],
+                    env=env,
+                    stdin=subprocess.PIPE,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                    text=True,
+                ),
+            )
         for _, p in jobs.values():
             assert p.stdout is not None
             line = p.stdout.readline()
@@ -867,7 +935,8 @@ def test_under_a_quarter_of_requests_failing_nothing_committed_is_lost_or_torn(b
             failed += 1
             # only the retries running out on an injected fault, never a wrong verdict from a retry
             assert "after retries" in str(e) and re.search(
-                r"\((InternalError|SlowDown|50[03]):|ConnectionClosedError", str(e)), e
+                r"\((InternalError|SlowDown|50[03]):|ConnectionClosedError", str(e)
+            ), e
         bed.reset_faults()
         _Clients.ready.clear()
         with Checkpointer(root, storage_options=SMALL) as ck:

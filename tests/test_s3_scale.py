@@ -66,14 +66,23 @@ def _run(bed: S3Bed, world: int, between: Callable[[str], None] = lambda _: None
         comm.step(f"mark {what}", lambda: None, lambda _: decide(what))
 
     def body(comm: Comm) -> bool:
-        session = open_session(comm, open_root(url, OPTIONS), Options(None, None, 4, "crc32c", 10.0),
-                               read_only=False, job_id="scale", lease_ttl_s=60, lease_wait_s=1)
+        session = open_session(
+            comm,
+            open_root(url, OPTIONS),
+            Options(None, None, 4, "crc32c", 10.0),
+            read_only=False,
+            job_id="scale",
+            lease_ttl_s=60,
+            lease_wait_s=1,
+        )
         try:
             for step in (1, 2):
                 state = prepare_state(_state(comm.rank, step), comm.rank).state_dict
-                save_protocol.save(session, save_protocol.SaveRequest(step, state, [], [], False, {}, None,
-                                                                      options=session.options),
-                                   PhaseTimer())
+                save_protocol.save(
+                    session,
+                    save_protocol.SaveRequest(step, state, [], [], False, {}, None, options=session.options),
+                    PhaseTimer(),
+                )
                 mark(comm, f"saved {step}")
             out = prepare_state(_empty(), comm.rank).state_dict
             loaded = load_protocol.load(session, None, out, None, True, False)[0]
@@ -109,7 +118,7 @@ def test_requests_of_a_save_and_a_load_are_the_models(bed: S3Bed) -> None:
     marks, equal = _run(bed, world)
     assert all(equal)
     log = bed.proxy.stats.log
-    save, load = log[marks[0]:marks[1]], log[marks[1]:marks[2]]
+    save, load = log[marks[0] : marks[1]], log[marks[1] : marks[2]]
     items = [4 * ELEMS, 4 * SMALL]
     want_save = sim.save_requests(world, items, PART)
     want_load = sim.load_requests(world, items, PART)
@@ -126,6 +135,7 @@ def test_a_burst_of_slowdown_is_retried_with_backoff_and_a_bounded_number_of_tim
     """S3 answers ``503 SlowDown`` to parts, whole-object PUTs, ranged GETs and a control write while it
     splits a prefix: every such request is retried (with backoff) until it lands, and the save and the
     load are bitwise; each refusal costs exactly one more request."""
+
     def data_write(r: Request) -> bool:
         return "/data/" in r.path and r.method in ("PUT", "POST")
 
@@ -139,8 +149,12 @@ def test_a_burst_of_slowdown_is_retried_with_backoff_and_a_bounded_number_of_tim
 
     def arm(what: str) -> None:
         if what == "saved 1":
-            rules.extend([bed.proxy.add_rule(data_write, "slowdown", times=3),
-                          bed.proxy.add_rule(index_write, "slowdown", times=1)])
+            rules.extend(
+                [
+                    bed.proxy.add_rule(data_write, "slowdown", times=3),
+                    bed.proxy.add_rule(index_write, "slowdown", times=1),
+                ]
+            )
         elif what == "saved 2":
             rules.append(bed.proxy.add_rule(data_read, "slowdown", times=2))
 
@@ -151,7 +165,7 @@ def test_a_burst_of_slowdown_is_retried_with_backoff_and_a_bounded_number_of_tim
     assert all(equal)
     assert [r.hits for r in rules] == [3, 1, 2]
     log = bed.proxy.stats.log
-    save, load = log[marks[0]:marks[1]], log[marks[1]:marks[2]]
+    save, load = log[marks[0] : marks[1]], log[marks[1] : marks[2]]
     assert [sum(1 for e in phase if e[3] == 503) for phase in (save, load)] == [4, 2]
     # Each refusal costs one more request and nothing else: the model's count + the refusals.
     items = [4 * ELEMS, 4 * SMALL]

@@ -16,8 +16,15 @@ from ckptguard import Checkpointer, UnsupportedValueError
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*(beta|deprecated|prototype).*:UserWarning")
 
-SUB_BYTE = ["bits1x8", "bits2x4", "bits4x2", "bits8", "bits16", *(f"int{n}" for n in range(1, 8)),
-            *(f"uint{n}" for n in range(1, 8))]
+SUB_BYTE = [
+    "bits1x8",
+    "bits2x4",
+    "bits4x2",
+    "bits8",
+    "bits16",
+    *(f"int{n}" for n in range(1, 8)),
+    *(f"uint{n}" for n in range(1, 8)),
+]
 
 TENSORS: dict[str, Callable[[], torch.Tensor]] = {
     "sparse_coo": lambda: torch.eye(4).to_sparse(),
@@ -25,8 +32,10 @@ TENSORS: dict[str, Callable[[], torch.Tensor]] = {
     "quantized": lambda: torch.quantize_per_tensor(torch.ones(8), 0.1, 0, torch.quint8),
     "nested": lambda: torch.nested.nested_tensor([torch.ones(2), torch.ones(3)]),
     "meta": lambda: torch.empty(8, device="meta"),
-    **{name: (lambda name=name: torch.zeros(8, dtype=torch.uint8).view(getattr(torch, name)))  # type: ignore[misc]
-       for name in SUB_BYTE},
+    **{
+        name: (lambda name=name: torch.zeros(8, dtype=torch.uint8).view(getattr(torch, name)))  # type: ignore[misc]
+        for name in SUB_BYTE
+    },
 }
 
 
@@ -38,8 +47,9 @@ def ck(tmp_path_factory: pytest.TempPathFactory) -> Checkpointer:
 
 @pytest.mark.parametrize("blocking", [True, False], ids=["blocking", "async"])
 @pytest.mark.parametrize("kind", list(TENSORS))
-def test_a_tensor_the_data_path_does_not_store_is_refused_at_the_save(ck: Checkpointer, kind: str,
-                                                                      blocking: bool) -> None:
+def test_a_tensor_the_data_path_does_not_store_is_refused_at_the_save(
+    ck: Checkpointer, kind: str, blocking: bool
+) -> None:
     state = {"ok": torch.ones(4), "nested": {"bad": TENSORS[kind]()}}
     with pytest.raises(UnsupportedValueError, match=r"\['nested'\]\['bad'\]"):
         ck.save(1, state, blocking=blocking)
@@ -70,10 +80,10 @@ class _TwoLayers(torch.nn.Module):
 
 
 @pytest.mark.parametrize("kind", ["adam", "sgd-momentum"])
-def test_an_optimizer_with_state_for_fewer_parameters_loads_the_others_saved_state(tmp_path: Path,
-                                                                                   kind: str) -> None:
+def test_an_optimizer_with_state_for_fewer_parameters_loads_the_others_saved_state(tmp_path: Path, kind: str) -> None:
     """The template's optimizer stepped only on layer a (layer b had no gradient yet); the checkpoint holds
     state for both layers. Layer b's saved state was dropped: only the template's keys were planned."""
+
     def build() -> tuple[_TwoLayers, torch.optim.Optimizer]:
         net = _TwoLayers()
         if kind == "adam":

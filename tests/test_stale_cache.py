@@ -39,10 +39,27 @@ def test_fifty_saves_in_a_row_two_nodes_on_two_stale_mounts(tmp_path: Path, cach
         pytest.skip(f"sshfs bed unavailable: {e}")
     try:
         t0 = time.monotonic()
-        job = run_job(CAMPAIGN_JOB, ["consecutive", "--gen", "1000", "--trials", str(SAVES), "--overwrite-every", "5",
-                               "--load-every", "1", "--keep-last", str(KEEP)],
-                      nnodes=2, nproc_per_node=2, node_env=bed.node_env("CKPT_ROOT", "ckpt"),
-                      env={"CKPT_SCRATCH": str(tmp_path)}, timeout=170)
+        job = run_job(
+            CAMPAIGN_JOB,
+            [
+                "consecutive",
+                "--gen",
+                "1000",
+                "--trials",
+                str(SAVES),
+                "--overwrite-every",
+                "5",
+                "--load-every",
+                "1",
+                "--keep-last",
+                str(KEEP),
+            ],
+            nnodes=2,
+            nproc_per_node=2,
+            node_env=bed.node_env("CKPT_ROOT", "ckpt"),
+            env={"CKPT_SCRATCH": str(tmp_path)},
+            timeout=170,
+        )
         seconds = time.monotonic() - t0
         truth = bed.server_dir / "ckpt"
         on_server = sorted(os.listdir(truth))
@@ -53,8 +70,10 @@ def test_fifty_saves_in_a_row_two_nodes_on_two_stale_mounts(tmp_path: Path, cach
     assert job.ok, job.output()
     evs = job_results(job)
     saved = [e for e in evs if e.get("event") == "saved"]
-    print(f"\n{SAVES} saves on 2 nodes x 2 ranks, sshfs caches {cache_timeout} s: job {seconds:.1f} s, "
-          f"save {min(e['dur'] for e in saved):.2f}-{max(e['dur'] for e in saved):.2f} s")
+    print(
+        f"\n{SAVES} saves on 2 nodes x 2 ranks, sshfs caches {cache_timeout} s: job {seconds:.1f} s, "
+        f"save {min(e['dur'] for e in saved):.2f}-{max(e['dur'] for e in saved):.2f} s"
+    )
     assert all(e["domains"] == [[0, 1, 2, 3]] for e in evs if e.get("event") == "start")  # the probe saw one domain
     assert not [e for e in evs if e.get("event") == "save-failed"]
     assert len(saved) == SAVES * 4  # every save returned on every rank

@@ -23,8 +23,9 @@ from ckptguard.threadranks import run_ranks
 
 
 @pytest.mark.parametrize("url", ["gs://bucket/run", "hf://org/model", "GS://B/x"])
-def test_a_url_without_a_backend_is_refused_and_nothing_is_written(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                                   url: str) -> None:
+def test_a_url_without_a_backend_is_refused_and_nothing_is_written(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, url: str
+) -> None:
     monkeypatch.chdir(tmp_path)
     with pytest.raises(UnsupportedStorageError, match="no storage backend") as info:
         Checkpointer(url)
@@ -43,8 +44,9 @@ def test_file_urls_are_local_paths(tmp_path: Path) -> None:
 
 
 def test_cli_refuses_unknown_scheme() -> None:
-    proc = subprocess.run([sys.executable, "-m", "ckptguard.cli", "ls", "gs://bucket/run"], capture_output=True,
-                          text=True, timeout=60)
+    proc = subprocess.run(
+        [sys.executable, "-m", "ckptguard.cli", "ls", "gs://bucket/run"], capture_output=True, text=True, timeout=60
+    )
     assert proc.returncode == 2 and "no storage backend" in proc.stderr
 
 
@@ -201,8 +203,9 @@ def test_a_takeover_whose_reply_is_lost_while_another_job_takes_the_root_names_t
     OSError of a request whose outcome is in fact known."""
 
     class LosesTheReply(PosixStorage):
-        def compare_and_swap(self, path: str, data: bytes, token: str | None,
-                             fence: Callable[[], None] | None = None) -> bool:
+        def compare_and_swap(
+            self, path: str, data: bytes, token: str | None, fence: Callable[[], None] | None = None
+        ) -> bool:
             if token is not None and path == self.path(layout.LEASE) and b'"late"' in data:
                 quick.acquire(wait_s=0)  # the other job wins meanwhile
                 raise TimeoutError("no reply")
@@ -241,7 +244,8 @@ def test_a_lease_taken_by_another_leader_of_the_same_job_says_so(tmp_path: Path)
 
 
 def test_a_holder_frozen_inside_compare_and_swap_does_not_block_others_for_ever(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A process stopped (SIGSTOP) while it holds the lock of a compare-and-swap: after the timeout
     the lock is broken and others proceed (a lease takeover must not wait for ever)."""
     import fcntl
@@ -264,7 +268,8 @@ def test_a_holder_frozen_inside_compare_and_swap_does_not_block_others_for_ever(
 
 @pytest.mark.parametrize("frozen_at", ["after its read", "in the fsync of its new content"])
 def test_a_holder_frozen_inside_compare_and_swap_cannot_overwrite_the_swap_that_broke_its_lock(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, frozen_at: str) -> None:
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, frozen_at: str
+) -> None:
     """A job SIGSTOPped in its lease renewal, inside the compare-and-swap (its own record read, the lock
     held), while another job breaks the lock after the timeout and takes the lease over: woken, it must
     not finish its swap (writing its record over the new holder's, carrying on as the holder and
@@ -304,8 +309,9 @@ def test_a_holder_frozen_inside_compare_and_swap_cannot_overwrite_the_swap_that_
             freeze()
 
         monkeypatch.setattr(posix, "write_new_file", write_then_freeze)
-        monkeypatch.setattr(posix, "replace_file",
-                            lambda p, d: (write_then_freeze(p + ".t", d), os.replace(p + ".t", p)))
+        monkeypatch.setattr(
+            posix, "replace_file", lambda p, d: (write_then_freeze(p + ".t", d), os.replace(p + ".t", p))
+        )
     outcome: list[bool] = []
     a = threading.Thread(target=lambda: outcome.append(frozen.compare_and_swap(path, b"holder A renewed", token_a)))
     a.start()
@@ -327,8 +333,9 @@ def test_an_object_store_that_ignores_its_conditions_is_refused_before_a_job_wri
             return True
 
     class IgnoresIfMatch(PosixStorage):
-        def compare_and_swap(self, path: str, data: bytes, token: str | None,
-                             fence: Callable[[], None] | None = None) -> bool:
+        def compare_and_swap(
+            self, path: str, data: bytes, token: str | None, fence: Callable[[], None] | None = None
+        ) -> bool:
             self.replace(path, data)
             return True
 
@@ -378,8 +385,9 @@ def _read_ahead_reads(directory: Path, monkeypatch: pytest.MonkeyPatch) -> int:
 
 
 @pytest.mark.skipif(not hasattr(os, "RWF_NOWAIT"), reason="preadv2(RWF_NOWAIT) is Linux's")
-def test_the_loads_read_ahead_reads_what_is_not_cached_and_skips_what_is(tmp_path: Path,
-                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_loads_read_ahead_reads_what_is_not_cached_and_skips_what_is(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     path = tmp_path / "data_0"
     path.write_bytes(os.urandom(20 << 20))
     fd = os.open(path, os.O_RDONLY)

@@ -18,16 +18,19 @@ from tests.support.results import emit_result, parse_results
 REPO = Path(__file__).resolve().parent.parent
 
 
-def test_result_lines_round_trip_and_a_cut_line_is_skipped(capsys: pytest.CaptureFixture[str],
-                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+def test_result_lines_round_trip_and_a_cut_line_is_skipped(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setenv("RANK", "3")
     emit_result(event="saved", step=7, committed=[5, 6, 7])
     emit_result(rank=1, note="RESULT {not this}")
     log = capsys.readouterr().out
     log += 'RESULT {"event": "saving", "st'  # SIGKILL in the middle of a print: no newline, no closing brace
-    log += "\nRESULT [1, 2]\nnoise RESULT {\"x\": 1}\nRESULT {\"rank\": 0, \"broken\": }\n"
-    assert parse_results(log) == [{"rank": 3, "event": "saved", "step": 7, "committed": [5, 6, 7]},
-                                  {"rank": 1, "note": "RESULT {not this}"}]
+    log += '\nRESULT [1, 2]\nnoise RESULT {"x": 1}\nRESULT {"rank": 0, "broken": }\n'
+    assert parse_results(log) == [
+        {"rank": 3, "event": "saved", "step": 7, "committed": [5, 6, 7]},
+        {"rank": 1, "note": "RESULT {not this}"},
+    ]
     assert json.loads(log.splitlines()[0].removeprefix("RESULT "))["rank"] == 3
 
 
@@ -64,8 +67,10 @@ def test_tests_never_depend_on_tools() -> None:
         if path == Path(__file__).resolve():
             continue
         mods = _imports(path)
-        if any(m.split(".")[0] in ("tools", "bench", "examples") for m in mods) or \
-                "spec_from_file_location" in path.read_text():
+        if (
+            any(m.split(".")[0] in ("tools", "bench", "examples") for m in mods)
+            or "spec_from_file_location" in path.read_text()
+        ):
             offenders.append(str(path.relative_to(REPO)))
         if path.is_relative_to(REPO / "tests" / "support"):
             outside = [m for m in mods if m.startswith("tests.") and not m.startswith("tests.support")]
@@ -75,7 +80,13 @@ def test_tests_never_depend_on_tools() -> None:
 
 
 def test_campaign_command_line_runs() -> None:
-    proc = subprocess.run([sys.executable, "tools/campaign.py", "--help"], cwd=REPO, capture_output=True,
-                          text=True, timeout=120, check=False)
+    proc = subprocess.run(
+        [sys.executable, "tools/campaign.py", "--help"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     assert proc.returncode == 0, proc.stderr
     assert "--trials" in proc.stdout and "kill_phase" in proc.stdout

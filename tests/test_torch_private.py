@@ -16,7 +16,8 @@ def test_the_installed_torch_is_one_the_private_apis_were_tested_with() -> None:
     version = ".".join(torch.__version__.split("+")[0].split(".")[:2])
     assert version in _torch_private.TESTED_TORCH, (
         f"torch {torch.__version__} is not in TESTED_TORCH {_torch_private.TESTED_TORCH}: run this suite on it, "
-        "then add it")
+        "then add it"
+    )
     _torch_private.check_torch_version()
 
 

@@ -158,10 +158,19 @@ def test_the_next_save_file_removes_what_a_killed_writer_left(tmp_path: Path) ->
     target = tmp_path / "model.pt"
     save_file({"w": torch.zeros(4)}, target)
     # A writer killed after writing its temporary file, before renaming it over the target.
-    killed = subprocess.run([sys.executable, "-c", (
-        "import os, torch, ckptguard\n"
-        "os.replace = lambda *a, **k: os._exit(9)\n"
-        f"ckptguard.save_file({{'w': torch.ones(4)}}, {str(target)!r})\n")], capture_output=True, text=True)
+    killed = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            (
+                "import os, torch, ckptguard\n"
+                "os.replace = lambda *a, **k: os._exit(9)\n"
+                f"ckptguard.save_file({{'w': torch.ones(4)}}, {str(target)!r})\n"
+            ),
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert killed.returncode == 9, killed.stderr
     left = [p.name for p in tmp_path.iterdir() if ".tmp-" in p.name]
     assert len(left) == 1
@@ -178,15 +187,18 @@ def _safetensors(path: Path, header: object, data: bytes = b"\0" * 16) -> Path:
     return path
 
 
-@pytest.mark.parametrize(("header", "says"), [
-    ({"__metadata__": [1]}, "__metadata__"),
-    ({"__metadata__": {"ckptguard": 5}}, "__metadata__"),
-    (b"[" * 5000 + b"]" * 5000, "nested"),
-    ({"w": {"dtype": "F32", "shape": [4], "data_offsets": [0, 1 << 40]}}, "data_offsets"),
-    ({"w": {"dtype": "F32", "shape": [1 << 40], "data_offsets": [0, 16]}}, "shape"),
-    ({"w": "x"}, "'w'"),
-    (b"not json", "not JSON"),
-])
+@pytest.mark.parametrize(
+    ("header", "says"),
+    [
+        ({"__metadata__": [1]}, "__metadata__"),
+        ({"__metadata__": {"ckptguard": 5}}, "__metadata__"),
+        (b"[" * 5000 + b"]" * 5000, "nested"),
+        ({"w": {"dtype": "F32", "shape": [4], "data_offsets": [0, 1 << 40]}}, "data_offsets"),
+        ({"w": {"dtype": "F32", "shape": [1 << 40], "data_offsets": [0, 16]}}, "shape"),
+        ({"w": "x"}, "'w'"),
+        (b"not json", "not JSON"),
+    ],
+)
 def test_load_file_refuses_hostile_safetensors_headers_by_name(tmp_path: Path, header: object, says: str) -> None:
     path = _safetensors(tmp_path / "m.safetensors", header)
     with pytest.raises(CorruptCheckpointError, match=says) as info:
@@ -199,19 +211,20 @@ def test_load_file_wraps_what_the_safetensors_library_refuses(tmp_path: Path) ->
     save_file({"w": torch.ones(4)}, good)
     raw = good.read_bytes()
     (n,) = struct.unpack("<Q", raw[:8])
-    header = json.loads(raw[8:8 + n])
+    header = json.loads(raw[8 : 8 + n])
     header["w"]["dtype"] = "NOT_A_DTYPE"  # checked by the library, not by ckptguard: its refusal is wrapped
     from ckptguard.singlefile import _st_digest
 
     meta = header.pop("__metadata__")
-    digest = _st_digest("xxh3-64", header, memoryview(raw[8 + n:]))
+    digest = _st_digest("xxh3-64", header, memoryview(raw[8 + n :]))
     header["__metadata__"] = {**meta, "ckptguard": f"1:xxh3-64:{digest}:{len(raw) - 8 - n}"}
-    path = _safetensors(tmp_path / "m.safetensors", header, raw[8 + n:])
+    path = _safetensors(tmp_path / "m.safetensors", header, raw[8 + n :])
     with pytest.raises(CorruptCheckpointError, match="safetensors refused it"):
         load_file(path)
 
 
 # -- import: paths, FIFOs, lengths and depths from the imported files -------------------------------
+
 
 def _dcp_dir(path: Path, value: float = 0.0) -> Path:
     from torch.distributed.checkpoint import FileSystemWriter
@@ -287,7 +300,7 @@ def _add_copies_of_w(src: Path, n: int, with_data: bool) -> None:
     import pickle
 
     md = pickle.loads((src / ".metadata").read_bytes())
-    (index, info), = [(i, v) for i, v in md.storage_data.items() if i.fqn == "w"]
+    ((index, info),) = [(i, v) for i, v in md.storage_data.items() if i.fqn == "w"]
     for i in range(n):
         md.state_dict_metadata[f"w{i}"] = copy.deepcopy(md.state_dict_metadata["w"])
         if with_data:
@@ -383,6 +396,7 @@ def test_import_never_blocks_on_a_fifo(tmp_path: Path, where: str) -> None:
 
 # -- read() and export of a sealed hostile manifest ----------------------------------------------
 
+
 def _reseal_dcp(root: Path, change: object) -> None:
     import dataclasses
 
@@ -395,16 +409,20 @@ def _reseal_dcp(root: Path, change: object) -> None:
     path.write_bytes(dataclasses.replace(m, dcp=dcp).to_json())
 
 
-@pytest.mark.parametrize(("change", "says"), [
-    (lambda d: d["planner_data"].update({"w": ["w", 10**9]}), "bad planner path"),
-    (lambda d: d["planner_data"].update({"w": ["w", -1]}), "bad planner path"),
-    (lambda d: d["planner_data"].update({"w": []}), "bad planner path"),
-    # (refused since the manifest's parse compares DCP's chunks with the items: every command refuses it)
-    (lambda d: d["state_dict"]["w"].update({"size": [1 << 40]}), "do not add up to its size"),
-    (lambda d: d["state_dict"]["w"].update({"size": [-4]}), "integers >= 0"),
-])
-def test_read_and_export_of_a_hostile_manifest_are_corrupt_not_a_crash(root: Path, tmp_path: Path, change: object,
-                                                                         says: str) -> None:
+@pytest.mark.parametrize(
+    ("change", "says"),
+    [
+        (lambda d: d["planner_data"].update({"w": ["w", 10**9]}), "bad planner path"),
+        (lambda d: d["planner_data"].update({"w": ["w", -1]}), "bad planner path"),
+        (lambda d: d["planner_data"].update({"w": []}), "bad planner path"),
+        # (refused since the manifest's parse compares DCP's chunks with the items: every command refuses it)
+        (lambda d: d["state_dict"]["w"].update({"size": [1 << 40]}), "do not add up to its size"),
+        (lambda d: d["state_dict"]["w"].update({"size": [-4]}), "integers >= 0"),
+    ],
+)
+def test_read_and_export_of_a_hostile_manifest_are_corrupt_not_a_crash(
+    root: Path, tmp_path: Path, change: object, says: str
+) -> None:
     from ckptguard import export_checkpoint
 
     _reseal_dcp(root, change)
@@ -416,24 +434,31 @@ def test_read_and_export_of_a_hostile_manifest_are_corrupt_not_a_crash(root: Pat
     assert code != 0 and says in out
 
 
-@pytest.mark.parametrize(("change", "says"), [
-    (lambda d: d["state_dict"]["w"].update({"dtype": "int8"}), "disagree on the dtype"),
-    (lambda d: d["state_dict"]["w"].update({"size": [2, 4], "chunks": [0, 0, 2, 4]}), "disagree on the number of dim"),
-    (lambda d: d["state_dict"]["w"].update({"size": [4], "chunks": [0, 4]}), "disagree on the size"),
-    (lambda d: d["state_dict"].update({"w": {"type": "bytes"}}), "tensor row for an object entry"),
-    # DCP's chunk list, which a load plans its reads from, against the items (before: a load read nothing
-    # or half of "w" and succeeded, read() gave back uninitialised memory, verify said intact)
-    (lambda d: d["state_dict"]["w"].update({"chunks": []}), "do not add up to its size"),
-    (lambda d: d["state_dict"]["w"].update({"chunks": [0, 4]}), "do not add up to its size"),
-    (lambda d: d["state_dict"]["w"].update({"chunks": [4, 4]}), "do not add up to its size"),
-    (lambda d: d["state_dict"]["w"].update({"chunks": [1 << 62, 8]}), "lies outside its size"),
-    (lambda d: d["state_dict"]["w"].update({"chunks": [0, 4, 4, 4]}), "lists 2 chunk"),
-    (lambda d: d["state_dict"]["w"].update({"chunks": [0, 6, 2, 6]}), "do not add up to its size"),
-    (lambda d: d["state_dict"]["w"].update({"chunks": [0, 4, 2, 4]}), "lists 2 chunk"),  # overlap and gap
-    (lambda d: d["state_dict"].update({"v": d["state_dict"].pop("w")}), "lists one chunk, the items store 0"),
-])
+@pytest.mark.parametrize(
+    ("change", "says"),
+    [
+        (lambda d: d["state_dict"]["w"].update({"dtype": "int8"}), "disagree on the dtype"),
+        (
+            lambda d: d["state_dict"]["w"].update({"size": [2, 4], "chunks": [0, 0, 2, 4]}),
+            "disagree on the number of dim",
+        ),
+        (lambda d: d["state_dict"]["w"].update({"size": [4], "chunks": [0, 4]}), "disagree on the size"),
+        (lambda d: d["state_dict"].update({"w": {"type": "bytes"}}), "tensor row for an object entry"),
+        # DCP's chunk list, which a load plans its reads from, against the items (before: a load read nothing
+        # or half of "w" and succeeded, read() gave back uninitialised memory, verify said intact)
+        (lambda d: d["state_dict"]["w"].update({"chunks": []}), "do not add up to its size"),
+        (lambda d: d["state_dict"]["w"].update({"chunks": [0, 4]}), "do not add up to its size"),
+        (lambda d: d["state_dict"]["w"].update({"chunks": [4, 4]}), "do not add up to its size"),
+        (lambda d: d["state_dict"]["w"].update({"chunks": [1 << 62, 8]}), "lies outside its size"),
+        (lambda d: d["state_dict"]["w"].update({"chunks": [0, 4, 4, 4]}), "lists 2 chunk"),
+        (lambda d: d["state_dict"]["w"].update({"chunks": [0, 6, 2, 6]}), "do not add up to its size"),
+        (lambda d: d["state_dict"]["w"].update({"chunks": [0, 4, 2, 4]}), "lists 2 chunk"),  # overlap and gap
+        (lambda d: d["state_dict"].update({"v": d["state_dict"].pop("w")}), "lists one chunk, the items store 0"),
+    ],
+)
 def test_a_manifest_whose_dcp_metadata_disagrees_with_its_items_is_corrupt_everywhere(
-        root: Path, change: object, says: str) -> None:
+    root: Path, change: object, says: str
+) -> None:
     _reseal_dcp(root, change)
     manifest = str(root / "step-00000001" / "MANIFEST.json")
     code, out = cli("verify", str(root))
@@ -465,8 +490,9 @@ def test_an_empty_tensor_whose_other_dimensions_overflow_is_corrupt_not_a_crash(
     dcp = json.loads(json.dumps(m.dcp))
     dcp["state_dict"]["e"].update({"size": huge, "chunks": [0, 0, 0, *huge]})
     rows = [i._replace(shape=tuple(huge), offsets=(0, 0, 0)) if i.fqn == "e" else i for i in m.items]
-    path.write_bytes(dataclasses.replace(m, dcp=dcp, items=ItemTable.from_items(rows, [f.path for f in m.files])
-                                         ).to_json())
+    path.write_bytes(
+        dataclasses.replace(m, dcp=dcp, items=ItemTable.from_items(rows, [f.path for f in m.files])).to_json()
+    )
     code, out = cli("verify", str(root))
     assert code == 1 and "more elements than a tensor can address" in out
     with Checkpointer(root, read_only=True) as ck, pytest.raises(CorruptCheckpointError, match="can address"):
@@ -495,6 +521,7 @@ def test_a_size_of_two_negative_dimensions_is_corrupt_for_verify_too(tmp_path: P
 
 # -- the object store's control records ----------------------------------------------------------
 
+
 def test_deep_json_in_the_s3_index_and_latest_is_a_typed_error_not_a_crash(monkeypatch: pytest.MonkeyPatch) -> None:
     pytest.importorskip("moto")
     from tests.support.beds.s3 import s3_bed
@@ -517,7 +544,7 @@ def test_deep_json_in_the_s3_index_and_latest_is_a_typed_error_not_a_crash(monke
             assert code == 1 and "index.json" in out and "nested" in out and "NOT INTACT" in out, (command, out)
         bed.client().put_object(Bucket=bucket, Key="run/.ckptguard/index.json", Body=b"\xff\x00garbage")
         code, out = cli("verify", root, "--json")
-        doc = json.loads(out[out.index("{"):])
+        doc = json.loads(out[out.index("{") :])
         assert code == 1 and doc["intact"] is False and "index.json" in doc["error"]
 
 
@@ -553,9 +580,22 @@ def test_a_lease_naming_an_impossible_pid_is_garbage_not_an_overflow(root: Path)
 
     lease = root / ".ckptguard" / "lease.json"
     now = time.time()
-    lease.write_text(json.dumps({"holder": "other", "job": None, "host": socket.gethostname(), "pid": 2**70,
-                                 "boot_id": _boot_id(), "epoch": 3, "acquired_at": now, "renewed_at": now,
-                                 "ttl_s": 3600.0, "pid_ns": _pid_namespace()}))
+    lease.write_text(
+        json.dumps(
+            {
+                "holder": "other",
+                "job": None,
+                "host": socket.gethostname(),
+                "pid": 2**70,
+                "boot_id": _boot_id(),
+                "epoch": 3,
+                "acquired_at": now,
+                "renewed_at": now,
+                "ttl_s": 3600.0,
+                "pid_ns": _pid_namespace(),
+            }
+        )
+    )
     os.utime(lease, (now - 7200, now - 7200))
     with Checkpointer(root) as ck:  # before: OverflowError from os.kill(pid, 0)
         ck.save(2, {"w": torch.ones(8)})
@@ -575,9 +615,9 @@ def test_a_manifest_attempt_that_is_not_hex_is_corrupt(root: Path) -> None:
 
 # -- a `ckptguard run` log directory handed to diagnose ------------------------------------------
 
+
 @pytest.mark.parametrize("kind", ["deep", "fifo"])
-def test_diagnose_of_a_run_directory_with_a_hostile_run_json_is_no_crash_and_no_hang(tmp_path: Path,
-                                                                                       kind: str) -> None:
+def test_diagnose_of_a_run_directory_with_a_hostile_run_json_is_no_crash_and_no_hang(tmp_path: Path, kind: str) -> None:
     run = tmp_path / "logs" / "host-run"
     run.mkdir(parents=True)
     (run / "rank0.log").write_text("[rank0]: RuntimeError: CUDA error: an illegal memory access was encountered\n")

@@ -92,8 +92,13 @@ def load_excluded(results: Path) -> dict[str, str]:
 
 
 #: The signal of the first round's kinds, whose records before 2026-11-30 22:30 UTC do not name it.
-IMPLIED_SIGNAL = {"kill_phase": "kill", "kill_random": "kill", "kill_load": "kill", "stale_cache": "kill",
-                  "takeover": "stop"}
+IMPLIED_SIGNAL = {
+    "kill_phase": "kill",
+    "kill_random": "kill",
+    "kill_load": "kill",
+    "stale_cache": "kill",
+    "takeover": "stop",
+}
 
 
 def _signal(r: dict[str, Any]) -> str:
@@ -107,8 +112,10 @@ def cumulative_table(records: list[dict[str, Any]], excluded: dict[str, str] | N
     records = [r for r in records if r["run"] not in excluded]
     rows: dict[tuple[str, str], dict[str, float]] = {}
     for r in records:
-        row = rows.setdefault((r["kind"], r["variant"]), dict.fromkeys(
-            ("trials", "faults", "kills", "stops", "failures", "torn", "lost", "seconds"), 0))
+        row = rows.setdefault(
+            (r["kind"], r["variant"]),
+            dict.fromkeys(("trials", "faults", "kills", "stops", "failures", "torn", "lost", "seconds"), 0),
+        )
         row["trials"] += 1
         row["faults"] += r["injected"]
         row["kills"] += int(_signal(r) == "kill")
@@ -120,8 +127,10 @@ def cumulative_table(records: list[dict[str, Any]], excluded: dict[str, str] | N
     order = {k: i for i, k in enumerate(KINDS)}
     keys = sorted(rows, key=lambda k: (order.get(k[0], len(order)), k[1]))
     cols = ("trials", "faults", "kills", "stops", "failures", "torn", "lost", "seconds")
-    lines = ["| kind | variant | trials | faults | SIGKILL | SIGSTOP | failures | torn loads | lost ckpts | seconds |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines = [
+        "| kind | variant | trials | faults | SIGKILL | SIGSTOP | failures | torn loads | lost ckpts | seconds |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
     for k in keys:
         row = rows[k]
         lines.append(f"| {k[0]} | {k[1]} | " + " | ".join(f"{row[c]:.0f}" for c in cols) + " |")
@@ -144,22 +153,28 @@ def cumulative_table(records: list[dict[str, Any]], excluded: dict[str, str] | N
         by_commit.setdefault(r.get("commit") or "?", []).append(r)
     for commit, rs in sorted(by_commit.items(), key=lambda kv: min(r["time"] for r in kv[1])):
         first = time.strftime("%Y-%m-%d %H:%M", time.gmtime(min(r["time"] for r in rs)))
-        lines.append(f"| {commit} | {first} UTC | {len(rs)} | {sum(_signal(r) in ('kill', 'stop') for r in rs)} | "
-                     f"{sum(r['outcome'] != 'ok' for r in rs)} | {sum(r['torn'] for r in rs)} | "
-                     f"{sum(r['lost'] for r in rs)} |")
+        lines.append(
+            f"| {commit} | {first} UTC | {len(rs)} | {sum(_signal(r) in ('kill', 'stop') for r in rs)} | "
+            f"{sum(r['outcome'] != 'ok' for r in rs)} | {sum(r['torn'] for r in rs)} | "
+            f"{sum(r['lost'] for r in rs)} |"
+        )
     lines.append("")
-    lines.append(f"{len(records)} trials in {len(runs)} run(s), commits {', '.join(commits) or '?'}; "
-                 f"{everything['faults']:.0f} injected faults, {everything['kills'] + everything['stops']:.0f} of them "
-                 f"SIGKILLs/SIGSTOPs, {lifecycle['kills'] + lifecycle['stops']:.0f} of these in the lifecycle kinds; "
-                 f"{everything['failures']:.0f} failures, "
-                 f"{everything['torn']:.0f} torn, {everything['lost']:.0f} lost.")
+    lines.append(
+        f"{len(records)} trials in {len(runs)} run(s), commits {', '.join(commits) or '?'}; "
+        f"{everything['faults']:.0f} injected faults, {everything['kills'] + everything['stops']:.0f} of them "
+        f"SIGKILLs/SIGSTOPs, {lifecycle['kills'] + lifecycle['stops']:.0f} of these in the lifecycle kinds; "
+        f"{everything['failures']:.0f} failures, "
+        f"{everything['torn']:.0f} torn, {everything['lost']:.0f} lost."
+    )
     for run, why in excluded.items():
         rs = [r for r in left_out if r["run"] == run]
         lines.append("")
-        lines.append(f"Not counted above: run {run} ({len(rs)} trials, "
-                     f"{sum(r['injected'] for r in rs)} injected faults, "
-                     f"{sum(r['outcome'] != 'ok' for r in rs)} failures, {sum(r['torn'] for r in rs)} torn, "
-                     f"{sum(r['lost'] for r in rs)} lost): {why}")
+        lines.append(
+            f"Not counted above: run {run} ({len(rs)} trials, "
+            f"{sum(r['injected'] for r in rs)} injected faults, "
+            f"{sum(r['outcome'] != 'ok' for r in rs)} failures, {sum(r['torn'] for r in rs)} torn, "
+            f"{sum(r['lost'] for r in rs)} lost): {why}"
+        )
     return "\n".join(lines)
 
 
@@ -173,23 +188,44 @@ def write_docs(doc: Path, table: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, epilog=campaign.__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--trials", action="append", default=[],
-                   help="N (every selected kind) or KIND=N; repeatable. Default: 3 per kind.")
+    p = argparse.ArgumentParser(
+        description=__doc__, epilog=campaign.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--trials",
+        action="append",
+        default=[],
+        help="N (every selected kind) or KIND=N; repeatable. Default: 3 per kind.",
+    )
     p.add_argument("--kinds", default=",".join(KINDS), help="comma-separated fault kinds to run")
     p.add_argument("--seed", type=int, default=None, help="random seed (default: time-based, printed)")
     p.add_argument("--json", dest="json_out", default=None, help="write the report as JSON here")
     p.add_argument("--workdir", default=None, help="keep roots and logs here (default: a temp dir, removed)")
-    p.add_argument("--yield-to", default=None, metavar="SCRIPT",
-                   help="pause before each job while a process runs SCRIPT (e.g. bench_checkpoint)")
-    p.add_argument("--results", default=None, metavar="FILE",
-                   help="append one JSON record per trial to FILE (resumable; see --report)")
-    p.add_argument("--base-seed", type=int, default=20261210,
-                   help="with --results and no --seed: seed = base + runs already in the file")
+    p.add_argument(
+        "--yield-to",
+        default=None,
+        metavar="SCRIPT",
+        help="pause before each job while a process runs SCRIPT (e.g. bench_checkpoint)",
+    )
+    p.add_argument(
+        "--results",
+        default=None,
+        metavar="FILE",
+        help="append one JSON record per trial to FILE (resumable; see --report)",
+    )
+    p.add_argument(
+        "--base-seed",
+        type=int,
+        default=20261210,
+        help="with --results and no --seed: seed = base + runs already in the file",
+    )
     p.add_argument("--report", action="store_true", help="print the cumulative table of --results and exit")
-    p.add_argument("--write-docs", default=None, metavar="MD",
-                   help="with --report: put the table between the campaign-results markers of MD")
+    p.add_argument(
+        "--write-docs",
+        default=None,
+        metavar="MD",
+        help="with --report: put the table between the campaign-results markers of MD",
+    )
     args = p.parse_args(argv)
     if args.report:
         if not args.results:
@@ -222,9 +258,12 @@ def main(argv: list[str] | None = None) -> int:
     for prob in report.problems[:50]:
         print("PROBLEM", prob)
     if args.json_out:
-        doc = {"seed": seed, "plan": plan,
-               "command": " ".join(["python", "tools/campaign.py", *(argv or sys.argv[1:])]),
-               **report.to_json()}
+        doc = {
+            "seed": seed,
+            "plan": plan,
+            "command": " ".join(["python", "tools/campaign.py", *(argv or sys.argv[1:])]),
+            **report.to_json(),
+        }
         Path(args.json_out).write_text(json.dumps(doc, indent=2) + "\n")
     return 0 if report.total("failures") == 0 else 1
 

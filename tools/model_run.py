@@ -41,8 +41,9 @@ RESULTS = REPO / "docs" / "campaign" / "model-results.jsonl"
 
 def _commit() -> str:
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True,
-                              check=True).stdout.strip()
+        return subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True, check=True
+        ).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
 
@@ -69,14 +70,19 @@ def regression_test(backend: str, seed: int, steps: list[str], violation: str) -
     if not body or body[-1].strip() != "state.teardown()":
         body.append("        state.teardown()")
     reason = violation.splitlines()[0][:200].replace('"', "'")
-    return "\n".join([
-        f"# found by tools/model_run.py --backend {backend} --seed {seed}",
-        f'# violation: "{reason}"',
-        f"def test_model_{backend}_seed_{seed}({fixture}pool: WorkerPool, tmp_path: Path) -> None:",
-        f"    with replay({make}, pool):",
-        f"        state = {machine}()",
-        *[b for b in body if b.strip() != f"state = {machine}()"],
-    ]) + "\n"
+    return (
+        "\n".join(
+            [
+                f"# found by tools/model_run.py --backend {backend} --seed {seed}",
+                f'# violation: "{reason}"',
+                f"def test_model_{backend}_seed_{seed}({fixture}pool: WorkerPool, tmp_path: Path) -> None:",
+                f"    with replay({make}, pool):",
+                f"        state = {machine}()",
+                *[b for b in body if b.strip() != f"state = {machine}()"],
+            ]
+        )
+        + "\n"
+    )
 
 
 @contextlib.contextmanager
@@ -105,9 +111,19 @@ def run_round(backend: Any, pool: Any, seed: int, examples: int, steps: int) -> 
     t0 = time.monotonic()
     outcome, violation = "ok", ""
     with use_harness(backend, pool) as h:
-        test = use_seed(seed)(get_state_machine_test(MACHINES[backend.name], settings=settings(
-            max_examples=examples, stateful_step_count=steps, deadline=None, database=None, print_blob=False,
-            suppress_health_check=list(HealthCheck))))
+        test = use_seed(seed)(
+            get_state_machine_test(
+                MACHINES[backend.name],
+                settings=settings(
+                    max_examples=examples,
+                    stateful_step_count=steps,
+                    deadline=None,
+                    database=None,
+                    print_blob=False,
+                    suppress_health_check=list(HealthCheck),
+                ),
+            )
+        )
         try:
             with with_reporter(lines.append):
                 test()
@@ -121,12 +137,21 @@ def run_round(backend: Any, pool: Any, seed: int, examples: int, steps: int) -> 
         outcome, violation = "violation", "\n".join(h.violations) + "\n\n" + violation
     counts: Counter[str] = h.counts
     rec: dict[str, Any] = {
-        "backend": backend.name, "seed": seed, "commit": _commit(), "time": round(time.time(), 1),
-        "examples": examples, "max_steps": steps,
+        "backend": backend.name,
+        "seed": seed,
+        "commit": _commit(),
+        "time": round(time.time(), 1),
+        "examples": examples,
+        "max_steps": steps,
         "steps": sum(v for k, v in counts.items() if k.startswith("rule:")),
-        "operations": counts["actions"], "kills": counts["kills"], "stalls": counts["stalls"],
-        "takeovers": counts["takeovers"], "faults": sum(v for k, v in counts.items() if k.startswith("fault:")),
-        "audits": counts["audits"], "seconds": round(time.monotonic() - t0, 1), "outcome": outcome,
+        "operations": counts["actions"],
+        "kills": counts["kills"],
+        "stalls": counts["stalls"],
+        "takeovers": counts["takeovers"],
+        "faults": sum(v for k, v in counts.items() if k.startswith("fault:")),
+        "audits": counts["audits"],
+        "seconds": round(time.monotonic() - t0, 1),
+        "outcome": outcome,
         "counts": dict(sorted(counts.items())),
     }
     if outcome != "ok":
@@ -142,21 +167,27 @@ def run_round(backend: Any, pool: Any, seed: int, examples: int, steps: int) -> 
 
 def report(path: Path) -> str:
     recs = _records(path)
-    out = [f"{'backend':8} {'rounds':>6} {'steps':>7} {'ops':>7} {'kills':>6} {'stalls':>6} {'takeovers':>9} "
-           f"{'faults':>6} {'audits':>7} {'violations':>10} {'hours':>6}"]
+    out = [
+        f"{'backend':8} {'rounds':>6} {'steps':>7} {'ops':>7} {'kills':>6} {'stalls':>6} {'takeovers':>9} "
+        f"{'faults':>6} {'audits':>7} {'violations':>10} {'hours':>6}"
+    ]
     for b in ("posix", "s3"):
         rs = [r for r in recs if r["backend"] == b]
         if not rs:
             continue
-        out.append(f"{b:8} {len(rs):>6} {sum(r['steps'] for r in rs):>7} {sum(r['operations'] for r in rs):>7} "
-                   f"{sum(r['kills'] for r in rs):>6} {sum(r['stalls'] for r in rs):>6} "
-                   f"{sum(r['takeovers'] for r in rs):>9} {sum(r['faults'] for r in rs):>6} "
-                   f"{sum(r['audits'] for r in rs):>7} {sum(r['outcome'] != 'ok' for r in rs):>10} "
-                   f"{sum(r['seconds'] for r in rs) / 3600:>6.2f}")
+        out.append(
+            f"{b:8} {len(rs):>6} {sum(r['steps'] for r in rs):>7} {sum(r['operations'] for r in rs):>7} "
+            f"{sum(r['kills'] for r in rs):>6} {sum(r['stalls'] for r in rs):>6} "
+            f"{sum(r['takeovers'] for r in rs):>9} {sum(r['faults'] for r in rs):>6} "
+            f"{sum(r['audits'] for r in rs):>7} {sum(r['outcome'] != 'ok' for r in rs):>10} "
+            f"{sum(r['seconds'] for r in rs) / 3600:>6.2f}"
+        )
     for r in recs:
         if r["outcome"] != "ok":
-            out.append(f"\n{r['backend']} seed {r['seed']} ({r['outcome']}, commit {r['commit']}): "
-                       f"{r['violation'].splitlines()[0][:300]}")
+            out.append(
+                f"\n{r['backend']} seed {r['seed']} ({r['outcome']}, commit {r['commit']}): "
+                f"{r['violation'].splitlines()[0][:300]}"
+            )
     return "\n".join(out)
 
 
@@ -196,10 +227,13 @@ def main() -> None:
                         f.write(json.dumps(rec) + "\n")
                     total += rec["steps"]
                     rounds += 1
-                    print(f"[{args.backend}] seed {seed}: {rec['outcome']}, {rec['steps']} steps "
-                          f"({rec['operations']} operations, {rec['kills']} kills, {rec['stalls']} stalls, "
-                          f"{rec['takeovers']} takeovers, {rec['faults']} faults) in {rec['seconds']} s; "
-                          f"total {total}", flush=True)
+                    print(
+                        f"[{args.backend}] seed {seed}: {rec['outcome']}, {rec['steps']} steps "
+                        f"({rec['operations']} operations, {rec['kills']} kills, {rec['stalls']} stalls, "
+                        f"{rec['takeovers']} takeovers, {rec['faults']} faults) in {rec['seconds']} s; "
+                        f"total {total}",
+                        flush=True,
+                    )
                     if rec["outcome"] != "ok":
                         print(rec["violation"][:3000], "\n\nregression test:\n\n" + rec["regression_test"], flush=True)
                     seed += 1

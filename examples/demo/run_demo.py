@@ -44,16 +44,42 @@ def run_job(name: str, root: Path, logs: Path, extra_env: dict[str, str], run_op
     each agent's console (with [rankN]: prefixes) also goes to a file, for the demo's own summary."""
     logs.mkdir(parents=True, exist_ok=True)
     port = free_port()
-    env = {**os.environ, "CKPT_ROOT": str(root), "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1",
-           "PYTHONUNBUFFERED": "1", "TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE": "[rank${rank}]:", **extra_env}
+    env = {
+        **os.environ,
+        "CKPT_ROOT": str(root),
+        "GLOO_SOCKET_IFNAME": "lo",
+        "OMP_NUM_THREADS": "1",
+        "PYTHONUNBUFFERED": "1",
+        "TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE": "[rank${rank}]:",
+        **extra_env,
+    }
     agents = []
     for node in range(NODES):
-        cmd = [sys.executable, "-m", "ckptguard", "run", "--logs", str(logs / "run"), "--checkpoints", str(root),
-               *run_opts, "--", sys.executable, "-m", "torch.distributed.run", f"--nnodes={NODES}",
-               f"--nproc-per-node={PROCS}",
-               "--rdzv-backend=static", "--master-addr=127.0.0.1", f"--master-port={port}",
-               f"--node-rank={node}", "--max-restarts=0", "--tee=3", f"--log-dir={logs / f'torchrun-node{node}'}",
-               str(HERE / "train.py")]
+        cmd = [
+            sys.executable,
+            "-m",
+            "ckptguard",
+            "run",
+            "--logs",
+            str(logs / "run"),
+            "--checkpoints",
+            str(root),
+            *run_opts,
+            "--",
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            f"--nnodes={NODES}",
+            f"--nproc-per-node={PROCS}",
+            "--rdzv-backend=static",
+            "--master-addr=127.0.0.1",
+            f"--master-port={port}",
+            f"--node-rank={node}",
+            "--max-restarts=0",
+            "--tee=3",
+            f"--log-dir={logs / f'torchrun-node{node}'}",
+            str(HERE / "train.py"),
+        ]
         out = open(logs / f"node{node}.log", "w")  # noqa: SIM115 - closed below
         agents.append((subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT), out))
     codes = []
@@ -75,8 +101,11 @@ def run_job(name: str, root: Path, logs: Path, extra_env: dict[str, str], run_op
         block = (logs / f"node{n}.log").read_text(errors="replace").partition("ckptguard run: the command failed")
         if block[1]:
             # What `ckptguard run` itself printed (its lines), not the job's output after a restart.
-            tail = [x for x in f"{block[1]}{block[2]}".splitlines()
-                    if x.startswith(("ckptguard run:", "  ")) and not re.match(r"\s*\[rank\d+\]", x)]
+            tail = [
+                x
+                for x in f"{block[1]}{block[2]}".splitlines()
+                if x.startswith(("ckptguard run:", "  ")) and not re.match(r"\s*\[rank\d+\]", x)
+            ]
             print(f"\n  [node {n}'s terminal]\n  " + "\n  ".join(tail), flush=True)
             break
     return 0 if all(c == 0 for c in codes) else 1
@@ -108,23 +137,39 @@ def main() -> int:
     crashed = run_job("first run", root, work / "logs" / "run1-crash", {"DEMO_CRASH_AT": "39:3"})
     before = losses(work / "logs" / "run1-crash")
 
-    banner("2. restart the same job: it resumes from the newest committed checkpoint; at step 42 rank 2 stops\n"
-           "   (a read that never returns): --hang-timeout catches it, --max-restarts resumes from step 39")
-    resumed = run_job("second run", root, work / "logs" / "run2-resume", {"DEMO_HANG_AT": "42:2"},
-                      ("--hang-timeout", "6", "--max-restarts", "1", "--restart-backoff", "1", "--job-id", "demo-run2"))
+    banner(
+        "2. restart the same job: it resumes from the newest committed checkpoint; at step 42 rank 2 stops\n"
+        "   (a read that never returns): --hang-timeout catches it, --max-restarts resumes from step 39"
+    )
+    resumed = run_job(
+        "second run",
+        root,
+        work / "logs" / "run2-resume",
+        {"DEMO_HANG_AT": "42:2"},
+        ("--hang-timeout", "6", "--max-restarts", "1", "--restart-backoff", "1", "--job-id", "demo-run2"),
+    )
     after = losses(work / "logs" / "run2-resume")
     replayed = sorted(set(before) & set(after))
     if after:
         first = min(after)
-        print(f"\n  loss before the crash: step {first - 1} = {before.get(first - 1, float('nan')):.4f} "
-              f"(last committed checkpoint), step {max(before)} = {before[max(before)]:.4f} (last step run)")
-        print(f"  loss after the resume: step {first} = {after[first]:.4f}, final step {max(after)} = "
-              f"{after[max(after)]:.4f}")
+        print(
+            f"\n  loss before the crash: step {first - 1} = {before.get(first - 1, float('nan')):.4f} "
+            f"(last committed checkpoint), step {max(before)} = {before[max(before)]:.4f} (last step run)"
+        )
+        print(
+            f"  loss after the resume: step {first} = {after[first]:.4f}, final step {max(after)} = "
+            f"{after[max(after)]:.4f}"
+        )
     exact = bool(replayed) and all(before[s] == after[s] for s in replayed)
     if replayed:
-        print(f"  steps {replayed[0]}-{replayed[-1]} ran twice (lost with the crash, redone after the resume): "
-              + ("the losses match exactly, the resume restored model, optimizer and data order"
-                 if exact else "the losses DIFFER"))
+        print(
+            f"  steps {replayed[0]}-{replayed[-1]} ran twice (lost with the crash, redone after the resume): "
+            + (
+                "the losses match exactly, the resume restored model, optimizer and data order"
+                if exact
+                else "the losses DIFFER"
+            )
+        )
 
     banner("3. what is in the checkpoint directory, and is it intact?")
     ckptguard("ls", str(root))

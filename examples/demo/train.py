@@ -44,7 +44,7 @@ class CharModel(nn.Module):
 
 def batch(data: torch.Tensor, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     idx = torch.randint(0, len(data) - CONTEXT - 1, (BATCH,), generator=gen)
-    x = torch.stack([data[i:i + CONTEXT] for i in idx])
+    x = torch.stack([data[i : i + CONTEXT] for i in idx])
     return x, data[idx + CONTEXT]
 
 
@@ -92,8 +92,11 @@ def main() -> None:
             if step == crash_step:
                 arm(f"mid_write:{crash_rank}")  # this rank SIGKILLs itself halfway through its write
             progress.value.update(step=step, rng=gen.get_state())
-            ck.save(step, {"model": model, "optim": optim, "progress": progress},
-                    metadata={"loss": round(avg.item() / world, 4)})
+            ck.save(
+                step,
+                {"model": model, "optim": optim, "progress": progress},
+                metadata={"loss": round(avg.item() / world, 4)},
+            )
             if rank == 0:
                 print(f"[demo] step {step:3d} checkpoint committed; checkpoints: {ck.steps()}", flush=True)
     ck.close()

@@ -91,11 +91,19 @@ __all__ = [
     "set_rng_state",
 ]
 
-_LAZY = {"Checkpointer": "ckptguard.checkpointer", "CheckpointerSettings": "ckptguard.settings",
-         "PerRank": "ckptguard.state", "save_file": "ckptguard.singlefile",
-         "load_file": "ckptguard.singlefile", "rng_state": "ckptguard.rng", "set_rng_state": "ckptguard.rng",
-         "RNGState": "ckptguard.rng", "DCPReader": "ckptguard.interop", "export_checkpoint": "ckptguard.interop",
-         "import_checkpoint": "ckptguard.interop"}
+_LAZY = {
+    "Checkpointer": "ckptguard.checkpointer",
+    "CheckpointerSettings": "ckptguard.settings",
+    "PerRank": "ckptguard.state",
+    "save_file": "ckptguard.singlefile",
+    "load_file": "ckptguard.singlefile",
+    "rng_state": "ckptguard.rng",
+    "set_rng_state": "ckptguard.rng",
+    "RNGState": "ckptguard.rng",
+    "DCPReader": "ckptguard.interop",
+    "export_checkpoint": "ckptguard.interop",
+    "import_checkpoint": "ckptguard.interop",
+}
 
 
 def __getattr__(name: str) -> Any:

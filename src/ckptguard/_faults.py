@@ -20,15 +20,15 @@ from enum import StrEnum
 class FaultPhase(StrEnum):
     """Points of the protocol where a test can crash a rank (the library and the campaign share them)."""
 
-    SAVE_START = "save_start"          # a save begins, before anything is written
-    BEFORE_WRITE = "before_write"      # staging directory exists, this rank has written nothing
-    MID_WRITE = "mid_write"            # this rank has written part of its data
-    AFTER_WRITE = "after_write"        # this rank's data is written and fsynced, commit not started
+    SAVE_START = "save_start"  # a save begins, before anything is written
+    BEFORE_WRITE = "before_write"  # staging directory exists, this rank has written nothing
+    MID_WRITE = "mid_write"  # this rank has written part of its data
+    AFTER_WRITE = "after_write"  # this rank's data is written and fsynced, commit not started
     BEFORE_PUBLISH = "before_publish"  # leader: manifest written, staging not yet renamed
-    AFTER_PUBLISH = "after_publish"    # leader: renamed into place, `latest` not yet moved
-    AFTER_COMMIT = "after_commit"      # every domain published, retention not yet run
-    MID_LOAD = "mid_load"              # a load has read part of the data
-    AFTER_PLACE = "after_place"        # a load has put this rank's bytes in place, not yet its objects
+    AFTER_PUBLISH = "after_publish"  # leader: renamed into place, `latest` not yet moved
+    AFTER_COMMIT = "after_commit"  # every domain published, retention not yet run
+    MID_LOAD = "mid_load"  # a load has read part of the data
+    AFTER_PLACE = "after_place"  # a load has put this rank's bytes in place, not yet its objects
 
 
 PHASES = tuple(p.value for p in FaultPhase)

@@ -62,10 +62,15 @@ def check_process_group(group: Any) -> None:
 
     if dist.is_available() and isinstance(group, dist.ProcessGroup):
         return
-    hint = " (a list of ranks? pass torch.distributed.new_group(ranks, backend='gloo'))" \
-        if isinstance(group, (list, tuple, range)) else ""
-    raise TypeError(f"process_group must be None (all ranks), \"local\" (this rank alone) or a "
-                    f"torch.distributed ProcessGroup, got {group!r} ({type(group).__name__}){hint}")
+    hint = (
+        " (a list of ranks? pass torch.distributed.new_group(ranks, backend='gloo'))"
+        if isinstance(group, (list, tuple, range))
+        else ""
+    )
+    raise TypeError(
+        f'process_group must be None (all ranks), "local" (this rank alone) or a '
+        f"torch.distributed ProcessGroup, got {group!r} ({type(group).__name__}){hint}"
+    )
 
 
 def required(value: int | None) -> int:
@@ -77,8 +82,7 @@ def seconds(name: str, value: Any, *, allow_zero: bool = False) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"{name} must be a number of seconds, got {value!r} ({type(value).__name__})")
     if not math.isfinite(value) or value < 0 or (value == 0 and not allow_zero):
-        raise ValueError(f"{name} must be a finite number of seconds {'>= 0' if allow_zero else '> 0'}, "
-                         f"got {value}")
+        raise ValueError(f"{name} must be a finite number of seconds {'>= 0' if allow_zero else '> 0'}, got {value}")
     return float(value)
 
 
@@ -100,12 +104,15 @@ def json_object(metadata: Mapping[str, Any] | None, rank: int | None = None) -> 
     if not isinstance(metadata, Mapping):
         raise UnsupportedValueError(
             f"metadata must be a mapping of str to JSON values (metadata={{'loss': 1.5}}), got "
-            f"{metadata!r} ({type(metadata).__name__}){on}", rank=rank)
+            f"{metadata!r} ({type(metadata).__name__}){on}",
+            rank=rank,
+        )
     _check_json_value(dict(metadata), "metadata", on, rank)
     text = json.dumps(dict(metadata), allow_nan=False)
     # Bounded as a load will bound it: a manifest that no load could read is never written.
-    result: dict[str, Any] = records.parse_json(text, "metadata=", "user metadata", max_bytes=None,
-                                                max_depth=records.MAX_MANIFEST_DEPTH - 2)
+    result: dict[str, Any] = records.parse_json(
+        text, "metadata=", "user metadata", max_bytes=None, max_depth=records.MAX_MANIFEST_DEPTH - 2
+    )
     return result
 
 
@@ -120,26 +127,35 @@ def _check_json_value(value: Any, where: str, on: str, rank: int | None) -> None
     while todo:
         v, at, depth = todo.pop()
         if depth > _MAX_METADATA_DEPTH:
-            raise InvalidArgumentError(f"{at}{on} is nested more than {_MAX_METADATA_DEPTH} deep: a load reads "
-                                       "metadata= at most that deep; store something flatter", rank=rank)
+            raise InvalidArgumentError(
+                f"{at}{on} is nested more than {_MAX_METADATA_DEPTH} deep: a load reads "
+                "metadata= at most that deep; store something flatter",
+                rank=rank,
+            )
         if isinstance(v, bool) or v is None or isinstance(v, (str, int)):
             continue
         if isinstance(v, float):
             if not math.isfinite(v):
                 raise InvalidArgumentError(
                     f"{at}{on} is {v!r}: JSON has no NaN or Infinity, so a load could not give it back; "
-                    "store it as a string (str(x)) or leave it out", rank=rank)
+                    "store it as a string (str(x)) or leave it out",
+                    rank=rank,
+                )
             continue
         if isinstance(v, Mapping):
             for k, item in v.items():
                 if not isinstance(k, str):
                     raise InvalidArgumentError(
                         f"{at}{on} has the key {k!r} ({type(k).__name__}): metadata keys must be str (JSON "
-                        "keys are strings, so a load would not give it back as it was)", rank=rank)
+                        "keys are strings, so a load would not give it back as it was)",
+                        rank=rank,
+                    )
                 todo.append((item, f"{at}[{k!r}]", depth + 1))
             continue
         if isinstance(v, (list, tuple)):
             todo.extend((item, f"{at}[{i}]", depth + 1) for i, item in enumerate(v))
             continue
-        raise InvalidArgumentError(f"{at}{on} is a {type(v).__name__}, not a JSON value (str, int, float, bool, "
-                                   "None, list or dict of them)", rank=rank)
+        raise InvalidArgumentError(
+            f"{at}{on} is a {type(v).__name__}, not a JSON value (str, int, float, bool, None, list or dict of them)",
+            rank=rank,
+        )

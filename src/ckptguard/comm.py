@@ -93,7 +93,8 @@ class TorchTransport:
         elif dist.get_backend(group) != "gloo":
             raise ValueError(
                 "process_group must be a gloo group (ckptguard's control messages are small CPU objects): "
-                "create one with dist.new_group(ranks, backend='gloo') and keep it for ckptguard alone")
+                "create one with dist.new_group(ranks, backend='gloo') and keep it for ckptguard alone"
+            )
         self._group = group
         self.rank: int = dist.get_rank(group)
         self.world_size: int = dist.get_world_size(group)
@@ -116,8 +117,9 @@ class TorchTransport:
 
     def scatter(self, objs: list[Any] | None) -> Any:
         out: list[Any] = [None]
-        self._dist.scatter_object_list(out, objs if self.rank == 0 else None, src=self._global_ranks[0],
-                                       group=self._group)
+        self._dist.scatter_object_list(
+            out, objs if self.rank == 0 else None, src=self._global_ranks[0], group=self._group
+        )
         return out[0]
 
     def set_domains(self, domains: Sequence[Sequence[int]]) -> None:
@@ -130,14 +132,16 @@ class TorchTransport:
             if key not in self._domain_groups:
                 ranks = [self._global_ranks[r] for r in d]
                 self._domain_groups[key] = self._dist.new_group(
-                    ranks=ranks, backend="gloo", timeout=datetime.timedelta(seconds=self.timeout_s))
+                    ranks=ranks, backend="gloo", timeout=datetime.timedelta(seconds=self.timeout_s)
+                )
 
     def domain_broadcast(self, obj: Any, domain: Sequence[int]) -> Any:
         if len(domain) == 1:
             return obj
         box = [obj]
-        self._dist.broadcast_object_list(box, src=self._global_ranks[domain[0]],
-                                         group=self._domain_groups[tuple(domain)])
+        self._dist.broadcast_object_list(
+            box, src=self._global_ranks[domain[0]], group=self._domain_groups[tuple(domain)]
+        )
         return box[0]
 
 
@@ -253,10 +257,12 @@ class Comm:
             raise PeerError(
                 f"rank {self.rank} lost contact with the other ranks while trying to {what}: {e}. Another rank "
                 f"died or stalled{bound}; its own log says why. Nothing of this step was agreed.",
-                rank=self.rank) from e
+                rank=self.rank,
+            ) from e
 
-    def _typed(self, err: BaseException, where: str | None,
-               on_error: Callable[[BaseException], BaseException] | None) -> BaseException:
+    def _typed(
+        self, err: BaseException, where: str | None, on_error: Callable[[BaseException], BaseException] | None
+    ) -> BaseException:
         return typed_failure(err, self.rank, where, on_error)
 
     def _decision_record(self, err: BaseException) -> FailureRecord:
@@ -282,8 +288,12 @@ class Comm:
         return rank0_outcome(self.rank, broadcast, what, act, where)
 
 
-def typed_failure(err: BaseException, rank: int, where: str | None = None,
-                  on_error: Callable[[BaseException], BaseException] | None = None) -> BaseException:
+def typed_failure(
+    err: BaseException,
+    rank: int,
+    where: str | None = None,
+    on_error: Callable[[BaseException], BaseException] | None = None,
+) -> BaseException:
     """``err`` as it crosses ranks: an OSError becomes a typed error here (:func:`from_os_error`)."""
     if isinstance(err, OSError):
         translated = from_os_error(err, getattr(err, "filename", None) or where or "?", rank, root=where)
@@ -302,12 +312,14 @@ def failure_record(err: BaseException | None, rank: int) -> FailureRecord | None
         message, path = str(err), err.path
     else:
         message, path = str(err) or type(err).__name__, None
-    return FailureRecord(rank, hostname(), type(err).__name__, message, path, time.time(),
-                         interrupted=not isinstance(err, Exception))
+    return FailureRecord(
+        rank, hostname(), type(err).__name__, message, path, time.time(), interrupted=not isinstance(err, Exception)
+    )
 
 
-def rank0_outcome(rank: int, broadcast: Callable[[Any], Any], what: str, act: Callable[[], T],
-                  where: str | None = None) -> T:
+def rank0_outcome(
+    rank: int, broadcast: Callable[[Any], Any], what: str, act: Callable[[], T], where: str | None = None
+) -> T:
     """Rank 0 runs ``act`` and ``broadcast`` shares the outcome: its result on every rank, or its failure,
     raised on rank 0 as itself and on the others rebuilt as the same class (:func:`raise_agreed`)."""
     own: BaseException | None = None
@@ -357,8 +369,9 @@ def was_agreed(err: BaseException) -> bool:
     return getattr(err, _AGREED, False) is True
 
 
-def raise_agreed(failures: list[FailureRecord], own: BaseException | None, what: str, suffix: str = "",
-                 rank: int | None = None) -> None:
+def raise_agreed(
+    failures: list[FailureRecord], own: BaseException | None, what: str, suffix: str = "", rank: int | None = None
+) -> None:
     """Raise the agreed failure: this rank's own error if it failed, else the first one, rebuilt.
 
     A rank whose own failure was not the first says which was (its error may only be a
@@ -443,4 +456,3 @@ def world_barrier() -> None:
 
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         dist.barrier()
-

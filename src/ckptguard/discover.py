@@ -19,16 +19,25 @@ from typing import Any
 from ckptguard.errors import CheckpointError
 from ckptguard.frameworks import BY_ROOT_NAME, FRAMEWORK_KEY, FRAMEWORKS, root_name
 
-__all__ = ["ACCELERATE_ROOT", "DEEPSPEED_ROOT", "FRAMEWORK_KEY", "FRAMEWORK_ROOTS", "HF_ROOT", "LIGHTNING_ROOT",
-           "FoundRoot", "find_roots"]
+__all__ = [
+    "ACCELERATE_ROOT",
+    "DEEPSPEED_ROOT",
+    "FRAMEWORK_KEY",
+    "FRAMEWORK_ROOTS",
+    "HF_ROOT",
+    "LIGHTNING_ROOT",
+    "FoundRoot",
+    "find_roots",
+]
 from ckptguard.protocol import layout
 from ckptguard.storage import StorageBackend, open_storage
 
 # The hidden root each integration keeps its committed checkpoints in -> the framework's name
 # (from the registry, ``ckptguard.frameworks``; the integrations import these names).
 FRAMEWORK_ROOTS: Mapping[str, str] = {name: f.name for name, f in BY_ROOT_NAME.items()}
-HF_ROOT, LIGHTNING_ROOT, ACCELERATE_ROOT, DEEPSPEED_ROOT = (root_name(n) for n in
-                                                            ("transformers", "lightning", "accelerate", "deepspeed"))
+HF_ROOT, LIGHTNING_ROOT, ACCELERATE_ROOT, DEEPSPEED_ROOT = (
+    root_name(n) for n in ("transformers", "lightning", "accelerate", "deepspeed")
+)
 _SEARCH_DEPTH = 2  # the given directory's children and grandchildren (a directory of runs)
 
 
@@ -40,8 +49,12 @@ class FoundRoot:
     framework: str | None
 
 
-def find_roots(path: str | os.PathLike[str], storage_options: Mapping[str, Any] | None = None,
-               unreadable: list[str] | None = None, strays: list[str] | None = None) -> list[FoundRoot]:
+def find_roots(
+    path: str | os.PathLike[str],
+    storage_options: Mapping[str, Any] | None = None,
+    unreadable: list[str] | None = None,
+    strays: list[str] | None = None,
+) -> list[FoundRoot]:
     """The ckptguard roots at or under ``path``, in path order; ``[]`` if there is none.
 
     ``path`` itself if it is a root; otherwise every root found in it and in its subdirectories
@@ -84,8 +97,15 @@ def find_roots(path: str | os.PathLike[str], storage_options: Mapping[str, Any] 
     return found
 
 
-def _search(storage: StorageBackend, directory: str, depth: int, found: list[FoundRoot],
-            options: Mapping[str, Any] | None, unreadable: list[str], strays: list[str]) -> None:
+def _search(
+    storage: StorageBackend,
+    directory: str,
+    depth: int,
+    found: list[FoundRoot],
+    options: Mapping[str, Any] | None,
+    unreadable: list[str],
+    strays: list[str],
+) -> None:
     for name in sorted(storage.listdir(directory)):
         child = storage.join(directory, name)
         try:
@@ -94,8 +114,16 @@ def _search(storage: StorageBackend, directory: str, depth: int, found: list[Fou
             unreadable.append(child)
 
 
-def _visit(storage: StorageBackend, child: str, name: str, depth: int, found: list[FoundRoot],
-           options: Mapping[str, Any] | None, unreadable: list[str], strays: list[str]) -> None:
+def _visit(
+    storage: StorageBackend,
+    child: str,
+    name: str,
+    depth: int,
+    found: list[FoundRoot],
+    options: Mapping[str, Any] | None,
+    unreadable: list[str],
+    strays: list[str],
+) -> None:
     if not storage.is_dir(child):
         return
     if name in FRAMEWORK_ROOTS:

@@ -236,8 +236,9 @@ class MalformedRecordError(CorruptCheckpointError):
     index, a safetensors header, DCP's ``.metadata``) is too large, nests too deep, or does not fit its
     schema. ``field`` names what is wrong (``(size)``, ``(nesting)``, ``(record)`` or a field path)."""
 
-    def __init__(self, message: str, *, rank: int | None = None, path: str | None = None,
-                 field: str | None = None) -> None:
+    def __init__(
+        self, message: str, *, rank: int | None = None, path: str | None = None, field: str | None = None
+    ) -> None:
         super().__init__(message, rank=rank, path=path)
         self.field = field
 
@@ -287,8 +288,9 @@ class FailureRecord:
         return self.message if known else f"{self.kind}: {self.message}"
 
 
-def from_os_error(err: OSError, path: str, rank: int | None = None, *, needed_bytes: int | None = None,
-                  root: str | None = None) -> CheckpointError:
+def from_os_error(
+    err: OSError, path: str, rank: int | None = None, *, needed_bytes: int | None = None, root: str | None = None
+) -> CheckpointError:
     """The one translation of an OSError into a typed error with a message that says what to do."""
     who = f"rank {rank}" if rank is not None else "this process"
     where = getattr(err, "filename", None) or path
@@ -301,17 +303,26 @@ def from_os_error(err: OSError, path: str, rank: int | None = None, *, needed_by
         kind = "quota exceeded" if err.errno == errno.EDQUOT else "disk full"
         return DiskFullError(
             f"{kind} on {target} while writing {where}: {need}{have}. Free space (or lower keep_last) "
-            "and save again; nothing of this save was committed.", rank=rank, path=where)
+            "and save again; nothing of this save was committed.",
+            rank=rank,
+            path=where,
+        )
     if err.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
         why = "the filesystem is read-only" if err.errno == errno.EROFS else "permission denied"
         return StoragePermissionError(
             f"{why}: {who} (uid {os.getuid()}) cannot write {where}. Make the checkpoint root writable "
-            "by the user the training job runs as, on every node.", rank=rank, path=where)
+            "by the user the training job runs as, on every node.",
+            rank=rank,
+            path=where,
+        )
     if err.errno == errno.ESTALE:
         return StaleHandleError(
             f"stale file handle (ESTALE) on {where}: another node renamed or removed it and this node's "
             "NFS client still holds the old handle. Check that only one job writes to this checkpoint "
-            "root, and the NFS mount options (lookupcache, actimeo).", rank=rank, path=where)
+            "root, and the NFS mount options (lookupcache, actimeo).",
+            rank=rank,
+            path=where,
+        )
     return StorageError(f"{who} failed on {where}: {type(err).__name__}: {err}", rank=rank, path=where)
 
 

@@ -93,8 +93,12 @@ def _report_unwaited_saves() -> None:
             pending.result()
         except BaseException as e:
             failed = True
-            print(f"ckptguard: a background save to {saver.root} failed and was never waited for: "
-                  f"{type(e).__name__}: {e}", file=sys.stderr, flush=True)
+            print(
+                f"ckptguard: a background save to {saver.root} failed and was never waited for: "
+                f"{type(e).__name__}: {e}",
+                file=sys.stderr,
+                flush=True,
+            )
     if failed:
         sys.stdout.flush()
         os._exit(1)

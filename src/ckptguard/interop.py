@@ -60,8 +60,9 @@ from ckptguard.storage.fileio import open_regular
 EXPORT_FORMATS = ("torch", "safetensors", "dcp")
 
 
-def resolve_checkpoint(path: str | os.PathLike[str], step: int | None = None,
-                       storage_options: Mapping[str, Any] | None = None) -> tuple[Root, CheckpointName]:
+def resolve_checkpoint(
+    path: str | os.PathLike[str], step: int | None = None, storage_options: Mapping[str, Any] | None = None
+) -> tuple[Root, CheckpointName]:
     """A committed checkpoint from its own directory, or from a root (``step``, else the newest), on any
     backend (a local path, ``file://``, ``s3://``...)."""
     storage = open_storage(path, storage_options)
@@ -78,8 +79,9 @@ def resolve_checkpoint(path: str | os.PathLike[str], step: int | None = None,
     if step is None:
         step = max(current)
     if step not in current:
-        raise StepNotFoundError(f"step {step} is not a committed checkpoint in {where}; committed steps: "
-                                f"{sorted(current)}", path=where)
+        raise StepNotFoundError(
+            f"step {step} is not a committed checkpoint in {where}; committed steps: {sorted(current)}", path=where
+        )
     return root, current[step]
 
 
@@ -110,17 +112,30 @@ class DCPReader(GuardedReader):
         CorruptCheckpointError: The manifest or a file does not match its checksum or size.
     """
 
-    def __init__(self, path: str | os.PathLike[str], step: int | None = None, *, io_threads: int = 4,
-                 storage_options: Mapping[str, Any] | None = None) -> None:
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        step: int | None = None,
+        *,
+        io_threads: int = 4,
+        storage_options: Mapping[str, Any] | None = None,
+    ) -> None:
         root, name = resolve_checkpoint(path, step, storage_options)
         self._root, self._name = root, name
         self.manifest: Manifest = root.read_manifest(name)
         root.check_files(name, self.manifest)
-        metadata = metadata_from_json(self.manifest.dcp, self.manifest.items, root.dir(name),
-                                      domain_count=self.manifest.domain_count)
+        metadata = metadata_from_json(
+            self.manifest.dcp, self.manifest.items, root.dir(name), domain_count=self.manifest.domain_count
+        )
         metadata.storage_meta = StorageMeta()
-        super().__init__(root.storage, root.data_dir(name, self.manifest), metadata, self.manifest.checksum_algorithm,
-                         rank=0, io_threads=io_threads)
+        super().__init__(
+            root.storage,
+            root.data_dir(name, self.manifest),
+            metadata,
+            self.manifest.checksum_algorithm,
+            rank=0,
+            io_threads=io_threads,
+        )
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
@@ -137,9 +152,11 @@ class DCPReader(GuardedReader):
             # gone, not corrupt. Nothing was placed: the caller's state is as it was.
             if self._root.still_committed(self._name, self.manifest.commit_seq):
                 raise
-            raise StepRetiredError(f"step {self._name.step} of {self._root.path} was retired (retention or a "
-                                   "delete) while it was being read; nothing of it was loaded",
-                                   path=self._root.dir(self._name)) from e
+            raise StepRetiredError(
+                f"step {self._name.step} of {self._root.path} was retired (retention or a "
+                "delete) while it was being read; nothing of it was loaded",
+                path=self._root.dir(self._name),
+            ) from e
         finally:
             self.close()
         fut: torch.futures.Future[None] = torch.futures.Future()
@@ -147,8 +164,13 @@ class DCPReader(GuardedReader):
         return fut
 
 
-def read_checkpoint(path: str | os.PathLike[str], step: int | None = None, *, decode: bool = True,
-                    storage_options: Mapping[str, Any] | None = None) -> dict[str, Any]:
+def read_checkpoint(
+    path: str | os.PathLike[str],
+    step: int | None = None,
+    *,
+    decode: bool = True,
+    storage_options: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
     """The whole stored state dict of a committed checkpoint, in this process (every rank's
     ``PerRank`` values under their ``key@rankNNNNN`` names). ``decode=False``: as DCP stores it."""
     reader = DCPReader(path, step, storage_options=storage_options)
@@ -161,8 +183,10 @@ def _read_all(reader: Any, metadata: Metadata, decode: bool, flat: dict[str, Any
     """Every entry of ``metadata`` read into ``flat`` (fresh tensors; by default one per tensor entry, for
     metadata whose sizes were bounded by the bytes stored: _check_dcp_metadata), nested."""
     if flat is None:
-        flat = {fqn: torch.empty(e.size, dtype=e.properties.dtype) if isinstance(e, TensorStorageMetadata) else None
-                for fqn, e in metadata.state_dict_metadata.items()}
+        flat = {
+            fqn: torch.empty(e.size, dtype=e.properties.dtype) if isinstance(e, TensorStorageMetadata) else None
+            for fqn, e in metadata.state_dict_metadata.items()
+        }
     planner = SafeLoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False)
     reader.metadata = metadata
     read_locally(flat, reader, planner, is_coordinator=True)  # DCPReader.read_data verifies, then places
@@ -192,9 +216,15 @@ def flatten_tensors(state: Any, prefix: str = "") -> tuple[dict[str, torch.Tenso
     return tensors, skipped
 
 
-def export_checkpoint(path: str | os.PathLike[str], out: str | os.PathLike[str], to: str, *,
-                      step: int | None = None, key: str | None = None,
-                      storage_options: Mapping[str, Any] | None = None) -> list[str]:
+def export_checkpoint(
+    path: str | os.PathLike[str],
+    out: str | os.PathLike[str],
+    to: str,
+    *,
+    step: int | None = None,
+    key: str | None = None,
+    storage_options: Mapping[str, Any] | None = None,
+) -> list[str]:
     """Write one committed step as ``to`` ("torch", "safetensors" or "dcp") to ``out``.
 
     The CLI's ``ckptguard export``. Every byte is verified as it is read.
@@ -249,9 +279,16 @@ def export_checkpoint(path: str | os.PathLike[str], out: str | os.PathLike[str],
 # -- import -------------------------------------------------------------------------------
 
 _DCP_METADATA_CLASSES = {
-    "torch.distributed.checkpoint.metadata": {"Metadata", "TensorStorageMetadata", "BytesStorageMetadata",
-                                              "ChunkStorageMetadata", "TensorProperties", "MetadataIndex",
-                                              "StorageMeta", "_MEM_FORMAT_ENCODING"},
+    "torch.distributed.checkpoint.metadata": {
+        "Metadata",
+        "TensorStorageMetadata",
+        "BytesStorageMetadata",
+        "ChunkStorageMetadata",
+        "TensorProperties",
+        "MetadataIndex",
+        "StorageMeta",
+        "_MEM_FORMAT_ENCODING",
+    },
     "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
     "torch.distributed.checkpoint.planner": {"WriteItemType", "LoadItemType"},
     "torch.serialization": {"_get_layout"},
@@ -274,8 +311,11 @@ class _MetadataUnpickler(pickle.Unpickler):
             return getattr(torch, name)
         if name in _DCP_METADATA_CLASSES.get(module, ()):
             return getattr(importlib.import_module(module), name)
-        raise UnsafeObjectError(f"{self.path} refers to {module}.{name}, which is not one of DCP's metadata "
-                                "classes: refusing to unpickle it (it could run code)", path=self.path)
+        raise UnsafeObjectError(
+            f"{self.path} refers to {module}.{name}, which is not one of DCP's metadata "
+            "classes: refusing to unpickle it (it could run code)",
+            path=self.path,
+        )
 
 
 def read_dcp_metadata(directory: str | os.PathLike[str], pins: dict[str, _Pinned] | None = None) -> Metadata:
@@ -295,8 +335,7 @@ def read_dcp_metadata(directory: str | os.PathLike[str], pins: dict[str, _Pinned
     try:
         _check_dcp_metadata(md, local_path(directory), path, pins)
     except (AttributeError, TypeError, ValueError) as e:  # DCP's classes, with fields of any type
-        raise CorruptCheckpointError(f"{path}: malformed DCP metadata ({type(e).__name__}: {e})",
-                                     path=path) from None
+        raise CorruptCheckpointError(f"{path}: malformed DCP metadata ({type(e).__name__}: {e})", path=path) from None
     return md
 
 
@@ -309,8 +348,9 @@ def _read_regular(path: str, limit: int) -> bytes:
     with os.fdopen(open_regular(path), "rb") as f:
         size = os.fstat(f.fileno()).st_size
         if size > limit:
-            raise CorruptCheckpointError(f"{path} is {size:,} bytes, more than the {limit:,} ckptguard reads",
-                                         path=path)
+            raise CorruptCheckpointError(
+                f"{path} is {size:,} bytes, more than the {limit:,} ckptguard reads", path=path
+            )
         return f.read()
 
 
@@ -347,8 +387,11 @@ def _check_dcp_metadata(md: Metadata, directory: str, path: str, pins: dict[str,
         rel = getattr(info, "relative_path", None)
         offset, length = getattr(info, "offset", None), getattr(info, "length", None)
         if not isinstance(rel, str) or not rel or "/" in rel or "\\" in rel or rel in (".", ".."):
-            raise CorruptCheckpointError(f"{path}: data file {str(rel)[:200]!r} of {fqn!r} is not a plain "
-                                         "file name in the checkpoint directory: refusing to read it", path=path)
+            raise CorruptCheckpointError(
+                f"{path}: data file {str(rel)[:200]!r} of {fqn!r} is not a plain "
+                "file name in the checkpoint directory: refusing to read it",
+                path=path,
+            )
         if rel not in sizes:
             full = os.path.join(directory, rel)
             try:
@@ -356,44 +399,67 @@ def _check_dcp_metadata(md: Metadata, directory: str, path: str, pins: dict[str,
             except FileNotFoundError:
                 raise CorruptCheckpointError(f"{full}, named by {path}, is missing", path=full) from None
             if not stat.S_ISREG(st.st_mode):
-                raise CorruptCheckpointError(f"{full} is not a regular file (a link, FIFO or device): refusing "
-                                             "to read it", path=full)
+                raise CorruptCheckpointError(
+                    f"{full} is not a regular file (a link, FIFO or device): refusing to read it", path=full
+                )
             sizes[rel] = st.st_size
             if pins is not None:
                 pins[rel] = _pin(full)
                 sizes[rel] = pins[rel].size
-        if not (type(offset) is int and type(length) is int and offset >= 0 and length >= 0
-                and offset + length <= sizes[rel]):
-            raise CorruptCheckpointError(f"{path}: {fqn!r} claims bytes {offset}..+{length} of {rel}, "
-                                         f"which has {sizes[rel]}", path=path)
+        if not (
+            type(offset) is int
+            and type(length) is int
+            and offset >= 0
+            and length >= 0
+            and offset + length <= sizes[rel]
+        ):
+            raise CorruptCheckpointError(
+                f"{path}: {fqn!r} claims bytes {offset}..+{length} of {rel}, which has {sizes[rel]}", path=path
+            )
     total = sum(sizes.values())
     declared = 0  # every tensor is allocated before any is read: their sum is bounded, not each alone
     for fqn, entry in md.state_dict_metadata.items():
         if isinstance(entry, TensorStorageMetadata):
             dims = list(entry.size)
             if any(type(d) is not int or d < 0 for d in dims):
-                raise CorruptCheckpointError(f"{path}: tensor {fqn!r} has size {dims[:8]}, not integers >= 0",
-                                             path=path)
+                raise CorruptCheckpointError(
+                    f"{path}: tensor {fqn!r} has size {dims[:8]}, not integers >= 0", path=path
+                )
             for chunk in entry.chunks:  # DCP reads each chunk by its index into storage_data, then narrows
                 offsets, extent = list(chunk.offsets), list(chunk.sizes)
-                if len(offsets) != len(dims) or len(extent) != len(dims) or not all(
+                if (
+                    len(offsets) != len(dims)
+                    or len(extent) != len(dims)
+                    or not all(
                         type(o) is int and type(n) is int and o >= 0 and n >= 0 and o + n <= d
-                        for o, n, d in zip(offsets, extent, dims, strict=True)):
-                    raise CorruptCheckpointError(f"{path}: a chunk of tensor {fqn!r} at {offsets[:8]} of size "
-                                                 f"{extent[:8]} is not inside its size {dims[:8]}", path=path)
+                        for o, n, d in zip(offsets, extent, dims, strict=True)
+                    )
+                ):
+                    raise CorruptCheckpointError(
+                        f"{path}: a chunk of tensor {fqn!r} at {offsets[:8]} of size "
+                        f"{extent[:8]} is not inside its size {dims[:8]}",
+                        path=path,
+                    )
                 if MetadataIndex(fqn, chunk.offsets) not in storage:
-                    raise CorruptCheckpointError(f"{path}: the chunk of tensor {fqn!r} at {offsets[:8]} has no "
-                                                 "data file entry", path=path)
+                    raise CorruptCheckpointError(
+                        f"{path}: the chunk of tensor {fqn!r} at {offsets[:8]} has no data file entry", path=path
+                    )
             declared += math.prod(dims) * entry.properties.dtype.itemsize
             if declared > total:
-                raise CorruptCheckpointError(f"{path}: tensor {fqn!r} of size {dims[:8]} makes the tensors larger "
-                                             f"than every data file together ({total} bytes)", path=path)
+                raise CorruptCheckpointError(
+                    f"{path}: tensor {fqn!r} of size {dims[:8]} makes the tensors larger "
+                    f"than every data file together ({total} bytes)",
+                    path=path,
+                )
             flat = [[*c.offsets, *c.sizes] for c in entry.chunks]
             if not covers_once(dims, np.array(flat, dtype=np.int64).reshape(len(flat), 2 * len(dims))):
                 # DCP reads each listed chunk into a fresh tensor: an element no chunk covers would be
                 # this process's memory, committed as a checkpoint
-                raise CorruptCheckpointError(f"{path}: the chunks of tensor {fqn!r} do not cover its size {dims[:8]} "
-                                             "exactly once (a gap or an overlap): refusing to import it", path=path)
+                raise CorruptCheckpointError(
+                    f"{path}: the chunks of tensor {fqn!r} do not cover its size {dims[:8]} "
+                    "exactly once (a gap or an overlap): refusing to import it",
+                    path=path,
+                )
         elif MetadataIndex(fqn) not in storage:
             raise CorruptCheckpointError(f"{path}: object {fqn!r} has no data file entry", path=path)
     # Lists are rebuilt by index from planner_data (values.unflatten): each index below the number of
@@ -403,10 +469,14 @@ def _check_dcp_metadata(md: Metadata, directory: str, path: str, pins: dict[str,
         raise CorruptCheckpointError(f"{path}: planner_data is a {type(planner).__name__}, not a dict", path=path)
     entries = len(md.state_dict_metadata)
     for fqn, where in planner.items():
-        if not isinstance(where, tuple | list) or not 0 < len(where) <= MAX_VALUE_DEPTH or not all(
-                type(p) is str or (type(p) is int and 0 <= p < entries) for p in where):
-            raise CorruptCheckpointError(f"{path}: bad planner path for {str(fqn)[:100]!r}: {str(where)[:100]}",
-                                         path=path)
+        if (
+            not isinstance(where, tuple | list)
+            or not 0 < len(where) <= MAX_VALUE_DEPTH
+            or not all(type(p) is str or (type(p) is int and 0 <= p < entries) for p in where)
+        ):
+            raise CorruptCheckpointError(
+                f"{path}: bad planner path for {str(fqn)[:100]!r}: {str(where)[:100]}", path=path
+            )
 
 
 class _PinnedFileSystem(FileSystem):
@@ -421,8 +491,9 @@ class _PinnedFileSystem(FileSystem):
     def create_stream(self, path: str | os.PathLike[str], mode: str) -> Generator[io.IOBase, None, None]:
         pinned = self.pins.get(os.path.basename(os.fspath(path)))
         if mode != "rb" or pinned is None or os.path.dirname(os.fspath(path)) != self.directory:
-            raise CorruptCheckpointError(f"{path} is not a data file the checkpoint's metadata names",
-                                         path=os.fspath(path))
+            raise CorruptCheckpointError(
+                f"{path} is not a data file the checkpoint's metadata names", path=os.fspath(path)
+            )
         with os.fdopen(os.dup(pinned.fd), "rb") as f:  # DCP closes the stream; the pin stays open
             f.seek(0)
             yield f
@@ -453,10 +524,12 @@ def read_dcp(directory: str | os.PathLike[str]) -> dict[str, Any]:
                 raise
             # Metadata whose ranges name other bytes than a tensor's (another item, a cut): DCP's reader
             # and torch.load fail anywhere in their code
-            raise CorruptCheckpointError(f"{directory}: DCP's reader cannot read what its .metadata describes "
-                                         f"({type(e).__name__}: {str(e)[:200]}): the directory is damaged or "
-                                         "its .metadata was changed", path=os.path.join(directory, ".metadata")
-                                         ) from None
+            raise CorruptCheckpointError(
+                f"{directory}: DCP's reader cannot read what its .metadata describes "
+                f"({type(e).__name__}: {str(e)[:200]}): the directory is damaged or "
+                "its .metadata was changed",
+                path=os.path.join(directory, ".metadata"),
+            ) from None
         changed = _changed(directory, pins)
         if changed is not None:
             raise changed
@@ -472,14 +545,18 @@ def _changed(directory: str, pins: dict[str, _Pinned]) -> CorruptCheckpointError
         st = os.fstat(pinned.fd)
         if (st.st_size, st.st_mtime_ns) != (pinned.size, pinned.mtime_ns):
             full = os.path.join(directory, rel)
-            return CorruptCheckpointError(f"{full} changed while it was being read ({pinned.size:,} bytes before, "
-                                          f"{st.st_size:,} after): nothing was read from it; read it again once "
-                                          "the job writing it is done", path=full)
+            return CorruptCheckpointError(
+                f"{full} changed while it was being read ({pinned.size:,} bytes before, "
+                f"{st.st_size:,} after): nothing was read from it; read it again once "
+                "the job writing it is done",
+                path=full,
+            )
     return None
 
 
-def import_checkpoint(source: str | os.PathLike[str], root: str | os.PathLike[str], step: int, *,
-                      overwrite: bool = False) -> list[str]:
+def import_checkpoint(
+    source: str | os.PathLike[str], root: str | os.PathLike[str], step: int, *, overwrite: bool = False
+) -> list[str]:
     """Commit a DCP directory or a ``torch.save`` file as ``step`` of the ckptguard root.
 
     The CLI's ``ckptguard import``. DCP's ``.metadata`` pickle is read with an unpickler that admits
@@ -517,9 +594,11 @@ def import_checkpoint(source: str | os.PathLike[str], root: str | os.PathLike[st
             with os.fdopen(open_regular(source), "rb") as f:  # a FIFO is refused, never waited on
                 state = load_bounded(f, source, source, "cpu")
         except pickle.UnpicklingError as e:
-            raise UnsafeObjectError(f"{source}: torch.load(weights_only=True) refused it ({str(e).splitlines()[0]}); "
-                                    "ckptguard imports only files that load without running code",
-                                    path=source) from None
+            raise UnsafeObjectError(
+                f"{source}: torch.load(weights_only=True) refused it ({str(e).splitlines()[0]}); "
+                "ckptguard imports only files that load without running code",
+                path=source,
+            ) from None
         except CheckpointError:
             raise
         except (OSError, RuntimeError) as e:

@@ -24,9 +24,15 @@ class ByteProgress:
         self._progress: Progress | None = None
         self._lock = threading.Lock()
         if enabled:
-            self._progress = Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(),
-                                      TransferSpeedColumn(), TimeRemainingColumn(),
-                                      console=Console(stderr=True), transient=True)
+            self._progress = Progress(
+                TextColumn("{task.description}"),
+                BarColumn(),
+                DownloadColumn(),
+                TransferSpeedColumn(),
+                TimeRemainingColumn(),
+                console=Console(stderr=True),
+                transient=True,
+            )
             self._task = self._progress.add_task(description, total=total)
 
     def __enter__(self) -> ByteProgress:
@@ -34,8 +40,9 @@ class ByteProgress:
             self._progress.start()
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         if self._progress is not None:
             self._progress.stop()
 

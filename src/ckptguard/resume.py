@@ -44,9 +44,12 @@ class ResumeInfo:
     framework: str | None = None
 
     def to_json(self) -> dict[str, Any]:
-        return {"step": self.step, "root": self.root,
-                "unsafe": [{"step": u.step, "reason": u.reason} for u in self.unsafe],
-                "resume_hint": self.resume_hint}
+        return {
+            "step": self.step,
+            "root": self.root,
+            "unsafe": [{"step": u.step, "reason": u.reason} for u in self.unsafe],
+            "resume_hint": self.resume_hint,
+        }
 
 
 def _unreachable(root: str, backend: Backend) -> str | None:
@@ -139,12 +142,15 @@ def resume_info(root: str, *, deep: bool = False) -> ResumeInfo:
     ck_root, framework, roots = _framework_root(root)
     info = ResumeInfo(None, root, checked=checked, framework=framework)
     if len(roots) > 1:  # which one the job saved to is not ours to guess
-        info.resume_hint = (f"no answer: {root} holds {len(roots)} checkpoint roots ({', '.join(roots)}); give "
-                            "the one this job saved to with --checkpoints")
+        info.resume_hint = (
+            f"no answer: {root} holds {len(roots)} checkpoint roots ({', '.join(roots)}); give "
+            "the one this job saved to with --checkpoints"
+        )
         return info
     if local is not None and not os.path.exists(local):
-        info.resume_hint = (f"no answer: {root} does not exist (the job saved no checkpoint there); "
-                            "it starts from scratch")
+        info.resume_hint = (
+            f"no answer: {root} does not exist (the job saved no checkpoint there); it starts from scratch"
+        )
         return info
     try:
         listing: RootListing = list_root(ck_root)
@@ -172,8 +178,10 @@ def resume_info(root: str, *, deep: bool = False) -> ResumeInfo:
     info.unsafe.sort(key=lambda u: u.step)
     if chosen is None:
         if current:
-            info.resume_hint = (f"no answer: none of the {len(current)} committed checkpoints in {root} passes "
-                                f"the {info.checked} checks; it starts from scratch")
+            info.resume_hint = (
+                f"no answer: none of the {len(current)} committed checkpoints in {root} passes "
+                f"the {info.checked} checks; it starts from scratch"
+            )
         else:
             info.resume_hint = f"no answer: {root} holds no committed checkpoint; it starts from scratch"
         return info

@@ -58,23 +58,30 @@ def _unseal(data: bytes, path: str) -> bytes:
             f"{path} is a torch.save file without ckptguard's checksum (not written by ckptguard.save_file), so "
             "it cannot be verified. If you trust it, load it with torch.load(path, weights_only=True), or "
             "write a verified copy with ckptguard.save_file(torch.load(path, weights_only=True), new_path).",
-            path=path)
+            path=path,
+        )
     if m is None:
         raise CorruptCheckpointError(
             f"{path} carries no ckptguard checksum: it was not written by ckptguard.save_file, or its end "
-            f"is cut off ({len(data)} bytes). Refusing to load it unverified.", path=path)
+            f"is cut off ({len(data)} bytes). Refusing to load it unverified.",
+            path=path,
+        )
     tag = m.group(0)
     algorithm, digest, length = m.group(1).decode(), m.group(2).decode(), int(m.group(3))
-    if len(data) != length + 2 + len(tag) or struct.unpack("<H", data[length:length + 2])[0] != len(tag):
+    if len(data) != length + 2 + len(tag) or struct.unpack("<H", data[length : length + 2])[0] != len(tag):
         raise CorruptCheckpointError(
             f"{path} is {len(data)} bytes but its checksum covers {length} + {2 + len(tag)}: the file is "
-            "truncated or has bytes appended. Refusing to load it.", path=path)
+            "truncated or has bytes appended. Refusing to load it.",
+            path=path,
+        )
     body = data[:length]
     got = checksum(algorithm, body)
     if got != digest:
         raise CorruptCheckpointError(
             f"{path}: checksum mismatch ({algorithm} {got}, expected {digest}): the file is corrupt "
-            "(torn write, bit flip or concurrent writers). Refusing to load it.", path=path)
+            "(torn write, bit flip or concurrent writers). Refusing to load it.",
+            path=path,
+        )
     return body + b"\x00\x00"
 
 
@@ -85,9 +92,16 @@ def _topology(comm: Comm, directory: str) -> Topology:
     return _topologies[key]
 
 
-def save_file(obj: Any, path: str | os.PathLike[str], *, group: Any = None, process_group: Any = None,
-              format: str | None = None, checksum_algorithm: str = DEFAULT_ALGORITHM,
-              lock_timeout_s: float = 60.0) -> None:
+def save_file(
+    obj: Any,
+    path: str | os.PathLike[str],
+    *,
+    group: Any = None,
+    process_group: Any = None,
+    format: str | None = None,
+    checksum_algorithm: str = DEFAULT_ALGORITHM,
+    lock_timeout_s: float = 60.0,
+) -> None:
     """Save ``obj`` to ``path``: atomic replace, checksummed, one writer at a time.
 
     Takes part in no collective unless given ``group=``: ``if rank == 0: save_file(...)`` just works.
@@ -165,8 +179,9 @@ def save_file(obj: Any, path: str | os.PathLike[str], *, group: Any = None, proc
     comm.step(f"save {path}", write, where=directory)
 
 
-def save_local(obj: Any, path: str, fmt: str, algorithm: str, lock_timeout_s: float = 60.0, *,
-               loadable: bool = True) -> None:
+def save_local(
+    obj: Any, path: str, fmt: str, algorithm: str, lock_timeout_s: float = 60.0, *, loadable: bool = True
+) -> None:
     """``save_file`` to a local path, by this process alone. ``loadable=False`` (``ckptguard export --to
     torch``, whose file is for plain ``torch.load``) skips the refusal of what ``load_file`` could not read."""
     directory = os.path.dirname(path)
@@ -217,7 +232,9 @@ def load_file(path: str | os.PathLike[str], *, map_location: Any = "cpu", format
             raise CheckpointError(
                 f"{path} is a directory: load_file reads one file written by save_file. A checkpoint root is "
                 f"loaded with Checkpointer({path!r}, read_only=True).load(state); a DCP directory with "
-                "ckptguard.DCPReader", path=path)
+                "ckptguard.DCPReader",
+                path=path,
+            )
         try:
             fd = open_regular(path)
             with os.fdopen(fd, "rb") as f:
@@ -235,8 +252,9 @@ def load_file(path: str | os.PathLike[str], *, map_location: Any = "cpu", format
     except CheckpointError:
         raise
     except Exception as e:
-        raise UnsafeObjectError(f"{path}: verified, but torch.load(weights_only=True) refused it: {e}",
-                                path=path) from None
+        raise UnsafeObjectError(
+            f"{path}: verified, but torch.load(weights_only=True) refused it: {e}", path=path
+        ) from None
 
 
 FORMATS = ("torch", "safetensors")
@@ -245,8 +263,10 @@ FORMATS = ("torch", "safetensors")
 def _check_path(function: str, path: Any) -> None:
     """A str or os.PathLike path (bytes and anything else refused naming the argument)."""
     if not isinstance(path, (str, os.PathLike)) or not isinstance(os.fspath(path), str):
-        raise TypeError(f"{function}: path must be a local path or an s3:// URL (str or os.PathLike), got "
-                        f"{path!r} ({type(path).__name__})")
+        raise TypeError(
+            f"{function}: path must be a local path or an s3:// URL (str or os.PathLike), got "
+            f"{path!r} ({type(path).__name__})"
+        )
 
 
 def _format(path: str, format: str | None) -> str:
@@ -289,12 +309,15 @@ def _seal_safetensors(obj: Any, algorithm: str, path: str) -> bytes:
     try:
         from safetensors.torch import save as st_save
     except ImportError:
-        raise CheckpointError("saving .safetensors needs the safetensors package: pip install "
-                              "'ckptguard[safetensors]'", path=path) from None
+        raise CheckpointError(
+            "saving .safetensors needs the safetensors package: pip install 'ckptguard[safetensors]'", path=path
+        ) from None
     if not isinstance(obj, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in obj.items()):
         raise UnsupportedValueError(
             f"{path}: safetensors stores a flat dict of str names to tensors (e.g. model.state_dict()); "
-            "save other values with format='torch' (a .pt path)", path=path)
+            "save other values with format='torch' (a .pt path)",
+            path=path,
+        )
     tensors = {k: v.detach().cpu().contiguous() for k, v in obj.items()}
     raw = st_save(tensors)
     header, data = _st_split(raw, path)
@@ -311,24 +334,42 @@ def _st_split(raw: bytes, path: str) -> tuple[dict[str, Any], memoryview]:
     (n,) = struct.unpack("<Q", raw[:8])
     if n > len(raw) - 8 or n > 100 << 20:
         raise CorruptCheckpointError(f"{path}: safetensors header length {n} does not fit the file", path=path)
-    header = parse_json(raw[8:8 + n], path, "safetensors header", max_bytes=None, max_depth=_ST_MAX_DEPTH)
+    header = parse_json(raw[8 : 8 + n], path, "safetensors header", max_bytes=None, max_depth=_ST_MAX_DEPTH)
     if not isinstance(header, dict):
         raise MalformedRecordError(f"{path}: safetensors header is not an object", path=path, field="(record)")
-    return header, memoryview(raw)[8 + n:]
+    return header, memoryview(raw)[8 + n :]
 
 
 #: {name: {"dtype", "shape": [...], "data_offsets": [b, e]}, "__metadata__": {str: str}}
 _ST_MAX_DEPTH = 3
-_ST_ITEMSIZES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "I16": 2, "U16": 2, "F16": 2, "BF16": 2,
-                 "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8, "C64": 8}
+_ST_ITEMSIZES = {
+    "BOOL": 1,
+    "U8": 1,
+    "I8": 1,
+    "F8_E5M2": 1,
+    "F8_E4M3": 1,
+    "I16": 2,
+    "U16": 2,
+    "F16": 2,
+    "BF16": 2,
+    "I32": 4,
+    "U32": 4,
+    "F32": 4,
+    "I64": 8,
+    "U64": 8,
+    "F64": 8,
+    "C64": 8,
+}
 # (other dtypes, sub-byte ones included, are checked by the safetensors library, its refusal wrapped)
 
 
 def _st_check(header: dict[str, Any], data_bytes: int, path: str) -> None:
     """Every entry of a safetensors header well-formed and inside the data, before anything reads it."""
+
     def bad(field: str, what: str) -> MalformedRecordError:
-        return MalformedRecordError(f"{path}: safetensors header field {field[:200]!r}: {what}", path=path,
-                                    field=field[:200])
+        return MalformedRecordError(
+            f"{path}: safetensors header field {field[:200]!r}: {what}", path=path, field=field[:200]
+        )
 
     for name, entry in header.items():
         if name == "__metadata__":
@@ -342,8 +383,12 @@ def _st_check(header: dict[str, Any], data_bytes: int, path: str) -> None:
             raise bad(name, "dtype must be a string")
         if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
             raise bad(name, "shape must be a list of integers >= 0")
-        if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)
-                and 0 <= offsets[0] <= offsets[1] <= data_bytes):
+        if not (
+            isinstance(offsets, list)
+            and len(offsets) == 2
+            and all(type(o) is int for o in offsets)
+            and 0 <= offsets[0] <= offsets[1] <= data_bytes
+        ):
             raise bad(name, f"data_offsets {str(offsets)[:80]} are not inside the {data_bytes} data bytes")
         if dtype in _ST_ITEMSIZES and math.prod(shape) * _ST_ITEMSIZES[dtype] != offsets[1] - offsets[0]:
             raise bad(name, f"shape {shape[:8]} of {dtype} does not match its {offsets[1] - offsets[0]} bytes")
@@ -357,21 +402,28 @@ def _load_safetensors(data: bytes, path: str, map_location: Any) -> dict[str, to
     if m is None:
         raise CorruptCheckpointError(
             f"{path} carries no ckptguard checksum: it was not written by ckptguard.save_file. Refusing to "
-            "load it unverified.", path=path)
+            "load it unverified.",
+            path=path,
+        )
     if int(m.group(3)) != len(body):
-        raise CorruptCheckpointError(f"{path}: {len(body)} data bytes, the checksum covers {m.group(3)}: "
-                                     "truncated or appended to", path=path)
+        raise CorruptCheckpointError(
+            f"{path}: {len(body)} data bytes, the checksum covers {m.group(3)}: truncated or appended to", path=path
+        )
     got = _st_digest(m.group(1), header, body)
     if got != m.group(2):
-        raise CorruptCheckpointError(f"{path}: checksum mismatch ({m.group(1)} {got}, expected {m.group(2)}): "
-                                     "the file is corrupt. Refusing to load it.", path=path)
+        raise CorruptCheckpointError(
+            f"{path}: checksum mismatch ({m.group(1)} {got}, expected {m.group(2)}): "
+            "the file is corrupt. Refusing to load it.",
+            path=path,
+        )
     from safetensors.torch import load as st_load
 
     try:
         tensors: dict[str, torch.Tensor] = st_load(data)
     except Exception as e:  # SafetensorError and whatever else the library refuses it with
-        raise CorruptCheckpointError(f"{path}: verified, but safetensors refused it: {type(e).__name__}: {e}",
-                                     path=path) from None
+        raise CorruptCheckpointError(
+            f"{path}: verified, but safetensors refused it: {type(e).__name__}: {e}", path=path
+        ) from None
     if map_location not in (None, "cpu"):
         tensors = {k: v.to(map_location) for k, v in tensors.items()}
     return tensors
@@ -392,8 +444,9 @@ def _save_object(obj: Any, path: str, comm: Comm, fmt: str, algorithm: str) -> N
         comm.step(f"finish reading the previous version of {path}")
 
     # One namespace for every rank: rank 0 writes, every rank gets its outcome, an error as the same class.
-    comm.one_rank_acts(f"save {path}", lambda: storage.replace(target, _serialize(obj, fmt, algorithm, path)),
-                       where=path)
+    comm.one_rank_acts(
+        f"save {path}", lambda: storage.replace(target, _serialize(obj, fmt, algorithm, path)), where=path
+    )
 
 
 def _read_object(path: str) -> bytes:

@@ -108,8 +108,8 @@ def _twin(src: Any, buf: Any, srcs: list[torch.Tensor], dsts: list[torch.Tensor]
             for k, v in src.items():
                 into = buf[k]
                 if type(v) in _PLAIN_TENSORS and type(into) is torch.Tensor:  # _twin's tensor case, inline:
-                    if v.shape != into.shape or v.dtype != into.dtype:     # ~1 us per tensor less, with
-                        raise _Reshaped                                     # states of 10,000s of them
+                    if v.shape != into.shape or v.dtype != into.dtype:  # ~1 us per tensor less, with
+                        raise _Reshaped  # states of 10,000s of them
                     srcs.append(v)
                     dsts.append(into)
                     out[k] = into
@@ -155,8 +155,9 @@ def _copy(srcs: list[torch.Tensor], dsts: list[torch.Tensor], streams: dict[torc
             torch._foreach_copy_(dst_list, src_list)
 
 
-def _stage(state_dict: dict[str, Any], buffers: Any, allocate: Callable[[], Any],
-           streams: dict[torch.device, Any]) -> tuple[dict[str, Any], Any] | None:
+def _stage(
+    state_dict: dict[str, Any], buffers: Any, allocate: Callable[[], Any], streams: dict[torch.device, Any]
+) -> tuple[dict[str, Any], Any] | None:
     """``state_dict`` copied into ``buffers`` where they still fit it, else into what ``allocate()``
     gives (None: not staged); the snapshot and the buffers it lives in."""
     srcs: list[torch.Tensor] = []
@@ -204,18 +205,21 @@ class HostStager:
 
     def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
         """A snapshot of ``state_dict`` in host buffers; training may change the original right after."""
+
         def allocate() -> Any:
             self._buffers = None  # free the old set before allocating the new one
             buffers = create_cpu_state_dict(state_dict, pin_memory=torch.cuda.is_available())
             self.allocations += 1
             return buffers
+
         staged = _stage(state_dict, self._buffers, allocate, self._streams)
         assert staged is not None
         snapshot, self._buffers = staged
         return snapshot
 
-    def snapshot(self, state_dict: dict[str, Any], targets: list[ArtifactTarget] | None
-                 ) -> tuple[dict[str, Any], list[Any]] | None:
+    def snapshot(
+        self, state_dict: dict[str, Any], targets: list[ArtifactTarget] | None
+    ) -> tuple[dict[str, Any], list[Any]] | None:
         """Host copies of the state and of the files= contents (``targets``; None where they could not be
         resolved: that failure is reported by the save), or None if they exceed the budget (with a
         warning, once): the caller then saves synchronously."""
@@ -223,9 +227,11 @@ class HostStager:
         if not self.fits(state_dict, file_bytes):
             if not self._warned_budget:
                 self._warned_budget = True
-                warnings.warn(f"ckptguard: the state ({state_nbytes(state_dict) + file_bytes:,} bytes) exceeds "
-                              f"async_budget_bytes={self.budget_bytes:,}; saving synchronously instead",
-                              stacklevel=4)
+                warnings.warn(
+                    f"ckptguard: the state ({state_nbytes(state_dict) + file_bytes:,} bytes) exceeds "
+                    f"async_budget_bytes={self.budget_bytes:,}; saving synchronously instead",
+                    stacklevel=4,
+                )
             return None
         return self.stage(state_dict), stage_files(targets or [])
 
@@ -270,6 +276,7 @@ class DeviceStager:
                 return None
             self.allocations += 1
             return buffers
+
         staged = _stage(state_dict, self._buffers, allocate, self._streams)
         if staged is None:
             return None

@@ -132,12 +132,21 @@ def merge_into(dst: Any, src: Any) -> Any:
         else:
             dst[:] = src
         return dst
-    if isinstance(dst, np.ndarray) and isinstance(src, np.ndarray) and dst.shape == src.shape \
-            and dst.dtype == src.dtype and dst.flags.writeable:
+    if (
+        isinstance(dst, np.ndarray)
+        and isinstance(src, np.ndarray)
+        and dst.shape == src.shape
+        and dst.dtype == src.dtype
+        and dst.flags.writeable
+    ):
         np.copyto(dst, src)
         return dst
-    if type(dst) is torch.Tensor and isinstance(src, torch.Tensor) and dst.shape == src.shape \
-            and dst.dtype == src.dtype:
+    if (
+        type(dst) is torch.Tensor
+        and isinstance(src, torch.Tensor)
+        and dst.shape == src.shape
+        and dst.dtype == src.dtype
+    ):
         if dst.data_ptr() != src.data_ptr():
             dst.copy_(src)
         return dst
@@ -149,12 +158,14 @@ def _merge_later(state: Mapping[str, Any], key: str, sd: dict[str, Any]) -> Call
         merged = merge_into(state[key], decode_value(sd[key]))
         if isinstance(state, MutableMapping) and merged is not state[key]:
             state[key] = merged
+
     return apply
 
 
 def _per_rank_later(holder: PerRank, sd: dict[str, Any], key: str) -> Callable[[], object]:
     def apply() -> None:
         holder.value = merge_into(holder.value, decode_value(sd[key]))
+
     return apply
 
 
@@ -180,8 +191,11 @@ def prepare_state(state: Mapping[str, Any], rank: int = 0, *, for_load: bool = F
     """The DCP state dict of ``state``, with what a load then does (``apply``) or takes back (``undo``).
     ``for_load``: a never-stepped optimizer gets a state to load into even where gradients exist."""
     if not isinstance(state, Mapping):
-        raise UnsupportedValueError("state must be a mapping of names to modules, optimizers or values, "
-                                    f"not {type(state).__name__} (rank {rank})", rank=rank)
+        raise UnsupportedValueError(
+            "state must be a mapping of names to modules, optimizers or values, "
+            f"not {type(state).__name__} (rank {rank})",
+            rank=rank,
+        )
     modules = {k: v for k, v in state.items() if isinstance(v, nn.Module)}
     sd: dict[str, Any] = {}
     appliers: list[Callable[[], object]] = []
@@ -205,9 +219,16 @@ def prepare_state(state: Mapping[str, Any], rank: int = 0, *, for_load: bool = F
     return PreparedState(sd, apply, undo, placeholders)
 
 
-def _prepare_values(state: Mapping[str, Any], rank: int, modules: Mapping[str, nn.Module], sd: dict[str, Any],
-                    appliers: list[Callable[[], object]], undoers: list[Callable[[], object]], for_load: bool,
-                    placeholders: dict[str, list[Any]]) -> None:
+def _prepare_values(
+    state: Mapping[str, Any],
+    rank: int,
+    modules: Mapping[str, nn.Module],
+    sd: dict[str, Any],
+    appliers: list[Callable[[], object]],
+    undoers: list[Callable[[], object]],
+    for_load: bool,
+    placeholders: dict[str, list[Any]],
+) -> None:
     for key, value in state.items():
         if not isinstance(key, str) or not key:
             raise UnsupportedValueError(f"state keys must be non-empty strings, got {key!r} on rank {rank}", rank=rank)
@@ -226,8 +247,10 @@ def _prepare_values(state: Mapping[str, Any], rank: int, modules: Mapping[str, n
                 undoers.append(value.state.clear)
             # DCP's step sets every learning rate to 0 and back: a Ctrl-C inside left it 0 (outside
             # attack), so a fresh optimizer's preparation runs whole, the signal handled after it.
-            with signals_deferred() if fresh else contextlib.nullcontext(), \
-                    _gradients_set_aside(value) if fresh and for_load else contextlib.nullcontext():
+            with (
+                signals_deferred() if fresh else contextlib.nullcontext(),
+                _gradients_set_aside(value) if fresh and for_load else contextlib.nullcontext(),
+            ):
                 sd[key] = encode_value(get_optimizer_state_dict(model, value), (key,))
             if fresh and isinstance(sd[key].get("state"), dict):
                 if for_load:
@@ -238,8 +261,9 @@ def _prepare_values(state: Mapping[str, Any], rank: int, modules: Mapping[str, n
             # where the optimizer saved had none for it; the load has checked the keys already, and the
             # parameter is left without state, as it was saved (DCP's strict makes such a checkpoint
             # unloadable, and raises after the model was placed).
-            appliers.append(_later(functools.partial(set_optimizer_state_dict, model, value,
-                                                     options=_OPTIMIZER_APPLY), sd, key))
+            appliers.append(
+                _later(functools.partial(set_optimizer_state_dict, model, value, options=_OPTIMIZER_APPLY), sd, key)
+            )
         elif isinstance(value, PerRank):
             pkey = per_rank_key(key, rank)
             inner = value.value

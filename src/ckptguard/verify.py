@@ -80,11 +80,18 @@ class RootListing:
     retired: list[str] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
-        return {"schema_version": SCHEMA_VERSION, "root": self.root,
-                "checkpoints": [asdict(c) for c in self.checkpoints],
-                "attempts": [asdict(a) for a in self.attempts], "trash": self.trash, "lease": self.lease,
-                "latest_error": self.latest_error, "error": self.error, "unlisted": self.unlisted,
-                "retired": self.retired}
+        return {
+            "schema_version": SCHEMA_VERSION,
+            "root": self.root,
+            "checkpoints": [asdict(c) for c in self.checkpoints],
+            "attempts": [asdict(a) for a in self.attempts],
+            "trash": self.trash,
+            "lease": self.lease,
+            "latest_error": self.latest_error,
+            "error": self.error,
+            "unlisted": self.unlisted,
+            "retired": self.retired,
+        }
 
 
 def damaged_root(path: str, error: CheckpointError) -> RootListing:
@@ -127,8 +134,11 @@ def _retired(root: Root, name: CheckpointName, seq: int | None) -> bool:
     if root.still_committed(name, seq):
         return False
     where = root.dir(name)
-    return not (root.local_dir() is not None and root.storage.exists(where)
-                and not root.storage.exists(root.storage.join(where, layout.MANIFEST)))
+    return not (
+        root.local_dir() is not None
+        and root.storage.exists(where)
+        and not root.storage.exists(root.storage.join(where, layout.MANIFEST))
+    )
 
 
 def _dir_bytes(root: Root, path: str) -> int:
@@ -156,8 +166,9 @@ def list_root(path: str) -> RootListing:
     retired = []
     committed_attempts: set[str] = set()  # on object stores a committed checkpoint's data stays in its attempt
     for name in names:
-        info = CheckpointInfo(name.step, name.version, name.dirname, current[name.step] == name,
-                              latest.names(pointer, name))
+        info = CheckpointInfo(
+            name.step, name.version, name.dirname, current[name.step] == name, latest.names(pointer, name)
+        )
         try:
             m = root.read_manifest(name)
             committed_attempts.add(m.attempt)
@@ -192,15 +203,30 @@ def list_root(path: str) -> RootListing:
             continue
         age = now - mtime
         state = "in progress" if lease_live and lease_rec is not None and age <= lease_rec.ttl_s else "abandoned"
-        attempts.append(AttemptInfo(parsed[0] if parsed else None, parsed[1] if parsed else entry, full, state,
-                                    round(age, 1), _dir_bytes(root, full)))
+        attempts.append(
+            AttemptInfo(
+                parsed[0] if parsed else None,
+                parsed[1] if parsed else entry,
+                full,
+                state,
+                round(age, 1),
+                _dir_bytes(root, full),
+            )
+        )
     trash = [os.path.join(storage.path(layout.TRASH), e) for e in sorted(storage.listdir(storage.path(layout.TRASH)))]
     lease = None
     if lease_rec is not None:
         lease = {**asdict(lease_rec), "live": lease_live, "holder_gone": holder_gone}
-    return RootListing(storage.root, checkpoints, attempts, trash, lease, root.latest_problem(),
-                       unlisted=[storage.join(root.dir(n), layout.MANIFEST) for n in sorted(unlisted)],
-                       retired=retired)
+    return RootListing(
+        storage.root,
+        checkpoints,
+        attempts,
+        trash,
+        lease,
+        root.latest_problem(),
+        unlisted=[storage.join(root.dir(n), layout.MANIFEST) for n in sorted(unlisted)],
+        retired=retired,
+    )
 
 
 def _tiling_problems(manifest: Manifest, base: str) -> list[Problem]:
@@ -212,34 +238,48 @@ def _tiling_problems(manifest: Manifest, base: str) -> list[Problem]:
     sizes = {f.path: f.size for f in manifest.files}
     for rel, items in by_file.items():
         if rel not in sizes:
-            problems.append(Problem(os.path.join(base, rel), "manifest",
-                                    "items point into a file the manifest does not list"))
+            problems.append(
+                Problem(os.path.join(base, rel), "manifest", "items point into a file the manifest does not list")
+            )
             continue
         pos = 0
         for item in sorted(items, key=lambda i: i.offset):
             if item.offset != pos:
-                problems.append(Problem(os.path.join(base, rel), "manifest",
-                                        f"items do not tile the file: gap or overlap at byte {pos}"))
+                problems.append(
+                    Problem(
+                        os.path.join(base, rel), "manifest", f"items do not tile the file: gap or overlap at byte {pos}"
+                    )
+                )
                 break
             pos += item.length
         else:
             if pos != sizes[rel]:
-                problems.append(Problem(os.path.join(base, rel), "manifest",
-                                        f"items cover {pos} bytes of a {sizes[rel]}-byte file"))
+                problems.append(
+                    Problem(os.path.join(base, rel), "manifest", f"items cover {pos} bytes of a {sizes[rel]}-byte file")
+                )
     return problems
 
 
 def quarantined_result(info: CheckpointInfo) -> VerifyResult:
     """The verdict on a quarantined checkpoint, from its record alone (nothing is read again)."""
     assert info.quarantined is not None
-    detail = (f"a load found it corrupt ({info.quarantined}); loads skip it, and the next save of step "
-              f"{info.step} replaces it (or delete it)")
-    return VerifyResult(info.step, info.version, info.dir, intact=False,
-                        problems=[Problem(info.dir, "quarantined", detail)])
+    detail = (
+        f"a load found it corrupt ({info.quarantined}); loads skip it, and the next save of step "
+        f"{info.step} replaces it (or delete it)"
+    )
+    return VerifyResult(
+        info.step, info.version, info.dir, intact=False, problems=[Problem(info.dir, "quarantined", detail)]
+    )
 
 
-def verify_checkpoint(root_path: str, name: CheckpointName, *, threads: int = 4,
-                      on_bytes: Callable[[int], None] | None = None, seq: int | None = None) -> VerifyResult:
+def verify_checkpoint(
+    root_path: str,
+    name: CheckpointName,
+    *,
+    threads: int = 4,
+    on_bytes: Callable[[int], None] | None = None,
+    seq: int | None = None,
+) -> VerifyResult:
     """Re-read every byte of one checkpoint and compare with its manifest.
 
     Args:
@@ -274,19 +314,32 @@ def verify_checkpoint(root_path: str, name: CheckpointName, *, threads: int = 4,
     return result
 
 
-def _check_bytes(root: Root, name: CheckpointName, manifest: Manifest, result: VerifyResult, threads: int,
-                 on_bytes: Callable[[int], None] | None) -> None:
+def _check_bytes(
+    root: Root,
+    name: CheckpointName,
+    manifest: Manifest,
+    result: VerifyResult,
+    threads: int,
+    on_bytes: Callable[[int], None] | None,
+) -> None:
     storage = root.storage
     base = root.data_dir(name, manifest)
     result.problems.extend(_tiling_problems(manifest, base))
     listed = {f.path for f in manifest.files} | {layout.MANIFEST}
     for rel, size in root.walk(base):
         if size == NOT_A_FILE:
-            result.problems.append(Problem(os.path.join(base, rel), "extra", "not a regular file or directory "
-                                           "(a symbolic link, FIFO or device): not followed, added after the commit"))
+            result.problems.append(
+                Problem(
+                    os.path.join(base, rel),
+                    "extra",
+                    "not a regular file or directory "
+                    "(a symbolic link, FIFO or device): not followed, added after the commit",
+                )
+            )
         elif rel not in listed:
-            result.problems.append(Problem(os.path.join(base, rel), "extra",
-                                           "file not in the manifest: added after the commit"))
+            result.problems.append(
+                Problem(os.path.join(base, rel), "extra", "file not in the manifest: added after the commit")
+            )
     items_by_file: dict[str, list[StoredItem]] = {}
     for item in manifest.items:
         items_by_file.setdefault(item.file, []).append(item)
@@ -327,8 +380,13 @@ def _check_bytes(root: Root, name: CheckpointName, manifest: Manifest, result: V
                         on_bytes(n)
                 got = hasher.hexdigest()
                 if pos != length or got != expected:
-                    found.append(Problem(path, "checksum", f"{what} (bytes {offset}..{offset + length}): "
-                                                           f"checksum {got}, expected {expected}"))
+                    found.append(
+                        Problem(
+                            path,
+                            "checksum",
+                            f"{what} (bytes {offset}..{offset + length}): checksum {got}, expected {expected}",
+                        )
+                    )
         finally:
             handle.close()
         return found

@@ -50,7 +50,7 @@ def _remove_dead_writers_tmp(path: str) -> None:
     directory, start = os.path.split(prefix)
     with suppress(OSError):
         for name in os.listdir(directory or "."):
-            m = _TMP_NAME.fullmatch(name[len(start):]) if name.startswith(start) else None
+            m = _TMP_NAME.fullmatch(name[len(start) :]) if name.startswith(start) else None
             if m is None or m.group(1) != _host_tag() or not _pid_dead(int(m.group(2))):
                 continue
             full = os.path.join(directory, name)
@@ -90,8 +90,9 @@ class WriterLock:
             except FileExistsError:
                 self._refuse_if_not_a_file()
                 holder = self._holder()
-                if (holder is not None and self._dead(holder)) or \
-                        ((holder is None or not self._parses(holder)) and self._abandoned_empty()):
+                if (holder is not None and self._dead(holder)) or (
+                    (holder is None or not self._parses(holder)) and self._abandoned_empty()
+                ):
                     self._break(holder or "")
                     continue
                 if time.monotonic() >= deadline:
@@ -100,7 +101,9 @@ class WriterLock:
                     raise PathCollisionError(
                         f"{self.path[:-5]} is being written by another process ({holder or 'unknown holder'}) "
                         f"for more than {self.timeout_s:.0f} s. If no process writes it any more, remove "
-                        f"{self.path}.", path=self.path[:-5]) from None
+                        f"{self.path}.",
+                        path=self.path[:-5],
+                    ) from None
                 time.sleep(delay)
                 delay = min(delay * 2, 0.25)
                 continue
@@ -135,7 +138,8 @@ class WriterLock:
             raise PathCollisionError(
                 f"{self.path} is not a lock file (a directory, FIFO or link is there): save_file of "
                 f"{self.path[:-5]} needs that name for its writer lock. Move it away, or save under another name.",
-                path=self.path)
+                path=self.path,
+            )
 
     @staticmethod
     def _parses(holder: str) -> bool:

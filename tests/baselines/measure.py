@@ -83,9 +83,7 @@ def measure_baseline(a: argparse.Namespace) -> None:
                 saves_done += save + 1
                 saves_failed += 1
                 kind = f"{fail[1]}: {fail[2][:90]}" if fail else "unknown (see output)"
-                kinds[fail[1] if fail else "unknown"] = (
-                    kinds.get(fail[1] if fail else "unknown", 0) + 1
-                )
+                kinds[fail[1] if fail else "unknown"] = kinds.get(fail[1] if fail else "unknown", 0) + 1
                 print(f"job {j}: FAILED at save {save}, {dt:.1f} s: {kind}", flush=True)
                 if not fail:
                     print(r.output()[-3000:])
@@ -130,9 +128,7 @@ def measure_same_path(a: argparse.Namespace) -> None:
             args = ["--root", d, "--rounds", str(a.saves), "--all-rounds", "--mib", "4"]
             args += ["--tensors", "8", *(["--ragged"] if a.ragged else [])]
             r = run_job(HERE / "same_path_torch_save.py", args, nproc_per_node=4, timeout=a.timeout)
-        m = re.search(
-            r"SAMEPATH SUMMARY rounds=\d+ clean=(\d+) mixed=(\d+) torn=(\d+)", r.rank_output(0)
-        )
+        m = re.search(r"SAMEPATH SUMMARY rounds=\d+ clean=(\d+) mixed=(\d+) torn=(\d+)", r.rank_output(0))
         if not m:
             print(r.output()[-3000:])
             continue

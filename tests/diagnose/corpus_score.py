@@ -86,8 +86,9 @@ def load_labels(corpus: Path = CORPUS, honour_flags: bool = False) -> list[Label
             flags = (True, True)
             if honour_flags:
                 flags = (bool(d.get("score_class", True)), bool(d.get("score_rank", True)))
-            out.append(Label(d["file"], d["failure_class"], d["initiating_rank"],
-                             tuple(d.get("evidence_lines", ())), *flags))
+            out.append(
+                Label(d["file"], d["failure_class"], d["initiating_rank"], tuple(d.get("evidence_lines", ())), *flags)
+            )
     return out
 
 
@@ -107,13 +108,18 @@ def score_one(label: Label, corpus: Path = CORPUS) -> Scored:
     d: Diagnosis = diagnose([str(corpus / label.file)])
     texts = tuple(e.text for e in d.evidence)
     return Scored(
-        label=label, got_class=d.failure_class, got_rank=d.initiating_rank,
+        label=label,
+        got_class=d.failure_class,
+        got_rank=d.initiating_rank,
         confidence=d.confidence,
         # the engine answers in the users' taxonomy (a KB class's family) and names the finer KB
         # class as its kind: a label with a finer class is right when the kind names it
         class_ok=label.failure_class in (d.failure_class, getattr(d, "kind", None)),
-        rank_ok=(None if label.initiating_rank is None or not label.score_rank
-                 else d.initiating_rank == label.initiating_rank),
+        rank_ok=(
+            None
+            if label.initiating_rank is None or not label.score_rank
+            else d.initiating_rank == label.initiating_rank
+        ),
         evidence_ok=any(ev in t for ev in label.evidence_lines for t in texts),
         evidence=texts,
     )
@@ -177,9 +183,11 @@ def report(results: list[Scored], misses_listed: bool = True) -> str:
     if misses and misses_listed:
         lines += ["", "misses:"]
         for r in misses:
-            lines.append(f"- {Path(r.label.file).name}: got {r.got_class} rank {r.got_rank} "
-                         f"conf {r.confidence:.2f}; want {r.label.failure_class} rank "
-                         f"{r.label.initiating_rank}; evidence {'ok' if r.evidence_ok else 'MISSING'}")
+            lines.append(
+                f"- {Path(r.label.file).name}: got {r.got_class} rank {r.got_rank} "
+                f"conf {r.confidence:.2f}; want {r.label.failure_class} rank "
+                f"{r.label.initiating_rank}; evidence {'ok' if r.evidence_ok else 'MISSING'}"
+            )
     return "\n".join(lines)
 
 

@@ -47,8 +47,9 @@ def test_sigkill_with_the_kernels_oom_line_states_it(runner: CliRunner, tmp_path
 def test_binary_input_is_named_as_such(tmp_path: Path) -> None:
     """`ckptguard diagnose /bin/ls`: a usage error naming the file as binary, not 'no failure'."""
     binary = Path(sys.executable).resolve()
-    proc = subprocess.run([sys.executable, "-m", "ckptguard.cli", "diagnose", str(binary)],
-                          capture_output=True, text=True, check=False)
+    proc = subprocess.run(
+        [sys.executable, "-m", "ckptguard.cli", "diagnose", str(binary)], capture_output=True, text=True, check=False
+    )
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert f"{binary} is a binary file" in proc.stderr
     assert "No failure found" not in proc.stdout and "Traceback" not in proc.stderr
@@ -63,11 +64,17 @@ def test_binary_input_is_named_as_such(tmp_path: Path) -> None:
 NEGATIVES = Path(__file__).parent / "negatives"
 
 
-@pytest.mark.parametrize("path", [NEGATIVES / "finished_demo_run", NEGATIVES / "nginx_access.log",
-                                  Path(__file__).parent / "variants" / "clean_hf_trainer.log",
-                                  Path(__file__).parent / "variants" / "clean_warnings_retries.log",
-                                  Path(__file__).parent / "variants" / "clean_nccl_init_warn_recovered.log"],
-                         ids=lambda p: p.name)
+@pytest.mark.parametrize(
+    "path",
+    [
+        NEGATIVES / "finished_demo_run",
+        NEGATIVES / "nginx_access.log",
+        Path(__file__).parent / "variants" / "clean_hf_trainer.log",
+        Path(__file__).parent / "variants" / "clean_warnings_retries.log",
+        Path(__file__).parent / "variants" / "clean_nccl_init_warn_recovered.log",
+    ],
+    ids=lambda p: p.name,
+)
 def test_no_failure_in_a_clean_finished_or_foreign_log(runner: CliRunner, path: Path) -> None:
     code, d = cli_json(runner, str(path))
     assert (code, d["found"], d["failure_class"]) == (1, False, None), (d["failure_class"], d["evidence"])

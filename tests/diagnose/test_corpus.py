@@ -35,7 +35,8 @@ PRESENT = [c for c in CORPORA if (c / "labels.jsonl").is_file()]
 pytestmark = pytest.mark.skipif(
     len(PRESENT) < len(CORPORA),
     reason=f"needs the labelled corpora diagnose-dev and diagnose-dev2 (each a labels.jsonl and logs/) "
-           f"under {CORPUS_ROOT}; set CKPTGUARD_CORPUS to the directory that holds them")
+    f"under {CORPUS_ROOT}; set CKPTGUARD_CORPUS to the directory that holds them",
+)
 CASES = [(c, lb) for c in PRESENT for lb in load_labels(c)]
 
 

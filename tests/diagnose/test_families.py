@@ -22,9 +22,12 @@ KB_DIR = Path(ckptguard.diagnose.__file__).parent / "kb"
 # What the users' labels do with each split: setup and code errors are exceptions, a lost peer is
 # the network error, a SIGTERM from outside is the scheduler's.
 FAMILIES = {
-    "config_error": "python_exception", "import_error": "python_exception",
-    "ddp_unused_parameters": "python_exception", "cuda_unavailable": "python_exception",
-    "nccl_invalid_usage": "python_exception", "peer_connection_lost": "nccl_network_error",
+    "config_error": "python_exception",
+    "import_error": "python_exception",
+    "ddp_unused_parameters": "python_exception",
+    "cuda_unavailable": "python_exception",
+    "nccl_invalid_usage": "python_exception",
+    "peer_connection_lost": "nccl_network_error",
     "launcher_sigterm": "scheduler_time_limit",
 }
 
@@ -75,16 +78,20 @@ def test_report_answers_the_family_and_keeps_the_kind(runner) -> None:
 
 def test_a_class_of_its_own_family_reports_itself_as_kind(tmp_path: Path) -> None:
     log = tmp_path / "job.log"
-    log.write_text("[rank1]: Traceback (most recent call last):\n[rank1]:   File \"t.py\", line 1, in <module>\n"
-                   "[rank1]: OSError: [Errno 28] No space left on device: '/ckpt/step5/optim.pt'\n")
+    log.write_text(
+        '[rank1]: Traceback (most recent call last):\n[rank1]:   File "t.py", line 1, in <module>\n'
+        "[rank1]: OSError: [Errno 28] No space left on device: '/ckpt/step5/optim.pt'\n"
+    )
     d = diagnose([str(log)])
     assert (d.failure_class, d.kind, d.initiating_rank) == ("disk_full_enospc", "disk_full_enospc", 1)
 
 
 def test_lost_peer_alone_is_the_network_family(tmp_path: Path) -> None:
     log = tmp_path / "job.log"
-    log.write_text("[rank2]: RuntimeError: [../third_party/gloo/gloo/transport/tcp/pair.cc:534] "
-                   "Connection closed by peer [10.4.0.9]:31027\n")
+    log.write_text(
+        "[rank2]: RuntimeError: [../third_party/gloo/gloo/transport/tcp/pair.cc:534] "
+        "Connection closed by peer [10.4.0.9]:31027\n"
+    )
     d = diagnose([str(log)])
     assert d.failure_class == "nccl_network_error"
     assert d.confidence < 0.8

@@ -71,15 +71,13 @@ def test_fixture_engine(name: str) -> None:
     assert all(e.line > 0 and e.file for e in d.evidence)
 
 
-@pytest.mark.parametrize("name", ["dir_race_2nodes.log", "oom_cgroup.log", "gloo_timeout.log",
-                                  "torch_save_same_path"])
+@pytest.mark.parametrize("name", ["dir_race_2nodes.log", "oom_cgroup.log", "gloo_timeout.log", "torch_save_same_path"])
 def test_fixture_cli_json(runner, name: str) -> None:
     cls, init, collateral, _ = CASES[name]
     code, out = cli_json(runner, str(FIXTURES / name))
     assert code == 0
     assert (out["failure_class"], out["initiating_rank"], out["collateral_ranks"]) == (cls, init, collateral)
-    for key in ("schema_version", "confidence", "evidence", "root_cause", "fix", "verify_command",
-                "alternatives"):
+    for key in ("schema_version", "confidence", "evidence", "root_cause", "fix", "verify_command", "alternatives"):
         assert key in out
 
 

@@ -11,11 +11,24 @@ from ckptguard.cli import app
 from ckptguard.diagnose.kb import KBError, load_kb, load_kb_dir
 
 REQUIRED_IDS = {
-    "checkpoint_write_race", "checkpoint_corrupt_load", "disk_full_enospc", "stale_nfs_handle",
-    "permission_denied_checkpoint_dir", "cuda_oom", "host_oom_sigkill", "nccl_watchdog_timeout",
-    "nccl_network_error", "rendezvous_failure", "cuda_illegal_memory_access",
-    "cuda_device_side_assert", "segfault", "dataloader_worker_killed", "loss_nan_divergence",
-    "import_error", "config_error", "python_exception",
+    "checkpoint_write_race",
+    "checkpoint_corrupt_load",
+    "disk_full_enospc",
+    "stale_nfs_handle",
+    "permission_denied_checkpoint_dir",
+    "cuda_oom",
+    "host_oom_sigkill",
+    "nccl_watchdog_timeout",
+    "nccl_network_error",
+    "rendezvous_failure",
+    "cuda_illegal_memory_access",
+    "cuda_device_side_assert",
+    "segfault",
+    "dataloader_worker_killed",
+    "loss_nan_divergence",
+    "import_error",
+    "config_error",
+    "python_exception",
 }
 
 

@@ -18,8 +18,12 @@ from ckptguard.diagnose.kb import load_kb
 from .corpus_score import CORPORA
 
 HERE = Path(__file__).parent
-OWN = [p for d in (HERE / "fixtures", HERE / "variants") for p in d.rglob("*")
-       if p.is_file() and p.suffix in ("", ".log", ".txt")]
+OWN = [
+    p
+    for d in (HERE / "fixtures", HERE / "variants")
+    for p in d.rglob("*")
+    if p.is_file() and p.suffix in ("", ".log", ".txt")
+]
 
 
 def _lines(paths: list[Path]) -> dict[Path, list[str]]:
@@ -29,8 +33,7 @@ def _lines(paths: list[Path]) -> dict[Path, list[str]]:
 def _rules() -> list[tuple[str, re.Pattern[str]]]:
     """Every regex that can decide an answer: class signatures and the engine rules."""
     kb = load_kb()
-    out = [(f"{fc.id}: {s.pattern.pattern}", s.pattern) for fc in kb.classes.values()
-           for s in fc.signatures]
+    out = [(f"{fc.id}: {s.pattern.pattern}", s.pattern) for fc in kb.classes.values() for s in fc.signatures]
     r = kb.rules
     out += [(f"launcher {lf.name}", lf.pattern) for lf in r.launchers]
     out += [(f"rank report {x.pattern.pattern}", x.pattern) for x in r.rank_reports]
@@ -47,10 +50,11 @@ def _hits(pattern: re.Pattern[str], files: dict[Path, list[str]]) -> int:
 def test_no_rule_written_for_one_file() -> None:
     corpus = _lines(sorted(p for c in CORPORA for p in (c / "logs").glob("*.log")))
     own = _lines(OWN)
-    single = [name for name, pat in _rules()
-              if pattern_matches_once(pat, corpus) and _hits(pat, own) == 0]
-    assert not single, ("rules that match one corpus log and no fixture of ours (add an "
-                        f"independent fixture or generalise them): {single}")
+    single = [name for name, pat in _rules() if pattern_matches_once(pat, corpus) and _hits(pat, own) == 0]
+    assert not single, (
+        "rules that match one corpus log and no fixture of ours (add an "
+        f"independent fixture or generalise them): {single}"
+    )
 
 
 def pattern_matches_once(pattern: re.Pattern[str], corpus: dict[Path, list[str]]) -> bool:

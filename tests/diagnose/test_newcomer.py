@@ -46,8 +46,12 @@ def test_unwritable_checkpoint_dir_names_the_rank_the_others_name(name: str) -> 
 def test_ctrl_c_is_interrupted_not_a_scheduler_limit(name: str) -> None:
     """KeyboardInterrupt and SIGINT (-2) are the class `interrupted`, which --on-failure hooks
     receive; never the scheduler's time limit."""
-    proc = subprocess.run([sys.executable, "-m", "ckptguard.cli", "diagnose", str(LOGS / name), "--json"],
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "ckptguard.cli", "diagnose", str(LOGS / name), "--json"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     d = json.loads(proc.stdout)
     assert (d["failure_class"], d["kind"]) == ("interrupted", "interrupted")
     assert all(a["failure_class"] != "scheduler_time_limit" for a in d["alternatives"][:1])

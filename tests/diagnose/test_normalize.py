@@ -19,9 +19,11 @@ FIXTURES = Path(__file__).parent / "fixtures"
 LOGS = sorted(p for p in FIXTURES.glob("*.log"))
 CORPUS_LOGS = sorted(p for c in CORPORA if (c / "logs").is_dir() for p in (c / "logs").iterdir())
 # Where a process's record begins: the only places a paste's joined lines can be split again.
-_JOINABLE = re.compile(r"^\s*(?:\[(?:rank|default)\d+\]:\s*)?(?:Traceback \(most|\[(?:rank|default)\d+\]:"
-                       r"|[IWEF]\d{4} \d\d:\d\d|File \"|Root Cause|Failures:|time\s+:|host\s+:|rank\s+:"
-                       r"|exitcode\s+:|error_file:|traceback\s+:|\[\d+\]:$)")
+_JOINABLE = re.compile(
+    r"^\s*(?:\[(?:rank|default)\d+\]:\s*)?(?:Traceback \(most|\[(?:rank|default)\d+\]:"
+    r"|[IWEF]\d{4} \d\d:\d\d|File \"|Root Cause|Failures:|time\s+:|host\s+:|rank\s+:"
+    r"|exitcode\s+:|error_file:|traceback\s+:|\[\d+\]:$)"
+)
 
 
 def _answer(path: Path) -> tuple[str | None, int | None]:
@@ -73,8 +75,11 @@ def damage(text: str, kinds: set[str], picks: list[bool], width: int) -> bytes:
     return out.encode("utf-8")
 
 
-DAMAGE = st.tuples(st.sets(st.sampled_from(["join", "wrap", "ansi", "entities", "fence", "crlf"]), min_size=1),
-                   st.lists(st.booleans(), min_size=1, max_size=8), st.sampled_from([80, 120]))
+DAMAGE = st.tuples(
+    st.sets(st.sampled_from(["join", "wrap", "ansi", "entities", "fence", "crlf"]), min_size=1),
+    st.lists(st.booleans(), min_size=1, max_size=8),
+    st.sampled_from([80, 120]),
+)
 
 
 def _check(path: Path, tmp: Path, kinds: set[str], picks: list[bool], width: int) -> None:
@@ -96,14 +101,13 @@ def test_damaged_fixture_same_diagnosis(path: Path, tmp_path: Path, dmg: tuple[s
 @pytest.mark.parametrize("path", CORPUS_LOGS, ids=lambda p: p.name[:40])
 @settings(max_examples=2, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(dmg=DAMAGE)
-def test_damaged_corpus_log_same_diagnosis(path: Path, tmp_path: Path,
-                                           dmg: tuple[set[str], list[bool], int]) -> None:
+def test_damaged_corpus_log_same_diagnosis(path: Path, tmp_path: Path, dmg: tuple[set[str], list[bool], int]) -> None:
     _check(path, tmp_path, *dmg)
 
 
 TABLE_ONE_LINE = (
     "[rank0]: step 12 loss 2.31 Traceback (most recent call last):   File "
-    "\"/usr/bin/torchrun\", line 8, in <module>     sys.exit(main()) "
+    '"/usr/bin/torchrun", line 8, in <module>     sys.exit(main()) '
     "torch.distributed.elastic.multiprocessing.errors.ChildFailedError: "
     "============================================================ train.py FAILED "
     "------------------------------------------------------------ Failures:   <NO_OTHER_FAILURES> "
@@ -124,8 +128,12 @@ def test_torchrun_table_on_one_line(tmp_path: Path) -> None:
 def test_stdout_log_with_binary_bytes_is_read(tmp_path: Path) -> None:
     """A few binary bytes (a crash's garbage, a redirected progress bar) do not make a log binary."""
     junk = bytes(range(0, 32)) * 4 + b"\x00" * 100  # a quarter of the file
-    log = (junk + b"\n" + b"".join(b"[rank2]: step %d loss 2.0\n" % i for i in range(30))
-           + b"[rank2]: torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB\n")
+    log = (
+        junk
+        + b"\n"
+        + b"".join(b"[rank2]: step %d loss 2.0\n" % i for i in range(30))
+        + b"[rank2]: torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB\n"
+    )
     (tmp_path / "stdout.log").write_bytes(log)
     d = diagnose([str(tmp_path / "stdout.log")])
     assert (d.failure_class, d.initiating_rank) == ("cuda_oom", 2)

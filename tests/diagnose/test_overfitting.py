@@ -22,14 +22,37 @@ from .corpus_score import CORPORA
 PRESENT = [c for c in CORPORA if (c / "labels.jsonl").is_file()]
 # Frameworks, launchers and libraries whose messages and frames the KB describes on purpose.
 FRAMEWORKS = {
-    "pytorch", "torch", "lightning", "pytorch_lightning", "deepspeed", "transformers", "accelerate",
-    "nccl", "gloo", "megatron", "torchtitan", "torchtune", "horovod", "submitit", "safetensors",
-    "apex", "fairscale", "mmengine", "detectron2", "slurm", "ray", "tune", "huggingface", "nvidia",
+    "pytorch",
+    "torch",
+    "lightning",
+    "pytorch_lightning",
+    "deepspeed",
+    "transformers",
+    "accelerate",
+    "nccl",
+    "gloo",
+    "megatron",
+    "torchtitan",
+    "torchtune",
+    "horovod",
+    "submitit",
+    "safetensors",
+    "apex",
+    "fairscale",
+    "mmengine",
+    "detectron2",
+    "slurm",
+    "ray",
+    "tune",
+    "huggingface",
+    "nvidia",
 }
 # Plain words that also happen to be parts of a corpus project's name (open-gpu-kernel-modules).
 VOCABULARY = {"kernel"}
-_ABS_PATH = re.compile(r"(?:^|[^\w\\])/(?:home|Users|root|data\d*|mnt|scratch|work|workspace|tmp|opt|usr|srv|cvmfs|"
-                       r"content|public|environment|gpfs|lustre|nfs|fsx)/|[A-Za-z]:\\\\")
+_ABS_PATH = re.compile(
+    r"(?:^|[^\w\\])/(?:home|Users|root|data\d*|mnt|scratch|work|workspace|tmp|opt|usr|srv|cvmfs|"
+    r"content|public|environment|gpfs|lustre|nfs|fsx)/|[A-Za-z]:\\\\"
+)
 _HOME = re.compile(r"/(?:home|Users|scratch|public/home|data\d*|mnt|u)/([A-Za-z][\w.\-]{2,})/")
 _WORD = re.compile(r"[A-Za-z][A-Za-z0-9_\-]{3,}")
 _ID = re.compile(r"(?<![\w])(?:\d{4,}|(?=[0-9a-f]*\d)(?=[0-9a-f]*[a-f])[0-9a-f]{6,})(?![\w])")
@@ -49,14 +72,20 @@ def rule_texts() -> list[tuple[str, str]]:
     r = kb.rules
     out += [(f"launcher {x.name}", x.pattern.pattern) for x in r.launchers]
     if r.silent_exit is not None:
-        out += [("silent exit memory", r.silent_exit.memory.pattern),
-                ("silent exit deliberate", r.silent_exit.deliberate.pattern)]
+        out += [
+            ("silent exit memory", r.silent_exit.memory.pattern),
+            ("silent exit deliberate", r.silent_exit.deliberate.pattern),
+        ]
     out += [("rank hint", x.pattern.pattern) for x in r.rank_hints]
     out += [("rank report", x.pattern.pattern) for x in r.rank_reports]
     out += [("traceback owner", x.pattern) for x in r.traceback_owners]
     out += [("hint", x.pattern) for x in r.hints]
-    out += [("launcher traceback", r.launcher_frames.pattern), ("race announce", r.race.announce.pattern),
-            ("race same error", r.race.same_error.pattern), ("desync", r.desync_pattern.pattern)]
+    out += [
+        ("launcher traceback", r.launcher_frames.pattern),
+        ("race announce", r.race.announce.pattern),
+        ("race same error", r.race.same_error.pattern),
+        ("desync", r.desync_pattern.pattern),
+    ]
     if r.progress is not None:
         out.append(("desync progress", r.progress.pattern))
     for op in r.operations:
@@ -122,8 +151,12 @@ def test_no_code_identifier_from_one_log_only() -> None:
     """A function or variable name in a rule that one corpus log holds, and none of the
     project's own fixtures and variants, was copied from that log."""
     here = Path(__file__).parent
-    own = "\n".join(p.read_text(encoding="utf-8", errors="replace")
-                    for d in (here / "fixtures", here / "variants") for p in d.rglob("*") if p.is_file())
+    own = "\n".join(
+        p.read_text(encoding="utf-8", errors="replace")
+        for d in (here / "fixtures", here / "variants")
+        for p in d.rglob("*")
+        if p.is_file()
+    )
     logs = [p.read_text(encoding="utf-8", errors="replace") for c in PRESENT for p in (c / "logs").glob("*.log")]
     bad = []
     for where, src in rule_texts():
@@ -135,8 +168,7 @@ def test_no_code_identifier_from_one_log_only() -> None:
 
 def test_the_check_catches_what_it_is_for() -> None:
     """The checks above flag a path, a user, a project and an id of a corpus log."""
-    users, projects, text = (corpus_names() if PRESENT else
-                             ({"kyoungrok"}, {"diffusers"}, "pid 29001 at 0x7fad0a5e2cc8"))
+    users, projects, text = corpus_names() if PRESENT else ({"kyoungrok"}, {"diffusers"}, "pid 29001 at 0x7fad0a5e2cc8")
     assert _ABS_PATH.search(r"FileNotFoundError: .*/home/\w+/ckpt")
     assert {w.lower() for w in _WORD.findall(r"(?i)diffusers|train_unconditional")} & projects
     some_user = sorted(users)[0]

@@ -54,10 +54,24 @@ def test_run_capture_orders_ranks_by_arrival_time(tmp_path: Path) -> None:
     before rank 0's, so rank 1 failed first, whatever the order of the files."""
     t0 = 1_750_000_000.0
     tb = "[rank{r}]: Traceback (most recent call last):", '[rank{r}]:   File "t.py", line 3, in <module>'
-    _capture(tmp_path, "node0", [(t0, "[rank0]: step 10 loss 2.0"), *((t0 + 50, x.format(r=0)) for x in tb),
-                                 (t0 + 50, "[rank0]: OSError: [Errno 28] No space left on device: '/ckpt/x'")])
-    _capture(tmp_path, "node1", [(t0, "[rank1]: step 10 loss 2.0"), *((t0 + 10, x.format(r=1)) for x in tb),
-                                 (t0 + 10, "[rank1]: torch.OutOfMemoryError: CUDA out of memory.")])
+    _capture(
+        tmp_path,
+        "node0",
+        [
+            (t0, "[rank0]: step 10 loss 2.0"),
+            *((t0 + 50, x.format(r=0)) for x in tb),
+            (t0 + 50, "[rank0]: OSError: [Errno 28] No space left on device: '/ckpt/x'"),
+        ],
+    )
+    _capture(
+        tmp_path,
+        "node1",
+        [
+            (t0, "[rank1]: step 10 loss 2.0"),
+            *((t0 + 10, x.format(r=1)) for x in tb),
+            (t0 + 10, "[rank1]: torch.OutOfMemoryError: CUDA out of memory."),
+        ],
+    )
     d = diagnose([str(tmp_path)])
     assert (d.failure_class, d.initiating_rank) == ("cuda_oom", 1)
     assert d.ordering_basis == "timestamps of the failure lines"

@@ -20,8 +20,22 @@ import pytest
 from .corpus_score import REAL, REPO, Scored, score_split, summary
 
 KB = REPO / "src" / "ckptguard" / "diagnose" / "kb"
-KEYS = {"file", "source", "failure_class", "initiating_rank", "collateral_ranks", "root_cause", "fix",
-        "evidence_lines", "notes", "project", "licence", "launcher", "score_class", "score_rank"}
+KEYS = {
+    "file",
+    "source",
+    "failure_class",
+    "initiating_rank",
+    "collateral_ranks",
+    "root_cause",
+    "fix",
+    "evidence_lines",
+    "notes",
+    "project",
+    "licence",
+    "launcher",
+    "score_class",
+    "score_rank",
+}
 # split -> (minimum share of scored rows with the right class, minimum share of scored ranks right),
 # a few points under the figures measured when the corpus was collected (tests/diagnose/corpus/README.md)
 FLOORS = {"dev": (0.75, 0.82), "sealed": (0.75, 0.40)}
@@ -63,8 +77,17 @@ def test_logs_carry_no_personal_identifiers() -> None:
     """Home-directory user names, public IP addresses and e-mail addresses are masked in every log."""
     for r in rows():
         text = (REAL / str(r["file"])).read_text(encoding="utf-8")
-        users = {u for u in HOME.findall(text)} - {"user", "root", "ubuntu", "runner", "admin", "jovyan",
-                                                   "<user>", "username", "ec2-user"}
+        users = {u for u in HOME.findall(text)} - {
+            "user",
+            "root",
+            "ubuntu",
+            "runner",
+            "admin",
+            "jovyan",
+            "<user>",
+            "username",
+            "ec2-user",
+        }
         assert not users, (r["file"], users)
         public = [ip for ip in IPV4.findall(text) if _public(ip)]
         assert not public, (r["file"], public)
@@ -79,8 +102,10 @@ def _public(ip: str) -> bool:
     return not (a.is_private or a.is_loopback or a.is_unspecified or a.is_multicast or a.is_reserved)
 
 
-@pytest.mark.skipif(not EXCLUDED.is_file(), reason=f"{EXCLUDED} is absent: the held-out source list is not here "
-                                                   "to check the corpus' sources against")
+@pytest.mark.skipif(
+    not EXCLUDED.is_file(),
+    reason=f"{EXCLUDED} is absent: the held-out source list is not here to check the corpus' sources against",
+)
 def test_no_source_is_a_held_out_thread() -> None:
     spec = importlib.util.spec_from_file_location("excluded", EXCLUDED)
     assert spec is not None and spec.loader is not None

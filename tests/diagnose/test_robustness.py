@@ -41,12 +41,15 @@ def test_binary_garbage_and_non_utf8(tmp_path: Path) -> None:
     (tmp_path / "garbage.bin.log").write_bytes(rnd)
     with pytest.raises(UsageError, match=r"garbage\.bin\.log is a binary file"):
         diagnose([str(tmp_path / "garbage.bin.log")])
-    (tmp_path / "job.log").write_bytes(b"step 1\n\0\0\0\n" + b"step 2 loss 1.0\n" * 2000
-                                       + b"[rank1]: torch.OutOfMemoryError: CUDA out of memory.\n")
+    (tmp_path / "job.log").write_bytes(
+        b"step 1\n\0\0\0\n" + b"step 2 loss 1.0\n" * 2000 + b"[rank1]: torch.OutOfMemoryError: CUDA out of memory.\n"
+    )
     d = diagnose([str(tmp_path / "job.log")])  # a text log with a few NULs (a crash's padding) is read
     assert (d.failure_class, d.initiating_rank) == ("cuda_oom", 1)
-    bad = (b"\xff\xfe[rank1]: caf\xe9 \x80\x81\n[rank1]: Traceback (most recent call last):\n"
-           b"[rank1]: OSError: [Errno 28] No space left on device: '/ck\xffpt/x.pt'\n")
+    bad = (
+        b"\xff\xfe[rank1]: caf\xe9 \x80\x81\n[rank1]: Traceback (most recent call last):\n"
+        b"[rank1]: OSError: [Errno 28] No space left on device: '/ck\xffpt/x.pt'\n"
+    )
     (tmp_path / "latin.log").write_bytes(bad)
     d = diagnose([str(tmp_path / "latin.log")])
     assert (d.failure_class, d.initiating_rank) == ("disk_full_enospc", 1)
@@ -100,7 +103,8 @@ def _planted(tmp_path: Path) -> Path:
         f"[default2]:[rank2]: KeyError: 'labels' token={s['hf']} aws {s['aws']} "
         f"aws_secret_access_key={s['aws_secret']} mail {s['email']} "
         f"url https://bob:{s['urlpass']}@hub.example.com/x Authorization: Bearer {s['bearer']} "
-        f"gh {s['github']} key {s['gcp']} {s['openai']} WANDB_API_KEY={s['wandb']}")
+        f"gh {s['github']} key {s['gcp']} {s['openai']} WANDB_API_KEY={s['wandb']}",
+    )
     p = tmp_path / "secrets.log"
     p.write_text(text)
     return p
@@ -157,16 +161,20 @@ def test_diagnose_does_not_import_torch() -> None:
 
 # ---- bad input always gets an answer or a clear message --------------------------
 
+
 def _bad_inputs(tmp_path: Path) -> dict[str, Path]:
     """Empty, binary, a 50 MB line, mixed encodings, UTF-16, a damaged .gz, NULs and CRs."""
     oom = "[rank1]: torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB\n"
     files = {
         "empty.log": b"",
         "binary.log": bytes(range(256)) * 4096,
-        "mixed.log": ("[rank0]: step 1 loss 2.0 \u2713\n".encode()
-                      + "[rank0]: caf\xe9 na\xefve\r\n".encode("latin-1")
-                      + "[rank2]: 训练 step 2\n".encode("gb18030")
-                      + b"\x00\x00\x00[rank3]: \xff\xfe\x00\n" + oom.encode()),
+        "mixed.log": (
+            "[rank0]: step 1 loss 2.0 \u2713\n".encode()
+            + "[rank0]: caf\xe9 na\xefve\r\n".encode("latin-1")
+            + "[rank2]: 训练 step 2\n".encode("gb18030")
+            + b"\x00\x00\x00[rank3]: \xff\xfe\x00\n"
+            + oom.encode()
+        ),
         "utf16.log": ("\ufeff" + "step 1\r\n" + oom.replace("\n", "\r\n")).encode("utf-16-le"),
         "damaged.log.gz": b"\x1f\x8b\x08\x00" + os.urandom(4096),
         "only_cr.log": oom.replace("\n", "\r").encode() * 3,
@@ -241,10 +249,13 @@ def test_grep_prefilter_feeds_the_same_lines(tmp_path: Path) -> None:
         for i in range(120_000):
             f.write(b"[rank%d]: step %d loss 1.0 tok/s 1000\n" % (i % 8, i))
             if i % 7 == 0:  # a word fragment of an anchor inside a metric's name, and a real word
-                f.write(b"[rank2]: step %d top1_error=0.2 starting eval\n" % i if i % 2 else
-                        b"[rank2]: std::runtime_error after step %d\n" % i)
+                f.write(
+                    b"[rank2]: step %d top1_error=0.2 starting eval\n" % i
+                    if i % 2
+                    else b"[rank2]: std::runtime_error after step %d\n" % i
+                )
             if i % 9973 == 0:
-                f.write(b"[rank3]: RuntimeError: boom\nTraceback (most recent call last):\n  File \"x.py\"\n")
+                f.write(b'[rank3]: RuntimeError: boom\nTraceback (most recent call last):\n  File "x.py"\n')
             if i % 31337 == 0:
                 f.write(b"x" * (70 * 1024) + b" Errno 28 at the end of an over-long line\n")
             if i % 50_000 == 0:
@@ -261,8 +272,10 @@ def test_a_metric_named_like_an_anchor_does_not_make_every_line_parsed(tmp_path:
     log = tmp_path / "metrics.log"
     with log.open("w") as f:
         for i in range(20_000):
-            f.write(f"2024-05-01 10:00:00,001 INFO step={i} top1_error=0.21 train/error_rate=0.2 "
-                    f"num_exceptions=0 early_exit=False saving_steps=500 loss_nan=0\n")
+            f.write(
+                f"2024-05-01 10:00:00,001 INFO step={i} top1_error=0.21 train/error_rate=0.2 "
+                f"num_exceptions=0 early_exit=False saving_steps=500 loss_nan=0\n"
+            )
         f.write("terminate called after throwing an instance of 'std::system_error'\n")
     d = diagnose([str(log)])
     assert d.failure_class == "unclassified_error"

@@ -25,8 +25,11 @@ def test_variant(name: str) -> None:
     d = diagnose([str(VARIANTS / f"{name}.log")])
     if "class" in want:
         rank = want["rank"]
-        assert (d.failure_class, d.initiating_rank) == (want["class"], None if rank == -1 else rank), \
-            (d.failure_class, d.initiating_rank, d.rank_attribution)
+        assert (d.failure_class, d.initiating_rank) == (want["class"], None if rank == -1 else rank), (
+            d.failure_class,
+            d.initiating_rank,
+            d.rank_attribution,
+        )
         assert d.evidence and d.root_cause and d.fix
     if "kind" in want:
         assert d.kind == want["kind"], (d.failure_class, d.kind)

@@ -60,6 +60,7 @@ class Hang(Exception):
 @contextlib.contextmanager
 def bounded(seconds: int = HANG_S, headroom: int = HEADROOM) -> Iterator[None]:
     """Run the body under an alarm and an address-space limit ``headroom`` above the current size."""
+
     def ring(signum: int, frame: FrameType | None) -> None:
         raise Hang(f"no answer after {seconds} s")
 

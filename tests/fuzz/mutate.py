@@ -20,7 +20,7 @@ def split(data: bytes) -> tuple[dict[str, Any], list[Any]]:
     """The manifest's JSON body and its row section (MessagePack, untyped)."""
     nl = data.index(b"\n")
     body = json.loads(data[:nl])["body"]
-    tables = msgspec.msgpack.decode(data[nl + 1:])
+    tables = msgspec.msgpack.decode(data[nl + 1 :])
     return body, tables
 
 

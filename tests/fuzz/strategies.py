@@ -25,19 +25,88 @@ from tests.fuzz.mutate import join, manifest_path, split
 
 #: Numbers at and across every bound a field of a manifest has (int64, uint64, 2**62 bytes, a C int,
 #: a float's range).
-EDGE_INTS = [0, 1, -1, 2, 3, 4, 7, 8, 15, 16, 64, 65, 255, 256, 2**31 - 1, 2**31, 2**32, 2**53 + 1, 2**62 - 1,
-             2**62, 2**63 - 1, 2**63, 2**64, -(2**63) - 1, 10**30, 10**400]
-EDGE_STRINGS = ["", ".", "..", "../x", "/abs", "a//b", "a\\b", "x" * 5000, "\x00", "é", "\udcff"[:0] + "\u202e",
-                "[bold]x[/]", "\x1b[31m", "float32", "int32", "bfloat16", "bytes", "tensor", "object", "xxh3-64",
-                "crc32c", "file", "dir", "msgpack-columns", "ckptguard-checkpoint", "0" * 16, "f" * 15, "zz",
-                "data/rank00000_0.bin", "files/rank00000/cfg/r1-cfg.yaml", "u1", "u8", "f8"]
+EDGE_INTS = [
+    0,
+    1,
+    -1,
+    2,
+    3,
+    4,
+    7,
+    8,
+    15,
+    16,
+    64,
+    65,
+    255,
+    256,
+    2**31 - 1,
+    2**31,
+    2**32,
+    2**53 + 1,
+    2**62 - 1,
+    2**62,
+    2**63 - 1,
+    2**63,
+    2**64,
+    -(2**63) - 1,
+    10**30,
+    10**400,
+]
+EDGE_STRINGS = [
+    "",
+    ".",
+    "..",
+    "../x",
+    "/abs",
+    "a//b",
+    "a\\b",
+    "x" * 5000,
+    "\x00",
+    "é",
+    "\udcff"[:0] + "\u202e",
+    "[bold]x[/]",
+    "\x1b[31m",
+    "float32",
+    "int32",
+    "bfloat16",
+    "bytes",
+    "tensor",
+    "object",
+    "xxh3-64",
+    "crc32c",
+    "file",
+    "dir",
+    "msgpack-columns",
+    "ckptguard-checkpoint",
+    "0" * 16,
+    "f" * 15,
+    "zz",
+    "data/rank00000_0.bin",
+    "files/rank00000/cfg/r1-cfg.yaml",
+    "u1",
+    "u8",
+    "f8",
+]
 
 scalars = st.one_of(
-    st.sampled_from(EDGE_INTS), st.integers(), st.sampled_from(EDGE_STRINGS), st.text(max_size=12),
-    st.floats(), st.booleans(), st.none(), st.binary(max_size=40),
+    st.sampled_from(EDGE_INTS),
+    st.integers(),
+    st.sampled_from(EDGE_STRINGS),
+    st.text(max_size=12),
+    st.floats(),
+    st.booleans(),
+    st.none(),
+    st.binary(max_size=40),
 )
-values = st.recursive(scalars, lambda inner: st.lists(inner, max_size=4) | st.dictionaries(
-    st.sampled_from(EDGE_STRINGS[:8]) | st.text(max_size=6), inner, max_size=3), max_leaves=8)
+values = st.recursive(
+    scalars,
+    lambda inner: (
+        st.lists(inner, max_size=4)
+        | st.dictionaries(st.sampled_from(EDGE_STRINGS[:8]) | st.text(max_size=6), inner, max_size=3)
+    ),
+    max_leaves=8,
+)
 
 
 @dataclass(frozen=True)
@@ -105,8 +174,9 @@ def apply(doc: Any, edit: Edit) -> None:
     if not edit.path:
         return
     key: Any = edit.path[-1]
-    if not isinstance(parent, dict | list) or (isinstance(parent, list) and not (
-            isinstance(key, int) and -len(parent) <= key < len(parent))):
+    if not isinstance(parent, dict | list) or (
+        isinstance(parent, list) and not (isinstance(key, int) and -len(parent) <= key < len(parent))
+    ):
         if isinstance(parent, dict) and edit.op == "set":
             parent[key] = edit.value
         return
@@ -125,8 +195,9 @@ def apply(doc: Any, edit: Edit) -> None:
 def edits(doc: Any) -> st.SearchStrategy[list[Edit]]:
     """One to three edits of ``doc``'s fields: a hostile value, a removal, or an element repeated."""
     places = sorted((p for p in set(paths(doc)) if len(p) >= 2), key=repr)  # inside the body or the tables
-    one = st.builds(Edit, st.sampled_from(["set", "set", "set", "delete", "grow", "append"]),
-                    st.sampled_from(places), values)
+    one = st.builds(
+        Edit, st.sampled_from(["set", "set", "set", "delete", "grow", "append"]), st.sampled_from(places), values
+    )
     return st.lists(one, min_size=1, max_size=3)
 
 
@@ -164,6 +235,7 @@ def join_raw(text: bytes, packed: bytes) -> bytes:
 
 # -- structurally valid hostile records: a tensor's chunks and items rewritten together -----------
 
+
 @st.composite
 def chunk_layouts(draw: st.DrawFn, shape: tuple[int, ...]) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
     """Chunks (offsets, sizes) of a tensor of ``shape``: a grid split (a real sharding), then maybe
@@ -181,9 +253,9 @@ def chunk_layouts(draw: st.DrawFn, shape: tuple[int, ...]) -> list[tuple[tuple[i
     d = draw(st.integers(0, len(shape) - 1))
     delta = draw(st.sampled_from([-2, -1, 1, 2, 2**62, -(2**62)]))
     if how == "move":
-        chunks[i] = ((*off[:d], off[d] + delta, *off[d + 1:]), size)
+        chunks[i] = ((*off[:d], off[d] + delta, *off[d + 1 :]), size)
     elif how == "resize":
-        chunks[i] = (off, (*size[:d], size[d] + delta, *size[d + 1:]))
+        chunks[i] = (off, (*size[:d], size[d] + delta, *size[d + 1 :]))
     elif how == "repeat":
         chunks.append(chunks[i])
     elif how == "drop" and len(chunks) > 1:
@@ -205,8 +277,15 @@ def rewrite_chunks(root: Path, step: int, fqn: str, chunks: list[tuple[tuple[int
     for off, size in chunks:
         n = max(0, _prod(size)) * itemsize
         n = n if n < 1 << 40 else 0
-        rows.append(one._replace(offsets=off, shape=tuple(max(0, s) for s in size), offset=pos, length=n,
-                                 checksum=checksum(m.checksum_algorithm, data[pos:pos + n])))
+        rows.append(
+            one._replace(
+                offsets=off,
+                shape=tuple(max(0, s) for s in size),
+                offset=pos,
+                length=n,
+                checksum=checksum(m.checksum_algorithm, data[pos : pos + n]),
+            )
+        )
         pos += n
     items = [r for i in m.items for r in (rows if i.fqn == fqn else [i])]
     dcp = json.loads(json.dumps(m.dcp))
@@ -225,5 +304,16 @@ def _prod(xs: tuple[int, ...]) -> int:
     return out
 
 
-__all__ = ["EDGE_INTS", "EDGE_STRINGS", "Edit", "apply", "chunk_layouts", "edits", "join", "paths",
-           "rewrite_chunks", "rewrite_with_edits", "values"]
+__all__ = [
+    "EDGE_INTS",
+    "EDGE_STRINGS",
+    "Edit",
+    "apply",
+    "chunk_layouts",
+    "edits",
+    "join",
+    "paths",
+    "rewrite_chunks",
+    "rewrite_with_edits",
+    "values",
+]

@@ -40,8 +40,11 @@ def test_a_save_today_writes_the_version_2_format_byte_for_byte(tmp_path: Path) 
     byte for byte; only what differs between two saves (attempt, time, host, versions) differs."""
     import runpy
 
-    runpy.run_path(str(FIXTURE.parent / "make_v2_root.py"), run_name="__main__",
-                   init_globals={"ROOT": tmp_path / "ck", "CFG": tmp_path / "cfg.yaml"})
+    runpy.run_path(
+        str(FIXTURE.parent / "make_v2_root.py"),
+        run_name="__main__",
+        init_globals={"ROOT": tmp_path / "ck", "CFG": tmp_path / "cfg.yaml"},
+    )
     old = (FIXTURE / "step-00000001" / "MANIFEST.json").read_bytes()
     new = (tmp_path / "ck" / "step-00000001" / "MANIFEST.json").read_bytes()
     (old_body, _), (new_body, _) = split(old), split(new)
@@ -49,5 +52,5 @@ def test_a_save_today_writes_the_version_2_format_byte_for_byte(tmp_path: Path) 
     for volatile in ("attempt", "created_at", "hosts", "versions"):
         old_body.pop(volatile), new_body.pop(volatile)
     assert new_body == old_body
-    assert new[new.index(b"\n") + 1:] == old[old.index(b"\n") + 1:]
+    assert new[new.index(b"\n") + 1 :] == old[old.index(b"\n") + 1 :]
     assert list(Manifest.from_json(new, "MANIFEST.json").items) == list(Manifest.from_json(old, "MANIFEST.json").items)

@@ -32,8 +32,12 @@ from tests.fuzz.strategies import EDGE_INTS
 CI_EXAMPLES = int(os.environ.get("CKPTGUARD_FUZZ_CI_EXAMPLES", "60"))
 LONG_EXAMPLES = int(os.environ.get("CKPTGUARD_FUZZ_EXAMPLES", "100000"))
 LONG_SEED = int(os.environ.get("CKPTGUARD_FUZZ_SEED", "0"))
-_COMMON: dict[str, Any] = {"deadline": None, "database": None, "print_blob": True,
-                           "suppress_health_check": [HealthCheck.too_slow, HealthCheck.data_too_large]}
+_COMMON: dict[str, Any] = {
+    "deadline": None,
+    "database": None,
+    "print_blob": True,
+    "suppress_health_check": [HealthCheck.too_slow, HealthCheck.data_too_large],
+}
 CI = settings(max_examples=CI_EXAMPLES, derandomize=True, **_COMMON)
 LONG = settings(max_examples=LONG_EXAMPLES, **_COMMON)
 
@@ -71,8 +75,22 @@ def metadata_edits(draw: st.DrawFn) -> list[tuple[str, str, Any]]:
     or file, a dtype, a planner path, or a chunk added or dropped."""
     out = []
     for _ in range(draw(st.integers(1, 3))):
-        what = draw(st.sampled_from(["size", "chunk offsets", "chunk sizes", "add chunk", "drop chunk",
-                                     "storage offset", "storage length", "storage file", "dtype", "planner"]))
+        what = draw(
+            st.sampled_from(
+                [
+                    "size",
+                    "chunk offsets",
+                    "chunk sizes",
+                    "add chunk",
+                    "drop chunk",
+                    "storage offset",
+                    "storage length",
+                    "storage file",
+                    "dtype",
+                    "planner",
+                ]
+            )
+        )
         name = draw(st.sampled_from(["a", "m", "n"]))
         if what in ("size", "chunk offsets", "chunk sizes", "add chunk"):
             value: Any = draw(st.lists(numbers, min_size=1, max_size=3))
@@ -154,8 +172,14 @@ def _check_dcp_import(work: Path, changes: list[tuple[str, str, Any]]) -> None:
             assert verify_checkpoint(str(root), CheckpointName(1), threads=1).intact
             with Checkpointer(root, read_only=True) as ck:
                 ck.read(1)
-        data = [sorted((p.relative_to(r / "step-00000001").as_posix(), p.read_bytes())
-                       for p in (r / "step-00000001" / "data").rglob("*") if p.is_file()) for r in roots]
+        data = [
+            sorted(
+                (p.relative_to(r / "step-00000001").as_posix(), p.read_bytes())
+                for p in (r / "step-00000001" / "data").rglob("*")
+                if p.is_file()
+            )
+            for r in roots
+        ]
         assert data[0] == data[1], "two imports of the same directory stored different bytes"
 
 
@@ -166,6 +190,7 @@ def test_import_of_hostile_dcp_metadata_ci(changes: list[tuple[str, str, Any]]) 
 
 
 # -- torch.save and safetensors files --------------------------------------------------------------
+
 
 @st.composite
 def byte_edits(draw: st.DrawFn, size: int) -> list[tuple[int, int]]:
@@ -199,14 +224,17 @@ def safetensors_headers(draw: st.DrawFn) -> bytes:
     """The saved file with a field of one tensor's header entry set to a hostile value."""
     raw = _files_base()[1]
     (n,) = struct.unpack("<Q", raw[:8])
-    header = json.loads(raw[8:8 + n])
+    header = json.loads(raw[8 : 8 + n])
     name = draw(st.sampled_from(sorted(k for k in header if k != "__metadata__")))
     field = draw(st.sampled_from(["dtype", "shape", "data_offsets"]))
-    value = draw(st.sampled_from(["F32", "I32", "F64", "BOOL", "F8_E4M3", "X"]) if field == "dtype"
-                 else st.lists(numbers, max_size=3))
+    value = draw(
+        st.sampled_from(["F32", "I32", "F64", "BOOL", "F8_E4M3", "X"])
+        if field == "dtype"
+        else st.lists(numbers, max_size=3)
+    )
     header[name][field] = value
     text = json.dumps(header).encode()
-    return struct.pack("<Q", len(text)) + text + raw[8 + n:]
+    return struct.pack("<Q", len(text)) + text + raw[8 + n :]
 
 
 def check_safetensors(data: bytes) -> None:
@@ -225,8 +253,12 @@ def test_import_of_a_damaged_torch_save_file_ci(edits: list[tuple[int, int]]) ->
 
 
 @CI
-@given(st.one_of(safetensors_headers(), st.deferred(lambda: byte_edits(len(_files_base()[1]))).map(
-    lambda e: _edited(_files_base()[1], e))))
+@given(
+    st.one_of(
+        safetensors_headers(),
+        st.deferred(lambda: byte_edits(len(_files_base()[1]))).map(lambda e: _edited(_files_base()[1], e)),
+    )
+)
 def test_load_file_of_a_hostile_safetensors_file_ci(data: bytes) -> None:
     check_safetensors(data)
 
@@ -234,9 +266,13 @@ def test_load_file_of_a_hostile_safetensors_file_ci(data: bytes) -> None:
 @pytest.mark.long
 @seed(LONG_SEED)
 @LONG
-@given(st.one_of(metadata_edits().map(lambda c: ("dcp", c)),
-                 st.deferred(lambda: byte_edits(len(_files_base()[0]))).map(lambda e: ("pt", e)),
-                 safetensors_headers().map(lambda d: ("st", d))))
+@given(
+    st.one_of(
+        metadata_edits().map(lambda c: ("dcp", c)),
+        st.deferred(lambda: byte_edits(len(_files_base()[0]))).map(lambda e: ("pt", e)),
+        safetensors_headers().map(lambda d: ("st", d)),
+    )
+)
 def test_imports_long(case: tuple[str, Any]) -> None:
     kind, value = case
     if kind == "dcp":

@@ -24,8 +24,12 @@ CI_EXAMPLES = int(os.environ.get("CKPTGUARD_FUZZ_CI_EXAMPLES", "60"))
 LONG_EXAMPLES = int(os.environ.get("CKPTGUARD_FUZZ_EXAMPLES", "100000"))
 LONG_SEED = int(os.environ.get("CKPTGUARD_FUZZ_SEED", "0"))
 
-_COMMON: dict[str, Any] = {"deadline": None, "database": None, "print_blob": True,
-                           "suppress_health_check": [HealthCheck.too_slow, HealthCheck.data_too_large]}
+_COMMON: dict[str, Any] = {
+    "deadline": None,
+    "database": None,
+    "print_blob": True,
+    "suppress_health_check": [HealthCheck.too_slow, HealthCheck.data_too_large],
+}
 CI = settings(max_examples=CI_EXAMPLES, derandomize=True, **_COMMON)
 LONG = settings(max_examples=LONG_EXAMPLES, **_COMMON)
 
@@ -78,8 +82,9 @@ def test_hostile_chunk_lists_with_matching_items_ci(layout: tuple[str, list[Any]
     check_chunks(*layout)
 
 
-@pytest.mark.parametrize("case", json.loads(REGRESSIONS.read_text()) if REGRESSIONS.exists() else [],
-                         ids=lambda c: c["name"])
+@pytest.mark.parametrize(
+    "case", json.loads(REGRESSIONS.read_text()) if REGRESSIONS.exists() else [], ids=lambda c: c["name"]
+)
 def test_regressions_found_by_the_fuzzer(case: dict[str, Any]) -> None:
     """Shrunk counterexamples of earlier runs (each failed before its fix)."""
     if "chunks" in case:

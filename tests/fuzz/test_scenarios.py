@@ -24,9 +24,11 @@ from tests.fuzz.support import cli, import_dir, save_two_steps
 
 def _raw(replace: bytes) -> Callable[[dict[str, Any], list[Any]], bytes]:
     """A body whose ``created_at`` is ``replace`` verbatim (a number json.dumps cannot write)."""
+
     def change(body: dict[str, Any], tables: list[Any]) -> bytes:
         body["created_at"] = 0
         return json.dumps(body, separators=(",", ":")).encode().replace(b'"created_at":0', b'"created_at":' + replace)
+
     return change
 
 
@@ -83,18 +85,29 @@ def _split_w(m: Manifest, data: bytes, chunks: list[tuple[int, int]]) -> Manifes
     items, pos = [], 0
     for off, size in chunks:
         n = 4 * size
-        items.append(one._replace(offsets=(off,), shape=(size,), offset=pos, length=n,
-                                  checksum=checksum(m.checksum_algorithm, data[pos:pos + n])))
+        items.append(
+            one._replace(
+                offsets=(off,),
+                shape=(size,),
+                offset=pos,
+                length=n,
+                checksum=checksum(m.checksum_algorithm, data[pos : pos + n]),
+            )
+        )
         pos += n
     dcp = json.loads(json.dumps(m.dcp))
     dcp["state_dict"]["w"]["chunks"] = [v for c in chunks for v in c]
     return dataclasses.replace(m, dcp=dcp, items=items)
 
 
-@pytest.mark.parametrize("chunks", [[(0, 4), (2, 4)], [(0, 4), (0, 4)], [(0, 2), (1, 2), (4, 4)]],
-                         ids=["overlap", "twice", "overlap-and-gap"])
-def test_chunks_that_do_not_cover_a_tensor_exactly_once_fail_verify_as_load(tmp_path: Path,
-                                                                           chunks: list[tuple[int, int]]) -> None:
+@pytest.mark.parametrize(
+    "chunks",
+    [[(0, 4), (2, 4)], [(0, 4), (0, 4)], [(0, 2), (1, 2), (4, 4)]],
+    ids=["overlap", "twice", "overlap-and-gap"],
+)
+def test_chunks_that_do_not_cover_a_tensor_exactly_once_fail_verify_as_load(
+    tmp_path: Path, chunks: list[tuple[int, int]]
+) -> None:
     root = save_two_steps(tmp_path / "ck", tmp_path / "cfg.py")
     path = manifest_path(root, 2)
     m = Manifest.from_json(path.read_bytes(), str(path))
@@ -115,8 +128,9 @@ def test_import_of_dcp_chunks_that_do_not_cover_a_tensor_is_refused(tmp_path: Pa
     from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
     src = tmp_path / "src"
-    dcp_save({"a": torch.arange(4.0), "b": torch.arange(4.0) + 4}, storage_writer=FileSystemWriter(str(src)),
-             no_dist=True)
+    dcp_save(
+        {"a": torch.arange(4.0), "b": torch.arange(4.0) + 4}, storage_writer=FileSystemWriter(str(src)), no_dist=True
+    )
     md = pickle.loads((src / ".metadata").read_bytes())
     entry = md.state_dict_metadata.pop("a")
     md.state_dict_metadata.pop("b")
@@ -147,4 +161,3 @@ def test_read_and_export_of_a_tensor_stored_in_another_domain_refuse_before_allo
         ck.read(2)
     with pytest.raises(CheckpointError, match="declares"):
         export_checkpoint(root, tmp_path / "out.pt", "torch", step=2)
-

@@ -62,11 +62,26 @@ SAVE_PHASES = tuple(p for p in FaultPhase if p not in LOAD_PHASES)
 #: Only storage-domain leaders pass these (publish, `latest`): the kill goes to a leader.
 LEADER_PHASES = frozenset({FaultPhase.BEFORE_PUBLISH, FaultPhase.AFTER_PUBLISH, FaultPhase.AFTER_COMMIT})
 DAMAGES = ("bitflip", "truncate", "zeros", "delete", "extra")
-KINDS = ("kill_phase", "kill_random", "kill_load", "stale_cache", "corruption", "disk_full",
-         "two_jobs", "takeover",
-         # the lifecycle kinds (tests/support/campaign_kinds.py)
-         "kill_overwrite", "kill_rollback", "stop", "reader", "load_state", "restore", "per_rank",
-         "async_exit", "hostile")
+KINDS = (
+    "kill_phase",
+    "kill_random",
+    "kill_load",
+    "stale_cache",
+    "corruption",
+    "disk_full",
+    "two_jobs",
+    "takeover",
+    # the lifecycle kinds (tests/support/campaign_kinds.py)
+    "kill_overwrite",
+    "kill_rollback",
+    "stop",
+    "reader",
+    "load_state",
+    "restore",
+    "per_rank",
+    "async_exit",
+    "hostile",
+)
 #: Kinds that fault a checkpoint's life beyond one save (overwrite, rollback, stalls, readers, loads, restores,
 #: exits, hostile input); kills and SIGSTOPs among them are counted apart (tools/campaign.py --report).
 LIFECYCLE_KINDS = KINDS[8:]
@@ -121,10 +136,22 @@ class Report:
 
     def table(self) -> str:
         head = ("kind", "variant", "trials", "faults", "failures", "torn loads", "lost ckpts", "seconds")
-        rows = [(t.kind, t.sub, t.trials, t.faults, t.failures, t.torn, t.lost, f"{t.seconds:.0f}")
-                for t in sorted(self.tallies.values(), key=_order)]
-        rows.append(("TOTAL", "", self.total("trials"), self.total("faults"), self.total("failures"),
-                     self.total("torn"), self.total("lost"), f"{self.seconds:.0f}"))
+        rows = [
+            (t.kind, t.sub, t.trials, t.faults, t.failures, t.torn, t.lost, f"{t.seconds:.0f}")
+            for t in sorted(self.tallies.values(), key=_order)
+        ]
+        rows.append(
+            (
+                "TOTAL",
+                "",
+                self.total("trials"),
+                self.total("faults"),
+                self.total("failures"),
+                self.total("torn"),
+                self.total("lost"),
+                f"{self.seconds:.0f}",
+            )
+        )
         widths = [max(len(str(r[i])) for r in [head, *rows]) for i in range(len(head))]
         line = "| " + " | ".join(f"{{:<{w}}}" for w in widths) + " |"
         out = [line.format(*head), "|" + "|".join("-" * (w + 2) for w in widths) + "|"]
@@ -132,10 +159,17 @@ class Report:
         return "\n".join(out)
 
     def to_json(self) -> dict[str, Any]:
-        return {"started": self.started, "seconds": round(self.seconds, 1),
-                "faults": self.total("faults"), "trials": self.total("trials"),
-                "failures": self.total("failures"), "torn": self.total("torn"), "lost": self.total("lost"),
-                "rows": [asdict(t) for t in self.tallies.values()], "problems": self.problems}
+        return {
+            "started": self.started,
+            "seconds": round(self.seconds, 1),
+            "faults": self.total("faults"),
+            "trials": self.total("trials"),
+            "failures": self.total("failures"),
+            "torn": self.total("torn"),
+            "lost": self.total("lost"),
+            "rows": [asdict(t) for t in self.tallies.values()],
+            "problems": self.problems,
+        }
 
 
 def _order(t: Tally) -> tuple[int, str]:
@@ -168,8 +202,13 @@ def _git_commit() -> str:
     if os.environ.get("CKPTGUARD_CAMPAIGN_COMMIT"):  # a run from an exported copy of a commit
         return os.environ["CKPTGUARD_CAMPAIGN_COMMIT"]
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10,
-                              cwd=Path(__file__).resolve().parent).stdout.strip()
+        return subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            cwd=Path(__file__).resolve().parent,
+        ).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return ""
 
@@ -207,7 +246,7 @@ def tail(job: JobResult | None, n: int = 3000) -> str:
     for r in range(8):
         out = job.rank_output(r)
         if "Traceback" in out:
-            text += f"\n--- rank {r} ---\n" + out[out.index("Traceback"):][:2000]
+            text += f"\n--- rank {r} ---\n" + out[out.index("Traceback") :][:2000]
             break
     return text[-n:]
 
@@ -233,8 +272,9 @@ class LatestWatch:
                     continue
                 prev = self.seen.get(root)
                 if prev is not None and pos < prev:
-                    self.violations.append(f"{root}/latest moved backwards in commit order: seq {prev} -> {pos} "
-                                           f"({body.get('dir')})")
+                    self.violations.append(
+                        f"{root}/latest moved backwards in commit order: seq {prev} -> {pos} ({body.get('dir')})"
+                    )
                 self.seen[root] = max(pos, prev if prev is not None else pos)
 
     def __enter__(self) -> LatestWatch:
@@ -273,9 +313,16 @@ class Topo:
 
 
 class Campaign:
-    def __init__(self, workdir: Path, seed: int = 0, log: Callable[[str], None] = print,
-                 job_timeout: float = 240, yield_to: str | None = None, results: Path | None = None,
-                 run_id: str = "") -> None:
+    def __init__(
+        self,
+        workdir: Path,
+        seed: int = 0,
+        log: Callable[[str], None] = print,
+        job_timeout: float = 240,
+        yield_to: str | None = None,
+        results: Path | None = None,
+        run_id: str = "",
+    ) -> None:
         self.results = results  # a JSONL file: one record per trial is appended (resumable campaigns)
         self.run_id = run_id or f"{time.strftime('%Y%m%dT%H%M%S')}-{seed}"
         self.commit = _git_commit()
@@ -305,9 +352,15 @@ class Campaign:
         self._gen += 1
         return self._gen
 
-    def job(self, topo: Topo, args: list[str], *, env: dict[str, str] | None = None,
-            timeout: float | None = None, pause: bool = True
-            ) -> tuple[JobResult | None, dict[int, list[dict[str, Any]]], str | None]:
+    def job(
+        self,
+        topo: Topo,
+        args: list[str],
+        *,
+        env: dict[str, str] | None = None,
+        timeout: float | None = None,
+        pause: bool = True,
+    ) -> tuple[JobResult | None, dict[int, list[dict[str, Any]]], str | None]:
         """Run one worker job; returns (result, events by rank, error text if it timed out).
 
         ``pause=False`` for jobs that must start now (the second job of a two-job trial, the job
@@ -316,8 +369,16 @@ class Campaign:
             self._yield()
         full_env = {"CKPT_SCRATCH": str(self.scratch), **(env or {})}
         try:
-            job = run_job(CAMPAIGN_JOB, args, nnodes=topo.nnodes, nproc_per_node=topo.nproc, env=full_env,
-                          node_env=topo.node_env(), timeout=timeout or self.job_timeout, straggler_grace=15)
+            job = run_job(
+                CAMPAIGN_JOB,
+                args,
+                nnodes=topo.nnodes,
+                nproc_per_node=topo.nproc,
+                env=full_env,
+                node_env=topo.node_env(),
+                timeout=timeout or self.job_timeout,
+                straggler_grace=15,
+            )
         except JobTimeout as e:
             return e.result, parse_events(e.result, topo.world), f"job timed out: {tail(e.result)}"
         return job, parse_events(job, topo.world), None
@@ -359,11 +420,22 @@ class Campaign:
             path.write_text("\n\n".join(parts))
             self.report.problems.append(f"  (logs: {path})")
         if self.results is not None:
-            rec = {"run": self.run_id, "seed": self.seed, "commit": self.commit, "time": round(time.time(), 1),
-                   "kind": trial.kind, "variant": trial.sub, "fault": trial.fault,
-                   "signal": trial.signal if trial.injected else "", "injected": int(trial.injected),
-                   "outcome": "fail" if trial.problems else "ok", "torn": int(trial.torn), "lost": int(trial.lost),
-                   "seconds": round(seconds, 2), "problems": [p[:500] for p in trial.problems[:3]]}
+            rec = {
+                "run": self.run_id,
+                "seed": self.seed,
+                "commit": self.commit,
+                "time": round(time.time(), 1),
+                "kind": trial.kind,
+                "variant": trial.sub,
+                "fault": trial.fault,
+                "signal": trial.signal if trial.injected else "",
+                "injected": int(trial.injected),
+                "outcome": "fail" if trial.problems else "ok",
+                "torn": int(trial.torn),
+                "lost": int(trial.lost),
+                "seconds": round(seconds, 2),
+                "problems": [p[:500] for p in trial.problems[:3]],
+            }
             self.results.parent.mkdir(parents=True, exist_ok=True)
             with open(self.results, "a") as f:
                 f.write(json.dumps(rec) + "\n")
@@ -415,9 +487,11 @@ class Campaign:
         single = self.fresh_root("kill-single")
         shared = self.fresh_root("kill-shared")
         local = [self.fresh_root("kill-local-n0"), self.fresh_root("kill-local-n1")]
-        topos = {"single": Topo("single", 1, 2, [single], [single], (0,)),
-                 "shared": Topo("shared", 2, 2, [shared, shared], [shared], (0,)),
-                 "local": Topo("local", 2, 2, local, local, (0, 2))}
+        topos = {
+            "single": Topo("single", 1, 2, [single], [single], (0,)),
+            "shared": Topo("shared", 2, 2, [shared, shared], [shared], (0,)),
+            "local": Topo("local", 2, 2, local, local, (0, 2)),
+        }
         cycle = ("single", "shared", "single", "local")  # 4 entries, 7 save phases: coprime, so every pair occurs
         per_topo: dict[str, list[tuple[str, str, str]]] = {k: [] for k in topos}
         for kind, n in plan.items():
@@ -469,8 +543,20 @@ class Campaign:
     def _corruption_job(self, topo: Topo, n: int, offset: int) -> None:
         t0 = time.monotonic()
         gen = self.next_gen()
-        job, evs, timeout = self.job(topo, ["corrupt", "--gen", str(gen), "--trials", str(n),
-                                            "--seed", str(self.rng.randrange(2**31)), "--cli-every", "7"])
+        job, evs, timeout = self.job(
+            topo,
+            [
+                "corrupt",
+                "--gen",
+                str(gen),
+                "--trials",
+                str(n),
+                "--seed",
+                str(self.rng.randrange(2**31)),
+                "--cli-every",
+                "7",
+            ],
+        )
         seconds = (time.monotonic() - t0) / max(1, n)
         damages = {e["trial"]: e for e in events_of(evs, "damage", 0)}
         setup = Trial("corruption", "setup", jobs=[job] if job else [])
@@ -510,9 +596,26 @@ class Campaign:
     def _disk_full_job(self, topo: Topo, n: int) -> None:
         t0 = time.monotonic()
         gen = self.next_gen()
-        job, evs, timeout = self.job(topo, ["diskfull", "--gen", str(gen), "--trials", str(n), "--keep-last", "2",
-                                            "--seed", str(self.rng.randrange(2**31)), "--lease-ttl", "2",
-                                            "--hold-every", "8", "--hold-s", "1.2"])
+        job, evs, timeout = self.job(
+            topo,
+            [
+                "diskfull",
+                "--gen",
+                str(gen),
+                "--trials",
+                str(n),
+                "--keep-last",
+                "2",
+                "--seed",
+                str(self.rng.randrange(2**31)),
+                "--lease-ttl",
+                "2",
+                "--hold-every",
+                "8",
+                "--hold-s",
+                "1.2",
+            ],
+        )
         seconds = (time.monotonic() - t0) / max(1, n)
         setup = Trial("disk_full", "setup", jobs=[job] if job else [])
         check_restart(setup, evs, topo, history=None)
@@ -540,8 +643,21 @@ class Campaign:
                 results: list[Any] = [None, None]
 
                 def launch(j: int, sync: Path = sync, gens: list[int] = gens, results: list[Any] = results) -> None:
-                    results[j] = self.job(topo, ["contend", "--gen", str(gens[j]), "--other", str(gens[1 - j]),
-                                                 "--sync", str(sync), "--lease-wait", "2"], pause=False)
+                    results[j] = self.job(
+                        topo,
+                        [
+                            "contend",
+                            "--gen",
+                            str(gens[j]),
+                            "--other",
+                            str(gens[1 - j]),
+                            "--sync",
+                            str(sync),
+                            "--lease-wait",
+                            "2",
+                        ],
+                        pause=False,
+                    )
 
                 threads = [threading.Thread(target=launch, args=(j,)) for j in range(2)]
                 for t in threads:
@@ -566,15 +682,22 @@ class Campaign:
                 self._yield()
                 t0 = time.monotonic()
                 at = ("idle", "publish")[i % 2]
-                trial = Trial("takeover", f"stalled {'between saves' if at == 'idle' else 'before publish'}",
-                              fault=f"{at}:leader:stop", signal="stop")
+                trial = Trial(
+                    "takeover",
+                    f"stalled {'between saves' if at == 'idle' else 'before publish'}",
+                    fault=f"{at}:leader:stop",
+                    signal="stop",
+                )
                 sync = Path(tempfile.mkdtemp(prefix=f"takeover-{i}-", dir=self.workdir))
                 gv, gt = self.next_gen(), self.next_gen()
                 victim: list[Any] = [None]
 
                 def run_victim(sync: Path = sync, gv: int = gv, victim: list[Any] = victim, at: str = at) -> None:
-                    victim[0] = self.job(topo, ["victim", "--gen", str(gv), "--sync", str(sync),
-                                                "--lease-ttl", str(ttl), "--stall-at", at], pause=False)
+                    victim[0] = self.job(
+                        topo,
+                        ["victim", "--gen", str(gv), "--sync", str(sync), "--lease-ttl", str(ttl), "--stall-at", at],
+                        pause=False,
+                    )
 
                 th = threading.Thread(target=run_victim)
                 th.start()
@@ -583,8 +706,11 @@ class Campaign:
                     time.sleep(0.05)
                 thief = None
                 if (sync / "stalled").exists():
-                    thief = self.job(topo, ["thief", "--gen", str(gt), "--sync", str(sync), "--lease-ttl", str(ttl),
-                                            "--stall-at", at], pause=False)
+                    thief = self.job(
+                        topo,
+                        ["thief", "--gen", str(gt), "--sync", str(sync), "--lease-ttl", str(ttl), "--stall-at", at],
+                        pause=False,
+                    )
                 else:
                     (sync / "thief-ready").touch()  # let a victim that never stalled finish
                 th.join()
@@ -610,8 +736,9 @@ class History:
 class Chain:
     """A sequence of jobs on one root: job g+1 checks what job g's fault left behind."""
 
-    def __init__(self, campaign: Campaign, topo: Topo, name: str, expect_domains: list[list[int]] | None = None
-                 ) -> None:
+    def __init__(
+        self, campaign: Campaign, topo: Topo, name: str, expect_domains: list[list[int]] | None = None
+    ) -> None:
         self.c = campaign
         self.topo = topo
         self.name = name
@@ -630,9 +757,23 @@ class Chain:
                 async_saves = not spec.startswith(("load", "none")) and self.c.rng.random() < 0.5
                 if async_saves:
                     sub += " +async"
-                job, evs, timeout = self.c.job(self.topo, [
-                    "chain", "--gen", str(gen), "--job-id", f"campaign-{self.name}", "--fault", spec,
-                    "--at", str(at), "--keep-last", str(KEEP_LAST), *(["--async-saves"] if async_saves else [])])
+                job, evs, timeout = self.c.job(
+                    self.topo,
+                    [
+                        "chain",
+                        "--gen",
+                        str(gen),
+                        "--job-id",
+                        f"campaign-{self.name}",
+                        "--fault",
+                        spec,
+                        "--at",
+                        str(at),
+                        "--keep-last",
+                        str(KEEP_LAST),
+                        *(["--async-saves"] if async_saves else []),
+                    ],
+                )
                 judge = pending or Trial("chain", "first job")
                 if job is not None:
                     judge.jobs.append(job)
@@ -655,8 +796,9 @@ class Chain:
                 pending_s = time.monotonic() - t0
 
 
-def classify_kill(trial: Trial, job: JobResult | None, evs: dict[int, list[dict[str, Any]]], spec: str,
-                  timeout: str | None) -> None:
+def classify_kill(
+    trial: Trial, job: JobResult | None, evs: dict[int, list[dict[str, Any]]], spec: str, timeout: str | None
+) -> None:
     """Did this job die by its injected SIGKILL (and only that)? Also checks a killed load changed nothing."""
     if timeout:
         trial.fail(f"fault {spec}: {timeout}")
@@ -696,8 +838,13 @@ def update_history(history: History | None, evs: dict[int, list[dict[str, Any]]]
     return History(committed, attempted)
 
 
-def check_restart(trial: Trial, evs: dict[int, list[dict[str, Any]]], topo: Topo, history: History | None,
-                  expect_domains: list[list[int]] | None = None) -> None:
+def check_restart(
+    trial: Trial,
+    evs: dict[int, list[dict[str, Any]]],
+    topo: Topo,
+    history: History | None,
+    expect_domains: list[list[int]] | None = None,
+) -> None:
     """The restart checks: committed steps (none lost, none invented), every load bitwise, clean save, no garbage."""
     start = events_of(evs, "start", 0)
     if not start:
@@ -709,8 +856,9 @@ def check_restart(trial: Trial, evs: dict[int, list[dict[str, Any]]], topo: Topo
     if history is not None:
         prev = history.committed
         if prev and prev[-1] not in steps:
-            trial.fail(f"newest committed step {prev[-1]} lost (committed before: {prev}, after restart: {steps})",
-                       lost=True)
+            trial.fail(
+                f"newest committed step {prev[-1]} lost (committed before: {prev}, after restart: {steps})", lost=True
+            )
         keep = set(sorted(set(prev) | set(steps))[-KEEP_LAST:])
         gone = [s for s in prev if s in keep and s not in steps]
         if gone:
@@ -722,23 +870,32 @@ def check_restart(trial: Trial, evs: dict[int, list[dict[str, Any]]], topo: Topo
             trial.fail(f"steps {invented} are committed but no job ever saved them", torn=True)
     for e in events_of(evs, "failed-load"):
         if not e["untouched"]:
-            trial.fail(f"rank {e['rank']}: a failed load ({e['what']}, {e['error']}) changed the caller's state",
-                       torn=True)
+            trial.fail(
+                f"rank {e['rank']}: a failed load ({e['what']}, {e['error']}) changed the caller's state", torn=True
+            )
     for e in events_of(evs, "loaded"):
         if e["what"] not in ("newest", "older"):
             continue
         if not e["ok"]:
             trial.fail(f"rank {e['rank']} loaded step {e['step']} with wrong content: {e['bad']}", torn=True)
         if e["extra_files"]:
-            trial.fail(f"rank {e['rank']}: restoring step {e['step']}'s files= into an empty directory left "
-                       f"files the checkpoint does not hold: {e['extra_files']}", torn=True)
+            trial.fail(
+                f"rank {e['rank']}: restoring step {e['step']}'s files= into an empty directory left "
+                f"files the checkpoint does not hold: {e['extra_files']}",
+                torn=True,
+            )
         if history is not None and e["step"] is not None and history.attempted.get(e["step"], e["gen"]) != e["gen"]:
-            trial.fail(f"rank {e['rank']} loaded step {e['step']} as saved by job {e['gen']}, but job "
-                       f"{history.attempted[e['step']]} saved it last", torn=True)
+            trial.fail(
+                f"rank {e['rank']} loaded step {e['step']} as saved by job {e['gen']}, but job "
+                f"{history.attempted[e['step']]} saved it last",
+                torn=True,
+            )
         if e["what"] == "newest":
             if e["step"] != (steps[-1] if steps else None):  # steps() lists in commit order
-                trial.fail(f"rank {e['rank']}: load() returned step {e['step']}, committed last is "
-                           f"{steps[-1] if steps else None}")
+                trial.fail(
+                    f"rank {e['rank']}: load() returned step {e['step']}, committed last is "
+                    f"{steps[-1] if steps else None}"
+                )
             if e["warned"]:
                 trial.fail(f"rank {e['rank']}: load() warned: {e['warned']}")
     if not events_of(evs, "saved", 0):
@@ -749,8 +906,7 @@ def check_restart(trial: Trial, evs: dict[int, list[dict[str, Any]]], topo: Topo
             break
 
 
-def check_damage(trial: Trial, d: dict[str, Any], evs: dict[int, list[dict[str, Any]]], topo: Topo,
-                 gen: int) -> None:
+def check_damage(trial: Trial, d: dict[str, Any], evs: dict[int, list[dict[str, Any]]], topo: Topo, gen: int) -> None:
     i, target = d["trial"], d["step"]
     if d["verify_intact"]:
         trial.fail(f"trial {i}: verify_checkpoint found step {target} intact after '{d['what']}'")
@@ -759,8 +915,11 @@ def check_damage(trial: Trial, d: dict[str, Any], evs: dict[int, list[dict[str, 
         trial.fail(f"trial {i}: `ckptguard verify --json` rc={cli['rc']} flagged {cli['flagged']} after '{d['what']}'")
     for e in events_of(evs, "failed-load"):
         if e.get("trial") == i and not e["untouched"]:
-            trial.fail(f"trial {i}: rank {e['rank']}: load(step={e['step']}) raised {e['error']} after "
-                       f"'{d['what']}' and changed the caller's state", torn=True)
+            trial.fail(
+                f"trial {i}: rank {e['rank']}: load(step={e['step']}) raised {e['error']} after "
+                f"'{d['what']}' and changed the caller's state",
+                torn=True,
+            )
     fallbacks = [e for e in events_of(evs, "fallback") if e["trial"] == i]
     if len(fallbacks) != topo.world:
         trial.fail(f"trial {i}: load(step=None) did not return on every rank after '{d['what']}'")
@@ -769,18 +928,26 @@ def check_damage(trial: Trial, d: dict[str, Any], evs: dict[int, list[dict[str, 
         trial.fail(f"trial {i}: ranks loaded different steps {loaded}", torn=True)
     for s in loaded:
         if s not in (target, target - 1):
-            trial.fail(f"trial {i}: load(step=None) returned {s} after '{d['what']}' on step {target} "
-                       f"(step {target - 1} is intact)")
+            trial.fail(
+                f"trial {i}: load(step=None) returned {s} after '{d['what']}' on step {target} "
+                f"(step {target - 1} is intact)"
+            )
     for e in events_of(evs, "loaded"):
         if e["what"] in ("after-damage", "damaged-explicit") and e.get("trial") == i:
             if not e["ok"]:
-                trial.fail(f"trial {i}: rank {e['rank']} loaded step {e['step']} with wrong content after "
-                           f"'{d['what']}': {e['bad']}", torn=True)
+                trial.fail(
+                    f"trial {i}: rank {e['rank']} loaded step {e['step']} with wrong content after "
+                    f"'{d['what']}': {e['bad']}",
+                    torn=True,
+                )
             if e["gen"] != gen:
                 trial.fail(f"trial {i}: rank {e['rank']} loaded gen {e['gen']}, expected {gen}", torn=True)
             if e["extra_files"]:
-                trial.fail(f"trial {i}: rank {e['rank']} loaded step {e['step']} after '{d['what']}'; its files= "
-                           f"directory also holds {e['extra_files']}, files of another checkpoint", torn=True)
+                trial.fail(
+                    f"trial {i}: rank {e['rank']} loaded step {e['step']} after '{d['what']}'; its files= "
+                    f"directory also holds {e['extra_files']}, files of another checkpoint",
+                    torn=True,
+                )
 
 
 def check_disk_full(trial: Trial, i: int, evs: dict[int, list[dict[str, Any]]], topo: Topo, gen: int) -> None:
@@ -804,8 +971,10 @@ def check_disk_full(trial: Trial, i: int, evs: dict[int, list[dict[str, Any]]], 
         if len(agreed) != 1 or not e0.get("agreed"):
             trial.fail(f"trial {i}: ranks did not agree on the failure: {sorted(agreed)[:2]}")
         if e0["after"] != e0["before"]:
-            trial.fail(f"trial {i}: committed steps changed by a failed save: {e0['before']} -> {e0['after']}",
-                       lost=not set(e0["before"]) <= set(e0["after"]))
+            trial.fail(
+                f"trial {i}: committed steps changed by a failed save: {e0['before']} -> {e0['after']}",
+                lost=not set(e0["before"]) <= set(e0["after"]),
+            )
     elif e0["step"] not in e0["after"]:
         trial.fail(f"trial {i}: the save fit but step {e0['step']} is not committed: {e0['after']}")
     rank_evs = {r: evs[r] for r in evs}
@@ -813,15 +982,17 @@ def check_disk_full(trial: Trial, i: int, evs: dict[int, list[dict[str, Any]]], 
         idx = next((k for k, x in enumerate(lst) if x.get("event") == "diskfull" and x["trial"] == i), None)
         if idx is None:
             continue
-        after = lst[idx + 1:]
+        after = lst[idx + 1 :]
         load = next((x for x in after if x.get("event") == "loaded"), None)
         if load is None or not load["ok"] or load["step"] != (max(e0["after"]) if e0["after"] else None):
-            trial.fail(f"trial {i}: rank {r} did not load the newest committed step bitwise after the "
-                       f"disk-full save: {load}", torn=bool(load and not load["ok"]))
+            trial.fail(
+                f"trial {i}: rank {r} did not load the newest committed step bitwise after the disk-full save: {load}",
+                torn=bool(load and not load["ok"]),
+            )
         nxt = next((x for x in after if x.get("event") in ("saved", "diskfull", "postfree-failed")), None)
         if nxt is not None and nxt["event"] == "postfree-failed":
             trial.fail(f"trial {i}: rank {r}: the save after freeing space failed: {nxt['msg']}")
-            nxt = next((x for x in after[after.index(nxt) + 1:] if x.get("event") in ("saved", "diskfull")), None)
+            nxt = next((x for x in after[after.index(nxt) + 1 :] if x.get("event") in ("saved", "diskfull")), None)
         if nxt is None or nxt["event"] != "saved":
             trial.fail(f"trial {i}: rank {r}: the save after freeing space did not succeed")
         if r in topo.leaders:
@@ -894,12 +1065,18 @@ def check_takeover(trial: Trial, victim: Any, thief: Any, topo: Topo, gv: int, g
     check_restart(trial, tevs, topo, history=None)
     for e in events_of(tevs, "loaded"):
         if e["what"] == "newest" and e["gen"] != gv:
-            trial.fail(f"the second job's first load got job {e['gen']}'s step {e['step']}, expected the stalled "
-                       f"job's ({gv})", torn=True)
+            trial.fail(
+                f"the second job's first load got job {e['gen']}'s step {e['step']}, expected the stalled job's ({gv})",
+                torn=True,
+            )
         if not e["ok"]:
             trial.fail(f"rank {e['rank']} loaded step {e['step']} with wrong content: {e['bad']}", torn=True)
-        if e["what"] == "thief-final" and e["gen"] == gv and e["step"] in inflight and \
-                not any(x["step"] == e["step"] for x in events_of(vevs, "saved", 0)):
+        if (
+            e["what"] == "thief-final"
+            and e["gen"] == gv
+            and e["step"] in inflight
+            and not any(x["step"] == e["step"] for x in events_of(vevs, "saved", 0))
+        ):
             trial.fail(f"step {e['step']} of the stalled job {gv} is committed in the root job {gt} took over")
     for e in events_of(tevs, "thief-save-failed", 0):
         trial.fail(f"the job that took over could not save step {e['step']}: {e['msg'][:300]}")

@@ -16,15 +16,28 @@ from typing import Any, NoReturn
 REPO = Path(__file__).resolve().parents[2]
 
 
-def torchrun(worker: Path, *args: str, env: Mapping[str, str] | None = None, nproc: int = 2,
-             timeout: float = 300) -> subprocess.CompletedProcess[str]:
+def torchrun(
+    worker: Path, *args: str, env: Mapping[str, str] | None = None, nproc: int = 2, timeout: float = 300
+) -> subprocess.CompletedProcess[str]:
     """Run ``worker`` on ``nproc`` local ranks (gloo on loopback); the library and ``tests.support``
     importable from this checkout."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-           str(worker), *args]
-    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo",
-                "PYTHONPATH": os.pathsep.join([str(REPO / "src"), str(REPO), os.environ.get("PYTHONPATH", "")]),
-                **(env or {})}
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        str(nproc),
+        str(worker),
+        *args,
+    ]
+    full_env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "GLOO_SOCKET_IFNAME": "lo",
+        "PYTHONPATH": os.pathsep.join([str(REPO / "src"), str(REPO), os.environ.get("PYTHONPATH", "")]),
+        **(env or {}),
+    }
     return subprocess.run(cmd, capture_output=True, text=True, env=full_env, timeout=timeout)
 
 

@@ -97,8 +97,7 @@ class JobResult:
     def output(self) -> str:
         """All agents' console output, one block per node, for assertion messages."""
         return "\n".join(
-            f"===== node {a.node_rank} (torchrun rc={a.returncode}) =====\n{a.output}"
-            for a in self.agents
+            f"===== node {a.node_rank} (torchrun rc={a.returncode}) =====\n{a.output}" for a in self.agents
         )
 
     def rank_output(self, rank: int) -> str:
@@ -110,9 +109,7 @@ class JobResult:
 
     def ranks_with_traceback(self) -> list[int]:
         """Global ranks whose log contains a Python traceback, in rank order."""
-        return sorted(
-            r for a in self.agents for r, log in a.worker_logs.items() if "Traceback" in log
-        )
+        return sorted(r for a in self.agents for r, log in a.worker_logs.items() if "Traceback" in log)
 
 
 class JobTimeout(TimeoutError):
@@ -201,9 +198,7 @@ def _read_worker_logs(log_dir: Path, node_rank: int, nproc_per_node: int) -> dic
     return logs
 
 
-def _build_env(
-    base: Mapping[str, str] | None, extra: Mapping[str, str] | None, marker: str
-) -> dict[str, str]:
+def _build_env(base: Mapping[str, str] | None, extra: Mapping[str, str] | None, marker: str) -> dict[str, str]:
     env = dict(os.environ)
     for k in _INHERITED_DIST_VARS:
         env.pop(k, None)
@@ -225,9 +220,7 @@ def _port_clash(text: str) -> bool:
     return any(s in text for s in _ADDR_IN_USE)
 
 
-def _wait_all(
-    procs: Sequence[subprocess.Popen[bytes]], tmpdir: Path, timeout: float, grace: float
-) -> bool:
+def _wait_all(procs: Sequence[subprocess.Popen[bytes]], tmpdir: Path, timeout: float, grace: float) -> bool:
     """Wait for every agent; True if the job timed out.
 
     Once one agent has failed, the others get ``grace`` seconds and are then killed

@@ -69,8 +69,12 @@ def save_requests(ranks: int, items: Sequence[int], part_size: int = 16 * MIB, i
     sizes = file_sizes(items, io_threads)
     n_parts = [parts(s, part_size) for s in sizes]
     multipart = sum(1 for p in n_parts if p)
-    per_rank = {"PutObject": len(sizes) - multipart, "CreateMultipartUpload": multipart,
-                "UploadPart": sum(n_parts), "CompleteMultipartUpload": multipart}
+    per_rank = {
+        "PutObject": len(sizes) - multipart,
+        "CreateMultipartUpload": multipart,
+        "UploadPart": sum(n_parts),
+        "CompleteMultipartUpload": multipart,
+    }
     return Requests(ranks, per_rank, 0, dict(SAVE_CONTROL))
 
 

@@ -149,13 +149,15 @@ def test_one_rank_acts_gives_every_rank_its_result_and_runs_it_once() -> None:
     assert run_ranks(3, body) == [{"step": 7}] * 3 and calls == [0]
 
 
-@pytest.mark.parametrize("raised, expected", [
-    (CorruptCheckpointError("step-3/data: checksum mismatch", path="step-3/data"), CorruptCheckpointError),
-    (PermissionError(13, "Permission denied", "/ckpt/latest"), StoragePermissionError),
-    (KeyError("layout"), PeerError),
-])
-def test_one_rank_acts_raises_rank_0s_failure_as_its_class_on_every_rank(raised: BaseException,
-                                                                        expected: type) -> None:
+@pytest.mark.parametrize(
+    "raised, expected",
+    [
+        (CorruptCheckpointError("step-3/data: checksum mismatch", path="step-3/data"), CorruptCheckpointError),
+        (PermissionError(13, "Permission denied", "/ckpt/latest"), StoragePermissionError),
+        (KeyError("layout"), PeerError),
+    ],
+)
+def test_one_rank_acts_raises_rank_0s_failure_as_its_class_on_every_rank(raised: BaseException, expected: type) -> None:
     def body(comm: Comm) -> object:
         def act() -> None:
             raise raised
@@ -187,8 +189,20 @@ def test_share_in_domain_reaches_only_the_domain() -> None:
     assert run_ranks(4, body) == ["from 0", "from 0", "from 2", "from 2"]
 
 
-_COLLECTIVES = {"gather", "broadcast", "all_gather", "scatter", "barrier", "gather_object", "all_gather_object",
-                "broadcast_object_list", "scatter_object_list", "all_reduce", "reduce_scatter", "all_to_all"}
+_COLLECTIVES = {
+    "gather",
+    "broadcast",
+    "all_gather",
+    "scatter",
+    "barrier",
+    "gather_object",
+    "all_gather_object",
+    "broadcast_object_list",
+    "scatter_object_list",
+    "all_reduce",
+    "reduce_scatter",
+    "all_to_all",
+}
 
 
 def test_no_collective_is_called_outside_the_communication_module() -> None:
@@ -206,6 +220,9 @@ def test_no_collective_is_called_outside_the_communication_module() -> None:
 @pytest.mark.parametrize("name", ["gather", "broadcast_object_list", "barrier"])
 def test_the_scan_would_catch_a_collective(name: str) -> None:
     code = f"import torch.distributed as dist\ndef f(comm):\n    dist.{name}(None)\n    comm.{name}(1)\n"
-    calls = [n for n in ast.walk(ast.parse(code)) if isinstance(n, ast.Call)
-             and isinstance(n.func, ast.Attribute) and n.func.attr in _COLLECTIVES]
+    calls = [
+        n
+        for n in ast.walk(ast.parse(code))
+        if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr in _COLLECTIVES
+    ]
     assert len(calls) == 2

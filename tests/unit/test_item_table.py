@@ -14,11 +14,11 @@ from ckptguard.protocol.topology import Topology
 
 def _rank_rows(rank: int) -> tuple[list[FileEntry], list[StoredItem]]:
     files = [FileEntry(f"data/rank{rank:05d}_{i}.bin", 4096, rank) for i in range(2)]
-    rows = [StoredItem(f"layer{rank % 3}.w", (rank * 4, 0), files[rank % 2].path, 0, 64, f"{rank:016x}",
-                       "float32", (4, 4)),
-            StoredItem(f"only{rank}", None, files[0].path, 64, 5, f"{rank + 1:016x}"),
-            StoredItem("shared", (), files[1].path, 64, 2, f"{rank + 2:016x}", "bfloat16" if rank % 2 else "int16",
-                       ())]
+    rows = [
+        StoredItem(f"layer{rank % 3}.w", (rank * 4, 0), files[rank % 2].path, 0, 64, f"{rank:016x}", "float32", (4, 4)),
+        StoredItem(f"only{rank}", None, files[0].path, 64, 5, f"{rank + 1:016x}"),
+        StoredItem("shared", (), files[1].path, 64, 2, f"{rank + 2:016x}", "bfloat16" if rank % 2 else "int16", ()),
+    ]
     return files, rows
 
 
@@ -63,8 +63,9 @@ def test_rows_of_every_kind_a_rank_may_send_come_back_from_the_manifest_row_for_
         files += f
     topo = Topology(0, n, (tuple(range(n)),), tuple(f"h{r}" for r in range(n)))
     for subset in (range(n), range(1, 3), range(3, 5)):
-        m = build_manifests(Topology(0, n, (tuple(subset),), topo.hosts), CheckpointName(1), "ab" * 16, "xxh3-64",
-                            writes, {}, {})[subset[0]]
+        m = build_manifests(
+            Topology(0, n, (tuple(subset),), topo.hosts), CheckpointName(1), "ab" * 16, "xxh3-64", writes, {}, {}
+        )[subset[0]]
         want = [row for r in subset for row in _sent_rows(writes[r])]
         assert list(m.items) == want
         assert list(Manifest.from_json(m.to_json(), "MANIFEST.json").items) == want

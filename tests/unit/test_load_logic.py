@@ -19,13 +19,21 @@ SHAPE = (6, 5)
 
 def _read(offsets: tuple[int, int], lengths: tuple[int, int]) -> ReadItem:
     index = MetadataIndex("w", torch.Size(offsets))
-    return ReadItem(type=LoadItemType.TENSOR, dest_index=index, dest_offsets=torch.Size(offsets),
-                    storage_index=index, storage_offsets=torch.Size((0, 0)), lengths=torch.Size(lengths))
+    return ReadItem(
+        type=LoadItemType.TENSOR,
+        dest_index=index,
+        dest_offsets=torch.Size(offsets),
+        storage_index=index,
+        storage_offsets=torch.Size((0, 0)),
+        lengths=torch.Size(lengths),
+    )
 
 
 boxes = st.lists(
     st.tuples(st.integers(0, SHAPE[0] - 1), st.integers(0, SHAPE[1] - 1), st.integers(0, 3), st.integers(0, 3)),
-    min_size=1, max_size=12)
+    min_size=1,
+    max_size=12,
+)
 
 
 @settings(max_examples=200, deadline=None)
@@ -39,9 +47,17 @@ def test_boxes_overlap_exactly_when_two_reads_write_one_element(spec: list[tuple
 
 @given(st.lists(st.tuples(st.integers(0, 40), st.integers(0, 5)), min_size=1, max_size=20))
 def test_one_dimensional_reads_overlap_exactly_when_two_share_an_element(spec: list[tuple[int, int]]) -> None:
-    reads = [ReadItem(type=LoadItemType.TENSOR, dest_index=MetadataIndex("v", torch.Size((o,))),
-                      dest_offsets=torch.Size((o,)), storage_index=MetadataIndex("v", torch.Size((o,))),
-                      storage_offsets=torch.Size((0,)), lengths=torch.Size((n,))) for o, n in spec]
+    reads = [
+        ReadItem(
+            type=LoadItemType.TENSOR,
+            dest_index=MetadataIndex("v", torch.Size((o,))),
+            dest_offsets=torch.Size((o,)),
+            storage_index=MetadataIndex("v", torch.Size((o,))),
+            storage_offsets=torch.Size((0,)),
+            lengths=torch.Size((n,)),
+        )
+        for o, n in spec
+    ]
     cells = [set(range(o, o + n)) for o, n in spec]
     assert _boxes_overlap(reads) == any(a & b for a, b in itertools.combinations(cells, 2))
 

@@ -29,9 +29,14 @@ def test_every_field_has_a_docstring_and_is_either_assignable_or_fixed() -> None
 
     tree = ast.parse(inspect.getsource(module))
     cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "CheckpointerSettings")
-    documented = {a.target.id for a, doc in zip(cls.body, cls.body[1:], strict=False)
-                  if isinstance(a, ast.AnnAssign) and isinstance(a.target, ast.Name)
-                  and isinstance(doc, ast.Expr) and isinstance(doc.value, ast.Constant)}
+    documented = {
+        a.target.id
+        for a, doc in zip(cls.body, cls.body[1:], strict=False)
+        if isinstance(a, ast.AnnAssign)
+        and isinstance(a.target, ast.Name)
+        and isinstance(doc, ast.Expr)
+        and isinstance(doc.value, ast.Constant)
+    }
     assert documented == set(FIELDS)
     assert set(SETTABLE) | set(FIXED) == set(FIELDS) and not set(SETTABLE) & set(FIXED)
     assert all(hasattr(Checkpointer, name) for name in FIELDS)
@@ -47,8 +52,10 @@ def test_counts_are_refused_below_their_minimum_naming_the_field(name: str, valu
         assert getattr(made, name) == value and type(getattr(made, name)) is int
 
 
-@given(name=st.sampled_from(sorted(COUNTS)),
-       value=st.one_of(st.text(max_size=3), st.floats(allow_nan=False), st.booleans(), st.lists(st.integers())))
+@given(
+    name=st.sampled_from(sorted(COUNTS)),
+    value=st.one_of(st.text(max_size=3), st.floats(allow_nan=False), st.booleans(), st.lists(st.integers())),
+)
 def test_counts_of_another_type_are_a_type_error_naming_the_field(name: str, value: Any) -> None:
     with pytest.raises(TypeError, match=rf"^{name} must be an int >= {COUNTS[name]}"):
         CheckpointerSettings(**{name: value})

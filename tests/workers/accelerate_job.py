@@ -31,8 +31,6 @@ from tests.support.frameworks import run_worker, state_digest
 EVERY, STEPS = 2, 8
 
 
-
-
 def kill_while_writing_optimizer_of_save(n: int) -> None:
     """Rank 0 dies while Accelerate writes optimizer.bin of its nth save_state: models written, the rest not."""
     real = accelerate.checkpointing.save
@@ -62,8 +60,11 @@ def main() -> None:
     p.add_argument("--default", action="store_true", help="Accelerate's own save_state/load_state")
     p.add_argument("--crash-at-save", type=int, default=0, help="rank 0 dies writing optimizer.bin of save N")
     p.add_argument("--crash-at-commit", type=int, default=0, help="rank 0 dies inside ckptguard's commit of save N")
-    p.add_argument("--record-load-error", action="store_true",
-                   help="a resume whose load_state raises records the exception's class and message, and stops")
+    p.add_argument(
+        "--record-load-error",
+        action="store_true",
+        help="a resume whose load_state raises records the exception's class and message, and stops",
+    )
     a = p.parse_args()
     config = ProjectConfiguration(project_dir=a.project, automatic_checkpoint_naming=True, total_limit=2)
     cls = Accelerator if a.default else CkptguardAccelerator
@@ -92,12 +93,19 @@ def main() -> None:
             record(kind="load_error", error=type(e).__name__, message=str(e))
             return
         if iteration is None:  # Accelerate's own returns nothing: it loaded the folder before save_iteration
-            iteration = int(sorted(os.listdir(os.path.join(a.project, "checkpoints")),
-                                   key=lambda n: int(n.split("_")[-1]))[-1].split("_")[-1])
+            iteration = int(
+                sorted(os.listdir(os.path.join(a.project, "checkpoints")), key=lambda n: int(n.split("_")[-1]))[
+                    -1
+                ].split("_")[-1]
+            )
             accelerator.project_configuration.iteration = iteration + 1
         start = (iteration + 1) * EVERY
-        record(kind="loaded", step=start, iteration=iteration,
-               digest=state_digest(accelerator.unwrap_model(model), optim, sched))
+        record(
+            kind="loaded",
+            step=start,
+            iteration=iteration,
+            digest=state_digest(accelerator.unwrap_model(model), optim, sched),
+        )
     if a.crash_at_save and rank == 0:
         kill_while_writing_optimizer_of_save(a.crash_at_save)
     saves = 0

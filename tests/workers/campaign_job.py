@@ -81,11 +81,17 @@ def expected(step: int, gen: int, rank: int, big: int) -> dict[str, Any]:
     }
     weight = torch.randn(32, 64, generator=g)
     bias = torch.randn(32, generator=g)
-    meta = {"step": step, "gen": gen, "note": f"step {step} saved by job {gen}",
-            "hist": [round(float(x), 6) for x in torch.rand(3, generator=g)]}
+    meta = {
+        "step": step,
+        "gen": gen,
+        "note": f"step {step} saved by job {gen}",
+        "hist": [round(float(x), 6) for x in torch.rand(3, generator=g)],
+    }
     gr = _gen(step, gen, rank)
-    per_rank = {"rng": torch.randint(0, 256, (1000 + 37 * rank,), generator=gr, dtype=torch.uint8),
-                "pos": step * 1000 + rank}
+    per_rank = {
+        "rng": torch.randint(0, 256, (1000 + 37 * rank,), generator=gr, dtype=torch.uint8),
+        "pos": step * 1000 + rank,
+    }
     aux = {
         # The step-dependent name sorts first: a restore that fails on a.bin after writing it
         # would leave a file of the rejected checkpoint behind, which the comparison catches.
@@ -169,8 +175,10 @@ class State:
         got_aux = read_aux(files["aux"]) if os.path.isdir(files["aux"]) else {}
         extra = sorted(set(got_aux) - set(e["aux"]))
         if {k: got_aux.get(k) for k in e["aux"]} != e["aux"]:
-            bad.append(f"files= artifact: got {sorted(got_aux)}, expected {sorted(e['aux'])}"
-                       + (" (contents differ)" if sorted(got_aux) == sorted(e["aux"]) else ""))
+            bad.append(
+                f"files= artifact: got {sorted(got_aux)}, expected {sorted(e['aux'])}"
+                + (" (contents differ)" if sorted(got_aux) == sorted(e["aux"]) else "")
+            )
         self.extra = extra  # files= files the loaded checkpoint does not hold: a restore mixing checkpoints
         return gen, bad
 
@@ -202,17 +210,31 @@ def load_and_check(ck: Checkpointer, st: State, step: int | None, what: str, **t
             got = ck.load(state, step=step, files=files)
         except CheckpointError as e:
             # Every failed load, in every scenario: the caller's state must be as it was.
-            result(event="failed-load", what=what, step=step, error=type(e).__name__,
-                   untouched=_digest_state(state, files) == before, **tags)
+            result(
+                event="failed-load",
+                what=what,
+                step=step,
+                error=type(e).__name__,
+                untouched=_digest_state(state, files) == before,
+                **tags,
+            )
             raise
     warned = [str(w.message)[:300] for w in caught if "ckptguard" in str(w.message)]
     if got is None:
-        result(event="loaded", what=what, step=None, gen=None, ok=True, bad=[], warned=warned, extra_files=[],
-               **tags)
+        result(event="loaded", what=what, step=None, gen=None, ok=True, bad=[], warned=warned, extra_files=[], **tags)
         return None
     gen, bad = st.compare(state, files, got)
-    result(event="loaded", what=what, step=got, gen=gen, ok=not bad, bad=bad[:5], warned=warned,
-           extra_files=st.extra, **tags)
+    result(
+        event="loaded",
+        what=what,
+        step=got,
+        gen=gen,
+        ok=not bad,
+        bad=bad[:5],
+        warned=warned,
+        extra_files=st.extra,
+        **tags,
+    )
     shutil.rmtree(files["aux"], ignore_errors=True)
     return got
 
@@ -373,9 +395,9 @@ def _damage(step_dir: str, kind: str, rng: random.Random) -> str:
         for _ in range(100):  # a block that is not already zero, or the damage would be no damage
             length = rng.randint(1, min(4096, len(data)))
             pos = rng.randrange(len(data) - length + 1)
-            if any(data[pos:pos + length]):
+            if any(data[pos : pos + length]):
                 break
-        data[pos:pos + length] = bytes(length)
+        data[pos : pos + length] = bytes(length)
         what = f"zeros {rel} bytes {pos}..{pos + length}"
     else:
         raise ValueError(kind)
@@ -411,14 +433,26 @@ def scenario_corrupt(args: argparse.Namespace) -> None:
             problems = sorted({p.kind for p in vr.problems})
             cli = None
             if i % args.cli_every == 0:
-                proc = subprocess.run([sys.executable, "-m", "ckptguard.cli", "verify", ck.root, "--json"],
-                                      capture_output=True, text=True, timeout=120)
+                proc = subprocess.run(
+                    [sys.executable, "-m", "ckptguard.cli", "verify", ck.root, "--json"],
+                    capture_output=True,
+                    text=True,
+                    timeout=120,
+                )
                 doc = json.loads(proc.stdout) if proc.stdout.strip().startswith("{") else {}
                 flagged = [c["step"] for c in doc.get("checked", []) if not c["intact"]]
                 gone = target not in [c["step"] for c in doc.get("checked", [])]
                 cli = {"rc": proc.returncode, "flagged": flagged, "target_listed": not gone}
-            result(event="damage", trial=i, kind=kind, step=target, what=what, verify_intact=vr.intact,
-                   problems=problems, cli=cli)
+            result(
+                event="damage",
+                trial=i,
+                kind=kind,
+                step=target,
+                what=what,
+                verify_intact=vr.intact,
+                problems=problems,
+                cli=cli,
+            )
         dist.barrier()
         got = load_and_check(ck, st, None, "after-damage", trial=i)
         result(event="fallback", trial=i, kind=kind, target=target, loaded=got)
@@ -451,9 +485,11 @@ def scenario_diskfull(args: argparse.Namespace) -> None:
             # A short lease TTL, so that the renewal thread runs while the disk is full.
             ck = reopen(ck, args, lease_ttl_s=args.lease_ttl)
         if RANK == 0:
-            size = sum(os.path.getsize(os.path.join(d, n))
-                       for d, _, ns in os.walk(os.path.join(ck.root, CheckpointName(ck.latest()).dirname))
-                       for n in ns)
+            size = sum(
+                os.path.getsize(os.path.join(d, n))
+                for d, _, ns in os.walk(os.path.join(ck.root, CheckpointName(ck.latest()).dirname))
+                for n in ns
+            )
             vfs = os.statvfs(fill_dir)
             free = vfs.f_bavail * vfs.f_frsize
             leave = rng.randrange(0, int(size * 1.15))
@@ -464,8 +500,9 @@ def scenario_diskfull(args: argparse.Namespace) -> None:
                     while remaining > 0:
                         remaining -= f.write(chunk[: min(len(chunk), remaining)])
             vfs = os.statvfs(fill_dir)
-            result(event="filled", trial=i, checkpoint_bytes=size, free=vfs.f_bavail * vfs.f_frsize, leave=leave,
-                   hold=hold)
+            result(
+                event="filled", trial=i, checkpoint_bytes=size, free=vfs.f_bavail * vfs.f_frsize, leave=leave, hold=hold
+            )
         dist.barrier()
         before = ck.steps()
         agreed: list[object] = []
@@ -476,8 +513,17 @@ def scenario_diskfull(args: argparse.Namespace) -> None:
             outcome, msg = "raised", str(e)
             # What every rank agreed on (a rank that failed itself raises its own error, with its own words).
             agreed = [[f.rank, f.kind] for f in agreed_failures(e)]
-        result(event="diskfull", trial=i, step=step, outcome=outcome, msg=msg[:600], agreed=agreed, before=before,
-               after=ck.steps(refresh=True), hold=hold)
+        result(
+            event="diskfull",
+            trial=i,
+            step=step,
+            outcome=outcome,
+            msg=msg[:600],
+            agreed=agreed,
+            before=before,
+            after=ck.steps(refresh=True),
+            hold=hold,
+        )
         load_and_check(ck, st, None, "after-diskfull", trial=i)
         if hold and RANK == 0:
             # Completely full, for longer than a lease renewal interval (as when nobody cleans up for a while).
@@ -585,6 +631,7 @@ def scenario_victim(args: argparse.Namespace) -> None:
     if RANK == 1 and args.stall_at == "idle":
         stall("idle")
     elif RANK == 1 and args.stall_at == "publish":
+
         def watch() -> None:
             while not done.is_set():
                 if _staging_has_manifest(ck.root):
@@ -824,8 +871,7 @@ def _install_stop_points() -> None:
 
     compare_and_swap = PosixStorage.compare_and_swap
 
-    def cas_hook(self: Any, path: str, data: bytes, token: str | None,
-                 fence: Callable[[], None] | None = None) -> bool:
+    def cas_hook(self: Any, path: str, data: bytes, token: str | None, fence: Callable[[], None] | None = None) -> bool:
         _CAS.inside = True
         try:
             return compare_and_swap(self, path, data, token, fence)
@@ -988,8 +1034,11 @@ def scenario_loadstate(args: argparse.Namespace) -> None:
             what = _damage(os.path.join(ck.root, CheckpointName(target).dirname), kind, rng)
             result(event="damage", trial=i, kind=kind, step=target, what=what)
         dist.barrier()
-        for label, step_arg, strict in (("explicit", target, True), ("explicit-nonstrict", target, False),
-                                        ("fallback-nonstrict", None, False)):
+        for label, step_arg, strict in (
+            ("explicit", target, True),
+            ("explicit-nonstrict", target, False),
+            ("fallback-nonstrict", None, False),
+        ):
             tmpl, tfiles = st.template()
             sentinel = torch.full((only_new.numel(),), -9.5)
             tmpl["only_new"] = sentinel
@@ -1005,16 +1054,29 @@ def scenario_loadstate(args: argparse.Namespace) -> None:
             warned = [str(w.message)[:200] for w in caught if "ckptguard" in str(w.message)]
             ev: dict[str, Any] = {"event": "loadstate", "trial": i, "label": label, "target": target, "kind": kind}
             if err is not None:
-                ev.update(outcome="raised", error=type(err).__name__, msg=str(err)[:300],
-                          untouched=_digest_state(tmpl, tfiles) == before, siblings=_siblings(tfiles["aux"]))
+                ev.update(
+                    outcome="raised",
+                    error=type(err).__name__,
+                    msg=str(err)[:300],
+                    untouched=_digest_state(tmpl, tfiles) == before,
+                    siblings=_siblings(tfiles["aux"]),
+                )
             else:
                 gen, bad = st.compare(tmpl, tfiles, got) if got is not None else (None, ["nothing loaded"])
                 if got == target:
                     new_ok = bitwise_equal(tmpl["only_new"], only_new)
                 else:  # the older step lacks the key: the caller's value must stay, bit for bit
                     new_ok = bitwise_equal(tmpl["only_new"], sentinel)
-                ev.update(outcome="loaded", step=got, gen=gen, bad=bad[:5], extra_files=st.extra, only_new_ok=new_ok,
-                          warned=warned, siblings=_siblings(tfiles["aux"]))
+                ev.update(
+                    outcome="loaded",
+                    step=got,
+                    gen=gen,
+                    bad=bad[:5],
+                    extra_files=st.extra,
+                    only_new_ok=new_ok,
+                    warned=warned,
+                    siblings=_siblings(tfiles["aux"]),
+                )
             result(**ev)
             shutil.rmtree(tfiles["aux"], ignore_errors=True)
         step += 2
@@ -1049,9 +1111,10 @@ def scenario_restore(args: argparse.Namespace) -> None:
             dist.barrier()
         tmpl, _ = st.template()
         own = os.path.abspath(os.path.join(base, f"t{i}", f"rank{RANK}"))
-        dest = {"shared": os.path.abspath(os.path.join(base, f"t{i}", "shared")),
-                "nested": os.path.abspath(os.path.join(base, f"t{i}", "rank0", *(["inner"] if RANK else [])))
-                }.get(variant, own)
+        dest = {
+            "shared": os.path.abspath(os.path.join(base, f"t{i}", "shared")),
+            "nested": os.path.abspath(os.path.join(base, f"t{i}", "rank0", *(["inner"] if RANK else []))),
+        }.get(variant, own)
         if RANK == 0 or variant not in ("shared",):
             _user_files(dest, random.Random(rng.random() + RANK))
         dist.barrier()
@@ -1060,13 +1123,30 @@ def scenario_restore(args: argparse.Namespace) -> None:
         try:
             got = ck.load(tmpl, step=step, files={"aux": dest})
             gen, bad = st.compare(tmpl, {"aux": dest}, got)
-            result(event="restore", trial=i, variant=variant, outcome="loaded", step=got, gen=gen, bad=bad[:5],
-                   extra_files=st.extra, siblings=_siblings(dest))
+            result(
+                event="restore",
+                trial=i,
+                variant=variant,
+                outcome="loaded",
+                step=got,
+                gen=gen,
+                bad=bad[:5],
+                extra_files=st.extra,
+                siblings=_siblings(dest),
+            )
         except CheckpointError as e:
             dist.barrier()
-            result(event="restore", trial=i, variant=variant, outcome="raised", error=type(e).__name__,
-                   msg=str(e)[:300], untouched=_digest_state({}, {"aux": dest}) == before,
-                   state_untouched=_digest_state(tmpl) == before_state, siblings=_siblings(dest))
+            result(
+                event="restore",
+                trial=i,
+                variant=variant,
+                outcome="raised",
+                error=type(e).__name__,
+                msg=str(e)[:300],
+                untouched=_digest_state({}, {"aux": dest}) == before,
+                state_untouched=_digest_state(tmpl) == before_state,
+                siblings=_siblings(dest),
+            )
         dist.barrier()
         if RANK == 0:
             shutil.rmtree(os.path.join(base, f"t{i}"), ignore_errors=True)
@@ -1130,8 +1210,18 @@ def scenario_perrank(args: argparse.Namespace) -> None:
         except CheckpointError as e:
             ok_back = False
             msg += f" | PerRank save/load failed: {type(e).__name__}: {str(e)[:300]}"
-        result(event="perrank", trial=i, kind=kind, size=size, differ=differ, outcome=outcome, msg=msg,
-               before=before, after=after, perrank_ok=ok_back)
+        result(
+            event="perrank",
+            trial=i,
+            kind=kind,
+            size=size,
+            differ=differ,
+            outcome=outcome,
+            msg=msg,
+            before=before,
+            after=after,
+            perrank_ok=ok_back,
+        )
         step += 1
     ck.close()
 
@@ -1175,8 +1265,19 @@ def scenario_inspect(args: argparse.Namespace) -> None:
     ck.close()
 
 
-HOSTILE = ("fifo-manifest", "fifo-data", "fifo-files", "symlink-data", "symlink-manifest", "symlink-files",
-           "oversized-length", "shape-mismatch", "deep-nesting", "huge-manifest", "fifo-latest")
+HOSTILE = (
+    "fifo-manifest",
+    "fifo-data",
+    "fifo-files",
+    "symlink-data",
+    "symlink-manifest",
+    "symlink-files",
+    "oversized-length",
+    "shape-mismatch",
+    "deep-nesting",
+    "huge-manifest",
+    "fifo-latest",
+)
 
 
 class _Alarm(Exception):
@@ -1224,15 +1325,20 @@ def _hostile_change(root: str, step: int, what: str, rng: random.Random) -> None
         symlink(rng.choice(art))
     elif what == "oversized-length":
         big = rng.choice((1 << 33, 1 << 36, 1 << 40))
-        reseal(lambda m: dataclasses.replace(m, items=[i._replace(length=big) if k == 0 else i
-                                                       for k, i in enumerate(m.items)]))
+        reseal(
+            lambda m: dataclasses.replace(
+                m, items=[i._replace(length=big) if k == 0 else i for k, i in enumerate(m.items)]
+            )
+        )
     elif what == "shape-mismatch":
+
         def misshape(m: Manifest) -> Manifest:
             # The first item that has a shape (item 0 may be a scalar or a plain value, and leaving
             # the checkpoint unchanged would make `verify` look blind).
             k = next(k for k, i in enumerate(m.items) if i.shape)
-            return dataclasses.replace(m, items=[i._replace(shape=(1 << 40,)) if j == k else i
-                                                 for j, i in enumerate(m.items)])
+            return dataclasses.replace(
+                m, items=[i._replace(shape=(1 << 40,)) if j == k else i for j, i in enumerate(m.items)]
+            )
 
         reseal(misshape)
     elif what == "deep-nesting":
@@ -1281,17 +1387,27 @@ def scenario_hostile(args: argparse.Namespace) -> None:
                     got = load_and_check(ck, st, 2, "hostile-explicit", trial=i)
                     ev["explicit"] = {"outcome": "loaded", "step": got}
                 except CheckpointError as e:
-                    ev["explicit"] = {"outcome": type(e).__name__, "msg": str(e)[:300],
-                                      "corrupt": isinstance(e, CorruptCheckpointError)}
+                    ev["explicit"] = {
+                        "outcome": type(e).__name__,
+                        "msg": str(e)[:300],
+                        "corrupt": isinstance(e, CorruptCheckpointError),
+                    }
                 got = load_and_check(ck, st, None, "hostile-newest", trial=i)
                 ev["newest"] = got
             if i % args.cli_every == 0:
                 cli = {}
                 for cmd in ("ls", "verify"):
-                    proc = subprocess.run([sys.executable, "-m", "ckptguard.cli", cmd, root], capture_output=True,
-                                          text=True, timeout=max(5, args.hold_s - (time.monotonic() - t0) - 1))
-                    cli[cmd] = {"rc": proc.returncode, "traceback": "Traceback" in proc.stderr,
-                                "err": proc.stderr[-300:]}
+                    proc = subprocess.run(
+                        [sys.executable, "-m", "ckptguard.cli", cmd, root],
+                        capture_output=True,
+                        text=True,
+                        timeout=max(5, args.hold_s - (time.monotonic() - t0) - 1),
+                    )
+                    cli[cmd] = {
+                        "rc": proc.returncode,
+                        "traceback": "Traceback" in proc.stderr,
+                        "err": proc.stderr[-300:],
+                    }
                 ev["cli"] = cli
             ev["outcome"] = "done"
         except _Alarm:
@@ -1417,12 +1533,24 @@ def _process_group() -> Iterator[None]:
 
 
 SCENARIOS: dict[str, Callable[[argparse.Namespace], None]] = {
-    "chain": scenario_chain, "corrupt": scenario_corrupt, "diskfull": scenario_diskfull,
-    "contend": scenario_contend, "victim": scenario_victim, "thief": scenario_thief,
-    "consecutive": scenario_consecutive, "recreate": scenario_recreate, "chain2": scenario_chain2,
-    "holder": scenario_holder, "taker": scenario_taker, "loadstate": scenario_loadstate,
-    "restore": scenario_restore, "perrank": scenario_perrank, "asyncexit": scenario_asyncexit,
-    "inspect": scenario_inspect, "hostile": scenario_hostile, "rwriter": scenario_rwriter,
+    "chain": scenario_chain,
+    "corrupt": scenario_corrupt,
+    "diskfull": scenario_diskfull,
+    "contend": scenario_contend,
+    "victim": scenario_victim,
+    "thief": scenario_thief,
+    "consecutive": scenario_consecutive,
+    "recreate": scenario_recreate,
+    "chain2": scenario_chain2,
+    "holder": scenario_holder,
+    "taker": scenario_taker,
+    "loadstate": scenario_loadstate,
+    "restore": scenario_restore,
+    "perrank": scenario_perrank,
+    "asyncexit": scenario_asyncexit,
+    "inspect": scenario_inspect,
+    "hostile": scenario_hostile,
+    "rwriter": scenario_rwriter,
     "rreader": scenario_rreader,
 }
 #: Plain single-process scenarios (no torchrun, no process group): a "job" is one process.

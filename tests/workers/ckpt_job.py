@@ -93,8 +93,9 @@ def scenario_resume(args: argparse.Namespace) -> None:
         assert extra["step"] == loaded
         ref_model, ref_optim = replay(loaded)
         assert_equal_state(model, ref_model)
-        for (k, v), (k2, v2) in zip(optim.state_dict()["state"].items(), ref_optim.state_dict()["state"].items(),
-                                     strict=True):
+        for (k, v), (k2, v2) in zip(
+            optim.state_dict()["state"].items(), ref_optim.state_dict()["state"].items(), strict=True
+        ):
             assert k == k2 and all(torch.equal(v[n], v2[n]) for n in v), "optimizer state differs"
     nxt = (loaded if loaded is not None else -1) + 1
     train_step(model, optim, nxt)
@@ -118,8 +119,11 @@ def scenario_artifacts(args: argparse.Namespace) -> None:
     try:
         ck.save(7, {"model": model}, files={"offloaded": mine})
     except ckptguard.CheckpointError as e:
-        staging = os.listdir(os.path.join(args.root, ".ckptguard", "staging")) \
-            if os.path.isdir(os.path.join(args.root, ".ckptguard", "staging")) else []
+        staging = (
+            os.listdir(os.path.join(args.root, ".ckptguard", "staging"))
+            if os.path.isdir(os.path.join(args.root, ".ckptguard", "staging"))
+            else []
+        )
         emit_result(error=str(e), error_rank=e.rank, steps=ck.steps(), staging=staging)
         ck.close()
         return

@@ -76,9 +76,13 @@ def main() -> None:
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Dropout(0.2), nn.Linear(16, 1))
-    config = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1,
-              "optimizer": {"type": "Adam", "params": {"lr": 0.05, "torch_adam": True}},
-              "zero_optimization": {"stage": a.stage}, "steps_per_print": 1000}
+    config = {
+        "train_micro_batch_size_per_gpu": 4,
+        "gradient_accumulation_steps": 1,
+        "optimizer": {"type": "Adam", "params": {"lr": 0.05, "torch_adam": True}},
+        "zero_optimization": {"stage": a.stage},
+        "steps_per_print": 1000,
+    }
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
     if not a.default:
         from ckptguard.integrations.deepspeed import install

@@ -75,13 +75,16 @@ class StandInSwapper:
         """DeepSpeed calls this after copying a checkpoint's offloaded_tensors/rankNN into the swap folder."""
         base = self.optimizer.optimizer
         for i, p in enumerate(self.optimizer.single_partition_of_fp32_groups):
+
             def read(name: str, shape) -> torch.Tensor:
                 with open(os.path.join(self.swap_folder, name), "rb") as f:
                     return torch.frombuffer(bytearray(f.read()), dtype=torch.float32).reshape(shape).clone()
 
             p.data.copy_(read(f"{i}.tensor.swp", p.shape))
-            base.state[p] = {k: read(f"{i}_{k}.tensor.swp", () if k == "step" else p.shape)
-                             for k in ("step", "exp_avg", "exp_avg_sq")}
+            base.state[p] = {
+                k: read(f"{i}_{k}.tensor.swp", () if k == "step" else p.shape)
+                for k in ("step", "exp_avg", "exp_avg_sq")
+            }
 
 
 def main() -> None:
@@ -107,14 +110,19 @@ def main() -> None:
 
     torch.manual_seed(0)
     # ~660k parameters: each rank's fp32 partition (>= 1 MiB) is large enough for DeepSpeed to swap it
-    model = nn.Sequential(nn.Linear(4, 1024), nn.ReLU(), nn.Dropout(0.2), nn.Linear(1024, 640), nn.ReLU(),
-                          nn.Linear(640, 1))
+    model = nn.Sequential(
+        nn.Linear(4, 1024), nn.ReLU(), nn.Dropout(0.2), nn.Linear(1024, 640), nn.ReLU(), nn.Linear(640, 1)
+    )
     zero: dict = {"stage": 2}
     if a.real:
         zero = {"stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": a.swap}}
-    config = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1,
-              "optimizer": {"type": "Adam", "params": {"lr": 0.01, "torch_adam": True}},
-              "zero_optimization": zero, "steps_per_print": 1000}
+    config = {
+        "train_micro_batch_size_per_gpu": 4,
+        "gradient_accumulation_steps": 1,
+        "optimizer": {"type": "Adam", "params": {"lr": 0.01, "torch_adam": True}},
+        "zero_optimization": zero,
+        "steps_per_print": 1000,
+    }
     if a.node_local:
         config["checkpoint"] = {"use_node_local_storage": True}
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
@@ -149,8 +157,14 @@ def main() -> None:
         assert path is not None, "nothing loaded"
         start = client["step"]
         torch.set_rng_state(client["rng"][rank])
-        record(kind="loaded", step=start, path=os.path.relpath(path, a.dir), resets=len(resets),
-               at_reset=resets[-1] if resets else None, after=folder_digest(folder))
+        record(
+            kind="loaded",
+            step=start,
+            path=os.path.relpath(path, a.dir),
+            resets=len(resets),
+            at_reset=resets[-1] if resets else None,
+            after=folder_digest(folder),
+        )
 
     saves = 0
     for step in range(start + 1, a.steps + 1):

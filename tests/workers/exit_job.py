@@ -56,8 +56,12 @@ def scenario_dead_rank(args: argparse.Namespace) -> None:
         ck.wait()
         result(error=None)
     except BaseException as e:
-        result(error=type(e).__name__, checkpoint_error=isinstance(e, ckptguard.CheckpointError),
-               seconds=time.monotonic() - started, message=str(e)[:300])
+        result(
+            error=type(e).__name__,
+            checkpoint_error=isinstance(e, ckptguard.CheckpointError),
+            seconds=time.monotonic() - started,
+            message=str(e)[:300],
+        )
 
 
 def scenario_stalled_rank(args: argparse.Namespace) -> None:
@@ -70,8 +74,11 @@ def scenario_stalled_rank(args: argparse.Namespace) -> None:
         ck.save(2, state(2))
         result(error=None)
     except BaseException as e:
-        result(error=type(e).__name__, checkpoint_error=isinstance(e, ckptguard.CheckpointError),
-               seconds=time.monotonic() - started)
+        result(
+            error=type(e).__name__,
+            checkpoint_error=isinstance(e, ckptguard.CheckpointError),
+            seconds=time.monotonic() - started,
+        )
     os._exit(0)  # the stalled peer never answers again: do not wait for it at shutdown
 
 

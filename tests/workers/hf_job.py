@@ -41,8 +41,9 @@ class TinyModel(PreTrainedModel):
     def __init__(self, config: TinyConfig) -> None:
         super().__init__(config)
         # dropout: the run depends on every rank's RNG, so a resume must restore them all
-        self.net = nn.Sequential(nn.Linear(config.d, config.hidden), nn.ReLU(), nn.Dropout(config.dropout),
-                                 nn.Linear(config.hidden, 1))
+        self.net = nn.Sequential(
+            nn.Linear(config.d, config.hidden), nn.ReLU(), nn.Dropout(config.dropout), nn.Linear(config.hidden, 1)
+        )
         self.post_init()
 
     def _init_weights(self, module: nn.Module) -> None:
@@ -64,8 +65,6 @@ class Data(torch.utils.data.Dataset):
 
     def __getitem__(self, i: int) -> dict:
         return {"x": self.x[i], "labels": self.y[i]}
-
-
 
 
 class Recorder:
@@ -91,8 +90,9 @@ class Recorder:
             # ckptguard: rank 0 dies inside the commit of this save, its data written (chosen point)
             _faults.arm("before_publish:0:kill")
         super()._save_checkpoint(model, trial)
-        self.record(kind="save", step=self.state.global_step,
-                    digest=state_digest(self.model, self.optimizer, self.lr_scheduler))
+        self.record(
+            kind="save", step=self.state.global_step, digest=state_digest(self.model, self.optimizer, self.lr_scheduler)
+        )
 
     def _save_rng_state(self, output_dir: str) -> None:
         if self.default_crash_at == self.saves and self.args.process_index == 1:
@@ -107,8 +107,12 @@ class Recorder:
     def _load_optimizer_and_scheduler(self, checkpoint):
         super()._load_optimizer_and_scheduler(checkpoint)
         if checkpoint is not None:
-            self.record(kind="loaded", step=self.state.global_step, path=os.path.basename(checkpoint),
-                        digest=state_digest(self.model, self.optimizer, self.lr_scheduler))
+            self.record(
+                kind="loaded",
+                step=self.state.global_step,
+                path=os.path.basename(checkpoint),
+                digest=state_digest(self.model, self.optimizer, self.lr_scheduler),
+            )
 
 
 class RecordingTrainer(Recorder, Trainer):
@@ -130,11 +134,25 @@ def main() -> None:
     p.add_argument("--default-crash-at-save", type=int, default=0)
     p.add_argument("--max-steps", type=int, default=8)
     a = p.parse_args()
-    args = TrainingArguments(output_dir=a.out, max_steps=a.max_steps, per_device_train_batch_size=4,
-                             learning_rate=0.05, lr_scheduler_type="linear", warmup_steps=0, save_strategy="steps",
-                             save_steps=2, save_total_limit=2, logging_steps=1, report_to=[], use_cpu=True,
-                             seed=0, data_seed=0, disable_tqdm=True, dataloader_num_workers=0,
-                             ddp_backend="gloo")
+    args = TrainingArguments(
+        output_dir=a.out,
+        max_steps=a.max_steps,
+        per_device_train_batch_size=4,
+        learning_rate=0.05,
+        lr_scheduler_type="linear",
+        warmup_steps=0,
+        save_strategy="steps",
+        save_steps=2,
+        save_total_limit=2,
+        logging_steps=1,
+        report_to=[],
+        use_cpu=True,
+        seed=0,
+        data_seed=0,
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+        ddp_backend="gloo",
+    )
     cls = RecordingTrainer if a.default else RecordingCkptguardTrainer
     cls.log_prefix, cls.crash_at, cls.default_crash_at = a.record, a.crash_at_save, a.default_crash_at_save
     torch.manual_seed(0)

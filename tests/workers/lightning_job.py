@@ -186,25 +186,38 @@ def main() -> None:
     p.add_argument("--resume", action="store_true")
     p.add_argument("--crash-at-save", type=int, default=0)
     p.add_argument("--epochs", type=int, default=4)
-    p.add_argument("--lightning-own", action="store_true",
-                   help="Lightning's own saving: TorchCheckpointIO (ddp), ModelParallelStrategy's (fsdp2)")
+    p.add_argument(
+        "--lightning-own",
+        action="store_true",
+        help="Lightning's own saving: TorchCheckpointIO (ddp), ModelParallelStrategy's (fsdp2)",
+    )
     a = p.parse_args()
     L.seed_everything(0, verbose=False)
     g = torch.Generator().manual_seed(1)
     x = torch.randn(32, 4, generator=g)
     data = DataLoader(TensorDataset(x, x.sum(1, keepdim=True).sin()), batch_size=8, shuffle=False)
     trainer_args, module, hidden = STRATEGIES[a.strategy]
-    ckpt = ModelCheckpoint(dirpath=a.root, every_n_epochs=1, save_top_k=2, monitor="gstep", mode="max",
-                           save_last=True)
-    trainer = L.Trainer(accelerator="cpu", devices=2, max_epochs=a.epochs, callbacks=[ckpt], logger=False,
-                        enable_progress_bar=False, enable_model_summary=False, deterministic=True,
-                        **trainer_args(a.crash_at_save, a.lightning_own))
+    ckpt = ModelCheckpoint(dirpath=a.root, every_n_epochs=1, save_top_k=2, monitor="gstep", mode="max", save_last=True)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=2,
+        max_epochs=a.epochs,
+        callbacks=[ckpt],
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        deterministic=True,
+        **trainer_args(a.crash_at_save, a.lightning_own),
+    )
     model = module(a.out, hidden)
     # The one line a script runs unchanged on a fresh start and on a restart (--resume only names the run).
     trainer.fit(model, data, ckpt_path="last")
     if trainer.global_rank == 0:
-        model.record(kind="done", files=sorted(os.listdir(a.root)),
-                     best_k=sorted(os.path.basename(k) for k in ckpt.best_k_models))
+        model.record(
+            kind="done",
+            files=sorted(os.listdir(a.root)),
+            best_k=sorted(os.path.basename(k) for k in ckpt.best_k_models),
+        )
 
 
 if __name__ == "__main__":

@@ -52,13 +52,19 @@ def main() -> None:
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
         loaded = ck.load(out)
-    emit_result(phase="fallback", loaded=loaded, step=out["step"], records=records(root),
-                warned=[str(w.message) for w in seen])
+    emit_result(
+        phase="fallback", loaded=loaded, step=out["step"], records=records(root), warned=[str(w.message) for w in seen]
+    )
     ck.save(2, state_of(20))  # the loop goes on: no StepExistsError
     out = {"w": torch.zeros(1000), "step": -1}
     loaded = ck.load(out)
-    emit_result(phase="resaved", loaded=loaded, step=out["step"], records=records(root),
-                dirs=sorted(p.name for p in root.glob("step-*")))
+    emit_result(
+        phase="resaved",
+        loaded=loaded,
+        step=out["step"],
+        records=records(root),
+        dirs=sorted(p.name for p in root.glob("step-*")),
+    )
     ck.close()
     dist.destroy_process_group()
 

@@ -70,8 +70,12 @@ def main() -> None:
             ck.wait()
         except Exception as e:
             error = e
-        emit_result(case=name, error=type(error).__name__ if error else None, message=str(error) if error else "",
-                    seconds=round(time.monotonic() - started, 2))
+        emit_result(
+            case=name,
+            error=type(error).__name__ if error else None,
+            message=str(error) if error else "",
+            seconds=round(time.monotonic() - started, 2),
+        )
     ck.save(100, {"w": torch.arange(100.0) + rank * 0})
     emit_result(case="after", steps=ck.steps())
     started = time.monotonic()
@@ -80,8 +84,12 @@ def main() -> None:
         error: BaseException | None = None
     except Exception as e:
         error = e
-    emit_result(case="load_step_differs", error=type(error).__name__ if error else None,
-                message=str(error) if error else "", seconds=round(time.monotonic() - started, 2))
+    emit_result(
+        case="load_step_differs",
+        error=type(error).__name__ if error else None,
+        message=str(error) if error else "",
+        seconds=round(time.monotonic() - started, 2),
+    )
     ck.close()
     dist.destroy_process_group()
 

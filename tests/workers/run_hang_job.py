@@ -25,10 +25,21 @@ def launch(world: int) -> int:
         port = s.getsockname()[1]
     ready = os.path.join(os.environ["JOB_TMP"], "ready")
     os.makedirs(ready, exist_ok=True)
-    procs = [subprocess.Popen([sys.executable, *sys.argv],
-                              env={**os.environ, "RANK": str(r), "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1",
-                                   "MASTER_PORT": str(port), "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"})
-             for r in range(world)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, *sys.argv],
+            env={
+                **os.environ,
+                "RANK": str(r),
+                "WORLD_SIZE": str(world),
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(port),
+                "GLOO_SOCKET_IFNAME": "lo",
+                "OMP_NUM_THREADS": "1",
+            },
+        )
+        for r in range(world)
+    ]
     while len(os.listdir(ready)) < world and all(p.poll() is None for p in procs):
         heartbeat()
         time.sleep(0.2)

@@ -28,13 +28,21 @@ def result(**kw: object) -> None:
 def state_for(step: int, rank: int, elems: int, tag: int = 0) -> dict[str, object]:
     g = torch.Generator().manual_seed(1000 * step + rank + 7919 * tag)
     shared = torch.Generator().manual_seed(step + 7919 * tag)
-    return {"model": {"w": torch.randn(256, 256, generator=shared), "b": torch.randn(256, generator=shared)},
-            "mine": ckptguard.PerRank(torch.randn(elems, generator=g)), "step": step, "tag": tag}
+    return {
+        "model": {"w": torch.randn(256, 256, generator=shared), "b": torch.randn(256, generator=shared)},
+        "mine": ckptguard.PerRank(torch.randn(elems, generator=g)),
+        "step": step,
+        "tag": tag,
+    }
 
 
 def empty_state(elems: int) -> dict[str, object]:
-    return {"model": {"w": torch.zeros(256, 256), "b": torch.zeros(256)},
-            "mine": ckptguard.PerRank(torch.zeros(elems)), "step": -1, "tag": -1}
+    return {
+        "model": {"w": torch.zeros(256, 256), "b": torch.zeros(256)},
+        "mine": ckptguard.PerRank(torch.zeros(elems)),
+        "step": -1,
+        "tag": -1,
+    }
 
 
 def check_loaded(out: dict[str, object], step: int, rank: int, elems: int) -> None:
@@ -53,8 +61,9 @@ def opts(args: argparse.Namespace) -> dict[str, object]:
 def scenario_roundtrip(args: argparse.Namespace) -> None:
     """Save ``count`` steps (resuming after the newest committed one), then load the newest bitwise."""
     rank = dist.get_rank()
-    ck = ckptguard.Checkpointer(args.root, keep_last=args.keep_last, storage_options=opts(args),
-                                lease_ttl_s=args.lease_ttl)
+    ck = ckptguard.Checkpointer(
+        args.root, keep_last=args.keep_last, storage_options=opts(args), lease_ttl_s=args.lease_ttl
+    )
     out = empty_state(args.elems)
     start = ck.load(out)
     if start is not None:

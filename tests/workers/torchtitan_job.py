@@ -162,19 +162,34 @@ def main() -> None:
     data, train_state = Data(rank, world, a.data_seed), TrainState()
 
     if a.manager == "ckptguard":
-        config = CkptguardCheckpointManager.Config(enable=True, interval=INTERVAL, keep_latest_k=2,
-                                                   load_step=a.load_step,
-                                                   async_mode="async" if a.async_ else "disabled")
+        config = CkptguardCheckpointManager.Config(
+            enable=True,
+            interval=INTERVAL,
+            keep_latest_k=2,
+            load_step=a.load_step,
+            async_mode="async" if a.async_ else "disabled",
+        )
         from ckptguard.dcp.writer import GuardedWriter as writer_cls
     else:
-        config = CheckpointManager.Config(enable=True, interval=INTERVAL, keep_latest_k=2, load_step=a.load_step,
-                                          async_mode="async" if a.async_ else "disabled")
+        config = CheckpointManager.Config(
+            enable=True,
+            interval=INTERVAL,
+            keep_latest_k=2,
+            load_step=a.load_step,
+            async_mode="async" if a.async_ else "disabled",
+        )
         from torch.distributed.checkpoint.filesystem import FileSystemWriter as writer_cls
     if a.kill_rank1_at:
         kill_rank1_in_save(writer_cls, a.kill_rank1_at, f"{a.record}.rank0-wrote-{a.kill_rank1_at}", rank)
-    checkpointer = config.build(dataloader=data, model_parts=[model], optimizers=optimizers,
-                                lr_schedulers=lr_schedulers, states={"train_state": train_state},
-                                sd_adapter=None, base_folder=a.dump)
+    checkpointer = config.build(
+        dataloader=data,
+        model_parts=[model],
+        optimizers=optimizers,
+        lr_schedulers=lr_schedulers,
+        states={"train_state": train_state},
+        sd_adapter=None,
+        base_folder=a.dump,
+    )
 
     def digest() -> str:
         return local_digest(model, optimizers, lr_schedulers, train_state, data)

@@ -178,8 +178,7 @@ def fail_now(step: int) -> None:
         CKPT_DIR.mkdir(parents=True, exist_ok=True)
         path = CKPT_DIR / f"step{step}.pt"
         say(f"saving checkpoint to {path}")
-        torch.save({"model": model.state_dict(), "opt": opt.state_dict(),
-                    "extra": torch.zeros(2_000_000)}, path)
+        torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "extra": torch.zeros(2_000_000)}, path)
 
 
 if __name__ == "__main__":

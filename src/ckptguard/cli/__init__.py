@@ -36,9 +36,12 @@ _debug = False
 
 
 @app.callback()
-def _root(version: bool = typer.Option(False, "--version", "-V", help="Print the version and exit.",
-                                       callback=_version, is_eager=True),
-          debug: bool = typer.Option(False, "--debug", help="Show the traceback of an error.")) -> None:
+def _root(
+    version: bool = typer.Option(
+        False, "--version", "-V", help="Print the version and exit.", callback=_version, is_eager=True
+    ),
+    debug: bool = typer.Option(False, "--debug", help="Show the traceback of an error."),
+) -> None:
     """Race-free checkpoints for distributed PyTorch: verify them, and diagnose crashed runs."""
     global _debug
     _debug = debug
@@ -80,9 +83,9 @@ def main() -> None:
     except Exception as e:  # an error no command handles itself
         if debugging():
             traceback.print_exc()
-        sys.stderr.write(f"error: {_one_line(e)}"
-                         + ("" if debugging() else " (ckptguard --debug ... shows the traceback)")
-                         + "\n")
+        sys.stderr.write(
+            f"error: {_one_line(e)}" + ("" if debugging() else " (ckptguard --debug ... shows the traceback)") + "\n"
+        )
         code = USAGE_EXIT
     sys.exit(code if isinstance(code, int) else 0)
 

@@ -24,8 +24,12 @@ from ckptguard.cli.output import console, say, text
 from ckptguard.frameworks import described_dirs_text
 from ckptguard.progress import ByteProgress
 
-PathArg = Annotated[str, typer.Argument(help="A checkpoint root, or a directory holding some "
-                                                  f"({described_dirs_text()}, a directory of runs).")]
+PathArg = Annotated[
+    str,
+    typer.Argument(
+        help=f"A checkpoint root, or a directory holding some ({described_dirs_text()}, a directory of runs)."
+    ),
+]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object instead of tables.")]
 
 
@@ -70,17 +74,22 @@ def _roots(path: str, json_out: bool, verifying: bool = False) -> tuple[list[Any
     for skipped in unreadable:
         say(console(stderr=True), f"note: skipped {skipped}: permission denied (not searched for checkpoint roots)")
     for stray in strays:
-        say(console(stderr=True), f"note: skipped {stray}: not a directory (a file, FIFO or link named like a "
-                                  "root's control directory; not opened)")
+        say(
+            console(stderr=True),
+            f"note: skipped {stray}: not a directory (a file, FIFO or link named like a "
+            "root's control directory; not opened)",
+        )
     if not roots:
         if json_out:
             doc: dict[str, Any] = {"schema_version": 1, "path": given, "roots": []}
             if verifying:
                 doc["intact"] = False  # nothing was verified: never reported as intact
             typer.echo(json.dumps(doc, indent=2))
-        say(console(stderr=True),
+        say(
+            console(stderr=True),
             f"{given} holds no ckptguard checkpoint root (looked at it and below it, including the "
-            f"{hidden_roots_text()} directories the integrations write){_step_dir_hint(given)}")
+            f"{hidden_roots_text()} directories the integrations write){_step_dir_hint(given)}",
+        )
         raise typer.Exit(NO_ROOT_EXIT)
     return roots, len(roots) == 1 and roots[0].path == given
 
@@ -93,8 +102,10 @@ def _step_dir_hint(given: str) -> str:
     if name is None:
         return ""
     parent = os.path.dirname(os.path.normpath(given))
-    return (f"; {given} is one checkpoint of the root {parent}: give the root, e.g. "
-            f"ckptguard verify {parent} --step {name.step}")
+    return (
+        f"; {given} is one checkpoint of the root {parent}: give the root, e.g. "
+        f"ckptguard verify {parent} --step {name.step}"
+    )
 
 
 def _listing(path: str) -> Any:
@@ -115,9 +126,12 @@ def _listing(path: str) -> Any:
 
 def _damage_note(listing: Any) -> None:
     if listing.error:
-        say(console(stderr=True), f"{listing.root}: NOT INTACT: its control records cannot be read "
-                                  f"({listing.error}); no checkpoint of it can be listed or loaded until they "
-                                  "are repaired")
+        say(
+            console(stderr=True),
+            f"{listing.root}: NOT INTACT: its control records cannot be read "
+            f"({listing.error}); no checkpoint of it can be listed or loaded until they "
+            "are repaired",
+        )
 
 
 def _title(what: str, root: str, framework: str | None) -> Any:
@@ -149,12 +163,30 @@ def _print_listing(listing: Any, framework: str | None) -> None:
     for col in ("#", "step", "dir", "state", "created", "size", "metadata"):
         table.add_column(col, no_wrap=col != "metadata")
     for c in listing.checkpoints:  # in commit order: the last committed is at the bottom
-        state = "bad manifest" if c.manifest_error else ("quarantined (a load found it corrupt)" if c.quarantined else
-                                                          "latest" if c.latest else
-                                                          "superseded" if not c.current else
-                                                          "abandoned (rolled back)" if c.abandoned else "committed")
-        table.add_row("" if c.seq is None else str(c.seq), str(c.step), text(c.dir), state, _when(c.created_at),
-                      _human_bytes(c.bytes), text(json.dumps(c.user_metadata)) if c.user_metadata else "")
+        state = (
+            "bad manifest"
+            if c.manifest_error
+            else (
+                "quarantined (a load found it corrupt)"
+                if c.quarantined
+                else "latest"
+                if c.latest
+                else "superseded"
+                if not c.current
+                else "abandoned (rolled back)"
+                if c.abandoned
+                else "committed"
+            )
+        )
+        table.add_row(
+            "" if c.seq is None else str(c.seq),
+            str(c.step),
+            text(c.dir),
+            state,
+            _when(c.created_at),
+            _human_bytes(c.bytes),
+            text(json.dumps(c.user_metadata)) if c.user_metadata else "",
+        )
     con.print(table)
     if not listing.checkpoints:
         con.print("no committed checkpoint")
@@ -171,34 +203,46 @@ def _print_listing(listing: Any, framework: str | None) -> None:
 def _lease_line(lease: dict[str, Any]) -> str:
     holder = f"host {lease['host']} pid {lease['pid']}" + (f" ({lease['job']})" if lease.get("job") else "")
     if lease.get("holder_gone"):
-        return (f"lease: stale: {holder} is no longer running on this host; the next job on this root takes "
-                "the lease over at once")
+        return (
+            f"lease: stale: {holder} is no longer running on this host; the next job on this root takes "
+            "the lease over at once"
+        )
     return f"lease: {'held' if lease['live'] else 'expired'} by {holder}"
 
 
 def _retired_note(con: Console, retired: list[str]) -> None:
     for path in retired:
-        say(con, f"note: {path} was retired (by the job's retention or a delete) while this command read the "
-                 "root: gone, not damaged")
+        say(
+            con,
+            f"note: {path} was retired (by the job's retention or a delete) while this command read the "
+            "root: gone, not damaged",
+        )
 
 
 def _latest_note(con: Console, listing: Any) -> None:
     for path in listing.unlisted:
-        say(con, f"note: the commit object {path} is not listed by the root's index, so no load finds it (a "
-                  "retention or delete in progress, or a damaged index). Its data is kept, never collected as "
-                  "garbage; to load it, restore the index (e.g. from a bucket version) or export it with "
-                  "`ckptguard export` on its step directory.")
+        say(
+            con,
+            f"note: the commit object {path} is not listed by the root's index, so no load finds it (a "
+            "retention or delete in progress, or a damaged index). Its data is kept, never collected as "
+            "garbage; to load it, restore the index (e.g. from a bucket version) or export it with "
+            "`ckptguard export` on its step directory.",
+        )
     if listing.latest_error:
-        say(con, f"note: the `latest` pointer is unreadable ({listing.latest_error}). It is a hint for other "
-                  "tools; ckptguard lists the checkpoints themselves, so no checkpoint is affected. The next "
-                  "save rewrites it.")
+        say(
+            con,
+            f"note: the `latest` pointer is unreadable ({listing.latest_error}). It is a hint for other "
+            "tools; ckptguard lists the checkpoints themselves, so no checkpoint is affected. The next "
+            "save rewrites it.",
+        )
 
 
 @app.command("verify")
 def verify_command(
     path: PathArg,
-    step: Annotated[int | None,
-                    typer.Option("--step", help="Verify only this step (default: every committed one).")] = None,
+    step: Annotated[
+        int | None, typer.Option("--step", help="Verify only this step (default: every committed one).")
+    ] = None,
     json_out: JsonOpt = False,
     threads: Annotated[int, typer.Option("--threads", min=1, max=64, help="Files read in parallel.")] = 4,
 ) -> None:
@@ -214,11 +258,16 @@ def verify_command(
         current = [c for c in listing.checkpoints if c.current]
         if step is not None:
             current = [c for c in current if c.step == step]
-        plans.append((found, listing, [(CheckpointName(c.step, c.version), c.seq) for c in current
-                                       if not c.quarantined]))
+        plans.append(
+            (found, listing, [(CheckpointName(c.step, c.version), c.seq) for c in current if not c.quarantined])
+        )
         skipped[found.path] = [quarantined_result(c) for c in current if c.quarantined]
-    if (step is not None and not any(names for _, _, names in plans) and not any(skipped.values())
-            and not any(lst.error for _, lst, _ in plans)):
+    if (
+        step is not None
+        and not any(names for _, _, names in plans)
+        and not any(skipped.values())
+        and not any(lst.error for _, lst, _ in plans)
+    ):
         committed = sorted({c.step for _, listing, _ in plans for c in listing.checkpoints if c.current})
         where = plans[0][1].root if len(plans) == 1 else f"any of the {len(plans)} roots under {path}"
         raise _usage_error(f"step {step} is not a committed checkpoint in {where}; committed: {committed or 'none'}")
@@ -226,14 +275,16 @@ def verify_command(
     checked = []
     with ByteProgress(not json_out and Console(stderr=True).is_terminal, "verifying", total) as bar:
         for found, listing, names in plans:
-            results = [verify_checkpoint(listing.root, n, threads=threads, on_bytes=bar.callback, seq=seq)
-                       for n, seq in names]
+            results = [
+                verify_checkpoint(listing.root, n, threads=threads, on_bytes=bar.callback, seq=seq) for n, seq in names
+            ]
             order = [c.dir for c in listing.checkpoints]
             results = sorted(results + skipped[found.path], key=lambda r: order.index(r.dir))
             checked.append((found, listing, results))
     # A step the job's retention retired while it was read is gone, not damaged: it fails nothing.
-    ok = all(r.intact or r.retired for _, _, results in checked for r in results) and \
-        not any(lst.error for _, lst, _ in checked)
+    ok = all(r.intact or r.retired for _, _, results in checked for r in results) and not any(
+        lst.error for _, lst, _ in checked
+    )
     if json_out:
         docs = [_verify_json(SCHEMA_VERSION, found.framework, listing, results) for found, listing, results in checked]
         doc = docs[0] if direct else {"schema_version": SCHEMA_VERSION, "path": path, "intact": ok, "roots": docs}
@@ -254,11 +305,19 @@ def _verify_json(schema: int, framework: str | None, listing: Any, results: list
 
     checked = [r for r in results if not r.retired]
     retired = listing.retired + [os.path.join(listing.root, r.dir) for r in results if r.retired]
-    return {"schema_version": schema, "root": listing.root, "framework": framework,
-            "intact": not listing.error and all(r.intact for r in checked), "safe_to_resume": _safe_to_resume(checked),
-            "checked": [r.to_json() for r in checked], "attempts": [asdict(a) for a in listing.attempts],
-            "latest_error": listing.latest_error, "error": listing.error, "unlisted": listing.unlisted,
-            "retired": retired}
+    return {
+        "schema_version": schema,
+        "root": listing.root,
+        "framework": framework,
+        "intact": not listing.error and all(r.intact for r in checked),
+        "safe_to_resume": _safe_to_resume(checked),
+        "checked": [r.to_json() for r in checked],
+        "attempts": [asdict(a) for a in listing.attempts],
+        "latest_error": listing.latest_error,
+        "error": listing.error,
+        "unlisted": listing.unlisted,
+        "retired": retired,
+    }
 
 
 def _print_verify(framework: str | None, listing: Any, results: list[Any], step: int | None) -> None:
@@ -270,10 +329,12 @@ def _print_verify(framework: str | None, listing: Any, results: list[Any], step:
     for col in ("step", "dir", "result", "files", "size", "seconds"):
         table.add_column(col, no_wrap=True)
     for r in results:
-        result = text("retired", "dim") if r.retired else text("intact", "green") if r.intact else \
-            text("NOT INTACT", "red")
-        table.add_row(str(r.step), text(r.dir), result, str(r.files_checked), _human_bytes(r.bytes_checked),
-                      f"{r.seconds:.2f}")
+        result = (
+            text("retired", "dim") if r.retired else text("intact", "green") if r.intact else text("NOT INTACT", "red")
+        )
+        table.add_row(
+            str(r.step), text(r.dir), result, str(r.files_checked), _human_bytes(r.bytes_checked), f"{r.seconds:.2f}"
+        )
     con.print(table)
     for r in results:
         for p in r.problems[:20]:

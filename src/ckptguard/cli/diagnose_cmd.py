@@ -22,10 +22,12 @@ def diagnose(
     paths: Annotated[list[str], typer.Argument(help="Log files, directories of per-rank logs, or - for stdin.")],
     json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object (schema_version 1).")] = False,
     html_out: Annotated[Path | None, typer.Option("--html", help="Also write a self-contained HTML report.")] = None,
-    mask_hosts: Annotated[bool, typer.Option(
-        "--mask-hosts", help="Also mask hostnames, IP addresses and user names in paths.")] = False,
-    checkpoints: Annotated[str | None, typer.Option(
-        "--checkpoints", help="Checkpoint root (path or s3://): add the step to resume from.")] = None,
+    mask_hosts: Annotated[
+        bool, typer.Option("--mask-hosts", help="Also mask hostnames, IP addresses and user names in paths.")
+    ] = False,
+    checkpoints: Annotated[
+        str | None, typer.Option("--checkpoints", help="Checkpoint root (path or s3://): add the step to resume from.")
+    ] = None,
     deep: Annotated[bool, typer.Option("--deep", help="With --checkpoints: checksum every byte.")] = False,
 ) -> None:
     """Name the failure, the rank that failed first and the collateral ranks of a crashed run.

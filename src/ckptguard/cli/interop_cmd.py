@@ -32,6 +32,7 @@ def export_command(
         StepNotFoundError,
         UnsafeObjectError,
     )
+
     try:
         skipped = _export(root, out, to, step, key)
     except KeyError as e:
@@ -43,8 +44,11 @@ def export_command(
     except CheckpointError as e:
         raise _fail(str(e), 2) from None
     if skipped:
-        say(console(stderr=True), f"left out {len(skipped)} non-tensor value(s) safetensors cannot hold: "
-                                  f"{', '.join(skipped[:8])}{' ...' if len(skipped) > 8 else ''}")
+        say(
+            console(stderr=True),
+            f"left out {len(skipped)} non-tensor value(s) safetensors cannot hold: "
+            f"{', '.join(skipped[:8])}{' ...' if len(skipped) > 8 else ''}",
+        )
     say(console(), f"exported {root} to {out} ({to})")
 
 
@@ -68,8 +72,11 @@ def _export(root: str, out: str, to: str, step: int | None, key: str | None) -> 
         except CheckpointError:
             if tries_left == 0 or where.still_committed(name, None):
                 raise
-            say(console(stderr=True), f"note: step {name.step} of {where.path} was retired by the job's retention "
-                                      "while it was read; exporting the newest committed step instead")
+            say(
+                console(stderr=True),
+                f"note: step {name.step} of {where.path} was retired by the job's retention "
+                "while it was read; exporting the newest committed step instead",
+            )
     raise AssertionError("unreachable")
 
 

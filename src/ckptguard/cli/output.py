@@ -15,6 +15,7 @@ from ckptguard.printable import escape_controls
 
 __all__ = ["console", "escape_controls", "say", "text"]
 
+
 def text(value: object, style: str = "") -> Text:
     """A table cell or line for a data string: no markup, control characters escaped.
 

@@ -21,8 +21,13 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 #: torch releases the private APIs below were tested with (tests/test_torch_private.py).
 TESTED_TORCH = ("2.13", "2.14")
 
-_CACHE_ATTRS = ("_cached_save_plan", "_cached_all_plans", "_cached_global_plan", "_cached_metadata",
-                "_cached_final_save_plan")
+_CACHE_ATTRS = (
+    "_cached_save_plan",
+    "_cached_all_plans",
+    "_cached_global_plan",
+    "_cached_metadata",
+    "_cached_final_save_plan",
+)
 
 
 class TorchVersionError(ImportError):
@@ -33,7 +38,8 @@ def _missing(what: str, err: BaseException) -> TorchVersionError:
     return TorchVersionError(
         f"ckptguard needs {what}, which torch {torch.__version__} does not provide ({err}). ckptguard was "
         f"tested with torch {', '.join(TESTED_TORCH)}: install one of those, or a ckptguard release that "
-        "supports this torch.")
+        "supports this torch."
+    )
 
 
 try:
@@ -46,7 +52,7 @@ except ImportError as e:  # pragma: no cover - depends on the installed torch
 
 
 def torch_minor(version: str | None = None) -> str:
-    """"2.13" of "2.13.0+cpu"."""
+    """ "2.13" of "2.13.0+cpu"."""
     return ".".join((version or torch.__version__).split("+")[0].split(".")[:2])
 
 
@@ -56,10 +62,12 @@ def check_torch_version() -> None:
     if torch_minor() not in TESTED_TORCH:
         import warnings
 
-        warnings.warn(f"ckptguard was tested with torch {', '.join(TESTED_TORCH)}; torch {torch.__version__} is "
-                      "not among them. The private torch APIs ckptguard needs were found, but their behaviour "
-                      "is unchecked on this release: run `pytest tests/test_torch_private.py` to check.",
-                      stacklevel=2)
+        warnings.warn(
+            f"ckptguard was tested with torch {', '.join(TESTED_TORCH)}; torch {torch.__version__} is "
+            "not among them. The private torch APIs ckptguard needs were found, but their behaviour "
+            "is unchecked on this release: run `pytest tests/test_torch_private.py` to check.",
+            stacklevel=2,
+        )
     if not hasattr(DefaultSavePlanner, "_create_global_plan"):
         raise _missing("DefaultSavePlanner._create_global_plan", AttributeError("missing"))
     for name in _CACHE_ATTRS:
@@ -106,8 +114,9 @@ class CachingSavePlanner(DefaultSavePlanner):
                 return self.plan
         return sent
 
-    def adjust_global_plan(self, all_plans: list[SavePlan], global_plan: list[SavePlan], metadata: Metadata
-                           ) -> tuple[list[SavePlan], Metadata]:
+    def adjust_global_plan(
+        self, all_plans: list[SavePlan], global_plan: list[SavePlan], metadata: Metadata
+    ) -> tuple[list[SavePlan], Metadata]:
         """Subclasses change DCP's global plan here (every rank's local plan at hand)."""
         return global_plan, metadata
 
@@ -134,8 +143,11 @@ def _same_properties(plan: SavePlan, cached: SavePlan) -> bool:
     for item, other in zip(plan.items, cached.items, strict=True):
         if (item.tensor_data is None) != (other.tensor_data is None):
             return False
-        if item.tensor_data is not None and other.tensor_data is not None \
-                and item.tensor_data.properties != other.tensor_data.properties:
+        if (
+            item.tensor_data is not None
+            and other.tensor_data is not None
+            and item.tensor_data.properties != other.tensor_data.properties
+        ):
             return False
     return True
 
@@ -176,8 +188,9 @@ def _derived_version() -> str | None:
     return getattr(_version, "_derived_version", None)
 
 
-def _flatten_mappings(value: Mapping[Any, Any], path: tuple[str, ...], flat: dict[str, Any],
-                      mappings: dict[str, Any]) -> bool:
+def _flatten_mappings(
+    value: Mapping[Any, Any], path: tuple[str, ...], flat: dict[str, Any], mappings: dict[str, Any]
+) -> bool:
     """DCP's flattening of nested mappings (``traverse_state_dict``: a mapping is walked, anything but
     a mapping or a list is a leaf); False as soon as a list is found (DCP's rules for lists differ)."""
     for k, v in value.items():
@@ -224,4 +237,3 @@ def has_internal_overlap(t: torch.Tensor) -> bool | None:
         except (RuntimeError, TypeError):
             pass
     return None
-

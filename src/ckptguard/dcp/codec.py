@@ -34,15 +34,26 @@ _DTYPES: dict[str, torch.dtype] = {
     str(v).removeprefix("torch."): v for v in vars(torch).values() if isinstance(v, torch.dtype)
 }
 
-_NUMPY_DTYPES = {torch.float64, torch.float32, torch.float16, torch.int64, torch.int32, torch.int16,
-                 torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128}
+_NUMPY_DTYPES = {
+    torch.float64,
+    torch.float32,
+    torch.float16,
+    torch.int64,
+    torch.int32,
+    torch.int16,
+    torch.int8,
+    torch.uint8,
+    torch.bool,
+    torch.complex64,
+    torch.complex128,
+}
 
 
 _DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in _DTYPES.items()}
 
 
 def dtype_name(dtype: torch.dtype) -> str:
-    """"float32" of torch.float32 (a lookup: it runs for every item of every save and load)."""
+    """ "float32" of torch.float32 (a lookup: it runs for every item of every save and load)."""
     name = _DTYPE_NAMES.get(dtype)
     return name if name is not None else str(dtype).removeprefix("torch.")
 
@@ -132,8 +143,14 @@ def _flat_chunks(chunks: Sequence[ChunkStorageMetadata]) -> list[int]:
     return list(chain.from_iterable(chain.from_iterable(map(_OFFSETS_SIZES, chunks))))
 
 
-def metadata_from_json(obj: dict[str, Any], items: Sequence[StoredItem], path: str | None = None, *,
-                       domain_count: int = 1, wanted: Collection[str] | None = None) -> Metadata:
+def metadata_from_json(
+    obj: dict[str, Any],
+    items: Sequence[StoredItem],
+    path: str | None = None,
+    *,
+    domain_count: int = 1,
+    wanted: Collection[str] | None = None,
+) -> Metadata:
     """DCP's Metadata from the manifest's JSON; every size and index bounded by what the items hold.
     ``obj`` as the manifest's schema decoded it (protocol.schema.DcpBody: every number an int).
 
@@ -156,8 +173,11 @@ def metadata_from_json(obj: dict[str, Any], items: Sequence[StoredItem], path: s
         entries_json = obj["state_dict"]
         if not isinstance(entries_json, dict):
             raise TypeError(f"state_dict is a {type(entries_json).__name__}, not an object")
-        chosen = entries_json.items() if wanted is None else (
-            (fqn, entries_json[fqn]) for fqn in wanted if fqn in entries_json)
+        chosen = (
+            entries_json.items()
+            if wanted is None
+            else ((fqn, entries_json[fqn]) for fqn in wanted if fqn in entries_json)
+        )
         for fqn, e in chosen:
             if e["type"] == "bytes":
                 sd[fqn] = BytesStorageMetadata()
@@ -169,27 +189,33 @@ def metadata_from_json(obj: dict[str, Any], items: Sequence[StoredItem], path: s
                 ndim = len(size)
                 flat = e["chunks"]
                 step = 2 * ndim
-                if (whole_chunk(size, flat) and ndim <= 64 and min(size) >= 0
-                        and (0 not in size or addressable(size))):
+                if whole_chunk(size, flat) and ndim <= 64 and min(size) >= 0 and (0 not in size or addressable(size)):
                     # One chunk, the whole tensor (most tensors of most checkpoints): one Size for both,
                     # and _check_size's checks that remain for it (the manifest's schema typed the numbers).
                     itemsize = ITEMSIZES.get(key[0])
-                    if (domain_count == 1 and itemsize is not None
-                            and math.prod(size) * itemsize > stored.get(fqn, 0)):
-                        raise ValueError(f"{fqn[:100]}: size {size[:8]} of {key[0]} is more than the "
-                                         f"{stored.get(fqn, 0)} bytes stored for it")
+                    if domain_count == 1 and itemsize is not None and math.prod(size) * itemsize > stored.get(fqn, 0):
+                        raise ValueError(
+                            f"{fqn[:100]}: size {size[:8]} of {key[0]} is more than the "
+                            f"{stored.get(fqn, 0)} bytes stored for it"
+                        )
                     whole = torch.Size(size)
-                    sd[fqn] = TensorStorageMetadata(properties=props[key], size=whole, chunks=[
-                        ChunkStorageMetadata(offsets=torch.Size(flat[:ndim]), sizes=whole)])
+                    sd[fqn] = TensorStorageMetadata(
+                        properties=props[key],
+                        size=whole,
+                        chunks=[ChunkStorageMetadata(offsets=torch.Size(flat[:ndim]), sizes=whole)],
+                    )
                     continue
                 if ndim == 0:
                     chunks = [ChunkStorageMetadata(offsets=torch.Size(), sizes=torch.Size())] * (len(flat) or 1)
                 else:
                     if len(flat) % step:
                         raise ValueError(f"{fqn}: chunk list length {len(flat)} is not a multiple of {step}")
-                    chunks = [ChunkStorageMetadata(offsets=torch.Size(flat[i:i + ndim]),
-                                                   sizes=torch.Size(flat[i + ndim:i + step]))
-                              for i in range(0, len(flat), step)]
+                    chunks = [
+                        ChunkStorageMetadata(
+                            offsets=torch.Size(flat[i : i + ndim]), sizes=torch.Size(flat[i + ndim : i + step])
+                        )
+                        for i in range(0, len(flat), step)
+                    ]
                 _check_size(fqn, e["size"], flat, key[0], stored if domain_count == 1 else None)
                 sd[fqn] = TensorStorageMetadata(properties=props[key], size=torch.Size(e["size"]), chunks=chunks)
             else:
@@ -199,26 +225,29 @@ def metadata_from_json(obj: dict[str, Any], items: Sequence[StoredItem], path: s
         if not isinstance(paths_json, dict):
             raise TypeError(f"planner_data is a {type(paths_json).__name__}, not an object")
         entries = len(paths_json)
-        chosen_paths = paths_json.items() if wanted is None else (
-            (k, paths_json[k]) for k in wanted if k in paths_json)
+        chosen_paths = paths_json.items() if wanted is None else ((k, paths_json[k]) for k in wanted if k in paths_json)
         for k, obj_path in chosen_paths:
             # Lists are rebuilt by index (unflatten) and nested by path: an index is below the number of
             # entries (each list element that holds something has one), a path no longer than MAX_VALUE_DEPTH.
-            if not isinstance(obj_path, list) or not 0 < len(obj_path) <= MAX_VALUE_DEPTH or not all(
-                    type(p) is str or (type(p) is int and 0 <= p < entries) for p in obj_path):
+            if (
+                not isinstance(obj_path, list)
+                or not 0 < len(obj_path) <= MAX_VALUE_DEPTH
+                or not all(type(p) is str or (type(p) is int and 0 <= p < entries) for p in obj_path)
+            ):
                 raise ValueError(f"bad planner path for {str(k)[:100]!r}: {str(obj_path)[:100]}")
             planner_data[str(k)] = tuple(obj_path)
     except (KeyError, TypeError, ValueError) as e:
-        raise CorruptCheckpointError(f"invalid DCP metadata in manifest {path or ''}: {type(e).__name__}: {e}",
-                                     path=path) from None
+        raise CorruptCheckpointError(
+            f"invalid DCP metadata in manifest {path or ''}: {type(e).__name__}: {e}", path=path
+        ) from None
     # Each item's shape was checked against its length when the manifest was parsed.
     storage = {item_index(i): i for i in items}
-    return Metadata(state_dict_metadata=sd, planner_data=planner_data, storage_data=storage,
-                    version=obj.get("version"))
+    return Metadata(state_dict_metadata=sd, planner_data=planner_data, storage_data=storage, version=obj.get("version"))
 
 
-def whole_tensor_items(obj: dict[str, Any], items: Sequence[StoredItem], template: Mapping[str, Any]
-                       ) -> dict[str, StoredItem]:
+def whole_tensor_items(
+    obj: dict[str, Any], items: Sequence[StoredItem], template: Mapping[str, Any]
+) -> dict[str, StoredItem]:
     """The stored item of each plain tensor of ``template`` (a load's flattened state) that the
     checkpoint holds whole, as one item of the template's shape and dtype: most tensors of a load at
     the world size and sharding they were saved with. Those are planned from the manifest's item
@@ -245,8 +274,13 @@ def whole_tensor_items(obj: dict[str, Any], items: Sequence[StoredItem], templat
         if k is None or type(e) is not dict or e.get("type") != "tensor":
             continue
         size, dtype = e.get("size"), dtype_name(value.dtype)
-        if (type(size) is not list or len(size) != value.dim() or e.get("dtype") != dtype
-                or not whole_chunk(size, e.get("chunks")) or list(value.shape) != size):
+        if (
+            type(size) is not list
+            or len(size) != value.dim()
+            or e.get("dtype") != dtype
+            or not whole_chunk(size, e.get("chunks"))
+            or list(value.shape) != size
+        ):
             continue
         candidates.append((fqn, size, dtype))
         wanted.append(k)
@@ -260,11 +294,16 @@ def whole_tensor_items(obj: dict[str, Any], items: Sequence[StoredItem], templat
     rows = first[at]
     chosen = [c for c, ok in zip(candidates, one, strict=True) if ok]
     out: dict[str, StoredItem] = {}
-    for (fqn, size, dtype), item in zip(chosen, table.take(rows[np.asarray(one, dtype=bool)]).rows(),
-                                               strict=True):
+    for (fqn, size, dtype), item in zip(chosen, table.take(rows[np.asarray(one, dtype=bool)]).rows(), strict=True):
         # The one item of that name is the whole tensor: stored at offset zero, of its shape and dtype.
-        if (item.dtype == dtype and item.shape is not None and list(item.shape) == size
-                and item.offsets is not None and len(item.offsets) == len(size) and not any(item.offsets)):
+        if (
+            item.dtype == dtype
+            and item.shape is not None
+            and list(item.shape) == size
+            and item.offsets is not None
+            and len(item.offsets) == len(size)
+            and not any(item.offsets)
+        ):
             out[fqn] = item
     return out
 
@@ -285,8 +324,6 @@ def _items_named(items: Sequence[StoredItem], wanted: Collection[str] | None) ->
     return [i for i in items if i.fqn in wanted]
 
 
-
-
 def _check_size(fqn: str, size: Any, flat: Any, dtype: str, stored: Mapping[str, int] | None) -> None:
     """A tensor's size: what a reader allocates before reading. Its bytes cannot exceed what the
     checkpoint stores for it (each item's length was checked against its file when parsed); where the
@@ -303,15 +340,16 @@ def _check_size(fqn: str, size: Any, flat: Any, dtype: str, stored: Mapping[str,
         return
     if stored is not None:
         if math.prod(size) * itemsize > stored.get(fqn, 0):
-            raise ValueError(f"{fqn[:100]}: size {size[:8]} of {dtype} is more than the {stored.get(fqn, 0)} "
-                             "bytes stored for it")
+            raise ValueError(
+                f"{fqn[:100]}: size {size[:8]} of {dtype} is more than the {stored.get(fqn, 0)} bytes stored for it"
+            )
         return
     ndim = len(size)
     covered = 1 if ndim == 0 else 0
     for i in range(0, len(flat), 2 * ndim or 1):
         if ndim == 0:
             break
-        offsets, sizes = flat[i:i + ndim], flat[i + ndim:i + 2 * ndim]
+        offsets, sizes = flat[i : i + ndim], flat[i + ndim : i + 2 * ndim]
         if any(o + n > d for o, n, d in zip(offsets, sizes, size, strict=True)):
             raise ValueError(f"{fqn[:100]}: a chunk at {offsets[:8]} of {sizes[:8]} lies outside its size {size[:8]}")
         covered += math.prod(sizes)
@@ -331,8 +369,11 @@ def check_depth(value: Any, what: str, path: str | None = None) -> None:
         else:
             continue
         if depth >= MAX_VALUE_DEPTH:
-            raise CorruptCheckpointError(f"{what} nests more than {MAX_VALUE_DEPTH} deep: not a state "
-                                         "ckptguard stores (decoding it would recurse without bound)", path=path)
+            raise CorruptCheckpointError(
+                f"{what} nests more than {MAX_VALUE_DEPTH} deep: not a state "
+                "ckptguard stores (decoding it would recurse without bound)",
+                path=path,
+            )
         stack.extend((c, depth + 1) for c in children)
 
 
@@ -346,9 +387,12 @@ def load_bounded(source: Any, what: str, path: str | None = None, map_location: 
     except (CheckpointError, pickle.UnpicklingError, MemoryError):
         raise  # (weights_only's refusal of code is an UnpicklingError: callers name it)
     except Exception as e:  # a damaged file fails anywhere in torch's and zipfile's readers
-        raise CorruptCheckpointError(f"{what}: torch.load cannot read it ({type(e).__name__}: "
-                                     f"{str(e).splitlines()[0] if str(e) else 'no detail'}); the file is damaged "
-                                     "or not a torch.save file", path=path) from None
+        raise CorruptCheckpointError(
+            f"{what}: torch.load cannot read it ({type(e).__name__}: "
+            f"{str(e).splitlines()[0] if str(e) else 'no detail'}); the file is damaged "
+            "or not a torch.save file",
+            path=path,
+        ) from None
     check_depth(value, what, path)
     return value
 

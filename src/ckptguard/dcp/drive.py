@@ -24,10 +24,16 @@ from ckptguard.dcp.records import StoredItem
 from ckptguard.dcp.writer import GuardedWriter
 
 
-def read_locally(state_dict: dict[str, Any], reader: GuardedReader, planner: DefaultLoadPlanner,
-                 is_coordinator: bool, stats: Any = None, before_read: Callable[[], None] | None = None,
-                 metadata_for: Callable[[Collection[str]], Metadata] | None = None,
-                 whole_items_for: Callable[[dict[str, Any]], dict[str, StoredItem]] | None = None) -> None:
+def read_locally(
+    state_dict: dict[str, Any],
+    reader: GuardedReader,
+    planner: DefaultLoadPlanner,
+    is_coordinator: bool,
+    stats: Any = None,
+    before_read: Callable[[], None] | None = None,
+    metadata_for: Callable[[Collection[str]], Metadata] | None = None,
+    whole_items_for: Callable[[dict[str, Any]], dict[str, StoredItem]] | None = None,
+) -> None:
     """dcp.load's planning and reading, without its two collectives.
 
     dcp.load gathers every rank's load plan on the coordinator and scatters them
@@ -60,8 +66,14 @@ def read_locally(state_dict: dict[str, Any], reader: GuardedReader, planner: Def
         reader.read_data(plan, planner).wait()
 
 
-def plan_collectively(state_dict: dict[str, Any], writer: GuardedWriter[Any], planner: DomainSavePlanner,
-                      comm: Comm, what: str, suffix: str = "") -> None:
+def plan_collectively(
+    state_dict: dict[str, Any],
+    writer: GuardedWriter[Any],
+    planner: DomainSavePlanner,
+    comm: Comm,
+    what: str,
+    suffix: str = "",
+) -> None:
     """DCP's save planning (deduplication, global metadata, plan caching), with our collectives.
 
     dcp.save also gathers every rank's write results and broadcasts the global

@@ -64,13 +64,20 @@ def _refuse_tied_conflict(a: ReadJob, b: ReadJob) -> None:
     if len(a.targets) != 1 or len(b.targets) != 1 or a.stored.shape is None or b.stored.shape is None:
         return
     ta, tb = a.targets[0], b.targets[0]
-    if (ta.data_ptr() == tb.data_ptr() and ta.shape == tb.shape and ta.stride() == tb.stride()
-            and ta.dtype == tb.dtype and a.stored.dtype == b.stored.dtype and a.stored.length == b.stored.length
-            and a.stored.checksum != b.stored.checksum):
+    if (
+        ta.data_ptr() == tb.data_ptr()
+        and ta.shape == tb.shape
+        and ta.stride() == tb.stride()
+        and ta.dtype == tb.dtype
+        and a.stored.dtype == b.stored.dtype
+        and a.stored.length == b.stored.length
+        and a.stored.checksum != b.stored.checksum
+    ):
         raise TemplateMismatchError(
             f"{a.stored.fqn} and {b.stored.fqn} are one tensor in the template (tied weights), but the "
             "checkpoint holds different values for them (they were saved untied): tie or untie them as they "
-            "were when saved; nothing was read or changed")
+            "were when saved; nothing was read or changed"
+        )
 
 
 #: Up to this many elements, a tensor whose strides prove nothing either way has its element offsets
@@ -212,26 +219,30 @@ class ReadJob:
             raise CheckpointError(f"{s.fqn}: a tensor is expected where the checkpoint stores an object")
         for req, target in zip(self.reqs, self.targets, strict=True):
             if target.shape != tuple(req.lengths):  # (torch.Size is a tuple)
-                raise CheckpointError(f"{s.fqn}: stored piece {list(req.lengths)} does not fit destination "
-                                      f"{list(target.shape)}")
+                raise CheckpointError(
+                    f"{s.fqn}: stored piece {list(req.lengths)} does not fit destination {list(target.shape)}"
+                )
         if self.direct is not None:
             return  # the whole stored chunk into one contiguous destination of its shape
         for req, target in zip(self.reqs, self.targets, strict=True):
             # The piece read lies inside the chunk stored (the metadata's chunk list and the stored
             # item agree), so that nothing fails once the copies into place have begun.
             if len(req.lengths) != len(s.shape) or any(
-                    o + n > d for o, n, d in zip(req.storage_offsets, req.lengths, s.shape, strict=True)):
+                o + n > d for o, n, d in zip(req.storage_offsets, req.lengths, s.shape, strict=True)
+            ):
                 raise CorruptCheckpointError(
                     f"{s.fqn}: the checkpoint's metadata asks for a piece at {list(req.storage_offsets)[:8]} "
                     f"of {list(req.lengths)[:8]} of a stored chunk of shape {list(s.shape)[:8]}: the manifest "
-                    "is corrupt")
+                    "is corrupt"
+                )
             if shares_elements(target):
                 raise TemplateMismatchError(
                     f"{s.fqn}: the template's tensor has elements that share memory (an expand()ed tensor, "
                     f"stride 0, or strides {list(target.stride())[:8]} that make elements of shape "
                     f"{list(target.shape)[:8]} meet, as unfold() and as_strided() can): it cannot hold the "
                     "checkpoint's values. Pass a tensor with its own memory (.clone()); nothing was read "
-                    "or changed")
+                    "or changed"
+                )
 
     def destination(self, arena: Arena) -> memoryview:
         """Where phase 1 reads this item: its destination (in place), an arena slot (staged tensor),
@@ -244,7 +255,7 @@ class ReadJob:
             buf = bytearray(s.length)
             self.raw = buf
             return memoryview(buf)
-        view = arena.view[self.slot:self.slot + s.length] if self.slot >= 0 else None
+        view = arena.view[self.slot : self.slot + s.length] if self.slot >= 0 else None
         return self._scratch(view)
 
     def allocate_scratch(self, pool: torch.Tensor | None = None) -> memoryview:
@@ -272,21 +283,20 @@ class ReadJob:
         for d in s.shape:
             numel *= d
         if pool is not None and numel:
-            self.scratch = pool[:numel * dtype.itemsize].view(dtype).view(s.shape)
+            self.scratch = pool[: numel * dtype.itemsize].view(dtype).view(s.shape)
         elif view is None or not numel:
             self.scratch = torch.empty(s.shape, dtype=dtype)
         else:
             self.scratch = torch.frombuffer(view, dtype=torch.uint8).view(dtype).view(s.shape)
         got, _ = tensor_bytes(self.scratch) if numel else (memoryview(b""), self.scratch)
         if len(got) != s.length:
-            raise CorruptCheckpointError(f"{s.fqn}: stored length {s.length} does not match its shape "
-                                         f"{list(s.shape)}")
+            raise CorruptCheckpointError(f"{s.fqn}: stored length {s.length} does not match its shape {list(s.shape)}")
         self.scratch_view = got
         return got
 
     def save_old(self, arena: Arena) -> None:
         assert self.direct is not None and self.slot >= 0
-        old = arena.view[self.slot:self.slot + len(self.direct)]
+        old = arena.view[self.slot : self.slot + len(self.direct)]
         old[:] = self.direct
         self.old = old
 
@@ -319,9 +329,17 @@ class ReadJob:
             return None
         t, req, shape = self.targets[0], self.reqs[0], self.stored.shape
         # (torch.Size is a tuple: compared with the stored shape as it is)
-        if (t.shape != shape or tuple(req.lengths) != shape or not t.is_contiguous() or not t.is_cpu
-                or any(req.storage_offsets) or not t.numel() or dtype_name(t.dtype) != self.stored.dtype
-                or t.is_conj() or t.is_neg()):
+        if (
+            t.shape != shape
+            or tuple(req.lengths) != shape
+            or not t.is_contiguous()
+            or not t.is_cpu
+            or any(req.storage_offsets)
+            or not t.numel()
+            or dtype_name(t.dtype) != self.stored.dtype
+            or t.is_conj()
+            or t.is_neg()
+        ):
             return None
         if t.dtype in _NUMPY_DTYPES:
             view = memoryview(t.numpy()).cast("B")  # type: ignore[arg-type]  # ndarray is a buffer
@@ -329,8 +347,9 @@ class ReadJob:
             view, _ = tensor_bytes(t)
         return view if len(view) == self.stored.length else None
 
-    def verify_streaming(self, fd: ReadHandle, path: str, algorithm: str, chunk: memoryview,
-                         spill: Spill | None) -> None:
+    def verify_streaming(
+        self, fd: ReadHandle, path: str, algorithm: str, chunk: memoryview, spill: Spill | None
+    ) -> None:
         """Check an item's checksum reading it in chunks (kept in ``spill`` if given)."""
         s = self.stored
         hasher = Hasher(algorithm)
@@ -346,8 +365,9 @@ class ReadJob:
             pos += n
         self._compare(hasher.hexdigest(), path)
 
-    def read_verified(self, fd: ReadHandle, offset: int, view: memoryview, piece: int, path: str,
-                      algorithm: str) -> None:
+    def read_verified(
+        self, fd: ReadHandle, offset: int, view: memoryview, piece: int, path: str, algorithm: str
+    ) -> None:
         """Read this item into ``view`` from ``offset`` of ``fd`` and check it, ``piece`` bytes at a time
         (each hashed while still in the CPU's cache)."""
         if len(view) <= piece:
@@ -356,7 +376,7 @@ class ReadJob:
             return
         hasher = Hasher(algorithm)
         for pos in range(0, len(view), piece):
-            part = view[pos:pos + piece]
+            part = view[pos : pos + piece]
             fd.read_into([part], offset + pos)
             hasher.update(part)
         self._compare(hasher.hexdigest(), path)
@@ -372,6 +392,7 @@ class ReadJob:
                 f"expected {s.checksum}, read {got}. The checkpoint is corrupt.",
                 path=path,
             )
+
 
 def detached(t: torch.Tensor) -> torch.Tensor:
     """A destination written without autograd (a new view only where autograd would see the write)."""
@@ -393,7 +414,10 @@ def torn_if_it_fails(rank: int, path: str) -> Iterator[None]:
         raise TornLoadError(
             f"{e} The same bytes were verified moments before, so the file was modified in place during "
             "this load (ckptguard never does that). Part of this checkpoint may already be in the state "
-            "being loaded: load again.", rank=rank, path=path) from None
+            "being loaded: load again.",
+            rank=rank,
+            path=path,
+        ) from None
 
 
 _ALIGN = 64  # scratch slots in the arena start at this alignment (any dtype, vector loads)

@@ -39,14 +39,41 @@ class FileEntry(NamedTuple):
 #: ``verify`` never do): a tensor row's shape must account for exactly its bytes. A test checks it
 #: against the installed torch's dtypes (tests/test_torch_private.py).
 ITEMSIZES: dict[str, int] = {
-    "bool": 1, "uint8": 1, "int8": 1, "int16": 2, "int32": 4, "int64": 8, "uint16": 2, "uint32": 4, "uint64": 8,
-    "float16": 2, "bfloat16": 2, "float32": 4, "float64": 8, "complex32": 4, "complex64": 8, "complex128": 16,
+    "bool": 1,
+    "uint8": 1,
+    "int8": 1,
+    "int16": 2,
+    "int32": 4,
+    "int64": 8,
+    "uint16": 2,
+    "uint32": 4,
+    "uint64": 8,
+    "float16": 2,
+    "bfloat16": 2,
+    "float32": 4,
+    "float64": 8,
+    "complex32": 4,
+    "complex64": 8,
+    "complex128": 16,
     "bcomplex32": 4,  # torch 2.14
-    "qint8": 1, "quint8": 1, "qint32": 4, "quint4x2": 1, "quint2x4": 1,
-    "bits1x8": 1, "bits2x4": 1, "bits4x2": 1, "bits8": 1, "bits16": 2,
-    "float8_e5m2": 1, "float8_e4m3fn": 1, "float8_e5m2fnuz": 1, "float8_e4m3fnuz": 1, "float8_e8m0fnu": 1,
+    "qint8": 1,
+    "quint8": 1,
+    "qint32": 4,
+    "quint4x2": 1,
+    "quint2x4": 1,
+    "bits1x8": 1,
+    "bits2x4": 1,
+    "bits4x2": 1,
+    "bits8": 1,
+    "bits16": 2,
+    "float8_e5m2": 1,
+    "float8_e4m3fn": 1,
+    "float8_e5m2fnuz": 1,
+    "float8_e4m3fnuz": 1,
+    "float8_e8m0fnu": 1,
     "float4_e2m1fn_x2": 1,
-    **{f"uint{n}": 1 for n in range(1, 8)}, **{f"int{n}": 1 for n in range(1, 8)},
+    **{f"uint{n}": 1 for n in range(1, 8)},
+    **{f"int{n}": 1 for n in range(1, 8)},
 }
 
 
@@ -68,8 +95,7 @@ def whole_chunk(size: list[int], flat: Any) -> bool:
     """Whether a flat chunk list (``metadata_to_json``) is one chunk that is the whole tensor of ``size``
     (at least one dimension): most tensors of most checkpoints."""
     ndim = len(size)
-    return bool(ndim) and type(flat) is list and len(flat) == 2 * ndim and flat[ndim:] == size and not any(
-        flat[:ndim])
+    return bool(ndim) and type(flat) is list and len(flat) == 2 * ndim and flat[ndim:] == size and not any(flat[:ndim])
 
 
 #: Above this many chunks of one tensor that do not form a grid, their overlaps are found pairwise in
@@ -102,15 +128,16 @@ def covers_once(size: Sequence[int], chunks: np.ndarray) -> bool:
     one_cell = True
     for d in range(ndim):
         bounds = np.unique(np.concatenate([offsets[:, d], ends[:, d]]))
-        one_cell = one_cell and bool(np.all(np.searchsorted(bounds, ends[:, d]) -
-                                            np.searchsorted(bounds, offsets[:, d]) == 1))
+        one_cell = one_cell and bool(
+            np.all(np.searchsorted(bounds, ends[:, d]) - np.searchsorted(bounds, offsets[:, d]) == 1)
+        )
     if one_cell:  # each chunk is one cell: they overlap only if two are the same cell
         return len(np.unique(offsets, axis=0)) == m
     if ndim == 1:
         order = np.argsort(offsets[:, 0], kind="stable")
         return bool(np.all(offsets[order][1:, 0] >= ends[order][:-1, 0]))
     for start in range(0, m, _PAIR_BLOCK):
-        a_off, a_end = offsets[start:start + _PAIR_BLOCK, None, :], ends[start:start + _PAIR_BLOCK, None, :]
+        a_off, a_end = offsets[start : start + _PAIR_BLOCK, None, :], ends[start : start + _PAIR_BLOCK, None, :]
         meet = np.all((a_off < ends[None, :, :]) & (offsets[None, :, :] < a_end), axis=2)
         meet[np.arange(len(meet)), np.arange(start, start + len(meet))] = False
         if meet.any():

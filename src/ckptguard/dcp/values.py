@@ -59,7 +59,8 @@ def _refuse(value: Any, path: tuple[Any, ...], what: str = "") -> CheckpointErro
         f"a {type(value).__module__}.{type(value).__qualname__} cannot be loaded back without unpickling "
         "code from the checkpoint (ckptguard loads objects with torch.load(weights_only=True)). Store what "
         "describes it instead: its state_dict() (or make it a Stateful at the top level), a dict, a tensor, "
-        "or str(...) / int(...) of it")
+        "or str(...) / int(...) of it"
+    )
     return UnsupportedValueError(f"cannot save {_where(path)}: {hint}.")
 
 
@@ -85,15 +86,19 @@ def _key_json(key: Any, path: tuple[Any, ...]) -> Any:
         return {"x": key.hex()}
     if type(key) is tuple:
         return {"t": [_key_json(k, path) for k in key]}
-    raise _refuse(key, path, f"its key {key!r} is a {type(key).__qualname__}; dict keys must be str, int, "
-                             "float, bool, None, bytes or tuples of those. Use str(key) instead")
+    raise _refuse(
+        key,
+        path,
+        f"its key {key!r} is a {type(key).__qualname__}; dict keys must be str, int, "
+        "float, bool, None, bytes or tuples of those. Use str(key) instead",
+    )
 
 
 def _key_from_json(obj: Any) -> Any:
     if obj is None or type(obj) in (int, str):
         return obj
     if isinstance(obj, dict) and len(obj) == 1:
-        (tag, v), = obj.items()
+        ((tag, v),) = obj.items()
         if tag == "b":
             return bool(v)
         if tag == "f":
@@ -115,9 +120,13 @@ def encode_key(key: Any, path: tuple[Any, ...] = ()) -> str:
     encoded = "<key>" + json.dumps(_key_json(key, path), separators=(",", ":"))
     if _key_too_large(encoded):  # what decode_key refuses is refused here: saved, no load could read it
         levels = encoded.count("[") + encoded.count("{")
-        raise _refuse(key, path, f"a dict key of type {type(key).__name__} whose encoding ({len(encoded)} "
-                      f"characters, {levels} brackets) is more than a load takes (4096 characters, 32 brackets). "
-                      "Use a smaller key, e.g. a string naming it")
+        raise _refuse(
+            key,
+            path,
+            f"a dict key of type {type(key).__name__} whose encoding ({len(encoded)} "
+            f"characters, {levels} brackets) is more than a load takes (4096 characters, 32 brackets). "
+            "Use a smaller key, e.g. a string naming it",
+        )
     return encoded
 
 
@@ -146,8 +155,12 @@ def _encode_ndarray(arr: Any, scalar: bool, path: tuple[Any, ...]) -> dict[str, 
     import numpy as np
 
     if arr.dtype.hasobject or arr.dtype.fields is not None:
-        raise _refuse(arr, path, f"a numpy array of dtype {arr.dtype} (object or structured) cannot be stored "
-                                 "as bytes; convert it to a plain dtype, a list, or a dict of arrays")
+        raise _refuse(
+            arr,
+            path,
+            f"a numpy array of dtype {arr.dtype} (object or structured) cannot be stored "
+            "as bytes; convert it to a plain dtype, a list, or a dict of arrays",
+        )
     a = np.ascontiguousarray(arr)
     tensor: torch.Tensor
     try:
@@ -202,38 +215,58 @@ def refuse_unsavable(state_dict: Mapping[str, Any]) -> None:
             if not isinstance(child, _CONTAINERS):
                 continue
             if depth + 1 >= MAX_VALUE_DEPTH:
-                raise _refuse(child, (*path, key), f"it nests more than {MAX_VALUE_DEPTH} deep (dicts, lists, "
-                              "tuples and sets, as stored), more than a load takes. Store it flatter, e.g. "
-                              "as a tensor or a string")
+                raise _refuse(
+                    child,
+                    (*path, key),
+                    f"it nests more than {MAX_VALUE_DEPTH} deep (dicts, lists, "
+                    "tuples and sets, as stored), more than a load takes. Store it flatter, e.g. "
+                    "as a tensor or a string",
+                )
             stack.append((child, depth + 1, (*path, key)))
 
 
 #: Dtypes whose elements are not whole bytes (or have no arithmetic): torch cannot copy, compare or
 #: cast them as the data path does; their bytes are stored as uint8 by the caller if they must be.
 _UNSTORED_DTYPES = frozenset(
-    getattr(torch, name) for name in (
-        "bits1x8", "bits2x4", "bits4x2", "bits8", "bits16",
-        *(f"int{n}" for n in range(1, 8)), *(f"uint{n}" for n in range(1, 8)))
-    if hasattr(torch, name))
+    getattr(torch, name)
+    for name in (
+        "bits1x8",
+        "bits2x4",
+        "bits4x2",
+        "bits8",
+        "bits16",
+        *(f"int{n}" for n in range(1, 8)),
+        *(f"uint{n}" for n in range(1, 8)),
+    )
+    if hasattr(torch, name)
+)
 
 
 def tensor_problem(t: torch.Tensor) -> str | None:
     """Why a plain tensor cannot be saved (None: it can): a sparse, quantized, nested or meta tensor,
     or a sub-byte or bits dtype."""
     if t.layout is not torch.strided:
-        return (f"a {t.layout} tensor is not stored (only dense tensors): save t.to_dense(), or its "
-                "indices and values as dense tensors")
+        return (
+            f"a {t.layout} tensor is not stored (only dense tensors): save t.to_dense(), or its "
+            "indices and values as dense tensors"
+        )
     if t.is_quantized:
-        return ("a quantized tensor is not stored: save t.int_repr() with t.q_scale() and t.q_zero_point() "
-                "(or t.dequantize())")
+        return (
+            "a quantized tensor is not stored: save t.int_repr() with t.q_scale() and t.q_zero_point() "
+            "(or t.dequantize())"
+        )
     if t.is_nested:
         return "a nested tensor is not stored: save t.unbind() (a list of its tensors)"
     if t.is_meta:
-        return ("a tensor on the meta device has no data to store: materialise it first (e.g. "
-                "module.to_empty(device=...) and initialise it)")
+        return (
+            "a tensor on the meta device has no data to store: materialise it first (e.g. "
+            "module.to_empty(device=...) and initialise it)"
+        )
     if t.dtype in _UNSTORED_DTYPES:
-        return (f"the dtype {t.dtype} (elements of less than a byte, or bits) is not stored: save "
-                "t.view(torch.uint8) and view it back after the load")
+        return (
+            f"the dtype {t.dtype} (elements of less than a byte, or bits) is not stored: save "
+            "t.view(torch.uint8) and view it back after the load"
+        )
     return None
 
 
@@ -256,7 +289,8 @@ def flat_collision_error(err: ValueError) -> CheckpointError:
     key = str(err).removeprefix("duplicated flatten key ").strip()
     return UnsupportedValueError(
         f"cannot save two values under the name {key!r}: DCP joins nested keys with dots, so a key with a dot "
-        "and a nested dict of the same path collide. Rename one of them.")
+        "and a nested dict of the same path collide. Rename one of them."
+    )
 
 
 def encode_value(value: Any, path: tuple[Any, ...] = (), *, plain_torch_load: bool = False) -> Any:
@@ -275,8 +309,13 @@ def encode_value(value: Any, path: tuple[Any, ...] = (), *, plain_torch_load: bo
         changed = type(value) not in (dict, OrderedDict)
         for k, v in value.items():
             ek = encode_key(k, path)
-            ev = v if type(v) in PLAIN_TENSOR_TYPES else encode_value(  # kept without a call
-                v, (*path, k), plain_torch_load=plain_torch_load)
+            ev = (
+                v
+                if type(v) in PLAIN_TENSOR_TYPES
+                else encode_value(  # kept without a call
+                    v, (*path, k), plain_torch_load=plain_torch_load
+                )
+            )
             changed = changed or ek is not k or ev is not v
             out[ek] = ev
         return out if changed else value
@@ -288,8 +327,9 @@ def encode_value(value: Any, path: tuple[Any, ...] = (), *, plain_torch_load: bo
     if type(value) is tuple:
         if _plain(value):
             return value
-        return {"<tuple>": [encode_value(v, (*path, i), plain_torch_load=plain_torch_load)
-                            for i, v in enumerate(value)]}
+        return {
+            "<tuple>": [encode_value(v, (*path, i), plain_torch_load=plain_torch_load) for i, v in enumerate(value)]
+        }
     if plain_torch_load and type(value) is frozenset:
         raise _refuse(value, path, "torch.load(weights_only=True) cannot load a frozenset; store a set or a tuple")
     if type(value) in (set, frozenset):
@@ -300,19 +340,31 @@ def encode_value(value: Any, path: tuple[Any, ...] = (), *, plain_torch_load: bo
     import numpy as np
 
     if plain_torch_load and isinstance(value, np.ndarray | np.generic):
-        raise _refuse(value, path, "torch.load(weights_only=True) cannot load a numpy value; store "
-                                   "torch.from_numpy(a) or a.tolist() (or save it with a Checkpointer, which "
-                                   "stores numpy values exactly)")
+        raise _refuse(
+            value,
+            path,
+            "torch.load(weights_only=True) cannot load a numpy value; store "
+            "torch.from_numpy(a) or a.tolist() (or save it with a Checkpointer, which "
+            "stores numpy values exactly)",
+        )
     if isinstance(value, np.ndarray) and type(value) is np.ndarray:
         return _encode_ndarray(value, False, path)
     if isinstance(value, np.generic):
         return _encode_ndarray(np.asarray(value), True, path)
     if isinstance(value, tuple) and hasattr(value, "_fields"):
-        raise _refuse(value, path, f"a namedtuple ({type(value).__qualname__}) would come back as a plain "
-                                   "tuple; store value._asdict() or tuple(value)")
+        raise _refuse(
+            value,
+            path,
+            f"a namedtuple ({type(value).__qualname__}) would come back as a plain "
+            "tuple; store value._asdict() or tuple(value)",
+        )
     if isinstance(value, list | tuple | set | frozenset | str | int | float | bytes):
-        raise _refuse(value, path, f"a {type(value).__qualname__} (a subclass of {type(value).__mro__[1].__name__})"
-                                   f" would come back as a plain {type(value).__mro__[1].__name__}; convert it first")
+        raise _refuse(
+            value,
+            path,
+            f"a {type(value).__qualname__} (a subclass of {type(value).__mro__[1].__name__})"
+            f" would come back as a plain {type(value).__mro__[1].__name__}; convert it first",
+        )
     raise _refuse(value, path)
 
 
@@ -322,7 +374,7 @@ def decode_value(value: Any) -> Any:
         if value.keys() and value.keys() <= _NDARRAY_KEYS and "<ndarray>" in value:
             return _decode_ndarray(value)
         if len(value) == 1:
-            (tag, inner), = value.items()
+            ((tag, inner),) = value.items()
             if tag in _TAGS:
                 if tag == "<dict>":
                     return {}

@@ -134,14 +134,18 @@ class GuardedWriter(StorageWriter, Generic[H]):
                 # CPU takes to checksum them (from the same memory, which nothing changes during a
                 # save): flush and checksum at the same time, and checksumming costs ~nothing.
                 flushed: list[BaseException] = []
-                flusher = threading.Thread(target=_sync_noting_errors, args=(stream, flushed),
-                                           name="ckptguard-fsync")
+                flusher = threading.Thread(target=_sync_noting_errors, args=(stream, flushed), name="ckptguard-fsync")
                 flusher.start()
                 try:
                     for item, mv, owner, at in placed:
                         digest = checksum(self.algorithm, mv)
-                        out.append(WriteResult(index=item.index, size_in_bytes=len(mv),
-                                               storage_data=_stored(item, owner, rel, at, len(mv), digest)))
+                        out.append(
+                            WriteResult(
+                                index=item.index,
+                                size_in_bytes=len(mv),
+                                storage_data=_stored(item, owner, rel, at, len(mv), digest),
+                            )
+                        )
                 finally:
                     flusher.join()
                 if flushed:
@@ -225,15 +229,15 @@ def _stored(item: WriteItem, owner: Any, rel: str, offset: int, length: int, dig
     if item.type == WriteItemType.BYTE_IO:
         return StoredItem(item.index.fqn, offsets, rel, offset, length, digest)
     assert isinstance(owner, torch.Tensor)
-    return StoredItem(item.index.fqn, offsets, rel, offset, length, digest,
-                      dtype=dtype_name(owner.dtype), shape=tuple(owner.shape))
+    return StoredItem(
+        item.index.fqn, offsets, rel, offset, length, digest, dtype=dtype_name(owner.dtype), shape=tuple(owner.shape)
+    )
 
 
 _MIN_BYTES_PER_FILE = 32 << 20
 
 
-def _balance(buffers: list[tuple[WriteItem, memoryview, Any]], n: int
-             ) -> list[list[tuple[WriteItem, memoryview, Any]]]:
+def _balance(buffers: list[tuple[WriteItem, memoryview, Any]], n: int) -> list[list[tuple[WriteItem, memoryview, Any]]]:
     """Split items into at most n files of similar size (largest first into the lightest).
 
     Small states go to one file: a thread per file only pays off once each file

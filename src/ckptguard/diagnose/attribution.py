@@ -75,8 +75,9 @@ def when(e: Event) -> tuple[float, int]:
 def best_of(kb: KnowledgeBase, events: list[Event]) -> Event:
     """The event that best names a rank's failure: highest tier, a named class over the generic
     ones, weight, exception over line."""
-    return max(events, key=lambda e: (tier(kb, e), e.class_id not in GENERIC, e.weight,
-                                      e.kind == EventKind.EXCEPTION, -e.seq))
+    return max(
+        events, key=lambda e: (tier(kb, e), e.class_id not in GENERIC, e.weight, e.kind == EventKind.EXCEPTION, -e.seq)
+    )
 
 
 def collect(ex: Extractor, kb: KnowledgeBase) -> Attribution:
@@ -91,8 +92,19 @@ def collect(ex: Extractor, kb: KnowledgeBase) -> Attribution:
     for pid, ev in ex.sigterm:
         if pid in ex.pid_rank:
             r = ex.pid_rank[pid][0]
-            sigterm_ranks.setdefault(r, Event(EXIT_SEQ + ev.line, EventKind.EXIT, "launcher_sigterm", 0.9,
-                                              [Match("launcher_sigterm", 0.9)], [ev], r, RankSource.PID))
+            sigterm_ranks.setdefault(
+                r,
+                Event(
+                    EXIT_SEQ + ev.line,
+                    EventKind.EXIT,
+                    "launcher_sigterm",
+                    0.9,
+                    [Match("launcher_sigterm", 0.9)],
+                    [ev],
+                    r,
+                    RankSource.PID,
+                ),
+            )
     _bind(events, launcher, kb)
     for lf in launcher:
         exit_ev = exit_event(lf, kb)
@@ -110,8 +122,11 @@ def collect(ex: Extractor, kb: KnowledgeBase) -> Attribution:
         strong: list[Event] = []
         weak: list[Event] = []
         for e in view.events:
-            if (kb[e.class_id].collateral or rules.explained(e.class_id, present)
-                    or (e.blames is not None and e.rank is not None and e.blames != e.rank)):
+            if (
+                kb[e.class_id].collateral
+                or rules.explained(e.class_id, present)
+                or (e.blames is not None and e.rank is not None and e.blames != e.rank)
+            ):
                 view.collateral.append(e)
             elif tier(kb, e) >= 2:
                 strong.append(e)
@@ -122,16 +137,28 @@ def collect(ex: Extractor, kb: KnowledgeBase) -> Attribution:
             # unattributed exits on one host, consequences on others (a multi-node launcher that
             # names hosts, not ranks): the exit is a cause of its own
             seen = {e.host for e in view.collateral}
-            view.primary = [e for e in weak if e.kind == EventKind.EXIT and e.host is not None
-                            and None not in seen and e.host not in seen]
+            view.primary = [
+                e
+                for e in weak
+                if e.kind == EventKind.EXIT and e.host is not None and None not in seen and e.host not in seen
+            ]
     world = ex.world_size or None
     known = set(ex.ranks_seen) | {r for r in views if r is not None}
     if world:
         known |= set(range(world))
     shown = set(ex.ranks_seen) | ex.named_ranks | {r for r in views if r is not None}
-    return Attribution(events, views, launcher, set(sigterm_ranks), known,
-                       world or (max(known) + 1 if known else None), hints=hints,
-                       reported=list(ex.reported_ranks), sigterm_lines=len(ex.sigterm), shown=shown)
+    return Attribution(
+        events,
+        views,
+        launcher,
+        set(sigterm_ranks),
+        known,
+        world or (max(known) + 1 if known else None),
+        hints=hints,
+        reported=list(ex.reported_ranks),
+        sigterm_lines=len(ex.sigterm),
+        shown=shown,
+    )
 
 
 def choose(att: Attribution, kb: KnowledgeBase) -> None:
@@ -147,19 +174,26 @@ def choose(att: Attribution, kb: KnowledgeBase) -> None:
 
 def _choose(att: Attribution, kb: KnowledgeBase) -> None:
     views = att.views
-    firsts = {r: min(v.primary, key=lambda e: (-min(tier(kb, e), 2), e.class_id in GENERIC, *when(e)))
-              for r, v in views.items() if v.primary and r is not None}
+    firsts = {
+        r: min(v.primary, key=lambda e: (-min(tier(kb, e), 2), e.class_id in GENERIC, *when(e)))
+        for r, v in views.items()
+        if v.primary and r is not None
+    }
     unattr = views.get(None)
     first_unattr = None
     consequences = any(v.collateral for v in views.values())
     # A cut traceback that shows nothing (no exception line, no known operation), on no rank,
     # does not outweigh the consequences that the log does show: they say more.
-    candidates = [e for e in unattr.primary if not (consequences and e.kind == EventKind.CUT
-                                                    and e.class_id in GENERIC)] if unattr else []
+    candidates = (
+        [e for e in unattr.primary if not (consequences and e.kind == EventKind.CUT and e.class_id in GENERIC)]
+        if unattr
+        else []
+    )
     if candidates:
         top = max(tier(kb, e) for e in candidates)
-        first_unattr = min((e for e in candidates if tier(kb, e) == top),
-                           key=lambda e: (e.class_id in GENERIC, *when(e)))
+        first_unattr = min(
+            (e for e in candidates if tier(kb, e) == top), key=lambda e: (e.class_id in GENERIC, *when(e))
+        )
     ranked_top = max((tier(kb, best_of(kb, views[r].primary)) for r in firsts), default=-1)
     att.firsts = firsts
     if firsts and (first_unattr is None or ranked_top >= tier(kb, first_unattr)):
@@ -224,10 +258,17 @@ def _resolve_launcher(ex: Extractor) -> list[LauncherFailure]:
 
 def _bind(events: list[Event], launcher: list[LauncherFailure], kb: KnowledgeBase) -> None:
     """Give unattributed failures the rank that the launcher says failed with a message."""
-    attributed = {e.rank for e in events if e.rank is not None and not kb[e.class_id].collateral
-                  and e.kind != EventKind.HINT}
-    unbound = sorted((e for e in events if e.rank is None and e.kind in (EventKind.EXCEPTION, EventKind.CUT)
-                      and not kb[e.class_id].collateral), key=lambda e: e.seq)
+    attributed = {
+        e.rank for e in events if e.rank is not None and not kb[e.class_id].collateral and e.kind != EventKind.HINT
+    }
+    unbound = sorted(
+        (
+            e
+            for e in events
+            if e.rank is None and e.kind in (EventKind.EXCEPTION, EventKind.CUT) and not kb[e.class_id].collateral
+        ),
+        key=lambda e: e.seq,
+    )
     for lf in sorted((x for x in launcher if x.root_cause and x.rank is not None), key=lambda x: x.time or 0.0):
         if lf.exitcode is not None and lf.exitcode > 0 and lf.rank not in attributed:
             same_src = [e for e in unbound if e.source == lf.evidence.source] or unbound
@@ -238,10 +279,14 @@ def _bind(events: list[Event], launcher: list[LauncherFailure], kb: KnowledgeBas
                 unbound.remove(e)
                 if lf.rank is not None:
                     attributed.add(lf.rank)
-    failed = {lf.rank for lf in launcher if lf.rank is not None and lf.exitcode not in (None, 0)
-              and lf.exitcode != -15} | attributed
-    loose = [e for e in events if e.rank is None and e.kind != EventKind.HINT
-             and e.kind != EventKind.EXIT and not kb[e.class_id].collateral]
+    failed = {
+        lf.rank for lf in launcher if lf.rank is not None and lf.exitcode not in (None, 0) and lf.exitcode != -15
+    } | attributed
+    loose = [
+        e
+        for e in events
+        if e.rank is None and e.kind != EventKind.HINT and e.kind != EventKind.EXIT and not kb[e.class_id].collateral
+    ]
     if len(failed) == 1 and loose:
         (rank,) = failed
         for e in loose:
@@ -257,9 +302,22 @@ def exit_event(lf: LauncherFailure, kb: KnowledgeBase) -> Event | None:
     if code is None:  # the report is cut before the code; the launcher's words decided the class
         cls, w = lf.class_id or rules.nonzero_exit[0], lf.weight or 0.5
         via = RankSource.LAUNCHER if lf.rank is not None else RankSource.NONE
-        return Event(EXIT_SEQ + lf.evidence.line, EventKind.EXIT, cls, w, [Match(cls, w)], [lf.evidence],
-                     lf.rank, via, pid=lf.pid, host=lf.host, ts=lf.time, ts_own=False,
-                     exc_type="exit code cut from the launcher's report", message=lf.signal_note)
+        return Event(
+            EXIT_SEQ + lf.evidence.line,
+            EventKind.EXIT,
+            cls,
+            w,
+            [Match(cls, w)],
+            [lf.evidence],
+            lf.rank,
+            via,
+            pid=lf.pid,
+            host=lf.host,
+            ts=lf.time,
+            ts_own=False,
+            exc_type="exit code cut from the launcher's report",
+            message=lf.signal_note,
+        )
     sig = -code if code < 0 else (code - 128 if 128 < code < 160 else None)
     if lf.class_id is not None:
         cls, w = lf.class_id, lf.weight or 0.5
@@ -270,9 +328,22 @@ def exit_event(lf: LauncherFailure, kb: KnowledgeBase) -> Event | None:
         cls, w = rules.nonzero_exit
     name = rules.signals[sig].name if sig in rules.signals else f"signal {sig}"
     via = RankSource.LAUNCHER if lf.rank is not None else RankSource.NONE
-    return Event(EXIT_SEQ + lf.evidence.line, EventKind.EXIT, cls, w, [Match(cls, w)], [lf.evidence],
-                 lf.rank, via, pid=lf.pid, host=lf.host, ts=lf.time, ts_own=False,
-                 exc_type=f"exit code {code}" + (f" ({name})" if sig else ""), message=lf.signal_note)
+    return Event(
+        EXIT_SEQ + lf.evidence.line,
+        EventKind.EXIT,
+        cls,
+        w,
+        [Match(cls, w)],
+        [lf.evidence],
+        lf.rank,
+        via,
+        pid=lf.pid,
+        host=lf.host,
+        ts=lf.time,
+        ts_own=False,
+        exc_type=f"exit code {code}" + (f" ({name})" if sig else ""),
+        message=lf.signal_note,
+    )
 
 
 def collateral_rank(att: Attribution, kb: KnowledgeBase, cls: str) -> tuple[int | None, RankSource, str]:
@@ -290,22 +361,38 @@ def collateral_rank(att: Attribution, kb: KnowledgeBase, cls: str) -> tuple[int 
         known |= set(range(max(known) + 1))  # ranks are numbered from 0: the gaps are ranks too
     suspects = sorted(known - reporters)
     if len(suspects) == 1 and len(reporters) >= 2:
-        return suspects[0], RankSource.INFERRED, (
-            f"every other rank reported {cls}, rank {suspects[0]} did not; it is the one they were waiting for")
+        return (
+            suspects[0],
+            RankSource.INFERRED,
+            (f"every other rank reported {cls}, rank {suspects[0]} did not; it is the one they were waiting for"),
+        )
     if len(suspects) == 1 and len(reporters) == 1 and att.world == len(known):
         # the whole world is known and the one other rank never reported: the one that was waited for
-        return suspects[0], RankSource.INFERRED, (
-            f"rank {min(reporters)} reported {cls} and the only other rank of the job did not; "
-            f"rank {suspects[0]} is the one it was waiting for")
+        return (
+            suspects[0],
+            RankSource.INFERRED,
+            (
+                f"rank {min(reporters)} reported {cls} and the only other rank of the job did not; "
+                f"rank {suspects[0]} is the one it was waiting for"
+            ),
+        )
     if len(reporters) == 1 and att.shown <= reporters:
         (r,) = reporters
-        return r, RankSource.ONLY_RANK, (
-            f"the only rank that the log shows, and the first whose {cls} fired; "
-            "the rank it waited for is not in the log")
+        return (
+            r,
+            RankSource.ONLY_RANK,
+            (
+                f"the only rank that the log shows, and the first whose {cls} fired; "
+                "the rank it waited for is not in the log"
+            ),
+        )
     if len(reporters) == 1 and cls in rules.single_reporter and att.sigterm_lines:
         (r,) = reporters
-        return r, RankSource.INFERRED, (
-            f"the only rank that reported {cls}; the launcher then stopped the others, so it died first")
+        return (
+            r,
+            RankSource.INFERRED,
+            (f"the only rank that reported {cls}; the launcher then stopped the others, so it died first"),
+        )
     why = "not shown in the log: only consequences are visible"
     if suspects and len(reporters) >= 2:
         why += f"; ranks that did not report them: {', '.join(map(str, suspects[:16]))}"

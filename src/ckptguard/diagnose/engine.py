@@ -33,22 +33,25 @@ from ckptguard.diagnose.model import (
 )
 from ckptguard.diagnose.normalize import read_normalized
 
-__all__ = ["SCHEMA_VERSION", "Diagnosis", "EvidenceLine", "Hypothesis", "TimelineEvent",
-           "attribute", "diagnose"]
+__all__ = ["SCHEMA_VERSION", "Diagnosis", "EvidenceLine", "Hypothesis", "TimelineEvent", "attribute", "diagnose"]
 _ranges = ranges  # the name report.py and older callers import
 
 
-def diagnose(paths: Iterable[str], *, mask_hosts: bool = False, kb: KnowledgeBase | None = None,
-             stdin: BinaryIO | None = None) -> Diagnosis:
+def diagnose(
+    paths: Iterable[str], *, mask_hosts: bool = False, kb: KnowledgeBase | None = None, stdin: BinaryIO | None = None
+) -> Diagnosis:
     """Diagnose a crashed run from its logs (files, directories of per-rank logs, ``-``)."""
     kb = kb or load_kb()
     masker = Masker(mask_hosts=mask_hosts)
     sources = discover(paths)
     binary = [src.name for src in sources if (src.path is not None or stdin is None) and sniff_binary(src)]
     if binary and len(binary) == len(sources):
-        raise UsageError(f"{binary[0]} is a binary file (an executable, archive, checkpoint or image), not a "
-                         "text log" + (f" (and {len(binary) - 1} more)" if len(binary) > 1 else "")
-                         + ": pass the job's console output or per-rank log files")
+        raise UsageError(
+            f"{binary[0]} is a binary file (an executable, archive, checkpoint or image), not a "
+            "text log"
+            + (f" (and {len(binary) - 1} more)" if len(binary) > 1 else "")
+            + ": pass the job's console output or per-rank log files"
+        )
     sources = [src for src in sources if src.name not in binary]
     prefilter = Prefilter(STRUCTURAL_ANCHORS, kb.anchors(), embeddable=EMBEDDABLE_ANCHORS)
     ex = Extractor(kb, masker)
@@ -85,9 +88,14 @@ def diagnose(paths: Iterable[str], *, mask_hosts: bool = False, kb: KnowledgeBas
     diag.notes += [f"Skipped {b}: a binary file, not a text log" for b in binary]
     elapsed = time.perf_counter() - t0
     diag.sources = [s.name for s in sources]
-    diag.stats = {"bytes": nbytes, "lines": nlines, "lines_examined": ex.lines_processed,
-                  "events": len(ex.events), "seconds": round(elapsed, 3),
-                  "mb_per_s": round(nbytes / 1e6 / elapsed, 1) if elapsed > 0 else 0.0}
+    diag.stats = {
+        "bytes": nbytes,
+        "lines": nlines,
+        "lines_examined": ex.lines_processed,
+        "events": len(ex.events),
+        "seconds": round(elapsed, 3),
+        "mb_per_s": round(nbytes / 1e6 / elapsed, 1) if elapsed > 0 else 0.0,
+    }
     _finalize(diag, masker)
     return diag
 
@@ -112,8 +120,7 @@ def attribute(ex: Extractor, kb: KnowledgeBase) -> Diagnosis:
     return diag
 
 
-def _warnings_only(diag: Diagnosis, att: Attribution, kb: KnowledgeBase,
-                   names: list[str]) -> Diagnosis:
+def _warnings_only(diag: Diagnosis, att: Attribution, kb: KnowledgeBase, names: list[str]) -> Diagnosis:
     """Warnings and retried errors are not failures on their own: a log with nothing else (a
     finished run with loud warnings, an NCCL transport it worked around) has no failure. What
     they name is listed, for a log that was cut before the failure they may have led to."""
@@ -124,15 +131,23 @@ def _warnings_only(diag: Diagnosis, att: Attribution, kb: KnowledgeBase,
         if fam not in best or h.weight > best[fam].weight:
             best[fam] = h
     diag.alternatives = [
-        Hypothesis(fam, kb[h.class_id].title, round(h.weight * kb.rules.confidence["hint_factor"], 2),
-                   [h.rank] if h.rank is not None else [], [advice.evline(ev, names, "context", h.rank)
-                                                            for ev in h.evidence[:2]],
-                   "only a warning or a retried error names it; nothing in the log failed",
-                   kind=h.class_id)
-        for fam, h in sorted(best.items(), key=lambda kv: -kv[1].weight)]
-    diag.notes.append("The log holds only warnings or retried errors ("
-                      + ", ".join(sorted(best)) + "), which the run went on after; if the log "
-                      "was cut before the job failed, they name what to check first.")
+        Hypothesis(
+            fam,
+            kb[h.class_id].title,
+            round(h.weight * kb.rules.confidence["hint_factor"], 2),
+            [h.rank] if h.rank is not None else [],
+            [advice.evline(ev, names, "context", h.rank) for ev in h.evidence[:2]],
+            "only a warning or a retried error names it; nothing in the log failed",
+            kind=h.class_id,
+        )
+        for fam, h in sorted(best.items(), key=lambda kv: -kv[1].weight)
+    ]
+    diag.notes.append(
+        "The log holds only warnings or retried errors ("
+        + ", ".join(sorted(best))
+        + "), which the run went on after; if the log "
+        "was cut before the job failed, they name what to check first."
+    )
     return diag
 
 
@@ -159,8 +174,7 @@ def _as_families(diag: Diagnosis, kb: KnowledgeBase) -> None:
         t.kind, t.failure_class = t.failure_class, kb.family(t.failure_class)
 
 
-def _answer(diag: Diagnosis, att: Attribution, ex: Extractor, kb: KnowledgeBase,
-            names: list[str]) -> Diagnosis:
+def _answer(diag: Diagnosis, att: Attribution, ex: Extractor, kb: KnowledgeBase, names: list[str]) -> Diagnosis:
     init = att.init
     assert init is not None
     v = scoring.verdict(att, ex, kb)
@@ -174,8 +188,12 @@ def _answer(diag: Diagnosis, att: Attribution, ex: Extractor, kb: KnowledgeBase,
     coll = {r for r, view in att.views.items() if r is not None and r not in primary and view.events}
     coll |= {r for r in att.sigterm_ranks if r not in primary}
     diag.collateral_ranks = sorted(coll - {att.init_rank})
-    diag.initiating_host = _one_name(ex, init.host or (ex.rank_host.get(att.init_rank) if att.init_rank is not None
-                                                       else None) or _host_of(ex, att.init_rank))
+    diag.initiating_host = _one_name(
+        ex,
+        init.host
+        or (ex.rank_host.get(att.init_rank) if att.init_rank is not None else None)
+        or _host_of(ex, att.init_rank),
+    )
     diag.confidence = scoring.confidence(att, v, kb)
     unproven = _unproven(fc, att)
 
@@ -203,8 +221,9 @@ def _answer(diag: Diagnosis, att: Attribution, ex: Extractor, kb: KnowledgeBase,
     return diag
 
 
-def _collateral_only(diag: Diagnosis, att: Attribution, ex: Extractor, kb: KnowledgeBase,
-                     names: list[str]) -> Diagnosis:
+def _collateral_only(
+    diag: Diagnosis, att: Attribution, ex: Extractor, kb: KnowledgeBase, names: list[str]
+) -> Diagnosis:
     """Every failure is a consequence: name the class that explains them, and the rank that the
     others waited for when one stands out."""
     rules = kb.rules
@@ -214,7 +233,8 @@ def _collateral_only(diag: Diagnosis, att: Attribution, ex: Extractor, kb: Knowl
         for e in view.collateral:
             reporters.setdefault(e.class_id, set()).add(r)
     seen = next((x for x in rules.collateral_priority if x in reporters), None) or (
-        max(reporters, key=lambda x: len(reporters[x])) if reporters else "launcher_sigterm")
+        max(reporters, key=lambda x: len(reporters[x])) if reporters else "launcher_sigterm"
+    )
     desync = scoring.desync(ex, kb)
     cls = rules.desync_class if desync else rules.alone_means.get(seen, seen)
     fc = kb[cls]
@@ -226,13 +246,15 @@ def _collateral_only(diag: Diagnosis, att: Attribution, ex: Extractor, kb: Knowl
     elif rank is None:
         earliest = _first_by_time(att, seen)
         if earliest is not None:
-            rank, via, why = earliest, RankSource.INFERRED, (
-                f"the first rank to report {seen} by the lines' own timestamps (the others reported it later)")
+            rank, via, why = (
+                earliest,
+                RankSource.INFERRED,
+                (f"the first rank to report {seen} by the lines' own timestamps (the others reported it later)"),
+            )
     diag.initiating_rank = rank
     diag.rank_attribution = f"{via.text}: {why}" if rank is not None else why
     if desync:
-        diag.confidence = round(min(rules.desync_weight * rules.rank_factor.get("none", 0.9),
-                                    c["upgrade_cap"]), 2)
+        diag.confidence = round(min(rules.desync_weight * rules.rank_factor.get("none", 0.9), c["upgrade_cap"]), 2)
     elif via == RankSource.INFERRED and "only rank" in why:
         diag.confidence = c["single_reporter"]
     elif via == RankSource.INFERRED and why.startswith("every other rank") and len(reporters.get(seen, ())) >= 3:
@@ -254,12 +276,20 @@ def _collateral_only(diag: Diagnosis, att: Attribution, ex: Extractor, kb: Knowl
     first = next((e for view in att.views.values() for e in view.collateral if e.class_id == seen), None)
     advice.advise(diag, fc, first, ex.announced_path)
     if cls != seen:
-        diag.alternatives.append(Hypothesis(
-            seen, kb[seen].title, round(diag.confidence * 0.8, 2), [],
-            [advice.evline(first.evidence[0], names, "collateral", first.rank)] if first else [],
-            "what the log shows; it is a consequence, so the answer names what most often causes it"))
-    diag.notes.append("Only collateral failures are in the log; the first failure itself was not logged "
-                      "(a hang, or a process killed without output).")
+        diag.alternatives.append(
+            Hypothesis(
+                seen,
+                kb[seen].title,
+                round(diag.confidence * 0.8, 2),
+                [],
+                [advice.evline(first.evidence[0], names, "collateral", first.rank)] if first else [],
+                "what the log shows; it is a consequence, so the answer names what most often causes it",
+            )
+        )
+    diag.notes.append(
+        "Only collateral failures are in the log; the first failure itself was not logged "
+        "(a hang, or a process killed without output)."
+    )
     diag.timeline = advice.timeline([e for view in att.views.values() for e in view.events], kb, names)
     return diag
 
@@ -305,8 +335,10 @@ def _no_rank(ex: Extractor, host: str | None) -> str:
     """Why the first rank is not named, and what the log does narrow it to."""
     ranks = ex.host_ranks.get(host or "", [])
     if ranks:
-        return (f"not shown in the log: the launcher names the node ({host}), not the process; the first "
-                f"failure is one of that node's ranks {ranges(ranks)}")
+        return (
+            f"not shown in the log: the launcher names the node ({host}), not the process; the first "
+            f"failure is one of that node's ranks {ranges(ranks)}"
+        )
     return "not shown in the log: the failing line carries no rank prefix, and no launcher summary or pid map names it"
 
 

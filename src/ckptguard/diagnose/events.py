@@ -36,9 +36,28 @@ from ckptguard.diagnose.rules import Operation
 # Literal anchors for the structural parts of a log (tracebacks, launcher lines, NCCL rank
 # maps, generic failure words); the KB adds the anchors of its signatures and rules.
 STRUCTURAL_ANCHORS = (
-    "rror", "xception", "xit", "Traceback", "SIG", "Segmentation", "atchdog", "aving", "NCCL WARN",
-    "NaN", "Killed", "nan", "nranks", "oss is", "[send]", "[receive]", "Errno", "[...]",
-    'File "', "world_size", "num_local_procs=", "global_rank_mapping",
+    "rror",
+    "xception",
+    "xit",
+    "Traceback",
+    "SIG",
+    "Segmentation",
+    "atchdog",
+    "aving",
+    "NCCL WARN",
+    "NaN",
+    "Killed",
+    "nan",
+    "nranks",
+    "oss is",
+    "[send]",
+    "[receive]",
+    "Errno",
+    "[...]",
+    'File "',
+    "world_size",
+    "num_local_procs=",
+    "global_rank_mapping",
 )
 # Anchors that are fragments of common words: inside a snake_case name (`top1_error`,
 # `num_exceptions`, `early_exit`, `saving_steps`, `loss_nan`) they say nothing about a failure.
@@ -49,12 +68,16 @@ KEEP_UNATTRIBUTED_PER_CLASS = 20
 TRACEBACK_FORCE = 60  # lines read unconditionally after a traceback line
 OWNER_LINES = 400  # how far a launcher's "process N terminated with the following error" reaches
 
-_NCCL_RE = re.compile(r"^(?P<host>[\w.\-]+):(?P<pid>\d+):(?P<tid>\d+) \[(?P<dev>\d+)\] "
-                      r"(?:[\w/.\-]+:\d+ )?NCCL (?P<lvl>[A-Z]+) ?(?P<msg>.*)$")
+_NCCL_RE = re.compile(
+    r"^(?P<host>[\w.\-]+):(?P<pid>\d+):(?P<tid>\d+) \[(?P<dev>\d+)\] "
+    r"(?:[\w/.\-]+:\d+ )?NCCL (?P<lvl>[A-Z]+) ?(?P<msg>.*)$"
+)
 _EMBEDDED_EXC_RE = re.compile(r"\b(?P<type>(?:[A-Za-z_]\w*\.)*[A-Z]\w*(?:Error|Exception)): (?P<msg>\S.*)$")
 _CHAIN_MARKERS = ("During handling of the above exception", "The above exception was the direct cause")
-_EXCERPT_RE = re.compile(r"^\s*(?:\[\s*(?:\.\.\.|…)\s*\]|\.\.\.\.+|<\s*truncated lines? [\d\-– ]+>"
-                         r"|\[\s*truncated.*\])\s*$")
+_EXCERPT_RE = re.compile(
+    r"^\s*(?:\[\s*(?:\.\.\.|…)\s*\]|\.\.\.\.+|<\s*truncated lines? [\d\-– ]+>"
+    r"|\[\s*truncated.*\])\s*$"
+)
 
 
 @dataclass(slots=True)
@@ -131,9 +154,20 @@ class Extractor(FactLines, ExceptionLines, LauncherLines):
         self._shapes: dict[bytes, int] = {}  # line shape -> copies read (see repeated_shape)
         # the registry of line handlers: the first that recognises a line handles it
         self._handlers: tuple[Callable[[_Line], int | None], ...] = (
-            self._on_excerpt, self._on_block, self._on_nccl, self._on_traceback_start, self._on_frame,
-            self._on_source_line, self._on_chain_marker, self._on_launcher, self._on_owner, self._on_facts,
-            self._on_exception, self._on_embedded_exception, self._on_signature)
+            self._on_excerpt,
+            self._on_block,
+            self._on_nccl,
+            self._on_traceback_start,
+            self._on_frame,
+            self._on_source_line,
+            self._on_chain_marker,
+            self._on_launcher,
+            self._on_owner,
+            self._on_facts,
+            self._on_exception,
+            self._on_embedded_exception,
+            self._on_signature,
+        )
         self.host_ranks: dict[str, list[int]] = {}  # host -> its global ranks (DeepSpeed's map)
 
     # ---- per source ---------------------------------------------------------------------
@@ -275,8 +309,12 @@ class Extractor(FactLines, ExceptionLines, LauncherLines):
                 owner = int(om.group("local"))
                 self._owner[ln.key] = (owner, ln.ev.line + OWNER_LINES)
                 last = self.events[-1] if self.events else None
-                if last is not None and last.rank is None and last.source == self._src \
-                        and ln.ev.line - last.evidence[-1].line <= 3:
+                if (
+                    last is not None
+                    and last.rank is None
+                    and last.source == self._src
+                    and ln.ev.line - last.evidence[-1].line <= 3
+                ):
                     # the launcher's exception reporting that process's failure: an exit
                     # report, weaker than the process's own traceback that follows
                     last.rank, last.rank_via = owner, RankSource.SPAWN_INDEX
@@ -287,8 +325,12 @@ class Extractor(FactLines, ExceptionLines, LauncherLines):
 
     def _on_facts(self, ln: _Line) -> int | None:
         self._facts(ln.rest, ln.rank, ln.ev)
-        if ln.rank is not None and ln.stripped.startswith("(") and "failed first" in ln.rest \
-                and self._blame_note(ln.rest, ln.rank, ln.ev):
+        if (
+            ln.rank is not None
+            and ln.stripped.startswith("(")
+            and "failed first" in ln.rest
+            and self._blame_note(ln.rest, ln.rank, ln.ev)
+        ):
             return self._pending_force()  # the other rank's error, quoted: not this rank's own
         ln.hint = any(h.search(ln.rest) for h in self.rules.hints)
         return None
@@ -303,16 +345,23 @@ class Extractor(FactLines, ExceptionLines, LauncherLines):
     def _on_embedded_exception(self, ln: _Line) -> int | None:
         em = None if ln.hint else _EMBEDDED_EXC_RE.search(ln.rest)
         if em:
-            self._exception(ln.key, em.group("type"), em.group("msg"), ln.rank, ln.via, ln.ev, ln.ts,
-                            embedded=True)
+            self._exception(ln.key, em.group("type"), em.group("msg"), ln.rank, ln.via, ln.ev, ln.ts, embedded=True)
             return self._pending_force() or 1
         return None
 
     def _on_signature(self, ln: _Line) -> int | None:
         matches = self.kb.match(ln.rest, exception=False)
         if matches:
-            self._emit(EventKind.HINT if ln.hint else EventKind.LINE, matches, [ln.ev], ln.rank, ln.via,
-                       ts=ln.ts, ts_key=ln.key, message=ln.stripped)
+            self._emit(
+                EventKind.HINT if ln.hint else EventKind.LINE,
+                matches,
+                [ln.ev],
+                ln.rank,
+                ln.via,
+                ts=ln.ts,
+                ts_key=ln.key,
+                message=ln.stripped,
+            )
         return self._pending_force()
 
     def _pending_force(self) -> int:
@@ -326,12 +375,24 @@ class Extractor(FactLines, ExceptionLines, LauncherLines):
         return TRACEBACK_FORCE // 2 if self._tb else 0
 
     # ---- bookkeeping --------------------------------------------------------------------
-    def _emit(self, kind: EventKind, matches: list[Match], evidence: list[Evidence],
-              rank: int | None, via: RankSource, *, pid: int | None = None,
-              host: str | None = None, ts: float | None = None,
-              ts_key: tuple[int | None, int | None] | None = None, exc_type: str | None = None,
-              message: str | None = None, frames: list[str] | None = None,
-              code: list[str] | None = None, operation: str | None = None) -> Event | None:
+    def _emit(
+        self,
+        kind: EventKind,
+        matches: list[Match],
+        evidence: list[Evidence],
+        rank: int | None,
+        via: RankSource,
+        *,
+        pid: int | None = None,
+        host: str | None = None,
+        ts: float | None = None,
+        ts_key: tuple[int | None, int | None] | None = None,
+        exc_type: str | None = None,
+        message: str | None = None,
+        frames: list[str] | None = None,
+        code: list[str] | None = None,
+        operation: str | None = None,
+    ) -> Event | None:
         if not matches:
             return None
         if rank is None:
@@ -349,9 +410,25 @@ class Extractor(FactLines, ExceptionLines, LauncherLines):
         if ts is None and ts_key is not None:
             ts = self._last_ts.get(ts_key)
         self._seq += 1
-        event = Event(self._seq, kind, best.class_id, best.weight, matches, evidence, rank, via,
-                      pid=pid, host=host, ts=ts, ts_own=own, exc_type=exc_type,
-                      message=message, frames=frames or [], code=code or [], operation=operation)
+        event = Event(
+            self._seq,
+            kind,
+            best.class_id,
+            best.weight,
+            matches,
+            evidence,
+            rank,
+            via,
+            pid=pid,
+            host=host,
+            ts=ts,
+            ts_own=own,
+            exc_type=exc_type,
+            message=message,
+            frames=frames or [],
+            code=code or [],
+            operation=operation,
+        )
         self.events.append(event)
         return event
 

@@ -94,9 +94,17 @@ class ExceptionLines:
     _block_left: int
     _emit: Callable[..., Event | None]
 
-    def _exception(self, key: tuple[int | None, int | None], etype: str, msg: str,
-                   rank: int | None, via: RankSource, ev: Evidence, ts: float | None,
-                   embedded: bool = False) -> None:
+    def _exception(
+        self,
+        key: tuple[int | None, int | None],
+        etype: str,
+        msg: str,
+        rank: int | None,
+        via: RankSource,
+        ev: Evidence,
+        ts: float | None,
+        embedded: bool = False,
+    ) -> None:
         short = etype.rsplit(".", 1)[-1]
         if short == "ChildFailedError":
             self._tb.pop(key, None)  # the launcher's own traceback: a summary follows
@@ -113,15 +121,22 @@ class ExceptionLines:
         p, self._pending = self._pending, None
         if p is None:
             return False
-        joined = nxt is not None and "'" in nxt and not _FRAME_RE.match(nxt) \
-            and not _EXC_RE.match(nxt)
+        joined = nxt is not None and "'" in nxt and not _FRAME_RE.match(nxt) and not _EXC_RE.match(nxt)
         msg = p.msg + nxt.strip() if joined and nxt is not None else p.msg
         self._exception_done(p.key, p.etype, msg, p.rank, p.via, p.ev, p.ts, p.embedded)
         return joined
 
-    def _exception_done(self, key: tuple[int | None, int | None], etype: str, msg: str,
-                        rank: int | None, via: RankSource, ev: Evidence, ts: float | None,
-                        embedded: bool) -> None:
+    def _exception_done(
+        self,
+        key: tuple[int | None, int | None],
+        etype: str,
+        msg: str,
+        rank: int | None,
+        via: RankSource,
+        ev: Evidence,
+        ts: float | None,
+        embedded: bool,
+    ) -> None:
         tb = self._tb.get(key)
         if tb is not None and not embedded:
             tb.chain.append((etype, msg))
@@ -130,9 +145,16 @@ class ExceptionLines:
         chain = self._chain_next.pop(key, [])
         self._emit_exception(etype, msg, [*chain, (etype, msg)], [], [], ev, rank, via, ts, key)
 
-    def _close_traceback(self, key: tuple[int | None, int | None], tb: _Traceback,
-                         ev: Evidence | None, *, ts: float | None = None,
-                         rank: int | None = None, via: RankSource = RankSource.NONE) -> None:
+    def _close_traceback(
+        self,
+        key: tuple[int | None, int | None],
+        tb: _Traceback,
+        ev: Evidence | None,
+        *,
+        ts: float | None = None,
+        rank: int | None = None,
+        via: RankSource = RankSource.NONE,
+    ) -> None:
         self._tb.pop(key, None)
         if ev is None:
             rank, via = key[0], RankSource.PREFIX if key[0] is not None else RankSource.NONE
@@ -141,11 +163,13 @@ class ExceptionLines:
             return
         etype, msg = tb.chain[-1]
         evidence = ev if ev is not None else tb.start
-        self._emit_exception(etype, msg, tb.chain, list(tb.frames), list(tb.code), evidence,
-                             rank, via, ts, key, tb_lines=list(tb.lines))
+        self._emit_exception(
+            etype, msg, tb.chain, list(tb.frames), list(tb.code), evidence, rank, via, ts, key, tb_lines=list(tb.lines)
+        )
 
-    def _cut_traceback(self, key: tuple[int | None, int | None], tb: _Traceback,
-                       rank: int | None, via: RankSource) -> None:
+    def _cut_traceback(
+        self, key: tuple[int | None, int | None], tb: _Traceback, rank: int | None, via: RankSource
+    ) -> None:
         """A traceback without its exception line: still a failure, of an unknown kind."""
         frames = list(tb.frames)
         if not frames or any(self.rules.launcher_frames.search(f) for f in frames):
@@ -167,13 +191,21 @@ class ExceptionLines:
             rank, via = self._spawn_rank(key, via)
         match = Match("python_exception", 0.3)
         if op is not None:
-            cls, why = op.decide(rank, latest=self.latest_ts,
-                                 windows=any(_WINDOWS_PATH.match(f) for f in frames))
+            cls, why = op.decide(rank, latest=self.latest_ts, windows=any(_WINDOWS_PATH.match(f) for f in frames))
             match = Match(cls, op.weight)
             basis += [why] if why else []
-        event = self._emit(EventKind.CUT, [match], evidence, rank, via, ts_key=key,
-                           exc_type="traceback cut before its exception line", frames=frames,
-                           code=code, operation=op.name if op else None)
+        event = self._emit(
+            EventKind.CUT,
+            [match],
+            evidence,
+            rank,
+            via,
+            ts_key=key,
+            exc_type="traceback cut before its exception line",
+            frames=frames,
+            code=code,
+            operation=op.name if op else None,
+        )
         if event is not None:
             event.operation_basis = "; ".join(basis)
 
@@ -206,11 +238,20 @@ class ExceptionLines:
                         self.reported_ranks.append((event.blames, ev))
                     return
 
-    def _emit_exception(self, etype: str, msg: str, chain: list[tuple[str, str]],
-                        frames: list[str], code: list[str], ev: Evidence, rank: int | None,
-                        via: RankSource, ts: float | None,
-                        key: tuple[int | None, int | None],
-                        tb_lines: list[tuple[str, Evidence]] | None = None) -> None:
+    def _emit_exception(
+        self,
+        etype: str,
+        msg: str,
+        chain: list[tuple[str, str]],
+        frames: list[str],
+        code: list[str],
+        ev: Evidence,
+        rank: int | None,
+        via: RankSource,
+        ts: float | None,
+        key: tuple[int | None, int | None],
+        tb_lines: list[tuple[str, Evidence]] | None = None,
+    ) -> None:
         ident = (key, self._src, etype, msg[:200])
         for old_ident, old in self._recent:
             if old_ident == ident and ev.line - old.evidence[-1].line < 400:
@@ -238,9 +279,20 @@ class ExceptionLines:
                 op_name = op.name
                 extra = _op_lines(op, tb_lines or [])
         matches = sorted((Match(c, w) for c, w in best.items()), key=lambda x: -x.weight)
-        event = self._emit(EventKind.EXCEPTION, matches, [ev, *extra], rank, via, ts=ts, ts_key=key,
-                           exc_type=etype, message=msg, frames=frames, code=code,
-                           operation=op_name)
+        event = self._emit(
+            EventKind.EXCEPTION,
+            matches,
+            [ev, *extra],
+            rank,
+            via,
+            ts=ts,
+            ts_key=key,
+            exc_type=etype,
+            message=msg,
+            frames=frames,
+            code=code,
+            operation=op_name,
+        )
         if event is not None:
             self._recent.append((ident, event))
             self._blame(event, f"{etype}: {msg}", ev)

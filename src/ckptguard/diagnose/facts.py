@@ -68,8 +68,7 @@ class FactLines:
     def _facts(self, rest: str, rank: int | None, ev: Evidence) -> None:
         """Facts for the cross-rank rules: checkpoint paths, world size, fingerprints, reports."""
         for op in self.rules.operations:
-            if op.announce is not None and any(a in rest for a in op.announce_anchors) \
-                    and op.announce.search(rest):
+            if op.announce is not None and any(a in rest for a in op.announce_anchors) and op.announce.search(rest):
                 self._announced = (op, self._src, ev.line, ev)
                 break
         silent = self.rules.silent_exit
@@ -86,7 +85,7 @@ class FactLines:
             if sm and rank is not None:
                 self.saves.setdefault(sm.group("path"), {}).setdefault(rank, ev)
             elif sm and len(self.repeated_saves) < 10_000:
-                self._repeated_save(sm.group("path"), rest[sm.start():], ev)
+                self._repeated_save(sm.group("path"), rest[sm.start() :], ev)
         wm = _WORLD_RE.search(rest)
         if wm:
             self.world_size = max(self.world_size, int(wm.group(1)))
@@ -97,11 +96,18 @@ class FactLines:
             if fm:
                 self.fingerprints.append(({k: v for k, v in fm.groupdict().items() if v}, ev))
         prog = self.rules.progress
-        if prog is not None and self._announced is not None and any(a in rest for a in self.rules.progress_anchors) \
-                and prog.search(rest):
+        if (
+            prog is not None
+            and self._announced is not None
+            and any(a in rest for a in self.rules.progress_anchors)
+            and prog.search(rest)
+        ):
             self._announced = None  # steps are running: the announced operation is over
-        if (prog is not None and len(self.progress) < MAX_FINGERPRINTS
-                and any(a in rest for a in self.rules.progress_anchors)):
+        if (
+            prog is not None
+            and len(self.progress) < MAX_FINGERPRINTS
+            and any(a in rest for a in self.rules.progress_anchors)
+        ):
             for pm in prog.finditer(rest):
                 cur, total = int(pm.group("cur")), int(pm.group("total"))
                 if cur < total:  # a bar that finished says nothing about where the ranks stopped
@@ -182,8 +188,7 @@ class FactLines:
             self.repeated_saves.setdefault(path, [last[2]]).append(ev)
         self._last_save = (key, ev.line, ev)
 
-    def _nccl_line(self, m: re.Match[str], rank: int | None, ev: Evidence, ts: float | None,
-                   via: RankSource) -> int:
+    def _nccl_line(self, m: re.Match[str], rank: int | None, ev: Evidence, ts: float | None, via: RankSource) -> int:
         host = m.group("host")
         pid = int(m.group("pid"))
         dev = int(m.group("dev"))
@@ -222,8 +227,7 @@ class FactLines:
         if m.group("lvl") in ("WARN", "ERROR") or _NCCL_TRACE_RE.search(msg):
             matches = self.kb.match(m.group(0), exception=False)
             if matches:
-                event = self._emit(EventKind.LINE, matches, [ev], rank, via, pid=pid, host=host,
-                                   ts=ts, message=msg)
+                event = self._emit(EventKind.LINE, matches, [ev], rank, via, pid=pid, host=host, ts=ts, message=msg)
                 if event is not None and m.group("lvl") == "WARN" and (host, pid) not in self._nccl_up:
                     self._nccl_init_warns.setdefault((host, pid), []).append(event)
         return self._pending_force()
@@ -233,4 +237,3 @@ class FactLines:
         if old is None or priority > old[1]:
             self.pid_rank[pid] = (rank, priority)
             self.ranks_seen.add(rank)
-

@@ -27,8 +27,24 @@ from ckptguard.diagnose.normalize import looks_utf16
 
 MAX_LINE = 64 * 1024
 CHUNK = 4 * 1024 * 1024
-SKIP_SUFFIXES = {".pt", ".pth", ".bin", ".safetensors", ".ckpt", ".pkl", ".npy", ".npz", ".distcp",
-                 ".png", ".jpg", ".zip", ".tar", ".so", ".whl", ".pyc"}
+SKIP_SUFFIXES = {
+    ".pt",
+    ".pth",
+    ".bin",
+    ".safetensors",
+    ".ckpt",
+    ".pkl",
+    ".npy",
+    ".npz",
+    ".distcp",
+    ".png",
+    ".jpg",
+    ".zip",
+    ".tar",
+    ".so",
+    ".whl",
+    ".pyc",
+}
 
 
 class UsageError(ValueError):
@@ -57,7 +73,8 @@ class Source:
 # "stdout_rank_3"): at most one word before and after the rank, so that a descriptive name
 # ("oom-on-gpu1-then-rank3-watchdog.log") is not read as rank 3's own log.
 _RANK_IN_NAME = re.compile(
-    r"(?i)(?:^|/)(?:[a-z0-9]{1,16}[_.\-])?rank[_\-]?(\d{1,6})(?:[_.\-][a-z0-9]{1,16})?(?:\.(?:log|txt|out|err|gz))*(?=$|/)")
+    r"(?i)(?:^|/)(?:[a-z0-9]{1,16}[_.\-])?rank[_\-]?(\d{1,6})(?:[_.\-][a-z0-9]{1,16})?(?:\.(?:log|txt|out|err|gz))*(?=$|/)"
+)
 _TORCHRUN_DIR = re.compile(r"(?:^|/)(\d{1,6})/(?:stdout|stderr|error)\.(?:log|txt|json)$")
 _DIGIT_NAME = re.compile(r"(?:^|/)(\d{1,6})\.(?:log|txt|out|err)(?:\.gz)?$")
 
@@ -112,8 +129,9 @@ class Prefilter:
     too, so no line is lost. Only an anchor with no such suffix adds a pass.
     """
 
-    def __init__(self, core: Iterable[str], extra: Iterable[str] = (), min_len: int = 4,
-                 embeddable: Iterable[str] = ()) -> None:
+    def __init__(
+        self, core: Iterable[str], extra: Iterable[str] = (), min_len: int = 4, embeddable: Iterable[str] = ()
+    ) -> None:
         core = list(core)
         extra = list(extra)
         core_b = {a.encode() for a in core if a}
@@ -160,11 +178,11 @@ class Prefilter:
             if m.group() not in self._embeddable:
                 return True
             i, j = m.start(), m.end()
-            while i > 0 and (line[i - 1:i].isalnum() or line[i - 1] == 95):
+            while i > 0 and (line[i - 1 : i].isalnum() or line[i - 1] == 95):
                 i -= 1
-            while j < len(line) and (line[j:j + 1].isalnum() or line[j] == 95):
+            while j < len(line) and (line[j : j + 1].isalnum() or line[j] == 95):
                 j += 1
-            if b"_" not in line[i:j] or line[i - 2:i] == b"::":  # C++ names: std::system_error
+            if b"_" not in line[i:j] or line[i - 2 : i] == b"::":  # C++ names: std::system_error
                 return True
         return False
 
@@ -215,9 +233,13 @@ class GrepHits:
                 if _looks_utf16(f.read(4096)):
                     return None
             pats = [x for a in prefilter.exact for x in ("-e", a.decode("utf-8", "surrogateescape"))]
-            proc = subprocess.Popen([grep, "-a", "-b", "-o", "-F", *pats, "--", str(source.path)],
-                                    stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                                    env={**os.environ, "LC_ALL": "C"}, bufsize=1 << 16)
+            proc = subprocess.Popen(
+                [grep, "-a", "-b", "-o", "-F", *pats, "--", str(source.path)],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.DEVNULL,
+                env={**os.environ, "LC_ALL": "C"},
+                bufsize=1 << 16,
+            )
         except (OSError, ValueError):
             return None
         hits = cls(proc)
@@ -258,8 +280,13 @@ class GrepHits:
         self._proc.wait()
 
 
-def scan(stream: BinaryIO, prefilter: Prefilter, on_line: LineHandler,
-         hits: GrepHits | None = None, skip: Callable[[bytes], bool] | None = None) -> tuple[int, int]:
+def scan(
+    stream: BinaryIO,
+    prefilter: Prefilter,
+    on_line: LineHandler,
+    hits: GrepHits | None = None,
+    skip: Callable[[bytes], bool] | None = None,
+) -> tuple[int, int]:
     """Feed the lines that matter (1-based line numbers) to ``on_line``; return bytes and lines.
 
     ``on_line`` returns how many following lines it wants to see whatever they contain (inside
@@ -270,8 +297,10 @@ def scan(stream: BinaryIO, prefilter: Prefilter, on_line: LineHandler,
     """
     wants = prefilter.wants
     if skip is not None:
+
         def wants(line: bytes) -> bool:
             return not skip(line) and prefilter.wants(line)
+
     nbytes = 0
     lineno = 0  # lines fully consumed before the current block
     carry = b""
@@ -284,7 +313,7 @@ def scan(stream: BinaryIO, prefilter: Prefilter, on_line: LineHandler,
             nl = data.find(b"\n")
             if nl < 0:
                 continue
-            data = data[nl + 1:]
+            data = data[nl + 1 :]
             data_at += nl + 1
             skipping = False
             lineno += 1
@@ -298,7 +327,7 @@ def scan(stream: BinaryIO, prefilter: Prefilter, on_line: LineHandler,
             else:
                 carry = buf
             continue
-        block, carry = buf[: cut + 1], buf[cut + 1:]
+        block, carry = buf[: cut + 1], buf[cut + 1 :]
         starts = hits.starts(block, buf_at) if hits is not None else prefilter.line_starts(block)
         lineno, force = _scan_block(block, lineno, starts, on_line, force, wants)
         if len(carry) > MAX_LINE:
@@ -378,8 +407,9 @@ def _any_hit(prefilter: Prefilter, text: bytes) -> bool:
     return bool(prefilter.line_starts(text)) and prefilter.wants(text)
 
 
-def _scan_block(block: bytes, lineno: int, starts: list[int], on_line: LineHandler,
-                force: int, wants: Callable[[bytes], bool]) -> tuple[int, int]:
+def _scan_block(
+    block: bytes, lineno: int, starts: list[int], on_line: LineHandler, force: int, wants: Callable[[bytes], bool]
+) -> tuple[int, int]:
     """Process one block of whole lines (``starts``: the lines the prefilter let through);
     returns the new line count and pending force."""
     n = len(block)
@@ -401,7 +431,7 @@ def _scan_block(block: bytes, lineno: int, starts: list[int], on_line: LineHandl
             le = n
         base += count(b"\n", counted_to, ls)
         counted_to = ls
-        line = block[ls: min(le, ls + MAX_LINE)]
+        line = block[ls : min(le, ls + MAX_LINE)]
         if force > 0 or wants(line):
             force = max(force - 1, on_line(line, base + 1))
         cur = le + 1

@@ -16,8 +16,18 @@ from pathlib import Path
 from ckptguard.diagnose.rules import Rules, load_rules
 from ckptguard.diagnose.schema import ClassEntry, KBError, convert_class, decode_class
 
-__all__ = ["FailureClass", "KBError", "KnowledgeBase", "Match", "Restart", "Signature", "Unproven", "load_kb",
-           "load_kb_dir", "parse_class"]
+__all__ = [
+    "FailureClass",
+    "KBError",
+    "KnowledgeBase",
+    "Match",
+    "Restart",
+    "Signature",
+    "Unproven",
+    "load_kb",
+    "load_kb_dir",
+    "parse_class",
+]
 
 
 @dataclass(frozen=True)
@@ -93,18 +103,32 @@ class FailureClass:
     def as_dict(self) -> dict[str, object]:
         """The entry as plain data (for `explain --json`)."""
         return {
-            "id": self.id, "title": self.title, "category": self.category,
-            "collateral": self.collateral, "weak": self.weak,
-            "checkpointer_prevents": self.checkpointer_prevents, "summary": self.summary,
-            "mechanism": self.mechanism.strip(), "symptoms": list(self.symptoms),
-            "affected": list(self.affected), "confirm": list(self.confirm),
-            "fix": self.fix.strip(), "prevention": list(self.prevention),
-            "verify_command": self.verify_command, "related": list(self.related),
-            "references": list(self.references), "family": self.family_id,
+            "id": self.id,
+            "title": self.title,
+            "category": self.category,
+            "collateral": self.collateral,
+            "weak": self.weak,
+            "checkpointer_prevents": self.checkpointer_prevents,
+            "summary": self.summary,
+            "mechanism": self.mechanism.strip(),
+            "symptoms": list(self.symptoms),
+            "affected": list(self.affected),
+            "confirm": list(self.confirm),
+            "fix": self.fix.strip(),
+            "prevention": list(self.prevention),
+            "verify_command": self.verify_command,
+            "related": list(self.related),
+            "references": list(self.references),
+            "family": self.family_id,
             "restart": {"transient": self.restart.transient, "why": self.restart.why},
             "signatures": [
-                {"on": s.on, "pattern": s.pattern.pattern, "anchor": s.anchor, "weight": s.weight,
-                 "context": s.context.pattern if s.context else None}
+                {
+                    "on": s.on,
+                    "pattern": s.pattern.pattern,
+                    "anchor": s.anchor,
+                    "weight": s.weight,
+                    "context": s.context.pattern if s.context else None,
+                }
                 for s in self.signatures
             ],
         }
@@ -195,22 +219,47 @@ def parse_class(data: dict[str, object] | ClassEntry, where: str) -> FailureClas
         swhere = f"{where} signature {i}"
         if not 0.0 < raw.weight <= 1.0:
             raise KBError(f"{swhere}: weight must be in (0, 1]")
-        sigs.append(Signature(cid, _compile(raw.pattern, swhere), raw.on, raw.weight, raw.anchor or None,
-                              _compile(raw.context, swhere) if raw.context is not None else None,
-                              raw.prefilter))
+        sigs.append(
+            Signature(
+                cid,
+                _compile(raw.pattern, swhere),
+                raw.on,
+                raw.weight,
+                raw.anchor or None,
+                _compile(raw.context, swhere) if raw.context is not None else None,
+                raw.prefilter,
+            )
+        )
     if not sigs:
         raise KBError(f"{where}: a class needs at least one signature")
     u = entry.unproven
-    unproven = (Unproven(u.proof_weight, u.title, u.root_cause, tuple(u.confirm), u.confidence_cap, u.fix)
-                if u is not None else None)
+    unproven = (
+        Unproven(u.proof_weight, u.title, u.root_cause, tuple(u.confirm), u.confidence_cap, u.fix)
+        if u is not None
+        else None
+    )
     return FailureClass(
-        id=cid, title=entry.title, category=entry.category, collateral=entry.collateral,
-        summary=entry.summary, root_cause=entry.root_cause, mechanism=entry.mechanism,
-        symptoms=tuple(entry.symptoms), affected=tuple(entry.affected), confirm=tuple(entry.confirm),
-        fix=entry.fix, prevention=tuple(entry.prevention), verify_command=entry.verify_command,
-        related=tuple(entry.related), weak=entry.weak, checkpointer_prevents=entry.checkpointer_prevents,
-        references=tuple(entry.references), signatures=tuple(sigs), unproven=unproven,
-        family=entry.family, restart=_restart(entry, where),
+        id=cid,
+        title=entry.title,
+        category=entry.category,
+        collateral=entry.collateral,
+        summary=entry.summary,
+        root_cause=entry.root_cause,
+        mechanism=entry.mechanism,
+        symptoms=tuple(entry.symptoms),
+        affected=tuple(entry.affected),
+        confirm=tuple(entry.confirm),
+        fix=entry.fix,
+        prevention=tuple(entry.prevention),
+        verify_command=entry.verify_command,
+        related=tuple(entry.related),
+        weak=entry.weak,
+        checkpointer_prevents=entry.checkpointer_prevents,
+        references=tuple(entry.references),
+        signatures=tuple(sigs),
+        unproven=unproven,
+        family=entry.family,
+        restart=_restart(entry, where),
     )
 
 
@@ -240,8 +289,10 @@ def load_kb_dir(directory: Path) -> KnowledgeBase:
         if fc.family is not None:
             fam = classes.get(fc.family)
             if fam is None or fam.family is not None or fam.id == fc.id:
-                raise KBError(f"{fc.id}.toml: family {fc.family!r} must be another class of the KB that "
-                              "declares no family of its own")
+                raise KBError(
+                    f"{fc.id}.toml: family {fc.family!r} must be another class of the KB that "
+                    "declares no family of its own"
+                )
     if "python_exception" not in classes:
         raise KBError("the KB needs the fallback class python_exception")
     rules_path = directory / "_rules.toml"

@@ -98,10 +98,22 @@ class LauncherLines:
             for rank in ranks:
                 if rank is not None and host:
                     self.rank_host.setdefault(rank, host)
-                self.launcher.append(LauncherFailure(
-                    rank if reliable else None, local if reliable else None,
-                    pid, code, host, ts, False, ev, rank_reliable=reliable,
-                    launcher=fmt.name, class_id=cls, weight=weight))
+                self.launcher.append(
+                    LauncherFailure(
+                        rank if reliable else None,
+                        local if reliable else None,
+                        pid,
+                        code,
+                        host,
+                        ts,
+                        False,
+                        ev,
+                        rank_reliable=reliable,
+                        launcher=fmt.name,
+                        class_id=cls,
+                        weight=weight,
+                    )
+                )
             # srun's "error:" lines that say nothing about an exit are left to the signatures
             return code is not None or cls is not None or "rror" not in rest
         return False
@@ -128,8 +140,13 @@ class LauncherLines:
         exit of unknown cause."""
         silent = self.rules.silent_exit
         mem = self.memory_line
-        if silent is None or self.deliberate or mem is None or mem[0] != ev.source \
-                or not 0 <= ev.line - mem[1] <= silent.within:
+        if (
+            silent is None
+            or self.deliberate
+            or mem is None
+            or mem[0] != ev.source
+            or not 0 <= ev.line - mem[1] <= silent.within
+        ):
             return None, None, None
         return None, silent.class_id, silent.weight
 
@@ -207,5 +224,8 @@ class LauncherLines:
                 self.rank_host.setdefault(rank, host)
             if pid is not None:
                 self._map_pid(pid, rank, 50)
-        self.launcher.append(LauncherFailure(rank, local, pid, code, host, t, b.section == "root",
-                                             ev, e.get("traceback", ""), launcher="torchrun"))
+        self.launcher.append(
+            LauncherFailure(
+                rank, local, pid, code, host, t, b.section == "root", ev, e.get("traceback", ""), launcher="torchrun"
+            )
+        )

@@ -17,8 +17,10 @@ from enum import Enum
 # Option and variable names that hold a secret: the name ends in one of these words (``--hf_token``,
 # ``--db-password``, ``WANDB_API_KEY``), or has one as a word of its own followed by more
 # (``--token-file``); never a longer word (``--tokenizer``, ``--author``).
-_SECRET_WORDS = r"(?:api[_\-]?key|apikey|access[_\-]?key|secret[_\-]?key|private[_\-]?key|secret|token|passw(?:or)?d" \
+_SECRET_WORDS = (
+    r"(?:api[_\-]?key|apikey|access[_\-]?key|secret[_\-]?key|private[_\-]?key|secret|token|passw(?:or)?d"
     r"|passphrase|pwd|auth|credentials?|accountkey)"
+)
 _SECRET_NAME_RE = re.compile(rf"(?i:^[\w.\-]*?{_SECRET_WORDS}(?:[_\-][\w\-]*)?$)")
 # Environment variables: the same names, but not the shell's PWD and OLDPWD (a directory, not a secret).
 _ENV_SECRET_NAME_RE = re.compile(rf"(?i:^[\w.\-]*?{_SECRET_WORDS.replace('|pwd', '')}(?:[_\-][\w\-]*)?$)")
@@ -52,12 +54,47 @@ _ALIAS_RE = re.compile(r"(?:host|ip|user)-\d+")
 _TOKEN_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-]*")
 
 
-_HINTS = ("PRIVATE KEY", "AKIA", "ASIA", "AGPA", "AIDA", "AROA", "ANPA", "AIza", "hf_", "ghp_",
-          "gho_", "ghu_", "ghs_", "ghr_", "github_pat_", "xox", "sk-", "eyJ", "://", "@")
+_HINTS = (
+    "PRIVATE KEY",
+    "AKIA",
+    "ASIA",
+    "AGPA",
+    "AIDA",
+    "AROA",
+    "ANPA",
+    "AIza",
+    "hf_",
+    "ghp_",
+    "gho_",
+    "ghu_",
+    "ghs_",
+    "ghr_",
+    "github_pat_",
+    "xox",
+    "sk-",
+    "eyJ",
+    "://",
+    "@",
+)
 # "sig" only as a key (Azure SAS `sig=`): the bare word is in every "signal" and "SIGTERM" line,
 # and "gh" above only as a GitHub token prefix ("caught" is in every watchdog line).
-_KV_HINTS = ("key", "secret", "token", "passw", "passph", "pwd", "auth", "credential", "sig=", "sig:",
-             'sig"', "sig'", "sig ", "bearer", "basic ")
+_KV_HINTS = (
+    "key",
+    "secret",
+    "token",
+    "passw",
+    "passph",
+    "pwd",
+    "auth",
+    "credential",
+    "sig=",
+    "sig:",
+    'sig"',
+    "sig'",
+    "sig ",
+    "bearer",
+    "basic ",
+)
 
 
 def _may_hold_secret(text: str) -> bool:
@@ -73,9 +110,9 @@ class Masker:
 
     def __init__(self, mask_hosts: bool = False, env: Mapping[str, str] | None = None) -> None:
         """Args:
-            mask_hosts: also mask hostnames, IP addresses and user names in paths.
-            env: an environment whose secret-named variables' values (``HF_TOKEN``, ``DB_PASSWORD``...)
-                are masked wherever they appear, whatever their form; ``os.environ`` when not given.
+        mask_hosts: also mask hostnames, IP addresses and user names in paths.
+        env: an environment whose secret-named variables' values (``HF_TOKEN``, ``DB_PASSWORD``...)
+            are masked wherever they appear, whatever their form; ``os.environ`` when not given.
         """
         self.mask_hosts = mask_hosts
         self._hosts: dict[str, str] = {}
@@ -83,14 +120,21 @@ class Masker:
         self._users: dict[str, str] = {}
         source = os.environ if env is None else env
         # Longest first: a secret that contains another is replaced whole.
-        secrets = {v for k, v in source.items()
-                   if _ENV_SECRET_NAME_RE.match(k) and len(v) >= MIN_ENV_SECRET and not v.isspace()}
+        secrets = {
+            v
+            for k, v in source.items()
+            if _ENV_SECRET_NAME_RE.match(k) and len(v) >= MIN_ENV_SECRET and not v.isspace()
+        }
         self._literals = sorted(secrets, key=len, reverse=True)
 
     def _secret(self, m: re.Match[str]) -> str:
         kind = m.lastgroup or "secret"
-        for prefix_group, value_group in (("bearer", "bearer_v"), ("flag", "flag_v"), ("urlcred", "urlcred_v"),
-                                          ("kv", "kv_v")):
+        for prefix_group, value_group in (
+            ("bearer", "bearer_v"),
+            ("flag", "flag_v"),
+            ("urlcred", "urlcred_v"),
+            ("kv", "kv_v"),
+        ):
             if kind == value_group:
                 prefix = m.group(prefix_group)
                 if kind == "urlcred_v":  # the user part may be a key of its own (s3://AKIA...:SECRET@bucket)
@@ -133,8 +177,7 @@ class Masker:
 
     def _mask_hosts(self, text: str) -> str:
         text = _IPV4_RE.sub(lambda m: self._alias(self._ips, m.group(0), "ip"), text)
-        text = _USER_PATH_RE.sub(
-            lambda m: m.group(1) + self._alias(self._users, m.group(2), "user"), text)
+        text = _USER_PATH_RE.sub(lambda m: m.group(1) + self._alias(self._users, m.group(2), "user"), text)
         if self._hosts:
             hosts = self._hosts
 
@@ -183,6 +226,7 @@ class Masker:
         if isinstance(obj, dict):
             return {self.finalize_obj(k): self.finalize_obj(v) for k, v in obj.items()}
         if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-            return dataclasses.replace(obj, **{f.name: self.finalize_obj(getattr(obj, f.name))
-                                               for f in dataclasses.fields(obj) if f.init})
+            return dataclasses.replace(
+                obj, **{f.name: self.finalize_obj(getattr(obj, f.name)) for f in dataclasses.fields(obj) if f.init}
+            )
         return obj

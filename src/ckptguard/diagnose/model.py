@@ -56,14 +56,15 @@ _RANK_TEXT = {
     RankSource.PID: "from the pid of the failing process, mapped to its rank by NCCL/launcher lines",
     RankSource.LAUNCHER: "from the launcher's failure summary",
     RankSource.LAUNCHER_ROOT_CAUSE: "the traceback has no rank prefix; torchrun's Root Cause block names this rank "
-                                    "as the first failure with a non-signal exit code",
+    "as the first failure with a non-signal exit code",
     RankSource.ONLY_FAILING_RANK: "the failing lines have no rank prefix; this is the only rank that failed "
-                                  "(its own traceback, or the launcher's report)",
+    "(its own traceback, or the launcher's report)",
     RankSource.LOCAL_PREFIX: "from a local-rank prefix ([defaultN]:), taken as the global rank",
     RankSource.DEVICE: "from the GPU index in the message (one GPU per process, GPU N = rank N assumed)",
     RankSource.REPORT: "from a report that names the failing rank (torch's lagging-rank report, another rank's error)",
-    RankSource.SPAWN_INDEX: ("from the process index that torch.multiprocessing.spawn names for the traceback "
-                             "(the rank on a single node)"),
+    RankSource.SPAWN_INDEX: (
+        "from the process index that torch.multiprocessing.spawn names for the traceback (the rank on a single node)"
+    ),
     RankSource.ONLY_RANK: "the only rank that the log shows at all",
     RankSource.INFERRED: "inferred from which ranks reported consequences",
 }
@@ -128,8 +129,7 @@ class Event:
     @property
     def text(self) -> str:
         """Everything the event says: message, evidence lines, frames and code (for rules)."""
-        return "\n".join([self.message or "", *(e.text for e in self.evidence), *self.frames,
-                          *self.code])
+        return "\n".join([self.message or "", *(e.text for e in self.evidence), *self.frames, *self.code])
 
 
 @dataclass
@@ -162,8 +162,7 @@ class EvidenceLine:
     role: str  # "initiating" | "collateral" | "launcher" | "context"
 
     def as_dict(self) -> dict[str, object]:
-        return {"file": self.file, "line": self.line, "rank": self.rank, "role": self.role,
-                "text": self.text}
+        return {"file": self.file, "line": self.line, "rank": self.rank, "role": self.role, "text": self.text}
 
 
 @dataclass
@@ -179,10 +178,15 @@ class Hypothesis:
     kind: str | None = None  # the finer KB class, when failure_class is its family
 
     def as_dict(self) -> dict[str, object]:
-        return {"failure_class": self.failure_class, "kind": self.kind or self.failure_class,
-                "title": self.title, "score": self.score,
-                "ranks": self.ranks, "evidence": [e.as_dict() for e in self.evidence],
-                "why_not": self.why_not}
+        return {
+            "failure_class": self.failure_class,
+            "kind": self.kind or self.failure_class,
+            "title": self.title,
+            "score": self.score,
+            "ranks": self.ranks,
+            "evidence": [e.as_dict() for e in self.evidence],
+            "why_not": self.why_not,
+        }
 
 
 @dataclass
@@ -264,9 +268,17 @@ class Diagnosis:
             "alternatives": [a.as_dict() for a in self.alternatives],
             "notes": self.notes,
             "timeline": [
-                {"rank": t.rank, "t": t.t, "order": t.order, "failure_class": t.failure_class,
-                 "kind": t.kind or t.failure_class, "collateral": t.collateral, "file": t.file,
-                 "line": t.line, "text": t.text}
+                {
+                    "rank": t.rank,
+                    "t": t.t,
+                    "order": t.order,
+                    "failure_class": t.failure_class,
+                    "kind": t.kind or t.failure_class,
+                    "collateral": t.collateral,
+                    "file": t.file,
+                    "line": t.line,
+                    "text": t.text,
+                }
                 for t in self.timeline
             ],
             "sources": self.sources,

@@ -60,11 +60,15 @@ _FORMAT_STARTS = [
 ]
 _FORMAT_RES = [re.compile(r"^\s*" + f, re.M) for f in _FORMAT_STARTS]
 # torchrun's failure table, whose fields a paste runs together (only inside the table's line).
-_TABLE_FIELDS = (r"(?:Root Cause \(first observed failure\):|Failures:|<NO_OTHER_FAILURES>|\[\d{1,6}\]:(?=\s|$)"
-                 r"|(?:time|host|rank|exitcode|error_file|traceback)\s*:(?= )|={8,}|-{8,})")
-_TABLE_HINT = re.compile(r"Root Cause|Failures:|error_file:|\[\d{1,6}\]:\s+time\s*:"
-                         r"|(?:time|host|rank|exitcode|traceback)\s*: .*"
-                         r"(?:time|host|rank|exitcode|traceback|error_file)\s*: ")
+_TABLE_FIELDS = (
+    r"(?:Root Cause \(first observed failure\):|Failures:|<NO_OTHER_FAILURES>|\[\d{1,6}\]:(?=\s|$)"
+    r"|(?:time|host|rank|exitcode|error_file|traceback)\s*:(?= )|={8,}|-{8,})"
+)
+_TABLE_HINT = re.compile(
+    r"Root Cause|Failures:|error_file:|\[\d{1,6}\]:\s+time\s*:"
+    r"|(?:time|host|rank|exitcode|traceback)\s*: .*"
+    r"(?:time|host|rank|exitcode|traceback|error_file)\s*: "
+)
 _TABLE_RE = re.compile(r"(?<=\S)[ \t]+(?=" + _TABLE_FIELDS + ")")
 _RECORD_RE = re.compile(r"(?<=\S)[ \t]+(?=(?:" + "|".join(_RECORD_STARTS) + "))")
 # A record start right after a prefix stays on the prefix's line: "[rank3]: Traceback ...".
@@ -73,18 +77,21 @@ _PREFIX_ONLY_RE = re.compile(
     r"|\[[A-Za-z][\w\-]{0,62}:\d{1,6}\]:?|\d{1,6}:|[a-z][\w\-]*\d[\w.\-]*:"
     r"|[IWEF]\d{4} \d\d:\d\d:\d\d\.\d{3,9} +\d+ [^\]]{1,80}\]"
     r"|(?:\[\s*)?\d{4}-\d\d-\d\d[ T]\d\d:\d\d:\d\d(?:[.,]\d{1,9})?(?:Z|[+-]\d\d:?\d\d)?(?:\s*\])?"
-    r"|(?:WARNING|ERROR|INFO|CRITICAL):[\w.]*:)\s*)+$")
+    r"|(?:WARNING|ERROR|INFO|CRITICAL):[\w.]*:)\s*)+$"
+)
 # In a joined traceback: the source line after a frame, and the exception line after it.
 _FRAME_TAIL_RE = re.compile(r"(File \"[^\"\n]{1,400}\", line \d+, in [^\s]+)[ \t]+(?=\S)")
 _EXC_START_RE = re.compile(
-    r"(?<=\S)[ \t]+(?=(?:[A-Za-z_]\w*\.)*[A-Z]\w*(?:Error|Exception|Interrupt|Exit|Failure)(?::\s|$))")
+    r"(?<=\S)[ \t]+(?=(?:[A-Za-z_]\w*\.)*[A-Z]\w*(?:Error|Exception|Interrupt|Exit|Failure)(?::\s|$))"
+)
 _CUT = r"\[\s*(?:\.\.\.|…|\.{2,}\s*(?:snip(?:ped)?|cut|truncated)\s*\.{2,}|(?:snip(?:ped)?|cut|truncated))\s*\]"
 _CUT_RE = re.compile(_CUT, re.I)
 _CUT_BEFORE_RE = re.compile(r"(?<=\S)[ \t]*(?=" + _CUT + ")", re.I)
 _CUT_AFTER_RE = re.compile(r"(" + _CUT + r")[ \t]*(?=\S)", re.I)
 _SRUN_LABEL_RE = re.compile(r"^ {0,4}\d{1,6}: ", re.M)
 _SRUN_SPLIT_RE = re.compile(
-    r"(?<=\S)[ \t]+(?=\d{1,6}: (?:Traceback|File \"|\[|[IWEF]\d{4} |(?:[A-Za-z_]\w*\.)*[A-Z]\w*(?:Error|Exception)\b))")
+    r"(?<=\S)[ \t]+(?=\d{1,6}: (?:Traceback|File \"|\[|[IWEF]\d{4} |(?:[A-Za-z_]\w*\.)*[A-Z]\w*(?:Error|Exception)\b))"
+)
 _HOST_LABEL_RE = re.compile(r"^([a-z][\w\-]*\d[\w.\-]*): ", re.M)
 _TERMINAL_WIDTHS = frozenset({80, 100, 120, 128, 132, 140, 150, 160, 180, 200, 220, 240})
 
@@ -176,10 +183,10 @@ def split_records(text: str) -> str:
     """Restore line breaks in front of known record starts that a paste ran together."""
     lines = text.split("\n")
     few = len(lines) <= 2
-    extra = [f for f, fx in zip(_FORMAT_STARTS, _FORMAT_RES, strict=True)
-             if few or len(fx.findall(text, 0, 1 << 20)) >= 2]
-    rx = _RECORD_RE if not extra else re.compile(
-        r"(?<=\S)[ \t]+(?=(?:" + "|".join(_RECORD_STARTS + extra) + "))")
+    extra = [
+        f for f, fx in zip(_FORMAT_STARTS, _FORMAT_RES, strict=True) if few or len(fx.findall(text, 0, 1 << 20)) >= 2
+    ]
+    rx = _RECORD_RE if not extra else re.compile(r"(?<=\S)[ \t]+(?=(?:" + "|".join(_RECORD_STARTS + extra) + "))")
     return "\n".join(_split_line(ln, rx) for ln in lines)
 
 
@@ -207,7 +214,7 @@ def _split_traceback(part: str) -> list[str]:
     m = _FRAME_TAIL_RE.search(part)
     if m is None:
         return [part]
-    head, tail = part[: m.end(1)], part[m.end():]
+    head, tail = part[: m.end(1)], part[m.end() :]
     lead = _lead_of(part)
     pieces = _EXC_START_RE.split(tail, maxsplit=1)
     return [head, *(lead + "    " + p if i == 0 else lead + p for i, p in enumerate(pieces) if p)]
@@ -219,8 +226,10 @@ def _lead_of(part: str) -> str:
     return m.group(0) if m else ""
 
 
-_LEAD_PREFIX_RE = re.compile(r"^\s*(?:\[(?:rank|default|local_rank)\d{1,6}\]:|\[\d{1,6},\d{1,6}\]<std(?:out|err)>:"
-                             r"|\[[A-Za-z][\w\-]{0,62}:\d{1,6}\]:?)+ ?")
+_LEAD_PREFIX_RE = re.compile(
+    r"^\s*(?:\[(?:rank|default|local_rank)\d{1,6}\]:|\[\d{1,6},\d{1,6}\]<std(?:out|err)>:"
+    r"|\[[A-Za-z][\w\-]{0,62}:\d{1,6}\]:?)+ ?"
+)
 
 
 # What may stand before a record's prefix on its own line: timestamps, a CI step or container
@@ -228,8 +237,10 @@ _LEAD_PREFIX_RE = re.compile(r"^\s*(?:\[(?:rank|default|local_rank)\d{1,6}\]:|\[
 _LEAD_RE = re.compile(r"^(?!.*(?:NCCL |-> ))[\w\s.:,/+\-()=|>\[\]]{1,60}$")
 _WORD_COLON = re.compile(r"[A-Za-z]{2,}: ")
 _LETTER_RE = re.compile(r"[A-Za-z]")
-_ENDS_WITH_TAG = re.compile(r"(?:\[(?:rank|default|local_rank)\d{1,6}\]:|<std(?:out|err)>:"
-                            r"|\[[A-Za-z][\w\-]{0,62}:\d{1,6}\]:?)\s*$")
+_ENDS_WITH_TAG = re.compile(
+    r"(?:\[(?:rank|default|local_rank)\d{1,6}\]:|<std(?:out|err)>:"
+    r"|\[[A-Za-z][\w\-]{0,62}:\d{1,6}\]:?)\s*$"
+)
 _EXC_HEAD_RE = re.compile(r"(?:Error|Exception):\s*$")  # an exception whose message is a traceback
 
 
@@ -240,14 +251,21 @@ def _split_keep_prefix(rx: re.Pattern[str], line: str, leads: bool = True) -> li
     pieces: list[str] = []
     last = 0
     for m in rx.finditer(line):
-        head = line[last: m.start()]
+        head = line[last : m.start()]
         if not head.strip() or _PREFIX_ONLY_RE.match(head) or _ENDS_WITH_TAG.search(head):
             continue
-        nxt = line[m.end(): m.end() + 10]
+        nxt = line[m.end() : m.end() + 10]
         if nxt.startswith("Traceback") and _EXC_HEAD_RE.search(head):
             continue
-        if leads and last == 0 and (nxt[:1] == "[" or not _LETTER_RE.search(head)) and _LEAD_RE.match(head) \
-                and not _WORD_COLON.search(head) and not _LEAD_PREFIX_RE.match(head) and "Traceback" not in head:
+        if (
+            leads
+            and last == 0
+            and (nxt[:1] == "[" or not _LETTER_RE.search(head))
+            and _LEAD_RE.match(head)
+            and not _WORD_COLON.search(head)
+            and not _LEAD_PREFIX_RE.match(head)
+            and "Traceback" not in head
+        ):
             continue  # a timestamp, CI step or stream tag in front of the record's own prefix
         pieces.append(head)
         last = m.end()
@@ -282,8 +300,16 @@ def split_labels(text: str) -> str:
 Step = Callable[[str], str]
 # Order matters: bytes and escapes first (they hide record starts), then markup, then line
 # structure (wrapped lines are joined before joined records are split).
-STEPS: tuple[Step, ...] = (strip_control, unify_newlines, unescape_html, drop_fences, unwrap,
-                           split_cuts, split_records, split_labels)
+STEPS: tuple[Step, ...] = (
+    strip_control,
+    unify_newlines,
+    unescape_html,
+    drop_fences,
+    unwrap,
+    split_cuts,
+    split_records,
+    split_labels,
+)
 
 
 def normalize(text: str) -> str:

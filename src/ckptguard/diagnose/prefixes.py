@@ -34,8 +34,10 @@ class Prefix:
 
 # What may stand before a rank tag: timestamps, CI step names, a host or container tag, a stream
 # tag (`[stderr]`), a quote marker (`> ` of a pasted reply).
-_LEAD_RE = re.compile(r"(?:[\w\s.:,/+\-()=|>]|\[(?:std)?(?:out|err)\]){1,64}?"
-                      r"(?=\[(?:rank|default|local_rank|[A-Za-z_]+)\d{1,6}\]:)")
+_LEAD_RE = re.compile(
+    r"(?:[\w\s.:,/+\-()=|>]|\[(?:std)?(?:out|err)\]){1,64}?"
+    r"(?=\[(?:rank|default|local_rank|[A-Za-z_]+)\d{1,6}\]:)"
+)
 _RANK_TAG = re.compile(r"\[[A-Za-z_][A-Za-z_\-]*?\d{1,6}\]:")
 _WORD_COLON = re.compile(r"[A-Za-z]{2,}: ")
 
@@ -55,7 +57,7 @@ def strip_prefixes(text: str) -> tuple[Prefix, str]:
     elif "]:" in body[:140]:
         m = _LEAD_RE.match(body)
         if m and _RANK_TAG.match(body, m.end()) and not _WORD_COLON.search(m.group(0)):
-            lead, text = body[: m.end()], body[m.end():]
+            lead, text = body[: m.end()], body[m.end() :]
     for _ in range(4):
         m = _PREFIX_RE.match(text)
         if not m:
@@ -77,7 +79,7 @@ def strip_prefixes(text: str) -> tuple[Prefix, str]:
                 info.rank = int(m.group("srun"))
         elif m.group("pdsh") is not None:
             info.host = m.group("pdsh")
-        text = text[m.end():]
+        text = text[m.end() :]
     info.lead = lead
     return info, text
 
@@ -113,6 +115,5 @@ def parse_timestamp(text: str, year_hint: int) -> tuple[float | None, int]:
         mo, d, h, mi, s = (int(g) for g in m.groups()[:5])
         if 1 <= mo <= 12 and 1 <= d <= 31:
             frac = m.group(6)
-            return (_days(year_hint, mo, d) * 86400 + h * 3600 + mi * 60 + s
-                    + int(frac) / 10 ** len(frac)), year_hint
+            return (_days(year_hint, mo, d) * 86400 + h * 3600 + mi * 60 + s + int(frac) / 10 ** len(frac)), year_hint
     return None, year_hint

@@ -120,9 +120,12 @@ class Operation:
     def matches(self, frames: list[str], code: list[str]) -> bool:
         """Do these frames (``file:func``) and source lines show this operation?"""
         if self.depth:
-            frames, code = frames[-self.depth:], code[-self.depth:]
-        return bool(frames or code) and self.frames is not None \
+            frames, code = frames[-self.depth :], code[-self.depth :]
+        return (
+            bool(frames or code)
+            and self.frames is not None
             and self.frames.search("\n".join([*frames, *code])) is not None
+        )
 
     def class_for(self, rank: int | None, *, latest: float | None = None, windows: bool = False) -> str:
         """Several ranks doing what one leader should do is the race, whatever the errno; a log
@@ -130,8 +133,7 @@ class Operation:
         failure of the operation."""
         return self.decide(rank, latest=latest, windows=windows)[0]
 
-    def decide(self, rank: int | None, *, latest: float | None = None,
-               windows: bool = False) -> tuple[str, str]:
+    def decide(self, rank: int | None, *, latest: float | None = None, windows: bool = False) -> tuple[str, str]:
         """The class, and what beyond the operation decided it (for the report)."""
         if self.nonleader_class and rank not in (None, 0):
             return self.nonleader_class, f"rank {rank}, not a leader, did it"
@@ -239,73 +241,113 @@ def parse_rules(data: dict[str, object], kb: Container[str]) -> Rules:
     try:
         signals = {}
         for s in d["signal"]:
-            alts = tuple(Alternative(_need(kb, a["class"], "signal alternative"), a["label"],
-                                     a["title"], float(a["score"]), a["why_not"])
-                         for a in s.get("alternatives", []))
-            signals[int(s["number"])] = SignalRule(int(s["number"]), s["name"],
-                                                   _need(kb, s["class"], "signal"),
-                                                   float(s["weight"]), alts)
+            alts = tuple(
+                Alternative(
+                    _need(kb, a["class"], "signal alternative"), a["label"], a["title"], float(a["score"]), a["why_not"]
+                )
+                for a in s.get("alternatives", [])
+            )
+            signals[int(s["number"])] = SignalRule(
+                int(s["number"]), s["name"], _need(kb, s["class"], "signal"), float(s["weight"]), alts
+            )
         ex = d["exits"]
-        words = tuple(ExitWord(w["word"], int(w["signal"]),
-                               _need(kb, w["class"], "exit_word") if "class" in w else None,
-                               float(w["weight"]) if "weight" in w else None)
-                      for w in d["exit_word"])
-        launchers = tuple(LauncherFormat(x["name"], x["anchor"], _re(x["pattern"], x["name"]),
-                                         x.get("rank", "reported") == "reported",
-                                         x.get("rank", "reported") == "last-local",
-                                         bool(x.get("code_cut", False)))
-                          for x in d["launcher"])
-        hints = tuple(RankHint(h["source"], h["anchor"], _re(h["pattern"], "rank_hint"))
-                      for h in d["rank_hint"])
-        reports = tuple(RankReport(r["anchor"], _re(r["pattern"], "rank_report"))
-                        for r in d["rank_report"])
-        blames = tuple(RankReport(r["anchor"], _re(r["pattern"], "blame_report"))
-                       for r in d.get("blame_report", []))
-        causes = {_need(kb, c["class"], "cause"): frozenset(_need(kb, x, "cause") for x in c["explains"])
-                  for c in d["cause"]}
+        words = tuple(
+            ExitWord(
+                w["word"],
+                int(w["signal"]),
+                _need(kb, w["class"], "exit_word") if "class" in w else None,
+                float(w["weight"]) if "weight" in w else None,
+            )
+            for w in d["exit_word"]
+        )
+        launchers = tuple(
+            LauncherFormat(
+                x["name"],
+                x["anchor"],
+                _re(x["pattern"], x["name"]),
+                x.get("rank", "reported") == "reported",
+                x.get("rank", "reported") == "last-local",
+                bool(x.get("code_cut", False)),
+            )
+            for x in d["launcher"]
+        )
+        hints = tuple(RankHint(h["source"], h["anchor"], _re(h["pattern"], "rank_hint")) for h in d["rank_hint"])
+        reports = tuple(RankReport(r["anchor"], _re(r["pattern"], "rank_report")) for r in d["rank_report"])
+        blames = tuple(RankReport(r["anchor"], _re(r["pattern"], "blame_report")) for r in d.get("blame_report", []))
+        causes = {
+            _need(kb, c["class"], "cause"): frozenset(_need(kb, x, "cause") for x in c["explains"]) for c in d["cause"]
+        }
         r = d["race"]
-        race = RaceRule(_need(kb, r["class"], "race"),
-                        frozenset(_need(kb, x, "race") for x in r["upgrade_from"]),
-                        int(r["min_ranks"]), float(r["weight"]), tuple(r["anchors"]),
-                        _re(r["announce"], "race.announce"), _re(r["same_error"], "race.same_error"))
+        race = RaceRule(
+            _need(kb, r["class"], "race"),
+            frozenset(_need(kb, x, "race") for x in r["upgrade_from"]),
+            int(r["min_ranks"]),
+            float(r["weight"]),
+            tuple(r["anchors"]),
+            _re(r["announce"], "race.announce"),
+            _re(r["same_error"], "race.same_error"),
+        )
         operations = tuple(
-            Operation(o["name"], _re(o["frames"], f"operation {o['name']}") if "frames" in o else None,
-                      _need(kb, o["class"], "operation"), float(o["weight"]), int(o.get("depth", 0)),
-                      _re(o["errors"], f"operation {o['name']} errors") if "errors" in o else None,
-                      _need(kb, o["nonleader_class"], "operation") if "nonleader_class" in o else None,
-                      _re(o["announce"], f"operation {o['name']} announce") if "announce" in o else None,
-                      tuple(o.get("announce_anchors", ())),
-                      _date(o["since"], f"operation {o['name']} since") if "since" in o else None,
-                      _need(kb, o["since_class"], "operation") if "since_class" in o else None,
-                      _need(kb, o["windows_class"], "operation") if "windows_class" in o else None)
-            for o in d.get("operation", []))
+            Operation(
+                o["name"],
+                _re(o["frames"], f"operation {o['name']}") if "frames" in o else None,
+                _need(kb, o["class"], "operation"),
+                float(o["weight"]),
+                int(o.get("depth", 0)),
+                _re(o["errors"], f"operation {o['name']} errors") if "errors" in o else None,
+                _need(kb, o["nonleader_class"], "operation") if "nonleader_class" in o else None,
+                _re(o["announce"], f"operation {o['name']} announce") if "announce" in o else None,
+                tuple(o.get("announce_anchors", ())),
+                _date(o["since"], f"operation {o['name']} since") if "since" in o else None,
+                _need(kb, o["since_class"], "operation") if "since_class" in o else None,
+                _need(kb, o["windows_class"], "operation") if "windows_class" in o else None,
+            )
+            for o in d.get("operation", [])
+        )
         se = d.get("silent_exit")
-        silent = SilentExit(_need(kb, se["class"], "silent_exit"), float(se["weight"]),
-                            _re(se["memory"], "silent_exit.memory"), tuple(se["memory_anchors"]),
-                            int(se["within"]), _re(se["deliberate"], "silent_exit.deliberate"),
-                            tuple(se["deliberate_anchors"])) if se is not None else None
+        silent = (
+            SilentExit(
+                _need(kb, se["class"], "silent_exit"),
+                float(se["weight"]),
+                _re(se["memory"], "silent_exit.memory"),
+                tuple(se["memory_anchors"]),
+                int(se["within"]),
+                _re(se["deliberate"], "silent_exit.deliberate"),
+                tuple(se["deliberate_anchors"]),
+            )
+            if se is not None
+            else None
+        )
         co = d["collateral_only"]
         conf = d["confidence"]
         return Rules(
             signals=signals,
             unknown_signal=(_need(kb, ex["unknown_signal"]["class"], "exits"), float(ex["unknown_signal"]["weight"])),
             nonzero_exit=(_need(kb, ex["nonzero_exit"]["class"], "exits"), float(ex["nonzero_exit"]["weight"])),
-            exit_words=words, launchers=launchers,
+            exit_words=words,
+            launchers=launchers,
             launcher_frames=_re(d["launcher_traceback"]["frames"], "launcher_traceback"),
-            rank_hints=hints, rank_reports=reports, blame_reports=blames, causes=causes, race=race,
+            rank_hints=hints,
+            rank_reports=reports,
+            blame_reports=blames,
+            causes=causes,
+            race=race,
             desync_class=_need(kb, d["desync"]["class"], "desync"),
             desync_pattern=_re(d["desync"]["pattern"], "desync"),
             desync_weight=float(d["desync"]["weight"]),
             progress=_re(d["desync"]["progress"], "desync.progress") if "progress" in d["desync"] else None,
             progress_anchors=tuple(d["desync"].get("progress_anchors", ())),
-            progress_requires=frozenset(_need(kb, c, "desync.progress_requires")
-                                        for c in d["desync"].get("progress_requires", ())),
+            progress_requires=frozenset(
+                _need(kb, c, "desync.progress_requires") for c in d["desync"].get("progress_requires", ())
+            ),
             collateral_priority=tuple(_need(kb, c, "collateral_only") for c in co["priority"]),
-            alone_means={_need(kb, k, "alone_means"): _need(kb, v, "alone_means")
-                         for k, v in co["alone_means"].items()},
+            alone_means={
+                _need(kb, k, "alone_means"): _need(kb, v, "alone_means") for k, v in co["alone_means"].items()
+            },
             single_reporter=frozenset(_need(kb, c, "single_reporter") for c in co["single_reporter"]),
             hints=tuple(_re(p, "hints") for p in d["hints"]["patterns"]),
-            operations=operations, silent_exit=silent,
+            operations=operations,
+            silent_exit=silent,
             traceback_owners=tuple(_re(p, "traceback_owner") for p in d.get("traceback_owner", {}).get("patterns", [])),
             confidence={k: float(v) for k, v in conf.items() if not isinstance(v, dict)},
             rank_factor={k: float(v) for k, v in conf["rank_source"].items()},

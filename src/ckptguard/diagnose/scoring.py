@@ -41,25 +41,25 @@ def verdict(att: Attribution, ex: Extractor, kb: KnowledgeBase) -> Verdict:
         return v
     race = _race(att, ex, kb, init)
     if race:
-        return Verdict(rules.race.class_id, max(init.weight, rules.race.weight), "race", race,
-                       rules.confidence["upgrade_cap"])
+        return Verdict(
+            rules.race.class_id, max(init.weight, rules.race.weight), "race", race, rules.confidence["upgrade_cap"]
+        )
     if tier(kb, init) <= 2:
         d = desync(ex, kb)
         if d and init.class_id in GENERIC | {"launcher_sigterm"}:
-            return Verdict(rules.desync_class, rules.desync_weight, "desync", d,
-                           rules.confidence["upgrade_cap"])
+            return Verdict(rules.desync_class, rules.desync_weight, "desync", d, rules.confidence["upgrade_cap"])
         hint = _explaining_hint(att, kb, init)
         if hint is not None:
-            return Verdict(hint.class_id, hint.weight, "hint", hint.evidence[:1],
-                           rules.confidence["hint_upgrade_cap"])
+            return Verdict(hint.class_id, hint.weight, "hint", hint.evidence[:1], rules.confidence["hint_upgrade_cap"])
     return v
 
 
 def _explaining_hint(att: Attribution, kb: KnowledgeBase, init: Event) -> Event | None:
     """A specific class named by a warning before a failure that names none itself."""
     before = [h for h in att.hints if h.seq < init.seq or init.kind == EventKind.EXIT]
-    specific = [h for h in before if h.class_id not in GENERIC and not kb[h.class_id].weak
-                and not kb[h.class_id].collateral]
+    specific = [
+        h for h in before if h.class_id not in GENERIC and not kb[h.class_id].weak and not kb[h.class_id].collateral
+    ]
     return max(specific, key=lambda h: (h.weight, -h.seq)) if specific else None
 
 
@@ -136,9 +136,11 @@ def desync_odd_rank(ex: Extractor) -> tuple[int, str] | None:
         (a, ra), (b, rb) = sorted(ranks.items(), key=lambda kv: len(kv[1]))
         if len(ra) == 1 and len(rb) >= 2:
             (odd,) = ra
-            return odd, (f"the one rank in another collective at the same sequence number (SeqNum={seq}: "
-                         f"{' '.join(x for x in a if x)} on rank {odd}, {' '.join(x for x in b if x)} "
-                         f"on the {len(rb)} others)")
+            return odd, (
+                f"the one rank in another collective at the same sequence number (SeqNum={seq}: "
+                f"{' '.join(x for x in a if x)} on rank {odd}, {' '.join(x for x in b if x)} "
+                f"on the {len(rb)} others)"
+            )
     return None
 
 
@@ -150,8 +152,11 @@ def confidence(att: Attribution, v: Verdict, kb: KnowledgeBase) -> float:
     via = init.rank_via.value or "none"
     conf *= kb.rules.rank_factor.get(via, 0.9)
     if att.init_rank is None and init.rank_via == RankSource.NONE:
-        rivals = {e.class_id for e in att.views[None].primary if tier(kb, e) == 3} - {init.class_id} \
-            if None in att.views else set()
+        rivals = (
+            {e.class_id for e in att.views[None].primary if tier(kb, e) == 3} - {init.class_id}
+            if None in att.views
+            else set()
+        )
         if rivals:
             conf *= kb.rules.ordering_factor.get(OrderingBasis.UNATTRIBUTED.name, 0.85)
     other = {att.firsts[r].class_id for r in att.also if r in att.firsts} - {init.class_id}

@@ -81,8 +81,9 @@ def clear_staging(ck: Checkpointer, staging_root: str) -> None:
         shutil.rmtree(os.path.join(staging_root, entry), ignore_errors=True)
 
 
-def rotate(ck: Checkpointer, limit: int | None, protected: set[int], base: str, name_of: dict[int, str],
-           staging_root: str) -> list[int]:
+def rotate(
+    ck: Checkpointer, limit: int | None, protected: set[int], base: str, name_of: dict[int, str], staging_root: str
+) -> list[int]:
     """Keep the ``limit`` newest committed steps (and ``protected`` ones, and always the newest): delete the
     others, each visible directory first, then its committed step. Returns the steps deleted."""
     if limit is None or limit <= 0:
@@ -118,9 +119,13 @@ def restore_step(root: str, wanted: int | None, target: str) -> int | None:
         return ck.load({}, step=wanted, files={FILES_KEY: target})
 
 
-def restore_on_every_rank(root: str, tmp: str, is_main: bool,
-                          restore_on_main: Callable[[str], tuple[int, str] | None],
-                          what: str = "load from") -> tuple[int, str] | None:
+def restore_on_every_rank(
+    root: str,
+    tmp: str,
+    is_main: bool,
+    restore_on_main: Callable[[str], tuple[int, str] | None],
+    what: str = "load from",
+) -> tuple[int, str] | None:
     """Restore one committed step into ``tmp/<name>`` on every rank; (step, that directory), or None
     if the root holds none. Collective over the default process group; ``is_main``: this is its rank 0.
 

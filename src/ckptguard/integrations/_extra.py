@@ -17,4 +17,6 @@ def missing_extra(integration: str, extra: str, cause: ImportError) -> ImportErr
     """The ``ImportError`` naming the integration, what failed to import and ``pip install 'ckptguard[<extra>]'``."""
     return ImportError(
         f"ckptguard.integrations.{integration} needs the {extra} framework, which is not installed or cannot be "
-        f"imported ({cause}); install it with: pip install 'ckptguard[{extra}]'", name=cause.name)
+        f"imported ({cause}); install it with: pip install 'ckptguard[{extra}]'",
+        name=cause.name,
+    )

@@ -70,15 +70,18 @@ _NUMBER_AT_END = re.compile(r"(\d+)$")
 _WRITERS: dict[tuple[int, str], Checkpointer] = {}
 
 
-def _where(accelerator: Accelerator, output_dir: str | os.PathLike[str] | None,
-           step: int | None) -> tuple[str, str, int, str]:
+def _where(
+    accelerator: Accelerator, output_dir: str | os.PathLike[str] | None, step: int | None
+) -> tuple[str, str, int, str]:
     """(checkpoints directory, folder name, step, home) of the save asked for; the ckptguard root and
     the staging directory live in home (project_dir with automatic naming, so that nothing but
     ``checkpoint_<i>`` folders is in ``checkpoints/``, which Accelerate's own load_state parses)."""
     pc = accelerator.project_configuration
     if pc.save_on_each_node:
-        raise ValueError("ckptguard's Accelerate integration needs a checkpoint directory shared by all "
-                         "processes: save_on_each_node=True is not supported")
+        raise ValueError(
+            "ckptguard's Accelerate integration needs a checkpoint directory shared by all "
+            "processes: save_on_each_node=True is not supported"
+        )
     if pc.automatic_checkpoint_naming:
         if pc.project_dir is None:
             raise ValueError("automatic_checkpoint_naming needs ProjectConfiguration(project_dir=...)")
@@ -118,9 +121,15 @@ def close(accelerator: Accelerator) -> None:
         _WRITERS.pop(key).close()
 
 
-def save_state(accelerator: Accelerator, output_dir: str | os.PathLike[str] | None = None, *,
-               step: int | None = None, publish: bool = True,
-               checkpointer_options: dict[str, Any] | None = None, **save_state_kwargs: Any) -> str:
+def save_state(
+    accelerator: Accelerator,
+    output_dir: str | os.PathLike[str] | None = None,
+    *,
+    step: int | None = None,
+    publish: bool = True,
+    checkpointer_options: dict[str, Any] | None = None,
+    **save_state_kwargs: Any,
+) -> str:
     """``accelerator.save_state(output_dir)``, committed through ckptguard; for a plain ``Accelerator``.
 
     Called by every process.
@@ -154,22 +163,31 @@ def save_state(accelerator: Accelerator, output_dir: str | os.PathLike[str] | No
 
     def commit() -> None:
         ck = _writer(accelerator, home, dict(checkpointer_options or {}))
-        ck.save(s, {"accelerate": {"folder": name}}, files={_dirs.FILES_KEY: staging},
-                overwrite=s in ck.steps(),
-                metadata={FRAMEWORK_KEY: "accelerate", "folder": name})  # the step is Accelerate's iteration
+        ck.save(
+            s,
+            {"accelerate": {"folder": name}},
+            files={_dirs.FILES_KEY: staging},
+            overwrite=s in ck.steps(),
+            metadata={FRAMEWORK_KEY: "accelerate", "folder": name},
+        )  # the step is Accelerate's iteration
         if publish:
             _dirs.publish(ck, base, staging, name, staging_root)
         if automatic:  # Accelerate's total_limit, after the commit
-            _dirs.rotate(ck, pc.total_limit, set(), base, {x: f"checkpoint_{x}" for x in ck.steps()},
-                         staging_root)
+            _dirs.rotate(ck, pc.total_limit, set(), base, {x: f"checkpoint_{x}" for x in ck.steps()}, staging_root)
         _dirs.clear_staging(ck, staging_root)
 
     one_rank_acts(f"save {name} to {checkpoint_root(home)}", commit, where=checkpoint_root(home))
     return os.path.join(base, name)
 
 
-def load_state(accelerator: Accelerator, input_dir: str | os.PathLike[str] | None = None, *,
-               step: int | None = None, restore_dir: str | None = None, **load_state_kwargs: Any) -> int | None:
+def load_state(
+    accelerator: Accelerator,
+    input_dir: str | os.PathLike[str] | None = None,
+    *,
+    step: int | None = None,
+    restore_dir: str | None = None,
+    **load_state_kwargs: Any,
+) -> int | None:
     """``accelerator.load_state(...)`` from a committed, verified checkpoint; for a plain ``Accelerator``.
 
     Called by every process. Runs unchanged the first time and after a crash: on a fresh start
@@ -261,12 +279,14 @@ class CkptguardAccelerator(Accelerator):  # type: ignore[misc]
         ```
     """
 
-    def save_state(self, output_dir: str | None = None, safe_serialization: bool = True,
-                   **save_model_func_kwargs: Any) -> str:
+    def save_state(
+        self, output_dir: str | None = None, safe_serialization: bool = True, **save_model_func_kwargs: Any
+    ) -> str:
         return save_state(self, output_dir, safe_serialization=safe_serialization, **save_model_func_kwargs)
 
-    def load_state(self, input_dir: str | None = None, load_kwargs: dict[str, Any] | None = None,
-                   **load_model_func_kwargs: Any) -> int | None:
+    def load_state(
+        self, input_dir: str | None = None, load_kwargs: dict[str, Any] | None = None, **load_model_func_kwargs: Any
+    ) -> int | None:
         return load_state(self, input_dir, load_kwargs=load_kwargs, **load_model_func_kwargs)
 
     def end_training(self) -> None:

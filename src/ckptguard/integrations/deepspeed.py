@@ -98,8 +98,9 @@ def _rank() -> int:
 class CkptguardCheckpointEngine(CheckpointEngine):  # type: ignore[misc]
     """DeepSpeed ``CheckpointEngine`` through ckptguard (module docstring). Use ``install(engine)``."""
 
-    def __init__(self, config_params: Any = None, *, publish: bool = True,
-                 checkpointer_options: dict[str, Any] | None = None) -> None:
+    def __init__(
+        self, config_params: Any = None, *, publish: bool = True, checkpointer_options: dict[str, Any] | None = None
+    ) -> None:
         super().__init__(config_params)
         self.name = "CkptguardCheckpointEngine"
         self.publish = publish
@@ -159,8 +160,10 @@ class CkptguardCheckpointEngine(CheckpointEngine):  # type: ignore[misc]
         if self._save_dir is None or self._tag is None or self._staging is None:
             return False
         p = os.path.abspath(path)
-        return any(p == d or p.startswith(d + os.sep)
-                   for d in (os.path.join(self._save_dir, self._tag), os.path.abspath(self._staging)))
+        return any(
+            p == d or p.startswith(d + os.sep)
+            for d in (os.path.join(self._save_dir, self._tag), os.path.abspath(self._staging))
+        )
 
     def save(self, state_dict: Any, path: str) -> None:
         if not self._in_this_tag(path):
@@ -176,7 +179,8 @@ class CkptguardCheckpointEngine(CheckpointEngine):  # type: ignore[misc]
             raise PathCollisionError(
                 f"rank {_rank()}: {os.path.basename(path)} of tag {self._tag} was already written by another rank "
                 f"(e.g. use_node_local_storage on storage that all nodes share); refusing to overwrite it",
-                path=path) from None
+                path=path,
+            ) from None
         with os.fdopen(fd, "wb") as f:
             torch.save(state_dict, f)
 
@@ -191,8 +195,11 @@ class CkptguardCheckpointEngine(CheckpointEngine):  # type: ignore[misc]
             raise CheckpointError("commit without create: the checkpoint engine was installed mid-save")
         try:
             barrier()  # every rank's files are in staging
-            one_rank_acts(f"commit DeepSpeed tag {tag} to {os.path.join(save_dir, ROOT_NAME)}",
-                          lambda: self._commit_on_rank0(save_dir, tag, staging), where=save_dir)
+            one_rank_acts(
+                f"commit DeepSpeed tag {tag} to {os.path.join(save_dir, ROOT_NAME)}",
+                lambda: self._commit_on_rank0(save_dir, tag, staging),
+                where=save_dir,
+            )
             return True
         finally:
             self._save_dir = self._tag = self._staging = None
@@ -214,8 +221,13 @@ class CkptguardCheckpointEngine(CheckpointEngine):  # type: ignore[misc]
             step = int(m.group(1))
         else:
             step = max(ck.steps(), default=-1) + 1
-        ck.save(step, {"deepspeed": {"tag": tag}}, files={_dirs.FILES_KEY: staging},
-                overwrite=step in ck.steps(), metadata={FRAMEWORK_KEY: "deepspeed", "tag": tag})
+        ck.save(
+            step,
+            {"deepspeed": {"tag": tag}},
+            files={_dirs.FILES_KEY: staging},
+            overwrite=step in ck.steps(),
+            metadata={FRAMEWORK_KEY: "deepspeed", "tag": tag},
+        )
         attempt = os.path.dirname(staging)  # DeepSpeed's save_dir: its zero_to_fp32.py & co. belong in save_dir
         for name in os.listdir(attempt):
             if name != tag and os.path.isfile(os.path.join(attempt, name)):
@@ -286,11 +298,17 @@ def _refuse_shared_offload_dirs(engine: Any, tag: str) -> None:
                 f"ranks {ranks} would all copy their NVMe-offloaded optimizer state into "
                 f"{tag}/offloaded_tensors/{name} (DeepSpeed names that copy by the local rank with "
                 f"use_node_local_storage, and save_dir is shared by all ranks); refusing before anything is written",
-                path=os.path.join(tag, "offloaded_tensors", name))
+                path=os.path.join(tag, "offloaded_tensors", name),
+            )
 
 
-def install(engine: Any, *, publish: bool = True, restore_dir: str | None = None,
-            checkpointer_options: dict[str, Any] | None = None) -> CkptguardCheckpointEngine:
+def install(
+    engine: Any,
+    *,
+    publish: bool = True,
+    restore_dir: str | None = None,
+    checkpointer_options: dict[str, Any] | None = None,
+) -> CkptguardCheckpointEngine:
     """Make ``engine`` (a ``DeepSpeedEngine``) save and load through ckptguard.
 
     Replaces the engine's checkpoint engine and wraps ``save_checkpoint`` / ``load_checkpoint``: each tag
@@ -313,14 +331,14 @@ def install(engine: Any, *, publish: bool = True, restore_dir: str | None = None
     Returns:
         The installed ``CkptguardCheckpointEngine``.
     """
-    ce = CkptguardCheckpointEngine(getattr(engine, "_config", None), publish=publish,
-                                   checkpointer_options=checkpointer_options)
+    ce = CkptguardCheckpointEngine(
+        getattr(engine, "_config", None), publish=publish, checkpointer_options=checkpointer_options
+    )
     engine.checkpoint_engine = ce
     save_checkpoint = engine.save_checkpoint
     load_checkpoint = engine.load_checkpoint
 
-    def save(save_dir: str, tag: Any = None, client_state: Any = None, save_latest: bool = True,
-             **kwargs: Any) -> Any:
+    def save(save_dir: str, tag: Any = None, client_state: Any = None, save_latest: bool = True, **kwargs: Any) -> Any:
         client_state = {} if client_state is None else client_state
         if not save_dir:  # DeepSpeed's own error
             return save_checkpoint(save_dir, tag=tag, client_state=client_state, save_latest=False, **kwargs)
@@ -339,7 +357,8 @@ def install(engine: Any, *, publish: bool = True, restore_dir: str | None = None
         try:
             tag_name = None if tag is None else str(tag)
             restored = _dirs.restore_on_every_rank(
-                root, tmp, _rank() == 0, lambda dest: _restore_on_rank0(root, tag_name, dest))
+                root, tmp, _rank() == 0, lambda dest: _restore_on_rank0(root, tag_name, dest)
+            )
             if restored is None:
                 log.warning("ckptguard: no committed checkpoint in %s", root)
                 return None, None

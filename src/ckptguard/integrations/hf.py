@@ -94,12 +94,19 @@ class CkptguardTrainer(Trainer):
         ValueError: ``save_on_each_node=True`` (the output directory must be shared by all ranks).
     """
 
-    def __init__(self, *args: Any, publish: bool = True, restore_dir: str | None = None,
-                 checkpointer_options: dict[str, Any] | None = None, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        *args: Any,
+        publish: bool = True,
+        restore_dir: str | None = None,
+        checkpointer_options: dict[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> None:
         super().__init__(*args, **kwargs)
         if self.args.save_on_each_node:
-            raise ValueError("CkptguardTrainer needs an output_dir shared by all ranks: save_on_each_node=True "
-                             "is not supported")
+            raise ValueError(
+                "CkptguardTrainer needs an output_dir shared by all ranks: save_on_each_node=True is not supported"
+            )
         self.ckptguard_publish = publish
         self.ckptguard_restore_dir = restore_dir
         self.ckptguard_options = dict(checkpointer_options or {})
@@ -151,8 +158,11 @@ class CkptguardTrainer(Trainer):
                 self.state.best_model_checkpoint = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{best}")
                 self.state.save_to_json(os.path.join(staging, "trainer_state.json"))
         self.accelerator.wait_for_everyone()  # every rank's files are in staging
-        one_rank_acts(f"commit {folder} to {self.ckptguard_root(run_dir)}",
-                      lambda: self._commit_on_main(run_dir, step, folder, staging), where=run_dir)
+        one_rank_acts(
+            f"commit {folder} to {self.ckptguard_root(run_dir)}",
+            lambda: self._commit_on_main(run_dir, step, folder, staging),
+            where=run_dir,
+        )
 
     def _commit_on_main(self, run_dir: str, step: int, folder: str, staging: str) -> None:
         """Commit the staged checkpoint as ``step``, then publish it and rotate old ones out (the main process)."""
@@ -161,14 +171,27 @@ class CkptguardTrainer(Trainer):
         visible = os.path.join(run_dir, folder)
         # A complete checkpoint plain Trainer wrote (a run switched to ckptguard) is the user's: never replaced.
         theirs = not ours and os.path.isfile(os.path.join(visible, "trainer_state.json"))
-        ck.save(step, {"hf": {"folder": folder, "world_size": int(self.args.world_size)}},
-                files={_dirs.FILES_KEY: staging}, overwrite=ours,
-                metadata={FRAMEWORK_KEY: "transformers", "folder": folder, "global_step": step,
-                          **({"epoch": float(self.state.epoch)} if self.state.epoch is not None else {})})
+        ck.save(
+            step,
+            {"hf": {"folder": folder, "world_size": int(self.args.world_size)}},
+            files={_dirs.FILES_KEY: staging},
+            overwrite=ours,
+            metadata={
+                FRAMEWORK_KEY: "transformers",
+                "folder": folder,
+                "global_step": step,
+                **({"epoch": float(self.state.epoch)} if self.state.epoch is not None else {}),
+            },
+        )
         # Committed: now Trainer and the user may see it, and only now may old ones go.
         if theirs:
-            log.warning("ckptguard: %s was written by plain Trainer, not ckptguard: kept as it is; step %d is "
-                        "committed in %s but not published over it", visible, step, self.ckptguard_root(run_dir))
+            log.warning(
+                "ckptguard: %s was written by plain Trainer, not ckptguard: kept as it is; step %d is "
+                "committed in %s but not published over it",
+                visible,
+                step,
+                self.ckptguard_root(run_dir),
+            )
         elif self.ckptguard_publish:
             _dirs.publish(ck, run_dir, staging, folder, os.path.join(run_dir, STAGING_NAME))
         self._rotate_committed(run_dir)
@@ -178,19 +201,29 @@ class CkptguardTrainer(Trainer):
         ck = self._writer(run_dir)
         best = self.state.best_model_checkpoint
         m = _FOLDER_RE.match(os.path.basename(os.path.normpath(best))) if best else None
-        _dirs.rotate(ck, self.args.save_total_limit, {int(m.group(1))} if m else set(), run_dir,
-                     {s: f"{PREFIX_CHECKPOINT_DIR}-{s}" for s in ck.steps()},
-                     os.path.join(run_dir, STAGING_NAME))
+        _dirs.rotate(
+            ck,
+            self.args.save_total_limit,
+            {int(m.group(1))} if m else set(),
+            run_dir,
+            {s: f"{PREFIX_CHECKPOINT_DIR}-{s}" for s in ck.steps()},
+            os.path.join(run_dir, STAGING_NAME),
+        )
 
     # -- resume -------------------------------------------------------------------------
-    def train(self, resume_from_checkpoint: str | bool | None = None, trial: Any = None,
-              ignore_keys_for_eval: list[str] | None = None) -> TrainOutput:
+    def train(
+        self,
+        resume_from_checkpoint: str | bool | None = None,
+        trial: Any = None,
+        ignore_keys_for_eval: list[str] | None = None,
+    ) -> TrainOutput:
         restored: str | None = None
         if resume_from_checkpoint is not None and resume_from_checkpoint is not False:
             restored, resume_from_checkpoint = self._restore(resume_from_checkpoint)
         try:
-            return super().train(resume_from_checkpoint=resume_from_checkpoint, trial=trial,
-                                 ignore_keys_for_eval=ignore_keys_for_eval)
+            return super().train(
+                resume_from_checkpoint=resume_from_checkpoint, trial=trial, ignore_keys_for_eval=ignore_keys_for_eval
+            )
         finally:
             if restored is not None:
                 shutil.rmtree(restored, ignore_errors=True)
@@ -217,16 +250,20 @@ class CkptguardTrainer(Trainer):
                 got = _dirs.restore_step(root, wanted, dest)
                 return (got, f"{PREFIX_CHECKPOINT_DIR}-{got}") if got is not None else None
 
-            restored = _dirs.restore_on_every_rank(root, tmp, self._is_main(), restore_on_main,
-                                                   what="resume from")
+            restored = _dirs.restore_on_every_rank(root, tmp, self._is_main(), restore_on_main, what="resume from")
             if restored is None:
                 if wanted is None and not os.path.isdir(root):
-                    plain = one_rank_acts(f"look for a plain Trainer checkpoint in {run_dir}",
-                                          lambda: get_last_checkpoint(run_dir))  # type: ignore[no-untyped-call]
+                    plain = one_rank_acts(
+                        f"look for a plain Trainer checkpoint in {run_dir}", lambda: get_last_checkpoint(run_dir)
+                    )  # type: ignore[no-untyped-call]
                     if plain is not None:  # a run switching to ckptguard: continue it, as plain Trainer would
-                        log.warning("ckptguard: no ckptguard checkpoint yet in %s: resuming from %s, a checkpoint "
-                                    "plain Trainer wrote (not verified); from now on checkpoints are committed "
-                                    "through ckptguard, and the plain ones are never deleted by it", run_dir, plain)
+                        log.warning(
+                            "ckptguard: no ckptguard checkpoint yet in %s: resuming from %s, a checkpoint "
+                            "plain Trainer wrote (not verified); from now on checkpoints are committed "
+                            "through ckptguard, and the plain ones are never deleted by it",
+                            run_dir,
+                            plain,
+                        )
                         shutil.rmtree(tmp, ignore_errors=True)
                         return None, plain
                 if wanted is None:  # resume_from_checkpoint=True on a fresh start: train from scratch

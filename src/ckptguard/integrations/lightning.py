@@ -146,12 +146,18 @@ def pointed(path: str, pointer: Mapping[str, Any]) -> tuple[str, str, int]:
     where the file holds something no save wrote there. The root is always a directory next to the
     pointer (a save writes its bare name): one that leads anywhere else is refused."""
     root, tag, step = pointer.get("root"), pointer.get("tag"), pointer.get("step")
-    for field, ok in (("root", isinstance(root, str) and _beside(root)), ("tag", isinstance(tag, str)),
-                      ("step", type(step) is int and step >= 0)):
+    for field, ok in (
+        ("root", isinstance(root, str) and _beside(root)),
+        ("tag", isinstance(tag, str)),
+        ("step", type(step) is int and step >= 0),
+    ):
         if not ok:
-            raise CorruptCheckpointError(f"{path}: the checkpoint pointer's {field!r} is "
-                                         f"{str(pointer.get(field))[:100]!r}, not what a save writes there: "
-                                         "the file was modified by hand or by another tool", path=path)
+            raise CorruptCheckpointError(
+                f"{path}: the checkpoint pointer's {field!r} is "
+                f"{str(pointer.get(field))[:100]!r}, not what a save writes there: "
+                "the file was modified by hand or by another tool",
+                path=path,
+            )
     assert isinstance(root, str) and isinstance(tag, str) and isinstance(step, int)
     return os.path.normpath(os.path.join(os.path.dirname(path), root)), tag, step
 
@@ -173,8 +179,9 @@ def _read_root_id(root: str) -> str | None:
         raise CorruptCheckpointError(f"{path} cannot be read ({e}): the root's identity is unknown", path=path) from e
     ident = data.strip().decode("ascii", "replace")
     if not re.fullmatch(r"[0-9a-f]{32}", ident):
-        raise CorruptCheckpointError(f"{path} does not hold a root identity (32 hex digits): the file was modified",
-                                     path=path)
+        raise CorruptCheckpointError(
+            f"{path} does not hold a root identity (32 hex digits): the file was modified", path=path
+        )
     return ident
 
 
@@ -223,16 +230,23 @@ def check_binding(path: str, pointer: Mapping[str, Any], root: str, step: int) -
             or to another checkpoint of this step (the step was deleted and saved again since).
     """
     if pointer.get("root_id") is None or pointer.get("manifest") is None:
-        log.warning("ckptguard: %s was written by an older ckptguard: it is not bound to its checkpoint, so "
-                    "step %d of %s is loaded unchecked (the next save of %s binds it)", path, step, root,
-                    os.path.basename(path))
+        log.warning(
+            "ckptguard: %s was written by an older ckptguard: it is not bound to its checkpoint, so "
+            "step %d of %s is loaded unchecked (the next save of %s binds it)",
+            path,
+            step,
+            root,
+            os.path.basename(path),
+        )
         return False
     ident = _read_root_id(root)
     if ident != pointer["root_id"]:
         raise CorruptCheckpointError(
             f"{path} points to a checkpoint of another root (root identity {pointer['root_id']}, but {root} is "
             f"{ident or 'one without an identity'}): a pointer copied from another run is not this run's "
-            "checkpoint. Load the other run's pointer in its own directory, or remove this file.", path=path)
+            "checkpoint. Load the other run's pointer in its own directory, or remove this file.",
+            path=path,
+        )
     try:
         seq, digest = _binding(root, step)
     except StepNotFoundError:
@@ -241,7 +255,9 @@ def check_binding(path: str, pointer: Mapping[str, Any], root: str, step: int) -
         raise CorruptCheckpointError(
             f"{path} names step {step} of {root}, but that step is now another checkpoint than the one this "
             "pointer was written for (deleted and saved again, or the pointer was copied from another run): "
-            "refused. Resume from another checkpoint, or remove this file.", path=path)
+            "refused. Resume from another checkpoint, or remove this file.",
+            path=path,
+        )
     return True
 
 
@@ -258,8 +274,9 @@ def _may_delete(path: str, pointer: Mapping[str, Any], root: str, step: int, own
         return False
 
 
-def commit(ck: Checkpointer, path: str, state: Mapping[str, Any], *, collective: bool = False,
-           layout: str | None = None) -> int:
+def commit(
+    ck: Checkpointer, path: str, state: Mapping[str, Any], *, collective: bool = False, layout: str | None = None
+) -> int:
     """Save ``state`` as the next step of ``ck``, tag it with the file name, then point ``path`` at it
     (``collective``: rank 0 does, and every rank learns its failure); the step the tag named before is
     deleted last. Collective exactly when ``ck`` is. Returns the step."""
@@ -269,12 +286,22 @@ def commit(ck: Checkpointer, path: str, state: Mapping[str, Any], *, collective:
     ck.save(step, state, metadata=framework_metadata(name, state))
     before = ck.tag(tag, step)
     if collective:
-        ident, (seq, digest) = one_rank_acts(f"bind the checkpoint pointer {path}",
-                                             lambda: (root_identity(ck), _binding(ck.root, step)), where=path)
+        ident, (seq, digest) = one_rank_acts(
+            f"bind the checkpoint pointer {path}", lambda: (root_identity(ck), _binding(ck.root, step)), where=path
+        )
     else:
         ident, (seq, digest) = root_identity(ck), _binding(ck.root, step)
-    pointer = Pointer(format=POINTER_FORMAT, root=os.path.relpath(ck.root, os.path.dirname(path)), tag=tag,
-                      step=step, name=name, layout=layout, root_id=ident, seq=seq, manifest=digest)
+    pointer = Pointer(
+        format=POINTER_FORMAT,
+        root=os.path.relpath(ck.root, os.path.dirname(path)),
+        tag=tag,
+        step=step,
+        name=name,
+        layout=layout,
+        root_id=ident,
+        seq=seq,
+        manifest=digest,
+    )
     # The commit point Lightning sees: the pointer appears or changes atomically, once the
     # checkpoint is committed.
     data = msgspec.json.encode(pointer) + b"\n"
@@ -378,8 +405,9 @@ class CkptguardCheckpointIO(CheckpointIO):
         with self._lock:
             commit(self._writer(root_for(path, self.root_name)), path, checkpoint)
 
-    def load_checkpoint(self, path: Any, map_location: Any | None = None,
-                        weights_only: bool | None = None) -> dict[str, Any]:
+    def load_checkpoint(
+        self, path: Any, map_location: Any | None = None, weights_only: bool | None = None
+    ) -> dict[str, Any]:
         path = os.path.abspath(os.fspath(path))
         if not os.path.exists(path):
             raise FileNotFoundError(f"Checkpoint file not found: {path}")
@@ -392,8 +420,10 @@ class CkptguardCheckpointIO(CheckpointIO):
             loaded: dict[str, Any] = torch.load(path, map_location=map_location or "cpu", weights_only=True)
             return loaded
         if pointer.get("layout") == SHARDED:
-            raise CheckpointError(f"{path} is a sharded checkpoint of CkptguardModelParallelStrategy: load it "
-                                  "with that strategy", path=path)
+            raise CheckpointError(
+                f"{path} is a sharded checkpoint of CkptguardModelParallelStrategy: load it with that strategy",
+                path=path,
+            )
         root, _, step = pointed(path, pointer)
         check_binding(path, pointer, root, step)
         # The pointer's step, even where its tag has moved on: a save that died between moving the tag
@@ -475,12 +505,19 @@ class CkptguardModelParallelStrategy(ModelParallelStrategy):
             Lightning then loads with ``torch.load`` itself).
     """
 
-    def __init__(self, *args: Any, root_name: str = ROOT_NAME,
-                 checkpointer_kwargs: Mapping[str, Any] | None = None, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        *args: Any,
+        root_name: str = ROOT_NAME,
+        checkpointer_kwargs: Mapping[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> None:
         super().__init__(*args, **kwargs)
         if not self._save_distributed_checkpoint:
-            raise ValueError(f"{type(self).__name__} commits sharded checkpoints: save_distributed_checkpoint=False "
-                             "would write a full one past it (use ModelParallelStrategy for that)")
+            raise ValueError(
+                f"{type(self).__name__} commits sharded checkpoints: save_distributed_checkpoint=False "
+                "would write a full one past it (use ModelParallelStrategy for that)"
+            )
         self.root_name = root_name
         self.checkpointer_kwargs = dict(checkpointer_kwargs or {})
         self._writers: dict[str, Checkpointer] = {}
@@ -519,11 +556,13 @@ class CkptguardModelParallelStrategy(ModelParallelStrategy):
             loaded: dict[str, Any] = super().load_checkpoint(path, weights_only)
             return loaded
         if pointer.get("layout") != SHARDED:
-            raise CheckpointError(f"{path} is a whole checkpoint of CkptguardCheckpointIO, not a sharded one",
-                                  path=path)
+            raise CheckpointError(
+                f"{path} is a whole checkpoint of CkptguardCheckpointIO, not a sharded one", path=path
+            )
         root, _, step = pointed(path, pointer)  # the pointer's step, as CkptguardCheckpointIO loads
-        one_rank_acts(f"check the checkpoint pointer {path}", lambda: check_binding(path, pointer, root, step),
-                      where=path)
+        one_rank_acts(
+            f"check the checkpoint pointer {path}", lambda: check_binding(path, pointer, root, step), where=path
+        )
         ck = self._writers.get(root)
         own = ck is None
         if ck is None:
@@ -554,8 +593,9 @@ class CkptguardModelParallelStrategy(ModelParallelStrategy):
             log.warning("ckptguard: removing %s without deleting any checkpoint: %s", path, e)
             one_rank_acts(f"remove the checkpoint pointer {path}", lambda: os.unlink(path), where=path)
             return
-        delete = one_rank_acts(f"check the checkpoint pointer {path}",
-                               lambda: _may_delete(path, pointer, root, step, own), where=path)
+        delete = one_rank_acts(
+            f"check the checkpoint pointer {path}", lambda: _may_delete(path, pointer, root, step, own), where=path
+        )
         ck = self._writer(own)
         # Gone for Lightning first (rank 0, under the lease; every rank learns its failure); the data follows.
         one_rank_acts(f"remove the checkpoint pointer {path}", lambda: _unlink_pointer(ck, path), where=path)

@@ -103,8 +103,12 @@ class _Exported(_Stateful):
         self.dtype = dtype
 
     def state_dict(self) -> dict[str, Any]:
-        return {k: v.to(self.dtype) if isinstance(v, torch.Tensor) and v.is_floating_point()
-                and v.dtype != self.dtype else v for k, v in super().state_dict().items()}
+        return {
+            k: v.to(self.dtype)
+            if isinstance(v, torch.Tensor) and v.is_floating_point() and v.dtype != self.dtype
+            else v
+            for k, v in super().state_dict().items()
+        }
 
 
 def _refuse_unsupported(config: Any) -> None:
@@ -112,12 +116,14 @@ def _refuse_unsupported(config: Any) -> None:
         raise ValueError(
             f"CkptguardCheckpointManager: async_mode={config.async_mode!r} is not supported; use 'disabled' or "
             "'async' (ckptguard copies the state to host memory inside save(), then writes and commits in "
-            "the background: there is no separate staging to wait for)")
+            "the background: there is no separate staging to wait for)"
+        )
     if config.last_save_in_hf or config.initial_load_in_hf or config.initial_load_in_hf_quantized:
         raise ValueError(
             "CkptguardCheckpointManager does not read or write HF safetensors (last_save_in_hf, "
             "initial_load_in_hf): export a committed step with `ckptguard export ROOT OUT --to safetensors`, "
-            "or use torchtitan's CheckpointManager for that")
+            "or use torchtitan's CheckpointManager for that"
+        )
     for key, instead in _MANAGED_OPTIONS.items():
         if key in config.checkpointer_options:
             raise ValueError(f"checkpointer_options[{key!r}]: set checkpoint.{instead} instead")
@@ -150,8 +156,18 @@ class CkptguardCheckpointManager(BaseCheckpointManager):  # type: ignore[misc]
             self.async_mode = self.async_mode.lower()  # type: ignore[assignment]
             _refuse_unsupported(self)
 
-    def __init__(self, config: Config, *, dataloader: Any, model_parts: list[torch.nn.Module], optimizers: Any,
-                 lr_schedulers: Any, states: dict[str, Any], sd_adapter: Any, base_folder: str = "") -> None:
+    def __init__(
+        self,
+        config: Config,
+        *,
+        dataloader: Any,
+        model_parts: list[torch.nn.Module],
+        optimizers: Any,
+        lr_schedulers: Any,
+        states: dict[str, Any],
+        sd_adapter: Any,
+        base_folder: str = "",
+    ) -> None:
         self.enable = config.enable
         if not self.enable:
             return
@@ -159,8 +175,14 @@ class CkptguardCheckpointManager(BaseCheckpointManager):  # type: ignore[misc]
         self.folder = filesystem.join(base_folder, config.folder)
         self.interval = config.interval
         self.states = states
-        self.states.update({MODEL: ModelWrapper(model_parts), OPTIMIZER: optimizers, DATALOADER: dataloader,
-                            LR_SCHEDULER: lr_schedulers})
+        self.states.update(
+            {
+                MODEL: ModelWrapper(model_parts),
+                OPTIMIZER: optimizers,
+                DATALOADER: dataloader,
+                LR_SCHEDULER: lr_schedulers,
+            }
+        )
         self.load_only = config.load_only
         self.exclude_from_loading = list(config.exclude_from_loading)
         self.initial_load_path = config.initial_load_path
@@ -171,8 +193,9 @@ class CkptguardCheckpointManager(BaseCheckpointManager):  # type: ignore[misc]
         self.async_mode = config.async_mode
         self.sd_adapter = sd_adapter
         # Collective: every rank builds the manager, as torchtitan's trainer does.
-        self.checkpointer = Checkpointer(self.folder, keep_last=config.keep_latest_k or None,
-                                         read_only=self.load_only, **config.checkpointer_options)
+        self.checkpointer = Checkpointer(
+            self.folder, keep_last=config.keep_latest_k or None, read_only=self.load_only, **config.checkpointer_options
+        )
         log.info("ckptguard: torchtitan checkpoints are committed to and loaded from %s", self.folder)
 
     def __del__(self) -> None:
@@ -182,8 +205,9 @@ class CkptguardCheckpointManager(BaseCheckpointManager):  # type: ignore[misc]
     def _state(self, keys: list[str]) -> dict[str, Any]:
         """ckptguard's state for ``keys`` of ``states``: every Stateful through its own state dict (plain
         values as they are; a missing dataloader, None, left out)."""
-        return {k: _Stateful(v) if isinstance(v, Stateful) else v
-                for k in keys if (v := self.states.get(k)) is not None}
+        return {
+            k: _Stateful(v) if isinstance(v, Stateful) else v for k in keys if (v := self.states.get(k)) is not None
+        }
 
     def _full_state(self) -> dict[str, Any]:
         return self._state(list(self.states))
@@ -212,12 +236,20 @@ class CkptguardCheckpointManager(BaseCheckpointManager):  # type: ignore[misc]
         state = {MODEL: _Exported(self.states[MODEL], self.export_dtype)} if model_only else self._full_state()
         blocking = last_step or self.async_mode == "disabled"
         with torch.no_grad():
-            self.checkpointer.save(curr_step, state, overwrite=curr_step in self.checkpointer.steps(),
-                                   metadata={META_KEY: {"model_only": model_only}, FRAMEWORK_KEY: "torchtitan"},
-                                   blocking=blocking)
+            self.checkpointer.save(
+                curr_step,
+                state,
+                overwrite=curr_step in self.checkpointer.steps(),
+                metadata={META_KEY: {"model_only": model_only}, FRAMEWORK_KEY: "torchtitan"},
+                blocking=blocking,
+            )
         self.save_future = None if blocking else self.checkpointer.pending_save()
-        log.info("ckptguard: %s step %d%s", "committed" if blocking else "saving", curr_step,
-                 " (model only)" if model_only else "")
+        log.info(
+            "ckptguard: %s step %d%s",
+            "committed" if blocking else "saving",
+            curr_step,
+            " (model only)" if model_only else "",
+        )
         return True
 
     def _wait_for_saving(self) -> None:
@@ -250,18 +282,23 @@ class CkptguardCheckpointManager(BaseCheckpointManager):  # type: ignore[misc]
                     raise
                 errors.append(f"step {s}: {e}")
                 if ck.topology.rank == 0:
-                    warnings.warn(f"ckptguard: torchtitan checkpoint step {s} in {ck.root} is corrupt ({e}); "
-                                  "falling back to the previous committed checkpoint", stacklevel=2)
+                    warnings.warn(
+                        f"ckptguard: torchtitan checkpoint step {s} in {ck.root} is corrupt ({e}); "
+                        "falling back to the previous committed checkpoint",
+                        stacklevel=2,
+                    )
         if errors:
-            raise CorruptCheckpointError(f"every committed checkpoint in {ck.root} is corrupt: " + "; ".join(errors),
-                                         path=ck.root)
+            raise CorruptCheckpointError(
+                f"every committed checkpoint in {ck.root} is corrupt: " + "; ".join(errors), path=ck.root
+            )
         return self._initial_load()
 
     def _load_step(self, step: int, model_only: bool) -> None:
         with torch.no_grad():
             self.checkpointer.load(self._state_to_load(model_only), step=step)
-        log.info("ckptguard: loaded step %d of %s%s", step, self.checkpointer.root,
-                 " (model only)" if model_only else "")
+        log.info(
+            "ckptguard: loaded step %d of %s%s", step, self.checkpointer.root, " (model only)" if model_only else ""
+        )
 
     def _model_only_steps(self) -> set[int]:
         """The committed steps saved model-only, from their metadata (each read is agreed by every
@@ -284,7 +321,8 @@ class CkptguardCheckpointManager(BaseCheckpointManager):  # type: ignore[misc]
         with Checkpointer(self.initial_load_path, read_only=True) as source, torch.no_grad():
             got = source.load(state)
         if got is None:
-            raise CheckpointError(f"initial_load_path {self.initial_load_path} holds no committed checkpoint",
-                                  path=self.initial_load_path)
+            raise CheckpointError(
+                f"initial_load_path {self.initial_load_path} holds no committed checkpoint", path=self.initial_load_path
+            )
         log.info("ckptguard: started from step %d of %s", got, self.initial_load_path)
         return True

@@ -45,35 +45,49 @@ class ArtifactTarget:
     path: str  # absolute, symlinks resolved
 
 
-def normalize(files: Mapping[str, str | os.PathLike[str]] | None, rank: int, host: str,
-              must_exist: bool, local_root: str | None) -> list[ArtifactTarget]:
+def normalize(
+    files: Mapping[str, str | os.PathLike[str]] | None, rank: int, host: str, must_exist: bool, local_root: str | None
+) -> list[ArtifactTarget]:
     """This rank's ``files=`` as absolute real paths, refused where one is, contains or lies inside the
     checkpoint root ``local_root`` (its real path; None: not on a local filesystem, so no overlap):
     restoring it would replace the root's own checkpoints (or copy them into themselves)."""
     if files is None:
         return []
     if not isinstance(files, Mapping):
-        raise UnsupportedValueError(f"files must be a mapping of a key to a local path (files={{'offload': "
-                                    f"'/path'}}), got {files!r} ({type(files).__name__}) on rank {rank}", rank=rank)
+        raise UnsupportedValueError(
+            f"files must be a mapping of a key to a local path (files={{'offload': "
+            f"'/path'}}), got {files!r} ({type(files).__name__}) on rank {rank}",
+            rank=rank,
+        )
     root = local_root
     out = []
     for key, p in files.items():
         if not isinstance(key, str) or not _KEY_RE.match(key):
-            raise CheckpointError(f"rank {rank}: files key {key!r} must be 1-128 letters, digits, '.', '_' or '-'",
-                                  rank=rank)
+            raise CheckpointError(
+                f"rank {rank}: files key {key!r} must be 1-128 letters, digits, '.', '_' or '-'", rank=rank
+            )
         if not isinstance(p, (str, os.PathLike)):
-            raise UnsupportedValueError(f"rank {rank}: files[{key!r}] must be a local path (str or os.PathLike), "
-                                        f"got {p!r} ({type(p).__name__})", rank=rank)
+            raise UnsupportedValueError(
+                f"rank {rank}: files[{key!r}] must be a local path (str or os.PathLike), "
+                f"got {p!r} ({type(p).__name__})",
+                rank=rank,
+            )
         path = os.path.realpath(os.fspath(p))
         if root is not None and _nested(path, root):
-            how = ("is the checkpoint root" if path == root else
-                   "contains the checkpoint root" if root.startswith(path.rstrip("/") + "/") else
-                   "lies inside the checkpoint root")
+            how = (
+                "is the checkpoint root"
+                if path == root
+                else "contains the checkpoint root"
+                if root.startswith(path.rstrip("/") + "/")
+                else "lies inside the checkpoint root"
+            )
             raise PathCollisionError(
                 f"rank {rank}: files[{key!r}] = {path} {how} {root}: restoring it would replace the root's "
                 "own checkpoints. Name a directory outside the checkpoint root (e.g. the offload directory "
                 "itself, not the run directory that holds the root); nothing was written or replaced.",
-                rank=rank, path=path)
+                rank=rank,
+                path=path,
+            )
         if must_exist and not os.path.exists(path):
             raise CheckpointError(f"rank {rank}: files[{key!r}] = {path} does not exist", rank=rank, path=path)
         if must_exist:
@@ -83,7 +97,9 @@ def normalize(files: Mapping[str, str | os.PathLike[str]] | None, rank: int, hos
                     f"rank {rank}: files[{key!r}] = {path} is a {_kind(mode)}, not a regular file or a directory: "
                     "ckptguard stores regular files (reading a FIFO would wait for a writer forever, a device "
                     "has no end). Name the file or directory that holds the data; nothing was written.",
-                    rank=rank, path=path)
+                    rank=rank,
+                    path=path,
+                )
         out.append(ArtifactTarget(rank, host, key, path))
     return out
 
@@ -92,8 +108,9 @@ def _nested(a: str, b: str) -> bool:
     return a == b or a.startswith(b.rstrip("/") + "/") or b.startswith(a.rstrip("/") + "/")
 
 
-def find_collisions(targets: list[ArtifactTarget]) -> tuple[list[tuple[ArtifactTarget, ArtifactTarget]],
-                                                            list[tuple[ArtifactTarget, ArtifactTarget]]]:
+def find_collisions(
+    targets: list[ArtifactTarget],
+) -> tuple[list[tuple[ArtifactTarget, ArtifactTarget]], list[tuple[ArtifactTarget, ArtifactTarget]]]:
     """Pairs of different ranks whose paths are the same or nested.
 
     Returns (certain, uncertain): certain collisions are on one host; uncertain
@@ -119,17 +136,20 @@ def find_collisions(targets: list[ArtifactTarget]) -> tuple[list[tuple[ArtifactT
     return certain, uncertain
 
 
-def collision_error(a: ArtifactTarget, b: ArtifactTarget, where: str = "on save and on restore",
-                    note: str = "") -> PathCollisionError:
+def collision_error(
+    a: ArtifactTarget, b: ArtifactTarget, where: str = "on save and on restore", note: str = ""
+) -> PathCollisionError:
     return PathCollisionError(collision_message(a, b, where) + note, rank=a.rank, path=a.path)
 
 
 def collision_message(a: ArtifactTarget, b: ArtifactTarget, where: str = "on save and on restore") -> str:
     how = "the same path" if a.path == b.path else "nested paths"
-    return (f"rank {a.rank} (files[{a.key!r}] = {a.path}) and rank {b.rank} (files[{b.key!r}] = {b.path}) "
-            f"name {how}{'' if a.host != b.host else f' on host {a.host}'}: their files would overwrite each "
-            f"other {where}. Give each rank its own directory, e.g. .../rank{{RANK}}; nothing "
-            "was written.")
+    return (
+        f"rank {a.rank} (files[{a.key!r}] = {a.path}) and rank {b.rank} (files[{b.key!r}] = {b.path}) "
+        f"name {how}{'' if a.host != b.host else f' on host {a.host}'}: their files would overwrite each "
+        f"other {where}. Give each rank its own directory, e.g. .../rank{{RANK}}; nothing "
+        "was written."
+    )
 
 
 def probe_anchor(path: str) -> str:
@@ -178,8 +198,9 @@ def _restore_file(storage: StorageBackend, src: str, dst: str, expect: FileEntry
     try:
         size = handle.size()
         if size != expect.size:
-            raise CorruptCheckpointError(f"{src}: {size} bytes, the manifest says {expect.size}. The checkpoint "
-                                         "is corrupt.", path=src)
+            raise CorruptCheckpointError(
+                f"{src}: {size} bytes, the manifest says {expect.size}. The checkpoint is corrupt.", path=src
+            )
         hasher = Hasher(algorithm)
         view = memoryview(bytearray(min(_CHUNK, max(size, 1))))
         out = open_owned(dst, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644, "create")
@@ -200,12 +221,22 @@ def _restore_file(storage: StorageBackend, src: str, dst: str, expect: FileEntry
     digest = hasher.hexdigest()
     if digest != expect.checksum:
         raise CorruptCheckpointError(
-            f"{src}: checksum {digest}, the manifest says {expect.checksum}. The checkpoint is corrupt.", path=src)
+            f"{src}: checksum {digest}, the manifest says {expect.checksum}. The checkpoint is corrupt.", path=src
+        )
 
 
 def _kind(mode: int) -> str:
-    return ("FIFO" if stat.S_ISFIFO(mode) else "socket" if stat.S_ISSOCK(mode) else
-            "character device" if stat.S_ISCHR(mode) else "block device" if stat.S_ISBLK(mode) else "special file")
+    return (
+        "FIFO"
+        if stat.S_ISFIFO(mode)
+        else "socket"
+        if stat.S_ISSOCK(mode)
+        else "character device"
+        if stat.S_ISCHR(mode)
+        else "block device"
+        if stat.S_ISBLK(mode)
+        else "special file"
+    )
 
 
 def _walk_files(root: str) -> list[str]:
@@ -236,7 +267,9 @@ def _walk_files(root: str) -> list[str]:
         raise CheckpointError(
             f"files= directory {root} holds what ckptguard cannot store: {', '.join(odd[:5])}"
             f"{f' and {len(odd) - 5} more' if len(odd) > 5 else ''}. Remove them or name the directories of "
-            "regular files that hold the data; nothing was written.", path=root)
+            "regular files that hold the data; nothing was written.",
+            path=root,
+        )
     return rels
 
 
@@ -269,8 +302,12 @@ def _sources(t: ArtifactTarget) -> tuple[str, list[tuple[str, str]]]:
         return "dir", [(rel, os.path.join(t.path, rel)) for rel in _walk_files(t.path)]
     name = os.path.basename(t.path)
     if (why := _unstorable_name(name)) is not None:
-        raise CheckpointError(f"rank {t.rank}: files[{t.key!r}] = {t.path!r} has {why}, which no load of the "
-                              "checkpoint would accept: rename it; nothing was written.", rank=t.rank, path=t.path)
+        raise CheckpointError(
+            f"rank {t.rank}: files[{t.key!r}] = {t.path!r} has {why}, which no load of the "
+            "checkpoint would accept: rename it; nothing was written.",
+            rank=t.rank,
+            path=t.path,
+        )
     return "file", [(name, t.path)]
 
 
@@ -286,8 +323,9 @@ def snapshot_files(targets: list[ArtifactTarget]) -> list[FileSnapshot]:
     return out
 
 
-def store(storage: StorageBackend, items: list[ArtifactTarget] | list[FileSnapshot], staging_dir: str,
-          algorithm: str) -> tuple[list[Artifact], list[FileEntry]]:
+def store(
+    storage: StorageBackend, items: list[ArtifactTarget] | list[FileSnapshot], staging_dir: str, algorithm: str
+) -> tuple[list[Artifact], list[FileEntry]]:
     """Copy this rank's artifacts (from their paths, or from a snapshot) into the attempt directory."""
     artifacts, entries = [], []
     for it in items:
@@ -329,8 +367,9 @@ class RestoreSwap:
     swapped: bool = False
 
 
-def stage_restore(storage: StorageBackend, targets: list[ArtifactTarget], manifest: Manifest,
-                  checkpoint_dir: str) -> list[RestoreSwap]:
+def stage_restore(
+    storage: StorageBackend, targets: list[ArtifactTarget], manifest: Manifest, checkpoint_dir: str
+) -> list[RestoreSwap]:
     """Copy this rank's artifacts next to their destinations, verified; nothing a user sees changes yet.
 
     A directory artifact is restored whole into a sibling directory, which later
@@ -345,8 +384,11 @@ def stage_restore(storage: StorageBackend, targets: list[ArtifactTarget], manife
             art = manifest.artifact(t.rank, t.key)
             if art is None:
                 keys = sorted({a.key for a in manifest.artifacts if a.rank == t.rank})
-                raise CheckpointError(f"rank {t.rank}: the checkpoint holds no artifact {t.key!r} for this rank "
-                                      f"(it has {keys or 'none'})", rank=t.rank)
+                raise CheckpointError(
+                    f"rank {t.rank}: the checkpoint holds no artifact {t.key!r} for this rank "
+                    f"(it has {keys or 'none'})",
+                    rank=t.rank,
+                )
             makedirs_durable(os.path.dirname(t.path) or ".")
             swap = RestoreSwap(unique_tmp_name(t.path), t.path, art.kind == "dir")
             swaps.append(swap)
@@ -359,14 +401,20 @@ def stage_restore(storage: StorageBackend, targets: list[ArtifactTarget], manife
                     if parent not in made:
                         makedirs_durable(parent)
                         made.add(parent)
-                    _restore_file(storage, os.path.join(checkpoint_dir, stored), dst, sums[stored],
-                                  manifest.checksum_algorithm)
+                    _restore_file(
+                        storage, os.path.join(checkpoint_dir, stored), dst, sums[stored], manifest.checksum_algorithm
+                    )
                 for d in sorted(made, key=len, reverse=True):
                     fsync_dir(d)
             else:
                 for _, stored in art.files:
-                    _restore_file(storage, os.path.join(checkpoint_dir, stored), swap.staged, sums[stored],
-                                  manifest.checksum_algorithm)
+                    _restore_file(
+                        storage,
+                        os.path.join(checkpoint_dir, stored),
+                        swap.staged,
+                        sums[stored],
+                        manifest.checksum_algorithm,
+                    )
     except BaseException:
         abort_restore(swaps)
         raise
@@ -428,8 +476,9 @@ def remove_quietly(path: str) -> None:
         os.unlink(path)
 
 
-def probe_shared_paths(comm: Comm, pairs: list[tuple[ArtifactTarget, ArtifactTarget]], nonce: str,
-                       where: str = "on save and on restore") -> None:
+def probe_shared_paths(
+    comm: Comm, pairs: list[tuple[ArtifactTarget, ArtifactTarget]], nonce: str, where: str = "on save and on restore"
+) -> None:
     """Same path on different hosts: a collision only if the path is on shared storage. Look.
 
     The first rank of each pair leaves a marker next to the path; the second

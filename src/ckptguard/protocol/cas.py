@@ -56,9 +56,18 @@ class SwapConflictError(CheckpointError):
     """The pointer kept changing under this job for every round allowed."""
 
 
-def swap(storage: StorageBackend, path: str, *, decode: Callable[[bytes], R], encode: Callable[[W], bytes],
-         decide: Callable[[R | None], Put[W, T] | Remove[T] | Keep[T]], fence: Callable[[], None] | None,
-         what: str, rounds: int = 16, pause_s: float = 0.01) -> T:
+def swap(
+    storage: StorageBackend,
+    path: str,
+    *,
+    decode: Callable[[bytes], R],
+    encode: Callable[[W], bytes],
+    decide: Callable[[R | None], Put[W, T] | Remove[T] | Keep[T]],
+    fence: Callable[[], None] | None,
+    what: str,
+    rounds: int = 16,
+    pause_s: float = 0.01,
+) -> T:
     """Move the record at ``path`` by compare-and-swap; ``decide``'s result once a round's write lands.
 
     ``decode`` turns the bytes read into a record (None is passed to ``decide``
@@ -74,16 +83,23 @@ def swap(storage: StorageBackend, path: str, *, decode: Callable[[bytes], R], en
         decision = decide(decode(current[0]) if current is not None else None)
         if isinstance(decision, Keep):
             return decision.result
-        if swap_once(storage, path, current, None if isinstance(decision, Remove) else encode(decision.record),
-                     fence=fence):
+        if swap_once(
+            storage, path, current, None if isinstance(decision, Remove) else encode(decision.record), fence=fence
+        ):
             return decision.result
         if attempt + 1 < rounds and pause_s > 0:
             time.sleep(pause_s * min(8, attempt + 1))
     raise SwapConflictError(f"could not {what}: {path} kept changing under this job ({rounds} tries)", path=path)
 
 
-def swap_once(storage: StorageBackend, path: str, current: tuple[bytes, str] | None, data: bytes | None, *,
-              fence: Callable[[], None] | None = None) -> bool:
+def swap_once(
+    storage: StorageBackend,
+    path: str,
+    current: tuple[bytes, str] | None,
+    data: bytes | None,
+    *,
+    fence: Callable[[], None] | None = None,
+) -> bool:
     """One swap over the version ``current`` read (None: create only if absent; ``data`` None: a
     compare-and-delete); whether it landed. The write of every round of :func:`swap`, and the lease's
     takeover, which is one round judged by the acquiring loop (see ``Lease.acquire``). ``fence`` runs

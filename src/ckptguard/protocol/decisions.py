@@ -160,7 +160,8 @@ def decide_plan(root: str, step: int, overwrite: bool, reports: list[PlanReport]
         raise ReplicatedValueError(
             f"save() was called with step={first[0]}, overwrite={first[1]} on rank 0 and step={call[0]}, "
             f"overwrite={call[1]} on rank {other}: every rank must save the same step. Nothing was written.",
-            rank=other)
+            rank=other,
+        )
     views = [r.leader_view for r in reports if r.leader_view is not None]
     agreed = agreed_listing([v.listing for v in views])
     previous = newest(agreed)
@@ -168,7 +169,8 @@ def decide_plan(root: str, step: int, overwrite: bool, reports: list[PlanReport]
     if step in agreed and not overwrite and step not in quarantined:  # a quarantined step is replaced
         raise StepExistsError(
             f"step {step} is already committed in {root} ({CheckpointName(step, agreed[step].version).dirname}); "
-            "committed checkpoints are never modified. Pass overwrite=True to replace it atomically.")
+            "committed checkpoints are never modified. Pass overwrite=True to replace it atomically."
+        )
     certain, uncertain = artifacts.find_collisions([t for r in reports for t in r.targets])
     if certain:
         raise artifacts.collision_error(*certain[0])
@@ -177,12 +179,16 @@ def decide_plan(root: str, step: int, overwrite: bool, reports: list[PlanReport]
     # One more than anything any domain has seen: the sequence only grows, also across domains
     # whose listings differ (a leftover of a failed save counts too: it is retired, never reordered).
     seq = max((v.max_seq for v in views), default=0) + 1
-    return PlanDecision(uuid.uuid4().hex, version, seq, uncertain, previous,
-                        frozenset(quarantined) - {step})
+    return PlanDecision(uuid.uuid4().hex, version, seq, uncertain, previous, frozenset(quarantined) - {step})
 
 
-def retention(agreed: Listing, new_step: int, keep_last: int | None, keep_every: int | None,
-              quarantined: frozenset[int] = frozenset()) -> list[int]:
+def retention(
+    agreed: Listing,
+    new_step: int,
+    keep_last: int | None,
+    keep_every: int | None,
+    quarantined: frozenset[int] = frozenset(),
+) -> list[int]:
     """Which committed steps to delete now that ``new_step`` is committed everywhere.
 
     Counted in commit order, not by step number. Checkpoints on an abandoned branch
@@ -197,8 +203,11 @@ def retention(agreed: Listing, new_step: int, keep_last: int | None, keep_every:
         return []
     order = commit_order(agreed)
     dropped = abandoned(agreed)
-    ranked = ([s for s in order if s in quarantined] + [s for s in order if s in dropped and s not in quarantined]
-              + [s for s in order if s not in dropped and s not in quarantined])
+    ranked = (
+        [s for s in order if s in quarantined]
+        + [s for s in order if s in dropped and s not in quarantined]
+        + [s for s in order if s not in dropped and s not in quarantined]
+    )
     keep = set(ranked[-keep_last:])
     if keep_every:
         keep |= {s for s in order if s % keep_every == 0 and s not in quarantined}
@@ -253,10 +262,21 @@ def build_manifests(
         arts: list[Artifact] = list(chain.from_iterable(writes[r].artifacts for r in domain))
         items = joined[tuple(domain)]
         out[domain[0]] = Manifest(
-            step=name.step, version=name.version, attempt=attempt, created_at=now,
-            world_size=topo.world_size, domain_index=index, domain_count=len(topo.domains),
-            domain_ranks=list(domain), hosts=list(topo.hosts), checksum_algorithm=algorithm,
-            dcp=dcp_json, files=files, items=items, artifacts=arts, user_metadata=user_metadata,
+            step=name.step,
+            version=name.version,
+            attempt=attempt,
+            created_at=now,
+            world_size=topo.world_size,
+            domain_index=index,
+            domain_count=len(topo.domains),
+            domain_ranks=list(domain),
+            hosts=list(topo.hosts),
+            checksum_algorithm=algorithm,
+            dcp=dcp_json,
+            files=files,
+            items=items,
+            artifacts=arts,
+            user_metadata=user_metadata,
             commit_seq=seq,
         )
     return out
@@ -299,8 +319,10 @@ def _rank_tables(ranks: list[RankWrites], files: list[FileEntry]) -> list[ItemTa
     send are used as they are when each lists exactly its rank's files, checked for the whole domain
     at once (per-table work is what counts at 16,384 ranks); any other rows are made into tables."""
     tables = list(map(_ITEMS, ranks))
-    if (all(map(isinstance, tables, repeat(ItemTable)))
-            and list(map(len, map(_PATHS, tables))) == list(map(len, map(_FILES, ranks)))
-            and list(chain.from_iterable(map(_PATHS, tables))) == list(map(_PATH, files))):
+    if (
+        all(map(isinstance, tables, repeat(ItemTable)))
+        and list(map(len, map(_PATHS, tables))) == list(map(len, map(_FILES, ranks)))
+        and list(chain.from_iterable(map(_PATHS, tables))) == list(map(_PATH, files))
+    ):
         return tables
     return [ItemTable.from_items(w.items, [f.path for f in w.files]) for w in ranks]

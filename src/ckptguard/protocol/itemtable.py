@@ -36,8 +36,12 @@ _NARROW = (("u1", 1 << 8), ("u2", 1 << 16), ("u4", 1 << 32), ("u8", 1 << 63))
 _CODES = {code for code, _ in _NARROW}
 #: The fields join reads from every table, fetched in C.
 _NAME, _NAMES, _DTYPES, _PATHS = attrgetter("name"), attrgetter("names"), attrgetter("dtypes"), attrgetter("paths")
-_CHECKSUM, _OFFSETS, _SHAPE, _PACKED = (attrgetter("checksum"), attrgetter("offsets"), attrgetter("shape"),
-                                        attrgetter("packed"))
+_CHECKSUM, _OFFSETS, _SHAPE, _PACKED = (
+    attrgetter("checksum"),
+    attrgetter("offsets"),
+    attrgetter("shape"),
+    attrgetter("packed"),
+)
 
 
 class TableError(ValueError):
@@ -87,10 +91,18 @@ class ItemTable(Sequence[StoredItem]):
             raise ValueError(f"an item lies in {e.args[0]!r}, which is not among the files") from None
         offsets_ndim, offsets_flat = _ragged(offsets, n)
         shape_ndim, shape_flat = _ragged(shape, n)
-        ints = np.stack([np.fromiter(map({k: i for i, k in enumerate(names)}.__getitem__, fqn), _I64, n),
-                         np.fromiter(map({k: i for i, k in enumerate(dtypes)}.__getitem__, dtype), _I64, n),
-                         file_of, np.array(offset, dtype=_I64), np.array(length, dtype=_I64), offsets_ndim,
-                         shape_ndim], axis=1)
+        ints = np.stack(
+            [
+                np.fromiter(map({k: i for i, k in enumerate(names)}.__getitem__, fqn), _I64, n),
+                np.fromiter(map({k: i for i, k in enumerate(dtypes)}.__getitem__, dtype), _I64, n),
+                file_of,
+                np.array(offset, dtype=_I64),
+                np.array(length, dtype=_I64),
+                offsets_ndim,
+                shape_ndim,
+            ],
+            axis=1,
+        )
         return _make(names, dtypes, list(paths), ints, np.array(digest, dtype=np.bytes_), offsets_flat, shape_flat)
 
     @staticmethod
@@ -130,14 +142,23 @@ class ItemTable(Sequence[StoredItem]):
             dtype = np.concatenate([_remap(dtypes, t.dtypes)[t.dtype] for t in tables])
         file = np.concatenate([t.file for t in tables]) + np.repeat(np.cumsum(nfiles) - nfiles, lengths)
         return ItemTable(
-            names, name, dtypes, dtype, paths, file,
-            np.concatenate([t.offset for t in tables]), np.concatenate([t.length for t in tables]), checksum,
-            np.concatenate([t.offsets_ndim for t in tables]), offsets,
-            np.concatenate([t.shape_ndim for t in tables]), shape)
+            names,
+            name,
+            dtypes,
+            dtype,
+            paths,
+            file,
+            np.concatenate([t.offset for t in tables]),
+            np.concatenate([t.length for t in tables]),
+            checksum,
+            np.concatenate([t.offsets_ndim for t in tables]),
+            offsets,
+            np.concatenate([t.shape_ndim for t in tables]),
+            shape,
+        )
 
     # -- DCP's chunk lists ----------------------------------------------------------------------
-    def flat_chunks(self, rows_per_rank: Sequence[int], min_rows: int = 1
-                    ) -> dict[str, tuple[int, int, msgspec.Raw]]:
+    def flat_chunks(self, rows_per_rank: Sequence[int], min_rows: int = 1) -> dict[str, tuple[int, int, msgspec.Raw]]:
         """Per name with at least ``min_rows`` rows, (row count, dimensions, MessagePack of the list
         [offsets..., shape..., offsets..., shape...] of its rows in table order): DCP's flat chunk list
         (codec.metadata_to_json) encoded from the columns, with no Python object per chunk. The
@@ -161,8 +182,14 @@ class ItemTable(Sequence[StoredItem]):
             offsets, shape = self.offsets.reshape(-1, width), self.shape.reshape(-1, width)
             at = np.cumsum(dims).tolist()
             columns = {name: (a - d, a) for name, d, a in zip(names, dims, at, strict=True)}
-            return {self.names[name]: (len(rows_per_rank), a - s, msgspec.Raw(msgpack_uints(
-                np.concatenate([offsets[:, s:a], shape[:, s:a]], axis=1)))) for name, (s, a) in sorted(columns.items())}
+            return {
+                self.names[name]: (
+                    len(rows_per_rank),
+                    a - s,
+                    msgspec.Raw(msgpack_uints(np.concatenate([offsets[:, s:a], shape[:, s:a]], axis=1))),
+                )
+                for name, (s, a) in sorted(columns.items())
+            }
         counts = np.bincount(self.name, minlength=len(self.names))
         wanted = np.flatnonzero(counts >= max(min_rows, 1))
         if not len(wanted):
@@ -180,22 +207,26 @@ class ItemTable(Sequence[StoredItem]):
         if lo == hi >= 0 and (self.shape_ndim == lo).all():  # every row a tensor of lo dimensions
             d = lo
             every = np.concatenate([self.offsets.reshape(n, d), self.shape.reshape(n, d)], axis=1)[order]
-            return {self.names[k]: (int(counts[k]), d, msgspec.Raw(msgpack_uints(every[starts[k]:ends[k]])))
-                    for k in wanted.tolist() if k not in repeated}
+            return {
+                self.names[k]: (int(counts[k]), d, msgspec.Raw(msgpack_uints(every[starts[k] : ends[k]])))
+                for k in wanted.tolist()
+                if k not in repeated
+            }
         off_ndim, shape_ndim = np.clip(self.offsets_ndim, 0, None), np.clip(self.shape_ndim, 0, None)
         off_start, shape_start = np.cumsum(off_ndim) - off_ndim, np.cumsum(shape_ndim) - shape_ndim
         out: dict[str, tuple[int, int, msgspec.Raw]] = {}
         for k in wanted.tolist():
             if k in repeated:
                 continue
-            rows = order[starts[k]:ends[k]]
+            rows = order[starts[k] : ends[k]]
             ndim = self.offsets_ndim[rows]
             d = int(ndim[0])
             if d < 0 or not (ndim == d).all() or not (self.shape_ndim[rows] == d).all():
                 continue
             cols = np.arange(d)
-            chunks = np.concatenate([self.offsets[off_start[rows][:, None] + cols],
-                                     self.shape[shape_start[rows][:, None] + cols]], axis=1)
+            chunks = np.concatenate(
+                [self.offsets[off_start[rows][:, None] + cols], self.shape[shape_start[rows][:, None] + cols]], axis=1
+            )
             out[self.names[k]] = (len(rows), d, msgspec.Raw(msgpack_uints(chunks)))
         return out
 
@@ -233,23 +264,44 @@ class ItemTable(Sequence[StoredItem]):
         if cached is None:
             n = len(self)
             width = self.checksum.dtype.itemsize
-            cached = list(map(_STORED_ITEM, zip(
-                map(self.names.__getitem__, self.name.tolist()), _tuples(self.offsets_ndim, self.offsets),
-                map(self.paths.__getitem__, self.file.tolist()), self.offset.tolist(), self.length.tolist(),
-                self.checksum.astype(f"U{width}").tolist() if n else [],
-                map(self.dtypes.__getitem__, self.dtype.tolist()), _tuples(self.shape_ndim, self.shape),
-                strict=True)))
+            cached = list(
+                map(
+                    _STORED_ITEM,
+                    zip(
+                        map(self.names.__getitem__, self.name.tolist()),
+                        _tuples(self.offsets_ndim, self.offsets),
+                        map(self.paths.__getitem__, self.file.tolist()),
+                        self.offset.tolist(),
+                        self.length.tolist(),
+                        self.checksum.astype(f"U{width}").tolist() if n else [],
+                        map(self.dtypes.__getitem__, self.dtype.tolist()),
+                        _tuples(self.shape_ndim, self.shape),
+                        strict=True,
+                    ),
+                )
+            )
             object.__setattr__(self, "_rows", cached)
         return cached
 
     def take(self, rows: np.ndarray) -> ItemTable:
         """The table of the rows at ``rows`` (indices, in that order): a rank that loads a few of a
         checkpoint's items makes StoredItems for those only."""
-        ints = self.packed if self.packed is not None else np.stack(
-            [self.name, self.dtype, self.file, self.offset, self.length, self.offsets_ndim, self.shape_ndim], axis=1)
-        return _make(self.names, self.dtypes, self.paths, ints[rows], self.checksum[rows],
-                     _take_ragged(self.offsets_ndim, self.offsets, rows),
-                     _take_ragged(self.shape_ndim, self.shape, rows))
+        ints = (
+            self.packed
+            if self.packed is not None
+            else np.stack(
+                [self.name, self.dtype, self.file, self.offset, self.length, self.offsets_ndim, self.shape_ndim], axis=1
+            )
+        )
+        return _make(
+            self.names,
+            self.dtypes,
+            self.paths,
+            ints[rows],
+            self.checksum[rows],
+            _take_ragged(self.offsets_ndim, self.offsets, rows),
+            _take_ragged(self.shape_ndim, self.shape, rows),
+        )
 
     # -- bytes ---------------------------------------------------------------------------------
     def __reduce__(self) -> tuple[Any, ...]:
@@ -274,11 +326,27 @@ class ItemTable(Sequence[StoredItem]):
             offsets_ndim = _narrow(self.offsets_ndim + 1, (lo[5] + 1, hi[5] + 1))
             shape_ndim = _narrow(self.shape_ndim + 1, (lo[6] + 1, hi[6] + 1))
         else:
-            name, dtype, file, offset, length = map(_narrow, (self.name, self.dtype, self.file, self.offset,
-                                                              self.length))
+            name, dtype, file, offset, length = map(
+                _narrow, (self.name, self.dtype, self.file, self.offset, self.length)
+            )
             offsets_ndim, shape_ndim = _narrow(self.offsets_ndim + 1), _narrow(self.shape_ndim + 1)
-        return EncodedItems(len(self), self.names, self.dtypes, name, dtype, file, offset, length, width, binary,
-                            checksum, offsets_ndim, _narrow(self.offsets), shape_ndim, _narrow(self.shape))
+        return EncodedItems(
+            len(self),
+            self.names,
+            self.dtypes,
+            name,
+            dtype,
+            file,
+            offset,
+            length,
+            width,
+            binary,
+            checksum,
+            offsets_ndim,
+            _narrow(self.offsets),
+            shape_ndim,
+            _narrow(self.shape),
+        )
 
     @staticmethod
     def decode(e: EncodedItems, paths: list[str]) -> ItemTable:
@@ -303,10 +371,18 @@ class ItemTable(Sequence[StoredItem]):
             _bound(ndim + 1, MAX_NDIM + 2, f"{f} dimensions")
             values = _widen(getattr(e, f), f, int(np.clip(ndim, 0, None).sum()))
             ragged += [ndim, values]
-        ints = np.stack([cols["name"], cols["dtype"], cols["file"], cols["offset"], cols["length"], ragged[0],
-                         ragged[2]], axis=1)
-        return _make(list(e.names), list(e.dtypes), paths, ints,
-                     np.frombuffer(raw, f"S{width}") if n else np.zeros(0, "S1"), ragged[1], ragged[3])
+        ints = np.stack(
+            [cols["name"], cols["dtype"], cols["file"], cols["offset"], cols["length"], ragged[0], ragged[2]], axis=1
+        )
+        return _make(
+            list(e.names),
+            list(e.dtypes),
+            paths,
+            ints,
+            np.frombuffer(raw, f"S{width}") if n else np.zeros(0, "S1"),
+            ragged[1],
+            ragged[3],
+        )
 
 
 class Column(msgspec.Struct, array_like=True):
@@ -336,12 +412,33 @@ class EncodedItems(msgspec.Struct, array_like=True):
     shape: Column
 
 
-def _make(names: list[str], dtypes: list[str | None], paths: list[str], ints: np.ndarray, checksum: np.ndarray,
-          offsets: np.ndarray, shape: np.ndarray) -> ItemTable:
+def _make(
+    names: list[str],
+    dtypes: list[str | None],
+    paths: list[str],
+    ints: np.ndarray,
+    checksum: np.ndarray,
+    offsets: np.ndarray,
+    shape: np.ndarray,
+) -> ItemTable:
     """A table whose seven integer columns (name, dtype, file, offset, length, offsets_ndim,
     shape_ndim) are the columns of ``ints`` (n x 7)."""
-    return ItemTable(names, ints[:, 0], dtypes, ints[:, 1], paths, ints[:, 2], ints[:, 3], ints[:, 4], checksum,
-                     ints[:, 5], offsets, ints[:, 6], shape, ints)
+    return ItemTable(
+        names,
+        ints[:, 0],
+        dtypes,
+        ints[:, 1],
+        paths,
+        ints[:, 2],
+        ints[:, 3],
+        ints[:, 4],
+        checksum,
+        ints[:, 5],
+        offsets,
+        ints[:, 6],
+        shape,
+        ints,
+    )
 
 
 def _from_wire(blob: bytes, paths: list[str]) -> ItemTable:
@@ -427,8 +524,13 @@ def msgpack_uints(values: np.ndarray) -> bytes:
     n = m * c
     if n and int(v.min()) < 0:
         raise ValueError("a negative value in a chunk list")
-    head = (bytes([0x90 | n]) if n < 16 else b"\xdc" + n.to_bytes(2, "big") if n < 1 << 16
-            else b"\xdd" + n.to_bytes(4, "big"))
+    head = (
+        bytes([0x90 | n])
+        if n < 16
+        else b"\xdc" + n.to_bytes(2, "big")
+        if n < 1 << 16
+        else b"\xdd" + n.to_bytes(4, "big")
+    )
     if not n:
         return head
     form = np.searchsorted(_UINT_BOUNDS, v, side="right")

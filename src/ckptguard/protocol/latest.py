@@ -63,8 +63,14 @@ def _record(name: CheckpointName, seq: int | None, high: int) -> LatestRecord:
     return LatestRecord(step=name.step, dir=name.dirname, updated_at=time.time(), seq=seq, high_seq=high or None)
 
 
-def move(storage: StorageBackend, name: CheckpointName, seq: int | None, *, fence: Callable[[], None],
-         committed: Callable[[CheckpointName], bool]) -> bool:
+def move(
+    storage: StorageBackend,
+    name: CheckpointName,
+    seq: int | None,
+    *,
+    fence: Callable[[], None],
+    committed: Callable[[CheckpointName], bool],
+) -> bool:
     """Point `latest` at ``name`` unless it already names a checkpoint committed later; whether it moved.
 
     "Later" is commit order (the sequence number), not the step number: after a
@@ -82,8 +88,9 @@ def move(storage: StorageBackend, name: CheckpointName, seq: int | None, *, fenc
                 return Keep(False)
         return Put(_record(name, seq, high_seq(cur, seq)), True)
 
-    moved: bool = swap(storage, path(storage), decode=decode, encode=records.encode, decide=decide, fence=fence,
-                       what="move `latest`")
+    moved: bool = swap(
+        storage, path(storage), decode=decode, encode=records.encode, decide=decide, fence=fence, what="move `latest`"
+    )
     return moved
 
 
@@ -100,8 +107,7 @@ def after_delete(storage: StorageBackend, deleted: int, left: DomainListing, *, 
         last = commit_order(agreed)[-1]
         return Put(_record(CheckpointName(last, agreed[last].version), agreed[last].seq, high_seq(cur)), None)
 
-    swap(storage, path(storage), decode=decode, encode=records.encode, decide=decide, fence=fence,
-         what="move `latest`")
+    swap(storage, path(storage), decode=decode, encode=records.encode, decide=decide, fence=fence, what="move `latest`")
 
 
 def names(record: LatestRecord | None, name: CheckpointName) -> bool:

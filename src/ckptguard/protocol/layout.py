@@ -1,20 +1,20 @@
 """Names on disk. One place decides what a committed checkpoint, an attempt and the pointer are called.
 
-    ROOT/
-      step-00000100/             committed step 100 (renamed into place from staging)
-        MANIFEST.json            files, sizes, checksums, DCP metadata (JSON, never pickle)
-        data/rank00003_0.bin     tensor and object bytes written by rank 3
-        files/rank00003/<key>/   rank 3's private artifacts (files=)
-      step-00000100.v2/          the same step saved again with overwrite=True (newest version wins)
-      latest                     JSON pointer to the newest committed checkpoint (a hint for tools)
-      tags/<name>                JSON: a name pinned to a committed step
-      .ckptguard/
-        lease.json               which job may write to this root (fencing)
-        index.json               object stores: every attempt and its state (the catalog; epoch = fence)
-        staging/step-00000100.<attempt>/   attempts in progress or abandoned
-        trash/                   checkpoints being deleted (invalidated first, then removed)
-        probe/                   storage-domain probes
-        root-id                  the root's stable identity, created once (what pointers bind to)
+ROOT/
+  step-00000100/             committed step 100 (renamed into place from staging)
+    MANIFEST.json            files, sizes, checksums, DCP metadata (JSON, never pickle)
+    data/rank00003_0.bin     tensor and object bytes written by rank 3
+    files/rank00003/<key>/   rank 3's private artifacts (files=)
+  step-00000100.v2/          the same step saved again with overwrite=True (newest version wins)
+  latest                     JSON pointer to the newest committed checkpoint (a hint for tools)
+  tags/<name>                JSON: a name pinned to a committed step
+  .ckptguard/
+    lease.json               which job may write to this root (fencing)
+    index.json               object stores: every attempt and its state (the catalog; epoch = fence)
+    staging/step-00000100.<attempt>/   attempts in progress or abandoned
+    trash/                   checkpoints being deleted (invalidated first, then removed)
+    probe/                   storage-domain probes
+    root-id                  the root's stable identity, created once (what pointers bind to)
 """
 
 from __future__ import annotations

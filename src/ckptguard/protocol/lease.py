@@ -78,8 +78,12 @@ def earlier_incarnation(holder_job: str | None, our_job: str | None) -> bool:
     if _BATCH in holder_job or _BATCH in our_job:
         theirs, _, their_restart = holder_job.partition(_BATCH)
         ours, _, our_restart = our_job.partition(_BATCH)
-        return (theirs == ours and their_restart.isdigit() and our_restart.isdigit()
-                and int(their_restart) < int(our_restart))
+        return (
+            theirs == ours
+            and their_restart.isdigit()
+            and our_restart.isdigit()
+            and int(their_restart) < int(our_restart)
+        )
     return holder_job == our_job
 
 
@@ -114,8 +118,13 @@ def _pid_alive(pid: int) -> bool:
 def holder_dead_here(rec: LeaseRecord) -> bool:
     """Whether the lease's holder is provably gone: its pid is not running on this host, in this boot and
     pid namespace (elsewhere a pid says nothing, and only the TTL tells)."""
-    return bool(rec.host == hostname() and rec.boot_id == _boot_id() and rec.pid_ns
-                and rec.pid_ns == _pid_namespace() and not _pid_alive(rec.pid))
+    return bool(
+        rec.host == hostname()
+        and rec.boot_id == _boot_id()
+        and rec.pid_ns
+        and rec.pid_ns == _pid_namespace()
+        and not _pid_alive(rec.pid)
+    )
 
 
 @dataclass
@@ -172,8 +181,18 @@ class Lease:
 
     def _record(self, epoch: int, acquired_at: float | None = None) -> LeaseRecord:
         now = time.time()
-        return LeaseRecord(self.holder, self.job, hostname(), os.getpid(), _boot_id(), epoch,
-                           acquired_at or now, now, self.ttl_s, _pid_namespace())
+        return LeaseRecord(
+            self.holder,
+            self.job,
+            hostname(),
+            os.getpid(),
+            _boot_id(),
+            epoch,
+            acquired_at or now,
+            now,
+            self.ttl_s,
+            _pid_namespace(),
+        )
 
     def read(self) -> LeaseRecord | None:
         versioned = self._read_versioned()
@@ -282,8 +301,17 @@ class Lease:
             return Put(self._record(self.epoch, rec.acquired_at), None)
 
         try:
-            lost = swap(self.storage, self.path, decide=decide, decode=LeaseRecord.from_bytes,
-                        encode=LeaseRecord.to_bytes, fence=None, what="renew the lease", rounds=3, pause_s=0.0)
+            lost = swap(
+                self.storage,
+                self.path,
+                decide=decide,
+                decode=LeaseRecord.from_bytes,
+                encode=LeaseRecord.to_bytes,
+                fence=None,
+                what="renew the lease",
+                rounds=3,
+                pause_s=0.0,
+            )
         except SwapConflictError:
             # Every round lost to another write. The renewal thread and check() renew concurrently: the
             # writes that won may be this job's own, which leaves the lease ours (renewed by them).
@@ -302,10 +330,12 @@ class Lease:
         if rec.holder == self.holder:
             # Not another job: another storage-domain leader of this one took it, so two leaders
             # write to one root. The probe split ranks that in fact share the storage.
-            return (f"another storage-domain leader of this same job took it (epoch {rec.epoch}, host {rec.host}, "
-                    f"pid {rec.pid}): the storage probe put ranks that share this root into different storage "
-                    "domains, which happens when a shared filesystem's caches hide files for longer than the "
-                    "probe; check the mount options (actimeo, lookupcache)")
+            return (
+                f"another storage-domain leader of this same job took it (epoch {rec.epoch}, host {rec.host}, "
+                f"pid {rec.pid}): the storage probe put ranks that share this root into different storage "
+                "domains, which happens when a shared filesystem's caches hide files for longer than the "
+                "probe; check the mount options (actimeo, lookupcache)"
+            )
         return f"another job took over the root: {rec.describe()}"
 
     def check(self, acting: str = "publish", renew: bool = True) -> None:
@@ -347,15 +377,24 @@ class Lease:
             try:
                 self._delete_record()
             except BaseException as e:  # at exit nothing may escape: the lease expires
-                log.warning("ckptguard: could not release the lease on %s (it expires %.0f s after its last "
-                            "renewal): %s", self.storage.root, self.ttl_s, e)
+                log.warning(
+                    "ckptguard: could not release the lease on %s (it expires %.0f s after its last renewal): %s",
+                    self.storage.root,
+                    self.ttl_s,
+                    e,
+                )
             finally:
                 done.set()
 
         threading.Thread(target=run, name="ckptguard-lease-release", daemon=True).start()
         if not done.wait(timeout_s):
-            log.warning("ckptguard: releasing the lease on %s got no answer from the storage within %.1f s; it "
-                        "expires %.0f s after its last renewal", self.storage.root, timeout_s, self.ttl_s)
+            log.warning(
+                "ckptguard: releasing the lease on %s got no answer from the storage within %.1f s; it "
+                "expires %.0f s after its last renewal",
+                self.storage.root,
+                timeout_s,
+                self.ttl_s,
+            )
 
     def _delete_record(self) -> None:
         def decide(rec: LeaseRecord | None) -> Remove[None] | Keep[None]:
@@ -365,10 +404,17 @@ class Lease:
         # Compare-and-delete on the version read: a job that took the root over between the read and the
         # delete keeps its lease; a renewal of ours in between makes the swap read again.
         with contextlib.suppress(SwapConflictError):
-            swap(self.storage, self.path, decode=LeaseRecord.from_bytes, encode=LeaseRecord.to_bytes,
-                 decide=decide, fence=None, what="release the lease", rounds=3, pause_s=0.0)
-
-
+            swap(
+                self.storage,
+                self.path,
+                decode=LeaseRecord.from_bytes,
+                encode=LeaseRecord.to_bytes,
+                decide=decide,
+                fence=None,
+                what="release the lease",
+                rounds=3,
+                pause_s=0.0,
+            )
 
 
 def release_at_exit(lease: Lease) -> None:

@@ -103,8 +103,14 @@ def falls_back(err: BaseException) -> bool:
 _RELISTS = 8
 
 
-def load(session: Session, step: int | None, state: Mapping[str, Any], files: Mapping[str, Any] | None,
-         strict: bool, show_progress: bool) -> tuple[int | None, PhaseTimer | None, Listing]:
+def load(
+    session: Session,
+    step: int | None,
+    state: Mapping[str, Any],
+    files: Mapping[str, Any] | None,
+    strict: bool,
+    show_progress: bool,
+) -> tuple[int | None, PhaseTimer | None, Listing]:
     """Load ``step``, or the checkpoint committed last (collective).
 
     Returns the step loaded (None if nothing is committed), its timings, and the
@@ -119,8 +125,9 @@ def load(session: Session, step: int | None, state: Mapping[str, Any], files: Ma
     return first_intact(session, step, attempt)
 
 
-def first_intact(session: Session, step: int | None, attempt: Callable[[CheckpointName, int | None], T]
-                 ) -> tuple[int | None, T | None, Listing]:
+def first_intact(
+    session: Session, step: int | None, attempt: Callable[[CheckpointName, int | None], T]
+) -> tuple[int | None, T | None, Listing]:
     """Run ``attempt`` (a load or a read, collective) on ``step``, or on the checkpoint committed last
     and, while that one turns out corrupt, the ones committed before it; the step it succeeded on
     (None if nothing is committed), its result, and the agreed listing it was chosen from.
@@ -136,11 +143,15 @@ def first_intact(session: Session, step: int | None, attempt: Callable[[Checkpoi
             if step not in current:
                 raise StepNotFoundError(
                     f"step {step} is not a committed checkpoint in {session.url}; committed steps: "
-                    f"{commit_order(current) or 'none'}")
+                    f"{commit_order(current) or 'none'}"
+                )
             candidates = [step]  # asked for by number: read again, quarantined or not
         else:
-            candidates = [s for s in reversed(commit_order(current))
-                          if (s, current[s].version) not in corrupt and s not in quarantined]
+            candidates = [
+                s
+                for s in reversed(commit_order(current))
+                if (s, current[s].version) not in corrupt and s not in quarantined
+            ]
         retired = False
         for s in candidates:
             name = CheckpointName(s, current[s].version)
@@ -159,7 +170,8 @@ def first_intact(session: Session, step: int | None, attempt: Callable[[Checkpoi
                             f"step {step} was retired while this job was reading it (the job writing to "
                             f"{session.url} deleted it under its retention policy); nothing of it was "
                             "loaded. Load a step that is kept, or load(step=None) for the newest.",
-                            path=session.root.dir(name)) from e
+                            path=session.root.dir(name),
+                        ) from e
                     retired = True
                     break
                 if not falls_back(e):
@@ -170,27 +182,37 @@ def first_intact(session: Session, step: int | None, attempt: Callable[[Checkpoi
                 corrupt.add((s, name.version))
                 errors.append(f"step {s}: {e}")
                 if session.comm.rank == 0:
-                    warnings.warn(f"ckptguard: checkpoint step {s} in {session.url} is corrupt ({e}); "
-                                  "falling back to the previous committed checkpoint", stacklevel=4)
+                    warnings.warn(
+                        f"ckptguard: checkpoint step {s} in {session.url} is corrupt ({e}); "
+                        "falling back to the previous committed checkpoint",
+                        stacklevel=4,
+                    )
                 continue
             if step is None and session.comm.rank == 0:
                 order = commit_order(current)
-                for q in order[order.index(s) + 1:]:
+                for q in order[order.index(s) + 1 :]:
                     if q in quarantined:
-                        warnings.warn(f"ckptguard: checkpoint step {q} in {session.url} is corrupt (quarantined: "
-                                      f"{quarantined[q]}); skipped without reading it again, step {s} loaded. The "
-                                      f"next save of step {q} replaces it.", stacklevel=4)
+                        warnings.warn(
+                            f"ckptguard: checkpoint step {q} in {session.url} is corrupt (quarantined: "
+                            f"{quarantined[q]}); skipped without reading it again, step {s} loaded. The "
+                            f"next save of step {q} replaces it.",
+                            stacklevel=4,
+                        )
             return s, result, current
         if not retired:
-            errors.extend(f"step {s}: quarantined ({reason})" for s, reason in sorted(quarantined.items())
-                          if step is None)
+            errors.extend(
+                f"step {s}: quarantined ({reason})" for s, reason in sorted(quarantined.items()) if step is None
+            )
             if errors:
                 raise CorruptCheckpointError(
-                    f"every committed checkpoint in {session.url} is corrupt: " + "; ".join(errors))
+                    f"every committed checkpoint in {session.url} is corrupt: " + "; ".join(errors)
+                )
             return None, None, current
         log.info("ckptguard: a checkpoint in %s was retired while being read; listing again", session.url)
-    raise StepRetiredError(f"the checkpoints of {session.url} were retired faster than this job could read "
-                           f"them ({_RELISTS} tries): is a writer saving with keep_last=1 in a tight loop?")
+    raise StepRetiredError(
+        f"the checkpoints of {session.url} were retired faster than this job could read "
+        f"them ({_RELISTS} tries): is a writer saving with keep_last=1 in a tight loop?"
+    )
 
 
 _View = tuple[int | None, DomainListing | None, dict[CheckpointName, QuarantineRecord] | None]
@@ -211,12 +233,13 @@ def agreed_current_and_quarantined(session: Session, step: int | None = None) ->
         if other is not None:
             raise ReplicatedValueError(
                 f"load() was asked for step={views[0][0]} on rank 0 and step={views[other][0]} on rank {other}: "
-                "every rank must load the same step. Nothing was loaded.", rank=other)
+                "every rank must load the same step. Nothing was loaded.",
+                rank=other,
+            )
         listing = agreed_listing([v[1] for v in views if v[1] is not None])
         return listing, quarantined_steps(listing, [v[2] for v in views if v[2] is not None])
 
-    agreed: tuple[Listing, dict[int, str]] = session.comm.step(f"list the checkpoints in {session.url}", look,
-                                                                decide)
+    agreed: tuple[Listing, dict[int, str]] = session.comm.step(f"list the checkpoints in {session.url}", look, decide)
     return agreed
 
 
@@ -246,13 +269,13 @@ def _was_retired(session: Session, name: CheckpointName, seq: int | None) -> boo
             return None
         return session.root.still_committed(name, seq)
 
-    gone: bool = session.comm.step(f"look for {name.dirname} in {session.url}", look,
-                                   lambda seen: any(x is False for x in seen), where=session.url)
+    gone: bool = session.comm.step(
+        f"look for {name.dirname} in {session.url}", look, lambda seen: any(x is False for x in seen), where=session.url
+    )
     return gone
 
 
-def load_one(session: Session, name: CheckpointName, seq: int | None, request: LoadRequest,
-             stats: PhaseTimer) -> None:
+def load_one(session: Session, name: CheckpointName, seq: int | None, request: LoadRequest, stats: PhaseTimer) -> None:
     """Load the checkpoint ``name``, listed with commit sequence number ``seq`` (collective)."""
     comm, root = session.comm, session.root
     started = time.perf_counter()
@@ -261,7 +284,8 @@ def load_one(session: Session, name: CheckpointName, seq: int | None, request: L
     # fails: a missing or corrupt manifest only costs reads of files that may not exist).
     prefix = layout.data_file_prefix(comm.rank)
     stop_prefetch: Callable[[], None] | None = session.storage.prefetch(
-        os.path.join(root.dir(name), os.path.dirname(prefix)), os.path.basename(prefix))
+        os.path.join(root.dir(name), os.path.dirname(prefix)), os.path.basename(prefix)
+    )
     try:
         shared = share_manifest_bytes(session, name)
         manifest = agree_on_manifest(session, name, seq, shared)
@@ -304,20 +328,22 @@ def agree_on_manifest(session: Session, name: CheckpointName, seq: int | None, s
         root.check_files(name, manifest, part)
         return manifest
 
-    agreed: Manifest = session.comm.step(f"read checkpoint {name.dirname} in {session.url}", parse,
-                                         where=session.url)
+    agreed: Manifest = session.comm.step(f"read checkpoint {name.dirname} in {session.url}", parse, where=session.url)
     return agreed
 
 
-def manifest_metadata(session: Session, name: CheckpointName, manifest: Manifest,
-                      wanted: Collection[str] | None = None) -> Metadata:
+def manifest_metadata(
+    session: Session, name: CheckpointName, manifest: Manifest, wanted: Collection[str] | None = None
+) -> Metadata:
     """DCP's metadata of ``manifest``; of the names in ``wanted`` only, if given (a rank's template)."""
-    return metadata_from_json(manifest.dcp, manifest.items, session.root.dir(name),
-                              domain_count=manifest.domain_count, wanted=wanted)
+    return metadata_from_json(
+        manifest.dcp, manifest.items, session.root.dir(name), domain_count=manifest.domain_count, wanted=wanted
+    )
 
 
-def _restore_targets(session: Session, name: CheckpointName, manifest: Manifest, files: Mapping[str, Any] | None
-                     ) -> list[ArtifactTarget]:
+def _restore_targets(
+    session: Session, name: CheckpointName, manifest: Manifest, files: Mapping[str, Any] | None
+) -> list[ArtifactTarget]:
     """This rank's files= destinations, once no two ranks' collide (collective)."""
     comm, root = session.comm, session.root
     targets: list[ArtifactTarget] = []
@@ -327,7 +353,9 @@ def _restore_targets(session: Session, name: CheckpointName, manifest: Manifest,
         if targets and manifest.world_size != comm.world_size:
             raise CheckpointError(
                 f"step {name.step} was saved by {manifest.world_size} ranks and this job has "
-                f"{comm.world_size}: per-rank files= artifacts cannot be resharded", rank=comm.rank)
+                f"{comm.world_size}: per-rank files= artifacts cannot be resharded",
+                rank=comm.rank,
+            )
         return targets
 
     def refuse_collisions(gathered: list[list[ArtifactTarget]]) -> tuple[list[Any], str]:
@@ -342,8 +370,14 @@ def _restore_targets(session: Session, name: CheckpointName, manifest: Manifest,
     return targets
 
 
-def _read_and_place(session: Session, agreed: AgreedManifest, targets: list[ArtifactTarget], request: LoadRequest,
-                    stats: PhaseTimer, on_planned: Callable[[], None] | None) -> None:
+def _read_and_place(
+    session: Session,
+    agreed: AgreedManifest,
+    targets: list[ArtifactTarget],
+    request: LoadRequest,
+    stats: PhaseTimer,
+    on_planned: Callable[[], None] | None,
+) -> None:
     """Read and verify every byte, then (every rank verified) change the caller's state and files (collective).
 
     One function, longer than most: its steps share the reader, the staged files and the caller's
@@ -354,9 +388,17 @@ def _read_and_place(session: Session, agreed: AgreedManifest, targets: list[Arti
     planner = SafeLoadPlanner(allow_partial_load=not request.strict)
     data_dir = root.data_dir(name, manifest)
     topo = session.topo
-    reader = GuardedReader(session.storage, data_dir, None, manifest.checksum_algorithm, comm.rank,
-                           session.options.io_threads, memory_bytes=session.options.load_memory_bytes,
-                           local_ranks=topo.hosts.count(topo.hosts[topo.rank]), domain_count=manifest.domain_count)
+    reader = GuardedReader(
+        session.storage,
+        data_dir,
+        None,
+        manifest.checksum_algorithm,
+        comm.rank,
+        session.options.io_threads,
+        memory_bytes=session.options.load_memory_bytes,
+        local_ranks=topo.hosts.count(topo.hosts[topo.rank]),
+        domain_count=manifest.domain_count,
+    )
     swaps: list[artifacts.RestoreSwap] = []
 
     def prepare_and_read() -> None:
@@ -364,10 +406,16 @@ def _read_and_place(session: Session, agreed: AgreedManifest, targets: list[Arti
             prepared.append(prepare_state(request.state, comm.rank, for_load=True))
             drop_placeholders(prepared[0], manifest.dcp["state_dict"])
             add_saved_optimizer_state(prepared[0], request.state, manifest.dcp)
-        read_locally(prepared[0].state_dict, reader, planner, is_coordinator=comm.rank == 0, stats=stats,
-                     before_read=on_planned,
-                     metadata_for=lambda names: manifest_metadata(session, name, manifest, names),
-                     whole_items_for=lambda flat: whole_tensor_items(manifest.dcp, manifest.items, flat))
+        read_locally(
+            prepared[0].state_dict,
+            reader,
+            planner,
+            is_coordinator=comm.rank == 0,
+            stats=stats,
+            before_read=on_planned,
+            metadata_for=lambda names: manifest_metadata(session, name, manifest, names),
+            whole_items_for=lambda flat: whole_tensor_items(manifest.dcp, manifest.items, flat),
+        )
 
     try:
         with ByteProgress(stats.show_progress, f"loading step {name.step}", None) as bar:
@@ -388,8 +436,11 @@ def _read_and_place(session: Session, agreed: AgreedManifest, targets: list[Arti
             comm.step(f"restore its files= artifacts from step {name.step}", stage, where=root.dir(name))
             # Every rank verified every byte it needs. The files first: moved back on every rank if
             # one cannot move its own, while nothing of the state has changed yet.
-            comm.step(f"move its restored files= artifacts of step {name.step} into place",
-                      lambda: artifacts.swap_in(swaps), where=root.dir(name))
+            comm.step(
+                f"move its restored files= artifacts of step {name.step} into place",
+                lambda: artifacts.swap_in(swaps),
+                where=root.dir(name),
+            )
             # Now, and only now, the caller's state changes.
             with stats.phase("place"):
                 comm.step(f"copy step {name.step} into place", place, where=session.url)
@@ -427,16 +478,27 @@ def add_saved_optimizer_state(prepared: PreparedState, state: Mapping[str, Any],
         sd = prepared.state_dict.get(key)
         if not isinstance(value, torch.optim.Optimizer) or not isinstance(sd, dict):
             continue
-        params = {p for g in sd.get("param_groups", []) if isinstance(g, dict) for p in g.get("params", [])
-                  if isinstance(p, str)}
+        params = {
+            p
+            for g in sd.get("param_groups", [])
+            if isinstance(g, dict)
+            for p in g.get("params", [])
+            if isinstance(p, str)
+        }
         template = sd.get("state")
         if not isinstance(template, dict) or "<dict>" in template:  # an empty state, encoded: nothing planned
             continue
         added: dict[str, dict[str, Any]] = {}
         for flat, entry in stored.items():
             path = paths.get(flat)
-            if (not isinstance(path, list) or len(path) != 4 or path[:2] != [key, "state"] or path[2] not in params
-                    or not isinstance(path[3], str) or path[3] in template.get(path[2], {})):
+            if (
+                not isinstance(path, list)
+                or len(path) != 4
+                or path[:2] != [key, "state"]
+                or path[2] not in params
+                or not isinstance(path[3], str)
+                or path[3] in template.get(path[2], {})
+            ):
                 continue
             if entry.get("type") == "tensor":
                 placeholder: Any = torch.empty(entry["size"], dtype=dtype_from_name(entry["dtype"]))

@@ -31,8 +31,9 @@ Tags = dict[str, int]
 
 def check_tag_name(name: str) -> str:
     if not isinstance(name, str) or not _TAG_NAME.match(name):
-        raise ValueError(f"a tag name is 1-128 letters, digits, '_', '-', '.', '=' (not starting with '.' or '-'), "
-                         f"got {name!r}")
+        raise ValueError(
+            f"a tag name is 1-128 letters, digits, '_', '-', '.', '=' (not starting with '.' or '-'), got {name!r}"
+        )
     return name
 
 
@@ -74,8 +75,7 @@ def read_tags(session: Session) -> Tags:
     return tags
 
 
-def set_tag(session: Session, name: str, step: int | None, committed: Listing,
-            expect: Any = ...) -> int | None:
+def set_tag(session: Session, name: str, step: int | None, committed: Listing, expect: Any = ...) -> int | None:
     """Point tag ``name`` at ``step`` (None removes it) in every domain; the step it pointed at before.
 
     ``expect``: only if the tag points at this step now (None: only if it does not exist),
@@ -83,20 +83,28 @@ def set_tag(session: Session, name: str, step: int | None, committed: Listing,
     """
     check_tag_name(name)
     if step is not None and step not in committed:
-        raise StepNotFoundError(f"cannot tag step {step} as {name!r}: it is not a committed checkpoint in "
-                                f"{session.url}; committed steps: {sorted(committed) or 'none'}")
+        raise StepNotFoundError(
+            f"cannot tag step {step} as {name!r}: it is not a committed checkpoint in "
+            f"{session.url}; committed steps: {sorted(committed) or 'none'}"
+        )
     storage = session.storage
     path = _tag_path(session, name)
 
     def decide(current: TagRecord | None) -> Put[TagRecord, int | None] | Remove[int | None] | Keep[int | None]:
         before = current.step if current is not None and current.step >= 0 else None
         if expect is not ... and before != expect:
-            raise CheckpointError(f"tag {name!r} in {session.url} points at step {before}, not {expect}: "
-                                  "another writer moved it", path=path)
+            raise CheckpointError(
+                f"tag {name!r} in {session.url} points at step {before}, not {expect}: another writer moved it",
+                path=path,
+            )
         if step is None:
             return Remove(before) if current is not None else Keep(before)
-        return Put(TagRecord(step=step, tag=name, dir=CheckpointName(step, committed[step].version).dirname,
-                             updated_at=time.time()), before)
+        return Put(
+            TagRecord(
+                step=step, tag=name, dir=CheckpointName(step, committed[step].version).dirname, updated_at=time.time()
+            ),
+            before,
+        )
 
     def move() -> int | None:
         if not session.topo.is_leader:
@@ -106,8 +114,15 @@ def set_tag(session: Session, name: str, step: int | None, committed: Listing,
         storage.makedirs(storage.path(layout.TAGS))
         # The fence is checked before every swap, the retries after a conflict included: a job that lost
         # the root between two tries moves nothing.
-        moved: int | None = swap(storage, path, decode=_tag_record, encode=records.encode, decide=decide,
-                                 fence=lambda: session.root.guard(f"move tag {name!r}"), what=f"move tag {name!r}")
+        moved: int | None = swap(
+            storage,
+            path,
+            decode=_tag_record,
+            encode=records.encode,
+            decide=decide,
+            fence=lambda: session.root.guard(f"move tag {name!r}"),
+            what=f"move tag {name!r}",
+        )
         return moved
 
     def first(reports: list[int | None]) -> int | None:
@@ -122,12 +137,16 @@ def delete_step(session: Session, step: int, committed: Listing, tags: Tags) -> 
     """Retire every version of ``step`` in every domain (collective); what is committed now, and the
     retired paths (this leader's) whose bytes the caller removes."""
     if step not in committed:
-        raise StepNotFoundError(f"cannot delete step {step}: it is not a committed checkpoint in {session.url}; "
-                                f"committed steps: {sorted(committed) or 'none'}")
+        raise StepNotFoundError(
+            f"cannot delete step {step}: it is not a committed checkpoint in {session.url}; "
+            f"committed steps: {sorted(committed) or 'none'}"
+        )
     holding = sorted(n for n, s in tags.items() if s == step)
     if holding:
-        raise CheckpointError(f"step {step} is tagged {', '.join(map(repr, holding))}: move or remove the tag "
-                              f"first (ck.tag(name, other_step) or ck.untag(name))")
+        raise CheckpointError(
+            f"step {step} is tagged {', '.join(map(repr, holding))}: move or remove the tag "
+            f"first (ck.tag(name, other_step) or ck.untag(name))"
+        )
     root = session.root
     retired: list[str] = []
 

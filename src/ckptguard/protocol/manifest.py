@@ -100,8 +100,12 @@ class Manifest:
                 {"rank": a.rank, "key": a.key, "kind": a.kind, "files": [list(p) for p in a.files]}
                 for a in self.artifacts
             ],
-            "rows": {"encoding": ROWS_ENCODING, "bytes": len(tables), "files": len(self.files),
-                     "items": len(self.items)},
+            "rows": {
+                "encoding": ROWS_ENCODING,
+                "bytes": len(tables),
+                "files": len(self.files),
+                "items": len(self.items),
+            },
         }
         return sealed(json.dumps(body, separators=(",", ":"), allow_nan=False, check_circular=False).encode(), tables)
 
@@ -139,7 +143,6 @@ class Manifest:
             if a.rank == rank and a.key == key:
                 return a
         return None
-
 
 
 def seal(body: bytes, tables: bytes) -> bytes:
@@ -184,12 +187,12 @@ def _parse(data: bytes, path: str, part: tuple[int, int] = (0, 1)) -> Manifest:
     (protocol/schema.py), then every invariant across fields (validate.check_manifest)."""
     _expect(data.startswith(_PREFIX), "missing manifest_checksum")
     body_start = len(_PREFIX) + 16 + len(_BODY_KEY)
-    _expect(data[len(_PREFIX) + 16: body_start] == _BODY_KEY, "malformed header")
+    _expect(data[len(_PREFIX) + 16 : body_start] == _BODY_KEY, "malformed header")
     end = data.find(b"\n")  # JSON escapes newlines inside strings: the first one ends the head
-    _expect(end > body_start and data[end - 1: end] == b"}", "truncated head")
-    raw_body = data[body_start: end - 1]
-    tables = memoryview(data)[end + 1:]
-    if _digest(raw_body, tables) != data[len(_PREFIX): len(_PREFIX) + 16].decode("ascii", "replace"):
+    _expect(end > body_start and data[end - 1 : end] == b"}", "truncated head")
+    raw_body = data[body_start : end - 1]
+    tables = memoryview(data)[end + 1 :]
+    if _digest(raw_body, tables) != data[len(_PREFIX) : len(_PREFIX) + 16].decode("ascii", "replace"):
         raise CheckpointError("manifest checksum mismatch: the manifest itself is corrupt")
     # Size: bounded by the storage read; depth: before any decoder recurses.
     body = records.decode(raw_body, ManifestBody, path, max_bytes=len(raw_body), max_depth=MAX_MANIFEST_DEPTH)
@@ -199,8 +202,7 @@ def _parse(data: bytes, path: str, part: tuple[int, int] = (0, 1)) -> Manifest:
     try:
         items = ItemTable.decode(t.items, [f.path for f in files])
     except TableError as e:
-        raise MalformedRecordError(f"{path}: not a valid manifest row section: {e}", path=path,
-                                   field="items") from None
+        raise MalformedRecordError(f"{path}: not a valid manifest row section: {e}", path=path, field="items") from None
     dom = body.domain
     manifest = Manifest(
         step=body.step,
@@ -227,8 +229,7 @@ def _parse(data: bytes, path: str, part: tuple[int, int] = (0, 1)) -> Manifest:
 
 def _files(c: FileColumns) -> list[FileEntry]:
     n = len(c.path)
-    _expect(len(c.size) == n and len(c.rank) == n and len(c.checksum) == n,
-            "the file columns have different lengths")
+    _expect(len(c.size) == n and len(c.rank) == n and len(c.checksum) == n, "the file columns have different lengths")
     return list(map(FileEntry._make, zip(c.path, c.size, c.rank, c.checksum, strict=True)))
 
 
@@ -265,5 +266,21 @@ def manifest_summary(m: Manifest) -> dict[str, Any]:
     }
 
 
-__all__ = ["FORMAT", "FORMAT_VERSION", "ROWS_ENCODING", "Artifact", "DcpBody", "DcpEntry", "FileColumns", "FileEntry",
-           "Manifest", "ManifestBody", "RowsHeader", "StoredItem", "Tables", "asdict", "manifest_summary", "seal"]
+__all__ = [
+    "FORMAT",
+    "FORMAT_VERSION",
+    "ROWS_ENCODING",
+    "Artifact",
+    "DcpBody",
+    "DcpEntry",
+    "FileColumns",
+    "FileEntry",
+    "Manifest",
+    "ManifestBody",
+    "RowsHeader",
+    "StoredItem",
+    "Tables",
+    "asdict",
+    "manifest_summary",
+    "seal",
+]

@@ -37,15 +37,22 @@ class Index:
     entries: list[IndexEntry] = field(default_factory=list)
 
     def to_bytes(self) -> bytes:
-        body = {"format": INDEX_FORMAT, "epoch": self.epoch, "next_seq": self.next_seq,
-                "entries": [asdict(e) for e in self.entries]}
+        body = {
+            "format": INDEX_FORMAT,
+            "epoch": self.epoch,
+            "next_seq": self.next_seq,
+            "entries": [asdict(e) for e in self.entries],
+        }
         return (json.dumps(body, separators=(",", ":")) + "\n").encode()
 
     @staticmethod
     def from_bytes(data: bytes, path: str) -> Index:
         body = records.decode(data, records.IndexBody, path, max_bytes=records.MAX_INDEX_BYTES)
-        return Index(body.epoch, body.next_seq, [IndexEntry(e.step, e.version, e.attempt, e.state, e.epoch, e.seq)
-                                                 for e in body.entries])
+        return Index(
+            body.epoch,
+            body.next_seq,
+            [IndexEntry(e.step, e.version, e.attempt, e.state, e.epoch, e.seq) for e in body.entries],
+        )
 
     def find(self, name: CheckpointName) -> IndexEntry | None:
         for e in self.entries:

@@ -88,8 +88,11 @@ class PosixRoot(rootkit.RootKit):
         and its fence check then raises. A temp file staged after this cannot be linked: its
         writer's fence check comes after it, and finds this lease.
         """
-        for directory, tail in ((self.path, layout.LATEST), (self.storage.path(layout.TAGS), None),
-                                (self.storage.path(quarantine.DIR), None)):
+        for directory, tail in (
+            (self.path, layout.LATEST),
+            (self.storage.path(layout.TAGS), None),
+            (self.storage.path(quarantine.DIR), None),
+        ):
             for entry in self.storage.listdir(directory):
                 if is_tmp_name_of(entry, tail):
                     self.storage.delete(os.path.join(directory, entry))
@@ -130,8 +133,9 @@ class PosixRoot(rootkit.RootKit):
         reader holding the old manifest tells the two apart by it)."""
         return latest.high_seq(self.read_latest())
 
-    def parse_manifest(self, name: CheckpointName, data: bytes, seq: int | None = None,
-                       part: tuple[int, int] = (0, 1)) -> Manifest:
+    def parse_manifest(
+        self, name: CheckpointName, data: bytes, seq: int | None = None, part: tuple[int, int] = (0, 1)
+    ) -> Manifest:
         manifest = rootkit.parse_manifest(self.storage, name, data, seq, part)
         self._check_real_dirs(name, manifest)
         return manifest
@@ -158,22 +162,26 @@ class PosixRoot(rootkit.RootKit):
                 raise CorruptCheckpointError(
                     f"{path} is not a real directory (a symbolic link?) inside checkpoint {name.dirname}: "
                     "refusing to follow it out of the checkpoint; restore the directory or delete the step",
-                    path=path)
+                    path=path,
+                )
 
     def check_files(self, name: CheckpointName, manifest: Manifest, part: tuple[int, int] = (0, 1)) -> None:
         """Every file present with its recorded size (cheap: stat only; checksums are checked on read)."""
         base = self.dir(name)
-        for f in manifest.files[part[0]::part[1]]:
+        for f in manifest.files[part[0] :: part[1]]:
             path = os.path.join(base, f.path)
             size = self.storage.size(path)
             if size is None:
                 if self.storage.exists(path):
-                    raise CorruptCheckpointError(f"{path} is not a regular file (a symbolic link, a FIFO, a "
-                                                 "directory?): refusing to read it", path=path)
+                    raise CorruptCheckpointError(
+                        f"{path} is not a regular file (a symbolic link, a FIFO, a directory?): refusing to read it",
+                        path=path,
+                    )
                 raise CorruptCheckpointError(f"{path} is missing: the checkpoint is incomplete", path=path)
             if size != f.size:
-                raise CorruptCheckpointError(f"{path} has {size} bytes, the manifest says {f.size}: the "
-                                             "checkpoint is corrupt", path=path)
+                raise CorruptCheckpointError(
+                    f"{path} has {size} bytes, the manifest says {f.size}: the checkpoint is corrupt", path=path
+                )
 
     def walk(self, path: str) -> list[tuple[str, int]]:
         """Every entry under ``path`` with its size (rootkit.NOT_A_FILE: a symbolic link, FIFO, device)."""
@@ -244,7 +252,9 @@ class PosixRoot(rootkit.RootKit):
                 raise NotVisibleError(
                     f"{len(missing)} file(s) of this checkpoint are not visible with the right size after "
                     f"{timeout:.0f} s, e.g. {missing[0]}: a writer failed, or this node's view of the shared "
-                    "filesystem is stale for longer than visibility_timeout_s.", path=missing[0])
+                    "filesystem is stale for longer than visibility_timeout_s.",
+                    path=missing[0],
+                )
             self.guard("wait for this save's files")  # a takeover moved them away: they never come
             time.sleep(delay)
             delay = min(delay * 2, 1.0)
@@ -266,8 +276,9 @@ class PosixRoot(rootkit.RootKit):
             if self._landed(staging, name):
                 return name
             raise CheckpointError(
-                f"{self.dir(name)} appeared while this save was in progress: another writer is active on "
-                f"{self.path}", path=self.dir(name)) from None
+                f"{self.dir(name)} appeared while this save was in progress: another writer is active on {self.path}",
+                path=self.dir(name),
+            ) from None
         except OSError:
             if self._landed(staging, name):
                 return name
@@ -287,8 +298,13 @@ class PosixRoot(rootkit.RootKit):
 
     def move_latest(self, name: CheckpointName, seq: int | None) -> bool:
         """Point `latest` at ``name`` unless it names a checkpoint committed later (:func:`latest.move`)."""
-        return latest.move(self.storage, name, seq, fence=lambda: self.guard("move `latest`"),
-                           committed=lambda n: self.storage.exists(rootkit.manifest_path(self.storage, n)))
+        return latest.move(
+            self.storage,
+            name,
+            seq,
+            fence=lambda: self.guard("move `latest`"),
+            committed=lambda n: self.storage.exists(rootkit.manifest_path(self.storage, n)),
+        )
 
     def latest_after_delete(self, deleted: int, left: DomainListing) -> None:
         """`latest` off the deleted step ``deleted`` (:func:`latest.after_delete`)."""

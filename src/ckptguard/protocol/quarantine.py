@@ -61,6 +61,7 @@ def record_path(storage: StorageBackend, name: CheckpointName) -> str:
 def _decode(path: str) -> Callable[[bytes], QuarantineRecord]:
     def decode(data: bytes) -> QuarantineRecord:
         return records.decode(data, QuarantineRecord, path)
+
     return decode
 
 
@@ -84,13 +85,20 @@ def read_all(storage: StorageBackend) -> dict[CheckpointName, QuarantineRecord]:
     return out
 
 
-def write(storage: StorageBackend, name: CheckpointName, seq: int | None, reason: str,
-          fence: Callable[[], None]) -> QuarantineRecord:
+def write(
+    storage: StorageBackend, name: CheckpointName, seq: int | None, reason: str, fence: Callable[[], None]
+) -> QuarantineRecord:
     """Record ``name`` (listed with ``seq``) as corrupt; ``fence`` raises once this job lost the root.
     The record now in place."""
     path = record_path(storage, name)
-    record = QuarantineRecord(format="ckptguard-quarantine", step=name.step, version=name.version, seq=seq,
-                              reason=reason[:MAX_REASON], at=time.time())
+    record = QuarantineRecord(
+        format="ckptguard-quarantine",
+        step=name.step,
+        version=name.version,
+        seq=seq,
+        reason=reason[:MAX_REASON],
+        at=time.time(),
+    )
 
     def decide(current: QuarantineRecord | None) -> Put[QuarantineRecord, QuarantineRecord] | Keep[QuarantineRecord]:
         if current is not None and current.version == name.version and current.matches(seq):
@@ -98,8 +106,15 @@ def write(storage: StorageBackend, name: CheckpointName, seq: int | None, reason
         return Put(record, record)
 
     storage.makedirs(storage.path(DIR))
-    written: QuarantineRecord = swap(storage, path, decode=_lenient(path), encode=records.encode, decide=decide,
-                                     fence=fence, what=f"quarantine {name.dirname}")
+    written: QuarantineRecord = swap(
+        storage,
+        path,
+        decode=_lenient(path),
+        encode=records.encode,
+        decide=decide,
+        fence=fence,
+        what=f"quarantine {name.dirname}",
+    )
     return written
 
 
@@ -110,8 +125,15 @@ def remove(storage: StorageBackend, name: CheckpointName, fence: Callable[[], No
     def decide(current: QuarantineRecord | None) -> Remove[None] | Keep[None]:
         return Keep(None) if current is None else Remove(None)
 
-    swap(storage, path, decode=_lenient(path), encode=records.encode, decide=decide, fence=fence,
-         what=f"remove the quarantine record of {name.dirname}")
+    swap(
+        storage,
+        path,
+        decode=_lenient(path),
+        encode=records.encode,
+        decide=decide,
+        fence=fence,
+        what=f"remove the quarantine record of {name.dirname}",
+    )
 
 
 def _lenient(path: str) -> Callable[[bytes], QuarantineRecord]:
@@ -124,11 +146,13 @@ def _lenient(path: str) -> Callable[[bytes], QuarantineRecord]:
         except MalformedRecordError:
             # version 0 names no checkpoint: never taken for the record being written
             return QuarantineRecord(format="ckptguard-quarantine", step=0, version=0, seq=None, reason="")
+
     return decode
 
 
-def matching(found: dict[CheckpointName, QuarantineRecord], name: CheckpointName,
-             seq: int | None) -> QuarantineRecord | None:
+def matching(
+    found: dict[CheckpointName, QuarantineRecord], name: CheckpointName, seq: int | None
+) -> QuarantineRecord | None:
     """The record of the commit ``name`` listed with ``seq``, if it is quarantined."""
     record = found.get(name)
     return record if record is not None and record.matches(seq) else None

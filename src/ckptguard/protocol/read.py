@@ -32,29 +32,37 @@ from ckptguard.protocol.session import Session
 from ckptguard.protocol.validate import check_whole_reads
 
 
-def read(session: Session, step: int | None, keep: Callable[[str], bool] | None = None
-         ) -> tuple[int | None, dict[str, Any] | None, Listing]:
+def read(
+    session: Session, step: int | None, keep: Callable[[str], bool] | None = None
+) -> tuple[int | None, dict[str, Any] | None, Listing]:
     """(step, state) of ``step``, or of the checkpoint committed last with the fallback and relisting
     of a load (load.first_intact); and the agreed listing (collective). ``keep``: which top-level keys."""
     return first_intact(session, step, lambda name, seq: read_one(session, name, seq, keep))
 
 
-def read_one(session: Session, name: CheckpointName, seq: int | None,
-             keep: Callable[[str], bool] | None = None) -> dict[str, Any]:
+def read_one(
+    session: Session, name: CheckpointName, seq: int | None, keep: Callable[[str], bool] | None = None
+) -> dict[str, Any]:
     manifest = agree_on_manifest(session, name, seq, share_manifest_bytes(session, name))
     comm = session.comm
     out: dict[str, Any] = {}
 
     def read() -> None:
-        out.update(read_stored(session, name, manifest, comm.rank, is_coordinator=comm.rank == 0,
-                               keep=keep))
+        out.update(read_stored(session, name, manifest, comm.rank, is_coordinator=comm.rank == 0, keep=keep))
 
     comm.step(f"read step {name.step}", read, where=session.url)
     return out
 
 
-def read_stored(session: Session, name: CheckpointName, manifest: Manifest, rank: int, *,
-                is_coordinator: bool = True, keep: Callable[[str], bool] | None = None) -> dict[str, Any]:
+def read_stored(
+    session: Session,
+    name: CheckpointName,
+    manifest: Manifest,
+    rank: int,
+    *,
+    is_coordinator: bool = True,
+    keep: Callable[[str], bool] | None = None,
+) -> dict[str, Any]:
     """This rank's view of the stored state dict (local: no agreement)."""
     metadata = manifest_metadata(session, name, manifest)
     paths = metadata.planner_data if isinstance(metadata.planner_data, dict) else {}
@@ -68,10 +76,17 @@ def read_stored(session: Session, name: CheckpointName, manifest: Manifest, rank
             continue
         chosen[fqn] = entry
     flat = allocate_whole(manifest, chosen, session.root.dir(name))
-    reader = GuardedReader(session.storage, session.root.data_dir(name, manifest), metadata,
-                           manifest.checksum_algorithm, rank, session.options.io_threads,
-                           memory_bytes=session.options.load_memory_bytes, backup=False,
-                           domain_count=manifest.domain_count)
+    reader = GuardedReader(
+        session.storage,
+        session.root.data_dir(name, manifest),
+        metadata,
+        manifest.checksum_algorithm,
+        rank,
+        session.options.io_threads,
+        memory_bytes=session.options.load_memory_bytes,
+        backup=False,
+        domain_count=manifest.domain_count,
+    )
     planner = SafeLoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False)
     try:
         read_locally(flat, reader, planner, is_coordinator=is_coordinator)  # read and verify
@@ -86,15 +101,18 @@ def read_stored(session: Session, name: CheckpointName, manifest: Manifest, rank
     return result
 
 
-
 def allocate_whole(manifest: Manifest, entries: dict[str, Any], path: str) -> dict[str, Any]:
     """A fresh tensor for each tensor entry of DCP's metadata (None for an object), once the manifest's
     bytes were found to bound them all (validate.check_whole_reads)."""
-    declared = {fqn: math.prod(e.size) * e.properties.dtype.itemsize for fqn, e in entries.items()
-                if isinstance(e, TensorStorageMetadata)}
+    declared = {
+        fqn: math.prod(e.size) * e.properties.dtype.itemsize
+        for fqn, e in entries.items()
+        if isinstance(e, TensorStorageMetadata)
+    }
     check_whole_reads(manifest, declared, path)
-    return {fqn: torch.empty(e.size, dtype=e.properties.dtype) if fqn in declared else None
-            for fqn, e in entries.items()}
+    return {
+        fqn: torch.empty(e.size, dtype=e.properties.dtype) if fqn in declared else None for fqn, e in entries.items()
+    }
 
 
 def read_metadata(session: Session, step: int, current: Listing) -> dict[str, Any]:
@@ -106,12 +124,15 @@ def read_metadata(session: Session, step: int, current: Listing) -> dict[str, An
     def leader_reads() -> dict[str, Any] | None:
         return session.root.read_manifest(name).user_metadata if session.comm.rank == 0 else None
 
-    meta: dict[str, Any] = session.comm.step(f"read the metadata of step {step}", leader_reads, lambda got: got[0],
-                                             where=session.url)
+    meta: dict[str, Any] = session.comm.step(
+        f"read the metadata of step {step}", leader_reads, lambda got: got[0], where=session.url
+    )
     return meta
 
 
 def require_committed(session: Session, step: int, current: Listing) -> None:
     if step not in current:
-        raise StepNotFoundError(f"step {step} is not a committed checkpoint in {session.url}; committed steps: "
-                                f"{commit_order(current) or 'none'}")
+        raise StepNotFoundError(
+            f"step {step} is not a committed checkpoint in {session.url}; committed steps: "
+            f"{commit_order(current) or 'none'}"
+        )

@@ -142,7 +142,7 @@ def nesting_depth(data: bytes) -> int:
     arr = np.frombuffer(data, dtype=np.uint8)
     quotes_before, depth, deepest = 0, 0, 0
     for start in range(0, len(arr), _CHUNK):
-        chunk = arr[start:start + _CHUNK]
+        chunk = arr[start : start + _CHUNK]
         # Only quotes and brackets matter: keep those ('[' | 32 == '{', ']' | 32 == '}'), then
         # a quote count's parity says inside a string (uint8 wraps, parity survives).
         special = chunk[(chunk == 34) | ((chunk | 32) == 123) | ((chunk | 32) == 125)]
@@ -162,19 +162,26 @@ def nesting_depth(data: bytes) -> int:
 def check_bounds(data: bytes, path: str, what: str, *, max_bytes: int | None, max_depth: int) -> None:
     """Refuse ``data`` before decoding if it is larger or nests deeper than a ``what`` may."""
     if max_bytes is not None and len(data) > max_bytes:
-        raise MalformedRecordError(f"{path}: {len(data):,} bytes is more than a {what} may have "
-                                   f"({max_bytes:,}): not written by ckptguard", path=path, field="(size)")
+        raise MalformedRecordError(
+            f"{path}: {len(data):,} bytes is more than a {what} may have ({max_bytes:,}): not written by ckptguard",
+            path=path,
+            field="(size)",
+        )
     depth = nesting_depth(data)
     if depth > max_depth:
-        raise MalformedRecordError(f"{path}: nested {depth} deep, more than a {what} may be ({max_depth}): "
-                                   "not written by ckptguard", path=path, field="(nesting)")
+        raise MalformedRecordError(
+            f"{path}: nested {depth} deep, more than a {what} may be ({max_depth}): not written by ckptguard",
+            path=path,
+            field="(nesting)",
+        )
 
 
 _FIELD = re.compile(r" - at `\$(.*)`$")
 
 
-def decode(data: bytes, schema: type[T], path: str, *, max_bytes: int = MAX_CONTROL_BYTES,
-           max_depth: int = MAX_CONTROL_DEPTH) -> T:
+def decode(
+    data: bytes, schema: type[T], path: str, *, max_bytes: int = MAX_CONTROL_BYTES, max_depth: int = MAX_CONTROL_DEPTH
+) -> T:
     """``data`` as a ``schema`` record, or MalformedRecordError naming ``path`` and the field."""
     what = schema.__name__
     check_bounds(data, path, what, max_bytes=max_bytes, max_depth=max_depth)
@@ -183,11 +190,13 @@ def decode(data: bytes, schema: type[T], path: str, *, max_bytes: int = MAX_CONT
     except msgspec.ValidationError as e:
         m = _FIELD.search(str(e))
         field = m.group(1).lstrip(".") if m else "(record)"
-        raise MalformedRecordError(f"{path}: not a valid {what}: {e}; it was modified by hand or by another "
-                                   "tool", path=path, field=field or "(record)") from None
+        raise MalformedRecordError(
+            f"{path}: not a valid {what}: {e}; it was modified by hand or by another tool",
+            path=path,
+            field=field or "(record)",
+        ) from None
     except msgspec.DecodeError as e:
-        raise MalformedRecordError(f"{path}: not a valid {what} (not JSON: {e})", path=path,
-                                   field="(record)") from None
+        raise MalformedRecordError(f"{path}: not a valid {what} (not JSON: {e})", path=path, field="(record)") from None
 
 
 def decode_binary(data: bytes | memoryview, schema: type[T], path: str, what: str) -> T:
@@ -200,11 +209,13 @@ def decode_binary(data: bytes | memoryview, schema: type[T], path: str, what: st
     except msgspec.ValidationError as e:
         m = _FIELD.search(str(e))
         field = _field_names(schema, m.group(1)) if m else "(record)"
-        raise MalformedRecordError(f"{path}: not a valid {what}: {e}; it was modified by hand or by another "
-                                   "tool", path=path, field=field) from None
+        raise MalformedRecordError(
+            f"{path}: not a valid {what}: {e}; it was modified by hand or by another tool", path=path, field=field
+        ) from None
     except (msgspec.DecodeError, RecursionError) as e:
-        raise MalformedRecordError(f"{path}: not a valid {what} (not MessagePack of its schema: {e})", path=path,
-                                   field="(record)") from None
+        raise MalformedRecordError(
+            f"{path}: not a valid {what} (not MessagePack of its schema: {e})", path=path, field="(record)"
+        ) from None
 
 
 _STEP = re.compile(r"\[(\d+)\]|\.(\w+)|\[[^]]*\]")
@@ -215,10 +226,17 @@ def _field_names(schema: Any, where: str) -> str:
     out: list[str] = []
     current: Any = schema
     for m in _STEP.finditer(where):
-        fields = msgspec.structs.fields(current) if isinstance(current, type) and issubclass(
-            current, msgspec.Struct) else None
-        if fields is not None and m.group(1) is not None and current.__struct_config__.array_like \
-                and int(m.group(1)) < len(fields):
+        fields = (
+            msgspec.structs.fields(current)
+            if isinstance(current, type) and issubclass(current, msgspec.Struct)
+            else None
+        )
+        if (
+            fields is not None
+            and m.group(1) is not None
+            and current.__struct_config__.array_like
+            and int(m.group(1)) < len(fields)
+        ):
             f = fields[int(m.group(1))]
             out.append(f.name)
             current = f.type
@@ -236,8 +254,9 @@ def encode(record: msgspec.Struct) -> bytes:
     return msgspec.json.encode(record) + b"\n"
 
 
-def parse_json(data: bytes | str, path: str, what: str, *, max_bytes: int | None,
-               max_depth: int = MAX_MANIFEST_DEPTH) -> Any:
+def parse_json(
+    data: bytes | str, path: str, what: str, *, max_bytes: int | None, max_depth: int = MAX_MANIFEST_DEPTH
+) -> Any:
     """Untyped JSON (a manifest's body, a safetensors header), bounded the same way as a record."""
     raw = data.encode() if isinstance(data, str) else data
     check_bounds(raw, path, what, max_bytes=max_bytes, max_depth=max_depth)
@@ -248,7 +267,21 @@ def parse_json(data: bytes | str, path: str, what: str, *, max_bytes: int | None
 
 
 __all__ = [
-    "MAX_CONTROL_BYTES", "MAX_CONTROL_DEPTH", "MAX_INDEX_BYTES", "MAX_MANIFEST_DEPTH", "IndexBody",
-    "IndexEntryBody", "LatestRecord", "LeaseBody", "MalformedRecordError", "TagRecord", "TombstoneRecord",
-    "check_bounds", "decode", "decode_binary", "encode", "nesting_depth", "parse_json",
+    "MAX_CONTROL_BYTES",
+    "MAX_CONTROL_DEPTH",
+    "MAX_INDEX_BYTES",
+    "MAX_MANIFEST_DEPTH",
+    "IndexBody",
+    "IndexEntryBody",
+    "LatestRecord",
+    "LeaseBody",
+    "MalformedRecordError",
+    "TagRecord",
+    "TombstoneRecord",
+    "check_bounds",
+    "decode",
+    "decode_binary",
+    "encode",
+    "nesting_depth",
+    "parse_json",
 ]

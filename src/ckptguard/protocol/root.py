@@ -104,8 +104,9 @@ class Root(Protocol):
 
     def read_manifest_bytes(self, name: CheckpointName) -> bytes: ...
 
-    def parse_manifest(self, name: CheckpointName, data: bytes, seq: int | None = None,
-                       part: tuple[int, int] = (0, 1)) -> Manifest:
+    def parse_manifest(
+        self, name: CheckpointName, data: bytes, seq: int | None = None, part: tuple[int, int] = (0, 1)
+    ) -> Manifest:
         """Parse and check a manifest's bytes. ``part`` (k, n): of the checks that relate its DCP
         entries to its item rows, only the names k, k + n, ... (n ranks holding the same bytes share
         them; the caller agrees on the outcome)."""

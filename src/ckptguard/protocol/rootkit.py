@@ -76,8 +76,9 @@ class _Root(Protocol):
 
     def committed(self) -> list[CheckpointName]: ...
 
-    def parse_manifest(self, name: CheckpointName, data: bytes, seq: int | None = None,
-                       part: tuple[int, int] = (0, 1)) -> Manifest: ...
+    def parse_manifest(
+        self, name: CheckpointName, data: bytes, seq: int | None = None, part: tuple[int, int] = (0, 1)
+    ) -> Manifest: ...
 
     def read_manifest_bytes(self, name: CheckpointName) -> bytes: ...
 
@@ -154,29 +155,30 @@ class RootKit:
 
     def quarantine(self: _Root, name: CheckpointName, seq: int | None, reason: str) -> None:
         """Record that the commit ``name`` (listed with ``seq``) is corrupt (under the fence)."""
-        record = quarantine.write(self.storage, name, seq, reason,
-                                  fence=lambda: self.guard(f"quarantine {name.dirname}"))
+        record = quarantine.write(
+            self.storage, name, seq, reason, fence=lambda: self.guard(f"quarantine {name.dirname}")
+        )
         if self._quarantine is not None:
             self._quarantine[name] = record
 
     def release_quarantine(self: _Root, name: CheckpointName) -> None:
         """Remove the quarantine record of ``name``, if any (under the fence)."""
-        quarantine.remove(self.storage, name,
-                          fence=lambda: self.guard(f"remove the quarantine record of {name.dirname}"))
+        quarantine.remove(
+            self.storage, name, fence=lambda: self.guard(f"remove the quarantine record of {name.dirname}")
+        )
         if self._quarantine is not None:
             self._quarantine.pop(name, None)
 
     def prune_quarantine(self: _Root, listing: DomainListing) -> None:
         """Remove every quarantine record naming no commit of ``listing`` (retired, deleted or replaced)."""
         for name, record in self.quarantined().items():
-            if name.version not in listing.get(name.step, {}) or not record.matches(
-                    listing[name.step][name.version]):
+            if name.version not in listing.get(name.step, {}) or not record.matches(listing[name.step][name.version]):
                 self.release_quarantine(name)
 
 
 def relative(path: str, base: str) -> str | None:
     """``path`` relative to ``base``, None if it is not under it (URLs are not normalised as os.path would)."""
-    return path[len(base) + 1:] if path.startswith(base.rstrip("/") + "/") else None
+    return path[len(base) + 1 :] if path.startswith(base.rstrip("/") + "/") else None
 
 
 def checkpoint_dir(storage: StorageBackend, name: CheckpointName) -> str:
@@ -199,8 +201,9 @@ def read_manifest_bytes(storage: StorageBackend, name: CheckpointName) -> bytes:
         raise CorruptCheckpointError(f"{path} is missing", path=path) from None
 
 
-def parse_manifest(storage: StorageBackend, name: CheckpointName, data: bytes, seq: int | None = None,
-                   part: tuple[int, int] = (0, 1)) -> Manifest:
+def parse_manifest(
+    storage: StorageBackend, name: CheckpointName, data: bytes, seq: int | None = None, part: tuple[int, int] = (0, 1)
+) -> Manifest:
     """Parse and check a manifest; ``seq``: the commit sequence number it was listed with; ``part``:
     as in ``Root.parse_manifest``."""
     path = manifest_path(storage, name)
@@ -208,15 +211,20 @@ def parse_manifest(storage: StorageBackend, name: CheckpointName, data: bytes, s
     if m.step != name.step or m.version != name.version:
         raise CorruptCheckpointError(
             f"{path} describes step {m.step} v{m.version} but sits in {name.dirname}: "
-            "the directory was renamed or copied by hand", path=path)
+            "the directory was renamed or copied by hand",
+            path=path,
+        )
     if m.commit_seq is None:
         raise CorruptCheckpointError(
             f"{path} records no commit sequence number (body.commit_seq; every ckptguard commit records one): "
-            "the manifest was edited or damaged", path=path)
+            "the manifest was edited or damaged",
+            path=path,
+        )
     if seq is not None and m.commit_seq != seq:
         raise CorruptCheckpointError(
-            f"{path} records commit sequence number {m.commit_seq}, its head said {seq}: the manifest is "
-            "corrupt", path=path)
+            f"{path} records commit sequence number {m.commit_seq}, its head said {seq}: the manifest is corrupt",
+            path=path,
+        )
     return m
 
 
@@ -269,8 +277,9 @@ def old_probes(storage: StorageBackend, min_age_s: float) -> list[str]:
     return probes
 
 
-def walk(storage: StorageBackend, path: str, follow: Callable[[str], bool], rel: str = "",
-         depth: int = 0) -> list[tuple[str, int]]:
+def walk(
+    storage: StorageBackend, path: str, follow: Callable[[str], bool], rel: str = "", depth: int = 0
+) -> list[tuple[str, int]]:
     """(path relative to ``path``, size or NOT_A_FILE) of every entry under ``path``.
 
     ``follow(full_path)`` says whether an entry that is not a file may be descended into (a

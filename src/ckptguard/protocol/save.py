@@ -88,15 +88,19 @@ class SavePlan:
 
     def kept_after_failure(self, url: str) -> str:
         """What is true when this leader published the step and could not take it back."""
-        return (f" Step {self.step} was published in {url} and could not be taken back: it may be committed; "
-                f"`ckptguard ls {url}` lists it if it is, `ckptguard verify {url}` checks it.")
+        return (
+            f" Step {self.step} was published in {url} and could not be taken back: it may be committed; "
+            f"`ckptguard ls {url}` lists it if it is, `ckptguard verify {url}` checks it."
+        )
 
     def fenced_during_commit(self, url: str) -> str:
         """What is true of the step when this job lost the root during its commit: a leader may have
         published it first (then it is committed, and that leader's message says so)."""
-        return (f" This job lost the root while committing step {self.step}: unless a storage domain's leader "
-                f"says above that it had published it (then it is committed), nothing was committed; "
-                f"`ckptguard ls {url}` lists the step if it is.")
+        return (
+            f" This job lost the root while committing step {self.step}: unless a storage domain's leader "
+            f"says above that it had published it (then it is committed), nothing was committed; "
+            f"`ckptguard ls {url}` lists the step if it is."
+        )
 
 
 @dataclass(frozen=True)
@@ -151,8 +155,9 @@ def leader_listing(session: Session) -> DomainListing | None:
 def agreed_current(session: Session) -> Listing:
     """{step: (version, seq)} committed in every storage domain, the newest version every domain has
     (collective)."""
-    listing: Listing = session.comm.step(f"list the checkpoints in {session.url}", lambda: leader_listing(session),
-                                         agreed_listing)
+    listing: Listing = session.comm.step(
+        f"list the checkpoints in {session.url}", lambda: leader_listing(session), agreed_listing
+    )
     return listing
 
 
@@ -193,18 +198,30 @@ def _plan(session: Session, request: SaveRequest) -> SavePlan:
             listing = session.root.listing()
             seen = [q for versions in listing.values() for q in versions.values() if q is not None]
             taken = set(listing.get(request.step, {})) | set(session.root.taken_versions(request.step))
-            view = LeaderView(sorted(taken), listing,
-                              max([*seen, session.root.latest_seq()]), session.root.quarantined())
+            view = LeaderView(
+                sorted(taken), listing, max([*seen, session.root.latest_seq()]), session.root.quarantined()
+            )
         return PlanReport(request.targets, view, (request.step, request.overwrite))
 
     decision: PlanDecision = comm.step(
-        f"save step {request.step}", report,
-        lambda reports: decide_plan(session.url, request.step, request.overwrite, reports), where=session.url)
+        f"save step {request.step}",
+        report,
+        lambda reports: decide_plan(session.url, request.step, request.overwrite, reports),
+        where=session.url,
+    )
     if decision.uncertain:
         artifacts.probe_shared_paths(comm, decision.uncertain, decision.attempt)
     name = CheckpointName(request.step, decision.version)
-    return SavePlan(request.step, name, decision.attempt, session.root.staging_dir(request.step, decision.attempt),
-                    request.targets, decision.previous, decision.seq, decision.quarantined)
+    return SavePlan(
+        request.step,
+        name,
+        decision.attempt,
+        session.root.staging_dir(request.step, decision.attempt),
+        request.targets,
+        decision.previous,
+        decision.seq,
+        decision.quarantined,
+    )
 
 
 def _stage(session: Session, plan: SavePlan) -> None:
@@ -212,26 +229,42 @@ def _stage(session: Session, plan: SavePlan) -> None:
         if session.topo.is_leader:
             session.root.make_staging(plan.step, plan.attempt)
 
-    session.comm.step(f"create the attempt directory for step {plan.step}", make, suffix=plan.intact,
-                      where=session.url, on_error=session.fenced)
+    session.comm.step(
+        f"create the attempt directory for step {plan.step}",
+        make,
+        suffix=plan.intact,
+        where=session.url,
+        on_error=session.fenced,
+    )
 
 
-def _write(session: Session, plan: SavePlan, request: SaveRequest,
-           on_bytes: Callable[[int], None] | None) -> Written:
+def _write(session: Session, plan: SavePlan, request: SaveRequest, on_bytes: Callable[[int], None] | None) -> Written:
     """Plan (agreed) and write this rank's part; a write failure is reported at the commit's agreement."""
     comm, options, storage = session.comm, request.options, session.storage
 
     def before_write() -> StoredArtifacts:
         # The leader created the attempt directory; on NFS another node may not see it yet.
-        storage.wait_visible(os.path.join(plan.staging, layout.DATA_DIR), timeout=options.visibility_timeout_s,
-                             stop_if=session.stop_if_taken_over)
+        storage.wait_visible(
+            os.path.join(plan.staging, layout.DATA_DIR),
+            timeout=options.visibility_timeout_s,
+            stop_if=session.stop_if_taken_over,
+        )
         return artifacts.store(storage, request.file_items, plan.staging, options.checksum)
 
-    writer = GuardedWriter(storage, plan.staging, functools.partial(layout.data_file, comm.rank), comm.rank,
-                           options.checksum, options.io_threads, before_write,
-                           error_root=session.url, on_bytes=on_bytes)
-    planner = DomainSavePlanner([session.topo.domain_of(r) for r in range(comm.world_size)],
-                                cache_key=session.instance, rank=comm.rank)
+    writer = GuardedWriter(
+        storage,
+        plan.staging,
+        functools.partial(layout.data_file, comm.rank),
+        comm.rank,
+        options.checksum,
+        options.io_threads,
+        before_write,
+        error_root=session.url,
+        on_bytes=on_bytes,
+    )
+    planner = DomainSavePlanner(
+        [session.topo.domain_of(r) for r in range(comm.world_size)], cache_key=session.instance, rank=comm.rank
+    )
     plan_collectively(request.state_dict, writer, planner, comm, suffix=plan.intact, what=f"plan step {plan.step}")
     try:
         outcome = writer.write_planned(planner)
@@ -241,8 +274,9 @@ def _write(session: Session, plan: SavePlan, request: SaveRequest,
     return Written(outcome, digests, writer.metadata)
 
 
-def _agree_writes(session: Session, plan: SavePlan, written: Written, user_metadata: dict[str, Any],
-                  options: Options) -> Manifest | None:
+def _agree_writes(
+    session: Session, plan: SavePlan, written: Written, user_metadata: dict[str, Any], options: Options
+) -> Manifest | None:
     """Agree that every rank wrote its part (and no plain value differs across ranks); the leader builds
     one manifest per storage domain. Returns this domain's manifest on its leader, None elsewhere."""
     comm, topo = session.comm, session.topo
@@ -254,27 +288,48 @@ def _agree_writes(session: Session, plan: SavePlan, written: Written, user_metad
 
     # The write phase's agreement; and a plain value that differs across ranks (DCP would keep one
     # rank's copy for all) found from one digest per rank, whatever the values' sizes.
-    differing: list[int] = comm.step(f"write its part of step {plan.step}", report_written, ranks_differing,
-                                     suffix=plan.intact, where=session.url, on_error=session.fenced)
+    differing: list[int] = comm.step(
+        f"write its part of step {plan.step}",
+        report_written,
+        ranks_differing,
+        suffix=plan.intact,
+        where=session.url,
+        on_error=session.fenced,
+    )
     if differing:
         _refuse_divergence(session, plan, written.digests, differing)
 
     def manifests(writes: list[RankWrites]) -> list[Manifest | None]:
         md = written.metadata
         assert md is not None
-        built = build_manifests(topo, plan.name, plan.attempt, options.checksum, writes, user_metadata,
-                                session.dcp_json.get(md) or md, plan.seq)
+        built = build_manifests(
+            topo,
+            plan.name,
+            plan.attempt,
+            options.checksum,
+            writes,
+            user_metadata,
+            session.dcp_json.get(md) or md,
+            plan.seq,
+        )
         if built:
             session.dcp_json.put(md, next(iter(built.values())).dcp)
         return [built.get(r) for r in range(comm.world_size)]
 
-    mine: Manifest | None = comm.step(f"report its part of step {plan.step}", written.report, manifests,
-                                      scatter=True, suffix=plan.intact, where=session.url)
+    mine: Manifest | None = comm.step(
+        f"report its part of step {plan.step}",
+        written.report,
+        manifests,
+        scatter=True,
+        suffix=plan.intact,
+        where=session.url,
+    )
     return mine
 
 
-def _commit(session: Session, plan: SavePlan, mine: Manifest | None, keep: frozenset[int],
-            options: Options) -> SaveOutcome:
+def _commit(
+    session: Session, plan: SavePlan, mine: Manifest | None, keep: frozenset[int], options: Options
+) -> SaveOutcome:
     """Commit one manifest per storage domain (``mine``: this domain's, on its leader), then finish
     (collective). A commit another domain failed is rolled back where this leader published."""
     comm, topo = session.comm, session.topo
@@ -294,8 +349,14 @@ def _commit(session: Session, plan: SavePlan, mine: Manifest | None, keep: froze
         # NFS: every file visible here with its size before the commit names it. Where a write that
         # returned is visible to all (S3), each rank's completed upload already proved its objects:
         # N * F lookups by one leader would cost more than the save at thousands of ranks.
-        commit_when_visible(session.root, plan.staging, mine, not session.storage.visible_once_written,
-                            options.visibility_timeout_s, last_check)
+        commit_when_visible(
+            session.root,
+            plan.staging,
+            mine,
+            not session.storage.visible_once_written,
+            options.visibility_timeout_s,
+            last_check,
+        )
         pub.published = True
         # A stall between that check and the rename (a frozen VM; on NFS, a handle to the staging
         # directory the new holder moved away still works) published into a root another job owns
@@ -316,8 +377,13 @@ def _commit(session: Session, plan: SavePlan, mine: Manifest | None, keep: froze
     try:
         # No suffix here: whether "nothing was committed" is true depends on the failure (below).
         # (session.fenced says "nothing was committed": only true before this leader's commit point.)
-        doomed, agreed = comm.step(f"commit step {plan.step}", publish, after_publish, where=session.url,
-                                   on_error=lambda err: err if pub.published else session.fenced(err))
+        doomed, agreed = comm.step(
+            f"commit step {plan.step}",
+            publish,
+            after_publish,
+            where=session.url,
+            on_error=lambda err: err if pub.published else session.fenced(err),
+        )
     except BaseException as e:
         kept = pub.published  # this leader's publish stands unless it is taken back here
         if pub.published and agreed_failures(e):  # another domain failed: not committed anywhere, roll back
@@ -343,8 +409,9 @@ def _commit(session: Session, plan: SavePlan, mine: Manifest | None, keep: froze
     return SaveOutcome({s: v for s, v in agreed.items() if s not in doomed}, retired)
 
 
-def commit_when_visible(root: Root, staging: str, manifest: Manifest, check_visible: bool, timeout: float,
-                        last_check: Callable[[], None]) -> CheckpointName:
+def commit_when_visible(
+    root: Root, staging: str, manifest: Manifest, check_visible: bool, timeout: float, last_check: Callable[[], None]
+) -> CheckpointName:
     """``root.commit`` of ``manifest``, with (``check_visible``) every file it names checked visible
     with its size (``root.wait_files_visible``) before the commit point.
 
@@ -397,14 +464,20 @@ def _fenced_after_publish(session: Session, plan: SavePlan, err: LeaseLostError)
         listed = None
     published = f"Step {plan.step} was published before this job learned that"
     if listed:
-        outcome = (f"{published}, and it is listed in {session.url}: it is committed (the job that holds the root "
-                   "now keeps it, until its own retention or delete)")
+        outcome = (
+            f"{published}, and it is listed in {session.url}: it is committed (the job that holds the root "
+            "now keeps it, until its own retention or delete)"
+        )
     elif listed is None:
-        outcome = (f"{published}; whether it is still listed could not be read: `ckptguard ls {session.url}` "
-                   f"lists it if it is committed, `ckptguard verify {session.url}` checks it")
+        outcome = (
+            f"{published}; whether it is still listed could not be read: `ckptguard ls {session.url}` "
+            f"lists it if it is committed, `ckptguard verify {session.url}` checks it"
+        )
     else:
-        outcome = (f"{published}, but it is no longer listed in {session.url} (the job that holds the root now "
-                   "took it out): nothing of this save is committed")
+        outcome = (
+            f"{published}, but it is no longer listed in {session.url} (the job that holds the root now "
+            "took it out): nothing of this save is committed"
+        )
     return LeaseLostError(f"{err} {outcome}.", path=err.path)
 
 
@@ -428,15 +501,14 @@ def _discard_attempt(session: Session, plan: SavePlan) -> None:
         try:
             session.root.discard_attempt(plan.staging, plan.name, plan.attempt)
         except LeaseLostError as e:
-            log.info("ckptguard: the failed attempt %s is left to the job that holds the root now: %s",
-                     plan.staging, e)
+            log.info("ckptguard: the failed attempt %s is left to the job that holds the root now: %s", plan.staging, e)
         except (OSError, CheckpointError) as e:
-            log.warning("ckptguard: the failed attempt %s is kept (it is settled by the next save): %s",
-                        plan.staging, e)
+            log.warning(
+                "ckptguard: the failed attempt %s is kept (it is settled by the next save): %s", plan.staging, e
+            )
 
 
-def finish(session: Session, plan: SavePlan, doomed: list[int], agreed: Listing, mine: DomainListing
-           ) -> list[str]:
+def finish(session: Session, plan: SavePlan, doomed: list[int], agreed: Listing, mine: DomainListing) -> list[str]:
     """After a commit (leaders): move `latest`, retire what is no longer needed; what to remove.
     ``mine`` is this domain's listing taken right after the publish (only this job writes the root).
 
@@ -474,8 +546,12 @@ def finish(session: Session, plan: SavePlan, doomed: list[int], agreed: Listing,
         retired.extend(garbage.trash)
         # Quarantine records of what is gone now (the replaced version of a quarantined step included).
         gone = set(doomed_dirs + stray)
-        root.prune_quarantine({s: {v: q for v, q in versions.items() if root.dir(CheckpointName(s, v)) not in gone}
-                               for s, versions in mine.items()})
+        root.prune_quarantine(
+            {
+                s: {v: q for v, q in versions.items() if root.dir(CheckpointName(s, v)) not in gone}
+                for s, versions in mine.items()
+            }
+        )
     except LeaseLostError as e:
         e.args = (f"step {plan.step} is committed, but {e}",)
         raise

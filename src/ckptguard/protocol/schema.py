@@ -123,5 +123,4 @@ class Tables(msgspec.Struct, array_like=True):
     dcp: DcpBody
 
 
-__all__ = ["ArtifactBody", "DcpBody", "DcpEntry", "DomainBody", "FileColumns", "ManifestBody", "RowsHeader",
-           "Tables"]
+__all__ = ["ArtifactBody", "DcpBody", "DcpEntry", "DomainBody", "FileColumns", "ManifestBody", "RowsHeader", "Tables"]

@@ -100,22 +100,36 @@ class Session:
         return LeaseLostError(
             f"this job no longer holds the lease on {self.url}: {rec.describe()} took it over (this job's "
             f"lease expired: it stalled, or its renewals failed), and moved this save's attempt away; nothing "
-            f"of this save was committed.{cause}", path=self.storage.path(layout.LEASE))
+            f"of this save was committed.{cause}",
+            path=self.storage.path(layout.LEASE),
+        )
 
 
-def open_session(comm: Comm, root: Root, options: Options, *, read_only: bool,
-                 job_id: str | None, lease_ttl_s: float, lease_wait_s: float | None) -> Session:
+def open_session(
+    comm: Comm,
+    root: Root,
+    options: Options,
+    *,
+    read_only: bool,
+    job_id: str | None,
+    lease_ttl_s: float,
+    lease_wait_s: float | None,
+) -> Session:
     """Probe which ranks share the root, agree on ids, and take the lease (collective). (The four
     keyword-only parameters are the Checkpointer's own arguments, passed through unchanged.)"""
     storage = root.storage
     if not read_only:
-        comm.step(f"create the checkpoint root {storage.root}", lambda: storage.makedirs(
-            storage.path(layout.CONTROL)), where=storage.root)
+        comm.step(
+            f"create the checkpoint root {storage.root}",
+            lambda: storage.makedirs(storage.path(layout.CONTROL)),
+            where=storage.root,
+        )
     topo = root.probe_domains(comm, write=not read_only)
     comm.set_domains([list(d) for d in topo.domains])
     # Identical on every rank (DCP's plan cache must be hit or missed by all ranks alike).
-    instance, holder = comm.step("agree on this Checkpointer's ids",
-                                 decide_fn=lambda _: (uuid.uuid4().hex, new_holder_id()))
+    instance, holder = comm.step(
+        "agree on this Checkpointer's ids", decide_fn=lambda _: (uuid.uuid4().hex, new_holder_id())
+    )
     session = Session(comm, storage, root, topo, options, instance)
     if not read_only:
         session.holder = holder
@@ -123,8 +137,7 @@ def open_session(comm: Comm, root: Root, options: Options, *, read_only: bool,
         def take_lease() -> None:
             if topo.is_leader:
                 lease = Lease(storage, holder, job_identity(job_id), lease_ttl_s)
-                lease.acquire(lease_wait_s if lease_wait_s is not None else lease_ttl_s * 1.5,
-                              fence=root.fence_staging)
+                lease.acquire(lease_wait_s if lease_wait_s is not None else lease_ttl_s * 1.5, fence=root.fence_staging)
                 session.lease = lease
                 root.set_fence(functools.partial(_check_lease, lease))
                 root.after_lease()

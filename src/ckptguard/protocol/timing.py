@@ -63,5 +63,4 @@ class PhaseTimer:
 
     def __repr__(self) -> str:
         parts = ", ".join(f"{k} {v:.3f}s" for k, v in self.seconds.items())
-        return (f"{self.total:.3f}s ({parts}), caller blocked {self.blocked:.3f}s, "
-                f"{self.bytes} bytes on this rank")
+        return f"{self.total:.3f}s ({parts}), caller blocked {self.blocked:.3f}s, {self.bytes} bytes on this rank"

@@ -110,8 +110,9 @@ def _all_hosts(comm: Comm) -> list[str]:
     return hosts
 
 
-def probe_storage_domains(comm: Comm, storage: StorageBackend, attempts: int = 3,
-                          probe_prefix: str = layout.PROBE + "/") -> Topology:
+def probe_storage_domains(
+    comm: Comm, storage: StorageBackend, attempts: int = 3, probe_prefix: str = layout.PROBE + "/"
+) -> Topology:
     """Run the probe (collective). Raises CheckpointError if a rank cannot write to the root.
 
     Probe directories are ``ROOT/<probe_prefix><nonce>``.
@@ -124,12 +125,18 @@ def probe_storage_domains(comm: Comm, storage: StorageBackend, attempts: int = 3
         nonce: str = comm.step("start a storage probe", decide_fn=lambda _: uuid.uuid4().hex)
         probe_dir = storage.path(probe_prefix + nonce)
         # 1. every rank leaves a mark; the agreement means every mark is written
-        comm.step("write a probe file into the checkpoint root",
-                  functools.partial(_leave_mark, storage, probe_dir, comm.rank, nonce), where=storage.root)
+        comm.step(
+            "write a probe file into the checkpoint root",
+            functools.partial(_leave_mark, storage, probe_dir, comm.rank, nonce),
+            where=storage.root,
+        )
         # 2. look
-        domains, problem = comm.step("look for the other ranks' probe files",
-                                     functools.partial(_look, storage, probe_dir, comm.rank, my_first, nonce),
-                                     lambda reports: _decide(reports, hosts, host_first), where=storage.root)
+        domains, problem = comm.step(
+            "look for the other ranks' probe files",
+            functools.partial(_look, storage, probe_dir, comm.rank, my_first, nonce),
+            lambda reports: _decide(reports, hosts, host_first),
+            where=storage.root,
+        )
         # 3. clean up: each domain leader removes the probe directory it sees
         if domains and comm.rank in (d[0] for d in domains):
             storage.remove_tree(probe_dir)
@@ -176,8 +183,9 @@ def _list_marks(storage: StorageBackend, probe_dir: str) -> list[int]:
     return sorted(seen)
 
 
-def _decide(reports: list[dict[str, Any]], hosts: list[str], host_first: dict[str, int]
-            ) -> tuple[tuple[tuple[int, ...], ...], str]:
+def _decide(
+    reports: list[dict[str, Any]], hosts: list[str], host_first: dict[str, int]
+) -> tuple[tuple[tuple[int, ...], ...], str]:
     """From what every rank saw, the storage domains; or () and the inconsistency found.
 
     Ranks sharing storage must all see the same set of marks, so listers are
@@ -207,8 +215,10 @@ def _decide(reports: list[dict[str, Any]], hosts: list[str], host_first: dict[st
             seen = from_ranges(list(key))
             extra = sorted(seen - set(members))[:5]
             missing = sorted(set(members) - seen)[:5]
-            return (), (f"ranks {_fmt_ranks(members[:5])}... see ranks {extra} whose own view differs, "
-                        f"and are seen by none of {missing}")
+            return (), (
+                f"ranks {_fmt_ranks(members[:5])}... see ranks {extra} whose own view differs, "
+                f"and are seen by none of {missing}"
+            )
         domains.append(tuple(members))
     return tuple(sorted(domains, key=lambda d: d[0])), ""
 
@@ -230,15 +240,20 @@ def probe_object_store(comm: Comm, storage: StorageBackend, write: bool = True) 
     nonce: str = comm.step("start a storage probe", decide_fn=lambda _: uuid.uuid4().hex)
     probe_dir = storage.path(layout.PROBE + "/" + nonce)
     mark = os.path.join(probe_dir, f"rank-{comm.rank}")
-    comm.step("write a probe object into the checkpoint root",
-              functools.partial(_leave_mark, storage, probe_dir, comm.rank, nonce), where=storage.root)
+    comm.step(
+        "write a probe object into the checkpoint root",
+        functools.partial(_leave_mark, storage, probe_dir, comm.rank, nonce),
+        where=storage.root,
+    )
 
     def look() -> None:
         if not _sees(storage, probe_dir, 0, nonce):
             raise StorageError(
                 f"rank {comm.rank} cannot see the probe object rank 0 wrote to {storage.root}: the ranks reach "
                 "different object stores (check AWS_ENDPOINT_URL, storage_options and credentials on every node)",
-                rank=comm.rank, path=probe_dir)
+                rank=comm.rank,
+                path=probe_dir,
+            )
 
     try:
         comm.step("read rank 0's probe object", look, where=storage.root)

@@ -53,13 +53,16 @@ _HEX[list(b"\x000123456789abcdefABCDEF")] = True
 def check_head(body: ManifestBody, rows_bytes: int) -> None:
     """What the head says about itself and its row section (before the row section is decoded)."""
     _expect(body.format == FORMAT, "wrong format tag")
-    _expect(body.format_version == FORMAT_VERSION,
-            f"format_version {body.format_version!r} is not supported by this ckptguard "
-            f"(expects {FORMAT_VERSION}); upgrade ckptguard")
-    _expect(body.rows.encoding == ROWS_ENCODING, f"rows.encoding {body.rows.encoding[:40]!r} is not "
-                                                 f"{ROWS_ENCODING!r}")
-    _expect(body.rows.bytes == rows_bytes, f"the row section has {rows_bytes} bytes, the head says "
-                                           f"{body.rows.bytes} (truncated or appended to)")
+    _expect(
+        body.format_version == FORMAT_VERSION,
+        f"format_version {body.format_version!r} is not supported by this ckptguard "
+        f"(expects {FORMAT_VERSION}); upgrade ckptguard",
+    )
+    _expect(body.rows.encoding == ROWS_ENCODING, f"rows.encoding {body.rows.encoding[:40]!r} is not {ROWS_ENCODING!r}")
+    _expect(
+        body.rows.bytes == rows_bytes,
+        f"the row section has {rows_bytes} bytes, the head says {body.rows.bytes} (truncated or appended to)",
+    )
 
 
 def check_manifest(m: Manifest, dcp: DcpBody, part: tuple[int, int] = (0, 1)) -> None:
@@ -110,7 +113,9 @@ def check_whole_reads(m: Manifest, declared: Mapping[str, int], path: str) -> No
             raise CorruptCheckpointError(
                 f"{path}: dcp.state_dict[{fqn[:100]!r}] declares {nbytes} bytes, this manifest stores "
                 f"{int(stored.get(fqn, 0))} for it (storage domain {m.domain_index} of {m.domain_count}): "
-                "a read would allocate what it cannot fill; read it where every byte is stored", path=path)
+                "a read would allocate what it cannot fill; read it where every byte is stored",
+                path=path,
+            )
 
 
 def _dcp_entries(entries: dict[str, DcpEntry], part: tuple[int, int]) -> None:
@@ -122,18 +127,25 @@ def _dcp_entries(entries: dict[str, DcpEntry], part: tuple[int, int]) -> None:
     for nm, e in mine:
         where = f"dcp.state_dict[{nm[:100]!r}]"
         if e.type == "bytes":
-            _expect(e.dtype is None and e.size is None and e.chunks is None, f"{where}: an object entry with a "
-                                                                              "tensor's fields")
+            _expect(
+                e.dtype is None and e.size is None and e.chunks is None,
+                f"{where}: an object entry with a tensor's fields",
+            )
             continue
         _expect(e.type == "tensor", f"{where}: type {e.type[:40]!r} is neither tensor nor bytes")
-        _expect(e.dtype is not None and e.dtype in ITEMSIZES, f"{where}: dtype {str(e.dtype)[:40]!r} is not one "
-                                                               "a tensor has")
+        _expect(
+            e.dtype is not None and e.dtype in ITEMSIZES,
+            f"{where}: dtype {str(e.dtype)[:40]!r} is not one a tensor has",
+        )
         _expect(e.requires_grad is not None, f"{where}: requires_grad is missing")
         size, flat = e.size, e.chunks
-        _expect(size is not None and len(size) <= MAX_NDIM and min(size, default=0) >= 0,
-                f"{where}: size {str(size)[:100]} is not a list of integers >= 0")
-        _expect(flat is not None and min(flat, default=0) >= 0, f"{where}: chunk offsets and sizes must be "
-                                                                 "integers >= 0")
+        _expect(
+            size is not None and len(size) <= MAX_NDIM and min(size, default=0) >= 0,
+            f"{where}: size {str(size)[:100]} is not a list of integers >= 0",
+        )
+        _expect(
+            flat is not None and min(flat, default=0) >= 0, f"{where}: chunk offsets and sizes must be integers >= 0"
+        )
         assert size is not None and flat is not None
         _expect(addressable(size), f"{where}: size {size[:8]} has more elements than a tensor can address")
         _expect(len(flat) % (2 * len(size) or 1) == 0, f"{where}: its chunk list is not whole chunks")
@@ -146,27 +158,32 @@ def _planner_paths(planner: dict[str, list[str | int]]) -> None:
     entries = len(planner)
     kinds: dict[tuple[str | int, ...], str] = {}
     for k, path in planner.items():
-        _expect(0 < len(path) <= MAX_VALUE_DEPTH and type(path[0]) is str
-                and all(type(p) is str or (type(p) is int and 0 <= p < entries) for p in path),
-                f"planner_data[{k[:100]!r}]: bad planner path {str(path)[:100]}")
+        _expect(
+            0 < len(path) <= MAX_VALUE_DEPTH
+            and type(path[0]) is str
+            and all(type(p) is str or (type(p) is int and 0 <= p < entries) for p in path),
+            f"planner_data[{k[:100]!r}]: bad planner path {str(path)[:100]}",
+        )
         for i, p in enumerate([*path, None]):
             kind = "value" if p is None else type(p).__name__
-            _expect(kinds.setdefault(tuple(path[:i]), kind) == kind,
-                    f"planner_data[{k[:100]!r}]: bad planner path {str(path)[:100]}: it nests where another "
-                    "path does not")
+            _expect(
+                kinds.setdefault(tuple(path[:i]), kind) == kind,
+                f"planner_data[{k[:100]!r}]: bad planner path {str(path)[:100]}: it nests where another path does not",
+            )
 
 
 def _domain(m: Manifest) -> None:
     """The storage domain: one of ``count`` (at most one per rank), its ranks distinct, ascending and of
     the world (a reader bounds a tensor by what this manifest stores only where it is the one domain)."""
-    _expect(m.domain_count <= m.world_size, f"domain.count {m.domain_count} is more than world_size "
-                                            f"{m.world_size}")
-    _expect(m.domain_index < m.domain_count, f"domain.index {m.domain_index} is not below domain.count "
-                                             f"{m.domain_count}")
+    _expect(m.domain_count <= m.world_size, f"domain.count {m.domain_count} is more than world_size {m.world_size}")
+    _expect(
+        m.domain_index < m.domain_count, f"domain.index {m.domain_index} is not below domain.count {m.domain_count}"
+    )
     ranks = m.domain_ranks
-    _expect(bool(ranks) and all(a < b for a, b in pairwise(ranks))
-            and ranks[-1] < m.world_size,
-            f"domain.ranks {ranks[:8]} must be distinct ranks below world_size {m.world_size}, ascending")
+    _expect(
+        bool(ranks) and all(a < b for a, b in pairwise(ranks)) and ranks[-1] < m.world_size,
+        f"domain.ranks {ranks[:8]} must be distinct ranks below world_size {m.world_size}, ascending",
+    )
 
 
 def _artifacts(m: Manifest) -> None:
@@ -179,8 +196,7 @@ def _artifacts(m: Manifest) -> None:
         _expect(a.kind in ("file", "dir"), f"{where}: kind must be file or dir")
         _expect((a.rank, a.key) not in seen, f"{where} is listed twice")
         seen.add((a.rank, a.key))
-        _expect(a.kind == "dir" or len(a.files) == 1, f"{where}: a file artifact has one file row, "
-                                                      f"not {len(a.files)}")
+        _expect(a.kind == "dir" or len(a.files) == 1, f"{where}: a file artifact has one file row, not {len(a.files)}")
         _expect(a.rank < m.world_size, f"{where}: rank {a.rank} is not below world_size {m.world_size}")
         for rel, stored in a.files:
             _relpath(rel, f"{where} relative path")
@@ -188,14 +204,18 @@ def _artifacts(m: Manifest) -> None:
             f = files.get(stored)
             _expect(f is not None, f"{where}: its file {stored[:200]!r} is not in the manifest's file list")
             assert f is not None
-            _expect(f.checksum is not None and f.rank == a.rank,
-                    f"{where}: its file {stored[:200]!r} is not a file of rank {a.rank} with a checksum")
+            _expect(
+                f.checksum is not None and f.rank == a.rank,
+                f"{where}: its file {stored[:200]!r} is not a file of rank {a.rank} with a checksum",
+            )
             named.add(stored)
     # A file with its own checksum is an artifact's (data files are covered by their items): one that no
     # artifact row names was not written by a save.
     orphans = [f.path for f in m.files if f.checksum is not None and f.path not in named]
-    _expect(not orphans, f"files: {orphans[0][:200]!r} has a checksum of its own, and no artifact names it"
-            if orphans else "")
+    _expect(
+        not orphans,
+        f"files: {orphans[0][:200]!r} has a checksum of its own, and no artifact names it" if orphans else "",
+    )
 
 
 def _item_checksums(table: ItemTable) -> None:
@@ -220,16 +240,20 @@ def _str(v: Any, what: str) -> str:
 
 def _attempt(v: Any) -> str:
     # Object stores read a checkpoint's data under staging/step-N.<attempt>: a path part, so hex only.
-    _expect(isinstance(v, str) and re.fullmatch(ATTEMPT_PATTERN, v) is not None,
-            f"attempt {str(v)[:100]!r} must be 16-64 hex digits")
+    _expect(
+        isinstance(v, str) and re.fullmatch(ATTEMPT_PATTERN, v) is not None,
+        f"attempt {str(v)[:100]!r} must be 16-64 hex digits",
+    )
     return str(v)
 
 
 def _relpath(v: Any, what: str) -> str:
     p = _str(v, what)
     parts = p.split("/")
-    _expect(bool(p) and not p.startswith("/") and ".." not in parts and "" not in parts and "\\" not in p,
-            f"{what} {p!r} must be a plain relative path inside the checkpoint")
+    _expect(
+        bool(p) and not p.startswith("/") and ".." not in parts and "" not in parts and "\\" not in p,
+        f"{what} {p!r} must be a plain relative path inside the checkpoint",
+    )
     return p
 
 
@@ -251,8 +275,9 @@ def _items(table: ItemTable, files: list[FileEntry]) -> None:
         rows = np.flatnonzero(has_shape)
         size = itemsize[table.dtype[rows]]
         length = table.length[rows]
-        ok = bool(np.all(size > 0)) and bool(np.all(
-            (length % np.maximum(size, 1) == 0) & (length // np.maximum(size, 1) == _products(table, rows))))
+        ok = bool(np.all(size > 0)) and bool(
+            np.all((length % np.maximum(size, 1) == 0) & (length // np.maximum(size, 1) == _products(table, rows)))
+        )
     if not ok:
         _check_items(table.rows(), files)
 
@@ -277,20 +302,25 @@ def _check_items(items: list[StoredItem], files: list[FileEntry]) -> None:
     """Row by row, what ``_items`` checks on whole columns: raises naming the first bad item."""
     sizes = {f.path: f.size for f in files}
     for fqn, _, file, offset, length, _, dtype, shape in items:
-        _expect(offset + length <= sizes[file], f"item {fqn[:100]!r} claims bytes {offset}..{offset + length} "
-                                                f"of {file}, which has {sizes[file]}")
+        _expect(
+            offset + length <= sizes[file],
+            f"item {fqn[:100]!r} claims bytes {offset}..{offset + length} of {file}, which has {sizes[file]}",
+        )
         if shape is not None:
             itemsize = ITEMSIZES.get(dtype) if dtype is not None else None
             _expect(dtype is not None, "item shape without dtype")
             _expect(itemsize is not None, f"item {fqn[:100]!r} has unknown dtype {str(dtype)[:40]!r}")
-            _expect(math.prod(shape) * (itemsize or 0) == length,
-                    f"item {fqn[:100]!r}: shape {list(shape)[:8]} of {dtype} does not match its {length} bytes")
+            _expect(
+                math.prod(shape) * (itemsize or 0) == length,
+                f"item {fqn[:100]!r}: shape {list(shape)[:8]} of {dtype} does not match its {length} bytes",
+            )
         else:
             _expect(dtype is None, "item dtype without shape")
 
 
-def _check_dcp_agrees(dcp: dict[str, Any], entries: dict[str, DcpEntry], table: ItemTable,
-                      part: tuple[int, int] = (0, 1)) -> None:
+def _check_dcp_agrees(
+    dcp: dict[str, Any], entries: dict[str, DcpEntry], table: ItemTable, part: tuple[int, int] = (0, 1)
+) -> None:
     """``_check_dcp_agrees_with_items`` on whole columns, for the names of ``part`` (k, n): the k-th of
     every n in the table's name list; a manifest that fails is walked row by row."""
     if not len(table):
@@ -310,8 +340,16 @@ def _entries_agree(entries: dict[str, DcpEntry], table: ItemTable, part: tuple[i
     # The names of this part, each at its position in it: (name index - first) / every.
     got = list(map(entries.get, table.names[first::every]))
     named = np.fromiter((e is not None for e in got), bool, len(got))
-    shapes = [(e.dtype, e.size) if e is not None and e.type == "tensor" and e.dtype is not None
-              and e.size is not None and len(e.size) <= MAX_NDIM else None for e in got]
+    shapes = [
+        (e.dtype, e.size)
+        if e is not None
+        and e.type == "tensor"
+        and e.dtype is not None
+        and e.size is not None
+        and len(e.size) <= MAX_NDIM
+        else None
+        for e in got
+    ]
     # Per name: the index in table.dtypes of a well-formed tensor entry's dtype (else -1), its number of
     # dimensions (else 0), and the sizes of the well-formed entries one after another.
     entry_dtype = [-1 if t is None else dtype_at.get(t[0], -1) for t in shapes]
@@ -327,8 +365,11 @@ def _entries_agree(entries: dict[str, DcpEntry], table: ItemTable, part: tuple[i
     ndim = table.shape_ndim[rows]
     nd = np.array(size_ndim, dtype=np.int64)
     off_ndim = table.offsets_ndim[rows]
-    if not (np.array_equal(np.array(entry_dtype, dtype=np.int64)[names], table.dtype[rows])
-            and np.array_equal(nd[names], ndim) and bool(np.all((off_ndim == ndim) | (off_ndim < 0)))):
+    if not (
+        np.array_equal(np.array(entry_dtype, dtype=np.int64)[names], table.dtype[rows])
+        and np.array_equal(nd[names], ndim)
+        and bool(np.all((off_ndim == ndim) | (off_ndim < 0)))
+    ):
         return False
     total = int(ndim.sum())
     if not total:
@@ -349,8 +390,9 @@ def _entries_agree(entries: dict[str, DcpEntry], table: ItemTable, part: tuple[i
     return bool(np.all((d < 0) | ((k <= d) & (o <= d - k))))
 
 
-def _check_chunks_agree(entries: dict[str, DcpEntry], table: ItemTable, whole: bool,
-                        part: tuple[int, int] = (0, 1)) -> None:
+def _check_chunks_agree(
+    entries: dict[str, DcpEntry], table: ItemTable, whole: bool, part: tuple[int, int] = (0, 1)
+) -> None:
     """DCP's chunk list of every tensor is what the items store: a load plans its reads from the chunk
     list, while ``verify``, ``read``'s files and ``export`` go by the items, so a manifest whose two
     halves disagree (corrupt, or re-sealed by hand) must be refused by all of them. Each chunk lies
@@ -378,8 +420,7 @@ def _check_chunks_agree(entries: dict[str, DcpEntry], table: ItemTable, whole: b
             _invalid(f"dcp.state_dict[{nm[:100]!r}]: size {size[:8]} is not a list of integers >= 0")
         if 0 in size and not addressable(size):  # no bytes bound the other dimensions, and torch
             # computes an empty tensor's strides
-            _invalid(f"dcp.state_dict[{nm[:100]!r}]: size {size[:8]} has more elements than a "
-                     "tensor can address")
+            _invalid(f"dcp.state_dict[{nm[:100]!r}]: size {size[:8]} has more elements than a tensor can address")
         k = index.get(nm, -1)
         n = count[k] if k >= 0 else 0
         if whole_chunk(size, flat):
@@ -393,8 +434,9 @@ def _check_chunks_agree(entries: dict[str, DcpEntry], table: ItemTable, whole: b
         _check_sharded_chunks(sharded, table, rows, whole)
 
 
-def _check_sharded_chunks(sharded: list[tuple[str, DcpEntry, int]], table: ItemTable, rows: np.ndarray,
-                          whole: bool) -> None:
+def _check_sharded_chunks(
+    sharded: list[tuple[str, DcpEntry, int]], table: ItemTable, rows: np.ndarray, whole: bool
+) -> None:
     """``_check_chunks_agree`` for tensors of several chunks (or one that is not the whole tensor)."""
     by_name = rows[np.argsort(table.name[rows], kind="stable")]
     bounds = np.searchsorted(table.name[by_name], np.arange(len(table.names) + 1)).tolist()
@@ -410,29 +452,47 @@ def _check_sharded_chunks(sharded: list[tuple[str, DcpEntry, int]], table: ItemT
         except OverflowError:
             raise CheckpointError(f"{where}: a chunk or size beyond 2**63") from None
         offsets, sizes = chunks[:, :ndim], chunks[:, ndim:]
-        _expect(bool(np.all((sizes <= size) & (offsets <= size - sizes))), f"{where}: a chunk lies outside "
-                                                                           f"its size {e.size[:8]}")
+        _expect(
+            bool(np.all((sizes <= size) & (offsets <= size - sizes))),
+            f"{where}: a chunk lies outside its size {e.size[:8]}",
+        )
         in_range = float(np.prod(sizes.astype(np.float64), axis=1).sum()) < 2.0**62  # int64 sums then exact
-        _expect(in_range and int(np.prod(sizes, axis=1).sum()) == math.prod(e.size),
-                f"{where}: its chunks do not add up to its size {e.size[:8]}")
-        mine = by_name[bounds[k]:bounds[k + 1]] if k >= 0 else by_name[:0]
-        _expect(len(mine) <= len(chunks) and (len(mine) == len(chunks) or not whole),
-                f"{where} lists {len(chunks)} chunk(s), the items store {len(mine)}")
+        _expect(
+            in_range and int(np.prod(sizes, axis=1).sum()) == math.prod(e.size),
+            f"{where}: its chunks do not add up to its size {e.size[:8]}",
+        )
+        mine = by_name[bounds[k] : bounds[k + 1]] if k >= 0 else by_name[:0]
+        _expect(
+            len(mine) <= len(chunks) and (len(mine) == len(chunks) or not whole),
+            f"{where} lists {len(chunks)} chunk(s), the items store {len(mine)}",
+        )
         if len(mine):
             _check_stored_chunks_listed(table, mine, chunks, off_start, shape_start, whole, where)
         # Every load plans one read per listed chunk: a gap would be left unread, an overlap read twice.
-        _expect(covers_once(e.size, chunks), f"{where}: its chunks do not cover the tensor exactly once "
-                                             "(two overlap, and leave a gap)")
+        _expect(
+            covers_once(e.size, chunks),
+            f"{where}: its chunks do not cover the tensor exactly once (two overlap, and leave a gap)",
+        )
 
 
-def _check_stored_chunks_listed(table: ItemTable, mine: np.ndarray, chunks: np.ndarray, off_start: np.ndarray,
-                                shape_start: np.ndarray, whole: bool, where: str) -> None:
+def _check_stored_chunks_listed(
+    table: ItemTable,
+    mine: np.ndarray,
+    chunks: np.ndarray,
+    off_start: np.ndarray,
+    shape_start: np.ndarray,
+    whole: bool,
+    where: str,
+) -> None:
     """The chunks the items of one tensor store are its listed ``chunks`` (all of them if ``whole``)."""
     ndim = chunks.shape[1] // 2
     cols = np.arange(ndim)
     has_off = table.offsets_ndim[mine] >= 0
-    item_off = np.where(has_off[:, None], table.offsets[np.where(has_off[:, None], off_start[mine][:, None] + cols,
-                                                                  0)] if len(table.offsets) else 0, 0)
+    item_off = np.where(
+        has_off[:, None],
+        table.offsets[np.where(has_off[:, None], off_start[mine][:, None] + cols, 0)] if len(table.offsets) else 0,
+        0,
+    )
     item_shape = table.shape[shape_start[mine][:, None] + cols]
     stored = _as_rows(np.concatenate([item_off, item_shape], axis=1))
     listed = _as_rows(chunks)
@@ -462,16 +522,21 @@ def _check_dcp_agrees_with_items(dcp: dict[str, Any], items: Sequence[StoredItem
             continue
         where = f"item {item.fqn[:100]!r} and dcp.state_dict[{item.fqn[:100]!r}]"
         _expect(entry.get("type") == "tensor", f"{where} disagree: a tensor row for an object entry")
-        _expect(entry.get("dtype") == item.dtype,
-                f"{where} disagree on the dtype ({item.dtype} vs {str(entry.get('dtype'))[:40]})")
+        _expect(
+            entry.get("dtype") == item.dtype,
+            f"{where} disagree on the dtype ({item.dtype} vs {str(entry.get('dtype'))[:40]})",
+        )
         size: Any = entry.get("size")
-        _expect(type(size) is list and len(size) == len(item.shape),
-                f"{where} disagree on the number of dimensions ({len(item.shape)} vs {str(size)[:80]})")
+        _expect(
+            type(size) is list and len(size) == len(item.shape),
+            f"{where} disagree on the number of dimensions ({len(item.shape)} vs {str(size)[:80]})",
+        )
         offsets = item.offsets if item.offsets is not None else (0,) * len(item.shape)
         inside = len(offsets) == len(item.shape) and all(  # a negative size: refused by metadata_from_json
-            type(n) is int and (n < 0 or o + k <= n) for o, k, n in zip(offsets, item.shape, size, strict=True))
-        _expect(inside,
-                f"{where} disagree on the size: the chunk at {list(offsets)[:8]} of shape "
-                f"{list(item.shape)[:8]} is not inside {str(size)[:80]}")
-
-
+            type(n) is int and (n < 0 or o + k <= n) for o, k, n in zip(offsets, item.shape, size, strict=True)
+        )
+        _expect(
+            inside,
+            f"{where} disagree on the size: the chunk at {list(offsets)[:8]} of shape "
+            f"{list(item.shape)[:8]} is not inside {str(size)[:80]}",
+        )

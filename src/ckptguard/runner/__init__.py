@@ -69,9 +69,15 @@ class Attempt:
     decision: str = ""
 
     def to_json(self) -> dict[str, object]:
-        return {"attempt": self.number, "dir": self.dir, "exit_status": self.status,
-                "resumed_from": self.resumed_from, "reached": self.reached, "failure": self.failure,
-                "decision": self.decision}
+        return {
+            "attempt": self.number,
+            "dir": self.dir,
+            "exit_status": self.status,
+            "resumed_from": self.resumed_from,
+            "reached": self.reached,
+            "failure": self.failure,
+            "decision": self.decision,
+        }
 
 
 def _say(text: str) -> None:
@@ -113,8 +119,10 @@ def run(opts: RunOptions, env: Mapping[str, str] | None = None) -> int:
 
         unknown = [c for c in opts.restart_on if c not in load_kb()]
         if unknown:
-            _say(f"ckptguard run: --restart-on: unknown failure class(es) {', '.join(unknown)} "
-                 f"(`ckptguard explain` lists them)\n")
+            _say(
+                f"ckptguard run: --restart-on: unknown failure class(es) {', '.join(unknown)} "
+                f"(`ckptguard explain` lists them)\n"
+            )
             return RUNNER_ERROR
     job_id = opts.job_id or logdir.job_id_from_env(env)
     opts.logs = os.path.abspath(opts.logs)
@@ -146,8 +154,10 @@ def run(opts: RunOptions, env: Mapping[str, str] | None = None) -> int:
             _say(f"ckptguard run: not restarted: {why}\n")
             break
         wait = min(opts.backoff_s * 2 ** (len(attempts) - 1), restart.MAX_BACKOFF_S)
-        _say(f"ckptguard run: restarting (attempt {len(attempts) + 1} of at most {opts.max_restarts + 1}) in "
-             f"{wait:g} s: {why}\n")
+        _say(
+            f"ckptguard run: restarting (attempt {len(attempts) + 1} of at most {opts.max_restarts + 1}) in "
+            f"{wait:g} s: {why}\n"
+        )
         if _sleep_unless_signalled(wait):
             break
     if len(attempts) > 1 or opts.max_restarts:
@@ -202,9 +212,16 @@ def _sleep_unless_signalled(seconds: float) -> bool:
     return bool(got)
 
 
-def _run_and_explain(opts: RunOptions, env: Mapping[str, str], me: logdir.HostRun, out: StreamCapture,
-                     err: StreamCapture, hook: _Hook, attempts: list[Attempt],
-                     resumed_from: int | None) -> tuple[int, Diagnosis | None, bool]:
+def _run_and_explain(
+    opts: RunOptions,
+    env: Mapping[str, str],
+    me: logdir.HostRun,
+    out: StreamCapture,
+    err: StreamCapture,
+    hook: _Hook,
+    attempts: list[Attempt],
+    resumed_from: int | None,
+) -> tuple[int, Diagnosis | None, bool]:
     """Run one attempt and explain its failure: its status, its diagnosis (None when it succeeded
     or none was made), and whether the runner must stop there (a signal from outside, the command
     not found, a pipeline's reader gone)."""
@@ -233,8 +250,7 @@ def _run_and_explain(opts: RunOptions, env: Mapping[str, str], me: logdir.HostRu
     attempt.status = result.status
     out.close()
     err.close()
-    logdir.finish(me, ended_at=result.ended_at, exit_status=result.status,
-                  signals_forwarded=result.signals_forwarded)
+    logdir.finish(me, ended_at=result.ended_at, exit_status=result.status, signals_forwarded=result.signals_forwarded)
     if result.signal is not None:
         logdir.record_exit(me, result.signal)
     for cap in (out, err):
@@ -253,8 +269,10 @@ def _run_and_explain(opts: RunOptions, env: Mapping[str, str], me: logdir.HostRu
                 raise _Stopped(hook.pending)
             diag = _on_failure(opts, me, result.status, env, hook, attempts)
         except _Stopped as e:
-            _say(f"ckptguard run: signal {e.signum} received: the diagnosis was cut short; "
-                 f"the output is kept in {me.dir}\n")
+            _say(
+                f"ckptguard run: signal {e.signum} received: the diagnosis was cut short; "
+                f"the output is kept in {me.dir}\n"
+            )
             stop = True
     if diag is not None and diag.found:
         attempt.failure = diag.kind or diag.failure_class
@@ -302,8 +320,14 @@ def _signals_end_early() -> Iterator[_Hook]:
             signal.signal(s, h)
 
 
-def _on_failure(opts: RunOptions, me: logdir.HostRun, status: int, env: Mapping[str, str], hook: _Hook,
-                attempts: Sequence[Attempt] = ()) -> Diagnosis | None:
+def _on_failure(
+    opts: RunOptions,
+    me: logdir.HostRun,
+    status: int,
+    env: Mapping[str, str],
+    hook: _Hook,
+    attempts: Sequence[Attempt] = (),
+) -> Diagnosis | None:
     """Diagnose the whole job, print the summary, write the reports, run --on-failure. No failure
     of one stage (an unreadable log, an unreachable checkpoint root) suppresses the others."""
     from ckptguard.runner import report
@@ -326,12 +350,22 @@ def _on_failure(opts: RunOptions, me: logdir.HostRun, status: int, env: Mapping[
         try:
             resume = resume_info(opts.checkpoints, deep=opts.deep)
         except Exception as e:  # the section says why it has no answer
-            resume = ResumeInfo(None, opts.checkpoints, checked="deep" if opts.deep else "quick",
-                                resume_hint=f"no answer: cannot read {opts.checkpoints}: {type(e).__name__}: {e}")
+            resume = ResumeInfo(
+                None,
+                opts.checkpoints,
+                checked="deep" if opts.deep else "quick",
+                resume_hint=f"no answer: cannot read {opts.checkpoints}: {type(e).__name__}: {e}",
+            )
     paths = None
     try:
-        paths = report.write_reports(me.dir, diag, resume, runs, problem=problem,
-                                     attempts=[a.to_json() for a in attempts] if len(attempts) > 1 else None)
+        paths = report.write_reports(
+            me.dir,
+            diag,
+            resume,
+            runs,
+            problem=problem,
+            attempts=[a.to_json() for a in attempts] if len(attempts) > 1 else None,
+        )
     except Exception as e:
         _say(f"ckptguard run: could not write the report into {me.dir} ({type(e).__name__}: {e})\n")
     if diag is not None:
@@ -347,10 +381,18 @@ def _on_failure(opts: RunOptions, me: logdir.HostRun, status: int, env: Mapping[
 
         # What ckptguard adds is masked like the reports; the rest is the user's own environment.
         failure_class = (diag.failure_class or "") if diag is not None else ""
-        hook_env = {**env, **masked({"CKPTGUARD_EXIT_STATUS": str(status), "CKPTGUARD_LOG_DIR": me.dir,
-                                     "CKPTGUARD_REPORT_JSON": paths[0] if paths else "",
-                                     "CKPTGUARD_REPORT_HTML": paths[1] if paths else "",
-                                     "CKPTGUARD_FAILURE_CLASS": failure_class})}
+        hook_env = {
+            **env,
+            **masked(
+                {
+                    "CKPTGUARD_EXIT_STATUS": str(status),
+                    "CKPTGUARD_LOG_DIR": me.dir,
+                    "CKPTGUARD_REPORT_JSON": paths[0] if paths else "",
+                    "CKPTGUARD_REPORT_HTML": paths[1] if paths else "",
+                    "CKPTGUARD_FAILURE_CLASS": failure_class,
+                }
+            ),
+        }
         hook.proc = subprocess.Popen(opts.on_failure, shell=True, env=hook_env, start_new_session=True)
         wait_in_steps(hook.proc)
         rc = hook.proc.returncode

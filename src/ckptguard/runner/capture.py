@@ -59,8 +59,7 @@ class StreamCapture:
 
     def _fail(self, e: OSError) -> None:
         if self.failure is None:
-            self.failure = (f"stopped keeping {os.path.basename(self.path)} after {self.total} bytes: "
-                            f"{e.strerror or e}")
+            self.failure = f"stopped keeping {os.path.basename(self.path)} after {self.total} bytes: {e.strerror or e}"
 
     def _write(self, data: bytes, now: float | None) -> None:
         if self._at_line_start:

@@ -134,8 +134,14 @@ class _Out:
             view = view[n:]
 
 
-def run_child(argv: Sequence[str], env: Mapping[str, str], stdout: StreamCapture, stderr: StreamCapture,
-              on_start: Callable[[int], None] | None = None, watch: HangWatch | None = None) -> ChildResult:
+def run_child(
+    argv: Sequence[str],
+    env: Mapping[str, str],
+    stdout: StreamCapture,
+    stderr: StreamCapture,
+    on_start: Callable[[int], None] | None = None,
+    watch: HangWatch | None = None,
+) -> ChildResult:
     """Run ``argv`` to its end, passing its output through and keeping it; return its status.
     ``watch`` (--hang-timeout) is told of every output and may stop a job that makes no progress.
 
@@ -178,8 +184,14 @@ def run_child(argv: Sequence[str], env: Mapping[str, str], stdout: StreamCapture
     started = time.time()
     try:
         try:
-            proc = subprocess.Popen(list(argv), env=dict(env), stdout=child_ends[0], stderr=child_ends[1],
-                                    start_new_session=True, close_fds=True)
+            proc = subprocess.Popen(
+                list(argv),
+                env=dict(env),
+                stdout=child_ends[0],
+                stderr=child_ends[1],
+                start_new_session=True,
+                close_fds=True,
+            )
         except FileNotFoundError as e:
             raise CommandNotFound(argv[0], 127, "command not found") from e
         except PermissionError as e:
@@ -197,9 +209,14 @@ def run_child(argv: Sequence[str], env: Mapping[str, str], stdout: StreamCapture
         _pump(proc, outs, stdout, stderr, watch)
         ended = time.time()
         assert proc.returncode is not None
-        return ChildResult(exit_status(proc.returncode), forwarded, started, ended,
-                           signal=-proc.returncode if proc.returncode < 0 else None,
-                           reader_gone=any(not o.out_open for o in outs))
+        return ChildResult(
+            exit_status(proc.returncode),
+            forwarded,
+            started,
+            ended,
+            signal=-proc.returncode if proc.returncode < 0 else None,
+            reader_gone=any(not o.out_open for o in outs),
+        )
     finally:
         for s, h in previous.items():
             signal.signal(s, h)
@@ -207,8 +224,13 @@ def run_child(argv: Sequence[str], env: Mapping[str, str], stdout: StreamCapture
             o.close()
 
 
-def _pump(proc: subprocess.Popen[bytes], outs: list[_Out], stdout: StreamCapture, stderr: StreamCapture,
-          watch: HangWatch | None = None) -> None:
+def _pump(
+    proc: subprocess.Popen[bytes],
+    outs: list[_Out],
+    stdout: StreamCapture,
+    stderr: StreamCapture,
+    watch: HangWatch | None = None,
+) -> None:
     """Pass output on until both streams end, or, once the child has exited, until they have been
     quiet for IDLE_AFTER_EXIT_S (at most DRAIN_AFTER_EXIT_S): streams still held open then by the
     child's leftover processes are handed to a detached forwarder (``_hand_off``)."""
@@ -239,8 +261,11 @@ def _pump(proc: subprocess.Popen[bytes], outs: list[_Out], stdout: StreamCapture
             exited_at = now
         if watch is not None and (exited_at is None or watch.fired_at is not None):
             watch.check(proc.pid)
-        if exited_at is not None and not events and (
-                now - last_data > IDLE_AFTER_EXIT_S or now - exited_at > DRAIN_AFTER_EXIT_S):
+        if (
+            exited_at is not None
+            and not events
+            and (now - last_data > IDLE_AFTER_EXIT_S or now - exited_at > DRAIN_AFTER_EXIT_S)
+        ):
             break  # a leftover process of the child holds the stream open: do not wait for it
     sel.close()
     if watch is not None:

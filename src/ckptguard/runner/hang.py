@@ -51,15 +51,61 @@ _FRAME = re.compile(r'^\s+File "(?P<file>.*)", line (?P<line>\d+) in (?P<func>.*
 _THREAD = re.compile(r"^(?P<current>Current thread|Thread) (?P<id>0x[0-9a-f]+)")
 
 # x86_64 and aarch64 system call numbers: (name, index of the path argument or of the fd argument).
-_PATH_CALLS = {"x86_64": {2: ("open", 0), 257: ("openat", 1), 4: ("stat", 0), 6: ("lstat", 0), 262: ("newfstatat", 1),
-                          332: ("statx", 1), 21: ("access", 0), 269: ("faccessat", 1), 258: ("mkdirat", 1),
-                          263: ("unlinkat", 1), 82: ("rename", 0), 264: ("renameat", 1), 316: ("renameat2", 1)},
-               "aarch64": {56: ("openat", 1), 79: ("newfstatat", 1), 291: ("statx", 1), 48: ("faccessat", 1),
-                           34: ("mkdirat", 1), 35: ("unlinkat", 1), 38: ("renameat", 1), 276: ("renameat2", 1)}}
-_FD_CALLS = {"x86_64": {0: "read", 1: "write", 17: "pread64", 18: "pwrite64", 19: "readv", 20: "writev",
-                        74: "fsync", 75: "fdatasync", 73: "flock", 77: "ftruncate", 217: "getdents64"},
-             "aarch64": {63: "read", 64: "write", 67: "pread64", 68: "pwrite64", 65: "readv", 66: "writev",
-                         82: "fsync", 83: "fdatasync", 32: "flock", 46: "ftruncate", 61: "getdents64"}}
+_PATH_CALLS = {
+    "x86_64": {
+        2: ("open", 0),
+        257: ("openat", 1),
+        4: ("stat", 0),
+        6: ("lstat", 0),
+        262: ("newfstatat", 1),
+        332: ("statx", 1),
+        21: ("access", 0),
+        269: ("faccessat", 1),
+        258: ("mkdirat", 1),
+        263: ("unlinkat", 1),
+        82: ("rename", 0),
+        264: ("renameat", 1),
+        316: ("renameat2", 1),
+    },
+    "aarch64": {
+        56: ("openat", 1),
+        79: ("newfstatat", 1),
+        291: ("statx", 1),
+        48: ("faccessat", 1),
+        34: ("mkdirat", 1),
+        35: ("unlinkat", 1),
+        38: ("renameat", 1),
+        276: ("renameat2", 1),
+    },
+}
+_FD_CALLS = {
+    "x86_64": {
+        0: "read",
+        1: "write",
+        17: "pread64",
+        18: "pwrite64",
+        19: "readv",
+        20: "writev",
+        74: "fsync",
+        75: "fdatasync",
+        73: "flock",
+        77: "ftruncate",
+        217: "getdents64",
+    },
+    "aarch64": {
+        63: "read",
+        64: "write",
+        67: "pread64",
+        68: "pwrite64",
+        65: "readv",
+        66: "writev",
+        82: "fsync",
+        83: "fdatasync",
+        32: "flock",
+        46: "ftruncate",
+        61: "getdents64",
+    },
+}
 
 
 def child_env(env: Mapping[str, str], run_dir: str) -> dict[str, str]:
@@ -125,8 +171,10 @@ class HangWatch:
         if now - self.last_progress < self.timeout_s:
             return
         self.fired_at = now
-        sys.stderr.write(f"ckptguard run: no output and no heartbeat from the job for {now - self.last_progress:.0f} s "
-                         f"(--hang-timeout {self.timeout_s:g}): capturing every rank's stack, then stopping it\n")
+        sys.stderr.write(
+            f"ckptguard run: no output and no heartbeat from the job for {now - self.last_progress:.0f} s "
+            f"(--hang-timeout {self.timeout_s:g}): capturing every rank's stack, then stopping it\n"
+        )
         sys.stderr.flush()
         procs = descendants(pid)
         self._victims = [(p, _start_time(p)) for p in procs]
@@ -140,7 +188,6 @@ class HangWatch:
             os.killpg(pid, signal.SIGTERM)
         _signal_all(self._victims, signal.SIGTERM)
         self._kill_at = time.time() + self.grace_s
-
 
     def finish(self) -> None:
         """After the job's own process exited: what it left of a stopped job gets the rest of the
@@ -166,7 +213,7 @@ def _stat_fields(pid: int) -> list[str] | None:
             raw = f.read().decode("utf-8", "replace")
     except OSError:
         return None
-    return raw[raw.rfind(")") + 2:].split()  # fields from the state on (the name may hold spaces)
+    return raw[raw.rfind(")") + 2 :].split()  # fields from the state on (the name may hold spaces)
 
 
 def _start_time(pid: int) -> str:
@@ -265,8 +312,9 @@ def parse_dump(text: str) -> list[list[dict[str, Any]]]:
             continue
         f = _FRAME.match(line)
         if f and threads:
-            threads[-1].append({"file": f.group("file"), "line": int(f.group("line")), "func": f.group("func"),
-                                "current": current})
+            threads[-1].append(
+                {"file": f.group("file"), "line": int(f.group("line")), "func": f.group("func"), "current": current}
+            )
     return [t for t in threads if t]
 
 
@@ -309,8 +357,11 @@ def capture(pids: list[int], run_dir: str, checkpoints: str | None) -> dict[str,
             with contextlib.suppress(OSError), open(p.stack_file, encoding="utf-8", errors="replace") as f:
                 p.threads = parse_dump(f.read())
     _py_spy(procs, stacks)
-    return {"host_pid": os.getpid(), "checkpoints": checkpoints,
-            "processes": [_proc_json(p, checkpoints) for p in procs if p.stack_file or p.rank is not None]}
+    return {
+        "host_pid": os.getpid(),
+        "checkpoints": checkpoints,
+        "processes": [_proc_json(p, checkpoints) for p in procs if p.stack_file or p.rank is not None],
+    }
 
 
 def _size(path: str | None) -> int:
@@ -329,8 +380,13 @@ def _py_spy(procs: list[Proc], stacks: str) -> None:
         if p.stack_file is None:
             continue
         try:
-            r = subprocess.run([exe, "dump", "--native", "--pid", str(p.pid)], capture_output=True, text=True,
-                               timeout=PYSPY_TIMEOUT_S, check=False)
+            r = subprocess.run(
+                [exe, "dump", "--native", "--pid", str(p.pid)],
+                capture_output=True,
+                text=True,
+                timeout=PYSPY_TIMEOUT_S,
+                check=False,
+            )
         except (OSError, subprocess.TimeoutExpired):
             continue
         if r.returncode == 0 and r.stdout.strip():
@@ -341,9 +397,18 @@ def _py_spy(procs: list[Proc], stacks: str) -> None:
 
 def _proc_json(p: Proc, checkpoints: str | None) -> dict[str, Any]:
     state, detail = classify(p.threads, p.syscall, p.path, checkpoints)
-    return {"pid": p.pid, "rank": p.rank, "cmdline": p.cmdline[:500], "stack_file": p.stack_file,
-            "syscall": p.syscall, "path": p.path, "state": state, "detail": detail,
-            "threads": p.threads, "native": p.native is not None}
+    return {
+        "pid": p.pid,
+        "rank": p.rank,
+        "cmdline": p.cmdline[:500],
+        "stack_file": p.stack_file,
+        "syscall": p.syscall,
+        "path": p.path,
+        "state": state,
+        "detail": detail,
+        "threads": p.threads,
+        "native": p.native is not None,
+    }
 
 
 _COLLECTIVE_FILES = ("torch/distributed/distributed_c10d.py",)
@@ -362,8 +427,9 @@ def main_thread(threads: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
     return current[0] if current else (threads[0] if threads else [])
 
 
-def classify(threads: list[list[dict[str, Any]]], syscall: str | None, path: str | None,
-             checkpoints: str | None) -> tuple[str, str]:
+def classify(
+    threads: list[list[dict[str, Any]]], syscall: str | None, path: str | None, checkpoints: str | None
+) -> tuple[str, str]:
     """Where a rank's main thread is: ``(state, detail)``, state one of ``io``, ``collective``,
     ``dataloader``, ``device``, ``user``, ``unknown`` (no stack)."""
     frames = main_thread(threads)
@@ -445,8 +511,9 @@ def stopped_rank(records: list[Mapping[str, Any]]) -> Verdict:
     if not ranks and len(unranked) == 1:  # a plain `python script.py`: the one process is the job
         ranks[0] = unranked[0]
     if not ranks:
-        return Verdict(None, "unknown", "no rank's stack was captured", [], [], None,
-                       "no rank's stack could be captured")
+        return Verdict(
+            None, "unknown", "no rank's stack was captured", [], [], None, "no rank's stack could be captured"
+        )
     in_coll = {r: str(p.get("detail")) for r, p in ranks.items() if p.get("state") == "collective"}
     outside = sorted(r for r in ranks if r not in in_coll)
     ops = Counter(in_coll.values())
@@ -455,9 +522,16 @@ def stopped_rank(records: list[Mapping[str, Any]]) -> Verdict:
         stopped = outside[0]
         waiting = sorted(r for r, op in in_coll.items() if op == main_op)
         p = ranks[stopped]
-        return Verdict(stopped, str(p.get("state")), str(p.get("detail")), waiting, outside[1:], main_op,
-                       f"rank {stopped} is not in the collective {main_op} that {_ranks(waiting)} {_wait(waiting)} in: "
-                       f"it is {p.get('detail')}")
+        return Verdict(
+            stopped,
+            str(p.get("state")),
+            str(p.get("detail")),
+            waiting,
+            outside[1:],
+            main_op,
+            f"rank {stopped} is not in the collective {main_op} that {_ranks(waiting)} {_wait(waiting)} in: "
+            f"it is {p.get('detail')}",
+        )
     if len(ops) > 1:
         main_op, _ = ops.most_common(1)[0]
         odd = sorted(r for r, op in in_coll.items() if op != main_op)
@@ -469,19 +543,40 @@ def stopped_rank(records: list[Mapping[str, Any]]) -> Verdict:
             odd = sorted(r for r, op in in_coll.items() if op == odd_op)
         stopped = odd[0]
         waiting = sorted(r for r, op in in_coll.items() if op == main_op)
-        return Verdict(stopped, "other_collective", in_coll[stopped], waiting, odd[1:], main_op,
-                       f"rank {stopped} waits in {in_coll[stopped]} while {_ranks(waiting)} {_wait(waiting)} in "
-                       f"{main_op}: the ranks called different collectives"
-                       + (" (as many ranks in each: the odd one out is a guess)" if tie else ""))
+        return Verdict(
+            stopped,
+            "other_collective",
+            in_coll[stopped],
+            waiting,
+            odd[1:],
+            main_op,
+            f"rank {stopped} waits in {in_coll[stopped]} while {_ranks(waiting)} {_wait(waiting)} in "
+            f"{main_op}: the ranks called different collectives"
+            + (" (as many ranks in each: the odd one out is a guess)" if tie else ""),
+        )
     if in_coll:
         op = next(iter(ops))
-        return Verdict(None, "collective", op, sorted(in_coll), [], op,
-                       f"every rank captured ({_ranks(sorted(in_coll))}) waits in {op}: the rank they wait for "
-                       "is not among them (another node whose stacks are missing, or a rank that exited)")
+        return Verdict(
+            None,
+            "collective",
+            op,
+            sorted(in_coll),
+            [],
+            op,
+            f"every rank captured ({_ranks(sorted(in_coll))}) waits in {op}: the rank they wait for "
+            "is not among them (another node whose stacks are missing, or a rank that exited)",
+        )
     stopped = outside[0]
     p = ranks[stopped]
-    return Verdict(stopped, str(p.get("state")), str(p.get("detail")), [], outside[1:], None,
-                   f"rank {stopped} is {p.get('detail')}" + (f" (as are {_ranks(outside[1:])})" if outside[1:] else ""))
+    return Verdict(
+        stopped,
+        str(p.get("state")),
+        str(p.get("detail")),
+        [],
+        outside[1:],
+        None,
+        f"rank {stopped} is {p.get('detail')}" + (f" (as are {_ranks(outside[1:])})" if outside[1:] else ""),
+    )
 
 
 _P2P = {"send", "recv", "isend", "irecv", "batch_isend_irecv"}
@@ -514,7 +609,10 @@ def stack_text(threads: list[list[dict[str, Any]]]) -> str:
         frames = [f for f in t if isinstance(f, dict)] if isinstance(t, list) else []
         if not frames:
             continue
-        out.append("Current thread (most recent call first):" if frames[0].get("current") else
-                   "Thread (most recent call first):")
+        out.append(
+            "Current thread (most recent call first):"
+            if frames[0].get("current")
+            else "Thread (most recent call first):"
+        )
         out += [f'  File "{f.get("file")}", line {f.get("line")} in {f.get("func")}' for f in frames]
     return "\n".join(out)

@@ -154,14 +154,24 @@ def create(base: str, argv: list[str], job_id: str | None, attempt: int = 1) -> 
     started = time.time()
     stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(started))
     path = os.path.join(base, f"{stamp}_{host}_{os.getpid()}" + (f"_attempt{attempt}" if attempt > 1 else ""))
-    record = {"host": host, "pid": os.getpid(), "command": argv, "job_id": job_id, "cwd": os.getcwd(),
-              "started_at": started, "ended_at": None, "exit_status": None, "attempt": attempt}
+    record = {
+        "host": host,
+        "pid": os.getpid(),
+        "command": argv,
+        "job_id": job_id,
+        "cwd": os.getcwd(),
+        "started_at": started,
+        "ended_at": None,
+        "exit_status": None,
+        "attempt": attempt,
+    }
     try:
         os.makedirs(path, exist_ok=False)
         _write_json(os.path.join(path, RUN_FILE), record)
     except OSError as e:
-        raise LogDirError(f"cannot write the log directory {base}: {e.strerror or e} "
-                          f"(choose another with --logs DIR)") from e
+        raise LogDirError(
+            f"cannot write the log directory {base}: {e.strerror or e} (choose another with --logs DIR)"
+        ) from e
     return HostRun(path, record)
 
 
@@ -169,8 +179,9 @@ def record_exit(run: HostRun, signum: int) -> None:
     """Write ``exit.log``: the child was ended by signal ``signum`` (seen by the runner, so also
     when the child printed nothing)."""
     with contextlib.suppress(OSError), open(os.path.join(run.dir, EXIT_LOG), "w", encoding="utf-8") as f:
-        f.write(f"ckptguard run: the command {run.record.get('command', ['?'])[0]!s} exits with return code = "
-                f"{-signum}\n")
+        f.write(
+            f"ckptguard run: the command {run.record.get('command', ['?'])[0]!s} exits with return code = {-signum}\n"
+        )
 
 
 def finish(run: HostRun, **fields: Any) -> None:
@@ -216,10 +227,16 @@ def _same_job(a: HostRun, b: HostRun, now: float) -> bool:
         return False
     if a.job_id is not None and b.job_id is not None:
         return a.job_id == b.job_id
-    a_end = a.ended if a.ended is not None else max(
-        now if now - a.last_activity() < STALE_S else a.last_activity(), a.started)
-    b_end = b.ended if b.ended is not None else max(
-        now if now - b.last_activity() < STALE_S else b.last_activity(), b.started)
+    a_end = (
+        a.ended
+        if a.ended is not None
+        else max(now if now - a.last_activity() < STALE_S else a.last_activity(), a.started)
+    )
+    b_end = (
+        b.ended
+        if b.ended is not None
+        else max(now if now - b.last_activity() < STALE_S else b.last_activity(), b.started)
+    )
     return a.started <= b_end and b.started <= a_end
 
 

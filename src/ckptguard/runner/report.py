@@ -64,10 +64,15 @@ def _hang(diag: Diagnosis, runs: Sequence[HostRun]) -> None:
     if diag.found and diag.failure_class:
         diag.notes.append(f"Before: {diag.failure_class}: {diag.title} (the job's reaction to being stopped).")
     kb = load_kb()
-    what = {"io": "stuck in I/O", "collective": "waiting in a collective",
-            "other_collective": "in another collective", "dataloader": "stuck in the data loader",
-            "device": "stuck in a device call", "user": "stopped in user code",
-            "unknown": "not answering"}.get(v.state, v.state)
+    what = {
+        "io": "stuck in I/O",
+        "collective": "waiting in a collective",
+        "other_collective": "in another collective",
+        "dataloader": "stuck in the data loader",
+        "device": "stuck in a device call",
+        "user": "stopped in user code",
+        "unknown": "not answering",
+    }.get(v.state, v.state)
     diag.found = True
     diag.kind = "nccl_watchdog_timeout"
     diag.failure_class = kb.family(diag.kind)
@@ -81,34 +86,41 @@ def _hang(diag: Diagnosis, runs: Sequence[HostRun]) -> None:
     diag.collateral_ranks = sorted(set(v.waiting) - {v.rank} if v.rank is not None else set(v.waiting))
     diag.also_failed_ranks = list(v.others)
     diag.rank_attribution = "the stacks of every rank captured when the job stopped making progress"
-    diag.root_cause = (f"The job printed nothing and sent no heartbeat for {secs}, so ckptguard run captured every "
-                       f"rank's stack and stopped it. {v.text[0].upper()}{v.text[1:]}.")
+    diag.root_cause = (
+        f"The job printed nothing and sent no heartbeat for {secs}, so ckptguard run captured every "
+        f"rank's stack and stopped it. {v.text[0].upper()}{v.text[1:]}."
+    )
     diag.fix = _HANG_FIX.get(v.state, _HANG_FIX["user"])
-    diag.verify_command = ("ckptguard run --hang-timeout SECONDS ... (the stacks are in stacks/ of the log directory; "
-                           "py-spy dump --pid PID shows the native frames)")
+    diag.verify_command = (
+        "ckptguard run --hang-timeout SECONDS ... (the stacks are in stacks/ of the log directory; "
+        "py-spy dump --pid PID shows the native frames)"
+    )
     diag.notes.append("Stacks: " + ", ".join(stacks) if stacks else "No stack was captured.")
 
 
 _HANG_FIX = {
     "io": "Find out why that path does not answer (a stalled NFS or FUSE mount, a FIFO with no writer, a lock "
-          "held elsewhere); for the checkpoint path, check the file system's server and mount options "
-          "(soft/timeo) before resuming.",
+    "held elsewhere); for the checkpoint path, check the file system's server and mount options "
+    "(soft/timeo) before resuming.",
     "dataloader": "Look at the data loader's workers (a worker blocked on I/O or a lock, a dataset's __getitem__ "
-                  "that never returns); set DataLoader(timeout=...) so that a stuck worker raises.",
+    "that never returns); set DataLoader(timeout=...) so that a stuck worker raises.",
     "other_collective": "Make every rank call the same collectives in the same order: no collective inside a "
-                        "rank-dependent branch.",
+    "rank-dependent branch.",
     "device": "A device call that never returns: check the GPU (nvidia-smi, Xid errors in dmesg) and whether a "
-              "peer's kernel waits on this one; CUDA_LAUNCH_BLOCKING=1 names the kernel.",
+    "peer's kernel waits on this one; CUDA_LAUNCH_BLOCKING=1 names the kernel.",
     "user": "Look at the stopped rank's stack: that code waits or loops without end (a lock, a sleep, a busy loop, "
-            "a rank-dependent branch).",
+    "a rank-dependent branch).",
     "collective": "Every captured rank waits in the same collective: the rank they wait for is elsewhere (another "
-                  "node's stacks in the log directory, or a rank that exited); read its log.",
+    "node's stacks in the log directory, or a rank that exited); read its log.",
 }
 
 
 #: Signals whose forwarding by the runner means the job was stopped from outside.
-_INTERRUPTS = {int(signal.SIGINT): "SIGINT (Ctrl-C)", int(signal.SIGTERM): "SIGTERM (the scheduler, a time limit, "
-               "preemption or a person)", int(signal.SIGHUP): "SIGHUP (the terminal closed)"}
+_INTERRUPTS = {
+    int(signal.SIGINT): "SIGINT (Ctrl-C)",
+    int(signal.SIGTERM): "SIGTERM (the scheduler, a time limit, preemption or a person)",
+    int(signal.SIGHUP): "SIGHUP (the terminal closed)",
+}
 
 
 def _interrupted(diag: Diagnosis, runs: Sequence[HostRun]) -> None:
@@ -135,11 +147,15 @@ def _interrupted(diag: Diagnosis, runs: Sequence[HostRun]) -> None:
         diag.confidence = 0.95
         diag.initiating_rank = None
         diag.initiating_host = host
-        diag.root_cause = (f"The job was interrupted from outside: ckptguard run on {host} received {what} and "
-                           f"forwarded it to the command. Not a bug in the code; what the job printed after it is "
-                           f"its reaction.")
-        diag.fix = ("Nothing to fix in the code. Rerun (resuming from the step below) when the interruption was "
-                    "intended; if it came from the scheduler, check the time limit or the preemption policy.")
+        diag.root_cause = (
+            f"The job was interrupted from outside: ckptguard run on {host} received {what} and "
+            f"forwarded it to the command. Not a bug in the code; what the job printed after it is "
+            f"its reaction."
+        )
+        diag.fix = (
+            "Nothing to fix in the code. Rerun (resuming from the step below) when the interruption was "
+            "intended; if it came from the scheduler, check the time limit or the preemption policy."
+        )
         diag.verify_command = "sacct -j $SLURM_JOB_ID --format=JobID,State,ExitCode,Elapsed  # or your scheduler's log"
         return
 
@@ -183,25 +199,54 @@ def _hang_json(runs: Sequence[HostRun]) -> dict[str, Any] | None:
             if isinstance(p, dict):
                 raw = p.get("threads")
                 threads = raw if isinstance(raw, list) else []
-                ranks.append({"host": r.host, "rank": p.get("rank"), "pid": p.get("pid"), "state": p.get("state"),
-                              "detail": p.get("detail"), "syscall": p.get("syscall"), "path": p.get("path"),
-                              "stack_file": p.get("stack_file"), "stack": hang.stack_text(threads)})
+                ranks.append(
+                    {
+                        "host": r.host,
+                        "rank": p.get("rank"),
+                        "pid": p.get("pid"),
+                        "state": p.get("state"),
+                        "detail": p.get("detail"),
+                        "syscall": p.get("syscall"),
+                        "path": p.get("path"),
+                        "stack_file": p.get("stack_file"),
+                        "stack": hang.stack_text(threads),
+                    }
+                )
     stopped = next((p for p in ranks if v.rank is not None and p["rank"] == v.rank), {})
-    return {"stopped_rank": v.rank, "state": v.state, "detail": v.detail, "collective": v.collective,
-            "syscall": stopped.get("syscall"), "path": stopped.get("path"),
-            "waiting_ranks": v.waiting, "explanation": v.text, "timeout_s": records[0][1].get("timeout_s"),
-            "processes": ranks}
+    return {
+        "stopped_rank": v.rank,
+        "state": v.state,
+        "detail": v.detail,
+        "collective": v.collective,
+        "syscall": stopped.get("syscall"),
+        "path": stopped.get("path"),
+        "waiting_ranks": v.waiting,
+        "explanation": v.text,
+        "timeout_s": records[0][1].get("timeout_s"),
+        "processes": ranks,
+    }
 
 
 def _runs_json(runs: Sequence[HostRun]) -> list[dict[str, Any]]:
-    return [{"dir": r.dir, "host": r.host, "job_id": r.job_id, "exit_status": r.record.get("exit_status"),
-             "command": r.record.get("command")} for r in runs]
+    return [
+        {
+            "dir": r.dir,
+            "host": r.host,
+            "job_id": r.job_id,
+            "exit_status": r.record.get("exit_status"),
+            "command": r.record.get("command"),
+        }
+        for r in runs
+    ]
 
 
 def resume_lines(resume: ResumeInfo) -> list[str]:
     """The resume section as plain lines (the same in the terminal summary and `diagnose`)."""
-    checks = ("every byte checksummed" if resume.checked == "deep"
-              else "quick checks: manifest and file sizes; --deep checksums every byte")
+    checks = (
+        "every byte checksummed"
+        if resume.checked == "deep"
+        else "quick checks: manifest and file sizes; --deep checksums every byte"
+    )
     lines = []
     if resume.step is not None:
         lines.append(f"resume from  step {resume.step} of {resume.root} (committed last and intact; {checks})")
@@ -216,9 +261,12 @@ def resume_lines(resume: ResumeInfo) -> list[str]:
 def resume_html(resume: ResumeInfo) -> str:
     e = html.escape
     unsafe = "".join(f"<li>step {u.step}: {e(u.reason)}</li>" for u in resume.unsafe) or "<li>none</li>"
-    head = (f"<p>Resume from <b>step {resume.step}</b> of <code>{e(resume.root)}</code> "
-            f"(committed last and intact, {e(resume.checked)} checks):</p><pre class=code>{e(resume.resume_hint)}</pre>"
-            if resume.step is not None else f"<p>{e(resume.resume_hint)}</p>")
+    head = (
+        f"<p>Resume from <b>step {resume.step}</b> of <code>{e(resume.root)}</code> "
+        f"(committed last and intact, {e(resume.checked)} checks):</p><pre class=code>{e(resume.resume_hint)}</pre>"
+        if resume.step is not None
+        else f"<p>{e(resume.resume_hint)}</p>"
+    )
     return f"<h2>Resume</h2>{head}<h3>Not safe</h3><ul>{unsafe}</ul>"
 
 
@@ -231,7 +279,8 @@ def encodable(value: Any) -> Any:
             return value
         except UnicodeEncodeError:
             return value.encode("utf-8", "surrogateescape" if _only_escapes(value) else "backslashreplace").decode(
-                "utf-8", "backslashreplace")
+                "utf-8", "backslashreplace"
+            )
     if isinstance(value, dict):
         return {encodable(k): encodable(v) for k, v in value.items()}
     if isinstance(value, list | tuple):
@@ -256,9 +305,15 @@ def _write_atomic(path: str, text: str) -> None:
         raise
 
 
-def write_reports(directory: str, diag: Diagnosis | None, resume: ResumeInfo | None,
-                  runs: Sequence[HostRun], *, problem: str | None = None,
-                  attempts: list[dict[str, Any]] | None = None) -> tuple[str, str]:
+def write_reports(
+    directory: str,
+    diag: Diagnosis | None,
+    resume: ResumeInfo | None,
+    runs: Sequence[HostRun],
+    *,
+    problem: str | None = None,
+    attempts: list[dict[str, Any]] | None = None,
+) -> tuple[str, str]:
     """``report.json`` and ``report.html`` in ``directory``, each written whole; their paths. With
     no diagnosis (``problem`` says why), the reports carry the resume section and the runs read."""
     from ckptguard.diagnose.report import masked
@@ -281,8 +336,10 @@ def write_reports(directory: str, diag: Diagnosis | None, resume: ResumeInfo | N
 
         page = render_html(diag).replace("</body>", extra + "\n</body>", 1)
     else:
-        page = (f"<!doctype html><html><head><meta charset=utf-8><title>ckptguard run</title></head><body>"
-                f"<h1>No diagnosis</h1><p>{html.escape(problem or '')}</p>{extra}\n</body></html>\n")
+        page = (
+            f"<!doctype html><html><head><meta charset=utf-8><title>ckptguard run</title></head><body>"
+            f"<h1>No diagnosis</h1><p>{html.escape(problem or '')}</p>{extra}\n</body></html>\n"
+        )
     _write_atomic(html_path, page)
     return json_path, html_path
 
@@ -294,31 +351,44 @@ def _hang_html(h: Any) -> str:
     parts = [f"<h2>Stacks at the hang</h2><p>{e(str(h.get('explanation', '')))}</p>"]
     for p in h.get("processes", []):
         who = f"rank {p['rank']}" if p.get("rank") is not None else f"pid {p.get('pid')}"
-        parts.append(f"<h3>{e(who)} on {e(str(p.get('host')))}: {e(str(p.get('detail')))}</h3>"
-                     f"<pre class=code>{e(str(p.get('stack', '')))}</pre>")
+        parts.append(
+            f"<h3>{e(who)} on {e(str(p.get('host')))}: {e(str(p.get('detail')))}</h3>"
+            f"<pre class=code>{e(str(p.get('stack', '')))}</pre>"
+        )
     return "".join(parts)
 
 
 def _runs_html(runs: Sequence[HostRun]) -> str:
     e = html.escape
-    rows = "".join(f"<tr><td>{e(r.host)}</td><td>{e(str(r.record.get('exit_status')))}</td>"
-                   f"<td><code>{e(r.dir)}</code></td></tr>"
-                   for r in runs)
+    rows = "".join(
+        f"<tr><td>{e(r.host)}</td><td>{e(str(r.record.get('exit_status')))}</td><td><code>{e(r.dir)}</code></td></tr>"
+        for r in runs
+    )
     return f"<h2>Hosts read</h2><table><tr><th>host</th><th>exit status</th><th>logs</th></tr>{rows}</table>"
 
 
-def summary(diag: Diagnosis, resume: ResumeInfo | None, status: int, runs: Sequence[HostRun],
-            report_paths: tuple[str, str] | None, me: HostRun | None = None) -> str:
+def summary(
+    diag: Diagnosis,
+    resume: ResumeInfo | None,
+    status: int,
+    runs: Sequence[HostRun],
+    report_paths: tuple[str, str] | None,
+    me: HostRun | None = None,
+) -> str:
     """The compact summary `ckptguard run` prints on stderr after a failure."""
     from ckptguard.diagnose.model import ranges
 
     hosts = ", ".join(sorted({r.host for r in runs}))
-    lines = [f"ckptguard run: the command failed (exit status {status}); diagnosis of the logs of "
-             f"{len(runs)} host run(s) ({hosts}):"]
+    lines = [
+        f"ckptguard run: the command failed (exit status {status}); diagnosis of the logs of "
+        f"{len(runs)} host run(s) ({hosts}):"
+    ]
     if diag.found:
         kind = f" ({diag.kind.replace('_', ' ')})" if diag.kind and diag.kind != diag.failure_class else ""
-        lines.append(f"  failure      {diag.failure_class}{kind}: {diag.title} (confidence {diag.confidence:.2f}, "
-                     f"{diag.confidence_label})")
+        lines.append(
+            f"  failure      {diag.failure_class}{kind}: {diag.title} (confidence {diag.confidence:.2f}, "
+            f"{diag.confidence_label})"
+        )
         first = "unknown" if diag.initiating_rank is None else f"rank {diag.initiating_rank}"
         if diag.initiating_host:
             first += f" on {diag.initiating_host}"

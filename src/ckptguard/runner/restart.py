@@ -35,8 +35,9 @@ class _Attempt(Protocol):
     reached: int | None
 
 
-def decide(diag: Diagnosis | None, attempts: Sequence[_Attempt], restart_on: Sequence[str],
-           budget_left: bool) -> tuple[bool, str]:
+def decide(
+    diag: Diagnosis | None, attempts: Sequence[_Attempt], restart_on: Sequence[str], budget_left: bool
+) -> tuple[bool, str]:
     """Whether to run the command again after the last of ``attempts`` failed, and why (a sentence
     that says what to fix when the answer is no)."""
     from ckptguard.diagnose.kb import load_kb
@@ -62,8 +63,10 @@ def decide(diag: Diagnosis | None, attempts: Sequence[_Attempt], restart_on: Seq
     if len(attempts) >= 2:
         last, before = attempts[-1], attempts[-2]
         if last.failure == before.failure and last.reached == before.reached:
-            return False, (f"{cls} twice in a row with no new committed step in between (step "
-                           f"{last.reached}): deterministic, not transient")
+            return False, (
+                f"{cls} twice in a row with no new committed step in between (step "
+                f"{last.reached}): deterministic, not transient"
+            )
     if not budget_left:
         return False, f"{cls} is transient ({why}), but --max-restarts is used up"
     return True, f"{cls} is transient: {why}"

@@ -20,17 +20,52 @@ from ckptguard.errors import UnsupportedStorageError
 from ckptguard.storage.base import ObjectStore, ReadHandle, StorageBackend, WriteStream
 from ckptguard.storage.posix import PosixStorage
 
-__all__ = ["BACKENDS", "Backend", "ObjectStore", "PosixStorage", "ReadHandle", "StorageBackend", "WriteStream",
-           "backend_for", "check_options", "filesystem_path", "is_s3_url", "local_path", "open_storage",
-           "require_s3_extra", "url_scheme"]
+__all__ = [
+    "BACKENDS",
+    "Backend",
+    "ObjectStore",
+    "PosixStorage",
+    "ReadHandle",
+    "StorageBackend",
+    "WriteStream",
+    "backend_for",
+    "check_options",
+    "filesystem_path",
+    "is_s3_url",
+    "local_path",
+    "open_storage",
+    "require_s3_extra",
+    "url_scheme",
+]
 
 _URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://(.*)$", re.DOTALL)
 # "name:" as a path's first component, not followed by "//": a URL with its slashes lost. Only
 # well-known URL schemes (and every scheme in BACKENDS) count, so that an ordinary directory such as
 # "run:3" stays a directory.
 _MALFORMED = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*):(?!//)/*(.*)$", re.DOTALL)
-_WELL_KNOWN_SCHEMES = frozenset({"gs", "gcs", "az", "abfs", "abfss", "adl", "wasb", "wasbs", "hf", "hdfs", "http",
-                                 "https", "ftp", "sftp", "ssh", "oss", "cos", "r2", "swift"})
+_WELL_KNOWN_SCHEMES = frozenset(
+    {
+        "gs",
+        "gcs",
+        "az",
+        "abfs",
+        "abfss",
+        "adl",
+        "wasb",
+        "wasbs",
+        "hf",
+        "hdfs",
+        "http",
+        "https",
+        "ftp",
+        "sftp",
+        "ssh",
+        "oss",
+        "cos",
+        "r2",
+        "swift",
+    }
+)
 S3_EXTRA = "pip install 'ckptguard[s3]'"
 
 
@@ -72,18 +107,38 @@ def _open_s3(text: str, options: Mapping[str, Any] | None) -> StorageBackend:
     return S3Storage("s3://" + text[5:], dict(options) if options else None)
 
 
-_S3_OPTIONS = frozenset({
-    "endpoint_url", "region_name", "profile_name", "part_size", "max_concurrency", "max_attempts",
-    "retry_mode", "connect_timeout_s", "read_timeout_s", "control_connect_timeout_s", "control_read_timeout_s",
-    "control_max_attempts", "check_conditional_writes"})  # S3Options' fields (tests/test_storage.py checks)
+_S3_OPTIONS = frozenset(
+    {
+        "endpoint_url",
+        "region_name",
+        "profile_name",
+        "part_size",
+        "max_concurrency",
+        "max_attempts",
+        "retry_mode",
+        "connect_timeout_s",
+        "read_timeout_s",
+        "control_connect_timeout_s",
+        "control_read_timeout_s",
+        "control_max_attempts",
+        "check_conditional_writes",
+    }
+)  # S3Options' fields (tests/test_storage.py checks)
 
 #: Every backend, by URL scheme (lower case). A local path without a scheme is ``file``.
 BACKENDS: Mapping[str, Backend] = {
-    b.scheme: b for b in (
+    b.scheme: b
+    for b in (
         Backend("file", "local paths and file:// URLs", _open_file, filesystem=True),
-        Backend("s3", "s3:// URLs (S3 and S3-compatible stores)", _open_s3, filesystem=False,
-                option_names=_S3_OPTIONS, checks_own_writes=True,
-                quick_options={"max_attempts": 1, "connect_timeout_s": 3.0, "read_timeout_s": 10.0}),
+        Backend(
+            "s3",
+            "s3:// URLs (S3 and S3-compatible stores)",
+            _open_s3,
+            filesystem=False,
+            option_names=_S3_OPTIONS,
+            checks_own_writes=True,
+            quick_options={"max_attempts": 1, "connect_timeout_s": 3.0, "read_timeout_s": 10.0},
+        ),
     )
 }
 
@@ -109,7 +164,9 @@ def backend_for(root: str | os.PathLike[str]) -> Backend:
     if backend is None:
         raise UnsupportedStorageError(
             f"{text}: no storage backend for {m.group(1)}:// URLs in this ckptguard (supported: {_supported()}). "
-            "It was not treated as a local directory.", path=text)
+            "It was not treated as a local directory.",
+            path=text,
+        )
     return backend
 
 
@@ -129,8 +186,9 @@ def check_options(root: str | os.PathLike[str], options: Mapping[str, Any] | Non
         return
     if not backend.option_names:
         raise ValueError(f"storage_options {unknown} do not apply to {os.fspath(root)} ({backend.what} take none)")
-    raise ValueError(f"unknown storage_options for {backend.scheme}:// {unknown}; "
-                     f"known: {sorted(backend.option_names)}")
+    raise ValueError(
+        f"unknown storage_options for {backend.scheme}:// {unknown}; known: {sorted(backend.option_names)}"
+    )
 
 
 def _refuse_malformed(text: str) -> None:
@@ -142,7 +200,9 @@ def _refuse_malformed(text: str) -> None:
     raise UnsupportedStorageError(
         f"{text} looks like a {scheme}:// URL with its slashes lost; did you mean {meant}? "
         f"(nothing was created; a local directory whose name starts with '{m.group(1)}:' can be given as "
-        f"./{text})", path=text)
+        f"./{text})",
+        path=text,
+    )
 
 
 def require_s3_extra(text: str) -> None:
@@ -153,7 +213,9 @@ def require_s3_extra(text: str) -> None:
     except ImportError as e:
         raise UnsupportedStorageError(
             f"{text}: s3:// roots need the optional S3 dependencies (boto3, botocore), which are not "
-            f"installed: {S3_EXTRA}  ({e})", path=text) from None
+            f"installed: {S3_EXTRA}  ({e})",
+            path=text,
+        ) from None
 
 
 def _file_url_path(text: str, rest: str) -> str:
@@ -162,12 +224,16 @@ def _file_url_path(text: str, rest: str) -> str:
     if not rest:
         raise UnsupportedStorageError(
             f"{text}: a file:// URL with no path (it would be the filesystem root) is not a checkpoint root; "
-            "write file:///path/to/ckpts (nothing was created)", path=text)
+            "write file:///path/to/ckpts (nothing was created)",
+            path=text,
+        )
     authority, slash, path = rest.partition("/")
     if authority.lower() not in ("", "localhost"):
         raise UnsupportedStorageError(
             f"{text}: a file:// URL names a path on host {authority!r}; ckptguard only writes to this machine. "
-            f"For a local path write file:///{rest} or the path itself (nothing was created).", path=text)
+            f"For a local path write file:///{rest} or the path itself (nothing was created).",
+            path=text,
+        )
     return slash + path
 
 
@@ -180,16 +246,21 @@ def _checked_local(path: str, text: str) -> str:
         if expanded.startswith("~"):
             raise UnsupportedStorageError(
                 f"{text}: cannot expand {path.split(os.sep)[0]!r} (no such user or no HOME); give the full "
-                "path (nothing was created)", path=text)
+                "path (nothing was created)",
+                path=text,
+            )
         path = expanded
     if not path:
         raise UnsupportedStorageError(
             f"{text!r}: an empty path is not a checkpoint root (an unset variable?); give a directory, "
-            "e.g. ./ckpts for one in the working directory (nothing was created)", path=text)
+            "e.g. ./ckpts for one in the working directory (nothing was created)",
+            path=text,
+        )
     if os.path.abspath(path) == os.path.abspath(os.sep):
         raise UnsupportedStorageError(
-            f"{text}: the filesystem root is not a checkpoint root; give a directory below it "
-            "(nothing was created)", path=text)
+            f"{text}: the filesystem root is not a checkpoint root; give a directory below it (nothing was created)",
+            path=text,
+        )
     return path
 
 
@@ -202,8 +273,9 @@ def local_path(root: str | os.PathLike[str]) -> str:
     text = os.fspath(root)
     backend = backend_for(text)
     if not backend.filesystem:
-        raise UnsupportedStorageError(f"{text} is a {backend.scheme}:// object store URL; this operation needs a "
-                                      "local path", path=text)
+        raise UnsupportedStorageError(
+            f"{text} is a {backend.scheme}:// object store URL; this operation needs a local path", path=text
+        )
     m = _URL.match(text)
     if m is None:
         return _checked_local(text, text)

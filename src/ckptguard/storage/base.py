@@ -136,8 +136,9 @@ class StorageBackend(Protocol):
         content, or its parts in order, written one after another (a manifest's tables are tens of MB
         at thousands of ranks: joining them would copy them)."""
 
-    def compare_and_swap(self, path: str, data: bytes, token: str | None,
-                         fence: Callable[[], None] | None = None) -> bool:
+    def compare_and_swap(
+        self, path: str, data: bytes, token: str | None, fence: Callable[[], None] | None = None
+    ) -> bool:
         """Replace ``path`` with ``data`` only if its version is still ``token`` (None: only if absent).
 
         ``fence`` (raises when this job no longer holds the root) runs after the new content is
@@ -160,8 +161,9 @@ class StorageBackend(Protocol):
 
     def open_read(self, path: str) -> ReadHandle: ...
 
-    def wait_visible(self, path: str, size: int | None = None, timeout: float = 30.0,
-                     stop_if: Callable[[], None] | None = None) -> None:
+    def wait_visible(
+        self, path: str, size: int | None = None, timeout: float = 30.0, stop_if: Callable[[], None] | None = None
+    ) -> None:
         """Wait until ``path`` is visible here (with ``size`` bytes if given); NotVisibleError if not.
         ``stop_if`` runs between looks and raises to stop waiting (a path that will never come)."""
 

@@ -48,6 +48,7 @@ def check_conditional_writes(storage: StorageBackend, probe_dir: str) -> None:
         raise UnsupportedStorageError(
             f"{storage.root} does not honour conditional writes: {'; '.join(failures)}. Two writers could both "
             "commit one step; ckptguard refuses to write there (nothing was written; the probe object was removed).",
-            path=path)
+            path=path,
+        )
     with _lock:
         _checked.add(storage.root)

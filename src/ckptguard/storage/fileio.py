@@ -252,8 +252,7 @@ def write_new_file(path: str, data: bytes | bytearray | memoryview | Sequence[by
     owner.close()
 
 
-def replace_file(path: str, data: bytes | bytearray | memoryview | Sequence[bytes],
-                 tmp: str | None = None) -> None:
+def replace_file(path: str, data: bytes | bytearray | memoryview | Sequence[bytes], tmp: str | None = None) -> None:
     """Replace ``path`` with ``data`` (one buffer, or buffers one after another) atomically: temp file
     (``tmp``, or a unique name beside it), fsync, rename, fsync of the directory. Readers see the old
     or the new content; a failure leaves the old file and no temp file."""
@@ -316,8 +315,9 @@ class PosixReadHandle:
         except OSError as e:
             if e.errno != errno.ELOOP:
                 raise
-            raise CorruptCheckpointError(f"{path} is a symbolic link: refusing to follow it out of the "
-                                         "checkpoint", path=path) from None
+            raise CorruptCheckpointError(
+                f"{path} is a symbolic link: refusing to follow it out of the checkpoint", path=path
+            ) from None
 
     def size(self) -> int:
         return os.fstat(self.fd).st_size
@@ -331,7 +331,9 @@ class PosixReadHandle:
             if n == 0:
                 raise CorruptCheckpointError(
                     f"{self.path} is truncated: {total} bytes expected at offset {offset}, the file ends at "
-                    f"{self.size()}. The checkpoint is corrupt.", path=self.path)
+                    f"{self.size()}. The checkpoint is corrupt.",
+                    path=self.path,
+                )
             done += n
             pending = after(pending, n)
 
@@ -353,8 +355,10 @@ def _cached(fd: int, start: int, end: int, probe: bytearray) -> bool:
     if _NOWAIT is None:
         return False
     try:
-        return all(os.preadv(fd, [probe], at, _NOWAIT) == min(len(probe), end - at)
-                   for at in (start, max(start, end - len(probe))))
+        return all(
+            os.preadv(fd, [probe], at, _NOWAIT) == min(len(probe), end - at)
+            for at in (start, max(start, end - len(probe)))
+        )
     except OSError:  # BlockingIOError: not cached; EOPNOTSUPP and the like: no way to tell
         return False
 

@@ -130,7 +130,9 @@ class PosixStorage:
                 if size > limit:
                     raise CorruptCheckpointError(
                         f"{path} is {size:,} bytes, more than the {limit:,} a control file may have: "
-                        "refusing to read it", path=path)
+                        "refusing to read it",
+                        path=path,
+                    )
                 chunks = []
                 while True:
                     chunk = os.read(fd, max(size, 1 << 16))
@@ -185,8 +187,9 @@ class PosixStorage:
     def replace(self, path: str, data: bytes | Sequence[bytes]) -> None:
         replace_file(path, data)
 
-    def compare_and_swap(self, path: str, data: bytes, token: str | None,
-                         fence: Callable[[], None] | None = None) -> bool:
+    def compare_and_swap(
+        self, path: str, data: bytes, token: str | None, fence: Callable[[], None] | None = None
+    ) -> bool:
         """Under an exclusive lock on a lock file of its own (flock; POSIX locks over NFSv4), so that
         two writers never both see the same version and both replace it.
 
@@ -301,8 +304,9 @@ class PosixStorage:
     def open_read(self, path: str) -> PosixReadHandle:
         return PosixReadHandle(path)
 
-    def wait_visible(self, path: str, size: int | None = None, timeout: float = 30.0,
-                     stop_if: Callable[[], None] | None = None) -> None:
+    def wait_visible(
+        self, path: str, size: int | None = None, timeout: float = 30.0, stop_if: Callable[[], None] | None = None
+    ) -> None:
         """Another node's create or rename can take seconds to show through an NFS client's
         attribute and lookup caches: poll with back-off instead of trusting the first answer."""
         deadline = time.monotonic() + timeout
@@ -316,7 +320,9 @@ class PosixStorage:
                 raise NotVisibleError(
                     f"{path} is not visible with the right size after {timeout:.0f} s ({state}). "
                     "Either a writer failed, or this node's view of the shared filesystem is stale "
-                    "for longer than the timeout.", path=path)
+                    "for longer than the timeout.",
+                    path=path,
+                )
             if stop_if is not None:
                 stop_if()
             time.sleep(delay)

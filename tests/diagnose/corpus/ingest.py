@@ -29,8 +29,10 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[2]
 KB = REPO / "src" / "ckptguard" / "diagnose" / "kb"
-SHARED = next((p for p in (REPO.parent / "shared" / "corpus", Path("/work/shared/corpus")) if p.is_dir()),
-              REPO.parent / "shared" / "corpus")
+SHARED = next(
+    (p for p in (REPO.parent / "shared" / "corpus", Path("/work/shared/corpus")) if p.is_dir()),
+    REPO.parent / "shared" / "corpus",
+)
 LABELS = HERE / "labels.jsonl"
 
 sys.path.insert(0, str(SHARED))
@@ -38,22 +40,46 @@ from excluded import is_excluded  # type: ignore[import-not-found]  # noqa: E402
 
 KEEP_USERS = {"user", "root", "ubuntu", "runner", "admin", "jovyan", "<user>", "username", "ec2-user"}
 LICENCES = {
-    "pytorch/pytorch": "BSD-3-Clause", "huggingface/transformers": "Apache-2.0",
-    "huggingface/accelerate": "Apache-2.0", "huggingface/trl": "Apache-2.0", "huggingface/peft": "Apache-2.0",
-    "microsoft/DeepSpeed": "Apache-2.0", "deepspeedai/DeepSpeed": "Apache-2.0",
-    "Lightning-AI/pytorch-lightning": "Apache-2.0", "Lightning-AI/lightning": "Apache-2.0",
-    "NVIDIA/Megatron-LM": "BSD-3-Clause", "NVIDIA/NeMo": "Apache-2.0", "open-mmlab/mmengine": "Apache-2.0",
-    "open-mmlab/mmdetection": "Apache-2.0", "facebookresearch/detectron2": "Apache-2.0",
-    "hpcaitech/ColossalAI": "Apache-2.0", "volcengine/verl": "Apache-2.0", "hiyouga/LLaMA-Factory": "Apache-2.0",
-    "modelscope/ms-swift": "Apache-2.0", "meta-llama/llama": "custom (Llama 2 Community License)",
-    "OpenBMB/MiniCPM-V": "Apache-2.0", "NVIDIA/nccl": "BSD-3-Clause", "ultralytics/ultralytics": "AGPL-3.0",
-    "facebookresearch/fairseq": "MIT", "open-mmlab/mmsegmentation": "Apache-2.0", "pytorch/torchtitan": "BSD-3-Clause",
-    "pytorch/torchtune": "BSD-3-Clause", "huggingface/diffusers": "Apache-2.0", "EleutherAI/gpt-neox": "Apache-2.0",
-    "THUDM/ChatGLM-6B": "Apache-2.0", "haotian-liu/LLaVA": "Apache-2.0", "tloen/alpaca-lora": "Apache-2.0",
-    "tatsu-lab/stanford_alpaca": "Apache-2.0", "OpenRLHF/OpenRLHF": "Apache-2.0",
+    "pytorch/pytorch": "BSD-3-Clause",
+    "huggingface/transformers": "Apache-2.0",
+    "huggingface/accelerate": "Apache-2.0",
+    "huggingface/trl": "Apache-2.0",
+    "huggingface/peft": "Apache-2.0",
+    "microsoft/DeepSpeed": "Apache-2.0",
+    "deepspeedai/DeepSpeed": "Apache-2.0",
+    "Lightning-AI/pytorch-lightning": "Apache-2.0",
+    "Lightning-AI/lightning": "Apache-2.0",
+    "NVIDIA/Megatron-LM": "BSD-3-Clause",
+    "NVIDIA/NeMo": "Apache-2.0",
+    "open-mmlab/mmengine": "Apache-2.0",
+    "open-mmlab/mmdetection": "Apache-2.0",
+    "facebookresearch/detectron2": "Apache-2.0",
+    "hpcaitech/ColossalAI": "Apache-2.0",
+    "volcengine/verl": "Apache-2.0",
+    "hiyouga/LLaMA-Factory": "Apache-2.0",
+    "modelscope/ms-swift": "Apache-2.0",
+    "meta-llama/llama": "custom (Llama 2 Community License)",
+    "OpenBMB/MiniCPM-V": "Apache-2.0",
+    "NVIDIA/nccl": "BSD-3-Clause",
+    "ultralytics/ultralytics": "AGPL-3.0",
+    "facebookresearch/fairseq": "MIT",
+    "open-mmlab/mmsegmentation": "Apache-2.0",
+    "pytorch/torchtitan": "BSD-3-Clause",
+    "pytorch/torchtune": "BSD-3-Clause",
+    "huggingface/diffusers": "Apache-2.0",
+    "EleutherAI/gpt-neox": "Apache-2.0",
+    "THUDM/ChatGLM-6B": "Apache-2.0",
+    "haotian-liu/LLaVA": "Apache-2.0",
+    "tloen/alpaca-lora": "Apache-2.0",
+    "tatsu-lab/stanford_alpaca": "Apache-2.0",
+    "OpenRLHF/OpenRLHF": "Apache-2.0",
     "Dao-AILab/flash-attention": "BSD-3-Clause",
-    "QwenLM/Qwen": "unknown", "mosaicml/composer": "Apache-2.0", "mosaicml/llm-foundry": "Apache-2.0",
-    "ultralytics/yolov5": "AGPL-3.0", "open-mmlab/mmcv": "Apache-2.0", "facebookresearch/dinov2": "Apache-2.0",
+    "QwenLM/Qwen": "unknown",
+    "mosaicml/composer": "Apache-2.0",
+    "mosaicml/llm-foundry": "Apache-2.0",
+    "ultralytics/yolov5": "AGPL-3.0",
+    "open-mmlab/mmcv": "Apache-2.0",
+    "facebookresearch/dinov2": "Apache-2.0",
 }
 
 IPV4 = re.compile(r"(?<![\w.])(\d{1,3})\.(\d{1,3})\.(\d{1,3})\.(\d{1,3})(?![\w.]*\d)")
@@ -158,9 +184,16 @@ def main(paths: list[str]) -> int:
             name = f"logs/{n:04d}-{e['slug']}.log"
             (HERE / name).write_text(log, encoding="utf-8")
             row = {
-                "file": name, "source": source, "failure_class": e["cls"], "initiating_rank": rank,
-                "collateral_ranks": coll, "root_cause": e.get("root", ""), "fix": e.get("fix", ""),
-                "evidence_lines": ev, "notes": e.get("notes", ""), "project": project,
+                "file": name,
+                "source": source,
+                "failure_class": e["cls"],
+                "initiating_rank": rank,
+                "collateral_ranks": coll,
+                "root_cause": e.get("root", ""),
+                "fix": e.get("fix", ""),
+                "evidence_lines": ev,
+                "notes": e.get("notes", ""),
+                "project": project,
                 "licence": e.get("lic") or LICENCES.get(project, "unknown"),
                 "launcher": e.get("launch", "unknown"),
                 "score_class": e.get("sc", "1") == "1",

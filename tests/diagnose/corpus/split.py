@@ -30,23 +30,27 @@ def build(here: Path = HERE) -> tuple[str, str]:
     rows = [json.loads(x) for x in (here / "labels.jsonl").read_text(encoding="utf-8").splitlines() if x.strip()]
     files = {r["file"]: part_of(r["source"]) for r in rows}
     split = json.dumps({"rule": RULE, "files": files}, indent=1, sort_keys=True) + "\n"
-    sealed = "".join(f"{hashlib.sha256((here / f).read_bytes()).hexdigest()}  {f}\n"
-                     for f in sorted(files) if files[f] == "sealed")
+    sealed = "".join(
+        f"{hashlib.sha256((here / f).read_bytes()).hexdigest()}  {f}\n" for f in sorted(files) if files[f] == "sealed"
+    )
     return split, sealed
 
 
 def main(argv: list[str]) -> int:
     split, sealed = build()
     if "--check" in argv:
-        ok = ((HERE / "split.json").read_text(encoding="utf-8") == split
-              and (HERE / "sealed.sha256").read_text(encoding="utf-8") == sealed)
+        ok = (HERE / "split.json").read_text(encoding="utf-8") == split and (HERE / "sealed.sha256").read_text(
+            encoding="utf-8"
+        ) == sealed
         print("split up to date" if ok else "split.json or sealed.sha256 is out of date")
         return 0 if ok else 1
     (HERE / "split.json").write_text(split, encoding="utf-8")
     (HERE / "sealed.sha256").write_text(sealed, encoding="utf-8")
     n_sealed = sealed.count("\n")
-    print(f"{len(json.loads(split)['files'])} logs: {n_sealed} sealed; "
-          f"sha256(sealed.sha256) = {hashlib.sha256(sealed.encode()).hexdigest()}")
+    print(
+        f"{len(json.loads(split)['files'])} logs: {n_sealed} sealed; "
+        f"sha256(sealed.sha256) = {hashlib.sha256(sealed.encode()).hexdigest()}"
+    )
     return 0
 
 

@@ -1,6 +1,6 @@
 """Counts of this corpus: per class, per project, per launcher, per split.
 
-    python tests/diagnose/corpus/stats.py
+python tests/diagnose/corpus/stats.py
 """
 
 from __future__ import annotations
@@ -26,11 +26,13 @@ def main() -> None:
     split_file = HERE / "split.json"
     split = json.loads(split_file.read_text(encoding="utf-8"))["files"] if split_file.is_file() else {}
     n = len(rows)
-    print(f"{n} logs from {len({r['project'] for r in rows})} projects; "
-          f"class scored {sum(r['score_class'] for r in rows)}, "
-          f"first rank labelled {sum(r['initiating_rank'] is not None for r in rows)}, "
-          f"rank scored {sum(r['score_rank'] for r in rows)}; "
-          f"dev {sum(v == 'dev' for v in split.values())}, sealed {sum(v == 'sealed' for v in split.values())}\n")
+    print(
+        f"{n} logs from {len({r['project'] for r in rows})} projects; "
+        f"class scored {sum(r['score_class'] for r in rows)}, "
+        f"first rank labelled {sum(r['initiating_rank'] is not None for r in rows)}, "
+        f"rank scored {sum(r['score_rank'] for r in rows)}; "
+        f"dev {sum(v == 'dev' for v in split.values())}, sealed {sum(v == 'sealed' for v in split.values())}\n"
+    )
     print(table("per class", Counter(r["failure_class"] for r in rows), n), "\n")
     print(table("per launcher", Counter(r["launcher"] for r in rows), n), "\n")
     print(table("per project", Counter(r["project"] for r in rows), n), "\n")

@@ -20,10 +20,7 @@ from .sshfs import BedUnavailable
 
 
 def _umount(mp: Path) -> None:
-    if (
-        os.path.ismount(mp)
-        and subprocess.run(["umount", str(mp)], capture_output=True).returncode != 0
-    ):
+    if os.path.ismount(mp) and subprocess.run(["umount", str(mp)], capture_output=True).returncode != 0:
         subprocess.run(["umount", "-l", str(mp)], capture_output=True)
 
 

@@ -55,9 +55,14 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import crc32c
 
 _NS = "{http://s3.amazonaws.com/doc/2006-03-01/}"
-CREDENTIALS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1",
-               "AWS_EC2_METADATA_DISABLED": "true", "AWS_CONFIG_FILE": "/dev/null",
-               "AWS_SHARED_CREDENTIALS_FILE": "/dev/null"}
+CREDENTIALS = {
+    "AWS_ACCESS_KEY_ID": "testing",
+    "AWS_SECRET_ACCESS_KEY": "testing",
+    "AWS_DEFAULT_REGION": "us-east-1",
+    "AWS_EC2_METADATA_DISABLED": "true",
+    "AWS_CONFIG_FILE": "/dev/null",
+    "AWS_SHARED_CREDENTIALS_FILE": "/dev/null",
+}
 
 
 class BedUnavailable(RuntimeError):
@@ -89,9 +94,13 @@ class MotoServer:
         for _ in range(3):
             self.port = _free_port()
             env = {**os.environ, **CREDENTIALS}
-            self.proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
-                                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env,
-                                         start_new_session=True)
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+                env=env,
+                start_new_session=True,
+            )
             deadline = time.monotonic() + 30
             while time.monotonic() < deadline and self.proc.poll() is None:
                 with contextlib.suppress(OSError):
@@ -185,8 +194,9 @@ class FaultProxy:
         self.server: ThreadingHTTPServer | None = None
         self.port = 0
 
-    def add_rule(self, match: Callable[[Request], bool], action: str, delay_s: float = 0.0,
-                 times: int | None = None) -> Rule:
+    def add_rule(
+        self, match: Callable[[Request], bool], action: str, delay_s: float = 0.0, times: int | None = None
+    ) -> Rule:
         """DELAY (``delay_s``), DROP (apply, then lose the reply), FAIL (answer 500, forward nothing),
         SLOWDOWN (answer 503 SlowDown, forward nothing: S3 throttling the request), FAIL-AFTER (apply,
         then answer 500), FREEZE (hold until thaw()) or RESET (close the connection, forward nothing) the
@@ -297,8 +307,14 @@ class FaultProxy:
                 self.stats.checksummed_puts += 1
                 if base64.b64decode(header) != crc32c.crc32c(body).to_bytes(4, "big"):
                     self.stats.bad_digest += 1
-                    self._reply(h, 400, _error("BadDigest", "The CRC32C you specified did not match the "
-                                                             "calculated checksum."), {}, path, parsed.query)
+                    self._reply(
+                        h,
+                        400,
+                        _error("BadDigest", "The CRC32C you specified did not match the calculated checksum."),
+                        {},
+                        path,
+                        parsed.query,
+                    )
                     return
         rule = self._rule_for(Request(h.command, path, parsed.query, body))
         if rule is not None and rule.action == "reset":
@@ -323,8 +339,11 @@ class FaultProxy:
             inject, kind = True, {"fail": "500", "slowdown": "503", "fail-after": "500-after"}[rule.action]
         if inject and kind in ("500", "503"):
             self.stats.injected += 1
-            code, message = ("InternalError", "injected by the test proxy") if kind == "500" else \
-                ("SlowDown", "Please reduce your request rate.")
+            code, message = (
+                ("InternalError", "injected by the test proxy")
+                if kind == "500"
+                else ("SlowDown", "Please reduce your request rate.")
+            )
             self._reply(h, int(kind), _error(code, message), {"Content-Type": "application/xml"}, path, parsed.query)
             return
         if inject and kind == "slow":
@@ -338,9 +357,11 @@ class FaultProxy:
             conn.request(h.command, h.path, body=body if body else None, headers=headers)
             resp = conn.getresponse()
             data = resp.read()
-            out_headers = {k: v for k, v in resp.getheaders()
-                           if k.lower() not in ("connection", "transfer-encoding", "content-length", "server",
-                                                "date")}
+            out_headers = {
+                k: v
+                for k, v in resp.getheaders()
+                if k.lower() not in ("connection", "transfer-encoding", "content-length", "server", "date")
+            }
             status = resp.status
             upstream_length = resp.getheader("Content-Length", "0")
         finally:
@@ -359,8 +380,14 @@ class FaultProxy:
             return
         if inject and kind == "500-after":  # applied upstream, but the client sees a failure
             self.stats.injected += 1
-            self._reply(h, 500, _error("InternalError", "injected by the test proxy after applying the request"),
-                        {}, path, parsed.query)
+            self._reply(
+                h,
+                500,
+                _error("InternalError", "injected by the test proxy after applying the request"),
+                {},
+                path,
+                parsed.query,
+            )
             return
         if h.command == "HEAD":
             out_headers["Content-Length"] = upstream_length
@@ -371,9 +398,10 @@ class FaultProxy:
         bucket = root.findtext(f"{_NS}Name") or ""
         now = time.time()
         with self.lock:
-            recent = [k for k, t in self.written.items()
-                      if now - t < self.hide_listing_s and k.startswith(bucket + "/")]
-        recent_keys = {k[len(bucket) + 1:] for k in recent}
+            recent = [
+                k for k, t in self.written.items() if now - t < self.hide_listing_s and k.startswith(bucket + "/")
+            ]
+        recent_keys = {k[len(bucket) + 1 :] for k in recent}
         for c in list(root.findall(f"{_NS}Contents")):
             if c.findtext(f"{_NS}Key") in recent_keys:
                 root.remove(c)
@@ -386,8 +414,16 @@ class FaultProxy:
             count.text = str(len(root.findall(f"{_NS}Contents")) + len(root.findall(f"{_NS}CommonPrefixes")))
         return ET.tostring(root, xml_declaration=True, encoding="UTF-8")
 
-    def _reply(self, h: BaseHTTPRequestHandler, status: int, data: bytes, headers: dict[str, str], path: str,
-               query: str, head: bool = False) -> None:
+    def _reply(
+        self,
+        h: BaseHTTPRequestHandler,
+        status: int,
+        data: bytes,
+        headers: dict[str, str],
+        path: str,
+        query: str,
+        head: bool = False,
+    ) -> None:
         with self.lock:
             self.stats.log.append((h.command, path, query, status))
         h.send_response(status)
@@ -423,8 +459,9 @@ def request_kind(method: str, path: str, query: str) -> str:
     return "GetObject" if method == "GET" else method
 
 
-def count_requests(log: list[tuple[str, str, str, int]], where: Callable[[str], bool] = lambda _: True
-                   ) -> dict[str, int]:
+def count_requests(
+    log: list[tuple[str, str, str, int]], where: Callable[[str], bool] = lambda _: True
+) -> dict[str, int]:
     """How many requests of each S3 operation ``log`` holds, of those whose path ``where`` picks."""
     out: dict[str, int] = {}
     for method, path, query, _ in log:
@@ -435,8 +472,10 @@ def count_requests(log: list[tuple[str, str, str, int]], where: Callable[[str], 
 
 
 def _error(code: str, message: str) -> bytes:
-    return (f'<?xml version="1.0" encoding="UTF-8"?><Error><Code>{code}</Code><Message>{message}</Message>'
-            f"<RequestId>test</RequestId></Error>").encode()
+    return (
+        f'<?xml version="1.0" encoding="UTF-8"?><Error><Code>{code}</Code><Message>{message}</Message>'
+        f"<RequestId>test</RequestId></Error>"
+    ).encode()
 
 
 def canned_denied() -> tuple[int, str, dict[str, str]]:
@@ -444,8 +483,9 @@ def canned_denied() -> tuple[int, str, dict[str, str]]:
 
 
 def canned_wrong_region(region: str = "eu-west-3") -> tuple[int, str, dict[str, str]]:
-    body = _error("PermanentRedirect", "The bucket you are attempting to access must be addressed using the "
-                                       "specified endpoint.").decode()
+    body = _error(
+        "PermanentRedirect", "The bucket you are attempting to access must be addressed using the specified endpoint."
+    ).decode()
     return 301, body, {"Content-Type": "application/xml", "x-amz-bucket-region": region}
 
 
@@ -476,9 +516,14 @@ class S3Bed:
         import boto3
         from botocore.config import Config
 
-        return boto3.client("s3", endpoint_url=self.moto.url if direct else self.endpoint,
-                            aws_access_key_id="testing", aws_secret_access_key="testing", region_name="us-east-1",
-                            config=Config(retries={"mode": "standard", "max_attempts": 3}))
+        return boto3.client(
+            "s3",
+            endpoint_url=self.moto.url if direct else self.endpoint,
+            aws_access_key_id="testing",
+            aws_secret_access_key="testing",
+            region_name="us-east-1",
+            config=Config(retries={"mode": "standard", "max_attempts": 3}),
+        )
 
     def make_bucket(self, name: str) -> str:
         self.client().create_bucket(Bucket=name)

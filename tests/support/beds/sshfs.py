@@ -162,9 +162,7 @@ def _unmount(mp: Path) -> None:
         subprocess.run(["umount", "-l", str(mp)], capture_output=True)
 
 
-def _mount(
-    server: str, mp: Path, port: int, key: Path, options: str, log: Path
-) -> subprocess.Popen[bytes]:
+def _mount(server: str, mp: Path, port: int, key: Path, options: str, log: Path) -> subprocess.Popen[bytes]:
     """One sshfs client in the foreground (so we own its pid), ready when mounted."""
     cmd = [
         "sshfs",

@@ -35,8 +35,16 @@ class WorkerDied(RuntimeError):
 def _context() -> Any:
     """A forkserver that has imported torch and ckptguard: every worker is a cheap fork of it."""
     ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(["__main__", "torch", "ckptguard.checkpointer", "ckptguard.storage.s3",
-                                "tests.support.beds.s3", "tests.support.model.worker"])
+    ctx.set_forkserver_preload(
+        [
+            "__main__",
+            "torch",
+            "ckptguard.checkpointer",
+            "ckptguard.storage.s3",
+            "tests.support.beds.s3",
+            "tests.support.model.worker",
+        ]
+    )
     return ctx
 
 
@@ -77,8 +85,9 @@ class Worker:
                 return None
             out = self.conn.recv()
         except (EOFError, OSError) as e:
-            raise WorkerDied(f"worker {self.pid} exited with {self.proc.exitcode} (log {self.log_path}):\n"
-                             + self.log_tail()) from e
+            raise WorkerDied(
+                f"worker {self.pid} exited with {self.proc.exitcode} (log {self.log_path}):\n" + self.log_tail()
+            ) from e
         self.in_flight = None
         return dict(out)
 
@@ -197,8 +206,9 @@ def is_commit_put(r: Request) -> bool:
     return r.method == "PUT" and r.path.endswith("/MANIFEST.json")
 
 
-def _rule(match: Callable[[Request], bool], action: str, times: int | None = None,
-          rate: float = 1.0) -> Callable[[FaultProxy], Undo]:
+def _rule(
+    match: Callable[[Request], bool], action: str, times: int | None = None, rate: float = 1.0
+) -> Callable[[FaultProxy], Undo]:
     """A proxy rule for as long as the fault lasts; undoing it thaws what it froze (those requests land
     now, late: after the client gave up on them and perhaps after its retries did)."""
 
@@ -227,12 +237,12 @@ def _rule(match: Callable[[Request], bool], action: str, times: int | None = Non
 
 
 S3_FAULTS: dict[str, Callable[[FaultProxy], Undo]] = {
-    "5xx": _proxy_faults(0.3, ["500", "503"]),              # retried by botocore, mostly absorbed
-    "outage": _proxy_faults(1.0, ["500", "503"]),           # every request refused: operations fail
-    "lost-replies": _proxy_faults(0.3, ["500-after"]),      # applied upstream, answered 500
+    "5xx": _proxy_faults(0.3, ["500", "503"]),  # retried by botocore, mostly absorbed
+    "outage": _proxy_faults(1.0, ["500", "503"]),  # every request refused: operations fail
+    "lost-replies": _proxy_faults(0.3, ["500-after"]),  # applied upstream, answered 500
     "lost-all-replies": _proxy_faults(1.0, ["500-after"]),  # applied, and every retry's reply lost too
     "slow": _proxy_faults(0.5, ["slow"]),
-    "hidden-listing": _hidden_listing,                      # listings omit keys written in the last 30 s
+    "hidden-listing": _hidden_listing,  # listings omit keys written in the last 30 s
     # Frozen requests: held unanswered and not forwarded until the fault ends, then forwarded (they land
     # late, after the client's read timeout gave up on them). The first two, so that a retry gets through
     # and the frozen try lands behind it; or every commit create (and the tombstone that would settle it):
@@ -252,8 +262,14 @@ S3_FAULTS: dict[str, Callable[[FaultProxy], Undo]] = {
 # -- backends --------------------------------------------------------------------------------------
 # Control requests time out after 3 s (of the library's 10 s default), so that a frozen one costs
 # seconds of the test's time, not half a minute.
-WRITER_OPTIONS_S3 = {"part_size": 5 << 20, "max_attempts": 3, "connect_timeout_s": 2.0, "read_timeout_s": 10.0,
-                     "control_read_timeout_s": 3.0, "max_concurrency": 4}
+WRITER_OPTIONS_S3 = {
+    "part_size": 5 << 20,
+    "max_attempts": 3,
+    "connect_timeout_s": 2.0,
+    "read_timeout_s": 10.0,
+    "control_read_timeout_s": 3.0,
+    "max_concurrency": 4,
+}
 
 
 class Backend:
@@ -320,8 +336,12 @@ class S3Backend(Backend):
     def auditor(self, root: str) -> Any:
         from ckptguard import Checkpointer
 
-        return Checkpointer(root, process_group="local", read_only=True,
-                            storage_options={"endpoint_url": self.bed.moto.url, "part_size": 5 << 20})
+        return Checkpointer(
+            root,
+            process_group="local",
+            read_only=True,
+            storage_options={"endpoint_url": self.bed.moto.url, "part_size": 5 << 20},
+        )
 
     @property
     def settling(self) -> bool:

@@ -51,12 +51,15 @@ IDX = st.integers(min_value=0, max_value=2)  # which of the workers a rule may a
 # The proxy fault an operation meets (S3 only; None half the time): drawn with each operation, so
 # that faults come with the operations they hit.
 FAULT = st.sampled_from([*[None] * len(S3_FAULTS), *sorted(S3_FAULTS)]).flatmap(
-    lambda kind: st.none() if kind is None
-    else st.tuples(st.just(kind), st.sampled_from([0, 0, 10, 30, 80, 200, 400, 800])))
+    lambda kind: (
+        st.none() if kind is None else st.tuples(st.just(kind), st.sampled_from([0, 0, 10, 30, 80, 200, 400, 800]))
+    )
+)
 # What befalls the worker right after it starts an operation (None mostly): SIGKILL or SIGSTOP
 # after so many milliseconds, at a random point of the operation.
 DISRUPT = st.sampled_from([None, None, None, None, "kill", "stall"]).flatmap(
-    lambda kind: st.none() if kind is None else st.tuples(st.just(kind), st.integers(min_value=0, max_value=150)))
+    lambda kind: st.none() if kind is None else st.tuples(st.just(kind), st.integers(min_value=0, max_value=150))
+)
 STALL_STEPS = 3  # a stalled worker resumes by itself after this many steps (if no rule resumed it)
 KEEP_LAST = 3
 TTL_S = 2.0
@@ -175,8 +178,10 @@ class ModelMachine(RuleBasedStateMachine):
         raise Violation(f"[{self.backend.name}] {what}{log}")
 
     def holder_writing(self) -> bool:
-        return any(s.op is not None and s.op.as_holder and s.op.cmd["op"] in WRITES and not s.fenced
-                   for s in self.slots.values())
+        return any(
+            s.op is not None and s.op.as_holder and s.op.cmd["op"] in WRITES and not s.fenced
+            for s in self.slots.values()
+        )
 
     def pick(self, i: int, names: tuple[str, ...], ok: Any) -> str | None:
         """The ``i``-th (modulo) of ``names`` for which ``ok(name)`` holds: rules draw an index, not a
@@ -191,8 +196,14 @@ class ModelMachine(RuleBasedStateMachine):
     def _send(self, name: str, cmd: dict[str, Any], **extra: Any) -> Op:
         s = self.slots[name]
         as_holder = self.holder == name and not s.fenced and name != READER
-        op = Op(cmd, as_holder, troubled=self.backend.fault_active or self._timer is not None,
-                quiet=not self.holder_writing() and self.model.certain, live_before=dict(self.model.live), **extra)
+        op = Op(
+            cmd,
+            as_holder,
+            troubled=self.backend.fault_active or self._timer is not None,
+            quiet=not self.holder_writing() and self.model.certain,
+            live_before=dict(self.model.live),
+            **extra,
+        )
         if as_holder and cmd["op"] in WRITES:
             op.snapshot = copy.deepcopy(self.model)
         assert s.worker is not None
@@ -209,8 +220,16 @@ class ModelMachine(RuleBasedStateMachine):
             s.op = None
         assert s.worker is not None
         if name == READER:
-            out = s.worker.call({"op": "open", "root": self.root, "read_only": True, "load_memory_bytes": 0,
-                                 "storage_options": self.backend.storage_options()}, timeout=REPLY_TIMEOUT_S)
+            out = s.worker.call(
+                {
+                    "op": "open",
+                    "root": self.root,
+                    "read_only": True,
+                    "load_memory_bytes": 0,
+                    "storage_options": self.backend.storage_options(),
+                },
+                timeout=REPLY_TIMEOUT_S,
+            )
             if not out["ok"]:
                 if self.backend.fault_active:
                     return
@@ -230,9 +249,19 @@ class ModelMachine(RuleBasedStateMachine):
             expect, wait_s = "either", 0.5
         else:
             expect, wait_s = "held", 0.5
-        out = s.worker.call({"op": "open", "root": self.root, "job_id": s.job_id, "keep_last": KEEP_LAST,
-                             "lease_ttl_s": TTL_S, "lease_wait_s": wait_s, "sabotage": self.h.sabotage,
-                             "storage_options": self.backend.storage_options()}, timeout=REPLY_TIMEOUT_S)
+        out = s.worker.call(
+            {
+                "op": "open",
+                "root": self.root,
+                "job_id": s.job_id,
+                "keep_last": KEEP_LAST,
+                "lease_ttl_s": TTL_S,
+                "lease_wait_s": wait_s,
+                "sabotage": self.h.sabotage,
+                "storage_options": self.backend.storage_options(),
+            },
+            timeout=REPLY_TIMEOUT_S,
+        )
         self.h.counts["opens"] += 1
         if out["ok"]:
             if expect == "held":
@@ -254,11 +283,17 @@ class ModelMachine(RuleBasedStateMachine):
 
     # -- operations --------------------------------------------------------------------------------
     @precondition(lambda self: any(self.ready(n) for n in WRITERS))
-    @rule(i=IDX, step=STEPS, overwrite=st.booleans(), wait=st.booleans(), fault=FAULT,
-          disrupt=DISRUPT)
+    @rule(i=IDX, step=STEPS, overwrite=st.booleans(), wait=st.booleans(), fault=FAULT, disrupt=DISRUPT)
     @_timed
-    def start_save(self, i: int, step: int, overwrite: bool, wait: bool, fault: tuple[str, int] | None,
-                   disrupt: tuple[str, int] | None) -> None:
+    def start_save(
+        self,
+        i: int,
+        step: int,
+        overwrite: bool,
+        wait: bool,
+        fault: tuple[str, int] | None,
+        disrupt: tuple[str, int] | None,
+    ) -> None:
         w = self.pick(i, WRITERS, self.ready)
         if w is None:
             return
@@ -275,11 +310,26 @@ class ModelMachine(RuleBasedStateMachine):
         self._then(w, wait, disrupt)
 
     @precondition(lambda self: any(self.ready(n) for n in SLOTS))
-    @rule(i=IDX, step=st.none() | STEPS, tag=st.none() | TAGS, read=st.booleans(), wait=st.booleans(), fault=FAULT,
-          disrupt=DISRUPT)
+    @rule(
+        i=IDX,
+        step=st.none() | STEPS,
+        tag=st.none() | TAGS,
+        read=st.booleans(),
+        wait=st.booleans(),
+        fault=FAULT,
+        disrupt=DISRUPT,
+    )
     @_timed
-    def start_load(self, i: int, step: int | None, tag: str | None, read: bool, wait: bool,
-                   fault: tuple[str, int] | None, disrupt: tuple[str, int] | None) -> None:
+    def start_load(
+        self,
+        i: int,
+        step: int | None,
+        tag: str | None,
+        read: bool,
+        wait: bool,
+        fault: tuple[str, int] | None,
+        disrupt: tuple[str, int] | None,
+    ) -> None:
         w = self.pick(i, SLOTS, self.ready)
         if w is None:
             return
@@ -288,11 +338,11 @@ class ModelMachine(RuleBasedStateMachine):
         self._then(w, wait, disrupt)
 
     @precondition(lambda self: any(self.ready(n) for n in WRITERS))
-    @rule(i=IDX, step=STEPS, wait=st.booleans(), fault=FAULT,
-          disrupt=DISRUPT)
+    @rule(i=IDX, step=STEPS, wait=st.booleans(), fault=FAULT, disrupt=DISRUPT)
     @_timed
-    def start_delete(self, i: int, step: int, wait: bool, fault: tuple[str, int] | None,
-                   disrupt: tuple[str, int] | None) -> None:
+    def start_delete(
+        self, i: int, step: int, wait: bool, fault: tuple[str, int] | None, disrupt: tuple[str, int] | None
+    ) -> None:
         w = self.pick(i, WRITERS, self.ready)
         if w is None:
             return
@@ -303,11 +353,17 @@ class ModelMachine(RuleBasedStateMachine):
         self._then(w, wait, disrupt)
 
     @precondition(lambda self: any(self.ready(n) for n in WRITERS))
-    @rule(i=IDX, name=TAGS, step=st.none() | STEPS, wait=st.booleans(), fault=FAULT,
-          disrupt=DISRUPT)
+    @rule(i=IDX, name=TAGS, step=st.none() | STEPS, wait=st.booleans(), fault=FAULT, disrupt=DISRUPT)
     @_timed
-    def start_tag(self, i: int, name: str, step: int | None, wait: bool, fault: tuple[str, int] | None,
-                   disrupt: tuple[str, int] | None) -> None:
+    def start_tag(
+        self,
+        i: int,
+        name: str,
+        step: int | None,
+        wait: bool,
+        fault: tuple[str, int] | None,
+        disrupt: tuple[str, int] | None,
+    ) -> None:
         w = self.pick(i, WRITERS, self.ready)
         if w is None:
             return
@@ -322,8 +378,9 @@ class ModelMachine(RuleBasedStateMachine):
     @rule(i=IDX)
     @_timed
     def finish(self, i: int) -> None:
-        w = self.pick(i, SLOTS, lambda n: self.slots[n].op is not None and self.slots[n].alive
-                      and not self.slots[n].stopped)
+        w = self.pick(
+            i, SLOTS, lambda n: self.slots[n].op is not None and self.slots[n].alive and not self.slots[n].stopped
+        )
         if w is None:
             return
         s = self.slots[w]
@@ -361,8 +418,11 @@ class ModelMachine(RuleBasedStateMachine):
             asked = cmd["step"]
             committed = (asked in op.live_before) if asked is not None else bool(op.live_before)
             if quiet and cmd["tag"] is None and committed and out["error"] not in REFUSALS:
-                self.fail(f"{cmd} on job {s.name} failed with nothing in flight and no fault: "
-                          f"{out['error']}: {out['message']}", s)
+                self.fail(
+                    f"{cmd} on job {s.name} failed with nothing in flight and no fault: "
+                    f"{out['error']}: {out['message']}",
+                    s,
+                )
             return
         step, digest = out["step"], out["digest"]
         if step is None:
@@ -372,15 +432,31 @@ class ModelMachine(RuleBasedStateMachine):
         if cmd["step"] is not None and step != cmd["step"]:
             self.fail(f"{cmd} on job {s.name} returned step {step}", s)
         if digest not in self.model.history.get(step, set()):
-            self.fail(f"{cmd} on job {s.name} returned step {step} as {str(digest)[:12]}, a state never saved "
-                      f"for it (saved: {sorted(d[:12] for d in self.model.history.get(step, set()))})", s)
+            self.fail(
+                f"{cmd} on job {s.name} returned step {step} as {str(digest)[:12]}, a state never saved "
+                f"for it (saved: {sorted(d[:12] for d in self.model.history.get(step, set()))})",
+                s,
+            )
         if quiet and op.live_before.get(step) != digest:
-            self.fail(f"{cmd} on job {s.name} returned step {step} as {str(digest)[:12]}, committed is "
-                      f"{str(op.live_before.get(step))[:12]}", s)
-        if (quiet and cmd["op"] == "load" and cmd["step"] is None and cmd["tag"] is None and op.as_holder
-                and self.model.order and step != self.model.order[-1]):
-            self.fail(f"load() on job {s.name} returned step {step}; committed last is {self.model.order[-1]} "
-                      f"(commit order {self.model.order})", s)
+            self.fail(
+                f"{cmd} on job {s.name} returned step {step} as {str(digest)[:12]}, committed is "
+                f"{str(op.live_before.get(step))[:12]}",
+                s,
+            )
+        if (
+            quiet
+            and cmd["op"] == "load"
+            and cmd["step"] is None
+            and cmd["tag"] is None
+            and op.as_holder
+            and self.model.order
+            and step != self.model.order[-1]
+        ):
+            self.fail(
+                f"load() on job {s.name} returned step {step}; committed last is {self.model.order[-1]} "
+                f"(commit order {self.model.order})",
+                s,
+            )
 
     def _check_write(self, s: Slot, op: Op, out: dict[str, Any]) -> None:
         cmd = op.cmd
@@ -404,8 +480,9 @@ class ModelMachine(RuleBasedStateMachine):
             return
         if op.troubled:
             return
-        self.fail(f"{cmd} by the lease holder {s.name} failed with no fault injected: {out['error']}: "
-                  f"{out['message']}", s)
+        self.fail(
+            f"{cmd} by the lease holder {s.name} failed with no fault injected: {out['error']}: {out['message']}", s
+        )
 
     def _expect_refusal(self, s: Slot, op: Op, out: dict[str, Any]) -> None:
         cmd, before = op.cmd, op.snapshot
@@ -438,8 +515,9 @@ class ModelMachine(RuleBasedStateMachine):
             if before.certain and step not in before.live:
                 self.fail(f"{cmd} by {s.name} succeeded; step {step} is not committed", s)
             if before.certain and out["before"] != before.tags.get(cmd["name"]):
-                self.fail(f"{cmd} by {s.name} says the tag named {out['before']}, it named "
-                          f"{before.tags.get(cmd['name'])}", s)
+                self.fail(
+                    f"{cmd} by {s.name} says the tag named {out['before']}, it named {before.tags.get(cmd['name'])}", s
+                )
             self.model.tags[cmd["name"]] = step
             if not before.tags_unknown - {cmd["name"]} and cmd["name"] in self.model.tags_unknown:
                 self.model.tags_unknown.discard(cmd["name"])
@@ -449,8 +527,15 @@ class ModelMachine(RuleBasedStateMachine):
 
     # -- jobs, crashes, stalls, faults -------------------------------------------------------------
     def open_job(self, i: int) -> None:
-        w = self.pick(i, SLOTS, lambda n: (not self.slots[n].open or self.slots[n].fenced)
-                      and not self.slots[n].stopped and self.slots[n].op is None)
+        w = self.pick(
+            i,
+            SLOTS,
+            lambda n: (
+                (not self.slots[n].open or self.slots[n].fenced)
+                and not self.slots[n].stopped
+                and self.slots[n].op is None
+            ),
+        )
         if w is None:
             return
         self._open(w)
@@ -555,8 +640,11 @@ class ModelMachine(RuleBasedStateMachine):
             self._finish(self.slots[w])
             self.fault_off()
 
-    @rule(event=st.sampled_from(["resume", "open", "kill", "stall", "close"]), i=IDX,
-          delay_ms=st.integers(min_value=0, max_value=120))
+    @rule(
+        event=st.sampled_from(["resume", "open", "kill", "stall", "close"]),
+        i=IDX,
+        delay_ms=st.integers(min_value=0, max_value=120),
+    )
     @_timed
     def job_event(self, event: str, i: int, delay_ms: int) -> None:
         """A job opens (takes the lease or a reader's place), closes, is killed or stalled mid-operation

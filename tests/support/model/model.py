@@ -144,8 +144,10 @@ class Model:
                 bad.append(f"tag {name!r} names step {step}, which is not listed {listed}")
         for step, digest, who, writes in self.claims:
             if self.writes(step) == writes and self.live.get(step) != digest:
-                bad.append(f"{who} reported success, but step {step} does not hold what it saved "
-                           f"({_names(self.possible(step))})")
+                bad.append(
+                    f"{who} reported success, but step {step} does not hold what it saved "
+                    f"({_names(self.possible(step))})"
+                )
         self.claims.clear()
         return bad
 

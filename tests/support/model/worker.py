@@ -22,13 +22,17 @@ SENTINEL = -7.0
 
 def make_state(step: int, nonce: int) -> dict[str, Any]:
     g = torch.Generator().manual_seed(step * 1_000_003 + nonce)
-    return {"model": {"w": torch.randn(N, generator=g), "b": torch.randn(257, generator=g)},
-            "ids": torch.tensor([step, nonce], dtype=torch.int64)}
+    return {
+        "model": {"w": torch.randn(N, generator=g), "b": torch.randn(257, generator=g)},
+        "ids": torch.tensor([step, nonce], dtype=torch.int64),
+    }
 
 
 def template() -> dict[str, Any]:
-    return {"model": {"w": torch.full((N,), SENTINEL), "b": torch.full((257,), SENTINEL)},
-            "ids": torch.full((2,), -1, dtype=torch.int64)}
+    return {
+        "model": {"w": torch.full((N,), SENTINEL), "b": torch.full((257,), SENTINEL)},
+        "ids": torch.full((2,), -1, dtype=torch.int64),
+    }
 
 
 def digest(state: Any) -> str:
@@ -72,11 +76,17 @@ class Job:
             if self.ck is not None:
                 self._close()
             self.sabotage = cmd.get("sabotage")
-            self.ck = Checkpointer(cmd["root"], process_group="local", read_only=cmd.get("read_only", False),
-                                   job_id=cmd.get("job_id"), keep_last=cmd.get("keep_last"),
-                                   lease_ttl_s=cmd.get("lease_ttl_s", 30.0), lease_wait_s=cmd.get("lease_wait_s"),
-                                   load_memory_bytes=cmd.get("load_memory_bytes"),
-                                   storage_options=cmd.get("storage_options"))
+            self.ck = Checkpointer(
+                cmd["root"],
+                process_group="local",
+                read_only=cmd.get("read_only", False),
+                job_id=cmd.get("job_id"),
+                keep_last=cmd.get("keep_last"),
+                lease_ttl_s=cmd.get("lease_ttl_s", 30.0),
+                lease_wait_s=cmd.get("lease_wait_s"),
+                load_memory_bytes=cmd.get("load_memory_bytes"),
+                storage_options=cmd.get("storage_options"),
+            )
             return {}
         if op == "close":
             self._close()
@@ -177,10 +187,16 @@ def serve(conn: Any, log_path: str) -> None:
             cause = e
             out = {"ok": False}
         if cause is not None:
-            out.update(error=type(cause).__name__, message=str(cause)[:2000],
-                       checkpoint_error=isinstance(cause, CheckpointError))
-            print(f"[model worker {os.getpid()}] {cmd['op']} failed:\n" + "".join(
-                traceback.format_exception(cause)), file=sys.stderr, flush=True)
+            out.update(
+                error=type(cause).__name__,
+                message=str(cause)[:2000],
+                checkpoint_error=isinstance(cause, CheckpointError),
+            )
+            print(
+                f"[model worker {os.getpid()}] {cmd['op']} failed:\n" + "".join(traceback.format_exception(cause)),
+                file=sys.stderr,
+                flush=True,
+            )
         conn.send(out)
         if cmd["op"] == "exit":
             return

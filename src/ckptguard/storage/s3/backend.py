@@ -103,7 +103,7 @@ class S3Storage:
             return ""
         if not path.startswith(self._base):
             raise ValueError(f"{path} is not in bucket {self.bucket}")
-        return path[len(self._base):]
+        return path[len(self._base) :]
 
     def url(self, key: str) -> str:
         return self._base + key
@@ -137,27 +137,32 @@ class S3Storage:
         if isinstance(err, NoCredentialsError):
             return StoragePermissionError(
                 f"no AWS credentials found to {what} {path}: set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, "
-                "AWS_PROFILE, or run where an instance role applies", path=path)
+                "AWS_PROFILE, or run where an instance role applies",
+                path=path,
+            )
         if isinstance(err, ClientError):
             code = _code(err)
             message = str(err.response.get("Error", {}).get("Message", "")) or str(err)
             if code == "NoSuchBucket":
                 return BucketNotFoundError(
                     f"bucket {self.bucket} does not exist at {self.endpoint} (while trying to {what} {path}). "
-                    "Create it, or check the bucket name and endpoint_url.", path=path)
+                    "Create it, or check the bucket name and endpoint_url.",
+                    path=path,
+                )
             if code in _PERMISSION_CODES:
                 return StoragePermissionError(
                     f"access denied to {what} {path} ({code}: {message}). The credentials in use need "
                     "s3:GetObject, s3:PutObject, s3:DeleteObject, s3:ListBucket and s3:AbortMultipartUpload "
-                    "on this bucket and prefix.", path=path)
+                    "on this bucket and prefix.",
+                    path=path,
+                )
             if code in _REGION_CODES:
                 return self._region_error(err, what, path)
             if code in _MISSING_CODES:
                 return FileNotFoundError(errno.ENOENT, f"no such object ({what})", path)
             return OSError(errno.EIO, f"S3 refused to {what} ({code}: {message}) after retries", path)
         if isinstance(err, BotoCoreError | OSError):
-            return OSError(errno.EIO, f"S3 request to {what} failed after retries: {type(err).__name__}: {err}",
-                           path)
+            return OSError(errno.EIO, f"S3 request to {what} failed after retries: {type(err).__name__}: {err}", path)
         return err
 
     def _region_error(self, err: Exception, what: str, path: str) -> WrongRegionError:
@@ -167,7 +172,8 @@ class S3Storage:
         return WrongRegionError(
             f"bucket {self.bucket} is not in region {self.client.meta.region_name} ({where}; while trying to "
             f"{what} {path}). Set AWS_REGION or storage_options={{'region_name': ...}} to the bucket's region.",
-            path=path)
+            path=path,
+        )
 
     def ensure_ready(self) -> None:
         """Once per instance: the bucket is reachable; once per process and store: conditional writes work."""
@@ -180,11 +186,15 @@ class S3Storage:
             if status == 404:
                 raise BucketNotFoundError(
                     f"bucket {self.bucket} does not exist at {self.endpoint}. Create it, or check the bucket "
-                    "name and endpoint_url.", path=self.root) from e
+                    "name and endpoint_url.",
+                    path=self.root,
+                ) from e
             if status == 403:
                 raise StoragePermissionError(
                     f"access denied to bucket {self.bucket} at {self.endpoint}: the credentials in use may not "
-                    "list or read it (s3:ListBucket).", path=self.root) from e
+                    "list or read it (s3:ListBucket).",
+                    path=self.root,
+                ) from e
             if status in (301, 307, 400) and _is_client_error(e):
                 headers = e.response.get("ResponseMetadata", {}).get("HTTPHeaders", {})  # type: ignore[attr-defined]
                 if status != 400 or headers.get("x-amz-bucket-region"):
@@ -240,9 +250,9 @@ class S3Storage:
         names: set[str] = set()
         for page in self._list(prefix, delimiter=True):
             for p in page.get("CommonPrefixes", []):
-                names.add(p["Prefix"][len(prefix):].rstrip("/"))
+                names.add(p["Prefix"][len(prefix) :].rstrip("/"))
             for o in page.get("Contents", []):
-                name = o["Key"][len(prefix):]
+                name = o["Key"][len(prefix) :]
                 if name:
                     names.add(name)
         return sorted(names)
@@ -252,7 +262,7 @@ class S3Storage:
         out: dict[str, int] = {}
         for page in self._list(prefix, delimiter=True):
             for o in page.get("Contents", []):
-                name = o["Key"][len(prefix):]
+                name = o["Key"][len(prefix) :]
                 if name:
                     out[name] = int(o["Size"])
         return out
@@ -262,8 +272,9 @@ class S3Storage:
         if not key:
             return None
         try:
-            head: dict[str, Any] = self.call("look up", path, lambda: self.control.head_object(Bucket=self.bucket,
-                                                                                                Key=key))
+            head: dict[str, Any] = self.call(
+                "look up", path, lambda: self.control.head_object(Bucket=self.bucket, Key=key)
+            )
         except FileNotFoundError:
             return None
         return head
@@ -296,8 +307,11 @@ class S3Storage:
         out: list[tuple[str, str]] = []
         kwargs: dict[str, Any] = {"Bucket": self.bucket, "Prefix": prefix}
         while True:
-            page = self.call("list multipart uploads", self.url(prefix),
-                             functools.partial(self.client.list_multipart_uploads, **kwargs))
+            page = self.call(
+                "list multipart uploads",
+                self.url(prefix),
+                functools.partial(self.client.list_multipart_uploads, **kwargs),
+            )
             out.extend((self.url(u["Key"]), u["UploadId"]) for u in page.get("Uploads", []))
             if not page.get("IsTruncated"):
                 return out
@@ -306,8 +320,11 @@ class S3Storage:
 
     def abort_upload(self, path: str, upload_id: str) -> None:
         try:
-            self.call("abort a multipart upload", path, lambda: self.client.abort_multipart_upload(
-                Bucket=self.bucket, Key=self.key(path), UploadId=upload_id))
+            self.call(
+                "abort a multipart upload",
+                path,
+                lambda: self.client.abort_multipart_upload(Bucket=self.bucket, Key=self.key(path), UploadId=upload_id),
+            )
         except FileNotFoundError:  # NoSuchUpload: completed or aborted meanwhile
             pass
         except OSError as e:
@@ -322,9 +339,14 @@ class S3Storage:
         for page in self._list(self._dir_prefix(path), delimiter=False):
             keys.extend(o["Key"] for o in page.get("Contents", []))
         for i in range(0, len(keys), 1000):
-            batch: list[ObjectIdentifierTypeDef] = [{"Key": k} for k in keys[i:i + 1000]]
-            out = self.call("delete objects", path, functools.partial(
-                self.client.delete_objects, Bucket=self.bucket, Delete={"Objects": batch, "Quiet": True}))
+            batch: list[ObjectIdentifierTypeDef] = [{"Key": k} for k in keys[i : i + 1000]]
+            out = self.call(
+                "delete objects",
+                path,
+                functools.partial(
+                    self.client.delete_objects, Bucket=self.bucket, Delete={"Objects": batch, "Quiet": True}
+                ),
+            )
             errors = [e for e in out.get("Errors", []) if e.get("Code") != "NoSuchKey"]
             if errors:
                 raise OSError(errno.EIO, f"S3 could not delete {len(errors)} object(s), e.g. {errors[0]}", path)
@@ -345,7 +367,9 @@ class S3Storage:
             if length > limit:
                 raise CorruptCheckpointError(
                     f"{path} is {length:,} bytes, more than the {limit:,} a control object may have: "
-                    "refusing to read it", path=path)
+                    "refusing to read it",
+                    path=path,
+                )
             data = self._call("read", path, body.read)
         finally:
             body.close()
@@ -361,7 +385,7 @@ class S3Storage:
             except OSError as e:  # a connection dropped mid-body: botocore does not retry those
                 if isinstance(e, FileNotFoundError) or attempt == 2:
                     raise
-                time.sleep(0.1 * 2 ** attempt)
+                time.sleep(0.1 * 2**attempt)
         if got is None:
             raise FileNotFoundError(errno.ENOENT, "no such object", path)
         return got[0]
@@ -373,7 +397,7 @@ class S3Storage:
             except OSError as e:
                 if isinstance(e, FileNotFoundError) or attempt == 2:
                     raise
-                time.sleep(0.1 * 2 ** attempt)
+                time.sleep(0.1 * 2**attempt)
         raise AssertionError("unreachable")
 
     def _conditional_put(self, path: str, data: bytes, **condition: str) -> bool:
@@ -384,8 +408,13 @@ class S3Storage:
         checksum = _crc32c_b64(body)
         for attempt in range(8):
             try:
-                self.call("write", path, lambda: self.control.put_object(
-                    Bucket=self.bucket, Key=key, Body=_body(body), ChecksumCRC32C=checksum, **condition))  # type: ignore[arg-type]
+                self.call(
+                    "write",
+                    path,
+                    lambda: self.control.put_object(
+                        Bucket=self.bucket, Key=key, Body=_body(body), ChecksumCRC32C=checksum, **condition
+                    ),
+                )  # type: ignore[arg-type]
                 return True
             except OSError as e:
                 cause = e.__cause__
@@ -394,7 +423,7 @@ class S3Storage:
                     now = self.read_versioned(path)
                     return now is not None and now[0] == data
                 if code in _CONFLICT_CODES and attempt < 7:  # a concurrent conditional write: ask again
-                    time.sleep(0.05 * 2 ** attempt)
+                    time.sleep(0.05 * 2**attempt)
                     continue
                 if code in _MISSING_CODES and "IfMatch" in condition:
                     return False  # If-Match on an object that is gone
@@ -412,8 +441,9 @@ class S3Storage:
         finally:
             stream.close()
 
-    def compare_and_swap(self, path: str, data: bytes, token: str | None,
-                         fence: Callable[[], None] | None = None) -> bool:
+    def compare_and_swap(
+        self, path: str, data: bytes, token: str | None, fence: Callable[[], None] | None = None
+    ) -> bool:
         """A conditional PUT (If-None-Match / If-Match): one request, so ``fence`` runs right before it."""
         if fence is not None:
             fence()
@@ -450,7 +480,9 @@ class S3Storage:
     def publish(self, src: str, dst: str) -> None:
         raise UnsupportedStorageError(
             f"object stores have no rename: {src} cannot be published as {dst}. Checkpoints on object stores "
-            "are committed by a conditional create of their manifest (ckptguard.protocol.objstore).", path=dst)
+            "are committed by a conditional create of their manifest (ckptguard.protocol.objstore).",
+            path=dst,
+        )
 
     # -- data ------------------------------------------------------------------------------
     def open_new(self, path: str) -> S3WriteStream:
@@ -463,8 +495,9 @@ class S3Storage:
             raise CorruptCheckpointError(f"{path} is missing: the checkpoint is incomplete", path=path)
         return S3ReadHandle(self, path, int(head["ContentLength"]))
 
-    def wait_visible(self, path: str, size: int | None = None, timeout: float = 30.0,
-                     stop_if: Callable[[], None] | None = None) -> None:
+    def wait_visible(
+        self, path: str, size: int | None = None, timeout: float = 30.0, stop_if: Callable[[], None] | None = None
+    ) -> None:
         """S3 reads its own and others' writes at once; only a size is worth waiting for."""
         if size is None:
             return  # a "directory" is a prefix: nothing to see until objects are written under it
@@ -476,8 +509,9 @@ class S3Storage:
                 return
             if time.monotonic() >= deadline:
                 state = "missing" if seen is None else f"{seen} bytes, expected {size}"
-                raise NotVisibleError(f"{path} is not there with the right size after {timeout:.0f} s ({state})",
-                                      path=path)
+                raise NotVisibleError(
+                    f"{path} is not there with the right size after {timeout:.0f} s ({state})", path=path
+                )
             if stop_if is not None:
                 stop_if()
             time.sleep(delay)

@@ -33,21 +33,50 @@ _WRITER_META = "ckptguard-writer"  # x-amz-meta-ckptguard-writer: which stream c
 _MIN_PART = 5 << 20  # S3's smallest part (all but the last)
 _MAX_PARTS = 10_000
 _RETRY_MODES = {"standard", "adaptive"}
-_PERMISSION_CODES = {"AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "AllAccessDisabled",
-                     "AccountProblem", "InvalidToken", "ExpiredToken", "403"}
-_REGION_CODES = {"PermanentRedirect", "AuthorizationHeaderMalformed", "IllegalLocationConstraintException",
-                 "301", "IncorrectEndpoint"}
+_PERMISSION_CODES = {
+    "AccessDenied",
+    "InvalidAccessKeyId",
+    "SignatureDoesNotMatch",
+    "AllAccessDisabled",
+    "AccountProblem",
+    "InvalidToken",
+    "ExpiredToken",
+    "403",
+}
+_REGION_CODES = {
+    "PermanentRedirect",
+    "AuthorizationHeaderMalformed",
+    "IllegalLocationConstraintException",
+    "301",
+    "IncorrectEndpoint",
+}
 _MISSING_CODES = {"NoSuchKey", "404", "NotFound"}
 _PRECONDITION_CODES = {"PreconditionFailed", "412"}
 _CONFLICT_CODES = {"ConditionalRequestConflict", "409", "OperationAborted"}
-_THROTTLE_CODES = {"SlowDown", "503", "ServiceUnavailable", "RequestLimitExceeded", "Throttling",
-                   "ThrottlingException", "TooManyRequests", "429"}
+_THROTTLE_CODES = {
+    "SlowDown",
+    "503",
+    "ServiceUnavailable",
+    "RequestLimitExceeded",
+    "Throttling",
+    "ThrottlingException",
+    "TooManyRequests",
+    "429",
+}
 _THROTTLE_ROUNDS = 8  # rounds of botocore's own retries a data request gets while S3 throttles it
 _THROTTLE_MAX_WAIT_S = 20.0
 # The environment boto3 consults when a client is made (the keys by name only: a rotated key is a new client).
-_ENV_SETTINGS = ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_REGION", "AWS_DEFAULT_REGION", "AWS_PROFILE",
-                 "AWS_ACCESS_KEY_ID", "AWS_CONFIG_FILE", "AWS_SHARED_CREDENTIALS_FILE",
-                 "AWS_IGNORE_CONFIGURED_ENDPOINT_URLS")
+_ENV_SETTINGS = (
+    "AWS_ENDPOINT_URL",
+    "AWS_ENDPOINT_URL_S3",
+    "AWS_REGION",
+    "AWS_DEFAULT_REGION",
+    "AWS_PROFILE",
+    "AWS_ACCESS_KEY_ID",
+    "AWS_CONFIG_FILE",
+    "AWS_SHARED_CREDENTIALS_FILE",
+    "AWS_IGNORE_CONFIGURED_ENDPOINT_URLS",
+)
 
 
 @dataclass(frozen=True)
@@ -92,8 +121,9 @@ class S3Options:
         if opts.max_concurrency < 1 or opts.max_attempts < 1 or opts.control_max_attempts < 1:
             raise ValueError("storage_options max_concurrency, max_attempts and control_max_attempts must be >= 1")
         if opts.retry_mode not in _RETRY_MODES:
-            raise ValueError(f"storage_options retry_mode must be one of {sorted(_RETRY_MODES)}, not "
-                             f"{opts.retry_mode!r}")
+            raise ValueError(
+                f"storage_options retry_mode must be one of {sorted(_RETRY_MODES)}, not {opts.retry_mode!r}"
+            )
         return opts
 
 
@@ -164,7 +194,7 @@ class ViewsBody(io.RawIOBase):
         at = self._pos - self._starts[i]
         n = len(view) - at if size is None or size < 0 else min(size, len(view) - at)
         self._pos += n
-        return view[at:at + n]
+        return view[at : at + n]
 
     def readinto(self, buffer: Any) -> int:
         chunk = self.read(len(memoryview(buffer).cast("B")))
@@ -219,7 +249,7 @@ def call_throttled(storage: Bucket, what: str, path: str, fn: Callable[[], Any])
         except OSError as e:
             if round_ == _THROTTLE_ROUNDS or not is_throttled(e):
                 raise
-            wait = random.random() * min(2.0 ** round_, _THROTTLE_MAX_WAIT_S)
+            wait = random.random() * min(2.0**round_, _THROTTLE_MAX_WAIT_S)
             log.debug("ckptguard: S3 throttled the request to %s %s; again in %.1f s", what, path, wait)
             time.sleep(wait)
     raise AssertionError("unreachable")
@@ -238,14 +268,27 @@ class _Clients:
         if control:
             # Standard retries for control objects whatever retry_mode says: they are few and one at a
             # time, and a rate limiter's wait must not delay the lease's bounded release at exit.
-            opts = replace(opts, max_attempts=opts.control_max_attempts,
-                           connect_timeout_s=opts.control_connect_timeout_s,
-                           read_timeout_s=opts.control_read_timeout_s, retry_mode="standard")
+            opts = replace(
+                opts,
+                max_attempts=opts.control_max_attempts,
+                connect_timeout_s=opts.control_connect_timeout_s,
+                read_timeout_s=opts.control_read_timeout_s,
+                retry_mode="standard",
+            )
         # boto3 reads unset values from the environment when the client is made: a process that points
         # AWS_ENDPOINT_URL (or the region, profile, keys) elsewhere must get a new client, not the old one.
         env = tuple(os.environ.get(k) for k in _ENV_SETTINGS)
-        key = (opts.endpoint_url, opts.region_name, opts.profile_name, opts.max_concurrency, opts.max_attempts,
-               opts.retry_mode, opts.connect_timeout_s, opts.read_timeout_s, env)
+        key = (
+            opts.endpoint_url,
+            opts.region_name,
+            opts.profile_name,
+            opts.max_concurrency,
+            opts.max_attempts,
+            opts.retry_mode,
+            opts.connect_timeout_s,
+            opts.read_timeout_s,
+            env,
+        )
         with cls.lock:
             client = cls.cache.get(key)
             if client is None:
@@ -254,8 +297,10 @@ class _Clients:
 
                 session = boto3.session.Session(profile_name=opts.profile_name)
                 config = Config(
-                    retries={"mode": "adaptive" if opts.retry_mode == "adaptive" else "standard",
-                             "max_attempts": opts.max_attempts},
+                    retries={
+                        "mode": "adaptive" if opts.retry_mode == "adaptive" else "standard",
+                        "max_attempts": opts.max_attempts,
+                    },
                     max_pool_connections=max(10, 2 * opts.max_concurrency + 8),
                     connect_timeout=opts.connect_timeout_s,
                     read_timeout=opts.read_timeout_s,
@@ -264,8 +309,9 @@ class _Clients:
                     request_checksum_calculation="when_required",
                     response_checksum_validation="when_required",
                 )
-                client = session.client("s3", endpoint_url=opts.endpoint_url, region_name=opts.region_name,
-                                        config=config)
+                client = session.client(
+                    "s3", endpoint_url=opts.endpoint_url, region_name=opts.region_name, config=config
+                )
                 cls.cache[key] = client
             return client
 

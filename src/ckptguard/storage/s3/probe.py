@@ -46,8 +46,7 @@ def probe_conditional_writes(storage: Bucket) -> BaseException | None:
         return bytes(call(lambda: c.get_object(Bucket=storage.bucket, Key=key)["Body"].read()))
 
     def put(body: bytes, **condition: str) -> Any:
-        return c.put_object(Bucket=storage.bucket, Key=key, Body=body, ChecksumCRC32C=_crc32c_b64(body),
-                            **condition)  # type: ignore[arg-type]
+        return c.put_object(Bucket=storage.bucket, Key=key, Body=body, ChecksumCRC32C=_crc32c_b64(body), **condition)  # type: ignore[arg-type]
 
     try:
         call(lambda: put(b"1"))  # a fresh key: unconditional, so that a retry of it is harmless
@@ -58,15 +57,31 @@ def probe_conditional_writes(storage: Bucket) -> BaseException | None:
         if (now := holds()) != expected:
             failures.append("PutObject with a stale If-Match replaced the object")
         expected = now
-        upload = call(lambda: c.create_multipart_upload(Bucket=storage.bucket, Key=key,
-                                                        ChecksumAlgorithm="CRC32C"))["UploadId"]
-        part = call(lambda: c.upload_part(Bucket=storage.bucket, Key=key, UploadId=upload, PartNumber=1,
-                                          Body=b"4", ChecksumCRC32C=_crc32c_b64(b"4")))
-        attempt(lambda: c.complete_multipart_upload(
-            Bucket=storage.bucket, Key=key, UploadId=upload, IfNoneMatch="*",
-            MultipartUpload={"Parts": [{"PartNumber": 1, "ETag": part["ETag"],
-                                        "ChecksumCRC32C": _crc32c_b64(b"4")}]}),
-            refusals={*_PRECONDITION_CODES, "NoSuchUpload"})
+        upload = call(lambda: c.create_multipart_upload(Bucket=storage.bucket, Key=key, ChecksumAlgorithm="CRC32C"))[
+            "UploadId"
+        ]
+        part = call(
+            lambda: c.upload_part(
+                Bucket=storage.bucket,
+                Key=key,
+                UploadId=upload,
+                PartNumber=1,
+                Body=b"4",
+                ChecksumCRC32C=_crc32c_b64(b"4"),
+            )
+        )
+        attempt(
+            lambda: c.complete_multipart_upload(
+                Bucket=storage.bucket,
+                Key=key,
+                UploadId=upload,
+                IfNoneMatch="*",
+                MultipartUpload={
+                    "Parts": [{"PartNumber": 1, "ETag": part["ETag"], "ChecksumCRC32C": _crc32c_b64(b"4")}]
+                },
+            ),
+            refusals={*_PRECONDITION_CODES, "NoSuchUpload"},
+        )
         if holds() != expected:
             failures.append("CompleteMultipartUpload with If-None-Match: * replaced an existing object")
     except CheckpointError as e:
@@ -78,7 +93,8 @@ def probe_conditional_writes(storage: Bucket) -> BaseException | None:
             f"the object store at {storage.endpoint} ignores conditional writes ({'; '.join(failures)}): "
             "ckptguard cannot commit checkpoints there without races, and refuses to use it. Use a store "
             "that supports If-None-Match and If-Match (AWS S3, recent MinIO, Ceph RGW >= 19, ...).",
-            path=storage.root)
+            path=storage.root,
+        )
     return None
 
 

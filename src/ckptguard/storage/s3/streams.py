@@ -72,7 +72,7 @@ class S3WriteStream:
             pos = 0
             while pos < len(mv):
                 n = min(len(mv) - pos, self.part_size - self._fill)
-                piece = mv[pos:pos + n]
+                piece = mv[pos : pos + n]
                 if not stable:
                     if not self._slot_held:
                         self._take_slot()
@@ -107,8 +107,7 @@ class S3WriteStream:
                 self._upload = self._start_upload()
             number = len(self._parts) + 1
             if number > _MAX_PARTS:
-                raise OSError(errno.EFBIG, f"more than {_MAX_PARTS} parts: raise storage_options part_size",
-                              self.path)
+                raise OSError(errno.EFBIG, f"more than {_MAX_PARTS} parts: raise storage_options part_size", self.path)
             self._parts.append(self.storage.pool().submit(self._upload_part, number, data))
         except BaseException:
             self.storage._slots.release()
@@ -118,8 +117,14 @@ class S3WriteStream:
 
     def _start_upload(self) -> str:
         s = self.storage
-        resp = call_throttled(s, "start an upload", self.path, lambda: s.client.create_multipart_upload(
-            Bucket=s.bucket, Key=self.key, ChecksumAlgorithm="CRC32C", Metadata={_WRITER_META: self.token}))
+        resp = call_throttled(
+            s,
+            "start an upload",
+            self.path,
+            lambda: s.client.create_multipart_upload(
+                Bucket=s.bucket, Key=self.key, ChecksumAlgorithm="CRC32C", Metadata={_WRITER_META: self.token}
+            ),
+        )
         return str(resp["UploadId"])
 
     def _upload_part(self, number: int, data: list[memoryview]) -> CompletedPartTypeDef:
@@ -129,9 +134,19 @@ class S3WriteStream:
             upload = self._upload
             assert upload is not None
             # botocore seeks the body back to its start before each retry: the same bytes, the same checksum.
-            resp = call_throttled(s, "upload a part", self.path, lambda: s.client.upload_part(
-                Bucket=s.bucket, Key=self.key, UploadId=upload, PartNumber=number, Body=_views_body(data),
-                ChecksumCRC32C=checksum))
+            resp = call_throttled(
+                s,
+                "upload a part",
+                self.path,
+                lambda: s.client.upload_part(
+                    Bucket=s.bucket,
+                    Key=self.key,
+                    UploadId=upload,
+                    PartNumber=number,
+                    Body=_views_body(data),
+                    ChecksumCRC32C=checksum,
+                ),
+            )
             return {"PartNumber": number, "ETag": resp["ETag"], "ChecksumCRC32C": checksum}
         finally:
             s._slots.release()
@@ -162,9 +177,19 @@ class S3WriteStream:
         cond = {"IfNoneMatch": "*"} if self.exclusive else {}
         checksum = _crc32c_b64(data)
         try:
-            call_throttled(s, "write", self.path, lambda: s.client.put_object(
-                Bucket=s.bucket, Key=self.key, Body=_views_body(data), ChecksumCRC32C=checksum,
-                Metadata={_WRITER_META: self.token}, **cond))  # type: ignore[arg-type]
+            call_throttled(
+                s,
+                "write",
+                self.path,
+                lambda: s.client.put_object(
+                    Bucket=s.bucket,
+                    Key=self.key,
+                    Body=_views_body(data),
+                    ChecksumCRC32C=checksum,
+                    Metadata={_WRITER_META: self.token},
+                    **cond,
+                ),
+            )  # type: ignore[arg-type]
         except OSError as e:
             self._settle_refusal(e)
 
@@ -174,9 +199,14 @@ class S3WriteStream:
         upload = self._upload
         assert upload is not None
         try:
-            call_throttled(s, "complete an upload", self.path, lambda: s.client.complete_multipart_upload(
-                Bucket=s.bucket, Key=self.key, UploadId=upload,
-                MultipartUpload={"Parts": parts}, **cond))  # type: ignore[arg-type]
+            call_throttled(
+                s,
+                "complete an upload",
+                self.path,
+                lambda: s.client.complete_multipart_upload(
+                    Bucket=s.bucket, Key=self.key, UploadId=upload, MultipartUpload={"Parts": parts}, **cond
+                ),
+            )  # type: ignore[arg-type]
         except OSError as e:
             self._settle_refusal(e)
         self._upload = None
@@ -233,7 +263,9 @@ class S3ReadHandle:
         if offset + total > self._size:
             raise CorruptCheckpointError(
                 f"{self.path} is truncated: {total} bytes expected at offset {offset}, the object ends at "
-                f"{self._size}. The checkpoint is corrupt.", path=self.path)
+                f"{self._size}. The checkpoint is corrupt.",
+                path=self.path,
+            )
         chunk = self.storage.options.part_size
         jobs: list[tuple[int, list[memoryview]]] = []  # (object offset, destination views)
         pos = offset
@@ -243,7 +275,7 @@ class S3ReadHandle:
             at = 0
             while at < len(v):
                 n = min(room, len(v) - at)
-                current.append(v[at:at + n])
+                current.append(v[at : at + n])
                 at += n
                 room -= n
                 if room == 0:
@@ -265,8 +297,14 @@ class S3ReadHandle:
         key = s.key(self.path)
         for attempt in range(4):
             try:
-                resp = call_throttled(s, "read", self.path, lambda: s.client.get_object(
-                    Bucket=s.bucket, Key=key, Range=f"bytes={offset}-{offset + length - 1}"))
+                resp = call_throttled(
+                    s,
+                    "read",
+                    self.path,
+                    lambda: s.client.get_object(
+                        Bucket=s.bucket, Key=key, Range=f"bytes={offset}-{offset + length - 1}"
+                    ),
+                )
                 body = resp["Body"]
                 try:
                     got = _read_body_into(body, dest)
@@ -276,16 +314,17 @@ class S3ReadHandle:
                     return
                 raise OSError(errno.EIO, f"S3 returned {got} of {length} bytes", self.path)
             except FileNotFoundError:
-                raise CorruptCheckpointError(f"{self.path} is missing: the checkpoint is incomplete",
-                                             path=self.path) from None
+                raise CorruptCheckpointError(
+                    f"{self.path} is missing: the checkpoint is incomplete", path=self.path
+                ) from None
             except OSError:  # a connection dropped mid-body: botocore does not retry those
                 if attempt == 3:
                     raise
-                time.sleep(0.1 * 2 ** attempt)
+                time.sleep(0.1 * 2**attempt)
             except Exception as e:
                 if attempt == 3 or _is_client_error(e):
                     raise s._translate(e, "read", self.path) from e
-                time.sleep(0.1 * 2 ** attempt)
+                time.sleep(0.1 * 2**attempt)
 
     def close(self) -> None:
         pass
@@ -303,7 +342,7 @@ def _read_body_into(body: Any, dest: list[memoryview]) -> int:
             else:
                 chunk = body.read(len(d) - at)
                 n = len(chunk)
-                d[at:at + n] = chunk
+                d[at : at + n] = chunk
             if not n:
                 return got
             at += n

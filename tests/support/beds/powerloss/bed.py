@@ -111,10 +111,13 @@ def recording_mount(base: str | None = None) -> Iterator[Mount]:
     backing, mp, logdir = tmp / "backing", tmp / "mnt", tmp / "log"
     for d in (backing, mp, logdir):
         d.mkdir()
-    proc = subprocess.Popen([sys.executable, str(RECORDFS), str(backing), str(mp), str(logdir)],
-                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                            stderr=open(logdir / "recordfs.log", "wb"),  # noqa: SIM115 - the child owns it
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, str(RECORDFS), str(backing), str(mp), str(logdir)],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=open(logdir / "recordfs.log", "wb"),  # noqa: SIM115 - the child owns it
+        start_new_session=True,
+    )
     mount = Mount(mp, backing, logdir, proc)
     try:
         deadline = time.monotonic() + 20
@@ -146,7 +149,7 @@ class Recording:
 
     def blob(self, ref: list[int]) -> bytes:
         off, n = ref
-        return self.data[off:off + n]
+        return self.data[off : off + n]
 
     def save(self, path: Path) -> None:
         """Keep a recording (e.g. as a regression test's input)."""

@@ -77,8 +77,9 @@ def _serve(rank: int, world: int, init: str, conn: Any, src_paths: list[str]) ->
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=120))
+    dist.init_process_group(
+        "gloo", init_method=f"file://{init}", rank=rank, world_size=world, timeout=timedelta(seconds=120)
+    )
     group = dist.new_group(backend="gloo")
     conn.send("ready")
     while True:
@@ -91,8 +92,15 @@ def _serve(rank: int, world: int, init: str, conn: Any, src_paths: list[str]) ->
         try:
             conn.send(_check_one(req, rank, group))
         except Exception:
-            conn.send({"errors": [f"checker crashed: {traceback.format_exc()}"], "steps": None, "loads": {},
-                       "fallback": False, "newest": None})
+            conn.send(
+                {
+                    "errors": [f"checker crashed: {traceback.format_exc()}"],
+                    "steps": None,
+                    "loads": {},
+                    "fallback": False,
+                    "newest": None,
+                }
+            )
     dist.destroy_process_group()
 
 

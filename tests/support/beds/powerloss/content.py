@@ -57,8 +57,11 @@ def loaded_id(state: dict[str, Any]) -> tuple[int, int]:
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.dtype == b.dtype and a.shape == b.shape and bytes(a.contiguous().view(torch.uint8).numpy()) == \
-        bytes(b.contiguous().view(torch.uint8).numpy())
+    return (
+        a.dtype == b.dtype
+        and a.shape == b.shape
+        and bytes(a.contiguous().view(torch.uint8).numpy()) == bytes(b.contiguous().view(torch.uint8).numpy())
+    )
 
 
 def differences(state: dict[str, Any], step: int, gen: int, rank: int) -> list[str]:

@@ -75,9 +75,16 @@ class Result:
     seconds: float = 0.0
 
     def row(self) -> dict[str, Any]:
-        return {"scenario": self.scenario, "model": self.model, "ops": self.ops, "states": self.states,
-                "candidates": self.candidates, "verify_runs": self.verified,
-                "violations": len(self.violations), "seconds": round(self.seconds, 1)}
+        return {
+            "scenario": self.scenario,
+            "model": self.model,
+            "ops": self.ops,
+            "states": self.states,
+            "candidates": self.candidates,
+            "verify_runs": self.verified,
+            "violations": len(self.violations),
+            "seconds": round(self.seconds, 1),
+        }
 
 
 # -- running a scenario --------------------------------------------------------------------------
@@ -89,18 +96,28 @@ def _src_dir() -> str:
     return str(Path(ckptguard.__file__).resolve().parents[1])
 
 
-def run_scenario(sc: Scenario, mount: Mount, world: int = 2, broken: str | None = None,
-                 timeout: float = 180.0) -> Recording:
+def run_scenario(
+    sc: Scenario, mount: Mount, world: int = 2, broken: str | None = None, timeout: float = 180.0
+) -> Recording:
     """Run the scenario's ranks (setup, then the recorded part) and return the recording."""
     root = str(mount.mountpoint / ROOT_NAME)
     work = tempfile.mkdtemp(prefix="ckptguard-plwork-")
     try:
         for phase in sc.phases:
-            env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR",
-                                                                   "MASTER_PORT", "LOCAL_RANK")}
-            env.update(PYTHONPATH=os.pathsep.join([_src_dir(), str(REPO_DIR)]), WORLD_SIZE=str(world),
-                       POWERLOSS_INIT=os.path.join(work, f"store-{phase}"), POWERLOSS_MOUNT=str(mount.mountpoint),
-                       GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+            env = {
+                k: v
+                for k, v in os.environ.items()
+                if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK")
+            }
+            env.update(
+                PYTHONPATH=os.pathsep.join([_src_dir(), str(REPO_DIR)]),
+                WORLD_SIZE=str(world),
+                POWERLOSS_INIT=os.path.join(work, f"store-{phase}"),
+                POWERLOSS_MOUNT=str(mount.mountpoint),
+                GLOO_SOCKET_IFNAME="lo",
+                OMP_NUM_THREADS="1",
+                PYTHONUNBUFFERED="1",
+            )
             env.pop("POWERLOSS_BREAK", None)
             if broken:
                 env["POWERLOSS_BREAK"] = broken
@@ -108,10 +125,16 @@ def run_scenario(sc: Scenario, mount: Mount, world: int = 2, broken: str | None 
             for r in range(world):
                 log = open(os.path.join(work, f"{phase}-rank{r}.log"), "wb")  # noqa: SIM115
                 logs.append(log)
-                procs.append(subprocess.Popen(
-                    [sys.executable, "-m", "tests.support.beds.powerloss.worker", sc.name, phase, root, work],
-                    env={**env, "RANK": str(r)}, stdout=log, stderr=subprocess.STDOUT, cwd=str(REPO_DIR),
-                    start_new_session=True))
+                procs.append(
+                    subprocess.Popen(
+                        [sys.executable, "-m", "tests.support.beds.powerloss.worker", sc.name, phase, root, work],
+                        env={**env, "RANK": str(r)},
+                        stdout=log,
+                        stderr=subprocess.STDOUT,
+                        cwd=str(REPO_DIR),
+                        start_new_session=True,
+                    )
+                )
             try:
                 deadline = time.monotonic() + timeout
                 for p in procs:
@@ -127,10 +150,12 @@ def run_scenario(sc: Scenario, mount: Mount, world: int = 2, broken: str | None 
                 for log in logs:
                     log.close()
             if any(p.returncode != 0 for p in procs):
-                out = "\n".join(Path(work, f"{phase}-rank{r}.log").read_text(errors="replace")[-3000:]
-                                for r in range(world))
-                raise RuntimeError(f"scenario {sc.name} phase {phase} failed "
-                                   f"(exit codes {[p.returncode for p in procs]}):\n{out}")
+                out = "\n".join(
+                    Path(work, f"{phase}-rank{r}.log").read_text(errors="replace")[-3000:] for r in range(world)
+                )
+                raise RuntimeError(
+                    f"scenario {sc.name} phase {phase} failed (exit codes {[p.returncode for p in procs]}):\n{out}"
+                )
         return mount.recording()
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -159,8 +184,9 @@ def commits_before(sc: Scenario, cm: CrashModel, point: int) -> int:
     return done
 
 
-def judge_checkpoint(sc: Scenario, done: int, facts: list[dict[str, Any]], state: State,
-                     verify: dict[str, Any] | None) -> list[str]:
+def judge_checkpoint(
+    sc: Scenario, done: int, facts: list[dict[str, Any]], state: State, verify: dict[str, Any] | None
+) -> list[str]:
     """The problems of one crash state of a Checkpointer scenario (empty: it is fine).
 
     ``done`` saves had returned before the crash: what they promised (``kept``) must be there;
@@ -238,21 +264,28 @@ def judge_file(sc: Scenario, done: int, root: str) -> list[str]:
 
 def run_verify(root: str) -> dict[str, Any]:
     env = {**os.environ, "PYTHONPATH": _src_dir()}
-    p = subprocess.run([sys.executable, "-m", "ckptguard.cli", "verify", root, "--json"], capture_output=True,
-                       text=True, env=env, timeout=120)
+    p = subprocess.run(
+        [sys.executable, "-m", "ckptguard.cli", "verify", root, "--json"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
     if p.returncode not in (0, 1):
         return {"checked": [], "error": p.stderr[-2000:]}
     return json.loads(p.stdout)
 
 
-def check_state(sc: Scenario, cm: CrashModel, choice: Choice, checker: Checker | None, base: str,
-                do_verify: bool) -> tuple[State, list[str]]:
+def check_state(
+    sc: Scenario, cm: CrashModel, choice: Choice, checker: Checker | None, base: str, do_verify: bool
+) -> tuple[State, list[str]]:
     state = cm.build(choice)
     return state, check_built(sc, cm, state, checker, base, do_verify)
 
 
-def check_built(sc: Scenario, cm: CrashModel, state: State, checker: Checker | None, base: str,
-                do_verify: bool) -> list[str]:
+def check_built(
+    sc: Scenario, cm: CrashModel, state: State, checker: Checker | None, base: str, do_verify: bool
+) -> list[str]:
     done = commits_before(sc, cm, state.choice.point)
     dest = tempfile.mkdtemp(prefix="state-", dir=base)
     try:
@@ -274,8 +307,18 @@ def check_built(sc: Scenario, cm: CrashModel, state: State, checker: Checker | N
         shutil.rmtree(dest, ignore_errors=True)
 
 
-def explore(sc: Scenario, rec: Recording, model: str, budget: int, checker: Checker | None, *, seed: int = 1,
-            verify_every: int = 20, patience: int = 3000, stop_at_first: bool = False) -> Result:
+def explore(
+    sc: Scenario,
+    rec: Recording,
+    model: str,
+    budget: int,
+    checker: Checker | None,
+    *,
+    seed: int = 1,
+    verify_every: int = 20,
+    patience: int = 3000,
+    stop_at_first: bool = False,
+) -> Result:
     cm = CrashModel(rec)
     res = Result(sc.name, model, len(rec.ops), rec.counts())
     started = time.monotonic()
@@ -313,8 +356,16 @@ def explore(sc: Scenario, rec: Recording, model: str, budget: int, checker: Chec
 # -- command line ----------------------------------------------------------------------------------
 
 
-def run(scenarios: list[str], models: list[str], budget: int, world: int, seed: int, verify_every: int,
-        broken: str | None = None, log: Any = print) -> list[Result]:
+def run(
+    scenarios: list[str],
+    models: list[str],
+    budget: int,
+    world: int,
+    seed: int,
+    verify_every: int,
+    broken: str | None = None,
+    log: Any = print,
+) -> list[Result]:
     results: list[Result] = []
     checkers: dict[int, Checker] = {}
     try:
@@ -329,8 +380,10 @@ def run(scenarios: list[str], models: list[str], budget: int, world: int, seed: 
             for model in models:
                 r = explore(sc, rec, model, budget, checker, seed=seed, verify_every=verify_every)
                 results.append(r)
-                log(f"  model {model}: {r.states} states ({r.candidates} candidates), {r.verified} verify runs, "
-                    f"{len(r.violations)} violations, {r.seconds:.1f} s")
+                log(
+                    f"  model {model}: {r.states} states ({r.candidates} candidates), {r.verified} verify runs, "
+                    f"{len(r.violations)} violations, {r.seconds:.1f} s"
+                )
                 for v in r.violations[:5]:
                     log(f"    VIOLATION {v.describe()}")
     finally:
@@ -340,14 +393,20 @@ def run(scenarios: list[str], models: list[str], budget: int, world: int, seed: 
 
 
 def table(results: list[Result]) -> str:
-    lines = ["| scenario | model | operations recorded | crash states explored | verify runs | violations | seconds |",
-             "| --- | --- | --- | --- | --- | --- | --- |"]
+    lines = [
+        "| scenario | model | operations recorded | crash states explored | verify runs | violations | seconds |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
     for r in results:
-        lines.append(f"| {r.scenario} | {r.model} | {r.ops} | {r.states} | {r.verified} | {len(r.violations)} | "
-                     f"{r.seconds:.0f} |")
+        lines.append(
+            f"| {r.scenario} | {r.model} | {r.ops} | {r.states} | {r.verified} | {len(r.violations)} | "
+            f"{r.seconds:.0f} |"
+        )
     total = sum(r.states for r in results)
-    lines.append(f"| total | | | {total} | {sum(r.verified for r in results)} | "
-                 f"{sum(len(r.violations) for r in results)} | {sum(r.seconds for r in results):.0f} |")
+    lines.append(
+        f"| total | | | {total} | {sum(r.verified for r in results)} | "
+        f"{sum(len(r.violations) for r in results)} | {sum(r.seconds for r in results):.0f} |"
+    )
     return "\n".join(lines)
 
 
@@ -365,15 +424,29 @@ def main(argv: list[str] | None = None) -> int:
     # SIGTERM unwinds like Ctrl-C, so that mounts are unmounted and checker ranks stopped.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     t = time.monotonic()
-    results = run(a.scenarios.split(","), a.models.split(","), a.states, a.world, a.seed, a.verify_every,
-                  a.broken)
+    results = run(a.scenarios.split(","), a.models.split(","), a.states, a.world, a.seed, a.verify_every, a.broken)
     print(table(results))
     print(f"wall time {time.monotonic() - t:.0f} s")
     if a.json_out:
-        Path(a.json_out).write_text(json.dumps(
-            {"args": vars(a), "results": [r.row() for r in results],
-             "violations": [{**asdict(v.choice), "persisted": sorted(v.choice.persisted), "scenario": v.scenario,
-                             "problems": v.problems} for r in results for v in r.violations]}, indent=1))
+        Path(a.json_out).write_text(
+            json.dumps(
+                {
+                    "args": vars(a),
+                    "results": [r.row() for r in results],
+                    "violations": [
+                        {
+                            **asdict(v.choice),
+                            "persisted": sorted(v.choice.persisted),
+                            "scenario": v.scenario,
+                            "problems": v.problems,
+                        }
+                        for r in results
+                        for v in r.violations
+                    ],
+                },
+                indent=1,
+            )
+        )
     return 1 if any(r.violations for r in results) else 0
 
 

@@ -147,10 +147,10 @@ class CrashModel:
                 end = o["off"] + len(data)
                 if len(buf) < end:
                     buf.extend(b"\0" * (end - len(buf)))
-                buf[o["off"]:end] = data
+                buf[o["off"] : end] = data
             elif op == "truncate":
                 buf = latest.setdefault(o["ino"], bytearray())
-                del buf[o["size"]:]
+                del buf[o["size"] :]
                 buf.extend(b"\0" * (o["size"] - len(buf)))
             elif op == "fsync":
                 synced[o["ino"]] = bytes(latest.get(o["ino"], b""))
@@ -257,6 +257,6 @@ def _mix(old: bytes, new: bytes, rng: random.Random) -> bytes:
     out = bytearray()
     for start in range(0, size, BLOCK):
         src = rng.choice((old, new))
-        block = src[start:start + BLOCK]
+        block = src[start : start + BLOCK]
         out += block + b"\0" * (min(BLOCK, size - start) - len(block))
     return bytes(out[:size])

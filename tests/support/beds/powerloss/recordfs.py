@@ -47,8 +47,9 @@ class _FUSE(mfusepy.FUSE):
     """mfusepy 3.1.1 drops rename's flags (RENAME_NOREPLACE would silently replace): pass them on."""
 
     def rename_fuse_3(self, old: bytes, new: bytes, flags: int) -> int:
-        return self.operations.rename2(old.decode(self.encoding, self.errors),
-                                       new.decode(self.encoding, self.errors), flags)
+        return self.operations.rename2(
+            old.decode(self.encoding, self.errors), new.decode(self.encoding, self.errors), flags
+        )
 
 
 class Recorder(mfusepy.Operations):
@@ -109,7 +110,7 @@ class Recorder(mfusepy.Operations):
         if name in self.seen_controls:
             return
         self.seen_controls.add(name)
-        cmd, _, label = name[len(CONTROL_PREFIX):].partition("-")
+        cmd, _, label = name[len(CONTROL_PREFIX) :].partition("-")
         label = label.rsplit(".", 1)[0]  # drop the nonce that makes each lookup a new name
         if cmd == "start":
             self._start(label)
@@ -134,8 +135,10 @@ class Recorder(mfusepy.Operations):
             if known:
                 return i
             if stat.S_ISDIR(st.st_mode):
-                inodes[i] = {"kind": "dir", "entries": {n: walk(os.path.join(real, n))
-                                                        for n in sorted(os.listdir(real))}}
+                inodes[i] = {
+                    "kind": "dir",
+                    "entries": {n: walk(os.path.join(real, n)) for n in sorted(os.listdir(real))},
+                }
             elif stat.S_ISLNK(st.st_mode):
                 inodes[i] = {"kind": "symlink", "target": os.readlink(real)}
             else:
@@ -164,10 +167,26 @@ class Recorder(mfusepy.Operations):
             self._control(base)
             raise mfusepy.FuseOSError(errno.ENOENT)
         st = os.fstat(fh) if fh is not None else os.lstat(self._full(path))
-        out = {k: getattr(st, k) for k in ("st_mode", "st_ino", "st_nlink", "st_uid", "st_gid", "st_size",
-                                           "st_atime_ns", "st_mtime_ns", "st_ctime_ns", "st_blocks")}
-        out["st_atime"], out["st_mtime"], out["st_ctime"] = (out.pop("st_atime_ns"), out.pop("st_mtime_ns"),
-                                                             out.pop("st_ctime_ns"))
+        out = {
+            k: getattr(st, k)
+            for k in (
+                "st_mode",
+                "st_ino",
+                "st_nlink",
+                "st_uid",
+                "st_gid",
+                "st_size",
+                "st_atime_ns",
+                "st_mtime_ns",
+                "st_ctime_ns",
+                "st_blocks",
+            )
+        }
+        out["st_atime"], out["st_mtime"], out["st_ctime"] = (
+            out.pop("st_atime_ns"),
+            out.pop("st_mtime_ns"),
+            out.pop("st_ctime_ns"),
+        )
         return out
 
     def access(self, path: str, amode: int) -> int:
@@ -189,8 +208,21 @@ class Recorder(mfusepy.Operations):
 
     def statfs(self, path: str) -> dict[str, int]:
         sv = os.statvfs(self._full(path))
-        return {k: getattr(sv, k) for k in ("f_bavail", "f_bfree", "f_blocks", "f_bsize", "f_favail",
-                                            "f_ffree", "f_files", "f_flag", "f_frsize", "f_namemax")}
+        return {
+            k: getattr(sv, k)
+            for k in (
+                "f_bavail",
+                "f_bfree",
+                "f_blocks",
+                "f_bsize",
+                "f_favail",
+                "f_ffree",
+                "f_files",
+                "f_flag",
+                "f_frsize",
+                "f_namemax",
+            )
+        }
 
     def open(self, path: str, flags: int) -> int:
         fd = os.open(self._full(path), flags & ~os.O_CREAT)
@@ -255,16 +287,20 @@ class Recorder(mfusepy.Operations):
         parent, name = self._parent(path)
         os.mkdir(self._full(path), mode)
         if self.recording:
-            self._rec(op="mkdir", parent=parent, name=name,
-                      ino=self._new_id(os.lstat(self._full(path)).st_ino))
+            self._rec(op="mkdir", parent=parent, name=name, ino=self._new_id(os.lstat(self._full(path)).st_ino))
         return 0
 
     def symlink(self, target: str, source: str) -> int:
         parent, name = self._parent(target)
         os.symlink(source, self._full(target))
         if self.recording:
-            self._rec(op="symlink", parent=parent, name=name, target=source,
-                      ino=self._new_id(os.lstat(self._full(target)).st_ino))
+            self._rec(
+                op="symlink",
+                parent=parent,
+                name=name,
+                target=source,
+                ino=self._new_id(os.lstat(self._full(target)).st_ino),
+            )
         return 0
 
     def link(self, target: str, source: str) -> int:
@@ -300,8 +336,7 @@ class Recorder(mfusepy.Operations):
         if flags & _RENAME_NOREPLACE and os.path.lexists(self._full(new)):
             raise mfusepy.FuseOSError(errno.EEXIST)
         os.rename(self._full(old), self._full(new))
-        self._rec(op="rename", sparent=sparent, sname=sname, dparent=dparent, dname=dname, ino=ident,
-                  flags=flags)
+        self._rec(op="rename", sparent=sparent, sname=sname, dparent=dparent, dname=dname, ino=ident, flags=flags)
         return 0
 
     def chmod(self, path: str, mode: int) -> int:
@@ -329,8 +364,17 @@ def main(argv: list[str]) -> None:
     # hard_remove: an unlinked open file is really unlinked (libfuse would otherwise rename it
     # to .fuse_hidden*, an operation the library never issued); use_ino: the backing inode
     # numbers show through (os.link, st_ino comparisons behave as on a real disk).
-    _FUSE(ops, mountpoint, foreground=True, nothreads=True, hard_remove=True, use_ino=True,
-          default_permissions=True, fsname="powerloss", subtype="powerloss")
+    _FUSE(
+        ops,
+        mountpoint,
+        foreground=True,
+        nothreads=True,
+        hard_remove=True,
+        use_ino=True,
+        default_permissions=True,
+        fsname="powerloss",
+        subtype="powerloss",
+    )
 
 
 if __name__ == "__main__":

@@ -43,24 +43,69 @@ def kept(history: list[tuple[int, int]], keep_last: int | None) -> dict[int, int
     return out
 
 
-SCENARIOS = {s.name: s for s in (
-    Scenario("first_save", "Checkpointer creates a root that did not exist, first save, close",
-             saves=((1, 1, ""),), fresh_dir=True),
-    Scenario("retention", "save step 3 with keep_last=2: step 1 is retired and deleted",
-             saves=((3, 1, ""),), pre=((1, 1), (2, 1)), keep_last=2),
-    Scenario("overwrite", "save step 1 again with overwrite=True (v2 replaces v1)",
-             saves=((1, 2, "overwrite"),), pre=((1, 1),)),
-    Scenario("save_file", "save_file replaces an existing file (checked with load_file)",
-             saves=((1, 2, ""),), pre=((1, 1),), kind="file"),
-    Scenario("save_file_new", "save_file into a directory that does not exist yet (it creates two levels)",
-             saves=((1, 2, ""),), kind="file", fresh_dir=True),
-    Scenario("files", "save with files= (a nested directory per rank) after one with files=",
-             saves=((2, 2, ""),), pre=((1, 1),), files=True),
-    Scenario("takeover", "a new job takes over a dead job's lease (fences its staging), saves, closes",
-             saves=((2, 1, ""),), pre=((1, 1),), phases=("A", "main")),
-    Scenario("async", "save(blocking=False), tensors changed in place, then wait()",
-             saves=((2, 2, "async"),), pre=((1, 1),)),
-    Scenario("train", "a run: blocking, async, overwrite and blocking saves with keep_last=2 and files=",
-             saves=((2, 2, ""), (3, 3, "async"), (3, 4, "overwrite"), (4, 5, "")), pre=((1, 1),), keep_last=2,
-             files=True),
-)}
+SCENARIOS = {
+    s.name: s
+    for s in (
+        Scenario(
+            "first_save",
+            "Checkpointer creates a root that did not exist, first save, close",
+            saves=((1, 1, ""),),
+            fresh_dir=True,
+        ),
+        Scenario(
+            "retention",
+            "save step 3 with keep_last=2: step 1 is retired and deleted",
+            saves=((3, 1, ""),),
+            pre=((1, 1), (2, 1)),
+            keep_last=2,
+        ),
+        Scenario(
+            "overwrite",
+            "save step 1 again with overwrite=True (v2 replaces v1)",
+            saves=((1, 2, "overwrite"),),
+            pre=((1, 1),),
+        ),
+        Scenario(
+            "save_file",
+            "save_file replaces an existing file (checked with load_file)",
+            saves=((1, 2, ""),),
+            pre=((1, 1),),
+            kind="file",
+        ),
+        Scenario(
+            "save_file_new",
+            "save_file into a directory that does not exist yet (it creates two levels)",
+            saves=((1, 2, ""),),
+            kind="file",
+            fresh_dir=True,
+        ),
+        Scenario(
+            "files",
+            "save with files= (a nested directory per rank) after one with files=",
+            saves=((2, 2, ""),),
+            pre=((1, 1),),
+            files=True,
+        ),
+        Scenario(
+            "takeover",
+            "a new job takes over a dead job's lease (fences its staging), saves, closes",
+            saves=((2, 1, ""),),
+            pre=((1, 1),),
+            phases=("A", "main"),
+        ),
+        Scenario(
+            "async",
+            "save(blocking=False), tensors changed in place, then wait()",
+            saves=((2, 2, "async"),),
+            pre=((1, 1),),
+        ),
+        Scenario(
+            "train",
+            "a run: blocking, async, overwrite and blocking saves with keep_last=2 and files=",
+            saves=((2, 2, ""), (3, 3, "async"), (3, 4, "overwrite"), (4, 5, "")),
+            pre=((1, 1),),
+            keep_last=2,
+            files=True,
+        ),
+    )
+}

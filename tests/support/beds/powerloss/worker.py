@@ -42,8 +42,13 @@ def _break(kind: str) -> None:
 
 def main(scenario: str, phase: str, root: str, workdir: str) -> None:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    dist.init_process_group("gloo", init_method=f"file://{os.environ['POWERLOSS_INIT']}", rank=rank,
-                            world_size=world, timeout=timedelta(seconds=120))
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{os.environ['POWERLOSS_INIT']}",
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(seconds=120),
+    )
     mount = os.environ["POWERLOSS_MOUNT"]
     spec = SCENARIOS[scenario]
     files_dir = os.path.join(workdir, f"rank{rank}")
@@ -71,8 +76,7 @@ def main(scenario: str, phase: str, root: str, workdir: str) -> None:
     def save_all(ck: Checkpointer) -> None:
         for i, (step, gen, mode) in enumerate(spec.saves):
             state = make_state(step, gen, rank)
-            ck.save(step, state, files=files_for(step, gen), overwrite=mode == "overwrite",
-                    blocking=mode != "async")
+            ck.save(step, state, files=files_for(step, gen), overwrite=mode == "overwrite", blocking=mode != "async")
             if mode == "async":
                 control(mount, "mark", f"returned{i}-r{rank}")
                 for v in (state["big"], state["ints"]):  # training goes on and changes the tensors
