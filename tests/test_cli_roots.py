@@ -109,7 +109,8 @@ def test_a_missing_s3_extra_names_the_install_line_from_api_and_cli() -> None:
             + (
                 "import ckptguard\n"
                 "for call in (lambda: ckptguard.Checkpointer('S3://bucket/run'), lambda: ckptguard.load_file('s3://b/m.pt')):\n"
-                "    try:\n        call()\n    except ckptguard.CheckpointError as e:\n        print(type(e).__name__, e)\n"
+                "    try:\n        call()\n"
+                "    except ckptguard.CheckpointError as e:\n        print(type(e).__name__, e)\n"
             ),
         ],
         capture_output=True,

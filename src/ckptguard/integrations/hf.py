@@ -254,8 +254,9 @@ class CkptguardTrainer(Trainer):
             if restored is None:
                 if wanted is None and not os.path.isdir(root):
                     plain = one_rank_acts(
-                        f"look for a plain Trainer checkpoint in {run_dir}", lambda: get_last_checkpoint(run_dir)
-                    )  # type: ignore[no-untyped-call]
+                        f"look for a plain Trainer checkpoint in {run_dir}",
+                        lambda: get_last_checkpoint(run_dir),  # type: ignore[no-untyped-call]
+                    )
                     if plain is not None:  # a run switching to ckptguard: continue it, as plain Trainer would
                         log.warning(
                             "ckptguard: no ckptguard checkpoint yet in %s: resuming from %s, a checkpoint "

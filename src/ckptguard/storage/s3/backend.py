@@ -412,9 +412,13 @@ class S3Storage:
                     "write",
                     path,
                     lambda: self.control.put_object(
-                        Bucket=self.bucket, Key=key, Body=_body(body), ChecksumCRC32C=checksum, **condition
+                        Bucket=self.bucket,
+                        Key=key,
+                        Body=_body(body),
+                        ChecksumCRC32C=checksum,
+                        **condition,  # type: ignore[arg-type]
                     ),
-                )  # type: ignore[arg-type]
+                )
                 return True
             except OSError as e:
                 cause = e.__cause__

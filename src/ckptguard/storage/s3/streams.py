@@ -187,9 +187,9 @@ class S3WriteStream:
                     Body=_views_body(data),
                     ChecksumCRC32C=checksum,
                     Metadata={_WRITER_META: self.token},
-                    **cond,
+                    **cond,  # type: ignore[arg-type]
                 ),
-            )  # type: ignore[arg-type]
+            )
         except OSError as e:
             self._settle_refusal(e)
 
@@ -204,9 +204,13 @@ class S3WriteStream:
                 "complete an upload",
                 self.path,
                 lambda: s.client.complete_multipart_upload(
-                    Bucket=s.bucket, Key=self.key, UploadId=upload, MultipartUpload={"Parts": parts}, **cond
+                    Bucket=s.bucket,
+                    Key=self.key,
+                    UploadId=upload,
+                    MultipartUpload={"Parts": parts},
+                    **cond,  # type: ignore[arg-type]
                 ),
-            )  # type: ignore[arg-type]
+            )
         except OSError as e:
             self._settle_refusal(e)
         self._upload = None
