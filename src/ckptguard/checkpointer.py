@@ -160,7 +160,8 @@ class Checkpointer(Management, SettingsAttributes):
         on every rank at its plan. A setting assigned after the call applies from the next save.
 
         Args:
-            step: A non-negative int; an existing step is refused unless ``overwrite``.
+            step: A non-negative int; an existing step is refused unless ``overwrite`` (a step a load
+                found corrupt, quarantined, is replaced without it).
             state: Tensors, modules, optimizers, RNG states, ``PerRank`` values and plain values, nested.
             files: ``{key: local path}`` of files or directories stored beside the state, checksummed
                 (``load(files=...)`` restores them whole).
@@ -171,9 +172,15 @@ class Checkpointer(Management, SettingsAttributes):
             progress: Show a progress bar on rank 0 (default: the ``progress`` setting).
 
         Raises:
-            ValueError: ``step`` is not a non-negative int.
-            TypeError: ``metadata`` or ``files`` of the wrong type.
+            InvalidArgumentError: On any rank, ``step`` is not a non-negative int or ``metadata`` holds a
+                value JSON cannot give back (NaN, infinity, a non-str key, nesting too deep); a ValueError.
+            UnsupportedValueError: A value no load could give back (a sparse, quantized, nested or meta
+                tensor, a sub-byte dtype, two values of one flattened name); ``metadata`` or ``files`` of the
+                wrong type; a TypeError.
+            ReplicatedValueError: A plain value, or ``step``/``overwrite``, differs across ranks.
+            PathCollisionError: ``files=`` paths of two ranks overlap, or one overlaps the root.
             StepExistsError: ``step`` is committed and ``overwrite`` is False.
+            DiskFullError: The storage is full (a StorageError, like the storage's other refusals).
             LeaseLostError: Another job took the root over; nothing was committed by this one.
             CheckpointError: Any other failure (PeerError: another rank failed); a background save's by
                 ``wait()`` or the next call.
