@@ -68,13 +68,13 @@ class Scored:
         return self.class_ok is not False and self.rank_ok is not False
 
 
-def load_labels(corpus: Path = CORPUS, honour_flags: bool = False) -> list[Label]:
+def load_labels(corpus: Path = CORPUS, honour_flags: bool = True) -> list[Label]:
     """Parse labels.jsonl (the file is data: never edited here).
 
     Args:
         corpus: the corpus directory.
         honour_flags: read the rows' ``score_class`` / ``score_rank`` flags (the project's own
-            corpus); otherwise every row is scored, as the shared corpora always were.
+            corpora say a row is scored); False: every row is scored.
 
     Returns:
         One Label per row, in file order.

@@ -57,11 +57,12 @@ def test_ctrl_c_is_interrupted_not_a_scheduler_limit(name: str) -> None:
     assert all(a["failure_class"] != "scheduler_time_limit" for a in d["alternatives"][:1])
 
 
-def test_interrupted_class_says_whether_a_restart_helps() -> None:
-    import ckptguard.diagnose
+def test_an_interrupted_job_is_never_restarted() -> None:
+    """A Ctrl-C is a person's or a tool's decision to stop: `run --max-restarts` must not undo it."""
+    from ckptguard.diagnose.kb import load_kb
 
-    raw = (Path(ckptguard.diagnose.__file__).parent / "kb" / "interrupted.toml").read_text()
-    assert "[restart]" in raw and "transient = true" in raw
+    restart = load_kb().classes["interrupted"].restart
+    assert restart.transient is False and restart.why
 
 
 def test_host_named_one_way() -> None:
