@@ -233,7 +233,13 @@ def _run_and_explain(
         from ckptguard.runner import hang
 
         cenv = hang.child_env(cenv, me.dir)
-        watch = hang.HangWatch(opts.hang_timeout_s, me.dir, opts.checkpoints, min(opts.grace_s, HANG_KILL_GRACE_S))
+        watch = hang.HangWatch(
+            opts.hang_timeout_s,
+            me.dir,
+            opts.checkpoints,
+            min(opts.grace_s, HANG_KILL_GRACE_S),
+            token=cenv[hang.TOKEN_VAR],
+        )
     try:
         result = run_child(opts.command, cenv, out, err, watch=watch)
     except CommandNotFound as e:
