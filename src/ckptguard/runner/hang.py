@@ -613,6 +613,17 @@ def stopped_rank(records: list[Mapping[str, Any]]) -> Verdict:
         return Verdict(
             None, "unknown", "no rank's stack was captured", [], [], None, "no rank's stack could be captured"
         )
+    if not any(p.get("threads") for p in ranks.values()):  # the kernel's view only: no rank to name
+        where = "; ".join(f"rank {r}: {_kernel_state(p)}" for r, p in sorted(ranks.items()))
+        return Verdict(
+            None,
+            "unknown",
+            "no Python stack was captured",
+            [],
+            sorted(ranks),
+            None,
+            f"no rank's Python stack was captured, so no rank can be named ({where})",
+        )
     v = _verdict(ranks)
     if not by_pid:
         return v
@@ -627,6 +638,12 @@ def stopped_rank(records: list[Mapping[str, Any]]) -> Verdict:
         + re.sub(r"\branks? (?=\d)", lambda m: "processes " if m.group(0).startswith("ranks") else "process ", v.text),
         pid=v.rank,
     )
+
+
+def _kernel_state(p: Mapping[str, Any]) -> str:
+    if p.get("syscall"):
+        return f"blocked in {p.get('syscall')}()" + (f" on {p.get('path')}" if p.get("path") else "")
+    return f"sleeping in {p.get('wchan')}" if p.get("wchan") else "state unknown"
 
 
 def _verdict(ranks: Mapping[int, Mapping[str, Any]]) -> Verdict:
@@ -691,7 +708,8 @@ def _verdict(ranks: Mapping[int, Mapping[str, Any]]) -> Verdict:
         [],
         outside[1:],
         None,
-        f"rank {stopped} is {p.get('detail')}" + (f" (as are {_ranks(outside[1:])})" if outside[1:] else ""),
+        f"rank {stopped} is {p.get('detail')}"
+        + (f" (as {'is' if len(outside) == 2 else 'are'} {_ranks(outside[1:])})" if outside[1:] else ""),
     )
 
 
