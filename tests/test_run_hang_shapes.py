@@ -19,14 +19,16 @@ JOB = REPO / "tests" / "workers" / "run_hang_shapes_job.py"
 
 
 def _run(tmp_path: Path, opts: list[str], cmd: list[str], **env: str) -> tuple[subprocess.CompletedProcess[str], Any]:
+    """Run ``cmd`` under ``ckptguard run``; its output goes to files (a process left behind that
+    holds a pipe would block a reader until it ends)."""
     logs = tmp_path / "logs"
-    res = subprocess.run(
-        [*RUN, "--logs", str(logs), *opts, "--", *cmd],
-        env=_env(**env),
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    with open(tmp_path / "out.txt", "w+") as out, open(tmp_path / "err.txt", "w+") as err:
+        status = subprocess.run(
+            [*RUN, "--logs", str(logs), *opts, "--", *cmd], env=_env(**env), stdout=out, stderr=err, timeout=120
+        ).returncode
+        out.seek(0)
+        err.seek(0)
+        res = subprocess.CompletedProcess(cmd, status, out.read(), err.read())
     assert res.returncode != 0, res.stderr
     return res, _report(logs)
 
