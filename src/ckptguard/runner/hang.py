@@ -192,6 +192,11 @@ class HangWatch:
             record = capture(procs, self.run_dir, self.checkpoints)
             record.update(timeout_s=self.timeout_s, last_progress_at=self.last_progress, detected_at=now)
             _write_json(os.path.join(self.run_dir, HANG_FILE), record)
+            if not record["hook_ran"]:
+                sys.stderr.write(
+                    "ckptguard run: no process of the job ran ckptguard's startup hook (its PYTHONPATH was "
+                    "replaced; keep ours: PYTHONPATH=.:$PYTHONPATH): no Python stack, only /proc was read\n"
+                )
         except Exception as e:  # the job is stopped whatever the capture did
             sys.stderr.write(f"ckptguard run: could not capture the stacks ({type(e).__name__}: {e})\n")
         with contextlib.suppress(ProcessLookupError, PermissionError):
@@ -263,7 +268,7 @@ def _stack_files(run_dir: str) -> dict[int, tuple[int | None, str]]:
     files: dict[int, tuple[int | None, str]] = {}
     with contextlib.suppress(OSError):
         for name in os.listdir(stacks):
-            m = re.fullmatch(r"(?:rank(\d+)_)?pid(\d+)\.txt", name)
+            m = re.fullmatch(r"(?:rank(\d+)_)?pid(\d+)(?:\.fork)?\.txt", name)
             if m:
                 files[int(m.group(2))] = (int(m.group(1)) if m.group(1) else None, os.path.join(stacks, name))
     return files
@@ -596,7 +601,7 @@ def stopped_rank(records: list[Mapping[str, Any]]) -> Verdict:
             if isinstance(r, int) and not isinstance(r, bool):
                 if r not in ranks or (p.get("threads") and not ranks[r].get("threads")):
                     ranks[r] = p
-            elif p.get("threads") and p.get("pid") not in parents:
+            elif p.get("threads") and not _forked(p) and not (p.get("pid") in parents and _waits_for_child(p)):
                 unranked.append(p)
     by_pid = False
     if not ranks and len(unranked) == 1:  # a plain `python script.py`: the one process is the job
@@ -638,6 +643,21 @@ def stopped_rank(records: list[Mapping[str, Any]]) -> Verdict:
         + re.sub(r"\branks? (?=\d)", lambda m: "processes " if m.group(0).startswith("ranks") else "process ", v.text),
         pid=v.rank,
     )
+
+
+_CHILD_WAITS = ("/subprocess.py", "multiprocessing/popen_", "multiprocessing/process.py", "torch/multiprocessing/")
+
+
+def _forked(p: Mapping[str, Any]) -> bool:
+    """A process forked (not exec'd) by another of the job and not a rank: a data-loader worker, a helper."""
+    return str(p.get("stack_file") or "").endswith(".fork.txt")
+
+
+def _waits_for_child(p: Mapping[str, Any]) -> bool:
+    """The process's main thread waits for a child process (a wrapper, a launcher)."""
+    raw = p.get("threads")
+    frames = main_thread([t for t in raw if isinstance(t, list) and t] if isinstance(raw, list) else [])
+    return any(any(w in str(f.get("file")) for w in _CHILD_WAITS) or f.get("func") == "waitpid" for f in frames)
 
 
 def _kernel_state(p: Mapping[str, Any]) -> str:

@@ -7,7 +7,8 @@ rank, such as the launcher). The runner sends the signal only to processes that 
 and catch the signal, so a process that is not Python, or forked from one, is never hit by it.
 A process that learns its rank from ``init_process_group`` (``torch.multiprocessing`` spawn or
 fork, no RANK in the environment) renames its file to ``rank<r>_pid<pid>.txt``; a forked child
-opens its own file. Importing modules counts as progress (a launcher or a rank importing torch is silent for seconds
+opens its own file, ``pid<pid>.fork.txt`` (a data-loader worker, a helper: not a rank until it
+says so). Importing modules counts as progress (a launcher or a rank importing torch is silent for seconds
 on a loaded node): a finder first on ``sys.meta_path`` touches ``CKPTGUARD_HEARTBEAT`` at most
 twice a second while imports go on, and finds nothing itself. Then the ``sitecustomize`` this one
 shadows, if any, is run. Standard library only; nothing here
@@ -17,15 +18,15 @@ may raise into the job.
 import os
 
 
-def _install() -> None:
+def _install(forked: bool = False) -> None:
     directory = os.environ.get("CKPTGUARD_STACKS_DIR")
     signum = os.environ.get("CKPTGUARD_STACK_SIGNAL", "")
     if not directory or not signum.isdigit():
         return
     import faulthandler
 
-    rank = os.environ.get("RANK", "")
-    name = f"rank{rank}_pid{os.getpid()}.txt" if rank.isdigit() else f"pid{os.getpid()}.txt"
+    rank = "" if forked else os.environ.get("RANK", "")  # a forked child is not its parent's rank
+    name = f"rank{rank}_pid{os.getpid()}.txt" if rank.isdigit() else f"pid{os.getpid()}{'.fork' if forked else ''}.txt"
     try:
         f = open(os.path.join(directory, name), "a")  # noqa: SIM115 - open for the process's life
         faulthandler.register(int(signum), file=f, all_threads=True, chain=False)
@@ -50,7 +51,7 @@ def _name_rank(rank: int) -> None:
     head, base = os.path.split(old)
     if base.startswith("rank"):
         return
-    new = os.path.join(head, f"rank{rank}_{base}")
+    new = os.path.join(head, f"rank{rank}_{base.replace('.fork', '')}")
     try:
         os.rename(old, new)
         globals()["_stack_path"] = new
@@ -162,7 +163,7 @@ def _chain() -> None:
 try:
     _install()
     _beat_on_imports()
-    os.register_at_fork(after_in_child=_install)  # a forked rank gets its own stack file
+    os.register_at_fork(after_in_child=lambda: _install(forked=True))  # a forked rank gets its own stack file
 except Exception:  # a stack dump that cannot be set up must not stop the job
     pass
 _chain()
