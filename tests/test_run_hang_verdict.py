@@ -89,3 +89,48 @@ def test_ddp_backward_is_a_collective_and_a_read_names_its_path(tmp_path: Any) -
     state, detail = classify(user, "read", str(tmp_path / "ck" / "step-3" / "x.bin"), str(tmp_path / "ck"))
     assert state == "io" and "(the checkpoint path)" in detail and "load_shard" in detail
     assert classify(user, "read", "pipe:[1234]", None)[0] == "user"  # a pipe is not a stalled path
+
+
+def _frame(file: str, func: str, current: bool = False) -> dict[str, Any]:
+    return {"file": file, "line": 1, "func": func, "current": current}
+
+
+@given(others=st.integers(0, 5), at=st.integers(0, 5), data=st.data())
+def test_a_rank_with_any_thread_in_a_collective_waits_in_it(others: int, at: int, data: st.DataObject) -> None:
+    # The main thread waits for an async save in close(); wherever the save's thread is among the
+    # others, the rank waits in its collective.
+    op = data.draw(st.sampled_from(["all_gather", "broadcast", "barrier"]))
+    main = [_frame("/x/ckptguard/checkpointer.py", "close"), _frame("/job/train.py", "<module>")]
+    idle = [_frame("/usr/lib/python3.11/threading.py", "wait"), _frame("/usr/lib/python3.11/threading.py", "run")]
+    save = [
+        _frame("/x/site-packages/torch/distributed/distributed_c10d.py", op),
+        _frame("/x/ckptguard/comm.py", "gather"),
+        _frame("/usr/lib/python3.11/threading.py", "run"),
+    ]
+    threads = [idle] * others
+    threads.insert(min(at, others), save)
+    assert classify([*threads, main], None, None, None) == ("collective", op)
+
+
+@given(world=st.integers(2, 16), data=st.data())
+def test_processes_of_unknown_rank_are_named_by_pid_leaving_out_the_wrapper(world: int, data: st.DataObject) -> None:
+    stopped = data.draw(st.integers(0, world - 1))
+    wrapper = {
+        "pid": 10,
+        "ppid": 1,
+        "rank": None,
+        "state": "user",
+        "detail": "in user code",
+        "threads": [[_frame("/usr/lib/python3.11/subprocess.py", "wait"), _frame("w.py", "<module>")]],
+    }
+    procs = [wrapper]
+    for i in range(world):
+        state = ("user", "in user code at stuck") if i == stopped else ("collective", "all_reduce")
+        frame = _frame("t.py", "<module>", True)
+        procs.append(
+            {"pid": 100 + i, "ppid": 10, "rank": None, "state": state[0], "detail": state[1], "threads": [[frame]]}
+        )
+    v = stopped_rank([{"processes": procs}])
+    assert v.rank is None and v.pid == 100 + stopped
+    assert v.waiting == [100 + i for i in range(world) if i != stopped]
+    assert f"process {100 + stopped}" in v.text and "rank" not in v.text.split(":", 1)[1]

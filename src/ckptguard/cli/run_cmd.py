@@ -124,7 +124,7 @@ def main(argv: list[str]) -> int:
             max_log_bytes=ns.max_log_bytes,
             hang_timeout_s=ns.hang_timeout,
             max_restarts=ns.max_restarts,
-            backoff_s=max(ns.restart_backoff, 0.0),
+            backoff_s=ns.restart_backoff,
             restart_on=tuple(c.strip() for c in ns.restart_on.split(",") if c.strip()),
         )
     )

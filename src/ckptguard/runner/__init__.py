@@ -111,6 +111,9 @@ def run(opts: RunOptions, env: Mapping[str, str] | None = None) -> int:
     if opts.max_restarts < 0:
         _say("ckptguard run: --max-restarts must be 0 or more\n")
         return RUNNER_ERROR
+    if not 0 <= opts.backoff_s < float("inf"):  # NaN fails too
+        _say("ckptguard run: --restart-backoff must be 0 or more seconds\n")
+        return RUNNER_ERROR
     if opts.max_restarts and opts.checkpoints is None:
         _say("ckptguard run: --max-restarts needs --checkpoints ROOT (a restart resumes from its committed step)\n")
         return RUNNER_ERROR
@@ -141,7 +144,13 @@ def run(opts: RunOptions, env: Mapping[str, str] | None = None) -> int:
         with _signals_end_early() as hook:
             status, diag, stop = _run_and_explain(opts, env, me, out, err, hook, attempts, resumed_from)
         attempt = attempts[-1]
-        if status == 0 or stop or not opts.max_restarts:
+        if status == 0 or not opts.max_restarts:
+            break
+        if stop:  # stopped from outside (a forwarded signal) or the command not found: no restart
+            attempt.reached = _committed_step(opts)
+            attempt.decision = stop
+            _record_attempts(me, attempts)
+            _say(f"ckptguard run: not restarted: {attempt.decision}\n")
             break
         from ckptguard.runner import restart
 
@@ -221,9 +230,9 @@ def _run_and_explain(
     hook: _Hook,
     attempts: list[Attempt],
     resumed_from: int | None,
-) -> tuple[int, Diagnosis | None, bool]:
+) -> tuple[int, Diagnosis | None, str]:
     """Run one attempt and explain its failure: its status, its diagnosis (None when it succeeded
-    or none was made), and whether the runner must stop there (a signal from outside, the command
+    or none was made), and why the runner must stop there, or "" (a signal from outside, the command
     not found, a pipeline's reader gone)."""
     attempt = Attempt(len(attempts) + 1, me.dir, RUNNER_ERROR, resumed_from)
     attempts.append(attempt)
@@ -233,7 +242,13 @@ def _run_and_explain(
         from ckptguard.runner import hang
 
         cenv = hang.child_env(cenv, me.dir)
-        watch = hang.HangWatch(opts.hang_timeout_s, me.dir, opts.checkpoints, min(opts.grace_s, HANG_KILL_GRACE_S))
+        watch = hang.HangWatch(
+            opts.hang_timeout_s,
+            me.dir,
+            opts.checkpoints,
+            min(opts.grace_s, HANG_KILL_GRACE_S),
+            token=cenv[hang.TOKEN_VAR],
+        )
     try:
         result = run_child(opts.command, cenv, out, err, watch=watch)
     except CommandNotFound as e:
@@ -242,7 +257,7 @@ def _run_and_explain(
         logdir.finish(me, ended_at=me.started, exit_status=e.status, error=str(e))
         _say(f"ckptguard run: {e}\n")
         attempt.status = e.status
-        return e.status, None, True
+        return e.status, None, "the command could not be started"
     if watch is not None and watch.fired_at is not None:
         if result.status == 0:  # a launcher that exits 0 on SIGTERM: a hang is still a failure
             result.status = 128 + signal.SIGTERM
@@ -261,7 +276,11 @@ def _run_and_explain(
     piped_away = result.reader_gone and result.status == 128 + signal.SIGPIPE
     diag = None
     # A signal forwarded to the job (Ctrl-C, the scheduler) means the job was stopped on purpose.
-    stop = piped_away or bool(result.signals_forwarded)
+    stop = ""
+    if piped_away:
+        stop = "the reader of its output went away"
+    elif result.signals_forwarded:
+        stop = f"signal {_signame(result.signals_forwarded[0])} was forwarded to the job: it was stopped from outside"
     if result.status != 0 and not piped_away:
         try:
             hook.armed = True
@@ -273,10 +292,17 @@ def _run_and_explain(
                 f"ckptguard run: signal {e.signum} received: the diagnosis was cut short; "
                 f"the output is kept in {me.dir}\n"
             )
-            stop = True
+            stop = f"signal {_signame(e.signum)} received"
     if diag is not None and diag.found:
         attempt.failure = diag.kind or diag.failure_class
     return result.status, diag, stop
+
+
+def _signame(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return str(signum)
 
 
 class _Stopped(BaseException):

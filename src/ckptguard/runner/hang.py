@@ -45,6 +45,9 @@ STACK_SIGNAL = signal.SIGRTMIN + 6
 #: How long the processes get to write their stacks (faulthandler writes from the signal handler).
 DUMP_WAIT_S = 3.0
 PYSPY_TIMEOUT_S = 10.0
+#: Names this run in the environment of every process it started: a process found by its stack
+#: file outside the process tree (a double-forked helper) is signalled only when it carries it.
+TOKEN_VAR = "CKPTGUARD_RUN_TOKEN"
 HOOK_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_hook")
 
 _FRAME = re.compile(r'^\s+File "(?P<file>.*)", line (?P<line>\d+) in (?P<func>.*)$')
@@ -116,6 +119,7 @@ def child_env(env: Mapping[str, str], run_dir: str) -> dict[str, str]:
     out["CKPTGUARD_STACKS_DIR"] = stacks
     out["CKPTGUARD_STACK_SIGNAL"] = str(int(STACK_SIGNAL))
     out["CKPTGUARD_HEARTBEAT"] = os.path.join(run_dir, HEARTBEAT_FILE)
+    out[TOKEN_VAR] = os.urandom(8).hex()
     path = out.get("PYTHONPATH")
     out["PYTHONPATH"] = HOOK_DIR + (os.pathsep + path if path else "")
     return out
@@ -129,6 +133,8 @@ class Proc:
     rank: int | None
     cmdline: str
     stack_file: str | None = None
+    ppid: int | None = None
+    wchan: str | None = None  # the kernel function it sleeps in (any process, hook or not)
     syscall: str | None = None  # "openat" etc. when blocked in one
     path: str | None = None  # the file that system call is on
     threads: list[list[dict[str, Any]]] = field(default_factory=list)
@@ -138,8 +144,11 @@ class Proc:
 class HangWatch:
     """The runner's clock: ``check`` is called from the output loop; it fires once."""
 
-    def __init__(self, timeout_s: float, run_dir: str, checkpoints: str | None, grace_s: float) -> None:
+    def __init__(
+        self, timeout_s: float, run_dir: str, checkpoints: str | None, grace_s: float, token: str | None = None
+    ) -> None:
         self.timeout_s = timeout_s
+        self._token = token
         self.run_dir = run_dir
         self.checkpoints = checkpoints
         self.grace_s = grace_s
@@ -178,10 +187,16 @@ class HangWatch:
         sys.stderr.flush()
         procs = descendants(pid)
         self._victims = [(p, _start_time(p)) for p in procs]
+        self._victims += _registered_elsewhere(self.run_dir, set(procs), self._token)
         try:
             record = capture(procs, self.run_dir, self.checkpoints)
             record.update(timeout_s=self.timeout_s, last_progress_at=self.last_progress, detected_at=now)
             _write_json(os.path.join(self.run_dir, HANG_FILE), record)
+            if not record["hook_ran"]:
+                sys.stderr.write(
+                    "ckptguard run: no process of the job ran ckptguard's startup hook (its PYTHONPATH was "
+                    "replaced; keep ours: PYTHONPATH=.:$PYTHONPATH): no Python stack, only /proc was read\n"
+                )
         except Exception as e:  # the job is stopped whatever the capture did
             sys.stderr.write(f"ckptguard run: could not capture the stacks ({type(e).__name__}: {e})\n")
         with contextlib.suppress(ProcessLookupError, PermissionError):
@@ -231,6 +246,57 @@ def _signal_all(victims: Iterable[tuple[int, str]], signum: int) -> None:
         if _start_time(pid) == started:  # still the same process, not a reused pid
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.kill(pid, signum)
+
+
+def _environ(pid: int) -> dict[str, str]:
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            raw = f.read()
+    except OSError:
+        return {}
+    out = {}
+    for item in raw.split(b"\0"):
+        k, sep, v = item.partition(b"=")
+        if sep:
+            out[os.fsdecode(k)] = os.fsdecode(v)
+    return out
+
+
+def _stack_files(run_dir: str) -> dict[int, tuple[int | None, str]]:
+    """pid -> (rank or None, path) of every stack file the startup hook created in this run."""
+    stacks = os.path.join(run_dir, STACKS_DIR)
+    files: dict[int, tuple[int | None, str]] = {}
+    with contextlib.suppress(OSError):
+        for name in os.listdir(stacks):
+            m = re.fullmatch(r"(?:rank(\d+)_)?pid(\d+)(?:\.fork)?\.txt", name)
+            if m:
+                files[int(m.group(2))] = (int(m.group(1)) if m.group(1) else None, os.path.join(stacks, name))
+    return files
+
+
+def _registered_elsewhere(run_dir: str, tree: set[int], token: str | None) -> list[tuple[int, str]]:
+    """Processes that ran the startup hook in this run but left its process tree (a double-forked
+    helper, reparented to PID 1), still alive: pid and start time. Only those whose environment
+    carries this run's token, so a pid reused by another process is never signalled."""
+    if not token:
+        return []
+    out = []
+    for pid in _stack_files(run_dir):
+        if pid in tree:
+            continue
+        started = _start_time(pid)
+        if started and _environ(pid).get(TOKEN_VAR) == token and _start_time(pid) == started:
+            out.append((pid, started))
+    return out
+
+
+def _wchan(pid: int) -> str | None:
+    try:
+        with open(f"/proc/{pid}/wchan", encoding="ascii", errors="replace") as f:
+            w = f.read().strip()
+    except OSError:
+        return None
+    return w if w and w != "0" else None
 
 
 def descendants(root: int) -> list[int]:
@@ -321,12 +387,7 @@ def parse_dump(text: str) -> list[list[dict[str, Any]]]:
 def capture(pids: list[int], run_dir: str, checkpoints: str | None) -> dict[str, Any]:
     """Dump the stacks of the job's Python processes into ``stacks/``; the record for ``hang.json``."""
     stacks = os.path.join(run_dir, STACKS_DIR)
-    files: dict[int, tuple[int | None, str]] = {}
-    with contextlib.suppress(OSError):
-        for name in os.listdir(stacks):
-            m = re.fullmatch(r"(?:rank(\d+)_)?pid(\d+)\.txt", name)
-            if m:
-                files[int(m.group(2))] = (int(m.group(1)) if m.group(1) else None, os.path.join(stacks, name))
+    files = _stack_files(run_dir)
     procs: list[Proc] = []
     for pid in pids:
         try:
@@ -335,7 +396,11 @@ def capture(pids: list[int], run_dir: str, checkpoints: str | None) -> dict[str,
         except OSError:
             continue
         rank, path = files.get(pid, (None, None))
-        p = Proc(pid, rank, cmd, path)
+        if rank is None:  # the hook did not run, or the rank was not known to it
+            env_rank = _environ(pid).get("RANK", "")
+            rank = int(env_rank) if env_rank.isdigit() else None
+        st = _stat_fields(pid)
+        p = Proc(pid, rank, cmd, path, ppid=int(st[1]) if st and len(st) > 1 else None, wchan=_wchan(pid))
         p.syscall, p.path = _blocked_call(pid)
         procs.append(p)
     sizes = {}
@@ -360,7 +425,9 @@ def capture(pids: list[int], run_dir: str, checkpoints: str | None) -> dict[str,
     return {
         "host_pid": os.getpid(),
         "checkpoints": checkpoints,
-        "processes": [_proc_json(p, checkpoints) for p in procs if p.stack_file or p.rank is not None],
+        # False when no process of the job ran the startup hook (a launcher that replaced PYTHONPATH)
+        "hook_ran": any(p.stack_file for p in procs),
+        "processes": [_proc_json(p, checkpoints) for p in procs],
     }
 
 
@@ -396,10 +463,12 @@ def _py_spy(procs: list[Proc], stacks: str) -> None:
 
 
 def _proc_json(p: Proc, checkpoints: str | None) -> dict[str, Any]:
-    state, detail = classify(p.threads, p.syscall, p.path, checkpoints)
+    state, detail = classify(p.threads, p.syscall, p.path, checkpoints, wchan=p.wchan)
     return {
         "pid": p.pid,
+        "ppid": p.ppid,
         "rank": p.rank,
+        "wchan": p.wchan,
         "cmdline": p.cmdline[:500],
         "stack_file": p.stack_file,
         "syscall": p.syscall,
@@ -428,13 +497,22 @@ def main_thread(threads: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
 
 
 def classify(
-    threads: list[list[dict[str, Any]]], syscall: str | None, path: str | None, checkpoints: str | None
+    threads: list[list[dict[str, Any]]],
+    syscall: str | None,
+    path: str | None,
+    checkpoints: str | None,
+    wchan: str | None = None,
 ) -> tuple[str, str]:
-    """Where a rank's main thread is: ``(state, detail)``, state one of ``io``, ``collective``,
-    ``dataloader``, ``device``, ``user``, ``unknown`` (no stack)."""
+    """Where a rank is: ``(state, detail)``, state one of ``io``, ``collective``, ``dataloader``,
+    ``device``, ``user``, ``unknown`` (no stack). The main thread decides, except that a rank with
+    any thread inside a collective (an async save's thread in ckptguard's protocol while the main
+    thread waits for it) waits in that collective."""
     frames = main_thread(threads)
     if not frames:
-        return "unknown", "no Python stack (not a Python process, or it did not answer the signal)"
+        kernel = f"; blocked in {syscall}()" if syscall else ""
+        kernel += f" on {path}" if syscall and path else ""
+        kernel += f"; sleeping in the kernel in {wchan}" if wchan else ""
+        return "unknown", "no Python stack (not a Python process, or it did not answer the signal)" + kernel
     where = _user_frame(frames)
     at = f"{where['func']} ({where['file']}:{where['line']})"
     in_data = any(any(d in f["file"] for d in _DATA_FILES) for f in frames)
@@ -442,21 +520,30 @@ def classify(
         ck = " (the checkpoint path)" if is_under(path, checkpoints) or _in_checkpointer(frames) else ""
         loader = ", inside the data loader" if in_data else ""
         return "io", f"blocked in {syscall}() on {path}{ck}{loader}, at {at}"
-    for f in frames:
-        if any(c in f["file"] for c in _COLLECTIVE_FILES) and not f["func"].startswith("_") and f["func"] != "wrapper":
-            return "collective", f["func"]
-        # DDP's collectives run inside the autograd engine (the gradient all-reduce in backward) and
-        # in its forward (buffer broadcast): the Python stack ends there.
-        if "torch/autograd/" in f["file"] and f["func"] in ("backward", "_engine_run_backward"):
-            return "collective", "backward (DDP's gradient all-reduce)"
-        if "torch/nn/parallel/distributed.py" in f["file"] and not f["func"].startswith("_"):
-            return "collective", f"DDP {f['func']}"
+    for t in [frames] + [t for t in threads if t is not frames]:
+        op = _collective(t)
+        if op is not None:
+            return "collective", op
     if in_data:
         return "dataloader", f"waiting for the next batch of the data loader, at {at}"
     for f in frames:
         if any(d in f["file"] for d in _DEVICE_FILES) or f["func"] in ("synchronize", "cuda_synchronize"):
             return "device", f"in a device call ({f['func']}), at {at}"
     return "user", f"in user code at {at}"
+
+
+def _collective(frames: list[dict[str, Any]]) -> str | None:
+    """The collective a thread waits in, or None."""
+    for f in frames:
+        if any(c in f["file"] for c in _COLLECTIVE_FILES) and not f["func"].startswith("_") and f["func"] != "wrapper":
+            return str(f["func"])
+        # DDP's collectives run inside the autograd engine (the gradient all-reduce in backward) and
+        # in its forward (buffer broadcast): the Python stack ends there.
+        if "torch/autograd/" in f["file"] and f["func"] in ("backward", "_engine_run_backward"):
+            return "backward (DDP's gradient all-reduce)"
+        if "torch/nn/parallel/distributed.py" in f["file"] and not f["func"].startswith("_"):
+            return f"DDP {f['func']}"
+    return None
 
 
 def _in_checkpointer(frames: list[dict[str, Any]]) -> bool:
@@ -491,29 +578,95 @@ class Verdict:
     others: list[int]  # other ranks that are not in the collective either
     collective: str | None
     text: str
+    #: The process named when no rank is known (processes named by pid), else None.
+    pid: int | None = None
 
 
 def stopped_rank(records: list[Mapping[str, Any]]) -> Verdict:
     """Name the rank that stopped from every node's ``hang.json`` processes: the one not inside the
     collective the others wait in; when all wait in collectives, the odd one out (another
-    collective); with no collective at all, the lowest rank (or the only process)."""
+    collective); with no collective at all, the lowest rank (or the only process).
+
+    When no process's rank is known (ranks started without a launcher and without
+    ``init_process_group``, a Python wrapper running the job as a child), the processes whose
+    stacks were captured are named by pid, leaving out those that only wait for a child process
+    of the job (a launcher, a wrapper); one such process left is the job, as rank 0."""
     ranks: dict[int, Mapping[str, Any]] = {}
-    unranked = []
+    unranked: list[Mapping[str, Any]] = []
     for rec in records:
-        for p in rec.get("processes") or []:
-            if not isinstance(p, Mapping):
-                continue
+        procs = [p for p in rec.get("processes") or [] if isinstance(p, Mapping)]
+        parents = {p.get("ppid") for p in procs if p.get("threads")}
+        for p in procs:
             r = p.get("rank")
             if isinstance(r, int) and not isinstance(r, bool):
-                ranks.setdefault(r, p)
-            elif p.get("threads"):
+                if r not in ranks or (p.get("threads") and not ranks[r].get("threads")):
+                    ranks[r] = p
+            elif p.get("threads") and not _forked(p) and not (p.get("pid") in parents and _waits_for_child(p)):
                 unranked.append(p)
+    by_pid = False
     if not ranks and len(unranked) == 1:  # a plain `python script.py`: the one process is the job
         ranks[0] = unranked[0]
+        one = _verdict(ranks)
+        one.pid = int(unranked[0].get("pid") or 0) or None
+        if one.pid is not None:
+            one.text += f" (process {one.pid}, the one process of the job not waiting for a child)"
+        return one
+    elif not ranks and unranked:
+        by_pid = True
+        ranks = {int(p.get("pid") or 0): p for p in unranked}
     if not ranks:
         return Verdict(
             None, "unknown", "no rank's stack was captured", [], [], None, "no rank's stack could be captured"
         )
+    if not any(p.get("threads") for p in ranks.values()):  # the kernel's view only: no rank to name
+        where = "; ".join(f"rank {r}: {_kernel_state(p)}" for r, p in sorted(ranks.items()))
+        return Verdict(
+            None,
+            "unknown",
+            "no Python stack was captured",
+            [],
+            sorted(ranks),
+            None,
+            f"no rank's Python stack was captured, so no rank can be named ({where})",
+        )
+    v = _verdict(ranks)
+    if not by_pid:
+        return v
+    return Verdict(
+        None,
+        v.state,
+        v.detail,
+        v.waiting,
+        v.others,
+        v.collective,
+        "no process's rank is known, so processes are named by pid: "
+        + re.sub(r"\branks? (?=\d)", lambda m: "processes " if m.group(0).startswith("ranks") else "process ", v.text),
+        pid=v.rank,
+    )
+
+
+_CHILD_WAITS = ("/subprocess.py", "multiprocessing/popen_", "multiprocessing/process.py", "torch/multiprocessing/")
+
+
+def _forked(p: Mapping[str, Any]) -> bool:
+    """A process forked (not exec'd) by another of the job and not a rank: a data-loader worker, a helper."""
+    return str(p.get("stack_file") or "").endswith(".fork.txt")
+
+
+def _waits_for_child(p: Mapping[str, Any]) -> bool:
+    """The process's main thread waits for a child process (a wrapper, a launcher)."""
+    raw = p.get("threads")
+    frames = main_thread([t for t in raw if isinstance(t, list) and t] if isinstance(raw, list) else [])
+    return any(any(w in str(f.get("file")) for w in _CHILD_WAITS) or f.get("func") == "waitpid" for f in frames)
+
+
+def _kernel_state(p: Mapping[str, Any]) -> str:
+    if p.get("syscall"):
+        return f"blocked in {p.get('syscall')}()" + (f" on {p.get('path')}" if p.get("path") else "")
+    return f"sleeping in {p.get('wchan')}" if p.get("wchan") else "state unknown"
+
+
+def _verdict(ranks: Mapping[int, Mapping[str, Any]]) -> Verdict:
     in_coll = {r: str(p.get("detail")) for r, p in ranks.items() if p.get("state") == "collective"}
     outside = sorted(r for r in ranks if r not in in_coll)
     ops = Counter(in_coll.values())
@@ -575,7 +728,8 @@ def stopped_rank(records: list[Mapping[str, Any]]) -> Verdict:
         [],
         outside[1:],
         None,
-        f"rank {stopped} is {p.get('detail')}" + (f" (as are {_ranks(outside[1:])})" if outside[1:] else ""),
+        f"rank {stopped} is {p.get('detail')}"
+        + (f" (as {'is' if len(outside) == 2 else 'are'} {_ranks(outside[1:])})" if outside[1:] else ""),
     )
 
 

@@ -55,7 +55,7 @@ def _hang(diag: Diagnosis, runs: Sequence[HostRun]) -> None:
         for p in rec.get("processes") or []:
             if not isinstance(p, dict):
                 continue
-            if v.rank is not None and p.get("rank") == v.rank:
+            if (v.rank is not None and p.get("rank") == v.rank) or (v.rank is None and v.pid == p.get("pid")):
                 host = r.host
             if p.get("stack_file"):
                 stacks.append(str(p["stack_file"]))
@@ -78,7 +78,7 @@ def _hang(diag: Diagnosis, runs: Sequence[HostRun]) -> None:
     diag.failure_class = kb.family(diag.kind)
     diag.category = "distributed"
     secs = f"{timeout:g} s" if timeout is not None else "the --hang-timeout"
-    who = f"rank {v.rank}" if v.rank is not None else "no single rank"
+    who = f"rank {v.rank}" if v.rank is not None else f"process {v.pid}" if v.pid is not None else "no single rank"
     diag.title = f"Hang: no progress for {secs}; {who} {what}"
     diag.confidence = 0.9 if v.rank is not None else 0.5
     diag.initiating_rank = v.rank
@@ -91,6 +91,9 @@ def _hang(diag: Diagnosis, runs: Sequence[HostRun]) -> None:
         f"rank's stack and stopped it. {v.text[0].upper()}{v.text[1:]}."
     )
     diag.fix = _HANG_FIX.get(v.state, _HANG_FIX["user"])
+    if all(rec.get("hook_ran") is False for _, rec in records):
+        diag.root_cause += f" {_NO_HOOK}"
+        diag.fix = f"{_NO_HOOK_FIX} {diag.fix}"
     diag.verify_command = (
         "ckptguard run --hang-timeout SECONDS ... (the stacks are in stacks/ of the log directory; "
         "py-spy dump --pid PID shows the native frames)"
@@ -113,6 +116,17 @@ _HANG_FIX = {
     "collective": "Every captured rank waits in the same collective: the rank they wait for is elsewhere (another "
     "node's stacks in the log directory, or a rank that exited); read its log.",
 }
+
+
+_NO_HOOK = (
+    "No process of the job ran ckptguard's startup hook (the launcher or a wrapper replaced PYTHONPATH), "
+    "so no Python stack was captured and imports did not count as progress; only each process's "
+    "blocked system call and kernel wait were read from /proc."
+)
+_NO_HOOK_FIX = (
+    "Keep ckptguard's hook directory on PYTHONPATH where the job sets its own: PYTHONPATH=.:$PYTHONPATH "
+    "instead of PYTHONPATH=. (in the launcher command or the wrapper script)."
+)
 
 
 #: Signals whose forwarding by the runner means the job was stopped from outside.
@@ -204,17 +218,25 @@ def _hang_json(runs: Sequence[HostRun]) -> dict[str, Any] | None:
                         "host": r.host,
                         "rank": p.get("rank"),
                         "pid": p.get("pid"),
+                        "ppid": p.get("ppid"),
                         "state": p.get("state"),
                         "detail": p.get("detail"),
                         "syscall": p.get("syscall"),
                         "path": p.get("path"),
+                        "wchan": p.get("wchan"),
                         "stack_file": p.get("stack_file"),
                         "stack": hang.stack_text(threads),
                     }
                 )
-    stopped = next((p for p in ranks if v.rank is not None and p["rank"] == v.rank), {})
+    stopped = next(
+        (p for p in ranks if (v.rank is not None and p["rank"] == v.rank) or (v.rank is None and p["pid"] == v.pid)),
+        {},
+    )
     return {
         "stopped_rank": v.rank,
+        # the stopped process when no rank is known (named by pid), or the one process of the job
+        "stopped_pid": v.pid,
+        "hook_ran": any(rec.get("hook_ran") is not False for _, rec in records),
         "state": v.state,
         "detail": v.detail,
         "collective": v.collective,
