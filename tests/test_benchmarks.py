@@ -33,9 +33,10 @@ def test_protocol_scale_benchmark_runs(tmp_path: Path) -> None:
 
 
 def test_diagnose_benchmark_runs_the_cli_and_finds_the_buried_failure() -> None:
-    out = _run(["bench/bench_diagnose.py", "--size-mb", "8", "--ranks", "64"], timeout=300)
+    out = _run(["bench/bench_diagnose.py", "--size-mb", "8", "--ranks", "64", "--anchored-mb", "4"], timeout=300)
     rows = [line for line in out.splitlines() if line.startswith("ckptguard diagnose")]
-    assert len(rows) == 2 and all("cuda_oom, rank 37, 63 collateral" in r for r in rows), out
+    # the job log, an eighth of it, and the log whose every line holds an anchor word
+    assert len(rows) == 3 and all("cuda_oom, rank 37, 63 collateral" in r for r in rows), out
 
 
 def test_gpu_benchmark_runs_its_code_paths_on_the_cpu(tmp_path: Path) -> None:

@@ -9,6 +9,7 @@ the size of the checkpoint, and no tensor is ever materialised.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import time
 from collections.abc import Callable
@@ -17,7 +18,7 @@ from typing import Any
 
 from ckptguard._pool import ExitSafePool
 from ckptguard.checksum import Hasher
-from ckptguard.errors import CheckpointError
+from ckptguard.errors import CheckpointError, StepNotFoundError
 from ckptguard.protocol import latest, layout, quarantine
 from ckptguard.protocol.decisions import Committed, abandoned, order_key
 from ckptguard.protocol.layout import CheckpointName
@@ -404,3 +405,30 @@ def checkpoint_bytes(root_path: str, name: CheckpointName) -> int:
         return open_root(root_path).read_manifest(name).total_bytes
     except CheckpointError:
         return 0
+
+
+#: Where a root keeps its stable identity, relative to the root: a random id created once and never
+#: replaced (integrations bind their pointer files to it).
+ROOT_ID_RECORD = layout.ROOT_ID
+
+
+def step_binding(root: str, step: int) -> tuple[int | None, str]:
+    """What identifies committed ``step`` of ``root`` as it is now, for a pointer bound to it.
+
+    Args:
+        root: The checkpoint root.
+        step: A committed step.
+
+    Returns:
+        The step's commit sequence number and the SHA-256 of its manifest's bytes.
+
+    Raises:
+        StepNotFoundError: ``step`` is not committed in ``root``.
+        CheckpointError: The manifest cannot be read or parsed.
+    """
+    where = open_root(root)
+    current = where.current()
+    if step not in current:
+        raise StepNotFoundError(f"step {step} is not a committed checkpoint in {root}", path=root)
+    data = where.read_manifest_bytes(current[step])
+    return where.parse_manifest(current[step], data).commit_seq, hashlib.sha256(data).hexdigest()

@@ -62,9 +62,8 @@ from ckptguard.checkpointer import Checkpointer
 from ckptguard.discover import FRAMEWORK_KEY, LIGHTNING_ROOT
 from ckptguard.errors import CheckpointError, CorruptCheckpointError, StepNotFoundError
 from ckptguard.files import decode_record, fsync_dir, replace_file
-from ckptguard.protocol import layout as root_layout
-from ckptguard.protocol.root import open_root
 from ckptguard.ranks import one_rank_acts
+from ckptguard.verify import ROOT_ID_RECORD, step_binding
 
 log = logging.getLogger("ckptguard")
 
@@ -169,7 +168,7 @@ def _beside(root: str) -> bool:
 
 def _read_root_id(root: str) -> str | None:
     """The root's identity, or None if it has none yet; CorruptCheckpointError if the record is damaged."""
-    path = os.path.join(root, root_layout.ROOT_ID)
+    path = os.path.join(root, ROOT_ID_RECORD)
     try:
         with open(path, "rb") as f:
             data = f.read(65)
@@ -192,7 +191,7 @@ def root_identity(ck: Checkpointer) -> str:
     found = _read_root_id(ck.root)
     if found is not None:
         return found
-    path = os.path.join(ck.root, root_layout.ROOT_ID)
+    path = os.path.join(ck.root, ROOT_ID_RECORD)
     ck.check_lease(f"create {path}")
     tmp = f"{path}.{uuid.uuid4().hex}.tmp"
     with open(tmp, "wb") as f:
@@ -213,12 +212,7 @@ def root_identity(ck: Checkpointer) -> str:
 
 def _binding(root: str, step: int) -> tuple[int | None, str]:
     """(commit sequence number, SHA-256 of the manifest's bytes) of committed ``step`` of ``root``."""
-    where = open_root(root)
-    current = where.current()
-    if step not in current:
-        raise StepNotFoundError(f"step {step} is not a committed checkpoint in {root}", path=root)
-    data = where.read_manifest_bytes(current[step])
-    return where.parse_manifest(current[step], data).commit_seq, hashlib.sha256(data).hexdigest()
+    return step_binding(root, step)
 
 
 def check_binding(path: str, pointer: Mapping[str, Any], root: str, step: int) -> bool:
