@@ -111,7 +111,7 @@ def test_a_crash_between_the_tag_and_the_pointer_leaves_the_old_checkpoint_loada
 ) -> None:
     """The pointer is the commit point Lightning sees: a save that moved the tag but died before
     replacing the pointer leaves the pointer's checkpoint, and the resume loads it."""
-    import ckptguard.integrations.lightning as lt
+    import ckptguard.integrations._lightning_pointer as lightning_pointer
 
     path = tmp_path / "last.ckpt"
     io = CkptguardCheckpointIO()
@@ -120,7 +120,7 @@ def test_a_crash_between_the_tag_and_the_pointer_leaves_the_old_checkpoint_loada
     def die(*args: object) -> None:
         raise OSError("killed before the pointer was replaced")
 
-    monkeypatch.setattr(lt, "replace_file", die)
+    monkeypatch.setattr(lightning_pointer, "replace_file", die)
     with pytest.raises(OSError, match="killed"):
         io.save_checkpoint({"global_step": 4, "w": torch.zeros(2)}, path)
     io.teardown()

@@ -1,13 +1,8 @@
-"""ckptguard checkpoints for the rest of the ecosystem, and other checkpoints into ckptguard.
+"""Other checkpoints into ckptguard: a DCP directory or a ``torch.save`` file (:func:`import_checkpoint`).
 
-- :class:`DCPReader`: a DCP ``StorageReader`` over a committed ckptguard checkpoint, so that
-  ``dcp.load(state, storage_reader=ckptguard.DCPReader(path))`` works (every byte verified).
-- :func:`export_checkpoint`: one committed step to a ``torch.save`` file, a ``.safetensors``
-  file or a plain DCP directory (``ckptguard export``).
-- :func:`import_checkpoint`: a DCP directory or a ``torch.save`` file into a ckptguard root
-  (``ckptguard import``). DCP's ``.metadata`` is a pickle: it is read with an unpickler that
-  admits DCP's metadata classes and nothing else, so no code from the file runs; objects are
-  loaded with ``torch.load(weights_only=True)``.
+DCP's ``.metadata`` is a pickle: it is read with an unpickler that admits DCP's metadata classes and
+nothing else, so no code from the file runs, and everything it names is checked before anything is
+opened by path or allocated. Objects are loaded with ``torch.load(weights_only=True)``.
 """
 
 from __future__ import annotations
@@ -19,264 +14,31 @@ import math
 import os
 import pickle
 import stat
-from collections.abc import Generator, Mapping
+from collections.abc import Generator
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
-from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemReader
 from torch.distributed.checkpoint.metadata import (
     Metadata,
     MetadataIndex,
     StorageMeta,
     TensorStorageMetadata,
 )
-from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
 
-from ckptguard.checksum import DEFAULT_ALGORITHM
-from ckptguard.dcp.codec import check_depth, load_bounded, metadata_from_json
-from ckptguard.dcp.drive import read_locally
-from ckptguard.dcp.planners import SafeLoadPlanner
-from ckptguard.dcp.reader import GuardedReader
+from ckptguard.dcp.codec import check_depth, load_bounded
 from ckptguard.dcp.records import MAX_VALUE_DEPTH, covers_once
-from ckptguard.dcp.values import decode_value, unflatten
 from ckptguard.errors import (
     CheckpointError,
     CorruptCheckpointError,
-    StepNotFoundError,
-    StepRetiredError,
     UnsafeObjectError,
     from_os_error,
 )
-from ckptguard.protocol import layout
-from ckptguard.protocol.layout import CheckpointName
-from ckptguard.protocol.manifest import Manifest
-from ckptguard.protocol.read import allocate_whole
-from ckptguard.protocol.root import Root, open_root
-from ckptguard.storage import local_path, open_storage
+from ckptguard.interop.reader import read_all
+from ckptguard.storage import local_path
 from ckptguard.storage.fileio import open_regular
-
-EXPORT_FORMATS = ("torch", "safetensors", "dcp")
-
-
-def resolve_checkpoint(
-    path: str | os.PathLike[str], step: int | None = None, storage_options: Mapping[str, Any] | None = None
-) -> tuple[Root, CheckpointName]:
-    """A committed checkpoint from its own directory, or from a root (``step``, else the newest), on any
-    backend (a local path, ``file://``, ``s3://``...)."""
-    storage = open_storage(path, storage_options)
-    where = storage.root
-    name = CheckpointName.parse(where.rstrip("/").rsplit("/", 1)[-1])
-    if name is not None and storage.size(storage.join(where, layout.MANIFEST)) is not None:
-        if step is not None and step != name.step:
-            raise ValueError(f"{where} is step {name.step}, not step {step}")
-        return open_root(open_storage(storage.parent(where), storage_options)), name
-    root = open_root(storage)
-    current = root.current()
-    if not current:
-        raise StepNotFoundError(f"{where} holds no committed ckptguard checkpoint", path=where)
-    if step is None:
-        step = max(current)
-    if step not in current:
-        raise StepNotFoundError(
-            f"step {step} is not a committed checkpoint in {where}; committed steps: {sorted(current)}", path=where
-        )
-    return root, current[step]
-
-
-class DCPReader(GuardedReader):
-    """DCP ``StorageReader`` for a committed ckptguard checkpoint (its directory, or a root and ``step``).
-
-    Every byte is verified against its checksum; a corrupt one fails the load (DCP wraps the
-    ``CorruptCheckpointError`` in its ``CheckpointException``). The names are DCP's
-    (``model.fc.weight``); values ckptguard had to encode for an exact round trip (int keys, numpy
-    arrays) keep their encoded names here: use ``Checkpointer.read`` for those.
-
-    Example:
-        ```python
-        import torch.distributed.checkpoint as dcp
-        dcp.load(state, storage_reader=ckptguard.DCPReader("/shared/ckpts"))  # the step committed last
-        ```
-
-    Args:
-        path: A root (a path, ``file://`` or ``s3://bucket/prefix``) or one committed step's directory.
-        step: The step to read from a root; default: the one committed last.
-        io_threads: Reading threads.
-        storage_options: Options of the storage backend (S3: ``endpoint_url``, ...).
-
-    Raises:
-        StepNotFoundError: ``step`` is not committed in the root, or the root holds none.
-        StepRetiredError: The step was retired (retention, ``delete``) between the reader's creation and
-            its read; the state is untouched.
-        CorruptCheckpointError: The manifest or a file does not match its checksum or size.
-    """
-
-    def __init__(
-        self,
-        path: str | os.PathLike[str],
-        step: int | None = None,
-        *,
-        io_threads: int = 4,
-        storage_options: Mapping[str, Any] | None = None,
-    ) -> None:
-        root, name = resolve_checkpoint(path, step, storage_options)
-        self._root, self._name = root, name
-        self.manifest: Manifest = root.read_manifest(name)
-        root.check_files(name, self.manifest)
-        metadata = metadata_from_json(
-            self.manifest.dcp, self.manifest.items, root.dir(name), domain_count=self.manifest.domain_count
-        )
-        metadata.storage_meta = StorageMeta()
-        super().__init__(
-            root.storage,
-            root.data_dir(name, self.manifest),
-            metadata,
-            self.manifest.checksum_algorithm,
-            rank=0,
-            io_threads=io_threads,
-        )
-
-    @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
-        return os.path.isfile(os.path.join(checkpoint_id, layout.MANIFEST))
-
-    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> torch.futures.Future[None]:
-        """DCP's contract: the values are in place when the future completes. Everything is verified
-        first, then placed (one process: nothing to agree on in between)."""
-        try:
-            super().read_data(plan, planner).wait()
-            self.apply(planner)
-        except CorruptCheckpointError as e:
-            # Its files are read by path after the manifest: a step retired (retention, delete) since is
-            # gone, not corrupt. Nothing was placed: the caller's state is as it was.
-            if self._root.still_committed(self._name, self.manifest.commit_seq):
-                raise
-            raise StepRetiredError(
-                f"step {self._name.step} of {self._root.path} was retired (retention or a "
-                "delete) while it was being read; nothing of it was loaded",
-                path=self._root.dir(self._name),
-            ) from e
-        finally:
-            self.close()
-        fut: torch.futures.Future[None] = torch.futures.Future()
-        fut.set_result(None)
-        return fut
-
-
-def read_checkpoint(
-    path: str | os.PathLike[str],
-    step: int | None = None,
-    *,
-    decode: bool = True,
-    storage_options: Mapping[str, Any] | None = None,
-) -> dict[str, Any]:
-    """The whole stored state dict of a committed checkpoint, in this process (every rank's
-    ``PerRank`` values under their ``key@rankNNNNN`` names). ``decode=False``: as DCP stores it."""
-    reader = DCPReader(path, step, storage_options=storage_options)
-    assert reader.metadata is not None
-    flat = allocate_whole(reader.manifest, dict(reader.metadata.state_dict_metadata), reader.checkpoint_dir)
-    return _read_all(reader, reader.metadata, decode, flat)
-
-
-def _read_all(reader: Any, metadata: Metadata, decode: bool, flat: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Every entry of ``metadata`` read into ``flat`` (fresh tensors; by default one per tensor entry, for
-    metadata whose sizes were bounded by the bytes stored: _check_dcp_metadata), nested."""
-    if flat is None:
-        flat = {
-            fqn: torch.empty(e.size, dtype=e.properties.dtype) if isinstance(e, TensorStorageMetadata) else None
-            for fqn, e in metadata.state_dict_metadata.items()
-        }
-    planner = SafeLoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False)
-    reader.metadata = metadata
-    read_locally(flat, reader, planner, is_coordinator=True)  # DCPReader.read_data verifies, then places
-    paths = metadata.planner_data if isinstance(metadata.planner_data, dict) else {}
-    nested = unflatten(planner.state_dict, paths)
-    return {k: decode_value(v) for k, v in nested.items()} if decode else nested
-
-
-def flatten_tensors(state: Any, prefix: str = "") -> tuple[dict[str, torch.Tensor], list[str]]:
-    """Every tensor of a nested state as ``a.b.c`` names; and the names of what is not a tensor."""
-    tensors: dict[str, torch.Tensor] = {}
-    skipped: list[str] = []
-    if isinstance(state, torch.Tensor):
-        tensors[prefix] = state
-    elif isinstance(state, dict):
-        for k, v in state.items():
-            t, s = flatten_tensors(v, f"{prefix}.{k}" if prefix else str(k))
-            tensors.update(t)
-            skipped.extend(s)
-    elif isinstance(state, list | tuple):
-        for i, v in enumerate(state):
-            t, s = flatten_tensors(v, f"{prefix}.{i}" if prefix else str(i))
-            tensors.update(t)
-            skipped.extend(s)
-    else:
-        skipped.append(prefix)
-    return tensors, skipped
-
-
-def export_checkpoint(
-    path: str | os.PathLike[str],
-    out: str | os.PathLike[str],
-    to: str,
-    *,
-    step: int | None = None,
-    key: str | None = None,
-    storage_options: Mapping[str, Any] | None = None,
-) -> list[str]:
-    """Write one committed step as ``to`` ("torch", "safetensors" or "dcp") to ``out``.
-
-    The CLI's ``ckptguard export``. Every byte is verified as it is read.
-
-    Args:
-        path: A root (a path, ``file://`` or ``s3://bucket/prefix``) or one committed step's directory.
-        out: A local path: the file (``torch``, ``safetensors``) or directory (``dcp``) to write.
-        to: ``"torch"``: a ``save_file`` (a ``torch.save`` zip, checksummed; ``torch.load`` and
-            ``load_file`` read it; numpy values stay numpy arrays, which only
-            ``torch.load(..., weights_only=False)`` reads). ``"safetensors"``: the tensors, named
-            ``a.b.c``. ``"dcp"``: a plain DCP directory (``.metadata`` + ``.distcp``) that ``dcp.load``
-            and ``dcp_to_torch_save`` read.
-        step: The step to export from a root; default: the one committed last.
-        key: Export one entry of the state (e.g. ``"model"``).
-        storage_options: Options of the storage backend.
-
-    Returns:
-        The names of the values left out (non-tensor values, for ``safetensors``).
-
-    Raises:
-        StepNotFoundError: ``step`` is not committed in the root.
-        CorruptCheckpointError: A byte of the step does not match its checksum.
-        ValueError: ``to`` is not one of the three formats.
-        KeyError: ``key`` is not in the state.
-        CheckpointError: ``out`` is a directory that is not empty (``dcp``).
-    """
-    from ckptguard.singlefile import save_file, save_local
-
-    if to not in EXPORT_FORMATS:
-        raise ValueError(f"to must be one of {EXPORT_FORMATS}, not {to!r}")
-    state = read_checkpoint(path, step, decode=to != "dcp", storage_options=storage_options)
-    if key is not None:
-        if key not in state:
-            raise KeyError(f"no {key!r} in the checkpoint; its keys: {sorted(state)}")
-        state = state[key] if isinstance(state[key], dict) else {key: state[key]}
-    out = os.path.abspath(local_path(out))
-    if to == "torch":  # for plain torch.load: numpy values stay numpy, as saved
-        save_local(state, out, "torch", DEFAULT_ALGORITHM, loadable=False)
-        return []
-    if to == "safetensors":
-        tensors, skipped = flatten_tensors(state)
-        save_file(tensors, out, format="safetensors")
-        return skipped
-    from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
-
-    if os.path.exists(out) and os.listdir(out):
-        raise CheckpointError(f"{out} exists and is not empty: choose a new directory for the DCP export", path=out)
-    dcp_save(state, storage_writer=FileSystemWriter(out), no_dist=True)
-    return []
-
-
-# -- import -------------------------------------------------------------------------------
 
 _DCP_METADATA_CLASSES = {
     "torch.distributed.checkpoint.metadata": {
@@ -515,7 +277,7 @@ def read_dcp(directory: str | os.PathLike[str]) -> dict[str, Any]:
         reader.fs = _PinnedFileSystem(os.fspath(reader.path), pins)
         reader.set_up_storage_reader(md, True)
         try:
-            state = _read_all(reader, md, decode=False)
+            state = read_all(reader, md, decode=False)
         except Exception as e:  # a file cut short while read fails in DCP's or torch's code: say why
             changed = _changed(directory, pins)
             if changed is not None:
