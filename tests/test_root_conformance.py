@@ -22,10 +22,11 @@ from ckptguard.protocol import layout
 from ckptguard.protocol.cas import Put, swap
 from ckptguard.protocol.layout import CheckpointName
 from ckptguard.protocol.lease import Lease
-from ckptguard.protocol.manifest import FileEntry, Manifest
+from ckptguard.protocol.manifest import FileEntry
 from ckptguard.protocol.root import Root, open_root
 
 from tests.support.beds.s3 import S3Bed, s3_bed_in_env
+from tests.support.manifests import one_rank_manifest
 
 
 @pytest.fixture(scope="module")
@@ -86,27 +87,8 @@ class Job:
     ) -> CheckpointName:
         attempt, staging, files = self.stage(step)
         self.root.wait_files_visible(staging, files, 30)
-        manifest = _manifest(step, version, attempt, files, seq)
+        manifest = one_rank_manifest(step, version, attempt, files, seq)
         return self.root.commit(staging, manifest, last_check or (lambda: self.root.guard("commit")))
-
-
-def _manifest(step: int, version: int, attempt: str, files: list[FileEntry], seq: int) -> Manifest:
-    return Manifest(
-        step=step,
-        version=version,
-        attempt=attempt,
-        created_at=time.time(),
-        world_size=1,
-        domain_index=0,
-        domain_count=1,
-        domain_ranks=[0],
-        hosts=["h"],
-        checksum_algorithm="crc32c",
-        dcp={},
-        files=files,
-        items=[],
-        commit_seq=seq,
-    )
 
 
 def test_a_commit_makes_the_attempt_a_checkpoint_every_reader_finds(url: str) -> None:
@@ -133,7 +115,7 @@ def test_an_error_before_the_commit_point_commits_nothing_and_a_new_attempt_comm
 
     attempt, staging, files = job.stage(3)
     with pytest.raises(RuntimeError, match="killed"):
-        job.root.commit(staging, _manifest(3, 1, attempt, files, 1), crash)
+        job.root.commit(staging, one_rank_manifest(3, 1, attempt, files, 1), crash)
     assert job.root.committed() == []
     job.root.discard_attempt(staging, CheckpointName(3), attempt)
     assert job.root.committed() == []
@@ -217,7 +199,7 @@ def test_a_job_that_lost_the_root_changes_nothing(url: str) -> None:
     # Refused by the fence; or, where the takeover moved the attempt away (POSIX), by finding no source
     # (the session reports that as the lease lost).
     with pytest.raises((LeaseLostError, FileNotFoundError)):
-        old.root.commit(staging, _manifest(2, 1, attempt, files, 2), lambda: old.root.guard("commit"))
+        old.root.commit(staging, one_rank_manifest(2, 1, attempt, files, 2), lambda: old.root.guard("commit"))
     with pytest.raises(LeaseLostError):
         old.root.move_latest(CheckpointName(1), 5)
     with pytest.raises(LeaseLostError):
@@ -365,7 +347,7 @@ def test_a_commit_stalled_past_a_takeover_is_refused_or_listed_never_lost(url: s
         jobs.append(Job(url))
 
     try:
-        old.root.commit(staging, _manifest(1, 1, attempt, files, 1), stall_then_take_over)
+        old.root.commit(staging, one_rank_manifest(1, 1, attempt, files, 1), stall_then_take_over)
         told = "committed"
     except (LeaseLostError, FileNotFoundError, CheckpointError) as e:
         told = str(e)

@@ -24,56 +24,12 @@ from typing import Any
 import pytest
 
 from tests.support.jobs import REPO, free_port, kill_job
+from tests.support.runcmd import RUN, read_reports, run_env, torchrun
 
 WORKERS = REPO / "tests" / "workers"
 CHILD = WORKERS / "run_child.py"
 JOB = WORKERS / "run_target_job.py"
-RUN = [sys.executable, "-m", "ckptguard", "run"]
 MARKER = "CKPTGUARD_BED_JOB"
-
-
-def _env(**extra: str) -> dict[str, str]:
-    env = dict(os.environ)
-    for k in (
-        "RANK",
-        "WORLD_SIZE",
-        "LOCAL_RANK",
-        "MASTER_ADDR",
-        "MASTER_PORT",
-        "TORCHELASTIC_ERROR_FILE",
-        "TORCHELASTIC_RUN_ID",
-        "SLURM_JOB_ID",
-        "PBS_JOBID",
-        "LSB_JOBID",
-        "JOB_ID",
-        "PET_RDZV_ID",
-    ):
-        env.pop(k, None)
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO / "src"), str(REPO)])
-    env.update(GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    env.update(extra)
-    return env
-
-
-def _reports(logs: Path) -> list[dict[str, Any]]:
-    return [json.loads(p.read_text()) for p in sorted(logs.glob("*/report.json"))]
-
-
-def _torchrun(nnodes: int, node: int, port: int, *args: str) -> list[str]:
-    return [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        f"--nnodes={nnodes}",
-        "--nproc-per-node=2",
-        "--rdzv-backend=static",
-        "--master-addr=127.0.0.1",
-        f"--master-port={port}",
-        f"--node-rank={node}",
-        "--max-restarts=0",
-        str(JOB),
-        *args,
-    ]
 
 
 @pytest.fixture
@@ -99,7 +55,7 @@ def test_two_node_job_failure_is_diagnosed_on_each_node_with_the_step_to_resume(
 ) -> None:
     logs, root = tmp_path / "logs", tmp_path / "ckpt"
     port = free_port()
-    env = _env(**{MARKER: job_marker})
+    env = run_env(**{MARKER: job_marker})
     procs = []
     for node in (0, 1):
         cmd = [
@@ -109,7 +65,9 @@ def test_two_node_job_failure_is_diagnosed_on_each_node_with_the_step_to_resume(
             "--checkpoints",
             str(root),
             "--",
-            *_torchrun(2, node, port, "--root", str(root), "--fail", "raise", "--fail-rank", "3", "--fail-step", "3"),
+            *torchrun(
+                2, node, port, str(JOB), "--root", str(root), "--fail", "raise", "--fail-rank", "3", "--fail-step", "3"
+            ),
         ]
         script = f'hostname node{node} && exec "$@"'
         procs.append(
@@ -125,7 +83,7 @@ def test_two_node_job_failure_is_diagnosed_on_each_node_with_the_step_to_resume(
     stderr = [e.decode(errors="replace") for _, e in outs]
     # Each node's runner exits with its torchrun's status: both agents saw a worker fail.
     assert [p.returncode for p in procs] == [1, 1], stderr
-    reports = _reports(logs)
+    reports = read_reports(logs)
     assert len(reports) == 2, list(logs.iterdir())
     for rep, text in zip(reports, stderr, strict=True):
         assert rep["initiating_rank"] == 3 and rep["initiating_host"] == "node1", rep["root_cause"]
@@ -144,7 +102,7 @@ def test_two_node_job_failure_is_diagnosed_on_each_node_with_the_step_to_resume(
     # The same whole-job answer afterwards, from the log directory.
     after = subprocess.run(
         [sys.executable, "-m", "ckptguard", "diagnose", str(logs), "--json", "--checkpoints", str(root)],
-        env=_env(),
+        env=run_env(),
         capture_output=True,
         text=True,
         timeout=60,
@@ -178,10 +136,12 @@ def _single_node(
         "--grace",
         "0",
         "--",
-        *_torchrun(1, 0, free_port(), "--root", str(tmp_path / "ckpt"), *job_args),
+        *torchrun(1, 0, free_port(), str(JOB), "--root", str(tmp_path / "ckpt"), *job_args),
     ]
-    res = subprocess.run(cmd, env=_env(**{MARKER: marker}), cwd=tmp_path, capture_output=True, text=True, timeout=240)
-    reports = _reports(logs)
+    res = subprocess.run(
+        cmd, env=run_env(**{MARKER: marker}), cwd=tmp_path, capture_output=True, text=True, timeout=240
+    )
+    reports = read_reports(logs)
     assert len(reports) == 1, res.stderr
     return res, reports[0]
 
@@ -215,11 +175,11 @@ def test_hang_ended_by_the_collective_timeout(tmp_path: Path, job_marker: str) -
 
 
 def test_success_passes_both_streams_through_pipes_byte_for_byte(tmp_path: Path) -> None:
-    direct = subprocess.run([sys.executable, str(CHILD), "output"], env=_env(), capture_output=True, timeout=60)
+    direct = subprocess.run([sys.executable, str(CHILD), "output"], env=run_env(), capture_output=True, timeout=60)
     logs = tmp_path / "logs"
     under = subprocess.run(
         [*RUN, "--logs", str(logs), "--", sys.executable, str(CHILD), "output"],
-        env=_env(),
+        env=run_env(),
         capture_output=True,
         timeout=60,
     )
@@ -239,7 +199,7 @@ def test_capture_keeps_head_and_tail_under_the_cap_and_passes_everything_through
     code = "import sys\nfor i in range(20000): sys.stdout.write(f'line {i:05d}\\n')"
     res = subprocess.run(
         [*RUN, "--logs", str(logs), "--max-log-bytes", "4096", "--", sys.executable, "-c", code],
-        env=_env(),
+        env=run_env(),
         capture_output=True,
         timeout=60,
     )
@@ -283,9 +243,9 @@ def _through_ptys(cmd: list[str], env: dict[str, str]) -> tuple[int, bytes, byte
 
 
 def test_success_through_a_terminal_child_sees_a_terminal_and_bytes_are_identical(tmp_path: Path) -> None:
-    rc_d, out_d, err_d = _through_ptys([sys.executable, str(CHILD), "output"], _env())
+    rc_d, out_d, err_d = _through_ptys([sys.executable, str(CHILD), "output"], run_env())
     rc_u, out_u, err_u = _through_ptys(
-        [*RUN, "--logs", str(tmp_path / "logs"), "--", sys.executable, str(CHILD), "output"], _env()
+        [*RUN, "--logs", str(tmp_path / "logs"), "--", sys.executable, str(CHILD), "output"], run_env()
     )
     assert (rc_d, rc_u) == (0, 0)
     assert b"stdout isatty=True stderr isatty=True" in out_d
@@ -301,7 +261,7 @@ def test_signals_reach_the_child_and_the_status_is_the_childs(tmp_path: Path) ->
         logs = tmp_path / f"logs-{sig.name}"
         proc = subprocess.Popen(
             [*RUN, "--logs", str(logs), "--grace", "0", "--", sys.executable, str(CHILD), "signals"],
-            env=_env(),
+            env=run_env(),
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
         )
@@ -332,7 +292,7 @@ def test_on_failure_runs_once_with_the_report_paths(tmp_path: Path) -> None:
             "-c",
             "raise RuntimeError('training diverged')",
         ],
-        env=_env(),
+        env=run_env(),
         capture_output=True,
         text=True,
         timeout=120,
@@ -353,7 +313,7 @@ def test_s3_checkpoint_root(tmp_path: Path) -> None:
         bucket = bed.make_bucket(f"run-{uuid.uuid4().hex[:10]}")
         root = f"s3://{bucket}/job"
         logs = tmp_path / "logs"
-        env = _env(**bed.env())
+        env = run_env(**bed.env())
         res = subprocess.run(
             [
                 *RUN,
@@ -376,7 +336,7 @@ def test_s3_checkpoint_root(tmp_path: Path) -> None:
             timeout=180,
         )
         assert res.returncode == 1, res.stderr
-        (rep,) = _reports(logs)
+        (rep,) = read_reports(logs)
         assert rep["resume"] == {
             "step": 2,
             "root": root,
@@ -392,7 +352,7 @@ def test_s3_checkpoint_root(tmp_path: Path) -> None:
 def test_missing_command_exits_127(tmp_path: Path) -> None:
     res = subprocess.run(
         [*RUN, "--logs", str(tmp_path / "logs"), "--", "no-such-command-ckptguard"],
-        env=_env(),
+        env=run_env(),
         capture_output=True,
         text=True,
         timeout=60,
@@ -407,7 +367,7 @@ def test_unwritable_logs_refused_before_the_child_starts(tmp_path: Path) -> None
     ran = tmp_path / "ran"
     res = subprocess.run(
         [*RUN, "--logs", str(blocker / "logs"), "--", sys.executable, str(CHILD), "touch", str(ran)],
-        env=_env(),
+        env=run_env(),
         capture_output=True,
         text=True,
         timeout=60,
@@ -436,14 +396,14 @@ def test_missing_or_empty_checkpoint_root_still_prints_the_diagnosis(tmp_path: P
             "-c",
             "raise MemoryError('out of host memory')",
         ],
-        env=_env(),
+        env=run_env(),
         capture_output=True,
         text=True,
         timeout=60,
     )
     assert res.returncode == 1
     assert "failure      " in res.stderr and "MemoryError" in res.stderr
-    (rep,) = _reports(tmp_path / "logs")
+    (rep,) = read_reports(tmp_path / "logs")
     assert rep["resume"]["step"] is None
     why = "does not exist" if kind == "missing" else "holds no committed checkpoint"
     assert why in rep["resume"]["resume_hint"] and why in res.stderr
@@ -465,7 +425,7 @@ def _root_with_steps(root: Path, steps: int) -> None:
 def _diagnose_resume(log: Path, root: Path | str, *flags: str) -> dict[str, Any]:
     res = subprocess.run(
         [sys.executable, "-m", "ckptguard", "diagnose", str(log), "--json", "--checkpoints", str(root), *flags],
-        env=_env(),
+        env=run_env(),
         capture_output=True,
         text=True,
         timeout=60,
@@ -531,7 +491,7 @@ def test_the_hint_names_the_root_found_under_the_directory_given_and_loads_the_s
         "import torch, ckptguard\nstate = {'w': torch.zeros(1024)}\n"
         f"ckptguard.{got['resume_hint']}\nassert float(state['w'][0]) == 2.0\n"
     )
-    subprocess.run([sys.executable, "-c", prog], env=_env(), check=True, timeout=60)
+    subprocess.run([sys.executable, "-c", prog], env=run_env(), check=True, timeout=60)
     res = subprocess.run(
         [
             *RUN,
@@ -546,7 +506,7 @@ def test_the_hint_names_the_root_found_under_the_directory_given_and_loads_the_s
             "-c",
             "raise ValueError('boom')",
         ],
-        env=_env(),
+        env=run_env(),
         capture_output=True,
         text=True,
         timeout=60,
@@ -578,7 +538,7 @@ def test_capture_failing_midway_leaves_child_output_and_status_alone(tmp_path: P
     prog = "import os, sys\nfor i in range(20000): os.write(1, b'out line %08d\\n' % i)\nsys.exit(5)\n"
     res = subprocess.run(
         [*RUN, "--logs", str(tmp_path / "logs"), "--grace", "0", "--", sys.executable, "-c", prog],
-        env=_env(),
+        env=run_env(),
         capture_output=True,
         timeout=120,
         preexec_fn=_limit_file_size,
@@ -593,7 +553,7 @@ def test_capture_failing_midway_leaves_child_output_and_status_alone(tmp_path: P
 def test_reader_of_stdout_gone_ends_the_child_with_sigpipe(tmp_path: Path) -> None:
     proc = subprocess.Popen(
         [*RUN, "--logs", str(tmp_path / "logs"), "--grace", "0", "--", "yes"],
-        env=_env(),
+        env=run_env(),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
     )
@@ -612,7 +572,7 @@ def test_leftover_background_process_keeps_its_output_after_run_returns(tmp_path
         t0 = time.monotonic()
         rc = subprocess.run(
             [*RUN, "--logs", str(tmp_path / "logs"), "--", "sh", "-c", script],
-            env=_env(),
+            env=run_env(),
             stdout=out,
             stderr=err,
             timeout=60,
@@ -644,7 +604,7 @@ def test_signal_during_on_failure_ends_the_hook_and_keeps_the_childs_status(tmp_
             "-c",
             "exit 3",
         ],
-        env=_env(),
+        env=run_env(),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
     )
@@ -662,7 +622,7 @@ def test_signal_during_on_failure_ends_the_hook_and_keeps_the_childs_status(tmp_
 def test_unreachable_s3_root_still_gives_diagnosis_reports_and_hook(tmp_path: Path) -> None:
     hook = tmp_path / "hook.txt"
     logs = tmp_path / "logs"
-    env = _env(AWS_ENDPOINT_URL=f"http://127.0.0.1:{free_port()}", AWS_ACCESS_KEY_ID="x", AWS_SECRET_ACCESS_KEY="y")
+    env = run_env(AWS_ENDPOINT_URL=f"http://127.0.0.1:{free_port()}", AWS_ACCESS_KEY_ID="x", AWS_SECRET_ACCESS_KEY="y")
     t0 = time.monotonic()
     res = subprocess.run(
         [
@@ -688,7 +648,7 @@ def test_unreachable_s3_root_still_gives_diagnosis_reports_and_hook(tmp_path: Pa
     assert time.monotonic() - t0 < 30, res.stderr
     assert res.returncode == 1
     assert "python_exception" in res.stderr and "resume from  no answer: cannot read s3://bkt/p" in res.stderr
-    (rep,) = _reports(logs)
+    (rep,) = read_reports(logs)
     assert rep["resume"]["step"] is None
     assert Path(hook.read_text().strip()).is_file()
 
@@ -708,13 +668,13 @@ def test_non_utf8_argument_still_gives_valid_reports(tmp_path: Path) -> None:
             'echo "RuntimeError: boom" >&2; exit 2',
             b"caf\xe9-\xff",
         ],
-        env=_env(),
+        env=run_env(),
         capture_output=True,
         timeout=120,
     )
     assert res.returncode == 2, res.stderr
     assert b"could not" not in res.stderr and b"python_exception" in res.stderr
-    (rep,) = _reports(logs)
+    (rep,) = read_reports(logs)
     assert rep["runs"][0]["command"][-1] == "caf\\xe9-\\xff"
     assert next(logs.glob("*/report.html")).read_text(encoding="utf-8").rstrip().endswith("</html>")
     assert not list(logs.glob("*/*.tmp*"))
@@ -736,7 +696,7 @@ def test_all_nodes_hint_reads_this_job_when_jobs_share_the_log_dir(tmp_path: Pat
             "-c",
             'sleep 2; echo "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB" >&2; exit 1',
         ],
-        env=_env(),
+        env=run_env(),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -756,7 +716,7 @@ def test_all_nodes_hint_reads_this_job_when_jobs_share_the_log_dir(tmp_path: Pat
             "-c",
             'echo "RuntimeError: job A broke" >&2; exit 1',
         ],
-        env=_env(),
+        env=run_env(),
         capture_output=True,
         timeout=120,
     )
@@ -768,19 +728,19 @@ def test_all_nodes_hint_reads_this_job_when_jobs_share_the_log_dir(tmp_path: Pat
     argv = shlex.split(hint)
     assert argv[:2] == ["ckptguard", "diagnose"]
     out = subprocess.run(
-        [*RUN[:-1], "diagnose", "--json", *argv[2:]], env=_env(), capture_output=True, text=True, timeout=120
+        [*RUN[:-1], "diagnose", "--json", *argv[2:]], env=run_env(), capture_output=True, text=True, timeout=120
     )
     assert json.loads(out.stdout)["failure_class"] == "cuda_oom", out.stderr
 
 
 def test_empty_logs_refused_and_empty_command_is_not_found(tmp_path: Path) -> None:
     res = subprocess.run(
-        [*RUN, "--logs", "", "--", "true"], env=_env(), cwd=tmp_path, capture_output=True, text=True, timeout=60
+        [*RUN, "--logs", "", "--", "true"], env=run_env(), cwd=tmp_path, capture_output=True, text=True, timeout=60
     )
     assert res.returncode == 125 and "--logs" in res.stderr
     assert list(tmp_path.iterdir()) == []
     res = subprocess.run(
-        [*RUN, "--logs", str(tmp_path / "logs"), "--", ""], env=_env(), capture_output=True, text=True, timeout=60
+        [*RUN, "--logs", str(tmp_path / "logs"), "--", ""], env=run_env(), capture_output=True, text=True, timeout=60
     )
     assert res.returncode == 127 and "command not found" in res.stderr
 
@@ -821,7 +781,7 @@ def test_resume_lists_rolled_back_and_bad_manifest_steps_like_ls(tmp_path: Path)
 def test_what_run_saw_of_the_end_is_evidence_kill9_and_forwarded_sigint(tmp_path: Path) -> None:
     res = subprocess.run(
         [*RUN, "--logs", str(tmp_path / "l1"), "--grace", "0", "--", "sh", "-c", "kill -9 $$"],
-        env=_env(),
+        env=run_env(),
         capture_output=True,
         text=True,
         timeout=60,
@@ -830,7 +790,7 @@ def test_what_run_saw_of_the_end_is_evidence_kill9_and_forwarded_sigint(tmp_path
     assert "host_oom_sigkill" in res.stderr and "the log does not show who sent it" in res.stderr, res.stderr
     proc = subprocess.Popen(
         [*RUN, "--logs", str(tmp_path / "l2"), "--grace", "0", "--", sys.executable, str(CHILD), "signals"],
-        env=_env(),
+        env=run_env(),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,

@@ -18,40 +18,12 @@ from typing import Any
 import pytest
 
 from tests.support.jobs import REPO, free_port
+from tests.support.runcmd import RUN, read_report, read_reports, run_env, torchrun
 
 WORKERS = REPO / "tests" / "workers"
 HANG_JOB = WORKERS / "run_hang_job.py"
 RESTART_JOB = WORKERS / "run_restart_job.py"
-RUN = [sys.executable, "-m", "ckptguard", "run"]
 TIMEOUT_S = 3
-
-
-def _env(**extra: str) -> dict[str, str]:
-    env = dict(os.environ)
-    for k in (
-        "RANK",
-        "WORLD_SIZE",
-        "LOCAL_RANK",
-        "MASTER_ADDR",
-        "MASTER_PORT",
-        "TORCHELASTIC_ERROR_FILE",
-        "TORCHELASTIC_RUN_ID",
-        "SLURM_JOB_ID",
-        "PBS_JOBID",
-        "LSB_JOBID",
-        "JOB_ID",
-        "PET_RDZV_ID",
-    ):
-        env.pop(k, None)
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO / "src"), str(REPO)])
-    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    env.update(extra)
-    return env
-
-
-def _report(logs: Path) -> dict[str, Any]:
-    (path,) = sorted(logs.glob("*/report.json"))
-    return json.loads(path.read_text())
 
 
 def _two_nodes(
@@ -69,19 +41,9 @@ def _two_nodes(
                 "hang-test",
                 *run_opts,
                 "--",
-                sys.executable,
-                "-m",
-                "torch.distributed.run",
-                "--nnodes=2",
-                "--nproc-per-node=2",
-                "--rdzv-backend=static",
-                "--master-addr=127.0.0.1",
-                f"--master-port={port}",
-                f"--node-rank={n}",
-                "--max-restarts=0",
-                *job,
+                *torchrun(2, n, port, *job),
             ],
-            env=_env(JOB_TMP=str(tmp_path), GLOO_SOCKET_IFNAME="lo"),
+            env=run_env(JOB_TMP=str(tmp_path)),
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
@@ -119,7 +81,7 @@ def test_a_stopped_rank_is_caught_named_and_classified(
         results = [
             subprocess.run(
                 [*RUN, "--logs", str(logs), *opts, "--", sys.executable, *job],
-                env=_env(JOB_TMP=str(tmp_path)),
+                env=run_env(JOB_TMP=str(tmp_path)),
                 capture_output=True,
                 text=True,
                 timeout=180,
@@ -136,7 +98,7 @@ def test_a_stopped_rank_is_caught_named_and_classified(
         ended = json.loads((run_dir / "run.json").read_text())["ended_at"]
         assert hang["detected_at"] - hang["last_progress_at"] < TIMEOUT_S + 1.5
         assert ended - hang["detected_at"] < 8
-    reports = [json.loads(p.read_text()) for p in sorted(logs.glob("*/report.json"))]
+    reports = read_reports(logs)
     assert len(reports) == len(results)
     for report in reports:
         _check_report(report, world, stop, mode, state, detail, fifo)
@@ -174,7 +136,7 @@ def test_a_slow_job_that_keeps_making_progress_is_never_killed(tmp_path: Path) -
     )
     res = subprocess.run(
         [*RUN, "--logs", str(tmp_path / "logs"), "--hang-timeout", "3", "--", sys.executable, "-c", code],
-        env=_env(),
+        env=run_env(),
         capture_output=True,
         text=True,
         timeout=120,
@@ -211,14 +173,14 @@ def test_a_silent_plain_process_is_caught_as_rank_0_and_stopped(tmp_path: Path, 
             "-c",
             code,
         ],
-        env=_env(),
+        env=run_env(),
         capture_output=True,
         text=True,
         timeout=120,
     )
     assert res.returncode == status, res.stderr
     assert time.monotonic() - start < 2 + 1 + 10
-    report = _report(tmp_path / "logs")
+    report = read_report(tmp_path / "logs")
     assert report["initiating_rank"] == 0
     assert report["hang"]["state"] == "user"
 
@@ -249,7 +211,7 @@ def test_a_transient_failure_is_restarted_from_its_committed_step_and_saves_are_
             "kill_once",
             "4",
         ],
-        env=_env(JOB_STEP_S="3"),
+        env=run_env(JOB_STEP_S="3"),
         capture_output=True,
         text=True,
         timeout=180,
@@ -286,7 +248,7 @@ def test_a_deterministic_failure_runs_once_and_says_what_to_fix(tmp_path: Path) 
             "-c",
             "print('started', flush=True)\nraise ValueError('bad label at step 7')",
         ],
-        env=_env(),
+        env=run_env(),
         capture_output=True,
         text=True,
         timeout=180,
@@ -320,7 +282,7 @@ def test_restart_on_overrides_the_class_and_the_same_failure_twice_stops(tmp_pat
             "-c",
             "raise ValueError('bad label')",
         ],
-        env=_env(),
+        env=run_env(),
         capture_output=True,
         text=True,
         timeout=180,
@@ -340,7 +302,7 @@ def test_restart_options_are_checked_before_anything_runs(tmp_path: Path) -> Non
     ):
         res = subprocess.run(
             [*RUN, "--logs", str(tmp_path / "logs"), *opts, "--", "touch", str(marker)],
-            env=_env(),
+            env=run_env(),
             capture_output=True,
             text=True,
             timeout=60,
@@ -379,7 +341,7 @@ def test_two_nodes_restart_together_on_one_decision(tmp_path: Path) -> None:
                 code,
                 str(tmp_path / "marker"),
             ],
-            env=_env(NODE=str(n)),
+            env=run_env(NODE=str(n)),
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from tests.support.jobs import REPO, free_port
-from tests.test_run_hang import RUN, _env, _report
+from tests.support.runcmd import RUN, read_report, run_env
 
 JOB = REPO / "tests" / "workers" / "run_hang_shapes_job.py"
 
@@ -24,13 +24,13 @@ def _run(tmp_path: Path, opts: list[str], cmd: list[str], **env: str) -> tuple[s
     logs = tmp_path / "logs"
     with open(tmp_path / "out.txt", "w+") as out, open(tmp_path / "err.txt", "w+") as err:
         status = subprocess.run(
-            [*RUN, "--logs", str(logs), *opts, "--", *cmd], env=_env(**env), stdout=out, stderr=err, timeout=120
+            [*RUN, "--logs", str(logs), *opts, "--", *cmd], env=run_env(**env), stdout=out, stderr=err, timeout=120
         ).returncode
         out.seek(0)
         err.seek(0)
         res = subprocess.CompletedProcess(cmd, status, out.read(), err.read())
     assert res.returncode != 0, res.stderr
-    return res, _report(logs)
+    return res, read_report(logs)
 
 
 def test_a_rank_whose_async_save_waits_in_a_collective_is_not_the_stopped_one(tmp_path: Path) -> None:
@@ -138,7 +138,7 @@ def test_a_negative_restart_backoff_is_refused(tmp_path: Path) -> None:
             str(tmp_path / "ck"),
             *BACKOFF,
         ],
-        env=_env(),
+        env=run_env(),
         capture_output=True,
         text=True,
         timeout=60,
@@ -163,7 +163,7 @@ def test_a_job_stopped_by_a_forwarded_sigterm_says_it_is_not_restarted(tmp_path:
             "-c",
             code,
         ],
-        env=_env(),
+        env=run_env(),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,

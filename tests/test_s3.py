@@ -50,6 +50,7 @@ from tests.support.beds.s3 import (
     s3_bed_in_env,
 )
 from tests.support.jobs import JobResult, free_port, process_state, run_job
+from tests.support.manifests import one_rank_manifest
 from tests.support.results import job_results, parse_results
 
 REPO = Path(__file__).resolve().parent.parent
@@ -508,43 +509,24 @@ def test_export_and_dcp_reader_read_an_s3_checkpoint(bed: S3Bed, bucket: str, tm
 # -- fencing between jobs, at the level of the index ---------------------------------------------
 
 
-def _manifest(step: int, version: int, attempt: str) -> Manifest:
-    return Manifest(
-        step=step,
-        version=version,
-        attempt=attempt,
-        created_at=time.time(),
-        world_size=1,
-        domain_index=0,
-        domain_count=1,
-        domain_ranks=[0],
-        hosts=["h"],
-        checksum_algorithm="crc32c",
-        dcp={},
-        files=[],
-        items=[],
-        commit_seq=step,
-    )
-
-
 def test_a_takeover_aborts_a_stalled_attempt_or_adopts_its_commit(bed: S3Bed, bucket: str) -> None:
     url = f"s3://{bucket}/fence"
     first, second, third = (ObjectStoreRoot(open_storage(url)) for _ in range(3))
     first.after_lease()
     # job 1 recorded its intent for step 6 and created the commit object, then stalled before indexing it
-    six = first._record_intent(CheckpointName(6), _manifest(6, 1, "a" * 32))
+    six = first._record_intent(CheckpointName(6), one_rank_manifest(6, 1, "a" * 32))
     assert first.storage.create_exclusive(first.commit_path(CheckpointName(6)), six)
     second.after_lease()  # takes over: adopts step 6 (committed: nothing is lost)
     assert second.committed() == [CheckpointName(6)]
     # job 2 recorded its intent for step 7 and stalled before creating the commit object
-    seven = second._record_intent(CheckpointName(7), _manifest(7, 1, "b" * 32))
+    seven = second._record_intent(CheckpointName(7), one_rank_manifest(7, 1, "b" * 32))
     third.after_lease()  # takes over: a tombstone takes step 7's commit key
     assert third.committed() == [CheckpointName(6)]
     assert third.taken_versions(7) == [1]  # taken: a new save of step 7 uses version 2
     with pytest.raises(LeaseLostError, match="aborted this attempt"):
         second._publish(CheckpointName(7), seven)  # resumed: its conditional create finds the tombstone
     with pytest.raises(LeaseLostError, match="another job took over"):
-        first.commit("", _manifest(8, 1, "c" * 32), lambda: None)
+        first.commit("", one_rank_manifest(8, 1, "c" * 32), lambda: None)
     with pytest.raises(LeaseLostError):
         second.retire(second.dir(CheckpointName(6)))
     assert third.committed() == [CheckpointName(6)]
