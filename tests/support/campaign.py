@@ -898,6 +898,11 @@ def check_restart(
                 )
             if e["warned"]:
                 trial.fail(f"rank {e['rank']}: load() warned: {e['warned']}")
+    check_saved_clean(trial, evs)
+
+
+def check_saved_clean(trial: Trial, evs: dict[int, list[dict[str, Any]]]) -> None:
+    """The save after a restart completed, and it left no attempt in staging and nothing in trash."""
     if not events_of(evs, "saved", 0):
         trial.fail("the save after the restart did not complete")
     for e in events_of(evs, "garbage"):
