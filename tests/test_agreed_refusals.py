@@ -9,8 +9,9 @@ from pathlib import Path
 
 from tests.support.jobs import run_job
 from tests.support.results import results_by_rank
+from tests.support.workers import WORKERS
 
-WORKER = Path(__file__).parent / "workers" / "refusal_job.py"
+WORKER = WORKERS / "refusal_job.py"
 
 #: What each case's error names besides the rank (the cause).
 CAUSES = {

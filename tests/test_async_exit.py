@@ -26,8 +26,9 @@ from ckptguard.protocol import save as save_protocol
 
 from tests.support.jobs import JobTimeout, run_job
 from tests.support.results import by_rank, job_results
+from tests.support.workers import WORKERS
 
-WORKER = Path(__file__).parent / "workers" / "exit_job.py"
+WORKER = WORKERS / "exit_job.py"
 
 
 def test_exit_without_wait_after_a_failed_background_save_is_non_zero(tmp_path: Path) -> None:
@@ -116,7 +117,7 @@ def test_a_script_that_never_destroys_its_gloo_group_exits_cleanly(tmp_path: Pat
     after its saves are done, ckptguard destroys a gloo default group the script left alive."""
     for mode in ("blocking", "background"):
         job = run_job(
-            Path(__file__).parent / "workers" / "exit_plain_job.py",
+            WORKERS / "exit_plain_job.py",
             [str(tmp_path / mode), mode],
             nproc_per_node=2,
             timeout=180,

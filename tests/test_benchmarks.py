@@ -11,7 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+from tests.support.jobs import REPO
 
 
 def _run(args: list[str], timeout: float) -> str:

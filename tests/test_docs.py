@@ -15,7 +15,9 @@ from types import ModuleType
 import ckptguard
 from ckptguard import errors
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.support.jobs import REPO
+
+ROOT = REPO
 
 
 def _hooks() -> ModuleType:

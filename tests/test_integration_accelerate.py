@@ -23,11 +23,13 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.workers import WORKERS
+
 pytest.importorskip("accelerate", reason="accelerate is not installed (pip install 'ckptguard[accelerate]')")
 
 from tests.support.frameworks import losses, records, tail, torchrun
 
-WORKER = Path(__file__).parent / "workers" / "accelerate_job.py"
+WORKER = WORKERS / "accelerate_job.py"
 
 
 def run(project: Path, record: Path, *args: str) -> subprocess.CompletedProcess[str]:

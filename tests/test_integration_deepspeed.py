@@ -57,6 +57,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.support.workers import WORKERS
+
 pytest.importorskip(
     "deepspeed",
     reason="deepspeed is not installed (DS_BUILD_OPS=0 pip install --no-build-isolation 'ckptguard[deepspeed]')",
@@ -65,7 +67,7 @@ pytest.importorskip(
 from tests.support.frameworks import REPO, losses, records, tail, torchrun
 from tests.support.jobs import JobResult, run_job
 
-WORKER = Path(__file__).parent / "workers" / "deepspeed_job.py"
+WORKER = WORKERS / "deepspeed_job.py"
 
 
 def run(d: Path, record: Path, *args: str) -> subprocess.CompletedProcess[str]:
@@ -158,7 +160,7 @@ def test_engine_refuses_two_ranks_writing_one_path(tmp_path: Path, monkeypatch: 
 
 # -- NVMe offload: DeepSpeed's offloaded_tensors/rank<NN> copy -----------------------------------------------------
 
-NVME_WORKER = Path(__file__).parent / "workers" / "deepspeed_nvme_job.py"
+NVME_WORKER = WORKERS / "deepspeed_nvme_job.py"
 
 
 @functools.cache

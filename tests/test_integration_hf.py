@@ -22,11 +22,13 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.workers import WORKERS
+
 pytest.importorskip("transformers", reason="transformers is not installed (pip install 'ckptguard[transformers]')")
 
 from tests.support.frameworks import losses, records, tail, torchrun
 
-WORKER = Path(__file__).parent / "workers" / "hf_job.py"
+WORKER = WORKERS / "hf_job.py"
 
 
 def run(out: Path, record: Path, *args: str) -> subprocess.CompletedProcess[str]:

@@ -22,6 +22,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.support.workers import WORKERS
+
 L = pytest.importorskip("lightning", reason="lightning is not installed (pip install 'ckptguard[lightning]')")
 
 from ckptguard import Checkpointer  # noqa: E402
@@ -34,7 +36,7 @@ from ckptguard.integrations.lightning import (  # noqa: E402
 from tests.support import frameworks as fw  # noqa: E402
 from tests.support.frameworks import torchrun  # noqa: E402
 
-WORKER = Path(__file__).parent / "workers" / "lightning_job.py"
+WORKER = WORKERS / "lightning_job.py"
 RANKS = (0, 1)
 
 

@@ -34,6 +34,8 @@ from typing import Any
 
 import pytest
 
+from tests.support.workers import WORKERS
+
 pytest.importorskip(
     "torchtitan",
     reason="torchtitan is not installed (pip install --no-deps -c "
@@ -45,7 +47,7 @@ from torch import nn
 
 from tests.support.frameworks import losses, records, tail, torchrun
 
-WORKER = Path(__file__).parent / "workers" / "torchtitan_job.py"
+WORKER = WORKERS / "torchtitan_job.py"
 
 
 # -- in-process ---------------------------------------------------------------------------------------

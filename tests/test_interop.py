@@ -19,7 +19,9 @@ from torch import nn
 import ckptguard
 from ckptguard import Checkpointer, PerRank
 
-SRC = str(Path(__file__).resolve().parent.parent / "src")
+from tests.support.jobs import REPO
+
+SRC = str(REPO / "src")
 
 
 def model() -> nn.Module:

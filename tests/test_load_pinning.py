@@ -22,7 +22,8 @@ import torch
 import ckptguard.dcp.writer as writer_module
 from ckptguard import Checkpointer, CheckpointError
 
-REPO = Path(__file__).resolve().parent.parent
+from tests.support.jobs import REPO
+
 FILES = 300  # more data files than a load kept open before (256)
 
 
@@ -156,14 +157,14 @@ def test_s3_retention_between_the_passes_never_reads_the_deleted_objects(bed: S3
 def test_a_corrupt_item_puts_back_the_items_already_read_in_place(tmp_path: Path) -> None:
     """Within the budget items are read straight into the caller's tensors; a corrupt item after
     them puts every one of them back, parameters (requires_grad) included."""
-    from tests.test_reliability import _flip_item
+    from tests.support.manifests import flip_last_byte
 
     root = tmp_path / "ckpt"
     model = torch.nn.Linear(64, 64)
     saved = {"model": model.state_dict(), "extra": {f"t{i}": torch.full((1000,), float(i)) for i in range(50)}}
     with Checkpointer(root) as ck:
         ck.save(1, saved)
-        _flip_item(root, 1, "extra.t49")
+        flip_last_byte(root, 1, "extra.t49")
         fresh = torch.nn.Linear(64, 64)
         before = {k: v.clone() for k, v in fresh.state_dict().items()}
         out = {"model": fresh, "extra": {f"t{i}": torch.full((1000,), -1.0) for i in range(50)}}

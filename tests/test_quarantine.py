@@ -22,10 +22,9 @@ from ckptguard.protocol.quarantine import QuarantineRecord
 from ckptguard.resume import resume_info
 from ckptguard.verify import list_root
 
-from tests.support.jobs import run_job
+from tests.support.jobs import REPO, run_job
 from tests.support.results import job_results
 
-REPO = Path(__file__).resolve().parent.parent
 QUARANTINE = Path(".ckptguard") / "quarantine"
 
 

@@ -22,10 +22,12 @@ from ckptguard import Checkpointer, CorruptCheckpointError
 from ckptguard.protocol.manifest import Manifest
 from ckptguard.verify import list_root
 
-from tests.support.jobs import process_state, run_job
+from tests.support.jobs import REPO, process_state, run_job
+from tests.support.manifests import flip_last_byte
 from tests.support.results import job_results
+from tests.support.workers import WORKERS
 
-WORKER = Path(__file__).parent / "workers" / "reliability_job.py"
+WORKER = WORKERS / "reliability_job.py"
 
 
 def job(scenario: str, *args: str, nnodes: int, nproc: int, node_env: list[dict], check: bool = True):
@@ -160,16 +162,6 @@ def test_latest_never_moves_backwards_in_commit_order(tmp_path: Path) -> None:
 # -- a failed load leaves the caller's state as it was ----------------------------------------------
 
 
-def _flip_item(root: Path, step: int, fqn: str) -> None:
-    step_dir = root / f"step-{step:08d}"
-    mpath = step_dir / "MANIFEST.json"
-    (row,) = [r for r in Manifest.from_json(mpath.read_bytes(), str(mpath)).items if r.fqn == fqn]
-    path = step_dir / row.file
-    data = bytearray(path.read_bytes())
-    data[row.offset + row.length - 1] ^= 0x01  # the last byte of the item
-    path.write_bytes(bytes(data))
-
-
 def _snapshot(state: dict) -> dict:
     out = {}
     for k, v in state.items():
@@ -204,7 +196,7 @@ def test_a_corrupt_load_leaves_the_callers_state_untouched(tmp_path: Path) -> No
     root = tmp_path / "ckpt"
     with Checkpointer(root) as ck:
         ck.save(1, {"model": _model(1), "a": torch.arange(1000.0), "b": torch.ones(3000), "meta": {"n": 1}})
-        _flip_item(root, 1, "b")  # every other item of the checkpoint is intact and read first or alongside
+        flip_last_byte(root, 1, "b")  # every other item of the checkpoint is intact and read first or alongside
         state = {"model": _model(7), "a": torch.full((1000,), -1.0), "b": torch.full((3000,), -2.0), "meta": {"n": -1}}
         before = _snapshot(state)
         with pytest.raises(CorruptCheckpointError):
@@ -219,7 +211,7 @@ def test_a_fallback_load_leaves_no_byte_of_the_rejected_checkpoint(tmp_path: Pat
     with Checkpointer(root) as ck:
         ck.save(1, {"a": torch.full((4000,), 1.0)})
         ck.save(2, {"a": torch.full((4000,), 2.0), "b": torch.full((5000,), 2.0), "c": torch.full((100,), 2.0)})
-        _flip_item(root, 2, "a")
+        flip_last_byte(root, 2, "a")
         state = {"a": torch.zeros(4000), "b": torch.full((5000,), -7.0), "c": torch.full((100,), -7.0)}
         with pytest.warns(UserWarning, match=r"step 2 .* is corrupt"):
             assert ck.load(state, strict=False) == 1
@@ -235,7 +227,7 @@ def test_a_load_larger_than_the_memory_cap_still_verifies_before_it_writes(tmp_p
         ck.save(1, {"a": torch.arange(20_000.0), "b": torch.ones(20_000)})
         state = {"a": torch.zeros(20_000), "b": torch.zeros(20_000)}
         assert ck.load(state) == 1 and torch.equal(state["a"], torch.arange(20_000.0))
-        _flip_item(root, 1, "b")
+        flip_last_byte(root, 1, "b")
         state = {"a": torch.zeros(20_000), "b": torch.zeros(20_000)}
         with pytest.raises(CorruptCheckpointError):
             ck.load(state, step=1)
@@ -317,7 +309,7 @@ def test_a_reader_whose_step_is_deleted_and_saved_again_loads_the_new_one(tmp_pa
 
 
 def _start(scenario: str, root: Path, *args: str) -> subprocess.Popen[str]:
-    repo = str(Path(__file__).resolve().parent.parent)  # the worker imports tests.support
+    repo = str(REPO)  # the worker imports tests.support
     env = {
         **os.environ,
         "PYTHONUNBUFFERED": "1",

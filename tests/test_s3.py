@@ -21,6 +21,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.support.jobs import REPO
+
 pytest.importorskip("boto3")
 pytest.importorskip("moto")
 
@@ -53,7 +55,6 @@ from tests.support.jobs import JobResult, free_port, process_state, run_job
 from tests.support.manifests import one_rank_manifest
 from tests.support.results import job_results, parse_results
 
-REPO = Path(__file__).resolve().parent.parent
 WORKER = REPO / "tests" / "workers" / "s3_job.py"
 SMALL = {"part_size": 5 << 20}
 

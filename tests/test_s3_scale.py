@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Callable, Iterator
-from pathlib import Path
 
 import pytest
 import torch
@@ -28,7 +27,6 @@ from ckptguard.threadranks import run_ranks
 from tests.support import s3_requests as sim
 from tests.support.beds.s3 import Request, S3Bed, count_requests, s3_bed_in_env
 
-REPO = Path(__file__).resolve().parent.parent
 PART = 5 << 20
 # As on AWS: no probe of conditional writes (the store is known to check them).
 OPTIONS = {"part_size": PART, "check_conditional_writes": False}

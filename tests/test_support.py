@@ -13,9 +13,8 @@ import pytest
 from ckptguard._faults import FaultPhase
 
 from tests.support import campaign
+from tests.support.jobs import REPO
 from tests.support.results import emit_result, parse_results
-
-REPO = Path(__file__).resolve().parent.parent
 
 
 def test_result_lines_round_trip_and_a_cut_line_is_skipped(

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import ast
-from pathlib import Path
 
 import torch
 
 from ckptguard.dcp import _torch_private
 
-SRC = Path(__file__).resolve().parent.parent / "src" / "ckptguard"
+from tests.support.jobs import REPO
+
+SRC = REPO / "src" / "ckptguard"
 
 
 def test_the_installed_torch_is_one_the_private_apis_were_tested_with() -> None:
