@@ -90,7 +90,7 @@ def test_save_file_node_local_one_writer_per_node(tmp_path: Path) -> None:
 
 
 # CI keeps one phase on each side of the commit point; the campaign's CI slice kills a rank at every
-# phase (tests/test_campaign.py). The long run (`pytest -m long`) has the rest of the matrix.
+# phase (tests/crash/test_campaign.py). The long run (`pytest -m long`) has the rest of the matrix.
 @pytest.mark.parametrize(
     "phase,rank",
     [

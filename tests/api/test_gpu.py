@@ -1,6 +1,6 @@
 """Checkpoints of a state on a CUDA device: what the CPU suite cannot show.
 
-Skipped without a GPU (CI has none); run where one is lent (``pytest tests/test_gpu.py``). The
+Skipped without a GPU (CI has none); run where one is lent (``pytest tests/api/test_gpu.py``). The
 async save's host copy runs on a side stream that must first wait for the kernels already queued on
 the training stream and must not see the ones queued after ``save()`` returns; loads into device
 tensors are all-or-nothing like loads into host tensors; and a job whose default process group is

@@ -3,7 +3,7 @@
 Node 0 uses sshfs mount A and node 1 mount B of one directory, each with its own stale
 name/attribute caches (tests/support/beds/sshfs.py). In the same bed the OLMo-style protocol and
 the "global rank 0 does the directory work" patch from OLMo #894 fail
-(tests/test_beds.py::test_olmo_style_fails_on_stale_shared_storage with 5 s caches,
+(tests/crash/test_beds.py::test_olmo_style_fails_on_stale_shared_storage with 5 s caches,
 ::test_global_rank0_patch_fails_on_stale_shared_storage with 15 s caches); here
 ckptguard must not fail once, with either window. Every 5th save re-saves the previous
 step with overwrite=True (a restarted run), the case that broke the patch with 5 s caches,

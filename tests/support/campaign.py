@@ -1,6 +1,6 @@
 """The crash-consistency campaign's engine: real multi-process torchrun jobs, injected faults, checks after restart.
 
-tests/test_campaign.py runs it bounded for CI; ``tools/campaign.py`` is its command line.
+tests/crash/test_campaign.py runs it bounded for CI; ``tools/campaign.py`` is its command line.
 
 Fault kinds (docs/crash-consistency.md says how each is injected and what is checked):
 
