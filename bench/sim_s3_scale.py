@@ -3,7 +3,7 @@ throttling headroom, at ranks no test bed here reaches (one endpoint on loopback
 
 The request counts are the code's (``storage/s3/streams.py``, ``dcp/writer.py``'s files per rank,
 ``protocol/objstore.py``'s size checks), checked against the requests that reach moto through the
-test proxy for 2- and 4-rank saves and loads (``tests/test_s3_scale.py`` calls :func:`save_requests`
+test proxy for 2- and 4-rank saves and loads (``tests/storage/test_s3_scale.py`` calls :func:`save_requests`
 and :func:`load_requests`). The times are a model with the assumptions printed above the table.
 
     python bench/sim_s3_scale.py            # the table of docs/performance.md ("S3 at scale")
@@ -187,7 +187,7 @@ def table(a: Assumptions) -> list[Row]:
 
 
 def small(ranks: int) -> dict[str, dict[str, int]]:
-    """The model at the tests' size (tests/test_s3_scale.py: 6 MiB + 4,000 bytes per rank, 5 MiB parts),
+    """The model at the tests' size (tests/storage/test_s3_scale.py: 6 MiB + 4,000 bytes per rank, 5 MiB parts),
     op by op: what the proxy counted."""
     part = 5 * MIB
     elems = (part + part // 5) // 4
@@ -233,7 +233,7 @@ def main() -> None:
     )
     print()
     for n in (2, 4):
-        print(f"{n} ranks (tests/test_s3_scale.py):", json.dumps(small(n)))
+        print(f"{n} ranks (tests/storage/test_s3_scale.py):", json.dumps(small(n)))
     print()
     print(
         "| model | ranks | config | MiB/rank | files/rank | save writes | save requests | load requests "

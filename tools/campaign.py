@@ -14,7 +14,7 @@ so a resumed run never repeats the trials of an earlier one. ``--report`` prints
 table of the file (``--write-docs`` also puts it between the markers of a Markdown file).
 
 The command line only: the engine (fault kinds, checks, report) is tests/support/campaign.py,
-shared with tests/test_campaign.py. It prints a table and can write JSON.
+shared with tests/crash/test_campaign.py. It prints a table and can write JSON.
 """
 
 from __future__ import annotations

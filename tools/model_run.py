@@ -11,7 +11,7 @@ docs/campaign/model-results.jsonl): backend, seed, commit, steps, operations, ki
 takeovers, faults, seconds, outcome. A run stops at any moment and the next continues the count:
 without ``--seed`` the seed is the base seed plus the number of rounds already recorded for the
 backend, so a resumed run never repeats one. A violation is recorded with hypothesis's shrunk
-counterexample, printed as a ready-to-paste regression test for tests/test_model_based.py.
+counterexample, printed as a ready-to-paste regression test for tests/crash/test_model_based.py.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The crash-consistency campaign's engine: real multi-process torchrun jobs, injected faults, checks after restart.
 
-tests/test_campaign.py runs it bounded for CI; ``tools/campaign.py`` is its command line.
+tests/crash/test_campaign.py runs it bounded for CI; ``tools/campaign.py`` is its command line.
 
 Fault kinds (docs/crash-consistency.md says how each is injected and what is checked):
 
@@ -898,6 +898,11 @@ def check_restart(
                 )
             if e["warned"]:
                 trial.fail(f"rank {e['rank']}: load() warned: {e['warned']}")
+    check_saved_clean(trial, evs)
+
+
+def check_saved_clean(trial: Trial, evs: dict[int, list[dict[str, Any]]]) -> None:
+    """The save after a restart completed, and it left no attempt in staging and nothing in trash."""
     if not events_of(evs, "saved", 0):
         trial.fail("the save after the restart did not complete")
     for e in events_of(evs, "garbage"):

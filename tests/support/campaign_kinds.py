@@ -37,6 +37,7 @@ from .campaign import (
     LatestWatch,
     Topo,
     Trial,
+    check_saved_clean,
     classify_kill,
     events_of,
     tail,
@@ -164,12 +165,7 @@ def check_restart_ordered(trial: Trial, evs: dict[int, list[dict[str, Any]]], hi
     for (what, s), gens in seen.items():
         if len(gens) > 1:
             trial.fail(f"ranks loaded different versions of step {s} ({what}): jobs {sorted(gens)}", torn=True)
-    if not events_of(evs, "saved", 0):
-        trial.fail("the save after the restart did not complete")
-    for e in events_of(evs, "garbage"):
-        if e["staging"] or e["trash"]:
-            trial.fail(f"garbage survived a successful save in {e['root']}: staging={e['staging']} trash={e['trash']}")
-            break
+    check_saved_clean(trial, evs)
 
 
 def update_ordered(hist: OrderedHistory | None, evs: dict[int, list[dict[str, Any]]]) -> OrderedHistory:

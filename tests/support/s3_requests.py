@@ -1,5 +1,5 @@
 """How many S3 requests a save and a load make, from the code (files per rank, parts, control
-requests): the model `bench/sim_s3_scale.py` scales to 16,384 ranks and `tests/test_s3_scale.py`
+requests): the model `bench/sim_s3_scale.py` scales to 16,384 ranks and `tests/storage/test_s3_scale.py`
 checks op by op against what reaches the endpoint through the test proxy."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ HEAD_THREADS = 16  # protocol/objstore.py: a rank's parallel HEADs of its share 
 THROTTLE_ROUNDS = 8  # storage/s3/client.py: rounds of botocore's retries a throttled data request gets
 
 # Control requests of one save and one load on an s3:// root whose index and lease exist (not the
-# first save), counted through the test proxy (tests/test_s3_scale.py checks them): the lease read
+# first save), counted through the test proxy (tests/storage/test_s3_scale.py checks them): the lease read
 # before each act of the leader, the index read and compare-and-swapped (intent, commit), the
 # manifest's conditional create, `latest` read and moved, the garbage listings of a save.
 SAVE_CONTROL = {"GetObject": 11, "PutObject": 4, "ListObjectsV2": 3, "ListMultipartUploads": 1}

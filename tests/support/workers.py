@@ -8,7 +8,7 @@ from .jobs import JobResult, run_job
 
 TESTS = Path(__file__).resolve().parent.parent
 WORKERS = TESTS / "workers"
-CKPT_JOB = WORKERS / "ckpt_job.py"  # Checkpointer / save_file scenarios (tests/test_distributed.py)
+CKPT_JOB = WORKERS / "ckpt_job.py"  # Checkpointer / save_file scenarios (tests/api/test_distributed.py)
 CAMPAIGN_JOB = WORKERS / "campaign_job.py"  # the crash-consistency campaign's worker
 PROBE = Path(__file__).resolve().parent / "beds" / "workers" / "probe.py"  # checks the launcher itself
 BASELINES = TESTS / "baselines"  # the known-racy protocols the beds must break

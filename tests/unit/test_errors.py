@@ -43,7 +43,7 @@ class Opaque:
 
 def test_an_object_load_could_not_give_back_is_refused_at_save(tmp_path: Path) -> None:
     # (A stored object that would need unpickling code is refused on load: UnsafeObjectError,
-    # tests/test_checkpointer.py::test_pickle_payload_in_stored_object_never_runs.)
+    # tests/api/test_checkpointer.py::test_pickle_payload_in_stored_object_never_runs.)
     with Checkpointer(tmp_path / "ck") as ck:
         with pytest.raises(ckptguard.UnsupportedValueError, match=r"\['obj'\]\['o'\]"):
             ck.save(1, {"obj": {"o": Opaque()}})

@@ -1,4 +1,4 @@
-"""Worker for tests/test_quarantine.py: the quarantine with several storage domains (node-local roots,
+"""Worker for tests/load/test_quarantine.py: the quarantine with several storage domains (node-local roots,
 one per node: CKPT_ROOT). Steps 1 and 2 are saved; node 1's copy of step 2 is then damaged (one bit of
 a data file), so the load of step 2 fails on rank 1 alone and every rank falls back to step 1; each
 domain's leader records step 2 as corrupt in its own root; the loop's next save(2) replaces it on

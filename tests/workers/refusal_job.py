@@ -1,4 +1,4 @@
-"""Worker for tests/test_agreed_refusals.py: save() arguments that only rank 1 gets wrong.
+"""Worker for tests/save/test_agreed_refusals.py: save() arguments that only rank 1 gets wrong.
 
 Each case calls save() on every rank, with the bad argument on rank 1 only, and reports per rank the
 error class, its message and how long the call took; then every rank saves a good step, so a rank

@@ -1,4 +1,4 @@
-"""Worker for tests/test_reliability.py: the scenarios that need real processes.
+"""Worker for tests/crash/test_reliability.py: the scenarios that need real processes.
 
 Runs under torchrun (multi-domain scenarios) or as a plain single-process job
 (the lease scenarios: one job = one process, SIGSTOPped by the fault hook).

@@ -1,4 +1,4 @@
-"""A job for tests/test_run_hang.py: WORLD ranks train with gloo; at step 2 rank STOP stops in MODE.
+"""A job for tests/runner/test_run_hang.py: WORLD ranks train with gloo; at step 2 rank STOP stops in MODE.
 
     python hang_job.py WORLD STOP MODE [FIFO]
 

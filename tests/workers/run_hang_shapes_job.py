@@ -1,4 +1,4 @@
-"""A job for tests/test_run_hang_shapes.py: two gloo ranks; rank 1 stops in user code.
+"""A job for tests/runner/test_run_hang_shapes.py: two gloo ranks; rank 1 stops in user code.
 
     python run_hang_shapes_job.py MODE [ROOT]
 

@@ -1,4 +1,4 @@
-"""A one-process job for tests/test_run_hang.py's restarts: steps 0..STEPS-1, a checkpoint each.
+"""A one-process job for tests/runner/test_run_hang.py's restarts: steps 0..STEPS-1, a checkpoint each.
 
     python run_restart_job.py ROOT MODE STEPS
 

@@ -2,7 +2,7 @@
 
 Every rank saves shared tensors and a per-rank tensor, a pure function of (step,
 rank), so any process can check what it loaded bitwise. Prints ``RESULT <json>``
-lines that tests/test_s3.py parses.
+lines that tests/storage/test_s3.py parses.
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ Two roots implement it, each complete on its own:
 What they share is in protocol/rootkit.py: functions, and ``RootKit``, the methods that are the
 same word for word (neither root overrides any). A new backend implements ``Root`` (or reuses one
 of the two with its StorageBackend), adds one line to ``_ROOTS``, and passes
-tests/test_root_conformance.py (the Architecture page, "Adding a backend").
+tests/storage/test_root_conformance.py (the Architecture page, "Adding a backend").
 """
 
 from __future__ import annotations

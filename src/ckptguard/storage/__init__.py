@@ -123,7 +123,7 @@ _S3_OPTIONS = frozenset(
         "control_max_attempts",
         "check_conditional_writes",
     }
-)  # S3Options' fields (tests/test_storage.py checks)
+)  # S3Options' fields (tests/storage/test_storage.py checks)
 
 #: Every backend, by URL scheme (lower case). A local path without a scheme is ``file``.
 BACKENDS: Mapping[str, Backend] = {

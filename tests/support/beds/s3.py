@@ -3,7 +3,7 @@
 * :class:`MotoServer` runs ``python -m moto.server`` (moto 5.2.5) on 127.0.0.1 at a
   port chosen at run time, in its own process. moto honours ``If-None-Match: *``
   and ``If-Match`` on PutObject and ``If-None-Match: *`` on
-  CompleteMultipartUpload (checked by ``tests/test_s3.py``), but does not verify
+  CompleteMultipartUpload (checked by ``tests/storage/test_s3.py``), but does not verify
   ``x-amz-checksum-crc32c`` on arrival: the proxy adds that check.
 * :class:`FaultProxy` is a small threaded HTTP proxy in front of it (the client
   talks to the proxy only, so faults are real HTTP answers, not client hooks):

@@ -1,4 +1,4 @@
-"""The model-based test of the checkpoint protocol (tests/test_model_based.py, tools/model_run.py).
+"""The model-based test of the checkpoint protocol (tests/crash/test_model_based.py, tools/model_run.py).
 
 worker.py    a long-lived process holding one Checkpointer, driven over a pipe (one JSON
              line per command and per reply), so an action costs milliseconds, not a start-up

@@ -16,12 +16,9 @@ from typing import TYPE_CHECKING, Any
 
 from ckptguard._pool import ExitSafePool
 from ckptguard.errors import (
-    BucketNotFoundError,
     CorruptCheckpointError,
     NotVisibleError,
-    StoragePermissionError,
     UnsupportedStorageError,
-    WrongRegionError,
 )
 from ckptguard.storage.base import MAX_SMALL_OBJECT_BYTES
 from ckptguard.storage.fileio import buffer_views
@@ -35,20 +32,17 @@ else:
 from ckptguard.storage.s3.client import (
     _CONFLICT_CODES,
     _MISSING_CODES,
-    _PERMISSION_CODES,
     _PRECONDITION_CODES,
-    _REGION_CODES,
     S3Options,
     _body,
     _Clients,
     _code,
     _crc32c_b64,
-    _is_client_error,
-    _status,
     parse_url,
 )
 from ckptguard.storage.s3.probe import probe_conditional_writes
 from ckptguard.storage.s3.streams import S3ReadHandle, S3WriteStream
+from ckptguard.storage.s3.translate import bucket_error, translate_error
 
 log = logging.getLogger("ckptguard")
 
@@ -132,48 +126,7 @@ class S3Storage:
             raise self._translate(e, what, path) from e
 
     def _translate(self, err: Exception, what: str, path: str) -> BaseException:
-        from botocore.exceptions import BotoCoreError, ClientError, NoCredentialsError
-
-        if isinstance(err, NoCredentialsError):
-            return StoragePermissionError(
-                f"no AWS credentials found to {what} {path}: set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, "
-                "AWS_PROFILE, or run where an instance role applies",
-                path=path,
-            )
-        if isinstance(err, ClientError):
-            code = _code(err)
-            message = str(err.response.get("Error", {}).get("Message", "")) or str(err)
-            if code == "NoSuchBucket":
-                return BucketNotFoundError(
-                    f"bucket {self.bucket} does not exist at {self.endpoint} (while trying to {what} {path}). "
-                    "Create it, or check the bucket name and endpoint_url.",
-                    path=path,
-                )
-            if code in _PERMISSION_CODES:
-                return StoragePermissionError(
-                    f"access denied to {what} {path} ({code}: {message}). The credentials in use need "
-                    "s3:GetObject, s3:PutObject, s3:DeleteObject, s3:ListBucket and s3:AbortMultipartUpload "
-                    "on this bucket and prefix.",
-                    path=path,
-                )
-            if code in _REGION_CODES:
-                return self._region_error(err, what, path)
-            if code in _MISSING_CODES:
-                return FileNotFoundError(errno.ENOENT, f"no such object ({what})", path)
-            return OSError(errno.EIO, f"S3 refused to {what} ({code}: {message}) after retries", path)
-        if isinstance(err, BotoCoreError | OSError):
-            return OSError(errno.EIO, f"S3 request to {what} failed after retries: {type(err).__name__}: {err}", path)
-        return err
-
-    def _region_error(self, err: Exception, what: str, path: str) -> WrongRegionError:
-        headers = getattr(err, "response", {}).get("ResponseMetadata", {}).get("HTTPHeaders", {})
-        region = headers.get("x-amz-bucket-region") or getattr(err, "response", {}).get("Error", {}).get("Region")
-        where = f"it is in region {region}" if region else "it is in another region"
-        return WrongRegionError(
-            f"bucket {self.bucket} is not in region {self.client.meta.region_name} ({where}; while trying to "
-            f"{what} {path}). Set AWS_REGION or storage_options={{'region_name': ...}} to the bucket's region.",
-            path=path,
-        )
+        return translate_error(err, what, path, self.bucket, self.client)
 
     def ensure_ready(self) -> None:
         """Once per instance: the bucket is reachable; once per process and store: conditional writes work."""
@@ -182,24 +135,7 @@ class S3Storage:
         try:
             self.client.head_bucket(Bucket=self.bucket)
         except Exception as e:
-            status = _status(e) if _is_client_error(e) else None
-            if status == 404:
-                raise BucketNotFoundError(
-                    f"bucket {self.bucket} does not exist at {self.endpoint}. Create it, or check the bucket "
-                    "name and endpoint_url.",
-                    path=self.root,
-                ) from e
-            if status == 403:
-                raise StoragePermissionError(
-                    f"access denied to bucket {self.bucket} at {self.endpoint}: the credentials in use may not "
-                    "list or read it (s3:ListBucket).",
-                    path=self.root,
-                ) from e
-            if status in (301, 307, 400) and _is_client_error(e):
-                headers = e.response.get("ResponseMetadata", {}).get("HTTPHeaders", {})  # type: ignore[attr-defined]
-                if status != 400 or headers.get("x-amz-bucket-region"):
-                    raise self._region_error(e, "reach the bucket", self.root) from e
-            raise self._translate(e, "reach the bucket", self.root) from e
+            raise bucket_error(e, self.bucket, self.root, self.client) from e
         if self._should_probe():
             probe_key = (self.endpoint, self.bucket)
             with _Clients.lock:

@@ -1,4 +1,4 @@
-"""Worker used by tests/test_beds.py to check the launcher itself.
+"""Worker used by tests/crash/test_beds.py to check the launcher itself.
 
 Modes: ``ranks`` prints one ``PROBE rank=.. local_rank=.. node=.. world=..`` line per rank;
 ``raise RANK`` makes that global rank raise after the process group is up; ``hang``

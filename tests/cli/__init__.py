@@ -1,0 +1,1 @@
+"""The command line: ls, verify, export and their output."""

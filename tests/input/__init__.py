@@ -1,0 +1,1 @@
+"""Untrusted input: hostile or damaged checkpoints, control records and imported files."""

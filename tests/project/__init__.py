@@ -1,0 +1,1 @@
+"""The project itself: docs, benchmarks, tests/support, the private torch APIs."""

@@ -1,0 +1,1 @@
+"""ckptguard run: the runner, hang detection, restarts, reports and masking."""
