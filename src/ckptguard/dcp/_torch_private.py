@@ -18,7 +18,7 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 
-#: torch releases the private APIs below were tested with (tests/test_torch_private.py).
+#: torch releases the private APIs below were tested with (tests/project/test_torch_private.py).
 TESTED_TORCH = ("2.13", "2.14")
 
 _CACHE_ATTRS = (
@@ -65,7 +65,7 @@ def check_torch_version() -> None:
         warnings.warn(
             f"ckptguard was tested with torch {', '.join(TESTED_TORCH)}; torch {torch.__version__} is "
             "not among them. The private torch APIs ckptguard needs were found, but their behaviour "
-            "is unchecked on this release: run `pytest tests/test_torch_private.py` to check.",
+            "is unchecked on this release: run `pytest tests/project/test_torch_private.py` to check.",
             stacklevel=2,
         )
     if not hasattr(DefaultSavePlanner, "_create_global_plan"):

@@ -37,7 +37,7 @@ class FileEntry(NamedTuple):
 
 #: Bytes per element of each dtype name a manifest may hold, without importing torch (``ls`` and
 #: ``verify`` never do): a tensor row's shape must account for exactly its bytes. A test checks it
-#: against the installed torch's dtypes (tests/test_torch_private.py).
+#: against the installed torch's dtypes (tests/project/test_torch_private.py).
 ITEMSIZES: dict[str, int] = {
     "bool": 1,
     "uint8": 1,
