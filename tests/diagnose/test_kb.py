@@ -80,3 +80,46 @@ def test_misspelt_key_is_refused_naming_file_and_field(tmp_path: Path) -> None:
         load_kb_dir(kb_dir)
     target.write_text(good)
     assert "python_exception" in load_kb_dir(kb_dir)
+
+
+def _top_level_alternatives(pattern: str) -> list[str]:
+    """The ``|`` branches of a regex outside any group (escapes and classes kept whole)."""
+    out, cur, depth, in_class, i = [], "", 0, False, 0
+    while i < len(pattern):
+        c = pattern[i]
+        if c == "\\":
+            cur += pattern[i : i + 2]
+            i += 2
+            continue
+        if in_class:
+            in_class = c != "]"
+        elif c == "[":
+            in_class = True
+        elif c == "(":
+            depth += 1
+        elif c == ")":
+            depth -= 1
+        elif c == "|" and depth == 0:
+            out.append(cur)
+            cur, i = "", i + 1
+            continue
+        cur += c
+        i += 1
+    return [*out, cur]
+
+
+def test_every_branch_of_a_signature_holds_its_anchor() -> None:
+    """The engine tries a signature only on text that holds its anchor: a branch of the pattern
+    without the anchor's literal can never match (a message reported in that wording is missed)."""
+    import re
+
+    missing = []
+    for fc in load_kb().classes.values():
+        for s in fc.signatures:
+            if not s.anchor:
+                continue
+            for alt in _top_level_alternatives(s.pattern.pattern):
+                literal = re.sub(r"\\(.)", r"\1", re.sub(r"^\(\?[a-z]+\)", "", alt))
+                if s.anchor not in literal and s.anchor.lower() not in literal.lower():
+                    missing.append((fc.id, s.anchor, alt))
+    assert not missing

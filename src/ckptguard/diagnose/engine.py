@@ -236,7 +236,10 @@ def _collateral_only(
         max(reporters, key=lambda x: len(reporters[x])) if reporters else "launcher_sigterm"
     )
     desync = scoring.desync(ex, kb)
-    cls = rules.desync_class if desync else rules.alone_means.get(seen, seen)
+    alone = rules.alone_means.get(seen, seen)
+    # a consequence whose family is the class it alone means keeps its own kind: the answer's
+    # class is the family all the same, and the kind says what the log shows (a peer's loss)
+    cls = rules.desync_class if desync else seen if kb.family(seen) == alone else alone
     fc = kb[cls]
     diag.failure_class, diag.title, diag.category = cls, fc.title, fc.category
     rank, via, why = collateral_rank(att, kb, seen)
