@@ -37,9 +37,9 @@ KEYS = {
     "score_rank",
 }
 # split -> (minimum share of scored rows with the right class, minimum share of scored ranks right),
-# a few points under the figures measured with the current rules (dev: class 180/183 = 98.4 %, rank
-# 29/29; sealed: class 83/92 = 90.2 %, rank 9/9; one sealed rank miss is 88.9 %)
-FLOORS = {"dev": (0.95, 0.93), "sealed": (0.86, 0.85)}
+# a few points under the figures measured with the current rules (dev: class 215/219 = 98.2 %, rank
+# 33/33; sealed: class 108/116 = 93.1 %, rank 13/13; one sealed rank miss is 92.3 %)
+FLOORS = {"dev": (0.95, 0.93), "sealed": (0.89, 0.88)}
 # the list of held-out threads the diagnosis is scored on, kept next to the repository
 EXCLUDED = Path(os.environ.get("CKPTGUARD_SHARED_CORPUS", REPO.parent / "shared" / "corpus")) / "excluded.py"
 HOME = re.compile(r"(?:/home/|/Users/|C:\\\\Users\\\\|C:\\Users\\)([^/\\\s'\"]+)")

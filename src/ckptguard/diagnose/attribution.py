@@ -80,6 +80,15 @@ def best_of(kb: KnowledgeBase, events: list[Event]) -> Event:
     )
 
 
+def _stop_without_ranks(sigterm: list[tuple[int, Evidence]]) -> Event:
+    """The launcher's stop when its "Sending process N closing signal" lines are all the log
+    shows and no pid maps to a rank: the stop itself is the finding, its rank unknown. SIGINT is
+    a Ctrl-C passed on to the workers; any other signal is the launcher shutting them down."""
+    ev = sigterm[0][1]
+    cls = "interrupted" if "closing signal SIGINT" in ev.text else "launcher_sigterm"
+    return Event(EXIT_SEQ + ev.line, EventKind.EXIT, cls, 0.8, [Match(cls, 0.8)], [ev], None, RankSource.NONE)
+
+
 def collect(ex: Extractor, kb: KnowledgeBase) -> Attribution:
     """Events with ranks resolved, launcher exits added, and causes told from consequences."""
     rules = kb.rules
@@ -114,6 +123,8 @@ def collect(ex: Extractor, kb: KnowledgeBase) -> Attribution:
 
     hints = [e for e in events if e.kind == EventKind.HINT]
     events = [e for e in events if e.kind != EventKind.HINT]
+    if not events and ex.sigterm:
+        events.append(_stop_without_ranks(ex.sigterm))
     present = {e.class_id for e in events if not kb[e.class_id].collateral}
     views: dict[int | None, RankView] = {}
     for e in events:
@@ -133,6 +144,9 @@ def collect(ex: Extractor, kb: KnowledgeBase) -> Attribution:
             else:
                 weak.append(e)
         view.primary = strong or ([] if view.collateral else weak)
+        if not view.primary and weak and view.collateral:
+            # an exit (a SIGKILL) whose known consequence this rank also shows is its cause
+            view.primary = [e for e in weak if any(rules.explained(c.class_id, {e.class_id}) for c in view.collateral)]
         if not view.primary and weak and view.collateral:
             # unattributed exits on one host, consequences on others (a multi-node launcher that
             # names hosts, not ranks): the exit is a cause of its own
