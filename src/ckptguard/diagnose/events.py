@@ -73,6 +73,7 @@ _NCCL_RE = re.compile(
     r"(?:[\w/.\-]+:\d+ )?NCCL (?P<lvl>[A-Z]+) ?(?P<msg>.*)$"
 )
 _EMBEDDED_EXC_RE = re.compile(r"\b(?P<type>(?:[A-Za-z_]\w*\.)*[A-Z]\w*(?:Error|Exception)): (?P<msg>\S.*)$")
+_IGNORED_MARKER = "Exception ignored "
 _CHAIN_MARKERS = ("During handling of the above exception", "The above exception was the direct cause")
 _EXCERPT_RE = re.compile(
     r"^\s*(?:\[\s*(?:\.\.\.|…)\s*\]|\.\.\.\.+|<\s*truncated lines? [\d\-– ]+>"
@@ -136,6 +137,8 @@ class Extractor(FactLines, ExceptionLines, LauncherLines):
         self._year = 2000
         self._tb: dict[tuple[int | None, int | None], _Traceback] = {}
         self._chain_next: dict[tuple[int | None, int | None], list[tuple[str, str]]] = {}
+        # streams whose next traceback Python reports as ignored (raised in __del__, a callback)
+        self._ignored_next: set[tuple[int | None, int | None]] = set()
         self._last_ts: dict[tuple[int | None, int | None], float] = {}
         self._recent: deque[tuple[tuple[object, ...], Event]] = deque(maxlen=64)
         self._block: Block | None = None
@@ -157,6 +160,7 @@ class Extractor(FactLines, ExceptionLines, LauncherLines):
             self._on_excerpt,
             self._on_block,
             self._on_nccl,
+            self._on_ignored_marker,
             self._on_traceback_start,
             self._on_frame,
             self._on_source_line,
@@ -178,6 +182,7 @@ class Extractor(FactLines, ExceptionLines, LauncherLines):
         self._source = source
         self._tb.clear()
         self._chain_next.clear()
+        self._ignored_next.clear()
         self._last_ts.clear()
         self._block = None
         self._block_left = 0
@@ -257,13 +262,25 @@ class Extractor(FactLines, ExceptionLines, LauncherLines):
         m = _NCCL_RE.match(ln.rest)
         return self._nccl_line(m, ln.rank, ln.ev, ln.ts, ln.via) if m else None
 
+    def _on_ignored_marker(self, ln: _Line) -> int | None:
+        # "Exception ignored in: <function X.__del__ ...>": Python caught the traceback that
+        # follows and the process went on, so it is not the failure (a dataloader's __del__ at
+        # shutdown, an atexit callback after the real error).
+        if ln.stripped.startswith(_IGNORED_MARKER):
+            self._ignored_next.add(ln.key)
+            return TRACEBACK_FORCE
+        return None
+
     def _on_traceback_start(self, ln: _Line) -> int | None:
         if ln.stripped.startswith("Traceback (most recent call"):
             chain = self._chain_next.pop(ln.key, [])
             old = self._tb.get(ln.key)
             if old is not None and old.chain:
                 self._close_traceback(ln.key, old, None)
-            self._tb[ln.key] = _Traceback(ln.ev, chain=chain, last=ln.ev)
+            tb = self._tb[ln.key] = _Traceback(ln.ev, chain=chain, last=ln.ev)
+            if ln.key in self._ignored_next:
+                self._ignored_next.discard(ln.key)
+                tb.ignored = True
             return TRACEBACK_FORCE
         return TRACEBACK_FORCE if ln.stripped.startswith("Original Traceback (most recent call") else None
 

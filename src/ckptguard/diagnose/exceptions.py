@@ -40,6 +40,7 @@ class _Traceback:
     last: Evidence | None = None
     after_frame: bool = False
     lines: deque[tuple[str, Evidence]] = field(default_factory=lambda: deque(maxlen=2 * MAX_FRAMES))
+    ignored: bool = False  # Python printed it as "Exception ignored in: ..." and went on
 
 
 @dataclass
@@ -156,6 +157,8 @@ class ExceptionLines:
         via: RankSource = RankSource.NONE,
     ) -> None:
         self._tb.pop(key, None)
+        if tb.ignored:
+            return  # caught and reported by the interpreter: the process did not fail of it
         if ev is None:
             rank, via = key[0], RankSource.PREFIX if key[0] is not None else RankSource.NONE
         if not tb.chain:
