@@ -17,7 +17,7 @@ from ckptguard.diagnose import advice, scoring
 from ckptguard.diagnose.arrival import Arrival
 from ckptguard.diagnose.attribution import Attribution, choose, collateral_rank, collect
 from ckptguard.diagnose.events import EMBEDDABLE_ANCHORS, STRUCTURAL_ANCHORS, Extractor
-from ckptguard.diagnose.ingest import GrepHits, Prefilter, UsageError, discover, scan, sniff_binary
+from ckptguard.diagnose.ingest import MAX_LINE, GrepHits, Prefilter, UsageError, discover, scan, sniff_binary
 from ckptguard.diagnose.kb import FailureClass, KnowledgeBase, Unproven, load_kb
 from ckptguard.diagnose.mask import Masker
 from ckptguard.diagnose.model import (
@@ -32,6 +32,7 @@ from ckptguard.diagnose.model import (
     ranges,
 )
 from ckptguard.diagnose.normalize import read_normalized
+from ckptguard.diagnose.shapes import Shapes
 
 __all__ = ["SCHEMA_VERSION", "Diagnosis", "EvidenceLine", "Hypothesis", "TimelineEvent", "attribute", "diagnose"]
 _ranges = ranges  # the name report.py and older callers import
@@ -55,6 +56,7 @@ def diagnose(
     sources = [src for src in sources if src.name not in binary]
     prefilter = Prefilter(STRUCTURAL_ANCHORS, kb.anchors(), embeddable=EMBEDDABLE_ANCHORS)
     ex = Extractor(kb, masker)
+    shapes = Shapes(prefilter.anchors, MAX_LINE)
     t0 = time.perf_counter()
     nbytes = nlines = 0
     unreadable: list[str] = []
@@ -69,7 +71,7 @@ def diagnose(
             text, pasted = (stream, False) if arrival is not None else read_normalized(stream)
             hits = GrepHits.open(src, prefilter) if src.path is not None and not pasted else None
             try:
-                b, n = scan(text, prefilter, ex.feed, hits, skip=ex.repeated_shape)
+                b, n = scan(text, prefilter, ex.feed, hits, shapes)
             finally:
                 if hits is not None:
                     hits.close()

@@ -154,7 +154,6 @@ class Extractor(FactLines, ExceptionLines, LauncherLines):
         self.node_of: dict[str, tuple[int, int]] = {}  # host -> (node rank, local world size)
         self.nnodes = 0  # nodes of the job, where its launcher says (0: not said)
         self.arrival: Arrival | None = None  # the current source's recorded arrival times
-        self._shapes: dict[bytes, int] = {}  # line shape -> copies read (see repeated_shape)
         # the registry of line handlers: the first that recognises a line handles it
         self._handlers: tuple[Callable[[_Line], int | None], ...] = (
             self._on_excerpt,

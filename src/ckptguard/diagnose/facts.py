@@ -18,9 +18,6 @@ from ckptguard.diagnose.rules import Operation, Rules
 
 MAX_FINGERPRINTS = 4096
 REPEAT_LINES = 3  # lines between copies of one announcement printed by several processes
-SHAPE_LIMIT = 4  # copies of one line shape on one rank read before the rest are skipped
-UNTAGGED_SHAPE_LIMIT = 16_384  # the same for a line without a rank tag (its rank is further in)
-MAX_SHAPES = 200_000
 _NCCL_TRACE_RE = re.compile(r":\d+ -> [1-9]\d*\s*$")  # NCCL's error trace: file:line -> non-zero code
 _COMM_RE = re.compile(r"\brank (\d+) nranks (\d+)\b")
 _CHANNEL_RE = re.compile(r"Channel \d+/\d+ : (\d+)\[(\d+)\] -> (\d+)\[(\d+)\](?: \[(send|receive)\])?")
@@ -32,7 +29,7 @@ _MAPPING_RE = re.compile(r"'([\w.\-]{1,128})': \[([\d, ]{1,8192})\]")
 
 
 class FactLines:
-    """Mixin of the extractor: facts, line shapes and NCCL lines."""
+    """Mixin of the extractor: facts and NCCL lines."""
 
     kb: KnowledgeBase
     rules: Rules
@@ -57,7 +54,6 @@ class FactLines:
     deliberate: bool
     _announced: tuple[Operation, int, int, Evidence] | None
     _last_save: tuple[tuple[int, str], int, Evidence] | None
-    _shapes: dict[bytes, int]
     _line_host: str | None
     _src: int
     _nccl_init_warns: dict[tuple[str, int], list[Event]]
@@ -68,17 +64,21 @@ class FactLines:
     def _facts(self, rest: str, rank: int | None, ev: Evidence) -> None:
         """Facts for the cross-rank rules: checkpoint paths, world size, fingerprints, reports."""
         for op in self.rules.operations:
-            if op.announce is not None and any(a in rest for a in op.announce_anchors) and op.announce.search(rest):
+            if (
+                op.announce is not None
+                and any(map(rest.__contains__, op.announce_anchors))
+                and op.announce.search(rest)
+            ):
                 self._announced = (op, self._src, ev.line, ev)
                 break
         silent = self.rules.silent_exit
         if silent is not None:
-            if any(a in rest for a in silent.memory_anchors) and silent.memory.search(rest):
+            if any(map(rest.__contains__, silent.memory_anchors)) and silent.memory.search(rest):
                 self.memory_line = (self._src, ev.line)
-            if any(a in rest for a in silent.deliberate_anchors) and silent.deliberate.search(rest):
+            if any(map(rest.__contains__, silent.deliberate_anchors)) and silent.deliberate.search(rest):
                 self.deliberate = True
         race = self.rules.race
-        if len(self.saves) < 10_000 and (rank is not None or any(a in rest for a in race.anchors)):
+        if len(self.saves) < 10_000 and (rank is not None or any(map(rest.__contains__, race.anchors))):
             sm = race.announce.search(rest)
             if sm:
                 self.announced_path = sm.group("path")
@@ -99,14 +99,14 @@ class FactLines:
         if (
             prog is not None
             and self._announced is not None
-            and any(a in rest for a in self.rules.progress_anchors)
+            and any(map(rest.__contains__, self.rules.progress_anchors))
             and prog.search(rest)
         ):
             self._announced = None  # steps are running: the announced operation is over
         if (
             prog is not None
             and len(self.progress) < MAX_FINGERPRINTS
-            and any(a in rest for a in self.rules.progress_anchors)
+            and any(map(rest.__contains__, self.rules.progress_anchors))
         ):
             for pm in prog.finditer(rest):
                 cur, total = int(pm.group("cur")), int(pm.group("total"))
@@ -124,24 +124,6 @@ class FactLines:
                 if rm:
                     for r in re.findall(r"\d+", rm.group("ranks")):
                         self.reported_ranks.append((int(r), ev))
-
-    def repeated_shape(self, raw: bytes) -> bool:
-        """Whether this line's shape (its text without digits, but with its leading rank tag:
-        ``[rank12]``, ``12: ``) has been read ``SHAPE_LIMIT`` times already (a line without a
-        tag: ``UNTAGGED_SHAPE_LIMIT``, one per rank of a large job): a log whose every
-        line holds an anchor word repeats a few shapes millions of times, and their first copies
-        on every rank already hold all they can tell. Bounded: a cost per candidate line of one
-        C-level translate and one dict lookup, and at most ``MAX_SHAPES`` shapes."""
-        if len(raw) <= 24:
-            return False
-        tag = raw.find(b"]", 0, 24) + 1 if raw[:1] == b"[" else raw.find(b": ", 0, 8) + 1
-        key = raw[:tag] + raw[tag:].translate(None, b"0123456789")
-        n = self._shapes.get(key, 0)
-        if n >= (SHAPE_LIMIT if tag else UNTAGGED_SHAPE_LIMIT):
-            return True
-        if n or len(self._shapes) < MAX_SHAPES:
-            self._shapes[key] = n + 1
-        return False
 
     def _node_facts(self, rest: str) -> None:
         """A node's rank and local world size (global rank = node rank x local world size +

@@ -24,9 +24,13 @@ from pathlib import Path
 from typing import BinaryIO
 
 from ckptguard.diagnose.normalize import looks_utf16
+from ckptguard.diagnose.shapes import Shapes
 
 MAX_LINE = 64 * 1024
 CHUNK = 4 * 1024 * 1024
+# grep is stopped where one line in DENSE of a block (and at least DENSE_MIN) holds an anchor
+DENSE = 8
+DENSE_MIN = 4096
 SKIP_SUFFIXES = {
     ".pt",
     ".pth",
@@ -163,6 +167,8 @@ class Prefilter:
         for a in kept:
             groups.setdefault(a[0], []).append(a[1:])
         self.anchors = kept
+        alts = b"|".join(re.escape(a) for a in sorted(kept, key=len, reverse=True))
+        self._any_re = re.compile(alts if kept else b"(?!)")
         self._res = []
         for first, rests in sorted(groups.items()):
             alts = b"|".join(re.escape(r) for r in sorted(rests, key=len, reverse=True))
@@ -185,6 +191,10 @@ class Prefilter:
             if b"_" not in line[i:j] or line[i - 2 : i] == b"::":  # C++ names: std::system_error
                 return True
         return False
+
+    def candidate(self, line: bytes) -> bool:
+        """Whether `line_starts` would find this line (one search for all the passes' anchors)."""
+        return self._any_re.search(line) is not None
 
     def line_starts(self, block: bytes) -> list[int]:
         """Sorted offsets of the starts of lines that contain an anchor."""
@@ -285,21 +295,27 @@ def scan(
     prefilter: Prefilter,
     on_line: LineHandler,
     hits: GrepHits | None = None,
-    skip: Callable[[bytes], bool] | None = None,
+    shapes: Shapes | None = None,
 ) -> tuple[int, int]:
     """Feed the lines that matter (1-based line numbers) to ``on_line``; return bytes and lines.
 
     ``on_line`` returns how many following lines it wants to see whatever they contain (inside
     a traceback or a launcher summary block). ``hits``: the anchors' offsets found by grep in
-    the same (plain, untranscoded) file, used instead of the Python prefilter. ``skip``: a
-    cheap test run before the exact anchor test on a candidate that no handler asked for (a
-    line read often enough already), so that such a line costs next to nothing.
+    the same (plain, untranscoded) file, used instead of the Python prefilter while the lines
+    that hold an anchor are few (grep prints every match, which costs more than the Python
+    prefilter where nearly every line has one; it is then stopped). ``shapes``: line shapes
+    read often enough already are skipped, a whole block at once where none of its lines
+    would be read (see `shapes`).
     """
     wants = prefilter.wants
-    if skip is not None:
+    if shapes is not None:
+        repeated = shapes.repeated
 
         def wants(line: bytes) -> bool:
-            return not skip(line) and prefilter.wants(line)
+            return not repeated(line) and prefilter.wants(line)
+
+    def candidate_wants(line: bytes) -> bool:  # a line that the Python prefilter did not find
+        return prefilter.candidate(line) and wants(line)
 
     nbytes = 0
     lineno = 0  # lines fully consumed before the current block
@@ -328,8 +344,18 @@ def scan(
                 carry = buf
             continue
         block, carry = buf[: cut + 1], buf[cut + 1 :]
-        starts = hits.starts(block, buf_at) if hits is not None else prefilter.line_starts(block)
-        lineno, force = _scan_block(block, lineno, starts, on_line, force, wants)
+        unread = shapes.unread(block) if hits is None and shapes is not None else None
+        if unread is not None:
+            lineno, force = _scan_block(block, lineno, unread, on_line, force, candidate_wants)
+        else:
+            if hits is not None:
+                starts = hits.starts(block, buf_at)
+                if len(starts) >= DENSE_MIN and len(starts) * DENSE > block.count(b"\n"):
+                    hits.close()  # nearly every line holds an anchor: grep's output costs more
+                    hits = None
+            else:
+                starts = prefilter.line_starts(block)
+            lineno, force = _scan_block(block, lineno, starts, on_line, force, wants)
         if len(carry) > MAX_LINE:
             head = carry[:MAX_LINE]
             if force or _any_hit(prefilter, head):

@@ -8,11 +8,13 @@ advice that the report prints.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import lru_cache
 from importlib import resources
 from pathlib import Path
 
+from ckptguard.diagnose.literals import AnchorIndex, searcher
 from ckptguard.diagnose.rules import Rules, load_rules
 from ckptguard.diagnose.schema import ClassEntry, KBError, convert_class, decode_class
 
@@ -41,6 +43,11 @@ class Signature:
     anchor: str | None = None
     context: re.Pattern[str] | None = None
     prefilter: bool = False
+    #: ``bool(pattern.search(text))``, at a fraction of its cost (see `literals`)
+    test: Callable[[str], bool] = field(default=lambda _t: False, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "test", searcher(self.pattern))
 
 
 @dataclass(frozen=True)
@@ -154,6 +161,9 @@ class KnowledgeBase:
                 by_anchor.setdefault(sig.anchor, []).append(sig)
         # Anchors are checked with `in` before any regex runs: most texts skip most regexes.
         self._groups = sorted(by_anchor.items(), key=lambda kv: kv[0] or "")
+        self._always = by_anchor.get(None, [])
+        self._anchored = {a: sigs for a, sigs in self._groups if a is not None}
+        self._index = AnchorIndex(list(self._anchored))  # in the order of `_groups`
 
     def __getitem__(self, class_id: str) -> FailureClass:
         return self.classes[class_id]
@@ -182,9 +192,8 @@ class KnowledgeBase:
     def match(self, text: str, *, exception: bool, context: str = "") -> list[Match]:
         """Best weight per class for ``text`` (an exception ``Type: message`` or a log line)."""
         best: dict[str, float] = {}
-        for anchor, sigs in self._groups:
-            if anchor is not None and anchor not in text:
-                continue
+        groups = [self._always, *map(self._anchored.__getitem__, self._index.present(text))]
+        for sigs in groups:
             for sig in sigs:
                 if sig.on == "exception" and not exception:
                     continue
@@ -192,7 +201,7 @@ class KnowledgeBase:
                     continue
                 if best.get(sig.class_id, 0.0) >= sig.weight:
                     continue
-                if not sig.pattern.search(text):
+                if not sig.test(text):
                     continue
                 if sig.context is not None and not sig.context.search(f"{text}\n{context}"):
                     continue

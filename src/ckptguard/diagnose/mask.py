@@ -99,10 +99,9 @@ _KV_HINTS = (
 
 def _may_hold_secret(text: str) -> bool:
     """Cheap substring test before the (slower) secret regex: most log lines hold none."""
-    if any(h in text for h in _HINTS):
+    if any(map(text.__contains__, _HINTS)):  # map: the tests run at C speed
         return True
-    low = text.lower()
-    return any(h in low for h in _KV_HINTS)
+    return any(map(text.lower().__contains__, _KV_HINTS))
 
 
 class Masker:
