@@ -13,7 +13,7 @@ from typing import Any
 from ckptguard._collective import collective
 from ckptguard.comm import Comm
 from ckptguard.protocol import load as load_protocol
-from ckptguard.protocol import manage
+from ckptguard.protocol import manage, rootid
 from ckptguard.protocol import save as save_protocol
 from ckptguard.protocol.decisions import Listing, commit_order
 from ckptguard.protocol.session import Session
@@ -45,6 +45,30 @@ class Management:
 
     def _check_usable(self, writing: bool, wait_cleanup: bool = True) -> None:
         raise NotImplementedError
+
+    def check_lease(self, acting: str = "change the root") -> None:
+        raise NotImplementedError
+
+    def root_id(self) -> str:
+        """The root's stable identity (32 hex digits, ``.ckptguard/root-id``): created once, by the job
+        holding the lease, by compare-and-swap under the fence like every control record, and never
+        replaced; integrations bind pointer files to it. Not collective.
+
+        Returns:
+            The identity (the same for every job on this root, whichever created it).
+
+        Raises:
+            CorruptCheckpointError: The record is damaged.
+            CheckpointError: The root has none yet and this Checkpointer cannot create it (read_only or
+                closed; LeaseLostError: another job holds the root now).
+        """
+        storage = self._session.root.storage
+        found = rootid.read(storage)
+        if found is not None:
+            return found
+        acting = f"create {rootid.record_path(storage)}"
+        self.check_lease(acting)
+        return rootid.create(storage, fence=lambda: self._session.root.guard(acting))
 
     @collective(only_with="refresh")
     def steps(self, *, refresh: bool = False) -> list[int]:

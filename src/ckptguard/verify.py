@@ -19,13 +19,14 @@ from typing import Any
 from ckptguard._pool import ExitSafePool
 from ckptguard.checksum import Hasher
 from ckptguard.errors import CheckpointError, StepNotFoundError
-from ckptguard.protocol import latest, layout, quarantine
+from ckptguard.protocol import latest, layout, quarantine, rootid
 from ckptguard.protocol.decisions import Committed, abandoned, order_key
 from ckptguard.protocol.layout import CheckpointName
 from ckptguard.protocol.lease import LeaseRecord, holder_dead_here
 from ckptguard.protocol.manifest import Manifest, StoredItem
 from ckptguard.protocol.root import Root, open_root
 from ckptguard.protocol.rootkit import NOT_A_FILE
+from ckptguard.storage import open_storage
 
 SCHEMA_VERSION = 1
 CHUNK_BYTES = 8 << 20
@@ -408,8 +409,17 @@ def checkpoint_bytes(root_path: str, name: CheckpointName) -> int:
 
 
 #: Where a root keeps its stable identity, relative to the root: a random id created once and never
-#: replaced (integrations bind their pointer files to it).
+#: replaced (integrations bind their pointer files to it; ``Checkpointer.root_id`` creates it).
 ROOT_ID_RECORD = layout.ROOT_ID
+
+
+def read_root_id(root: str) -> str | None:
+    """The stable identity of ``root`` (a directory or URL), or None if it has none yet.
+
+    Raises:
+        CorruptCheckpointError: The record is damaged.
+    """
+    return rootid.read(open_storage(root))
 
 
 def step_binding(root: str, step: int) -> tuple[int | None, str]:
