@@ -231,37 +231,6 @@ def list_root(path: str) -> RootListing:
     )
 
 
-def _tiling_problems(manifest: Manifest, base: str) -> list[Problem]:
-    """Items of each data file must cover it exactly: no gap, no overlap, nothing past the end."""
-    problems = []
-    by_file: dict[str, list[StoredItem]] = {}
-    for item in manifest.items:
-        by_file.setdefault(item.file, []).append(item)
-    sizes = {f.path: f.size for f in manifest.files}
-    for rel, items in by_file.items():
-        if rel not in sizes:
-            problems.append(
-                Problem(os.path.join(base, rel), "manifest", "items point into a file the manifest does not list")
-            )
-            continue
-        pos = 0
-        for item in sorted(items, key=lambda i: i.offset):
-            if item.offset != pos:
-                problems.append(
-                    Problem(
-                        os.path.join(base, rel), "manifest", f"items do not tile the file: gap or overlap at byte {pos}"
-                    )
-                )
-                break
-            pos += item.length
-        else:
-            if pos != sizes[rel]:
-                problems.append(
-                    Problem(os.path.join(base, rel), "manifest", f"items cover {pos} bytes of a {sizes[rel]}-byte file")
-                )
-    return problems
-
-
 def quarantined_result(info: CheckpointInfo) -> VerifyResult:
     """The verdict on a quarantined checkpoint, from its record alone (nothing is read again)."""
     assert info.quarantined is not None
@@ -326,7 +295,6 @@ def _check_bytes(
 ) -> None:
     storage = root.storage
     base = root.data_dir(name, manifest)
-    result.problems.extend(_tiling_problems(manifest, base))
     listed = {f.path for f in manifest.files} | {layout.MANIFEST}
     for rel, size in root.walk(base):
         if size == NOT_A_FILE:
