@@ -29,8 +29,7 @@ from ckptguard.opening import open_checkpointer
 from ckptguard.protocol import load as load_protocol
 from ckptguard.protocol import manage
 from ckptguard.protocol import read as read_protocol
-from ckptguard.protocol import save as save_protocol
-from ckptguard.protocol.decisions import Listing, commit_order
+from ckptguard.protocol.decisions import Listing
 from ckptguard.protocol.layout import CheckpointName
 from ckptguard.protocol.lease import release_at_exit
 from ckptguard.protocol.timing import PhaseTimer, gc_paused
@@ -82,7 +81,8 @@ class Checkpointer(Management, SettingsAttributes):
         )
         self._last_save_stats: PhaseTimer | None = None
         self._last_load_stats: PhaseTimer | None = None
-        self._committed: Listing = save_protocol.agreed_current(self._session)
+        self._committed: Listing = {}
+        self._relist()
         self._tags: manage.Tags = manage.read_tags(self._session)
         inflight.track(self)
         log.debug("ckptguard %s: %s", self.root, self.topology.describe())
@@ -110,37 +110,6 @@ class Checkpointer(Management, SettingsAttributes):
     def topology(self) -> Topology:
         """Which ranks share storage (probed when opened), and each storage domain's leader."""
         return self._session.topo
-
-    @collective(only_with="refresh")
-    def steps(self, *, refresh: bool = False) -> list[int]:
-        """The committed steps in commit order, agreed by every rank (committed in every storage domain).
-
-        The last one was committed last: the one ``load()`` resumes. Commit order is not step order after
-        a rollback: ``load(step=100)`` then a save of step 110 while 200 and 300 exist gives
-        ``[100, 200, 300, 110]``. The answer is the one agreed when opened and updated by every save and
-        load (while this job holds the lease nobody else writes), so rank 0 alone may call it.
-
-        Args:
-            refresh: List the root again; then collective (every rank must call it).
-
-        Returns:
-            The committed steps, the last committed last.
-        """
-        if refresh:
-            self.wait()
-            self._committed = save_protocol.agreed_current(self._session)
-        return commit_order(self._committed)
-
-    def latest(self, *, refresh: bool = False) -> int | None:
-        """The step committed last: the one ``load()`` resumes.
-
-        Args:
-            refresh: List the root again; then collective (every rank must call it).
-
-        Returns:
-            The step, or None if the root holds no committed checkpoint.
-        """
-        return next(reversed(self.steps(refresh=refresh)), None)
 
     @collective()
     def save(
@@ -274,7 +243,7 @@ class Checkpointer(Management, SettingsAttributes):
         show = (self.progress if progress is None else progress) and self._comm.rank == 0
         with gc_paused():
             loaded, stats, current = load_protocol.load(self._session, step, state, files, strict, show)
-        self._committed = current
+        self._loaded(step, loaded, current)
         heartbeat()
         if stats is not None:
             self._last_load_stats = stats
@@ -310,7 +279,8 @@ class Checkpointer(Management, SettingsAttributes):
         step, self._tags = manage.tagged_step(self._session, tag, step, self._tags)
         keep = None if keys is None else frozenset(keys).__contains__
         with gc_paused():
-            _, state, self._committed = read_protocol.read(self._session, step, keep)
+            got, state, current = read_protocol.read(self._session, step, keep)
+        self._loaded(step, got, current)
         return state
 
     def path(self, step: int) -> str:

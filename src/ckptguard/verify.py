@@ -19,13 +19,14 @@ from typing import Any
 from ckptguard._pool import ExitSafePool
 from ckptguard.checksum import Hasher
 from ckptguard.errors import CheckpointError, StepNotFoundError
-from ckptguard.protocol import latest, layout, quarantine
+from ckptguard.protocol import latest, layout, quarantine, rootid
 from ckptguard.protocol.decisions import Committed, abandoned, order_key
 from ckptguard.protocol.layout import CheckpointName
 from ckptguard.protocol.lease import LeaseRecord, holder_dead_here
 from ckptguard.protocol.manifest import Manifest, StoredItem
 from ckptguard.protocol.root import Root, open_root
 from ckptguard.protocol.rootkit import NOT_A_FILE
+from ckptguard.storage import open_storage
 
 SCHEMA_VERSION = 1
 CHUNK_BYTES = 8 << 20
@@ -230,37 +231,6 @@ def list_root(path: str) -> RootListing:
     )
 
 
-def _tiling_problems(manifest: Manifest, base: str) -> list[Problem]:
-    """Items of each data file must cover it exactly: no gap, no overlap, nothing past the end."""
-    problems = []
-    by_file: dict[str, list[StoredItem]] = {}
-    for item in manifest.items:
-        by_file.setdefault(item.file, []).append(item)
-    sizes = {f.path: f.size for f in manifest.files}
-    for rel, items in by_file.items():
-        if rel not in sizes:
-            problems.append(
-                Problem(os.path.join(base, rel), "manifest", "items point into a file the manifest does not list")
-            )
-            continue
-        pos = 0
-        for item in sorted(items, key=lambda i: i.offset):
-            if item.offset != pos:
-                problems.append(
-                    Problem(
-                        os.path.join(base, rel), "manifest", f"items do not tile the file: gap or overlap at byte {pos}"
-                    )
-                )
-                break
-            pos += item.length
-        else:
-            if pos != sizes[rel]:
-                problems.append(
-                    Problem(os.path.join(base, rel), "manifest", f"items cover {pos} bytes of a {sizes[rel]}-byte file")
-                )
-    return problems
-
-
 def quarantined_result(info: CheckpointInfo) -> VerifyResult:
     """The verdict on a quarantined checkpoint, from its record alone (nothing is read again)."""
     assert info.quarantined is not None
@@ -325,7 +295,6 @@ def _check_bytes(
 ) -> None:
     storage = root.storage
     base = root.data_dir(name, manifest)
-    result.problems.extend(_tiling_problems(manifest, base))
     listed = {f.path for f in manifest.files} | {layout.MANIFEST}
     for rel, size in root.walk(base):
         if size == NOT_A_FILE:
@@ -408,8 +377,17 @@ def checkpoint_bytes(root_path: str, name: CheckpointName) -> int:
 
 
 #: Where a root keeps its stable identity, relative to the root: a random id created once and never
-#: replaced (integrations bind their pointer files to it).
+#: replaced (integrations bind their pointer files to it; ``Checkpointer.root_id`` creates it).
 ROOT_ID_RECORD = layout.ROOT_ID
+
+
+def read_root_id(root: str) -> str | None:
+    """The stable identity of ``root`` (a directory or URL), or None if it has none yet.
+
+    Raises:
+        CorruptCheckpointError: The record is damaged.
+    """
+    return rootid.read(open_storage(root))
 
 
 def step_binding(root: str, step: int) -> tuple[int | None, str]:

@@ -161,3 +161,25 @@ def test_read_and_export_of_a_tensor_stored_in_another_domain_refuse_before_allo
         ck.read(2)
     with pytest.raises(CheckpointError, match="declares"):
         export_checkpoint(root, tmp_path / "out.pt", "torch", step=2)
+
+
+@pytest.mark.parametrize("where", ["past the items", "a gap between them"])
+def test_a_data_file_its_items_do_not_tile_fails_load_as_verify(tmp_path: Path, where: str) -> None:
+    """Bytes no item covers, past the last item or between two (the file list's size updated, resealed):
+    verify reported the file NOT INTACT, a load read the items and succeeded."""
+    root = save_two_steps(tmp_path / "ck", tmp_path / "cfg.py")
+    path = manifest_path(root, 2)
+    m = Manifest.from_json(path.read_bytes(), str(path))
+    first = min((i for i in m.items if i.file == m.items[0].file), key=lambda i: i.offset)
+    data = root / "step-00000002" / first.file
+    raw = data.read_bytes()
+    if where == "past the items":
+        data.write_bytes(raw + b"tail")
+        items = list(m.items)
+    else:  # four bytes after the first item; every later item of the file moved along
+        cut = first.offset + first.length
+        data.write_bytes(raw[:cut] + b"tail" + raw[cut:])
+        items = [i._replace(offset=i.offset + 4) if i.file == first.file and i.offset >= cut else i for i in m.items]
+    files = [f._replace(size=f.size + 4) if f.path == first.file else f for f in m.files]
+    path.write_bytes(dataclasses.replace(m, files=files, items=items).to_json())
+    assert_refused_everywhere(root, tmp_path)

@@ -201,18 +201,20 @@ def test_a_row_section_of_the_wrong_type_names_the_field(tmp_path: Path) -> None
 def test_rows_of_every_kind_come_back_from_the_columns(tmp_path: Path) -> None:
     """Objects, 0-d, 1-d and 2-d tensors and chunks without offsets in one manifest: every field of
     every row survives the column encoding exactly."""
-    from ckptguard.dcp.records import StoredItem
+    from ckptguard.dcp.records import FileEntry, StoredItem
 
     root = committed(tmp_path)
     path = root / STEP_DIR / "MANIFEST.json"
     m = Manifest.from_json(path.read_bytes(), str(path))
-    file = m.files[0].path
+    file = "data/extra.bin"  # a data file of their own, which they tile (as every save's rows do)
     extra = [
         StoredItem("obj", None, file, 0, 3, "00000000deadbeef"),
-        StoredItem("scalar", (), file, 0, 8, "0123456789abcdef", "int64", ()),
-        StoredItem("w", None, file, 0, 1024, "fedcba9876543210", "float32", (256,)),
-        StoredItem("grid", (2, 0), file, 8, 24, "00000000000000ff", "bfloat16", (3, 4)),
+        StoredItem("scalar", (), file, 3, 8, "0123456789abcdef", "int64", ()),
+        StoredItem("w", None, file, 11, 1024, "fedcba9876543210", "float32", (256,)),
+        StoredItem("grid", (2, 0), file, 1035, 24, "00000000000000ff", "bfloat16", (3, 4)),
     ]
     rows = [*m.items, *extra]
-    again = Manifest.from_json(dataclasses.replace(m, items=rows, dcp={**m.dcp, "state_dict": {}}).to_json(), "x")
+    files = [*m.files, FileEntry(file, 1059, 0)]
+    changed = dataclasses.replace(m, files=files, items=rows, dcp={**m.dcp, "state_dict": {}})
+    again = Manifest.from_json(changed.to_json(), "x")
     assert list(again.items) == rows

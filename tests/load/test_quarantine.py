@@ -98,6 +98,38 @@ def test_a_quarantined_step_is_skipped_without_reading_it_again(tmp_path: Path) 
             ck.load(_empty(), step=2)  # asked for by number: read, and refused
 
 
+def test_latest_is_the_step_load_resumes_and_quarantined_names_the_skipped_ones(tmp_path: Path) -> None:
+    """``latest()`` said it is the step ``load()`` resumes, but gave the quarantined step 2 that every load
+    skips; ``steps()`` lists committed steps, quarantined ones included, and ``quarantined()`` names them."""
+    root = tmp_path / "ck"
+    _corrupt_newest(root)
+    with Checkpointer(root) as ck:
+        assert ck.latest() == 2 and ck.quarantined() == {}  # not found corrupt yet: nothing has read it
+        with pytest.warns(UserWarning, match="corrupt"):
+            assert ck.load(_empty()) == 1
+        assert ck.steps() == [1, 2] and ck.latest() == 1 and list(ck.quarantined()) == [2]
+    with Checkpointer(root, read_only=True) as ck:  # a new job: from the root's record alone
+        assert ck.steps() == [1, 2] and ck.latest() == 1
+        assert "checksum" in ck.quarantined()[2]
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            assert ck.load(_empty()) == ck.latest()
+    with Checkpointer(root) as ck:
+        ck.save(2, _state(22))  # replaces the quarantined step: it is the one load resumes again
+        assert ck.latest() == 2 and ck.quarantined() == {}
+        assert ck.latest(refresh=True) == 2 and ck.quarantined(refresh=True) == {}
+
+
+def test_a_read_only_job_that_fell_back_does_not_name_the_corrupt_step_latest(tmp_path: Path) -> None:
+    """A read_only job records nothing in the root, but its own load skipped step 2: so does latest()."""
+    root = tmp_path / "ck"
+    _corrupt_newest(root)
+    with Checkpointer(root, read_only=True) as ck:
+        with pytest.warns(UserWarning, match="corrupt"):
+            assert ck.read() is not None
+        assert ck.latest() == 1 and list(ck.quarantined()) == [2]
+
+
 def test_ls_verify_and_the_resume_answer_skip_a_quarantined_step(tmp_path: Path) -> None:
     """`ckptguard run --checkpoints` (quick checks: sizes only) named corrupt step 2 as the one to resume
     from while the job's own load had just said it is corrupt."""

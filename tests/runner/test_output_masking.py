@@ -1,6 +1,7 @@
 """Everything that leaves the process is masked: secrets planted in a job's command line, environment and
 logs appear in no field of report.json, report.html, the --on-failure hook's CKPTGUARD_* variables,
-`diagnose --json`, `diagnose --html` or the terminal report."""
+`diagnose --json`, `diagnose --html` or the terminal report; the job's command line reaches the hook
+through no variable and no argument."""
 
 from __future__ import annotations
 
@@ -50,7 +51,7 @@ def _leaks(text: str) -> list[str]:
 
 
 def test_secrets_in_command_line_environment_and_logs_leave_no_output(tmp_path: Path) -> None:
-    logs, hook = tmp_path / "logs", tmp_path / "hook.env"
+    logs, hook, hook_all = tmp_path / "logs", tmp_path / "hook.env", tmp_path / "hook-all.env"
     env = {**os.environ, "MY_SERVICE_TOKEN": ENV_SECRET, "PYTHONPATH": os.environ.get("PYTHONPATH", "")}
     for k in ("RANK", "WORLD_SIZE", "TORCHELASTIC_RUN_ID", "SLURM_JOB_ID"):
         env.pop(k, None)
@@ -64,7 +65,7 @@ def test_secrets_in_command_line_environment_and_logs_leave_no_output(tmp_path: 
         "--grace",
         "0",
         "--on-failure",
-        f"env | grep ^CKPTGUARD_ > {hook}",
+        f'env | grep ^CKPTGUARD_ > {hook}; env -0 > {hook_all}; printf \'%s\\0\' "$0" "$@" >> {hook_all}',
         "--",
         sys.executable,
         "-c",
@@ -110,6 +111,15 @@ def test_secrets_in_command_line_environment_and_logs_leave_no_output(tmp_path: 
     assert "<secret>" in json.dumps(report)
     leaks = {where: _leaks("\n".join(texts)) for where, texts in outputs.items()}
     assert leaks == {where: [] for where in outputs}, leaks
+    # The hook's whole environment and its arguments: the runner's own environment (the user's, which
+    # the job has too), what ckptguard adds (masked above), and what the shell sets; nothing of the
+    # job's command line.
+    words = hook_all.read_bytes().decode().split("\0")
+    added = {w.split("=", 1)[0] for w in words if "=" in w} - set(env)
+    assert added <= {"PWD", "OLDPWD", "SHLVL", "_"} | {k for k in added if k.startswith("CKPTGUARD_")}, added
+    assert any(w.startswith("CKPTGUARD_REPORT_JSON=") for w in words)
+    command_line = [HF, AWS_ID, SHORT_PW, TOKEN, URL_PW]
+    assert [s for s in command_line if any(s in w for w in words)] == []
 
 
 def test_masker_hides_command_line_forms_and_keeps_ordinary_options() -> None:

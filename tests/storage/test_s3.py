@@ -188,6 +188,35 @@ def test_a_conditional_write_retried_after_a_5xx_that_landed_counts_as_ours(bed:
 # -- Checkpointer on s3:// -------------------------------------------------------------------
 
 
+def test_root_identity_on_s3_is_one_object_created_once(bed: S3Bed, bucket: str) -> None:
+    """The root's identity (what integrations bind pointers to) lives in the bucket, created by a
+    conditional create: eight creators at once end with one, and every later job reads it."""
+    from ckptguard.protocol import rootid
+    from ckptguard.verify import read_root_id
+
+    root = f"s3://{bucket}/run"
+    with Checkpointer(root) as ck:
+        start, got = threading.Barrier(8), []
+
+        def create() -> None:
+            storage = open_storage(root)
+            start.wait()
+            got.append(rootid.create(storage, fence=lambda: None))
+
+        threads = [threading.Thread(target=create) for _ in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert len(got) == 8 and len(set(got)) == 1
+        assert ck.root_id() == got[0]
+    assert (
+        bed.client().get_object(Bucket=bucket, Key="run/.ckptguard/root-id")["Body"].read() == got[0].encode() + b"\n"
+    )
+    with Checkpointer(root) as ck:
+        assert ck.root_id() == got[0] == read_root_id(root)
+
+
 def test_save_load_retention_ls_and_verify_on_s3(bed: S3Bed, bucket: str) -> None:
     root = f"s3://{bucket}/run"
     with Checkpointer(root, keep_last=2, storage_options=SMALL) as ck:

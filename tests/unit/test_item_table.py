@@ -13,13 +13,24 @@ from ckptguard.protocol.topology import Topology
 
 
 def _rank_rows(rank: int) -> tuple[list[FileEntry], list[StoredItem]]:
-    files = [FileEntry(f"data/rank{rank:05d}_{i}.bin", 4096, rank) for i in range(2)]
+    paths = [f"data/rank{rank:05d}_{i}.bin" for i in range(2)]
     rows = [
-        StoredItem(f"layer{rank % 3}.w", (rank * 4, 0), files[rank % 2].path, 0, 64, f"{rank:016x}", "float32", (4, 4)),
-        StoredItem(f"only{rank}", None, files[0].path, 64, 5, f"{rank + 1:016x}"),
-        StoredItem("shared", (), files[1].path, 64, 2, f"{rank + 2:016x}", "bfloat16" if rank % 2 else "int16", ()),
+        StoredItem(f"layer{rank % 3}.w", (rank * 4, 0), paths[rank % 2], 0, 64, f"{rank:016x}", "float32", (4, 4)),
+        StoredItem(f"only{rank}", None, paths[0], 0, 5, f"{rank + 1:016x}"),
+        StoredItem("shared", (), paths[1], 0, 2, f"{rank + 2:016x}", "bfloat16" if rank % 2 else "int16", ()),
     ]
-    return files, rows
+    return _tiled(paths, rank, rows)
+
+
+def _tiled(paths: list[str], rank: int, rows: list[StoredItem]) -> tuple[list[FileEntry], list[StoredItem]]:
+    """Each row placed right after the ones before it in its file, and each file exactly as long as its
+    rows: the items of a data file tile it, as a save writes them (a manifest's parse checks it)."""
+    end = dict.fromkeys(paths, 0)
+    placed = []
+    for row in rows:
+        placed.append(row._replace(offset=end[row.file]))
+        end[row.file] += row.length
+    return [FileEntry(p, end[p], rank) for p in paths], placed
 
 
 def test_tables_of_ranks_with_different_names_and_dtypes_join_row_for_row() -> None:

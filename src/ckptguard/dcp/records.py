@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import math
 from collections.abc import Sequence
 from typing import Any, NamedTuple
@@ -98,9 +99,9 @@ def whole_chunk(size: list[int], flat: Any) -> bool:
     return bool(ndim) and type(flat) is list and len(flat) == 2 * ndim and flat[ndim:] == size and not any(flat[:ndim])
 
 
-#: Above this many chunks of one tensor that do not form a grid, their overlaps are found pairwise in
-#: blocks of this many rows (a grid, every sharding ckptguard and DCP write, is checked in one pass).
-_PAIR_BLOCK = 1024
+#: Primes below 2**31 (a product of two residues fits in 64 bits): the weighted count of a layout that
+#: is not a grid is taken modulo each (see ``_weighted_cover``).
+_PRIMES = (2_147_483_647, 2_147_483_629, 2_147_483_587, 2_147_483_579)
 
 
 def covers_once(size: Sequence[int], chunks: np.ndarray) -> bool:
@@ -108,9 +109,10 @@ def covers_once(size: Sequence[int], chunks: np.ndarray) -> bool:
     every element of a tensor of ``size`` exactly once: a reader plans one read per chunk and reads
     nothing where they leave a gap, so a gap is memory nobody wrote and an overlap is read twice.
 
-    Inside the tensor, their elements adding up to the tensor's and no two overlapping is exactly
-    that. A sharded tensor's chunks form a grid (each chunk one cell of the grid their boundaries
-    make): then distinct cells are the whole check; other layouts are compared pairwise."""
+    The cost is bounded by the chunk list, never by the tensor's elements (a size may declare 2**60):
+    a sort of the chunks' boundaries per dimension. A sharded tensor's chunks form a grid (each chunk one
+    cell of the grid their boundaries make): then distinct cells adding up to the tensor is the whole
+    check; one dimension is a sort; other layouts get ``_weighted_cover``."""
     ndim = len(size)
     if ndim == 0:
         return len(chunks) == 1
@@ -136,10 +138,42 @@ def covers_once(size: Sequence[int], chunks: np.ndarray) -> bool:
     if ndim == 1:
         order = np.argsort(offsets[:, 0], kind="stable")
         return bool(np.all(offsets[order][1:, 0] >= ends[order][:-1, 0]))
-    for start in range(0, m, _PAIR_BLOCK):
-        a_off, a_end = offsets[start : start + _PAIR_BLOCK, None, :], ends[start : start + _PAIR_BLOCK, None, :]
-        meet = np.all((a_off < ends[None, :, :]) & (offsets[None, :, :] < a_end), axis=2)
-        meet[np.arange(len(meet)), np.arange(start, start + len(meet))] = False
-        if meet.any():
+    return _weighted_cover(size, offsets, ends)
+
+
+def _weighted_cover(size: Sequence[int], offsets: np.ndarray, ends: np.ndarray) -> bool:
+    """Whether the boxes [offsets, ends) (inside ``size``, none empty) cover it exactly once, for a layout
+    that is not a grid, in O(m·ndim) after one sort per dimension (pairs of boxes would be O(m²)).
+
+    The boundaries of the boxes cut each dimension into intervals, and the tensor into cells. Each
+    interval gets a weight, a box the product over its dimensions of the weights it spans (a prefix sum),
+    which is the sum over the cells it covers of the products of their intervals' weights. So the boxes'
+    weights add up to the tensor's exactly when sum over the cells of (times covered - 1) x (the cell's
+    product) is 0: a polynomial in the weights that is not the zero polynomial unless every cell is
+    covered once (its coefficients are below every prime: m < 2**31). Modulo a prime p, weights drawn
+    uniformly make a non-zero polynomial of degree ndim vanish with probability at most ndim / p
+    (Schwartz-Zippel): with four primes below 2**31 and ndim <= 64, below 2**-100. The weights are drawn
+    from a hash of the chunk list, so the answer is the same for every reader of one manifest (verify
+    and load agree), and a chunk list cannot be chosen against weights it determines short of about
+    2**100 tries."""
+    m, ndim = offsets.shape
+    if m >= _PRIMES[-1]:
+        return False  # more chunks than a coefficient may count (no manifest holds 2**31 chunks of one tensor)
+    digest = hashlib.sha256(np.asarray(size, dtype=np.int64).tobytes() + offsets.tobytes() + ends.tobytes())
+    rng = np.random.Generator(np.random.PCG64(int.from_bytes(digest.digest(), "little")))
+    cuts = []
+    for d in range(ndim):
+        bounds = np.unique(np.concatenate([offsets[:, d], ends[:, d], np.array([0, size[d]], dtype=np.int64)]))
+        cuts.append((len(bounds) - 1, np.searchsorted(bounds, offsets[:, d]), np.searchsorted(bounds, ends[:, d])))
+    for p in _PRIMES:
+        whole = 1
+        weight = np.ones(m, dtype=np.uint64)
+        for intervals, lo, hi in cuts:
+            prefix = np.zeros(intervals + 1, dtype=np.uint64)  # each < 2**31, at most 2m + 1: sums fit
+            np.cumsum(rng.integers(1, p, size=intervals, dtype=np.uint64), out=prefix[1:])
+            prefix %= np.uint64(p)
+            weight = weight * ((prefix[hi] + np.uint64(p) - prefix[lo]) % np.uint64(p)) % np.uint64(p)
+            whole = whole * int(prefix[-1]) % p
+        if int(weight.sum(dtype=np.uint64)) % p != whole:
             return False
     return True

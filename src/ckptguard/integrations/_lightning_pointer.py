@@ -25,7 +25,7 @@ from ckptguard.discover import FRAMEWORK_KEY, LIGHTNING_ROOT
 from ckptguard.errors import CheckpointError, CorruptCheckpointError, StepNotFoundError
 from ckptguard.files import decode_record, fsync_dir, replace_file
 from ckptguard.ranks import one_rank_acts
-from ckptguard.verify import ROOT_ID_RECORD, step_binding
+from ckptguard.verify import read_root_id, step_binding
 
 log = logging.getLogger("ckptguard")
 
@@ -130,46 +130,12 @@ def _beside(root: str) -> bool:
 
 def _read_root_id(root: str) -> str | None:
     """The root's identity, or None if it has none yet; CorruptCheckpointError if the record is damaged."""
-    path = os.path.join(root, ROOT_ID_RECORD)
-    try:
-        with open(path, "rb") as f:
-            data = f.read(65)
-    except FileNotFoundError:
-        return None
-    except OSError as e:
-        raise CorruptCheckpointError(f"{path} cannot be read ({e}): the root's identity is unknown", path=path) from e
-    ident = data.strip().decode("ascii", "replace")
-    if not re.fullmatch(r"[0-9a-f]{32}", ident):
-        raise CorruptCheckpointError(
-            f"{path} does not hold a root identity (32 hex digits): the file was modified", path=path
-        )
-    return ident
+    return read_root_id(root)
 
 
 def root_identity(ck: Checkpointer) -> str:
-    """The stable identity of ``ck``'s root, created once if it has none. The record is never replaced: it
-    is created complete (a link of a written file, which fails if one exists), only while ``ck`` holds
-    the lease, so every job sees the first one."""
-    found = _read_root_id(ck.root)
-    if found is not None:
-        return found
-    path = os.path.join(ck.root, ROOT_ID_RECORD)
-    ck.check_lease(f"create {path}")
-    tmp = f"{path}.{uuid.uuid4().hex}.tmp"
-    with open(tmp, "wb") as f:
-        f.write(uuid.uuid4().hex.encode() + b"\n")
-        f.flush()
-        os.fsync(f.fileno())
-    try:
-        os.link(tmp, path)
-    except FileExistsError:
-        pass  # another writer's came first: that one is the root's
-    finally:
-        os.unlink(tmp)
-    fsync_dir(os.path.dirname(path))
-    created = _read_root_id(ck.root)
-    assert created is not None
-    return created
+    """The stable identity of ``ck``'s root, created once if it has none (``Checkpointer.root_id``)."""
+    return ck.root_id()
 
 
 def _binding(root: str, step: int) -> tuple[int | None, str]:
