@@ -25,7 +25,7 @@ from ckptguard.protocol import records
 from ckptguard.protocol.itemtable import ItemTable, TableError
 from ckptguard.protocol.records import MAX_MANIFEST_DEPTH
 from ckptguard.protocol.schema import DcpBody, DcpEntry, FileColumns, ManifestBody, RowsHeader, Tables
-from ckptguard.protocol.validate import FORMAT, FORMAT_VERSION, ROWS_ENCODING, check_head, check_manifest
+from ckptguard.protocol.validate import FORMAT, FORMAT_VERSION, ROWS_ENCODING, check_head, check_manifest, check_rows
 
 _PREFIX = b'{"manifest_checksum":"'
 _BODY_KEY = b'","body":'
@@ -203,6 +203,7 @@ def _parse(data: bytes, path: str, part: tuple[int, int] = (0, 1)) -> Manifest:
         items = ItemTable.decode(t.items, [f.path for f in files])
     except TableError as e:
         raise MalformedRecordError(f"{path}: not a valid manifest row section: {e}", path=path, field="items") from None
+    check_rows(body, [f.path for f in files], len(items), path)
     dom = body.domain
     manifest = Manifest(
         step=body.step,
