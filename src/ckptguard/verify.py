@@ -80,11 +80,6 @@ class RootListing:
     #: delete) before their manifest was read: gone, not damaged, so not in ``checkpoints``.
     retired: list[str] = field(default_factory=list)
 
-    @property
-    def errors(self) -> list[Problem]:
-        """The problems that make the checkpoint not intact (warnings left out)."""
-        return [p for p in self.problems if p.severity == "error"]
-
     def to_json(self) -> dict[str, Any]:
         return {
             "schema_version": SCHEMA_VERSION,

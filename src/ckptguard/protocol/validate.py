@@ -33,7 +33,7 @@ from ckptguard.dcp.records import (
     covers_once,
     whole_chunk,
 )
-from ckptguard.errors import CheckpointError, CorruptCheckpointError, MalformedRecordError
+from ckptguard.errors import CheckpointError, CorruptCheckpointError
 from ckptguard.protocol.itemtable import MAX_NDIM, ItemTable
 from ckptguard.protocol.layout import is_plain_relpath
 from ckptguard.protocol.records import ATTEMPT_PATTERN
@@ -537,29 +537,3 @@ def _check_dcp_agrees_with_items(dcp: dict[str, Any], items: Sequence[StoredItem
             f"{where} disagree on the size: the chunk at {list(offsets)[:8]} of shape "
             f"{list(item.shape)[:8]} is not inside {str(size)[:80]}",
         )
-
-
-def check_rows(body: ManifestBody, paths: Sequence[str], items: int, path: str) -> None:
-    """The head's row counts are those of the row section, and no file is listed twice (``verify``
-    matches files on disk by name, ``load`` reads rows by index: two rows of one name would let them
-    judge different bytes).
-
-    Raises:
-        MalformedRecordError: naming ``path`` and the field.
-    """
-    for field, said, got in (("rows.files", body.rows.files, len(paths)), ("rows.items", body.rows.items, items)):
-        if said != got:
-            raise MalformedRecordError(
-                f"{path}: not a valid ckptguard manifest: {field} is {said}, the row section has {got}",
-                path=path,
-                field=field,
-            )
-    seen: set[str] = set()
-    for p in paths:
-        if p in seen:
-            raise MalformedRecordError(
-                f"{path}: not a valid ckptguard manifest: file {p[:200]!r} is listed twice",
-                path=path,
-                field="files.path",
-            )
-        seen.add(p)
