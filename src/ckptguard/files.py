@@ -21,19 +21,28 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
-from ckptguard.protocol.records import MAX_CONTROL_BYTES
+from ckptguard.protocol.records import MAX_CONTROL_BYTES, MAX_CONTROL_DEPTH, parse_json
 from ckptguard.protocol.records import decode as decode_record
 from ckptguard.storage.fileio import (
     fsync_dir,
     makedirs_durable,
+    open_regular,
     replace_file,
     unique_tmp_name,
     unlink_quietly,
 )
 
-__all__ = ["MAX_CONTROL_BYTES", "decode_record", "fsync_dir", "makedirs_durable", "replace_file", "replacing"]
+__all__ = [
+    "MAX_CONTROL_BYTES",
+    "decode_record",
+    "fsync_dir",
+    "makedirs_durable",
+    "read_json",
+    "replace_file",
+    "replacing",
+]
 
 
 @contextmanager
@@ -51,3 +60,24 @@ def replacing(path: str) -> Iterator[BinaryIO]:
         unlink_quietly(tmp)
         raise
     fsync_dir(os.path.dirname(os.path.abspath(path)))
+
+
+def read_json(path: str, what: str, *, max_bytes: int = MAX_CONTROL_BYTES) -> Any:
+    """The JSON value in the small file ``path``, read with the bounds of a control record.
+
+    Args:
+        path: A regular file (a FIFO or device is refused, never waited on).
+        what: What the file is, named in a refusal.
+        max_bytes: The most bytes the file may hold.
+
+    Returns:
+        The parsed value (any JSON type: the caller checks its shape).
+
+    Raises:
+        OSError: The file cannot be opened or read (FileNotFoundError where it is absent).
+        MalformedRecordError: It is larger or nests deeper than a control record may, or is not JSON
+            (bytes that are not UTF-8 included).
+    """
+    with os.fdopen(open_regular(path), "rb") as f:
+        data = f.read(max_bytes + 1)
+    return parse_json(data, path, what, max_bytes=max_bytes, max_depth=MAX_CONTROL_DEPTH)

@@ -115,8 +115,9 @@ def _deep_problem(root: str, info: CheckpointInfo) -> str | None:
         return None
     if result.retired:
         return "retired (by the job's retention or a delete) while it was checked"
-    p = result.problems[0]
-    more = f" (and {len(result.problems) - 1} more problems)" if len(result.problems) > 1 else ""
+    errors = result.errors
+    p = errors[0]
+    more = f" (and {len(errors) - 1} more problems)" if len(errors) > 1 else ""
     return f"corrupt file {p.path}: {p.kind}: {p.detail}{more}"
 
 

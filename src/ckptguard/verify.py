@@ -106,6 +106,9 @@ class Problem:
     path: str
     kind: str  # missing | size | checksum | layout | extra | manifest | quarantined
     detail: str
+    #: "error": the checkpoint is not intact. "warning": reported only; no load reads what it names
+    #: (a file the manifest does not list), so the checkpoint stays intact and safe to resume from.
+    severity: str = "error"
 
 
 @dataclass
@@ -121,6 +124,11 @@ class VerifyResult:
     #: Retired (by the job's retention or a delete) while it was being read: gone, not damaged. Such a
     #: result has no problems and is not intact; the commands report it apart from the checked ones.
     retired: bool = False
+
+    @property
+    def errors(self) -> list[Problem]:
+        """The problems that make the checkpoint not intact (warnings left out)."""
+        return [p for p in self.problems if p.severity == "error"]
 
     def to_json(self) -> dict[str, Any]:
         """The fields of one checked step in `verify --json` (``retired`` results are listed apart)."""
@@ -231,15 +239,17 @@ def list_root(path: str) -> RootListing:
     )
 
 
-def quarantined_result(info: CheckpointInfo) -> VerifyResult:
-    """The verdict on a quarantined checkpoint, from its record alone (nothing is read again)."""
+def quarantined_result(info: CheckpointInfo, root_path: str) -> VerifyResult:
+    """The verdict on a quarantined checkpoint of the root at ``root_path``, from its record alone
+    (nothing is read again). Its problem names the checkpoint's full path, as every other problem does."""
     assert info.quarantined is not None
     detail = (
         f"a load found it corrupt ({info.quarantined}); loads skip it, and the next save of step "
         f"{info.step} replaces it (or delete it)"
     )
+    where = open_root(root_path).dir(CheckpointName(info.step, info.version))
     return VerifyResult(
-        info.step, info.version, info.dir, intact=False, problems=[Problem(info.dir, "quarantined", detail)]
+        info.step, info.version, info.dir, intact=False, problems=[Problem(where, "quarantined", detail)]
     )
 
 
@@ -278,9 +288,9 @@ def verify_checkpoint(
     listed_seq = seq if seq is not None else manifest.commit_seq if manifest is not None else None
     replaced = manifest is not None and seq is not None and manifest.commit_seq != seq
     # A problem may be the retirement itself (the manifest or files gone): asked after the read.
-    if (result.problems or replaced) and _retired(root, name, listed_seq):
+    if (result.errors or replaced) and _retired(root, name, listed_seq):
         result.problems, result.retired = [], True
-    result.intact = not result.problems and not result.retired
+    result.intact = not result.errors and not result.retired
     result.seconds = round(time.monotonic() - started, 3)
     return result
 
@@ -296,19 +306,27 @@ def _check_bytes(
     storage = root.storage
     base = root.data_dir(name, manifest)
     listed = {f.path for f in manifest.files} | {layout.MANIFEST}
+    # A load opens only what the manifest lists: anything else is reported, and judged by no reader
+    # (a listed file that is missing or not a regular file is an error of its own, below).
     for rel, size in root.walk(base):
         if size == NOT_A_FILE:
             result.problems.append(
                 Problem(
                     os.path.join(base, rel),
                     "extra",
-                    "not a regular file or directory "
-                    "(a symbolic link, FIFO or device): not followed, added after the commit",
+                    "not a regular file or directory (a symbolic link, FIFO or device): not followed, "
+                    "added after the commit; no load reads it",
+                    severity="warning",
                 )
             )
         elif rel not in listed:
             result.problems.append(
-                Problem(os.path.join(base, rel), "extra", "file not in the manifest: added after the commit")
+                Problem(
+                    os.path.join(base, rel),
+                    "extra",
+                    "file not in the manifest: added after the commit; no load reads it",
+                    severity="warning",
+                )
             )
     items_by_file: dict[str, list[StoredItem]] = {}
     for item in manifest.items:

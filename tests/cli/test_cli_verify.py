@@ -57,7 +57,6 @@ def test_verify_json_schema(root: Path) -> None:
         ("truncate", "size"),
         ("zeros", "checksum"),
         ("delete", "missing"),
-        ("extra", "extra"),
         ("manifest", "manifest"),
     ],
 )
@@ -75,8 +74,6 @@ def test_verify_finds_each_kind_of_damage(root: Path, damage: str, kind: str) ->
         target.write_bytes(bytes(data))
     elif damage == "delete":
         target.unlink()
-    elif damage == "extra":
-        (root / "step-00000030" / "data" / "rank00009_0.bin").write_bytes(b"stray")
     else:
         m = root / "step-00000030" / "MANIFEST.json"
         m.write_bytes(m.read_bytes().replace(b'"loss"', b'"lost"'))
@@ -88,6 +85,32 @@ def test_verify_finds_each_kind_of_damage(root: Path, damage: str, kind: str) ->
     assert bad[0]["problems"][0]["kind"] == kind
     human = cli("verify", str(root), "--step", "30")
     assert human.returncode == 1 and "NOT INTACT" in human.stdout and kind in human.stdout
+
+
+@pytest.mark.parametrize("stray", ["data/rank00009_0.bin", "data/extra.bin", "NOTES.txt", "data/fifo", "link"])
+def test_a_file_the_manifest_does_not_list_is_a_warning_and_verify_agrees_with_load(root: Path, stray: str) -> None:
+    """No load reads a file its manifest does not list: verify reports it as a warning, the step stays
+    intact and safe to resume from, and load(step=None) gives that same step."""
+    path = root / "step-00000030" / stray
+    if stray == "data/fifo":
+        os.mkfifo(path)
+    elif stray == "link":
+        path.symlink_to(data_file(root, 20))
+    else:
+        path.write_bytes(b"stray")
+    out = cli("verify", str(root), "--json")
+    assert out.returncode == 0, out.stdout + out.stderr
+    doc = json.loads(out.stdout)
+    assert doc["intact"] is True and doc["safe_to_resume"] == 30
+    (newest,) = [c for c in doc["checked"] if c["step"] == 30]
+    assert newest["intact"] is True
+    assert [(p["kind"], p["severity"], p["path"]) for p in newest["problems"]] == [("extra", "warning", str(path))]
+    human = cli("verify", str(root))
+    assert human.returncode == 0 and "NOT INTACT" not in human.stdout
+    assert f"step 30: extra (warning): step-00000030/{stray}" in human.stdout
+    assert "safe to resume from: step 30" in human.stdout
+    with Checkpointer(root, read_only=True) as ck:
+        assert ck.load({"w": torch.zeros(50_000), "n": 0}) == 30
 
 
 def test_verify_usage_errors(root: Path, tmp_path: Path) -> None:

@@ -272,6 +272,14 @@ def test_corruption_checks_flag_a_missed_damage_and_wrong_bytes() -> None:
     missed = campaign.Trial("corruption", "bitflip")
     campaign.check_damage(missed, {**damage, "verify_intact": True}, evs, topo, gen=5)
     assert missed.problems
+    # An extra file: verify warns and keeps the step intact (rc 0), as the load that gives it agrees.
+    extra = {**damage, "kind": "extra", "what": "extra NOTES.txt", "problems": ["extra"], "verify_intact": True}
+    harmless = campaign.Trial("corruption", "extra")
+    campaign.check_damage(harmless, {**extra, "cli": {"rc": 0, "flagged": [], "target_listed": True}}, evs, topo, 5)
+    assert not harmless.problems
+    flagged = campaign.Trial("corruption", "extra")
+    campaign.check_damage(flagged, {**extra, "verify_intact": False}, evs, topo, gen=5)
+    assert flagged.problems
     evs[1][1] = {**evs[1][1], "ok": False, "bad": ["model"]}
     torn = campaign.Trial("corruption", "bitflip")
     campaign.check_damage(torn, damage, evs, topo, gen=5)

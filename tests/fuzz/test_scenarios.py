@@ -79,6 +79,59 @@ def test_a_hostile_resealed_manifest_is_refused_by_every_command(tmp_path: Path,
     assert_refused_everywhere(root, tmp_path)
 
 
+def _path(new: Callable[[str], str]) -> Callable[[dict[str, Any], list[Any]], None]:
+    """The data file's row renamed by ``new`` (the file on disk keeps its name)."""
+
+    def change(body: dict[str, Any], tables: list[Any]) -> None:
+        paths = tables[0][0]
+        paths[paths.index("data/rank00000_0.bin")] = new("data/rank00000_0.bin")
+
+    return change
+
+
+def _listed_twice(body: dict[str, Any], tables: list[Any]) -> None:
+    for column in tables[0]:
+        column.append(column[0])
+    body["rows"]["files"] += 1
+
+
+def _count(field: str, by: int) -> Callable[[dict[str, Any], list[Any]], None]:
+    def change(body: dict[str, Any], tables: list[Any]) -> None:
+        body["rows"][field] += by
+
+    return change
+
+
+#: A manifest that names a file in a second spelling, or whose head and rows disagree: verify compared
+#: names with the files on disk (a step NOT INTACT, "extra") while load opened the row's name (and
+#: loaded it), so the two disagreed on the step to resume from. Each change, and what the refusal names.
+ROWS = {
+    "a './' part": (_path(lambda p: "./" + p), "must be a plain relative path"),
+    "a '.' part inside": (_path(lambda p: p.replace("/", "/./")), "must be a plain relative path"),
+    "an empty part": (_path(lambda p: p.replace("/", "//")), "must be a plain relative path"),
+    "a trailing '/'": (_path(lambda p: p + "/"), "must be a plain relative path"),
+    "a NUL": (_path(lambda p: p + "\0"), "must be a plain relative path"),
+    "a file listed twice": (_listed_twice, "is listed twice"),
+    "rows.files more than the rows": (_count("files", 1), "rows.files is 3, the row section has 2"),
+    "rows.items fewer than the rows": (_count("items", -1), "rows.items is"),
+}
+
+
+@pytest.mark.parametrize("name", list(ROWS))
+def test_a_row_in_a_second_spelling_or_a_head_that_miscounts_is_refused_alike(tmp_path: Path, name: str) -> None:
+    root = save_two_steps(tmp_path / "ck", tmp_path / "cfg.py")
+    change, says = ROWS[name]
+    rewrite(root, 2, change)
+    code, out = cli("verify", str(root), "--json")
+    doc = json.loads(out)
+    assert code == 1 and doc["safe_to_resume"] == 1, out
+    ((problem,),) = [c["problems"] for c in doc["checked"] if c["step"] == 2]
+    assert problem["kind"] == "manifest" and says in problem["detail"], problem
+    assert_refused_everywhere(root, tmp_path)
+    with Checkpointer(root, read_only=True) as ck, pytest.warns(UserWarning):
+        assert ck.load({"w": torch.zeros(8)}) == 1  # what verify names safe to resume from
+
+
 def _split_w(m: Manifest, data: bytes, chunks: list[tuple[int, int]]) -> Manifest:
     """``w`` (8 floats) stored as the chunks (offset, size), each item over the next bytes of its file."""
     one = m.items[0]

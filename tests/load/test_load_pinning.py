@@ -85,7 +85,7 @@ _SPILL_SCRIPT = textwrap.dedent("""
     resource.setrlimit(resource.RLIMIT_NOFILE, (320, 320))  # fewer descriptors than data files
     sys.path.insert(0, sys.argv[2])
     import pytest
-    from tests import test_load_pinning as t
+    from tests.load import test_load_pinning as t
     import ckptguard.dcp.writer as w
     w._MIN_BYTES_PER_FILE = 1
     from pathlib import Path

@@ -156,6 +156,31 @@ def test_ls_verify_and_the_resume_answer_skip_a_quarantined_step(tmp_path: Path)
         (1, True, []),
         (2, False, ["quarantined"]),
     ]
+    assert doc["checked"][1]["problems"][0]["path"] == str(root / "step-00000002")  # absolute, as every problem
+    assert "step 2: quarantined: step-00000002: a load found it corrupt" in _cli("verify", str(root)).stdout
+
+
+@pytest.mark.parametrize("reason", [b"caf\xe9", b"\xed\xa0\x80", b"\xff"])
+def test_a_record_that_is_not_utf8_quarantines_nothing(tmp_path: Path, reason: bytes) -> None:
+    """A record that is JSON of the schema but not UTF-8 does not parse: it quarantines nothing, and
+    every reader says so instead of raising UnicodeDecodeError."""
+    root = tmp_path / "ck"
+    with Checkpointer(root) as ck:
+        ck.save(1, _state(1))
+        ck.save(2, _state(2))
+    (root / QUARANTINE).mkdir(parents=True)
+    (root / QUARANTINE / "step-00000002.json").write_bytes(
+        b'{"format":"ckptguard-quarantine","step":2,"version":1,"seq":2,"reason":"' + reason + b'","at":1.0}'
+    )
+    for command in ("ls", "verify"):
+        out = _cli(command, str(root))
+        assert out.returncode == 0, out.stdout + out.stderr
+    assert json.loads(_cli("verify", str(root), "--json").stdout)["safe_to_resume"] == 2
+    assert resume_info(str(root)).step == 2
+    assert list_root(str(root)).checkpoints[-1].quarantined is None
+    for read_only in (True, False):
+        with Checkpointer(root, read_only=read_only) as ck:
+            assert ck.load(_empty()) == 2
 
 
 def test_a_read_only_job_skips_but_records_nothing(tmp_path: Path) -> None:

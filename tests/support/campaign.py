@@ -913,11 +913,23 @@ def check_saved_clean(trial: Trial, evs: dict[int, list[dict[str, Any]]]) -> Non
 
 def check_damage(trial: Trial, d: dict[str, Any], evs: dict[int, list[dict[str, Any]]], topo: Topo, gen: int) -> None:
     i, target = d["trial"], d["step"]
-    if d["verify_intact"]:
-        trial.fail(f"trial {i}: verify_checkpoint found step {target} intact after '{d['what']}'")
     cli = d.get("cli")
-    if cli is not None and (cli["rc"] != 1 or (cli["target_listed"] and target not in cli["flagged"])):
-        trial.fail(f"trial {i}: `ckptguard verify --json` rc={cli['rc']} flagged {cli['flagged']} after '{d['what']}'")
+    if d.get("kind") == "extra":
+        # A file the manifest does not list is never read by a load: verify warns about it, the step
+        # stays intact and safe to resume from (and load(step=None) gives it, checked below).
+        if not d["verify_intact"] or d.get("problems") != ["extra"]:
+            trial.fail(f"trial {i}: verify_checkpoint gave {d.get('problems')} after '{d['what']}'")
+        if cli is not None and (cli["rc"] != 0 or target in cli["flagged"]):
+            trial.fail(
+                f"trial {i}: `ckptguard verify --json` rc={cli['rc']} flagged {cli['flagged']} after '{d['what']}'"
+            )
+    else:
+        if d["verify_intact"]:
+            trial.fail(f"trial {i}: verify_checkpoint found step {target} intact after '{d['what']}'")
+        if cli is not None and (cli["rc"] != 1 or (cli["target_listed"] and target not in cli["flagged"])):
+            trial.fail(
+                f"trial {i}: `ckptguard verify --json` rc={cli['rc']} flagged {cli['flagged']} after '{d['what']}'"
+            )
     for e in events_of(evs, "failed-load"):
         if e.get("trial") == i and not e["untouched"]:
             trial.fail(

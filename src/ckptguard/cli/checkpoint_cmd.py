@@ -261,7 +261,7 @@ def verify_command(
         plans.append(
             (found, listing, [(CheckpointName(c.step, c.version), c.seq) for c in current if not c.quarantined])
         )
-        skipped[found.path] = [quarantined_result(c) for c in current if c.quarantined]
+        skipped[found.path] = [quarantined_result(c, listing.root) for c in current if c.quarantined]
     if (
         step is not None
         and not any(names for _, _, names in plans)
@@ -338,7 +338,8 @@ def _print_verify(framework: str | None, listing: Any, results: list[Any], step:
     con.print(table)
     for r in results:
         for p in r.problems[:20]:
-            say(con, f"step {r.step}: {p.kind}: {os.path.relpath(p.path, listing.root)}: {p.detail}")
+            kind = p.kind if p.severity == "error" else f"{p.kind} (warning)"
+            say(con, f"step {r.step}: {kind}: {os.path.relpath(p.path, listing.root)}: {p.detail}")
         if len(r.problems) > 20:
             con.print(f"step {r.step}: ... and {len(r.problems) - 20} more problems")
     _retired_note(con, listing.retired + [os.path.join(listing.root, r.dir) for r in results if r.retired])

@@ -140,15 +140,18 @@ def decode_key(key: str) -> Any:
         return key
     if key.startswith("<str>"):
         return key[5:]
-    if key.startswith("<int>"):
-        return int(key[5:])
-    if key.startswith("<key>"):
-        import json
+    try:
+        if key.startswith("<int>") and key[5:].lstrip("-").isdigit() and len(key) <= 4096:
+            return int(key[5:])
+        if key.startswith("<key>"):
+            import json
 
-        if _key_too_large(key):
-            raise CheckpointError(f"invalid encoded dict key {key[:100]!r}... in checkpoint: too large or deep")
-        return _key_from_json(json.loads(key[5:]))
-    raise CheckpointError(f"invalid encoded dict key {key!r} in checkpoint")
+            if _key_too_large(key):
+                raise CheckpointError(f"invalid encoded dict key {key[:100]!r}... in checkpoint: too large or deep")
+            return _key_from_json(json.loads(key[5:]))
+    except (ValueError, TypeError, RecursionError):  # stored bytes: whatever they hold is a refusal
+        pass
+    raise CheckpointError(f"invalid encoded dict key {key[:100]!r} in checkpoint")
 
 
 def _encode_ndarray(arr: Any, scalar: bool, path: tuple[Any, ...]) -> dict[str, Any]:

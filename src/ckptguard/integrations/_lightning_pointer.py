@@ -24,6 +24,7 @@ from ckptguard.checkpointer import Checkpointer
 from ckptguard.discover import FRAMEWORK_KEY, LIGHTNING_ROOT
 from ckptguard.errors import CheckpointError, CorruptCheckpointError, StepNotFoundError
 from ckptguard.files import decode_record, fsync_dir, replace_file
+from ckptguard.protocol.layout import is_plain_name
 from ckptguard.ranks import one_rank_acts
 from ckptguard.verify import read_root_id, step_binding
 
@@ -125,7 +126,7 @@ def pointed(path: str, pointer: Mapping[str, Any]) -> tuple[str, str, int]:
 
 def _beside(root: str) -> bool:
     """Whether a pointer's ``root`` names a directory next to the pointer (one bare name)."""
-    return root not in ("", ".", "..") and "/" not in root and os.sep not in root and "\0" not in root
+    return is_plain_name(root) and os.sep not in root
 
 
 def _read_root_id(root: str) -> str | None:

@@ -37,6 +37,7 @@ from ckptguard.errors import (
     from_os_error,
 )
 from ckptguard.interop.reader import read_all
+from ckptguard.protocol.layout import is_plain_name
 from ckptguard.storage import local_path
 from ckptguard.storage.fileio import open_regular
 
@@ -148,7 +149,7 @@ def _check_dcp_metadata(md: Metadata, directory: str, path: str, pins: dict[str,
         fqn = getattr(index, "fqn", index)
         rel = getattr(info, "relative_path", None)
         offset, length = getattr(info, "offset", None), getattr(info, "length", None)
-        if not isinstance(rel, str) or not rel or "/" in rel or "\\" in rel or rel in (".", ".."):
+        if not isinstance(rel, str) or not is_plain_name(rel):
             raise CorruptCheckpointError(
                 f"{path}: data file {str(rel)[:200]!r} of {fqn!r} is not a plain "
                 "file name in the checkpoint directory: refusing to read it",

@@ -91,3 +91,16 @@ def newest_versions(names: list[CheckpointName]) -> dict[int, CheckpointName]:
         if n.step not in out or n.version > out[n.step].version:
             out[n.step] = n
     return out
+
+
+def is_plain_relpath(path: str) -> bool:
+    """Whether ``path`` (a path a record names inside a checkpoint) is in its one canonical form:
+    relative, ``/``-separated, with no empty, ``.`` or ``..`` part, no backslash and no NUL. A record
+    can name a file only one way, so ``verify`` (which compares names with what is on disk) and
+    ``load`` (which opens the name) see the same file, and no name leads out of the checkpoint."""
+    return all(part not in ("", ".", "..") for part in path.split("/")) and "\\" not in path and "\0" not in path
+
+
+def is_plain_name(name: str) -> bool:
+    """Whether ``name`` is one canonical path part (a file directly in a directory)."""
+    return is_plain_relpath(name) and "/" not in name

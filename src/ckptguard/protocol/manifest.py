@@ -203,6 +203,7 @@ def _parse(data: bytes, path: str, part: tuple[int, int] = (0, 1)) -> Manifest:
         items = ItemTable.decode(t.items, [f.path for f in files])
     except TableError as e:
         raise MalformedRecordError(f"{path}: not a valid manifest row section: {e}", path=path, field="items") from None
+    _check_rows(body, [f.path for f in files], len(items), path)
     dom = body.domain
     manifest = Manifest(
         step=body.step,
@@ -225,6 +226,32 @@ def _parse(data: bytes, path: str, part: tuple[int, int] = (0, 1)) -> Manifest:
     )
     check_manifest(manifest, t.dcp, part)
     return manifest
+
+
+def _check_rows(body: ManifestBody, paths: Sequence[str], items: int, path: str) -> None:
+    """The head's row counts are those of the row section, and no file is listed twice (``verify``
+    matches files on disk by name, ``load`` reads rows by index: two rows of one name would let them
+    judge different bytes).
+
+    Raises:
+        MalformedRecordError: naming ``path`` and the field.
+    """
+    for name, said, got in (("rows.files", body.rows.files, len(paths)), ("rows.items", body.rows.items, items)):
+        if said != got:
+            raise MalformedRecordError(
+                f"{path}: not a valid ckptguard manifest: {name} is {said}, the row section has {got}",
+                path=path,
+                field=name,
+            )
+    seen: set[str] = set()
+    for p in paths:
+        if p in seen:
+            raise MalformedRecordError(
+                f"{path}: not a valid ckptguard manifest: file {p[:200]!r} is listed twice",
+                path=path,
+                field="files.path",
+            )
+        seen.add(p)
 
 
 def _files(c: FileColumns) -> list[FileEntry]:

@@ -195,7 +195,8 @@ def decode(
             path=path,
             field=field or "(record)",
         ) from None
-    except msgspec.DecodeError as e:
+    except (msgspec.DecodeError, UnicodeDecodeError, RecursionError) as e:
+        # msgspec raises UnicodeDecodeError, not DecodeError, for a string that is not UTF-8
         raise MalformedRecordError(f"{path}: not a valid {what} (not JSON: {e})", path=path, field="(record)") from None
 
 
@@ -212,7 +213,7 @@ def decode_binary(data: bytes | memoryview, schema: type[T], path: str, what: st
         raise MalformedRecordError(
             f"{path}: not a valid {what}: {e}; it was modified by hand or by another tool", path=path, field=field
         ) from None
-    except (msgspec.DecodeError, RecursionError) as e:
+    except (msgspec.DecodeError, UnicodeDecodeError, RecursionError) as e:  # a string not UTF-8: UnicodeDecodeError
         raise MalformedRecordError(
             f"{path}: not a valid {what} (not MessagePack of its schema: {e})", path=path, field="(record)"
         ) from None

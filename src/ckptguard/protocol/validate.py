@@ -27,6 +27,7 @@ from ckptguard.checksum import ALGORITHMS
 from ckptguard.dcp.records import MAX_VALUE_DEPTH
 from ckptguard.errors import CorruptCheckpointError
 from ckptguard.protocol.itemtable import ItemTable
+from ckptguard.protocol.layout import is_plain_relpath
 from ckptguard.protocol.records import ATTEMPT_PATTERN
 from ckptguard.protocol.schema import DcpBody, ManifestBody
 from ckptguard.protocol.validate_dcp import check_chunks_agree, check_dcp_agrees, dcp_entries
@@ -191,11 +192,7 @@ def _attempt(v: Any) -> str:
 
 def _relpath(v: Any, what: str) -> str:
     p = _str(v, what)
-    parts = p.split("/")
-    expect(
-        bool(p) and not p.startswith("/") and ".." not in parts and "" not in parts and "\\" not in p,
-        f"{what} {p!r} must be a plain relative path inside the checkpoint",
-    )
+    expect(is_plain_relpath(p), f"{what} {p[:200]!r} must be a plain relative path inside the checkpoint")
     return p
 
 

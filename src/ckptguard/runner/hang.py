@@ -25,6 +25,8 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
+from ckptguard.errors import CheckpointError
+from ckptguard.files import read_json
 from ckptguard.runner.procfs import alive, descendants, signal_all, start_time
 from ckptguard.runner.rankstate import classify, is_under, main_thread
 from ckptguard.runner.stacks import (
@@ -168,8 +170,7 @@ def _write_json(path: str, data: Mapping[str, Any]) -> None:
 def read_hang(run_dir: str) -> dict[str, Any] | None:
     """This run's ``hang.json``, or None (absent, unreadable, or not an object)."""
     try:
-        with open(os.path.join(run_dir, HANG_FILE), encoding="utf-8") as f:
-            data = json.load(f)
-    except (OSError, ValueError):
+        data = read_json(os.path.join(run_dir, HANG_FILE), "hang record")
+    except (OSError, CheckpointError):
         return None
     return data if isinstance(data, dict) else None

@@ -25,8 +25,7 @@ from typing import Any
 import msgspec
 
 from ckptguard.errors import CheckpointError
-from ckptguard.protocol.records import MAX_CONTROL_DEPTH, parse_json
-from ckptguard.storage.fileio import open_regular
+from ckptguard.files import read_json
 
 RUN_FILE = "run.json"
 #: ``exit.log``: what the runner itself saw of the child's end (a death by signal), written as a
@@ -200,9 +199,7 @@ def read(path: str) -> HostRun | None:
     FIFO, never recurses without bound: through the bounded JSON parser of control files)."""
     run_file = os.path.join(path, RUN_FILE)
     try:
-        with os.fdopen(open_regular(run_file), "rb") as f:
-            data = f.read(MAX_RUN_FILE_BYTES + 1)
-        record = parse_json(data, run_file, "run record", max_bytes=MAX_RUN_FILE_BYTES, max_depth=MAX_CONTROL_DEPTH)
+        record = read_json(run_file, "run record", max_bytes=MAX_RUN_FILE_BYTES)
     except (OSError, CheckpointError):
         return None
     if not isinstance(record, dict):

@@ -22,6 +22,9 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Protocol
 
+from ckptguard.errors import CheckpointError
+from ckptguard.files import read_json
+
 if TYPE_CHECKING:
     from ckptguard.diagnose.model import Diagnosis
 
@@ -83,8 +86,8 @@ def agree(logs: str, job_id: str | None, attempt: int, again: bool, why: str, wa
     except FileExistsError:
         deadline = time.monotonic() + wait_s
         while True:
-            with contextlib.suppress(OSError, ValueError), open(path, encoding="utf-8") as f:
-                data = json.load(f)
+            with contextlib.suppress(OSError, CheckpointError):  # not written in full yet: read it again
+                data = read_json(path, "restart decision")
                 if isinstance(data, dict) and isinstance(data.get("restart"), bool):
                     return data["restart"], f"{data.get('why', '')} (decided by {data.get('host', 'another node')})"
             if time.monotonic() >= deadline:
