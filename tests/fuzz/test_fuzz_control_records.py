@@ -20,7 +20,7 @@ from pathlib import Path
 import msgspec
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, given, seed, settings
 from hypothesis import strategies as st
 
 from ckptguard import Checkpointer, CheckpointError
@@ -34,6 +34,7 @@ from tests.fuzz.support import cli
 
 CI_EXAMPLES = int(os.environ.get("CKPTGUARD_FUZZ_CI_EXAMPLES", "60"))
 LONG_EXAMPLES = int(os.environ.get("CKPTGUARD_FUZZ_EXAMPLES", "100000"))
+LONG_SEED = int(os.environ.get("CKPTGUARD_FUZZ_SEED", "0"))
 _COMMON = settings(
     deadline=None,
     database=None,
@@ -179,6 +180,7 @@ def test_bytes_that_are_not_utf8_in_a_string_of_each_record(target: str, bad: by
 
 
 @pytest.mark.long
+@seed(LONG_SEED)
 @settings(_COMMON, max_examples=LONG_EXAMPLES)
 @given(examples())
 def test_hostile_bytes_in_every_stored_record_long(example: tuple[str, bytes]) -> None:
