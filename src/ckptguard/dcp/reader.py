@@ -86,6 +86,10 @@ _WHOLE = 1 << 62  # a piece size that never splits a read
 _Work = TypeVar("_Work")  # what one file's work on a reading thread is given
 
 
+def _file_and_offset(job: ReadJob) -> tuple[str, int]:
+    return job.stored.file, job.stored.offset
+
+
 class GuardedReader(StorageReader):
     """``memory_bytes`` None: on storage that keeps open files (POSIX), 0 (verify everything, then read
     it again into place from the files kept open) while this rank's bytes fit the page cache
@@ -205,13 +209,20 @@ class GuardedReader(StorageReader):
         # Resolve destinations on this thread (the planner is not ours to call concurrently); resolving
         # only returns views of the caller's tensors.
         jobs: list[ReadJob] = []
-        for stored, reqs in sorted(by_item.values(), key=lambda kv: (kv[0].file, kv[0].offset)):
+        for stored, reqs in by_item.values():
             if reqs[0].type == LoadItemType.BYTE_IO:
                 job = ReadJob(stored, reqs, [], mode=STAGED)  # objects are decoded (and checked) now
             else:
                 job = ReadJob(stored, reqs, [detached(planner.resolve_tensor(r)) for r in reqs])
                 job.check_fits()
             jobs.append(job)
+        # Whole tensors planned from the manifest's item table: their jobs made here, without read items.
+        whole = planner.whole_reads()
+        for stored, target in zip(whole.items, whole.targets, strict=True):
+            job = ReadJob(stored, [], [detached(target)])
+            job.check_fits()
+            jobs.append(job)
+        jobs.sort(key=_file_and_offset)
         no_in_place_for_aliases(jobs)
         rank_bytes = sum(job.stored.length for job in jobs)
         modes = assign_modes(jobs, load_budget(self.memory_bytes, rank_bytes, self.local_ranks), self.backup)
@@ -257,7 +268,7 @@ class GuardedReader(StorageReader):
 
         self._on_threads(files, read_file, stop, "ckptguard-read")
         for job in jobs:
-            if job.reqs[0].type == LoadItemType.BYTE_IO:
+            if job.is_object:
                 assert job.raw is not None
                 job.obj = decode_object(job.reqs[0].dest_index.fqn, io.BytesIO(job.raw))
                 job.raw = None
@@ -355,7 +366,7 @@ class GuardedReader(StorageReader):
         try:
             self._read_direct_into_place()
             for job in self._jobs:
-                if job.reqs[0].type == LoadItemType.BYTE_IO:
+                if job.is_object:
                     for req in job.reqs:
                         planner.place_object(req, job.obj)
                     continue

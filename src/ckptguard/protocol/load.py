@@ -35,10 +35,11 @@ from torch.distributed.checkpoint.metadata import Metadata
 from ckptguard._faults import FaultPhase, fault_point
 from ckptguard._signals import signals_deferred
 from ckptguard.comm import hostname
-from ckptguard.dcp.codec import dtype_from_name, metadata_from_json, whole_tensor_items
+from ckptguard.dcp.codec import dtype_from_name, metadata_from_json
 from ckptguard.dcp.drive import read_locally
 from ckptguard.dcp.planners import SafeLoadPlanner
 from ckptguard.dcp.reader import GuardedReader
+from ckptguard.dcp.wholereads import find_whole_reads
 from ckptguard.errors import CheckpointError
 from ckptguard.progress import ByteProgress
 from ckptguard.protocol import artifacts, layout
@@ -241,7 +242,7 @@ def _read_and_place(
             stats=stats,
             before_read=on_planned,
             metadata_for=lambda names: manifest_metadata(session, name, manifest, names),
-            whole_items_for=lambda flat: whole_tensor_items(manifest.dcp, manifest.items, flat),
+            whole_reads_for=lambda flat: find_whole_reads(manifest.dcp, manifest.items, flat),
         )
 
     try:
