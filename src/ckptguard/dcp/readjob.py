@@ -25,7 +25,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
 
 from ckptguard.checksum import Hasher, checksum
 from ckptguard.dcp._torch_private import has_internal_overlap
-from ckptguard.dcp.codec import _NUMPY_DTYPES, dtype_from_name, dtype_name, narrow, tensor_bytes
+from ckptguard.dcp.codec import _DTYPE_NAMES, _NUMPY_DTYPES, dtype_from_name, narrow, tensor_bytes
 from ckptguard.dcp.records import StoredItem
 from ckptguard.errors import CheckpointError, CorruptCheckpointError, TemplateMismatchError, TornLoadError
 from ckptguard.storage import ReadHandle
@@ -45,6 +45,12 @@ def no_in_place_for_aliases(jobs: list[ReadJob]) -> None:
             if t.is_cpu and t.numel():
                 storage = t.untyped_storage()
                 spans.append((storage.data_ptr(), storage.data_ptr() + storage.nbytes(), job))
+    if len(spans) > 1:  # no two spans meet (almost every load): found on columns, no loop below
+        lo = np.fromiter((s[0] for s in spans), np.uint64, len(spans))  # (addresses: unsigned)
+        hi = np.fromiter((s[1] for s in spans), np.uint64, len(spans))
+        order = np.argsort(lo, kind="stable")
+        if not (lo[order][1:] < np.maximum.accumulate(hi[order])[:-1]).any():
+            return
     spans.sort(key=lambda s: s[0])
     end = -1
     last: ReadJob | None = None
@@ -345,29 +351,32 @@ class ReadJob:
     def _direct_view(self) -> memoryview | None:
         """The destination's own bytes, if the stored bytes can go straight into them (cheap checks
         first: this runs for every item of every load)."""
-        if len(self.targets) != 1 or self.stored.shape is None:
+        stored, targets = self.stored, self.targets
+        shape = stored.shape
+        if len(targets) != 1 or shape is None:
             return None
-        t, shape = self.targets[0], self.stored.shape
+        t = targets[0]
         if self.reqs:  # (a whole tensor without read items is the piece at zero of the stored shape)
             req = self.reqs[0]
             if tuple(req.lengths) != shape or any(req.storage_offsets):
                 return None
+        dtype = t.dtype
         # (torch.Size is a tuple: compared with the stored shape as it is)
         if (
             t.shape != shape
             or not t.is_contiguous()
             or not t.is_cpu
             or not t.numel()
-            or dtype_name(t.dtype) != self.stored.dtype
+            or _DTYPE_NAMES.get(dtype) != stored.dtype
             or t.is_conj()
             or t.is_neg()
         ):
             return None
-        if t.dtype in _NUMPY_DTYPES:
+        if dtype in _NUMPY_DTYPES:
             view = memoryview(t.numpy()).cast("B")  # type: ignore[arg-type]  # ndarray is a buffer
         else:
             view, _ = tensor_bytes(t)
-        return view if len(view) == self.stored.length else None
+        return view if len(view) == stored.length else None
 
     def verify_streaming(
         self, fd: ReadHandle, path: str, algorithm: str, chunk: memoryview, spill: Spill | None
