@@ -46,10 +46,10 @@ def no_in_place_for_aliases(jobs: list[ReadJob]) -> None:
                 storage = t.untyped_storage()
                 spans.append((storage.data_ptr(), storage.data_ptr() + storage.nbytes(), job))
     if len(spans) > 1:  # no two spans meet (almost every load): found on columns, no loop below
-        lo = np.fromiter((s[0] for s in spans), np.uint64, len(spans))  # (addresses: unsigned)
-        hi = np.fromiter((s[1] for s in spans), np.uint64, len(spans))
-        order = np.argsort(lo, kind="stable")
-        if not (lo[order][1:] < np.maximum.accumulate(hi[order])[:-1]).any():
+        starts = np.fromiter((s[0] for s in spans), np.uint64, len(spans))  # (addresses: unsigned)
+        ends = np.fromiter((s[1] for s in spans), np.uint64, len(spans))
+        order = np.argsort(starts, kind="stable")
+        if not (starts[order][1:] < np.maximum.accumulate(ends[order])[:-1]).any():
             return
     spans.sort(key=lambda s: s[0])
     end = -1
