@@ -358,12 +358,11 @@ def test_posix_replace_writes_parts_one_after_another(tmp_path: Path) -> None:
 
 
 def _read_ahead_reads(directory: Path, monkeypatch: pytest.MonkeyPatch) -> int:
-    """How many blocking reads the load's read-ahead of ``directory`` made (its thread waited for):
-    reads, or ranges sent to /dev/null to fill the page cache."""
+    """How many blocking reads the load's read-ahead of ``directory`` made (its thread waited for)."""
     from ckptguard.storage import fileio
 
     blocking = []
-    preadv, readv, sendfile = os.preadv, os.readv, os.sendfile
+    preadv, readv = os.preadv, os.readv
 
     def counted_preadv(fd: int, buffers: list[bytearray], offset: int, flags: int = 0) -> int:
         if not flags:
@@ -374,20 +373,14 @@ def _read_ahead_reads(directory: Path, monkeypatch: pytest.MonkeyPatch) -> int:
         blocking.append(-1)
         return readv(fd, buffers)
 
-    def counted_sendfile(out_fd: int, in_fd: int, offset: int, count: int) -> int:
-        blocking.append(offset)
-        return sendfile(out_fd, in_fd, offset, count)
-
     monkeypatch.setattr(os, "preadv", counted_preadv)
     monkeypatch.setattr(os, "readv", counted_readv)
-    monkeypatch.setattr(os, "sendfile", counted_sendfile)
     before = set(threading.enumerate())
     fileio.read_ahead(str(directory), "data")
     for t in set(threading.enumerate()) - before:
         t.join(timeout=30)
     monkeypatch.setattr(os, "preadv", preadv)
     monkeypatch.setattr(os, "readv", readv)
-    monkeypatch.setattr(os, "sendfile", sendfile)
     return len(blocking)
 
 

@@ -363,40 +363,14 @@ def _cached(fd: int, start: int, end: int, probe: bytearray) -> bool:
         return False
 
 
-def _null_sink() -> int | None:
-    """``/dev/null`` opened for ``sendfile`` (None where it cannot be opened, or there is no ``sendfile``)."""
-    if not hasattr(os, "sendfile"):
-        return None
-    try:
-        return os.open(os.devnull, os.O_WRONLY)
-    except OSError:
-        return None
-
-
-def _warm(fd: int, at: int, n: int, scratch: bytearray, sink: int | None) -> int | None:
-    """Bring ``n`` bytes of ``fd`` from ``at`` into the page cache; the sink to use next (None once
-    ``sendfile`` failed: not a kernel or filesystem that splices into ``/dev/null``, or not Linux)."""
-    if sink is not None:
-        try:
-            os.sendfile(sink, fd, at, n)
-            return sink
-        except OSError:
-            os.close(sink)
-    os.preadv(fd, [scratch], at)
-    return None
-
-
 def read_ahead(directory: str, prefix: str) -> Callable[[], None]:
     """Have the kernel read the files of ``directory`` whose names start with ``prefix`` into the
     page cache, from a background thread, while the caller does other work (a hint: errors are
     left to the real reads). Returns a function that stops it.
 
-    Each range is sent to ``/dev/null`` (``sendfile``: the kernel fills the page cache and copies
-    nothing out of it, a third of the CPU of a read per GB on the CPU machine of the Performance
-    page, which the planning it overlaps needs), or where the kernel or filesystem cannot, read into
-    one small scratch buffer. Measured here, either overlaps a cold load's planning with the disk,
-    where ``posix_fadvise(WILLNEED)`` gained nothing and a populated mapping held the GIL for the
-    whole read.
+    Plain reads into one small scratch buffer: measured here, they overlap a cold load's planning
+    with the disk, where ``posix_fadvise(WILLNEED)`` gained nothing and a populated mapping
+    held the GIL for the whole read.
     """
 
     stopped = threading.Event()
@@ -409,29 +383,24 @@ def read_ahead(directory: str, prefix: str) -> Callable[[], None]:
             return
         scratch = bytearray(_READ_AHEAD_CHUNK)
         probe = bytearray(_PROBE_BYTES)
-        sink = _null_sink()
-        try:
-            for p in paths:
-                if stopped.is_set():
-                    return
-                try:
-                    fd = open_regular(p)
-                except (OSError, CheckpointError):
-                    continue
-                try:
-                    size = os.fstat(fd).st_size
-                    for at in range(0, size, len(scratch)):
-                        if stopped.is_set():
-                            return
-                        if not _cached(fd, at, min(at + len(scratch), size), probe):
-                            sink = _warm(fd, at, min(len(scratch), size - at), scratch, sink)
-                except OSError:
-                    pass
-                finally:
-                    os.close(fd)
-        finally:
-            if sink is not None:
-                os.close(sink)
+        for p in paths:
+            if stopped.is_set():
+                return
+            try:
+                fd = open_regular(p)
+            except (OSError, CheckpointError):
+                continue
+            try:
+                size = os.fstat(fd).st_size
+                for at in range(0, size, len(scratch)):
+                    if stopped.is_set():
+                        return
+                    if not _cached(fd, at, min(at + len(scratch), size), probe):
+                        os.preadv(fd, [scratch], at)
+            except OSError:
+                pass
+            finally:
+                os.close(fd)
 
     threading.Thread(target=read_into_page_cache, name="ckptguard-readahead", daemon=True).start()
     return stopped.set
