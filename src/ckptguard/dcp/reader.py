@@ -67,6 +67,7 @@ from ckptguard.dcp.readjob import (
     torn_if_it_fails,
 )
 from ckptguard.dcp.records import StoredItem
+from ckptguard.dcp.wholereads import in_storage_order
 from ckptguard.errors import CheckpointError, CorruptCheckpointError
 from ckptguard.storage import ReadHandle, StorageBackend
 
@@ -84,10 +85,6 @@ _REQUEST_BATCH = 64 << 20
 _WHOLE = 1 << 62  # a piece size that never splits a read
 
 _Work = TypeVar("_Work")  # what one file's work on a reading thread is given
-
-
-def _file_and_offset(job: ReadJob) -> tuple[str, int]:
-    return job.stored.file, job.stored.offset
 
 
 class GuardedReader(StorageReader):
@@ -206,8 +203,7 @@ class GuardedReader(StorageReader):
             else:
                 group[1].append(req)
         check_coverage(plan, planner, self.metadata, self.rank, self.checkpoint_dir)
-        # Resolve destinations on this thread (the planner is not ours to call concurrently); resolving
-        # only returns views of the caller's tensors.
+        # Destinations resolved on this thread (the planner is not ours to call concurrently): views.
         jobs: list[ReadJob] = []
         for stored, reqs in by_item.values():
             if reqs[0].type == LoadItemType.BYTE_IO:
@@ -216,13 +212,7 @@ class GuardedReader(StorageReader):
                 job = ReadJob(stored, reqs, [detached(planner.resolve_tensor(r)) for r in reqs])
                 job.check_fits()
             jobs.append(job)
-        # Whole tensors planned from the manifest's item table: their jobs made here, without read items.
-        whole = planner.whole_reads()
-        for stored, target in zip(whole.items, whole.targets, strict=True):
-            job = ReadJob(stored, [], [detached(target)])
-            job.check_fits()
-            jobs.append(job)
-        jobs.sort(key=_file_and_offset)
+        jobs = in_storage_order(jobs, planner.whole_reads())
         no_in_place_for_aliases(jobs)
         rank_bytes = sum(job.stored.length for job in jobs)
         modes = assign_modes(jobs, load_budget(self.memory_bytes, rank_bytes, self.local_ranks), self.backup)

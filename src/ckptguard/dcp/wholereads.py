@@ -14,12 +14,14 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import repeat
+from operator import attrgetter
 from typing import Any
 
 import numpy as np
 import torch
 
 from ckptguard.dcp.codec import dtype_from_name
+from ckptguard.dcp.readjob import ReadJob, detached
 from ckptguard.dcp.records import StoredItem
 from ckptguard.errors import CorruptCheckpointError
 
@@ -92,6 +94,22 @@ def find_whole_reads(obj: Mapping[str, Any], items: Sequence[StoredItem], templa
         out.targets.append(value)
         out.items.append(item)
     return out
+
+
+def in_storage_order(jobs: list[ReadJob], reads: WholeReads) -> list[ReadJob]:
+    """``jobs`` and one read job per tensor of ``reads`` (without read items, each checked to fit its
+    target), in the order their bytes lie on storage (file, then offset)."""
+    out = list(jobs)
+    for stored, target in zip(reads.items, reads.targets, strict=True):
+        job = ReadJob(stored, [], [detached(target)])
+        job.check_fits()
+        out.append(job)
+    out.sort(key=_FILE_AND_OFFSET)
+    return out
+
+
+#: A job's place on storage.
+_FILE_AND_OFFSET = attrgetter("stored.file", "stored.offset")
 
 
 def _single_whole_rows(table: Any, count: int) -> np.ndarray:
