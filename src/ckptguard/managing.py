@@ -12,10 +12,10 @@ from typing import Any
 
 from ckptguard._collective import collective
 from ckptguard.comm import Comm
-from ckptguard.protocol import load as load_protocol
 from ckptguard.protocol import manage, rootid
 from ckptguard.protocol import save as save_protocol
 from ckptguard.protocol.decisions import Listing, commit_order
+from ckptguard.protocol.fallback import agreed_current_and_quarantined
 from ckptguard.protocol.session import Session
 from ckptguard.saving import Saves
 
@@ -122,7 +122,7 @@ class Management:
 
     def _relist(self) -> None:
         """The agreed listing and its quarantined steps (collective: one agreement)."""
-        current, quarantined = load_protocol.agreed_current_and_quarantined(self._session)
+        current, quarantined = agreed_current_and_quarantined(self._session)
         self._committed = current
         self._corrupt = {s: (current[s].seq, why) for s, why in quarantined.items()}
 

@@ -22,7 +22,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from ckptguard import comm
-from ckptguard.protocol.load import falls_back
+from ckptguard.protocol.fallback import falls_back
 
 T = TypeVar("T")
 

@@ -245,69 +245,6 @@ def metadata_from_json(
     return Metadata(state_dict_metadata=sd, planner_data=planner_data, storage_data=storage, version=obj.get("version"))
 
 
-def whole_tensor_items(
-    obj: dict[str, Any], items: Sequence[StoredItem], template: Mapping[str, Any]
-) -> dict[str, StoredItem]:
-    """The stored item of each plain tensor of ``template`` (a load's flattened state) that the
-    checkpoint holds whole, as one item of the template's shape and dtype: most tensors of a load at
-    the world size and sharding they were saved with. Those are planned from the manifest's item
-    table, without DCP's metadata objects and planner (for a small tensor, that per-item work cost
-    more than its read). Anything else (shards, resharding, casts, objects) is left to DCP.
-
-    ``obj`` as in :func:`metadata_from_json`; the manifest's parse checked that every item row agrees
-    with its DCP entry (dtype, dimensions, inside its size) and that a whole-tensor entry has one item
-    whose elements are the tensor's. An item table (protocol.itemtable) only: its rows are found on
-    its name column."""
-    table: Any = items
-    names: list[str] | None = getattr(items, "names", None)
-    entries = obj.get("state_dict")
-    if names is None or not isinstance(entries, dict) or not len(table) or not template:
-        return {}
-    index = {nm: i for i, nm in enumerate(names)}
-    candidates: list[tuple[str, list[int], str]] = []
-    wanted: list[int] = []
-    for fqn, value in template.items():
-        if type(value) is not torch.Tensor or value.is_meta:
-            continue
-        k = index.get(fqn)
-        e = entries.get(fqn)
-        if k is None or type(e) is not dict or e.get("type") != "tensor":
-            continue
-        size, dtype = e.get("size"), dtype_name(value.dtype)
-        if (
-            type(size) is not list
-            or len(size) != value.dim()
-            or e.get("dtype") != dtype
-            or not whole_chunk(size, e.get("chunks"))
-            or list(value.shape) != size
-        ):
-            continue
-        candidates.append((fqn, size, dtype))
-        wanted.append(k)
-    if not wanted:
-        return {}
-    count = np.bincount(table.name, minlength=len(names))
-    first = np.full(len(names), -1, dtype=np.int64)
-    first[table.name[::-1]] = np.arange(len(table) - 1, -1, -1, dtype=np.int64)
-    at = np.array(wanted, dtype=np.int64)
-    one = (count[at] == 1).tolist()
-    rows = first[at]
-    chosen = [c for c, ok in zip(candidates, one, strict=True) if ok]
-    out: dict[str, StoredItem] = {}
-    for (fqn, size, dtype), item in zip(chosen, table.take(rows[np.asarray(one, dtype=bool)]).rows(), strict=True):
-        # The one item of that name is the whole tensor: stored at offset zero, of its shape and dtype.
-        if (
-            item.dtype == dtype
-            and item.shape is not None
-            and list(item.shape) == size
-            and item.offsets is not None
-            and len(item.offsets) == len(size)
-            and not any(item.offsets)
-        ):
-            out[fqn] = item
-    return out
-
-
 def _items_named(items: Sequence[StoredItem], wanted: Collection[str] | None) -> Sequence[StoredItem]:
     """The items of the names in ``wanted`` (all without it); an item table (protocol.itemtable, one
     name index per row) is filtered on its name column."""

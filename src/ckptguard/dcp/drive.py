@@ -20,7 +20,7 @@ from torch.distributed.checkpoint.planner import SavePlan
 from ckptguard.comm import Comm
 from ckptguard.dcp.planners import DomainSavePlanner, SafeLoadPlanner
 from ckptguard.dcp.reader import GuardedReader
-from ckptguard.dcp.records import StoredItem
+from ckptguard.dcp.wholereads import WholeReads
 from ckptguard.dcp.writer import GuardedWriter
 
 
@@ -32,7 +32,7 @@ def read_locally(
     stats: Any = None,
     before_read: Callable[[], None] | None = None,
     metadata_for: Callable[[Collection[str]], Metadata] | None = None,
-    whole_items_for: Callable[[dict[str, Any]], dict[str, StoredItem]] | None = None,
+    whole_reads_for: Callable[[dict[str, Any]], WholeReads] | None = None,
 ) -> None:
     """dcp.load's planning and reading, without its two collectives.
 
@@ -42,18 +42,19 @@ def read_locally(
     rank here plans (DCP's planner: resharding included) and reads on its own;
     the caller agrees on the outcome. ``before_read`` runs once the plan is made. ``metadata_for``:
     the checkpoint's metadata for the names of the planner's (flattened) state, instead of the
-    reader's metadata of every name. ``whole_items_for``: the stored items of the planner's names
-    that a SafeLoadPlanner reads whole without DCP's metadata (codec.whole_tensor_items); the metadata
-    is then built for the other names only.
+    reader's metadata of every name. ``whole_reads_for``: the names of the planner's state that a
+    SafeLoadPlanner reads whole from their stored items, without DCP's metadata or plan
+    (wholereads.find_whole_reads); the metadata is then built for the other names only.
     """
     with stats.phase("plan") if stats is not None else contextlib.nullcontext():
         planner.set_up_planner(state_dict, reader.metadata, is_coordinator)
         names: Collection[str] = planner.state_dict.keys()
-        if whole_items_for is not None and isinstance(planner, SafeLoadPlanner):
-            whole = whole_items_for(planner.state_dict)
+        if whole_reads_for is not None and isinstance(planner, SafeLoadPlanner):
+            whole = whole_reads_for(planner.state_dict)
             planner.read_whole(whole)
             if whole:
-                names = [k for k in names if k not in whole]
+                planned = set(whole.fqns)
+                names = [k for k in names if k not in planned]
         metadata = metadata_for(names) if metadata_for is not None else reader.metadata
         assert metadata is not None
         planner.metadata = metadata

@@ -27,6 +27,7 @@ from ckptguard.dcp import _torch_private
 from ckptguard.dcp.codec import load_bounded
 from ckptguard.dcp.records import StoredItem
 from ckptguard.dcp.values import PLAIN_TENSOR_TYPES
+from ckptguard.dcp.wholereads import WholeReads
 from ckptguard.errors import CheckpointError, TemplateMismatchError, UnsafeObjectError
 
 
@@ -52,6 +53,11 @@ class ReaderPlanner(Protocol):
 
     def stored_item(self, read_item: ReadItem) -> StoredItem | None:
         """The stored item a directly planned read item reads (None: look it up in DCP's metadata)."""
+        ...
+
+    def whole_reads(self) -> WholeReads:
+        """Whole tensors planned from the manifest's item table and left out of the plan: the reader
+        makes their read jobs itself (covered by construction)."""
         ...
 
     def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:
@@ -92,6 +98,9 @@ class DcpPlanner:
     def stored_item(self, read_item: ReadItem) -> StoredItem | None:
         return None
 
+    def whole_reads(self) -> WholeReads:
+        return WholeReads()
+
     def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:
         return self._planner.resolve_tensor(read_item)
 
@@ -126,7 +135,7 @@ class SafeLoadPlanner(DefaultLoadPlanner):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._direct_targets: dict[int, DirectTarget] = {}
-        self._whole_items: dict[str, StoredItem] = {}
+        self._whole = WholeReads()
 
     def template(self) -> Mapping[str, Any]:
         """The state being loaded into, flattened as its read items name it."""
@@ -163,11 +172,16 @@ class SafeLoadPlanner(DefaultLoadPlanner):
         self.metadata = metadata
         self.is_coordinator = is_coordinator
 
-    def read_whole(self, items: dict[str, StoredItem]) -> None:
-        """Names of the state (flattened) read from these stored items, each the whole tensor of the
-        name's shape and dtype (codec.whole_tensor_items), without DCP's metadata: the metadata then
-        given needs only the other names."""
-        self._whole_items = items
+    def read_whole(self, reads: WholeReads) -> None:
+        """Names of the state (flattened) read whole from their stored items (wholereads.find_whole_reads),
+        without DCP's metadata: the metadata then given needs only the other names. Their read jobs are
+        the reader's to make (:meth:`whole_reads`), unless ``commit_tensor`` is hooked: then each gets
+        its read item in the plan, for the hook."""
+        self._whole = reads
+
+    def whole_reads(self) -> WholeReads:
+        """The names given to :meth:`read_whole`, unless they are planned as read items (``commits``)."""
+        return WholeReads() if self.commits else self._whole
 
     def stored_item(self, read_item: ReadItem) -> StoredItem | None:
         """The stored item a read item of :meth:`read_whole`'s names reads; None for the others."""
@@ -198,15 +212,15 @@ class SafeLoadPlanner(DefaultLoadPlanner):
         rest: dict[str, Any] = {}
         # The storage keys of whole tensors, reused as read items' indices (one MetadataIndex less per item).
         whole = {k.fqn: k for k in self.metadata.storage_data if k.offset is not None and not any(k.offset)}
-        known = self._whole_items
+        reads = self._whole
+        planned = set(reads.fqns)
+        if reads and self.commits:  # read items for the hook, each with its stored item
+            direct.extend(
+                self._read_whole_tensor(MetadataIndex(fqn, torch.Size(item.offsets or ())), obj, item)
+                for fqn, obj, item in zip(reads.fqns, reads.targets, reads.items, strict=True)
+            )
         for fqn, obj in self.state_dict.items():
-            stored_whole = known.get(fqn)
-            if stored_whole is not None:
-                direct.append(
-                    self._read_whole_tensor(
-                        MetadataIndex(fqn, torch.Size(stored_whole.offsets or ())), obj, stored_whole
-                    )
-                )
+            if fqn in planned:
                 continue
             md = stored.get(fqn)
             # A plain tensor stored whole with its shape, in its dtype or one it widens to (nothing for

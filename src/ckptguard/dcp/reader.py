@@ -67,6 +67,7 @@ from ckptguard.dcp.readjob import (
     torn_if_it_fails,
 )
 from ckptguard.dcp.records import StoredItem
+from ckptguard.dcp.wholereads import in_storage_order
 from ckptguard.errors import CheckpointError, CorruptCheckpointError
 from ckptguard.storage import ReadHandle, StorageBackend
 
@@ -202,16 +203,16 @@ class GuardedReader(StorageReader):
             else:
                 group[1].append(req)
         check_coverage(plan, planner, self.metadata, self.rank, self.checkpoint_dir)
-        # Resolve destinations on this thread (the planner is not ours to call concurrently); resolving
-        # only returns views of the caller's tensors.
+        # Destinations resolved on this thread (the planner is not ours to call concurrently): views.
         jobs: list[ReadJob] = []
-        for stored, reqs in sorted(by_item.values(), key=lambda kv: (kv[0].file, kv[0].offset)):
+        for stored, reqs in by_item.values():
             if reqs[0].type == LoadItemType.BYTE_IO:
                 job = ReadJob(stored, reqs, [], mode=STAGED)  # objects are decoded (and checked) now
             else:
                 job = ReadJob(stored, reqs, [detached(planner.resolve_tensor(r)) for r in reqs])
                 job.check_fits()
             jobs.append(job)
+        jobs = in_storage_order(jobs, planner.whole_reads())
         no_in_place_for_aliases(jobs)
         rank_bytes = sum(job.stored.length for job in jobs)
         modes = assign_modes(jobs, load_budget(self.memory_bytes, rank_bytes, self.local_ranks), self.backup)
@@ -257,7 +258,7 @@ class GuardedReader(StorageReader):
 
         self._on_threads(files, read_file, stop, "ckptguard-read")
         for job in jobs:
-            if job.reqs[0].type == LoadItemType.BYTE_IO:
+            if job.is_object:
                 assert job.raw is not None
                 job.obj = decode_object(job.reqs[0].dest_index.fqn, io.BytesIO(job.raw))
                 job.raw = None
@@ -355,7 +356,7 @@ class GuardedReader(StorageReader):
         try:
             self._read_direct_into_place()
             for job in self._jobs:
-                if job.reqs[0].type == LoadItemType.BYTE_IO:
+                if job.is_object:
                     for req in job.reqs:
                         planner.place_object(req, job.obj)
                     continue

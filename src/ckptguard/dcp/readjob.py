@@ -21,11 +21,11 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch.distributed.checkpoint.planner import ReadItem
+from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
 
 from ckptguard.checksum import Hasher, checksum
 from ckptguard.dcp._torch_private import has_internal_overlap
-from ckptguard.dcp.codec import _NUMPY_DTYPES, dtype_from_name, dtype_name, narrow, tensor_bytes
+from ckptguard.dcp.codec import _DTYPE_NAMES, _NUMPY_DTYPES, dtype_from_name, narrow, tensor_bytes
 from ckptguard.dcp.records import StoredItem
 from ckptguard.errors import CheckpointError, CorruptCheckpointError, TemplateMismatchError, TornLoadError
 from ckptguard.storage import ReadHandle
@@ -45,6 +45,12 @@ def no_in_place_for_aliases(jobs: list[ReadJob]) -> None:
             if t.is_cpu and t.numel():
                 storage = t.untyped_storage()
                 spans.append((storage.data_ptr(), storage.data_ptr() + storage.nbytes(), job))
+    if len(spans) > 1:  # no two spans meet (almost every load): found on columns, no loop below
+        starts = np.fromiter((s[0] for s in spans), np.uint64, len(spans))  # (addresses: unsigned)
+        ends = np.fromiter((s[1] for s in spans), np.uint64, len(spans))
+        order = np.argsort(starts, kind="stable")
+        if not (starts[order][1:] < np.maximum.accumulate(ends[order])[:-1]).any():
+            return
     spans.sort(key=lambda s: s[0])
     end = -1
     last: ReadJob | None = None
@@ -195,6 +201,10 @@ IN_PLACE, STAGED, VERIFIED = "in place", "staged", "verified only"
 
 @dataclass
 class ReadJob:
+    """One stored item and the destinations it fills: ``targets[i]`` the piece ``reqs[i]`` of it; no
+    read items for a whole tensor planned from the item table (wholereads.py), its one target of the
+    item's shape and dtype."""
+
     stored: StoredItem
     reqs: list[ReadItem]
     targets: list[torch.Tensor]
@@ -212,11 +222,20 @@ class ReadJob:
     def __post_init__(self) -> None:
         self.direct = self._direct_view()
 
+    @property
+    def is_object(self) -> bool:
+        """Whether this item is an object (decoded by torch.load), not tensor bytes."""
+        return bool(self.reqs) and self.reqs[0].type == LoadItemType.BYTE_IO
+
     def check_fits(self) -> None:
         """Every destination can take its piece (checked before anything is copied)."""
         s = self.stored
         if s.shape is None:
             raise CheckpointError(f"{s.fqn}: a tensor is expected where the checkpoint stores an object")
+        if not self.reqs:  # a whole tensor: the one target has the stored shape (wholereads.py)
+            if self.direct is None:
+                self._refuse_shared_elements(self.targets[0])
+            return
         for req, target in zip(self.reqs, self.targets, strict=True):
             if target.shape != tuple(req.lengths):  # (torch.Size is a tuple)
                 raise CheckpointError(
@@ -235,14 +254,18 @@ class ReadJob:
                     f"of {list(req.lengths)[:8]} of a stored chunk of shape {list(s.shape)[:8]}: the manifest "
                     "is corrupt"
                 )
-            if shares_elements(target):
-                raise TemplateMismatchError(
-                    f"{s.fqn}: the template's tensor has elements that share memory (an expand()ed tensor, "
-                    f"stride 0, or strides {list(target.stride())[:8]} that make elements of shape "
-                    f"{list(target.shape)[:8]} meet, as unfold() and as_strided() can): it cannot hold the "
-                    "checkpoint's values. Pass a tensor with its own memory (.clone()); nothing was read "
-                    "or changed"
-                )
+            self._refuse_shared_elements(target)
+
+    def _refuse_shared_elements(self, target: torch.Tensor) -> None:
+        if shares_elements(target):
+            s = self.stored
+            raise TemplateMismatchError(
+                f"{s.fqn}: the template's tensor has elements that share memory (an expand()ed tensor, "
+                f"stride 0, or strides {list(target.stride())[:8]} that make elements of shape "
+                f"{list(target.shape)[:8]} meet, as unfold() and as_strided() can): it cannot hold the "
+                "checkpoint's values. Pass a tensor with its own memory (.clone()); nothing was read "
+                "or changed"
+            )
 
     def destination(self, arena: Arena) -> memoryview:
         """Where phase 1 reads this item: its destination (in place), an arena slot (staged tensor),
@@ -311,6 +334,9 @@ class ReadJob:
         if direct is not None and self.scratch_view is not None and len(self.scratch_view) == len(direct):
             direct[:] = self.scratch_view  # a plain memcpy: far cheaper than a torch op per small tensor
             return
+        if not self.reqs:  # a whole tensor into a destination of its shape that is not contiguous
+            self.targets[0].copy_(self.scratch)
+            return
         for req, target in zip(self.reqs, self.targets, strict=True):
             target.copy_(narrow(self.scratch, req.storage_offsets, req.lengths))
 
@@ -325,27 +351,32 @@ class ReadJob:
     def _direct_view(self) -> memoryview | None:
         """The destination's own bytes, if the stored bytes can go straight into them (cheap checks
         first: this runs for every item of every load)."""
-        if len(self.targets) != 1 or self.stored.shape is None:
+        stored, targets = self.stored, self.targets
+        shape = stored.shape
+        if len(targets) != 1 or shape is None:
             return None
-        t, req, shape = self.targets[0], self.reqs[0], self.stored.shape
+        t = targets[0]
+        if self.reqs:  # (a whole tensor without read items is the piece at zero of the stored shape)
+            req = self.reqs[0]
+            if tuple(req.lengths) != shape or any(req.storage_offsets):
+                return None
+        dtype = t.dtype
         # (torch.Size is a tuple: compared with the stored shape as it is)
         if (
             t.shape != shape
-            or tuple(req.lengths) != shape
             or not t.is_contiguous()
             or not t.is_cpu
-            or any(req.storage_offsets)
             or not t.numel()
-            or dtype_name(t.dtype) != self.stored.dtype
+            or _DTYPE_NAMES.get(dtype) != stored.dtype
             or t.is_conj()
             or t.is_neg()
         ):
             return None
-        if t.dtype in _NUMPY_DTYPES:
+        if dtype in _NUMPY_DTYPES:
             view = memoryview(t.numpy()).cast("B")  # type: ignore[arg-type]  # ndarray is a buffer
         else:
             view, _ = tensor_bytes(t)
-        return view if len(view) == self.stored.length else None
+        return view if len(view) == stored.length else None
 
     def verify_streaming(
         self, fd: ReadHandle, path: str, algorithm: str, chunk: memoryview, spill: Spill | None

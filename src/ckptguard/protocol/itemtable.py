@@ -14,7 +14,7 @@ import binascii
 import functools
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from itertools import chain, pairwise, repeat
+from itertools import chain, repeat
 from operator import attrgetter, is_
 from typing import Any, overload
 
@@ -22,6 +22,15 @@ import msgspec
 import numpy as np
 
 from ckptguard.dcp.records import StoredItem
+from ckptguard.protocol.itemcolumns import (
+    Column,
+    EncodedItems,
+    TableError,
+    bound_column,
+    msgpack_uints,
+    narrow_column,
+    widen_column,
+)
 
 #: No file of a checkpoint is larger: offsets and ends of items then add up inside int64.
 MAX_FILE_BYTES = 1 << 62
@@ -31,9 +40,6 @@ MAX_NDIM = 64
 _I64 = np.int64
 #: A StoredItem from a tuple of its fields, without a Python call per row (StoredItem._make, in C).
 _STORED_ITEM = functools.partial(tuple.__new__, StoredItem)
-#: Column encodings on disk: the narrowest that holds a column's values.
-_NARROW = (("u1", 1 << 8), ("u2", 1 << 16), ("u4", 1 << 32), ("u8", 1 << 63))
-_CODES = {code for code, _ in _NARROW}
 #: The fields join reads from every table, fetched in C.
 _NAME, _NAMES, _DTYPES, _PATHS = attrgetter("name"), attrgetter("names"), attrgetter("dtypes"), attrgetter("paths")
 _CHECKSUM, _OFFSETS, _SHAPE, _PACKED = (
@@ -42,10 +48,6 @@ _CHECKSUM, _OFFSETS, _SHAPE, _PACKED = (
     attrgetter("shape"),
     attrgetter("packed"),
 )
-
-
-class TableError(ValueError):
-    """An encoded table that is not one ItemTable wrote (the manifest parser names the file)."""
 
 
 @dataclass(frozen=True, eq=False)
@@ -322,14 +324,14 @@ class ItemTable(Sequence[StoredItem]):
         checksum = as_bytes if binary else raw
         if self.packed is not None and len(self):  # the per-row columns' bounds in one pass
             lo, hi = self.packed.min(axis=0).tolist(), self.packed.max(axis=0).tolist()
-            name, dtype, file, offset, length = (_narrow(self.packed[:, c], (lo[c], hi[c])) for c in range(5))
-            offsets_ndim = _narrow(self.offsets_ndim + 1, (lo[5] + 1, hi[5] + 1))
-            shape_ndim = _narrow(self.shape_ndim + 1, (lo[6] + 1, hi[6] + 1))
+            name, dtype, file, offset, length = (narrow_column(self.packed[:, c], (lo[c], hi[c])) for c in range(5))
+            offsets_ndim = narrow_column(self.offsets_ndim + 1, (lo[5] + 1, hi[5] + 1))
+            shape_ndim = narrow_column(self.shape_ndim + 1, (lo[6] + 1, hi[6] + 1))
         else:
             name, dtype, file, offset, length = map(
-                _narrow, (self.name, self.dtype, self.file, self.offset, self.length)
+                narrow_column, (self.name, self.dtype, self.file, self.offset, self.length)
             )
-            offsets_ndim, shape_ndim = _narrow(self.offsets_ndim + 1), _narrow(self.shape_ndim + 1)
+            offsets_ndim, shape_ndim = narrow_column(self.offsets_ndim + 1), narrow_column(self.shape_ndim + 1)
         return EncodedItems(
             len(self),
             self.names,
@@ -343,9 +345,9 @@ class ItemTable(Sequence[StoredItem]):
             binary,
             checksum,
             offsets_ndim,
-            _narrow(self.offsets),
+            narrow_column(self.offsets),
             shape_ndim,
-            _narrow(self.shape),
+            narrow_column(self.shape),
         )
 
     @staticmethod
@@ -353,12 +355,12 @@ class ItemTable(Sequence[StoredItem]):
         """A table from the manifest's columns, every count and index bounded (TableError otherwise);
         what relates the fields to each other (sizes, shapes) is the manifest parser's to check."""
         n = e.count
-        cols = {f: _widen(getattr(e, f), f, n) for f in ("name", "dtype", "file", "offset", "length")}
-        _bound(cols["name"], len(e.names), "name index")
-        _bound(cols["dtype"], len(e.dtypes), "dtype index")
-        _bound(cols["file"], len(paths), "file index")
-        _bound(cols["offset"], MAX_FILE_BYTES + 1, "offset")
-        _bound(cols["length"], MAX_FILE_BYTES + 1, "length")
+        cols = {f: widen_column(getattr(e, f), f, n) for f in ("name", "dtype", "file", "offset", "length")}
+        bound_column(cols["name"], len(e.names), "name index")
+        bound_column(cols["dtype"], len(e.dtypes), "dtype index")
+        bound_column(cols["file"], len(paths), "file index")
+        bound_column(cols["offset"], MAX_FILE_BYTES + 1, "offset")
+        bound_column(cols["length"], MAX_FILE_BYTES + 1, "length")
         width = e.checksum_width
         if n and (not 1 <= width <= 128 or (e.checksum_binary and width % 2)):
             raise TableError(f"checksum width {width} is not one a checksum has")
@@ -367,9 +369,9 @@ class ItemTable(Sequence[StoredItem]):
             raise TableError(f"the checksums take {len(raw)} bytes, not {n} x {width}")
         ragged = []
         for f in ("offsets", "shape"):
-            ndim = _widen(getattr(e, f + "_ndim"), f + "_ndim", n) - 1
-            _bound(ndim + 1, MAX_NDIM + 2, f"{f} dimensions")
-            values = _widen(getattr(e, f), f, int(np.clip(ndim, 0, None).sum()))
+            ndim = widen_column(getattr(e, f + "_ndim"), f + "_ndim", n) - 1
+            bound_column(ndim + 1, MAX_NDIM + 2, f"{f} dimensions")
+            values = widen_column(getattr(e, f), f, int(np.clip(ndim, 0, None).sum()))
             ragged += [ndim, values]
         ints = np.stack(
             [cols["name"], cols["dtype"], cols["file"], cols["offset"], cols["length"], ragged[0], ragged[2]], axis=1
@@ -383,33 +385,6 @@ class ItemTable(Sequence[StoredItem]):
             ragged[1],
             ragged[3],
         )
-
-
-class Column(msgspec.Struct, array_like=True):
-    """A numpy column on disk: its dtype code (``u1``..``u8``, little-endian) and its bytes."""
-
-    code: str
-    data: bytes
-
-
-class EncodedItems(msgspec.Struct, array_like=True):
-    """An ItemTable as the manifest's binary section holds it (see the Commit protocol page, "The manifest")."""
-
-    count: int
-    names: list[str]
-    dtypes: list[str | None]
-    name: Column
-    dtype: Column
-    file: Column
-    offset: Column
-    length: Column
-    checksum_width: int
-    checksum_binary: bool
-    checksum: bytes
-    offsets_ndim: Column  # ndim + 1 per row: 0 for none
-    offsets: Column
-    shape_ndim: Column
-    shape: Column
 
 
 def _make(
@@ -500,80 +475,6 @@ def _tuples(ndim: np.ndarray, flat: np.ndarray) -> list[tuple[int, ...] | None]:
         for r, v in zip(rows.tolist(), values, strict=True):
             out[r] = tuple(v)
     return out
-
-
-#: MessagePack's forms of a non-negative integer, as msgspec writes them: below 128 the integer is its
-#: own byte (positive fixint); then a marker byte and the integer big-endian in 1, 2, 4 or 8 bytes.
-_UINT_BOUNDS = np.array([128, 1 << 8, 1 << 16, 1 << 32], dtype=_I64)
-_UINT_MARKER = np.array([0, 0xCC, 0xCD, 0xCE, 0xCF], dtype=_I64)
-#: Each value is first laid out as 16 bytes, two big-endian words: its marker (byte 7) and itself
-#: (bytes 8-15); per form, the bytes of those 16 that MessagePack writes.
-_UINT_BYTES = [list(range(15, 16)), [7, 15], [7, 14, 15], [7, 12, 13, 14, 15], [7, *range(8, 16)]]
-_UINT_KEEP = np.array([[b in kept for b in range(16)] for kept in _UINT_BYTES])
-
-
-def msgpack_uints(values: np.ndarray) -> bytes:
-    """``values`` (m x c, non-negative) flattened row by row as a MessagePack array: byte for byte what
-    msgspec encodes for the same list of ints, without a Python int per value. Every value is laid
-    out as 16 bytes (marker, value) and the bytes its form uses are kept: by slicing, for each run of
-    rows whose columns have the same forms (offsets grow with the rank, sizes repeat: few runs),
-    else by a mask."""
-    v = np.ascontiguousarray(values, dtype=_I64)
-    v = v if v.ndim == 2 else v.reshape(-1, 1)
-    m, c = v.shape
-    n = m * c
-    if n and int(v.min()) < 0:
-        raise ValueError("a negative value in a chunk list")
-    head = (
-        bytes([0x90 | n])
-        if n < 16
-        else b"\xdc" + n.to_bytes(2, "big")
-        if n < 1 << 16
-        else b"\xdd" + n.to_bytes(4, "big")
-    )
-    if not n:
-        return head
-    form = np.searchsorted(_UINT_BOUNDS, v, side="right")
-    laid = np.zeros((m, c, 2), ">u8")
-    laid[:, :, 0] = _UINT_MARKER[form]
-    laid[:, :, 1] = v
-    raw = laid.view(np.uint8).reshape(m, c * 16)
-    starts = np.flatnonzero((form[1:] != form[:-1]).any(axis=1)) + 1
-    if len(starts) > 16 + m // 64:
-        kept_bytes: bytes = raw[_UINT_KEEP[form].reshape(m, c * 16)].tobytes()
-        return head + kept_bytes
-    pieces = [head]
-    bounds = [0, *starts.tolist(), m]
-    for a, z in pairwise(bounds):
-        kept = [16 * j + b for j, f in enumerate(form[a].tolist()) for b in _UINT_BYTES[f]]
-        pieces.append(raw[a:z, kept].tobytes())
-    return b"".join(pieces)
-
-
-def _narrow(a: np.ndarray, bounds: tuple[int, int] | None = None) -> Column:
-    """The narrowest unsigned little-endian encoding of a column of non-negative values (``bounds``:
-    its (min, max), when known)."""
-    low, top = bounds if bounds is not None else (int(a.min()), int(a.max())) if len(a) else (0, 0)
-    if low < 0:
-        raise ValueError("a negative value in an item column")
-    code = next(c for c, limit in _NARROW if top < limit)
-    return Column(code, a.astype("<" + code).tobytes())
-
-
-def _widen(c: Column, what: str, n: int) -> np.ndarray:
-    if c.code not in _CODES:
-        raise TableError(f"column {what} has encoding {c.code[:20]!r}, not one of {sorted(_CODES)}")
-    a = np.frombuffer(c.data, "<" + c.code) if len(c.data) % int(c.code[1]) == 0 else None
-    if a is None or len(a) != n:
-        raise TableError(f"column {what} holds {len(c.data)} bytes of {c.code}, not {n} values")
-    if c.code == "u8" and n and int(a.max()) >= 1 << 63:
-        raise TableError(f"column {what} holds a value of 2**63 or more")
-    return a.astype(_I64)
-
-
-def _bound(a: np.ndarray, limit: int, what: str) -> None:
-    if len(a) and int(a.max()) >= limit:
-        raise TableError(f"an item's {what} {int(a.max())} is not below {limit}")
 
 
 __all__ = ["MAX_FILE_BYTES", "Column", "EncodedItems", "ItemTable", "TableError", "msgpack_uints"]

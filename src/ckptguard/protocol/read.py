@@ -25,8 +25,9 @@ from ckptguard.dcp.reader import GuardedReader
 from ckptguard.dcp.values import decode_value, split_per_rank_key, unflatten
 from ckptguard.errors import StepNotFoundError
 from ckptguard.protocol.decisions import Listing, commit_order
+from ckptguard.protocol.fallback import first_intact
 from ckptguard.protocol.layout import CheckpointName
-from ckptguard.protocol.load import agree_on_manifest, first_intact, manifest_metadata, share_manifest_bytes
+from ckptguard.protocol.load import agree_on_manifest, manifest_metadata, share_manifest_bytes
 from ckptguard.protocol.manifest import Manifest
 from ckptguard.protocol.session import Session
 from ckptguard.protocol.validate import check_whole_reads
