@@ -22,6 +22,7 @@ from ckptguard.errors import CheckpointError, StepNotFoundError
 from ckptguard.protocol import latest, layout, quarantine, rootid
 from ckptguard.protocol.decisions import Committed, abandoned, order_key
 from ckptguard.protocol.layout import CheckpointName
+from ckptguard.protocol.layout import is_plain_name as is_plain_name  # for the integrations
 from ckptguard.protocol.lease import LeaseRecord, holder_dead_here
 from ckptguard.protocol.manifest import Manifest, StoredItem
 from ckptguard.protocol.root import Root, open_root

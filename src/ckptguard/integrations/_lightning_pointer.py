@@ -24,9 +24,8 @@ from ckptguard.checkpointer import Checkpointer
 from ckptguard.discover import FRAMEWORK_KEY, LIGHTNING_ROOT
 from ckptguard.errors import CheckpointError, CorruptCheckpointError, StepNotFoundError
 from ckptguard.files import decode_record, fsync_dir, replace_file
-from ckptguard.protocol.layout import is_plain_name
 from ckptguard.ranks import one_rank_acts
-from ckptguard.verify import read_root_id, step_binding
+from ckptguard.verify import is_plain_name, read_root_id, step_binding
 
 log = logging.getLogger("ckptguard")
 
