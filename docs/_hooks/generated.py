@@ -113,7 +113,7 @@ OTHER_ERRORS: dict[str, str] = {
 
 #: Exception classes a user never meets: caught inside ckptguard and turned into what is said here.
 INTERNAL_ERRORS: dict[str, str] = {
-    "ckptguard.protocol.itemtable.TableError": "a `CorruptCheckpointError` naming the manifest",
+    "ckptguard.protocol.itemcolumns.TableError": "a `CorruptCheckpointError` naming the manifest",
     "ckptguard.runner.logdir.LogDirError": "`ckptguard run`: one line on stderr and exit status 125",
     "ckptguard.runner.child.CommandNotFound": "`ckptguard run`: exit status 127 or 126, as a shell's",
     "ckptguard.dcp.readjob.Stopped": "the failure of another file of the same load, which is raised instead",
