@@ -128,19 +128,9 @@ def _beside(root: str) -> bool:
     return is_plain_name(root) and os.sep not in root
 
 
-def _read_root_id(root: str) -> str | None:
-    """The root's identity, or None if it has none yet; CorruptCheckpointError if the record is damaged."""
-    return read_root_id(root)
-
-
 def root_identity(ck: Checkpointer) -> str:
     """The stable identity of ``ck``'s root, created once if it has none (``Checkpointer.root_id``)."""
     return ck.root_id()
-
-
-def _binding(root: str, step: int) -> tuple[int | None, str]:
-    """(commit sequence number, SHA-256 of the manifest's bytes) of committed ``step`` of ``root``."""
-    return step_binding(root, step)
 
 
 def check_binding(path: str, pointer: Mapping[str, Any], root: str, step: int) -> bool:
@@ -161,7 +151,7 @@ def check_binding(path: str, pointer: Mapping[str, Any], root: str, step: int) -
             os.path.basename(path),
         )
         return False
-    ident = _read_root_id(root)
+    ident = read_root_id(root)
     if ident != pointer["root_id"]:
         raise CorruptCheckpointError(
             f"{path} points to a checkpoint of another root (root identity {pointer['root_id']}, but {root} is "
@@ -170,7 +160,7 @@ def check_binding(path: str, pointer: Mapping[str, Any], root: str, step: int) -
             path=path,
         )
     try:
-        seq, digest = _binding(root, step)
+        seq, digest = step_binding(root, step)
     except StepNotFoundError:
         seq, digest = None, ""
     if digest != pointer["manifest"] or (pointer.get("seq") is not None and seq != pointer["seq"]):
@@ -209,10 +199,10 @@ def commit(
     before = ck.tag(tag, step)
     if collective:
         ident, (seq, digest) = one_rank_acts(
-            f"bind the checkpoint pointer {path}", lambda: (root_identity(ck), _binding(ck.root, step)), where=path
+            f"bind the checkpoint pointer {path}", lambda: (root_identity(ck), step_binding(ck.root, step)), where=path
         )
     else:
-        ident, (seq, digest) = root_identity(ck), _binding(ck.root, step)
+        ident, (seq, digest) = root_identity(ck), step_binding(ck.root, step)
     pointer = Pointer(
         format=POINTER_FORMAT,
         root=os.path.relpath(ck.root, os.path.dirname(path)),
