@@ -217,17 +217,20 @@ def test_unreadable_only_input_is_a_usage_error(runner, tmp_path: Path) -> None:
     assert result.exit_code == 2 and "cannot read" in result.output
 
 
-def _fed(path: Path, with_grep: bool) -> list[tuple[int, bytes]]:
-    """The (line number, line) pairs that the scan hands to the extractor."""
+def _fed(path: Path, engine: str) -> list[tuple[int, bytes]]:
+    """The (line number, line) pairs that the scan hands to the extractor, the anchors found by
+    ``engine`` (a name in `hits.ENGINES`, or "python")."""
     from ckptguard.diagnose.events import STRUCTURAL_ANCHORS
-    from ckptguard.diagnose.ingest import GrepHits, Prefilter, Source, scan
+    from ckptguard.diagnose.hits import ENGINES
+    from ckptguard.diagnose.ingest import Prefilter, Source, scan
     from ckptguard.diagnose.kb import load_kb
 
     pf = Prefilter(STRUCTURAL_ANCHORS, load_kb().anchors())
     src = Source(path.name, path)
-    hits = GrepHits.open(src, pf) if with_grep else None
-    if with_grep:
-        assert hits is not None, "grep is on every POSIX machine this runs on"
+    hits = None
+    if engine != "python":
+        hits = next(opener for name, opener, _ in ENGINES if name == engine)(src, pf)
+        assert hits is not None, f"{engine} is installed on every machine this runs on"
     out: list[tuple[int, bytes]] = []
 
     def on_line(line: bytes, lineno: int) -> int:
@@ -241,8 +244,9 @@ def _fed(path: Path, with_grep: bool) -> list[tuple[int, bytes]]:
     return out
 
 
-def test_grep_prefilter_feeds_the_same_lines(tmp_path: Path) -> None:
-    """grep -F finds the anchors in plain files; the lines fed must be exactly the Python
+@pytest.mark.parametrize("engine", ["hyperscan", "grep"])
+def test_anchor_engines_feed_the_same_lines(tmp_path: Path, engine: str) -> None:
+    """Hyperscan and grep -F find the anchors; the lines fed must be exactly the Python
     prefilter's, across 4 MiB block edges, over-long lines and anchors at a line's very end."""
     big = tmp_path / "big.log"
     with big.open("wb") as f:
@@ -262,7 +266,7 @@ def test_grep_prefilter_feeds_the_same_lines(tmp_path: Path) -> None:
                 f.write(b"[rank1]: ends with an anchor: Killed\n")
     files = [big, *sorted(p for p in FIXTURES.rglob("*.log"))[:8]]
     for p in files:
-        assert _fed(p, True) == _fed(p, False), p
+        assert _fed(p, engine) == _fed(p, "python"), p
 
 
 def test_a_metric_named_like_an_anchor_does_not_make_every_line_parsed(tmp_path: Path) -> None:

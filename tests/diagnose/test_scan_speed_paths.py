@@ -13,13 +13,15 @@ import shutil
 import tracemalloc
 from pathlib import Path
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import ckptguard.diagnose
 from ckptguard.diagnose.engine import diagnose
 from ckptguard.diagnose.events import EMBEDDABLE_ANCHORS, STRUCTURAL_ANCHORS
-from ckptguard.diagnose.ingest import MAX_LINE, GrepHits, Prefilter, Source, scan
+from ckptguard.diagnose.hits import ENGINES
+from ckptguard.diagnose.ingest import MAX_LINE, Prefilter, Source, scan
 from ckptguard.diagnose.kb import load_kb, load_kb_dir
 from ckptguard.diagnose.literals import AnchorIndex, branches, required_literal, searcher
 from ckptguard.diagnose.shapes import Shapes
@@ -38,9 +40,12 @@ def _prefilter() -> Prefilter:
     return Prefilter(STRUCTURAL_ANCHORS, load_kb().anchors(), embeddable=EMBEDDABLE_ANCHORS)
 
 
-def _fed(path: Path, shapes_type: type[Shapes], with_grep: bool = False) -> list[tuple[int, bytes]]:
+def _fed(path: Path, shapes_type: type[Shapes], engine: str = "python") -> list[tuple[int, bytes]]:
     pf = _prefilter()
-    hits = GrepHits.open(Source(path.name, path), pf) if with_grep else None
+    hits = None
+    if engine != "python":
+        hits = next(opener for name, opener, _ in ENGINES if name == engine)(Source(path.name, path), pf)
+        assert hits is not None, engine
     out: list[tuple[int, bytes]] = []
 
     def on_line(line: bytes, lineno: int) -> int:
@@ -102,16 +107,17 @@ def test_block_test_reads_what_the_line_test_reads(tmp_path_factory, data: bytes
     assert _fed(path, Shapes) == _fed(path, _LineByLine)
 
 
-def test_grep_stopped_on_a_dense_log_reads_the_same_lines(tmp_path: Path) -> None:
-    """grep is stopped once nearly every line holds an anchor; the lines fed do not change."""
-    assert shutil.which("grep") is not None
+@pytest.mark.parametrize("engine", ["hyperscan", "grep"])
+def test_engine_closed_on_a_dense_log_reads_the_same_lines(tmp_path: Path, engine: str) -> None:
+    """The anchor engine is closed once nearly every line holds an anchor; the lines fed do not
+    change."""
     path = tmp_path / "dense.log"
     with path.open("w") as f:
         for i in range(300_000):  # several 4 MiB blocks, every line anchored
             f.write(f"[rank{i % 64}]: retry {i} failed with error ECONNRESET (attempt {i % 5})\n")
             if i == 250_000:
                 f.write("[rank7]: RuntimeError: CUDA error: an illegal memory access was encountered\n")
-    fed = _fed(path, Shapes, with_grep=True)
+    fed = _fed(path, Shapes, engine)
     assert fed == _fed(path, Shapes) == _fed(path, _LineByLine)
     assert any(b"illegal memory access" in line for _, line in fed)
     assert len(fed) < 64 * 5  # each rank's shape read its limit of times, then skipped
@@ -141,7 +147,8 @@ def test_examined_lines_do_not_grow_with_the_log_and_memory_is_bounded(tmp_path:
     assert peak < 48 * 1024 * 1024, peak
 
 
-def test_every_kb_anchor_passes_every_path_of_the_prefilter(tmp_path: Path) -> None:
+@pytest.mark.parametrize("engine", ["python", "hyperscan", "grep"])
+def test_every_kb_anchor_passes_every_path_of_the_prefilter(tmp_path: Path, engine: str) -> None:
     """A line that holds any of the prefilter's anchors (the knowledge base's included, digits
     and all) is read, even buried in a million-line block of one repeated shape."""
     pf = _prefilter()
@@ -155,7 +162,7 @@ def test_every_kb_anchor_passes_every_path_of_the_prefilter(tmp_path: Path) -> N
             f.write(f"[rank{i % 4}]:10:{i % 60:02d} WARNING io: read {i} failed with error EIO\n")
             if i % 500 == 0 and i // 500 < len(anchors):
                 f.write(f"[rank9]: line {i} holds << {anchors[i // 500]} >> here\n")
-    fed = [line for _, line in _fed(path, Shapes)]
+    fed = [line for _, line in _fed(path, Shapes, engine)]
     for a in anchors:
         assert any(f"<< {a} >>".encode() in line for line in fed), a
 

@@ -17,7 +17,8 @@ from ckptguard.diagnose import advice, scoring
 from ckptguard.diagnose.arrival import Arrival
 from ckptguard.diagnose.attribution import Attribution, choose, collateral_rank, collect
 from ckptguard.diagnose.events import EMBEDDABLE_ANCHORS, STRUCTURAL_ANCHORS, Extractor
-from ckptguard.diagnose.ingest import MAX_LINE, GrepHits, Prefilter, UsageError, discover, scan, sniff_binary
+from ckptguard.diagnose.hits import open_hits
+from ckptguard.diagnose.ingest import MAX_LINE, Prefilter, UsageError, discover, scan, sniff_binary
 from ckptguard.diagnose.kb import FailureClass, KnowledgeBase, Unproven, load_kb
 from ckptguard.diagnose.mask import Masker
 from ckptguard.diagnose.model import (
@@ -69,7 +70,7 @@ def diagnose(
             # a capture of `ckptguard run` was printed, not pasted: its line numbers must stay
             # those its arrival times were recorded for
             text, pasted = (stream, False) if arrival is not None else read_normalized(stream)
-            hits = GrepHits.open(src, prefilter) if src.path is not None and not pasted else None
+            _engine, hits = open_hits(src, prefilter, transformed=pasted or src.path is None)
             try:
                 b, n = scan(text, prefilter, ex.feed, hits, shapes)
             finally:

@@ -12,23 +12,20 @@ from __future__ import annotations
 
 import codecs
 import gzip
-import os
 import re
-import shutil
-import subprocess
 import sys
 import zlib
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO
+from typing import BinaryIO, Protocol
 
 from ckptguard.diagnose.normalize import looks_utf16
 from ckptguard.diagnose.shapes import Shapes
 
 MAX_LINE = 64 * 1024
 CHUNK = 4 * 1024 * 1024
-# grep is stopped where one line in DENSE of a block (and at least DENSE_MIN) holds an anchor
+# the hits engine is closed where one line in DENSE of a block (and at least DENSE_MIN) holds an anchor
 DENSE = 8
 DENSE_MIN = 4096
 SKIP_SUFFIXES = {
@@ -218,92 +215,34 @@ class Prefilter:
 LineHandler = Callable[[bytes, int], int]
 
 
-class GrepHits:
-    """The prefilter's anchors found by ``grep -F`` (Aho-Corasick / Commentz-Walter in C, several
-    times faster than one Python regex pass per anchor's first character) in a plain file: the
-    byte offsets of the matches, streamed in file order, turned into line starts block by block.
-
-    ``open`` returns None where it cannot apply (no grep, a compressed or UTF-16 file, stdin):
-    the Python prefilter then does the work, with the same result."""
-
-    def __init__(self, proc: subprocess.Popen[bytes]) -> None:
-        self._proc = proc
-        assert proc.stdout is not None
-        self._out = proc.stdout
-        self._next = self._read()
-
-    @classmethod
-    def open(cls, source: Source, prefilter: Prefilter) -> GrepHits | None:
-        """Start grep over ``source`` (None where the Python prefilter must do the work)."""
-        grep = shutil.which("grep")
-        if grep is None or source.path is None or source.path.suffix == ".gz" or not prefilter.anchors:
-            return None
-        try:
-            with source.path.open("rb") as f:
-                if _looks_utf16(f.read(4096)):
-                    return None
-            pats = [x for a in prefilter.exact for x in ("-e", a.decode("utf-8", "surrogateescape"))]
-            proc = subprocess.Popen(
-                [grep, "-a", "-b", "-o", "-F", *pats, "--", str(source.path)],
-                stdout=subprocess.PIPE,
-                stderr=subprocess.DEVNULL,
-                env={**os.environ, "LC_ALL": "C"},
-                bufsize=1 << 16,
-            )
-        except (OSError, ValueError):
-            return None
-        hits = cls(proc)
-        if hits._next is None and proc.wait() > 1:  # grep itself failed: not a result
-            return None
-        return hits
-
-    def _read(self) -> int | None:
-        line = self._out.readline()
-        if not line:
-            return None
-        off, _, _ = line.partition(b":")
-        return int(off)
+class AnchorHits(Protocol):
+    """Where the prefilter's anchors occur, found by a multi-pattern engine outside Python's loop
+    (`hits`): the same lines `Prefilter.line_starts` finds, block by block."""
 
     def starts(self, block: bytes, base: int) -> list[int]:
-        """Line starts (offsets into ``block``, which begins at file offset ``base``) of the lines
-        that hold a match; matches before ``base`` (inside a skipped over-long line) are dropped."""
-        out: list[int] = []
-        end = base + len(block)
-        last_end = -1
-        rfind, find = block.rfind, block.find
-        nxt, read = self._next, self._read
-        while nxt is not None and nxt < end:
-            pos = nxt - base
-            if pos > last_end:
-                out.append(rfind(b"\n", 0, pos) + 1)
-                e = find(b"\n", pos)
-                last_end = len(block) if e < 0 else e
-            nxt = read()
-        self._next = nxt
-        return out
+        """Sorted offsets into ``block`` (which begins at offset ``base`` of the stream) of the
+        starts of the lines that hold an anchor."""
+        ...
 
     def close(self) -> None:
-        """Stop grep (the scan may end early) and reap it."""
-        self._out.close()
-        if self._proc.poll() is None:
-            self._proc.kill()
-        self._proc.wait()
+        """Release what the engine holds (a child process, a scratch space)."""
+        ...
 
 
 def scan(
     stream: BinaryIO,
     prefilter: Prefilter,
     on_line: LineHandler,
-    hits: GrepHits | None = None,
+    hits: AnchorHits | None = None,
     shapes: Shapes | None = None,
 ) -> tuple[int, int]:
     """Feed the lines that matter (1-based line numbers) to ``on_line``; return bytes and lines.
 
     ``on_line`` returns how many following lines it wants to see whatever they contain (inside
-    a traceback or a launcher summary block). ``hits``: the anchors' offsets found by grep in
-    the same (plain, untranscoded) file, used instead of the Python prefilter while the lines
-    that hold an anchor are few (grep prints every match, which costs more than the Python
-    prefilter where nearly every line has one; it is then stopped). ``shapes``: line shapes
+    a traceback or a launcher summary block). ``hits``: the anchors' lines found by a
+    multi-pattern engine (`hits`), used instead of the Python prefilter while the lines that
+    hold an anchor are few (every match costs a call; where nearly every line has one, the
+    engine is closed and the shape-block test below takes over). ``shapes``: line shapes
     read often enough already are skipped, a whole block at once where none of its lines
     would be read (see `shapes`).
     """
@@ -351,7 +290,7 @@ def scan(
             if hits is not None:
                 starts = hits.starts(block, buf_at)
                 if len(starts) >= DENSE_MIN and len(starts) * DENSE > block.count(b"\n"):
-                    hits.close()  # nearly every line holds an anchor: grep's output costs more
+                    hits.close()  # nearly every line holds an anchor: a call per match costs more
                     hits = None
             else:
                 starts = prefilter.line_starts(block)

@@ -339,6 +339,9 @@ class _Chain(io.RawIOBase):
             b[:n] = self._head[:n]
             self._head = self._head[n:]
             return n
+        readinto = getattr(self._rest, "readinto", None)
+        if readinto is not None:
+            return int(readinto(b) or 0)
         data = self._rest.read(len(b))
         b[: len(data)] = data
         return len(data)
@@ -347,9 +350,13 @@ class _Chain(io.RawIOBase):
 def read_normalized(stream: BinaryIO) -> tuple[BinaryIO, bool]:
     """The stream normalised in memory when it is small enough to have been pasted (and
     whether it was); a larger one is returned as it is, positioned at its start."""
+    start = stream.tell() if isinstance(stream, io.BufferedReader) and stream.seekable() else None
     head = stream.read(PASTE_MAX + 1)
     if len(head) <= PASTE_MAX:
         return io.BytesIO(normalize_bytes(head)), True
+    if start is not None:  # a plain file: read it again from there, not through a copying wrapper
+        stream.seek(start)
+        return stream, False
     return io.BufferedReader(_Chain(head, stream), 1 << 20), False
 
 
