@@ -1,10 +1,11 @@
 """Line shapes: what lets a log whose every line holds an anchor word be read at block speed.
 
-A line's shape is its leading rank tag (``[rank12]``, ``12:``) and its text with every digit
-removed. A log whose every line holds an anchor word (retried errors, warnings, NCCL WARN lines)
-repeats a few shapes millions of times, and the first copies of each shape on each rank already
-hold all that they can tell: once a shape has been read ``SHAPE_LIMIT`` times on a rank
-(``UNTAGGED_SHAPE_LIMIT`` without a tag), its further copies are skipped.
+A line's shape is its leading rank tag (``[rank12]``, ``12:``, NCCL's ``host:pid:tid [0]``,
+each naming one process) and its text with every digit removed. A log whose every line holds an
+anchor word (retried errors, warnings, NCCL WARN lines) repeats a few shapes millions of times,
+and the first copies of each shape on each rank already hold all that they can tell: once a
+shape has been read ``SHAPE_LIMIT`` times on a rank (``UNTAGGED_SHAPE_LIMIT`` without a tag),
+its further copies are skipped.
 
 Two tests share that table. `Shapes.repeated` is the per-line one (a C-level translate and a dict
 lookup per candidate line). `Shapes.unread` looks at a whole block at once with C-level operations
@@ -28,20 +29,22 @@ MAX_SHAPES = 200_000  # shapes counted; beyond it a new shape is never skipped (
 MAX_QUIET = 65_536  # shapes known to hold no anchor (memory bound)
 MAX_NEW = 2_048  # new shapes looked at in a part of a block before it is read line by line
 SHORT = 24  # a line this short is never skipped: its shape says too little
-TAG_SPAN = 24  # a "[...]" rank tag ends within a line's first TAG_SPAN bytes
 
-# The tag of `shape`, for every line of a block at once: up to the first "]" in the first 24
-# bytes of a line that starts with "[", else up to the first ": " in its first 8 bytes. Each
-# match takes a whole line (a search for "^" at every byte would cost three times as much).
-_TAGS_RE = re.compile(rb"(\[[^\]\n]{0,22}\]|(?!\[)[^\n]{0,6}?:(?= ))?[^\n]*\n")
+# A line's rank tag: up to the first "]" in the first 24 bytes of a line that starts with "[";
+# NCCL's "host:pid:tid [device]" (a process is one rank); else up to the first ": " in its
+# first 8 bytes.
+_TAG = rb"\[[^\]\n]{0,22}\]|[^\s:\[\]]{1,64}:[0-9]{1,10}:[0-9]{1,10} \[[0-9]{1,4}\]|(?!\[)[^\n]{0,6}?:(?= )"
+_TAG_RE = re.compile(_TAG)
+# The same for every line of a block at once: each match takes a whole line (a search for "^"
+# at every byte would cost three times as much).
+_TAGS_RE = re.compile(rb"(" + _TAG + rb")?[^\n]*\n")
 
 Shape = tuple[bytes, bytes]  # (rank tag, the whole line without its digits)
 
 
 def _tag_len(raw: bytes) -> int:
-    if raw[:1] == b"[":
-        return raw.find(b"]", 0, TAG_SPAN) + 1
-    return raw.find(b": ", 0, 8) + 1
+    m = _TAG_RE.match(raw)
+    return m.end() if m else 0
 
 
 def shape(raw: bytes) -> Shape:
