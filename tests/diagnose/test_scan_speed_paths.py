@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import re
 import shutil
+import sys
 import tracemalloc
 from pathlib import Path
 
@@ -253,3 +254,35 @@ def test_anchor_index_finds_every_anchor(pieces: list[str]) -> None:
     index = AnchorIndex(anchors)
     text = "".join(pieces)
     assert index.present(text) == [a for a in anchors if a in text]
+
+
+def test_without_hyperscan_the_diagnosis_is_the_same(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the Hyperscan wheel is missing (a platform it has none for), grep or the Python
+    prefilter find the same lines: the diagnosis, line numbers included, does not change."""
+    path = tmp_path / "job.log"
+    with path.open("w") as f:
+        for i in range(40_000):
+            f.write(f"[rank{i % 16}]: step {i} loss 2.{i % 97} top1_error=0.1\n")
+            if i == 31_000:
+                f.write("[rank11]: torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2 GiB\n")
+    with_hs = diagnose([str(path)])
+    monkeypatch.setitem(sys.modules, "hyperscan", None)  # `import hyperscan` raises ImportError
+    without = diagnose([str(path)])
+    assert (with_hs.failure_class, with_hs.initiating_rank) == ("cuda_oom", 11)
+    assert with_hs.to_dict()["evidence"] == without.to_dict()["evidence"]
+    assert with_hs.stats["lines_examined"] == without.stats["lines_examined"]
+
+
+def test_nccl_lines_are_limited_per_process(tmp_path: Path) -> None:
+    """NCCL's ``host:pid:tid [dev]`` prefix names one process: a million NCCL WARN lines of 64
+    processes are read a few times per process, and a failure after them is still found."""
+    path = tmp_path / "nccl.log"
+    with path.open("w") as f:
+        for i in range(200_000):
+            p = i % 64
+            prefix = f"node-{p // 8}:{4000 + p}:{4100 + p} [{p % 8}]"
+            f.write(f"{prefix} NCCL WARN NET/IB : Got async event : port error {i}\n")
+        f.write("[rank9]: RuntimeError: CUDA error: an illegal memory access was encountered\n")
+    d = diagnose([str(path)])
+    assert d.failure_class == "cuda_illegal_memory_access" and d.initiating_rank == 9, d.failure_class
+    assert d.stats["lines_examined"] <= 64 * 4 + 8, d.stats
