@@ -315,33 +315,18 @@ def exit_event(lf: LauncherFailure, kb: KnowledgeBase) -> Event | None:
     code = lf.exitcode
     if code is None:  # the report is cut before the code; the launcher's words decided the class
         cls, w = lf.class_id or rules.nonzero_exit[0], lf.weight or 0.5
-        via = RankSource.LAUNCHER if lf.rank is not None else RankSource.NONE
-        return Event(
-            EXIT_SEQ + lf.evidence.line,
-            EventKind.EXIT,
-            cls,
-            w,
-            [Match(cls, w)],
-            [lf.evidence],
-            lf.rank,
-            via,
-            pid=lf.pid,
-            host=lf.host,
-            ts=lf.time,
-            ts_own=False,
-            exc_type="exit code cut from the launcher's report",
-            message=lf.signal_note,
-        )
-    sig = -code if code < 0 else (code - 128 if 128 < code < 160 else None)
-    if lf.class_id is not None:
-        cls, w = lf.class_id, lf.weight or 0.5
-    elif sig is not None:
-        s = rules.signals.get(sig)
-        cls, w = (s.class_id, s.weight) if s else rules.unknown_signal
+        what = "exit code cut from the launcher's report"
     else:
-        cls, w = rules.nonzero_exit
-    name = rules.signals[sig].name if sig in rules.signals else f"signal {sig}"
-    via = RankSource.LAUNCHER if lf.rank is not None else RankSource.NONE
+        sig = -code if code < 0 else (code - 128 if 128 < code < 160 else None)
+        if lf.class_id is not None:
+            cls, w = lf.class_id, lf.weight or 0.5
+        elif sig is not None:
+            s = rules.signals.get(sig)
+            cls, w = (s.class_id, s.weight) if s else rules.unknown_signal
+        else:
+            cls, w = rules.nonzero_exit
+        name = rules.signals[sig].name if sig in rules.signals else f"signal {sig}"
+        what = f"exit code {code}" + (f" ({name})" if sig else "")
     return Event(
         EXIT_SEQ + lf.evidence.line,
         EventKind.EXIT,
@@ -350,12 +335,12 @@ def exit_event(lf: LauncherFailure, kb: KnowledgeBase) -> Event | None:
         [Match(cls, w)],
         [lf.evidence],
         lf.rank,
-        via,
+        RankSource.LAUNCHER if lf.rank is not None else RankSource.NONE,
         pid=lf.pid,
         host=lf.host,
         ts=lf.time,
         ts_own=False,
-        exc_type=f"exit code {code}" + (f" ({name})" if sig else ""),
+        exc_type=what,
         message=lf.signal_note,
     )
 
