@@ -264,6 +264,9 @@ def test_anchor_engines_feed_the_same_lines(tmp_path: Path, engine: str) -> None
                 f.write(b"x" * (70 * 1024) + b" Errno 28 at the end of an over-long line\n")
             if i % 50_000 == 0:
                 f.write(b"[rank1]: ends with an anchor: Killed\n")
+            if i % 20_011 == 0:  # a progress bar's updates on one line: its anchor many times
+                f.write(b"[rank4]:" + b"\rEpoch 1: 45%|####| 450/1000 [00:10<00:12, 3.2it/s]" * (300 + i % 7))
+                f.write(b" RuntimeError: boom after the bar\n" if i % 2 else b"\n")
     files = [big, *sorted(p for p in FIXTURES.rglob("*.log"))[:8]]
     for p in files:
         assert _fed(p, engine) == _fed(p, "python"), p

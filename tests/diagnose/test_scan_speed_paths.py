@@ -286,3 +286,25 @@ def test_nccl_lines_are_limited_per_process(tmp_path: Path) -> None:
     d = diagnose([str(path)])
     assert d.failure_class == "cuda_illegal_memory_access" and d.initiating_rank == 9, d.failure_class
     assert d.stats["lines_examined"] <= 64 * 4 + 8, d.stats
+
+
+def test_a_long_progress_line_is_read_as_the_terminal_shows_it(tmp_path: Path) -> None:
+    """A progress bar that redraws itself thousands of times on one line (carriage returns, no
+    newline) is read as its prefix and its last piece: the cost of a line does not grow with
+    the bar's updates, and what follows the last update (a traceback glued to it) is read."""
+    bar = "\rEpoch 3:  45%|####5     | {i}/50000 [00:10<00:12, 3.2it/s, loss=2.31, top1_error=0.3]"
+    path = tmp_path / "tqdm.log"
+    with path.open("w") as f:
+        for n in range(40):
+            f.write(f"[rank{n % 4}]:" + "".join(bar.format(i=i) for i in range(n * 100, n * 100 + 900)) + "\n")
+        glued = "".join(bar.format(i=i) for i in range(5000, 5900))
+        f.write(f"[rank2]:{glued}Traceback (most recent call last):\n")
+        f.write('[rank2]:  File "/workspace/train.py", line 377, in main\n')
+        f.write("[rank2]:torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 4.00 GiB\n")
+    fed = _fed(path, Shapes, "hyperscan")
+    assert all(len(line) < 400 for _, line in fed), max(len(line) for _, line in fed)
+    assert fed == _fed(path, Shapes, "grep") == _fed(path, _LineByLine)
+    last_bar = [line for _, line in fed if line.startswith(b"[rank2]:\r")]
+    assert last_bar and last_bar[-1].endswith(b"Traceback (most recent call last):")
+    d = diagnose([str(path)])
+    assert (d.failure_class, d.initiating_rank) == ("cuda_oom", 2)

@@ -23,6 +23,7 @@ import shutil
 import subprocess
 import weakref
 from collections.abc import Callable
+from itertools import pairwise
 from typing import Any
 
 from ckptguard.diagnose.ingest import AnchorHits, Prefilter, Source
@@ -71,15 +72,36 @@ class HyperscanHits:
 
     The database (with its scratch space) is compiled once per `Prefilter` and reused for every
     source of that diagnosis; a scratch space must not be used by two threads at once, and one
-    diagnosis reads its sources one after another, each with its own prefilter."""
+    diagnosis reads its sources one after another, each with its own prefilter.
+
+    Every match costs a call into Python, so a line that holds an anchor many times (a progress
+    bar's updates joined by carriage returns, each with its ``it/s``) would cost a call per
+    occurrence: after ``LINE_MATCHES`` matches in one line the scan is stopped and resumed after
+    that line, which bounds the cost per line."""
+
+    LINE_MATCHES = 16
 
     def __init__(self, database: Any) -> None:
         self._db = database
-        self._ends: list[int] = []
-        self._on_match = self._record
+        self._block = b""
+        self._offset = 0  # where in the block the current scan started
+        self._starts: list[int] = []
+        self._line = (-1, -1)  # start and end (its newline) of the line of the last match
+        self._repeats = 0
 
-    def _record(self, _id: int, _start: int, end: int, _flags: int, _ctx: object) -> None:
-        self._ends.append(end)
+    def _on_match(self, _id: int, _start: int, end: int, _flags: int, _ctx: object) -> bool | None:
+        pos = self._offset + end - 1
+        first, last = self._line
+        if first <= pos <= last:
+            self._repeats += 1
+            return self._repeats >= self.LINE_MATCHES or None  # True stops the scan
+        block = self._block
+        first = block.rfind(b"\n", 0, pos) + 1
+        last = block.find(b"\n", pos)
+        self._line = (first, len(block) if last < 0 else last)
+        self._starts.append(first)
+        self._repeats = 0
+        return None
 
     @classmethod
     def open(cls, source: Source, prefilter: Prefilter) -> HyperscanHits | None:
@@ -98,16 +120,29 @@ class HyperscanHits:
     def starts(self, block: bytes, base: int) -> list[int]:
         """Line starts, in ``block``, of the lines that hold an anchor (``base`` is not needed:
         the block itself is scanned)."""
+        import hyperscan
+
         del base
-        self._ends = []
-        self._db.scan(block, match_event_handler=self._on_match)
-        ends, self._ends = self._ends, []
-        ends.sort()  # Hyperscan reports in end order per pattern group; sorted makes it certain
-        return _line_starts(block, ends)
+        self._block, self._starts, self._line, self._repeats = block, [], (-1, -1), 0
+        view = memoryview(block)
+        self._offset = 0
+        while True:
+            try:
+                self._db.scan(view[self._offset :], match_event_handler=self._on_match)
+                break
+            except hyperscan.ScanTerminated:  # a line with many matches: go on after it
+                self._offset = self._line[1] + 1
+                self._repeats = 0
+                if self._offset >= len(block):
+                    break
+        starts, self._starts, self._block = self._starts, [], b""
+        # Hyperscan reports matches in the order of their ends within one scan; sorted and
+        # unique makes that certain whatever its engines do
+        return sorted(set(starts)) if any(a >= b for a, b in pairwise(starts)) else starts
 
     def close(self) -> None:
         """Nothing to stop: the database is freed with the object."""
-        self._ends = []
+        self._starts, self._block = [], b""
 
 
 class GrepHits:

@@ -25,6 +25,8 @@ from ckptguard.diagnose.shapes import Shapes
 
 MAX_LINE = 64 * 1024
 CHUNK = 4 * 1024 * 1024
+# A line longer than this that holds carriage returns is read as a terminal shows it (`shown`)
+OVERWRITE_MIN = 4096
 # the hits engine is closed where one line in DENSE of a block (and at least DENSE_MIN) holds an anchor
 DENSE = 8
 DENSE_MIN = 4096
@@ -277,7 +279,8 @@ def scan(
         cut = buf.rfind(b"\n")
         if cut < 0:
             if len(buf) > MAX_LINE:
-                force = on_line(buf[:MAX_LINE], lineno + 1) if force or _any_hit(prefilter, buf[:MAX_LINE]) else force
+                head = shown(buf[:MAX_LINE])
+                force = on_line(head, lineno + 1) if force or _any_hit(prefilter, head) else force
                 carry, skipping = b"", True
             else:
                 carry = buf
@@ -296,17 +299,48 @@ def scan(
                 starts = prefilter.line_starts(block)
             lineno, force = _scan_block(block, lineno, starts, on_line, force, wants)
         if len(carry) > MAX_LINE:
-            head = carry[:MAX_LINE]
+            head = shown(carry[:MAX_LINE])
             if force or _any_hit(prefilter, head):
                 force = on_line(head, lineno + 1)
             carry, skipping = b"", True
     if carry and not skipping:
-        if force or _any_hit(prefilter, carry):
-            on_line(carry[:MAX_LINE], lineno + 1)
+        last = shown(carry[:MAX_LINE])
+        if force or _any_hit(prefilter, last):
+            on_line(last, lineno + 1)
         lineno += 1
     elif skipping:
         lineno += 1
     return nbytes, lineno
+
+
+def shown(line: bytes) -> bytes:
+    """A long line as a terminal shows it: a progress bar redraws itself after each carriage
+    return, so of a line of thousands of updates (``\\rEpoch 1: 45%|...| 3.2it/s``) only its
+    first piece (the launcher's prefix) and its last (the final update, and whatever was printed
+    after it, such as a traceback's first line) are read. A line of ``OVERWRITE_MIN`` bytes or
+    fewer is read whole: the cost of reading a line grows with its length, and pieces overwritten
+    on the terminal hold only the bar's earlier states."""
+    if len(line) <= OVERWRITE_MIN:
+        return line
+    body = line.rstrip(b"\r")  # CRLF line ends are not redraws
+    first = body.find(b"\r")
+    if first < 0:
+        return line
+    last = body.rfind(b"\r")
+    return line if last == first else line[:first] + line[last:]
+
+
+def _shown_at(block: bytes, start: int, end: int) -> bytes:
+    """`shown` of the line ``block[start:end]``, cut at ``MAX_LINE`` after the redraws are
+    dropped (so that what follows a long bar's last update is read), without copying it."""
+    stop = end
+    while stop > start and block[stop - 1] == 13:  # CRLF line ends are not redraws
+        stop -= 1
+    first = block.find(b"\r", start, stop)
+    last = block.rfind(b"\r", start, stop) if first >= 0 else -1
+    if last <= first:
+        return block[start : min(end, start + MAX_LINE)]
+    return (block[start:first] + block[last:end])[:MAX_LINE]
 
 
 def _chunks(stream: BinaryIO) -> Iterator[tuple[int, bytes]]:
@@ -396,7 +430,7 @@ def _scan_block(
             le = n
         base += count(b"\n", counted_to, ls)
         counted_to = ls
-        line = block[ls : min(le, ls + MAX_LINE)]
+        line = block[ls : min(le, ls + MAX_LINE)] if le - ls <= OVERWRITE_MIN else _shown_at(block, ls, le)
         if force > 0 or wants(line):
             force = max(force - 1, on_line(line, base + 1))
         cur = le + 1
