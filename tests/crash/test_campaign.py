@@ -45,7 +45,7 @@ FAULTS: dict[str, int] = {}
 #: trials about a second, so those carry most of CI's 100 faults.
 CI_KILLS = {"kill_phase": len(campaign.SAVE_PHASES), "kill_random": 1, "kill_load": 1}
 LONG_KILLS = {"kill_phase": 28, "kill_random": 8, "kill_load": 4}
-#: CI's kill layouts: 1 x 2 for most trials, one trial each on 2 x 2 with a shared root (after_write) and on
+#: CI's kill layouts: 1 x 2 for most trials, one trial each on 2 x 2 with a shared root (mid_write) and on
 #: 2 x 2 with node-local roots (before_publish: one storage domain published, the other not).
 CI_KILL_LAYOUTS = ("single", "single", "shared", "single", "local")
 CI_STALE_CACHE = 1
