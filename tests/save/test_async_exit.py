@@ -75,7 +75,7 @@ def test_a_dead_rank_is_a_checkpoint_error_for_the_survivors(tmp_path: Path) -> 
 
 
 def test_a_stalled_rank_makes_the_others_fail_within_the_timeout(tmp_path: Path) -> None:
-    try:  # the stopped rank never exits: the job ends by the runner's timeout, which kills it
+    try:  # rank 0 kills the stopped rank once it has reported; else the job ends by the runner's timeout
         job = run_job(
             WORKER,
             ["stalled_rank", str(tmp_path / "ck"), "--timeout", "8"],
