@@ -350,6 +350,7 @@ class Checkpointer(Management, SettingsAttributes):
                 lease.release()
             if self._exit_release is not None:
                 atexit.unregister(self._exit_release)
+            self._comm.close()
             self._released = True
 
     def __enter__(self) -> Checkpointer:

@@ -42,6 +42,7 @@ class Transport(Protocol):
     def scatter(self, objs: list[Any] | None) -> Any: ...
     def domain_broadcast(self, obj: Any, domain: Sequence[int]) -> Any: ...
     def set_domains(self, domains: Sequence[Sequence[int]]) -> None: ...
+    def close(self) -> None: ...
     @property
     def process_group(self) -> Any: ...
 
@@ -66,6 +67,9 @@ class LocalTransport:
         return obj
 
     def set_domains(self, domains: Sequence[Sequence[int]]) -> None:
+        pass
+
+    def close(self) -> None:
         pass
 
     @property
@@ -104,6 +108,14 @@ class TorchTransport:
     @property
     def process_group(self) -> Any:
         return self._group
+
+    def close(self) -> None:
+        """Drop this transport's references to its groups. A closed Checkpointer is cyclic garbage that
+        lives until a garbage collection: holding its gloo groups, it kept their native threads alive past
+        destroy_process_group(), to be destroyed while the interpreter shuts down, where PyTorch aborts
+        now and then ("terminate called without an active exception") after the job's work is done."""
+        self._group = None
+        self._domain_groups = {}
 
     def gather(self, obj: Any) -> list[Any] | None:
         out: list[Any] | None = [None] * self.world_size if self.rank == 0 else None
@@ -164,6 +176,10 @@ class Comm:
     def set_domains(self, domains: Sequence[Sequence[int]]) -> None:
         """Prepare one channel per storage domain (collective: every rank, the same list)."""
         self._t.set_domains(domains)
+
+    def close(self) -> None:
+        """Release the process groups (no collective; this Comm is not used after)."""
+        self._t.close()
 
     def step(
         self,

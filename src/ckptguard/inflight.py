@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import atexit
 import functools
+import gc
 import os
 import sys
 import weakref
@@ -104,6 +105,9 @@ def _report_unwaited_saves() -> None:
         os._exit(1)
     if _tracked_any:
         _destroy_a_gloo_world_left_alive()
+        # Checkpointers nobody closed are cyclic garbage holding gloo groups: freed now, while the
+        # interpreter is whole, not by the collection of its shutdown (the same abort as above).
+        gc.collect()
 
 
 def _destroy_a_gloo_world_left_alive() -> None:

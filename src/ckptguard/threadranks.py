@@ -57,6 +57,9 @@ class ThreadTransport:
     def process_group(self) -> Any:
         return None
 
+    def close(self) -> None:
+        pass
+
     def gather(self, obj: Any) -> list[Any] | None:
         seen = self._rv.exchange(self.rank, pickle.dumps(obj))
         return [pickle.loads(s) for s in seen if s is not None] if self.rank == 0 else None

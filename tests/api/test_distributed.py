@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.jobs import JobResult
 from tests.support.results import by_rank, job_results
 from tests.support.workers import ckpt_job
 
@@ -89,19 +90,24 @@ def test_save_file_node_local_one_writer_per_node(tmp_path: Path) -> None:
     )
 
 
-# CI keeps one phase on each side of the commit point; the campaign's CI slice kills a rank at every
-# phase (tests/crash/test_campaign.py). The long run (`pytest -m long`) has the rest of the matrix.
+# CI keeps one phase on each side of the commit point: a non-leader killed mid-write on 1 node x 2 ranks
+# (half the processes of 2 x 2, the same path), the leader killed after publishing on 2 nodes x 2 ranks
+# (the other node's ranks lose the leader). The campaign's CI slice kills a rank at every phase
+# (tests/crash/test_campaign.py). The long run (`pytest -m long`) has the rest of the matrix.
 @pytest.mark.parametrize(
-    "phase,rank",
+    "phase,rank,nnodes",
     [
-        pytest.param("before_write", "1", marks=pytest.mark.long),
-        ("mid_write", "3"),
-        pytest.param("after_write", "2", marks=pytest.mark.long),
-        pytest.param("before_publish", "0", marks=pytest.mark.long),
-        ("after_publish", "0"),
+        pytest.param("before_write", "1", 2, marks=pytest.mark.long),
+        ("mid_write", "1", 1),
+        pytest.param("mid_write", "3", 2, marks=pytest.mark.long),
+        pytest.param("after_write", "2", 2, marks=pytest.mark.long),
+        pytest.param("before_publish", "0", 2, marks=pytest.mark.long),
+        ("after_publish", "0", 2),
     ],
 )
-def test_sigkill_during_save_leaves_previous_or_new_checkpoint(tmp_path: Path, phase: str, rank: str) -> None:
+def test_sigkill_during_save_leaves_previous_or_new_checkpoint(
+    tmp_path: Path, phase: str, rank: str, nnodes: int
+) -> None:
     """SIGKILL one rank at each phase of the 4th save; the restarted job loads a committed step, bitwise."""
     root = tmp_path / "ckpt"
     env = {"CKPT_ROOT": str(root)}
@@ -113,14 +119,14 @@ def test_sigkill_during_save_leaves_previous_or_new_checkpoint(tmp_path: Path, p
         f"{phase}:{rank}",
         "--fault-step",
         "3",
-        nnodes=2,
+        nnodes=nnodes,
         nproc=2,
         env=env,
         check=False,
     )
     assert not crashed.ok
     assert sorted(r["saved"] for r in job_results(crashed) if "saved" in r and r["rank"] == 0) == [0, 1, 2]
-    resumed = ckpt_job("resume", nnodes=2, nproc=2, env=env)
+    resumed = ckpt_job("resume", nnodes=nnodes, nproc=2, env=env)
     loaded = set(by_rank(resumed, "loaded").values())
     # Before the rename nothing of step 3 is committed; after it, step 3 is.
     assert loaded == ({3} if phase == "after_publish" else {2}), resumed.output()
@@ -146,8 +152,18 @@ def test_per_rank_values_refused_as_plain_and_round_trip_with_per_rank(tmp_path:
     assert by_rank(job, "steps") == {0: [2], 1: [2]}
 
 
-@pytest.mark.parametrize("phase,rank", [("mid_write", 1), pytest.param("before_publish", 0, marks=pytest.mark.long)])
-def test_sigkill_during_background_save_keeps_previous_checkpoint(tmp_path: Path, phase: str, rank: int) -> None:
+# 1 node x 2 ranks in CI (the background write's path does not depend on the node count); 2 x 2 in the long run.
+@pytest.mark.parametrize(
+    "phase,rank,nnodes",
+    [
+        ("mid_write", 1, 1),
+        pytest.param("mid_write", 1, 2, marks=pytest.mark.long),
+        pytest.param("before_publish", 0, 2, marks=pytest.mark.long),
+    ],
+)
+def test_sigkill_during_background_save_keeps_previous_checkpoint(
+    tmp_path: Path, phase: str, rank: int, nnodes: int
+) -> None:
     """Async saves (blocking=False): a rank killed while the background write runs loses only that save."""
     root = tmp_path / "ckpt"
     env = {"CKPT_ROOT": str(root)}
@@ -160,13 +176,13 @@ def test_sigkill_during_background_save_keeps_previous_checkpoint(tmp_path: Path
         f"{phase}:{rank}",
         "--fault-step",
         "3",
-        nnodes=2,
+        nnodes=nnodes,
         nproc=2,
         env=env,
         check=False,
     )
     assert not crashed.ok
-    resumed = ckpt_job("resume", nnodes=2, nproc=2, env=env)
+    resumed = ckpt_job("resume", nnodes=nnodes, nproc=2, env=env)
     assert set(by_rank(resumed, "loaded").values()) == {2}, resumed.output()
     assert os.listdir(root / ".ckptguard" / "staging") == []
 
@@ -187,15 +203,23 @@ def test_background_saves_round_trip_on_two_nodes(tmp_path: Path) -> None:
     assert all(s == [3, 4] for s in by_rank(job, "steps").values())
 
 
-def test_checkpointer_on_a_subgroup(tmp_path: Path) -> None:
-    job = ckpt_job("subgroups", nproc=4, env={"CKPT_ROOT": str(tmp_path)})
+@pytest.fixture(scope="module")
+def subgroups(tmp_path_factory: pytest.TempPathFactory) -> tuple[JobResult, Path]:
+    """One 4-rank job, two pipeline stages of 2 ranks, each with a Checkpointer on its own subgroup
+    (both tests below read it: a torchrun job of 4 ranks costs ~10 s)."""
+    root = tmp_path_factory.mktemp("subgroups")
+    return ckpt_job("subgroups", nproc=4, env={"CKPT_ROOT": str(root)}), root
+
+
+def test_checkpointer_on_a_subgroup(subgroups: tuple[JobResult, Path]) -> None:
+    job, root = subgroups
     assert by_rank(job, "stage") == {0: 0, 1: 0, 2: 1, 3: 1}
     assert set(map(tuple, (tuple(map(tuple, t)) for t in by_rank(job, "topology").values()))) == {((0, 1),)}
-    assert (tmp_path / "stage0" / "step-00000001").is_dir() and (tmp_path / "stage1" / "step-00000001").is_dir()
+    assert (root / "stage0" / "step-00000001").is_dir() and (root / "stage1" / "step-00000001").is_dir()
 
 
-def test_rank_with_nothing_to_write(tmp_path: Path) -> None:
+def test_rank_with_nothing_to_write(subgroups: tuple[JobResult, Path]) -> None:
     """One replicated value: DCP gives it to one rank; the other writes no file and still commits."""
-    job = ckpt_job("subgroups", nproc=4, env={"CKPT_ROOT": str(tmp_path)})
-    files = sorted(os.listdir(tmp_path / "stage1" / "step-00000001" / "data"))
+    job, root = subgroups
+    files = sorted(os.listdir(root / "stage1" / "step-00000001" / "data"))
     assert len(files) == 1 and by_rank(job, "stage")[3] == 1

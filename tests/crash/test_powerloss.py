@@ -5,8 +5,9 @@ operations are replayed into the disk states a power cut may leave, under crash 
 (ext4 data=ordered-like) and B (only what an fsync covers survives), and each state is
 loaded with a read_only Checkpointer (docs/crash-consistency.md, docs/testbeds.md).
 
-CI explores ``CKPTGUARD_POWERLOSS_STATES`` (default 40) distinct states per scenario and
-model; the long run raises it (or runs tests/support/beds/powerloss/explorer.py).
+CI explores ``CKPTGUARD_POWERLOSS_STATES`` (default 24) distinct states per scenario and
+model; the long tier (``pytest -m long``) explores ``LONG_STATES`` with another seed, and
+tests/support/beds/powerloss/explorer.py as many as asked.
 """
 
 from __future__ import annotations
@@ -31,7 +32,8 @@ pytestmark = [
     pytest.mark.skipif(_REASON is not None, reason=f"power-loss bed unavailable: {_REASON}"),
 ]
 
-STATES = int(os.environ.get("CKPTGUARD_POWERLOSS_STATES", "40"))
+STATES = int(os.environ.get("CKPTGUARD_POWERLOSS_STATES", "24"))
+LONG_STATES = 200
 _recordings: dict[tuple[str, str | None], Recording] = {}
 _explored: dict[tuple[str, str], int] = {}  # (scenario, model) -> distinct crash states checked
 
@@ -62,18 +64,30 @@ def _after_commit_minimal(rec: Recording) -> tuple[CrashModel, Choice]:
 # -- the CI slice: every scenario, both models ---------------------------------------------------------
 
 
-@pytest.mark.parametrize("scenario", list(SCENARIOS))
-def test_every_crash_state_loads_old_or_new(scenario: str, checker: Checker) -> None:
+def _explore_both_models(scenario: str, checker: Checker, states: int, seed: int, *, ci: bool = True) -> None:
     rec = recording(scenario)
     for model in ("A", "B"):
-        res = explore(SCENARIOS[scenario], rec, model, STATES, checker, seed=12)
-        _explored[(scenario, model)] = res.states
+        res = explore(SCENARIOS[scenario], rec, model, states, checker, seed=seed)
+        if ci:
+            _explored[(scenario, model)] = res.states
         print(
             f"{scenario} model {model}: {len(rec.ops)} operations, {res.states} crash states, "
             f"{res.verified} verify runs, {len(res.violations)} violations, {res.seconds:.1f} s"
         )
-        assert res.states >= min(STATES, 15), f"only {res.states} distinct states explored"
+        assert res.states >= min(states, 15), f"only {res.states} distinct states explored"
         assert not res.violations, "\n".join(v.describe() for v in res.violations[:10])
+
+
+@pytest.mark.parametrize("scenario", list(SCENARIOS))
+def test_every_crash_state_loads_old_or_new(scenario: str, checker: Checker) -> None:
+    _explore_both_models(scenario, checker, STATES, seed=12)
+
+
+@pytest.mark.long
+@pytest.mark.parametrize("scenario", list(SCENARIOS))
+def test_every_crash_state_loads_old_or_new_long(scenario: str, checker: Checker) -> None:
+    """The long tier: more crash states of every scenario, drawn with another seed."""
+    _explore_both_models(scenario, checker, LONG_STATES, seed=13, ci=False)
 
 
 def test_ci_slice_explores_a_few_hundred_states() -> None:

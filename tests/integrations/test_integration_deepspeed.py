@@ -297,6 +297,7 @@ def save_errors(d: Path, record: str) -> list[str | None]:
 
 
 @pytest.mark.slow
+@pytest.mark.long  # the framework's own checkpointing failing: docs/integrations.md; CI keeps ckptguard's side
 def test_nvme_offload_node_local_storage_on_a_shared_dir_with_deepspeeds_engine(tmp_path: Path) -> None:
     """Both nodes copy into global_step2/offloaded_tensors/rank00; the second copytree (dirs_exist_ok=False)
     fails, and the tag holds the other node's bytes under that name."""

@@ -143,9 +143,8 @@ def test_ddp_kill_inside_a_commit_then_resume_reproduces_the_run(tmp_path: Path,
 
 
 @pytest.mark.slow
-def test_trainer_default_resumes_from_a_checkpoint_missing_a_rank_file_ckptguard_does_not(
-    tmp_path: Path, reference: dict
-) -> None:
+@pytest.mark.long  # the framework's own checkpointing failing: docs/integrations.md; CI keeps ckptguard's side
+def test_trainer_default_resumes_from_a_checkpoint_missing_a_rank_file(tmp_path: Path, reference: dict) -> None:
     # Trainer's own checkpointing: rank 1 dies in the 3rd save (step 6) before writing rng_state_1.pth.
     out = tmp_path / "default"
     crashed = run(out, tmp_path / "dcrash", "--default", "--default-crash-at-save", "3")
@@ -161,7 +160,14 @@ def test_trainer_default_resumes_from_a_checkpoint_missing_a_rank_file_ckptguard
     assert got[7] != reference["losses"][1][7], (got, reference["losses"][1])
     assert losses(tmp_path / "dres", 0)[8] != reference["losses"][0][8]
 
-    # CkptguardTrainer, the same fault: step 6 never committed, the resume takes step 4 and reproduces the run.
+
+@pytest.mark.slow
+def test_a_rank_killed_before_its_rng_file_leaves_the_checkpoint_uncommitted_and_the_resume_reproduces_the_run(
+    tmp_path: Path, reference: dict
+) -> None:
+    # CkptguardTrainer, the fault that makes Trainer's own checkpointing resume from a checkpoint missing
+    # rank 1's rng_state_1.pth (the long test above): step 6 never committed, the resume takes step 4 and
+    # reproduces the run.
     out = tmp_path / "ckptguard"
     crashed = run(out, tmp_path / "crash", "--default-crash-at-save", "3")
     assert crashed.returncode != 0

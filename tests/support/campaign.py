@@ -85,6 +85,9 @@ KINDS = (
 #: Kinds that fault a checkpoint's life beyond one save (overwrite, rollback, stalls, readers, loads, restores,
 #: exits, hostile input); kills and SIGSTOPs among them are counted apart (tools/campaign.py --report).
 LIFECYCLE_KINDS = KINDS[8:]
+#: The layouts kill trials cycle through: 4 entries, 7 save phases: coprime, so every (phase, layout) pair
+#: occurs in a long run. A 2 x 2 job costs about twice a 1 x 2 one (6 processes import torch, not 3).
+KILL_LAYOUTS = ("single", "shared", "single", "local")
 KEEP_LAST = 3
 
 _SIGKILLED = re.compile(r"exitcode\s*:\s*-9|Signal 9 \(SIGKILL\)")
@@ -322,7 +325,9 @@ class Campaign:
         yield_to: str | None = None,
         results: Path | None = None,
         run_id: str = "",
+        kill_layouts: tuple[str, ...] = KILL_LAYOUTS,
     ) -> None:
+        self.kill_layouts = kill_layouts  # the layout of the i-th trial of a kill kind: kill_layouts[i % len]
         self.results = results  # a JSONL file: one record per trial is appended (resumable campaigns)
         self.run_id = run_id or f"{time.strftime('%Y%m%dT%H%M%S')}-{seed}"
         self.commit = _git_commit()
@@ -481,9 +486,10 @@ class Campaign:
         raise ValueError(kind)
 
     def kill_chains(self, plan: dict[str, int]) -> None:
-        """Kill trials on three layouts: 1 node x 2 ranks (cheap, half of the trials), 2 nodes x 2 ranks
-        sharing one root, and 2 nodes x 2 ranks with node-local roots (two storage domains, so a
-        commit can be published on one domain and not the other)."""
+        """Kill trials on three layouts, in the order of ``kill_layouts``: 1 node x 2 ranks (cheap; half
+        of the trials by default), 2 nodes x 2 ranks sharing one root, and 2 nodes x 2 ranks with
+        node-local roots (two storage domains, so a commit can be published on one domain and not the
+        other)."""
         single = self.fresh_root("kill-single")
         shared = self.fresh_root("kill-shared")
         local = [self.fresh_root("kill-local-n0"), self.fresh_root("kill-local-n1")]
@@ -492,7 +498,10 @@ class Campaign:
             "shared": Topo("shared", 2, 2, [shared, shared], [shared], (0,)),
             "local": Topo("local", 2, 2, local, local, (0, 2)),
         }
-        cycle = ("single", "shared", "single", "local")  # 4 entries, 7 save phases: coprime, so every pair occurs
+        cycle = self.kill_layouts
+        unknown = set(cycle) - set(topos)
+        if unknown or not cycle:
+            raise ValueError(f"unknown kill layouts {sorted(unknown)}; known: {', '.join(topos)}")
         per_topo: dict[str, list[tuple[str, str, str]]] = {k: [] for k in topos}
         for kind, n in plan.items():
             for i in range(n):

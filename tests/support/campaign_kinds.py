@@ -17,13 +17,18 @@ rollback makes a lower step the newest.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
+import importlib.util
+import io
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import tempfile
 import time
+import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -454,8 +459,6 @@ def stops(c: Campaign, n: int, ttl: float = 1.5, points: tuple[str, ...] = STOP_
         trial.jobs = [_Log(la), _Log(lb)]  # type: ignore[list-item]
         c.record(trial, time.monotonic() - t0)
         if not trial.problems:
-            import shutil
-
             shutil.rmtree(root, ignore_errors=True)
             la.unlink(missing_ok=True)
             lb.unlink(missing_ok=True)
@@ -606,8 +609,6 @@ def run_reader(c: Campaign, n: int, per_pair: int = 20) -> None:
             t.fail(f"writer rc {rc_w}, reader rc {rc_r}: {_Log(lw).output()[-800:]} {_Log(lr).output()[-800:]}")
             c.record(t, 0.0)
         else:
-            import shutil
-
             shutil.rmtree(sync, ignore_errors=True)
         done += k
 
@@ -786,6 +787,33 @@ GLOO_EXIT_ABORT = "terminate called without an active exception"
 ASYNC_VARIANTS = ("destroy", "exit", "destroy, save fails", "exit, save fails", "exit, a rank killed")
 
 
+_worker: Any = None
+
+
+def _inspect(c: Campaign, root: Path, gen: int) -> tuple[int, str]:
+    """The worker's ``inspect`` scenario (read_only, no process group), run in this process: a process of
+    its own would import torch once more per trial. Returns (0, or 1 if it raised; what it printed)."""
+    global _worker
+    if _worker is None:
+        spec = importlib.util.spec_from_file_location("_campaign_job", CAMPAIGN_JOB)
+        assert spec is not None and spec.loader is not None
+        _worker = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(_worker)
+    scratch = Path(tempfile.mkdtemp(prefix=f"inspect-{gen}-", dir=c.scratch))
+    args = argparse.Namespace(root=str(root), gen=gen, big=64 * 1024, scratch=str(scratch))
+    out = io.StringIO()
+    rc = 0
+    with contextlib.redirect_stdout(out):
+        try:
+            _worker.scenario_inspect(args)
+        except Exception:
+            rc = 1
+            out.write(traceback.format_exc())
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
+    return rc, out.getvalue()
+
+
 def run_async_exit(c: Campaign, n: int) -> None:
     """One 1 x 2 job per trial: a background save, then the script ends (``exit``) or calls
     destroy_process_group() (``destroy``). A save that can succeed must be committed and load bitwise,
@@ -811,11 +839,8 @@ def run_async_exit(c: Campaign, n: int) -> None:
         )
         trial.jobs = [job] if job else []
         step = next((e["step"] for e in events_of(evs, "returned", 0)), None)
-        log = root.parent / f"inspect-{i}.log"
-        p = _single(c, ["inspect", "--root", str(root), "--gen", str(gen)], log)
-        rc_i = _finish(p, 120)
-        _kill(p)
-        ins = parse_results(_Log(log).output())
+        rc_i, inspected = _inspect(c, root, gen)
+        ins = parse_results(inspected)
         steps = next((e["steps"] for e in ins if e.get("event") == "inspect"), None)
         if timeout:
             trial.fail(f"the job did not end: {timeout}")
@@ -851,7 +876,7 @@ def run_async_exit(c: Campaign, n: int) -> None:
             if steps is not None and step in steps and "raise" in fault:
                 trial.fail(f"step {step} is committed although its save failed ({fault})")
         if rc_i != 0 or steps is None:
-            trial.fail(f"inspecting the root failed (rc {rc_i}): {_Log(log).output()[-1000:]}")
+            trial.fail(f"inspecting the root failed (rc {rc_i}): {inspected[-1000:]}")
         for e in ins:
             if e.get("event") == "loaded" and not e["ok"]:
                 trial.fail(f"the newest step {e['step']} loads with wrong content: {e['bad']}", torn=True)
@@ -941,7 +966,5 @@ def run_hostile(c: Campaign, n: int, per_job: int = 22) -> None:
                     trial.fail(f"trial {i} ({what}): `ckptguard ls` exit status {r['rc']}: {r['err']}")
             c.record(trial, seconds)
         if rc == 0:
-            import shutil
-
             shutil.rmtree(base, ignore_errors=True)
         done += k

@@ -898,11 +898,21 @@ def _try_save(ck: Checkpointer, st: State, step: int, gen: int, label: str) -> b
         return False
 
 
+def _short_cas_lock_timeout() -> None:
+    """A stop trial freezes job A inside a compare-and-swap (of `latest`, of a lease renewal): job B then
+    waits out the lock of that swap before it breaks it. The library waits 10 s; stop trials use 3 s, as
+    they shorten the lease TTL: the path taken (wait, break, the frozen holder's swap fails) is the same."""
+    from ckptguard.storage import posix
+
+    posix.CAS_LOCK_TIMEOUT_S = 3.0
+
+
 def scenario_holder(args: argparse.Namespace) -> None:
     """Job A of a stop trial (one process): commits steps, then stops itself (SIGSTOP, every thread
     with it) at ``--stop-at`` and is resumed (SIGCONT) after job B took the root over. Everything it
     tries afterwards must fail, and it must change nothing of B's (the driver compares the tree)."""
     st = State(0, args.big, args.scratch)
+    _short_cas_lock_timeout()
     _install_stop_points()
     # A fenced attempt (B moved staging away) makes a writer wait for its attempt directory up to
     # visibility_timeout_s before it fails: shortened from 60 s so that a trial takes seconds.
@@ -939,6 +949,7 @@ def scenario_taker(args: argparse.Namespace) -> None:
     commits a step of its own, then stops inside its next save (``--taker-stop``: an attempt of its
     own in staging) while A runs; resumed, it finishes that save and loads both its steps bitwise."""
     st = State(0, args.big, args.scratch)
+    _short_cas_lock_timeout()
     t0 = time.monotonic()
     ck = make_ck(args, lease_ttl_s=args.lease_ttl, lease_wait_s=args.lease_ttl * 20, keep_last=2)
     result(event="took-over", waited_s=round(time.monotonic() - t0, 2), steps=ck.steps())

@@ -11,6 +11,7 @@ then both save and load on). Each rank prints ``RESULT <json>``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import signal
 import time
@@ -68,8 +69,11 @@ def scenario_stalled_rank(args: argparse.Namespace) -> None:
     ck = ckptguard.Checkpointer(args.root, collective_timeout_s=args.timeout)
     ck.save(1, state(1))
     started = time.monotonic()
+    pid_file = f"{args.root}.stalled-pid"
     if dist.get_rank() == 1:
-        os.kill(os.getpid(), signal.SIGSTOP)  # the test's job runner kills it at the end
+        with open(pid_file, "w") as f:
+            f.write(str(os.getpid()))
+        os.kill(os.getpid(), signal.SIGSTOP)  # rank 0 kills it once it has reported
     try:
         ck.save(2, state(2))
         result(error=None)
@@ -79,7 +83,10 @@ def scenario_stalled_rank(args: argparse.Namespace) -> None:
             checkpoint_error=isinstance(e, ckptguard.CheckpointError),
             seconds=time.monotonic() - started,
         )
-    os._exit(0)  # the stalled peer never answers again: do not wait for it at shutdown
+    # The stalled peer never answers again: end it, so that the job ends now and not at the test's timeout.
+    with contextlib.suppress(OSError, ValueError), open(pid_file) as f:
+        os.kill(int(f.read()), signal.SIGKILL)
+    os._exit(0)  # do not wait for the stalled peer at shutdown
 
 
 def scenario_out_of_step(args: argparse.Namespace) -> None:
