@@ -131,3 +131,47 @@ def test_ignored_report_alone_is_still_not_a_failure(tmp_path: Path, style: str)
     records = world([(1, IGNORED), *((1, t) for t in RENAME_TRACEBACK), (1, "step 813 | loss 2.30")], 2)
     d = diagnose([write_log(tmp_path, style, False, records)])
     assert not d.found, (d.kind, d.initiating_rank)
+
+
+WARNINGS = {
+    "logging": "WARNING:root:Error decoding sample 118 of shard s3://data/shard-00012.tar, skipping "
+    "(PIL.UnidentifiedImageError: cannot identify image file)",
+    "formatter": "2024-05-01 10:16:59,120 - data.loader - WARNING - skipping sample 118 after "
+    "OSError: image file is truncated (3 bytes not processed)",
+    "bracketed": "[2024-05-01 10:16:59,120] [WARNING] [loader.py:88:__next__] sample 118 skipped after "
+    "ConnectionResetError: [Errno 104] Connection reset by peer",
+    "loguru": "2024-05-01 10:16:59.120 | WARNING  | data.loader:next:88 - retrying shard after "
+    "botocore.exceptions.ReadTimeoutError: Read timeout on endpoint URL",
+    "warnings": "/workspace/data.py:88: UserWarning: could not decode sample 118 "
+    "(PIL.UnidentifiedImageError: cannot identify image file), skipped",
+}
+
+
+@pytest.mark.parametrize("stamped", STAMPS)
+@pytest.mark.parametrize("form", sorted(WARNINGS))
+@pytest.mark.parametrize("style", STYLES)
+def test_handled_exception_in_a_warning_does_not_outrank_a_failure(
+    tmp_path: Path, style: str, form: str, stamped: bool
+) -> None:
+    records = world([(7, WARNINGS[form]), *((3, t) for t in RENAME_TRACEBACK)], 8)
+    d = diagnose([write_log(tmp_path, style, stamped, records)])
+    assert (d.kind, d.initiating_rank) == ("checkpoint_write_race", 3), d.notes
+    assert 7 not in d.also_failed_ranks
+
+
+@pytest.mark.parametrize("stamped", STAMPS)
+@pytest.mark.parametrize("style", STYLES)
+def test_warnings_on_every_rank_do_not_mark_ranks_failed(tmp_path: Path, style: str, stamped: bool) -> None:
+    warned = [(r, WARNINGS[form]) for r in range(8) for form in sorted(WARNINGS) if r != 5]
+    records = world([*warned, (5, "ValueError: shape mismatch in batch 118: expected 4096, got 4095")], 8)
+    d = diagnose([write_log(tmp_path, style, stamped, records)])
+    assert (d.kind, d.initiating_rank) == ("python_exception", 5), d.notes
+    assert d.also_failed_ranks == []
+
+
+@pytest.mark.parametrize("form", ["bracketed", "formatter", "logging"])  # not a retry, not a Python warning
+@pytest.mark.parametrize("style", STYLES)
+def test_a_warning_alone_is_still_the_answer_with_low_confidence(tmp_path: Path, style: str, form: str) -> None:
+    d = diagnose([write_log(tmp_path, style, False, world([(7, WARNINGS[form])], 8))])
+    assert d.found and d.initiating_rank == 7
+    assert d.confidence < 0.5

@@ -93,6 +93,7 @@ class _Line:
     ev: Evidence
     ts: float | None
     hint: bool = False  # a warning or a retried error (set before the exception handlers)
+    warning: bool = False  # a record logged at warning level
 
 
 def _clip(text: str) -> str:
@@ -372,6 +373,7 @@ class Extractor(FactLines, ExceptionLines, LauncherLines):
             and self._blame_note(ln.rest, ln.rank, ln.ev)
         ):
             return self._pending_force()  # the other rank's error, quoted: not this rank's own
+        ln.warning = any(w.search(ln.rest) for w in self.rules.warning_levels)
         ln.hint = any(h.search(ln.rest) for h in self.rules.hints)
         return None
 
@@ -384,6 +386,11 @@ class Extractor(FactLines, ExceptionLines, LauncherLines):
 
     def _on_embedded_exception(self, ln: _Line) -> int | None:
         em = None if ln.hint else _EMBEDDED_EXC_RE.search(ln.rest)
+        if em and ln.warning:  # an exception the process handled and logged: a hint, not a failure
+            msg = em.group("msg")
+            chain = [(em.group("type"), msg)]
+            self._emit_exception(em.group("type"), msg, chain, [], [], ln.ev, ln.rank, ln.via, ln.ts, ln.key, hint=True)
+            return self._pending_force() or 1
         if em:
             self._exception(ln.key, em.group("type"), em.group("msg"), ln.rank, ln.via, ln.ev, ln.ts, embedded=True)
             return self._pending_force() or 1

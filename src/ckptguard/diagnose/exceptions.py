@@ -257,8 +257,9 @@ class ExceptionLines:
         ts: float | None,
         key: tuple[int | None, int | None],
         tb_lines: list[tuple[str, Evidence]] | None = None,
+        hint: bool = False,
     ) -> None:
-        ident = (key, self._src, etype, msg[:200])
+        ident = (key, self._src, etype, msg[:200], hint)
         for old_ident, old in self._recent:
             if old_ident == ident and ev.line - old.evidence[-1].line < 400:
                 if len(old.evidence) < 4:
@@ -286,7 +287,7 @@ class ExceptionLines:
                 extra = _op_lines(op, tb_lines or [])
         matches = sorted((Match(c, w) for c, w in best.items()), key=lambda x: -x.weight)
         event = self._emit(
-            EventKind.EXCEPTION,
+            EventKind.HINT if hint else EventKind.EXCEPTION,
             matches,
             [ev, *extra],
             rank,
