@@ -111,7 +111,9 @@ def attribute(ex: Extractor, kb: KnowledgeBase) -> Diagnosis:
     if not diag.found:
         diag.notes.append("No failure signature, traceback or abnormal exit was found in the input.")
         return diag
-    if not att.events:
+    if not att.events and not any(h.exc_type for h in att.hints):
+        # an exception that a warning names was raised, even if handled: with nothing else in the
+        # log it is the answer, at a hint's confidence
         return _warnings_only(diag, att, kb, names)
     choose(att, kb)
     if att.init is None and att.hints and not any(v.collateral for v in att.views.values()):

@@ -93,6 +93,7 @@ class _Line:
     ev: Evidence
     ts: float | None
     hint: bool = False  # a warning or a retried error (set before the exception handlers)
+    warning: bool = False  # a record logged at warning level
 
 
 def _clip(text: str) -> str:
@@ -137,8 +138,10 @@ class Extractor(FactLines, ExceptionLines, LauncherLines):
         self._year = 2000
         self._tb: dict[tuple[int | None, int | None], _Traceback] = {}
         self._chain_next: dict[tuple[int | None, int | None], list[tuple[str, str]]] = {}
-        # streams whose next traceback Python reports as ignored (raised in __del__, a callback)
-        self._ignored_next: set[tuple[int | None, int | None]] = set()
+        # streams whose next line starts the exception that Python reports as ignored (raised
+        # in __del__, a callback), with the line of that report
+        self._ignored_next: dict[tuple[int | None, int | None], int] = {}
+        self._ignored_tail: dict[tuple[int | None, int | None], int] = {}  # its exception's line
         self._last_ts: dict[tuple[int | None, int | None], float] = {}
         self._recent: deque[tuple[tuple[object, ...], Event]] = deque(maxlen=64)
         self._block: Block | None = None
@@ -160,6 +163,7 @@ class Extractor(FactLines, ExceptionLines, LauncherLines):
             self._on_block,
             self._on_nccl,
             self._on_ignored_marker,
+            self._on_after_ignored_marker,
             self._on_traceback_start,
             self._on_frame,
             self._on_source_line,
@@ -182,6 +186,7 @@ class Extractor(FactLines, ExceptionLines, LauncherLines):
         self._tb.clear()
         self._chain_next.clear()
         self._ignored_next.clear()
+        self._ignored_tail.clear()
         self._last_ts.clear()
         self._block = None
         self._block_left = 0
@@ -266,8 +271,25 @@ class Extractor(FactLines, ExceptionLines, LauncherLines):
         # follows and the process went on, so it is not the failure (a dataloader's __del__ at
         # shutdown, an atexit callback after the real error).
         if ln.stripped.startswith(_IGNORED_MARKER):
-            self._ignored_next.add(ln.key)
+            self._ignored_next[ln.key] = ln.ev.line
             return TRACEBACK_FORCE
+        return None
+
+    def _on_after_ignored_marker(self, ln: _Line) -> int | None:
+        # Python prints the ignored exception right after its report: a traceback, or its
+        # exception line alone. Only that one is ignored; any other line of the stream ends the
+        # report, and a traceback after it is one that the process did not survive.
+        if ln.key in self._ignored_tail and ln.stripped and not any(m in ln.rest for m in _CHAIN_MARKERS):
+            del self._ignored_tail[ln.key]  # the ignored exception's chain ends before this line
+        at = self._ignored_next.get(ln.key)
+        if at is None or not ln.stripped:  # a blank line (a prefix alone) stands between chained parts
+            return None
+        if ln.stripped.startswith("Traceback (most recent call") and ln.ev.line - at <= TRACEBACK_FORCE:
+            return None  # `_on_traceback_start` marks it ignored
+        del self._ignored_next[ln.key]
+        if ln.ev.line - at <= TRACEBACK_FORCE and ln.key not in self._tb and _EXC_RE.match(ln.rest):
+            self._ignored_tail[ln.key] = ln.ev.line
+            return self._pending_force()  # the ignored exception itself, without a traceback
         return None
 
     def _on_traceback_start(self, ln: _Line) -> int | None:
@@ -277,8 +299,7 @@ class Extractor(FactLines, ExceptionLines, LauncherLines):
             if old is not None and old.chain:
                 self._close_traceback(ln.key, old, None)
             tb = self._tb[ln.key] = _Traceback(ln.ev, chain=chain, last=ln.ev)
-            if ln.key in self._ignored_next:
-                self._ignored_next.discard(ln.key)
+            if self._ignored_next.pop(ln.key, None) is not None:
                 tb.ignored = True
             return TRACEBACK_FORCE
         return TRACEBACK_FORCE if ln.stripped.startswith("Original Traceback (most recent call") else None
@@ -310,6 +331,10 @@ class Extractor(FactLines, ExceptionLines, LauncherLines):
         tb = self._tb.pop(ln.key, None)
         if tb is not None:
             self._chain_next[ln.key] = tb.chain
+        tail = self._ignored_tail.pop(ln.key, None)
+        if (tb is not None and tb.ignored) or (tail is not None and ln.ev.line - tail <= TRACEBACK_FORCE):
+            # the chain of an ignored exception: its next traceback is ignored as well
+            self._ignored_next[ln.key] = ln.ev.line
         return TRACEBACK_FORCE
 
     def _on_launcher(self, ln: _Line) -> int | None:
@@ -348,6 +373,7 @@ class Extractor(FactLines, ExceptionLines, LauncherLines):
             and self._blame_note(ln.rest, ln.rank, ln.ev)
         ):
             return self._pending_force()  # the other rank's error, quoted: not this rank's own
+        ln.warning = any(w.search(ln.rest) for w in self.rules.warning_levels)
         ln.hint = any(h.search(ln.rest) for h in self.rules.hints)
         return None
 
@@ -360,6 +386,11 @@ class Extractor(FactLines, ExceptionLines, LauncherLines):
 
     def _on_embedded_exception(self, ln: _Line) -> int | None:
         em = None if ln.hint else _EMBEDDED_EXC_RE.search(ln.rest)
+        if em and ln.warning:  # an exception the process handled and logged: a hint, not a failure
+            msg = em.group("msg")
+            chain = [(em.group("type"), msg)]
+            self._emit_exception(em.group("type"), msg, chain, [], [], ln.ev, ln.rank, ln.via, ln.ts, ln.key, hint=True)
+            return self._pending_force() or 1
         if em:
             self._exception(ln.key, em.group("type"), em.group("msg"), ln.rank, ln.via, ln.ev, ln.ts, embedded=True)
             return self._pending_force() or 1

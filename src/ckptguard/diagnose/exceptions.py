@@ -87,6 +87,7 @@ class ExceptionLines:
     _lineno: int
     _tb: dict[tuple[int | None, int | None], _Traceback]
     _chain_next: dict[tuple[int | None, int | None], list[tuple[str, str]]]
+    _ignored_tail: dict[tuple[int | None, int | None], int]
     _pending: _Pending | None
     _owner: dict[tuple[int | None, int | None], tuple[int, int]]
     _announced: tuple[Operation, int, int, Evidence] | None
@@ -158,6 +159,8 @@ class ExceptionLines:
     ) -> None:
         self._tb.pop(key, None)
         if tb.ignored:
+            if ev is not None:  # a chained exception may follow, ignored with it
+                self._ignored_tail[key] = ev.line
             return  # caught and reported by the interpreter: the process did not fail of it
         if ev is None:
             rank, via = key[0], RankSource.PREFIX if key[0] is not None else RankSource.NONE
@@ -254,8 +257,9 @@ class ExceptionLines:
         ts: float | None,
         key: tuple[int | None, int | None],
         tb_lines: list[tuple[str, Evidence]] | None = None,
+        hint: bool = False,
     ) -> None:
-        ident = (key, self._src, etype, msg[:200])
+        ident = (key, self._src, etype, msg[:200], hint)
         for old_ident, old in self._recent:
             if old_ident == ident and ev.line - old.evidence[-1].line < 400:
                 if len(old.evidence) < 4:
@@ -283,7 +287,7 @@ class ExceptionLines:
                 extra = _op_lines(op, tb_lines or [])
         matches = sorted((Match(c, w) for c, w in best.items()), key=lambda x: -x.weight)
         event = self._emit(
-            EventKind.EXCEPTION,
+            EventKind.HINT if hint else EventKind.EXCEPTION,
             matches,
             [ev, *extra],
             rank,

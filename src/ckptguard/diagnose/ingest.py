@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO, Protocol
 
-from ckptguard.diagnose.normalize import looks_utf16
+from ckptguard.diagnose.normalize import looks_utf16, utf16_codec
 from ckptguard.diagnose.shapes import Shapes
 
 MAX_LINE = 64 * 1024
@@ -347,13 +347,14 @@ def _chunks(stream: BinaryIO) -> Iterator[tuple[int, bytes]]:
     """Blocks of the stream as UTF-8-compatible bytes, with the raw size of each.
 
     A log saved as UTF-16 (PowerShell's ``>`` redirect, some Windows editors) is recognised by
-    its byte-order mark and transcoded block by block; anything else passes through untouched
-    (undecodable bytes are replaced later, per line)."""
+    its byte-order mark or byte pattern (`normalize.utf16_codec`) and transcoded block by block;
+    anything else passes through untouched (undecodable bytes are replaced later, per line)."""
     first = stream.read(CHUNK)
     if not first:
         return
-    if _looks_utf16(first):
-        dec = codecs.getincrementaldecoder("utf-16")(errors="replace")
+    codec = utf16_codec(first)
+    if codec is not None:
+        dec = codecs.getincrementaldecoder(codec)(errors="replace")
         data = first
         while data:
             yield len(data), dec.decode(data).encode("utf-8", "replace")

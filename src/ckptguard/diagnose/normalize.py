@@ -96,24 +96,42 @@ _HOST_LABEL_RE = re.compile(r"^([a-z][\w\-]*\d[\w.\-]*): ", re.M)
 _TERMINAL_WIDTHS = frozenset({80, 100, 120, 128, 132, 140, 150, 160, 180, 200, 220, 240})
 
 
+# The bytes of printable ASCII text (with tab, newline, carriage return): the low bytes of a
+# mostly-ASCII UTF-16 log.
+_ASCII_TEXT = bytes([9, 10, 13, *range(32, 127)])
+
+
+def utf16_codec(head: bytes) -> str | None:
+    """The codec of a UTF-16 log from its first bytes, or None.
+
+    With a byte-order mark (PowerShell's redirect): ``utf-16``, where the high bytes of
+    mostly-ASCII text (NULs) follow it (a latin-1 log can start with the same two bytes).
+    Without one (some Windows tools write none): ``utf-16-le`` / ``utf-16-be`` where nearly every
+    byte of one parity is NUL and nearly every byte of the other printable ASCII, a pattern that
+    neither UTF-8 text nor a binary file (whose other bytes are not text) has."""
+    if head[:2] in (codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE):
+        high = head[3:4003:2] if head[:2] == codecs.BOM_UTF16_LE else head[2:4002:2]
+        return "utf-16" if high and high.count(0) >= len(high) * 0.3 else None
+    sample = head[:4000]
+    if len(sample) < 8:
+        return None
+    even, odd = sample[0::2], sample[1::2]
+    for nul, text, codec in ((odd, even, "utf-16-le"), (even, odd, "utf-16-be")):
+        if nul.count(0) >= len(nul) * 0.8 and len(text.translate(None, _ASCII_TEXT)) <= len(text) * 0.2:
+            return codec
+    return None
+
+
 def looks_utf16(head: bytes) -> bool:
-    """A UTF-16 byte-order mark, and the high bytes of mostly-ASCII text (NULs) after it: a
-    latin-1 log can start with the same two bytes."""
-    if head[:2] == codecs.BOM_UTF16_LE:
-        high = head[3:4003:2]
-    elif head[:2] == codecs.BOM_UTF16_BE:
-        high = head[2:4002:2]
-    else:
-        return False
-    return bool(high) and high.count(0) >= len(high) * 0.3
+    """Whether the first bytes are those of a UTF-16 log (see `utf16_codec`)."""
+    return utf16_codec(head) is not None
 
 
 def decode(data: bytes) -> str:
-    """Bytes as text: UTF-16 with a byte-order mark (PowerShell's redirect), else UTF-8 where it
-    is, each undecodable byte replaced (then dropped)."""
-    if looks_utf16(data):
-        return data.decode("utf-16", "replace")
-    return data.decode("utf-8", "replace")
+    """Bytes as text: UTF-16 (with a byte-order mark or recognised without one), else UTF-8
+    where it is, each undecodable byte replaced (then dropped)."""
+    codec = utf16_codec(data)
+    return data.decode(codec or "utf-8", "replace")
 
 
 def strip_control(text: str) -> str:

@@ -184,6 +184,7 @@ class Rules:
     alone_means: dict[str, str]
     single_reporter: frozenset[str]
     hints: tuple[re.Pattern[str], ...]
+    warning_levels: tuple[re.Pattern[str], ...] = ()
     operations: tuple[Operation, ...] = ()
     traceback_owners: tuple[re.Pattern[str], ...] = ()
     silent_exit: SilentExit | None = None
@@ -346,6 +347,7 @@ def parse_rules(data: dict[str, object], kb: Container[str]) -> Rules:
             },
             single_reporter=frozenset(_need(kb, c, "single_reporter") for c in co["single_reporter"]),
             hints=tuple(_re(p, "hints") for p in d["hints"]["patterns"]),
+            warning_levels=tuple(_re(p, "hints.warning_levels") for p in d["hints"].get("warning_levels", [])),
             operations=operations,
             silent_exit=silent,
             traceback_owners=tuple(_re(p, "traceback_owner") for p in d.get("traceback_owner", {}).get("patterns", [])),
