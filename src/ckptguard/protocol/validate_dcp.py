@@ -26,7 +26,56 @@ from ckptguard.protocol.validate_items import expect, invalid, products
 def dcp_entries(entries: dict[str, DcpEntry], part: tuple[int, int]) -> None:
     """Each entry of ``part`` (k, n: the k-th of every n) is a whole record of its type: a tensor with a
     known dtype, requires_grad, a size of at most MAX_NDIM integers >= 0 that a tensor can address, and a
-    chunk list of whole chunks of integers >= 0; an object with none of those."""
+    chunk list of whole chunks of integers >= 0; an object with none of those.
+
+    Checked on all entries at once (list comprehensions and C-level passes: each name of a checkpoint of
+    many small tensors costs here); entries that fail are walked one by one (``_walk_dcp_entries``),
+    which names the first bad one."""
+    first, every = part
+    mine = list(entries.values()) if every == 1 else list(islice(entries.values(), first, None, every))
+    if not _dcp_entries_hold(mine):
+        _walk_dcp_entries(entries, part)
+
+
+def _dcp_entries_hold(mine: list[DcpEntry]) -> bool:
+    """True only where every entry of ``mine`` passes ``_walk_dcp_entries`` (False: walk them)."""
+    tensors = [e for e in mine if e.type == "tensor"]
+    if len(tensors) < len(mine) and not all(
+        e.type == "bytes" and e.dtype is None and e.size is None and e.chunks is None
+        for e in mine
+        if e.type != "tensor"
+    ):
+        return False
+    if not tensors:
+        return True
+    sizes = [e.size for e in tensors]
+    flats = [e.chunks for e in tensors]
+    if (
+        None in sizes
+        or None in flats
+        or not {e.dtype for e in tensors} <= _DTYPE_NAMES
+        or None in [e.requires_grad for e in tensors]
+    ):
+        return False
+    sized: list[list[int]] = sizes  # type: ignore[assignment]  # (None refused above)
+    chunked: list[list[int]] = flats  # type: ignore[assignment]
+    ndims = list(map(len, sized))
+    if max(ndims) > MAX_NDIM:
+        return False
+    if min(chain.from_iterable(sized), default=0) < 0 or min(chain.from_iterable(chunked), default=0) < 0:
+        return False
+    if not all(map(addressable, sized)):
+        return False
+    lengths = np.fromiter(map(len, chunked), np.int64, len(chunked))
+    return bool(np.all(lengths % np.maximum(2 * np.array(ndims, dtype=np.int64), 1) == 0))
+
+
+#: The dtype names a tensor entry may have.
+_DTYPE_NAMES = frozenset(ITEMSIZES)
+
+
+def _walk_dcp_entries(entries: dict[str, DcpEntry], part: tuple[int, int]) -> None:
+    """``dcp_entries`` entry by entry: raises naming the first bad entry."""
     first, every = part
     mine = entries.items() if every == 1 else islice(entries.items(), first, None, every)
     for nm, e in mine:
