@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from itertools import chain, islice
+from itertools import chain, islice, repeat
 from typing import Any
 
 import numpy as np
@@ -191,14 +191,49 @@ def check_chunks_agree(
     index = {nm: i for i, nm in enumerate(table.names)}
     rows = np.flatnonzero(table.shape_ndim >= 0)
     names = table.name[rows]
-    count = np.bincount(names, minlength=len(table.names)).tolist()
+    count = np.bincount(names, minlength=len(table.names))
     volume = np.zeros(len(table.names), dtype=np.int64)
     np.add.at(volume, names, np.clip(products(table, rows), 0, None))  # each < 2**62; -1 (huge) as 0
-    volumes = volume.tolist()
-    sharded: list[tuple[str, DcpEntry, int]] = []
     first, every = part
-    mine = entries.items() if every == 1 else islice(entries.items(), first, None, every)
-    for nm, e in mine:  # messages formatted only on failure: this runs once per tensor
+    mine = list(entries.items()) if every == 1 else list(islice(entries.items(), first, None, every))
+    sharded = _whole_chunks_agree(mine, index, count, volume, whole)
+    if sharded is None:  # some entry fails: found and named entry by entry
+        sharded = _walk_whole_chunks(mine, index, count.tolist(), volume.tolist(), whole)
+    if sharded:
+        _check_sharded_chunks(sharded, table, rows, whole)
+
+
+def _whole_chunks_agree(
+    mine: list[tuple[str, DcpEntry]], index: dict[str, int], count: np.ndarray, volume: np.ndarray, whole: bool
+) -> list[tuple[str, DcpEntry, int]] | None:
+    """``_walk_whole_chunks`` on all entries at once (list comprehensions and numpy): the entries of
+    several chunks, or None where some entry fails (then walk them to name it)."""
+    tensors = [(nm, e) for nm, e in mine if e.type == "tensor" and e.size and e.chunks is not None]
+    if not tensors:
+        return []
+    sizes: list[list[int]] = [e.size for _, e in tensors]  # type: ignore[misc]  # (non-empty: above)
+    if min(chain.from_iterable(sizes)) < 0 or not all(map(addressable, sizes)):
+        return None
+    single = np.fromiter(map(whole_chunk, sizes, [e.chunks for _, e in tensors]), bool, len(tensors))
+    k = np.fromiter(map(index.get, [nm for nm, _ in tensors], repeat(-1)), np.int64, len(tensors))
+    n = np.where(k >= 0, count[k], 0)
+    if bool(np.any(single & ((n > 1) | ((n == 0) & whole)))):
+        return None
+    stored = np.flatnonzero(single & (n > 0))
+    # Each size's product is below 2**62 (addressable, or 0 with a zero dimension): int64 holds it.
+    prods = np.fromiter(map(math.prod, [sizes[i] for i in stored.tolist()]), np.int64, len(stored))
+    if not np.array_equal(volume[k[stored]], prods):
+        return None
+    return [(tensors[i][0], tensors[i][1], int(k[i])) for i in np.flatnonzero(~single).tolist()]
+
+
+def _walk_whole_chunks(
+    mine: list[tuple[str, DcpEntry]], index: dict[str, int], count: list[int], volumes: list[int], whole: bool
+) -> list[tuple[str, DcpEntry, int]]:
+    """``check_chunks_agree`` for the entries of one whole chunk, entry by entry (raising naming the
+    first that fails); the entries of several chunks, for ``_check_sharded_chunks``."""
+    sharded: list[tuple[str, DcpEntry, int]] = []
+    for nm, e in mine:  # messages formatted only on failure
         size, flat = e.size, e.chunks
         if e.type != "tensor" or size is None or flat is None or not size:
             continue  # malformed entries are refused by metadata_from_json; 0-dim tensors have one chunk
@@ -217,8 +252,7 @@ def check_chunks_agree(
                 invalid(f"item {nm[:100]!r} is not the whole tensor {size[:8]} its DCP entry lists")
         else:
             sharded.append((nm, e, k))
-    if sharded:
-        _check_sharded_chunks(sharded, table, rows, whole)
+    return sharded
 
 
 def _check_sharded_chunks(
