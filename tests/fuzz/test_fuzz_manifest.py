@@ -103,3 +103,56 @@ def test_hostile_manifests_long(case: tuple[str, Any]) -> None:
         check_edits(value)
     else:
         check_chunks(*value)
+
+
+# -- planner paths: the parse accepts exactly the paths that form one tree -----------------------------
+
+_PATH_PARTS = st.sampled_from(["a", "b", "model", 0, 1, 2, 7, -1])
+planner_datas = st.dictionaries(
+    st.sampled_from(["p", "q", "r", "s", "t", "u"]), st.lists(_PATH_PARTS, max_size=4), min_size=1, max_size=6
+)
+
+
+def _one_tree(planner: dict[str, list[Any]]) -> bool:
+    """The rule as the format states it, written plainly: every path non-empty, starting with a key, each
+    index below the number of paths, and what follows any prefix always of one kind (key, index, value)."""
+    kinds: dict[tuple[Any, ...], str] = {}
+    for path in planner.values():
+        if not path or type(path[0]) is not str:
+            return False
+        if any(type(p) is int and not 0 <= p < len(planner) for p in path):
+            return False
+        for i in range(len(path) + 1):
+            kind = "value" if i == len(path) else type(path[i]).__name__
+            if kinds.setdefault(tuple(path[:i]), kind) != kind:
+                return False
+    return True
+
+
+@functools.cache
+def _sealed_manifest() -> Any:
+    from ckptguard.protocol.manifest import Manifest
+
+    path = manifest_path(_base(), 2)
+    return Manifest.from_json(path.read_bytes(), str(path))
+
+
+@CI
+@given(planner_datas)
+def test_planner_paths_are_accepted_exactly_when_they_form_one_tree_ci(planner: dict[str, list[Any]]) -> None:
+    import dataclasses
+
+    from ckptguard.errors import CorruptCheckpointError
+    from ckptguard.protocol.manifest import Manifest
+
+    m = _sealed_manifest()
+    dcp = json.loads(json.dumps(m.dcp))
+    dcp["planner_data"] = {**dcp["planner_data"], **planner}
+    data = dataclasses.replace(m, dcp=dcp).to_json()
+    try:
+        Manifest.from_json(data, "MANIFEST.json")
+        accepted = True
+    except CorruptCheckpointError as e:
+        assert "planner path" in str(e), e
+        accepted = False
+    assert accepted == _one_tree(dcp["planner_data"])

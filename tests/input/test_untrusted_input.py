@@ -417,6 +417,11 @@ def _reseal_dcp(root: Path, change: object) -> None:
         (lambda d: d["planner_data"].update({"w": ["w", 10**9]}), "bad planner path"),
         (lambda d: d["planner_data"].update({"w": ["w", -1]}), "bad planner path"),
         (lambda d: d["planner_data"].update({"w": []}), "bad planner path"),
+        (lambda d: d["planner_data"].update({"v": ["w", "x"]}), "nests where another path does not"),
+        (lambda d: d["planner_data"].update({"a": ["o", 0], "b": ["o", "k"]}), "nests where another path does not"),
+        (lambda d: d["planner_data"].update({"a": ["o", "k", 0], "b": ["o", "k"]}), "nests where another"),
+        (lambda d: d["state_dict"]["w"].update({"requires_grad": None}), "requires_grad is missing"),
+        (lambda d: d["state_dict"]["w"].update({"chunks": [0]}), "not whole chunks"),
         # (refused since the manifest's parse compares DCP's chunks with the items: every command refuses it)
         (lambda d: d["state_dict"]["w"].update({"size": [1 << 40]}), "do not add up to its size"),
         (lambda d: d["state_dict"]["w"].update({"size": [-4]}), "integers >= 0"),

@@ -17,6 +17,7 @@ import tempfile
 import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from operator import attrgetter, itemgetter, methodcaller
 from typing import Any
 
 import numpy as np
@@ -35,6 +36,11 @@ def no_in_place_for_aliases(jobs: list[ReadJob]) -> None:
     """Items whose destinations share memory with another item's (tied weights) are staged, not read
     in place: their old bytes could not be told apart when put back. A destination read in place
     spans its own bytes; any other, conservatively, its whole storage."""
+    n = len(jobs)
+    if n > 1 and None not in map(_DIRECT, jobs):  # every job read in place (most loads): C-level passes
+        starts = np.fromiter(map(_PTR, map(_FIRST, map(_TARGETS, jobs))), np.uint64, n)  # (unsigned)
+        if _apart(starts, starts + np.fromiter(map(len, map(_DIRECT, jobs)), np.uint64, n)):
+            return
     spans: list[tuple[int, int, ReadJob]] = []
     for job in jobs:
         if job.direct is not None:
@@ -45,12 +51,10 @@ def no_in_place_for_aliases(jobs: list[ReadJob]) -> None:
             if t.is_cpu and t.numel():
                 storage = t.untyped_storage()
                 spans.append((storage.data_ptr(), storage.data_ptr() + storage.nbytes(), job))
-    if len(spans) > 1:  # no two spans meet (almost every load): found on columns, no loop below
-        starts = np.fromiter((s[0] for s in spans), np.uint64, len(spans))  # (addresses: unsigned)
-        ends = np.fromiter((s[1] for s in spans), np.uint64, len(spans))
-        order = np.argsort(starts, kind="stable")
-        if not (starts[order][1:] < np.maximum.accumulate(ends[order])[:-1]).any():
-            return
+    if len(spans) > 1 and _apart(  # no two spans meet (almost every load): found on columns, no loop below
+        np.fromiter((s[0] for s in spans), np.uint64, len(spans)), np.fromiter((s[1] for s in spans), np.uint64)
+    ):
+        return
     spans.sort(key=lambda s: s[0])
     end = -1
     last: ReadJob | None = None
@@ -61,6 +65,14 @@ def no_in_place_for_aliases(jobs: list[ReadJob]) -> None:
             last.direct = None
         if hi > end:
             end, last = hi, job
+
+
+_TARGETS, _DIRECT, _FIRST, _PTR = attrgetter("targets"), attrgetter("direct"), itemgetter(0), methodcaller("data_ptr")
+
+
+def _apart(starts: np.ndarray, ends: np.ndarray) -> bool:
+    order = np.argsort(starts, kind="stable")
+    return not bool((starts[order][1:] < np.maximum.accumulate(ends[order])[:-1]).any())
 
 
 def _refuse_tied_conflict(a: ReadJob, b: ReadJob) -> None:

@@ -89,7 +89,7 @@ _MAX_ELEMENTS = 1 << 62
 def addressable(size: list[int]) -> bool:
     """Whether torch can make a tensor of ``size`` (an empty one's other dimensions count too: torch
     computes its strides)."""
-    return math.prod(d for d in size if d) < _MAX_ELEMENTS
+    return (math.prod(size) if 0 not in size else math.prod(d for d in size if d)) < _MAX_ELEMENTS
 
 
 def whole_chunk(size: list[int], flat: Any) -> bool:

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import repeat
-from operator import attrgetter
+from operator import and_, attrgetter, eq, is_, not_
 from typing import Any
 
 import numpy as np
@@ -79,21 +79,35 @@ def find_whole_reads(obj: Mapping[str, Any], items: Sequence[StoredItem], templa
     if not len(picked):
         return WholeReads()
     dtypes = _torch_dtypes(table.dtypes)
+    stored = table.take(row[picked]).rows()
+    chosen = [values[i] for i in picked.tolist()]
+    # Per name, C-level passes (map) rather than a Python loop: a state of many small tensors pays
+    # this once per tensor. Each comparison is the one a loop would make, on the same objects.
+    shapes = list(map(_SHAPE, stored))
+    fits = list(map(eq, map(_SHAPE, chosen), shapes))
+    fits = list(map(and_, fits, map(is_, map(dtypes.get, map(_DTYPE, stored)), map(_DTYPE, chosen))))
+    fits = list(map(and_, fits, map(not_, map(_IS_META, chosen))))
+    fqns_stored = list(map(_FQN, stored))
+    listed = list(map(_whole_entry, map(entries.get, fqns_stored), map(_DTYPE, stored), shapes))
     out = WholeReads()
-    for i, item in zip(picked.tolist(), table.take(row[picked]).rows(), strict=True):
-        value, shape = values[i], item.shape
-        if value.shape != shape or dtypes.get(item.dtype) is not value.dtype or value.is_meta:
-            continue
-        e = entries.get(item.fqn)
-        if type(e) is not dict or e.get("type") != "tensor" or e.get("dtype") != item.dtype:
-            continue
-        size = list(shape)  # (shape: the item's, one dimension or more)
-        if e.get("size") != size or e.get("chunks") != [0] * len(size) + size:
-            continue  # a chunk list other than the one whole chunk: DCP's planner decides
-        out.fqns.append(item.fqn)
-        out.targets.append(value)
-        out.items.append(item)
+    for ok, single, item, value in zip(fits, listed, stored, chosen, strict=True):
+        if ok and single:
+            out.fqns.append(item.fqn)
+            out.targets.append(value)
+            out.items.append(item)
     return out
+
+
+_SHAPE, _DTYPE, _FQN, _IS_META = attrgetter("shape"), attrgetter("dtype"), attrgetter("fqn"), attrgetter("is_meta")
+
+
+def _whole_entry(e: Any, dtype: str | None, shape: tuple[int, ...]) -> bool:
+    """Whether a DCP entry lists a tensor of ``dtype`` whose one chunk is the whole tensor of ``shape``
+    (the item's, one dimension or more): else DCP's planner decides."""
+    if type(e) is not dict or e.get("type") != "tensor" or e.get("dtype") != dtype:
+        return False
+    size = list(shape)
+    return bool(e.get("size") == size and e.get("chunks") == [0] * len(size) + size)
 
 
 def in_storage_order(jobs: list[ReadJob], reads: WholeReads) -> list[ReadJob]:

@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
-from itertools import pairwise
+from itertools import pairwise, repeat
+from operator import itemgetter
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -31,7 +32,7 @@ from ckptguard.protocol.layout import is_plain_relpath
 from ckptguard.protocol.records import ATTEMPT_PATTERN
 from ckptguard.protocol.schema import DcpBody, ManifestBody
 from ckptguard.protocol.validate_dcp import check_chunks_agree, check_dcp_agrees, dcp_entries
-from ckptguard.protocol.validate_items import expect, item_checksums, items, tiling
+from ckptguard.protocol.validate_items import expect, invalid, item_checksums, items, tiling
 
 if TYPE_CHECKING:
     from ckptguard.protocol.manifest import Manifest
@@ -114,22 +115,80 @@ def check_whole_reads(m: Manifest, declared: Mapping[str, int], path: str) -> No
 def _planner_paths(planner: dict[str, list[str | int]]) -> None:
     """Lists and dicts are rebuilt from planner_data (values.unflatten): each path non-empty, no deeper
     than a stored value may nest, starting with a key, each index below the number of entries, and the
-    paths one tree (what follows a prefix is always an index, always a key, or the value itself)."""
+    paths one tree (what follows a prefix is always an index, always a key, or the value itself).
+
+    Paths are grouped by their signature (the type of each part): every check above holds within a
+    group by its signature alone, so a checkpoint of many tensors pays a few C-level passes per group,
+    not a Python loop per path part; a manifest that fails, or has too many groups to compare, is walked
+    path by path (``_walk_planner_paths``), which names the first bad path."""
+    if not _planner_paths_hold(planner):
+        _walk_planner_paths(planner)
+
+
+#: Beyond this many path signatures, the groups are not compared pairwise: the paths are walked.
+_MAX_SIGNATURES = 32
+
+
+def _planner_paths_hold(planner: dict[str, list[str | int]]) -> bool:
+    """True only where every path passes ``_walk_planner_paths`` (False: walk them to find out)."""
+    entries = len(planner)
+    paths = list(planner.values())
+    signatures = list(map(tuple, map(map, repeat(type), paths)))
+    distinct = list(dict.fromkeys(signatures))
+    if len(distinct) > _MAX_SIGNATURES:
+        return False
+    groups: dict[tuple[type, ...], list[list[str | int]]]
+    if len(distinct) == 1:
+        groups = {distinct[0]: paths}
+    else:
+        groups = {sig: [] for sig in distinct}
+        for sig, path in zip(signatures, paths, strict=True):
+            groups[sig].append(path)
+    for sig, group in groups.items():
+        if not (0 < len(sig) <= MAX_VALUE_DEPTH and sig[0] is str and set(sig) <= _PATH_PART_TYPES):
+            return False
+        for j, kind in enumerate(sig):  # (bool is not int here: type() is compared exactly)
+            if kind is int:
+                column = list(map(itemgetter(j), group))
+                if min(column) < 0 or max(column) >= entries:
+                    return False
+    # Two paths of one signature agree on what follows any prefix they share; two of different
+    # signatures can disagree only at the first part where their signatures differ (the value's end
+    # counted as a part): there, no prefix of one may be a prefix of the other.
+    sigs = list(groups)
+    for a, sig_a in enumerate(sigs):
+        for sig_b in sigs[a + 1 :]:
+            j = next(
+                (i for i, (x, y) in enumerate(zip(sig_a, sig_b, strict=False)) if x is not y),
+                min(len(sig_a), len(sig_b)),
+            )
+            cut = itemgetter(slice(0, j))
+            if not set(map(tuple, map(cut, groups[sig_a]))).isdisjoint(map(tuple, map(cut, groups[sig_b]))):
+                return False
+    return True
+
+
+_PATH_PART_TYPES = frozenset({str, int})
+
+
+def _walk_planner_paths(planner: dict[str, list[str | int]]) -> None:
+    """``_planner_paths`` path by path: raises naming the first bad path (messages made on failure only)."""
     entries = len(planner)
     kinds: dict[tuple[str | int, ...], str] = {}
     for k, path in planner.items():
-        expect(
+        if not (
             0 < len(path) <= MAX_VALUE_DEPTH
             and type(path[0]) is str
-            and all(type(p) is str or (type(p) is int and 0 <= p < entries) for p in path),
-            f"planner_data[{k[:100]!r}]: bad planner path {str(path)[:100]}",
-        )
+            and all(type(p) is str or (type(p) is int and 0 <= p < entries) for p in path)
+        ):
+            invalid(f"planner_data[{k[:100]!r}]: bad planner path {str(path)[:100]}")
         for i, p in enumerate([*path, None]):
             kind = "value" if p is None else type(p).__name__
-            expect(
-                kinds.setdefault(tuple(path[:i]), kind) == kind,
-                f"planner_data[{k[:100]!r}]: bad planner path {str(path)[:100]}: it nests where another path does not",
-            )
+            if kinds.setdefault(tuple(path[:i]), kind) != kind:
+                invalid(
+                    f"planner_data[{k[:100]!r}]: bad planner path {str(path)[:100]}: "
+                    "it nests where another path does not"
+                )
 
 
 def _domain(m: Manifest) -> None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from itertools import chain, islice
+from itertools import chain, islice, repeat
 from typing import Any
 
 import numpy as np
@@ -26,7 +26,56 @@ from ckptguard.protocol.validate_items import expect, invalid, products
 def dcp_entries(entries: dict[str, DcpEntry], part: tuple[int, int]) -> None:
     """Each entry of ``part`` (k, n: the k-th of every n) is a whole record of its type: a tensor with a
     known dtype, requires_grad, a size of at most MAX_NDIM integers >= 0 that a tensor can address, and a
-    chunk list of whole chunks of integers >= 0; an object with none of those."""
+    chunk list of whole chunks of integers >= 0; an object with none of those.
+
+    Checked on all entries at once (list comprehensions and C-level passes: each name of a checkpoint of
+    many small tensors costs here); entries that fail are walked one by one (``_walk_dcp_entries``),
+    which names the first bad one."""
+    first, every = part
+    mine = list(entries.values()) if every == 1 else list(islice(entries.values(), first, None, every))
+    if not _dcp_entries_hold(mine):
+        _walk_dcp_entries(entries, part)
+
+
+def _dcp_entries_hold(mine: list[DcpEntry]) -> bool:
+    """True only where every entry of ``mine`` passes ``_walk_dcp_entries`` (False: walk them)."""
+    tensors = [e for e in mine if e.type == "tensor"]
+    if len(tensors) < len(mine) and not all(
+        e.type == "bytes" and e.dtype is None and e.size is None and e.chunks is None
+        for e in mine
+        if e.type != "tensor"
+    ):
+        return False
+    if not tensors:
+        return True
+    sizes = [e.size for e in tensors]
+    flats = [e.chunks for e in tensors]
+    if (
+        None in sizes
+        or None in flats
+        or not {e.dtype for e in tensors} <= _DTYPE_NAMES
+        or None in [e.requires_grad for e in tensors]
+    ):
+        return False
+    sized: list[list[int]] = sizes  # type: ignore[assignment]  # (None refused above)
+    chunked: list[list[int]] = flats  # type: ignore[assignment]
+    ndims = list(map(len, sized))
+    if max(ndims) > MAX_NDIM:
+        return False
+    if min(chain.from_iterable(sized), default=0) < 0 or min(chain.from_iterable(chunked), default=0) < 0:
+        return False
+    if not all(map(addressable, sized)):
+        return False
+    lengths = np.fromiter(map(len, chunked), np.int64, len(chunked))
+    return bool(np.all(lengths % np.maximum(2 * np.array(ndims, dtype=np.int64), 1) == 0))
+
+
+#: The dtype names a tensor entry may have.
+_DTYPE_NAMES = frozenset(ITEMSIZES)
+
+
+def _walk_dcp_entries(entries: dict[str, DcpEntry], part: tuple[int, int]) -> None:
+    """``dcp_entries`` entry by entry: raises naming the first bad entry."""
     first, every = part
     mine = entries.items() if every == 1 else islice(entries.items(), first, None, every)
     for nm, e in mine:
@@ -142,14 +191,49 @@ def check_chunks_agree(
     index = {nm: i for i, nm in enumerate(table.names)}
     rows = np.flatnonzero(table.shape_ndim >= 0)
     names = table.name[rows]
-    count = np.bincount(names, minlength=len(table.names)).tolist()
+    count = np.bincount(names, minlength=len(table.names))
     volume = np.zeros(len(table.names), dtype=np.int64)
     np.add.at(volume, names, np.clip(products(table, rows), 0, None))  # each < 2**62; -1 (huge) as 0
-    volumes = volume.tolist()
-    sharded: list[tuple[str, DcpEntry, int]] = []
     first, every = part
-    mine = entries.items() if every == 1 else islice(entries.items(), first, None, every)
-    for nm, e in mine:  # messages formatted only on failure: this runs once per tensor
+    mine = list(entries.items()) if every == 1 else list(islice(entries.items(), first, None, every))
+    sharded = _whole_chunks_agree(mine, index, count, volume, whole)
+    if sharded is None:  # some entry fails: found and named entry by entry
+        sharded = _walk_whole_chunks(mine, index, count.tolist(), volume.tolist(), whole)
+    if sharded:
+        _check_sharded_chunks(sharded, table, rows, whole)
+
+
+def _whole_chunks_agree(
+    mine: list[tuple[str, DcpEntry]], index: dict[str, int], count: np.ndarray, volume: np.ndarray, whole: bool
+) -> list[tuple[str, DcpEntry, int]] | None:
+    """``_walk_whole_chunks`` on all entries at once (list comprehensions and numpy): the entries of
+    several chunks, or None where some entry fails (then walk them to name it)."""
+    tensors = [(nm, e) for nm, e in mine if e.type == "tensor" and e.size and e.chunks is not None]
+    if not tensors:
+        return []
+    sizes: list[list[int]] = [e.size for _, e in tensors]  # type: ignore[misc]  # (non-empty: above)
+    if min(chain.from_iterable(sizes)) < 0 or not all(map(addressable, sizes)):
+        return None
+    single = np.fromiter(map(whole_chunk, sizes, [e.chunks for _, e in tensors]), bool, len(tensors))
+    k = np.fromiter(map(index.get, [nm for nm, _ in tensors], repeat(-1)), np.int64, len(tensors))
+    n = np.where(k >= 0, count[k], 0)
+    if bool(np.any(single & ((n > 1) | ((n == 0) & whole)))):
+        return None
+    stored = np.flatnonzero(single & (n > 0))
+    # Each size's product is below 2**62 (addressable, or 0 with a zero dimension): int64 holds it.
+    prods = np.fromiter(map(math.prod, [sizes[i] for i in stored.tolist()]), np.int64, len(stored))
+    if not np.array_equal(volume[k[stored]], prods):
+        return None
+    return [(tensors[i][0], tensors[i][1], int(k[i])) for i in np.flatnonzero(~single).tolist()]
+
+
+def _walk_whole_chunks(
+    mine: list[tuple[str, DcpEntry]], index: dict[str, int], count: list[int], volumes: list[int], whole: bool
+) -> list[tuple[str, DcpEntry, int]]:
+    """``check_chunks_agree`` for the entries of one whole chunk, entry by entry (raising naming the
+    first that fails); the entries of several chunks, for ``_check_sharded_chunks``."""
+    sharded: list[tuple[str, DcpEntry, int]] = []
+    for nm, e in mine:  # messages formatted only on failure
         size, flat = e.size, e.chunks
         if e.type != "tensor" or size is None or flat is None or not size:
             continue  # malformed entries are refused by metadata_from_json; 0-dim tensors have one chunk
@@ -168,8 +252,7 @@ def check_chunks_agree(
                 invalid(f"item {nm[:100]!r} is not the whole tensor {size[:8]} its DCP entry lists")
         else:
             sharded.append((nm, e, k))
-    if sharded:
-        _check_sharded_chunks(sharded, table, rows, whole)
+    return sharded
 
 
 def _check_sharded_chunks(
