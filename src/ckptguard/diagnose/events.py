@@ -373,7 +373,7 @@ class Extractor(FactLines, ExceptionLines, LauncherLines):
             and self._blame_note(ln.rest, ln.rank, ln.ev)
         ):
             return self._pending_force()  # the other rank's error, quoted: not this rank's own
-        ln.warning = any(w.search(ln.rest) for w in self.rules.warning_levels)
+        ln.warning = "WARN" in ln.rest and any(w.search(ln.rest) for w in self.rules.warning_levels)
         ln.hint = any(h.search(ln.rest) for h in self.rules.hints)
         return None
 
