@@ -138,3 +138,26 @@ def test_stdout_log_with_binary_bytes_is_read(tmp_path: Path) -> None:
     d = diagnose([str(tmp_path / "stdout.log")])
     assert (d.failure_class, d.initiating_rank) == ("cuda_oom", 2)
     assert not any("binary" in n for n in d.notes)
+
+
+_SRUN_LOG = """0: step 100 loss 2.31
+1: step 100 loss 2.30
+1: WARNING:root:Error decoding sample 118: OSError: image file is truncated, skipping
+0: Traceback (most recent call last):
+0:   File "/workspace/train.py", line 301, in save_checkpoint
+0:     os.rename(tmp_dir, final_dir)
+0: FileNotFoundError: [Errno 2] No such file or directory: '/ckpt/run7/step12000-tmp' -> '/ckpt/run7/step12000'
+"""
+
+
+@pytest.mark.parametrize("joined", [False, True])
+def test_a_number_and_colon_inside_a_message_is_not_an_srun_task_id(tmp_path: Path, joined: bool) -> None:
+    """``srun --label`` task ids split a paste's joined records only where the log's own lines
+    start with that id: "sample 118: OSError" inside rank 1's message is not task 118's record
+    (it made a world of 119 ranks and blamed rank 118). A record really joined onto another
+    line ("... skipping 0: Traceback") is still split."""
+    text = _SRUN_LOG.replace("skipping\n0: Traceback", "skipping 0: Traceback") if joined else _SRUN_LOG
+    log = tmp_path / "srun.log"
+    log.write_text(text)
+    d = diagnose([str(log)])
+    assert (d.failure_class, d.initiating_rank, d.world_size) == ("checkpoint_write_race", 0, 2)

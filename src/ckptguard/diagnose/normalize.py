@@ -89,9 +89,9 @@ _CUT_RE = re.compile(_CUT, re.I)
 _CUT_BEFORE_RE = re.compile(r"(?<=\S)[ \t]*(?=" + _CUT + ")", re.I)
 _CUT_AFTER_RE = re.compile(r"(" + _CUT + r")[ \t]*(?=\S)", re.I)
 _SRUN_LABEL_RE = re.compile(r"^ {0,4}\d{1,6}: ", re.M)
-_SRUN_SPLIT_RE = re.compile(
-    r"(?<=\S)[ \t]+(?=\d{1,6}: (?:Traceback|File \"|\[|[IWEF]\d{4} |(?:[A-Za-z_]\w*\.)*[A-Z]\w*(?:Error|Exception)\b))"
-)
+# What follows a task id where a joined record starts: a traceback, a frame, a prefix, a glog
+# record, an exception line.
+_SRUN_SPLIT_TAIL = r": (?:Traceback|File \"|\[|[IWEF]\d{4} |(?:[A-Za-z_]\w*\.)*[A-Z]\w*(?:Error|Exception)\b)"
 _HOST_LABEL_RE = re.compile(r"^([a-z][\w\-]*\d[\w.\-]*): ", re.M)
 _TERMINAL_WIDTHS = frozenset({80, 100, 120, 128, 132, 140, 150, 160, 180, 200, 220, 240})
 
@@ -306,8 +306,13 @@ def split_cuts(text: str) -> str:
 def split_labels(text: str) -> str:
     """``srun --label`` task ids (``3: ``) and pdsh/DeepSpeed host labels (``worker-1: ``) run
     together: split in front of one only where the log shows that label format elsewhere."""
-    if len(_SRUN_LABEL_RE.findall(text, 0, 1 << 20)) >= 2:
-        text = _SRUN_SPLIT_RE.sub("\n", text)
+    starts = _SRUN_LABEL_RE.findall(text, 0, 1 << 20)
+    labels = {m.strip().rstrip(":") for m in starts}
+    if len(starts) >= 2 and len(labels) <= 4096:
+        # only the task ids the log's own lines start with: "sample 118: OSError" inside a
+        # message is not task 118's record
+        alt = "|".join(sorted(labels, key=len, reverse=True))
+        text = re.sub(r"(?<=\S)[ \t]+(?=(?:" + alt + r")" + _SRUN_SPLIT_TAIL + ")", "\n", text)
     hosts = {h for h in _HOST_LABEL_RE.findall(text, 0, 1 << 20)}
     if hosts and len(hosts) <= 64:
         alt = "|".join(re.escape(h) for h in sorted(hosts, key=len, reverse=True))
