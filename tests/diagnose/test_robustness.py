@@ -229,7 +229,7 @@ def _fed(path: Path, engine: str) -> list[tuple[int, bytes]]:
     src = Source(path.name, path)
     hits = None
     if engine != "python":
-        hits = next(opener for name, opener, _ in ENGINES if name == engine)(src, pf)
+        hits = ENGINES[engine].open(src, pf)
         assert hits is not None, f"{engine} is installed on every machine this runs on"
     out: list[tuple[int, bytes]] = []
 

@@ -45,7 +45,7 @@ def _fed(path: Path, shapes_type: type[Shapes], engine: str = "python") -> list[
     pf = _prefilter()
     hits = None
     if engine != "python":
-        hits = next(opener for name, opener, _ in ENGINES if name == engine)(Source(path.name, path), pf)
+        hits = ENGINES[engine].open(Source(path.name, path), pf)
         assert hits is not None, engine
     out: list[tuple[int, bytes]] = []
 
@@ -308,3 +308,20 @@ def test_a_long_progress_line_is_read_as_the_terminal_shows_it(tmp_path: Path) -
     assert last_bar and last_bar[-1].endswith(b"Traceback (most recent call last):")
     d = diagnose([str(path)])
     assert (d.failure_class, d.initiating_rank) == ("cuda_oom", 2)
+
+
+def test_grep_is_not_used_where_the_scan_reads_other_bytes_than_the_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """grep reads the file itself: its offsets are those of the file's bytes, not of a pasted
+    log's normalised text nor of stdin, so without Hyperscan such a stream gets the Python
+    prefilter."""
+    from ckptguard.diagnose.hits import GrepHits, open_hits
+
+    path = tmp_path / "job.log"
+    path.write_text("[rank0]: RuntimeError: boom\n")
+    monkeypatch.setitem(sys.modules, "hyperscan", None)
+    plain = open_hits(Source(path.name, path), _prefilter(), transformed=False)
+    assert isinstance(plain, GrepHits)
+    plain.close()
+    assert open_hits(Source(path.name, path), _prefilter(), transformed=True) is None

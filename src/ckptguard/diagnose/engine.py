@@ -70,7 +70,7 @@ def diagnose(
             # a capture of `ckptguard run` was printed, not pasted: its line numbers must stay
             # those its arrival times were recorded for
             text, pasted = (stream, False) if arrival is not None else read_normalized(stream)
-            _engine, hits = open_hits(src, prefilter, transformed=pasted or src.path is None)
+            hits = open_hits(src, prefilter, transformed=pasted or src.path is None)
             try:
                 b, n = scan(text, prefilter, ex.feed, hits, shapes)
             finally:

@@ -23,6 +23,7 @@ import shutil
 import subprocess
 import weakref
 from collections.abc import Callable
+from dataclasses import dataclass
 from itertools import pairwise
 from typing import Any
 
@@ -110,11 +111,9 @@ class HyperscanHits:
         del source  # scans the blocks it is given, whatever their source
         if not prefilter.exact:
             return None
-        if prefilter in _DATABASES:
-            db = _DATABASES[prefilter]
-            return None if db is None else cls(db)
-        db = _compile(prefilter)
-        _DATABASES[prefilter] = db
+        if prefilter not in _DATABASES:
+            _DATABASES[prefilter] = _compile(prefilter)
+        db = _DATABASES[prefilter]
         return None if db is None else cls(db)
 
     def starts(self, block: bytes, base: int) -> list[int]:
@@ -210,19 +209,29 @@ class GrepHits:
         self._proc.wait()
 
 
-# What each engine needs: (name, opener, works on a transformed stream). An opener returns None
-# where it cannot apply to that source; grep reads the file itself, so it cannot see a pasted
-# log's normalised text or a transcoded one.
 Opener = Callable[[Source, Prefilter], AnchorHits | None]
-ENGINES: tuple[tuple[str, Opener, bool], ...] = (
-    ("hyperscan", HyperscanHits.open, True),
-    ("grep", GrepHits.open, False),
-)
 
 
-def open_hits(source: Source, prefilter: Prefilter, *, transformed: bool) -> tuple[str, AnchorHits | None]:
-    """The first engine that applies to ``source`` and its name (``"python"`` and None where none
-    does: the scan then uses the Python prefilter).
+@dataclass(frozen=True)
+class Engine:
+    """One way to find the anchors. ``open`` returns None where it cannot apply to a source;
+    ``any_stream``: whether it scans the blocks it is given (grep reads the file itself, so it
+    cannot see a pasted log's normalised text or a transcoded one)."""
+
+    open: Opener
+    any_stream: bool
+
+
+#: The engines, in the order they are tried.
+ENGINES: dict[str, Engine] = {
+    "hyperscan": Engine(HyperscanHits.open, any_stream=True),
+    "grep": Engine(GrepHits.open, any_stream=False),
+}
+
+
+def open_hits(source: Source, prefilter: Prefilter, *, transformed: bool) -> AnchorHits | None:
+    """The first engine of `ENGINES` that applies to ``source``; None where none does (the scan
+    then uses the Python prefilter).
 
     Args:
         source: the log being read.
@@ -231,12 +240,12 @@ def open_hits(source: Source, prefilter: Prefilter, *, transformed: bool) -> tup
             log's normalised text, stdin).
 
     Returns:
-        The engine's name and the engine, or ``("python", None)``.
+        The engine, opened on ``source``, or None.
     """
-    for name, opener, any_stream in ENGINES:
-        if transformed and not any_stream:
+    for engine in ENGINES.values():
+        if transformed and not engine.any_stream:
             continue
-        hits = opener(source, prefilter)
+        hits = engine.open(source, prefilter)
         if hits is not None:
-            return name, hits
-    return "python", None
+            return hits
+    return None

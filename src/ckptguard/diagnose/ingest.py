@@ -319,15 +319,8 @@ def shown(line: bytes) -> bytes:
     first piece (the launcher's prefix) and its last (the final update, and whatever was printed
     after it, such as a traceback's first line) are read. A line of ``OVERWRITE_MIN`` bytes or
     fewer is read whole: the cost of reading a line grows with its length, and pieces overwritten
-    on the terminal hold only the bar's earlier states."""
-    if len(line) <= OVERWRITE_MIN:
-        return line
-    body = line.rstrip(b"\r")  # CRLF line ends are not redraws
-    first = body.find(b"\r")
-    if first < 0:
-        return line
-    last = body.rfind(b"\r")
-    return line if last == first else line[:first] + line[last:]
+    on the terminal hold only the bar's earlier states. (Given a line cut at ``MAX_LINE``.)"""
+    return line if len(line) <= OVERWRITE_MIN else _shown_at(line, 0, len(line))
 
 
 def _shown_at(block: bytes, start: int, end: int) -> bytes:

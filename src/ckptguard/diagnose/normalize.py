@@ -88,7 +88,7 @@ _CUT = r"\[\s*(?:\.\.\.|…|\.{2,}\s*(?:snip(?:ped)?|cut|truncated)\s*\.{2,}|(?:
 _CUT_RE = re.compile(_CUT, re.I)
 _CUT_BEFORE_RE = re.compile(r"(?<=\S)[ \t]*(?=" + _CUT + ")", re.I)
 _CUT_AFTER_RE = re.compile(r"(" + _CUT + r")[ \t]*(?=\S)", re.I)
-_SRUN_LABEL_RE = re.compile(r"^ {0,4}\d{1,6}: ", re.M)
+_SRUN_LABEL_RE = re.compile(r"^ {0,4}(\d{1,6}): ", re.M)
 # What follows a task id where a joined record starts: a traceback, a frame, a prefix, a glog
 # record, an exception line.
 _SRUN_SPLIT_TAIL = r": (?:Traceback|File \"|\[|[IWEF]\d{4} |(?:[A-Za-z_]\w*\.)*[A-Z]\w*(?:Error|Exception)\b)"
@@ -307,7 +307,7 @@ def split_labels(text: str) -> str:
     """``srun --label`` task ids (``3: ``) and pdsh/DeepSpeed host labels (``worker-1: ``) run
     together: split in front of one only where the log shows that label format elsewhere."""
     starts = _SRUN_LABEL_RE.findall(text, 0, 1 << 20)
-    labels = {m.strip().rstrip(":") for m in starts}
+    labels = set(starts)
     if len(starts) >= 2 and len(labels) <= 4096:
         # only the task ids the log's own lines start with: "sample 118: OSError" inside a
         # message is not task 118's record
