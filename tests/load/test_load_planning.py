@@ -10,7 +10,6 @@ from typing import Any
 import pytest
 import torch
 
-import ckptguard.protocol.load as load_module
 from ckptguard import Checkpointer, CorruptCheckpointError, TemplateMismatchError
 
 
@@ -70,18 +69,11 @@ def test_every_kind_of_template_tensor_loads_bitwise_and_nothing_beside_it_chang
 
 
 def test_whole_tensors_are_planned_without_dcp_metadata_and_the_rest_with_it(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, metadata_requests: list[set[str]]
 ) -> None:
     with Checkpointer(tmp_path / "ck") as ck:
         ck.save(1, saved_state())
-    asked: list[set[str]] = []
-    build = load_module.manifest_metadata
-
-    def spy(session: Any, name: Any, manifest: Any, wanted: Any = None) -> Any:
-        asked.append(set(wanted))
-        return build(session, name, manifest, wanted)
-
-    monkeypatch.setattr(load_module, "manifest_metadata", spy)
+    asked = metadata_requests
     into, _ = template()
     with Checkpointer(tmp_path / "ck", read_only=True) as ck:
         ck.load(into, step=1)

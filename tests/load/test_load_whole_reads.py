@@ -15,7 +15,6 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-import ckptguard.protocol.load as load_module
 from ckptguard import Checkpointer, CorruptCheckpointError, TemplateMismatchError
 
 
@@ -44,18 +43,11 @@ def _save_sharded(rank: int, root: str, port: int) -> None:
 
 
 def test_a_tensor_sharded_at_another_world_size_is_planned_by_dcp_and_checked_whole(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, metadata_requests: list[set[str]]
 ) -> None:
     root = tmp_path / "ckpt"
     mp.spawn(_save_sharded, args=(str(root), _free_port()), nprocs=2, join=True)
-    asked: list[set[str]] = []
-    build = load_module.manifest_metadata
-
-    def spy(session: Any, name: Any, manifest: Any, wanted: Any = None) -> Any:
-        asked.append(set(wanted))
-        return build(session, name, manifest, wanted)
-
-    monkeypatch.setattr(load_module, "manifest_metadata", spy)
+    asked = metadata_requests
     out = {"w": torch.zeros(4, 8), "b": torch.zeros(6)}
     with Checkpointer(root, read_only=True) as ck:  # one rank: another world size
         assert ck.load(out, step=1) == 1
