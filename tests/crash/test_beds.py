@@ -55,8 +55,12 @@ def _primary_failures(job: jobs.JobResult, world: int = 4) -> list[tuple[int, in
 
 # ---------------------------------------------------------------- the job launcher
 
+# Both ways a test starts a job: under torchrun's agents, and the workers alone in torchrun's environment.
+LAUNCHERS = pytest.mark.parametrize("agent", [True, False], ids=["torchrun", "direct"])
 
-def test_two_nodes_get_fixed_ranks_and_their_env() -> None:
+
+@LAUNCHERS
+def test_two_nodes_get_fixed_ranks_and_their_env(agent: bool) -> None:
     job = run_job(
         PROBE,
         ["ranks"],
@@ -65,6 +69,7 @@ def test_two_nodes_get_fixed_ranks_and_their_env() -> None:
         env={"BED_PROBE_ENV": "shared"},
         node_env=[{"BED_PROBE_NODE": "n0"}, {"BED_PROBE_NODE": "n1"}],
         timeout=90,
+        agent=agent,
     )
     assert job.ok, job.output()
     probes = _probes(job)
@@ -77,20 +82,37 @@ def test_two_nodes_get_fixed_ranks_and_their_env() -> None:
     assert "[default0]:PROBE rank=0" in job.agents[0].output
 
 
-def test_failing_rank_gives_nonzero_and_its_traceback() -> None:
-    job = run_job(PROBE, ["raise", "1"], nnodes=2, nproc_per_node=2, timeout=90)
+@LAUNCHERS
+def test_failing_rank_gives_nonzero_and_its_traceback(agent: bool) -> None:
+    job = run_job(PROBE, ["raise", "1"], nnodes=2, nproc_per_node=2, timeout=90, agent=agent)
     assert not job.ok
     assert all(a.returncode != 0 for a in job.agents), job.output()
     own = job.rank_output(1)
     assert "Traceback" in own and "RuntimeError: injected failure on rank 1" in own, own
     assert "injected failure on rank 1" in job.output()
-    assert "ChildFailedError" in job.agents[0].output
+    if agent:
+        assert "ChildFailedError" in job.agents[0].output
 
 
-def test_timeout_kills_agents_and_workers() -> None:
+@LAUNCHERS
+def test_a_failed_worker_ends_its_node(agent: bool) -> None:
+    """Like torchrun's agent, the launcher ends a failed worker's siblings (SIGTERM) at once: the job
+    does not wait for the straggler grace or its timeout."""
+    t0 = time.monotonic()
+    job = run_job(
+        PROBE, ["raise_or_hang", "1"], nnodes=1, nproc_per_node=2, timeout=90, straggler_grace=60, agent=agent
+    )
+    assert time.monotonic() - t0 < 45, job.output()
+    assert [a.returncode for a in job.agents] == [1], job.output()
+    assert "RuntimeError: injected failure on rank 1" in job.rank_output(1)
+    assert "PROBE rank=0" in job.rank_output(0) and "Traceback" not in job.rank_output(0)
+
+
+@LAUNCHERS
+def test_timeout_kills_agents_and_workers(agent: bool) -> None:
     t0 = time.monotonic()
     with pytest.raises(JobTimeout) as info:
-        run_job(PROBE, ["hang"], nnodes=2, nproc_per_node=2, timeout=15)
+        run_job(PROBE, ["hang"], nnodes=2, nproc_per_node=2, timeout=15, agent=agent)
     assert time.monotonic() - t0 < 30
     result = info.value.result
     pids = [int(p[3]) for p in _probes(result).values()]
@@ -100,14 +122,15 @@ def test_timeout_kills_agents_and_workers() -> None:
     assert all(a.returncode == -9 for a in result.agents)
 
 
-def test_port_taken_after_free_port_is_retried(monkeypatch: pytest.MonkeyPatch) -> None:
+@LAUNCHERS
+def test_port_taken_after_free_port_is_retried(monkeypatch: pytest.MonkeyPatch, agent: bool) -> None:
     with socket.socket() as held:
         held.bind(("127.0.0.1", 0))
         held.listen()
         ports = [held.getsockname()[1]]
         real = jobs.free_port
         monkeypatch.setattr(jobs, "free_port", lambda: ports.pop() if ports else real())
-        job = run_job(PROBE, ["ranks"], nnodes=2, nproc_per_node=2, timeout=90)
+        job = run_job(PROBE, ["ranks"], nnodes=2, nproc_per_node=2, timeout=90, agent=agent)
     assert job.ok, job.output()
     assert job.attempts == 2
 
@@ -150,6 +173,7 @@ def test_olmo_pattern_without_mitigations_fails_on_shared_local_dir(tmp_path: Pa
         nnodes=2,
         nproc_per_node=2,
         timeout=120,
+        agent=True,  # the incident as users launch it
     )
     assert not job.ok, job.output()
     failures = _primary_failures(job)

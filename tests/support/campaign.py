@@ -37,7 +37,6 @@ import hashlib
 import json
 import os
 import random
-import re
 import shutil
 import tempfile
 import threading
@@ -89,8 +88,6 @@ LIFECYCLE_KINDS = KINDS[8:]
 #: occurs in a long run. A 2 x 2 job costs about twice a 1 x 2 one (6 processes import torch, not 3).
 KILL_LAYOUTS = ("single", "shared", "single", "local")
 KEEP_LAST = 3
-
-_SIGKILLED = re.compile(r"exitcode\s*:\s*-9|Signal 9 \(SIGKILL\)")
 
 
 def tree_digest(root: str) -> str:
@@ -821,7 +818,7 @@ def classify_kill(
     if survived or job.ok:
         trial.fail(f"fault {spec}: the fault never fired (the job survived)")
         return
-    if not _SIGKILLED.search(job.output()):
+    if not job.sigkilled():
         trial.fail(f"fault {spec}: the job failed, but not by SIGKILL: {tail(job)}")
         return
     trial.injected = True

@@ -23,12 +23,22 @@ How it works:
   after every job, all processes carrying the marker are killed (their groups too).
 * The repository root is prepended to the workers' ``PYTHONPATH``, so a worker script can
   ``from tests.support.results import emit_result`` wherever it lives.
+* ``agent=False`` (the default) starts the workers without torchrun's agent, with the environment
+  torchrun gives them (``RANK``, ``LOCAL_RANK``, ``GROUP_RANK``, ``TORCHELASTIC_*``, ...; rank 0
+  hosts the store instead of the agent) and the agent's failure policy: once a worker of a node
+  exits non-zero, that node's other workers get SIGTERM, then SIGKILL after
+  :data:`SHUTDOWN_GRACE`, and the node "exits" 1. Each worker's stdout and stderr go to per-rank
+  files that are read back the same way, and the node's console output is rebuilt from them with
+  the same ``[default<rank>]:`` prefix. An agent costs every job one more ``import torch`` and
+  its rendezvous (seconds on two cores); the tests of torchrun itself and of what its agent
+  prints pass ``agent=True``.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -45,6 +55,9 @@ JOB_MARKER = "CKPTGUARD_BED_JOB"
 
 #: The repository root (``tests/support/jobs.py`` -> ``.``): workers import ``tests.support`` from it.
 REPO = Path(__file__).resolve().parents[2]
+
+#: How long the workers of a node get after SIGTERM once a sibling failed (torchrun's shutdown timeout).
+SHUTDOWN_GRACE = 30.0
 
 #: Console prefix of worker lines: global rank, like c10d's own ``[rankN]:``.
 DEFAULT_PREFIX_TEMPLATE = "[default${rank}]:"
@@ -66,6 +79,9 @@ _INHERITED_DIST_VARS = (
     "TORCHELASTIC_USE_AGENT_STORE",
 )
 
+# How torchrun's agent reports a worker that died by SIGKILL (its ChildFailedError table).
+_AGENT_SAW_SIGKILL = re.compile(r"exitcode\s*:\s*-9|Signal 9 \(SIGKILL\)")
+
 _ADDR_IN_USE = ("EADDRINUSE", "Address already in use", "address already in use")
 
 
@@ -79,6 +95,8 @@ class AgentResult:
     """Combined stdout+stderr of the agent, including the tee'd, prefixed worker lines."""
     worker_logs: dict[int, str] = field(default_factory=dict)
     """Global rank -> that worker's stdout followed by its stderr, from torchrun's log files."""
+    exit_codes: dict[int, int] = field(default_factory=dict)
+    """Global rank -> its exit status (negative: the signal), where the launcher saw it (no agent)."""
 
 
 @dataclass
@@ -98,6 +116,12 @@ class JobResult:
         """All agents' console output, one block per node, for assertion messages."""
         return "\n".join(
             f"===== node {a.node_rank} (torchrun rc={a.returncode}) =====\n{a.output}" for a in self.agents
+        )
+
+    def sigkilled(self) -> bool:
+        """Did a worker die by SIGKILL? From the exit statuses, or from the agent's failure report."""
+        return any(code == -signal.SIGKILL for a in self.agents for code in a.exit_codes.values()) or bool(
+            _AGENT_SAW_SIGKILL.search(self.output())
         )
 
     def rank_output(self, rank: int) -> str:
@@ -317,6 +341,141 @@ def _run_once(
         return result
 
 
+def _worker_env(
+    base: dict[str, str], node: int, local_rank: int, nnodes: int, nproc_per_node: int, port: int
+) -> dict[str, str]:
+    """What torchrun's agent puts in a worker's environment (rank 0 hosts the store instead of it)."""
+    rank = node * nproc_per_node + local_rank
+    world = nnodes * nproc_per_node
+    return {
+        **base,
+        "RANK": str(rank),
+        "LOCAL_RANK": str(local_rank),
+        "GROUP_RANK": str(node),
+        "ROLE_RANK": str(rank),
+        "ROLE_NAME": "default",
+        "LOCAL_WORLD_SIZE": str(nproc_per_node),
+        "WORLD_SIZE": str(world),
+        "GROUP_WORLD_SIZE": str(nnodes),
+        "ROLE_WORLD_SIZE": str(world),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+        "TORCHELASTIC_RESTART_COUNT": "0",
+        "TORCHELASTIC_MAX_RESTARTS": "0",
+        "TORCHELASTIC_RUN_ID": "none",
+        "TORCHELASTIC_USE_AGENT_STORE": "False",
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING": base.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
+    }
+
+
+def _signal_group(pid: int, sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pid, sig)
+
+
+def _console(log_dir: Path, node: int, nproc_per_node: int, codes: dict[int, int | None]) -> str:
+    """A node's console as torchrun's tee would show it: each worker's lines under ``[default<rank>]:``,
+    then one line per worker that did not exit 0."""
+    lines = []
+    for rank, text in sorted(_read_worker_logs(log_dir, node, nproc_per_node).items()):
+        lines.extend(f"[default{rank}]:{line}" for line in text.splitlines())
+    for rank, code in sorted(codes.items()):
+        if code != 0:
+            lines.append(f"worker rank {rank} exited with code {code}")
+    return "\n".join(lines) + "\n"
+
+
+def _run_direct(
+    script: Path,
+    args: Sequence[str],
+    nnodes: int,
+    nproc_per_node: int,
+    env: Mapping[str, str] | None,
+    node_env: Sequence[Mapping[str, str]] | None,
+    timeout: float,
+    cwd: Path | None,
+    port: int,
+    straggler_grace: float,
+) -> JobResult:
+    """The job without agents: the workers themselves, under torchrun's environment and failure policy."""
+    marker = uuid.uuid4().hex
+    workers: dict[int, tuple[int, subprocess.Popen[bytes]]] = {}  # rank -> (node, process)
+    with tempfile.TemporaryDirectory(prefix="ckptguard-job-") as tmp:
+        tmpdir = Path(tmp)
+        timed_out = False
+        node_killed: set[int] = set()
+        try:
+            for node in range(nnodes):
+                base = _build_env(env, node_env[node] if node_env is not None else None, marker)
+                for local in range(nproc_per_node):
+                    rank_dir = tmpdir / f"node{node}" / "direct" / "attempt_0" / str(local)
+                    rank_dir.mkdir(parents=True)
+                    with open(rank_dir / "stdout.log", "wb") as out, open(rank_dir / "stderr.log", "wb") as err:
+                        proc = subprocess.Popen(
+                            [sys.executable, "-u", str(script), *map(str, args)],
+                            stdin=subprocess.DEVNULL,
+                            stdout=out,
+                            stderr=err,
+                            env=_worker_env(base, node, local, nnodes, nproc_per_node, port),
+                            cwd=cwd,
+                            start_new_session=True,
+                        )
+                    workers[node * nproc_per_node + local] = (node, proc)
+            deadline = time.monotonic() + timeout
+            stop_at = deadline
+            terminated: dict[int, float] = {}  # node -> when its workers got SIGTERM
+            while True:
+                now = time.monotonic()
+                codes = {rank: p.poll() for rank, (_, p) in workers.items()}
+                if all(c is not None for c in codes.values()):
+                    break
+                if now >= stop_at:
+                    timed_out = now >= deadline
+                    node_killed = {node for rank, (node, _) in workers.items() if codes[rank] is None}
+                    break
+                for rank, (node, _proc) in workers.items():
+                    if codes[rank] not in (None, 0) and node not in terminated:
+                        terminated[node] = now
+                        # The others wait for a store that never came up: end them at once.
+                        err = (
+                            tmpdir / f"node{node}" / "direct" / "attempt_0" / str(rank % nproc_per_node) / "stderr.log"
+                        )
+                        stop_at = min(
+                            stop_at, now if _port_clash(err.read_text(errors="replace")) else now + straggler_grace
+                        )
+                        for other_node, other in workers.values():
+                            if other_node == node and other.poll() is None:
+                                _signal_group(other.pid, signal.SIGTERM)
+                for node, since in terminated.items():
+                    if now - since > SHUTDOWN_GRACE:
+                        for other_node, other in workers.values():
+                            if other_node == node and other.poll() is None:
+                                _signal_group(other.pid, signal.SIGKILL)
+                time.sleep(0.05)
+        finally:
+            kill_job(marker, [p for _, p in workers.values()])
+        agents = []
+        for node in range(nnodes):
+            codes = {rank: p.returncode for rank, (n, p) in workers.items() if n == node}
+            if node in node_killed:
+                returncode = -signal.SIGKILL
+            else:
+                returncode = 0 if codes and all(c == 0 for c in codes.values()) else 1
+            agents.append(
+                AgentResult(
+                    node_rank=node,
+                    returncode=returncode,
+                    output=_console(tmpdir / f"node{node}", node, nproc_per_node, codes),
+                    worker_logs=_read_worker_logs(tmpdir / f"node{node}", node, nproc_per_node),
+                    exit_codes={rank: code for rank, code in codes.items() if code is not None},
+                )
+            )
+        result = JobResult(agents)
+        if timed_out:
+            raise JobTimeout(timeout, result)
+        return result
+
+
 def run_job(
     script: str | Path,
     args: Sequence[str] = (),
@@ -329,8 +488,12 @@ def run_job(
     cwd: Path | None = None,
     port_retries: int = 2,
     straggler_grace: float = 60,
+    agent: bool = False,
 ) -> JobResult:
     """Run ``script`` as a torchrun job of ``nnodes`` agents x ``nproc_per_node`` workers.
+
+    With ``agent=False`` (the default) the workers start without torchrun's agents, in the
+    environment and under the failure policy torchrun gives them (the module docstring).
 
     ``env`` goes to every node, ``node_env[i]`` only to node ``i`` (e.g. a private
     checkpoint root per node). Returns when all agents exited; raises :class:`JobTimeout`
@@ -342,8 +505,9 @@ def run_job(
     if node_env is not None and len(node_env) != nnodes:
         raise ValueError(f"node_env has {len(node_env)} entries for {nnodes} nodes")
     script = Path(script).resolve()
+    launch = _run_once if agent else _run_direct
     for attempt in range(port_retries + 1):
-        result = _run_once(
+        result = launch(
             script,
             args,
             nnodes,

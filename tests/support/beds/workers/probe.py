@@ -1,7 +1,8 @@
 """Worker used by tests/crash/test_beds.py to check the launcher itself.
 
 Modes: ``ranks`` prints one ``PROBE rank=.. local_rank=.. node=.. world=..`` line per rank;
-``raise RANK`` makes that global rank raise after the process group is up; ``hang``
+``raise RANK`` makes that global rank raise after the process group is up (``raise_or_hang RANK``:
+and every other rank blocks forever, so only the launcher can end them); ``hang``
 blocks forever (for the timeout test); ``lines N`` prints N numbered lines per rank
 (to check that no output is lost).
 """
@@ -27,9 +28,9 @@ def main() -> None:
         f"env={os.environ.get('BED_PROBE_ENV', '')} node_env={os.environ.get('BED_PROBE_NODE', '')}",
         flush=True,
     )
-    if mode == "raise" and rank == int(sys.argv[2]):
+    if mode in ("raise", "raise_or_hang") and rank == int(sys.argv[2]):
         raise RuntimeError(f"injected failure on rank {rank}")
-    if mode == "hang":
+    if mode in ("hang", "raise_or_hang"):
         while True:
             time.sleep(1)
     if mode == "lines":
