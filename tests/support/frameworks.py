@@ -13,32 +13,24 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, NoReturn
 
+from .jobs import run_workers
+
 REPO = Path(__file__).resolve().parents[2]
 
 
 def torchrun(
     worker: Path, *args: str, env: Mapping[str, str] | None = None, nproc: int = 2, timeout: float = 300
 ) -> subprocess.CompletedProcess[str]:
-    """Run ``worker`` on ``nproc`` local ranks (gloo on loopback); the library and ``tests.support``
-    importable from this checkout."""
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node",
-        str(nproc),
-        str(worker),
-        *args,
-    ]
+    """Run ``worker`` on ``nproc`` local ranks (gloo on loopback) as ``torchrun --standalone`` would, without
+    its agent (:func:`tests.support.jobs.run_workers`); the library and ``tests.support`` importable from this
+    checkout."""
     full_env = {
-        **os.environ,
         "OMP_NUM_THREADS": "1",
         "GLOO_SOCKET_IFNAME": "lo",
         "PYTHONPATH": os.pathsep.join([str(REPO / "src"), str(REPO), os.environ.get("PYTHONPATH", "")]),
         **(env or {}),
     }
-    return subprocess.run(cmd, capture_output=True, text=True, env=full_env, timeout=timeout)
+    return run_workers([str(worker), *args], nproc=nproc, env=full_env, timeout=timeout)
 
 
 def records(prefix: Path, rank: int) -> list[dict[str, Any]]:

@@ -46,7 +46,7 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -385,6 +385,82 @@ def _console(log_dir: Path, node: int, nproc_per_node: int, codes: dict[int, int
     return "\n".join(lines) + "\n"
 
 
+def _supervise(
+    workers: Mapping[int, tuple[int, subprocess.Popen[bytes]]],
+    timeout: float,
+    straggler_grace: float,
+    port_clash: Callable[[int], bool],
+) -> tuple[bool, set[int]]:
+    """Wait for the workers (rank -> (node, process)) under torchrun's failure policy; returns whether
+    the job timed out and the nodes whose workers were still running when it was stopped.
+
+    Once a worker of a node exits non-zero, the node's other workers get SIGTERM, then SIGKILL after
+    :data:`SHUTDOWN_GRACE`; the other nodes get ``straggler_grace`` seconds (none when the failed
+    worker could not bind the store's port: the others would wait for a store that never comes up)."""
+    deadline = time.monotonic() + timeout
+    stop_at = deadline
+    terminated: dict[int, float] = {}  # node -> when its workers got SIGTERM
+    while True:
+        now = time.monotonic()
+        codes = {rank: p.poll() for rank, (_, p) in workers.items()}
+        if all(c is not None for c in codes.values()):
+            return False, set()
+        if now >= stop_at:
+            return now >= deadline, {node for rank, (node, _) in workers.items() if codes[rank] is None}
+        for rank, (node, _proc) in workers.items():
+            if codes[rank] not in (None, 0) and node not in terminated:
+                terminated[node] = now
+                stop_at = min(stop_at, now if port_clash(rank) else now + straggler_grace)
+                for other_node, other in workers.values():
+                    if other_node == node and other.poll() is None:
+                        _signal_group(other.pid, signal.SIGTERM)
+        for node, since in terminated.items():
+            if now - since > SHUTDOWN_GRACE:
+                for other_node, other in workers.values():
+                    if other_node == node and other.poll() is None:
+                        _signal_group(other.pid, signal.SIGKILL)
+        time.sleep(0.05)
+
+
+def run_workers(
+    argv: Sequence[str], *, nproc: int = 2, env: Mapping[str, str] | None = None, timeout: float = 300
+) -> subprocess.CompletedProcess[str]:
+    """``torchrun --standalone --nproc-per-node=nproc <argv>`` without the agent: ``nproc`` workers of
+    ``python -u <argv>`` in torchrun's environment and under its failure policy, their output in one
+    stdout and one stderr as torchrun without ``--tee`` leaves it (the workers inherit its streams).
+
+    Returns the workers' stdout and stderr and 0 when every worker exited 0, else 1 (torchrun's
+    status). Raises ``subprocess.TimeoutExpired`` (after killing every worker) past ``timeout``."""
+    marker = uuid.uuid4().hex
+    workers: dict[int, tuple[int, subprocess.Popen[bytes]]] = {}
+    port = free_port()
+    base = _build_env(env, None, marker)
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        try:
+            for rank in range(nproc):
+                workers[rank] = (
+                    0,
+                    subprocess.Popen(
+                        [sys.executable, "-u", *map(str, argv)],
+                        stdin=subprocess.DEVNULL,
+                        stdout=out,
+                        stderr=err,
+                        env=_worker_env(base, 0, rank, 1, nproc, port),
+                        start_new_session=True,
+                    ),
+                )
+            timed_out, _ = _supervise(workers, timeout, timeout, lambda rank: False)
+        finally:
+            kill_job(marker, [p for _, p in workers.values()])
+        out.seek(0)
+        err.seek(0)
+        stdout, stderr = out.read().decode(errors="replace"), err.read().decode(errors="replace")
+    if timed_out:
+        raise subprocess.TimeoutExpired(argv, timeout, stdout, stderr)
+    code = 0 if all(p.returncode == 0 for _, p in workers.values()) else 1
+    return subprocess.CompletedProcess(list(argv), code, stdout, stderr)
+
+
 def _run_direct(
     script: Path,
     args: Sequence[str],
@@ -404,6 +480,13 @@ def _run_direct(
         tmpdir = Path(tmp)
         timed_out = False
         node_killed: set[int] = set()
+
+        def err_log(rank: int) -> str:
+            node, local = divmod(rank, nproc_per_node)
+            return (tmpdir / f"node{node}" / "direct" / "attempt_0" / str(local) / "stderr.log").read_text(
+                errors="replace"
+            )
+
         try:
             for node in range(nnodes):
                 base = _build_env(env, node_env[node] if node_env is not None else None, marker)
@@ -421,37 +504,9 @@ def _run_direct(
                             start_new_session=True,
                         )
                     workers[node * nproc_per_node + local] = (node, proc)
-            deadline = time.monotonic() + timeout
-            stop_at = deadline
-            terminated: dict[int, float] = {}  # node -> when its workers got SIGTERM
-            while True:
-                now = time.monotonic()
-                codes = {rank: p.poll() for rank, (_, p) in workers.items()}
-                if all(c is not None for c in codes.values()):
-                    break
-                if now >= stop_at:
-                    timed_out = now >= deadline
-                    node_killed = {node for rank, (node, _) in workers.items() if codes[rank] is None}
-                    break
-                for rank, (node, _proc) in workers.items():
-                    if codes[rank] not in (None, 0) and node not in terminated:
-                        terminated[node] = now
-                        # The others wait for a store that never came up: end them at once.
-                        err = (
-                            tmpdir / f"node{node}" / "direct" / "attempt_0" / str(rank % nproc_per_node) / "stderr.log"
-                        )
-                        stop_at = min(
-                            stop_at, now if _port_clash(err.read_text(errors="replace")) else now + straggler_grace
-                        )
-                        for other_node, other in workers.values():
-                            if other_node == node and other.poll() is None:
-                                _signal_group(other.pid, signal.SIGTERM)
-                for node, since in terminated.items():
-                    if now - since > SHUTDOWN_GRACE:
-                        for other_node, other in workers.values():
-                            if other_node == node and other.poll() is None:
-                                _signal_group(other.pid, signal.SIGKILL)
-                time.sleep(0.05)
+            timed_out, node_killed = _supervise(
+                workers, timeout, straggler_grace, lambda rank: _port_clash(err_log(rank))
+            )
         finally:
             kill_job(marker, [p for _, p in workers.values()])
         agents = []
