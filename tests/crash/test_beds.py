@@ -8,6 +8,7 @@ from __future__ import annotations
 import errno
 import os
 import re
+import signal
 import socket
 import time
 from pathlib import Path
@@ -96,14 +97,16 @@ def test_failing_rank_gives_nonzero_and_its_traceback(agent: bool) -> None:
 
 @LAUNCHERS
 def test_a_failed_worker_ends_its_node(agent: bool) -> None:
-    """Like torchrun's agent, the launcher ends a failed worker's siblings (SIGTERM) at once: the job
-    does not wait for the straggler grace or its timeout."""
+    """Like torchrun's agent, the launcher ends a failed worker's siblings with SIGTERM at once: the job
+    waits neither for the SIGKILL that follows a shutdown grace, nor the straggler grace, nor its timeout."""
     t0 = time.monotonic()
     job = run_job(
         PROBE, ["raise_or_hang", "1"], nnodes=1, nproc_per_node=2, timeout=90, straggler_grace=60, agent=agent
     )
-    assert time.monotonic() - t0 < 45, job.output()
+    assert time.monotonic() - t0 < jobs.SHUTDOWN_GRACE - 5, job.output()
     assert [a.returncode for a in job.agents] == [1], job.output()
+    if not agent:
+        assert job.agents[0].exit_codes == {0: -signal.SIGTERM, 1: 1}, job.output()
     assert "RuntimeError: injected failure on rank 1" in job.rank_output(1)
     assert "PROBE rank=0" in job.rank_output(0) and "Traceback" not in job.rank_output(0)
 
