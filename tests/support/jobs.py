@@ -49,6 +49,7 @@ import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import IO
 
 #: Environment variable that tags every process of one job (agents and workers).
 JOB_MARKER = "CKPTGUARD_BED_JOB"
@@ -368,16 +369,40 @@ def _worker_env(
     }
 
 
-def _signal_group(pid: int, sig: int) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(pid, sig)
+def _signal_node(workers: Mapping[int, tuple[int, subprocess.Popen[bytes]]], node: int, sig: int) -> None:
+    """Send ``sig`` to the live workers of ``node`` (each leads its own session: its group is its pid)."""
+    for worker_node, proc in workers.values():
+        if worker_node == node and proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(proc.pid, sig)
 
 
-def _console(log_dir: Path, node: int, nproc_per_node: int, codes: dict[int, int | None]) -> str:
-    """A node's console as torchrun's tee would show it: each worker's lines under ``[default<rank>]:``,
-    then one line per worker that did not exit 0."""
+def _start_worker(
+    argv: Sequence[str], env: Mapping[str, str], stdout: IO[bytes], stderr: IO[bytes], cwd: Path | None = None
+) -> subprocess.Popen[bytes]:
+    """``python -u <argv>`` in a session of its own, as torchrun starts a worker."""
+    return subprocess.Popen(
+        [sys.executable, "-u", *map(str, argv)],
+        stdin=subprocess.DEVNULL,
+        stdout=stdout,
+        stderr=stderr,
+        env=dict(env),
+        cwd=cwd,
+        start_new_session=True,
+    )
+
+
+def _rank_dir(tmpdir: Path, node: int, local_rank: int) -> Path:
+    """Where a worker's stdout.log and stderr.log go: the layout of torchrun's --log-dir, which
+    :func:`_read_worker_logs` reads."""
+    return tmpdir / f"node{node}" / "direct" / "attempt_0" / str(local_rank)
+
+
+def _console(logs: Mapping[int, str], codes: Mapping[int, int | None]) -> str:
+    """A node's console as torchrun's tee would show it, from its workers' logs (rank -> text): each
+    worker's lines under ``[default<rank>]:``, then one line per worker that did not exit 0."""
     lines = []
-    for rank, text in sorted(_read_worker_logs(log_dir, node, nproc_per_node).items()):
+    for rank, text in sorted(logs.items()):
         lines.extend(f"[default{rank}]:{line}" for line in text.splitlines())
     for rank, code in sorted(codes.items()):
         if code != 0:
@@ -411,14 +436,10 @@ def _supervise(
             if codes[rank] not in (None, 0) and node not in terminated:
                 terminated[node] = now
                 stop_at = min(stop_at, now if port_clash(rank) else now + straggler_grace)
-                for other_node, other in workers.values():
-                    if other_node == node and other.poll() is None:
-                        _signal_group(other.pid, signal.SIGTERM)
+                _signal_node(workers, node, signal.SIGTERM)
         for node, since in terminated.items():
             if now - since > SHUTDOWN_GRACE:
-                for other_node, other in workers.values():
-                    if other_node == node and other.poll() is None:
-                        _signal_group(other.pid, signal.SIGKILL)
+                _signal_node(workers, node, signal.SIGKILL)
         time.sleep(0.05)
 
 
@@ -438,17 +459,7 @@ def run_workers(
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
         try:
             for rank in range(nproc):
-                workers[rank] = (
-                    0,
-                    subprocess.Popen(
-                        [sys.executable, "-u", *map(str, argv)],
-                        stdin=subprocess.DEVNULL,
-                        stdout=out,
-                        stderr=err,
-                        env=_worker_env(base, 0, rank, 1, nproc, port),
-                        start_new_session=True,
-                    ),
-                )
+                workers[rank] = (0, _start_worker(argv, _worker_env(base, 0, rank, 1, nproc, port), out, err))
             timed_out, _ = _supervise(workers, timeout, timeout, lambda rank: False)
         finally:
             kill_job(marker, [p for _, p in workers.values()])
@@ -482,27 +493,17 @@ def _run_direct(
         node_killed: set[int] = set()
 
         def err_log(rank: int) -> str:
-            node, local = divmod(rank, nproc_per_node)
-            return (tmpdir / f"node{node}" / "direct" / "attempt_0" / str(local) / "stderr.log").read_text(
-                errors="replace"
-            )
+            return (_rank_dir(tmpdir, *divmod(rank, nproc_per_node)) / "stderr.log").read_text(errors="replace")
 
         try:
             for node in range(nnodes):
                 base = _build_env(env, node_env[node] if node_env is not None else None, marker)
                 for local in range(nproc_per_node):
-                    rank_dir = tmpdir / f"node{node}" / "direct" / "attempt_0" / str(local)
+                    rank_dir = _rank_dir(tmpdir, node, local)
                     rank_dir.mkdir(parents=True)
                     with open(rank_dir / "stdout.log", "wb") as out, open(rank_dir / "stderr.log", "wb") as err:
-                        proc = subprocess.Popen(
-                            [sys.executable, "-u", str(script), *map(str, args)],
-                            stdin=subprocess.DEVNULL,
-                            stdout=out,
-                            stderr=err,
-                            env=_worker_env(base, node, local, nnodes, nproc_per_node, port),
-                            cwd=cwd,
-                            start_new_session=True,
-                        )
+                        worker_env = _worker_env(base, node, local, nnodes, nproc_per_node, port)
+                        proc = _start_worker([str(script), *args], worker_env, out, err, cwd)
                     workers[node * nproc_per_node + local] = (node, proc)
             timed_out, node_killed = _supervise(
                 workers, timeout, straggler_grace, lambda rank: _port_clash(err_log(rank))
@@ -516,12 +517,13 @@ def _run_direct(
                 returncode = -signal.SIGKILL
             else:
                 returncode = 0 if codes and all(c == 0 for c in codes.values()) else 1
+            logs = _read_worker_logs(tmpdir / f"node{node}", node, nproc_per_node)
             agents.append(
                 AgentResult(
                     node_rank=node,
                     returncode=returncode,
-                    output=_console(tmpdir / f"node{node}", node, nproc_per_node, codes),
-                    worker_logs=_read_worker_logs(tmpdir / f"node{node}", node, nproc_per_node),
+                    output=_console(logs, codes),
+                    worker_logs=logs,
                     exit_codes={rank: code for rank, code in codes.items() if code is not None},
                 )
             )
