@@ -532,6 +532,14 @@ def render(results: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
                     f"  ckptguard {op} phases on rank 0 (median s): "
                     + ", ".join(f"{k} {v:.3f}" for k, v in phases.items())
                 )
+        # The disk's speed drifts over minutes: a ratio of the two readers' times in the same repetition
+        # (run back to back) is steadier than the ratio of their medians. Median and range over repetitions.
+        for ref in ("raw two-pass", "raw reader"):
+            paired = sorted(a / b for a, b in zip(r["load"][ref], r["load"]["ckptguard"], strict=True))
+            lines.append(
+                f"  paired per repetition: cold load vs {ref} {statistics.median(paired):.2f}x "
+                f"(range {paired[0]:.2f}-{paired[-1]:.2f}x over {len(paired)})"
+            )
         figures = {
             "sync save vs raw writer": med["raw writer"] / med["ckptguard"],
             "sync save vs dcp.save": med["dcp.save"] / med["ckptguard"],
@@ -547,6 +555,9 @@ def render(results: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
             # that copy adds to the total.
             "floor: raw two-pass vs raw reader": lmed["raw reader"] / lmed["raw two-pass"],
             "floor: async total (1 + host copy / sync save)": 1 + med["host copy"] / med["ckptguard"],
+            "paired: cold load vs raw two-pass": statistics.median(
+                a / b for a, b in zip(r["load"]["raw two-pass"], r["load"]["ckptguard"], strict=True)
+            ),
         }
         if "gather+torch.save" in med:
             figures["sync save vs gather+torch.save"] = med["gather+torch.save"] / med["ckptguard"]
