@@ -534,11 +534,14 @@ def render(results: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
                 )
         # The disk's speed drifts over minutes: a ratio of the two readers' times in the same repetition
         # (run back to back) is steadier than the ratio of their medians. Median and range over repetitions.
-        for ref in ("raw two-pass", "raw reader"):
-            paired = sorted(a / b for a, b in zip(r["load"][ref], r["load"]["ckptguard"], strict=True))
+        paired = {
+            ref: sorted(a / b for a, b in zip(r["load"][ref], r["load"]["ckptguard"], strict=True))
+            for ref in ("raw two-pass", "raw reader")
+        }
+        for ref, ratios in paired.items():
             lines.append(
-                f"  paired per repetition: cold load vs {ref} {statistics.median(paired):.2f}x "
-                f"(range {paired[0]:.2f}-{paired[-1]:.2f}x over {len(paired)})"
+                f"  paired per repetition: cold load vs {ref} {statistics.median(ratios):.2f}x "
+                f"(range {ratios[0]:.2f}-{ratios[-1]:.2f}x over {len(ratios)})"
             )
         figures = {
             "sync save vs raw writer": med["raw writer"] / med["ckptguard"],
@@ -555,9 +558,7 @@ def render(results: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
             # that copy adds to the total.
             "floor: raw two-pass vs raw reader": lmed["raw reader"] / lmed["raw two-pass"],
             "floor: async total (1 + host copy / sync save)": 1 + med["host copy"] / med["ckptguard"],
-            "paired: cold load vs raw two-pass": statistics.median(
-                a / b for a, b in zip(r["load"]["raw two-pass"], r["load"]["ckptguard"], strict=True)
-            ),
+            "paired: cold load vs raw two-pass": statistics.median(paired["raw two-pass"]),
         }
         if "gather+torch.save" in med:
             figures["sync save vs gather+torch.save"] = med["gather+torch.save"] / med["ckptguard"]
